@@ -1,0 +1,63 @@
+"""Identifiers: deterministic request ids, claim tokens, and validation of caller ids.
+
+A deterministic request id is ``sha256`` over a canonical encoding of
+``(workspace_id, job_id, branch_path, stage)``: a JSON array (strings escaped by
+JSON's rules, so no separator inside a part can make two tuples collide),
+prefixed by a version tag, encoded as UTF-8. The encoding is frozen: changing it
+would stop duplicates from collapsing across versions, so the tests pin vectors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import uuid
+from typing import NewType
+
+from onceflow.errors import InvalidRequest
+
+RequestId = NewType("RequestId", str)
+ClaimToken = NewType("ClaimToken", str)
+
+ID_MAX = 200
+BRANCH_PATH_MAX = 500
+_REQUEST_ID_TAG = "onceflow.request.v1"
+
+
+def check_id(name: str, value: object, *, max_len: int = ID_MAX, allow_empty: bool = False) -> str:
+    """Return ``value`` if it is a usable id string, else raise :class:`InvalidRequest`."""
+    if not isinstance(value, str):
+        raise InvalidRequest(f"{name} must be a string, got {type(value).__name__}")
+    if not value and not allow_empty:
+        raise InvalidRequest(f"{name} must not be empty")
+    if len(value) > max_len:
+        raise InvalidRequest(f"{name} is {len(value)} characters, over the limit of {max_len}")
+    if not value.isprintable():
+        # Control characters (NUL above all) cannot be stored in Postgres text or shown safely.
+        raise InvalidRequest(f"{name} contains control characters")
+    return value
+
+
+def request_id_for(workspace_id: str, job_id: str, branch_path: str, stage: str) -> RequestId:
+    """The deterministic request id of a deduplicated stage (stable across versions)."""
+    check_id("workspace_id", workspace_id)
+    check_id("job_id", job_id)
+    check_id("branch_path", branch_path, max_len=BRANCH_PATH_MAX, allow_empty=True)
+    check_id("stage", stage)
+    canonical = json.dumps(
+        [_REQUEST_ID_TAG, workspace_id, job_id, branch_path, stage],
+        ensure_ascii=False,
+        separators=(",", ":"),
+    ).encode("utf-8")
+    return RequestId(hashlib.sha256(canonical).hexdigest())
+
+
+def random_request_id() -> RequestId:
+    """A fresh id for a stage that is not deduplicated (32 hex chars, never a sha256)."""
+    return RequestId(uuid.uuid4().hex)
+
+
+def new_claim_token() -> ClaimToken:
+    """A fresh 128-bit claim token from ``secrets``."""
+    return ClaimToken(secrets.token_hex(16))

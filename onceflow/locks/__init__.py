@@ -1,0 +1,1 @@
+"""Layer 2: the compute lock for per-call expensive work (arrives with its issue)."""

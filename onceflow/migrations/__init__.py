@@ -1,0 +1,1 @@
+"""Alembic migrations shipped inside the package; applied by ``onceflow migrate``."""

@@ -1,0 +1,25 @@
+"""Tables and the typed values of onceflow (imports none of the other sub-packages)."""
+
+from onceflow.models.requests import (
+    Claim,
+    EnqueueResult,
+    Heartbeat,
+    NewRequest,
+    Request,
+    SweepResult,
+)
+from onceflow.models.status import Status, parse_status
+from onceflow.models.tables import metadata, workspace_process_requests
+
+__all__ = [
+    "Claim",
+    "EnqueueResult",
+    "Heartbeat",
+    "NewRequest",
+    "Request",
+    "Status",
+    "SweepResult",
+    "metadata",
+    "parse_status",
+    "workspace_process_requests",
+]

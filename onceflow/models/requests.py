@@ -1,0 +1,137 @@
+"""Typed values that cross the layer-1 store's seam: what goes in, rows that come out."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from onceflow.ids import ClaimToken, RequestId
+from onceflow.models.status import Status
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequest:
+    """One request to enqueue (``enqueue_many`` takes a list of these).
+
+    ``dedupe=True`` derives the id from (workspace, job, branch path, stage), so
+    every client asking for the same stage collapses onto one row; ``False``
+    gives each enqueue a fresh random id.
+    """
+
+    workspace_id: str
+    job_id: str
+    stage: str
+    branch_path: str = ""
+    input: Any = field(default_factory=dict)
+    worker_class: str = "default"
+    dedupe: bool = True
+    priority: int = 0
+    max_attempts: int | None = None
+    max_crash_attempts: int | None = None
+    run_after_seconds: float = 0.0
+    request_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueueResult:
+    """What an enqueue did: ``created`` is True only for the caller that inserted the row."""
+
+    request_id: RequestId
+    created: bool
+    status: Status
+    input_mismatch: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A row of ``workspace_process_requests`` (the claim token is never part of it)."""
+
+    request_id: RequestId
+    workspace_id: str
+    job_id: str
+    branch_path: str
+    stage: str
+    dedupe: bool
+    input: Any
+    input_hash: str
+    worker_class: str
+    status: Status
+    claimed_by: str | None
+    lease_expires_at: datetime | None
+    heartbeat_at: datetime | None
+    attempts: int
+    crash_attempts: int
+    max_attempts: int
+    max_crash_attempts: int
+    run_after: datetime
+    priority: int
+    cancel_requested: bool
+    dispatched_at: datetime | None
+    result: Any
+    error: Any
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Request:
+        """Build from a mapping of column values (extra keys such as claim_token ignored)."""
+        values = {name: row[name] for name in _REQUEST_FIELDS}
+        values["status"] = Status(values["status"])
+        return cls(**values)
+
+    def as_json(self) -> dict[str, Any]:
+        """A JSON-able dict (timestamps as ISO 8601), for the CLI and HTTP APIs."""
+        out: dict[str, Any] = {}
+        for name in _REQUEST_FIELDS:
+            value = getattr(self, name)
+            out[name] = value.isoformat() if isinstance(value, datetime) else value
+        out["status"] = self.status.value
+        return out
+
+
+_REQUEST_FIELDS = tuple(Request.__dataclass_fields__)
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A live claim on a request: the only holder of its claim token.
+
+    Keep it with the code running the stage; never log it, never put it in a
+    Celery message. ``repr`` hides the token.
+    """
+
+    request: Request
+    token: ClaimToken = field(repr=False)
+    lease_expires_at: datetime
+    lease_seconds: float
+
+    @property
+    def request_id(self) -> RequestId:
+        """The claimed request's id."""
+        return self.request.request_id
+
+    @property
+    def attempt(self) -> int:
+        """Which run this is (1 for the first)."""
+        return self.request.attempts
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """What a heartbeat learned: the new lease expiry and whether cancel was requested."""
+
+    lease_expires_at: datetime
+    cancel_requested: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SweepResult:
+    """What one sweep did; the Celery runtime dispatches ``to_dispatch``."""
+
+    rescued: list[RequestId]
+    quarantined: list[RequestId]
+    to_dispatch: list[tuple[RequestId, str]]
+    pruned: int = 0

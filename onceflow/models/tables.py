@@ -1,0 +1,101 @@
+"""SQLAlchemy table definitions: the schema the migrations create, and ``alembic check`` compares.
+
+Constraint names come from ``NAMING_CONVENTION`` so that errors can be translated
+by name at the boundary (``onceflow.db``). Run-time code never calls ``create_all()``:
+the schema is owned by the Alembic migrations shipped in ``onceflow/migrations``.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    Boolean,
+    CheckConstraint,
+    Column,
+    DateTime,
+    Index,
+    Integer,
+    MetaData,
+    Table,
+    Text,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+
+from onceflow.models.status import Status
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+_STATUSES = ", ".join(f"'{s.value}'" for s in Status)
+
+workspace_process_requests = Table(
+    "workspace_process_requests",
+    metadata,
+    # The request id embeds the workspace (it is a hash over it, or random), so the key
+    # is unique across workspaces; see DESIGN.md "Past one machine".
+    Column("request_id", Text, primary_key=True),
+    Column("workspace_id", Text, nullable=False),
+    Column("job_id", Text, nullable=False),
+    Column("branch_path", Text, nullable=False),
+    Column("stage", Text, nullable=False),
+    Column("dedupe", Boolean, nullable=False),
+    Column("input", JSONB, nullable=False),
+    Column("input_hash", Text, nullable=False),
+    Column("worker_class", Text, nullable=False),
+    Column("status", Text, nullable=False, server_default=text("'queued'")),
+    Column("claim_token", Text),
+    Column("claimed_by", Text),
+    Column("lease_expires_at", DateTime(timezone=True)),
+    Column("heartbeat_at", DateTime(timezone=True)),
+    Column("attempts", Integer, nullable=False, server_default=text("0")),
+    Column("crash_attempts", Integer, nullable=False, server_default=text("0")),
+    Column("max_attempts", Integer, nullable=False),
+    Column("max_crash_attempts", Integer, nullable=False),
+    Column("run_after", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    Column("priority", Integer, nullable=False, server_default=text("0")),
+    Column("cancel_requested", Boolean, nullable=False, server_default=text("false")),
+    Column("dispatched_at", DateTime(timezone=True)),
+    Column("result", JSONB),
+    Column("error", JSONB),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    Column("finished_at", DateTime(timezone=True)),
+    CheckConstraint(f"status IN ({_STATUSES})", name="status"),
+    CheckConstraint("attempts >= 0 AND crash_attempts >= 0", name="attempts"),
+    CheckConstraint("max_attempts >= 1 AND max_crash_attempts >= 1", name="max_attempts"),
+    # A running row always has a token and a lease; no other row has a live claim.
+    CheckConstraint(
+        "(status = 'running') = (claim_token IS NOT NULL AND lease_expires_at IS NOT NULL)",
+        name="running_has_claim",
+    ),
+    # The claim query's index: queued rows of one worker class, best priority first, due first.
+    Index(
+        "ix_wpr_claim",
+        "worker_class",
+        text("priority DESC"),
+        "run_after",
+        postgresql_where=text("status = 'queued'"),
+    ),
+    # The rescue query's index: running rows by lease expiry.
+    Index(
+        "ix_wpr_lease",
+        "worker_class",
+        "lease_expires_at",
+        postgresql_where=text("status = 'running'"),
+    ),
+    # Listing a workspace's requests, newest first; workspace first (DESIGN.md).
+    Index("ix_wpr_workspace", "workspace_id", "created_at"),
+    # Retention: finished rows by age.
+    Index(
+        "ix_wpr_finished",
+        "finished_at",
+        postgresql_where=text("finished_at IS NOT NULL"),
+    ),
+)

@@ -1,0 +1,309 @@
+"""All SQL of the layer-1 queue, one named statement each.
+
+Every statement takes ``:now`` (NULL in production): ``coalesce(:now, now())`` makes
+the database clock the only clock, while tests inject time without sleeping
+(River's pattern). Every fenced statement names the claim token and requires a
+live lease (``lease_expires_at > now``); zero rows means the lease is lost.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import TextClause, text
+
+from onceflow.models.requests import _REQUEST_FIELDS
+
+TABLE = "workspace_process_requests"
+
+#: The columns a :class:`~onceflow.models.Request` is built from (never the claim token).
+RETURNING = ", ".join(f"w.{name}" for name in _REQUEST_FIELDS)
+
+_NOW = "SELECT coalesce(CAST(:now AS timestamptz), now()) AS now"
+
+ENQUEUE: TextClause = text(f"""
+WITH n AS ({_NOW}),
+items AS (
+    SELECT * FROM unnest(
+        CAST(:request_ids AS text[]), CAST(:workspace_ids AS text[]),
+        CAST(:job_ids AS text[]), CAST(:branch_paths AS text[]), CAST(:stages AS text[]),
+        CAST(:dedupes AS boolean[]), CAST(:inputs AS jsonb[]), CAST(:input_hashes AS text[]),
+        CAST(:worker_classes AS text[]), CAST(:priorities AS integer[]),
+        CAST(:max_attempts AS integer[]), CAST(:max_crash_attempts AS integer[]),
+        CAST(:delays AS float8[])
+    ) AS t(request_id, workspace_id, job_id, branch_path, stage, dedupe, input, input_hash,
+           worker_class, priority, max_attempts, max_crash_attempts, delay)
+),
+ins AS (
+    INSERT INTO {TABLE} AS w (
+        request_id, workspace_id, job_id, branch_path, stage, dedupe, input, input_hash,
+        worker_class, priority, max_attempts, max_crash_attempts,
+        run_after, dispatched_at, created_at, updated_at)
+    SELECT i.request_id, i.workspace_id, i.job_id, i.branch_path, i.stage, i.dedupe, i.input,
+           i.input_hash, i.worker_class, i.priority, i.max_attempts, i.max_crash_attempts,
+           n.now + make_interval(secs => i.delay), n.now, n.now, n.now
+    FROM items i, n
+    ON CONFLICT (request_id) DO NOTHING
+    RETURNING w.request_id, w.status, w.input_hash
+)
+-- Rows this statement inserted, then rows that already existed. The second SELECT reads
+-- the statement's snapshot, so it never sees the rows of `ins`; a row committed by a
+-- concurrent enqueue after the snapshot is found by ENQUEUE_LOOKUP in the caller.
+SELECT request_id, true AS created, status, input_hash FROM ins
+UNION ALL
+SELECT w.request_id, false AS created, w.status, w.input_hash
+FROM {TABLE} w
+WHERE w.request_id = ANY(CAST(:request_ids AS text[]))
+""")
+
+ENQUEUE_LOOKUP: TextClause = text(f"""
+SELECT w.request_id, false AS created, w.status, w.input_hash
+FROM {TABLE} w
+WHERE w.request_id = ANY(CAST(:request_ids AS text[]))
+""")
+
+# Claim one request by id: queued and due, or running under a lease that lapsed (a crash,
+# counted in crash_attempts) while attempts and the crash budget remain. One statement:
+# a concurrent claimer blocks on the row lock, re-checks the WHERE and gets nothing.
+CLAIM: TextClause = text(f"""
+WITH n AS ({_NOW})
+UPDATE {TABLE} AS w SET
+    status = 'running',
+    claim_token = :token,
+    claimed_by = :worker_id,
+    attempts = w.attempts + 1,
+    crash_attempts = w.crash_attempts + CASE WHEN w.status = 'running' THEN 1 ELSE 0 END,
+    lease_expires_at = n.now + make_interval(secs => :lease_seconds),
+    heartbeat_at = n.now,
+    updated_at = n.now
+FROM n
+WHERE w.request_id = :request_id
+  AND (
+        (w.status = 'queued' AND w.run_after <= n.now)
+     OR (w.status = 'running' AND w.lease_expires_at <= n.now
+         AND NOT w.cancel_requested
+         AND w.attempts < w.max_attempts
+         AND w.crash_attempts + 1 < w.max_crash_attempts)
+  )
+RETURNING {RETURNING}
+""")
+
+# Claim up to :limit requests of one worker class. Each candidate set is read through its
+# own partial index (no OR across states, which defeats partial indexes); lapsed leases
+# first, since they have waited longest. Tokens are minted by the caller (`secrets`) and
+# handed out by row number.
+CLAIM_NEXT: TextClause = text(f"""
+WITH n AS ({_NOW}),
+lapsed AS (
+    SELECT w.request_id
+    FROM {TABLE} w, n
+    WHERE w.status = 'running'
+      AND w.worker_class = :worker_class
+      AND w.lease_expires_at <= n.now
+      AND NOT w.cancel_requested
+      AND w.attempts < w.max_attempts
+      AND w.crash_attempts + 1 < w.max_crash_attempts
+    ORDER BY w.lease_expires_at
+    LIMIT :limit
+    FOR UPDATE OF w SKIP LOCKED
+),
+queued AS (
+    SELECT w.request_id
+    FROM {TABLE} w, n
+    WHERE w.status = 'queued'
+      AND w.worker_class = :worker_class
+      AND w.run_after <= n.now
+    ORDER BY w.priority DESC, w.run_after
+    LIMIT :limit
+    FOR UPDATE OF w SKIP LOCKED
+),
+picked AS (
+    SELECT request_id, row_number() OVER () AS rn
+    FROM (SELECT request_id FROM lapsed UNION ALL SELECT request_id FROM queued) AS u
+    LIMIT :limit
+)
+UPDATE {TABLE} AS w SET
+    status = 'running',
+    claim_token = (CAST(:tokens AS text[]))[picked.rn],
+    claimed_by = :worker_id,
+    attempts = w.attempts + 1,
+    crash_attempts = w.crash_attempts + CASE WHEN w.status = 'running' THEN 1 ELSE 0 END,
+    lease_expires_at = n.now + make_interval(secs => :lease_seconds),
+    heartbeat_at = n.now,
+    updated_at = n.now
+FROM picked, n
+WHERE w.request_id = picked.request_id
+RETURNING {RETURNING}, picked.rn
+""")
+
+_FENCE = """
+  w.request_id = :request_id
+  AND w.claim_token = :token
+  AND w.status = 'running'
+  AND w.lease_expires_at > n.now
+"""
+
+HEARTBEAT: TextClause = text(f"""
+WITH n AS ({_NOW})
+UPDATE {TABLE} AS w SET
+    lease_expires_at = n.now + make_interval(secs => :lease_seconds),
+    heartbeat_at = n.now,
+    updated_at = n.now
+FROM n
+WHERE {_FENCE}
+RETURNING w.lease_expires_at, w.cancel_requested
+""")
+
+# Used by fenced writes of other layers (the op log) inside their own transaction: the row
+# lock (FOR SHARE) holds off a concurrent rescue until that transaction commits.
+FENCE_CHECK: TextClause = text(f"""
+WITH n AS ({_NOW})
+SELECT w.request_id FROM {TABLE} w, n
+WHERE {_FENCE}
+FOR SHARE OF w
+""")
+
+COMPLETE: TextClause = text(f"""
+WITH n AS ({_NOW})
+UPDATE {TABLE} AS w SET
+    status = 'succeeded',
+    result = CAST(:result AS jsonb),
+    claim_token = NULL,
+    lease_expires_at = NULL,
+    finished_at = n.now,
+    updated_at = n.now
+FROM n
+WHERE {_FENCE}
+RETURNING {RETURNING}
+""")
+
+# The next status of a failed run: cancelled if cancel was requested, queued again (after
+# :delay seconds) if retryable with attempts left, else dead. The error is always kept.
+FAIL: TextClause = text(f"""
+WITH n AS ({_NOW}),
+nxt AS (
+    SELECT CASE
+        WHEN w.cancel_requested THEN 'cancelled'
+        WHEN :retryable AND w.attempts < w.max_attempts THEN 'queued'
+        ELSE 'dead'
+    END AS status
+    FROM {TABLE} w WHERE w.request_id = :request_id
+    FOR UPDATE OF w
+)
+UPDATE {TABLE} AS w SET
+    status = nxt.status,
+    run_after = CASE WHEN nxt.status = 'queued'
+                     THEN n.now + make_interval(secs => :delay) ELSE w.run_after END,
+    error = CAST(:error AS jsonb),
+    claim_token = NULL,
+    lease_expires_at = NULL,
+    dispatched_at = NULL,
+    finished_at = CASE WHEN nxt.status = 'queued' THEN NULL ELSE n.now END,
+    updated_at = n.now
+FROM n, nxt
+WHERE {_FENCE}
+RETURNING {RETURNING}
+""")
+
+CANCEL: TextClause = text(f"""
+WITH n AS ({_NOW})
+UPDATE {TABLE} AS w SET
+    cancel_requested = true,
+    status = CASE WHEN w.status = 'queued' THEN 'cancelled' ELSE w.status END,
+    finished_at = CASE WHEN w.status = 'queued' THEN n.now ELSE w.finished_at END,
+    updated_at = n.now
+FROM n
+WHERE w.request_id = :request_id AND w.status IN ('queued', 'running')
+RETURNING {RETURNING}
+""")
+
+REQUEUE: TextClause = text(f"""
+WITH n AS ({_NOW})
+UPDATE {TABLE} AS w SET
+    status = 'queued',
+    attempts = 0,
+    crash_attempts = 0,
+    cancel_requested = false,
+    run_after = n.now,
+    result = NULL,
+    error = NULL,
+    claimed_by = NULL,
+    heartbeat_at = NULL,
+    finished_at = NULL,
+    dispatched_at = n.now,
+    updated_at = n.now
+FROM n
+WHERE w.request_id = :request_id AND w.status IN ('succeeded', 'dead', 'cancelled')
+RETURNING {RETURNING}
+""")
+
+GET: TextClause = text(f"SELECT {RETURNING} FROM {TABLE} w WHERE w.request_id = :request_id")
+
+COUNTS: TextClause = text(f"""
+SELECT w.status, w.worker_class, count(*) AS n
+FROM {TABLE} w
+GROUP BY w.status, w.worker_class
+ORDER BY w.worker_class, w.status
+""")
+
+# Lapsed leases, in one compare-and-set statement (never read-then-update): each row is
+# requeued, or quarantined as dead past its attempts or crash budget, or cancelled if that
+# was requested. Only rows whose *current* lease lapsed are touched.
+RESCUE_EXPIRED: TextClause = text(f"""
+WITH n AS ({_NOW}),
+lapsed AS (
+    SELECT w.request_id
+    FROM {TABLE} w, n
+    WHERE w.status = 'running' AND w.lease_expires_at <= n.now
+    ORDER BY w.lease_expires_at
+    LIMIT :limit
+    FOR UPDATE OF w SKIP LOCKED
+),
+nxt AS (
+    SELECT w.request_id, CASE
+        WHEN w.cancel_requested THEN 'cancelled'
+        WHEN w.crash_attempts + 1 >= w.max_crash_attempts OR w.attempts >= w.max_attempts
+            THEN 'dead'
+        ELSE 'queued'
+    END AS status
+    FROM {TABLE} w JOIN lapsed USING (request_id)
+)
+UPDATE {TABLE} AS w SET
+    status = nxt.status,
+    crash_attempts = w.crash_attempts + 1,
+    claim_token = NULL,
+    lease_expires_at = NULL,
+    run_after = CASE WHEN nxt.status = 'queued' THEN n.now ELSE w.run_after END,
+    dispatched_at = CASE WHEN nxt.status = 'queued' THEN n.now ELSE w.dispatched_at END,
+    finished_at = CASE WHEN nxt.status = 'queued' THEN NULL ELSE n.now END,
+    error = CASE WHEN nxt.status = 'dead' THEN jsonb_build_object(
+        'type', 'LeaseLapsed',
+        'message', 'lease lapsed without completion ' || (w.crash_attempts + 1)
+                   || ' time(s); attempts ' || w.attempts || '/' || w.max_attempts
+                   || ', crash budget ' || w.max_crash_attempts,
+        'previous', w.error) ELSE w.error END,
+    updated_at = n.now
+FROM nxt, n
+WHERE w.request_id = nxt.request_id
+RETURNING w.request_id, w.status, w.worker_class
+""")
+
+# Queued, due rows whose wake-up message may be lost: never dispatched, or dispatched more
+# than :redispatch_after seconds ago without a claim. Marked dispatched in the same
+# statement, so two sweepers never send the same row twice in one window.
+DUE_FOR_DISPATCH: TextClause = text(f"""
+WITH n AS ({_NOW}),
+due AS (
+    SELECT w.request_id
+    FROM {TABLE} w, n
+    WHERE w.status = 'queued'
+      AND w.run_after <= n.now
+      AND (w.dispatched_at IS NULL
+           OR w.dispatched_at <= n.now - make_interval(secs => :redispatch_after))
+    ORDER BY w.run_after
+    LIMIT :limit
+    FOR UPDATE OF w SKIP LOCKED
+)
+UPDATE {TABLE} AS w SET dispatched_at = n.now
+FROM due, n
+WHERE w.request_id = due.request_id
+RETURNING w.request_id, w.worker_class
+""")

@@ -1,0 +1,467 @@
+"""The layer-1 store: named domain operations on ``workspace_process_requests``.
+
+A small typed seam (River's driver interface, PgQueuer's repository port): each
+operation takes typed parameters and returns rows as :class:`Request` /
+:class:`Claim` values. The SQL lives in :mod:`onceflow.queue.sql`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, Engine, bindparam, select
+
+from onceflow.db import get_engine, translate_errors
+from onceflow.errors import (
+    InputMismatch,
+    InvalidRequest,
+    InvalidTransition,
+    LeaseLost,
+    NotFound,
+)
+from onceflow.ids import (
+    BRANCH_PATH_MAX,
+    RequestId,
+    check_id,
+    new_claim_token,
+    random_request_id,
+    request_id_for,
+)
+from onceflow.models.requests import (
+    Claim,
+    EnqueueResult,
+    Heartbeat,
+    NewRequest,
+    Request,
+    SweepResult,
+)
+from onceflow.models.status import Status, parse_status
+from onceflow.models.tables import workspace_process_requests as wpr
+from onceflow.payloads import JSON, canonical_json, encode_payload
+from onceflow.queue import sql
+from onceflow.settings import Settings, get_settings
+
+LIST_LIMIT_MAX = 1000
+BATCH_MAX = 10_000
+
+
+class Queue:
+    """The durable stage queue. Thread-safe; build one per process and share it."""
+
+    def __init__(self, engine: Engine | str | None = None, settings: Settings | None = None):
+        self.settings = settings or get_settings()
+        if engine is None or isinstance(engine, str):
+            engine = get_engine(engine or self.settings.database_url)
+        self.engine = engine
+
+    # ------------------------------------------------------------------ enqueue
+
+    def enqueue(
+        self,
+        stage: str,
+        workspace_id: str,
+        job_id: str,
+        branch_path: str = "",
+        input: JSON = None,  # noqa: A002 - the seed's name for it
+        *,
+        worker_class: str = "default",
+        dedupe: bool = True,
+        priority: int = 0,
+        max_attempts: int | None = None,
+        max_crash_attempts: int | None = None,
+        run_after_seconds: float = 0.0,
+        request_id: str | None = None,
+        strict: bool = False,
+        now: datetime | None = None,
+    ) -> EnqueueResult:
+        """Enqueue one request; a duplicate collapses onto the existing row (``created=False``)."""
+        item = NewRequest(
+            workspace_id=workspace_id,
+            job_id=job_id,
+            stage=stage,
+            branch_path=branch_path,
+            input={} if input is None else input,
+            worker_class=worker_class,
+            dedupe=dedupe,
+            priority=priority,
+            max_attempts=max_attempts,
+            max_crash_attempts=max_crash_attempts,
+            run_after_seconds=run_after_seconds,
+            request_id=request_id,
+        )
+        return self.enqueue_many([item], strict=strict, now=now)[0]
+
+    def enqueue_many(
+        self,
+        items: Sequence[NewRequest],
+        *,
+        strict: bool = False,
+        now: datetime | None = None,
+        connection: Connection | None = None,
+    ) -> list[EnqueueResult]:
+        """Enqueue a batch in one round trip; results in the order of ``items``.
+
+        ``INSERT … ON CONFLICT DO NOTHING``: the caller that inserted a row gets
+        ``created=True``, every other caller the same id with ``created=False``.
+        A row that exists with a different input is flagged ``input_mismatch``;
+        with ``strict=True`` that raises :class:`InputMismatch` and nothing of
+        the batch is written. ``connection`` runs it inside the caller's
+        transaction (used by ``complete(then=…)`` and the Django integration).
+        """
+        if not items:
+            return []
+        if len(items) > BATCH_MAX:
+            raise InvalidRequest(f"a batch holds at most {BATCH_MAX} requests, got {len(items)}")
+        params = self._enqueue_params(items, now)
+        with translate_errors():
+            if connection is not None:
+                return self._enqueue_on(connection, params, strict)
+            with self.engine.begin() as conn:
+                return self._enqueue_on(conn, params, strict)
+
+    def _enqueue_params(self, items: Sequence[NewRequest], now: datetime | None) -> dict[str, Any]:
+        cols: dict[str, list[Any]] = {
+            k: []
+            for k in (
+                "request_ids", "workspace_ids", "job_ids", "branch_paths", "stages", "dedupes",
+                "inputs", "input_hashes", "worker_classes", "priorities", "max_attempts",
+                "max_crash_attempts", "delays",
+            )
+        }  # fmt: skip
+        limit = self.settings.payload_limit_bytes
+        for item in items:
+            if not isinstance(item, NewRequest):
+                raise InvalidRequest(f"expected NewRequest, got {type(item).__name__}")
+            check_id("workspace_id", item.workspace_id)
+            check_id("job_id", item.job_id)
+            check_id("stage", item.stage)
+            check_id("branch_path", item.branch_path, max_len=BRANCH_PATH_MAX, allow_empty=True)
+            check_id("worker_class", item.worker_class)
+            text, digest = encode_payload(item.input, limit, what="input")
+            if item.request_id is not None:
+                rid = check_id("request_id", item.request_id)
+            elif item.dedupe:
+                rid = request_id_for(item.workspace_id, item.job_id, item.branch_path, item.stage)
+            else:
+                rid = random_request_id()
+            max_attempts = _positive("max_attempts", item.max_attempts, self.settings.max_attempts)
+            max_crash = _positive(
+                "max_crash_attempts", item.max_crash_attempts, self.settings.max_crash_attempts
+            )
+            if not isinstance(item.priority, int) or not -32768 <= item.priority <= 32767:
+                raise InvalidRequest("priority must be an integer in [-32768, 32767]")
+            delay = _seconds("run_after_seconds", item.run_after_seconds)
+            for key, value in (
+                ("request_ids", rid), ("workspace_ids", item.workspace_id),
+                ("job_ids", item.job_id), ("branch_paths", item.branch_path),
+                ("stages", item.stage), ("dedupes", bool(item.dedupe)), ("inputs", text),
+                ("input_hashes", digest), ("worker_classes", item.worker_class),
+                ("priorities", item.priority), ("max_attempts", max_attempts),
+                ("max_crash_attempts", max_crash), ("delays", delay),
+            ):  # fmt: skip
+                cols[key].append(value)
+        return {**cols, "now": now}
+
+    def _enqueue_on(
+        self, conn: Connection, params: dict[str, Any], strict: bool
+    ) -> list[EnqueueResult]:
+        ids: list[str] = params["request_ids"]
+        hashes: list[str] = params["input_hashes"]
+        rows = {r.request_id: r for r in conn.execute(sql.ENQUEUE, params)}
+        missing = [rid for rid in ids if rid not in rows]
+        if missing:
+            # Inserted by a concurrent enqueue that committed after this statement's snapshot:
+            # ON CONFLICT waited for it, so a fresh snapshot (READ COMMITTED) sees it now.
+            lookup = conn.execute(sql.ENQUEUE_LOOKUP, {"request_ids": missing})
+            rows.update({r.request_id: r for r in lookup})
+        results: list[EnqueueResult] = []
+        seen: set[str] = set()
+        for rid, digest in zip(ids, hashes, strict=True):
+            row = rows[rid]
+            # The same id twice in one batch: only its first occurrence can have created it.
+            created = bool(row.created) and rid not in seen
+            seen.add(rid)
+            mismatch = row.input_hash != digest
+            if mismatch and strict:
+                raise InputMismatch(rid, row.input_hash, digest)
+            results.append(
+                EnqueueResult(RequestId(rid), created, Status(row.status), input_mismatch=mismatch)
+            )
+        return results
+
+    # ------------------------------------------------------------------- claims
+
+    def claim(
+        self,
+        request_id: str,
+        worker_id: str,
+        *,
+        lease_seconds: float | None = None,
+        now: datetime | None = None,
+    ) -> Claim | None:
+        """Claim one request by id, or None if it is not claimable (running, finished, not due)."""
+        check_id("request_id", request_id)
+        check_id("worker_id", worker_id)
+        lease = self._lease(lease_seconds)
+        token = new_claim_token()
+        params = {
+            "request_id": request_id, "worker_id": worker_id, "token": token,
+            "lease_seconds": lease, "now": now,
+        }  # fmt: skip
+        with translate_errors(), self.engine.begin() as conn:
+            row = conn.execute(sql.CLAIM, params).mappings().first()
+        if row is None:
+            return None
+        request = Request.from_row(row)
+        assert request.lease_expires_at is not None  # noqa: S101 - set by the claim itself
+        return Claim(request, token, request.lease_expires_at, lease)
+
+    def claim_next(
+        self,
+        worker_classes: str | Sequence[str],
+        worker_id: str,
+        limit: int = 1,
+        *,
+        lease_seconds: float | None = None,
+        now: datetime | None = None,
+    ) -> list[Claim]:
+        """Claim up to ``limit`` due requests, reading one worker class at a time, in order."""
+        classes = [worker_classes] if isinstance(worker_classes, str) else list(worker_classes)
+        if not classes:
+            raise InvalidRequest("claim_next needs at least one worker class")
+        for wc in classes:
+            check_id("worker_class", wc)
+        check_id("worker_id", worker_id)
+        if not isinstance(limit, int) or not 1 <= limit <= LIST_LIMIT_MAX:
+            raise InvalidRequest(f"limit must be an integer in [1, {LIST_LIMIT_MAX}]")
+        lease = self._lease(lease_seconds)
+        claims: list[Claim] = []
+        with translate_errors():
+            for wc in classes:
+                want = limit - len(claims)
+                if want <= 0:
+                    break
+                tokens = [new_claim_token() for _ in range(want)]
+                params = {
+                    "worker_class": wc, "worker_id": worker_id, "limit": want,
+                    "tokens": tokens, "lease_seconds": lease, "now": now,
+                }  # fmt: skip
+                with self.engine.begin() as conn:
+                    rows = conn.execute(sql.CLAIM_NEXT, params).mappings().all()
+                for row in rows:
+                    request = Request.from_row(row)
+                    assert request.lease_expires_at is not None  # noqa: S101
+                    claims.append(Claim(request, tokens[row["rn"] - 1], request.lease_expires_at, lease))
+        return claims
+
+    def heartbeat(self, claim: Claim, *, now: datetime | None = None) -> Heartbeat:
+        """Extend the lease by the claim's lease; raises :class:`LeaseLost` if it is gone."""
+        params = {
+            "request_id": claim.request_id, "token": claim.token,
+            "lease_seconds": claim.lease_seconds, "now": now,
+        }  # fmt: skip
+        with translate_errors(), self.engine.begin() as conn:
+            row = conn.execute(sql.HEARTBEAT, params).first()
+        if row is None:
+            raise LeaseLost(claim.request_id, "heartbeat rejected")
+        return Heartbeat(lease_expires_at=row.lease_expires_at, cancel_requested=row.cancel_requested)
+
+    def complete(
+        self,
+        claim: Claim,
+        result: JSON = None,
+        *,
+        then: Iterable[NewRequest] = (),
+        now: datetime | None = None,
+    ) -> Request:
+        """Mark the request succeeded with ``result`` (fenced by the token).
+
+        ``then`` enqueues follow-up requests (the next stage) in the same
+        transaction: the hand-off lands entirely or not at all.
+        """
+        text, _ = encode_payload(result, self.settings.payload_limit_bytes, what="result")
+        follow_ups = list(then)
+        follow_params = self._enqueue_params(follow_ups, now) if follow_ups else None
+        params = {"request_id": claim.request_id, "token": claim.token, "result": text, "now": now}
+        with translate_errors(), self.engine.begin() as conn:
+            row = conn.execute(sql.COMPLETE, params).mappings().first()
+            if row is None:
+                raise LeaseLost(claim.request_id, "completion rejected")
+            if follow_params is not None:
+                self._enqueue_on(conn, follow_params, strict=False)
+        return Request.from_row(row)
+
+    def fail(
+        self,
+        claim: Claim,
+        error: JSON,
+        *,
+        retryable: bool = True,
+        retry_in: float | None = None,
+        now: datetime | None = None,
+    ) -> Request:
+        """Record a failed run (fenced): queued again after a backoff, or dead; error kept."""
+        if isinstance(error, BaseException):
+            error = {"type": type(error).__name__, "message": str(error)}
+        text, _ = encode_payload(error, self.settings.payload_limit_bytes, what="error")
+        delay = self.backoff(claim.attempt) if retry_in is None else _seconds("retry_in", retry_in)
+        params = {
+            "request_id": claim.request_id, "token": claim.token, "error": text,
+            "retryable": bool(retryable), "delay": delay, "now": now,
+        }  # fmt: skip
+        with translate_errors(), self.engine.begin() as conn:
+            row = conn.execute(sql.FAIL, params).mappings().first()
+        if row is None:
+            raise LeaseLost(claim.request_id, "failure report rejected")
+        return Request.from_row(row)
+
+    def backoff(self, attempt: int) -> float:
+        """Delay before retry number ``attempt``: exponential, capped, with equal jitter."""
+        base = self.settings.backoff_base_seconds * 2 ** max(0, attempt - 1)
+        delay = min(self.settings.backoff_max_seconds, base)
+        return delay / 2 + random.uniform(0, delay / 2)
+
+    def fence_check(self, conn: Connection, claim: Claim, *, now: datetime | None = None) -> None:
+        """Inside the caller's transaction: raise :class:`LeaseLost` unless the claim is live.
+
+        Holds a share lock on the row until that transaction ends, so the lease
+        cannot be rescued between the check and the caller's commit.
+        """
+        params = {"request_id": claim.request_id, "token": claim.token, "now": now}
+        if conn.execute(sql.FENCE_CHECK, params).first() is None:
+            raise LeaseLost(claim.request_id, "fenced write rejected")
+
+    # --------------------------------------------------------------- operators
+
+    def cancel(self, request_id: str, *, now: datetime | None = None) -> Request:
+        """Cancel a queued request at once, or ask a running one to stop (its heartbeat says so).
+
+        A finished request is returned unchanged.
+        """
+        check_id("request_id", request_id)
+        with translate_errors(), self.engine.begin() as conn:
+            row = conn.execute(sql.CANCEL, {"request_id": request_id, "now": now}).mappings().first()
+        return Request.from_row(row) if row is not None else self.get(request_id)
+
+    def requeue(self, request_id: str, *, now: datetime | None = None) -> Request:
+        """Run a finished (succeeded, dead or cancelled) request again; refused while running."""
+        check_id("request_id", request_id)
+        with translate_errors(), self.engine.begin() as conn:
+            row = conn.execute(sql.REQUEUE, {"request_id": request_id, "now": now}).mappings().first()
+        if row is not None:
+            return Request.from_row(row)
+        current = self.get(request_id)
+        if current.status is Status.RUNNING:
+            raise InvalidTransition(request_id, current.status.value, "requeue")
+        return current
+
+    def get(self, request_id: str) -> Request:
+        """The request with this id, or :class:`NotFound`."""
+        check_id("request_id", request_id)
+        with translate_errors(), self.engine.connect() as conn:
+            row = conn.execute(sql.GET, {"request_id": request_id}).mappings().first()
+        if row is None:
+            raise NotFound(request_id)
+        return Request.from_row(row)
+
+    def list(
+        self,
+        *,
+        workspace_id: str | None = None,
+        status: str | Sequence[str] | None = None,
+        worker_class: str | None = None,
+        stage: str | None = None,
+        job_id: str | None = None,
+        limit: int = 100,
+    ) -> list[Request]:
+        """Requests matching every given filter, newest first."""
+        if not isinstance(limit, int) or not 1 <= limit <= LIST_LIMIT_MAX:
+            raise InvalidRequest(f"limit must be an integer in [1, {LIST_LIMIT_MAX}]")
+        query = select(*[wpr.c[name] for name in Request.__dataclass_fields__])
+        filters: Mapping[str, str | None] = {
+            "workspace_id": workspace_id, "worker_class": worker_class,
+            "stage": stage, "job_id": job_id,
+        }  # fmt: skip
+        for name, value in filters.items():
+            if value is not None:
+                query = query.where(wpr.c[name] == check_id(name, value))
+        if status is not None:
+            statuses = [status] if isinstance(status, str) else list(status)
+            values = [parse_status(s).value for s in statuses]
+            query = query.where(wpr.c.status.in_(bindparam("statuses", values, expanding=True)))
+        query = query.order_by(wpr.c.created_at.desc(), wpr.c.request_id).limit(limit)
+        with translate_errors(), self.engine.connect() as conn:
+            return [Request.from_row(r) for r in conn.execute(query).mappings()]
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Request counts as ``{worker_class: {status: n}}`` (every status present, zeros too)."""
+        out: dict[str, dict[str, int]] = {}
+        with translate_errors(), self.engine.connect() as conn:
+            for row in conn.execute(sql.COUNTS):
+                per_class = out.setdefault(row.worker_class, {s.value: 0 for s in Status})
+                per_class[row.status] = row.n
+        return out
+
+    # ----------------------------------------------------------------- sweeper
+
+    def rescue_expired(self, *, limit: int = 1000, now: datetime | None = None) -> SweepResult:
+        """Requeue (or quarantine) requests whose lease lapsed, in one compare-and-set."""
+        with translate_errors(), self.engine.begin() as conn:
+            rows = conn.execute(sql.RESCUE_EXPIRED, {"limit": limit, "now": now}).all()
+        rescued = [RequestId(r.request_id) for r in rows if r.status == Status.QUEUED]
+        dead = [RequestId(r.request_id) for r in rows if r.status != Status.QUEUED]
+        dispatch = [(RequestId(r.request_id), r.worker_class) for r in rows if r.status == "queued"]
+        return SweepResult(rescued=rescued, quarantined=dead, to_dispatch=dispatch)
+
+    def due_for_dispatch(
+        self, *, redispatch_after: float, limit: int = 1000, now: datetime | None = None
+    ) -> list[tuple[RequestId, str]]:
+        """Queued, due rows whose wake-up may be lost; marked dispatched in the same statement."""
+        params = {"redispatch_after": redispatch_after, "limit": limit, "now": now}
+        with translate_errors(), self.engine.begin() as conn:
+            rows = conn.execute(sql.DUE_FOR_DISPATCH, params).all()
+        return [(RequestId(r.request_id), r.worker_class) for r in rows]
+
+    def sweep_once(
+        self, *, redispatch_after: float = 30.0, limit: int = 1000, now: datetime | None = None
+    ) -> SweepResult:
+        """One sweeper pass: rescue lapsed leases, then collect due rows needing a wake-up."""
+        rescued = self.rescue_expired(limit=limit, now=now)
+        due = self.due_for_dispatch(redispatch_after=redispatch_after, limit=limit, now=now)
+        return SweepResult(
+            rescued=rescued.rescued,
+            quarantined=rescued.quarantined,
+            to_dispatch=rescued.to_dispatch + due,
+        )
+
+    # ----------------------------------------------------------------- helpers
+
+    def _lease(self, lease_seconds: float | None) -> float:
+        if lease_seconds is None:
+            return self.settings.lease_seconds
+        lease = _seconds("lease_seconds", lease_seconds)
+        if lease <= 0:
+            raise InvalidRequest("lease_seconds must be positive")
+        return lease
+
+
+def _positive(name: str, value: int | None, default: int) -> int:
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1000:
+        raise InvalidRequest(f"{name} must be an integer in [1, 1000]")
+    return value
+
+
+def _seconds(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequest(f"{name} must be a number of seconds")
+    if not 0 <= value <= 366 * 86_400:
+        raise InvalidRequest(f"{name} must be between 0 and one year")
+    return float(value)
+
+
+__all__ = ["Queue", "canonical_json"]

@@ -1,0 +1,49 @@
+"""Settings from the environment (prefix ``ONCEFLOW_``); nothing connects at import."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """onceflow's configuration; every field can be set as ``ONCEFLOW_<NAME>``."""
+
+    model_config = SettingsConfigDict(env_prefix="ONCEFLOW_", extra="ignore")
+
+    database_url: str = Field(
+        default="postgresql+psycopg://127.0.0.1:5432/onceflow",
+        description="SQLAlchemy URL of the Postgres database (psycopg 3 driver).",
+    )
+    redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        description="Redis URL: compute locks, broadcasts and the Celery broker.",
+    )
+    lease_seconds: float = Field(
+        default=30.0, gt=0, le=86_400, description="Default lease a claim holds without a heartbeat."
+    )
+    max_attempts: int = Field(
+        default=5, ge=1, le=1000, description="Default number of runs before a request is dead."
+    )
+    max_crash_attempts: int = Field(
+        default=3,
+        ge=1,
+        le=1000,
+        description="Lapsed leases (crashed or paused workers) before a request is quarantined.",
+    )
+    backoff_base_seconds: float = Field(
+        default=2.0, ge=0, description="First retry delay; doubles per attempt."
+    )
+    backoff_max_seconds: float = Field(default=600.0, ge=0, description="Cap on a retry delay.")
+    payload_limit_bytes: int = Field(
+        default=256 * 1024, ge=1024, description="Largest input or result, as canonical JSON."
+    )
+    pool_size: int = Field(default=5, ge=1, description="SQLAlchemy pool size per process.")
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process's settings, read from the environment once."""
+    return Settings()

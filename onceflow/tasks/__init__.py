@@ -1,0 +1,1 @@
+"""The Celery side: stages as tasks (arrives with the Celery runtime issue)."""
