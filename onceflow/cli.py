@@ -1,0 +1,206 @@
+"""The ``onceflow`` command line: what scripts and operators rely on.
+
+Every command reads the database from ``ONCEFLOW_DATABASE_URL``; results go to
+stdout (one JSON object with ``--json`` or where scripts parse it), errors to
+stderr with a non-zero exit status.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from functools import wraps
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from onceflow.errors import NotFound, OnceflowError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+EXIT_ERROR = 1
+EXIT_NOT_FOUND = 3
+
+
+def _errors_to_exit(func: F) -> F:
+    """Print onceflow errors as one line on stderr and exit non-zero (no traceback)."""
+
+    @wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except NotFound as exc:
+            click.echo(f"onceflow: {exc}", err=True)
+            sys.exit(EXIT_NOT_FOUND)
+        except OnceflowError as exc:
+            click.echo(f"onceflow: {type(exc).__name__}: {exc}", err=True)
+            sys.exit(EXIT_ERROR)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _queue() -> Any:
+    from onceflow.queue import Queue
+
+    return Queue()
+
+
+def _echo_json(value: Any) -> None:
+    click.echo(json.dumps(value, sort_keys=True, default=str))
+
+
+@click.group()
+@click.version_option(package_name="onceflow")
+def main() -> None:
+    """onceflow: run each stage once, pay for each call once, apply each write once."""
+
+
+@main.command()
+@_errors_to_exit
+def migrate() -> None:
+    """Apply the database migrations (idempotent)."""
+    from onceflow.migrate import migrate as run
+
+    run()
+    click.echo("onceflow: database is at the latest migration", err=True)
+
+
+@main.command()
+@click.option("--stage", required=True, help="Stage name, e.g. evaluate.")
+@click.option("--workspace", "workspace_id", required=True, help="Workspace id.")
+@click.option("--job", "job_id", required=True, help="Job id.")
+@click.option("--branch-path", default="", show_default=True, help="Branch path.")
+@click.option("--worker-class", default="default", show_default=True)
+@click.option("--input", "input_json", default="{}", show_default=True, help="Input as JSON.")
+@click.option("--priority", type=int, default=0, show_default=True)
+@click.option("--no-dedupe", is_flag=True, help="Give this request a random id.")
+@click.option("--strict", is_flag=True, help="Fail if the request exists with another input.")
+@_errors_to_exit
+def enqueue(
+    stage: str,
+    workspace_id: str,
+    job_id: str,
+    branch_path: str,
+    worker_class: str,
+    input_json: str,
+    priority: int,
+    no_dedupe: bool,
+    strict: bool,
+) -> None:
+    """Enqueue a stage request; prints {request_id, created, status, input_mismatch}."""
+    try:
+        payload = json.loads(input_json)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="--input") from None
+    result = _queue().enqueue(
+        stage,
+        workspace_id,
+        job_id,
+        branch_path,
+        payload,
+        worker_class=worker_class,
+        priority=priority,
+        dedupe=not no_dedupe,
+        strict=strict,
+    )
+    _echo_json(
+        {
+            "request_id": result.request_id,
+            "created": result.created,
+            "status": result.status.value,
+            "input_mismatch": result.input_mismatch,
+        }
+    )
+
+
+@main.command()
+@click.argument("request_id")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@_errors_to_exit
+def show(request_id: str, as_json: bool) -> None:
+    """Show one request."""
+    request = _queue().get(request_id).as_json()
+    if as_json:
+        _echo_json(request)
+        return
+    width = max(len(k) for k in request)
+    for key, value in request.items():
+        shown = json.dumps(value) if isinstance(value, dict | list) else value
+        click.echo(f"{key:<{width}}  {shown}")
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@_errors_to_exit
+def status(as_json: bool) -> None:
+    """Request counts by worker class and status."""
+    from onceflow.models.status import Status
+
+    counts = _queue().counts()
+    if as_json:
+        _echo_json({"counts": counts})
+        return
+    names = [s.value for s in Status]
+    click.echo(f"{'worker_class':<20}" + "".join(f"{n:>11}" for n in names))
+    for worker_class, per_status in counts.items():
+        click.echo(f"{worker_class:<20}" + "".join(f"{per_status[n]:>11}" for n in names))
+    if not counts:
+        click.echo("(no requests)")
+
+
+@main.command(name="list")
+@click.option("--workspace", "workspace_id")
+@click.option("--status", "statuses", multiple=True, help="Repeat for several.")
+@click.option("--worker-class")
+@click.option("--stage")
+@click.option("--limit", type=int, default=50, show_default=True)
+@_errors_to_exit
+def list_(
+    workspace_id: str | None,
+    statuses: tuple[str, ...],
+    worker_class: str | None,
+    stage: str | None,
+    limit: int,
+) -> None:
+    """List requests (newest first) as JSON lines."""
+    rows = _queue().list(
+        workspace_id=workspace_id,
+        status=list(statuses) or None,
+        worker_class=worker_class,
+        stage=stage,
+        limit=limit,
+    )
+    for request in rows:
+        _echo_json(request.as_json())
+
+
+@main.command()
+@click.argument("request_id")
+@_errors_to_exit
+def cancel(request_id: str) -> None:
+    """Cancel a queued request, or ask a running one to stop."""
+    _echo_json(_queue().cancel(request_id).as_json())
+
+
+@main.command()
+@click.argument("request_id")
+@_errors_to_exit
+def requeue(request_id: str) -> None:
+    """Run a finished or dead request again (refused while it runs)."""
+    _echo_json(_queue().requeue(request_id).as_json())
+
+
+@main.command(name="dev-services")
+@click.option("--env", "env_only", is_flag=True, help="Print `export ONCEFLOW_…=` lines.")
+@click.option("--data-dir", type=click.Path(path_type=Path), default=None)
+def dev_services(env_only: bool, data_dir: Path | None) -> None:
+    """Start a private Postgres 16 and Valkey 8 (the `embedded` extra) until Ctrl-C."""
+    from onceflow.embedded import run_dev_services
+
+    sys.exit(run_dev_services(env_only=env_only, data_dir=data_dir))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,143 @@
+"""Test fixtures on real services: one database per run, migrated, dropped at the end.
+
+The servers come from ``ONCEFLOW_TEST_DATABASE_URL`` / ``ONCEFLOW_TEST_REDIS_URL``
+(else the usual ``ONCEFLOW_DATABASE_URL`` / ``ONCEFLOW_REDIS_URL``, else the
+defaults on 127.0.0.1). When they do not answer, the embedded servers of the
+``embedded`` extra are started instead, saying so in one line. A service that
+can be neither reached nor started fails the run; nothing is skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from sqlalchemy import Engine, make_url, text
+
+# Scrub the environment at import: the suite must not depend on a developer's settings.
+_SERVER_DB = os.environ.get("ONCEFLOW_TEST_DATABASE_URL") or os.environ.get("ONCEFLOW_DATABASE_URL")
+_SERVER_REDIS = os.environ.get("ONCEFLOW_TEST_REDIS_URL") or os.environ.get("ONCEFLOW_REDIS_URL")
+for _name in [n for n in os.environ if n.startswith("ONCEFLOW_")]:
+    del os.environ[_name]
+
+DEFAULT_DB = "postgresql+psycopg://127.0.0.1:5432/postgres"
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def libpq(url: str) -> str:
+    """A SQLAlchemy URL as a libpq connection string."""
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+@pytest.fixture(scope="session")
+def services() -> Iterator[tuple[str, str]]:
+    """(admin database URL, redis URL) of servers that answer; embedded ones if need be."""
+    from onceflow.embedded import embedded_services, service_answers
+
+    db_url = _SERVER_DB or DEFAULT_DB
+    redis_url = _SERVER_REDIS or DEFAULT_REDIS
+    db_ok, redis_ok = service_answers(db_url, redis_url)
+    if db_ok and redis_ok:
+        yield db_url, redis_url
+        return
+    missing = [n for n, ok in (("Postgres", db_ok), ("Redis", redis_ok)) if not ok]
+    print(
+        f"\nonceflow tests: {' and '.join(missing)} not answering at the configured URLs; "
+        "starting the embedded servers",
+        file=sys.stderr,
+    )
+    with embedded_services(postgres=not db_ok, redis=not redis_ok) as emb:
+        yield (db_url if db_ok else emb.database_url), (redis_url if redis_ok else emb.redis_url)
+
+
+@pytest.fixture(scope="session")
+def database_url(services: tuple[str, str]) -> Iterator[str]:
+    """A fresh database for this run (unique name), migrated to head, dropped at the end."""
+    from onceflow.migrate import migrate
+
+    admin_url, _ = services
+    name = f"onceflow_test_{os.getpid()}_{secrets.token_hex(3)}"
+    with psycopg.connect(libpq(admin_url), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = make_url(admin_url).set(database=name).render_as_string(hide_password=False)
+    os.environ["ONCEFLOW_DATABASE_URL"] = url  # for subprocesses: CLI, workers
+    _reset_settings()
+    try:
+        migrate(url)
+        yield url
+    finally:
+        from onceflow.db import dispose_engines
+
+        dispose_engines()
+        with psycopg.connect(libpq(admin_url), autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def redis_url(services: tuple[str, str]) -> str:
+    """The Redis URL of this run."""
+    os.environ["ONCEFLOW_REDIS_URL"] = services[1]
+    _reset_settings()
+    return services[1]
+
+
+def _reset_settings() -> None:
+    from onceflow.settings import get_settings
+
+    get_settings.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def engine(database_url: str) -> Engine:
+    """This process's engine on the test database."""
+    from onceflow.db import get_engine
+
+    return get_engine(database_url)
+
+
+@pytest.fixture()
+def clean_db(engine: Engine) -> Engine:
+    """The test database with every table emptied before the test."""
+    with engine.begin() as conn:
+        conn.execute(text("TRUNCATE workspace_process_requests"))
+    return engine
+
+
+@pytest.fixture()
+def queue(clean_db: Engine) -> object:
+    """A :class:`onceflow.Queue` on an empty table."""
+    from onceflow.queue import Queue
+    from onceflow.settings import get_settings
+
+    return Queue(clean_db, settings=get_settings())
+
+
+def table_snapshot(engine: Engine) -> list[tuple[object, ...]]:
+    """Every row of the queue table, for 'bad input changes nothing' checks."""
+    with engine.connect() as conn:
+        return [
+            tuple(r)
+            for r in conn.execute(text("SELECT * FROM workspace_process_requests ORDER BY 1"))
+        ]
+
+
+@contextlib.contextmanager
+def env(**values: str) -> Iterator[None]:
+    """Temporarily set environment variables."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
