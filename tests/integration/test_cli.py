@@ -1,0 +1,84 @@
+"""The ``onceflow`` CLI as scripts use it: real subprocesses on the test database."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from sqlalchemy import Engine
+
+from onceflow.ids import request_id_for
+from tests.conftest import table_snapshot
+
+
+def onceflow(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "onceflow.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_enqueue_show_status(clean_db: Engine) -> None:
+    args = ["enqueue", "--stage", "evaluate", "--workspace", "w1", "--job", "j1",
+            "--branch-path", "main", "--worker-class", "llm", "--input", '{"cols": ["fit"]}']  # fmt: skip
+    first = onceflow(*args)
+    assert first.returncode == 0, first.stderr
+    out = json.loads(first.stdout)
+    rid = request_id_for("w1", "j1", "main", "evaluate")
+    assert out == {"request_id": rid, "created": True, "status": "queued", "input_mismatch": False}
+    second = json.loads(onceflow(*args).stdout)
+    assert (second["request_id"], second["created"]) == (rid, False)
+
+    shown = onceflow("show", rid, "--json")
+    assert shown.returncode == 0, shown.stderr
+    row = json.loads(shown.stdout)
+    assert (row["status"], row["input"], row["worker_class"]) == ("queued", {"cols": ["fit"]}, "llm")
+    assert "claim_token" not in row
+    assert rid in onceflow("show", rid).stdout
+
+    status = onceflow("status", "--json")
+    assert json.loads(status.stdout)["counts"]["llm"]["queued"] == 1
+    assert "llm" in onceflow("status").stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["show", "nope"], 3, "no request nope"),
+        (["enqueue", "--stage", "s", "--workspace", "", "--job", "j"], 1, "workspace_id"),
+        (["enqueue", "--stage", "s", "--workspace", "w", "--job", "j", "--input", "{bad"], 2,
+         "not JSON"),
+        (["enqueue", "--stage", "s", "--workspace", "w", "--job", "j", "--input", "NaN"], 1,
+         "not JSON"),
+        (["list", "--status", "finished"], 1, "unknown status"),
+    ],
+)  # fmt: skip
+def test_errors_go_to_stderr_with_nonzero_exit(
+    clean_db: Engine, args: list[str], code: int, message: str
+) -> None:
+    before = table_snapshot(clean_db)
+    result = onceflow(*args)
+    assert result.returncode == code
+    assert message in result.stderr
+    assert result.stdout == ""
+    assert "Traceback" not in result.stderr
+    assert table_snapshot(clean_db) == before
+
+
+def test_unreachable_database_is_a_clear_error() -> None:
+    result = onceflow("status", env={"ONCEFLOW_DATABASE_URL": "postgresql://127.0.0.1:1/x"})
+    assert result.returncode == 1
+    assert "DatabaseUnavailable" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_migrate_is_idempotent(database_url: str) -> None:
+    for _ in range(2):
+        result = onceflow("migrate")
+        assert result.returncode == 0, result.stderr
