@@ -109,7 +109,7 @@ class StoreError(OnceflowError):
     """A database error that is not one of the above, translated from the driver."""
 
 
-class RetryLater(Exception):  # noqa: N818 - a signal, not an error; named for what it asks
+class RetryLater(Exception):
     """Raised by a stage to be run again after ``delay`` seconds (not counted as a crash)."""
 
     def __init__(self, delay: float = 0.0, reason: str = "") -> None:

@@ -22,7 +22,10 @@ class Settings(BaseSettings):
         description="Redis URL: compute locks, broadcasts and the Celery broker.",
     )
     lease_seconds: float = Field(
-        default=30.0, gt=0, le=86_400, description="Default lease a claim holds without a heartbeat."
+        default=30.0,
+        gt=0,
+        le=86_400,
+        description="Default lease a claim holds without a heartbeat.",
     )
     max_attempts: int = Field(
         default=5, ge=1, le=1000, description="Default number of runs before a request is dead."

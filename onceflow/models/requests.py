@@ -76,7 +76,7 @@ class Request:
     finished_at: datetime | None
 
     @classmethod
-    def from_row(cls, row: Mapping[str, Any]) -> Request:
+    def from_row(cls, row: Mapping[Any, Any]) -> Request:
         """Build from a mapping of column values (extra keys such as claim_token ignored)."""
         values = {name: row[name] for name in _REQUEST_FIELDS}
         values["status"] = Status(values["status"])

@@ -3,11 +3,10 @@
 ::
 
     queued ──claim──► running ──complete──► succeeded
-      ▲  │               │ │
-      │  │               │ └─fail (retryable, attempts left)──► queued (run_after = now + backoff)
-      │  │               ├─fail (final / attempts spent)──────► dead
-      │  │               ├─lease lapsed (crash) ──────────────► queued, or dead past the crash budget
-      │  └─cancel──► cancelled ◄──fail after cancel requested─┘
+      ▲  │               ├─fail (retryable, attempts left)──► queued (after backoff)
+      │  │               ├─fail (final / attempts spent)────► dead
+      │  │               ├─lease lapsed (crash)─────────────► queued, or dead past the budget
+      │  └─cancel──► cancelled ◄── fail / lapse after cancel requested
       └──────── requeue (explicit re-run of succeeded / dead / cancelled)
 """
 

@@ -7,6 +7,7 @@ operation takes typed parameters and returns rows as :class:`Request` /
 
 from __future__ import annotations
 
+import builtins
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
@@ -65,7 +66,7 @@ class Queue:
         workspace_id: str,
         job_id: str,
         branch_path: str = "",
-        input: JSON = None,  # noqa: A002 - the seed's name for it
+        input: JSON = None,
         *,
         worker_class: str = "default",
         dedupe: bool = True,
@@ -254,7 +255,9 @@ class Queue:
                 for row in rows:
                     request = Request.from_row(row)
                     assert request.lease_expires_at is not None  # noqa: S101
-                    claims.append(Claim(request, tokens[row["rn"] - 1], request.lease_expires_at, lease))
+                    claims.append(
+                        Claim(request, tokens[row["rn"] - 1], request.lease_expires_at, lease)
+                    )
         return claims
 
     def heartbeat(self, claim: Claim, *, now: datetime | None = None) -> Heartbeat:
@@ -267,7 +270,9 @@ class Queue:
             row = conn.execute(sql.HEARTBEAT, params).first()
         if row is None:
             raise LeaseLost(claim.request_id, "heartbeat rejected")
-        return Heartbeat(lease_expires_at=row.lease_expires_at, cancel_requested=row.cancel_requested)
+        return Heartbeat(
+            lease_expires_at=row.lease_expires_at, cancel_requested=row.cancel_requested
+        )
 
     def complete(
         self,
@@ -322,7 +327,7 @@ class Queue:
         """Delay before retry number ``attempt``: exponential, capped, with equal jitter."""
         base = self.settings.backoff_base_seconds * 2 ** max(0, attempt - 1)
         delay = min(self.settings.backoff_max_seconds, base)
-        return delay / 2 + random.uniform(0, delay / 2)
+        return float(delay / 2 + random.uniform(0, delay / 2))
 
     def fence_check(self, conn: Connection, claim: Claim, *, now: datetime | None = None) -> None:
         """Inside the caller's transaction: raise :class:`LeaseLost` unless the claim is live.
@@ -343,14 +348,18 @@ class Queue:
         """
         check_id("request_id", request_id)
         with translate_errors(), self.engine.begin() as conn:
-            row = conn.execute(sql.CANCEL, {"request_id": request_id, "now": now}).mappings().first()
+            row = (
+                conn.execute(sql.CANCEL, {"request_id": request_id, "now": now}).mappings().first()
+            )
         return Request.from_row(row) if row is not None else self.get(request_id)
 
     def requeue(self, request_id: str, *, now: datetime | None = None) -> Request:
         """Run a finished (succeeded, dead or cancelled) request again; refused while running."""
         check_id("request_id", request_id)
         with translate_errors(), self.engine.begin() as conn:
-            row = conn.execute(sql.REQUEUE, {"request_id": request_id, "now": now}).mappings().first()
+            row = (
+                conn.execute(sql.REQUEUE, {"request_id": request_id, "now": now}).mappings().first()
+            )
         if row is not None:
             return Request.from_row(row)
         current = self.get(request_id)
@@ -376,7 +385,7 @@ class Queue:
         stage: str | None = None,
         job_id: str | None = None,
         limit: int = 100,
-    ) -> list[Request]:
+    ) -> builtins.list[Request]:
         """Requests matching every given filter, newest first."""
         if not isinstance(limit, int) or not 1 <= limit <= LIST_LIMIT_MAX:
             raise InvalidRequest(f"limit must be an integer in [1, {LIST_LIMIT_MAX}]")
@@ -418,7 +427,7 @@ class Queue:
 
     def due_for_dispatch(
         self, *, redispatch_after: float, limit: int = 1000, now: datetime | None = None
-    ) -> list[tuple[RequestId, str]]:
+    ) -> builtins.list[tuple[RequestId, str]]:
         """Queued, due rows whose wake-up may be lost; marked dispatched in the same statement."""
         params = {"redispatch_after": redispatch_after, "limit": limit, "now": now}
         with translate_errors(), self.engine.begin() as conn:

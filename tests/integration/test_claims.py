@@ -203,9 +203,7 @@ def test_hand_off_killed_between_the_two_writes_lands_nothing(
     assert claim is not None
 
     def kill_before_follow_up(conn, cursor, statement, params, context, executemany):  # type: ignore[no-untyped-def]
-        if "INSERT INTO workspace_process_requests" in statement and "then-test" not in str(
-            params
-        ):
+        if "INSERT INTO workspace_process_requests" in statement and "then-test" not in str(params):
             return
         if "INSERT INTO workspace_process_requests" in statement:
             pid = conn.connection.dbapi_connection.info.backend_pid

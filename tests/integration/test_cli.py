@@ -26,7 +26,8 @@ def onceflow(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
 
 def test_enqueue_show_status(clean_db: Engine) -> None:
     args = ["enqueue", "--stage", "evaluate", "--workspace", "w1", "--job", "j1",
-            "--branch-path", "main", "--worker-class", "llm", "--input", '{"cols": ["fit"]}']  # fmt: skip
+            "--branch-path", "main", "--worker-class", "llm",
+            "--input", '{"cols": ["fit"]}']  # fmt: skip
     first = onceflow(*args)
     assert first.returncode == 0, first.stderr
     out = json.loads(first.stdout)
@@ -38,7 +39,11 @@ def test_enqueue_show_status(clean_db: Engine) -> None:
     shown = onceflow("show", rid, "--json")
     assert shown.returncode == 0, shown.stderr
     row = json.loads(shown.stdout)
-    assert (row["status"], row["input"], row["worker_class"]) == ("queued", {"cols": ["fit"]}, "llm")
+    assert (row["status"], row["input"], row["worker_class"]) == (
+        "queued",
+        {"cols": ["fit"]},
+        "llm",
+    )
     assert "claim_token" not in row
     assert rid in onceflow("show", rid).stdout
 

@@ -22,7 +22,7 @@ def test_32_threads_same_request_one_row_one_creator(queue: Queue) -> None:
         try:
             barrier.wait()
             results.append(queue.enqueue("evaluate", "w1", "j1", "main", {"cols": ["a"]}))
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=enqueue) for _ in range(32)]
@@ -43,7 +43,11 @@ def test_duplicate_gets_existing_status(queue: Queue) -> None:
     claim = queue.claim(first.request_id, "worker-a")
     assert claim is not None
     again = queue.enqueue("evaluate", "w1", "j1", "main", {"x": 1})
-    assert (again.created, again.status, again.request_id) == (False, Status.RUNNING, first.request_id)
+    assert (again.created, again.status, again.request_id) == (
+        False,
+        Status.RUNNING,
+        first.request_id,
+    )
     # A duplicate never rewrites a claimed row (Chancy #51): still running under the same claim.
     assert queue.get(first.request_id).claimed_by == "worker-a"
     queue.heartbeat(claim)

@@ -56,7 +56,8 @@ def _plan(conn: object, statement: object, params: dict[str, object]) -> str:
 @pytest.mark.slow
 def test_claim_uses_its_partial_index_on_a_big_table(clean_db: Engine) -> None:
     with clean_db.begin() as conn:
-        conn.execute(text("""
+        conn.execute(
+            text("""
             INSERT INTO workspace_process_requests
                 (request_id, workspace_id, job_id, branch_path, stage, dedupe, input, input_hash,
                  worker_class, status, max_attempts, max_crash_attempts, finished_at, result)
@@ -64,15 +65,18 @@ def test_claim_uses_its_partial_index_on_a_big_table(clean_db: Engine) -> None:
                    CASE WHEN i % 3 = 0 THEN 'llm' ELSE 'fallback' END, 'succeeded', 5, 3,
                    now(), '{}'
             FROM generate_series(1, 100000) AS i
-        """))
-        conn.execute(text("""
+        """)
+        )
+        conn.execute(
+            text("""
             INSERT INTO workspace_process_requests
                 (request_id, workspace_id, job_id, branch_path, stage, dedupe, input, input_hash,
                  worker_class, max_attempts, max_crash_attempts)
             SELECT 'todo-' || i, 'w' || (i % 50), 'j' || i, '', 'evaluate', true, '{}', 'h',
                    CASE WHEN i % 2 = 0 THEN 'llm' ELSE 'fallback' END, 5, 3
             FROM generate_series(1, 1000) AS i
-        """))
+        """)
+        )
         conn.execute(text("ANALYZE workspace_process_requests"))
     params = {
         "worker_class": "llm", "worker_id": "w", "limit": 10, "tokens": ["t"] * 10,
