@@ -2,6 +2,7 @@
 
 from onceflow.models.requests import (
     Claim,
+    Dispatch,
     EnqueueResult,
     Heartbeat,
     NewRequest,
@@ -13,6 +14,7 @@ from onceflow.models.tables import metadata, workspace_process_requests
 
 __all__ = [
     "Claim",
+    "Dispatch",
     "EnqueueResult",
     "Heartbeat",
     "NewRequest",

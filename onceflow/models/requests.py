@@ -128,10 +128,19 @@ class Heartbeat:
 
 
 @dataclass(frozen=True, slots=True)
+class Dispatch:
+    """A wake-up to send: which request, its stage, and the worker class whose queue gets it."""
+
+    request_id: RequestId
+    stage: str
+    worker_class: str
+
+
+@dataclass(frozen=True, slots=True)
 class SweepResult:
-    """What one sweep did; the Celery runtime dispatches ``to_dispatch``."""
+    """What one sweep did; the Celery runtime sends ``to_dispatch``."""
 
     rescued: list[RequestId]
     quarantined: list[RequestId]
-    to_dispatch: list[tuple[RequestId, str]]
+    to_dispatch: list[Dispatch]
     pruned: int = 0

@@ -283,7 +283,7 @@ UPDATE {TABLE} AS w SET
     updated_at = n.now
 FROM nxt, n
 WHERE w.request_id = nxt.request_id
-RETURNING w.request_id, w.status, w.worker_class
+RETURNING w.request_id, w.status, w.stage, w.worker_class
 """)
 
 # Queued, due rows whose wake-up message may be lost: never dispatched, or dispatched more
@@ -305,5 +305,5 @@ due AS (
 UPDATE {TABLE} AS w SET dispatched_at = n.now
 FROM due, n
 WHERE w.request_id = due.request_id
-RETURNING w.request_id, w.worker_class
+RETURNING w.request_id, w.stage, w.worker_class
 """)

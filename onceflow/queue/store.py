@@ -33,6 +33,7 @@ from onceflow.ids import (
 )
 from onceflow.models.requests import (
     Claim,
+    Dispatch,
     EnqueueResult,
     Heartbeat,
     NewRequest,
@@ -422,17 +423,21 @@ class Queue:
             rows = conn.execute(sql.RESCUE_EXPIRED, {"limit": limit, "now": now}).all()
         rescued = [RequestId(r.request_id) for r in rows if r.status == Status.QUEUED]
         dead = [RequestId(r.request_id) for r in rows if r.status != Status.QUEUED]
-        dispatch = [(RequestId(r.request_id), r.worker_class) for r in rows if r.status == "queued"]
+        dispatch = [
+            Dispatch(RequestId(r.request_id), r.stage, r.worker_class)
+            for r in rows
+            if r.status == Status.QUEUED
+        ]
         return SweepResult(rescued=rescued, quarantined=dead, to_dispatch=dispatch)
 
     def due_for_dispatch(
         self, *, redispatch_after: float, limit: int = 1000, now: datetime | None = None
-    ) -> builtins.list[tuple[RequestId, str]]:
+    ) -> builtins.list[Dispatch]:
         """Queued, due rows whose wake-up may be lost; marked dispatched in the same statement."""
         params = {"redispatch_after": redispatch_after, "limit": limit, "now": now}
         with translate_errors(), self.engine.begin() as conn:
             rows = conn.execute(sql.DUE_FOR_DISPATCH, params).all()
-        return [(RequestId(r.request_id), r.worker_class) for r in rows]
+        return [Dispatch(RequestId(r.request_id), r.stage, r.worker_class) for r in rows]
 
     def sweep_once(
         self, *, redispatch_after: float = 30.0, limit: int = 1000, now: datetime | None = None

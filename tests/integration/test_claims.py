@@ -20,6 +20,7 @@ from onceflow import (
     Status,
 )
 from onceflow.ids import request_id_for
+from onceflow.models import Dispatch
 
 
 def db_now(engine: Engine) -> datetime:
@@ -237,7 +238,7 @@ def test_rescue_expired_requeues_then_quarantines(queue: Queue, clean_db: Engine
     first = queue.rescue_expired(now=now + timedelta(seconds=6))
     second = queue.rescue_expired(now=now + timedelta(seconds=6))
     assert first.rescued == [rid] and second.rescued == []
-    assert first.to_dispatch == [(rid, "default")]
+    assert first.to_dispatch == [Dispatch(rid, "s", "default")]
     assert queue.get(rid).crash_attempts == 1
     # Crash again: the budget of 2 lapsed leases is spent, the request is quarantined (dead).
     assert queue.claim(rid, "b", lease_seconds=5, now=now + timedelta(seconds=7)) is not None
@@ -265,7 +266,7 @@ def test_due_for_dispatch_resends_only_stale_wakeups(queue: Queue, clean_db: Eng
     now = db_now(clean_db)
     assert queue.due_for_dispatch(redispatch_after=30, now=now) == []
     later = now + timedelta(seconds=31)
-    assert queue.due_for_dispatch(redispatch_after=30, now=later) == [(rid, "default")]
+    assert queue.due_for_dispatch(redispatch_after=30, now=later) == [Dispatch(rid, "s", "default")]
     assert queue.due_for_dispatch(redispatch_after=30, now=later) == []
 
 
