@@ -207,6 +207,124 @@ def demo(clients: int, jobs: int, workers: int, as_json: bool) -> None:
     sys.exit(0 if report.invariants_ok else EXIT_ERROR)
 
 
+def _load(app_spec: str | None) -> tuple[Any, Any]:
+    from onceflow.settings import get_settings
+    from onceflow.tasks.loader import load_app
+
+    return load_app(app_spec or get_settings().app)
+
+
+_APP_OPTION = click.option(
+    "--app", "app_spec", default=None, help="module:attribute of the Flow (default ONCEFLOW_APP)."
+)
+
+
+@main.command()
+@click.option(
+    "--worker-class",
+    "worker_classes",
+    multiple=True,
+    help="Queue(s) to consume; repeat. Default: every class the flow declares.",
+)
+@click.option("--concurrency", "-c", type=click.IntRange(1, 512), default=None)
+@click.option("--loglevel", "-l", default="INFO", show_default=True)
+@click.option("--pool", default="prefork", show_default=True)
+@click.option("--hostname", "-n", default=None, help="Celery node name (default: unique).")
+@_APP_OPTION
+@_errors_to_exit
+def worker(
+    worker_classes: tuple[str, ...],
+    concurrency: int | None,
+    loglevel: str,
+    pool: str,
+    hostname: str | None,
+    app_spec: str | None,
+) -> None:
+    """Run a Celery worker for some worker classes (a thin wrapper over `celery worker`)."""
+    import os
+
+    from onceflow.ids import check_id
+    from onceflow.tasks.config import MAINTENANCE_QUEUE
+
+    app, flow = _load(app_spec)
+    classes = list(worker_classes) or (flow.queues() if flow is not None else ["default"])
+    for wc in classes:
+        check_id("worker_class", wc)
+    queues = ",".join([*classes, MAINTENANCE_QUEUE])
+    name = hostname or f"onceflow-{'-'.join(classes)[:40]}-{os.getpid()}@%h"
+    argv = ["worker", "-Q", queues, "-E", "--loglevel", loglevel, "--pool", pool, "-n", name]
+    if concurrency:
+        argv += ["--concurrency", str(concurrency)]
+    app.worker_main(argv=argv)
+
+
+@main.command()
+@click.option("--loglevel", "-l", default="INFO", show_default=True)
+@_APP_OPTION
+@_errors_to_exit
+def beat(loglevel: str, app_spec: str | None) -> None:
+    """Run Celery beat, which sends the sweeper task every ONCEFLOW_SWEEP_INTERVAL_SECONDS."""
+    app, _ = _load(app_spec)
+    # The in-memory scheduler: an interval schedule needs no state file (and shelve is pickle).
+    app.start(argv=["beat", "--loglevel", loglevel, "--scheduler", "celery.beat:Scheduler"])
+
+
+@main.command()
+@click.option(
+    "--redispatch-after",
+    type=float,
+    default=None,
+    help="Seconds before an unclaimed wake-up is sent again.",
+)
+@_APP_OPTION
+@_errors_to_exit
+def sweep(redispatch_after: float | None, app_spec: str | None) -> None:
+    """Run one sweeper pass now; prints what it did as JSON."""
+    _, flow = _load(app_spec)
+    if flow is None:
+        raise click.UsageError("sweep needs an onceflow Flow, not a bare Celery app")
+    result = flow.sweep_once(redispatch_after=redispatch_after)
+    _echo_json(
+        {
+            "rescued": result.rescued,
+            "quarantined": result.quarantined,
+            "dispatched": [d.request_id for d in result.to_dispatch],
+            "pruned": result.pruned,
+        }
+    )
+
+
+@main.command()
+@click.option(
+    "--conf", type=click.Path(exists=True, dir_okay=False), default="flower.cfg", show_default=True
+)
+@click.option("--port", type=int, default=None)
+@click.option("--address", default=None)
+@click.option("--insecure-no-auth", is_flag=True, help="Start without basic auth (never in prod).")
+@_APP_OPTION
+@_errors_to_exit
+def flower(
+    conf: str, port: int | None, address: str | None, insecure_no_auth: bool, app_spec: str | None
+) -> None:
+    """Run Flower with flower.cfg; refuses to start without ONCEFLOW_FLOWER_BASIC_AUTH."""
+    import os
+
+    if not os.environ.get("ONCEFLOW_FLOWER_BASIC_AUTH") and not insecure_no_auth:
+        click.echo(
+            "onceflow: refusing to start Flower without credentials: set "
+            "ONCEFLOW_FLOWER_BASIC_AUTH=user:password (or pass --insecure-no-auth)",
+            err=True,
+        )
+        sys.exit(EXIT_ERROR)
+    app, _ = _load(app_spec)
+    argv = ["flower", f"--conf={conf}"]
+    if port is not None:
+        argv.append(f"--port={port}")
+    if address is not None:
+        argv.append(f"--address={address}")
+    app.start(argv=argv)
+
+
 @main.command(name="dev-services")
 @click.option("--env", "env_only", is_flag=True, help="Print `export ONCEFLOW_…=` lines.")
 @click.option("--data-dir", type=click.Path(path_type=Path), default=None)

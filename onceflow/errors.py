@@ -9,10 +9,13 @@ stage code. Control-flow signals (retry later) are kept apart from errors.
     OnceflowError
     ├── InvalidRequest            bad input: nothing was written
     │   ├── PayloadTooLarge       input or result over the payload limit
-    │   └── InputMismatch         same request_id, different input (strict mode)
+    │   ├── InputMismatch         same request_id, different input (strict mode)
+    │   └── UnknownStage          no stage of that name is registered
     ├── NotFound                  no such request
     ├── InvalidTransition         e.g. requeue of a running request
     ├── LeaseLost                 the claim token no longer holds a live lease
+    ├── Cancelled                 cancel was requested for the running request
+    ├── PermanentError            raised by a stage: fail now, no retry
     ├── DatabaseUnavailable       Postgres did not answer
     └── StoreError                any other database failure, translated
 
@@ -99,6 +102,32 @@ class LeaseLost(OnceflowError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.request_id, self.detail))
+
+
+class Cancelled(OnceflowError):
+    """Cancel was requested for the request this stage runs; its next fenced step stops."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        super().__init__(f"request {request_id} was cancelled")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.request_id,))
+
+
+class PermanentError(OnceflowError):
+    """Raise from a stage to fail the request at once, without retries (e.g. bad data)."""
+
+
+class UnknownStage(InvalidRequest):
+    """No stage of this name is registered with the flow."""
+
+    def __init__(self, stage: str) -> None:
+        self.stage = stage
+        super().__init__(f"no stage named {stage!r} is registered")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.stage,))
 
 
 class DatabaseUnavailable(OnceflowError):

@@ -44,6 +44,38 @@ class Settings(BaseSettings):
         default=256 * 1024, ge=1024, description="Largest input or result, as canonical JSON."
     )
     pool_size: int = Field(default=5, ge=1, description="SQLAlchemy pool size per process.")
+    broker_url: str | None = Field(
+        default=None, description="Celery broker URL; the Redis URL when unset."
+    )
+    sweep_interval_seconds: float = Field(
+        default=5.0, gt=0, description="How often beat runs the sweeper."
+    )
+    redispatch_after_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        description="A queued, due request unclaimed this long after its wake-up gets another.",
+    )
+    retention_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="Delete finished rows this long after they finished (the dedup window); "
+        "unset keeps them forever.",
+    )
+    payload_retention_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="Drop input and result of succeeded rows this long after they finished, "
+        "keeping the row (and its key) as a tombstone; unset keeps payloads.",
+    )
+    app: str = Field(
+        default="onceflow.tasks.default:flow",
+        description="`module:attribute` of the Flow (or Celery app) workers and beat load.",
+    )
+
+    @property
+    def celery_broker_url(self) -> str:
+        """The broker Celery connects to."""
+        return self.broker_url or self.redis_url
 
 
 @lru_cache(maxsize=1)

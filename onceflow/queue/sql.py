@@ -76,6 +76,7 @@ UPDATE {TABLE} AS w SET
     updated_at = n.now
 FROM n
 WHERE w.request_id = :request_id
+  AND (CAST(:stage AS text) IS NULL OR w.stage = :stage)
   AND (
         (w.status = 'queued' AND w.run_after <= n.now)
      OR (w.status = 'running' AND w.lease_expires_at <= n.now
@@ -306,4 +307,43 @@ UPDATE {TABLE} AS w SET dispatched_at = n.now
 FROM due, n
 WHERE w.request_id = due.request_id
 RETURNING w.request_id, w.stage, w.worker_class
+""")
+
+# Retention, in two steps. Succeeded rows first lose their payloads but keep their key,
+# status and input_hash: a tombstone that still collapses duplicates (and still detects an
+# input mismatch). After the dedup window, succeeded and cancelled rows are deleted. Dead
+# rows are never deleted: their error is what an operator needs.
+PRUNE_PAYLOADS: TextClause = text(f"""
+WITH n AS ({_NOW}),
+old AS (
+    SELECT w.request_id
+    FROM {TABLE} w, n
+    WHERE w.finished_at <= n.now - make_interval(secs => :age)
+      AND w.status = 'succeeded'
+      AND (w.input <> 'null'::jsonb OR w.result IS NOT NULL)
+    LIMIT :limit
+    FOR UPDATE OF w SKIP LOCKED
+)
+UPDATE {TABLE} AS w SET input = 'null'::jsonb, result = NULL, updated_at = n.now
+FROM old, n
+WHERE w.request_id = old.request_id
+""")
+
+DELETE_FINISHED: TextClause = text(f"""
+WITH n AS ({_NOW}),
+old AS (
+    SELECT w.request_id
+    FROM {TABLE} w, n
+    WHERE w.finished_at <= n.now - make_interval(secs => :age)
+      AND w.status IN ('succeeded', 'cancelled')
+    LIMIT :limit
+    FOR UPDATE OF w SKIP LOCKED
+)
+DELETE FROM {TABLE} AS w USING old
+WHERE w.request_id = old.request_id
+""")
+
+MARK_UNDISPATCHED: TextClause = text(f"""
+UPDATE {TABLE} SET dispatched_at = NULL
+WHERE request_id = :request_id AND status = 'queued'
 """)

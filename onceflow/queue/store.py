@@ -202,16 +202,20 @@ class Queue:
         worker_id: str,
         *,
         lease_seconds: float | None = None,
+        stage: str | None = None,
         now: datetime | None = None,
     ) -> Claim | None:
-        """Claim one request by id, or None if it is not claimable (running, finished, not due)."""
+        """Claim one request by id, or None if it is not claimable (running, finished, not due).
+
+        ``stage`` (optional) claims it only if it is a request of that stage.
+        """
         check_id("request_id", request_id)
         check_id("worker_id", worker_id)
         lease = self._lease(lease_seconds)
         token = new_claim_token()
         params = {
             "request_id": request_id, "worker_id": worker_id, "token": token,
-            "lease_seconds": lease, "now": now,
+            "lease_seconds": lease, "stage": stage, "now": now,
         }  # fmt: skip
         with translate_errors(), self.engine.begin() as conn:
             row = conn.execute(sql.CLAIM, params).mappings().first()
@@ -368,6 +372,11 @@ class Queue:
             raise InvalidTransition(request_id, current.status.value, "requeue")
         return current
 
+    def mark_undispatched(self, request_id: str) -> None:
+        """Note that a queued request's wake-up was not sent, so the next sweep sends one."""
+        with translate_errors(), self.engine.begin() as conn:
+            conn.execute(sql.MARK_UNDISPATCHED, {"request_id": request_id})
+
     def get(self, request_id: str) -> Request:
         """The request with this id, or :class:`NotFound`."""
         check_id("request_id", request_id)
@@ -439,16 +448,55 @@ class Queue:
             rows = conn.execute(sql.DUE_FOR_DISPATCH, params).all()
         return [Dispatch(RequestId(r.request_id), r.stage, r.worker_class) for r in rows]
 
+    def prune(
+        self,
+        *,
+        retention_seconds: float | None,
+        payload_retention_seconds: float | None,
+        limit: int = 1000,
+        now: datetime | None = None,
+    ) -> int:
+        """Apply the retention policy; returns rows deleted or turned into tombstones.
+
+        ``None`` for either age disables that step: nothing is pruned unless asked.
+        """
+        touched = 0
+        with translate_errors(), self.engine.begin() as conn:
+            if payload_retention_seconds is not None:
+                params = {"age": payload_retention_seconds, "limit": limit, "now": now}
+                touched += conn.execute(sql.PRUNE_PAYLOADS, params).rowcount
+            if retention_seconds is not None:
+                params = {"age": retention_seconds, "limit": limit, "now": now}
+                touched += conn.execute(sql.DELETE_FINISHED, params).rowcount
+        return touched
+
     def sweep_once(
-        self, *, redispatch_after: float = 30.0, limit: int = 1000, now: datetime | None = None
+        self,
+        *,
+        redispatch_after: float | None = None,
+        limit: int = 1000,
+        now: datetime | None = None,
     ) -> SweepResult:
-        """One sweeper pass: rescue lapsed leases, then collect due rows needing a wake-up."""
+        """One sweeper pass: rescue lapsed leases, collect due rows needing a wake-up, prune.
+
+        Safe to run from several processes at once: every step is a compare-and-set
+        over rows locked with ``SKIP LOCKED``, so two sweepers split the work.
+        """
+        s = self.settings
+        after = s.redispatch_after_seconds if redispatch_after is None else redispatch_after
         rescued = self.rescue_expired(limit=limit, now=now)
-        due = self.due_for_dispatch(redispatch_after=redispatch_after, limit=limit, now=now)
+        due = self.due_for_dispatch(redispatch_after=after, limit=limit, now=now)
+        pruned = self.prune(
+            retention_seconds=s.retention_seconds,
+            payload_retention_seconds=s.payload_retention_seconds,
+            limit=limit,
+            now=now,
+        )
         return SweepResult(
             rescued=rescued.rescued,
             quarantined=rescued.quarantined,
             to_dispatch=rescued.to_dispatch + due,
+            pruned=pruned,
         )
 
     # ----------------------------------------------------------------- helpers

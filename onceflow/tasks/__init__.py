@@ -1,1 +1,20 @@
-"""The Celery side: stages as tasks (arrives with the Celery runtime issue)."""
+"""The Celery side: stages as tasks, leases held by heartbeats, fenced completion, the sweeper.
+
+The Postgres table stays the source of truth; a Celery message carries only a
+request id and is a wake-up (DESIGN.md L5).
+"""
+
+from onceflow.tasks.config import MAINTENANCE_QUEUE, SWEEP_TASK, celery_config
+from onceflow.tasks.flow import Flow, StageSpec, StageTask, worker_id
+from onceflow.tasks.runtime import StageContext
+
+__all__ = [
+    "MAINTENANCE_QUEUE",
+    "SWEEP_TASK",
+    "Flow",
+    "StageContext",
+    "StageSpec",
+    "StageTask",
+    "celery_config",
+    "worker_id",
+]

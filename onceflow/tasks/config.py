@@ -1,0 +1,48 @@
+"""The Celery configuration onceflow ships (users may override any key).
+
+The Postgres table is the source of truth; a Celery message is only a wake-up
+naming a request id. So: JSON only (pickle refused), late acks and requeue on
+worker loss (a redelivered wake-up is harmless: the claim decides), one message
+prefetched at a time, task events on for Flower, and no result backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from onceflow.settings import Settings
+
+SWEEP_TASK = "onceflow.sweep"
+#: The queue every onceflow worker also consumes, for maintenance (the sweeper).
+MAINTENANCE_QUEUE = "onceflow"
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    """Celery settings for ``settings`` (lower-case Celery 4+ names)."""
+    interval = settings.sweep_interval_seconds
+    return {
+        "broker_url": settings.celery_broker_url,
+        "broker_connection_retry_on_startup": True,
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "result_accept_content": ["json"],
+        "event_serializer": "json",
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "task_ignore_result": True,
+        "result_backend": None,
+        "task_default_queue": "default",
+        "worker_hijack_root_logger": False,
+        "beat_schedule": {
+            "onceflow-sweep": {
+                "task": SWEEP_TASK,
+                "schedule": interval,
+                # A sweep nobody ran in time is superseded by the next one.
+                "options": {"queue": MAINTENANCE_QUEUE, "expires": max(1.0, 2 * interval)},
+            }
+        },
+    }

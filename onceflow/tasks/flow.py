@@ -1,0 +1,306 @@
+"""Declaring stages as Celery tasks, enqueueing them, and sweeping.
+
+::
+
+    flow = Flow()
+
+    class EvaluateInput(BaseModel):
+        columns: list[str]
+
+    @flow.stage("evaluate", input=EvaluateInput, worker_class="llm", lease_seconds=60)
+    def evaluate(ctx: StageContext, data: EvaluateInput) -> dict:
+        ...
+        return {"scores": ...}
+
+    flow.enqueue("evaluate", "w1", "j1", "main", {"columns": ["fit"]})
+
+Each stage becomes the Celery task ``onceflow.stage.<name>``, routed to the queue
+named by its worker class. Its only argument is the request id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from celery import Celery, Task
+from celery.signals import worker_process_init
+from pydantic import BaseModel, ValidationError
+
+from onceflow.db import dispose_engines
+from onceflow.errors import InvalidRequest, OnceflowError, UnknownStage
+from onceflow.ids import check_id
+from onceflow.models.requests import Dispatch, EnqueueResult, SweepResult
+from onceflow.queue import Queue
+from onceflow.settings import Settings, get_settings
+from onceflow.tasks.config import MAINTENANCE_QUEUE, SWEEP_TASK, celery_config
+from onceflow.tasks.runtime import StageContext, run_request
+
+log = logging.getLogger("onceflow.flow")
+
+TASK_PREFIX = "onceflow.stage."
+# A wake-up that cannot be published quickly is left to the sweeper, not retried for long.
+PUBLISH_RETRY = {"max_retries": 2, "interval_start": 0.1, "interval_step": 0.2, "interval_max": 0.5}
+
+StageFunc = Callable[[StageContext, Any], Any]
+F = TypeVar("F", bound=StageFunc)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """A declared stage: its body, input model and queue options."""
+
+    name: str
+    func: StageFunc
+    input_model: type[BaseModel]
+    worker_class: str
+    dedupe: bool
+    lease_seconds: float | None
+    max_attempts: int | None
+    max_crash_attempts: int | None
+    priority: int
+    retry_on: tuple[type[BaseException], ...] | None
+
+    @property
+    def task_name(self) -> str:
+        """The Celery task name (what Flower shows)."""
+        return TASK_PREFIX + self.name
+
+
+class StageTask(Task):
+    """The one base task of every stage: the lifecycle lives in :func:`run_request`."""
+
+    flow: Flow
+    spec: StageSpec
+    acks_late = True
+    reject_on_worker_lost = True
+    ignore_result = True
+    typing = False  # the single argument is checked by the claim, not by call signature
+
+    def run_stage(self, request_id: str) -> dict[str, Any]:
+        """Claim the request and run the stage (the message is only a wake-up)."""
+        if not isinstance(request_id, str):
+            return {"outcome": "rejected", "reason": "the argument must be a request id string"}
+        try:
+            check_id("request_id", request_id)
+        except InvalidRequest as exc:
+            return {"outcome": "rejected", "reason": str(exc)}
+        return run_request(
+            self.flow.queue, self.spec, request_id, worker_id(), self.spec_is_retryable
+        )
+
+    def spec_is_retryable(self, exc: BaseException) -> bool:
+        """Retry on the stage's ``retry_on`` types, or on any exception when unset."""
+        retry_on = self.spec.retry_on
+        return retry_on is None or isinstance(exc, retry_on)
+
+
+def worker_id() -> str:
+    """This process as a claimant: ``host:pid``."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class Flow:
+    """A set of stages bound to one Celery app and one queue (built lazily per process)."""
+
+    def __init__(
+        self,
+        app: Celery | None = None,
+        *,
+        settings: Settings | None = None,
+        name: str = "onceflow",
+    ) -> None:
+        self._settings = settings
+        self.stages: dict[str, StageSpec] = {}
+        self.app = app or Celery(name, set_as_current=False)
+        # Evaluated when Celery first reads its config, not at import: nothing connects early.
+        self.app.add_defaults(lambda: celery_config(self.settings))
+        self._queue: tuple[int, Queue] | None = None
+        self._lock = threading.Lock()
+        flow = self
+
+        @self.app.task(name=SWEEP_TASK, ignore_result=True)
+        def sweep() -> dict[str, Any]:
+            result = flow.sweep_once()
+            return {
+                "rescued": len(result.rescued),
+                "quarantined": len(result.quarantined),
+                "dispatched": len(result.to_dispatch),
+                "pruned": result.pruned,
+            }
+
+    @property
+    def settings(self) -> Settings:
+        """The settings given, or the environment's."""
+        return self._settings or get_settings()
+
+    @property
+    def queue(self) -> Queue:
+        """This process's :class:`Queue` (rebuilt after a fork)."""
+        pid = os.getpid()
+        current = self._queue
+        if current is None or current[0] != pid:
+            with self._lock:
+                current = self._queue
+                if current is None or current[0] != pid:
+                    current = (pid, Queue(settings=self.settings))
+                    self._queue = current
+        return current[1]
+
+    def stage(
+        self,
+        name: str,
+        *,
+        input: type[BaseModel],
+        worker_class: str = "default",
+        dedupe: bool = True,
+        lease_seconds: float | None = None,
+        max_attempts: int | None = None,
+        max_crash_attempts: int | None = None,
+        priority: int = 0,
+        retry_on: tuple[type[BaseException], ...] | None = None,
+    ) -> Callable[[F], F]:
+        """Declare a stage; the decorated function is its body: ``body(ctx, input) -> JSON``."""
+        check_id("stage", name)
+        check_id("worker_class", worker_class)
+        if name in self.stages:
+            raise InvalidRequest(f"stage {name!r} is declared twice")
+        if not (isinstance(input, type) and issubclass(input, BaseModel)):
+            raise InvalidRequest("input= must be a pydantic model class")
+
+        def register(func: F) -> F:
+            spec = StageSpec(
+                name=name,
+                func=func,
+                input_model=input,
+                worker_class=worker_class,
+                dedupe=dedupe,
+                lease_seconds=lease_seconds,
+                max_attempts=max_attempts,
+                max_crash_attempts=max_crash_attempts,
+                priority=priority,
+                retry_on=retry_on,
+            )
+            self.stages[name] = spec
+            self.app.task(
+                name=spec.task_name,
+                base=StageTask,
+                bind=True,
+                flow=self,
+                spec=spec,
+                queue=worker_class,
+            )(_task_body)
+            return func
+
+        return register
+
+    def enqueue(
+        self,
+        stage: str,
+        workspace_id: str,
+        job_id: str,
+        branch_path: str = "",
+        input: Any = None,
+        *,
+        priority: int | None = None,
+        strict: bool = False,
+        worker_class: str | None = None,
+    ) -> EnqueueResult:
+        """Validate ``input`` against the stage's model, commit the row, then send the wake-up.
+
+        A duplicate that collapsed onto an existing row sends nothing. If the send
+        fails the row stays queued and the sweeper sends it; the caller gets its
+        request back either way.
+        """
+        spec = self.spec(stage)
+        data = self.validate_input(spec, input)
+        result = self.queue.enqueue(
+            stage,
+            workspace_id,
+            job_id,
+            branch_path,
+            data,
+            worker_class=worker_class or spec.worker_class,
+            dedupe=spec.dedupe,
+            priority=spec.priority if priority is None else priority,
+            max_attempts=spec.max_attempts,
+            max_crash_attempts=spec.max_crash_attempts,
+            strict=strict,
+        )
+        if result.created:
+            self.dispatch(Dispatch(result.request_id, stage, worker_class or spec.worker_class))
+        return result
+
+    def spec(self, stage: str) -> StageSpec:
+        """The declared stage ``stage``, or :class:`UnknownStage`."""
+        try:
+            return self.stages[stage]
+        except (KeyError, TypeError):
+            raise UnknownStage(str(stage)) from None
+
+    @staticmethod
+    def validate_input(spec: StageSpec, value: Any) -> Any:
+        """``value`` checked against the stage's model, as JSON data; a clear error if not."""
+        try:
+            model = spec.input_model.model_validate({} if value is None else value)
+        except ValidationError as exc:
+            raise InvalidRequest(f"input of stage {spec.name!r} is invalid: {exc}") from None
+        return model.model_dump(mode="json")
+
+    def dispatch(self, item: Dispatch) -> bool:
+        """Send the wake-up for one request; False (and logged) if the broker refused."""
+        try:
+            self.app.send_task(
+                TASK_PREFIX + item.stage,
+                args=[item.request_id],
+                queue=item.worker_class,
+                retry=True,
+                retry_policy=PUBLISH_RETRY,
+            )
+        except Exception as exc:  # kombu/redis errors: the row is durable, the sweeper resends
+            log.warning(
+                "request %s: wake-up not sent (%s); the sweeper will send it", item.request_id, exc
+            )
+            with contextlib.suppress(OnceflowError):
+                self.queue.mark_undispatched(item.request_id)
+            return False
+        return True
+
+    def sweep_once(self, *, redispatch_after: float | None = None) -> SweepResult:
+        """Rescue lapsed leases, prune, and send wake-ups for stages this flow declares."""
+        result = self.queue.sweep_once(redispatch_after=redispatch_after)
+        for item in result.to_dispatch:
+            if item.stage in self.stages:
+                self.dispatch(item)
+        if result.rescued or result.quarantined:
+            log.info(
+                "sweep: %d rescued, %d quarantined, %d wake-ups",
+                len(result.rescued),
+                len(result.quarantined),
+                len(result.to_dispatch),
+            )
+        return result
+
+    def queues(self) -> list[str]:
+        """The worker classes of the declared stages (queue names)."""
+        return sorted({spec.worker_class for spec in self.stages.values()})
+
+
+def _task_body(task: StageTask, request_id: str) -> dict[str, Any]:
+    """The body Celery calls: the lifecycle lives in the base class."""
+    return task.run_stage(request_id)
+
+
+@worker_process_init.connect
+def _after_fork(**_: Any) -> None:
+    """A prefork child must not reuse its parent's database sockets."""
+    dispose_engines()
+
+
+__all__ = ["MAINTENANCE_QUEUE", "Flow", "StageSpec", "StageTask", "worker_id"]

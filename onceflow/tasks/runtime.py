@@ -1,0 +1,234 @@
+"""Running one stage: claim, heartbeat, fence, complete — the lifecycle every stage task shares.
+
+The Celery message names a request id and nothing else; it is a wake-up. The
+claim decides whether this process runs the stage: a duplicate, late or
+redelivered message finds the request running elsewhere or finished, and is
+acknowledged with an outcome that says so (Flower shows it as the task result).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import traceback
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ValidationError
+
+from onceflow.errors import (
+    Cancelled,
+    InvalidRequest,
+    LeaseLost,
+    NotFound,
+    OnceflowError,
+    PermanentError,
+    RetryLater,
+)
+from onceflow.models.requests import Claim, NewRequest, Request
+from onceflow.models.status import Status
+from onceflow.queue import Queue
+
+if TYPE_CHECKING:
+    from onceflow.tasks.flow import StageSpec
+
+log = logging.getLogger("onceflow.runtime")
+
+TRACEBACK_LINES = 30
+
+
+class StageContext:
+    """What a stage body gets besides its input: its request, its lease, its fenced steps."""
+
+    def __init__(self, queue: Queue, claim: Claim, worker_id: str) -> None:
+        self._queue = queue
+        self._claim = claim
+        self._lost = threading.Event()
+        self._cancel = threading.Event()
+        self._then: list[NewRequest] = []
+        self.worker_id = worker_id
+
+    @property
+    def request(self) -> Request:
+        """The claimed request (ids, input, attempt, …)."""
+        return self._claim.request
+
+    @property
+    def attempt(self) -> int:
+        """Which run this is (1 for the first)."""
+        return self._claim.attempt
+
+    @property
+    def lease_lost(self) -> bool:
+        """True once a heartbeat learned that the lease is gone."""
+        return self._lost.is_set()
+
+    @property
+    def cancel_requested(self) -> bool:
+        """True once a heartbeat learned that cancel was requested."""
+        return self._cancel.is_set()
+
+    def heartbeat(self) -> None:
+        """Extend the lease now; raises :class:`LeaseLost` or :class:`Cancelled`."""
+        try:
+            beat = self._queue.heartbeat(self._claim)
+        except LeaseLost:
+            self._lost.set()
+            raise
+        if beat.cancel_requested:
+            self._cancel.set()
+        self.check()
+
+    def check(self) -> None:
+        """Raise unless this worker still holds a live lease and cancel was not requested."""
+        if self._lost.is_set():
+            raise LeaseLost(self._claim.request_id, "a heartbeat was rejected")
+        if self._cancel.is_set():
+            raise Cancelled(self._claim.request_id)
+
+    def then(
+        self, stage: str, input: Any = None, *, branch_path: str | None = None, **options: Any
+    ) -> None:
+        """Hand off to a next stage: enqueued in the same transaction as this completion."""
+        req = self.request
+        self._then.append(
+            NewRequest(
+                workspace_id=req.workspace_id,
+                job_id=req.job_id,
+                stage=stage,
+                branch_path=req.branch_path if branch_path is None else branch_path,
+                input={} if input is None else input,
+                **options,
+            )
+        )
+
+    @property
+    def claim(self) -> Claim:
+        """The claim itself, for fenced writes of the other layers (never log it)."""
+        return self._claim
+
+
+class _Heartbeater(threading.Thread):
+    """Extends the lease every lease/3 until stopped; flags the context when it cannot."""
+
+    def __init__(self, queue: Queue, ctx: StageContext, interval: float) -> None:
+        super().__init__(name=f"onceflow-heartbeat-{ctx.request.request_id[:12]}", daemon=True)
+        self._queue = queue
+        self._ctx = ctx
+        self._interval = interval
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        ctx = self._ctx
+        while not self._stop_event.wait(self._interval):
+            try:
+                beat = self._queue.heartbeat(ctx.claim)
+            except LeaseLost:
+                log.warning(
+                    "request %s: lease lost; the stage stops at its next fenced step",
+                    ctx.request.request_id,
+                )
+                ctx._lost.set()
+                return
+            except OnceflowError as exc:
+                # The database may be back before the lease runs out: keep trying.
+                log.warning("request %s: heartbeat failed: %s", ctx.request.request_id, exc)
+                continue
+            if beat.cancel_requested and not ctx._cancel.is_set():
+                log.info("request %s: cancel requested", ctx.request.request_id)
+                ctx._cancel.set()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout=10)
+
+
+def error_payload(exc: BaseException) -> dict[str, Any]:
+    """A JSON description of an exception, kept on the row."""
+    lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
+    tail = "".join(lines).splitlines()[-TRACEBACK_LINES:]
+    return {"type": type(exc).__name__, "message": str(exc)[:2000], "traceback": tail}
+
+
+def to_json_result(value: Any) -> Any:
+    """A stage's return value as JSON-able data (pydantic models are dumped)."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    return value
+
+
+def run_request(
+    queue: Queue,
+    spec: StageSpec,
+    request_id: str,
+    worker_id: str,
+    is_retryable: Callable[[BaseException], bool],
+) -> dict[str, Any]:
+    """Claim ``request_id`` and run ``spec``'s body under heartbeats; returns the outcome."""
+    claim = queue.claim(request_id, worker_id, lease_seconds=spec.lease_seconds, stage=spec.name)
+    if claim is None:
+        return _not_claimed(queue, request_id)
+    ctx = StageContext(queue, claim, worker_id)
+    beat = _Heartbeater(queue, ctx, interval=claim.lease_seconds / 3)
+    beat.start()
+    outcome: dict[str, Any] = {"request_id": request_id, "attempt": claim.attempt}
+    try:
+        try:
+            data = spec.input_model.model_validate(claim.request.input)
+        except ValidationError as exc:
+            raise PermanentError(f"input does not fit {spec.input_model.__name__}: {exc}") from exc
+        result = to_json_result(spec.func(ctx, data))
+        ctx.check()
+        queue.complete(claim, result, then=ctx._then)
+        return {**outcome, "outcome": "succeeded"}
+    except LeaseLost:
+        log.warning("request %s: lease lost; result discarded (another worker owns it)", request_id)
+        return {**outcome, "outcome": "lease_lost"}
+    except Cancelled:
+        return {**outcome, **_fail(queue, claim, {"type": "Cancelled"}, retryable=False)}
+    except RetryLater as exc:
+        error = {"type": "RetryLater", "message": exc.reason, "delay": exc.delay}
+        return {**outcome, **_fail(queue, claim, error, retryable=True, retry_in=exc.delay)}
+    except (PermanentError, InvalidRequest) as exc:
+        return {**outcome, **_fail(queue, claim, error_payload(exc), retryable=False)}
+    except Exception as exc:
+        log.exception("request %s: stage %s raised", request_id, spec.name)
+        retryable = is_retryable(exc)
+        return {**outcome, **_fail(queue, claim, error_payload(exc), retryable=retryable)}
+    finally:
+        # Always, also on BaseException (worker shutdown): no heartbeat outlives its stage.
+        beat.stop()
+
+
+def _fail(
+    queue: Queue,
+    claim: Claim,
+    error: dict[str, Any],
+    *,
+    retryable: bool,
+    retry_in: float | None = None,
+) -> dict[str, Any]:
+    try:
+        row = queue.fail(claim, error, retryable=retryable, retry_in=retry_in)
+    except LeaseLost:
+        return {"outcome": "lease_lost"}
+    outcome = {Status.QUEUED: "retry", Status.DEAD: "dead", Status.CANCELLED: "cancelled"}
+    return {"outcome": outcome.get(row.status, row.status.value), "status": row.status.value}
+
+
+def _not_claimed(queue: Queue, request_id: str) -> dict[str, Any]:
+    try:
+        current = queue.get(request_id)
+    except NotFound:
+        return {"request_id": request_id, "outcome": "not_found"}
+    reason = {
+        Status.RUNNING: "running under a live lease elsewhere",
+        Status.QUEUED: "not due yet (retry backoff) or of another stage",
+    }.get(current.status, "finished")
+    return {
+        "request_id": request_id,
+        "outcome": "not_claimed",
+        "status": current.status.value,
+        "reason": reason,
+    }

@@ -1,0 +1,76 @@
+"""The stages the acceptance tests run in real Celery worker processes.
+
+Every stage body records its executions in Redis (not in the worker's memory), so
+the tests count what really ran, across processes and crashes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from typing import Any
+
+import redis
+from celery.signals import task_postrun
+from pydantic import BaseModel
+
+from onceflow.tasks import Flow, StageContext
+
+flow = Flow()
+app = flow.app
+PREFIX = "onceflow-test:"
+
+
+def r() -> redis.Redis:
+    return redis.Redis.from_url(os.environ["ONCEFLOW_REDIS_URL"])
+
+
+def record(ctx: StageContext) -> None:
+    entry = {"attempt": ctx.attempt, "pid": os.getpid(), "worker": ctx.worker_id}
+    r().rpush(f"{PREFIX}exec:{ctx.request.request_id}", json.dumps(entry))
+
+
+class NoopInput(BaseModel):
+    value: int = 0
+
+
+@flow.stage("noop", input=NoopInput, worker_class="t-default")
+def noop(ctx: StageContext, data: NoopInput) -> dict[str, Any]:
+    record(ctx)
+    return {"value": data.value, "worker": ctx.worker_id}
+
+
+class BlockInput(BaseModel):
+    tag: str = ""
+
+
+@flow.stage("blocker", input=BlockInput, worker_class="t-block", lease_seconds=2.0)
+def blocker(ctx: StageContext, data: BlockInput) -> dict[str, Any]:
+    """Runs until the test releases this attempt (a long stage; heartbeats keep its lease)."""
+    record(ctx)
+    key = f"{PREFIX}release:{ctx.request.request_id}:{ctx.attempt}"
+    while r().blpop([key], timeout=1) is None:
+        pass
+    return {"worker": ctx.worker_id, "pid": os.getpid(), "attempt": ctx.attempt}
+
+
+@flow.stage("always_fails", input=NoopInput, worker_class="t-fail", max_attempts=3)
+def always_fails(ctx: StageContext, data: NoopInput) -> None:
+    record(ctx)
+    raise RuntimeError(f"boom on attempt {ctx.attempt}")
+
+
+@flow.stage(
+    "self_kill", input=NoopInput, worker_class="t-kill", lease_seconds=1.0, max_crash_attempts=2
+)
+def self_kill(ctx: StageContext, data: NoopInput) -> None:
+    record(ctx)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@task_postrun.connect
+def _count_messages(task_id: str, task: Any, args: Any = None, **_: Any) -> None:
+    """Count every message a worker processed (stage ran or not), per request id."""
+    if args and isinstance(args[0], str):
+        r().incr(f"{PREFIX}processed:{args[0]}")
