@@ -6,7 +6,7 @@ from alembic import context
 from sqlalchemy import Connection
 
 from onceflow.db import make_engine
-from onceflow.models.tables import metadata
+from onceflow.models import metadata
 from onceflow.settings import get_settings
 
 config = context.config

@@ -1,0 +1,42 @@
+"""Every Redis key and channel onceflow uses, in one place (arq's ``constants.py`` pattern).
+
+Each key of a workspace carries the workspace as a Redis Cluster hash tag
+(``onceflow:{<workspace_id>}:…``), so a workspace's compute locks, its commit
+broadcast channel and its counters live in one slot: Redis Cluster is then a
+configuration change, not a code change (DESIGN.md, "Past one machine").
+Parts are validated ids; ``{``, ``}`` and ``:`` inside a part are percent-escaped
+so that no part can forge another key or move the hash tag.
+"""
+
+from __future__ import annotations
+
+from onceflow.ids import check_id
+
+PREFIX = "onceflow"
+
+
+def escape(part: str) -> str:
+    """A key part with the characters that structure keys escaped (reversible)."""
+    return (
+        part.replace("%", "%25").replace("{", "%7B").replace("}", "%7D").replace(":", "%3A")
+    )
+
+
+def _ws(workspace_id: str) -> str:
+    return f"{PREFIX}:{{{escape(check_id('workspace_id', workspace_id))}}}"
+
+
+def lock_key(workspace_id: str, job_id: str, task: str) -> str:
+    """The compute lock of one expensive call: ``onceflow:{ws}:lock:<job>:<task>``."""
+    job = escape(check_id("job_id", job_id))
+    return f"{_ws(workspace_id)}:lock:{job}:{escape(check_id('task', task))}"
+
+
+def workspace_channel(workspace_id: str) -> str:
+    """The pub/sub channel of a workspace's commit broadcasts (layer 3) and lock news (layer 2)."""
+    return f"{_ws(workspace_id)}:events"
+
+
+def counters_key(workspace_id: str) -> str:
+    """A hash of a workspace's compute-lock outcome counters."""
+    return f"{_ws(workspace_id)}:lock-stats"
