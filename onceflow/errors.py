@@ -10,14 +10,19 @@ stage code. Control-flow signals (retry later) are kept apart from errors.
     ├── InvalidRequest            bad input: nothing was written
     │   ├── PayloadTooLarge       input or result over the payload limit
     │   ├── InputMismatch         same request_id, different input (strict mode)
-    │   └── UnknownStage          no stage of that name is registered
+    │   ├── UnknownStage          no stage of that name is registered
+    │   ├── OpIdConflict          same op id, different payload
+    │   └── ReplayTooOld          a replay older than the op log's retention
     ├── NotFound                  no such request
     ├── InvalidTransition         e.g. requeue of a running request
     ├── LeaseLost                 the claim token no longer holds a live lease
     ├── Cancelled                 cancel was requested for the running request
     ├── PermanentError            raised by a stage: fail now, no retry
+    ├── OpRejected                an op cannot apply to the current state (recorded)
     ├── DatabaseUnavailable       Postgres did not answer
-    └── StoreError                any other database failure, translated
+    ├── StoreError                any other database failure, translated
+    ├── LockLost                  a compute lock expired or was taken while held
+    └── LockUnavailable           the compute lock's backend did not answer (retryable)
 
     RetryLater (not an error)     a stage asks to run again after a delay
 
@@ -130,12 +135,80 @@ class UnknownStage(InvalidRequest):
         return (type(self), (self.stage,))
 
 
+class OpRejected(OnceflowError):
+    """An op is well-formed but cannot apply to the sub-doc's state (recorded; retries get it)."""
+
+    def __init__(self, op_type: str, reason: str) -> None:
+        self.op_type = op_type
+        self.reason = reason
+        super().__init__(f"{op_type} rejected: {reason}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.op_type, self.reason))
+
+
+class OpIdConflict(InvalidRequest):
+    """The same op id was used with a different payload (never a silent success)."""
+
+    def __init__(self, op_id: str, sub_doc: str) -> None:
+        self.op_id = op_id
+        self.sub_doc = sub_doc
+        super().__init__(f"op id {op_id} was already used in {sub_doc} with a different payload")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.op_id, self.sub_doc))
+
+
+class ReplayTooOld(InvalidRequest):
+    """A replayed op is older than the op log keeps: it is refused, never re-applied."""
+
+    def __init__(self, op_id: str, base_clock: int | None, horizon: int) -> None:
+        self.op_id = op_id
+        self.base_clock = base_clock
+        self.horizon = horizon
+        super().__init__(
+            f"op {op_id} is based on clock {base_clock}, older than the op log's horizon "
+            f"{horizon}: it may have been applied already; re-read the sub-doc and mint a new op"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.op_id, self.base_clock, self.horizon))
+
+
 class DatabaseUnavailable(OnceflowError):
     """Postgres could not be reached or dropped the connection."""
 
 
 class StoreError(OnceflowError):
     """A database error that is not one of the above, translated from the driver."""
+
+
+class LockLost(OnceflowError):
+    """A compute lock expired or was taken by another caller while its holder still worked.
+
+    The compute lock is an efficiency lock: losing it means a call may be paid
+    for twice, never that a result is corrupted (layer 3 keeps writes idempotent).
+    """
+
+    def __init__(self, key: str, detail: str = "") -> None:
+        self.key = key
+        self.detail = detail
+        message = f"compute lock {key} lost"
+        super().__init__(f"{message}: {detail}" if detail else message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.key, self.detail))
+
+
+class LockUnavailable(OnceflowError):
+    """The compute lock's backend (Redis, or Postgres for the SQL backend) did not answer.
+
+    Raised in a stage it fails the run as retryable (the default ``retry_on``);
+    the ``lock_unavailable = "compute"`` setting computes without the lock instead.
+    """
+
+    #: A stage that raises this should be retried, not failed for good.
+    retryable = True
 
 
 class RetryLater(Exception):

@@ -8,8 +8,11 @@ live lease (``lease_expires_at > now``); zero rows means the lease is lost.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from sqlalchemy import TextClause, text
 
+from onceflow.db import render
 from onceflow.models.requests import _REQUEST_FIELDS
 
 TABLE = "workspace_process_requests"
@@ -50,8 +53,8 @@ ins AS (
 SELECT request_id, true AS created, status, input_hash FROM ins
 UNION ALL
 SELECT w.request_id, false AS created, w.status, w.input_hash
-FROM {TABLE} w
-WHERE w.request_id = ANY(CAST(:request_ids AS text[]))
+FROM unnest(CAST(:request_ids AS text[])) AS r(request_id)
+JOIN {TABLE} w USING (request_id)
 """)
 
 ENQUEUE_LOOKUP: TextClause = text(f"""
@@ -91,7 +94,7 @@ RETURNING {RETURNING}
 # own partial index (no OR across states, which defeats partial indexes); lapsed leases
 # first, since they have waited longest. Tokens are minted by the caller (`secrets`) and
 # handed out by row number.
-CLAIM_NEXT: TextClause = text(f"""
+_CLAIM_NEXT = f"""
 WITH n AS ({_NOW}),
 lapsed AS (
     SELECT w.request_id
@@ -133,7 +136,8 @@ UPDATE {TABLE} AS w SET
 FROM picked, n
 WHERE w.request_id = picked.request_id
 RETURNING {RETURNING}, picked.rn
-""")
+"""
+CLAIM_NEXT: TextClause = text(_CLAIM_NEXT)
 
 _FENCE = """
   w.request_id = :request_id
@@ -347,3 +351,33 @@ MARK_UNDISPATCHED: TextClause = text(f"""
 UPDATE {TABLE} SET dispatched_at = NULL
 WHERE request_id = :request_id AND status = 'queued'
 """)
+
+
+@lru_cache(maxsize=64)
+def claim_next_sql(limit: int) -> str:
+    """CLAIM_NEXT for psycopg with ``limit`` as a literal.
+
+    A bound LIMIT makes Postgres cost every generic plan at 10% of the rows, so it
+    re-plans the claim on each call (about as long as running it); a literal lets the
+    prepared statement keep one generic plan. ``limit`` is an int, checked by the caller.
+    """
+    return render(text(_CLAIM_NEXT.replace(":limit", str(int(limit)))))
+
+
+# Rendered once for psycopg (the hot paths bypass SQLAlchemy's result machinery).
+Q_ENQUEUE = render(ENQUEUE)
+Q_ENQUEUE_LOOKUP = render(ENQUEUE_LOOKUP)
+Q_CLAIM = render(CLAIM)
+Q_HEARTBEAT = render(HEARTBEAT)
+Q_COMPLETE = render(COMPLETE)
+Q_FAIL = render(FAIL)
+Q_CANCEL = render(CANCEL)
+Q_REQUEUE = render(REQUEUE)
+Q_GET = render(GET)
+Q_COUNTS = render(COUNTS)
+Q_RESCUE_EXPIRED = render(RESCUE_EXPIRED)
+Q_DUE_FOR_DISPATCH = render(DUE_FOR_DISPATCH)
+Q_PRUNE_PAYLOADS = render(PRUNE_PAYLOADS)
+Q_DELETE_FINISHED = render(DELETE_FINISHED)
+Q_MARK_UNDISPATCHED = render(MARK_UNDISPATCHED)
+Q_FENCE_CHECK = render(FENCE_CHECK)

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import builtins
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+import psycopg
 from sqlalchemy import Connection, Engine, bindparam, select
 
-from onceflow.db import get_engine, translate_errors
+from onceflow.db import fetch_all, fetch_one, get_engine, raw_connection, translate_errors
 from onceflow.errors import (
     InputMismatch,
     InvalidRequest,
@@ -118,11 +119,11 @@ class Queue:
         if len(items) > BATCH_MAX:
             raise InvalidRequest(f"a batch holds at most {BATCH_MAX} requests, got {len(items)}")
         params = self._enqueue_params(items, now)
-        with translate_errors():
-            if connection is not None:
+        if connection is not None:
+            with translate_errors():
                 return self._enqueue_on(connection, params, strict)
-            with self.engine.begin() as conn:
-                return self._enqueue_on(conn, params, strict)
+        with raw_connection(self.engine) as raw, raw.transaction():
+            return self._enqueue_raw(raw, params, strict)
 
     def _enqueue_params(self, items: Sequence[NewRequest], now: datetime | None) -> dict[str, Any]:
         cols: dict[str, list[Any]] = {
@@ -170,28 +171,46 @@ class Queue:
     def _enqueue_on(
         self, conn: Connection, params: dict[str, Any], strict: bool
     ) -> list[EnqueueResult]:
+        """Enqueue on the caller's SQLAlchemy connection (inside its transaction)."""
+
+        def run(lookup: bool, values: dict[str, Any]) -> list[Any]:
+            stmt = sql.ENQUEUE_LOOKUP if lookup else sql.ENQUEUE
+            return list(conn.execute(stmt, values).mappings())
+
+        return self._enqueue_with(run, params, strict)
+
+    def _enqueue_raw(
+        self, raw: psycopg.Connection[Any], params: dict[str, Any], strict: bool
+    ) -> list[EnqueueResult]:
+        def run(lookup: bool, values: dict[str, Any]) -> list[Any]:
+            return fetch_all(raw, sql.Q_ENQUEUE_LOOKUP if lookup else sql.Q_ENQUEUE, values)
+
+        return self._enqueue_with(run, params, strict)
+
+    @staticmethod
+    def _enqueue_with(
+        run: Callable[[bool, dict[str, Any]], list[Any]], params: dict[str, Any], strict: bool
+    ) -> list[EnqueueResult]:
         ids: list[str] = params["request_ids"]
         hashes: list[str] = params["input_hashes"]
-        rows = {r.request_id: r for r in conn.execute(sql.ENQUEUE, params)}
+        rows = {r["request_id"]: r for r in run(False, params)}
         missing = [rid for rid in ids if rid not in rows]
         if missing:
             # Inserted by a concurrent enqueue that committed after this statement's snapshot:
             # ON CONFLICT waited for it, so a fresh snapshot (READ COMMITTED) sees it now.
-            lookup = conn.execute(sql.ENQUEUE_LOOKUP, {"request_ids": missing})
-            rows.update({r.request_id: r for r in lookup})
+            rows.update({r["request_id"]: r for r in run(True, {"request_ids": missing})})
         results: list[EnqueueResult] = []
         seen: set[str] = set()
         for rid, digest in zip(ids, hashes, strict=True):
             row = rows[rid]
             # The same id twice in one batch: only its first occurrence can have created it.
-            created = bool(row.created) and rid not in seen
+            created = bool(row["created"]) and rid not in seen
             seen.add(rid)
-            mismatch = row.input_hash != digest
+            mismatch = row["input_hash"] != digest
             if mismatch and strict:
-                raise InputMismatch(rid, row.input_hash, digest)
-            results.append(
-                EnqueueResult(RequestId(rid), created, Status(row.status), input_mismatch=mismatch)
-            )
+                raise InputMismatch(rid, row["input_hash"], digest)
+            status = Status(row["status"])
+            results.append(EnqueueResult(RequestId(rid), created, status, input_mismatch=mismatch))
         return results
 
     # ------------------------------------------------------------------- claims
@@ -217,8 +236,8 @@ class Queue:
             "request_id": request_id, "worker_id": worker_id, "token": token,
             "lease_seconds": lease, "stage": stage, "now": now,
         }  # fmt: skip
-        with translate_errors(), self.engine.begin() as conn:
-            row = conn.execute(sql.CLAIM, params).mappings().first()
+        with raw_connection(self.engine) as raw:
+            row = fetch_one(raw, sql.Q_CLAIM, params)
         if row is None:
             return None
         request = Request.from_row(row)
@@ -245,18 +264,17 @@ class Queue:
             raise InvalidRequest(f"limit must be an integer in [1, {LIST_LIMIT_MAX}]")
         lease = self._lease(lease_seconds)
         claims: list[Claim] = []
-        with translate_errors():
+        with raw_connection(self.engine) as raw:
             for wc in classes:
                 want = limit - len(claims)
                 if want <= 0:
                     break
                 tokens = [new_claim_token() for _ in range(want)]
                 params = {
-                    "worker_class": wc, "worker_id": worker_id, "limit": want,
+                    "worker_class": wc, "worker_id": worker_id,
                     "tokens": tokens, "lease_seconds": lease, "now": now,
                 }  # fmt: skip
-                with self.engine.begin() as conn:
-                    rows = conn.execute(sql.CLAIM_NEXT, params).mappings().all()
+                rows = fetch_all(raw, sql.claim_next_sql(want), params)
                 for row in rows:
                     request = Request.from_row(row)
                     assert request.lease_expires_at is not None  # noqa: S101
@@ -271,13 +289,11 @@ class Queue:
             "request_id": claim.request_id, "token": claim.token,
             "lease_seconds": claim.lease_seconds, "now": now,
         }  # fmt: skip
-        with translate_errors(), self.engine.begin() as conn:
-            row = conn.execute(sql.HEARTBEAT, params).first()
+        with raw_connection(self.engine) as raw:
+            row = fetch_one(raw, sql.Q_HEARTBEAT, params)
         if row is None:
             raise LeaseLost(claim.request_id, "heartbeat rejected")
-        return Heartbeat(
-            lease_expires_at=row.lease_expires_at, cancel_requested=row.cancel_requested
-        )
+        return Heartbeat(row["lease_expires_at"], row["cancel_requested"])
 
     def complete(
         self,
@@ -296,12 +312,12 @@ class Queue:
         follow_ups = list(then)
         follow_params = self._enqueue_params(follow_ups, now) if follow_ups else None
         params = {"request_id": claim.request_id, "token": claim.token, "result": text, "now": now}
-        with translate_errors(), self.engine.begin() as conn:
-            row = conn.execute(sql.COMPLETE, params).mappings().first()
+        with raw_connection(self.engine) as raw, raw.transaction():
+            row = fetch_one(raw, sql.Q_COMPLETE, params)
             if row is None:
                 raise LeaseLost(claim.request_id, "completion rejected")
             if follow_params is not None:
-                self._enqueue_on(conn, follow_params, strict=False)
+                self._enqueue_raw(raw, follow_params, strict=False)
         return Request.from_row(row)
 
     def fail(
@@ -322,8 +338,8 @@ class Queue:
             "request_id": claim.request_id, "token": claim.token, "error": text,
             "retryable": bool(retryable), "delay": delay, "now": now,
         }  # fmt: skip
-        with translate_errors(), self.engine.begin() as conn:
-            row = conn.execute(sql.FAIL, params).mappings().first()
+        with raw_connection(self.engine) as raw:
+            row = fetch_one(raw, sql.Q_FAIL, params)
         if row is None:
             raise LeaseLost(claim.request_id, "failure report rejected")
         return Request.from_row(row)
@@ -334,14 +350,17 @@ class Queue:
         delay = min(self.settings.backoff_max_seconds, base)
         return float(delay / 2 + random.uniform(0, delay / 2))
 
-    def fence_check(self, conn: Connection, claim: Claim, *, now: datetime | None = None) -> None:
+    @staticmethod
+    def fence_check(
+        raw: psycopg.Connection[Any], claim: Claim, *, now: datetime | None = None
+    ) -> None:
         """Inside the caller's transaction: raise :class:`LeaseLost` unless the claim is live.
 
         Holds a share lock on the row until that transaction ends, so the lease
         cannot be rescued between the check and the caller's commit.
         """
         params = {"request_id": claim.request_id, "token": claim.token, "now": now}
-        if conn.execute(sql.FENCE_CHECK, params).first() is None:
+        if fetch_one(raw, sql.Q_FENCE_CHECK, params) is None:
             raise LeaseLost(claim.request_id, "fenced write rejected")
 
     # --------------------------------------------------------------- operators
@@ -352,19 +371,15 @@ class Queue:
         A finished request is returned unchanged.
         """
         check_id("request_id", request_id)
-        with translate_errors(), self.engine.begin() as conn:
-            row = (
-                conn.execute(sql.CANCEL, {"request_id": request_id, "now": now}).mappings().first()
-            )
+        with raw_connection(self.engine) as raw:
+            row = fetch_one(raw, sql.Q_CANCEL, {"request_id": request_id, "now": now})
         return Request.from_row(row) if row is not None else self.get(request_id)
 
     def requeue(self, request_id: str, *, now: datetime | None = None) -> Request:
         """Run a finished (succeeded, dead or cancelled) request again; refused while running."""
         check_id("request_id", request_id)
-        with translate_errors(), self.engine.begin() as conn:
-            row = (
-                conn.execute(sql.REQUEUE, {"request_id": request_id, "now": now}).mappings().first()
-            )
+        with raw_connection(self.engine) as raw:
+            row = fetch_one(raw, sql.Q_REQUEUE, {"request_id": request_id, "now": now})
         if row is not None:
             return Request.from_row(row)
         current = self.get(request_id)
@@ -374,14 +389,14 @@ class Queue:
 
     def mark_undispatched(self, request_id: str) -> None:
         """Note that a queued request's wake-up was not sent, so the next sweep sends one."""
-        with translate_errors(), self.engine.begin() as conn:
-            conn.execute(sql.MARK_UNDISPATCHED, {"request_id": request_id})
+        with raw_connection(self.engine) as raw:
+            raw.execute(sql.Q_MARK_UNDISPATCHED, {"request_id": request_id})
 
     def get(self, request_id: str) -> Request:
         """The request with this id, or :class:`NotFound`."""
         check_id("request_id", request_id)
-        with translate_errors(), self.engine.connect() as conn:
-            row = conn.execute(sql.GET, {"request_id": request_id}).mappings().first()
+        with raw_connection(self.engine) as raw:
+            row = fetch_one(raw, sql.Q_GET, {"request_id": request_id})
         if row is None:
             raise NotFound(request_id)
         return Request.from_row(row)
@@ -418,24 +433,24 @@ class Queue:
     def counts(self) -> dict[str, dict[str, int]]:
         """Request counts as ``{worker_class: {status: n}}`` (every status present, zeros too)."""
         out: dict[str, dict[str, int]] = {}
-        with translate_errors(), self.engine.connect() as conn:
-            for row in conn.execute(sql.COUNTS):
-                per_class = out.setdefault(row.worker_class, {s.value: 0 for s in Status})
-                per_class[row.status] = row.n
+        with raw_connection(self.engine) as raw:
+            for row in fetch_all(raw, sql.Q_COUNTS, {}):
+                per_class = out.setdefault(row["worker_class"], {s.value: 0 for s in Status})
+                per_class[row["status"]] = row["n"]
         return out
 
     # ----------------------------------------------------------------- sweeper
 
     def rescue_expired(self, *, limit: int = 1000, now: datetime | None = None) -> SweepResult:
         """Requeue (or quarantine) requests whose lease lapsed, in one compare-and-set."""
-        with translate_errors(), self.engine.begin() as conn:
-            rows = conn.execute(sql.RESCUE_EXPIRED, {"limit": limit, "now": now}).all()
-        rescued = [RequestId(r.request_id) for r in rows if r.status == Status.QUEUED]
-        dead = [RequestId(r.request_id) for r in rows if r.status != Status.QUEUED]
+        with raw_connection(self.engine) as raw:
+            rows = fetch_all(raw, sql.Q_RESCUE_EXPIRED, {"limit": limit, "now": now})
+        rescued = [RequestId(r["request_id"]) for r in rows if r["status"] == Status.QUEUED]
+        dead = [RequestId(r["request_id"]) for r in rows if r["status"] != Status.QUEUED]
         dispatch = [
-            Dispatch(RequestId(r.request_id), r.stage, r.worker_class)
+            Dispatch(RequestId(r["request_id"]), r["stage"], r["worker_class"])
             for r in rows
-            if r.status == Status.QUEUED
+            if r["status"] == Status.QUEUED
         ]
         return SweepResult(rescued=rescued, quarantined=dead, to_dispatch=dispatch)
 
@@ -444,9 +459,9 @@ class Queue:
     ) -> builtins.list[Dispatch]:
         """Queued, due rows whose wake-up may be lost; marked dispatched in the same statement."""
         params = {"redispatch_after": redispatch_after, "limit": limit, "now": now}
-        with translate_errors(), self.engine.begin() as conn:
-            rows = conn.execute(sql.DUE_FOR_DISPATCH, params).all()
-        return [Dispatch(RequestId(r.request_id), r.stage, r.worker_class) for r in rows]
+        with raw_connection(self.engine) as raw:
+            rows = fetch_all(raw, sql.Q_DUE_FOR_DISPATCH, params)
+        return [Dispatch(RequestId(r["request_id"]), r["stage"], r["worker_class"]) for r in rows]
 
     def prune(
         self,
@@ -461,13 +476,13 @@ class Queue:
         ``None`` for either age disables that step: nothing is pruned unless asked.
         """
         touched = 0
-        with translate_errors(), self.engine.begin() as conn:
+        with raw_connection(self.engine) as raw:
             if payload_retention_seconds is not None:
                 params = {"age": payload_retention_seconds, "limit": limit, "now": now}
-                touched += conn.execute(sql.PRUNE_PAYLOADS, params).rowcount
+                touched += raw.execute(sql.Q_PRUNE_PAYLOADS, params).rowcount
             if retention_seconds is not None:
                 params = {"age": retention_seconds, "limit": limit, "now": now}
-                touched += conn.execute(sql.DELETE_FINISHED, params).rowcount
+                touched += raw.execute(sql.Q_DELETE_FINISHED, params).rowcount
         return touched
 
     def sweep_once(

@@ -8,7 +8,7 @@ from collections import Counter
 from datetime import datetime, timedelta
 
 import pytest
-from sqlalchemy import Engine, event, text
+from sqlalchemy import Engine, text
 
 from onceflow import (
     DatabaseUnavailable,
@@ -197,35 +197,34 @@ def test_complete_then_hands_off_in_one_transaction(queue: Queue) -> None:
 
 
 def test_hand_off_killed_between_the_two_writes_lands_nothing(
-    queue: Queue, clean_db: Engine, database_url: str
+    queue: Queue, clean_db: Engine
 ) -> None:
     rid = queue.enqueue("evaluate", "w", "j", "main").request_id
     claim = queue.claim(rid, "a")
     assert claim is not None
-
-    def kill_before_follow_up(conn, cursor, statement, params, context, executemany):  # type: ignore[no-untyped-def]
-        if "INSERT INTO workspace_process_requests" in statement and "then-test" not in str(params):
-            return
-        if "INSERT INTO workspace_process_requests" in statement:
-            pid = conn.connection.dbapi_connection.info.backend_pid
-            import psycopg
-
-            from tests.conftest import libpq
-
-            with psycopg.connect(libpq(database_url), autocommit=True) as killer:
-                killer.execute("SELECT pg_terminate_backend(%s)", (pid,))
-
-    event.listen(clean_db, "before_cursor_execute", kill_before_follow_up)
+    # The server process of the completing transaction dies after the completion's UPDATE,
+    # just as the follow-up INSERT arrives: a trigger terminates its own backend.
+    with clean_db.begin() as conn:
+        conn.execute(
+            text("""
+            CREATE FUNCTION kill_own_backend() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN PERFORM pg_terminate_backend(pg_backend_pid()); RETURN NEW; END $$;
+            CREATE TRIGGER kill_hand_off BEFORE INSERT ON workspace_process_requests
+            FOR EACH ROW WHEN (NEW.job_id = 'then-test') EXECUTE FUNCTION kill_own_backend();
+        """)
+        )
     try:
         with pytest.raises(DatabaseUnavailable):
             queue.complete(claim, {"ok": 1}, then=[NewRequest("w", "then-test", "tailor", "main")])
     finally:
-        event.remove(clean_db, "before_cursor_execute", kill_before_follow_up)
+        with clean_db.begin() as conn:
+            conn.execute(text("DROP TRIGGER kill_hand_off ON workspace_process_requests"))
+            conn.execute(text("DROP FUNCTION kill_own_backend()"))
     # The completion rolled back with the hand-off: still running, no follow-up row.
     assert queue.get(rid).status is Status.RUNNING
     with pytest.raises(NotFound):
         queue.get(request_id_for("w", "then-test", "main", "tailor"))
-    # And the live claim can still complete properly.
+    # The pool dropped the dead connection, and the live claim can still complete properly.
     queue.complete(claim, {"ok": 2}, then=[NewRequest("w", "then-test", "tailor", "main")])
     assert queue.get(request_id_for("w", "then-test", "main", "tailor")).status is Status.QUEUED
 

@@ -11,7 +11,7 @@ import psycopg
 import pytest
 from sqlalchemy import Engine, make_url, text
 
-from onceflow.db import make_engine
+from onceflow.db import fetch_all, make_engine, raw_connection
 from onceflow.migrate import check, migrate
 from onceflow.queue import sql
 from tests.conftest import libpq
@@ -47,12 +47,6 @@ def test_upgrade_head_on_empty_database_then_no_drift(empty_database: str) -> No
         engine.dispose()
 
 
-def _plan(conn: object, statement: object, params: dict[str, object]) -> str:
-    explained = text("EXPLAIN (FORMAT JSON) " + str(statement))
-    rows = conn.execute(explained, params).scalar_one()  # type: ignore[attr-defined]
-    return json.dumps(rows)
-
-
 @pytest.mark.slow
 def test_claim_uses_its_partial_index_on_a_big_table(clean_db: Engine) -> None:
     with clean_db.begin() as conn:
@@ -79,11 +73,13 @@ def test_claim_uses_its_partial_index_on_a_big_table(clean_db: Engine) -> None:
         )
         conn.execute(text("ANALYZE workspace_process_requests"))
     params = {
-        "worker_class": "llm", "worker_id": "w", "limit": 10, "tokens": ["t"] * 10,
+        "worker_class": "llm", "worker_id": "w", "tokens": ["t"] * 10,
         "lease_seconds": 30.0, "now": None,
     }  # fmt: skip
-    with clean_db.connect() as conn:
-        plan = _plan(conn, sql.CLAIM_NEXT, params)
+    # The statement exactly as claim_next sends it (psycopg, literal LIMIT).
+    with raw_connection(clean_db) as raw:
+        rows = fetch_all(raw, "EXPLAIN (FORMAT JSON) " + sql.claim_next_sql(10), params)
+    plan = json.dumps(rows)
     assert "ix_wpr_claim" in plan, plan
     assert "ix_wpr_lease" in plan, plan
     assert '"Node Type": "Seq Scan"' not in plan, plan

@@ -1,0 +1,702 @@
+"""Layer-1 queue benchmark: each onceflow figure beside its floor, measured in one run.
+
+    .venv/bin/python bench/queue_bench.py [--quick] [--json]
+
+Postgres comes from ``ONCEFLOW_BENCH_DATABASE_URL`` (default
+``postgresql+psycopg://root@127.0.0.1:5432/postgres``), used only as the admin
+URL: the run creates its own database ``onceflow_bench_<random>``, migrates it
+with ``onceflow.migrate.migrate`` and drops it at the end (``WITH (FORCE)``),
+also on error or Ctrl-C.
+
+What is measured, each onceflow figure beside a floor on the same table:
+
+1. Enqueue rows/s. Single: ``Queue.enqueue`` one row at a time, beside the same
+   number of raw-psycopg ``SELECT 1`` round trips (and, for reference, a raw
+   single-row ``INSERT … ON CONFLICT DO NOTHING`` in autocommit). Batched:
+   ``Queue.enqueue_many`` in batches of 1,000, beside a hand-written raw-psycopg
+   ``INSERT … SELECT FROM unnest(…) ON CONFLICT DO NOTHING`` of the same rows in
+   the same batches (unnest, not COPY: COPY cannot say ON CONFLICT). The floor's
+   ids, hashes and JSON text are computed before its timer starts; onceflow's
+   validation, id derivation and hashing are inside its timer, by design.
+2. Claim + complete per second with 1, 2, 4 and 8 connections, one *process*
+   per connection (multiprocessing spawn): the client side is Python, and with
+   threads the GIL would serialise onceflow's Python work and understate it.
+   onceflow: ``claim_next(limit=1)`` then ``complete``, each its own transaction.
+   Floor: a hand-written two-statement raw-psycopg loop in autocommit
+   (``UPDATE … WHERE request_id = (SELECT … FOR UPDATE SKIP LOCKED) RETURNING``,
+   then the fenced ``UPDATE … SET status='succeeded'``), and two ``SELECT 1``
+   round trips per op. Each run starts from a truncated, freshly seeded,
+   vacuumed table.
+3. Claim latency (``claim_next`` alone, and claim + complete) over 2,000 queued
+   rows with 10k, 100k and 1M finished rows in the table (``--quick``: 10k and
+   100k), each after ANALYZE and VACUUM; each onceflow claim is followed by a
+   hand-written one on the same table, as a control for the machine.
+
+onceflow and its floor are interleaved (call by call for enqueue and latency,
+run by run for throughput), so a burst of outside load on a shared machine hits
+both sides alike; the load average is reported.
+
+Progress goes to stderr; the Markdown report (or ``--json``: the raw numbers)
+to stdout. Timings use ``time.perf_counter`` (CLOCK_MONOTONIC on Linux, so one
+clock across the worker processes); every timed loop is warmed up first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import secrets
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from datetime import UTC, datetime
+from multiprocessing.connection import Connection as Pipe
+from typing import Any
+
+import psycopg
+import sqlalchemy
+from sqlalchemy import make_url
+
+ADMIN_DEFAULT = "postgresql+psycopg://root@127.0.0.1:5432/postgres"
+TABLE = "workspace_process_requests"
+WC = "bench"  # the worker class of every benchmark row
+STAGE = "evaluate"
+RESULT = {"ok": True, "score": 0.5}
+RESULT_TEXT = '{"ok":true,"score":0.5}'
+CONCURRENCY = (1, 2, 4, 8)
+TARGET_RATIO = 1 / 1.5
+
+INSERT_COLS = (
+    "request_id, workspace_id, job_id, branch_path, stage, dedupe, input, input_hash, "
+    "worker_class, priority, max_attempts, max_crash_attempts, "
+    "run_after, dispatched_at, created_at, updated_at"
+)
+
+FLOOR_INSERT_ONE = f"""
+INSERT INTO {TABLE} ({INSERT_COLS})
+VALUES (%s, %s, %s, %s, %s, %s, %s::jsonb, %s, %s, %s, %s, %s, now(), now(), now(), now())
+ON CONFLICT (request_id) DO NOTHING
+"""
+
+FLOOR_INSERT_MANY = f"""
+INSERT INTO {TABLE} ({INSERT_COLS})
+SELECT r, w, j, b, s, d, i, h, c, p, ma, mc, now(), now(), now(), now()
+FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::boolean[],
+            %s::jsonb[], %s::text[], %s::text[], %s::integer[], %s::integer[], %s::integer[])
+     AS t(r, w, j, b, s, d, i, h, c, p, ma, mc)
+ON CONFLICT (request_id) DO NOTHING
+"""
+
+# The hand-written claim: same row writes as onceflow's CLAIM_NEXT (status, token, worker,
+# attempts, lease, heartbeat, updated_at), same partial index, but only the id comes back.
+FLOOR_CLAIM = f"""
+UPDATE {TABLE} SET status = 'running', claim_token = %s, claimed_by = %s,
+    attempts = attempts + 1, lease_expires_at = now() + interval '30 seconds',
+    heartbeat_at = now(), updated_at = now()
+WHERE request_id = (
+    SELECT request_id FROM {TABLE}
+    WHERE status = 'queued' AND worker_class = %s AND run_after <= now()
+    ORDER BY priority DESC, run_after
+    LIMIT 1
+    FOR UPDATE SKIP LOCKED)
+RETURNING request_id
+"""
+
+FLOOR_COMPLETE = f"""
+UPDATE {TABLE} SET status = 'succeeded', result = %s::jsonb, claim_token = NULL,
+    lease_expires_at = NULL, finished_at = now(), updated_at = now()
+WHERE request_id = %s AND claim_token = %s
+"""
+
+SEED_QUEUED = f"""
+INSERT INTO {TABLE} (request_id, workspace_id, job_id, branch_path, stage, dedupe, input,
+                     input_hash, worker_class, max_attempts, max_crash_attempts, dispatched_at)
+SELECT %(prefix)s || i, 'w' || (i %% 50), %(prefix)s || i, '', '{STAGE}', true,
+       '{{"doc": 1}}', 'h', %(wc)s, 5, 3, now()
+FROM generate_series(1, %(n)s::int) AS i
+"""
+
+# Finished rows, as tests/integration/test_migrations.py builds them.
+SEED_FINISHED = f"""
+INSERT INTO {TABLE} (request_id, workspace_id, job_id, branch_path, stage, dedupe, input,
+                     input_hash, worker_class, status, max_attempts, max_crash_attempts,
+                     finished_at, result)
+SELECT 'done-' || i, 'w' || (i %% 50), 'j' || i, '', '{STAGE}', true, '{{}}', 'h',
+       CASE WHEN i %% 3 = 0 THEN %(wc)s ELSE 'other' END, 'succeeded', 5, 3, now(), '{{}}'
+FROM generate_series(%(lo)s::int, %(hi)s::int) AS i
+"""
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def libpq(url: str) -> str:
+    """A SQLAlchemy URL as a libpq connection string."""
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def raw_connect(url: str) -> psycopg.Connection[Any]:
+    return psycopg.connect(libpq(url), autocommit=True)
+
+
+def pct(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100])."""
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
+    return ordered[rank - 1]
+
+
+# ---------------------------------------------------------------------------- the database
+
+
+@contextmanager
+def bench_database(admin_url: str) -> Iterator[str]:
+    """A fresh, migrated database; dropped WITH (FORCE) on the way out, whatever happens."""
+    from onceflow.migrate import migrate
+
+    name = f"onceflow_bench_{secrets.token_hex(4)}"
+    with raw_connect(admin_url) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = make_url(admin_url).set(database=name).render_as_string(hide_password=False)
+    log(f"created database {name}")
+    try:
+        migrate(url)
+        yield url
+    finally:
+        with raw_connect(admin_url) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        log(f"dropped database {name}")
+
+
+def reset_table(url: str, *, queued: int = 0, prefix: str = "q-") -> None:
+    """Empty the table, seed ``queued`` due rows of the bench class, VACUUM ANALYZE."""
+    with raw_connect(url) as conn:
+        conn.execute(f"TRUNCATE {TABLE}")
+        if queued:
+            conn.execute(SEED_QUEUED, {"prefix": prefix, "wc": WC, "n": queued})
+        conn.execute(f"VACUUM ANALYZE {TABLE}")
+
+
+def machine_info(url: str) -> dict[str, Any]:
+    with raw_connect(url) as conn:
+        settings = {
+            name: conn.execute(f"SHOW {name}").fetchone()[0]  # type: ignore[index]
+            for name in ("server_version", "fsync", "synchronous_commit", "shared_buffers")
+        }
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "nproc": len(os.sched_getaffinity(0)),
+        "cpu": cpu,
+        "os": f"{platform.system()} {platform.release()} {platform.machine()}",
+        "postgres": settings["server_version"],
+        "postgres_settings": settings,
+        "python": platform.python_version(),
+        "psycopg": f"{psycopg.__version__} ({psycopg.pq.__impl__})",
+        "sqlalchemy": sqlalchemy.__version__,
+    }
+
+
+def make_queue(url: str) -> Any:
+    """A Queue as a worker process would build one: the shipped engine defaults, pool of 1."""
+    from onceflow.db import make_engine
+    from onceflow.queue.store import Queue
+    from onceflow.settings import Settings
+
+    return Queue(make_engine(url, pool_size=1), settings=Settings(database_url=url))
+
+
+# ---------------------------------------------------------------------------- 1. enqueue
+
+
+def _items(tag: str, n: int) -> list[Any]:
+    from onceflow.models.requests import NewRequest
+
+    return [
+        NewRequest(
+            workspace_id=f"w{i % 50}",
+            job_id=f"job-{tag}-{i}",
+            stage=STAGE,
+            input={"doc": i, "lang": "en", "text": "some text to evaluate"},
+            worker_class=WC,
+        )
+        for i in range(n)
+    ]
+
+
+def _floor_row(item: Any) -> tuple[Any, ...]:
+    """The row onceflow would write for ``item``, built ahead of the floor's timer."""
+    from onceflow.ids import request_id_for
+    from onceflow.payloads import encode_payload
+
+    text, digest = encode_payload(item.input, 256 * 1024)
+    rid = request_id_for(item.workspace_id, item.job_id, item.branch_path, item.stage)
+    return (
+        rid,
+        item.workspace_id,
+        item.job_id,
+        item.branch_path,
+        item.stage,
+        True,
+        text,
+        digest,
+        item.worker_class,
+        0,
+        5,
+        3,
+    )
+
+
+def _floor_columns(items: list[Any]) -> list[list[Any]]:
+    return [list(col) for col in zip(*(_floor_row(it) for it in items), strict=True)]
+
+
+def bench_enqueue(url: str, single_n: int, batches: int, batch: int) -> dict[str, Any]:
+    """Interleaved: each onceflow call is followed by its floor call, so both see the same
+    machine load and the same table size; distinct rows (ids) for each side.
+
+    Each phase gets fresh connections (as a new worker process would): psycopg prepares a
+    statement on its 6th execution, and a plan cached while the table was empty would
+    otherwise carry over from the single-row phase into the batched one.
+    """
+    queue = make_queue(url)
+    raw = raw_connect(url)
+    warm = 50
+    out: dict[str, Any] = {
+        "single_rows": single_n,
+        "batched_rows": batches * batch,
+        "batch_size": batch,
+    }
+    try:
+        # --- single: onceflow enqueue | SELECT 1 round trip | raw one-row INSERT
+        reset_table(url)
+        items = _items("once-single", single_n + warm)
+        rows = [_floor_row(it) for it in _items("floor-single", single_n + warm)]
+        spent = {"onceflow": 0.0, "select1": 0.0, "raw_insert": 0.0}
+        for i, (it, row) in enumerate(zip(items, rows, strict=True)):
+            t0 = time.perf_counter()
+            queue.enqueue(it.stage, it.workspace_id, it.job_id, input=it.input, worker_class=WC)
+            t1 = time.perf_counter()
+            raw.execute("SELECT 1").fetchone()
+            t2 = time.perf_counter()
+            raw.execute(FLOOR_INSERT_ONE, row)
+            t3 = time.perf_counter()
+            if i >= warm:
+                spent["onceflow"] += t1 - t0
+                spent["select1"] += t2 - t1
+                spent["raw_insert"] += t3 - t2
+        out["single"] = {k: single_n / v for k, v in spent.items()}
+        log("enqueue single: " + ", ".join(f"{k} {v:,.0f}/s" for k, v in out["single"].items()))
+
+        # --- batched: enqueue_many | hand-written unnest INSERT of the same shape of rows
+        raw.close()
+        queue.engine.dispose()
+        queue, raw = make_queue(url), raw_connect(url)
+        reset_table(url)
+        once_items = _items("once-batch", (batches + 1) * batch)
+        floor_items = _items("floor-batch", (batches + 1) * batch)
+        once_chunks = [once_items[i : i + batch] for i in range(0, len(once_items), batch)]
+        floor_params = [
+            _floor_columns(floor_items[i : i + batch]) for i in range(0, len(floor_items), batch)
+        ]
+        spent = {"onceflow": 0.0, "raw_unnest": 0.0}
+        for i, (chunk, params) in enumerate(zip(once_chunks, floor_params, strict=True)):
+            t0 = time.perf_counter()
+            queue.enqueue_many(chunk)
+            t1 = time.perf_counter()
+            raw.execute(FLOOR_INSERT_MANY, params)
+            t2 = time.perf_counter()
+            if i >= 1:  # the first batch of each side is the warm-up
+                spent["onceflow"] += t1 - t0
+                spent["raw_unnest"] += t2 - t1
+        out["batched"] = {k: batches * batch / v for k, v in spent.items()}
+        log("enqueue batched: " + ", ".join(f"{k} {v:,.0f}/s" for k, v in out["batched"].items()))
+    finally:
+        raw.close()
+        queue.engine.dispose()
+    return out
+
+
+# ---------------------------------------------------------------------------- 2. claim + complete
+
+
+def _worker(url: str, pipe: Pipe) -> None:
+    """One benchmark connection in its own process; obeys (command, …) messages on ``pipe``."""
+    queue = make_queue(url)
+    raw = raw_connect(url)
+    worker_id = f"bench-{os.getpid()}"
+
+    def onceflow_op() -> bool:
+        claims = queue.claim_next(WC, worker_id, 1)
+        if not claims:
+            return False
+        queue.complete(claims[0], RESULT)
+        return True
+
+    def floor_op() -> bool:
+        token = secrets.token_hex(16)
+        row = raw.execute(FLOOR_CLAIM, (token, worker_id, WC)).fetchone()
+        if row is None:
+            return False
+        raw.execute(FLOOR_COMPLETE, (RESULT_TEXT, row[0], token))
+        return True
+
+    def select1_op() -> bool:  # the hand-written floor's two round trips, doing nothing
+        raw.execute("SELECT 1").fetchone()
+        raw.execute("SELECT 1").fetchone()
+        return True
+
+    ops: dict[str, Callable[[], bool]] = {
+        "onceflow": onceflow_op,
+        "floor": floor_op,
+        "select1": select1_op,
+    }
+    pipe.send("ready")
+    try:
+        while True:
+            msg = pipe.recv()
+            if msg is None:
+                return
+            if msg[0] == "warm":
+                _, kind, n = msg
+                for _ in range(n):
+                    ops[kind]()
+                pipe.send("warm")
+            elif msg[0] == "go":
+                _, kind, start_at, duration = msg
+                op = ops[kind]
+                while time.perf_counter() < start_at:
+                    time.sleep(0.001)
+                deadline = start_at + duration
+                count, exhausted = 0, False
+                while time.perf_counter() < deadline:
+                    if not op():
+                        exhausted = True
+                        break
+                    count += 1
+                pipe.send((count, time.perf_counter() - start_at, exhausted))
+    finally:
+        raw.close()
+        queue.engine.dispose()
+
+
+class Workers:
+    """A standing pool of spawned worker processes, one database connection pair each."""
+
+    def __init__(self, url: str, n: int):
+        ctx = mp.get_context("spawn")
+        self.procs: list[Any] = []
+        self.pipes: list[Pipe] = []
+        for _ in range(n):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(url, child), daemon=True)
+            proc.start()
+            self.procs.append(proc)
+            self.pipes.append(parent)
+        for pipe in self.pipes:
+            if pipe.recv() != "ready":
+                raise RuntimeError("a benchmark worker failed to start")
+
+    def run(self, kind: str, n: int, duration: float, warmup: int) -> dict[str, Any]:
+        pipes = self.pipes[:n]
+        for pipe in pipes:
+            pipe.send(("warm", kind, warmup))
+        for pipe in pipes:
+            pipe.recv()
+        start_at = time.perf_counter() + 0.2
+        for pipe in pipes:
+            pipe.send(("go", kind, start_at, duration))
+        results = [pipe.recv() for pipe in pipes]
+        ops = sum(r[0] for r in results)
+        elapsed = max(r[1] for r in results)
+        return {
+            "ops": ops,
+            "seconds": elapsed,
+            "ops_per_s": ops / elapsed,
+            "exhausted": any(r[2] for r in results),
+        }
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            with suppress(OSError):
+                pipe.send(None)
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+
+
+def bench_claims(url: str, duration: float, rounds: int, seed: int, warmup: int) -> dict[str, Any]:
+    """Per level: ``rounds`` x (onceflow run, floor run, SELECT 1 run), interleaved so that a
+    burst of outside load hits both sides; each side's figure pools its rounds."""
+    workers = Workers(url, max(CONCURRENCY))
+    out: dict[str, Any] = {
+        "duration_s": duration,
+        "rounds": rounds,
+        "seeded_rows": seed,
+        "levels": {},
+    }
+    try:
+        for n in CONCURRENCY:
+            runs: dict[str, list[dict[str, Any]]] = {"onceflow": [], "floor": [], "select1": []}
+            for _ in range(rounds):
+                for kind in runs:
+                    if kind != "select1":
+                        reset_table(url, queued=seed)
+                    runs[kind].append(workers.run(kind, n, duration, warmup))
+            level: dict[str, Any] = {}
+            for kind, rs in runs.items():
+                ops, secs = sum(r["ops"] for r in rs), sum(r["seconds"] for r in rs)
+                level[kind] = {
+                    "ops": ops,
+                    "seconds": secs,
+                    "ops_per_s": ops / secs,
+                    "per_round": [r["ops_per_s"] for r in rs],
+                    "exhausted": any(r["exhausted"] for r in rs),
+                }
+            level["ratio"] = level["onceflow"]["ops_per_s"] / level["floor"]["ops_per_s"]
+            out["levels"][n] = level
+            log(
+                f"claim+complete x{n}: onceflow {level['onceflow']['ops_per_s']:,.0f}/s, "
+                f"floor {level['floor']['ops_per_s']:,.0f}/s, "
+                f"2xSELECT 1 {level['select1']['ops_per_s']:,.0f}/s, "
+                f"ratio {level['ratio']:.2f}"
+            )
+    finally:
+        workers.close()
+    return out
+
+
+# ---------------------------------------------------------------------------- 3. latency vs size
+
+
+def _stats(samples: list[float]) -> dict[str, float]:
+    return {"median_ms": statistics.median(samples) * 1e3, "p99_ms": pct(samples, 99) * 1e3}
+
+
+def bench_latency(url: str, sizes: list[int], ops: int, warmup: int) -> dict[str, Any]:
+    """onceflow's claim_next + complete at growing numbers of finished rows, each op followed
+    by a hand-written claim + complete on the same table (a control for the machine)."""
+    queue = make_queue(url)
+    raw = raw_connect(url)
+    worker_id = "bench-latency"
+    out: dict[str, Any] = {"ops": ops, "sizes": {}}
+    try:
+        reset_table(url)
+        have = 0
+        for size in sizes:
+            t0 = time.perf_counter()
+            raw.execute(SEED_FINISHED, {"wc": WC, "lo": have + 1, "hi": size})
+            raw.execute(SEED_QUEUED, {"prefix": f"lat{size}-", "wc": WC, "n": 2 * (ops + warmup)})
+            raw.execute(f"ANALYZE {TABLE}")
+            raw.execute(f"VACUUM {TABLE}")
+            have = size
+            log(f"latency: {size:,} finished rows ready in {time.perf_counter() - t0:.1f}s")
+            samples: dict[str, list[float]] = {
+                "claim": [],
+                "total": [],
+                "floor_claim": [],
+                "floor_total": [],
+            }
+            for i in range(ops + warmup):
+                t0 = time.perf_counter()
+                claims = queue.claim_next(WC, worker_id, 1)
+                t1 = time.perf_counter()
+                queue.complete(claims[0], RESULT)
+                t2 = time.perf_counter()
+                token = secrets.token_hex(16)
+                row = raw.execute(FLOOR_CLAIM, (token, worker_id, WC)).fetchone()
+                t3 = time.perf_counter()
+                assert row is not None
+                raw.execute(FLOOR_COMPLETE, (RESULT_TEXT, row[0], token))
+                t4 = time.perf_counter()
+                if i >= warmup:
+                    samples["claim"].append(t1 - t0)
+                    samples["total"].append(t2 - t0)
+                    samples["floor_claim"].append(t3 - t2)
+                    samples["floor_total"].append(t4 - t2)
+            stats = {k: _stats(v) for k, v in samples.items()}
+            out["sizes"][size] = stats
+            log(
+                f"latency @ {size:,}: claim_next median {stats['claim']['median_ms']:.2f} ms, "
+                f"p99 {stats['claim']['p99_ms']:.2f} ms (floor claim median "
+                f"{stats['floor_claim']['median_ms']:.2f} ms)"
+            )
+        small, big = out["sizes"][sizes[0]], out["sizes"][sizes[-1]]
+        out["ratios"] = {
+            f"{kind}_{q}": big[kind][f"{q}_ms"] / small[kind][f"{q}_ms"]
+            for kind in samples
+            for q in ("median", "p99")
+        }
+    finally:
+        raw.close()
+        queue.engine.dispose()
+    return out
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def _n(size: int) -> str:
+    return f"{size // 1_000_000}M" if size >= 1_000_000 else f"{size // 1000}k"
+
+
+def _ok(met: bool) -> str:
+    return "met" if met else "**missed**"
+
+
+def render(res: dict[str, Any]) -> str:
+    m = res["machine"]
+    ps = m["postgres_settings"]
+    lines = [
+        f"Command: `.venv/bin/python {res['command']}` · {m['date']} · wall time "
+        f"{res['wall_seconds']:.0f} s",
+        "",
+        f"Machine: {m['nproc']} CPUs ({m['cpu']}), {m['os']}; PostgreSQL {m['postgres']} "
+        f"(fsync={ps['fsync']}, synchronous_commit={ps['synchronous_commit']}, "
+        f"shared_buffers={ps['shared_buffers']}); Python {m['python']}; "
+        f"psycopg {m['psycopg']}; SQLAlchemy {m['sqlalchemy']}; "
+        f"load average {m['loadavg_start']} at start, {res['loadavg_end']} at end",
+        "",
+    ]
+    e = res["enqueue"]
+    s, b = e["single"], e["batched"]
+    lines += [
+        "#### 1. Enqueue (each onceflow call interleaved with its floor call)",
+        "",
+        "| Figure | onceflow | Floor | onceflow / floor |",
+        "| --- | ---: | ---: | ---: |",
+        f"| `enqueue`, {e['single_rows']:,} rows one at a time | {s['onceflow']:,.0f} rows/s "
+        f"| {s['select1']:,.0f} `SELECT 1`/s | {s['onceflow'] / s['select1']:.2f} |",
+        f"| `enqueue`, same rows, vs raw one-row `INSERT … ON CONFLICT DO NOTHING` "
+        f"(autocommit) | {s['onceflow']:,.0f} rows/s | {s['raw_insert']:,.0f} rows/s "
+        f"| {s['onceflow'] / s['raw_insert']:.2f} |",
+        f"| `enqueue_many`, {e['batched_rows']:,} rows in batches of {e['batch_size']:,} "
+        f"vs raw `INSERT … SELECT FROM unnest(…) ON CONFLICT DO NOTHING` (not COPY) "
+        f"| {b['onceflow']:,.0f} rows/s | {b['raw_unnest']:,.0f} rows/s "
+        f"| {b['onceflow'] / b['raw_unnest']:.2f} |",
+        "",
+    ]
+    c = res["claims"]
+    lines += [
+        f"#### 2. Claim + complete per second (one process per connection; {c['rounds']} x "
+        f"{c['duration_s']:g} s per side and level, interleaved, pooled)",
+        "",
+        "| Connections | onceflow | hand-written floor | onceflow / floor (target ≥ 0.67) "
+        "| 2 x `SELECT 1` | onceflow / 2 x `SELECT 1` |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for n, lv in c["levels"].items():
+        once, floor, sel = (lv[k]["ops_per_s"] for k in ("onceflow", "floor", "select1"))
+        dry = lv["onceflow"]["exhausted"] or lv["floor"]["exhausted"]
+        lines.append(
+            f"| {n} | {once:,.0f} ops/s | {floor:,.0f} ops/s | {lv['ratio']:.2f} "
+            f"{_ok(lv['ratio'] >= TARGET_RATIO)}{' (queue ran dry)' if dry else ''} "
+            f"| {sel:,.0f} ops/s | {once / sel:.2f} |"
+        )
+    lines.append("")
+    lat = res["latency"]
+    sizes = list(lat["sizes"])
+    r = lat["ratios"]
+    lines += [
+        f"#### 3. Claim latency vs finished rows ({lat['ops']:,} claims per size, one "
+        "connection; each onceflow op followed by a hand-written one as a control)",
+        "",
+        "| Finished rows | `claim_next` median | `claim_next` p99 | claim + complete median "
+        "| claim + complete p99 | floor claim median | floor claim p99 |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for size in sizes:
+        st = lat["sizes"][size]
+        lines.append(
+            f"| {_n(int(size))} | {st['claim']['median_ms']:.2f} ms "
+            f"| {st['claim']['p99_ms']:.2f} ms "
+            f"| {st['total']['median_ms']:.2f} ms | {st['total']['p99_ms']:.2f} ms "
+            f"| {st['floor_claim']['median_ms']:.2f} ms | {st['floor_claim']['p99_ms']:.2f} ms |"
+        )
+    big, small = _n(int(sizes[-1])), _n(int(sizes[0]))
+    lines += [
+        f"| **{big} / {small}** (target ≤ 1.5x) | **{r['claim_median']:.2f}x** "
+        f"{_ok(r['claim_median'] <= 1.5)} | **{r['claim_p99']:.2f}x** {_ok(r['claim_p99'] <= 1.5)} "
+        f"| {r['total_median']:.2f}x | {r['total_p99']:.2f}x | {r['floor_claim_median']:.2f}x "
+        f"| {r['floor_claim_p99']:.2f}x |",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n", 1)[0])
+    parser.add_argument("--quick", action="store_true", help="a short run; sizes 10k and 100k")
+    parser.add_argument("--json", action="store_true", help="print the raw numbers as JSON")
+    args = parser.parse_args(argv)
+
+    admin = os.environ.get("ONCEFLOW_BENCH_DATABASE_URL", ADMIN_DEFAULT)
+    if args.quick:
+        cfg = {
+            "single": 500,
+            "batches": 10,
+            "rounds": 1,
+            "duration": 2.0,
+            "seed": 20_000,
+            "sizes": [10_000, 100_000],
+            "lat_ops": 500,
+        }
+    else:
+        cfg = {
+            "single": 2_000,
+            "batches": 50,
+            "rounds": 2,
+            "duration": 3.0,
+            "seed": 30_000,
+            "sizes": [10_000, 100_000, 1_000_000],
+            "lat_ops": 2_000,
+        }
+    started = time.perf_counter()
+    results: dict[str, Any] = {
+        "command": "bench/queue_bench.py" + " --quick" * args.quick,
+        "config": cfg,
+    }
+    with bench_database(admin) as url:
+        results["machine"] = machine_info(url)
+        results["machine"]["loadavg_start"] = _loadavg()
+        results["enqueue"] = bench_enqueue(url, cfg["single"], cfg["batches"], 1000)
+        results["claims"] = bench_claims(
+            url, cfg["duration"], cfg["rounds"], cfg["seed"], warmup=30
+        )
+        results["latency"] = bench_latency(url, cfg["sizes"], cfg["lat_ops"], warmup=100)
+    results["loadavg_end"] = _loadavg()
+    results["wall_seconds"] = time.perf_counter() - started
+    log(f"done in {results['wall_seconds']:.0f}s")
+    if args.json:
+        print(json.dumps(results, indent=2, default=str))
+    else:
+        print(render(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
