@@ -122,8 +122,12 @@ class Queue:
         if connection is not None:
             with translate_errors():
                 return self._enqueue_on(connection, params, strict)
-        with raw_connection(self.engine) as raw, raw.transaction():
-            return self._enqueue_raw(raw, params, strict)
+        with raw_connection(self.engine) as raw:
+            if not strict:
+                # One INSERT statement is atomic on its own: no BEGIN/COMMIT round trips.
+                return self._enqueue_raw(raw, params, strict)
+            with raw.transaction():  # strict: a mismatch must roll the whole batch back
+                return self._enqueue_raw(raw, params, strict)
 
     def _enqueue_params(self, items: Sequence[NewRequest], now: datetime | None) -> dict[str, Any]:
         cols: dict[str, list[Any]] = {
@@ -312,12 +316,16 @@ class Queue:
         follow_ups = list(then)
         follow_params = self._enqueue_params(follow_ups, now) if follow_ups else None
         params = {"request_id": claim.request_id, "token": claim.token, "result": text, "now": now}
-        with raw_connection(self.engine) as raw, raw.transaction():
-            row = fetch_one(raw, sql.Q_COMPLETE, params)
-            if row is None:
-                raise LeaseLost(claim.request_id, "completion rejected")
-            if follow_params is not None:
-                self._enqueue_raw(raw, follow_params, strict=False)
+        with raw_connection(self.engine) as raw:
+            if follow_params is None:
+                row = fetch_one(raw, sql.Q_COMPLETE, params)  # one statement, one round trip
+            else:
+                with raw.transaction():
+                    row = fetch_one(raw, sql.Q_COMPLETE, params)
+                    if row is not None:
+                        self._enqueue_raw(raw, follow_params, strict=False)
+        if row is None:
+            raise LeaseLost(claim.request_id, "completion rejected")
         return Request.from_row(row)
 
     def fail(
