@@ -17,9 +17,7 @@ PREFIX = "onceflow"
 
 def escape(part: str) -> str:
     """A key part with the characters that structure keys escaped (reversible)."""
-    return (
-        part.replace("%", "%25").replace("{", "%7B").replace("}", "%7D").replace(":", "%3A")
-    )
+    return part.replace("%", "%25").replace("{", "%7B").replace("}", "%7D").replace(":", "%3A")
 
 
 def _ws(workspace_id: str) -> str:

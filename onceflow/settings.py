@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -67,9 +68,34 @@ class Settings(BaseSettings):
         description="Drop input and result of succeeded rows this long after they finished, "
         "keeping the row (and its key) as a tombstone; unset keeps payloads.",
     )
+    op_retention_seconds: float | None = Field(
+        default=7 * 86_400,
+        gt=0,
+        description="Keep op-log rows this long (longer than the SDK's longest offline replay); "
+        "older replays are refused with ReplayTooOld. Unset keeps them forever.",
+    )
     app: str = Field(
         default="onceflow.tasks.default:flow",
         description="`module:attribute` of the Flow (or Celery app) workers and beat load.",
+    )
+    # Layer 2: the compute lock (onceflow.locks).
+    lock_ttl_seconds: float = Field(
+        default=60.0, gt=0, le=86_400, description="Default TTL of a compute lock."
+    )
+    lock_backend: Literal["redis", "sql"] = Field(
+        default="redis",
+        description="Where compute locks live: Redis (SET NX PX), or the compute_locks table.",
+    )
+    lock_unavailable: Literal["fail", "compute"] = Field(
+        default="fail",
+        description="When the lock backend is down: raise LockUnavailable (retryable), or "
+        "compute without the lock (paying for duplicate calls).",
+    )
+    lock_watchdog: bool = Field(
+        default=True, description="Extend a held compute lock every ttl/3 while compute runs."
+    )
+    lock_timeout_seconds: float = Field(
+        default=5.0, gt=0, le=300, description="Socket timeout of the lock's Redis client."
     )
 
     @property

@@ -105,8 +105,10 @@ def engine(database_url: str) -> Engine:
 @pytest.fixture()
 def clean_db(engine: Engine) -> Engine:
     """The test database with every table emptied before the test."""
+    from onceflow.models import metadata
+
     with engine.begin() as conn:
-        conn.execute(text("TRUNCATE workspace_process_requests"))
+        conn.execute(text("TRUNCATE " + ", ".join(sorted(metadata.tables))))
     return engine
 
 

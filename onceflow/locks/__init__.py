@@ -1,1 +1,37 @@
-"""Layer 2: the compute lock for per-call expensive work (arrives with its issue)."""
+"""Layer 2: the compute lock — N callers racing one expensive call pay for it once.
+
+The seed's protocol per call (pre-flight, acquire, double-check, compute,
+store, release) is :func:`compute_once`; its waiters are woken by a broadcast on
+the workspace's channel, never by polling. Locks live in Redis
+(:class:`RedisLockBackend`, ``SET NX PX`` with owner-checked Lua release) or in
+Postgres (:class:`SqlLockBackend`, the ``compute_locks`` table), chosen by the
+``lock_backend`` setting. It is an efficiency lock: it never deadlocks, never
+deletes another owner's lock, and counts every call it saved; the correctness of
+a stored result is layer 3's job. See ``docs/locks.md``.
+"""
+
+from onceflow.errors import LockLost, LockUnavailable
+from onceflow.locks.base import LockBackend, LockHandle, Subscription
+from onceflow.locks.counters import COUNTER_NAMES, Counters, calls_saved
+from onceflow.locks.protocol import Locked, Outcome, Path, compute_once, get_backend
+from onceflow.locks.redis_lock import RedisLockBackend, redis_client
+from onceflow.locks.sql_lock import SqlLockBackend
+
+__all__ = [
+    "COUNTER_NAMES",
+    "Counters",
+    "LockBackend",
+    "LockHandle",
+    "LockLost",
+    "LockUnavailable",
+    "Locked",
+    "Outcome",
+    "Path",
+    "RedisLockBackend",
+    "SqlLockBackend",
+    "Subscription",
+    "calls_saved",
+    "compute_once",
+    "get_backend",
+    "redis_client",
+]

@@ -1,5 +1,6 @@
 """Tables and the typed values of onceflow (imports none of the other sub-packages)."""
 
+from onceflow.models.locks import compute_locks as compute_locks
 from onceflow.models.requests import (
     Claim,
     Dispatch,
@@ -10,6 +11,7 @@ from onceflow.models.requests import (
     SweepResult,
 )
 from onceflow.models.status import Status, parse_status
+from onceflow.models.subdocs import workspace_sub_doc_ops, workspace_sub_docs
 from onceflow.models.tables import metadata, workspace_process_requests
 
 __all__ = [
@@ -24,4 +26,6 @@ __all__ = [
     "metadata",
     "parse_status",
     "workspace_process_requests",
+    "workspace_sub_doc_ops",
+    "workspace_sub_docs",
 ]

@@ -1,1 +1,26 @@
-"""Layer 3: the op log of opId-deduplicated writes (arrives with its issue)."""
+"""Layer 3: the op log — writes applied once by op id, with gapless commit clocks."""
+
+from onceflow.oplog.client import InProcessTransport, Transport, TransportError, WorkspaceClient
+from onceflow.oplog.store import (
+    ApplyResult,
+    OpLog,
+    OpRecord,
+    SubDoc,
+    check_op_id,
+    new_op_id,
+    stage_op_id,
+)
+
+__all__ = [
+    "ApplyResult",
+    "InProcessTransport",
+    "OpLog",
+    "OpRecord",
+    "SubDoc",
+    "Transport",
+    "TransportError",
+    "WorkspaceClient",
+    "check_op_id",
+    "new_op_id",
+    "stage_op_id",
+]

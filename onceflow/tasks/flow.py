@@ -40,7 +40,7 @@ from onceflow.models.requests import Dispatch, EnqueueResult, SweepResult
 from onceflow.queue import Queue
 from onceflow.settings import Settings, get_settings
 from onceflow.tasks.config import MAINTENANCE_QUEUE, SWEEP_TASK, celery_config
-from onceflow.tasks.runtime import StageContext, run_request
+from onceflow.tasks.runtime import StageContext, oplog_for, run_request
 
 log = logging.getLogger("onceflow.flow")
 
@@ -275,6 +275,8 @@ class Flow:
     def sweep_once(self, *, redispatch_after: float | None = None) -> SweepResult:
         """Rescue lapsed leases, prune, and send wake-ups for stages this flow declares."""
         result = self.queue.sweep_once(redispatch_after=redispatch_after)
+        if self.settings.op_retention_seconds is not None:
+            oplog_for(self.queue).prune(older_than_seconds=self.settings.op_retention_seconds)
         for item in result.to_dispatch:
             if item.stage in self.stages:
                 self.dispatch(item)

@@ -12,7 +12,7 @@ import logging
 import threading
 import traceback
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -25,8 +25,12 @@ from onceflow.errors import (
     PermanentError,
     RetryLater,
 )
+from onceflow.keys import counters_key
+from onceflow.locks import compute_once
+from onceflow.models.ops import OpModel
 from onceflow.models.requests import Claim, NewRequest, Request
 from onceflow.models.status import Status
+from onceflow.oplog import ApplyResult, OpLog, SubDoc, stage_op_id
 from onceflow.queue import Queue
 
 if TYPE_CHECKING:
@@ -35,6 +39,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("onceflow.runtime")
 
 TRACEBACK_LINES = 30
+_oplogs: dict[int, OpLog] = {}
+
+
+def oplog_for(queue: Queue) -> OpLog:
+    """The op log on the same engine and settings as ``queue`` (one per queue, per process)."""
+    oplog = _oplogs.get(id(queue))
+    if oplog is None:
+        oplog = _oplogs[id(queue)] = OpLog(queue.engine, queue.settings)
+    return oplog
+
+
+T = TypeVar("T")
 
 
 class StageContext:
@@ -106,6 +122,59 @@ class StageContext:
     def claim(self) -> Claim:
         """The claim itself, for fenced writes of the other layers (never log it)."""
         return self._claim
+
+    def read_sub_doc(self, sub_doc: str) -> SubDoc:
+        """A sub-doc of this request's workspace, as committed now (state and clock)."""
+        return oplog_for(self._queue).get_sub_doc(self.request.workspace_id, sub_doc)
+
+    def apply_op(
+        self,
+        sub_doc: str,
+        op: OpModel | dict[str, Any],
+        *,
+        key: str | None = None,
+        op_id: str | None = None,
+    ) -> ApplyResult:
+        """Write through the op log (layer 3), fenced by this stage's claim.
+
+        A write from a worker whose lease is gone raises :class:`LeaseLost` and
+        changes nothing. ``key`` names the write within the stage (e.g. the
+        column): its op id is derived from the request and the key, so a retry
+        of the stage joins the first attempt's write instead of repeating it.
+        """
+        self.check()
+        if op_id is None and key is not None:
+            op_id = stage_op_id(self.request.request_id, key)
+        oplog = oplog_for(self._queue)
+        return oplog.apply_op(self.request.workspace_id, sub_doc, op, op_id, fence=self._claim)
+
+    def compute_once(
+        self,
+        task: str,
+        check: Callable[[], T | None],
+        compute: Callable[[], T],
+        store: Callable[[T], object],
+        **kw: Any,
+    ) -> Any:
+        """:func:`onceflow.locks.compute_once` on this request's workspace and job (layer 2).
+
+        The lease is checked before ``compute()`` and before ``store()``, so a stage
+        that lost its claim stops there; ``kw`` passes ``wait``, ``ttl``, ``backend``….
+        """
+        req = self.request
+
+        def fenced_compute() -> T:
+            self.check()
+            return compute()
+
+        def fenced_store(value: T) -> object:
+            self.check()
+            return store(value)
+
+        return compute_once(
+            req.workspace_id, req.job_id, task,
+            check=check, compute=fenced_compute, store=fenced_store, **kw,
+        )  # fmt: skip
 
 
 class _Heartbeater(threading.Thread):
@@ -184,6 +253,7 @@ def run_request(
         return {**outcome, "outcome": "succeeded"}
     except LeaseLost:
         log.warning("request %s: lease lost; result discarded (another worker owns it)", request_id)
+        _count_zombie(queue, claim)
         return {**outcome, "outcome": "lease_lost"}
     except Cancelled:
         return {**outcome, **_fail(queue, claim, {"type": "Cancelled"}, retryable=False)}
@@ -215,6 +285,18 @@ def _fail(
         return {"outcome": "lease_lost"}
     outcome = {Status.QUEUED: "retry", Status.DEAD: "dead", Status.CANCELLED: "cancelled"}
     return {"outcome": outcome.get(row.status, row.status.value), "status": row.status.value}
+
+
+ZOMBIE_COUNTER = "zombie_writes_rejected"
+
+
+def _count_zombie(queue: Queue, claim: Claim) -> None:
+    """Count a zombie's rejected completion in the workspace's stats hash (best effort)."""
+    try:
+        redis = oplog_for(queue).redis()
+        redis.hincrby(counters_key(claim.request.workspace_id), ZOMBIE_COUNTER, 1)
+    except Exception as exc:  # a counter must never fail the stage's outcome
+        log.warning("could not count a zombie write: %s", exc)
 
 
 def _not_claimed(queue: Queue, request_id: str) -> dict[str, Any]:

@@ -74,3 +74,17 @@ def _count_messages(task_id: str, task: Any, args: Any = None, **_: Any) -> None
     """Count every message a worker processed (stage ran or not), per request id."""
     if args and isinstance(args[0], str):
         r().incr(f"{PREFIX}processed:{args[0]}")
+
+
+class CellInput(BaseModel):
+    column: str
+    value: int
+
+
+@flow.stage("write_cell", input=CellInput, worker_class="t-default")
+def write_cell(ctx: StageContext, data: CellInput) -> dict[str, Any]:
+    """A stage's write goes through the op log, fenced by its claim (layer 3)."""
+    record(ctx)
+    op = {"type": "cell.set", "column": data.column, "value": data.value}
+    result = ctx.apply_op(f"job:{ctx.request.job_id}", op, key=f"cell:{data.column}")
+    return {"clock": result.clock}

@@ -61,7 +61,12 @@ def test_flower_requires_auth_and_lists_stage_tasks(runtime: Any, tmp_path: Path
     flower = Proc(
         ["flower", "--app", APP, "--conf", "flower.cfg"],
         tmp_path / "flower.log",
-        env={"ONCEFLOW_FLOWER_BASIC_AUTH": CREDENTIALS, "ONCEFLOW_FLOWER_PORT": str(port)},
+        env={
+            "ONCEFLOW_FLOWER_BASIC_AUTH": CREDENTIALS,
+            "ONCEFLOW_FLOWER_PORT": str(port),
+            "PYTHONPATH": str(ROOT),
+        },
+        cwd=ROOT,
     )
     worker = None
     try:

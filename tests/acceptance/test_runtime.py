@@ -202,3 +202,23 @@ def test_pickle_message_is_refused_and_runs_nothing(
         assert rid == request_id_for("w1", "j-pickle", "main", "noop")
     finally:
         worker.stop()
+
+
+def test_stage_writes_through_the_fenced_op_log(
+    runtime: Any, redis_url: str, tmp_path: Path
+) -> None:
+    from onceflow.oplog import OpLog
+
+    worker = start_worker(tmp_path, "t-default")
+    try:
+        rid = runtime.flow.enqueue("write_cell", "w1", "j-cell", "main",
+                                   {"column": "fit", "value": 9}).request_id  # fmt: skip
+        wait_for(lambda: status_of(runtime, rid) is Status.SUCCEEDED, what="success")
+        oplog = OpLog(runtime.flow.queue.engine, runtime.flow.queue.settings)
+        doc = oplog.get_sub_doc("w1", "job:j-cell")
+        assert (doc.clock, doc.state) == (1, {"cells": {"fit": 9}})
+        [op] = oplog.ops_since("w1", "job:j-cell")
+        assert op.fence == rid
+        assert runtime.flow.queue.get(rid).result == {"clock": 1}
+    finally:
+        worker.stop()

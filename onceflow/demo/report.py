@@ -1,0 +1,162 @@
+"""The demo's report: figures measured at the provider and in the tables, and the invariants."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from onceflow.keys import counters_key
+
+if TYPE_CHECKING:
+    from onceflow.demo.scenario import Options, Run
+    from onceflow.demo.standins import StandIn
+
+
+def build_report(
+    opts: Options, run: Run, llm: StandIn, maps: StandIn, *, embedded: bool
+) -> dict[str, Any]:
+    """Gather every figure and check every invariant; ``invariants_ok`` is the verdict."""
+    from onceflow.demo.scenario import COLUMNS, WORKSPACE
+    from onceflow.demo.stages import flow, job_doc
+    from onceflow.oplog import OpLog
+
+    queue = flow.queue
+    oplog = OpLog(queue.engine, queue.settings)
+    rows = queue.list(workspace_id=WORKSPACE, limit=1000)
+    per_key = llm.stats()["per_key"]
+    eval_calls = Counter({k: n for k, n in per_key.items() if "/eval:" in k})
+    columns = COLUMNS[: opts.columns]
+    cells = opts.jobs * len(columns)
+    llm_calls = sum(eval_calls.values())
+    raw_stats: dict[Any, Any] = oplog.redis().hgetall(counters_key(WORKSPACE))
+    stats = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw_stats.items()}
+
+    checks: dict[str, bool] = {}
+    checks["every request succeeded (none lost)"] = bool(rows) and all(
+        r.status.value == "succeeded" for r in rows
+    )
+    checks["one row per distinct request (duplicates collapsed)"] = len(rows) == run.created
+    docs = {job_doc(f"job-{j}"): oplog.get_sub_doc(WORKSPACE, job_doc(f"job-{j}"))
+            for j in range(opts.jobs)}  # fmt: skip
+    checks["every cell filled"] = all(
+        all(c in d.state.get("cells", {}) for c in columns) for d in docs.values()
+    )
+    every_cell_paid = all(eval_calls[f"job-{j}/eval:{c}"] >= 1
+                          for j in range(opts.jobs) for c in columns)  # fmt: skip
+    extra = llm_calls - cells
+    if opts.faults:
+        checks["extra LLM calls explained by the kill"] = every_cell_paid and (
+            0 <= extra <= run.eval_inflight_at_kill
+        )
+    else:
+        checks["LLM calls per cell = 1.00"] = every_cell_paid and llm_calls == cells
+    gapless = True
+    ops_applied = 0
+    for name in [*docs, "board"]:
+        ops = oplog.ops_since(WORKSPACE, name, 0, limit=10_000)
+        ops_applied += len(ops)
+        gapless &= [o.clock for o in ops] == list(range(1, len(ops) + 1))
+        gapless &= oplog.get_sub_doc(WORKSPACE, name).clock == len(ops)
+    checks["clocks gapless in every sub-doc"] = gapless
+    tailored = [sum(1 for o in oplog.ops_since(WORKSPACE, d) if o.op_type == "merge") for d in docs]
+    checks["each job's tailor write applied once"] = tailored == [1] * opts.jobs
+    order = oplog.get_sub_doc(WORKSPACE, "board").state.get("order", [])
+    checks["no op applied twice (each card once on the board)"] = sorted(order) == sorted(run.cards)
+    return {
+        "embedded_services": embedded,
+        "jobs": opts.jobs,
+        "columns": len(columns),
+        "clients": opts.clients,
+        "faults": opts.faults,
+        "requests_enqueued": run.enqueued,
+        "requests_created": run.created,
+        "stage_runs": sum(r.attempts for r in rows),
+        "requests_succeeded": sum(1 for r in rows if r.status.value == "succeeded"),
+        "cells": cells,
+        "llm_calls": llm_calls,
+        "llm_calls_per_cell": round(llm_calls / cells, 2) if cells else 0.0,
+        "extra_llm_calls": extra,
+        "llm_calls_in_flight_at_kill": run.eval_inflight_at_kill,
+        "tailor_llm_calls": sum(n for k, n in per_key.items() if "/tailor:" in k),
+        "maps_calls": maps.stats()["total"],
+        "commutes": opts.jobs,
+        "lock_preflight": stats.get("preflight_hits", 0),
+        "lock_double_check": stats.get("double_check_hits", 0),
+        "lock_waited": stats.get("waits_served_by_broadcast", 0)
+        + stats.get("waits_served_by_recheck", 0),
+        "lock_computed": stats.get("computes", 0),
+        "ops_applied": ops_applied,
+        "op_retries": run.op_retries,
+        "leases_reclaimed": sum(r.crash_attempts for r in rows),
+        "zombie_writes_rejected": stats.get("zombie_writes_rejected", 0),
+        "worker_killed": run.killed_worker,
+        "wall_seconds": round(time.monotonic() - run.started, 2),
+        "checks": checks,
+        "invariants_ok": all(checks.values()),
+    }
+
+
+def print_report(report: dict[str, Any]) -> None:
+    """The report as a table a person can read."""
+    print("\nonceflow demo — three layers, one stack")
+    rows = [
+        ("requests enqueued / rows created", f"{report['requests_enqueued']} / "
+         f"{report['requests_created']}  (layer 1: duplicates collapse at the primary key)"),
+        ("stage runs / succeeded", f"{report['stage_runs']} / {report['requests_succeeded']}"),
+        ("LLM calls / cells", f"{report['llm_calls']} / {report['cells']}  = "
+         f"{report['llm_calls_per_cell']:.2f} per cell  (layer 2)"),
+        ("  extra calls, in flight at kill", f"{report['extra_llm_calls']}, "
+         f"{report['llm_calls_in_flight_at_kill']}"),
+        ("Maps calls / commutes", f"{report['maps_calls']} / {report['commutes']}"),
+        ("tailor LLM calls", str(report["tailor_llm_calls"])),
+        ("lock: pre-flight / double-check / waited / computed",
+         f"{report['lock_preflight']} / {report['lock_double_check']} / "
+         f"{report['lock_waited']} / {report['lock_computed']}"),
+        ("ops applied / op retries", f"{report['ops_applied']} / {report['op_retries']}  "
+         "(layer 3: retries got the original clock)"),
+        ("leases reclaimed", str(report["leases_reclaimed"])),
+        ("zombie writes rejected", str(report["zombie_writes_rejected"])),
+        ("worker killed (kill -9)", str(report["worker_killed"])),
+        ("wall time", f"{report['wall_seconds']} s"),
+    ]  # fmt: skip
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"  {key:<{width}}  {value}")
+    print("\ninvariants:")
+    for name, ok in report["checks"].items():
+        print(f"  [{'ok' if ok else 'BROKEN'}] {name}")
+    print("\nall invariants hold" if report["invariants_ok"] else "\nINVARIANTS BROKEN")
+
+
+def plot(report: dict[str, Any], progress: list[tuple[float, int, int]], path: str) -> None:
+    """Draw provider calls per cell and requests finished per second over time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not progress:
+        return
+    t = [p[0] for p in progress]
+    cells = max(1, report["cells"])
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    top.plot(t, [p[2] / cells for p in progress], label="LLM calls per cell (evaluate)")
+    top.axhline(1.0, linestyle="--", color="grey", label="one call per cell")
+    top.set_ylabel("provider calls per cell")
+    top.set_ylim(0, max(1.5, report["llm_calls_per_cell"] + 0.25))
+    top.legend(loc="upper left")
+    rates = [0.0] + [
+        (b[1] - a[1]) / max(1e-6, b[0] - a[0]) for a, b in itertools.pairwise(progress)
+    ]
+    bottom.plot(t, rates, color="tab:green")
+    bottom.set_ylabel("requests finished / s")
+    bottom.set_xlabel("seconds since start")
+    fig.suptitle(
+        f"onceflow demo: {report['requests_enqueued']} enqueues → {report['requests_created']} "
+        f"requests, {report['llm_calls_per_cell']:.2f} LLM calls per cell"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,354 @@
+"""The seed's "When each layer applies" flow, run for real, with figures that prove it.
+
+Real Postgres and Redis (configured, or embedded ones), real Celery worker processes
+for two worker classes, beat with the sweeper, stand-in LLM and Maps servers that
+count every request, and K concurrent clients enqueueing overlapping work and
+writing ops with retries. Faults (on by default): one worker is killed with
+``kill -9`` mid-stage, and some write responses are dropped after commit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import secrets
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import make_url
+
+from onceflow.demo.procs import Proc, start_worker, wait_for
+from onceflow.demo.standins import StandIn
+
+APP = "onceflow.demo.stages:flow"
+WORKSPACE = "demo"
+COLUMNS = ["fit", "pay", "remote", "growth", "stack", "team", "mission", "location"]
+SECTIONS = ["opening", "experience", "motivation", "closing"]
+LLM_LATENCY = 0.08
+MAPS_LATENCY = 0.05
+
+
+@dataclass
+class Options:
+    """The demo's knobs (the CLI flags)."""
+
+    jobs: int = 6
+    columns: int = 4
+    clients: int = 8
+    workers: int = 2
+    faults: bool = True
+    flower: bool = False
+    timeout: float = 120.0
+    log_dir: Path | None = None
+
+
+@dataclass
+class Run:
+    """What the run observed, filled in as it goes."""
+
+    started: float = field(default_factory=time.monotonic)
+    enqueued: int = 0
+    created: int = 0
+    op_retries: int = 0
+    ops_sent: int = 0
+    cards: set[str] = field(default_factory=set)
+    killed_worker: bool = False
+    eval_inflight_at_kill: int = 0
+    progress: list[tuple[float, int, int]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@contextlib.contextmanager
+def services(announce: Any) -> Iterator[tuple[str, str, bool]]:
+    """(server database URL, Redis URL, embedded?): the configured ones, or embedded ones."""
+    from onceflow.embedded import embedded_services, service_answers
+    from onceflow.settings import get_settings
+
+    settings = get_settings()
+    admin = make_url(settings.database_url).set(database="postgres")
+    admin_url = admin.render_as_string(hide_password=False)
+    db_ok, redis_ok = service_answers(admin_url, settings.redis_url)
+    if db_ok and redis_ok:
+        yield admin_url, settings.redis_url, False
+        return
+    missing = " and ".join(n for n, ok in (("Postgres", db_ok), ("Redis", redis_ok)) if not ok)
+    announce(f"no {missing} answering at the configured URLs; starting the embedded servers")
+    with embedded_services(postgres=not db_ok, redis=not redis_ok) as emb:
+        yield (
+            (admin_url if db_ok else emb.database_url),
+            (settings.redis_url if redis_ok else emb.redis_url),
+            True,
+        )
+
+
+@contextlib.contextmanager
+def fresh_database(server_url: str) -> Iterator[str]:
+    """A new database on the server, migrated; dropped at the end."""
+    import psycopg
+
+    from onceflow.migrate import migrate
+
+    name = f"onceflow_demo_{secrets.token_hex(4)}"
+    libpq = make_url(server_url).set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(libpq, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = make_url(server_url).set(database=name).render_as_string(hide_password=False)
+    try:
+        migrate(url)
+        yield url
+    finally:
+        from onceflow.db import dispose_engines
+
+        dispose_engines()
+        with psycopg.connect(libpq, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+class DroppingTransport:
+    """The flaky network of the seed: every third op's response is lost once, after commit."""
+
+    def __init__(self, inner: Any, run: Run, enabled: bool) -> None:
+        self.inner = inner
+        self.run = run
+        self.enabled = enabled
+        self.sent = 0
+        self.dropped: set[str] = set()
+
+    def apply(self, *args: Any) -> Any:
+        from onceflow.oplog import TransportError
+
+        result = self.inner.apply(*args)
+        self.sent += 1
+        if self.enabled and self.sent % 3 == 0 and result.op_id not in self.dropped:
+            self.dropped.add(result.op_id)
+            raise TransportError("response lost after the server committed")
+        return result
+
+
+def client(n: int, opts: Options, run: Run, env: dict[str, str]) -> None:
+    """One simulated client enqueueing overlapping work (and, for tabs, writing ops)."""
+    from onceflow.demo.stages import flow
+    from onceflow.oplog import InProcessTransport, OpLog, WorkspaceClient
+
+    kind = ["tab", "agent", "webapp", "cli"][n % 4]
+    rng = random.Random(n)
+    jobs = list(range(opts.jobs))
+    rng.shuffle(jobs)
+    columns = COLUMNS[: opts.columns]
+    writer = None
+    if kind == "tab":
+        transport = DroppingTransport(InProcessTransport(OpLog()), run, opts.faults)
+        writer = WorkspaceClient(transport, WORKSPACE, backoff_base=0.01)
+    for j in jobs:
+        job = f"job-{j}"
+        requests: list[tuple[str, str, dict[str, Any]]] = [
+            ("evaluate", "main", {"columns": columns}),
+            ("enrich", "", {"origin": f"home-{n % 2}", "destination": f"office-{j}"}),
+            ("tailor", "main", {"sections": SECTIONS}),
+            ("radar", "", {"page": f"radar-{j % 8}"}),
+        ]
+        if kind == "agent":  # an agent re-evaluates on its own branch: same cells, new row
+            requests.append(("evaluate", "agent", {"columns": columns}))
+        rng.shuffle(requests)
+        for stage, branch, data in requests:
+            if kind == "cli" and stage == "radar" and j == jobs[0]:  # a script, once
+                created = _cli_enqueue(stage, job, branch, data, env)
+            else:
+                created = flow.enqueue(stage, WORKSPACE, job, branch, data).created
+            with run.lock:
+                run.enqueued += 1
+                run.created += int(created)
+        if writer is not None:
+            card = f"card-{n}-{job}"
+            writer.apply("board", {"type": "node.insert", "node": card})
+            with run.lock:
+                run.cards.add(card)
+                run.ops_sent += 1
+    if writer is not None:
+        with run.lock:
+            run.op_retries += writer.retries
+
+
+def _cli_enqueue(
+    stage: str, job: str, branch: str, data: dict[str, Any], env: dict[str, str]
+) -> bool:
+    """Enqueue through the `onceflow enqueue` command, as a script would."""
+    args = ["enqueue", "--stage", stage, "--workspace", WORKSPACE, "--job", job,
+            "--branch-path", branch, "--input", json.dumps(data)]  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "onceflow.cli", *args],
+        capture_output=True, text=True, timeout=60, env={**os.environ, **env}, check=True,
+    )  # fmt: skip
+    return bool(json.loads(out.stdout)["created"])
+
+
+def inject_kill(opts: Options, run: Run, llm: StandIn, worker: Proc, log_dir: Path,
+                env: dict[str, str]) -> Proc | None:  # fmt: skip
+    """kill -9 the llm worker while it runs a stage; start a replacement. Returns it."""
+    from onceflow.demo.stages import flow
+
+    def llm_stage_running() -> bool:
+        rows = flow.queue.list(workspace_id=WORKSPACE, status="running", worker_class="llm")
+        return any(r.stage == "tailor" for r in rows) and llm.inflight() > 0
+
+    try:
+        wait_for(llm_stage_running, timeout=30, interval=0.02, what="an llm stage mid-way")
+    except AssertionError:
+        return None
+    run.eval_inflight_at_kill = sum(1 for key in llm.inflight_keys() if "/eval:" in key)
+    worker.signal_group(9)
+    worker.popen.wait(timeout=10)
+    run.killed_worker = True
+    return start_worker(log_dir, APP, "llm", concurrency=2, name="llm-replacement", env=env)
+
+
+def run_scenario(
+    opts: Options, announce: Any
+) -> tuple[dict[str, Any], list[tuple[float, int, int]]]:
+    """Run the whole flow and return the report (see :mod:`onceflow.demo.report`)."""
+    from onceflow.demo.report import build_report
+    from onceflow.settings import get_settings
+
+    run = Run()
+    api_key = os.environ.get("ONCEFLOW_LLM_API_KEY") or secrets.token_urlsafe(24)
+    procs: list[Proc] = []
+    with contextlib.ExitStack() as stack:
+        server_url, redis_url, embedded = stack.enter_context(services(announce))
+        db_url = stack.enter_context(fresh_database(server_url))
+        log_dir = opts.log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        llm = StandIn("llm", latency=LLM_LATENCY, api_key=api_key).start()
+        maps = StandIn("maps", latency=MAPS_LATENCY).start()
+        stack.callback(llm.stop)
+        stack.callback(maps.stop)
+        env = {
+            "ONCEFLOW_DATABASE_URL": db_url,
+            "ONCEFLOW_REDIS_URL": redis_url,
+            "ONCEFLOW_APP": APP,
+            "ONCEFLOW_DEMO_LLM_URLS": llm.url,
+            "ONCEFLOW_DEMO_MAPS_URL": maps.url,
+            "ONCEFLOW_LLM_API_KEY": api_key,  # to the workers by environment, never in a task
+            "ONCEFLOW_SWEEP_INTERVAL_SECONDS": "0.5",
+            "ONCEFLOW_REDISPATCH_AFTER_SECONDS": "10",
+            "ONCEFLOW_LOCK_TTL_SECONDS": "5",
+            "ONCEFLOW_BACKOFF_BASE_SECONDS": "0.2",
+        }
+        os.environ.update(env)
+        get_settings.cache_clear()
+        _purge_broker(redis_url)
+
+        @stack.callback
+        def _stop_all() -> None:
+            for proc in procs:
+                proc.stop()
+
+        announce(f"database {make_url(db_url).render_as_string()}; starting workers and beat")
+        classes = ["llm", "fallback"]
+        for i in range(max(2, opts.workers)):  # started together, then waited for
+            wc = classes[i % 2]
+            args = ["worker", "--app", APP, "--worker-class", wc, "--concurrency", "2",
+                    "-n", f"{wc}-{i}-{os.getpid()}@%h"]  # fmt: skip
+            procs.append(Proc(args, log_dir / f"worker-{wc}-{i}.log", env=env))
+        procs.append(Proc(["beat", "--app", APP], log_dir / "beat.log", env=env))
+        for proc in procs[:-1]:
+            proc.wait_log(" ready.")
+        procs[-1].wait_log("beat: Starting")
+        if opts.flower:
+            procs.append(_start_flower(log_dir, env, announce))
+        announce(f"{opts.clients} clients enqueue {opts.jobs} jobs x {opts.columns} columns")
+        threads = [threading.Thread(target=client, args=(n, opts, run, env), daemon=True)
+                   for n in range(opts.clients)]  # fmt: skip
+        for t in threads:
+            t.start()
+        sampling = threading.Event()
+        sampler = threading.Thread(target=_sample, args=(run, llm, sampling), daemon=True)
+        sampler.start()
+        stack.callback(sampling.set)
+        if opts.faults:
+            replacement = inject_kill(opts, run, llm, procs[0], log_dir, env)
+            if replacement is not None:
+                procs.append(replacement)
+                announce("fault: kill -9 of an llm worker mid-stage; a replacement started")
+        for t in threads:
+            t.join(timeout=opts.timeout)
+        _wait_drained(opts, run, llm, announce)
+        sampling.set()
+        return build_report(opts, run, llm, maps, embedded=embedded), run.progress
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _purge_broker(redis_url: str) -> None:
+    """Drop wake-ups and counters left by an earlier run (the database is new each time)."""
+    import redis
+
+    from onceflow.keys import counters_key
+
+    client = redis.Redis.from_url(redis_url)
+    client.delete("llm", "fallback", "onceflow", counters_key(WORKSPACE))
+    client.close()
+
+
+def _start_flower(log_dir: Path, env: dict[str, str], announce: Any) -> Proc:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    password = secrets.token_urlsafe(12)
+    flower_env = {**env, "ONCEFLOW_FLOWER_BASIC_AUTH": f"demo:{password}",
+                  "ONCEFLOW_FLOWER_PORT": str(port)}  # fmt: skip
+    conf = Path(tempfile.mkdtemp()) / "flower.cfg"
+    conf.write_text(
+        "import os\naddress = '127.0.0.1'\nport = int(os.environ['ONCEFLOW_FLOWER_PORT'])\n"
+        "basic_auth = [os.environ['ONCEFLOW_FLOWER_BASIC_AUTH']]\n"
+    )
+    proc = Proc(["flower", "--app", APP, "--conf", str(conf)], log_dir / "flower.log",
+                env=flower_env)  # fmt: skip
+    announce(f"Flower: http://127.0.0.1:{port}  user demo, password {password}")
+    return proc
+
+
+def _counts(queue: Any) -> tuple[int, int]:
+    counts = queue.counts()
+    in_flight = sum(c["queued"] + c["running"] for c in counts.values())
+    done = sum(c["succeeded"] + c["dead"] + c["cancelled"] for c in counts.values())
+    return in_flight, done
+
+
+def _sample(run: Run, llm: StandIn, stop: threading.Event) -> None:
+    """Record (seconds, requests finished, LLM calls) every 0.2 s, for the plot."""
+    from onceflow.demo.stages import flow
+
+    while not stop.wait(0.2):
+        try:
+            _, done = _counts(flow.queue)
+        except Exception:  # noqa: S112 - sampling is best effort; the run goes on
+            continue
+        per_key = llm.stats()["per_key"]
+        eval_calls = sum(n for k, n in per_key.items() if "/eval:" in k)
+        run.progress.append((time.monotonic() - run.started, done, eval_calls))
+
+
+def _wait_drained(opts: Options, run: Run, llm: StandIn, announce: Any) -> None:
+    """Wait until no request is queued or running; record progress for the plot."""
+    from onceflow.demo.stages import flow
+
+    def drained() -> bool:
+        queued, done = _counts(flow.queue)
+        if sys.stderr.isatty():
+            print(f"\r  requests: {done} finished, {queued} in flight | LLM calls: "
+                  f"{llm.stats()['total']}   ", end="", file=sys.stderr, flush=True)  # fmt: skip
+        return queued == 0 and done > 0
+
+    wait_for(drained, timeout=opts.timeout, interval=0.2, what="every request finished")
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    announce("every request finished; checking the invariants")

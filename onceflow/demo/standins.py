@@ -1,0 +1,167 @@
+"""Local stand-ins for the third-party services: an LLM and a Maps commute API.
+
+Real HTTP servers on 127.0.0.1 that answer like the real thing (an OpenAI-compatible
+``POST /v1/chat/completions``; ``GET /v1/commute?origin=…&destination=…``), with a
+realistic latency, and that count every request they receive — so a saving is
+measured at the provider, not claimed. ``GET /stats`` returns the counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: StandIn
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Quiet: the counts are the log."""
+
+    def _send(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        # The caller may be gone (a worker killed mid-call): that is the demo's fault, not ours.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        url = urlparse(self.path)
+        if url.path == "/stats":
+            self._send(200, self.server.stats())
+            return
+        if url.path == "/v1/commute" and self.server.kind == "maps":
+            query = parse_qs(url.query)
+            origin = query.get("origin", [""])[0]
+            destination = query.get("destination", [""])[0]
+            key = f"commute:{origin}->{destination}"
+            self.server.count(key)
+            with self.server.in_flight(key):
+                time.sleep(self.server.latency)
+            minutes = (
+                10 + int(hashlib.sha256(f"{origin}|{destination}".encode()).hexdigest(), 16) % 50
+            )
+            self._send(200, {"origin": origin, "destination": destination, "minutes": minutes})
+            return
+        self._send(404, {"error": "not found"})
+
+    def do_POST(self) -> None:
+        if urlparse(self.path).path != "/v1/chat/completions" or self.server.kind != "llm":
+            self._send(404, {"error": "not found"})
+            return
+        if self.headers.get("Authorization", "") != f"Bearer {self.server.api_key}":
+            self._send(401, {"error": {"message": "invalid api key"}})
+            return
+        length = int(self.headers.get("Content-Length", "0"))
+        try:
+            body = json.loads(self.rfile.read(length) or b"{}")
+            prompt = str(body["messages"][-1]["content"])
+        except (ValueError, KeyError, IndexError, TypeError):
+            self._send(400, {"error": {"message": "bad request"}})
+            return
+        # The demo's prompts start with a cell key line ("cell: job-3/eval:fit"), which is
+        # what lets the stand-in count calls per cell.
+        first = prompt.splitlines()[0] if prompt else ""
+        key = first.removeprefix("cell: ") if first.startswith("cell: ") else "other"
+        self.server.count(key)
+        with self.server.in_flight(key):
+            time.sleep(self.server.latency)
+        score = int(hashlib.sha256(prompt.encode()).hexdigest(), 16) % 100 / 100
+        self._send(
+            200,
+            {
+                "id": "chatcmpl-standin",
+                "object": "chat.completion",
+                "model": body.get("model", "standin"),
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": json.dumps({"score": score})},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {"prompt_tokens": len(prompt) // 4, "completion_tokens": 8},
+            },
+        )
+
+
+class StandIn(ThreadingHTTPServer):
+    """A counting stand-in server; ``kind`` is ``"llm"`` or ``"maps"``."""
+
+    daemon_threads = True
+
+    def __init__(self, kind: str, *, latency: float, api_key: str = "") -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.kind = kind
+        self.latency = latency
+        self.api_key = api_key
+        self._counts: Counter[str] = Counter()
+        self._timeline: list[float] = []
+        self._inflight: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(
+            target=self.serve_forever, name=f"standin-{kind}", daemon=True
+        )
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:PORT``."""
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def count(self, key: str) -> None:
+        """Count one request (for ``key``: a cell, a commute)."""
+        with self._lock:
+            self._counts[key] += 1
+            self._timeline.append(time.monotonic())
+
+    @contextlib.contextmanager
+    def in_flight(self, key: str) -> Iterator[None]:
+        """Mark ``key`` as being answered (its caller may die meanwhile)."""
+        with self._lock:
+            self._inflight[key] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._inflight[key] -= 1
+
+    def inflight(self) -> int:
+        """Requests received and not yet answered."""
+        with self._lock:
+            return sum(self._inflight.values())
+
+    def inflight_keys(self) -> list[str]:
+        """The keys of the requests not yet answered."""
+        with self._lock:
+            return [k for k, n in self._inflight.items() for _ in range(n)]
+
+    def stats(self) -> dict[str, Any]:
+        """Requests received: total and per key."""
+        with self._lock:
+            return {"total": sum(self._counts.values()), "per_key": dict(self._counts)}
+
+    def timeline(self) -> list[float]:
+        """Monotonic times of every request (for the plot)."""
+        with self._lock:
+            return list(self._timeline)
+
+    def start(self) -> StandIn:
+        """Serve in a background thread."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and close the socket."""
+        self.shutdown()
+        self.server_close()

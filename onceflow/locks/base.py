@@ -1,0 +1,254 @@
+"""What every compute-lock backend shares: the handle, the watchdog, the backend seam.
+
+A :class:`LockHandle` is one acquisition. It carries the owner's token — never a
+shared instance or a thread-local (redis-py's ``Lock`` keeps it thread-local,
+which lets two coroutines on one thread release each other's lock) — so two
+threads or coroutines can only ever release what they acquired. Release and
+extend compare that token on the server (Lua for Redis, ``WHERE token = …`` for
+SQL); expiry is the server's (Redis ``PX``, Postgres ``now()``), never a
+client's clock.
+
+A backend (:class:`LockBackend`) is the seam: the Redis backend
+(:mod:`onceflow.locks.redis_lock`) and the SQL backend
+(:mod:`onceflow.locks.sql_lock`) implement it, and :func:`onceflow.locks.compute_once`
+runs the protocol on either.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from types import TracebackType
+from typing import Any, Protocol
+
+from onceflow.errors import LockLost, LockUnavailable
+from onceflow.locks.counters import LOCKS_LOST, Counters
+from onceflow.settings import Settings
+
+log = logging.getLogger("onceflow.locks")
+
+Message = dict[str, Any]
+
+#: ``kind`` of the message a leader publishes after releasing (wakes the waiters).
+LOCK_RELEASED = "lock_released"
+
+
+class Subscription(Protocol):
+    """A live subscription to a workspace's broadcasts (confirmed before it is returned)."""
+
+    def wait(self, timeout: float) -> Message | None:
+        """The next message of the workspace, or None after ``timeout`` seconds."""
+
+    def close(self) -> None:
+        """Unsubscribe and free the connection."""
+
+
+class LockBackend(Protocol):
+    """Where compute locks live; implemented for Redis and for Postgres."""
+
+    name: str
+    counters: Counters
+    settings: Settings
+
+    def acquire(
+        self,
+        workspace_id: str,
+        job_id: str,
+        task: str,
+        ttl: float | None = None,
+        *,
+        watchdog: bool = False,
+    ) -> LockHandle | None:
+        """Take the lock (one atomic step), or None if someone else holds it."""
+
+    def cad_release(self, handle: LockHandle) -> bool:
+        """Compare-and-delete: True if the lock still held the handle's token and is gone."""
+
+    def cad_extend(self, handle: LockHandle, ttl_ms: int) -> bool:
+        """Compare-and-extend: True if the lock still held the handle's token."""
+
+    def remaining_ms(self, workspace_id: str, job_id: str, task: str) -> int | None:
+        """Milliseconds until the current holder's lock expires, or None if it is free."""
+
+    def owner_token(self, workspace_id: str, job_id: str, task: str) -> str | None:
+        """The token of the live lock on the cell, or None if it is free."""
+
+    def subscribe(self, workspace_id: str) -> Subscription:
+        """Subscribe to the workspace's broadcasts; returns once the subscription is live."""
+
+    def announce(self, handle: LockHandle, *, ok: bool) -> None:
+        """Publish ``lock_released`` for the handle's cell (and flush pending counters)."""
+
+    def flush_counters(self) -> None:
+        """Send pending counter increments now (best effort)."""
+
+    def workspace_counters(self, workspace_id: str) -> dict[str, int]:
+        """A workspace's counters, summed over every process where the backend allows."""
+
+
+def released_message(job_id: str, task: str, *, ok: bool) -> Message:
+    """The small message a leader publishes after releasing a cell's lock."""
+    return {"kind": LOCK_RELEASED, "job_id": job_id, "task": task, "ok": ok}
+
+
+def parse_message(data: Any) -> Message:
+    """A broadcast's payload as a dict; anything that is not a JSON object is ``unknown``."""
+    try:
+        parsed = json.loads(data)
+    except (TypeError, ValueError):
+        return {"kind": "unknown"}
+    return parsed if isinstance(parsed, dict) else {"kind": "unknown"}
+
+
+def is_release_of(message: Message, job_id: str, task: str) -> bool:
+    """True if ``message`` says the lock of this cell was released."""
+    return (
+        message.get("kind") == LOCK_RELEASED
+        and message.get("job_id") == job_id
+        and message.get("task") == task
+    )
+
+
+class LockHandle:
+    """One held compute lock: its key and owner token, its ``lost`` flag, its watchdog.
+
+    Use it as a context manager, or call :meth:`release` in a ``finally``. A
+    lock found lost (an extend or the release refused by the server) sets
+    :attr:`lost`, is counted once as ``locks_lost``, and makes
+    :meth:`ensure_held` raise :class:`LockLost`.
+    """
+
+    def __init__(
+        self,
+        backend: LockBackend,
+        workspace_id: str,
+        job_id: str,
+        task: str,
+        key: str,
+        token: str,
+        ttl_ms: int,
+    ) -> None:
+        self.backend = backend
+        self.workspace_id = workspace_id
+        self.job_id = job_id
+        self.task = task
+        self.key = key
+        self.token = token
+        self.ttl_ms = ttl_ms
+        self._lost = False  # set once, under _state; read without it (a bool is atomic)
+        self._state = threading.Lock()
+        self._released = False
+        self._lost_detail = ""
+        self._watchdog: _Watchdog | None = None
+
+    def __repr__(self) -> str:  # never shows the token
+        return f"<LockHandle {self.key} lost={self.lost} released={self._released}>"
+
+    @property
+    def lost(self) -> bool:
+        """True once the server said this owner no longer holds the lock."""
+        return self._lost
+
+    @property
+    def released(self) -> bool:
+        """True once :meth:`release` got an answer from the server."""
+        return self._released
+
+    def ensure_held(self) -> None:
+        """Raise :class:`LockLost` if the lock is known to be lost (no round trip)."""
+        if self._lost:
+            raise LockLost(self.key, self._lost_detail)
+
+    def extend(self, ttl: float | None = None) -> bool:
+        """Reset the TTL to ``ttl`` seconds (the handle's TTL by default); False if lost."""
+        ttl_ms = self.ttl_ms if ttl is None else ttl_to_ms(ttl)
+        if self.backend.cad_extend(self, ttl_ms):
+            return True
+        self._mark_lost("extend refused: the lock expired or was taken")
+        return False
+
+    def release(self) -> bool:
+        """Release if still ours (compare-and-delete); False if it was lost or released already.
+
+        The token is kept until the server answered, so a release that raised
+        :class:`LockUnavailable` can be retried.
+        """
+        self.stop_watchdog()
+        with self._state:
+            if self._released:
+                return False
+        held = self.backend.cad_release(self)
+        with self._state:
+            self._released = True
+        if not held:
+            self._mark_lost("released after it expired or was taken")
+        return held
+
+    def start_watchdog(self) -> None:
+        """Extend the lock every ttl/3 in a daemon thread until released or lost."""
+        if self._watchdog is None:
+            self._watchdog = _Watchdog(self)
+            self._watchdog.start()
+
+    def stop_watchdog(self) -> None:
+        """Stop extending (idempotent)."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
+
+    def _mark_lost(self, detail: str) -> None:
+        with self._state:
+            if self._lost:
+                return
+            self._lost_detail = detail
+            self._lost = True
+        log.warning("compute lock %s lost: %s", self.key, detail)
+        self.backend.counters.incr(self.workspace_id, LOCKS_LOST)
+
+    def __enter__(self) -> LockHandle:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+        if exc_type is None:
+            self.ensure_held()  # lost while the block ran: say so (portalocker's model)
+
+
+class _Watchdog(threading.Thread):
+    """Extends a held lock every ttl/3; on a refused extend, marks the handle lost."""
+
+    def __init__(self, handle: LockHandle) -> None:
+        super().__init__(name=f"onceflow-lock-watchdog-{handle.task[:20]}", daemon=True)
+        self._handle = handle
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        handle = self._handle
+        interval = handle.ttl_ms / 3000.0
+        while not self._stop_event.wait(interval):
+            try:
+                held = handle.backend.cad_extend(handle, handle.ttl_ms)
+            except LockUnavailable as exc:
+                # The backend may answer again before the TTL runs out: keep trying.
+                log.warning("compute lock %s: extend failed: %s", handle.key, exc)
+                continue
+            if not held:
+                handle._mark_lost("watchdog extend refused: the lock expired or was taken")
+                return
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout=10)
+
+
+def ttl_to_ms(ttl: float) -> int:
+    """A TTL in seconds as whole milliseconds (at least 1)."""
+    if not isinstance(ttl, int | float) or ttl <= 0 or ttl != ttl:
+        raise ValueError(f"a lock TTL must be a positive number of seconds, got {ttl!r}")
+    return max(1, round(ttl * 1000))

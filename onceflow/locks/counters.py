@@ -1,0 +1,128 @@
+"""Outcome counters of the compute lock: every call saved, waited for, or paid twice.
+
+Each :class:`~onceflow.locks.LockBackend` keeps a :class:`Counters`: process-local
+totals (:meth:`Counters.snapshot`, a plain dict) plus increments pending for the
+workspace's Redis hash ``counters_key(ws)``, where ``HINCRBY`` sums them across
+every process. Pending increments ride on a round trip the protocol makes
+anyway (the leader's release announcement, a waiter's wake-up), so a pre-flight
+hit costs zero Redis round trips; :meth:`LockBackend.flush_counters` sends them
+explicitly. The SQL backend keeps the process-local totals only.
+
+"Calls saved" (:func:`calls_saved`) is the headline figure: pre-flight hits,
+double-check hits, and waits served by a broadcast or by the re-check after
+subscribing — each one a third-party call that was not made.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any, Final
+
+from onceflow.keys import counters_key
+
+PREFLIGHT_HITS: Final = "preflight_hits"
+DOUBLE_CHECK_HITS: Final = "double_check_hits"
+WAITS_SERVED_BY_BROADCAST: Final = "waits_served_by_broadcast"
+WAITS_SERVED_BY_RECHECK: Final = "waits_served_by_recheck"
+WAIT_TIMEOUTS: Final = "wait_timeouts"
+COMPUTES: Final = "computes"
+COMPUTES_WITHOUT_LOCK: Final = "computes_without_lock"
+COMPUTE_ERRORS: Final = "compute_errors"
+LOCKS_LOST: Final = "locks_lost"
+DUPLICATE_COMPUTES_DETECTED: Final = "duplicate_computes_detected"
+
+#: Every counter, in the order snapshots list them.
+COUNTER_NAMES: Final[tuple[str, ...]] = (
+    PREFLIGHT_HITS,
+    DOUBLE_CHECK_HITS,
+    WAITS_SERVED_BY_BROADCAST,
+    WAITS_SERVED_BY_RECHECK,
+    WAIT_TIMEOUTS,
+    COMPUTES,
+    COMPUTES_WITHOUT_LOCK,
+    COMPUTE_ERRORS,
+    LOCKS_LOST,
+    DUPLICATE_COMPUTES_DETECTED,
+)
+
+_SAVED: Final = (
+    PREFLIGHT_HITS,
+    DOUBLE_CHECK_HITS,
+    WAITS_SERVED_BY_BROADCAST,
+    WAITS_SERVED_BY_RECHECK,
+)
+
+Pending = dict[str, dict[str, int]]
+
+
+def empty() -> dict[str, int]:
+    """A snapshot with every counter at zero."""
+    return dict.fromkeys(COUNTER_NAMES, 0)
+
+
+def calls_saved(snapshot: Mapping[str, int]) -> int:
+    """Third-party calls not made: pre-flight and double-check hits, and served waits."""
+    return sum(snapshot.get(name, 0) for name in _SAVED)
+
+
+class Counters:
+    """Thread-safe process-local counts, per workspace, with increments pending for Redis."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._totals: dict[str, dict[str, int]] = {}
+        self._pending: Pending = {}
+
+    def incr(self, workspace_id: str, name: str, n: int = 1) -> None:
+        """Count ``n`` outcomes ``name`` in ``workspace_id`` (locally; pending for Redis)."""
+        if name not in COUNTER_NAMES:
+            raise ValueError(f"unknown counter {name!r}")
+        with self._lock:
+            totals = self._totals.setdefault(workspace_id, empty())
+            totals[name] += n
+            pending = self._pending.setdefault(workspace_id, {})
+            pending[name] = pending.get(name, 0) + n
+
+    def snapshot(self, workspace_id: str | None = None) -> dict[str, int]:
+        """This process's totals as a plain dict: of one workspace, or summed over all."""
+        with self._lock:
+            if workspace_id is not None:
+                return dict(self._totals.get(workspace_id, empty()))
+            summed = empty()
+            for totals in self._totals.values():
+                for name, n in totals.items():
+                    summed[name] += n
+            return summed
+
+    def take_pending(self) -> Pending:
+        """Increments not yet sent to Redis, handed over (and cleared)."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            return pending
+
+    def restore_pending(self, pending: Pending) -> None:
+        """Put back increments whose flush failed, so the next flush sends them."""
+        with self._lock:
+            for workspace_id, counts in pending.items():
+                mine = self._pending.setdefault(workspace_id, {})
+                for name, n in counts.items():
+                    mine[name] = mine.get(name, 0) + n
+
+
+def queue_increments(pipeline: Any, pending: Pending) -> None:
+    """Add one ``HINCRBY`` per pending count to a Redis pipeline (no round trip yet)."""
+    for workspace_id, counts in pending.items():
+        key = counters_key(workspace_id)
+        for name, n in counts.items():
+            if n:
+                pipeline.hincrby(key, name, n)
+
+
+def parse_hash(raw: Mapping[Any, Any]) -> dict[str, int]:
+    """A workspace's counters hash (``HGETALL``) as a snapshot with every counter present."""
+    snapshot = empty()
+    for name, value in raw.items():
+        key = name.decode() if isinstance(name, bytes) else str(name)
+        snapshot[key] = int(value)
+    return snapshot

@@ -1,0 +1,377 @@
+"""``compute_once``: the seed's five steps for one expensive call, as one function.
+
+1. pre-flight ``check()``: a stored value returns at once, with no lock round trip;
+2. acquire the cell's lock; if it is taken and ``wait=False``, return :class:`Locked`;
+3. with ``wait=True``: subscribe to the workspace's broadcasts *first*, re-check,
+   then wait for a message — any message, after which ``check()`` runs again —
+   at most the lock's remaining TTL; on a timeout, or when the holder announces
+   its release without a stored value, run the protocol again (the holder may
+   have died or failed). There is no polling loop;
+4. holding the lock, ``check()`` again (the double-check);
+5. ``compute()``, ``store(value)``, then — in ``finally``, on any exception,
+   ``BaseException`` included — release (compare-and-delete) and publish
+   ``{"kind": "lock_released", "job_id", "task", "ok"}`` on the workspace channel.
+
+A leader whose ``compute()`` raises releases and announces ``ok: false``; its
+waiters do **not** receive its error. Each re-runs the protocol, so exactly one
+becomes the next leader and calls the provider again, while the others wait
+for it. An error is often the leader's own (its timeout, its cancellation, a
+transient 5xx), and sharing it would fail every caller at once; the cost is at
+most one more attempt per waiter, one at a time, for a call that keeps failing.
+
+``check()`` returns None for "not stored yet", so a stored value is never None.
+``store()`` may return ``False`` to say an earlier value was kept (first writer
+wins): that is counted as a duplicate compute and the stored value is returned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Generic, Literal, TypeVar, overload
+
+from onceflow.errors import InvalidRequest, LockUnavailable
+from onceflow.keys import lock_key
+from onceflow.locks.base import LockBackend, LockHandle, Subscription, is_release_of
+from onceflow.locks.counters import (
+    COMPUTE_ERRORS,
+    COMPUTES,
+    COMPUTES_WITHOUT_LOCK,
+    DOUBLE_CHECK_HITS,
+    DUPLICATE_COMPUTES_DETECTED,
+    PREFLIGHT_HITS,
+    WAIT_TIMEOUTS,
+    WAITS_SERVED_BY_BROADCAST,
+    WAITS_SERVED_BY_RECHECK,
+)
+from onceflow.settings import get_settings
+
+log = logging.getLogger("onceflow.locks")
+
+T = TypeVar("T")
+
+#: Waits run this much past the holder's remaining TTL, so the retry finds the key expired.
+WAIT_MARGIN_SECONDS = 0.02
+
+
+class Path(StrEnum):
+    """Which step of the protocol served the caller."""
+
+    PREFLIGHT = "preflight"
+    DOUBLE_CHECK = "double_check"
+    COMPUTED = "computed"
+    WAITED = "waited"
+    LOCK_LOST = "lock_lost"
+
+
+@dataclass(frozen=True)
+class Outcome(Generic[T]):
+    """The value, and how this caller got it."""
+
+    value: T
+    path: Path
+    #: For ``waited``: ``"broadcast"`` (woken by a message) or ``"recheck"`` (found it
+    #: stored right after subscribing).
+    served_by: Literal["broadcast", "recheck"] | None = None
+    #: Seconds from finding the lock taken to being served (``waited`` only).
+    waited_seconds: float = 0.0
+    #: How many times the protocol ran (more than 1 after a wait timed out or a leader failed).
+    rounds: int = 1
+    #: False when the backend was down and ``lock_unavailable="compute"`` computed anyway.
+    with_lock: bool = True
+    #: True when this caller paid for a call whose result someone else had stored first.
+    duplicate: bool = False
+
+
+@dataclass(frozen=True)
+class Locked:
+    """``wait=False`` found the lock taken: someone else is on it (the seed's ``locked: true``)."""
+
+    workspace_id: str
+    job_id: str
+    task: str
+    locked: Literal[True] = True
+
+
+@overload
+def compute_once(
+    workspace_id: str,
+    job_id: str,
+    task: str,
+    *,
+    check: Callable[[], T | None],
+    compute: Callable[[], T],
+    store: Callable[[T], object],
+    wait: Literal[True] = True,
+    ttl: float | None = None,
+    watchdog: bool | None = None,
+    backend: LockBackend | None = None,
+    on_wait: Callable[[], object] | None = None,
+) -> Outcome[T]: ...
+@overload
+def compute_once(
+    workspace_id: str,
+    job_id: str,
+    task: str,
+    *,
+    check: Callable[[], T | None],
+    compute: Callable[[], T],
+    store: Callable[[T], object],
+    wait: bool,
+    ttl: float | None = None,
+    watchdog: bool | None = None,
+    backend: LockBackend | None = None,
+    on_wait: Callable[[], object] | None = None,
+) -> Outcome[T] | Locked: ...
+def compute_once(
+    workspace_id: str,
+    job_id: str,
+    task: str,
+    *,
+    check: Callable[[], T | None],
+    compute: Callable[[], T],
+    store: Callable[[T], object],
+    wait: bool = True,
+    ttl: float | None = None,
+    watchdog: bool | None = None,
+    backend: LockBackend | None = None,
+    on_wait: Callable[[], object] | None = None,
+) -> Outcome[T] | Locked:
+    """Get the cell's value, paying for ``compute()`` at most once across every caller.
+
+    ``ttl`` (seconds) and ``watchdog`` (extend every ttl/3 while computing)
+    default to the settings; ``backend`` to :func:`get_backend`. ``on_wait`` is
+    called each time this caller starts waiting for the holder (e.g. to show
+    "someone else is on it"). Raises :class:`LockUnavailable` when the backend
+    is down, unless ``lock_unavailable="compute"``.
+    """
+    lock_key(workspace_id, job_id, task)  # bad ids fail before any call is made
+    value = check()
+    be = backend if backend is not None else get_backend()
+    if value is not None:
+        be.counters.incr(workspace_id, PREFLIGHT_HITS)  # sent later: zero round trips now
+        return Outcome(value, Path.PREFLIGHT)
+    settings = be.settings
+    use_watchdog = settings.lock_watchdog if watchdog is None else watchdog
+    try:
+        got = _acquire_or_wait(be, workspace_id, job_id, task, check, wait, ttl, on_wait)
+    except LockUnavailable:
+        if settings.lock_unavailable != "compute":
+            raise
+        return _compute_unlocked(be, workspace_id, check, compute, store)
+    if isinstance(got, tuple):
+        handle, rounds = got
+        return _lead(be, handle, check, compute, store, use_watchdog, rounds)
+    return got
+
+
+def _acquire_or_wait(
+    be: LockBackend,
+    workspace_id: str,
+    job_id: str,
+    task: str,
+    check: Callable[[], T | None],
+    wait: bool,
+    ttl: float | None,
+    on_wait: Callable[[], object] | None,
+) -> tuple[LockHandle, int] | Outcome[T] | Locked:
+    sub: Subscription | None = None
+    waiting_since = 0.0
+    rounds = 0
+    try:
+        while True:
+            rounds += 1
+            handle = be.acquire(workspace_id, job_id, task, ttl)
+            if handle is not None:
+                return handle, rounds
+            if not wait:
+                return Locked(workspace_id, job_id, task)
+            if sub is None:
+                waiting_since = time.monotonic()
+                sub = be.subscribe(workspace_id)  # subscribe first, then re-check
+                value = check()
+                if value is not None:
+                    return _served(be, workspace_id, value, "recheck", waiting_since, rounds)
+            remaining = be.remaining_ms(workspace_id, job_id, task)
+            if not remaining:
+                continue  # released or expired since the acquire: try again now
+            if on_wait is not None:
+                on_wait()
+            verdict, value = _await(
+                sub, remaining / 1000 + WAIT_MARGIN_SECONDS, check, job_id, task
+            )
+            if value is not None:
+                return _served(be, workspace_id, value, "broadcast", waiting_since, rounds)
+            if verdict == "timeout":
+                be.counters.incr(workspace_id, WAIT_TIMEOUTS)
+            # Timed out (the holder may have died) or released without a value: run again.
+    finally:
+        if sub is not None:
+            sub.close()
+
+
+def _await(
+    sub: Subscription, timeout: float, check: Callable[[], T | None], job_id: str, task: str
+) -> tuple[Literal["served", "released", "timeout"], T | None]:
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        message = sub.wait(remaining) if remaining > 0 else None
+        if message is None:
+            return "timeout", None
+        value = check()  # any message may be the store's commit broadcast (layer 3)
+        if value is not None:
+            return "served", value
+        if is_release_of(message, job_id, task):
+            return "released", None
+
+
+def _served(
+    be: LockBackend,
+    workspace_id: str,
+    value: T,
+    served_by: Literal["broadcast", "recheck"],
+    waiting_since: float,
+    rounds: int,
+) -> Outcome[T]:
+    name = WAITS_SERVED_BY_BROADCAST if served_by == "broadcast" else WAITS_SERVED_BY_RECHECK
+    be.counters.incr(workspace_id, name)
+    be.flush_counters()
+    waited = time.monotonic() - waiting_since
+    return Outcome(value, Path.WAITED, served_by, waited_seconds=waited, rounds=rounds)
+
+
+def _lead(
+    be: LockBackend,
+    handle: LockHandle,
+    check: Callable[[], T | None],
+    compute: Callable[[], T],
+    store: Callable[[T], object],
+    watchdog: bool,
+    rounds: int,
+) -> Outcome[T]:
+    ws = handle.workspace_id
+    ok = False
+    try:
+        if watchdog:
+            handle.start_watchdog()
+        value = check()  # the double-check: stored between our pre-flight and our acquire?
+        if value is not None:
+            be.counters.incr(ws, DOUBLE_CHECK_HITS)
+            outcome = Outcome(value, Path.DOUBLE_CHECK, rounds=rounds)
+        else:
+            value = _counted_compute(be, ws, compute)
+            outcome = _store(be, handle, check, store, value)
+            outcome = dataclasses.replace(outcome, rounds=rounds)
+        ok = True
+    finally:
+        _release_and_announce(be, handle, ok=ok)
+    if handle.lost and outcome.path is Path.COMPUTED:
+        outcome = dataclasses.replace(outcome, path=Path.LOCK_LOST)  # lost while storing
+    return outcome
+
+
+def _counted_compute(be: LockBackend, workspace_id: str, compute: Callable[[], T]) -> T:
+    be.counters.incr(workspace_id, COMPUTES)
+    try:
+        value = compute()
+    except BaseException:
+        be.counters.incr(workspace_id, COMPUTE_ERRORS)
+        raise
+    if value is None:
+        be.counters.incr(workspace_id, COMPUTE_ERRORS)
+        raise InvalidRequest("compute() returned None, which check() would read as 'not stored'")
+    return value
+
+
+def _store(
+    be: LockBackend,
+    handle: LockHandle,
+    check: Callable[[], T | None],
+    store: Callable[[T], object],
+    value: T,
+) -> Outcome[T]:
+    ws = handle.workspace_id
+    try:
+        held = handle.extend()  # ours right before the store? (also buys the store a full TTL)
+    except LockUnavailable as exc:
+        log.warning("compute lock %s: cannot confirm it before storing: %s", handle.key, exc)
+        held = True
+    if not held:
+        existing = check()  # lost: did the next holder store its value already?
+        if existing is not None:
+            be.counters.incr(ws, DUPLICATE_COMPUTES_DETECTED)
+            return Outcome(existing, Path.LOCK_LOST, duplicate=True)
+    path = Path.COMPUTED if held else Path.LOCK_LOST
+    if store(value) is False:  # the store kept an earlier value (first writer wins)
+        be.counters.incr(ws, DUPLICATE_COMPUTES_DETECTED)
+        existing = check()
+        return Outcome(value if existing is None else existing, path, duplicate=True)
+    return Outcome(value, path)
+
+
+def _release_and_announce(be: LockBackend, handle: LockHandle, *, ok: bool) -> None:
+    # Release before announcing: a waiter woken by ok=false must find the cell free.
+    try:
+        handle.release()
+    except LockUnavailable as exc:
+        log.warning("compute lock %s: release failed (%s); it expires by its TTL", handle.key, exc)
+    try:
+        be.announce(handle, ok=ok)
+    except LockUnavailable as exc:
+        log.warning(
+            "compute lock %s: announce failed (%s); waiters wake at the TTL", handle.key, exc
+        )
+
+
+def _compute_unlocked(
+    be: LockBackend,
+    workspace_id: str,
+    check: Callable[[], T | None],
+    compute: Callable[[], T],
+    store: Callable[[T], object],
+) -> Outcome[T]:
+    value = check()
+    if value is not None:
+        be.counters.incr(workspace_id, DOUBLE_CHECK_HITS)
+        return Outcome(value, Path.DOUBLE_CHECK, with_lock=False)
+    log.warning("compute lock unavailable: computing without it (duplicates are possible)")
+    be.counters.incr(workspace_id, COMPUTES_WITHOUT_LOCK)
+    value = _counted_compute(be, workspace_id, compute)
+    duplicate = store(value) is False
+    if duplicate:
+        be.counters.incr(workspace_id, DUPLICATE_COMPUTES_DETECTED)
+        existing = check()
+        value = value if existing is None else existing
+    return Outcome(value, Path.COMPUTED, with_lock=False, duplicate=duplicate)
+
+
+_backends: dict[tuple[str, str, int], LockBackend] = {}
+_backends_lock = threading.Lock()
+
+
+def get_backend() -> LockBackend:
+    """This process's backend chosen by ``lock_backend`` (made lazily, again after a fork)."""
+    settings = get_settings()
+    kind = settings.lock_backend
+    url = settings.redis_url if kind == "redis" else settings.database_url
+    key = (kind, url, os.getpid())
+    with _backends_lock:
+        backend = _backends.get(key)
+        if backend is None:
+            if kind == "redis":
+                from onceflow.locks.redis_lock import RedisLockBackend
+
+                backend = RedisLockBackend(url, settings=settings)
+            else:
+                from onceflow.locks.sql_lock import SqlLockBackend
+
+                backend = SqlLockBackend(url, settings=settings)
+            _backends[key] = backend
+        return backend

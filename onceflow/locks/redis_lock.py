@@ -1,0 +1,275 @@
+"""The Redis compute lock: ``SET key token NX PX ttl``, owner-checked Lua release and extend.
+
+The key is ``onceflow:{<workspace_id>}:lock:<job_id>:<task>`` (:func:`onceflow.keys.lock_key`):
+the workspace is a Redis Cluster hash tag, so a workspace's locks, its broadcast
+channel and its counters share a slot. Redis expires the key itself, so a
+crashed holder blocks nobody past the TTL and no client clock is ever compared.
+``release.lua`` and ``extend.lua`` ship beside this module and are registered
+once per backend (``register_script``: ``EVALSHA``, loading on ``NOSCRIPT``).
+
+Every redis-py error is translated to :class:`LockUnavailable` here; none reaches
+stage code. At first use the backend reads ``maxmemory-policy`` and warns when
+Redis may evict keys with a TTL (an evicted lock is a lock lost); a server that
+refuses ``CONFIG`` is noted at INFO and used anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib.resources import files
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.commands.core import Script
+from redis.retry import Retry
+
+from onceflow.errors import LockUnavailable
+from onceflow.keys import counters_key, lock_key, workspace_channel
+from onceflow.locks.base import LockHandle, Message, parse_message, released_message, ttl_to_ms
+from onceflow.locks.counters import Counters, parse_hash, queue_increments
+from onceflow.settings import Settings, get_settings
+
+log = logging.getLogger("onceflow.locks")
+
+RELEASE_LUA = files("onceflow.locks").joinpath("release.lua").read_text()
+EXTEND_LUA = files("onceflow.locks").joinpath("extend.lua").read_text()
+
+_clients: dict[tuple[str, float, int], redis.Redis] = {}
+_clients_lock = threading.Lock()
+
+
+def redis_client(url: str | None = None, *, timeout: float | None = None) -> redis.Redis:
+    """This process's Redis client for ``url`` (made lazily, again after a fork).
+
+    Socket timeouts bound every call (``lock_timeout_seconds``); one immediate
+    retry lets a pooled connection that died with a restarted server reconnect.
+    """
+    settings = get_settings()
+    url = url or settings.redis_url
+    timeout = settings.lock_timeout_seconds if timeout is None else timeout
+    key = (url, timeout, os.getpid())
+    client = _clients.get(key)
+    if client is None:
+        with _clients_lock:
+            client = _clients.get(key)
+            if client is None:
+                client = redis.Redis.from_url(
+                    url,
+                    socket_timeout=timeout,
+                    socket_connect_timeout=timeout,
+                    retry=Retry(NoBackoff(), 1),
+                )
+                _clients[key] = client
+    return client
+
+
+@contextmanager
+def translate_redis_errors(what: str) -> Iterator[None]:
+    """Any redis-py error becomes :class:`LockUnavailable` (ours pass through)."""
+    try:
+        yield
+    except redis.RedisError as exc:
+        raise _unavailable(what, exc) from exc
+
+
+def _unavailable(what: str, exc: redis.RedisError) -> LockUnavailable:
+    return LockUnavailable(f"Redis unavailable ({what}): {exc}")
+
+
+class RedisLockBackend:
+    """Compute locks in Redis. Thread-safe; one per process (see :func:`get_backend`)."""
+
+    name = "redis"
+
+    def __init__(
+        self, client: redis.Redis | str | None = None, *, settings: Settings | None = None
+    ) -> None:
+        self.settings = settings or get_settings()
+        if client is None or isinstance(client, str):
+            client = redis_client(client or self.settings.redis_url)
+        self.client = client
+        self.counters = Counters()
+        self._release = client.register_script(RELEASE_LUA)
+        self._extend = client.register_script(EXTEND_LUA)
+        self._policy_checked = False
+
+    def acquire(
+        self,
+        workspace_id: str,
+        job_id: str,
+        task: str,
+        ttl: float | None = None,
+        *,
+        watchdog: bool = False,
+    ) -> LockHandle | None:
+        """``SET key token NX PX ttl``: a handle if taken now, None if someone holds it."""
+        key = lock_key(workspace_id, job_id, task)
+        ttl_ms = ttl_to_ms(self.settings.lock_ttl_seconds if ttl is None else ttl)
+        token = secrets.token_hex(16)
+        if not self._policy_checked:
+            self._check_eviction_policy()
+        try:  # inline rather than a context manager: this is the hot path
+            taken = self.client.set(key, token, nx=True, px=ttl_ms)
+        except redis.RedisError as exc:
+            raise _unavailable("acquire", exc) from exc
+        if not taken:
+            return None
+        handle = LockHandle(self, workspace_id, job_id, task, key, token, ttl_ms)
+        if watchdog:
+            handle.start_watchdog()
+        return handle
+
+    def cad_release(self, handle: LockHandle) -> bool:
+        """``release.lua``: delete the key only if it still holds the handle's token."""
+        try:
+            return bool(self._run(self._release, handle.key, handle.token))
+        except redis.RedisError as exc:
+            raise _unavailable("release", exc) from exc
+
+    def cad_extend(self, handle: LockHandle, ttl_ms: int) -> bool:
+        """``extend.lua``: reset the TTL only if the key still holds the handle's token."""
+        try:
+            return bool(self._run(self._extend, handle.key, handle.token, ttl_ms))
+        except redis.RedisError as exc:
+            raise _unavailable("extend", exc) from exc
+
+    def _run(self, script: Script, key: str, *args: str | int) -> Any:
+        # EVALSHA straight away (one round trip, no per-call bookkeeping); on NOSCRIPT (a
+        # restarted or failed-over server) the registered Script loads itself and runs.
+        try:
+            return self.client.evalsha(script.sha, 1, key, *args)
+        except redis.exceptions.NoScriptError:
+            return script(keys=[key], args=list(args))
+
+    def remaining_ms(self, workspace_id: str, job_id: str, task: str) -> int | None:
+        """``PTTL`` of the cell's lock; None when no lock exists."""
+        with translate_redis_errors("pttl"):
+            pttl = int(self.client.pttl(lock_key(workspace_id, job_id, task)))
+        if pttl == -2:
+            return None
+        # -1 (a key without TTL) is never written by onceflow; treat it as a full TTL.
+        return pttl if pttl >= 0 else ttl_to_ms(self.settings.lock_ttl_seconds)
+
+    def owner_token(self, workspace_id: str, job_id: str, task: str) -> str | None:
+        """The token in the cell's lock key, or None."""
+        with translate_redis_errors("get"):
+            value = self.client.get(lock_key(workspace_id, job_id, task))
+        return value.decode() if isinstance(value, bytes) else value
+
+    def subscribe(self, workspace_id: str) -> RedisSubscription:
+        """``SUBSCRIBE`` to the workspace's channel; returns once Redis confirmed it."""
+        channel = workspace_channel(workspace_id)
+        return RedisSubscription(self.client, channel, self.settings.lock_timeout_seconds)
+
+    def announce(self, handle: LockHandle, *, ok: bool) -> None:
+        """One pipelined round trip: ``PUBLISH`` lock_released, plus pending counters."""
+        message = json.dumps(released_message(handle.job_id, handle.task, ok=ok))
+        pending = self.counters.take_pending()
+        try:
+            with translate_redis_errors("publish"):
+                pipe = self.client.pipeline(transaction=False)
+                pipe.publish(workspace_channel(handle.workspace_id), message)
+                queue_increments(pipe, pending)
+                pipe.execute()
+        except LockUnavailable:
+            self.counters.restore_pending(pending)
+            raise
+
+    def flush_counters(self) -> None:
+        """Send pending increments (``HINCRBY``, one pipelined round trip); kept on failure."""
+        pending = self.counters.take_pending()
+        if not pending:
+            return
+        try:
+            with translate_redis_errors("counters"):
+                pipe = self.client.pipeline(transaction=False)
+                queue_increments(pipe, pending)
+                pipe.execute()
+        except LockUnavailable as exc:
+            self.counters.restore_pending(pending)
+            log.debug("compute-lock counters not flushed: %s", exc)
+
+    def workspace_counters(self, workspace_id: str) -> dict[str, int]:
+        """``HGETALL`` of the workspace's counters: every process's flushed increments."""
+        with translate_redis_errors("counters"):
+            raw = self.client.hgetall(counters_key(workspace_id))
+        return parse_hash(raw)
+
+    def _check_eviction_policy(self) -> None:
+        try:
+            reply = self.client.config_get("maxmemory-policy")
+        except redis.ResponseError as exc:
+            # CONFIG renamed away or denied by an ACL (managed Redis often does this).
+            log.info(
+                "compute locks: could not read Redis maxmemory-policy (%s); make sure keys "
+                "with a TTL are never evicted",
+                exc,
+            )
+            self._policy_checked = True
+            return
+        except redis.RedisError:
+            return  # not reachable now; the acquire says so, and we check again next time
+        policy = _text(dict(reply).get("maxmemory-policy"))
+        if policy and policy != "noeviction":
+            log.warning(
+                "compute locks: Redis maxmemory-policy is %r, which can evict keys with a "
+                "TTL under memory pressure; an evicted lock lets a second caller pay for the "
+                "same call. Use 'noeviction' (or a Redis of its own) for onceflow.",
+                policy,
+            )
+        self._policy_checked = True
+
+
+class RedisSubscription:
+    """A confirmed ``SUBSCRIBE`` to one channel on its own connection."""
+
+    def __init__(self, client: redis.Redis, channel: str, timeout: float) -> None:
+        self._pubsub = client.pubsub()  # type: ignore[no-untyped-call]
+        try:
+            with translate_redis_errors("subscribe"):
+                self._pubsub.subscribe(channel)
+                # Only after Redis confirmed is every later publish guaranteed to reach us:
+                # the caller re-checks the store after this returns (subscribe first).
+                deadline = time.monotonic() + timeout
+                while True:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise LockUnavailable(f"Redis did not confirm SUBSCRIBE {channel}")
+                    reply = self._pubsub.get_message(timeout=remaining)
+                    if reply is not None and reply["type"] == "subscribe":
+                        break
+        except BaseException:
+            self.close()
+            raise
+
+    def wait(self, timeout: float) -> Message | None:
+        """The next published message, or None once ``timeout`` seconds passed."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            with translate_redis_errors("wait"):
+                reply = self._pubsub.get_message(timeout=remaining)
+            if reply is not None and reply["type"] == "message":
+                return parse_message(reply["data"])
+
+    def close(self) -> None:
+        """Unsubscribe by closing the connection (errors ignored: it may be dead already)."""
+        with contextlib.suppress(redis.RedisError, OSError):
+            self._pubsub.close()
+
+
+def _text(value: Any) -> str | None:
+    if isinstance(value, bytes):
+        return value.decode()
+    return None if value is None else str(value)

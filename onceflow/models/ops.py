@@ -1,0 +1,211 @@
+"""Ops: typed writes to a sub-doc, each a pure function from state to state.
+
+A sub-doc's state is a JSON object. The built-in ops cover the seed's domain:
+
+* ``cell.set`` / ``cell.clear`` — custom-column values, in ``state["cells"]``;
+* ``node.insert`` / ``node.move`` / ``node.delete`` — an ordered list of node ids in
+  ``state["order"]``, placed after an anchor node (``after=None``: first), so that a
+  retried ``node.move`` can never corrupt the order;
+* ``merge`` — an RFC 7386 JSON merge patch of the whole state.
+
+Users register their own with :func:`register_op`. An op that is well-formed but
+cannot apply to the current state (moving a node that is not there) raises
+:class:`OpRejected`; the op log records that answer so a retry gets it again.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from onceflow.errors import InvalidRequest, OpRejected
+
+State = dict[str, Any]
+ApplyFn = Callable[[State, Any], tuple[State, Any]]
+
+ID = Annotated[str, Field(min_length=1, max_length=200)]
+
+
+class OpModel(BaseModel):
+    """Base of every op payload: strict, no unknown fields, a ``type`` discriminator."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    type: str
+
+
+class CellSet(OpModel):
+    """Set a custom column's value."""
+
+    type: Literal["cell.set"] = "cell.set"
+    column: ID
+    value: Any
+
+
+class CellClear(OpModel):
+    """Remove a custom column's value."""
+
+    type: Literal["cell.clear"] = "cell.clear"
+    column: ID
+
+
+class NodeInsert(OpModel):
+    """Insert a node after ``after`` (None: at the start)."""
+
+    type: Literal["node.insert"] = "node.insert"
+    node: ID
+    after: ID | None = None
+
+
+class NodeMove(OpModel):
+    """Move a node to just after ``after`` (None: to the start)."""
+
+    type: Literal["node.move"] = "node.move"
+    node: ID
+    after: ID | None = None
+
+
+class NodeDelete(OpModel):
+    """Remove a node from the order."""
+
+    type: Literal["node.delete"] = "node.delete"
+    node: ID
+
+
+class MergePatch(OpModel):
+    """An RFC 7386 JSON merge patch of the whole state."""
+
+    type: Literal["merge"] = "merge"
+    patch: dict[str, Any]
+
+
+BuiltinOp = Annotated[
+    CellSet | CellClear | NodeInsert | NodeMove | NodeDelete | MergePatch,
+    Field(discriminator="type"),
+]
+
+
+@dataclass(frozen=True)
+class OpType:
+    """A registered op type: its payload model and its pure apply function."""
+
+    name: str
+    model: type[OpModel]
+    apply: ApplyFn
+
+
+_REGISTRY: dict[str, OpType] = {}
+
+
+def register_op(name: str, model: type[OpModel], apply: ApplyFn) -> None:
+    """Register an op type; ``apply(state, op) -> (new_state, result)`` must be pure."""
+    if name in _REGISTRY and _REGISTRY[name].model is not model:
+        raise InvalidRequest(f"op type {name!r} is already registered")
+    _REGISTRY[name] = OpType(name, model, apply)
+
+
+def parse_op(op: OpModel | dict[str, Any]) -> OpModel:
+    """Validate an op (a model or a dict with ``type``); a clear error for anything else."""
+    if isinstance(op, OpModel):
+        data: Any = op.model_dump(mode="json")
+    else:
+        data = op
+    if not isinstance(data, dict):
+        raise InvalidRequest(f"an op must be an object with a 'type', got {type(data).__name__}")
+    name = data.get("type")
+    entry = _REGISTRY.get(name) if isinstance(name, str) else None
+    if entry is None:
+        known = ", ".join(sorted(_REGISTRY))
+        raise InvalidRequest(f"unknown op type {name!r}; known: {known}")
+    try:
+        return entry.model.model_validate(data)
+    except ValidationError as exc:
+        raise InvalidRequest(f"invalid {name} op: {exc}") from None
+
+
+def apply(state: State, op: OpModel) -> tuple[State, Any]:
+    """Apply a parsed op to a copy of ``state``; raises :class:`OpRejected`."""
+    return _REGISTRY[op.type].apply(copy.deepcopy(state), op)
+
+
+# ----------------------------------------------------------------------- built-ins
+
+
+def _cell_set(state: State, op: CellSet) -> tuple[State, Any]:
+    state.setdefault("cells", {})[op.column] = op.value
+    return state, None
+
+
+def _cell_clear(state: State, op: CellClear) -> tuple[State, Any]:
+    existed = op.column in state.get("cells", {})
+    state.get("cells", {}).pop(op.column, None)
+    return state, {"existed": existed}
+
+
+def _position_after(order: list[str], after: str | None, op_type: str) -> int:
+    if after is None:
+        return 0
+    try:
+        return order.index(after) + 1
+    except ValueError:
+        raise OpRejected(op_type, f"anchor node {after!r} is not in the order") from None
+
+
+def _node_insert(state: State, op: NodeInsert) -> tuple[State, Any]:
+    order: list[str] = state.setdefault("order", [])
+    if op.node in order:
+        raise OpRejected(op.type, f"node {op.node!r} is already in the order")
+    index = _position_after(order, op.after, op.type)
+    order.insert(index, op.node)
+    return state, {"index": index}
+
+
+def _node_move(state: State, op: NodeMove) -> tuple[State, Any]:
+    order: list[str] = state.setdefault("order", [])
+    if op.node not in order:
+        raise OpRejected(op.type, f"node {op.node!r} is not in the order")
+    if op.after == op.node:
+        raise OpRejected(op.type, "a node cannot be moved after itself")
+    order.remove(op.node)
+    index = _position_after(order, op.after, op.type)
+    order.insert(index, op.node)
+    return state, {"index": index}
+
+
+def _node_delete(state: State, op: NodeDelete) -> tuple[State, Any]:
+    order: list[str] = state.setdefault("order", [])
+    if op.node not in order:
+        raise OpRejected(op.type, f"node {op.node!r} is not in the order")
+    order.remove(op.node)
+    return state, None
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386: objects merge recursively, ``null`` deletes, anything else replaces."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+def _merge(state: State, op: MergePatch) -> tuple[State, Any]:
+    return merge_patch(state, op.patch), None
+
+
+for _name, _model, _fn in (
+    ("cell.set", CellSet, _cell_set),
+    ("cell.clear", CellClear, _cell_clear),
+    ("node.insert", NodeInsert, _node_insert),
+    ("node.move", NodeMove, _node_move),
+    ("node.delete", NodeDelete, _node_delete),
+    ("merge", MergePatch, _merge),
+):
+    register_op(_name, _model, _fn)

@@ -1,0 +1,181 @@
+"""Caller processes for the compute-lock tests and benchmark.
+
+Callers are real processes forked from a forkserver that has imported this
+module once (:func:`context`): each child starts in milliseconds instead of the
+~1.3 s a spawned interpreter needs to import SQLAlchemy, redis-py and onceflow,
+and none inherits the test process's threads or sockets. A child builds its
+own backend, opens its connections, waits at a barrier with the others, runs
+:func:`onceflow.locks.compute_once` in one thread per assigned cell, and reports
+every outcome on a queue.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from multiprocessing.context import BaseContext
+from typing import Any
+
+import redis
+
+from onceflow.db import make_engine
+from onceflow.locks import LockBackend, RedisLockBackend, SqlLockBackend, compute_once
+from tests.integration.standin import call_provider, mark_waiting, store_get, store_put
+
+Cell = tuple[str, str]  # (job_id, task)
+
+
+def context() -> BaseContext:
+    """The forkserver context, preloading this module (and so onceflow) in the server."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
+
+
+def make_backend(kind: str, url: str, pool_size: int = 2) -> LockBackend:
+    """A backend of its own for one process (small pool: 64 processes share Postgres)."""
+    if kind == "redis":
+        client = redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=10)
+        return RedisLockBackend(client)
+    return SqlLockBackend(make_engine(url, pool_size=pool_size))
+
+
+def cell_name(workspace_id: str, job_id: str, task: str) -> str:
+    """The stand-in's name of a cell (one provider counter and one stored value each)."""
+    return f"{workspace_id}.{job_id}.{task}"
+
+
+def call(
+    backend: LockBackend,
+    standin: str,
+    workspace_id: str,
+    cell: Cell,
+    *,
+    hold: float = 0.0,
+    ttl: float | None = None,
+    watchdog: bool | None = None,
+) -> dict[str, Any]:
+    """One caller: ``compute_once`` on the stand-in provider and store; the outcome as a dict."""
+    job_id, task = cell
+    name = cell_name(workspace_id, job_id, task)
+    outcome = compute_once(
+        workspace_id,
+        job_id,
+        task,
+        check=lambda: store_get(standin, name),
+        compute=lambda: call_provider(standin, name, hold),
+        store=lambda value: store_put(standin, name, value),
+        ttl=ttl,
+        watchdog=watchdog,
+        backend=backend,
+        on_wait=lambda: mark_waiting(standin, name),
+    )
+    return {
+        "cell": name,
+        "path": outcome.path.value,
+        "value": outcome.value,
+        "served_by": outcome.served_by,
+        "waited": outcome.waited_seconds,
+        "rounds": outcome.rounds,
+        "duplicate": outcome.duplicate,
+        "served_at": time.monotonic(),  # CLOCK_MONOTONIC: one clock for every process
+        "pid": os.getpid(),
+    }
+
+
+def call_without_lock(standin: str, workspace_id: str, cell: Cell, *, hold: float = 0.0) -> str:
+    """The usual cache-aside without a lock (check, compute, store): the benchmark's baseline."""
+    name = cell_name(workspace_id, *cell)
+    value = store_get(standin, name)
+    if value is None:
+        value = call_provider(standin, name, hold)
+        store_put(standin, name, value)
+    return value
+
+
+def run_process(plan: dict[str, Any], barrier: Any, results: Any) -> None:
+    """Process target: build a backend, warm it, meet the others, run one thread per cell."""
+    try:
+        backend = make_backend(plan["kind"], plan["url"])
+        ws = plan["workspace_id"]
+        backend.remaining_ms(ws, "warm", "up")  # connect before the race starts
+        if barrier is not None:
+            barrier.wait(timeout=120)
+        outcomes: list[dict[str, Any]] = []
+
+        def one(cell: Cell) -> None:
+            try:
+                if plan.get("without_lock"):
+                    value = call_without_lock(plan["standin"], ws, cell, hold=plan.get("hold", 0))
+                    outcomes.append({"cell": cell_name(ws, *cell), "value": value})
+                    return
+                outcomes.append(
+                    call(
+                        backend, plan["standin"], ws, cell,
+                        hold=plan.get("hold", 0.0), ttl=plan.get("ttl"),
+                        watchdog=plan.get("watchdog"),
+                    )
+                )  # fmt: skip
+            except BaseException:
+                outcomes.append({"error": traceback.format_exc()})
+
+        threads = [threading.Thread(target=one, args=(tuple(c),)) for c in plan["cells"]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        backend.flush_counters()
+        results.put(
+            {"pid": os.getpid(), "outcomes": outcomes, "counters": backend.counters.snapshot(ws)}
+        )
+    except BaseException:
+        results.put({"pid": os.getpid(), "error": traceback.format_exc(), "outcomes": []})
+
+
+class Fleet:
+    """Caller processes started together, their reports collected with a deadline."""
+
+    def __init__(self, ctx: BaseContext, plans: Sequence[dict[str, Any]], *, barrier: bool = True):
+        self.results: Any = ctx.Queue()
+        self._barrier = ctx.Barrier(len(plans)) if barrier and len(plans) > 1 else None
+        args = [(plan, self._barrier, self.results) for plan in plans]
+        self.processes = [
+            ctx.Process(target=run_process, args=a, daemon=True)  # type: ignore[attr-defined]
+            for a in args
+        ]
+        for p in self.processes:
+            p.start()
+
+    def collect(self, expected: int | None = None, timeout: float = 120.0) -> list[dict[str, Any]]:
+        """Reports of ``expected`` processes (all by default); fails past ``timeout``."""
+        want = len(self.processes) if expected is None else expected
+        deadline = time.monotonic() + timeout
+        reports: list[dict[str, Any]] = []
+        while len(reports) < want:
+            try:
+                reports.append(self.results.get(timeout=max(0.1, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise AssertionError(
+                        f"only {len(reports)} of {want} caller processes reported in {timeout}s"
+                    ) from None
+        errors = [r["error"] for r in reports if "error" in r]
+        errors += [o["error"] for r in reports for o in r["outcomes"] if "error" in o]
+        assert not errors, "\n".join(errors)
+        return reports
+
+    def stop(self) -> None:
+        for p in self.processes:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=10)
+
+
+def outcomes(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every caller's outcome, over all reports."""
+    return [o for r in reports for o in r["outcomes"]]

@@ -1,0 +1,306 @@
+"""Layer 3 on a real Postgres and Redis: each write applied once, gapless clocks, fencing."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import threading
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import redis as redis_lib
+from sqlalchemy import Engine
+
+from onceflow import LeaseLost, Queue
+from onceflow.errors import InvalidRequest, OpIdConflict, ReplayTooOld
+from onceflow.keys import workspace_channel
+from onceflow.models.ops import NodeInsert, NodeMove, apply, parse_op
+from onceflow.oplog import (
+    ApplyResult,
+    InProcessTransport,
+    OpLog,
+    TransportError,
+    WorkspaceClient,
+    new_op_id,
+)
+from tests.conftest import table_snapshot
+from tests.integration.test_claims import db_now
+
+
+@pytest.fixture()
+def oplog(clean_db: Engine, redis_url: str) -> OpLog:
+    from onceflow.settings import get_settings
+
+    return OpLog(clean_db, get_settings())
+
+
+class DropResponses:
+    """The seed's flaky network: the server commits, then the response is lost."""
+
+    def __init__(self, inner: InProcessTransport, drops: int) -> None:
+        self.inner = inner
+        self.drops = drops
+        self.seen: list[ApplyResult] = []
+
+    def apply(self, *args: Any) -> ApplyResult:
+        result = self.inner.apply(*args)
+        self.seen.append(result)
+        if self.drops > 0:
+            self.drops -= 1
+            raise TransportError("connection reset after the server committed")
+        return result
+
+
+def seed_order(oplog: OpLog, ws: str, sub_doc: str, nodes: list[str]) -> None:
+    after = None
+    for node in nodes:
+        oplog.apply_op(ws, sub_doc, NodeInsert(node=node, after=after))
+        after = node
+
+
+def test_flaky_network_node_move_applied_once_same_clock(oplog: OpLog) -> None:
+    seed_order(oplog, "w1", "board", ["a", "b", "c", "d"])
+    flaky = DropResponses(InProcessTransport(oplog), drops=5)
+    client = WorkspaceClient(flaky, "w1", backoff_base=0.001)
+    result = client.apply("board", NodeMove(node="a", after="c"))
+    assert result is not None
+    assert client.retries == 5
+    assert len(flaky.seen) == 6
+    assert {r.clock for r in flaky.seen} == {5}  # every retry got the original clock
+    assert [r.duplicate for r in flaky.seen] == [False] + [True] * 5
+    doc = oplog.get_sub_doc("w1", "board")
+    assert doc.state["order"] == ["b", "c", "a", "d"]
+    assert doc.clock == 5
+    moves = [o for o in oplog.ops_since("w1", "board") if o.op_type == "node.move"]
+    assert len(moves) == 1
+    assert client.pending() == []
+
+
+def test_16_threads_same_op_id_applied_once(oplog: OpLog) -> None:
+    op_id = new_op_id()
+    barrier = threading.Barrier(16)
+    results: list[ApplyResult] = []
+
+    def send() -> None:
+        barrier.wait()
+        results.append(oplog.apply_op("w1", "cells", {"type": "cell.set", "column": "fit",
+                                                      "value": 0.9}, op_id))  # fmt: skip
+
+    threads = [threading.Thread(target=send) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 16
+    assert {r.clock for r in results} == {1}
+    assert sum(not r.duplicate for r in results) == 1
+    assert oplog.get_sub_doc("w1", "cells").clock == 1
+    assert len(oplog.ops_since("w1", "cells")) == 1
+
+
+def _writer(database_url: str, redis_url: str, n: int, out: mp.Queue) -> None:  # type: ignore[type-arg]
+    import os
+
+    os.environ["ONCEFLOW_REDIS_URL"] = redis_url
+    from onceflow.oplog import OpLog as Log
+
+    log = Log(database_url)
+    clocks = []
+    for i in range(500):
+        op = {"type": "cell.set", "column": f"c{i % 7}", "value": [n, i]}
+        clocks.append(log.apply_op("w1", "hot", op, new_op_id()).clock)
+    out.put(clocks)
+
+
+@pytest.mark.slow
+def test_8_writers_500_ops_gapless_clocks_and_replayable(
+    oplog: OpLog, database_url: str, redis_url: str
+) -> None:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_writer, args=(database_url, redis_url, n, out)) for n in range(8)]
+    for p in procs:
+        p.start()
+    clocks = [c for _ in procs for c in out.get(timeout=300)]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert sorted(clocks) == list(range(1, 4001))
+    ops = oplog.ops_since("w1", "hot", 0, limit=10_000)
+    assert [o.clock for o in ops] == list(range(1, 4001))
+    state: dict[str, Any] = {}
+    for o in ops:
+        state, _ = apply(state, parse_op(o.payload))
+    doc = oplog.get_sub_doc("w1", "hot")
+    assert (doc.clock, doc.state) == (4000, state)
+
+
+def test_same_op_id_other_payload_conflicts_other_scopes_independent(
+    oplog: OpLog, clean_db: Engine
+) -> None:
+    op_id = new_op_id()
+    first = oplog.apply_op("w1", "cells", {"type": "cell.set", "column": "a", "value": 1}, op_id)
+    before = table_snapshot_ops(clean_db)
+    with pytest.raises(OpIdConflict):
+        oplog.apply_op("w1", "cells", {"type": "cell.set", "column": "a", "value": 2}, op_id)
+    assert table_snapshot_ops(clean_db) == before
+    assert oplog.get_sub_doc("w1", "cells").state == {"cells": {"a": 1}}
+    other_doc = oplog.apply_op(
+        "w1", "other", {"type": "cell.set", "column": "a", "value": 2}, op_id
+    )
+    other_ws = oplog.apply_op("w2", "cells", {"type": "cell.set", "column": "a", "value": 3}, op_id)
+    assert (first.clock, other_doc.clock, other_ws.clock) == (1, 1, 1)
+    assert not other_doc.duplicate and not other_ws.duplicate
+
+
+def table_snapshot_ops(engine: Engine) -> list[Any]:
+    from sqlalchemy import text
+
+    with engine.connect() as conn:
+        ops = conn.execute(text("SELECT * FROM workspace_sub_doc_ops ORDER BY 1, 2, 3")).all()
+        docs = conn.execute(text("SELECT * FROM workspace_sub_docs ORDER BY 1, 2")).all()
+    return [tuple(r) for r in ops] + [tuple(r) for r in docs]
+
+
+def test_rejected_op_is_recorded_and_its_retry_gets_the_same_answer(oplog: OpLog) -> None:
+    seed_order(oplog, "w1", "board", ["a"])
+    op_id = new_op_id()
+    bad = NodeMove(node="ghost", after="a")
+    first = oplog.apply_op("w1", "board", bad, op_id)
+    assert (first.applied, first.clock) == (False, None)
+    assert "ghost" in first.error["message"]
+    seed_order(oplog, "w1", "board2", [])
+    oplog.apply_op("w1", "board", NodeInsert(node="ghost", after="a"))  # now it could apply...
+    again = oplog.apply_op("w1", "board", bad, op_id)
+    assert (again.duplicate, again.applied, again.error) == (True, False, first.error)  # ...but no
+    assert oplog.get_sub_doc("w1", "board").clock == 2  # the rejection took no clock
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        {"type": "node.teleport", "node": "a"},
+        {"type": "cell.set"},
+        {"type": "cell.set", "column": "", "value": 1},
+        {"type": "cell.set", "column": "a", "value": 1, "extra": True},
+        {"type": "merge", "patch": []},
+        ["not", "an", "object"],
+    ],
+)
+def test_unknown_or_invalid_ops_write_nothing(oplog: OpLog, clean_db: Engine, op: Any) -> None:
+    before = table_snapshot_ops(clean_db)
+    with pytest.raises(InvalidRequest):
+        oplog.apply_op("w1", "cells", op, new_op_id())
+    assert table_snapshot_ops(clean_db) == before
+
+
+@pytest.mark.parametrize(
+    "op_id", ["", "short", "x" * 65, "has space in it!!", "ünïcödé-but-long-enough"]
+)
+def test_op_ids_must_look_real(oplog: OpLog, op_id: str) -> None:
+    with pytest.raises(InvalidRequest, match="op_id"):
+        oplog.apply_op("w1", "cells", {"type": "cell.clear", "column": "a"}, op_id)
+
+
+def test_stage_write_with_a_lapsed_fence_changes_nothing(oplog: OpLog, clean_db: Engine) -> None:
+    queue = Queue(clean_db, settings=oplog.settings)
+    rid = queue.enqueue("evaluate", "w1", "j1", "main").request_id
+    claim = queue.claim(rid, "worker-a", lease_seconds=1)
+    assert claim is not None
+    live = oplog.apply_op("w1", "cells", {"type": "cell.set", "column": "a", "value": 1},
+                          new_op_id(), fence=claim)  # fmt: skip
+    assert live.clock == 1
+    # Another worker takes the request once the lease lapses (database clock moved on).
+    later = db_now(clean_db) + timedelta(seconds=2)
+    assert queue.claim(rid, "worker-b", now=later) is not None
+    before = table_snapshot_ops(clean_db)
+    with pytest.raises(LeaseLost):
+        oplog.apply_op("w1", "cells", {"type": "cell.set", "column": "a", "value": 2},
+                       new_op_id(), fence=claim)  # fmt: skip
+    assert table_snapshot_ops(clean_db) == before
+    assert table_snapshot(clean_db)[0] is not None
+
+
+def test_broadcast_comes_after_commit(oplog: OpLog, redis_url: str) -> None:
+    client = redis_lib.Redis.from_url(redis_url)
+    pubsub = client.pubsub()
+    pubsub.subscribe(workspace_channel("w-bc"))
+    assert pubsub.get_message(timeout=5)["type"] == "subscribe"  # type: ignore[index]
+    seen: list[tuple[int, int]] = []
+    reader = OpLog(oplog.engine, oplog.settings)
+
+    def listen() -> None:
+        while len(seen) < 20:
+            msg = pubsub.get_message(timeout=10)
+            if msg is None:
+                return
+            if msg["type"] == "message":
+                data = json.loads(msg["data"])
+                # Read the sub-doc the moment the broadcast arrives: the commit must be visible.
+                seen.append((data["clock"], reader.get_sub_doc("w-bc", "cells").clock))
+
+    listener = threading.Thread(target=listen)
+    listener.start()
+    for i in range(20):
+        oplog.apply_op("w-bc", "cells", {"type": "cell.set", "column": "x", "value": i})
+    listener.join(timeout=30)
+    pubsub.close()
+    assert [c for c, _ in seen] == list(range(1, 21))
+    assert all(visible >= clock for clock, visible in seen)
+
+
+def test_replay_older_than_retention_is_refused(oplog: OpLog, clean_db: Engine) -> None:
+    old = oplog.apply_op(
+        "w1", "cells", {"type": "cell.set", "column": "a", "value": 1}, new_op_id()
+    )
+    assert oplog.prune(older_than_seconds=3600, now=db_now(clean_db) + timedelta(hours=2)) == 1
+    # The pruned op's id is forgotten: a replay of it must not be applied a second time.
+    with pytest.raises(ReplayTooOld):
+        oplog.apply_op("w1", "cells", {"type": "cell.set", "column": "a", "value": 1}, old.op_id)
+    with pytest.raises(ReplayTooOld):
+        oplog.apply_op("w1", "cells", {"type": "cell.set", "column": "a", "value": 1},
+                       new_op_id(), base_clock=0)  # fmt: skip
+    fresh = oplog.apply_op("w1", "cells", {"type": "cell.set", "column": "b", "value": 2},
+                           new_op_id(), base_clock=1)  # fmt: skip
+    assert fresh.clock == 2
+    assert oplog.get_sub_doc("w1", "cells").state["cells"] == {"a": 1, "b": 2}
+
+
+@pytest.mark.slow
+def test_client_killed_with_ops_in_its_outbox_new_client_replays_them_once(
+    oplog: OpLog, database_url: str, tmp_path: Any
+) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from tests.acceptance.procs import ROOT
+
+    seed_order(oplog, "w1", "board", ["a", "b", "c", "d"])
+    outbox = tmp_path / "outbox.sqlite"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.oplog_client_proc", database_url, str(outbox)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "QUEUED"
+    committed = proc.stdout.readline().split()  # the first op reached the server ...
+    assert committed[0] == "COMMITTED"
+    proc.send_signal(signal.SIGKILL)  # ... and the client died before hearing back
+    proc.wait(timeout=10)
+
+    client = WorkspaceClient(InProcessTransport(oplog), "w1", outbox=outbox)  # "tab reload"
+    pending = client.pending()
+    assert len(pending) == 5 and pending[0]["op_id"] == committed[1]
+    results = client.replay()
+    assert [r.op_id for r in results] == [p["op_id"] for p in pending]
+    assert results[0].duplicate and results[0].clock == int(committed[2])
+    assert [r.clock for r in results] == [5, 6, 7, 8, 9]
+    assert client.pending() == []
+    ops = oplog.ops_since("w1", "board")
+    assert [o.op_id for o in ops[4:]] == [p["op_id"] for p in pending]  # once each, in order
+    # a b c d -> d a b c -> d a e b c -> d a e b c (b after e) -> f d a e b c -> f a d e b c
+    assert oplog.get_sub_doc("w1", "board").state["order"] == ["f", "a", "d", "e", "b", "c"]

@@ -1,0 +1,48 @@
+"""docker/compose.yaml: every service command is a real `onceflow` command (no Docker here)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
+ONCEFLOW_SERVICES = {
+    name: svc for name, svc in COMPOSE["services"].items() if svc.get("image") == "onceflow:latest"
+}
+
+
+def test_the_expected_services_exist() -> None:
+    assert set(COMPOSE["services"]) >= {
+        "postgres", "redis", "migrate", "worker-llm", "worker-fallback", "beat", "flower",
+    }  # fmt: skip
+    assert "noeviction" in COMPOSE["services"]["redis"]["command"]
+    assert "--requirepass" in COMPOSE["services"]["redis"]["command"]
+    for name in ("postgres", "redis", "flower"):
+        assert "healthcheck" in COMPOSE["services"][name]
+
+
+@pytest.mark.parametrize("name", sorted(ONCEFLOW_SERVICES))
+def test_service_command_exists_in_the_cli(name: str) -> None:
+    service: dict[str, Any] = ONCEFLOW_SERVICES[name]
+    command = service["command"]
+    # --help after the service's own arguments: click rejects any option that does not exist.
+    result = subprocess.run(
+        [sys.executable, "-m", "onceflow.cli", *command, "--help"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "Usage:" in result.stdout
+    if name != "migrate":
+        assert service["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+
+
+def test_dockerfile_runs_as_non_root() -> None:
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    assert "USER onceflow" in dockerfile
+    assert "slim" in dockerfile
