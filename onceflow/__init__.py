@@ -1,6 +1,8 @@
 """onceflow: each stage runs once, each expensive call is paid once, each write applies once.
 
-Layer 1 (this release): :class:`Queue`, the durable stage queue on Postgres.
+Layer 1: :class:`Queue`, the durable stage queue on Postgres (stages on Celery in
+:mod:`onceflow.tasks`). Layer 2: :func:`compute_once`, the compute lock. Layer 3:
+:class:`OpLog` and the retry-safe :class:`WorkspaceClient`.
 Nothing here connects at import time.
 """
 
@@ -10,14 +12,19 @@ from onceflow.errors import (
     InvalidRequest,
     InvalidTransition,
     LeaseLost,
+    LockLost,
+    LockUnavailable,
     NotFound,
     OnceflowError,
+    OpIdConflict,
     PayloadTooLarge,
     RetryLater,
     StoreError,
 )
 from onceflow.ids import request_id_for
+from onceflow.locks import compute_once
 from onceflow.models import Claim, EnqueueResult, Heartbeat, NewRequest, Request, Status
+from onceflow.oplog import OpLog, WorkspaceClient
 from onceflow.queue import Queue
 from onceflow.settings import Settings, get_settings
 
@@ -32,9 +39,13 @@ __all__ = [
     "InvalidRequest",
     "InvalidTransition",
     "LeaseLost",
+    "LockLost",
+    "LockUnavailable",
     "NewRequest",
     "NotFound",
     "OnceflowError",
+    "OpIdConflict",
+    "OpLog",
     "PayloadTooLarge",
     "Queue",
     "Request",
@@ -42,6 +53,8 @@ __all__ = [
     "Settings",
     "Status",
     "StoreError",
+    "WorkspaceClient",
+    "compute_once",
     "get_settings",
     "request_id_for",
 ]

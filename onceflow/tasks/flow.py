@@ -97,6 +97,8 @@ class StageTask(Task):
 
     def spec_is_retryable(self, exc: BaseException) -> bool:
         """Retry on the stage's ``retry_on`` types, or on any exception when unset."""
+        if getattr(exc, "retryable", False):  # e.g. LockUnavailable: always worth a retry
+            return True
         retry_on = self.spec.retry_on
         return retry_on is None or isinstance(exc, retry_on)
 
