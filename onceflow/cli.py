@@ -47,6 +47,18 @@ def _queue() -> Any:
     return Queue()
 
 
+def _flow_declaring(stage: str) -> Any:
+    """The configured Flow (``ONCEFLOW_APP``) if it declares ``stage``, else None."""
+    from onceflow.settings import get_settings
+    from onceflow.tasks.loader import load_app
+
+    try:
+        _, flow = load_app(get_settings().app)
+    except OnceflowError:
+        return None
+    return flow if flow is not None and stage in flow.stages else None
+
+
 def _echo_json(value: Any) -> None:
     click.echo(json.dumps(value, sort_keys=True, default=str))
 
@@ -94,17 +106,24 @@ def enqueue(
         payload = json.loads(input_json)
     except json.JSONDecodeError as exc:
         raise click.BadParameter(f"not JSON: {exc}", param_hint="--input") from None
-    result = _queue().enqueue(
-        stage,
-        workspace_id,
-        job_id,
-        branch_path,
-        payload,
-        worker_class=worker_class,
-        priority=priority,
-        dedupe=not no_dedupe,
-        strict=strict,
-    )
+    flow = _flow_declaring(stage)
+    if flow is not None and worker_class == "default" and not no_dedupe:
+        # The configured Flow declares this stage: validate its input and send the wake-up.
+        result = flow.enqueue(
+            stage, workspace_id, job_id, branch_path, payload, priority=priority, strict=strict
+        )
+    else:
+        result = _queue().enqueue(
+            stage,
+            workspace_id,
+            job_id,
+            branch_path,
+            payload,
+            worker_class=worker_class,
+            priority=priority,
+            dedupe=not no_dedupe,
+            strict=strict,
+        )
     _echo_json(
         {
             "request_id": result.request_id,
@@ -344,6 +363,23 @@ def flower(
     if address is not None:
         argv.append(f"--address={address}")
     app.start(argv=argv)
+
+
+@main.command(name="mcp")
+@click.option("--name", default="onceflow", show_default=True, help="Server name for clients.")
+@_APP_OPTION
+@_errors_to_exit
+def mcp_(name: str, app_spec: str | None) -> None:
+    """Serve the MCP tools (enqueue a stage, get and list requests) over stdio."""
+    try:
+        from onceflow.integrations.mcp import serve
+    except ImportError as exc:
+        click.echo(f"onceflow: the mcp extra is missing ({exc}): pip install onceflow[mcp]", err=True)
+        sys.exit(EXIT_ERROR)
+    _, flow = _load(app_spec)
+    if flow is None:
+        raise click.UsageError("mcp needs an onceflow Flow, not a bare Celery app")
+    serve(flow, name=name)
 
 
 @main.command(name="dev-services")

@@ -87,3 +87,25 @@ def test_migrate_is_idempotent(database_url: str) -> None:
     for _ in range(2):
         result = onceflow("migrate")
         assert result.returncode == 0, result.stderr
+
+
+def test_enqueue_through_the_configured_flow_validates_and_wakes(
+    clean_db: Engine, redis_url: str
+) -> None:
+    import redis
+
+    from tests.acceptance.procs import ROOT
+
+    client = redis.Redis.from_url(redis_url)
+    client.delete("t-default")
+    env = {"ONCEFLOW_APP": "tests.acceptance.stages:flow", "PYTHONPATH": str(ROOT)}
+    bad = onceflow("enqueue", "--stage", "noop", "--workspace", "w", "--job", "j",
+                   "--input", '{"value": "NaN-ish"}', env=env)  # fmt: skip
+    assert bad.returncode == 1 and "invalid" in bad.stderr
+    assert table_snapshot(clean_db) == []
+    good = onceflow("enqueue", "--stage", "noop", "--workspace", "w", "--job", "j",
+                    "--input", '{"value": 3}', env=env)  # fmt: skip
+    assert good.returncode == 0, good.stderr
+    assert json.loads(good.stdout)["created"] is True
+    assert client.llen("t-default") == 1  # the wake-up went to the stage's worker class
+    client.delete("t-default")
