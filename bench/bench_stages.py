@@ -1,0 +1,90 @@
+"""The stages bench/runtime_bench.py runs in real Celery worker processes.
+
+Two apps on the same broker with the same shipped settings
+(``onceflow.tasks.config.celery_config``):
+
+* ``flow``: an onceflow Flow with one no-op stage, ``bench_noop``;
+* ``bare``: a plain Celery app with one no-op task, ``bench.noop`` — the floor.
+
+Both bodies do nothing but, when asked to (``pickup``), push ``time.time()`` at
+their start to a Redis list, for the pickup latency. Every finished task (either
+app) is counted by a ``task_postrun`` handler with one Redis ``INCR``; the first
+and the last finish also store their ``time.time()``, for the drain rate. The
+queue names and the Redis key prefix come from the environment, so that runs of
+the benchmark never share a queue.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+from celery.signals import task_postrun
+from pydantic import BaseModel
+
+from onceflow.settings import get_settings
+from onceflow.tasks import Flow, StageContext
+from onceflow.tasks.config import celery_config
+
+#: The onceflow stage's worker class (its queue) and the bare task's queue.
+QUEUE = os.environ.get("ONCEFLOW_BENCH_QUEUE", "bench-runtime")
+BARE_QUEUE = QUEUE + "-bare"
+#: Prefix of every Redis key the bench stages write.
+KEYS = os.environ.get("ONCEFLOW_BENCH_KEYS", "onceflow-bench")
+#: How many finishes make a full drain (the last one stores its time).
+TOTAL = int(os.environ.get("ONCEFLOW_BENCH_TOTAL", "0"))
+
+flow = Flow()
+app = flow.app
+bare = Celery("onceflow-bench-bare", set_as_current=False)
+bare.add_defaults(lambda: celery_config(get_settings()))
+
+_redis: tuple[int, redis.Redis] | None = None
+
+
+def r() -> redis.Redis:
+    """This process's Redis client (made after the fork)."""
+    global _redis
+    if _redis is None or _redis[0] != os.getpid():
+        _redis = (os.getpid(), redis.Redis.from_url(get_settings().redis_url))
+    return _redis[1]
+
+
+def started(tag: str, pickup: bool) -> None:
+    if pickup:
+        r().rpush(f"{KEYS}:pickup:{tag}", repr(time.time()))
+
+
+class NoopInput(BaseModel):
+    n: int = 0
+    pickup: bool = False
+
+
+@flow.stage("bench_noop", input=NoopInput, worker_class=QUEUE)
+def bench_noop(ctx: StageContext, data: NoopInput) -> None:
+    started("onceflow", data.pickup)
+
+
+@bare.task(name="bench.noop", ignore_result=True)
+def bare_noop(n: int = 0, pickup: bool = False) -> None:
+    started("bare", pickup)
+
+
+_TAGS = {"onceflow.stage.bench_noop": "onceflow", "bench.noop": "bare"}
+
+
+@task_postrun.connect
+def _finished(task: Any = None, **_: Any) -> None:
+    """One INCR per finished task; the first and the last finish store their time."""
+    tag = _TAGS.get(getattr(task, "name", ""))
+    if tag is None:
+        return
+    now = time.time()
+    count = r().incr(f"{KEYS}:done:{tag}")
+    if count == 1:
+        r().set(f"{KEYS}:first:{tag}", repr(now))
+    if count == TOTAL:
+        r().set(f"{KEYS}:last:{tag}", repr(now))
