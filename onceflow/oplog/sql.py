@@ -8,11 +8,19 @@ from onceflow.db import render
 
 # Lock the sub-doc row: every writer of one sub-doc queues here, which is what makes its
 # clock gapless and lets a retry that arrives mid-flight wait for the first attempt.
+# The op id's row comes with it. Its snapshot is taken before the lock wait, so an attempt
+# that commits this op id while we wait is not seen here: our INSERT then meets the primary
+# key, and the caller reads the committed op instead (one round trip saved per apply).
 LOCK_SUB_DOC = render(
     text("""
-SELECT clock, state, pruned_clock FROM workspace_sub_docs
-WHERE workspace_id = :workspace_id AND sub_doc = :sub_doc
-FOR UPDATE
+SELECT d.clock, d.state, d.pruned_clock,
+       o.op_id IS NOT NULL AS op_found, o.clock AS op_clock, o.payload_hash,
+       o.result, o.error, o.committed_at
+FROM workspace_sub_docs d
+LEFT JOIN workspace_sub_doc_ops o
+       ON o.workspace_id = d.workspace_id AND o.sub_doc = d.sub_doc AND o.op_id = :op_id
+WHERE d.workspace_id = :workspace_id AND d.sub_doc = :sub_doc
+FOR UPDATE OF d
 """)
 )
 
@@ -23,8 +31,7 @@ ON CONFLICT (workspace_id, sub_doc) DO NOTHING
 """)
 )
 
-# Read after the lock, as its own statement: in READ COMMITTED it takes a fresh snapshot,
-# so it sees an op that a concurrent attempt committed while this one waited for the lock.
+# A replay's fast path (before any lock), and the re-read after a primary-key collision.
 FIND_OP = render(
     text("""
 SELECT clock, op_type, payload_hash, result, error, fence, committed_at

@@ -22,6 +22,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
+import psycopg.errors
 import redis
 
 from onceflow.db import fetch_all, fetch_one, get_engine, raw_connection
@@ -150,44 +151,67 @@ class OpLog:
                 found = fetch_one(raw, sql.FIND_OP, key)
                 if found is not None:
                     return self._replayed(key, found, payload_hash)
-            with raw.transaction():
-                if fence is not None:
-                    Queue.fence_check(raw, fence)
-                doc = self._lock_sub_doc(raw, key)
-                found = fetch_one(raw, sql.FIND_OP, key) if client_id else None
-                if found is not None:
-                    return self._replayed(key, found, payload_hash)
-                self._check_horizon(op_id, client_id, base_clock, doc["pruned_clock"])
-                record = {
-                    **key,
-                    "op_type": parsed.type,
-                    "payload": payload_json,
-                    "payload_hash": payload_hash,
-                    "fence": fence.request_id if fence else None,
-                }
-                try:
-                    state, result = apply(doc["state"], parsed)
-                except OpRejected as exc:
-                    error = {"type": "OpRejected", "message": exc.reason}
-                    row = fetch_one(
-                        raw, sql.RECORD_REJECTED, {**record, "error": json.dumps(error)}
+            try:
+                with raw.transaction():
+                    done = self._apply_locked(
+                        raw, key, parsed, payload_json, payload_hash, fence, client_id, base_clock
                     )
-                    return ApplyResult(
-                        workspace_id, sub_doc, op_id, None, False, None, error, row["committed_at"]
-                    )
-                clock = doc["clock"] + 1
-                values = {
-                    **record,
-                    "clock": clock,
-                    "state": canonical_json(state, what="state"),
-                    "result": canonical_json(result, what="result"),
-                }
-                row = fetch_one(raw, sql.RECORD_APPLIED, values)
-        applied = ApplyResult(
+            except psycopg.errors.UniqueViolation:
+                # Another attempt with this op id committed while we waited for the row lock:
+                # join it, never apply twice.
+                found = fetch_one(raw, sql.FIND_OP, key)
+                if found is None:
+                    raise
+                return self._replayed(key, found, payload_hash)
+        if not done.duplicate and done.error is None:
+            self._broadcast(done, parsed.type)  # after commit, never before (O4)
+        return done
+
+    def _apply_locked(
+        self,
+        raw: psycopg.Connection[Any],
+        key: dict[str, Any],
+        parsed: OpModel,
+        payload_json: str,
+        payload_hash: str,
+        fence: Claim | None,
+        client_id: bool,
+        base_clock: int | None,
+    ) -> ApplyResult:
+        """Inside the transaction: lock the sub-doc, then replay, reject, or apply and record."""
+        workspace_id, sub_doc, op_id = key["workspace_id"], key["sub_doc"], key["op_id"]
+        if fence is not None:
+            Queue.fence_check(raw, fence)
+        doc = self._lock_sub_doc(raw, key)
+        if doc["op_found"]:
+            return self._replayed(key, {**doc, "clock": doc["op_clock"]}, payload_hash)
+        self._check_horizon(op_id, client_id, base_clock, doc["pruned_clock"])
+        record = {
+            **key,
+            "op_type": parsed.type,
+            "payload": payload_json,
+            "payload_hash": payload_hash,
+            "fence": fence.request_id if fence else None,
+        }
+        try:
+            state, result = apply(doc["state"], parsed)
+        except OpRejected as exc:
+            error = {"type": "OpRejected", "message": exc.reason}
+            row = fetch_one(raw, sql.RECORD_REJECTED, {**record, "error": json.dumps(error)})
+            return ApplyResult(
+                workspace_id, sub_doc, op_id, None, False, None, error, row["committed_at"]
+            )
+        clock = doc["clock"] + 1
+        values = {
+            **record,
+            "clock": clock,
+            "state": canonical_json(state, what="state"),
+            "result": canonical_json(result, what="result"),
+        }
+        row = fetch_one(raw, sql.RECORD_APPLIED, values)
+        return ApplyResult(
             workspace_id, sub_doc, op_id, clock, False, result, None, row["committed_at"]
         )
-        self._broadcast(applied, parsed.type)  # after commit, never before (O4)
-        return applied
 
     def _lock_sub_doc(self, raw: psycopg.Connection[Any], key: dict[str, Any]) -> Any:
         doc = fetch_one(raw, sql.LOCK_SUB_DOC, key)
