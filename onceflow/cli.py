@@ -365,6 +365,36 @@ def flower(
     app.start(argv=argv)
 
 
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--log-level", default="info", show_default=True)
+@_APP_OPTION
+@_errors_to_exit
+def api(host: str, port: int, log_level: str, app_spec: str | None) -> None:
+    """Serve the HTTP API (FastAPI on uvicorn): enqueue, pull-worker claims, ops, events."""
+    try:
+        import uvicorn
+
+        from onceflow.integrations.fastapi import create_app
+    except ImportError as exc:
+        click.echo(f"onceflow: pip install 'onceflow[fastapi]' first ({exc})", err=True)
+        sys.exit(EXIT_ERROR)
+    from onceflow.settings import get_settings
+
+    _, flow = _load(app_spec)
+    if flow is None:
+        raise click.UsageError("api needs an onceflow Flow, not a bare Celery app")
+    settings = get_settings()
+    if not settings.api_keys and not settings.worker_keys:
+        click.echo(
+            "onceflow: no keys configured (ONCEFLOW_API_KEYS / ONCEFLOW_WORKER_KEYS): "
+            "every request will get 401",
+            err=True,
+        )
+    uvicorn.run(create_app(flow=flow), host=host, port=port, log_level=log_level)
+
+
 @main.command(name="mcp")
 @click.option("--name", default="onceflow", show_default=True, help="Server name for clients.")
 @_APP_OPTION
@@ -374,7 +404,7 @@ def mcp_(name: str, app_spec: str | None) -> None:
     try:
         from onceflow.integrations.mcp import serve
     except ImportError as exc:
-        click.echo(f"onceflow: the mcp extra is missing ({exc}): pip install onceflow[mcp]", err=True)
+        click.echo(f"onceflow: pip install 'onceflow[mcp]' first ({exc})", err=True)
         sys.exit(EXIT_ERROR)
     _, flow = _load(app_spec)
     if flow is None:

@@ -22,7 +22,8 @@ stage code. Control-flow signals (retry later) are kept apart from errors.
     ├── DatabaseUnavailable       Postgres did not answer
     ├── StoreError                any other database failure, translated
     ├── LockLost                  a compute lock expired or was taken while held
-    └── LockUnavailable           the compute lock's backend did not answer (retryable)
+    ├── LockUnavailable           the compute lock's backend did not answer (retryable)
+    └── AccessDenied              the HTTP API refused the key (401) or its scope (403)
 
     RetryLater (not an error)     a stage asks to run again after a delay
 
@@ -221,3 +222,15 @@ class RetryLater(Exception):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.delay, self.reason))
+
+
+class AccessDenied(OnceflowError):
+    """The HTTP API refused the request's key: missing or unknown (401), or out of scope (403)."""
+
+    def __init__(self, status: int, detail: str = "") -> None:
+        self.status = status
+        self.detail = detail
+        super().__init__(f"access denied ({status}){': ' + detail if detail else ''}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.status, self.detail))

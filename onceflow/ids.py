@@ -33,6 +33,10 @@ def check_id(name: str, value: object, *, max_len: int = ID_MAX, allow_empty: bo
         raise InvalidRequest(f"{name} must not be empty")
     if len(value) > max_len:
         raise InvalidRequest(f"{name} is {len(value)} characters, over the limit of {max_len}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"{name} is not valid UTF-8 (a lone surrogate)") from None
     if not value.isprintable():
         # Control characters (NUL above all) cannot be stored in Postgres text or shown safely.
         raise InvalidRequest(f"{name} contains control characters")

@@ -28,7 +28,10 @@ def canonical_json(value: JSON, *, what: str = "input") -> str:
 def encode_payload(value: JSON, limit: int, *, what: str = "input") -> tuple[str, str]:
     """Canonical JSON text and its sha256, or an error when over ``limit`` bytes."""
     text = canonical_json(value, what=what)
-    data = text.encode("utf-8")
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"{what} contains a lone surrogate: not valid UTF-8") from None
     if len(data) > limit:
         raise PayloadTooLarge(what, len(data), limit)
     return text, hashlib.sha256(data).hexdigest()

@@ -97,6 +97,25 @@ class Settings(BaseSettings):
     lock_timeout_seconds: float = Field(
         default=5.0, gt=0, le=300, description="Socket timeout of the lock's Redis client."
     )
+    # The HTTP API (onceflow.integrations.fastapi). Keys are stored hashed: sha256 hex.
+    api_keys: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description='API keys as JSON {"<sha256 hex of the key>": ["<workspace>", …]} '
+        '("*" = every workspace): enqueue, ops and reads in those workspaces.',
+    )
+    worker_keys: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description='Worker keys as JSON {"<sha256 hex of the key>": ["<worker class>", …]} '
+        '("*" = every class): claims of those worker classes over HTTP.',
+    )
+    api_max_body_bytes: int = Field(
+        default=1024 * 1024,
+        ge=1024,
+        description="Largest HTTP request body; larger ones get 413 before anything parses them.",
+    )
+    api_sse_keepalive_seconds: float = Field(
+        default=15.0, gt=0, le=3600, description="Keep-alive comment interval of event streams."
+    )
 
     @property
     def celery_broker_url(self) -> str:

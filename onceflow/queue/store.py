@@ -129,6 +129,36 @@ class Queue:
             with raw.transaction():  # strict: a mismatch must roll the whole batch back
                 return self._enqueue_raw(raw, params, strict)
 
+    def enqueue_many_with(
+        self,
+        execute: Callable[[str, dict[str, Any]], Sequence[Mapping[str, Any]]],
+        items: Sequence[NewRequest],
+        *,
+        strict: bool = False,
+        now: datetime | None = None,
+    ) -> list[EnqueueResult]:
+        """Enqueue a batch through the caller's own executor of SQL; results as ``enqueue_many``.
+
+        ``execute(query, params)`` runs one statement written for psycopg
+        (``%(name)s`` placeholders; lists bound as arrays) and returns its rows
+        as mappings. The executor owns the connection and the transaction —
+        nothing commits here — so the rows land with the caller's other writes
+        (the Django integration passes a cursor of Django's own connection).
+        Inputs are checked before any SQL runs. With ``strict=True`` a mismatch
+        raises after the statement: roll back (or use a savepoint) to discard
+        the rest of the batch.
+        """
+        if not items:
+            return []
+        if len(items) > BATCH_MAX:
+            raise InvalidRequest(f"a batch holds at most {BATCH_MAX} requests, got {len(items)}")
+        params = self._enqueue_params(items, now)
+
+        def run(lookup: bool, values: dict[str, Any]) -> list[Any]:
+            return list(execute(sql.Q_ENQUEUE_LOOKUP if lookup else sql.Q_ENQUEUE, values))
+
+        return self._enqueue_with(run, params, strict)
+
     def _enqueue_params(self, items: Sequence[NewRequest], now: datetime | None) -> dict[str, Any]:
         cols: dict[str, list[Any]] = {
             k: []
@@ -307,6 +337,17 @@ class Queue:
         then: Iterable[NewRequest] = (),
         now: datetime | None = None,
     ) -> Request:
+        """Mark the request succeeded (fenced by the token); :meth:`hand_off` with the results."""
+        return self.hand_off(claim, result, then=then, now=now)[0]
+
+    def hand_off(
+        self,
+        claim: Claim,
+        result: JSON = None,
+        *,
+        then: Iterable[NewRequest] = (),
+        now: datetime | None = None,
+    ) -> tuple[Request, builtins.list[EnqueueResult]]:
         """Mark the request succeeded with ``result`` (fenced by the token).
 
         ``then`` enqueues follow-up requests (the next stage) in the same
@@ -316,6 +357,7 @@ class Queue:
         follow_ups = list(then)
         follow_params = self._enqueue_params(follow_ups, now) if follow_ups else None
         params = {"request_id": claim.request_id, "token": claim.token, "result": text, "now": now}
+        followed: builtins.list[EnqueueResult] = []
         with raw_connection(self.engine) as raw:
             if follow_params is None:
                 row = fetch_one(raw, sql.Q_COMPLETE, params)  # one statement, one round trip
@@ -323,10 +365,10 @@ class Queue:
                 with raw.transaction():
                     row = fetch_one(raw, sql.Q_COMPLETE, params)
                     if row is not None:
-                        self._enqueue_raw(raw, follow_params, strict=False)
+                        followed = self._enqueue_raw(raw, follow_params, strict=False)
         if row is None:
             raise LeaseLost(claim.request_id, "completion rejected")
-        return Request.from_row(row)
+        return Request.from_row(row), followed
 
     def fail(
         self,

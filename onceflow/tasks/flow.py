@@ -92,7 +92,12 @@ class StageTask(Task):
         except InvalidRequest as exc:
             return {"outcome": "rejected", "reason": str(exc)}
         return run_request(
-            self.flow.queue, self.spec, request_id, worker_id(), self.spec_is_retryable
+            self.flow.queue,
+            self.spec,
+            request_id,
+            worker_id(),
+            self.spec_is_retryable,
+            self.flow.dispatch,
         )
 
     def spec_is_retryable(self, exc: BaseException) -> bool:

@@ -9,7 +9,9 @@ acknowledged with an outcome that says so (Flower shows it as the task result).
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -28,7 +30,7 @@ from onceflow.errors import (
 from onceflow.keys import counters_key
 from onceflow.locks import compute_once
 from onceflow.models.ops import OpModel
-from onceflow.models.requests import Claim, NewRequest, Request
+from onceflow.models.requests import Claim, Dispatch, NewRequest, Request
 from onceflow.models.status import Status
 from onceflow.oplog import ApplyResult, OpLog, SubDoc, stage_op_id
 from onceflow.queue import Queue
@@ -177,40 +179,75 @@ class StageContext:
         )  # fmt: skip
 
 
-class _Heartbeater(threading.Thread):
-    """Extends the lease every lease/3 until stopped; flags the context when it cannot."""
+class _Heartbeats:
+    """One thread per process extends the lease of every stage it runs, each every lease/3.
 
-    def __init__(self, queue: Queue, ctx: StageContext, interval: float) -> None:
-        super().__init__(name=f"onceflow-heartbeat-{ctx.request.request_id[:12]}", daemon=True)
-        self._queue = queue
-        self._ctx = ctx
-        self._interval = interval
-        self._stop_event = threading.Event()
+    Starting a thread per stage cost milliseconds per task; a registration costs a dict
+    insert. The monotonic clock here only schedules the next heartbeat: whether a lease
+    is live is always decided by the database's clock, in the heartbeat's UPDATE.
+    """
 
-    def run(self) -> None:
-        ctx = self._ctx
-        while not self._stop_event.wait(self._interval):
-            try:
-                beat = self._queue.heartbeat(ctx.claim)
-            except LeaseLost:
-                log.warning(
-                    "request %s: lease lost; the stage stops at its next fenced step",
-                    ctx.request.request_id,
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._due: dict[int, tuple[float, StageContext, Queue, float]] = {}
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+
+    def add(self, queue: Queue, ctx: StageContext, interval: float) -> None:
+        """Heartbeat ``ctx``'s claim every ``interval`` seconds until :meth:`remove`."""
+        with self._cond:
+            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+                # First use in this process (or after a fork): threads do not survive a fork.
+                self._thread = threading.Thread(
+                    target=self._run, name="onceflow-heartbeats", daemon=True
                 )
-                ctx._lost.set()
-                return
-            except OnceflowError as exc:
-                # The database may be back before the lease runs out: keep trying.
-                log.warning("request %s: heartbeat failed: %s", ctx.request.request_id, exc)
-                continue
-            if beat.cancel_requested and not ctx._cancel.is_set():
-                log.info("request %s: cancel requested", ctx.request.request_id)
-                ctx._cancel.set()
+                self._pid = os.getpid()
+                self._thread.start()
+            self._due[id(ctx)] = (time.monotonic() + interval, ctx, queue, interval)
+            self._cond.notify()
 
-    def stop(self) -> None:
-        self._stop_event.set()
-        if self.is_alive() and threading.current_thread() is not self:
-            self.join(timeout=10)
+    def remove(self, ctx: StageContext) -> None:
+        """Stop heartbeating ``ctx`` (always called when its stage ends, also on BaseException)."""
+        with self._cond:
+            self._due.pop(id(ctx), None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                ready = [(k, v) for k, v in self._due.items() if v[0] <= now]
+                if not ready:
+                    wake = min((v[0] for v in self._due.values()), default=now + 60.0)
+                    self._cond.wait(timeout=max(0.0, wake - now))
+                    continue
+                for k, (_, ctx, queue, interval) in ready:
+                    self._due[k] = (now + interval, ctx, queue, interval)
+            for k, (_, ctx, queue, _) in ready:
+                self._beat(k, ctx, queue)
+
+    def _beat(self, key: int, ctx: StageContext, queue: Queue) -> None:
+        try:
+            beat = queue.heartbeat(ctx.claim)
+        except LeaseLost:
+            with self._cond:
+                if self._due.pop(key, None) is None:
+                    return  # the stage ended meanwhile: its completion already decided
+            log.warning(
+                "request %s: lease lost; the stage stops at its next fenced step",
+                ctx.request.request_id,
+            )
+            ctx._lost.set()
+            return
+        except OnceflowError as exc:
+            # The database may be back before the lease runs out: keep trying.
+            log.warning("request %s: heartbeat failed: %s", ctx.request.request_id, exc)
+            return
+        if beat.cancel_requested and not ctx._cancel.is_set():
+            log.info("request %s: cancel requested", ctx.request.request_id)
+            ctx._cancel.set()
+
+
+_heartbeats = _Heartbeats()
 
 
 def error_payload(exc: BaseException) -> dict[str, Any]:
@@ -233,14 +270,17 @@ def run_request(
     request_id: str,
     worker_id: str,
     is_retryable: Callable[[BaseException], bool],
+    dispatch: Callable[[Dispatch], object] | None = None,
 ) -> dict[str, Any]:
-    """Claim ``request_id`` and run ``spec``'s body under heartbeats; returns the outcome."""
+    """Claim ``request_id`` and run ``spec``'s body under heartbeats; returns the outcome.
+
+    ``dispatch`` sends the wake-ups of the hand-offs (``ctx.then``) the completion created.
+    """
     claim = queue.claim(request_id, worker_id, lease_seconds=spec.lease_seconds, stage=spec.name)
     if claim is None:
         return _not_claimed(queue, request_id)
     ctx = StageContext(queue, claim, worker_id)
-    beat = _Heartbeater(queue, ctx, interval=claim.lease_seconds / 3)
-    beat.start()
+    _heartbeats.add(queue, ctx, interval=claim.lease_seconds / 3)
     outcome: dict[str, Any] = {"request_id": request_id, "attempt": claim.attempt}
     try:
         try:
@@ -249,7 +289,11 @@ def run_request(
             raise PermanentError(f"input does not fit {spec.input_model.__name__}: {exc}") from exc
         result = to_json_result(spec.func(ctx, data))
         ctx.check()
-        queue.complete(claim, result, then=ctx._then)
+        _, followed = queue.hand_off(claim, result, then=ctx._then)
+        if dispatch is not None:
+            for item, made in zip(ctx._then, followed, strict=True):
+                if made.created:
+                    dispatch(Dispatch(made.request_id, item.stage, item.worker_class))
         return {**outcome, "outcome": "succeeded"}
     except LeaseLost:
         log.warning("request %s: lease lost; result discarded (another worker owns it)", request_id)
@@ -268,7 +312,7 @@ def run_request(
         return {**outcome, **_fail(queue, claim, error_payload(exc), retryable=retryable)}
     finally:
         # Always, also on BaseException (worker shutdown): no heartbeat outlives its stage.
-        beat.stop()
+        _heartbeats.remove(ctx)
 
 
 def _fail(

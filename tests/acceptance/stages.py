@@ -88,3 +88,11 @@ def write_cell(ctx: StageContext, data: CellInput) -> dict[str, Any]:
     op = {"type": "cell.set", "column": data.column, "value": data.value}
     result = ctx.apply_op(f"job:{ctx.request.job_id}", op, key=f"cell:{data.column}")
     return {"clock": result.clock}
+
+
+@flow.stage("hand_off", input=NoopInput, worker_class="t-default")
+def hand_off(ctx: StageContext, data: NoopInput) -> dict[str, Any]:
+    """Hands off to ``noop`` in the same transaction as its completion."""
+    record(ctx)
+    ctx.then("noop", {"value": data.value + 1}, worker_class="t-default")
+    return {"handed_off": True}

@@ -222,3 +222,23 @@ def test_stage_writes_through_the_fenced_op_log(
         assert runtime.flow.queue.get(rid).result == {"clock": 1}
     finally:
         worker.stop()
+
+
+def test_hand_off_is_dispatched_with_the_completion(
+    runtime: Any, redis_url: str, tmp_path: Path
+) -> None:
+    worker = start_worker(tmp_path, "t-default")
+    try:
+        rid = runtime.flow.enqueue("hand_off", "w1", "j-next", "main", {"value": 1}).request_id
+        nxt = request_id_for("w1", "j-next", "main", "noop")
+
+        # No sweeper runs here (redispatch_after is 30 s): the hand-off's wake-up was sent.
+        def next_done() -> bool:
+            rows = runtime.flow.queue.list(job_id="j-next", stage="noop")
+            return bool(rows) and rows[0].status is Status.SUCCEEDED
+
+        wait_for(next_done, what="the next stage")
+        assert status_of(runtime, rid) is Status.SUCCEEDED
+        assert runtime.flow.queue.get(nxt).result["value"] == 2
+    finally:
+        worker.stop()

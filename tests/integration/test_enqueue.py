@@ -106,6 +106,8 @@ BAD_ITEMS: list[tuple[dict[str, Any], type[Exception]]] = [
     ({"input": {"x": object()}}, InvalidRequest),
     ({"input": {"x": float("nan")}}, InvalidRequest),
     ({"input": {"x": "nul \x00 inside"}}, InvalidRequest),
+    ({"input": {"x": "lone \ud800 surrogate"}}, InvalidRequest),
+    ({"job_id": "lone-\udfff"}, InvalidRequest),
     ({"input": {"x": "y" * (256 * 1024)}}, PayloadTooLarge),
     ({"max_attempts": 0}, InvalidRequest),
     ({"priority": 10**9}, InvalidRequest),

@@ -19,11 +19,11 @@ ONCEFLOW_SERVICES = {
 
 def test_the_expected_services_exist() -> None:
     assert set(COMPOSE["services"]) >= {
-        "postgres", "redis", "migrate", "worker-llm", "worker-fallback", "beat", "flower",
+        "postgres", "redis", "migrate", "worker-llm", "worker-fallback", "beat", "flower", "api",
     }  # fmt: skip
     assert "noeviction" in COMPOSE["services"]["redis"]["command"]
     assert "--requirepass" in COMPOSE["services"]["redis"]["command"]
-    for name in ("postgres", "redis", "flower"):
+    for name in ("postgres", "redis", "flower", "api"):
         assert "healthcheck" in COMPOSE["services"][name]
 
 

@@ -1,0 +1,419 @@
+"""HTTP API benchmark: enqueue and apply-op requests/s through uvicorn vs the same calls in-process.
+
+    .venv/bin/python bench/http_bench.py [--quick] [--json]
+
+Postgres comes from ``ONCEFLOW_BENCH_DATABASE_URL`` (default
+``postgresql+psycopg://root@127.0.0.1:5432/postgres``), used only as the admin
+URL: the run creates its own database ``onceflow_bench_<random>``, migrates it
+and drops it at the end (``WITH (FORCE)``). Redis comes from
+``ONCEFLOW_BENCH_REDIS_URL`` (default ``redis://127.0.0.1:6379/0``); the run
+deletes the one broker queue it fills (``bench-http``).
+
+The server is a real ``onceflow api`` process (uvicorn, one worker process, the
+default thread pool and a pool of 5+5 database connections, as shipped) serving
+this file's flow. The client is ``httpx`` (sync, one keep-alive connection per
+client thread) in this process. In-process means the same call on a
+:class:`~onceflow.tasks.Flow` / :class:`~onceflow.oplog.OpLog` built here with
+the same settings, from the same number of threads.
+
+1. Enqueue: ``flow.enqueue`` of a new request (validate, one INSERT, the Celery
+   wake-up sent to Redis) vs ``POST /v1/workspaces/{ws}/requests`` doing exactly
+   that behind key check, body cap and pydantic validation.
+2. Apply op: ``oplog.apply_op`` of a ``cell.set`` with a fresh op id (lookup,
+   one transaction, the commit broadcast) vs ``POST …/sub-docs/{sub_doc}/ops``;
+   one sub-doc per client thread, so threads do not queue on one row lock.
+3. A floor for HTTP itself: ``GET /docs`` (no key, no database): what uvicorn,
+   FastAPI and the httpx client cost per request on this machine.
+
+Each figure is measured with 1 and 8 client threads, for a fixed duration after
+a warm-up; the two sides alternate round by round and the median round is
+reported, so outside load on a shared machine hits both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+from pydantic import BaseModel
+from sqlalchemy import make_url
+
+from onceflow.tasks import Flow, StageContext
+
+ADMIN_DEFAULT = "postgresql+psycopg://root@127.0.0.1:5432/postgres"
+REDIS_DEFAULT = "redis://127.0.0.1:6379/0"
+WC = "bench-http"
+WS = "wb"
+KEY = "of_bench_key_" + secrets.token_hex(8)
+CONCURRENCY = (1, 8)
+HERE = Path(__file__).resolve().parent
+
+# The flow the server serves (imported by `onceflow api --app http_bench:flow`).
+flow = Flow()
+
+
+class BenchInput(BaseModel):
+    """A small stage input."""
+
+    n: int = 0
+
+
+@flow.stage("bench", input=BenchInput, worker_class=WC)
+def bench_stage(ctx: StageContext, data: BenchInput) -> dict[str, int]:
+    """Never run here: the benchmark measures enqueues only."""
+    return {"n": data.n}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def libpq(url: str) -> str:
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+@contextmanager
+def bench_database(admin_url: str) -> Iterator[str]:
+    """A fresh, migrated database; dropped WITH (FORCE) on the way out."""
+    from onceflow.migrate import migrate
+
+    name = f"onceflow_bench_{secrets.token_hex(4)}"
+    with psycopg.connect(libpq(admin_url), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = make_url(admin_url).set(database=name).render_as_string(hide_password=False)
+    log(f"created database {name}")
+    try:
+        migrate(url)
+        yield url
+    finally:
+        with psycopg.connect(libpq(admin_url), autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        log(f"dropped database {name}")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextmanager
+def api_server(url: str, redis_url: str) -> Iterator[tuple[str, int]]:
+    """A real `onceflow api` for this file's flow; its base URL."""
+    from onceflow.integrations.fastapi import hash_key
+
+    port = free_port()
+    env = {
+        **os.environ,
+        "ONCEFLOW_DATABASE_URL": url,
+        "ONCEFLOW_REDIS_URL": redis_url,
+        "ONCEFLOW_API_KEYS": json.dumps({hash_key(KEY): [WS]}),
+        "PYTHONPATH": str(HERE),
+    }
+    args = ["api", "--app", "http_bench:flow", "--port", str(port), "--log-level", "warning"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "onceflow.cli", *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{base}/docs", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                err = proc.stderr.read().decode() if proc.stderr else ""
+                raise RuntimeError(f"the API server did not start: {err[-2000:]}")
+            time.sleep(0.1)
+        log(f"api server pid {proc.pid} on {base}")
+        yield base, proc.pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+Op = Callable[[int], None]
+
+
+def throughput(
+    threads: int,
+    make_op: Callable[[int], Op],
+    duration: float,
+    warmup: int,
+    cpu: Callable[[], float],
+) -> tuple[float, float]:
+    """Requests/s of ``threads`` threads each calling its op in a loop for ``duration`` s,
+    and the CPU seconds per request that ``cpu()`` (this process + the server) counted."""
+    counts = [0] * threads
+    ready = threading.Barrier(threads + 1)
+    go = threading.Event()
+    stop_at = [0.0]
+    errors: list[BaseException] = []
+
+    def run(t: int) -> None:
+        try:
+            op = make_op(t)
+            for i in range(warmup):
+                op(-1 - i)
+            ready.wait()
+            go.wait()
+            i = 0
+            while time.perf_counter() < stop_at[0]:
+                op(i)
+                i += 1
+            counts[t] = i
+        except BaseException as exc:  # reported below, never swallowed
+            errors.append(exc)
+            ready.abort()
+
+    workers = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    with suppress(threading.BrokenBarrierError):
+        ready.wait()
+    cpu_start = cpu()
+    start = time.perf_counter()
+    stop_at[0] = start + duration
+    go.set()
+    for w in workers:
+        w.join()
+    elapsed = time.perf_counter() - start
+    cpu_used = cpu() - cpu_start
+    if errors:
+        raise errors[0]
+    ops = sum(counts)
+    return ops / elapsed, cpu_used / max(ops, 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n", 1)[0])
+    parser.add_argument("--quick", action="store_true", help="1 s per figure, 1 round")
+    parser.add_argument("--json", action="store_true", help="print the raw numbers as JSON")
+    args = parser.parse_args(argv)
+    duration, rounds = (1.0, 1) if args.quick else (3.0, 3)
+    admin = os.environ.get("ONCEFLOW_BENCH_DATABASE_URL", ADMIN_DEFAULT)
+    redis_url = os.environ.get("ONCEFLOW_BENCH_REDIS_URL", REDIS_DEFAULT)
+
+    import redis
+
+    from onceflow.oplog import OpLog, new_op_id
+    from onceflow.settings import Settings
+
+    started = time.perf_counter()
+    results: dict[str, Any] = {
+        "command": "bench/http_bench.py" + " --quick" * args.quick,
+        "duration_s": duration,
+        "rounds": rounds,
+        "machine": machine_info(),
+        "figures": {},
+    }
+    broker = redis.Redis.from_url(redis_url)
+    import psutil
+
+    with bench_database(admin) as url, api_server(url, redis_url) as (base, server_pid):
+        procs = [psutil.Process(), psutil.Process(server_pid)]
+
+        def cpu() -> float:
+            """CPU seconds of this process and the server (not Postgres, not Redis)."""
+            return sum(sum(p.cpu_times()[:2]) for p in procs)
+
+        settings = Settings(database_url=url, redis_url=redis_url)
+        local_flow = Flow(settings=settings)
+        local_flow.stages = flow.stages  # the same stage, enqueued from this process
+        oplog = OpLog(local_flow.queue.engine, settings)
+        headers = {"Authorization": f"Bearer {KEY}"}
+        tag = [0]
+
+        def fresh(prefix: str) -> str:
+            tag[0] += 1
+            return f"{prefix}-{tag[0]}-{secrets.token_hex(3)}"
+
+        def enqueue_local(t: int) -> Op:
+            run = fresh("local")
+            return lambda i: _ok(local_flow.enqueue("bench", WS, f"{run}-{i}", "", {"n": i}))
+
+        def enqueue_http(t: int) -> Op:
+            client = httpx.Client(base_url=base, headers=headers, timeout=30)
+            run = fresh("http")
+
+            def op(i: int) -> None:
+                body = {"stage": "bench", "job_id": f"{run}-{i}", "input": {"n": i}}
+                response = client.post(f"/v1/workspaces/{WS}/requests", json=body)
+                if response.status_code != 201:
+                    raise RuntimeError(response.text)
+
+            return op
+
+        def op_local(t: int) -> Op:
+            doc = fresh("dl")
+            cell = {"type": "cell.set", "column": "c", "value": 1}
+            return lambda i: _ok(oplog.apply_op(WS, doc, cell, new_op_id()))
+
+        def op_http(t: int) -> Op:
+            client = httpx.Client(base_url=base, headers=headers, timeout=30)
+            doc = fresh("dh")
+            cell = {"type": "cell.set", "column": "c", "value": 1}
+
+            def op(i: int) -> None:
+                body = {"op_id": new_op_id(), "op": cell}
+                response = client.post(f"/v1/workspaces/{WS}/sub-docs/{doc}/ops", json=body)
+                if response.status_code != 201:
+                    raise RuntimeError(response.text)
+
+            return op
+
+        def floor_http(t: int) -> Op:
+            client = httpx.Client(base_url=base, timeout=30)
+
+            def op(i: int) -> None:
+                if client.get("/docs").status_code != 200:
+                    raise RuntimeError("GET /docs failed")
+
+            return op
+
+        pairs = {
+            "enqueue": (enqueue_local, enqueue_http),
+            "apply_op": (op_local, op_http),
+        }
+        for name, (local, http) in pairs.items():
+            for threads in CONCURRENCY:
+                samples: dict[str, list[float]] = {"in_process": [], "http": []}
+                cpu_per_call: dict[str, list[float]] = {"in_process": [], "http": []}
+                for r in range(rounds):
+                    order = [("in_process", local), ("http", http)]
+                    if r % 2:
+                        order.reverse()
+                    for side, make in order:
+                        rate, per_call = throughput(threads, make, duration, 20, cpu)
+                        samples[side].append(rate)
+                        cpu_per_call[side].append(per_call)
+                        log(f"{name} x{threads} {side}: {rate:,.0f}/s")
+                    broker.delete(WC)
+                # Each round's HTTP figure over the in-process one measured next to it.
+                ratios = [
+                    h / i for h, i in zip(samples["http"], samples["in_process"], strict=True)
+                ]
+                results["figures"][f"{name} x{threads}"] = {
+                    side: statistics.median(v) for side, v in samples.items()
+                } | {
+                    "samples": samples,
+                    "ratio": statistics.median(ratios),
+                    "ratios": ratios,
+                    "cpu_ms": {k: 1000 * statistics.median(v) for k, v in cpu_per_call.items()},
+                }
+        for threads in CONCURRENCY:
+            runs = [throughput(threads, floor_http, duration, 20, cpu) for _ in range(rounds)]
+            rate = statistics.median(r for r, _ in runs)
+            results["figures"][f"http floor x{threads}"] = {
+                "http": rate,
+                "cpu_ms": {"http": 1000 * statistics.median(c for _, c in runs)},
+            }
+            log(f"floor x{threads}: {rate:,.0f}/s")
+    broker.delete(WC)
+    results["loadavg_end"] = _loadavg()
+    results["wall_seconds"] = time.perf_counter() - started
+    if args.json:
+        print(json.dumps(results, indent=2, default=str))
+    else:
+        print(render(results))
+    return 0
+
+
+def _ok(_: object) -> None:
+    return None
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    import fastapi
+    import uvicorn
+
+    return {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "nproc": len(os.sched_getaffinity(0)),
+        "cpu": cpu,
+        "os": f"{platform.system()} {platform.release()} {platform.machine()}",
+        "python": platform.python_version(),
+        "fastapi": fastapi.__version__,
+        "uvicorn": uvicorn.__version__,
+        "httpx": httpx.__version__,
+        "loadavg_start": _loadavg(),
+    }
+
+
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+def render(res: dict[str, Any]) -> str:
+    m = res["machine"]
+    lines = [
+        f"Command: `{res['command']}` — {res['rounds']} round(s) of {res['duration_s']:.0f} s "
+        "per figure, sides alternating; medians.",
+        f"Date: {m['date']}. Machine: {m['nproc']} CPUs ({m['cpu']}), {m['os']}; Python "
+        f"{m['python']}, FastAPI {m['fastapi']}, uvicorn {m['uvicorn']}, httpx {m['httpx']}. "
+        f"Load average {m['loadavg_start']} at the start, {res['loadavg_end']} at the end.",
+        "",
+        "| call | client threads | in-process req/s | HTTP req/s "
+        "| HTTP / in-process (median of rounds) | per round "
+        "| CPU ms per call, in-process | CPU ms per call, HTTP (client + server) |",
+        "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+    ]
+    for name, fig in res["figures"].items():
+        call, _, threads = name.rpartition(" x")
+        local = fig.get("in_process")
+        http = fig["http"]
+        ratio = f"{fig['ratio']:.2f}" if local else "—"
+        rounds = ", ".join(f"{r:.2f}" for r in fig.get("ratios", [])) or "—"
+        local_s = f"{local:,.0f}" if local else "—"
+        cpu_ms = fig.get("cpu_ms", {})
+        cpu_local = f"{cpu_ms['in_process']:.2f}" if "in_process" in cpu_ms else "—"
+        cpu_http = f"{cpu_ms['http']:.2f}" if "http" in cpu_ms else "—"
+        lines.append(
+            f"| {call} | {threads} | {local_s} | {http:,.0f} | {ratio} | {rounds} "
+            f"| {cpu_local} | {cpu_http} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""A small Django project that enqueues onceflow stages in its own transactions."""

@@ -1,0 +1,67 @@
+"""onceflow over HTTP with FastAPI (the ``fastapi`` extra): enqueue, pull workers, ops, events.
+
+::
+
+    from onceflow.integrations.fastapi import create_app
+    from myproject.stages import flow
+
+    app = create_app(flow=flow)     # uvicorn myproject.api:app, or `onceflow api`
+
+or, inside your own app::
+
+    services = OnceflowServices(flow)
+    app = FastAPI(lifespan=services.lifespan)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=1 << 20)
+    app.include_router(create_router(services=services))
+
+    @app.post("/signup")
+    def signup(flow: FlowDep) -> dict: ...
+"""
+
+from onceflow.integrations.fastapi.app import (
+    REPLAY_HEADER,
+    FlowDep,
+    OnceflowServices,
+    OpLogDep,
+    PrincipalDep,
+    QueueDep,
+    create_app,
+    create_router,
+    error_response,
+    get_flow,
+    get_oplog,
+    get_principal,
+    get_queue,
+    get_services,
+)
+from onceflow.integrations.fastapi.auth import (
+    Authenticator,
+    KeyAuth,
+    Principal,
+    hash_key,
+    new_key,
+)
+from onceflow.integrations.fastapi.limits import BodyLimitMiddleware
+
+__all__ = [
+    "REPLAY_HEADER",
+    "Authenticator",
+    "BodyLimitMiddleware",
+    "FlowDep",
+    "KeyAuth",
+    "OnceflowServices",
+    "OpLogDep",
+    "Principal",
+    "PrincipalDep",
+    "QueueDep",
+    "create_app",
+    "create_router",
+    "error_response",
+    "get_flow",
+    "get_oplog",
+    "get_principal",
+    "get_queue",
+    "get_services",
+    "hash_key",
+    "new_key",
+]

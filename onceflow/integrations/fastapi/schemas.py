@@ -1,0 +1,257 @@
+"""Request and response bodies of the HTTP API (pydantic; they make the OpenAPI schema).
+
+Bodies are strict (no type coercion: ``"1"`` is not an integer) and refuse
+unknown fields, so a typo is a 422, never silently ignored.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from onceflow.models.status import Status
+
+Id = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+BranchPath = Annotated[str, StringConstraints(max_length=500)]
+ClaimTokenStr = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+OpIdStr = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{16,64}$")]
+Clock = Annotated[int, Field(ge=0, le=2**63 - 1)]
+LeaseSeconds = Annotated[float, Field(gt=0, le=86_400)]
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# ------------------------------------------------------------------------ requests
+
+
+class EnqueueIn(_In):
+    """A stage request for the workspace in the path."""
+
+    stage: Id = Field(description="A stage the server's Flow declares.")
+    job_id: Id
+    branch_path: BranchPath = ""
+    input: dict[str, Any] = Field(
+        default_factory=dict, description="Validated against the stage's input model."
+    )
+    priority: int | None = Field(default=None, ge=-32768, le=32767)
+    worker_class: Id | None = Field(
+        default=None,
+        description="Serve this request by another worker class than the stage's "
+        "(e.g. a pull-worker class of browser tabs).",
+    )
+    strict: bool = Field(
+        default=False,
+        description="409 input_mismatch (nothing written) if the request exists with "
+        "another input; otherwise that is reported as input_mismatch=true.",
+    )
+
+
+class EnqueueOut(BaseModel):
+    """What the enqueue did: ``created`` is true for exactly one caller of a request."""
+
+    request_id: str
+    created: bool
+    status: Status
+    input_mismatch: bool
+
+
+class RequestOut(BaseModel):
+    """A request row (never its claim token)."""
+
+    request_id: str
+    workspace_id: str
+    job_id: str
+    branch_path: str
+    stage: str
+    dedupe: bool
+    input: Any
+    input_hash: str
+    worker_class: str
+    status: Status
+    claimed_by: str | None
+    lease_expires_at: datetime | None
+    heartbeat_at: datetime | None
+    attempts: int
+    crash_attempts: int
+    max_attempts: int
+    max_crash_attempts: int
+    run_after: datetime
+    priority: int
+    cancel_requested: bool
+    dispatched_at: datetime | None
+    result: Any
+    error: Any
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+
+
+class RequestList(BaseModel):
+    """Requests of a workspace, newest first."""
+
+    requests: list[RequestOut]
+
+
+class CountsOut(BaseModel):
+    """A workspace's request counts: ``{worker_class: {status: n}}`` (zeros included)."""
+
+    workspace_id: str
+    counts: dict[str, dict[str, int]]
+    total: int
+
+
+# ---------------------------------------------------------------------- pull workers
+
+
+class ClaimIn(_In):
+    """Claim the next due request of the worker class in the path."""
+
+    worker_id: Id = Field(description="A name for this worker (shown as claimed_by).")
+    lease_seconds: LeaseSeconds | None = Field(
+        default=None, description="The lease without a heartbeat; the server's default if unset."
+    )
+
+
+class ClaimOut(BaseModel):
+    """A live claim. Keep ``claim_token`` secret: it is the fence of every later call."""
+
+    request_id: str
+    claim_token: str
+    lease_expires_at: datetime
+    lease_seconds: float
+    attempt: int
+    request: RequestOut
+
+
+class TokenIn(_In):
+    """The claim token, sent in the body (never in the URL)."""
+
+    claim_token: ClaimTokenStr
+
+
+class HeartbeatIn(TokenIn):
+    """Extend the lease of a claim."""
+
+    lease_seconds: LeaseSeconds | None = Field(
+        default=None, description="New lease length; the claim's own by default."
+    )
+
+
+class HeartbeatOut(BaseModel):
+    """The lease was extended; ``cancel_requested`` asks the worker to stop."""
+
+    lease_expires_at: datetime
+    cancel_requested: bool
+    lease_lost: bool = False
+
+
+class FollowUp(_In):
+    """A next stage for the claimed request's workspace and job, enqueued with the completion."""
+
+    stage: Id
+    input: dict[str, Any] = Field(default_factory=dict)
+    branch_path: BranchPath | None = Field(
+        default=None, description="The claimed request's branch path by default."
+    )
+
+
+class CompleteIn(TokenIn):
+    """Finish the claimed request with ``result``; ``then`` hands off in the same transaction."""
+
+    result: Any = None
+    then: list[FollowUp] = Field(default_factory=list, max_length=100)
+
+
+class FailIn(TokenIn):
+    """Report a failed run: queued again after a backoff (retryable), or dead."""
+
+    error: Any = Field(description="A JSON description of the failure, kept on the row.")
+    retryable: bool = True
+    retry_in: Annotated[float, Field(ge=0, le=366 * 86_400)] | None = Field(
+        default=None, description="Seconds before the retry; exponential backoff if unset."
+    )
+
+
+class ClaimOpIn(TokenIn):
+    """A write by the claim's holder to a sub-doc of the claimed request's workspace (fenced)."""
+
+    sub_doc: Id
+    op: dict[str, Any]
+    key: Id | None = Field(
+        default=None,
+        description="Names the write within the stage; its op id is derived from the request "
+        "and the key, so a retry of the stage joins the first write.",
+    )
+    op_id: OpIdStr | None = Field(default=None, description="An explicit op id instead of key.")
+
+
+# ------------------------------------------------------------------------------- ops
+
+
+class OpIn(_In):
+    """An op with the op id its client minted before the first send (kept across retries)."""
+
+    op_id: OpIdStr
+    op: dict[str, Any] = Field(description='A typed op, e.g. {"type": "cell.set", …}.')
+    base_clock: Clock | None = Field(
+        default=None, description="The sub-doc clock the client had seen when it minted the op."
+    )
+
+
+class ApplyOut(BaseModel):
+    """The op's answer; a replay gets the original clock with ``duplicate=true``."""
+
+    workspace_id: str
+    sub_doc: str
+    op_id: str
+    clock: int | None = Field(description="The commit clock; null if the op was rejected.")
+    duplicate: bool
+    applied: bool
+    result: Any
+    error: Any
+    committed_at: datetime
+
+
+class SubDocOut(BaseModel):
+    """A sub-doc's state at its commit clock (clock 0 and an empty state if never written)."""
+
+    workspace_id: str
+    sub_doc: str
+    clock: int
+    state: dict[str, Any]
+
+
+class OpOut(BaseModel):
+    """One applied op."""
+
+    op_id: str
+    clock: int
+    op_type: str
+    payload: dict[str, Any]
+    result: Any
+    fence: str | None = Field(description="The request whose claim fenced this write, if any.")
+    committed_at: datetime
+
+
+class OpsOut(BaseModel):
+    """Applied ops after a clock, in clock order."""
+
+    ops: list[OpOut]
+
+
+class ErrorOut(BaseModel):
+    """Every error but FastAPI's own 422 validation errors."""
+
+    detail: str
+    code: str = Field(
+        description="unauthorized, forbidden, not_found, lease_lost, op_id_conflict, "
+        "replay_too_old, input_mismatch, invalid_transition, payload_too_large, "
+        "invalid_request, unavailable, internal"
+    )
+    horizon: int | None = Field(
+        default=None, description="With replay_too_old: the op log's pruned clock."
+    )

@@ -1,0 +1,361 @@
+"""A pull worker over HTTP: a Python process that works like a browser tab.
+
+It claims requests of its worker class from onceflow's HTTP API, heartbeats on a
+thread every lease/3, runs a function, and completes or fails the request — the
+same lifecycle a Celery stage has, with the claim token kept in this process
+and sent only in request bodies::
+
+    from onceflow.integrations.pull import PullWorker
+
+    def work(ctx):
+        ctx.check()                              # LeaseLost / Cancelled: stop here
+        ctx.apply_op(f"job:{ctx.request['job_id']}", {"type": "cell.set", ...}, key="cell:x")
+        return {"done": True}                    # the result, completed (fenced)
+
+    with PullWorker("http://127.0.0.1:8000", worker_key, "browser") as worker:
+        worker.run(work)                         # until worker.stop() is called
+
+A worker whose lease lapsed (paused, partitioned) learns it from its next
+heartbeat or fenced call (409 lease_lost) and writes nothing more.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import secrets
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from onceflow.errors import Cancelled, InvalidRequest, LeaseLost, OnceflowError, PermanentError
+from onceflow.oplog import ApplyResult, TransportError
+from onceflow.oplog.http import path_segment, raise_for_api_error
+
+log = logging.getLogger("onceflow.pull")
+
+JSON = Any
+
+
+@dataclass(frozen=True, slots=True)
+class PullClaim:
+    """A claim held over HTTP. The token is a secret: never log it (``repr`` hides it)."""
+
+    request_id: str
+    token: str = field(repr=False)
+    lease_seconds: float
+    lease_expires_at: datetime
+    attempt: int
+    request: dict[str, Any]
+
+
+class PullContext:
+    """What the work function gets: the request, the lease's state, fenced writes, hand-offs."""
+
+    def __init__(self, worker: PullWorker, claim: PullClaim) -> None:
+        self.worker = worker
+        self.claim = claim
+        self._lost = threading.Event()
+        self._cancel = threading.Event()
+        self._then: list[dict[str, Any]] = []
+
+    @property
+    def request(self) -> dict[str, Any]:
+        """The claimed request as the API returned it (ids, stage, input, attempt…)."""
+        return self.claim.request
+
+    @property
+    def input(self) -> Any:
+        """The request's input."""
+        return self.claim.request.get("input")
+
+    @property
+    def lease_lost(self) -> bool:
+        """True once a heartbeat learned that the lease is gone."""
+        return self._lost.is_set()
+
+    @property
+    def cancel_requested(self) -> bool:
+        """True once a heartbeat learned that cancel was requested."""
+        return self._cancel.is_set()
+
+    def check(self) -> None:
+        """Raise :class:`LeaseLost` or :class:`Cancelled` if the work should stop now."""
+        if self._lost.is_set():
+            raise LeaseLost(self.claim.request_id, "a heartbeat was rejected")
+        if self._cancel.is_set():
+            raise Cancelled(self.claim.request_id)
+
+    def apply_op(
+        self, sub_doc: str, op: dict[str, Any], *, key: str | None = None, op_id: str | None = None
+    ) -> ApplyResult:
+        """Write to a sub-doc of the request's workspace, fenced by this claim (see ``key``)."""
+        self.check()
+        return self.worker.apply_op(self.claim, sub_doc, op, key=key, op_id=op_id)
+
+    def then(self, stage: str, input: JSON = None, *, branch_path: str | None = None) -> None:
+        """Hand off to a next stage, enqueued in the same transaction as the completion."""
+        item: dict[str, Any] = {"stage": stage, "input": {} if input is None else input}
+        if branch_path is not None:
+            item["branch_path"] = branch_path
+        self._then.append(item)
+
+
+class PullWorker:
+    """Claims and runs requests of one worker class over onceflow's HTTP API."""
+
+    def __init__(
+        self,
+        base_url: str,
+        key: str,
+        worker_class: str,
+        *,
+        worker_id: str | None = None,
+        lease_seconds: float | None = None,
+        timeout: float = 10.0,
+        retries: int = 5,
+        client: httpx.Client | None = None,
+    ) -> None:
+        self.worker_class = worker_class
+        self.worker_id = worker_id or (
+            f"pull:{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        )
+        self.lease_seconds = lease_seconds
+        self.retries = retries
+        self._client = client or httpx.Client(base_url=base_url, timeout=timeout)
+        self._owns_client = client is None
+        self._headers = {"Authorization": f"Bearer {key}"}
+        self._stop = threading.Event()
+
+    # ------------------------------------------------------------- one call each
+
+    def claim(self) -> PullClaim | None:
+        """Claim the next due request of the worker class, or None if there is none.
+
+        Not retried: a claim whose answer was lost is left to lapse (its lease
+        runs out and another worker claims the request).
+        """
+        body: dict[str, Any] = {"worker_id": self.worker_id}
+        if self.lease_seconds is not None:
+            body["lease_seconds"] = self.lease_seconds
+        url = f"/v1/worker-classes/{path_segment('worker_class', self.worker_class)}/claims"
+        response = self._send("POST", url, body, retry=False)
+        raise_for_api_error(response)
+        if response.status_code == 204:
+            return None
+        data = response.json()
+        return PullClaim(
+            request_id=data["request_id"],
+            token=data["claim_token"],
+            lease_seconds=float(data["lease_seconds"]),
+            lease_expires_at=datetime.fromisoformat(data["lease_expires_at"]),
+            attempt=int(data["attempt"]),
+            request=data["request"],
+        )
+
+    def heartbeat(self, claim: PullClaim) -> bool:
+        """Extend the lease; returns ``cancel_requested``. Raises :class:`LeaseLost`."""
+        data = self._claim_call(claim, "heartbeat", {})
+        return bool(data["cancel_requested"])
+
+    def complete(
+        self, claim: PullClaim, result: JSON = None, *, then: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
+        """Finish the request with ``result`` (fenced); returns the request as stored."""
+        return self._claim_call(claim, "complete", {"result": result, "then": then or []})
+
+    def fail(
+        self,
+        claim: PullClaim,
+        error: JSON,
+        *,
+        retryable: bool = True,
+        retry_in: float | None = None,
+    ) -> dict[str, Any]:
+        """Report a failed run (fenced); returns the request: queued again, or dead."""
+        body = {"error": error, "retryable": retryable, "retry_in": retry_in}
+        return self._claim_call(claim, "fail", body)
+
+    def apply_op(
+        self,
+        claim: PullClaim,
+        sub_doc: str,
+        op: dict[str, Any],
+        *,
+        key: str | None = None,
+        op_id: str | None = None,
+    ) -> ApplyResult:
+        """A write fenced by ``claim``; ``key`` derives the op id, so a retried run joins it."""
+        body = {"sub_doc": sub_doc, "op": op, "key": key, "op_id": op_id}
+        data = self._claim_call(claim, "ops", body)
+        return ApplyResult(
+            workspace_id=data["workspace_id"],
+            sub_doc=data["sub_doc"],
+            op_id=data["op_id"],
+            clock=data["clock"],
+            duplicate=bool(data["duplicate"]),
+            result=data["result"],
+            error=data["error"],
+            committed_at=datetime.fromisoformat(data["committed_at"]),
+        )
+
+    # ---------------------------------------------------------------- the loop
+
+    def run_once(self, func: Callable[[PullContext], JSON]) -> str | None:
+        """Claim one request and run ``func`` on it; the outcome, or None if nothing was due.
+
+        Outcomes: ``succeeded``, ``retry``, ``dead``, ``cancelled``, ``lease_lost``.
+        """
+        claim = self.claim()
+        if claim is None:
+            return None
+        ctx = PullContext(self, claim)
+        beat = _Heartbeat(self, ctx)
+        beat.start()
+        try:
+            result = func(ctx)
+            ctx.check()
+            self.complete(claim, result, then=ctx._then)
+            return "succeeded"
+        except LeaseLost:
+            log.warning("request %s: lease lost; nothing more is written", claim.request_id)
+            return "lease_lost"
+        except Cancelled:
+            return self._fail(claim, {"type": "Cancelled"}, retryable=False)
+        except Exception as exc:
+            log.warning("request %s: the work raised %s", claim.request_id, type(exc).__name__)
+            error = {
+                "type": type(exc).__name__,
+                "message": str(exc)[:2000],
+                "traceback": traceback.format_exc().splitlines()[-30:],
+            }
+            permanent = isinstance(exc, PermanentError | InvalidRequest)
+            return self._fail(claim, error, retryable=not permanent)
+        finally:
+            beat.stop()
+
+    def run(
+        self,
+        func: Callable[[PullContext], JSON],
+        *,
+        idle_wait: float = 1.0,
+        max_runs: int | None = None,
+    ) -> int:
+        """Claim and run requests until :meth:`stop` (or ``max_runs``); returns how many ran.
+
+        When nothing is due it waits ``idle_wait`` seconds (a poll; the Celery
+        wake-up does not reach HTTP workers). Transport errors back off and go on.
+        """
+        runs = 0
+        while not self._stop.is_set() and (max_runs is None or runs < max_runs):
+            try:
+                outcome = self.run_once(func)
+            except TransportError as exc:
+                log.warning("pull worker: %s", exc)
+                self._stop.wait(idle_wait)
+                continue
+            if outcome is None:
+                self._stop.wait(idle_wait)
+            else:
+                runs += 1
+        return runs
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return after the current request."""
+        self._stop.set()
+
+    def close(self) -> None:
+        """Close the HTTP client if this worker made it."""
+        if self._owns_client:
+            self._client.close()
+
+    def __enter__(self) -> PullWorker:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- helpers
+
+    def _fail(self, claim: PullClaim, error: dict[str, Any], *, retryable: bool) -> str:
+        try:
+            row = self.fail(claim, error, retryable=retryable)
+        except LeaseLost:
+            return "lease_lost"
+        status = str(row.get("status"))
+        return {"queued": "retry"}.get(status, status)
+
+    def _claim_call(self, claim: PullClaim, action: str, body: dict[str, Any]) -> dict[str, Any]:
+        url = f"/v1/claims/{path_segment('request_id', claim.request_id)}/{action}"
+        response = self._send("POST", url, {"claim_token": claim.token, **body}, retry=True)
+        raise_for_api_error(response, request_id=claim.request_id)
+        data: dict[str, Any] = response.json()
+        return data
+
+    def _send(self, method: str, url: str, body: dict[str, Any], *, retry: bool) -> httpx.Response:
+        """One call; with ``retry``, transport errors and 5xx are retried with backoff.
+
+        Every call with ``retry`` is safe to repeat: a heartbeat extends the same
+        lease, and a completion that landed makes its repeat a 409 (lease lost),
+        never a second write.
+        """
+        attempts = self.retries if retry else 1
+        for attempt in range(1, attempts + 1):
+            try:
+                response = self._client.request(method, url, json=body, headers=self._headers)
+            except httpx.TransportError as exc:
+                error: TransportError = TransportError(f"{type(exc).__name__} on {url}")
+                error.__cause__ = exc
+            else:
+                if response.status_code < 500:
+                    return response
+                error = TransportError(f"the server answered {response.status_code} on {url}")
+            if attempt == attempts:
+                raise error
+            delay = min(2.0, 0.05 * 2 ** (attempt - 1))
+            time.sleep(delay / 2 + random.uniform(0, delay / 2))
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+class _Heartbeat(threading.Thread):
+    """Extends the claim's lease every lease/3 until stopped; flags the context when it cannot."""
+
+    def __init__(self, worker: PullWorker, ctx: PullContext) -> None:
+        super().__init__(name=f"onceflow-pull-heartbeat-{ctx.claim.request_id[:12]}", daemon=True)
+        self._worker = worker
+        self._ctx = ctx
+        self._interval = ctx.claim.lease_seconds / 3
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        ctx = self._ctx
+        while not self._stop_event.wait(self._interval):
+            try:
+                cancel = self._worker.heartbeat(ctx.claim)
+            except LeaseLost:
+                ctx._lost.set()
+                return
+            except OnceflowError as exc:  # transport trouble: the lease may still hold
+                log.warning("request %s: heartbeat failed: %s", ctx.claim.request_id, exc)
+                continue
+            if cancel:
+                ctx._cancel.set()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout=10)

@@ -1,0 +1,177 @@
+"""An HTTP :class:`~onceflow.oplog.client.Transport`: ops travel to onceflow's HTTP API.
+
+::
+
+    from onceflow.oplog import WorkspaceClient
+    from onceflow.oplog.http import HttpTransport
+
+    client = WorkspaceClient(HttpTransport("https://api.example", key), "w1", outbox="ops.sqlite")
+    client.apply("board", {"type": "node.insert", "node": "a"})
+
+When the outcome is unknown — a connection error, a timeout, a 5xx answer, a
+malformed 2xx body — it raises :class:`~onceflow.oplog.client.TransportError`,
+so the client retries under the *same* op id and the server applies the op
+once. A final answer from the server becomes the matching onceflow error (409
+op_id_conflict → :class:`OpIdConflict`, …). ``httpx`` (the ``fastapi`` extra) is
+imported only when a transport is made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+from onceflow.errors import (
+    AccessDenied,
+    InvalidRequest,
+    LeaseLost,
+    NotFound,
+    OpIdConflict,
+    ReplayTooOld,
+)
+from onceflow.ids import check_id
+from onceflow.oplog.client import TransportError
+from onceflow.oplog.store import ApplyResult, OpRecord, SubDoc
+
+if TYPE_CHECKING:
+    import httpx
+
+# Statuses that say "try again": the request may not have been processed.
+_RETRYABLE = {408, 425, 429}
+
+
+def path_segment(name: str, value: str) -> str:
+    """``value`` percent-encoded as one URL path segment; ids with ``/`` cannot be one."""
+    check_id(name, value)
+    if "/" in value or value in (".", ".."):
+        raise InvalidRequest(f"{name} {value!r} cannot travel in a URL path (it holds '/')")
+    return quote(value, safe="")
+
+
+def raise_for_api_error(
+    response: httpx.Response,
+    *,
+    request_id: str = "",
+    op_id: str = "",
+    sub_doc: str = "",
+    base_clock: int | None = None,
+) -> None:
+    """Raise the onceflow error an API answer stands for (nothing for 1xx-3xx)."""
+    status = response.status_code
+    if status < 400:
+        return
+    if status >= 500 or status in _RETRYABLE:
+        raise TransportError(f"the server answered {status}; the outcome is unknown")
+    code, detail, body = "", response.text[:500], None
+    with contextlib.suppress(ValueError):
+        body = response.json()
+    if isinstance(body, dict):
+        code = str(body.get("code", ""))
+        detail = str(body.get("detail", detail))
+    if status in (401, 403):
+        raise AccessDenied(status, detail)
+    if status == 404:
+        raise NotFound(request_id or detail)
+    if status == 409 and code == "lease_lost":
+        raise LeaseLost(request_id, detail)
+    if status == 409 and code == "op_id_conflict":
+        raise OpIdConflict(op_id, sub_doc)
+    if status == 409 and code == "replay_too_old":
+        horizon = body.get("horizon") if isinstance(body, dict) else None
+        raise ReplayTooOld(op_id, base_clock, int(horizon) if isinstance(horizon, int) else 0)
+    raise InvalidRequest(f"{status} {code or 'error'}: {detail}")
+
+
+class HttpTransport:
+    """Sends ops to ``POST /v1/workspaces/{ws}/sub-docs/{sub_doc}/ops`` with an API key."""
+
+    def __init__(
+        self,
+        base_url: str,
+        key: str,
+        *,
+        timeout: float = 10.0,
+        client: httpx.Client | None = None,
+    ) -> None:
+        import httpx
+
+        self._httpx = httpx
+        self._client = client or httpx.Client(base_url=base_url, timeout=timeout)
+        self._owns_client = client is None
+        self._headers = {"Authorization": f"Bearer {key}"}
+
+    def _call(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        try:
+            return self._client.request(method, url, headers=self._headers, **kwargs)
+        except self._httpx.TransportError as exc:
+            raise TransportError(f"{type(exc).__name__}: the outcome is unknown") from exc
+
+    def apply(
+        self,
+        workspace_id: str,
+        sub_doc: str,
+        op: dict[str, Any],
+        op_id: str,
+        base_clock: int | None,
+    ) -> ApplyResult:
+        """Send one op; a replay answers with the original clock (``duplicate=True``)."""
+        url = (
+            f"/v1/workspaces/{path_segment('workspace_id', workspace_id)}"
+            f"/sub-docs/{path_segment('sub_doc', sub_doc)}/ops"
+        )
+        body = {"op_id": op_id, "op": op, "base_clock": base_clock}
+        response = self._call("POST", url, json=body)
+        raise_for_api_error(response, op_id=op_id, sub_doc=sub_doc, base_clock=base_clock)
+        try:
+            data = response.json()
+            return ApplyResult(
+                workspace_id=data["workspace_id"],
+                sub_doc=data["sub_doc"],
+                op_id=data["op_id"],
+                clock=data["clock"],
+                duplicate=bool(data["duplicate"]),
+                result=data["result"],
+                error=data["error"],
+                committed_at=datetime.fromisoformat(data["committed_at"]),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise TransportError(f"malformed answer ({type(exc).__name__})") from exc
+
+    def get_sub_doc(self, workspace_id: str, sub_doc: str) -> SubDoc:
+        """The sub-doc's state and clock, read over HTTP."""
+        url = (
+            f"/v1/workspaces/{path_segment('workspace_id', workspace_id)}"
+            f"/sub-docs/{path_segment('sub_doc', sub_doc)}"
+        )
+        response = self._call("GET", url)
+        raise_for_api_error(response, sub_doc=sub_doc)
+        data = response.json()
+        return SubDoc(data["workspace_id"], data["sub_doc"], data["clock"], data["state"])
+
+    def ops_since(self, workspace_id: str, sub_doc: str, clock: int = 0) -> list[OpRecord]:
+        """Applied ops after ``clock``, over HTTP (a reconnecting client catches up)."""
+        url = (
+            f"/v1/workspaces/{path_segment('workspace_id', workspace_id)}"
+            f"/sub-docs/{path_segment('sub_doc', sub_doc)}/ops"
+        )
+        response = self._call("GET", url, params={"since": clock})
+        raise_for_api_error(response, sub_doc=sub_doc)
+        return [
+            OpRecord(
+                op_id=o["op_id"],
+                clock=o["clock"],
+                op_type=o["op_type"],
+                payload=o["payload"],
+                result=o["result"],
+                fence=o["fence"],
+                committed_at=datetime.fromisoformat(o["committed_at"]),
+            )
+            for o in response.json()["ops"]
+        ]
+
+    def close(self) -> None:
+        """Close the HTTP client if this transport made it."""
+        if self._owns_client:
+            self._client.close()

@@ -1,0 +1,686 @@
+"""The HTTP API on a real uvicorn server (``onceflow api``), real Postgres, Redis and Celery.
+
+One server process serves the whole module (keys from the environment, hashed);
+the Celery worker for ``t-default`` is shared too. Each test starts from an empty
+table and clean broker queues (the ``runtime`` fixture).
+"""
+
+from __future__ import annotations
+
+import json
+import queue as queue_mod
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+import redis as redis_lib
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sqlalchemy import Engine, text
+
+from onceflow import LeaseLost
+from onceflow.demo import procs
+from onceflow.errors import AccessDenied, OpIdConflict
+from onceflow.integrations.fastapi import hash_key
+from onceflow.integrations.pull import PullContext, PullWorker
+from onceflow.keys import workspace_channel
+from onceflow.models.ops import NodeInsert
+from onceflow.oplog import OpLog, TransportError, WorkspaceClient, new_op_id
+from onceflow.oplog.http import HttpTransport
+from tests.acceptance.conftest import TEST_ENV
+from tests.acceptance.openapi_strategies import (
+    SchemaStrategies,
+    any_json,
+    nasty_text,
+    operations,
+    path_value,
+)
+from tests.acceptance.procs import APP, ROOT, wait_for
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "of_test_api_key_w1_0123456789abcdef"  # workspaces w1, w-sse
+OTHER_KEY = "of_test_api_key_w2_0123456789abcdef"  # workspace w2
+WORKER_KEY = "of_test_worker_key_pull_0123456789ab"  # worker class t-pull
+BODY_LIMIT = 64 * 1024
+PULL = "t-pull"
+HYP = "t-hyp"
+TABLES = ("workspace_process_requests", "workspace_sub_docs", "workspace_sub_doc_ops")
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def api(
+    tmp_path_factory: pytest.TempPathFactory, database_url: str, redis_url: str
+) -> Iterator[str]:
+    """A real `onceflow api` process; its base URL."""
+    port = free_port()
+    env = {
+        **TEST_ENV,
+        "PYTHONPATH": str(ROOT),
+        "ONCEFLOW_API_KEYS": json.dumps(
+            {hash_key(API_KEY): ["w1", "w-sse"], hash_key(OTHER_KEY): ["w2"]}
+        ),
+        "ONCEFLOW_WORKER_KEYS": json.dumps({hash_key(WORKER_KEY): [PULL]}),
+        "ONCEFLOW_API_MAX_BODY_BYTES": str(BODY_LIMIT),
+        "ONCEFLOW_API_SSE_KEEPALIVE_SECONDS": "0.5",
+    }
+    log_dir = tmp_path_factory.mktemp("api")
+    args = ["api", "--app", APP, "--port", str(port), "--log-level", "info"]
+    proc = procs.Proc(args, log_dir / "api.log", env=env, cwd=ROOT)
+    try:
+        proc.wait_log("Application startup complete", timeout=60)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.stop()
+        log_text = proc.log()
+        # Secrets are never logged: neither keys nor claim tokens.
+        for secret in (API_KEY, OTHER_KEY, WORKER_KEY, *_TOKENS_SEEN):
+            assert secret not in log_text
+
+
+_TOKENS_SEEN: list[str] = []
+
+
+@pytest.fixture(scope="module")
+def celery_worker(
+    tmp_path_factory: pytest.TempPathFactory, database_url: str, redis_url: str
+) -> Iterator[procs.Proc]:
+    """A real Celery worker for the t-default class, shared by the module."""
+    env = {**TEST_ENV, "PYTHONPATH": str(ROOT)}
+    worker = procs.start_worker(
+        tmp_path_factory.mktemp("worker"), APP, "t-default", env=env, cwd=ROOT, name="http"
+    )
+    try:
+        yield worker
+    finally:
+        worker.stop()
+
+
+@pytest.fixture()
+def client(api: str, runtime: Any, redis_url: str) -> Iterator[httpx.Client]:
+    """An HTTP client of the server, on an empty table; the pull queues cleaned after."""
+    with httpx.Client(base_url=api, timeout=10) as http:
+        yield http
+    r = redis_lib.Redis.from_url(redis_url)
+    r.delete(PULL, HYP)
+
+
+def snapshot(engine: Engine) -> dict[str, list[tuple[Any, ...]]]:
+    """Every row of the three tables."""
+    out = {}
+    with engine.connect() as conn:
+        for table in TABLES:
+            query = text(f"SELECT * FROM {table} ORDER BY 1, 2")  # noqa: S608 - our own names
+            out[table] = [tuple(row) for row in conn.execute(query)]
+    return out
+
+
+def enqueue(http: httpx.Client, ws: str, key: str, **body: Any) -> httpx.Response:
+    return http.post(f"/v1/workspaces/{ws}/requests", json=body, headers=auth(key))
+
+
+def status_of(http: httpx.Client, ws: str, rid: str) -> str:
+    response = http.get(f"/v1/workspaces/{ws}/requests/{rid}", headers=auth(API_KEY))
+    assert response.status_code == 200, response.text
+    status: str = response.json()["status"]
+    return status
+
+
+# ------------------------------------------------------------------ enqueue
+
+
+def test_enqueue_over_http_runs_the_stage(client: httpx.Client, celery_worker: Any) -> None:
+    first = enqueue(client, "w1", API_KEY, stage="noop", job_id="j1", input={"value": 7})
+    assert first.status_code == 201, first.text
+    rid = first.json()["request_id"]
+    assert first.json() == {
+        "request_id": rid, "created": True, "status": "queued", "input_mismatch": False
+    }  # fmt: skip
+    assert first.headers["location"] == f"/v1/workspaces/w1/requests/{rid}"
+    again = enqueue(client, "w1", API_KEY, stage="noop", job_id="j1", input={"value": 7})
+    assert again.status_code == 200
+    assert again.json()["created"] is False and again.json()["request_id"] == rid
+
+    wait_for(lambda: status_of(client, "w1", rid) == "succeeded", what="the stage to succeed")
+    row = client.get(f"/v1/workspaces/w1/requests/{rid}", headers=auth(API_KEY)).json()
+    assert row["result"]["value"] == 7 and row["attempts"] == 1
+    listed = client.get("/v1/workspaces/w1/requests?status=succeeded", headers=auth(API_KEY))
+    assert [r["request_id"] for r in listed.json()["requests"]] == [rid]
+    counts = client.get("/v1/workspaces/w1/counts", headers=auth(API_KEY)).json()
+    assert counts["total"] == 1 and counts["counts"]["t-default"]["succeeded"] == 1
+
+
+def test_16_concurrent_http_enqueues_one_row_one_created(
+    client: httpx.Client, api: str, engine: Engine
+) -> None:
+    barrier = threading.Barrier(16)
+    answers: list[tuple[int, dict[str, Any]]] = []
+
+    def one() -> None:
+        with httpx.Client(base_url=api, timeout=30) as own:
+            barrier.wait()
+            body = {"stage": "noop", "job_id": "j16", "input": {"value": 1}, "worker_class": HYP}
+            response = own.post("/v1/workspaces/w1/requests", json=body, headers=auth(API_KEY))
+            answers.append((response.status_code, response.json()))
+
+    threads = [threading.Thread(target=one) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(code for code, _ in answers) == [200] * 15 + [201]
+    assert sum(body["created"] for _, body in answers) == 1
+    assert len({body["request_id"] for _, body in answers}) == 1
+    with engine.connect() as conn:
+        n = conn.execute(text("SELECT count(*) FROM workspace_process_requests")).scalar()
+    assert n == 1
+
+
+# ------------------------------------------------------------- pull workers
+
+
+def test_pull_worker_serves_its_class_while_celery_serves_another(
+    client: httpx.Client, api: str, celery_worker: Any
+) -> None:
+    pulled = [
+        enqueue(client, "w1", API_KEY, stage="noop", job_id=f"p{i}", input={"value": i},
+                worker_class=PULL).json()["request_id"]
+        for i in range(4)
+    ]  # fmt: skip
+    celery = [
+        enqueue(client, "w1", API_KEY, stage="noop", job_id=f"c{i}", input={"value": i})
+        for i in range(4)
+    ]
+    celery_ids = [r.json()["request_id"] for r in celery]
+    seen: list[str] = []
+    failed_once: set[str] = set()
+
+    def work(ctx: PullContext) -> dict[str, Any]:
+        rid = ctx.claim.request_id
+        _TOKENS_SEEN.append(ctx.claim.token)
+        if ctx.request["job_id"] == "p0" and rid not in failed_once:
+            failed_once.add(rid)
+            raise RuntimeError("first attempt fails")  # retried with backoff
+        seen.append(rid)
+        job = ctx.request["job_id"]
+        ctx.apply_op(f"job:{job}", {"type": "cell.set", "column": "pull", "value": 1}, key="c")
+        if job == "p1":
+            ctx.then("noop", {"value": 99}, branch_path="after-pull")  # served by Celery
+        return {"by": "pull", "value": ctx.input["value"]}
+
+    with PullWorker(api, WORKER_KEY, PULL, lease_seconds=5) as worker:
+        outcomes: list[str | None] = []
+        wait_for(
+            lambda: outcomes.append(worker.run_once(work)) or outcomes.count("succeeded") == 4,
+            what="the pull worker to finish its four requests",
+        )
+    assert "retry" in outcomes
+    assert sorted(seen) == sorted(pulled)  # only its class, each once to success
+    for rid in pulled:
+        row = client.get(f"/v1/workspaces/w1/requests/{rid}", headers=auth(API_KEY)).json()
+        assert row["status"] == "succeeded" and row["result"]["by"] == "pull"
+        assert row["claimed_by"].startswith("pull:")
+    for rid in celery_ids:
+        wait_for(lambda rid=rid: status_of(client, "w1", rid) == "succeeded", what="celery")
+        row = client.get(f"/v1/workspaces/w1/requests/{rid}", headers=auth(API_KEY)).json()
+        assert not row["claimed_by"].startswith("pull:")
+    doc = client.get("/v1/workspaces/w1/sub-docs/job:p2", headers=auth(API_KEY)).json()
+    assert doc["clock"] == 1 and doc["state"]["cells"] == {"pull": 1}
+    hand_off = client.get(
+        "/v1/workspaces/w1/requests?job_id=p1&stage=noop", headers=auth(API_KEY)
+    ).json()["requests"]
+    follow = [r for r in hand_off if r["branch_path"] == "after-pull"]
+    assert len(follow) == 1 and follow[0]["worker_class"] == "t-default"
+    wait_for(lambda: status_of(client, "w1", follow[0]["request_id"]) == "succeeded",
+             what="the hand-off to run on Celery")  # fmt: skip
+
+
+def test_zombie_pull_worker_late_complete_is_rejected(
+    client: httpx.Client, api: str, engine: Engine
+) -> None:
+    rid = enqueue(
+        client, "w1", API_KEY, stage="noop", job_id="jz", input={"value": 1}, worker_class=PULL
+    ).json()["request_id"]
+    with (
+        PullWorker(api, WORKER_KEY, PULL, lease_seconds=1, worker_id="zombie") as zombie,
+        PullWorker(api, WORKER_KEY, PULL, lease_seconds=30, worker_id="successor") as successor,
+    ):
+        old = zombie.claim()
+        assert old is not None and old.attempt == 1
+        _TOKENS_SEEN.append(old.token)
+        # No heartbeat: the lease lapses on the database clock, then the successor claims.
+        new = wait_for(successor.claim, what="the lapsed lease to be claimed again")
+        assert new.request_id == rid and new.attempt == 2
+        _TOKENS_SEEN.append(new.token)
+
+        before = snapshot(engine)
+        late = client.post(
+            f"/v1/claims/{rid}/complete",
+            json={"claim_token": old.token, "result": {"by": "zombie"}},
+            headers=auth(WORKER_KEY),
+        )
+        assert late.status_code == 409 and late.json()["code"] == "lease_lost"
+        with pytest.raises(LeaseLost):
+            zombie.heartbeat(old)
+        with pytest.raises(LeaseLost):
+            zombie.apply_op(old, "job:jz", {"type": "cell.set", "column": "z", "value": 1}, key="z")
+        with pytest.raises(LeaseLost):
+            zombie.fail(old, {"type": "Zombie"})
+        assert snapshot(engine) == before  # nothing changed
+
+        successor.complete(new, {"by": "successor"})
+    row = client.get(f"/v1/workspaces/w1/requests/{rid}", headers=auth(API_KEY)).json()
+    assert row["status"] == "succeeded" and row["result"] == {"by": "successor"}
+
+
+# ----------------------------------------------------------------- security
+
+
+def _claimed(client: httpx.Client) -> tuple[str, str]:
+    rid = enqueue(
+        client, "w1", API_KEY, stage="noop", job_id="js", input={"value": 1}, worker_class=PULL
+    ).json()["request_id"]
+    answer = client.post(
+        f"/v1/worker-classes/{PULL}/claims", json={"worker_id": "sec"}, headers=auth(WORKER_KEY)
+    )
+    assert answer.status_code == 201 and answer.json()["request_id"] == rid
+    _TOKENS_SEEN.append(answer.json()["claim_token"])
+    return rid, answer.json()["claim_token"]
+
+
+def _chunks(size: int) -> Iterator[bytes]:
+    for _ in range(size // 4096 + 1):
+        yield b" " * 4096
+
+
+Case = tuple[str, Callable[[httpx.Client, dict[str, str]], httpx.Response], int, str]
+OP = {"type": "cell.set", "column": "c", "value": 1}
+NOOP = {"stage": "noop", "job_id": "jn", "input": {"value": 1}}
+
+CASES: list[Case] = [
+    ("no key", lambda c, ids: c.post("/v1/workspaces/w1/requests", json=NOOP), 401, "unauthorized"),
+    ("wrong key", lambda c, ids: c.post("/v1/workspaces/w1/requests", json=NOOP,
+        headers=auth("of_wrong_key")), 401, "unauthorized"),
+    ("not bearer", lambda c, ids: c.post("/v1/workspaces/w1/requests", json=NOOP,
+        headers={"Authorization": f"Basic {API_KEY}"}), 401, "unauthorized"),
+    ("no key, malformed JSON", lambda c, ids: c.post("/v1/workspaces/w1/requests",
+        content=b"{oops", headers={"content-type": "application/json"}), 401, "unauthorized"),
+    ("other workspace: enqueue", lambda c, ids: c.post("/v1/workspaces/w2/requests", json=NOOP,
+        headers=auth(API_KEY)), 403, "forbidden"),
+    ("other workspace: existing id", lambda c, ids: c.get(
+        f"/v1/workspaces/w2/requests/{ids['w2']}", headers=auth(API_KEY)), 403, "forbidden"),
+    ("other workspace: unknown id", lambda c, ids: c.get(
+        f"/v1/workspaces/w2/requests/{'0' * 64}", headers=auth(API_KEY)), 403, "forbidden"),
+    ("other workspace's id under mine", lambda c, ids: c.get(
+        f"/v1/workspaces/w1/requests/{ids['w2']}", headers=auth(API_KEY)), 404, "not_found"),
+    ("unknown id under mine", lambda c, ids: c.get(
+        f"/v1/workspaces/w1/requests/{'0' * 64}", headers=auth(API_KEY)), 404, "not_found"),
+    ("other workspace: op", lambda c, ids: c.post("/v1/workspaces/w2/sub-docs/d/ops",
+        json={"op_id": new_op_id(), "op": OP}, headers=auth(API_KEY)), 403, "forbidden"),
+    ("other workspace: events", lambda c, ids: c.get("/v1/workspaces/w2/events",
+        headers=auth(API_KEY)), 403, "forbidden"),
+    ("other worker class", lambda c, ids: c.post("/v1/worker-classes/t-default/claims",
+        json={"worker_id": "x"}, headers=auth(WORKER_KEY)), 403, "forbidden"),
+    ("API key claims", lambda c, ids: c.post(f"/v1/worker-classes/{PULL}/claims",
+        json={"worker_id": "x"}, headers=auth(API_KEY)), 403, "forbidden"),
+    ("API key completes", lambda c, ids: c.post(f"/v1/claims/{ids['claimed']}/complete",
+        json={"claim_token": ids["token"]}, headers=auth(API_KEY)), 403, "forbidden"),
+    ("worker key enqueues", lambda c, ids: c.post("/v1/workspaces/w1/requests", json=NOOP,
+        headers=auth(WORKER_KEY)), 403, "forbidden"),
+    ("forged token: complete", lambda c, ids: c.post(f"/v1/claims/{ids['claimed']}/complete",
+        json={"claim_token": "f" * 32, "result": 1}, headers=auth(WORKER_KEY)), 409, "lease_lost"),
+    ("forged token: heartbeat", lambda c, ids: c.post(f"/v1/claims/{ids['claimed']}/heartbeat",
+        json={"claim_token": "f" * 32}, headers=auth(WORKER_KEY)), 409, "lease_lost"),
+    ("forged token: fail", lambda c, ids: c.post(f"/v1/claims/{ids['claimed']}/fail",
+        json={"claim_token": "f" * 32, "error": "x"}, headers=auth(WORKER_KEY)), 409,
+        "lease_lost"),
+    ("forged token: op", lambda c, ids: c.post(f"/v1/claims/{ids['claimed']}/ops",
+        json={"claim_token": "f" * 32, "sub_doc": "d", "op": OP, "key": "k"},
+        headers=auth(WORKER_KEY)), 409, "lease_lost"),
+    ("token of another class's request", lambda c, ids: c.post(
+        f"/v1/claims/{ids['w2']}/complete", json={"claim_token": "f" * 32},
+        headers=auth(WORKER_KEY)), 409, "lease_lost"),
+    ("oversize body", lambda c, ids: c.post("/v1/workspaces/w1/requests",
+        json={**NOOP, "input": {"value": 1, "pad": "x" * BODY_LIMIT}}, headers=auth(API_KEY)),
+        413, "payload_too_large"),
+    ("oversize chunked body", lambda c, ids: c.post("/v1/workspaces/w1/requests",
+        content=_chunks(BODY_LIMIT), headers={**auth(API_KEY),
+        "content-type": "application/json"}), 413, "payload_too_large"),
+    ("malformed JSON", lambda c, ids: c.post("/v1/workspaces/w1/requests", content=b"{oops",
+        headers={**auth(API_KEY), "content-type": "application/json"}), 422, ""),
+    ("wrong type: job_id", lambda c, ids: c.post("/v1/workspaces/w1/requests",
+        json={**NOOP, "job_id": 5}, headers=auth(API_KEY)), 422, ""),
+    ("wrong type: input", lambda c, ids: c.post("/v1/workspaces/w1/requests",
+        json={**NOOP, "input": "text"}, headers=auth(API_KEY)), 422, ""),
+    ("wrong type: stage input", lambda c, ids: c.post("/v1/workspaces/w1/requests",
+        json={**NOOP, "input": {"value": "seven"}}, headers=auth(API_KEY)), 422,
+        "invalid_request"),
+    ("wrong type: priority", lambda c, ids: c.post("/v1/workspaces/w1/requests",
+        json={**NOOP, "priority": "high"}, headers=auth(API_KEY)), 422, ""),
+    ("unknown field", lambda c, ids: c.post("/v1/workspaces/w1/requests",
+        json={**NOOP, "workspace_id": "w2"}, headers=auth(API_KEY)), 422, ""),
+    ("unknown stage", lambda c, ids: c.post("/v1/workspaces/w1/requests",
+        json={**NOOP, "stage": "nope"}, headers=auth(API_KEY)), 422, "invalid_request"),
+    ("control character in an id", lambda c, ids: c.post("/v1/workspaces/w1/requests",
+        json={**NOOP, "job_id": "j\x00"}, headers=auth(API_KEY)), 422, "invalid_request"),
+    ("lone surrogate in an op", lambda c, ids: c.post("/v1/workspaces/w1/sub-docs/d/ops",
+        content=json.dumps({"op_id": new_op_id(), "op": {**OP, "value": "\ud800"}}).encode(),
+        headers={**auth(API_KEY), "content-type": "application/json"}), 422, "invalid_request"),
+    ("NaN in an op", lambda c, ids: c.post("/v1/workspaces/w1/sub-docs/d/ops",
+        content=json.dumps({"op_id": new_op_id(), "op": {**OP, "value": float("nan")}}).encode(),
+        headers={**auth(API_KEY), "content-type": "application/json"}), 422, "invalid_request"),
+    ("NaN where a string goes", lambda c, ids: c.post("/v1/workspaces/w1/requests",
+        content=b'{"stage": NaN, "job_id": "j"}',
+        headers={**auth(API_KEY), "content-type": "application/json"}), 422, ""),
+    ("JSON nested past the parser's depth", lambda c, ids: c.post("/v1/workspaces/w1/requests",
+        content=b"[" * 5000 + b"]" * 5000,
+        headers={**auth(API_KEY), "content-type": "application/json"}), 400, ""),
+    ("short op id", lambda c, ids: c.post("/v1/workspaces/w1/sub-docs/d/ops",
+        json={"op_id": "short", "op": OP}, headers=auth(API_KEY)), 422, ""),
+    ("unknown op type", lambda c, ids: c.post("/v1/workspaces/w1/sub-docs/d/ops",
+        json={"op_id": new_op_id(), "op": {"type": "drop.table"}}, headers=auth(API_KEY)), 422,
+        "invalid_request"),
+    ("op id reused with another payload", lambda c, ids: c.post(
+        "/v1/workspaces/w1/sub-docs/d/ops", json={"op_id": ids["op_id"], "op": {**OP, "value": 2}},
+        headers=auth(API_KEY)), 409, "op_id_conflict"),
+    ("strict input mismatch", lambda c, ids: c.post("/v1/workspaces/w1/requests",
+        json={**NOOP, "job_id": "js", "input": {"value": 2}, "worker_class": PULL,
+              "strict": True}, headers=auth(API_KEY)), 409, "input_mismatch"),
+    ("negative clock", lambda c, ids: c.get("/v1/workspaces/w1/sub-docs/d/ops?since=-1",
+        headers=auth(API_KEY)), 422, ""),
+    ("huge limit", lambda c, ids: c.get("/v1/workspaces/w1/requests?limit=100000",
+        headers=auth(API_KEY)), 422, ""),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_security_case_gets_its_status_and_writes_nothing(
+    client: httpx.Client, engine: Engine, case: Case
+) -> None:
+    _, call, status, code = case
+    rid, token = _claimed(client)
+    w2 = enqueue(client, "w2", OTHER_KEY, stage="noop", job_id="jw2", worker_class=HYP)
+    op_id = new_op_id()
+    first = client.post("/v1/workspaces/w1/sub-docs/d/ops", json={"op_id": op_id, "op": OP},
+                        headers=auth(API_KEY))  # fmt: skip
+    assert first.status_code == 201
+    ids = {"claimed": rid, "token": token, "w2": w2.json()["request_id"], "op_id": op_id}
+    before = snapshot(engine)
+    response = call(client, ids)
+    assert response.status_code == status, response.text
+    if code:
+        assert response.json()["code"] == code
+    assert snapshot(engine) == before
+    if status == 401:
+        assert response.headers["www-authenticate"] == "Bearer"
+
+
+def test_403_does_not_reveal_whether_an_id_exists(client: httpx.Client) -> None:
+    w2 = enqueue(client, "w2", OTHER_KEY, stage="noop", job_id="jw2", worker_class=HYP)
+    rid = w2.json()["request_id"]
+    known = client.get(f"/v1/workspaces/w2/requests/{rid}", headers=auth(API_KEY))
+    unknown = client.get(f"/v1/workspaces/w2/requests/{'0' * 64}", headers=auth(API_KEY))
+    assert (known.status_code, known.json()) == (unknown.status_code, unknown.json())
+    mine = client.get(f"/v1/workspaces/w1/requests/{rid}", headers=auth(API_KEY))
+    nothing = client.get(f"/v1/workspaces/w1/requests/{'0' * 64}", headers=auth(API_KEY))
+    assert mine.status_code == nothing.status_code == 404
+    assert mine.json()["code"] == nothing.json()["code"] == "not_found"
+
+
+@pytest.fixture(scope="module")
+def openapi_doc(api: str) -> dict[str, Any]:
+    with httpx.Client(base_url=api) as http:
+        doc: dict[str, Any] = http.get("/openapi.json").json()
+    return doc
+
+
+def test_openapi_documents_every_route_with_its_errors(openapi_doc: dict[str, Any]) -> None:
+    paths = openapi_doc["paths"]
+    assert set(paths) == {
+        "/v1/workspaces/{ws}/requests", "/v1/workspaces/{ws}/requests/{request_id}",
+        "/v1/workspaces/{ws}/counts", "/v1/workspaces/{ws}/events",
+        "/v1/worker-classes/{wc}/claims", "/v1/claims/{request_id}/heartbeat",
+        "/v1/claims/{request_id}/complete", "/v1/claims/{request_id}/fail",
+        "/v1/claims/{request_id}/ops", "/v1/workspaces/{ws}/sub-docs/{sub_doc}",
+        "/v1/workspaces/{ws}/sub-docs/{sub_doc}/ops",
+    }  # fmt: skip
+    for item in paths.values():
+        for op in item.values():
+            assert {"401", "403"} <= set(op["responses"]), op["operationId"]
+            assert op["security"] == [{"HTTPBearer": []}]
+    enqueue_op = paths["/v1/workspaces/{ws}/requests"]["post"]
+    assert {"200", "201", "409", "413", "422"} <= set(enqueue_op["responses"])
+    assert "204" in paths["/v1/worker-classes/{wc}/claims"]["post"]["responses"]
+    replay = paths["/v1/workspaces/{ws}/sub-docs/{sub_doc}/ops"]["post"]["responses"]["200"]
+    assert "Idempotent-Replayed" in replay["headers"]
+    events = paths["/v1/workspaces/{ws}/events"]["get"]["responses"]["200"]["content"]
+    assert "text/event-stream" in events
+
+
+def test_no_5xx_for_any_input_over_the_openapi_schema(
+    client: httpx.Client, openapi_doc: dict[str, Any], runtime: Any
+) -> None:
+    stages = sorted(runtime.flow.stages)
+    rid, token = _claimed(client)
+    op_shapes = st.sampled_from(
+        [OP, {"type": "node.insert", "node": "a"}, {"type": "merge", "patch": {"a": None}},
+         {"type": "node.move", "node": "zz", "after": "a"}]
+    ) | st.dictionaries(nasty_text, any_json, max_size=3)  # fmt: skip
+    hints: dict[str, st.SearchStrategy[Any]] = {
+        "stage": st.sampled_from(stages),
+        "worker_class": st.just(HYP),
+        "op": op_shapes,
+        "claim_token": st.just(token) | st.text(max_size=40),
+        "input": st.fixed_dictionaries({"value": st.integers(-5, 5)}) | any_json,
+    }
+    schemas = SchemaStrategies(openapi_doc, hints)
+    ops = operations(openapi_doc)
+    path_values = {
+        "ws": st.sampled_from(["w1", "w2", "w-sse"]) | nasty_text,
+        "wc": st.sampled_from([PULL, "t-default"]) | nasty_text,
+        "request_id": st.sampled_from([rid, "0" * 64]) | nasty_text,
+        "sub_doc": st.sampled_from(["d", "job:j1"]) | nasty_text,
+    }
+    keys = st.sampled_from(
+        [auth(API_KEY), auth(WORKER_KEY), auth(OTHER_KEY), {}, auth("nope"),
+         {"Authorization": "Bearer"}, {"Authorization": "bearer  " + API_KEY}]
+    )  # fmt: skip
+    statuses: list[int] = []
+
+    @settings(
+        max_examples=300,
+        deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+        derandomize=True,
+    )
+    @given(data=st.data())
+    def one_call(data: st.DataObject) -> None:
+        op = data.draw(st.sampled_from(ops), label="operation")
+        path = op.path
+        query: list[str] = []
+        for param in op.spec.get("parameters", []):
+            name, where = param["name"], param["in"]
+            if where == "path":
+                raw = data.draw(path_values.get(name, nasty_text), label=name)
+                path = path.replace("{" + name + "}", path_value(raw))
+            elif where == "query" and data.draw(st.booleans()):
+                value = data.draw(schemas.value(param["schema"]) | nasty_text, label=name)
+                values = value if isinstance(value, list) else [value]
+                for v in values:
+                    encoded = json.dumps(v) if not isinstance(v, str) else v
+                    query.append(f"{name}={path_value(encoded)}")
+        headers = dict(data.draw(keys, label="key"))
+        content = None
+        body_spec = op.spec.get("requestBody")
+        if body_spec is not None:
+            schema = body_spec["content"]["application/json"]["schema"]
+            body = data.draw(schemas.value(schema), label="body")
+            content = json.dumps(body).encode()  # ASCII escapes: lone surrogates travel too
+            if data.draw(st.integers(0, 19)) == 0:
+                content = data.draw(st.binary(max_size=64), label="raw body")
+            headers["content-type"] = "application/json"
+        url = path + ("?" + "&".join(query) if query else "")
+        response = client.request(op.method, url, content=content, headers=headers)
+        statuses.append(response.status_code)
+        assert response.status_code < 500, (op.method, url, content, response.text)
+
+    one_call()
+    # The pass reached past authentication and validation, not only 401s.
+    assert {200, 201} & set(statuses) and 401 in statuses and 403 in statuses
+    assert 422 in statuses and 409 in statuses
+
+
+# ---------------------------------------------------------------------- SSE
+
+
+class EventReader(threading.Thread):
+    """Reads an SSE stream on a thread: events and comments go to a queue."""
+
+    def __init__(self, api: str, ws: str, key: str) -> None:
+        super().__init__(daemon=True)
+        self.url = f"{api}/v1/workspaces/{ws}/events"
+        self.key = key
+        self.items: queue_mod.Queue[tuple[str, Any]] = queue_mod.Queue()
+        self.stop = threading.Event()
+        self.status: int | None = None
+        self.seen: list[tuple[str, Any]] = []
+
+    def run(self) -> None:
+        with (
+            httpx.Client(timeout=httpx.Timeout(10, read=5)) as http,
+            http.stream("GET", self.url, headers=auth(self.key)) as response,
+        ):
+            self.status = response.status_code
+            event = "message"
+            for line in response.iter_lines():
+                if self.stop.is_set():
+                    return
+                if line.startswith(":"):
+                    self.items.put(("comment", line))
+                elif line.startswith("event: "):
+                    event = line[len("event: ") :]
+                elif line.startswith("data: "):
+                    self.items.put((event, json.loads(line[len("data: ") :])))
+                    event = "message"
+
+    def next_event(self, kind: str, match: Callable[[Any], bool] = lambda _: True) -> Any:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                got_kind, value = self.items.get(timeout=1)
+            except queue_mod.Empty:
+                continue
+            self.seen.append((got_kind, value))
+            if got_kind == kind and match(value):
+                return value
+        raise AssertionError(f"no {kind} event within 30 s; saw {self.seen}")
+
+
+def test_sse_subscriber_receives_the_commit_of_a_stage_write(
+    client: httpx.Client, api: str, redis_url: str, celery_worker: Any, runtime: Any
+) -> None:
+    reader = EventReader(api, "w-sse", API_KEY)
+    reader.start()
+    try:
+        ready = reader.next_event("ready")
+        assert ready["workspace_id"] == "w-sse"
+        # Another workspace's commit is not this stream's business.
+        OpLog(runtime.flow.queue.engine).apply_op("w2", "job:jx", OP, new_op_id())
+        answer = enqueue(client, "w-sse", API_KEY, stage="write_cell", job_id="jx",
+                         input={"column": "fit", "value": 3})  # fmt: skip
+        assert answer.status_code == 201
+        commit = reader.next_event("commit", lambda e: e["sub_doc"] == "job:jx")
+        assert commit["workspace_id"] == "w-sse" and commit["clock"] == 1
+        assert commit["op_id"].startswith("stg-") and commit["type"] == "cell.set"
+        assert all(v.get("workspace_id") != "w2" for k, v in reader.seen if k != "comment")
+        # Broadcast after commit: what the event announces is readable at once.
+        doc = client.get("/v1/workspaces/w-sse/sub-docs/job:jx", headers=auth(API_KEY)).json()
+        assert doc["clock"] >= 1 and doc["state"]["cells"]["fit"] == 3
+        reader.next_event("comment")  # keep-alives flow while idle
+    finally:
+        reader.stop.set()
+        reader.join(timeout=10)
+    assert reader.status == 200
+    # The client is gone: the server unsubscribes.
+    r = redis_lib.Redis.from_url(redis_url)
+    channel = workspace_channel("w-sse")
+    wait_for(lambda: dict(r.pubsub_numsub(channel)).get(channel.encode(), 0) == 0,
+             what="the server to drop the subscription")  # fmt: skip
+
+
+# ------------------------------------------------------------ HTTP transport
+
+
+class DropFirstResponse(httpx.BaseTransport):
+    """Forwards requests; the first response is lost after the server handled it."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.HTTPTransport()
+        self.calls = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.calls += 1
+        response = self.inner.handle_request(request)
+        if self.calls == 1:
+            response.read()
+            response.close()
+            raise httpx.ReadError("connection reset after the server committed")
+        return response
+
+
+def test_http_transport_applies_once_and_a_retry_gets_the_original_clock(
+    client: httpx.Client, api: str
+) -> None:
+    transport = HttpTransport(api, API_KEY)
+    ws_client = WorkspaceClient(transport, "w1")
+    first = ws_client.apply("board", NodeInsert(node="a"))
+    assert first is not None and first.clock == 1 and not first.duplicate
+
+    flaky = DropFirstResponse()
+    retrying = WorkspaceClient(
+        HttpTransport(api, API_KEY, client=httpx.Client(base_url=api, transport=flaky)), "w1"
+    )
+    second = retrying.apply("board", NodeInsert(node="b", after="a"))
+    assert second is not None
+    assert retrying.retries == 1 and flaky.calls == 2
+    assert second.clock == 2 and second.duplicate  # the retry got the original clock
+    ops = transport.ops_since("w1", "board")
+    assert [o.clock for o in ops] == [1, 2]
+    assert transport.get_sub_doc("w1", "board").state["order"] == ["a", "b"]
+
+    op_id = ops[1].op_id
+    with pytest.raises(OpIdConflict):
+        transport.apply("w1", "board", {"type": "node.insert", "node": "c"}, op_id, None)
+    with pytest.raises(AccessDenied):
+        HttpTransport(api, "of_wrong").apply("w1", "board", {"type": "node.insert", "node": "d"},
+                                             new_op_id(), None)  # fmt: skip
+    closed = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(TransportError):
+        HttpTransport(closed, API_KEY, timeout=2).apply(
+            "w1", "board", {"type": "node.insert", "node": "e"}, new_op_id(), None
+        )
+    assert [o.clock for o in transport.ops_since("w1", "board")] == [1, 2]
+
+
+def test_ids_that_cannot_be_one_url_segment_are_refused_by_the_client(api: str) -> None:
+    from onceflow import InvalidRequest
+
+    with pytest.raises(InvalidRequest):
+        HttpTransport(api, API_KEY).apply("w/1", "board", OP, new_op_id(), None)
+    with pytest.raises(InvalidRequest):
+        HttpTransport(api, API_KEY).apply("w1", "..", OP, new_op_id(), None)
