@@ -122,8 +122,13 @@ class Flow:
         *,
         settings: Settings | None = None,
         name: str = "onceflow",
+        pull_worker_classes: tuple[str, ...] = (),
     ) -> None:
+        """``pull_worker_classes``: worker classes served only by pull workers over HTTP
+        (browser tabs, agents): their requests get no Celery wake-up, which no Celery
+        worker would consume."""
         self._settings = settings
+        self.pull_worker_classes = frozenset(pull_worker_classes)
         self.stages: dict[str, StageSpec] = {}
         self.app = app or Celery(name, set_as_current=False)
         # Evaluated when Celery first reads its config, not at import: nothing connects early.
@@ -261,7 +266,12 @@ class Flow:
         return model.model_dump(mode="json")
 
     def dispatch(self, item: Dispatch) -> bool:
-        """Send the wake-up for one request; False (and logged) if the broker refused."""
+        """Send the wake-up for one request; False (and logged) if the broker refused.
+
+        Requests of a pull-worker class get none: pull workers claim by polling the API.
+        """
+        if item.worker_class in self.pull_worker_classes:
+            return False
         try:
             self.app.send_task(
                 TASK_PREFIX + item.stage,

@@ -242,3 +242,19 @@ def test_hand_off_is_dispatched_with_the_completion(
         assert runtime.flow.queue.get(nxt).result["value"] == 2
     finally:
         worker.stop()
+
+
+def test_pull_worker_classes_get_no_celery_wakeup(runtime: Any, redis_url: str) -> None:
+    from onceflow.tasks import Flow
+
+    client = redis_lib.Redis.from_url(redis_url)
+    client.delete("tabs")
+    pull_flow = Flow(pull_worker_classes=("tabs",))
+    pull_flow.stages.update(runtime.flow.stages)  # the same stage declarations
+    result = pull_flow.enqueue("noop", "w1", "j-pull", "main", {}, worker_class="tabs")
+    assert result.created
+    swept = pull_flow.sweep_once(redispatch_after=0)
+    assert [d.request_id for d in swept.to_dispatch] == [result.request_id]
+    assert client.llen("tabs") == 0  # nothing piles up in a queue no Celery worker reads
+    claim = runtime.flow.queue.claim_next("tabs", "tab-1")  # a pull worker takes it
+    assert [c.request_id for c in claim] == [result.request_id]
