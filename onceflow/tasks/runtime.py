@@ -41,15 +41,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("onceflow.runtime")
 
 TRACEBACK_LINES = 30
-_oplogs: dict[int, OpLog] = {}
+_oplogs: dict[int, tuple[Queue, OpLog]] = {}
 
 
 def oplog_for(queue: Queue) -> OpLog:
     """The op log on the same engine and settings as ``queue`` (one per queue, per process)."""
-    oplog = _oplogs.get(id(queue))
-    if oplog is None:
-        oplog = _oplogs[id(queue)] = OpLog(queue.engine, queue.settings)
-    return oplog
+    entry = _oplogs.get(id(queue))
+    if entry is None or entry[0] is not queue:  # the queue is kept alive, so ids cannot recur
+        entry = _oplogs[id(queue)] = (queue, OpLog(queue.engine, queue.settings))
+    return entry[1]
 
 
 T = TypeVar("T")
