@@ -48,7 +48,7 @@ from onceflow.errors import (
     PayloadTooLarge,
     ReplayTooOld,
 )
-from onceflow.ids import ClaimToken, RequestId, check_id, request_id_for
+from onceflow.ids import ClaimToken, check_id, request_id_for
 from onceflow.integrations.fastapi import schemas as s
 from onceflow.integrations.fastapi.auth import Authenticator, KeyAuth, Principal
 from onceflow.integrations.fastapi.events import event_stream
@@ -537,10 +537,10 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         """Finish the claimed request (fenced: a zombie's late completion is 409, no change)."""
         claim = claim_of(request_id, body.claim_token, principal)
         then = [_follow_up(svc.flow, claim.request, f) for f in body.then]
-        done = svc.queue.complete(claim, body.result, then=then)
-        for item in then:
-            assert item.request_id is not None  # noqa: S101 - set by _follow_up
-            svc.flow.dispatch(Dispatch(RequestId(item.request_id), item.stage, item.worker_class))
+        done, followed = svc.queue.hand_off(claim, body.result, then=then)
+        for item, made in zip(then, followed, strict=True):
+            if made.created:  # a hand-off that collapsed onto an existing row has its wake-up
+                svc.flow.dispatch(Dispatch(made.request_id, item.stage, item.worker_class))
         return _request_out(done)
 
     @router.post(
