@@ -1,6 +1,12 @@
 """Layer 3: the op log — writes applied once by op id, with gapless commit clocks."""
 
-from onceflow.oplog.client import InProcessTransport, Transport, TransportError, WorkspaceClient
+from onceflow.oplog.client import (
+    InProcessTransport,
+    OpsParked,
+    Transport,
+    TransportError,
+    WorkspaceClient,
+)
 from onceflow.oplog.store import (
     ApplyResult,
     OpLog,
@@ -16,6 +22,7 @@ __all__ = [
     "InProcessTransport",
     "OpLog",
     "OpRecord",
+    "OpsParked",
     "SubDoc",
     "Transport",
     "TransportError",

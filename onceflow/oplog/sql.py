@@ -85,30 +85,55 @@ LIMIT :limit
 """)
 )
 
-# Retention: delete op rows older than the window and raise each touched sub-doc's
-# pruned_clock, so a replay based before it is refused instead of applied again.
+# Retention, bounded by :limit and one pruner at a time (a second one finds the gate shut).
+# committed_at is the transaction's start, not monotonic in clock, so age alone cannot
+# decide which applied ops go: per sub-doc the horizon is the highest clock among its
+# applied ops past the window (the oldest batch, via ix_ops_committed), every applied op
+# at or below it goes (ix_ops_clock), and pruned_clock rises to it. The log then holds
+# every applied op above pruned_clock, which is what lets apply_op tell a new op based at
+# or after the horizon from a pruned one. Rejected ops (clock NULL) go by age and leave
+# pruned_clock where it is.
 PRUNE_OPS = render(
     text("""
-WITH old AS (
-    DELETE FROM workspace_sub_doc_ops
-    WHERE ctid IN (
-        SELECT ctid FROM workspace_sub_doc_ops
-        WHERE committed_at <= coalesce(CAST(:now AS timestamptz), now())
-                              - make_interval(secs => :age)
-        LIMIT :limit
-    )
-    RETURNING workspace_id, sub_doc, clock
+WITH gate AS (
+    SELECT pg_try_advisory_xact_lock(hashtext('onceflow'), hashtext('oplog.prune')) AS ok
 ),
-per_doc AS (
-    SELECT workspace_id, sub_doc, max(clock) AS clock FROM old GROUP BY workspace_id, sub_doc
+aged AS (
+    SELECT workspace_id, sub_doc, op_id, clock
+    FROM workspace_sub_doc_ops
+    WHERE committed_at <= coalesce(CAST(:now AS timestamptz), now())
+                          - make_interval(secs => :age)
+      AND (SELECT ok FROM gate)
+    ORDER BY committed_at
+    LIMIT :limit
+),
+horizons AS (
+    SELECT workspace_id, sub_doc, max(clock) AS horizon
+    FROM aged WHERE clock IS NOT NULL
+    GROUP BY workspace_id, sub_doc
+),
+doomed AS (
+    SELECT workspace_id, sub_doc, op_id FROM aged WHERE clock IS NULL
+    UNION ALL
+    SELECT o.workspace_id, o.sub_doc, o.op_id
+    FROM horizons h
+    JOIN workspace_sub_doc_ops o
+      ON o.workspace_id = h.workspace_id AND o.sub_doc = h.sub_doc AND o.clock <= h.horizon
+),
+gone AS (
+    DELETE FROM workspace_sub_doc_ops o
+    USING doomed d
+    WHERE o.workspace_id = d.workspace_id AND o.sub_doc = d.sub_doc AND o.op_id = d.op_id
+    RETURNING 1
 ),
 upd AS (
-    UPDATE workspace_sub_docs d
-    SET pruned_clock = greatest(d.pruned_clock, coalesce(p.clock, d.clock))
-    FROM per_doc p
-    WHERE d.workspace_id = p.workspace_id AND d.sub_doc = p.sub_doc
+    UPDATE workspace_sub_docs s
+    SET pruned_clock = greatest(s.pruned_clock, h.horizon)
+    FROM horizons h
+    WHERE s.workspace_id = h.workspace_id AND s.sub_doc = h.sub_doc
+      AND s.pruned_clock < h.horizon
     RETURNING 1
 )
-SELECT (SELECT count(*) FROM old) AS deleted, (SELECT count(*) FROM upd) AS sub_docs
+SELECT (SELECT count(*) FROM gone) AS deleted, (SELECT count(*) FROM upd) AS sub_docs
 """)
 )

@@ -131,8 +131,11 @@ class OpLog:
         server-internal one-shot callers may omit it. ``fence`` (a stage's claim)
         is checked in the same transaction: a worker whose lease is gone gets
         :class:`~onceflow.errors.LeaseLost` and changes nothing. ``base_clock``
-        is the sub-doc clock the client had seen when it minted the op; a replay
-        older than the op log's retention is refused (:class:`ReplayTooOld`).
+        is the sub-doc clock the client had seen when it minted the op: an op id
+        the log no longer knows with ``base_clock`` below the sub-doc's pruned
+        horizon may be a replay of a pruned op, so it is refused
+        (:class:`ReplayTooOld`). Without ``base_clock`` the op is taken as new;
+        a fenced write (a live claim) is never a stale replay.
         """
         check_id("workspace_id", workspace_id)
         check_id("sub_doc", sub_doc)
@@ -185,7 +188,8 @@ class OpLog:
         doc = self._lock_sub_doc(raw, key)
         if doc["op_found"]:
             return self._replayed(key, {**doc, "clock": doc["op_clock"]}, payload_hash)
-        self._check_horizon(op_id, client_id, base_clock, doc["pruned_clock"])
+        if client_id and fence is None:
+            self._check_horizon(op_id, base_clock, doc["pruned_clock"])
         record = {
             **key,
             "op_type": parsed.type,
@@ -221,10 +225,13 @@ class OpLog:
         return doc
 
     @staticmethod
-    def _check_horizon(op_id: str, client_id: bool, base_clock: int | None, pruned: int) -> None:
-        # An op log row older than retention is gone, so a replay of it cannot be recognised:
-        # refuse it rather than apply it twice. Only client ops can be replays.
-        if client_id and pruned > 0 and (base_clock is None or base_clock < pruned):
+    def _check_horizon(op_id: str, base_clock: int | None, pruned: int) -> None:
+        # Called for an unknown client op id. Pruning keeps every applied op above the
+        # sub-doc's pruned_clock, and an op minted at base_clock commits above it: so an op
+        # based at or above the horizon that is not in the log was never applied. Below the
+        # horizon it may be a pruned op coming back: refuse it rather than apply it twice.
+        # Without base_clock the server cannot tell: the op is taken as new.
+        if base_clock is not None and base_clock < pruned:
             raise ReplayTooOld(op_id, base_clock, pruned)
 
     @staticmethod
@@ -274,9 +281,21 @@ class OpLog:
             rows = fetch_all(raw, sql.OPS_SINCE, params)
         return [OpRecord(**row) for row in rows]
 
-    def prune(self, *, older_than_seconds: float, now: datetime | None = None) -> int:
-        """Delete op rows older than the retention window; returns how many."""
-        params = {"age": float(older_than_seconds), "limit": 10_000, "now": now}
+    def prune(
+        self, *, older_than_seconds: float, now: datetime | None = None, limit: int = 10_000
+    ) -> int:
+        """Delete op rows past the retention window (at most about ``limit``); returns how many.
+
+        Per sub-doc, the horizon is the highest clock among its applied ops older
+        than the window; every applied op at or below it is deleted and the
+        sub-doc's ``pruned_clock`` rises to it, so the log keeps exactly the ops
+        above ``pruned_clock``. Rejected ops (no clock) go by age alone and never
+        move the horizon. ``now`` (default: the database clock) is for tests.
+        One pruner runs at a time; a concurrent call returns 0.
+        """
+        if not isinstance(limit, int) or limit < 1:
+            raise InvalidRequest("limit must be a positive integer")
+        params = {"age": float(older_than_seconds), "limit": limit, "now": now}
         with raw_connection(self.engine) as raw:
             row = fetch_one(raw, sql.PRUNE_OPS, params)
         return int(row["deleted"]) if row else 0

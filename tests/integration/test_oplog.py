@@ -252,12 +252,15 @@ def test_broadcast_comes_after_commit(oplog: OpLog, redis_url: str) -> None:
 
 def test_replay_older_than_retention_is_refused(oplog: OpLog, clean_db: Engine) -> None:
     old = oplog.apply_op(
-        "w1", "cells", {"type": "cell.set", "column": "a", "value": 1}, new_op_id()
+        "w1", "cells", {"type": "cell.set", "column": "a", "value": 1}, new_op_id(), base_clock=0
     )
     assert oplog.prune(older_than_seconds=3600, now=db_now(clean_db) + timedelta(hours=2)) == 1
-    # The pruned op's id is forgotten: a replay of it must not be applied a second time.
+    # The pruned op's id is forgotten: a replay of it (based on clock 0, as first sent) must
+    # not be applied a second time. (Without base_clock the server cannot tell a replay from
+    # a new op: tests/integration/test_op_retention.py.)
     with pytest.raises(ReplayTooOld):
-        oplog.apply_op("w1", "cells", {"type": "cell.set", "column": "a", "value": 1}, old.op_id)
+        oplog.apply_op("w1", "cells", {"type": "cell.set", "column": "a", "value": 1}, old.op_id,
+                       base_clock=0)  # fmt: skip
     with pytest.raises(ReplayTooOld):
         oplog.apply_op("w1", "cells", {"type": "cell.set", "column": "a", "value": 1},
                        new_op_id(), base_clock=0)  # fmt: skip
