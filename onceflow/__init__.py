@@ -7,6 +7,7 @@ Nothing here connects at import time.
 """
 
 from onceflow.errors import (
+    ConnectionLost,
     DatabaseUnavailable,
     InputMismatch,
     InvalidRequest,
@@ -32,6 +33,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Claim",
+    "ConnectionLost",
     "DatabaseUnavailable",
     "EnqueueResult",
     "Heartbeat",

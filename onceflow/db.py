@@ -3,27 +3,59 @@
 Nothing connects at import. An engine is cached per (url, pid): after a fork
 (Celery's prefork pool) the child builds its own engine instead of sharing the
 parent's sockets — the pattern of Celery's own ``SessionManager``.
+
+Lost connections. The pool does not ping a connection before handing it out
+(a round trip per call). After a Postgres restart every pooled connection is
+dead, so the first call that meets a dead one invalidates the *whole* pool:
+every connection opened before that moment is replaced at its next checkout,
+and the error is raised as :class:`ConnectionLost`. :func:`is_disconnect` tells
+such an error from a server that cannot be reached at all, and
+:func:`retry_disconnect` repeats a call that is safe to repeat once, on a fresh
+connection.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 import sqlalchemy.exc as sa_exc
 from psycopg.rows import dict_row
-from sqlalchemy import Engine, TextClause, create_engine
+from sqlalchemy import Connection, Engine, TextClause, create_engine
 from sqlalchemy.dialects.postgresql import psycopg as pg_psycopg
 
-from onceflow.errors import DatabaseUnavailable, InvalidRequest, OnceflowError, StoreError
+from onceflow.errors import (
+    ConnectionLost,
+    DatabaseUnavailable,
+    InvalidRequest,
+    OnceflowError,
+    StoreError,
+)
 from onceflow.settings import get_settings
+
+log = logging.getLogger("onceflow.db")
+
+T = TypeVar("T")
 
 _engines: dict[tuple[str, int], Engine] = {}
 _lock = threading.Lock()
+_min_pool_size = 0
+
+
+def size_pools_for(concurrency: int) -> None:
+    """Make engines built from now on hold at least one connection per concurrent task.
+
+    A Celery worker with a threads (or gevent/eventlet) pool runs ``concurrency``
+    stages in one process, plus the heartbeat and sweep threads: the worker calls
+    this at start so no stage waits for a connection another stage holds.
+    """
+    global _min_pool_size
+    _min_pool_size = max(0, int(concurrency)) + 2
 
 
 def make_engine(url: str, *, pool_size: int | None = None, **kwargs: Any) -> Engine:
@@ -31,7 +63,7 @@ def make_engine(url: str, *, pool_size: int | None = None, **kwargs: Any) -> Eng
     if url.startswith("postgresql://") or url.startswith("postgres://"):
         # Accept the libpq spelling users copy from elsewhere; the driver is always psycopg 3.
         url = "postgresql+psycopg://" + url.split("://", 1)[1]
-    size = pool_size if pool_size is not None else get_settings().pool_size
+    size = pool_size if pool_size is not None else max(get_settings().pool_size, _min_pool_size)
     # No pre-ping: it costs a round trip per checkout. A dead connection surfaces as
     # DatabaseUnavailable on first use and is invalidated (see raw_connection).
     kwargs.setdefault("pool_pre_ping", False)
@@ -85,13 +117,109 @@ def raw_connection(engine: Engine) -> Iterator[psycopg.Connection[Any]]:
         raw.autocommit = True
         try:
             yield raw
-        except BaseException:
+        except BaseException as exc:
             if raw.broken or raw.closed:
-                sa_conn.invalidate()  # never hand a dead socket to the next caller
+                lost = _drop_dead_connection(engine, sa_conn, exc)
+                if lost is not None:
+                    raise lost from exc
             raise
         finally:
             if not raw.closed:
                 raw.autocommit = False  # what SQLAlchemy's pool expects back
+
+
+#: SQLSTATEs of a session ended by its own timeout: the server is fine, so the pool is kept.
+_SESSION_ONLY_SQLSTATES = frozenset({"25P03", "57P05"})  # idle-in-transaction / idle session
+#: SQLSTATEs that say an established connection is gone (admin or crash shutdown, link loss).
+_DISCONNECT_SQLSTATES = frozenset({"57P01", "57P02", "08000", "08003", "08006", "08007"})
+
+
+def _drop_dead_connection(
+    engine: Engine, sa_conn: Connection, exc: BaseException
+) -> ConnectionLost | None:
+    """The checked-out connection died under ``exc``: never hand it (or its peers) out again.
+
+    A database error on a dead connection invalidates the whole pool (connections
+    opened before now are replaced at their next checkout — a server restart
+    killed them all) and becomes :class:`ConnectionLost`. Anything else (e.g. an
+    interrupt mid-query) drops only this connection and is re-raised as it is.
+    """
+    database_error = isinstance(exc, psycopg.Error | DatabaseUnavailable)
+    if database_error and getattr(exc, "sqlstate", None) not in _SESSION_ONLY_SQLSTATES:
+        invalidate_pool(engine, sa_conn)
+    sa_conn.invalidate()
+    if not database_error or isinstance(exc, ConnectionLost):
+        return None
+    return ConnectionLost(f"Postgres connection lost: {_first_line(exc)}")
+
+
+def invalidate_pool(engine: Engine, sa_conn: Connection | None = None) -> None:
+    """Mark every connection the pool opened so far as stale; each is replaced at its checkout.
+
+    Nothing is closed now and no round trip is made: a connection checked out
+    elsewhere finishes its call, and the pool swaps it for a fresh one the next
+    time it is handed out (SQLAlchemy's own disconnect handling, ``Pool._invalidate``,
+    which moves the pool's invalidation time). ``sa_conn`` is the connection
+    that saw the disconnect: if the pool was invalidated after it was opened,
+    the time is not moved again, so newer, live connections are kept.
+    """
+    pool = engine.pool
+    fairy = sa_conn.connection if sa_conn is not None and not sa_conn.invalidated else None
+    invalidate = getattr(pool, "_invalidate", None)
+    if invalidate is None:  # pragma: no cover - a SQLAlchemy without it: start a new pool
+        engine.dispose(close=False)
+        return
+    invalidate(fairy, None, _checkin=False)
+    log.info("Postgres connection lost: every pooled connection will be replaced")
+
+
+def is_disconnect(exc: BaseException) -> bool:
+    """Whether ``exc`` says an *established* Postgres connection was lost under a call.
+
+    True for :class:`ConnectionLost` (what onceflow raises: a server restart or
+    fast shutdown, a killed backend, a dropped link), and for a driver error of
+    that kind — a SQLAlchemy error whose connection was invalidated, or a
+    psycopg error with an admin/crash-shutdown or connection-failure SQLSTATE —
+    anywhere in the ``__cause__`` chain. False for a connection that could not
+    be opened (server down, refused, still starting), for other database errors
+    (constraint violations, timeouts) and for anything else.
+
+    A call that failed this way may or may not have committed: repeat it (on a
+    fresh connection; the pool was invalidated) only if it is safe to run twice
+    — a read, an ``INSERT … ON CONFLICT`` with ids minted before the first
+    attempt, a write fenced by a claim token — e.g. with :func:`retry_disconnect`.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, ConnectionLost):
+            return True
+        if isinstance(current, sa_exc.DBAPIError) and current.connection_invalidated:
+            return True
+        if isinstance(current, psycopg.Error) and current.sqlstate in _DISCONNECT_SQLSTATES:
+            return True
+        current = current.__cause__
+    return False
+
+
+def retry_disconnect(fn: Callable[[], T]) -> T:
+    """``fn()``, called once more if it failed with a lost connection (:func:`is_disconnect`).
+
+    For calls that are safe to run twice (see :func:`is_disconnect`): the retry
+    runs at once on a fresh connection, since the failure invalidated the pool.
+    Exactly one retry; a server that cannot be reached raises
+    :class:`DatabaseUnavailable` at once, without a retry, and any other error
+    passes through. Build ids and payloads *before* the call, so both attempts
+    send the same statement.
+    """
+    try:
+        return fn()
+    except Exception as exc:
+        if not is_disconnect(exc):
+            raise
+        log.info("retrying once on a fresh connection after: %s", exc)
+    return fn()
 
 
 def fetch_one(conn: psycopg.Connection[Any], query: str, params: dict[str, Any]) -> Any:
@@ -122,6 +250,8 @@ def translate_errors() -> Iterator[None]:
     except psycopg.Error as exc:
         raise StoreError(_first_line(exc)) from exc
     except sa_exc.OperationalError as exc:
+        if exc.connection_invalidated:  # SQLAlchemy invalidated the pool already
+            raise ConnectionLost(f"Postgres connection lost: {_first_line(exc)}") from exc
         raise DatabaseUnavailable(f"Postgres unavailable: {_first_line(exc)}") from exc
     except sa_exc.DataError as exc:
         raise InvalidRequest(f"rejected by the database: {_first_line(exc)}") from exc
@@ -132,7 +262,7 @@ def translate_errors() -> Iterator[None]:
         ) from exc
     except sa_exc.DBAPIError as exc:
         if exc.connection_invalidated:
-            raise DatabaseUnavailable(f"Postgres connection lost: {_first_line(exc)}") from exc
+            raise ConnectionLost(f"Postgres connection lost: {_first_line(exc)}") from exc
         raise StoreError(_first_line(exc)) from exc
     except sa_exc.SQLAlchemyError as exc:
         raise StoreError(_first_line(exc)) from exc

@@ -19,7 +19,8 @@ stage code. Control-flow signals (retry later) are kept apart from errors.
     ├── Cancelled                 cancel was requested for the running request
     ├── PermanentError            raised by a stage: fail now, no retry
     ├── OpRejected                an op cannot apply to the current state (recorded)
-    ├── DatabaseUnavailable       Postgres did not answer
+    ├── DatabaseUnavailable       Postgres did not answer (retryable)
+    │   └── ConnectionLost        an established connection died (restart, killed backend)
     ├── StoreError                any other database failure, translated
     ├── LockLost                  a compute lock expired or was taken while held
     ├── LockUnavailable           the compute lock's backend did not answer (retryable)
@@ -177,7 +178,24 @@ class ReplayTooOld(InvalidRequest):
 
 
 class DatabaseUnavailable(OnceflowError):
-    """Postgres could not be reached or dropped the connection."""
+    """Postgres could not be reached or dropped the connection.
+
+    Retryable: raised in a stage it fails the run as retryable (even with ``retry_on``
+    set), and ``compute_once`` retries a ``store()`` that raised it.
+    """
+
+    #: A stage that raises this should be retried, not failed for good.
+    retryable = True
+
+
+class ConnectionLost(DatabaseUnavailable):
+    """A connection that had been established died under a call (server restart, killed backend).
+
+    The whole connection pool was invalidated when it was raised, so the next
+    call gets a fresh connection: calls that are safe to repeat are retried once
+    (:func:`onceflow.db.retry_disconnect`). A connection that cannot be opened
+    raises the plain :class:`DatabaseUnavailable` instead.
+    """
 
 
 class StoreError(OnceflowError):

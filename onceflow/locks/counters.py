@@ -31,6 +31,8 @@ COMPUTES_WITHOUT_LOCK: Final = "computes_without_lock"
 COMPUTE_ERRORS: Final = "compute_errors"
 LOCKS_LOST: Final = "locks_lost"
 DUPLICATE_COMPUTES_DETECTED: Final = "duplicate_computes_detected"
+#: ``store()`` attempts repeated after a retryable error (e.g. a lost database connection).
+STORE_RETRIES: Final = "store_retries"
 
 #: Every counter, in the order snapshots list them.
 COUNTER_NAMES: Final[tuple[str, ...]] = (
@@ -44,6 +46,7 @@ COUNTER_NAMES: Final[tuple[str, ...]] = (
     COMPUTE_ERRORS,
     LOCKS_LOST,
     DUPLICATE_COMPUTES_DETECTED,
+    STORE_RETRIES,
 )
 
 _SAVED: Final = (

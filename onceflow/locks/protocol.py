@@ -22,6 +22,16 @@ most one more attempt per waiter, one at a time, for a call that keeps failing.
 ``check()`` returns None for "not stored yet", so a stored value is never None.
 ``store()`` may return ``False`` to say an earlier value was kept (first writer
 wins): that is counted as a duplicate compute and the stored value is returned.
+
+A computed value is never thrown away because its store met a passing fault:
+when ``store()`` raises an error marked ``retryable`` (a lost database
+connection — :class:`~onceflow.errors.DatabaseUnavailable` — or
+:class:`~onceflow.errors.LockUnavailable`), the value stays in memory and the
+store is retried with a short backoff for at most one lock TTL from the store
+(the time the lock stays held even without a watchdog); each retry is counted
+as ``store_retries``. ``store()`` must therefore be safe to repeat (an op with a
+fixed op id, an upsert, first writer wins). Any other error, or the window
+running out, raises the last error.
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ from onceflow.locks.counters import (
     DOUBLE_CHECK_HITS,
     DUPLICATE_COMPUTES_DETECTED,
     PREFLIGHT_HITS,
+    STORE_RETRIES,
     WAIT_TIMEOUTS,
     WAITS_SERVED_BY_BROADCAST,
     WAITS_SERVED_BY_RECHECK,
@@ -58,6 +69,9 @@ T = TypeVar("T")
 
 #: Waits run this much past the holder's remaining TTL, so the retry finds the key expired.
 WAIT_MARGIN_SECONDS = 0.02
+#: Backoff between retries of a store that raised a retryable error: first delay, cap (seconds).
+STORE_RETRY_FIRST_DELAY = 0.05
+STORE_RETRY_MAX_DELAY = 1.0
 
 
 class Path(StrEnum):
@@ -298,6 +312,8 @@ def _store(
     value: T,
 ) -> Outcome[T]:
     ws = handle.workspace_id
+    # The lock is ours for one TTL from here even without a watchdog: the store's retry window.
+    deadline = time.monotonic() + handle.ttl_ms / 1000
     try:
         held = handle.extend()  # ours right before the store? (also buys the store a full TTL)
     except LockUnavailable as exc:
@@ -309,11 +325,49 @@ def _store(
             be.counters.incr(ws, DUPLICATE_COMPUTES_DETECTED)
             return Outcome(existing, Path.LOCK_LOST, duplicate=True)
     path = Path.COMPUTED if held else Path.LOCK_LOST
-    if store(value) is False:  # the store kept an earlier value (first writer wins)
+    if _store_retrying(be, ws, store, value, deadline) is False:
+        # the store kept an earlier value (first writer wins)
         be.counters.incr(ws, DUPLICATE_COMPUTES_DETECTED)
         existing = check()
         return Outcome(value if existing is None else existing, path, duplicate=True)
     return Outcome(value, path)
+
+
+def _store_retrying(
+    be: LockBackend,
+    workspace_id: str,
+    store: Callable[[T], object],
+    value: T,
+    deadline: float,
+) -> object:
+    """``store(value)``, repeated after a ``retryable`` error until ``deadline`` (monotonic).
+
+    Backs off from :data:`STORE_RETRY_FIRST_DELAY` doubling to :data:`STORE_RETRY_MAX_DELAY`.
+    Each repeat is counted (``store_retries``). When the window closes the last error is
+    raised and the value is lost (logged). A lock lost meanwhile does not stop the retries:
+    the store keeps the first value written, and a stored value spares every later caller.
+    """
+    delay = STORE_RETRY_FIRST_DELAY
+    retries = 0
+    while True:
+        try:
+            return store(value)
+        except Exception as exc:
+            if getattr(exc, "retryable", False) is not True:
+                raise
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                log.error(
+                    "compute lock: store failed after %d retries; the computed value is lost: %s",
+                    retries,
+                    exc,
+                )
+                raise
+            retries += 1
+            be.counters.incr(workspace_id, STORE_RETRIES)
+            log.warning("compute lock: store failed (%s); retry %d in %.2fs", exc, retries, delay)
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2, STORE_RETRY_MAX_DELAY)
 
 
 def _release_and_announce(be: LockBackend, handle: LockHandle, *, ok: bool) -> None:
@@ -344,7 +398,8 @@ def _compute_unlocked(
     log.warning("compute lock unavailable: computing without it (duplicates are possible)")
     be.counters.incr(workspace_id, COMPUTES_WITHOUT_LOCK)
     value = _counted_compute(be, workspace_id, compute)
-    duplicate = store(value) is False
+    deadline = time.monotonic() + be.settings.lock_ttl_seconds  # no lock: the default TTL
+    duplicate = _store_retrying(be, workspace_id, store, value, deadline) is False
     if duplicate:
         be.counters.incr(workspace_id, DUPLICATE_COMPUTES_DETECTED)
         existing = check()

@@ -16,7 +16,14 @@ from typing import Any
 import psycopg
 from sqlalchemy import Connection, Engine, bindparam, select
 
-from onceflow.db import fetch_all, fetch_one, get_engine, raw_connection, translate_errors
+from onceflow.db import (
+    fetch_all,
+    fetch_one,
+    get_engine,
+    raw_connection,
+    retry_disconnect,
+    translate_errors,
+)
 from onceflow.errors import (
     InputMismatch,
     InvalidRequest,
@@ -118,10 +125,15 @@ class Queue:
             return []
         if len(items) > BATCH_MAX:
             raise InvalidRequest(f"a batch holds at most {BATCH_MAX} requests, got {len(items)}")
-        params = self._enqueue_params(items, now)
+        params = self._enqueue_params(items, now)  # ids (random ones too) minted once, here
         if connection is not None:
             with translate_errors():
                 return self._enqueue_on(connection, params, strict)
+        # Idempotent (ON CONFLICT DO NOTHING, same ids): after a lost connection it runs once
+        # more; if the first attempt committed, the retry collapses onto its rows.
+        return retry_disconnect(lambda: self._enqueue_pooled(params, strict))
+
+    def _enqueue_pooled(self, params: dict[str, Any], strict: bool) -> list[EnqueueResult]:
         with raw_connection(self.engine) as raw:
             if not strict:
                 # One INSERT statement is atomic on its own: no BEGIN/COMMIT round trips.
@@ -445,8 +457,7 @@ class Queue:
     def get(self, request_id: str) -> Request:
         """The request with this id, or :class:`NotFound`."""
         check_id("request_id", request_id)
-        with raw_connection(self.engine) as raw:
-            row = fetch_one(raw, sql.Q_GET, {"request_id": request_id})
+        row = retry_disconnect(lambda: self._read_one(sql.Q_GET, {"request_id": request_id}))
         if row is None:
             raise NotFound(request_id)
         return Request.from_row(row)
@@ -477,17 +488,30 @@ class Queue:
             values = [parse_status(s).value for s in statuses]
             query = query.where(wpr.c.status.in_(bindparam("statuses", values, expanding=True)))
         query = query.order_by(wpr.c.created_at.desc(), wpr.c.request_id).limit(limit)
-        with translate_errors(), self.engine.connect() as conn:
-            return [Request.from_row(r) for r in conn.execute(query).mappings()]
+
+        def read() -> builtins.list[Request]:
+            with translate_errors(), self.engine.connect() as conn:
+                return [Request.from_row(r) for r in conn.execute(query).mappings()]
+
+        return retry_disconnect(read)
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Request counts as ``{worker_class: {status: n}}`` (every status present, zeros too)."""
         out: dict[str, dict[str, int]] = {}
-        with raw_connection(self.engine) as raw:
-            for row in fetch_all(raw, sql.Q_COUNTS, {}):
-                per_class = out.setdefault(row["worker_class"], {s.value: 0 for s in Status})
-                per_class[row["status"]] = row["n"]
+        for row in retry_disconnect(lambda: self._read_all(sql.Q_COUNTS, {})):
+            per_class = out.setdefault(row["worker_class"], {s.value: 0 for s in Status})
+            per_class[row["status"]] = row["n"]
         return out
+
+    def _read_one(self, query: str, params: dict[str, Any]) -> Any:
+        """One row of a read on a pooled connection (safe to repeat: see retry_disconnect)."""
+        with raw_connection(self.engine) as raw:
+            return fetch_one(raw, query, params)
+
+    def _read_all(self, query: str, params: dict[str, Any]) -> builtins.list[Any]:
+        """Every row of a read on a pooled connection (safe to repeat: see retry_disconnect)."""
+        with raw_connection(self.engine) as raw:
+            return fetch_all(raw, query, params)
 
     # ----------------------------------------------------------------- sweeper
 
