@@ -62,6 +62,8 @@ workspace_process_requests = Table(
     Column("priority", Integer, nullable=False, server_default=text("0")),
     Column("cancel_requested", Boolean, nullable=False, server_default=text("false")),
     Column("dispatched_at", DateTime(timezone=True)),
+    # Wake-ups the sweeper re-sent since the row's first one: the exponent of their backoff.
+    Column("redispatch_count", Integer, nullable=False, server_default=text("0")),
     Column("result", JSONB),
     Column("error", JSONB),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
@@ -70,6 +72,7 @@ workspace_process_requests = Table(
     CheckConstraint(f"status IN ({_STATUSES})", name="status"),
     CheckConstraint("attempts >= 0 AND crash_attempts >= 0", name="attempts"),
     CheckConstraint("max_attempts >= 1 AND max_crash_attempts >= 1", name="max_attempts"),
+    CheckConstraint("redispatch_count >= 0", name="redispatch_count"),
     # A running row always has a token and a lease; no other row has a live claim.
     CheckConstraint(
         "(status = 'running') = (claim_token IS NOT NULL AND lease_expires_at IS NOT NULL)",
@@ -98,4 +101,14 @@ workspace_process_requests = Table(
         "finished_at",
         postgresql_where=text("finished_at IS NOT NULL"),
     ),
+)
+
+# When each Flow last swept, by the database clock: a sweep begins with a compare-and-set on
+# its row, so sweeps sent by beat do not pile up and workers take over when beat is gone.
+onceflow_sweeps = Table(
+    "onceflow_sweeps",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("swept_at", DateTime(timezone=True), nullable=False),
+    Column("swept_by", Text, nullable=False),
 )

@@ -249,15 +249,28 @@ GROUP BY w.status, w.worker_class
 ORDER BY w.worker_class, w.status
 """)
 
+# Rows of the sweeping Flow's stages only (a Flow can send wake-ups for no others);
+# NULL (a bare Queue's sweep) means every stage.
+_STAGES = "(CAST(:stages AS text[]) IS NULL OR w.stage = ANY(CAST(:stages AS text[])))"
+
+#: Re-sends of one wake-up back off: the k-th waits redispatch_after * 2^min(k, this).
+REDISPATCH_MAX_DOUBLINGS = 5
+
+# A wake-up sent (dispatched_at) longer ago than its backoff, without a claim since.
+_STALE = f"""w.dispatched_at <= n.now - make_interval(secs => CAST(:redispatch_after AS float8)
+    * power(2, least(w.redispatch_count, {REDISPATCH_MAX_DOUBLINGS})))"""
+
 # Lapsed leases, in one compare-and-set statement (never read-then-update): each row is
 # requeued, or quarantined as dead past its attempts or crash budget, or cancelled if that
-# was requested. Only rows whose *current* lease lapsed are touched.
+# was requested. Only rows whose *current* lease lapsed are touched. A requeued row gets a
+# fresh wake-up from the sweeper (its re-send count starts again).
 RESCUE_EXPIRED: TextClause = text(f"""
 WITH n AS ({_NOW}),
 lapsed AS (
     SELECT w.request_id
     FROM {TABLE} w, n
     WHERE w.status = 'running' AND w.lease_expires_at <= n.now
+      AND {_STAGES}
     ORDER BY w.lease_expires_at
     LIMIT :limit
     FOR UPDATE OF w SKIP LOCKED
@@ -278,6 +291,7 @@ UPDATE {TABLE} AS w SET
     lease_expires_at = NULL,
     run_after = CASE WHEN nxt.status = 'queued' THEN n.now ELSE w.run_after END,
     dispatched_at = CASE WHEN nxt.status = 'queued' THEN n.now ELSE w.dispatched_at END,
+    redispatch_count = CASE WHEN nxt.status = 'queued' THEN 0 ELSE w.redispatch_count END,
     finished_at = CASE WHEN nxt.status = 'queued' THEN NULL ELSE n.now END,
     error = CASE WHEN nxt.status = 'dead' THEN jsonb_build_object(
         'type', 'LeaseLapsed',
@@ -291,9 +305,40 @@ WHERE w.request_id = nxt.request_id
 RETURNING w.request_id, w.status, w.stage, w.worker_class
 """)
 
-# Queued, due rows whose wake-up message may be lost: never dispatched, or dispatched more
-# than :redispatch_after seconds ago without a claim. Marked dispatched in the same
-# statement, so two sweepers never send the same row twice in one window.
+# Queued, due rows that never had a wake-up (a send that failed, a retry that became due):
+# always sent. Marked dispatched in the same statement, so two sweepers never both send one.
+DUE_UNSENT: TextClause = text(f"""
+WITH n AS ({_NOW}),
+due AS (
+    SELECT w.request_id
+    FROM {TABLE} w, n
+    WHERE w.status = 'queued'
+      AND w.run_after <= n.now
+      AND w.dispatched_at IS NULL
+      AND {_STAGES}
+    ORDER BY w.run_after
+    LIMIT :limit
+    FOR UPDATE OF w SKIP LOCKED
+)
+UPDATE {TABLE} AS w SET dispatched_at = n.now, redispatch_count = 0
+FROM due, n
+WHERE w.request_id = due.request_id
+RETURNING w.request_id, w.stage, w.worker_class
+""")
+
+# Per worker class: queued, due rows, and those of them whose wake-up is stale (past its
+# backoff). The sweeper compares the first with the broker's queue length: a row merely
+# waiting behind a backlog still has its message in the queue.
+DUE_COUNTS: TextClause = text(f"""
+WITH n AS ({_NOW})
+SELECT w.worker_class, count(*) AS due, count(*) FILTER (WHERE {_STALE}) AS stale
+FROM {TABLE} w, n
+WHERE w.status = 'queued' AND w.run_after <= n.now AND {_STAGES}
+GROUP BY w.worker_class
+""")
+
+# Up to :limit rows (of one worker class, or of all with NULL) whose wake-up is stale, the
+# longest-waiting first, re-sent: marked dispatched again with one more re-send counted.
 DUE_FOR_DISPATCH: TextClause = text(f"""
 WITH n AS ({_NOW}),
 due AS (
@@ -301,16 +346,39 @@ due AS (
     FROM {TABLE} w, n
     WHERE w.status = 'queued'
       AND w.run_after <= n.now
-      AND (w.dispatched_at IS NULL
-           OR w.dispatched_at <= n.now - make_interval(secs => :redispatch_after))
-    ORDER BY w.run_after
+      AND {_STALE}
+      AND (CAST(:worker_class AS text) IS NULL OR w.worker_class = :worker_class)
+      AND {_STAGES}
+    ORDER BY w.dispatched_at
     LIMIT :limit
     FOR UPDATE OF w SKIP LOCKED
 )
-UPDATE {TABLE} AS w SET dispatched_at = n.now
+UPDATE {TABLE} AS w SET dispatched_at = n.now, redispatch_count = w.redispatch_count + 1
 FROM due, n
 WHERE w.request_id = due.request_id
 RETURNING w.request_id, w.stage, w.worker_class
+""")
+
+# A sweep begins with a compare-and-set on its Flow's row, by the database clock only: it
+# wins if the last sweep began at least :min_gap seconds ago (or the row is missing, or
+# stamped implausibly far in the future). A concurrent contender waits on the row lock and
+# re-checks, so one wins. `next_in`: seconds until a contender with this gap could win.
+BEGIN_SWEEP: TextClause = text("""
+WITH n AS (SELECT now() AS now),
+won AS (
+    INSERT INTO onceflow_sweeps AS s (name, swept_at, swept_by)
+    SELECT :name, n.now, :swept_by FROM n
+    ON CONFLICT (name) DO UPDATE SET swept_at = EXCLUDED.swept_at, swept_by = EXCLUDED.swept_by
+    WHERE s.swept_at <= EXCLUDED.swept_at - make_interval(secs => CAST(:min_gap AS float8))
+       OR s.swept_at > EXCLUDED.swept_at + interval '1 minute'
+    RETURNING s.swept_at
+)
+SELECT EXISTS (SELECT 1 FROM won) AS won,
+       EXTRACT(EPOCH FROM coalesce(
+           (SELECT swept_at FROM won),
+           (SELECT swept_at FROM onceflow_sweeps WHERE name = :name), n.now)
+         + make_interval(secs => CAST(:min_gap AS float8)) - n.now) AS next_in
+FROM n
 """)
 
 # Retention, in two steps. Succeeded rows first lose their payloads but keep their key,
@@ -377,6 +445,9 @@ Q_GET = render(GET)
 Q_COUNTS = render(COUNTS)
 Q_RESCUE_EXPIRED = render(RESCUE_EXPIRED)
 Q_DUE_FOR_DISPATCH = render(DUE_FOR_DISPATCH)
+Q_DUE_UNSENT = render(DUE_UNSENT)
+Q_DUE_COUNTS = render(DUE_COUNTS)
+Q_BEGIN_SWEEP = render(BEGIN_SWEEP)
 Q_PRUNE_PAYLOADS = render(PRUNE_PAYLOADS)
 Q_DELETE_FINISHED = render(DELETE_FINISHED)
 Q_MARK_UNDISPATCHED = render(MARK_UNDISPATCHED)

@@ -41,24 +41,23 @@ from onceflow.ids import (
 )
 from onceflow.models.requests import (
     Claim,
-    Dispatch,
     EnqueueResult,
     Heartbeat,
     NewRequest,
     Request,
-    SweepResult,
 )
 from onceflow.models.status import Status, parse_status
 from onceflow.models.tables import workspace_process_requests as wpr
 from onceflow.payloads import JSON, canonical_json, encode_payload
 from onceflow.queue import sql
+from onceflow.queue.sweep import Sweeper
 from onceflow.settings import Settings, get_settings
 
 LIST_LIMIT_MAX = 1000
 BATCH_MAX = 10_000
 
 
-class Queue:
+class Queue(Sweeper):
     """The durable stage queue. Thread-safe; build one per process and share it."""
 
     def __init__(self, engine: Engine | str | None = None, settings: Settings | None = None):
@@ -514,79 +513,7 @@ class Queue:
             return fetch_all(raw, query, params)
 
     # ----------------------------------------------------------------- sweeper
-
-    def rescue_expired(self, *, limit: int = 1000, now: datetime | None = None) -> SweepResult:
-        """Requeue (or quarantine) requests whose lease lapsed, in one compare-and-set."""
-        with raw_connection(self.engine) as raw:
-            rows = fetch_all(raw, sql.Q_RESCUE_EXPIRED, {"limit": limit, "now": now})
-        rescued = [RequestId(r["request_id"]) for r in rows if r["status"] == Status.QUEUED]
-        dead = [RequestId(r["request_id"]) for r in rows if r["status"] != Status.QUEUED]
-        dispatch = [
-            Dispatch(RequestId(r["request_id"]), r["stage"], r["worker_class"])
-            for r in rows
-            if r["status"] == Status.QUEUED
-        ]
-        return SweepResult(rescued=rescued, quarantined=dead, to_dispatch=dispatch)
-
-    def due_for_dispatch(
-        self, *, redispatch_after: float, limit: int = 1000, now: datetime | None = None
-    ) -> builtins.list[Dispatch]:
-        """Queued, due rows whose wake-up may be lost; marked dispatched in the same statement."""
-        params = {"redispatch_after": redispatch_after, "limit": limit, "now": now}
-        with raw_connection(self.engine) as raw:
-            rows = fetch_all(raw, sql.Q_DUE_FOR_DISPATCH, params)
-        return [Dispatch(RequestId(r["request_id"]), r["stage"], r["worker_class"]) for r in rows]
-
-    def prune(
-        self,
-        *,
-        retention_seconds: float | None,
-        payload_retention_seconds: float | None,
-        limit: int = 1000,
-        now: datetime | None = None,
-    ) -> int:
-        """Apply the retention policy; returns rows deleted or turned into tombstones.
-
-        ``None`` for either age disables that step: nothing is pruned unless asked.
-        """
-        touched = 0
-        with raw_connection(self.engine) as raw:
-            if payload_retention_seconds is not None:
-                params = {"age": payload_retention_seconds, "limit": limit, "now": now}
-                touched += raw.execute(sql.Q_PRUNE_PAYLOADS, params).rowcount
-            if retention_seconds is not None:
-                params = {"age": retention_seconds, "limit": limit, "now": now}
-                touched += raw.execute(sql.Q_DELETE_FINISHED, params).rowcount
-        return touched
-
-    def sweep_once(
-        self,
-        *,
-        redispatch_after: float | None = None,
-        limit: int = 1000,
-        now: datetime | None = None,
-    ) -> SweepResult:
-        """One sweeper pass: rescue lapsed leases, collect due rows needing a wake-up, prune.
-
-        Safe to run from several processes at once: every step is a compare-and-set
-        over rows locked with ``SKIP LOCKED``, so two sweepers split the work.
-        """
-        s = self.settings
-        after = s.redispatch_after_seconds if redispatch_after is None else redispatch_after
-        rescued = self.rescue_expired(limit=limit, now=now)
-        due = self.due_for_dispatch(redispatch_after=after, limit=limit, now=now)
-        pruned = self.prune(
-            retention_seconds=s.retention_seconds,
-            payload_retention_seconds=s.payload_retention_seconds,
-            limit=limit,
-            now=now,
-        )
-        return SweepResult(
-            rescued=rescued.rescued,
-            quarantined=rescued.quarantined,
-            to_dispatch=rescued.to_dispatch + due,
-            pruned=pruned,
-        )
+    # rescue_expired, due_for_dispatch, prune, sweep_once, begin_sweep: see queue/sweep.py.
 
     # ----------------------------------------------------------------- helpers
 

@@ -1,0 +1,245 @@
+"""The sweeper's half of the layer-1 store: rescue lapsed leases, find lost wake-ups, prune.
+
+Mixed into :class:`~onceflow.queue.Queue`. Every step is a compare-and-set over rows
+locked with ``SKIP LOCKED`` and decided by the database clock, so any number of
+sweepers may run at once: they split the work, never double it.
+
+Telling a lost wake-up from a waiting one: a row whose wake-up was sent but not yet
+claimed may be waiting behind a backlog (its message is still in the broker) or lost
+(purged, dropped with a Redis restart). Re-sends of one row back off exponentially
+(``redispatch_count``), and when the caller can ask the broker how many messages wait
+per worker class, a class gets at most ``due rows - messages waiting`` re-sends.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Engine
+
+from onceflow.db import fetch_all, fetch_one, raw_connection
+from onceflow.errors import InvalidRequest
+from onceflow.ids import RequestId, check_id
+from onceflow.models.requests import Dispatch, SweepResult
+from onceflow.models.status import Status
+from onceflow.queue import sql
+from onceflow.settings import Settings
+
+#: ``backlog(worker_classes)``: messages waiting in the broker per worker class (a queue
+#: that does not exist counts 0), or None when the broker cannot be asked.
+Backlog = Callable[[Sequence[str]], Mapping[str, int] | None]
+
+
+@dataclass(frozen=True, slots=True)
+class SweepTurn:
+    """The outcome of :meth:`Sweeper.begin_sweep`.
+
+    ``won``: this caller should sweep now. ``next_in``: seconds, by the database
+    clock, until a contender asking the same ``min_gap`` could win (0 if it could now).
+    """
+
+    won: bool
+    next_in: float
+
+
+class Sweeper:
+    """The sweeper's operations (a mixin of :class:`~onceflow.queue.Queue`)."""
+
+    engine: Engine
+    settings: Settings
+
+    def begin_sweep(self, name: str, swept_by: str, *, min_gap: float) -> SweepTurn:
+        """Compare-and-set on the sweep row ``name``: won if no sweep began in ``min_gap`` s.
+
+        The database clock alone decides (``now()``); ``min_gap=0`` always wins and just
+        records the sweep. Beat's sweep task asks half an interval (a sweep that arrives
+        late behind another is a no-op); worker watchdogs ask 1.5 intervals (they step in
+        only when nobody else swept).
+        """
+        check_id("sweep name", name)
+        gap = _seconds("min_gap", min_gap)
+        params = {"name": name, "swept_by": str(swept_by)[:200], "min_gap": gap}
+        with raw_connection(self.engine) as raw:
+            row = fetch_one(raw, sql.Q_BEGIN_SWEEP, params)
+        return SweepTurn(bool(row["won"]), max(0.0, float(row["next_in"])))
+
+    def rescue_expired(
+        self,
+        *,
+        limit: int = 1000,
+        stages: Sequence[str] | None = None,
+        now: datetime | None = None,
+    ) -> SweepResult:
+        """Requeue (or quarantine) requests whose lease lapsed, in one compare-and-set.
+
+        ``stages``: only requests of these stages (None: every stage).
+        """
+        params = {"limit": _limit(limit), "stages": _stages(stages), "now": now}
+        with raw_connection(self.engine) as raw:
+            rows = fetch_all(raw, sql.Q_RESCUE_EXPIRED, params)
+        rescued = [RequestId(r["request_id"]) for r in rows if r["status"] == Status.QUEUED]
+        dead = [RequestId(r["request_id"]) for r in rows if r["status"] != Status.QUEUED]
+        dispatch = [
+            Dispatch(RequestId(r["request_id"]), r["stage"], r["worker_class"])
+            for r in rows
+            if r["status"] == Status.QUEUED
+        ]
+        return SweepResult(rescued=rescued, quarantined=dead, to_dispatch=dispatch)
+
+    def due_for_dispatch(
+        self,
+        *,
+        redispatch_after: float,
+        limit: int = 1000,
+        stages: Sequence[str] | None = None,
+        backlog: Backlog | None = None,
+        sending: Sequence[Dispatch] = (),
+        now: datetime | None = None,
+    ) -> list[Dispatch]:
+        """Queued, due rows that need a wake-up; marked dispatched in the same statement.
+
+        First, rows that never had one (``dispatched_at`` NULL: a failed send, a retry
+        that became due) — always. Then rows whose wake-up is stale: sent more than
+        ``redispatch_after * 2**min(k, 5)`` seconds ago, ``k`` being the re-sends so far.
+        With ``backlog``, each worker class gets at most ``due rows - messages waiting``
+        of those (a row waiting behind a backlog still has its message), less the
+        wake-ups of that class about to be sent (``sending``: this sweep's rescues, and the
+        never-sent rows above); without it, or if the broker cannot be asked, the backoff
+        alone limits them.
+        """
+        after = _seconds("redispatch_after", redispatch_after)
+        limit = _limit(limit)
+        base = {"stages": _stages(stages), "now": now}
+        with raw_connection(self.engine) as raw:
+            rows = fetch_all(raw, sql.Q_DUE_UNSENT, {**base, "limit": limit})
+        if len(rows) < limit:
+            pending = Counter(d.worker_class for d in sending)
+            pending.update(r["worker_class"] for r in rows)
+            budgets = self._resend_budgets(after, base, backlog, pending, limit)
+            for worker_class, budget in budgets.items():
+                take = min(budget, limit - len(rows))
+                if take <= 0:
+                    continue
+                params = {**base, "redispatch_after": after, "worker_class": worker_class}
+                with raw_connection(self.engine) as raw:
+                    rows += fetch_all(raw, sql.Q_DUE_FOR_DISPATCH, {**params, "limit": take})
+        return [Dispatch(RequestId(r["request_id"]), r["stage"], r["worker_class"]) for r in rows]
+
+    def _resend_budgets(
+        self,
+        after: float,
+        base: dict[str, Any],
+        backlog: Backlog | None,
+        pending: Counter[str],
+        cap: int,
+    ) -> dict[str | None, int]:
+        """How many stale wake-ups to re-send per worker class (None: any class)."""
+        if backlog is None:
+            return {None: cap}
+        with raw_connection(self.engine) as raw:
+            counts = fetch_all(raw, sql.Q_DUE_COUNTS, {**base, "redispatch_after": after})
+        stale = {r["worker_class"]: (int(r["due"]), int(r["stale"])) for r in counts if r["stale"]}
+        if not stale:
+            return {}  # nothing stale: the broker is not asked at all
+        waiting = backlog(sorted(stale))
+        if waiting is None:
+            return {None: cap}  # the broker cannot be asked: the backoff alone limits re-sends
+        return {
+            wc: min(n_stale, max(0, due - int(waiting.get(wc, 0)) - pending[wc]))
+            for wc, (due, n_stale) in stale.items()
+        }
+
+    def prune(
+        self,
+        *,
+        retention_seconds: float | None,
+        payload_retention_seconds: float | None,
+        limit: int = 1000,
+        now: datetime | None = None,
+    ) -> int:
+        """Apply the retention policy; returns rows deleted or turned into tombstones.
+
+        ``None`` for either age disables that step: nothing is pruned unless asked.
+        """
+        touched = 0
+        with raw_connection(self.engine) as raw:
+            if payload_retention_seconds is not None:
+                params = {"age": payload_retention_seconds, "limit": limit, "now": now}
+                touched += raw.execute(sql.Q_PRUNE_PAYLOADS, params).rowcount
+            if retention_seconds is not None:
+                params = {"age": retention_seconds, "limit": limit, "now": now}
+                touched += raw.execute(sql.Q_DELETE_FINISHED, params).rowcount
+        return touched
+
+    def sweep_once(
+        self,
+        *,
+        redispatch_after: float | None = None,
+        limit: int = 1000,
+        stages: Sequence[str] | None = None,
+        backlog: Backlog | None = None,
+        now: datetime | None = None,
+    ) -> SweepResult:
+        """One sweeper pass: rescue lapsed leases, collect rows needing a wake-up, prune.
+
+        ``to_dispatch`` lists the wake-ups the caller must send; those rows are already
+        marked dispatched. A :class:`~onceflow.tasks.Flow` passes ``stages`` (the stages
+        it declares, the only ones it can send) and ``backlog`` (its broker's queue
+        lengths). Called on a bare queue (``stages=None``), it covers every stage and
+        limits re-sends by their backoff alone: use it when the caller sends the wake-ups
+        of every stage itself, or serves them with pull workers that need none.
+        Retention (pruning) always applies to the whole table.
+        """
+        s = self.settings
+        after = s.redispatch_after_seconds if redispatch_after is None else redispatch_after
+        rescued = self.rescue_expired(limit=limit, stages=stages, now=now)
+        due = self.due_for_dispatch(
+            redispatch_after=after,
+            limit=limit,
+            stages=stages,
+            backlog=backlog,
+            sending=rescued.to_dispatch,
+            now=now,
+        )
+        pruned = self.prune(
+            retention_seconds=s.retention_seconds,
+            payload_retention_seconds=s.payload_retention_seconds,
+            limit=limit,
+            now=now,
+        )
+        return SweepResult(
+            rescued=rescued.rescued,
+            quarantined=rescued.quarantined,
+            to_dispatch=rescued.to_dispatch + due,
+            pruned=pruned,
+        )
+
+
+def _stages(stages: Sequence[str] | None) -> list[str] | None:
+    if stages is None:
+        return None
+    if isinstance(stages, str):
+        raise InvalidRequest("stages must be a list of stage names, not one string")
+    return [check_id("stage", stage) for stage in stages]
+
+
+def _limit(limit: int) -> int:
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 100_000:
+        raise InvalidRequest("limit must be an integer in [1, 100000]")
+    return limit
+
+
+def _seconds(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+        raise InvalidRequest(f"{name} must be a number of seconds")
+    if not 0 <= value <= 366 * 86_400:
+        raise InvalidRequest(f"{name} must be between 0 and one year")
+    return float(value)
+
+
+__all__ = ["Backlog", "SweepTurn", "Sweeper"]
