@@ -319,10 +319,25 @@ def beat(loglevel: str, app_spec: str | None) -> None:
 @_APP_OPTION
 @_errors_to_exit
 def sweep(redispatch_after: float | None, app_spec: str | None) -> None:
-    """Run one sweeper pass now; prints what it did as JSON."""
-    _, flow = _load(app_spec)
+    """Run one sweeper pass of the configured Flow now; prints what it did as JSON.
+
+    Only the stages that Flow declares are swept: it sends their wake-ups, and leaves
+    every other stage's rows to the Flow that declares them.
+    """
+    from onceflow.settings import get_settings
+
+    spec = app_spec or get_settings().app
+    _, flow = _load(spec)
     if flow is None:
-        raise click.UsageError("sweep needs an onceflow Flow, not a bare Celery app")
+        raise click.UsageError(
+            f"sweep needs an onceflow Flow, and {spec!r} is a bare Celery app: "
+            "pass --app module:flow or set ONCEFLOW_APP"
+        )
+    if not flow.stages:
+        raise click.UsageError(
+            f"the Flow {spec!r} declares no stages, so it has nothing to sweep: "
+            "pass --app module:flow or set ONCEFLOW_APP to the Flow that declares them"
+        )
     result = flow.sweep_once(redispatch_after=redispatch_after)
     _echo_json(
         {

@@ -51,6 +51,10 @@ class Settings(BaseSettings):
     sweep_interval_seconds: float = Field(
         default=5.0, gt=0, description="How often beat runs the sweeper."
     )
+    sweep_watchdog: bool = Field(
+        default=True,
+        description="Workers sweep when no sweep began for 1.5 sweep intervals (beat down).",
+    )
     redispatch_after_seconds: float = Field(
         default=60.0,
         gt=0,

@@ -41,8 +41,12 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             "onceflow-sweep": {
                 "task": SWEEP_TASK,
                 "schedule": interval,
-                # A sweep nobody ran in time is superseded by the next one.
-                "options": {"queue": MAINTENANCE_QUEUE, "expires": max(1.0, 2 * interval)},
+                # No `expires` (nor eta/countdown): Celery checks those against the wall
+                # clock of the worker that receives the message, and a worker whose clock
+                # runs ahead would discard every sweep. Late sweeps do not pile up because
+                # each begins with a compare-and-set on the database clock: one that
+                # arrives within half an interval of the last sweep does nothing.
+                "options": {"queue": MAINTENANCE_QUEUE},
             }
         },
     }

@@ -25,8 +25,9 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, TypeVar
 
 from celery import Celery, Task
@@ -41,6 +42,12 @@ from onceflow.queue import Queue
 from onceflow.settings import Settings, get_settings
 from onceflow.tasks.config import MAINTENANCE_QUEUE, SWEEP_TASK, celery_config
 from onceflow.tasks.runtime import StageContext, oplog_for, run_request
+from onceflow.tasks.sweeper import (
+    BEAT_GAP_INTERVALS,
+    broker_backlog,
+    install_watchdog,
+    sweep_name,
+)
 
 log = logging.getLogger("onceflow.flow")
 
@@ -135,17 +142,28 @@ class Flow:
         self.app.add_defaults(lambda: celery_config(self.settings))
         self._queue: tuple[int, Queue] | None = None
         self._lock = threading.Lock()
+        #: The Flow's name (its Celery app's main name): with its stages, the key of its
+        #: row in ``onceflow_sweeps``.
+        self.name = (app.main if app is not None else None) or name
         flow = self
 
         @self.app.task(name=SWEEP_TASK, ignore_result=True)
         def sweep() -> dict[str, Any]:
-            result = flow.sweep_once()
+            # Beat sends one per interval; one that arrives within half an interval of the
+            # last sweep (database clock) — e.g. late, behind others — does nothing.
+            gap = BEAT_GAP_INTERVALS * flow.settings.sweep_interval_seconds
+            result = flow.sweep_if_due(gap, by=f"beat@{worker_id()}")
+            if result is None:
+                return {"skipped": True}
             return {
                 "rescued": len(result.rescued),
                 "quarantined": len(result.quarantined),
                 "dispatched": len(result.to_dispatch),
                 "pruned": result.pruned,
             }
+
+        # Every worker of this Flow keeps the sweeper alive when beat is not running.
+        install_watchdog(self)
 
     @property
     def settings(self) -> Settings:
@@ -289,13 +307,48 @@ class Flow:
             return False
         return True
 
-    def sweep_once(self, *, redispatch_after: float | None = None) -> SweepResult:
-        """Rescue lapsed leases, prune, and send wake-ups for stages this flow declares."""
-        result = self.queue.sweep_once(redispatch_after=redispatch_after)
+    @property
+    def sweep_name(self) -> str:
+        """This Flow's row in ``onceflow_sweeps``: its name and the stages it declares."""
+        return sweep_name(self.name, list(self.stages))
+
+    def sweep_once(
+        self, *, redispatch_after: float | None = None, now: datetime | None = None
+    ) -> SweepResult:
+        """Sweep now (and record it, so watchdogs and late beat sweeps stand down).
+
+        Rescues lapsed leases and sends wake-ups — only for the stages this Flow
+        declares, the only ones it can send — re-sending a wake-up only when it cannot
+        be waiting in the broker (see :meth:`Queue.due_for_dispatch`); prunes per the
+        retention settings. ``now`` injects the database time (tests).
+        """
+        self.queue.begin_sweep(self.sweep_name, f"call@{worker_id()}", min_gap=0)
+        return self.run_sweep(redispatch_after=redispatch_after, now=now)
+
+    def sweep_if_due(self, min_gap: float, *, by: str) -> SweepResult | None:
+        """Sweep unless a sweep of this Flow began less than ``min_gap`` seconds ago.
+
+        Decided by a compare-and-set on the database clock, never this process's clock;
+        of several callers at once, one sweeps. None when it did not sweep.
+        """
+        if not self.queue.begin_sweep(self.sweep_name, by, min_gap=min_gap).won:
+            return None
+        return self.run_sweep()
+
+    def run_sweep(
+        self, *, redispatch_after: float | None = None, now: datetime | None = None
+    ) -> SweepResult:
+        """One sweep, without recording it (callers record it: :meth:`sweep_once`)."""
+        result = self.queue.sweep_once(
+            redispatch_after=redispatch_after,
+            stages=sorted(self.stages),
+            backlog=self.broker_backlog,
+            now=now,
+        )
         if self.settings.op_retention_seconds is not None:
             oplog_for(self.queue).prune(older_than_seconds=self.settings.op_retention_seconds)
         for item in result.to_dispatch:
-            if item.stage in self.stages:
+            if item.stage in self.stages:  # always true: the sweep selected these stages only
                 self.dispatch(item)
         if result.rescued or result.quarantined:
             log.info(
@@ -305,6 +358,17 @@ class Flow:
                 len(result.to_dispatch),
             )
         return result
+
+    def broker_backlog(self, worker_classes: Sequence[str]) -> dict[str, int] | None:
+        """Messages waiting in the broker per worker class (None: the broker cannot tell).
+
+        Pull-worker classes get no messages: 0.
+        """
+        celery_classes = [wc for wc in worker_classes if wc not in self.pull_worker_classes]
+        waiting = broker_backlog(self.app, celery_classes) if celery_classes else {}
+        if waiting is None:
+            return None
+        return {wc: waiting.get(wc, 0) for wc in worker_classes}
 
     def queues(self) -> list[str]:
         """The worker classes of the declared stages (queue names)."""

@@ -1,0 +1,144 @@
+"""Keeping a Flow's sweeper alive and its re-sends in check, on the Celery side.
+
+- :func:`sweep_name`: the Flow's row in ``onceflow_sweeps`` (its name and stages).
+- :func:`broker_backlog`: messages waiting in the broker per worker class, so the
+  sweeper re-sends only wake-ups that cannot be waiting there (a backlog is not a loss).
+- :func:`install_watchdog`: a worker bootstep. Every ``onceflow worker`` runs, in its
+  main process, a thread that sweeps when no sweep began for 1.5 sweep intervals by the
+  database clock — beat stopped, or beat's sweep task stuck behind busy pool processes.
+  With beat's sweeps on time the compare-and-set never lets a watchdog win.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from celery import Celery, bootsteps
+
+if TYPE_CHECKING:
+    from onceflow.tasks.flow import Flow
+
+log = logging.getLogger("onceflow.sweeper")
+
+#: A watchdog steps in when no sweep began for this many sweep intervals.
+WATCHDOG_GAP_INTERVALS = 1.5
+#: Beat's sweep task is a no-op if a sweep began less than this many intervals ago.
+BEAT_GAP_INTERVALS = 0.5
+
+
+def sweep_name(name: str, stages: Sequence[str]) -> str:
+    """The key of a Flow's sweep row: its name and a digest of the stages it declares.
+
+    Two Flows on one database sweep different stages, so each keeps its own row: one
+    Flow's beat must never make another Flow's sweeps (or watchdogs) stand down.
+    """
+    digest = hashlib.sha256("\n".join(sorted(stages)).encode("utf-8")).hexdigest()[:16]
+    return f"{name[:100]}:{digest}"
+
+
+def broker_backlog(app: Celery, worker_classes: Sequence[str]) -> dict[str, int] | None:
+    """Messages ready in the broker queue of each worker class; None if it cannot be asked.
+
+    A passive ``queue_declare`` (Redis and AMQP alike); a queue that does not exist
+    holds nothing. Each class gets its own channel: AMQP closes a channel on a miss.
+    """
+    try:
+        with app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1, interval_start=0, interval_step=0.2)
+            out: dict[str, int] = {}
+            for wc in worker_classes:
+                channel: Any = conn.channel()
+                try:
+                    out[wc] = int(channel.queue_declare(queue=wc, passive=True).message_count)
+                except conn.channel_errors:
+                    out[wc] = 0  # no such queue: nothing waits in it
+                finally:
+                    with contextlib.suppress(Exception):
+                        channel.close()
+            return out
+    except Exception as exc:  # kombu / redis / amqp errors: fall back to the backoff alone
+        log.warning("sweep: broker queue lengths unavailable (%s); backoff alone applies", exc)
+        return None
+
+
+class SweepWatchdog(bootsteps.StartStopStep):
+    """A worker bootstep: the thread that sweeps when nobody else did (beat is down).
+
+    It runs in the worker's main process (not in a pool child), so a pool busy with
+    long stages does not stop it. Every half interval it asks the database-clock
+    compare-and-set with a gap of 1.5 intervals; the one process that wins sweeps.
+    """
+
+    label = "onceflow sweep watchdog"
+    # After the pool forked its children: they start without this thread's sockets.
+    requires = ("celery.worker.components:Pool",)
+    flow: Flow  # set on the subclass install_watchdog makes
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def include_if(self, parent: Any) -> bool:
+        """Only when enabled (``ONCEFLOW_SWEEP_WATCHDOG``, on by default)."""
+        return bool(self.flow.settings.sweep_watchdog)
+
+    def start(self, parent: Any) -> None:
+        """Start the watchdog thread."""
+        self._stop.clear()
+        self._thread = threading.Thread(
+            target=self._run, name="onceflow-sweep-watchdog", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self, parent: Any) -> None:
+        """Stop the thread (a sweep in progress finishes first, briefly waited for)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def terminate(self, parent: Any) -> None:
+        """As :meth:`stop`."""
+        self.stop(parent)
+
+    def _run(self) -> None:
+        from onceflow.tasks.flow import worker_id
+
+        interval = self.flow.settings.sweep_interval_seconds
+        gap = WATCHDOG_GAP_INTERVALS * interval
+        wait = 0.0
+        while not self._stop.wait(wait):
+            wait = interval / 2
+            try:
+                turn = self.flow.queue.begin_sweep(
+                    self.flow.sweep_name, f"watchdog@{worker_id()}", min_gap=gap
+                )
+                if turn.won:
+                    result = self.flow.run_sweep()
+                    log.info(
+                        "watchdog sweep (no sweep for %.1fs): %d rescued, %d wake-ups",
+                        gap,
+                        len(result.rescued),
+                        len(result.to_dispatch),
+                    )
+                else:
+                    # Wake when the gap could lapse (a database-clock duration), at the latest
+                    # after half an interval.
+                    wait = min(interval / 2, max(turn.next_in, 0.01))
+            except Exception as exc:  # a database or broker outage: try again later
+                log.warning("sweep watchdog: %s: %s", type(exc).__name__, exc)
+
+
+def install_watchdog(flow: Flow) -> None:
+    """Add the watchdog bootstep for ``flow`` to its Celery app's workers."""
+    step = type("SweepWatchdog", (SweepWatchdog,), {"flow": flow, "__module__": __name__})
+    flow.app.steps["worker"].add(step)
+
+
+__all__ = ["SweepWatchdog", "broker_backlog", "install_watchdog", "sweep_name"]

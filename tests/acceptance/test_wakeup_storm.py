@@ -1,0 +1,54 @@
+"""Issue 11 item 7: a backlog is not a loss — no wake-up storm while rows merely wait.
+
+Rows wait in the broker longer than the redispatch interval (0.5 s here) while one
+worker drains them and beat sweeps every 0.5 s. The old sweeper re-sent every waiting
+row at every sweep; now a wake-up is re-sent only when the broker holds fewer messages
+than there are due rows, so the worker processes at most 1.2 messages per row.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis as redis_lib
+
+from onceflow import NewRequest, Status
+from onceflow.demo import procs
+from onceflow.models import Dispatch
+from tests.acceptance.conftest import processed
+from tests.acceptance.procs import APP, ROOT, wait_for
+
+pytestmark = pytest.mark.slow
+
+ROWS = 300
+
+
+def test_a_backlog_longer_than_the_redispatch_interval_gets_no_storm(
+    runtime: Any, redis_url: str, tmp_path: Path
+) -> None:
+    env = {"PYTHONPATH": str(ROOT), "ONCEFLOW_REDISPATCH_AFTER_SECONDS": "0.5"}
+    queue = runtime.flow.queue
+    items = [
+        NewRequest("w1", f"j-storm-{i}", "noop", worker_class="t-default") for i in range(ROWS)
+    ]
+    ids = [r.request_id for r in queue.enqueue_many(items)]
+    for rid in ids:
+        assert runtime.flow.dispatch(Dispatch(rid, "noop", "t-default"))
+    beat = procs.start_beat(tmp_path, APP, env=env, cwd=ROOT)
+    worker = procs.start_worker(tmp_path, APP, "t-default", env=env, cwd=ROOT)
+    client = redis_lib.Redis.from_url(redis_url)
+    try:
+
+        def all_done() -> bool:
+            return queue.counts().get("t-default", {}).get("succeeded", 0) == ROWS
+
+        wait_for(all_done, timeout=180, interval=0.2, what="the backlog drained")
+        wait_for(lambda: client.llen("t-default") == 0, what="every message consumed")
+        messages = sum(processed(redis_url, rid) for rid in ids)
+        assert ROWS <= messages <= 1.2 * ROWS, messages
+        assert all(queue.get(rid).status is Status.SUCCEEDED for rid in ids[:5])
+    finally:
+        worker.stop()
+        beat.stop()
