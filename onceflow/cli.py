@@ -56,7 +56,10 @@ def _flow_declaring(stage: str) -> Any:
         _, flow = load_app(get_settings().app)
     except OnceflowError:
         return None
-    return flow if flow is not None and stage in flow.stages else None
+    if flow is None or not flow.stages:
+        return None  # no declarations (the default flow): a bare queue request
+    flow.spec(stage)  # a Flow that declares stages refuses one it does not know: UnknownStage
+    return flow
 
 
 def _echo_json(value: Any) -> None:
@@ -84,9 +87,13 @@ def migrate() -> None:
 @click.option("--workspace", "workspace_id", required=True, help="Workspace id.")
 @click.option("--job", "job_id", required=True, help="Job id.")
 @click.option("--branch-path", default="", show_default=True, help="Branch path.")
-@click.option("--worker-class", default="default", show_default=True)
+@click.option(
+    "--worker-class",
+    default=None,
+    help="Worker class; default: as the configured Flow declares the stage, else 'default'.",
+)
 @click.option("--input", "input_json", default="{}", show_default=True, help="Input as JSON.")
-@click.option("--priority", type=int, default=0, show_default=True)
+@click.option("--priority", type=int, default=None, help="Priority; default: as declared, or 0.")
 @click.option("--no-dedupe", is_flag=True, help="Give this request a random id.")
 @click.option("--strict", is_flag=True, help="Fail if the request exists with another input.")
 @_errors_to_exit
@@ -107,10 +114,18 @@ def enqueue(
     except json.JSONDecodeError as exc:
         raise click.BadParameter(f"not JSON: {exc}", param_hint="--input") from None
     flow = _flow_declaring(stage)
-    if flow is not None and worker_class == "default" and not no_dedupe:
-        # The configured Flow declares this stage: validate its input and send the wake-up.
+    if flow is not None:
+        # The configured Flow declares this stage: its declaration, validated input, wake-up.
         result = flow.enqueue(
-            stage, workspace_id, job_id, branch_path, payload, priority=priority, strict=strict
+            stage,
+            workspace_id,
+            job_id,
+            branch_path,
+            payload,
+            priority=priority,
+            strict=strict,
+            worker_class=worker_class,
+            dedupe=False if no_dedupe else None,
         )
     else:
         result = _queue().enqueue(

@@ -55,6 +55,21 @@ class Settings(BaseSettings):
         default=True,
         description="Workers sweep when no sweep began for 1.5 sweep intervals (beat down).",
     )
+    max_runtime_seconds: float = Field(
+        default=1500.0,
+        gt=0,
+        le=86_400,
+        description="Default bound on one run of a stage: heartbeats stop extending its lease "
+        "past it (the sweeper then rescues the request) and Celery's soft/hard time limits "
+        "interrupt the body. Keep the hard limit below the broker's visibility timeout (and "
+        "RabbitMQ's consumer_timeout, 30 min by default).",
+    )
+    broker_visibility_timeout_seconds: float = Field(
+        default=3600.0,
+        gt=0,
+        description="Redis/SQS broker visibility timeout: an unacknowledged wake-up is "
+        "redelivered after it. Every stage's hard time limit must stay below it.",
+    )
     redispatch_after_seconds: float = Field(
         default=60.0,
         gt=0,

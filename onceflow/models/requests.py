@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from onceflow.ids import ClaimToken, RequestId
@@ -18,6 +18,11 @@ class NewRequest:
     ``dedupe=True`` derives the id from (workspace, job, branch path, stage), so
     every client asking for the same stage collapses onto one row; ``False``
     gives each enqueue a fresh random id.
+
+    ``worker_class``, ``dedupe`` and ``priority`` left as ``None`` come from the
+    stage's declaration when a :class:`~onceflow.tasks.Flow` owns the queue (its
+    one builder, ``Flow.resolve``, also validates ``input``); on a bare
+    :class:`~onceflow.Queue` they mean ``"default"``, ``True`` and ``0``.
     """
 
     workspace_id: str
@@ -25,9 +30,9 @@ class NewRequest:
     stage: str
     branch_path: str = ""
     input: Any = field(default_factory=dict)
-    worker_class: str = "default"
-    dedupe: bool = True
-    priority: int = 0
+    worker_class: str | None = None
+    dedupe: bool | None = None
+    priority: int | None = None
     max_attempts: int | None = None
     max_crash_attempts: int | None = None
     run_after_seconds: float = 0.0
@@ -42,6 +47,8 @@ class EnqueueResult:
     created: bool
     status: Status
     input_mismatch: bool = False
+    stage: str = ""
+    worker_class: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +114,15 @@ class Claim:
     token: ClaimToken = field(repr=False)
     lease_expires_at: datetime
     lease_seconds: float
+    max_runtime: float | None = None
+
+    @property
+    def run_deadline(self) -> datetime | None:
+        """When heartbeats stop extending the lease: claim time + ``max_runtime`` (DB clock)."""
+        claimed_at = self.request.heartbeat_at  # set to the database's now() by the claim
+        if self.max_runtime is None or claimed_at is None:
+            return None
+        return claimed_at + timedelta(seconds=self.max_runtime)
 
     @property
     def request_id(self) -> RequestId:

@@ -146,10 +146,13 @@ _FENCE = """
   AND w.lease_expires_at > n.now
 """
 
+# Never past the run's deadline (claim time + max_runtime, NULL for none: least() ignores
+# NULL): a hung body's heartbeats stop extending its lease, and the sweeper rescues it.
 HEARTBEAT: TextClause = text(f"""
 WITH n AS ({_NOW})
 UPDATE {TABLE} AS w SET
-    lease_expires_at = n.now + make_interval(secs => :lease_seconds),
+    lease_expires_at = least(n.now + make_interval(secs => :lease_seconds),
+                             CAST(:deadline AS timestamptz)),
     heartbeat_at = n.now,
     updated_at = n.now
 FROM n
@@ -415,6 +418,11 @@ DELETE FROM {TABLE} AS w USING old
 WHERE w.request_id = old.request_id
 """)
 
+MARK_UNDISPATCHED_MANY: TextClause = text(f"""
+UPDATE {TABLE} SET dispatched_at = NULL
+WHERE request_id = ANY(CAST(:request_ids AS text[])) AND status = 'queued'
+""")
+
 MARK_UNDISPATCHED: TextClause = text(f"""
 UPDATE {TABLE} SET dispatched_at = NULL
 WHERE request_id = :request_id AND status = 'queued'
@@ -451,4 +459,5 @@ Q_BEGIN_SWEEP = render(BEGIN_SWEEP)
 Q_PRUNE_PAYLOADS = render(PRUNE_PAYLOADS)
 Q_DELETE_FINISHED = render(DELETE_FINISHED)
 Q_MARK_UNDISPATCHED = render(MARK_UNDISPATCHED)
+Q_MARK_UNDISPATCHED_MANY = render(MARK_UNDISPATCHED_MANY)
 Q_FENCE_CHECK = render(FENCE_CHECK)

@@ -8,10 +8,13 @@ operation takes typed parameters and returns rows as :class:`Request` /
 from __future__ import annotations
 
 import builtins
+import logging
 import random
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from sqlalchemy import Connection, Engine, bindparam, select
@@ -20,11 +23,13 @@ from onceflow.db import (
     fetch_all,
     fetch_one,
     get_engine,
+    is_disconnect,
     raw_connection,
     retry_disconnect,
     translate_errors,
 )
 from onceflow.errors import (
+    DatabaseUnavailable,
     InputMismatch,
     InvalidRequest,
     InvalidTransition,
@@ -53,18 +58,39 @@ from onceflow.queue import sql
 from onceflow.queue.sweep import Sweeper
 from onceflow.settings import Settings, get_settings
 
+log = logging.getLogger("onceflow.queue")
+_T = TypeVar("_T")
+
 LIST_LIMIT_MAX = 1000
 BATCH_MAX = 10_000
 
 
-class Queue(Sweeper):
-    """The durable stage queue. Thread-safe; build one per process and share it."""
+#: Turns a request into the one its stage's declaration makes (a Flow's ``resolve``).
+Resolver = Callable[[NewRequest], NewRequest]
 
-    def __init__(self, engine: Engine | str | None = None, settings: Settings | None = None):
+
+class Queue(Sweeper):
+    """The durable stage queue. Thread-safe; build one per process and share it.
+
+    ``resolver`` (set by the :class:`~onceflow.tasks.Flow` that owns the queue)
+    completes every request enqueued through it — including hand-offs — from its
+    stage's declaration: worker class, dedupe, priority, attempts, validated input.
+    An undeclared stage or an input that does not fit raises before anything is
+    written. Without one, unset fields mean worker class ``"default"``, dedupe, priority 0.
+    """
+
+    def __init__(
+        self,
+        engine: Engine | str | None = None,
+        settings: Settings | None = None,
+        *,
+        resolver: Resolver | None = None,
+    ):
         self.settings = settings or get_settings()
         if engine is None or isinstance(engine, str):
             engine = get_engine(engine or self.settings.database_url)
         self.engine = engine
+        self.resolver = resolver
 
     # ------------------------------------------------------------------ enqueue
 
@@ -76,9 +102,9 @@ class Queue(Sweeper):
         branch_path: str = "",
         input: JSON = None,
         *,
-        worker_class: str = "default",
-        dedupe: bool = True,
-        priority: int = 0,
+        worker_class: str | None = None,
+        dedupe: bool | None = None,
+        priority: int | None = None,
         max_attempts: int | None = None,
         max_crash_attempts: int | None = None,
         run_after_seconds: float = 0.0,
@@ -170,6 +196,19 @@ class Queue(Sweeper):
 
         return self._enqueue_with(run, params, strict)
 
+    def resolve(self, item: NewRequest) -> NewRequest:
+        """``item`` completed from its stage's declaration (or the bare-queue defaults)."""
+        if self.resolver is not None:
+            item = self.resolver(item)
+        if item.worker_class is None or item.dedupe is None or item.priority is None:
+            item = replace(
+                item,
+                worker_class="default" if item.worker_class is None else item.worker_class,
+                dedupe=True if item.dedupe is None else item.dedupe,
+                priority=0 if item.priority is None else item.priority,
+            )
+        return item
+
     def _enqueue_params(self, items: Sequence[NewRequest], now: datetime | None) -> dict[str, Any]:
         cols: dict[str, list[Any]] = {
             k: []
@@ -183,6 +222,7 @@ class Queue(Sweeper):
         for item in items:
             if not isinstance(item, NewRequest):
                 raise InvalidRequest(f"expected NewRequest, got {type(item).__name__}")
+            item = self.resolve(item)
             check_id("workspace_id", item.workspace_id)
             check_id("job_id", item.job_id)
             check_id("stage", item.stage)
@@ -246,7 +286,9 @@ class Queue(Sweeper):
             rows.update({r["request_id"]: r for r in run(True, {"request_ids": missing})})
         results: list[EnqueueResult] = []
         seen: set[str] = set()
-        for rid, digest in zip(ids, hashes, strict=True):
+        stages: list[str] = params["stages"]
+        classes: list[str] = params["worker_classes"]
+        for rid, digest, stage, wc in zip(ids, hashes, stages, classes, strict=True):
             row = rows[rid]
             # The same id twice in one batch: only its first occurrence can have created it.
             created = bool(row["created"]) and rid not in seen
@@ -255,7 +297,11 @@ class Queue(Sweeper):
             if mismatch and strict:
                 raise InputMismatch(rid, row["input_hash"], digest)
             status = Status(row["status"])
-            results.append(EnqueueResult(RequestId(rid), created, status, input_mismatch=mismatch))
+            results.append(
+                EnqueueResult(
+                    RequestId(rid), created, status, mismatch, stage=stage, worker_class=wc
+                )
+            )
         return results
 
     # ------------------------------------------------------------------- claims
@@ -267,15 +313,20 @@ class Queue(Sweeper):
         *,
         lease_seconds: float | None = None,
         stage: str | None = None,
+        max_runtime: float | None = None,
         now: datetime | None = None,
     ) -> Claim | None:
         """Claim one request by id, or None if it is not claimable (running, finished, not due).
 
         ``stage`` (optional) claims it only if it is a request of that stage.
+        ``max_runtime`` bounds the run: heartbeats never extend the lease past the
+        claim time plus ``max_runtime`` (database clock), so a hung body loses its
+        lease and the sweeper rescues the request.
         """
         check_id("request_id", request_id)
         check_id("worker_id", worker_id)
         lease = self._lease(lease_seconds)
+        runtime = _max_runtime(max_runtime)
         token = new_claim_token()
         params = {
             "request_id": request_id, "worker_id": worker_id, "token": token,
@@ -287,7 +338,7 @@ class Queue(Sweeper):
             return None
         request = Request.from_row(row)
         assert request.lease_expires_at is not None  # noqa: S101 - set by the claim itself
-        return Claim(request, token, request.lease_expires_at, lease)
+        return Claim(request, token, request.lease_expires_at, lease, runtime)
 
     def claim_next(
         self,
@@ -296,9 +347,14 @@ class Queue(Sweeper):
         limit: int = 1,
         *,
         lease_seconds: float | None = None,
+        max_runtime: float | None = None,
         now: datetime | None = None,
     ) -> list[Claim]:
-        """Claim up to ``limit`` due requests, reading one worker class at a time, in order."""
+        """Claim up to ``limit`` due requests, reading one worker class at a time, in order.
+
+        ``max_runtime`` as for :meth:`claim`.
+        """
+        runtime = _max_runtime(max_runtime)
         classes = [worker_classes] if isinstance(worker_classes, str) else list(worker_classes)
         if not classes:
             raise InvalidRequest("claim_next needs at least one worker class")
@@ -323,22 +379,29 @@ class Queue(Sweeper):
                 for row in rows:
                     request = Request.from_row(row)
                     assert request.lease_expires_at is not None  # noqa: S101
-                    claims.append(
-                        Claim(request, tokens[row["rn"] - 1], request.lease_expires_at, lease)
-                    )
+                    token = tokens[row["rn"] - 1]
+                    claims.append(Claim(request, token, request.lease_expires_at, lease, runtime))
         return claims
 
     def heartbeat(self, claim: Claim, *, now: datetime | None = None) -> Heartbeat:
-        """Extend the lease by the claim's lease; raises :class:`LeaseLost` if it is gone."""
+        """Extend the lease by the claim's lease; raises :class:`LeaseLost` if it is gone.
+
+        Never past the claim's run deadline (``max_runtime``): once there, the lease
+        is left to lapse. A database blip is retried on a fresh connection.
+        """
         params = {
             "request_id": claim.request_id, "token": claim.token,
-            "lease_seconds": claim.lease_seconds, "now": now,
+            "lease_seconds": claim.lease_seconds, "deadline": claim.run_deadline, "now": now,
         }  # fmt: skip
-        with raw_connection(self.engine) as raw:
-            row = fetch_one(raw, sql.Q_HEARTBEAT, params)
-        if row is None:
-            raise LeaseLost(claim.request_id, "heartbeat rejected")
-        return Heartbeat(row["lease_expires_at"], row["cancel_requested"])
+
+        def attempt() -> Heartbeat:
+            with raw_connection(self.engine) as raw:
+                row = fetch_one(raw, sql.Q_HEARTBEAT, params)
+            if row is None:
+                raise LeaseLost(claim.request_id, "heartbeat rejected")
+            return Heartbeat(row["lease_expires_at"], row["cancel_requested"])
+
+        return self.fenced_retry(claim, attempt, budget=claim.lease_seconds / 3)
 
     def complete(
         self,
@@ -362,24 +425,46 @@ class Queue(Sweeper):
         """Mark the request succeeded with ``result`` (fenced by the token).
 
         ``then`` enqueues follow-up requests (the next stage) in the same
-        transaction: the hand-off lands entirely or not at all.
+        transaction: the hand-off lands entirely or not at all. A database blip
+        (a lost connection, a restart) is retried on a fresh connection while the
+        lease may still hold; if an attempt whose answer was lost had committed,
+        the retry recognises its own completion instead of reporting ``LeaseLost``
+        (its hand-offs are then left for the sweeper's next wake-up).
         """
         text, _ = encode_payload(result, self.settings.payload_limit_bytes, what="result")
         follow_ups = list(then)
+        # Ids (random ones too) are minted once, so every attempt sends the same rows.
         follow_params = self._enqueue_params(follow_ups, now) if follow_ups else None
         params = {"request_id": claim.request_id, "token": claim.token, "result": text, "now": now}
-        followed: builtins.list[EnqueueResult] = []
-        with raw_connection(self.engine) as raw:
-            if follow_params is None:
-                row = fetch_one(raw, sql.Q_COMPLETE, params)  # one statement, one round trip
-            else:
-                with raw.transaction():
-                    row = fetch_one(raw, sql.Q_COMPLETE, params)
-                    if row is not None:
-                        followed = self._enqueue_raw(raw, follow_params, strict=False)
-        if row is None:
-            raise LeaseLost(claim.request_id, "completion rejected")
-        return Request.from_row(row), followed
+
+        def attempt() -> tuple[Request, builtins.list[EnqueueResult]]:
+            followed: builtins.list[EnqueueResult] = []
+            with raw_connection(self.engine) as raw:
+                if follow_params is None:
+                    row = fetch_one(raw, sql.Q_COMPLETE, params)  # one statement, one round trip
+                else:
+                    with raw.transaction():
+                        row = fetch_one(raw, sql.Q_COMPLETE, params)
+                        if row is not None:
+                            followed = self._enqueue_raw(raw, follow_params, strict=False)
+            if row is None:
+                raise LeaseLost(claim.request_id, "completion rejected")
+            return Request.from_row(row), followed
+
+        def landed() -> tuple[Request, builtins.list[EnqueueResult]] | None:
+            current = self._landed(claim, (Status.SUCCEEDED,))
+            if current is None:
+                return None
+            followed: builtins.list[EnqueueResult] = []
+            if follow_params is not None:
+                ids = follow_params["request_ids"]
+                with raw_connection(self.engine) as raw:
+                    # Our lost attempt created them, but their wake-ups were never sent.
+                    raw.execute(sql.Q_MARK_UNDISPATCHED_MANY, {"request_ids": ids})
+                    followed = self._enqueue_raw(raw, follow_params, strict=False)
+            return current, followed
+
+        return self.fenced_retry(claim, attempt, landed)
 
     def fail(
         self,
@@ -390,7 +475,10 @@ class Queue(Sweeper):
         retry_in: float | None = None,
         now: datetime | None = None,
     ) -> Request:
-        """Record a failed run (fenced): queued again after a backoff, or dead; error kept."""
+        """Record a failed run (fenced): queued again after a backoff, or dead; error kept.
+
+        Retried on a fresh connection through a database blip, like :meth:`hand_off`.
+        """
         if isinstance(error, BaseException):
             error = {"type": type(error).__name__, "message": str(error)}
         text, _ = encode_payload(error, self.settings.payload_limit_bytes, what="error")
@@ -399,11 +487,76 @@ class Queue(Sweeper):
             "request_id": claim.request_id, "token": claim.token, "error": text,
             "retryable": bool(retryable), "delay": delay, "now": now,
         }  # fmt: skip
+
+        def attempt() -> Request:
+            with raw_connection(self.engine) as raw:
+                row = fetch_one(raw, sql.Q_FAIL, params)
+            if row is None:
+                raise LeaseLost(claim.request_id, "failure report rejected")
+            return Request.from_row(row)
+
+        def landed() -> Request | None:
+            return self._landed(claim, (Status.QUEUED, Status.DEAD, Status.CANCELLED))
+
+        return self.fenced_retry(claim, attempt, landed)
+
+    def fenced_retry(
+        self,
+        claim: Claim,
+        attempt: Callable[[], _T],
+        landed: Callable[[], _T | None] = lambda: None,
+        *,
+        budget: float | None = None,
+    ) -> _T:
+        """Run a fenced write, retrying database blips while the claim's lease may hold.
+
+        Fenced writes are safe to repeat: the token decides, on the database clock.
+        The retry ``budget`` (one lease by default, on this process's monotonic
+        clock) only bounds
+        how long we keep trying; it never decides whether the lease holds. After an
+        attempt whose answer was lost, a ``LeaseLost`` may mean that attempt
+        committed: ``landed()`` recognises our own committed write.
+        """
+        deadline = time.monotonic() + (claim.lease_seconds if budget is None else budget)
+        delay = 0.05
+        uncertain = False
+        while True:
+            try:
+                return attempt()
+            except LeaseLost:
+                if uncertain:
+                    found = landed()
+                    if found is not None:
+                        return found
+                raise
+            except DatabaseUnavailable as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                uncertain = uncertain or is_disconnect(exc)
+                log.warning(
+                    "request %s: database blip in a fenced write (%s); retrying",
+                    claim.request_id,
+                    exc,
+                )
+                time.sleep(delay)
+                delay = min(1.0, delay * 2)
+
+    def _landed(self, claim: Claim, statuses: tuple[Status, ...]) -> Request | None:
+        """The row, if this claim's own write moved it to one of ``statuses``.
+
+        A later claim would have bumped ``attempts`` (and named another claimant).
+        """
         with raw_connection(self.engine) as raw:
-            row = fetch_one(raw, sql.Q_FAIL, params)
+            row = fetch_one(raw, sql.Q_GET, {"request_id": claim.request_id})
         if row is None:
-            raise LeaseLost(claim.request_id, "failure report rejected")
-        return Request.from_row(row)
+            return None
+        current = Request.from_row(row)
+        mine = (
+            current.claimed_by == claim.request.claimed_by
+            and current.attempts == claim.attempt
+            and current.status in statuses
+        )
+        return current if mine else None
 
     def backoff(self, attempt: int) -> float:
         """Delay before retry number ``attempt``: exponential, capped, with equal jitter."""
@@ -524,6 +677,15 @@ class Queue(Sweeper):
         if lease <= 0:
             raise InvalidRequest("lease_seconds must be positive")
         return lease
+
+
+def _max_runtime(value: float | None) -> float | None:
+    if value is None:
+        return None
+    runtime = _seconds("max_runtime", value)
+    if runtime <= 0:
+        raise InvalidRequest("max_runtime must be positive")
+    return runtime
 
 
 def _positive(name: str, value: int | None, default: int) -> int:

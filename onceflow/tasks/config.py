@@ -17,12 +17,25 @@ SWEEP_TASK = "onceflow.sweep"
 MAINTENANCE_QUEUE = "onceflow"
 
 
+def time_limits(max_runtime: float) -> tuple[float, float]:
+    """Celery's (soft, hard) time limits for a stage bounded by ``max_runtime`` seconds.
+
+    The soft limit raises inside the body at ``max_runtime`` (the lease ends then too);
+    the hard limit kills a body that ignores it, a little later.
+    """
+    return max_runtime, max_runtime + max(5.0, 0.1 * max_runtime)
+
+
 def celery_config(settings: Settings) -> dict[str, Any]:
     """Celery settings for ``settings`` (lower-case Celery 4+ names)."""
     interval = settings.sweep_interval_seconds
     return {
         "broker_url": settings.celery_broker_url,
         "broker_connection_retry_on_startup": True,
+        # Explicit, so stage time limits can be checked against it (see Flow.stage).
+        "broker_transport_options": {
+            "visibility_timeout": settings.broker_visibility_timeout_seconds
+        },
         "task_serializer": "json",
         "result_serializer": "json",
         "accept_content": ["json"],

@@ -26,21 +26,21 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, TypeVar
 
 from celery import Celery, Task
-from celery.signals import worker_process_init
+from celery.signals import worker_init, worker_process_init
 from pydantic import BaseModel, ValidationError
 
-from onceflow.db import dispose_engines
+from onceflow.db import dispose_engines, size_pools_for
 from onceflow.errors import InvalidRequest, OnceflowError, UnknownStage
 from onceflow.ids import check_id
-from onceflow.models.requests import Dispatch, EnqueueResult, SweepResult
+from onceflow.models.requests import Dispatch, EnqueueResult, NewRequest, SweepResult
 from onceflow.queue import Queue
 from onceflow.settings import Settings, get_settings
-from onceflow.tasks.config import MAINTENANCE_QUEUE, SWEEP_TASK, celery_config
+from onceflow.tasks.config import MAINTENANCE_QUEUE, SWEEP_TASK, celery_config, time_limits
 from onceflow.tasks.runtime import StageContext, oplog_for, run_request
 from onceflow.tasks.sweeper import (
     BEAT_GAP_INTERVALS,
@@ -73,6 +73,7 @@ class StageSpec:
     max_crash_attempts: int | None
     priority: int
     retry_on: tuple[type[BaseException], ...] | None
+    max_runtime: float | None = None  # seconds; None: no bound on the lease
 
     @property
     def task_name(self) -> str:
@@ -179,7 +180,7 @@ class Flow:
             with self._lock:
                 current = self._queue
                 if current is None or current[0] != pid:
-                    current = (pid, Queue(settings=self.settings))
+                    current = (pid, Queue(settings=self.settings, resolver=self.resolve))
                     self._queue = current
         return current[1]
 
@@ -193,16 +194,34 @@ class Flow:
         lease_seconds: float | None = None,
         max_attempts: int | None = None,
         max_crash_attempts: int | None = None,
+        max_runtime: float | None = None,
         priority: int = 0,
         retry_on: tuple[type[BaseException], ...] | None = None,
     ) -> Callable[[F], F]:
-        """Declare a stage; the decorated function is its body: ``body(ctx, input) -> JSON``."""
+        """Declare a stage; the decorated function is its body: ``body(ctx, input) -> JSON``.
+
+        ``max_runtime`` (seconds; ``ONCEFLOW_MAX_RUNTIME_SECONDS`` by default) bounds one
+        run: heartbeats stop extending the lease past it (database clock), Celery's soft
+        time limit raises in the body then and its hard limit kills it a little later;
+        the hard limit must stay below the broker's visibility timeout.
+        """
         check_id("stage", name)
         check_id("worker_class", worker_class)
         if name in self.stages:
             raise InvalidRequest(f"stage {name!r} is declared twice")
         if not (isinstance(input, type) and issubclass(input, BaseModel)):
             raise InvalidRequest("input= must be a pydantic model class")
+        runtime = self.settings.max_runtime_seconds if max_runtime is None else max_runtime
+        if isinstance(runtime, bool) or not isinstance(runtime, int | float) or runtime <= 0:
+            raise InvalidRequest("max_runtime must be a positive number of seconds")
+        soft, hard = time_limits(float(runtime))
+        visibility = self.settings.broker_visibility_timeout_seconds
+        if hard >= visibility:
+            raise InvalidRequest(
+                f"stage {name!r}: max_runtime {runtime:g} s gives a hard time limit of "
+                f"{hard:g} s, not below the broker's visibility timeout ({visibility:g} s): "
+                "the broker would redeliver the wake-up of a run still in progress"
+            )
 
         def register(func: F) -> F:
             spec = StageSpec(
@@ -214,6 +233,7 @@ class Flow:
                 lease_seconds=lease_seconds,
                 max_attempts=max_attempts,
                 max_crash_attempts=max_crash_attempts,
+                max_runtime=float(runtime),
                 priority=priority,
                 retry_on=retry_on,
             )
@@ -225,6 +245,8 @@ class Flow:
                 flow=self,
                 spec=spec,
                 queue=worker_class,
+                soft_time_limit=soft,
+                time_limit=hard,
             )(_task_body)
             return func
 
@@ -241,6 +263,7 @@ class Flow:
         priority: int | None = None,
         strict: bool = False,
         worker_class: str | None = None,
+        dedupe: bool | None = None,
     ) -> EnqueueResult:
         """Validate ``input`` against the stage's model, commit the row, then send the wake-up.
 
@@ -248,24 +271,71 @@ class Flow:
         fails the row stays queued and the sweeper sends it; the caller gets its
         request back either way.
         """
-        spec = self.spec(stage)
-        data = self.validate_input(spec, input)
-        result = self.queue.enqueue(
+        item = self.new_request(
             stage,
             workspace_id,
             job_id,
             branch_path,
-            data,
-            worker_class=worker_class or spec.worker_class,
-            dedupe=spec.dedupe,
-            priority=spec.priority if priority is None else priority,
-            max_attempts=spec.max_attempts,
-            max_crash_attempts=spec.max_crash_attempts,
-            strict=strict,
+            input,
+            priority=priority,
+            worker_class=worker_class,
+            dedupe=dedupe,
         )
+        [result] = self.queue.enqueue_many([item], strict=strict)
         if result.created:
-            self.dispatch(Dispatch(result.request_id, stage, worker_class or spec.worker_class))
+            self.dispatch(Dispatch(result.request_id, stage, result.worker_class))
         return result
+
+    def new_request(
+        self,
+        stage: str,
+        workspace_id: str,
+        job_id: str,
+        branch_path: str = "",
+        input: Any = None,
+        **options: Any,
+    ) -> NewRequest:
+        """The request ``stage``'s declaration makes: see :meth:`resolve`.
+
+        ``options`` are :class:`NewRequest` fields (``worker_class``, ``priority``,
+        ``max_attempts``, …); ``None`` means "as declared".
+        """
+        try:
+            item = NewRequest(
+                workspace_id=workspace_id,
+                job_id=job_id,
+                stage=stage,
+                branch_path=branch_path,
+                input={} if input is None else input,
+                **{k: v for k, v in options.items() if v is not None},
+            )
+        except TypeError as exc:  # an unknown option name
+            raise InvalidRequest(f"request for stage {stage!r}: {exc}") from None
+        return self.resolve(item)
+
+    def resolve(self, item: NewRequest) -> NewRequest:
+        """The one builder every entry point uses (enqueue, ``ctx.then``, hand-offs over
+        HTTP, Django, the CLI, MCP): ``item`` completed from its stage's declaration.
+
+        Unset fields (``None``) take the declared worker class, dedupe, priority,
+        max attempts and crash budget; the input is validated against the stage's
+        model. An undeclared stage raises :class:`UnknownStage` and an input that
+        does not fit :class:`InvalidRequest` — before anything is written.
+        """
+        spec = self.spec(item.stage)
+        return replace(
+            item,
+            input=self.validate_input(spec, item.input),
+            worker_class=spec.worker_class if item.worker_class is None else item.worker_class,
+            dedupe=spec.dedupe if item.dedupe is None else item.dedupe,
+            priority=spec.priority if item.priority is None else item.priority,
+            max_attempts=spec.max_attempts if item.max_attempts is None else item.max_attempts,
+            max_crash_attempts=(
+                spec.max_crash_attempts
+                if item.max_crash_attempts is None
+                else item.max_crash_attempts
+            ),
+        )
 
     def spec(self, stage: str) -> StageSpec:
         """The declared stage ``stage``, or :class:`UnknownStage`."""
@@ -378,6 +448,15 @@ class Flow:
 def _task_body(task: StageTask, request_id: str) -> dict[str, Any]:
     """The body Celery calls: the lifecycle lives in the base class."""
     return task.run_stage(request_id)
+
+
+@worker_init.connect
+def _size_pools(sender: Any = None, **_: Any) -> None:
+    """Size the database pool to the worker's concurrency when tasks share one process."""
+    pool_cls = getattr(sender, "pool_cls", None)
+    name = pool_cls if isinstance(pool_cls, str) else getattr(pool_cls, "__module__", "")
+    if any(kind in str(name) for kind in ("thread", "gevent", "eventlet")):
+        size_pools_for(int(getattr(sender, "concurrency", 1) or 1))
 
 
 @worker_process_init.connect

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from onceflow.errors import (
     Cancelled,
+    DatabaseUnavailable,
     InvalidRequest,
     LeaseLost,
     NotFound,
@@ -32,7 +33,7 @@ from onceflow.locks import compute_once
 from onceflow.models.ops import OpModel
 from onceflow.models.requests import Claim, Dispatch, NewRequest, Request
 from onceflow.models.status import Status
-from onceflow.oplog import ApplyResult, OpLog, SubDoc, stage_op_id
+from onceflow.oplog import ApplyResult, OpLog, SubDoc, new_op_id, stage_op_id
 from onceflow.queue import Queue
 
 if TYPE_CHECKING:
@@ -107,10 +108,17 @@ class StageContext:
     def then(
         self, stage: str, input: Any = None, *, branch_path: str | None = None, **options: Any
     ) -> None:
-        """Hand off to a next stage: enqueued in the same transaction as this completion."""
+        """Hand off to a next stage: enqueued in the same transaction as this completion.
+
+        The request is built from ``stage``'s declaration now (worker class, dedupe,
+        priority, attempts; input validated); ``options`` override declared fields.
+        An undeclared stage or an input that does not fit raises here —
+        :class:`~onceflow.errors.UnknownStage` / :class:`~onceflow.InvalidRequest` —
+        which fails this stage (not retried) and hands off nothing.
+        """
         req = self.request
-        self._then.append(
-            NewRequest(
+        try:
+            item = NewRequest(
                 workspace_id=req.workspace_id,
                 job_id=req.job_id,
                 stage=stage,
@@ -118,7 +126,9 @@ class StageContext:
                 input={} if input is None else input,
                 **options,
             )
-        )
+        except TypeError as exc:  # an unknown option name
+            raise InvalidRequest(f"hand-off to {stage!r}: {exc}") from None
+        self._then.append(self._queue.resolve(item))
 
     @property
     def claim(self) -> Claim:
@@ -145,10 +155,15 @@ class StageContext:
         of the stage joins the first attempt's write instead of repeating it.
         """
         self.check()
-        if op_id is None and key is not None:
-            op_id = stage_op_id(self.request.request_id, key)
+        if op_id is None:
+            # Minted once, before the first send: a retry after a database blip joins it.
+            op_id = new_op_id() if key is None else stage_op_id(self.request.request_id, key)
         oplog = oplog_for(self._queue)
-        return oplog.apply_op(self.request.workspace_id, sub_doc, op, op_id, fence=self._claim)
+        workspace = self.request.workspace_id
+        return self._queue.fenced_retry(
+            self._claim,
+            lambda: oplog.apply_op(workspace, sub_doc, op, op_id, fence=self._claim),
+        )
 
     def compute_once(
         self,
@@ -213,17 +228,27 @@ class _Heartbeats:
 
     def _run(self) -> None:
         while True:
-            with self._cond:
-                now = time.monotonic()
-                ready = [(k, v) for k, v in self._due.items() if v[0] <= now]
-                if not ready:
-                    wake = min((v[0] for v in self._due.values()), default=now + 60.0)
-                    self._cond.wait(timeout=max(0.0, wake - now))
-                    continue
-                for k, (_, ctx, queue, interval) in ready:
-                    self._due[k] = (now + interval, ctx, queue, interval)
-            for k, (_, ctx, queue, _) in ready:
+            try:
+                self._tick()
+            except Exception:  # the one thread of every stage's lease must never die
+                log.exception("heartbeat thread: unexpected error; carrying on")
+                time.sleep(0.1)  # no hot loop if the error repeats
+
+    def _tick(self) -> None:
+        with self._cond:
+            now = time.monotonic()
+            ready = [(k, v) for k, v in self._due.items() if v[0] <= now]
+            if not ready:
+                wake = min((v[0] for v in self._due.values()), default=now + 60.0)
+                self._cond.wait(timeout=max(0.0, wake - now))
+                return
+            for k, (_, ctx, queue, interval) in ready:
+                self._due[k] = (now + interval, ctx, queue, interval)
+        for k, (_, ctx, queue, _) in ready:
+            try:
                 self._beat(k, ctx, queue)
+            except Exception:  # one stage's odd failure must not starve the others
+                log.exception("request %s: heartbeat raised", ctx.request.request_id)
 
     def _beat(self, key: int, ctx: StageContext, queue: Queue) -> None:
         try:
@@ -276,7 +301,7 @@ def run_request(
 
     ``dispatch`` sends the wake-ups of the hand-offs (``ctx.then``) the completion created.
     """
-    claim = queue.claim(request_id, worker_id, lease_seconds=spec.lease_seconds, stage=spec.name)
+    claim = _claim(queue, spec, request_id, worker_id)
     if claim is None:
         return _not_claimed(queue, request_id)
     ctx = StageContext(queue, claim, worker_id)
@@ -284,35 +309,97 @@ def run_request(
     outcome: dict[str, Any] = {"request_id": request_id, "attempt": claim.attempt}
     try:
         try:
-            data = spec.input_model.model_validate(claim.request.input)
-        except ValidationError as exc:
-            raise PermanentError(f"input does not fit {spec.input_model.__name__}: {exc}") from exc
-        result = to_json_result(spec.func(ctx, data))
-        ctx.check()
-        _, followed = queue.hand_off(claim, result, then=ctx._then)
-        if dispatch is not None:
-            for item, made in zip(ctx._then, followed, strict=True):
-                if made.created:
-                    dispatch(Dispatch(made.request_id, item.stage, item.worker_class))
-        return {**outcome, "outcome": "succeeded"}
-    except LeaseLost:
-        log.warning("request %s: lease lost; result discarded (another worker owns it)", request_id)
-        _count_zombie(queue, claim)
-        return {**outcome, "outcome": "lease_lost"}
-    except Cancelled:
-        return {**outcome, **_fail(queue, claim, {"type": "Cancelled"}, retryable=False)}
-    except RetryLater as exc:
-        error = {"type": "RetryLater", "message": exc.reason, "delay": exc.delay}
-        return {**outcome, **_fail(queue, claim, error, retryable=True, retry_in=exc.delay)}
-    except (PermanentError, InvalidRequest) as exc:
-        return {**outcome, **_fail(queue, claim, error_payload(exc), retryable=False)}
-    except Exception as exc:
-        log.exception("request %s: stage %s raised", request_id, spec.name)
-        retryable = is_retryable(exc)
-        return {**outcome, **_fail(queue, claim, error_payload(exc), retryable=retryable)}
+            try:
+                data = spec.input_model.model_validate(claim.request.input)
+            except ValidationError as exc:
+                msg = f"input does not fit {spec.input_model.__name__}: {exc}"
+                raise PermanentError(msg) from exc
+            result = to_json_result(spec.func(ctx, data))
+            ctx.check()
+        except LeaseLost:
+            return {**outcome, **_lease_lost(queue, claim)}
+        except Cancelled:
+            return {**outcome, **_fail(queue, claim, {"type": "Cancelled"}, retryable=False)}
+        except RetryLater as exc:
+            error = {"type": "RetryLater", "message": exc.reason, "delay": exc.delay}
+            return {**outcome, **_fail(queue, claim, error, retryable=True, retry_in=exc.delay)}
+        except (PermanentError, InvalidRequest) as exc:
+            return {**outcome, **_fail(queue, claim, error_payload(exc), retryable=False)}
+        except Exception as exc:
+            log.exception("request %s: stage %s raised", request_id, spec.name)
+            retryable = is_retryable(exc)
+            return {**outcome, **_fail(queue, claim, error_payload(exc), retryable=retryable)}
+        # The body succeeded: from here on nothing may turn that into a failure or a re-run
+        # except a lost lease (someone else owns the request now).
+        return {**outcome, **_complete(queue, claim, result, ctx._then, dispatch)}
     finally:
         # Always, also on BaseException (worker shutdown): no heartbeat outlives its stage.
         _heartbeats.remove(ctx)
+
+
+CLAIM_RETRY_SECONDS = 10.0
+
+
+def _claim(queue: Queue, spec: StageSpec, request_id: str, worker_id: str) -> Claim | None:
+    """Claim the request, riding out a short database blip (a restart, a failover).
+
+    A claim whose answer was lost may have committed: the retry then finds the row
+    running under that lost claim's lease and returns None; the lease lapses and the
+    sweeper re-dispatches — a delay, never a second run. Past the retry window the error
+    propagates: the wake-up is dropped and the sweeper sends another.
+    """
+    deadline = time.monotonic() + CLAIM_RETRY_SECONDS
+    delay = 0.1
+    while True:
+        try:
+            return queue.claim(
+                request_id,
+                worker_id,
+                lease_seconds=spec.lease_seconds,
+                stage=spec.name,
+                max_runtime=spec.max_runtime,
+            )
+        except DatabaseUnavailable as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("request %s: claim hit a database blip (%s); retrying", request_id, exc)
+            time.sleep(delay)
+            delay = min(1.0, delay * 2)
+
+
+def _complete(
+    queue: Queue,
+    claim: Claim,
+    result: Any,
+    then: list[NewRequest],
+    dispatch: Callable[[Dispatch], object] | None,
+) -> dict[str, Any]:
+    """Record a successful body's result; a database blip is retried, never a failure."""
+    try:
+        _, followed = queue.hand_off(claim, result, then=then)
+    except LeaseLost:
+        return _lease_lost(queue, claim)
+    except DatabaseUnavailable as exc:
+        # Postgres did not answer for as long as the lease could hold: whether it holds is
+        # for the database to say. The row is left as it is — never marked failed — and the
+        # sweeper rescues it if the lease lapsed.
+        log.error("request %s: completion not recorded: %s", claim.request_id, exc)
+        return {"outcome": "completion_unknown", "error": str(exc)}
+    except InvalidRequest as exc:  # the result itself is refused (too large, not JSON)
+        return _fail(queue, claim, error_payload(exc), retryable=False)
+    if dispatch is not None:
+        for made in followed:
+            if made.created:
+                dispatch(Dispatch(made.request_id, made.stage, made.worker_class))
+    return {"outcome": "succeeded"}
+
+
+def _lease_lost(queue: Queue, claim: Claim) -> dict[str, Any]:
+    log.warning(
+        "request %s: lease lost; result discarded (another worker owns it)", claim.request_id
+    )
+    _count_zombie(queue, claim)
+    return {"outcome": "lease_lost"}
 
 
 def _fail(
@@ -327,6 +414,10 @@ def _fail(
         row = queue.fail(claim, error, retryable=retryable, retry_in=retry_in)
     except LeaseLost:
         return {"outcome": "lease_lost"}
+    except DatabaseUnavailable as exc:
+        # Retried for as long as the lease could hold; the sweeper rescues the row.
+        log.error("request %s: failure not recorded: %s", claim.request_id, exc)
+        return {"outcome": "failure_unknown", "error": str(exc)}
     outcome = {Status.QUEUED: "retry", Status.DEAD: "dead", Status.CANCELLED: "cancelled"}
     return {"outcome": outcome.get(row.status, row.status.value), "status": row.status.value}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from typing import Any
 
 import redis
@@ -94,5 +95,12 @@ def write_cell(ctx: StageContext, data: CellInput) -> dict[str, Any]:
 def hand_off(ctx: StageContext, data: NoopInput) -> dict[str, Any]:
     """Hands off to ``noop`` in the same transaction as its completion."""
     record(ctx)
-    ctx.then("noop", {"value": data.value + 1}, worker_class="t-default")
+    ctx.then("noop", {"value": data.value + 1})  # routed by noop's declaration (t-default)
     return {"handed_off": True}
+
+
+@flow.stage("sleeper", input=NoopInput, worker_class="t-default", max_runtime=1.0, max_attempts=1)
+def sleeper(ctx: StageContext, data: NoopInput) -> None:
+    """Hangs far past its max_runtime; Celery's soft time limit interrupts it."""
+    record(ctx)
+    time.sleep(120)

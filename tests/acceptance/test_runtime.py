@@ -258,3 +258,18 @@ def test_pull_worker_classes_get_no_celery_wakeup(runtime: Any, redis_url: str) 
     assert client.llen("tabs") == 0  # nothing piles up in a queue no Celery worker reads
     claim = runtime.flow.queue.claim_next("tabs", "tab-1")  # a pull worker takes it
     assert [c.request_id for c in claim] == [result.request_id]
+
+
+def test_a_hung_body_is_interrupted_at_max_runtime(
+    runtime: Any, redis_url: str, tmp_path: Path
+) -> None:
+    """Issue 11, item 9: Celery's soft time limit (= max_runtime) stops a hung body."""
+    worker = start_worker(tmp_path, "t-default")
+    try:
+        rid = runtime.flow.enqueue("sleeper", "w1", "j-hang", "main", {}).request_id
+        wait_for(lambda: status_of(runtime, rid) is Status.DEAD, timeout=60, what="dead")
+        row = runtime.flow.queue.get(rid)
+        assert row.error["type"] == "SoftTimeLimitExceeded"
+        assert len(executions(redis_url, rid)) == 1
+    finally:
+        worker.stop()

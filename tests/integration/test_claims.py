@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 from collections import Counter
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 
 import pytest
@@ -21,6 +23,7 @@ from onceflow import (
 )
 from onceflow.ids import request_id_for
 from onceflow.models import Dispatch
+from tests.acceptance.procs import wait_for
 
 
 def db_now(engine: Engine) -> datetime:
@@ -196,37 +199,67 @@ def test_complete_then_hands_off_in_one_transaction(queue: Queue) -> None:
     assert nxt.status is Status.QUEUED
 
 
+KILL_TRIGGER = """
+CREATE SEQUENCE kill_count;
+CREATE FUNCTION kill_own_backend() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    -- nextval is not rolled back: it counts the kills across the retries.
+    IF nextval('kill_count') <= TG_ARGV[0]::int THEN
+        PERFORM pg_terminate_backend(pg_backend_pid());
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER kill_hand_off BEFORE INSERT ON workspace_process_requests
+FOR EACH ROW WHEN (NEW.job_id = 'then-test') EXECUTE FUNCTION kill_own_backend(%d);
+"""
+
+
+@contextlib.contextmanager
+def hand_off_killer(engine: Engine, kills: int) -> Iterator[None]:
+    """The server process of the completing transaction dies after the completion's UPDATE,
+    just as the follow-up INSERT arrives: a trigger terminates its own backend."""
+    with engine.begin() as conn:
+        conn.execute(text(KILL_TRIGGER % kills))
+    try:
+        yield
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text("DROP TRIGGER kill_hand_off ON workspace_process_requests"))
+            conn.execute(text("DROP FUNCTION kill_own_backend(); DROP SEQUENCE kill_count"))
+
+
 def test_hand_off_killed_between_the_two_writes_lands_nothing(
     queue: Queue, clean_db: Engine
 ) -> None:
     rid = queue.enqueue("evaluate", "w", "j", "main").request_id
-    claim = queue.claim(rid, "a")
+    claim = queue.claim(rid, "a", lease_seconds=1)
     assert claim is not None
-    # The server process of the completing transaction dies after the completion's UPDATE,
-    # just as the follow-up INSERT arrives: a trigger terminates its own backend.
-    with clean_db.begin() as conn:
-        conn.execute(
-            text("""
-            CREATE FUNCTION kill_own_backend() RETURNS trigger LANGUAGE plpgsql AS $$
-            BEGIN PERFORM pg_terminate_backend(pg_backend_pid()); RETURN NEW; END $$;
-            CREATE TRIGGER kill_hand_off BEFORE INSERT ON workspace_process_requests
-            FOR EACH ROW WHEN (NEW.job_id = 'then-test') EXECUTE FUNCTION kill_own_backend();
-        """)
-        )
-    try:
-        with pytest.raises(DatabaseUnavailable):
-            queue.complete(claim, {"ok": 1}, then=[NewRequest("w", "then-test", "tailor", "main")])
-    finally:
-        with clean_db.begin() as conn:
-            conn.execute(text("DROP TRIGGER kill_hand_off ON workspace_process_requests"))
-            conn.execute(text("DROP FUNCTION kill_own_backend()"))
-    # The completion rolled back with the hand-off: still running, no follow-up row.
+    then = [NewRequest("w", "then-test", "tailor", "main")]
+    with hand_off_killer(clean_db, kills=1000), pytest.raises(DatabaseUnavailable):
+        # Every attempt dies between its two writes; retried for one lease, then raised.
+        queue.complete(claim, {"ok": 1}, then=then)
+    # Each attempt rolled back with its hand-off: still running, no follow-up row.
     assert queue.get(rid).status is Status.RUNNING
     with pytest.raises(NotFound):
         queue.get(request_id_for("w", "then-test", "main", "tailor"))
-    # The pool dropped the dead connection, and the live claim can still complete properly.
-    queue.complete(claim, {"ok": 2}, then=[NewRequest("w", "then-test", "tailor", "main")])
+    # The pool dropped the dead connections: once the lease lapsed, a new claim completes.
+    again = wait_for(lambda: queue.claim(rid, "b"), what="the lapsed lease reclaimed")
+    assert again is not None
+    queue.complete(again, {"ok": 2}, then=then)
     assert queue.get(request_id_for("w", "then-test", "main", "tailor")).status is Status.QUEUED
+
+
+def test_hand_off_killed_once_is_retried_and_lands_once(queue: Queue, clean_db: Engine) -> None:
+    rid = queue.enqueue("evaluate", "w", "j", "main").request_id
+    claim = queue.claim(rid, "a")
+    assert claim is not None
+    then = [NewRequest("w", "then-test", "tailor", "main", dedupe=False)]
+    with hand_off_killer(clean_db, kills=1):
+        row, [made] = queue.hand_off(claim, {"ok": 1}, then=then)
+    assert row.status is Status.SUCCEEDED and row.result == {"ok": 1}
+    assert made.created  # the retry inserted it: the killed attempt left nothing
+    # A random (non-dedupe) id is minted once: the retry did not add a second row.
+    assert [r.request_id for r in queue.list(job_id="then-test")] == [made.request_id]
 
 
 def test_rescue_expired_requeues_then_quarantines(queue: Queue, clean_db: Engine) -> None:

@@ -36,7 +36,7 @@ from django.db.transaction import TransactionManagementError
 from sqlalchemy import URL, make_url
 
 from onceflow.errors import InvalidRequest
-from onceflow.models.requests import Dispatch, EnqueueResult, NewRequest
+from onceflow.models.requests import Dispatch, EnqueueResult
 from onceflow.settings import get_settings
 from onceflow.tasks import Flow
 
@@ -73,20 +73,14 @@ def enqueue(
     existing row returns ``created=False`` and sends nothing (the row's creator
     sends it). The result describes the row as this transaction sees it.
     """
-    spec = flow.spec(stage)
-    data = flow.validate_input(spec, input)
-    target_class = worker_class or spec.worker_class
-    item = NewRequest(
-        workspace_id=workspace_id,
-        job_id=job_id,
-        stage=stage,
-        branch_path=branch_path,
-        input=data,
-        worker_class=target_class,
-        dedupe=spec.dedupe,
-        priority=spec.priority if priority is None else priority,
-        max_attempts=spec.max_attempts,
-        max_crash_attempts=spec.max_crash_attempts,
+    item = flow.new_request(
+        stage,
+        workspace_id,
+        job_id,
+        branch_path,
+        input,
+        priority=priority,
+        worker_class=worker_class,
     )
     connection = connections[using]
     if connection.vendor != "postgresql":
@@ -101,7 +95,7 @@ def enqueue(
         )
     [result] = flow.queue.enqueue_many_with(cursor_executor(using), [item], strict=strict)
     if result.created:
-        wake_up = Dispatch(result.request_id, stage, target_class)
+        wake_up = Dispatch(result.request_id, stage, result.worker_class)
         # robust: a failed send after the commit is logged, never raised into the app
         # (Flow.dispatch already logs it and leaves the row for the sweeper).
         transaction.on_commit(functools.partial(flow.dispatch, wake_up), using=using, robust=True)

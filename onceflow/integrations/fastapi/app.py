@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import threading
-import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Annotated, Any
@@ -48,7 +47,7 @@ from onceflow.errors import (
     PayloadTooLarge,
     ReplayTooOld,
 )
-from onceflow.ids import ClaimToken, check_id, request_id_for
+from onceflow.ids import ClaimToken, check_id
 from onceflow.integrations.fastapi import schemas as s
 from onceflow.integrations.fastapi.auth import Authenticator, KeyAuth, Principal
 from onceflow.integrations.fastapi.events import event_stream
@@ -538,9 +537,9 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         claim = claim_of(request_id, body.claim_token, principal)
         then = [_follow_up(svc.flow, claim.request, f) for f in body.then]
         done, followed = svc.queue.hand_off(claim, body.result, then=then)
-        for item, made in zip(then, followed, strict=True):
+        for made in followed:
             if made.created:  # a hand-off that collapsed onto an existing row has its wake-up
-                svc.flow.dispatch(Dispatch(made.request_id, item.stage, item.worker_class))
+                svc.flow.dispatch(Dispatch(made.request_id, made.stage, made.worker_class))
         return _request_out(done)
 
     @router.post(
@@ -678,28 +677,10 @@ def _apply_out(result: ApplyResult, response: Response) -> s.ApplyOut:
 
 
 def _follow_up(flow: Flow, parent: StageRequest, item: s.FollowUp) -> NewRequest:
-    """A hand-off to ``item.stage`` in the claimed request's workspace and job, validated."""
-    spec = flow.spec(item.stage)
-    data = flow.validate_input(spec, item.input)
+    """A hand-off to ``item.stage`` in the claimed request's workspace and job (the Flow's
+    one builder: declared worker class, dedupe, priority, attempts; input validated)."""
     branch = parent.branch_path if item.branch_path is None else item.branch_path
-    rid = (
-        request_id_for(parent.workspace_id, parent.job_id, branch, item.stage)
-        if spec.dedupe
-        else uuid.uuid4().hex
-    )
-    return NewRequest(
-        workspace_id=parent.workspace_id,
-        job_id=parent.job_id,
-        stage=item.stage,
-        branch_path=branch,
-        input=data,
-        worker_class=spec.worker_class,
-        dedupe=spec.dedupe,
-        priority=spec.priority,
-        max_attempts=spec.max_attempts,
-        max_crash_attempts=spec.max_crash_attempts,
-        request_id=rid,
-    )
+    return flow.new_request(item.stage, parent.workspace_id, parent.job_id, branch, item.input)
 
 
 # -------------------------------------------------------------------------- app
