@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
-from onceflow.errors import InvalidRequest, OnceflowError, ReplayTooOld
+from onceflow.errors import DatabaseUnavailable, InvalidRequest, OnceflowError, ReplayTooOld
 from onceflow.models.ops import OpModel, parse_op
 from onceflow.oplog.store import ApplyResult, OpLog, new_op_id
 
@@ -100,8 +100,17 @@ class InProcessTransport:
         op_id: str,
         base_clock: int | None,
     ) -> ApplyResult:
-        """Apply the op through the op log."""
-        return self.oplog.apply_op(workspace_id, sub_doc, op, op_id, base_clock=base_clock)
+        """Apply the op through the op log.
+
+        A database that did not answer (:class:`DatabaseUnavailable`, a lost
+        connection) is this transport's network failure: the op may or may not have
+        committed, so it is a :class:`TransportError` — retried with the same op id,
+        kept in the outbox — never a final answer.
+        """
+        try:
+            return self.oplog.apply_op(workspace_id, sub_doc, op, op_id, base_clock=base_clock)
+        except DatabaseUnavailable as exc:
+            raise TransportError(f"database unavailable: {exc}") from exc
 
 
 _SCHEMA = (
@@ -303,7 +312,9 @@ class WorkspaceClient:
             except ReplayTooOld as exc:
                 parked.append(self._park(item, exc))
                 continue
-            except OnceflowError:
+            except OnceflowError as exc:
+                if getattr(exc, "retryable", False):
+                    raise  # no answer for this op (a custom transport's blip): keep it
                 self._ack(item["op_id"])
                 raise
             with self._txn():

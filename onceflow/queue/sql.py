@@ -245,6 +245,12 @@ RETURNING {RETURNING}
 
 GET: TextClause = text(f"SELECT {RETURNING} FROM {TABLE} w WHERE w.request_id = :request_id")
 
+# A claim whose answer was lost: the row already runs under our token.
+OWN_CLAIM: TextClause = text(f"""
+SELECT {RETURNING} FROM {TABLE} w
+WHERE w.request_id = :request_id AND w.claim_token = :token AND w.status = 'running'
+""")
+
 COUNTS: TextClause = text(f"""
 SELECT w.status, w.worker_class, count(*) AS n
 FROM {TABLE} w
@@ -450,6 +456,7 @@ Q_FAIL = render(FAIL)
 Q_CANCEL = render(CANCEL)
 Q_REQUEUE = render(REQUEUE)
 Q_GET = render(GET)
+Q_OWN_CLAIM = render(OWN_CLAIM)
 Q_COUNTS = render(COUNTS)
 Q_RESCUE_EXPIRED = render(RESCUE_EXPIRED)
 Q_DUE_FOR_DISPATCH = render(DUE_FOR_DISPATCH)

@@ -156,7 +156,21 @@ class Queue(Sweeper):
                 return self._enqueue_on(connection, params, strict)
         # Idempotent (ON CONFLICT DO NOTHING, same ids): after a lost connection it runs once
         # more; if the first attempt committed, the retry collapses onto its rows.
-        return retry_disconnect(lambda: self._enqueue_pooled(params, strict))
+        try:
+            return self._enqueue_pooled(params, strict)
+        except DatabaseUnavailable as exc:
+            if not is_disconnect(exc):
+                raise
+            log.info("enqueue: retrying once on a fresh connection after: %s", exc)
+        results = self._enqueue_pooled(params, strict)
+        # The lost attempt may have committed: then its rows read back as created=False and
+        # nobody sends their wake-up. Mark them unsent: the next sweep sends them (a duplicate
+        # wake-up for a row that had one is harmless).
+        unsure = [r.request_id for r in results if not r.created and r.status is Status.QUEUED]
+        if unsure:
+            with raw_connection(self.engine) as raw:
+                raw.execute(sql.Q_MARK_UNDISPATCHED_MANY, {"request_ids": unsure})
+        return results
 
     def _enqueue_pooled(self, params: dict[str, Any], strict: bool) -> list[EnqueueResult]:
         with raw_connection(self.engine) as raw:
@@ -332,8 +346,15 @@ class Queue(Sweeper):
             "request_id": request_id, "worker_id": worker_id, "token": token,
             "lease_seconds": lease, "stage": stage, "now": now,
         }  # fmt: skip
-        with raw_connection(self.engine) as raw:
-            row = fetch_one(raw, sql.Q_CLAIM, params)
+        try:
+            row = self._read_one(sql.Q_CLAIM, params)
+        except DatabaseUnavailable as exc:
+            if not is_disconnect(exc):
+                raise
+            # The lost attempt may have committed our claim (same token): take it up, or
+            # claim now. Never a second claim: the row can hold only one token.
+            own = {"request_id": request_id, "token": token}
+            row = self._read_one(sql.Q_OWN_CLAIM, own) or self._read_one(sql.Q_CLAIM, params)
         if row is None:
             return None
         request = Request.from_row(row)
@@ -387,21 +408,20 @@ class Queue(Sweeper):
         """Extend the lease by the claim's lease; raises :class:`LeaseLost` if it is gone.
 
         Never past the claim's run deadline (``max_runtime``): once there, the lease
-        is left to lapse. A database blip is retried on a fresh connection.
+        is left to lapse. A lost connection is retried once, on a fresh connection.
         """
         params = {
             "request_id": claim.request_id, "token": claim.token,
             "lease_seconds": claim.lease_seconds, "deadline": claim.run_deadline, "now": now,
         }  # fmt: skip
 
-        def attempt() -> Heartbeat:
-            with raw_connection(self.engine) as raw:
-                row = fetch_one(raw, sql.Q_HEARTBEAT, params)
-            if row is None:
-                raise LeaseLost(claim.request_id, "heartbeat rejected")
-            return Heartbeat(row["lease_expires_at"], row["cancel_requested"])
-
-        return self.fenced_retry(claim, attempt, budget=claim.lease_seconds / 3)
+        # One immediate retry after a lost connection (extending a lease twice is harmless);
+        # nothing longer: one thread beats for every stage of the process, and its next
+        # tick is the next retry.
+        row = retry_disconnect(lambda: self._read_one(sql.Q_HEARTBEAT, params))
+        if row is None:
+            raise LeaseLost(claim.request_id, "heartbeat rejected")
+        return Heartbeat(row["lease_expires_at"], row["cancel_requested"])
 
     def complete(
         self,
@@ -461,7 +481,26 @@ class Queue(Sweeper):
                 with raw_connection(self.engine) as raw:
                     # Our lost attempt created them, but their wake-ups were never sent.
                     raw.execute(sql.Q_MARK_UNDISPATCHED_MANY, {"request_ids": ids})
-                    followed = self._enqueue_raw(raw, follow_params, strict=False)
+                    rows = fetch_all(raw, sql.Q_ENQUEUE_LOOKUP, {"request_ids": ids})
+                found = {r["request_id"]: r for r in rows}
+                followed = [
+                    EnqueueResult(
+                        RequestId(rid),
+                        False,
+                        Status(found[rid]["status"]),
+                        found[rid]["input_hash"] != digest,
+                        stage=stage,
+                        worker_class=wc,
+                    )
+                    for rid, digest, stage, wc in zip(
+                        ids,
+                        follow_params["input_hashes"],
+                        follow_params["stages"],
+                        follow_params["worker_classes"],
+                        strict=True,
+                    )
+                    if rid in found
+                ]
             return current, followed
 
         return self.fenced_retry(claim, attempt, landed)
@@ -512,27 +551,24 @@ class Queue(Sweeper):
 
         Fenced writes are safe to repeat: the token decides, on the database clock.
         The retry ``budget`` (one lease by default, on this process's monotonic
-        clock) only bounds
-        how long we keep trying; it never decides whether the lease holds. After an
-        attempt whose answer was lost, a ``LeaseLost`` may mean that attempt
-        committed: ``landed()`` recognises our own committed write.
+        clock) only bounds how long we keep trying; it never decides whether the
+        lease holds. A ``LeaseLost`` may mean that an earlier attempt — this call's or
+        a caller's, whose answer was lost — committed: ``landed()`` recognises our own
+        committed write (it is asked only on that path, never on success).
         """
         deadline = time.monotonic() + (claim.lease_seconds if budget is None else budget)
         delay = 0.05
-        uncertain = False
         while True:
             try:
                 return attempt()
             except LeaseLost:
-                if uncertain:
-                    found = landed()
-                    if found is not None:
-                        return found
+                found = landed()
+                if found is not None:
+                    return found
                 raise
             except DatabaseUnavailable as exc:
                 if time.monotonic() + delay > deadline:
                     raise
-                uncertain = uncertain or is_disconnect(exc)
                 log.warning(
                     "request %s: database blip in a fenced write (%s); retrying",
                     claim.request_id,
@@ -656,7 +692,7 @@ class Queue(Sweeper):
         return out
 
     def _read_one(self, query: str, params: dict[str, Any]) -> Any:
-        """One row of a read on a pooled connection (safe to repeat: see retry_disconnect)."""
+        """The first row of one statement on a pooled connection (autocommit)."""
         with raw_connection(self.engine) as raw:
             return fetch_one(raw, query, params)
 

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ValidationError
 
 from onceflow.db import dispose_engines, size_pools_for
 from onceflow.errors import InvalidRequest, OnceflowError, UnknownStage
-from onceflow.ids import check_id
+from onceflow.ids import check_id, random_request_id
 from onceflow.models.requests import Dispatch, EnqueueResult, NewRequest, SweepResult
 from onceflow.queue import Queue
 from onceflow.settings import Settings, get_settings
@@ -323,11 +323,17 @@ class Flow:
         does not fit :class:`InvalidRequest` — before anything is written.
         """
         spec = self.spec(item.stage)
+        dedupe = spec.dedupe if item.dedupe is None else item.dedupe
+        request_id = item.request_id
+        if request_id is None and not dedupe:
+            # Minted here, once: a hand-off repeated after a lost answer names the same row.
+            request_id = random_request_id()
         return replace(
             item,
+            request_id=request_id,
             input=self.validate_input(spec, item.input),
             worker_class=spec.worker_class if item.worker_class is None else item.worker_class,
-            dedupe=spec.dedupe if item.dedupe is None else item.dedupe,
+            dedupe=dedupe,
             priority=spec.priority if item.priority is None else item.priority,
             max_attempts=spec.max_attempts if item.max_attempts is None else item.max_attempts,
             max_crash_attempts=(

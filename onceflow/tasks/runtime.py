@@ -66,6 +66,9 @@ class StageContext:
         self._cancel = threading.Event()
         self._then: list[NewRequest] = []
         self.worker_id = worker_id
+        # When the database last confirmed the lease (claim or heartbeat), on this process's
+        # monotonic clock: it only bounds how long a completion keeps retrying.
+        self._confirmed_at = time.monotonic()
 
     @property
     def request(self) -> Request:
@@ -267,6 +270,7 @@ class _Heartbeats:
             # The database may be back before the lease runs out: keep trying.
             log.warning("request %s: heartbeat failed: %s", ctx.request.request_id, exc)
             return
+        ctx._confirmed_at = time.monotonic()
         if beat.cancel_requested and not ctx._cancel.is_set():
             log.info("request %s: cancel requested", ctx.request.request_id)
             ctx._cancel.set()
@@ -331,7 +335,7 @@ def run_request(
             return {**outcome, **_fail(queue, claim, error_payload(exc), retryable=retryable)}
         # The body succeeded: from here on nothing may turn that into a failure or a re-run
         # except a lost lease (someone else owns the request now).
-        return {**outcome, **_complete(queue, claim, result, ctx._then, dispatch)}
+        return {**outcome, **_complete(queue, ctx, result, dispatch)}
     finally:
         # Always, also on BaseException (worker shutdown): no heartbeat outlives its stage.
         _heartbeats.remove(ctx)
@@ -369,24 +373,36 @@ def _claim(queue: Queue, spec: StageSpec, request_id: str, worker_id: str) -> Cl
 
 def _complete(
     queue: Queue,
-    claim: Claim,
+    ctx: StageContext,
     result: Any,
-    then: list[NewRequest],
     dispatch: Callable[[Dispatch], object] | None,
 ) -> dict[str, Any]:
-    """Record a successful body's result; a database blip is retried, never a failure."""
-    try:
-        _, followed = queue.hand_off(claim, result, then=then)
-    except LeaseLost:
-        return _lease_lost(queue, claim)
-    except DatabaseUnavailable as exc:
-        # Postgres did not answer for as long as the lease could hold: whether it holds is
-        # for the database to say. The row is left as it is — never marked failed — and the
-        # sweeper rescues it if the lease lapsed.
-        log.error("request %s: completion not recorded: %s", claim.request_id, exc)
-        return {"outcome": "completion_unknown", "error": str(exc)}
-    except InvalidRequest as exc:  # the result itself is refused (too large, not JSON)
-        return _fail(queue, claim, error_payload(exc), retryable=False)
+    """Record a successful body's result: a database blip is retried, never a failure.
+
+    Retried for as long as the database keeps confirming the lease (the heartbeat
+    thread goes on beating meanwhile): only ``LeaseLost`` — someone else owns the
+    request now — or a database silent for a whole lease ends the attempt.
+    """
+    claim = ctx.claim
+    delay = 0.1
+    while True:
+        try:
+            _, followed = queue.hand_off(claim, result, then=ctx._then)
+            break
+        except LeaseLost:
+            return _lease_lost(queue, claim)
+        except InvalidRequest as exc:  # the result itself is refused (too large, not JSON)
+            return _fail(queue, claim, error_payload(exc), retryable=False)
+        except OnceflowError as exc:  # unavailable, lost connection, pool timeout, failover
+            silent = time.monotonic() - ctx._confirmed_at
+            if ctx.lease_lost or silent > claim.lease_seconds:
+                # Whether the lease still holds is for the database to say: the row is left
+                # as it is, and if the lease lapsed the sweeper rescues it.
+                log.error("request %s: completion not recorded: %s", claim.request_id, exc)
+                return {"outcome": "completion_unknown", "error": str(exc)}
+            log.warning("request %s: completion retried after: %s", claim.request_id, exc)
+            time.sleep(delay)
+            delay = min(1.0, delay * 2)
     if dispatch is not None:
         for made in followed:
             if made.created:

@@ -213,6 +213,8 @@ def test_a_retry_after_a_lost_reply_collapses_onto_the_committed_row(
     rows = Queue(clean_db).list(job_id="lost-reply")
     assert [r.request_id for r in rows] == [made[0].request_id]  # one row, not two
     assert not made[0].created  # the retry found the first attempt's row
+    # Nobody got created=True, so nobody sent its wake-up: it is left to the next sweep.
+    assert rows[0].dispatched_at is None
 
 
 # ------------------------------------------------------------ a private server restarted

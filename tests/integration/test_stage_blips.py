@@ -8,13 +8,12 @@ connection. Before the fix the error went through ``fail``: the body ran again, 
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import psycopg
 import pytest
 from pydantic import BaseModel
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 
 from onceflow import Status
 from onceflow.oplog import OpLog
@@ -86,35 +85,86 @@ def test_fenced_writes_retry_a_blip_and_join_their_first_attempt(
     assert OpLog(clean_db).get_sub_doc("w", "doc").clock == 1
 
 
-def test_a_completion_whose_answer_was_lost_is_recognised(clean_db: Engine, redis_url: str) -> None:
-    """The retry after an ambiguous failure finds its own committed completion.
-
-    The lost answer is made by committing the completion and then raising the error a
-    dropped connection raises (the network part is the backend kills above).
-    """
-    from onceflow.errors import ConnectionLost
-
+def test_a_completion_whose_answer_was_lost_is_recognised(
+    clean_db: Engine, redis_url: str
+) -> None:
+    """Repeating a completion that committed (its answer lost with the connection) returns
+    the committed row instead of ``LeaseLost``; its hand-offs exist once and are marked for
+    the sweeper's next wake-up (the lost attempt never sent theirs)."""
     flow = Flow(name="blip-landed-test")
     flow.stage("s", input=Empty, worker_class="wc")(lambda ctx, data: None)
-    flow.stage("next", input=Empty, worker_class="wc2")(lambda ctx, data: None)
+    flow.stage("next", input=Empty, worker_class="wc2", dedupe=False)(lambda ctx, data: None)
     rid = flow.enqueue("s", "w", "j", "main").request_id
     queue = flow.queue
     claim = queue.claim(rid, "host:1")
     assert claim is not None
-    follow = [flow.new_request("next", "w", "j", "main")]
-    done = threading.Event()
-
-    def attempt() -> Any:
-        if not done.is_set():
-            done.set()
-            queue.hand_off(claim, {"v": 1}, then=follow)
-            raise ConnectionLost("the answer was lost with the connection")
-        return queue.hand_off(claim, {"v": 1}, then=follow)
-
-    def landed() -> Any:
-        return queue._landed(claim, (Status.SUCCEEDED,))
-
-    row = queue.fenced_retry(claim, attempt, landed)
-    assert row.status is Status.SUCCEEDED and row.result == {"v": 1}
+    follow = [flow.new_request("next", "w", "j", "main")]  # a random id, minted once
+    _, [made] = queue.hand_off(claim, {"v": 1}, then=follow)
+    assert made.created
+    again, [same] = queue.hand_off(claim, {"v": 1}, then=follow)  # the "retry"
+    assert again.status is Status.SUCCEEDED and again.result == {"v": 1}
+    assert same.request_id == made.request_id and not same.created
     [nxt] = queue.list(stage="next")
-    assert nxt.dispatched_at is not None  # created once, by the first attempt
+    assert nxt.dispatched_at is None  # the next sweep sends its wake-up
+    # Another claimant (a zombie) is still refused.
+    other = queue.claim(rid, "host:2")
+    assert other is None
+
+
+def test_the_sdk_keeps_and_retries_an_op_through_a_database_blip(
+    clean_db: Engine, redis_url: str, database_url: str, tmp_path: Any
+) -> None:
+    """In process, the database is the transport: a lost connection is not an answer."""
+    from onceflow.oplog import InProcessTransport, WorkspaceClient
+
+    client = WorkspaceClient(
+        InProcessTransport(OpLog(clean_db)), "w", outbox=tmp_path / "o.db", backoff_base=0.01
+    )
+    first = client.apply("doc", {"type": "cell.set", "column": "a", "value": 1})
+    assert first is not None and first.clock == 1
+    assert kill_backends(database_url) >= 1  # the op log's pooled connection is dead
+    second = client.apply("doc", {"type": "cell.set", "column": "b", "value": 2})
+    assert second is not None and second.clock == 2 and not second.duplicate
+    assert client.pending() == []
+    assert OpLog(clean_db).get_sub_doc("w", "doc").state["cells"] == {"a": 1, "b": 2}
+
+
+def test_a_completion_error_that_is_not_a_disconnect_is_retried_while_the_lease_holds(
+    clean_db: Engine, redis_url: str
+) -> None:
+    """A failover's read-only error, a lock timeout, a pool timeout: not a lost connection,
+    yet not an answer either. Retried while heartbeats still confirm the lease."""
+    runs: list[int] = []
+    flow = Flow(name="blip-store-error-test")
+
+    @flow.stage("s", input=Empty, worker_class="wc", lease_seconds=3)
+    def body(ctx: StageContext, data: Empty) -> dict[str, Any]:
+        runs.append(ctx.attempt)
+        return {"ok": True}
+
+    with clean_db.begin() as conn:  # the completion fails 3 times, then goes through
+        conn.execute(
+            text("""
+            CREATE SEQUENCE refuse_count;
+            CREATE FUNCTION refuse_completion() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                IF nextval('refuse_count') <= 3 THEN
+                    RAISE EXCEPTION 'cannot execute UPDATE in a read-only transaction';
+                END IF;
+                RETURN NEW;
+            END $$;
+            CREATE TRIGGER refuse BEFORE UPDATE ON workspace_process_requests
+            FOR EACH ROW WHEN (NEW.status = 'succeeded') EXECUTE FUNCTION refuse_completion();
+            """)
+        )
+    try:
+        rid = flow.enqueue("s", "w", "j", "main").request_id
+        outcome = run_request(flow.queue, flow.spec("s"), rid, "host:1", lambda _: True)
+    finally:
+        with clean_db.begin() as conn:
+            conn.execute(text("DROP TRIGGER refuse ON workspace_process_requests"))
+            conn.execute(text("DROP FUNCTION refuse_completion(); DROP SEQUENCE refuse_count"))
+    assert outcome["outcome"] == "succeeded"
+    row = flow.queue.get(rid)
+    assert (row.status, row.attempts, row.result) == (Status.SUCCEEDED, 1, {"ok": True})
+    assert runs == [1]
