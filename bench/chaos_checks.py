@@ -13,8 +13,10 @@ the kills the harness made, and the workers' logs.
   the earlier attempt's process was killed by the harness after that end, or — only in scenarios
   whose fault outlasts a lease — when its worker logged the lease as lost; unexplained otherwise.
 * **duplicate paid calls** — provider calls for a cell beyond the first. Explained up to the
-  number of that cell's calls in flight at a kill or Redis loss (or during a partition/latency
-  window, where a lease may lapse mid-call).
+  number of that cell's calls whose value was in flight at a kill or Redis loss, or during a
+  partition/latency window (where a lease may lapse): started by the event's end, and the
+  cell not yet stored when the event began (a value computed but not stored dies with its
+  process, or is fenced out with its lease).
 * **zombie writes accepted** — a completion or fenced op write that committed while its claim
   was not live (the triggers re-check status and lease against the database clock at commit), a
   completion whose token no finished body had, or an op write whose writer (ledger) held another
@@ -50,6 +52,19 @@ def _lease_lost_ids(run: Run) -> set[str]:
     for path in run.work.glob("worker-*.log"):
         found.update(LEASE_LOST.findall(path.read_text(errors="replace")))
     return found
+
+
+def _dump(run: Run, spans: list[tuple[str, float, float]]) -> None:
+    """The raw inputs of the checks, for a post-mortem (``<work>/<scenario>/raw.json``)."""
+    raw = {
+        "t0": run.t0,
+        "fault": [run.fault_start, run.fault_end],
+        "kills": [[t, sorted(pids)] for t, pids in run.kills],
+        "explaining": run.explaining,
+        "calls": spans,
+        "samples": run.samples,
+    }
+    (run.work / "raw.json").write_text(json.dumps(raw))
 
 
 def _recovery(run: Run) -> dict[str, float | None]:
@@ -169,20 +184,29 @@ def check(run: Run) -> dict[str, Any]:
         1 for op_id, seen, _ in op_audit if op_id in writer and writer[op_id] != seen
     )
 
-    # Duplicate paid calls.
+    # Duplicate paid calls. A call is exposed to a kill / Redis loss / partition when it had
+    # started by the event's end and its cell's value was not stored before the event began:
+    # its paid value was still in flight (in the provider, or computed and not yet stored).
     spans = run.llm.spans()
+    stored_at: dict[str, float] = {}
+    for e in events:
+        if e["e"] == "op" and e.get("cell") and not e.get("dup"):
+            stored_at[e["cell"]] = min(stored_at.get(e["cell"], e["t"]), e["t"])
     per_key = Counter(key for key, _, _ in spans)
     paid_dup = sum(n - 1 for n in per_key.values() if n > 1)
     explained = 0
     for key, n in per_key.items():
         if n < 2:
             continue
+        stored = stored_at.get(key, float("inf"))
         budget = sum(
             1
-            for k, s, e in spans
-            if k == key and any(s <= w_end and e >= w_start for w_start, w_end in run.explaining)
+            for k, s, _ in spans
+            if k == key
+            and any(s <= w_end and stored > w_start for w_start, w_end in run.explaining)
         )
         explained += min(n - 1, budget)
+    _dump(run, spans)
 
     rec = _recovery(run)
     lost = len(lost_ids) + missing_writes + missing_client_ops

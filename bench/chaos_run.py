@@ -239,6 +239,7 @@ class Run:
         with contextlib.suppress(psutil.Error):
             pids |= {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
         t = time.monotonic()
+        inflight = self.llm.inflight()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         with contextlib.suppress(Exception):
@@ -248,8 +249,7 @@ class Run:
             self.explaining.append((t, t))
         if self.fault_end is None:
             self.end_fault()  # the fault is the kill; recovery counts from here
-        self.note(f"kill -9 of the {wc} worker ({len(pids)} processes), "
-                  f"{self.llm.inflight()} provider calls in flight")  # fmt: skip
+        self.note(f"kill -9 of the {wc} worker ({len(pids)} processes), {inflight} calls in flight")
         replacement = self.start_worker(wc, f"{wc}-r{len(self.kills)}")
         replacement.wait_log(" ready.", timeout=60)
         self.workers[wc] = replacement
@@ -306,8 +306,11 @@ def _client(run: Run, index: int, items: list[Item], deadline: float) -> None:
                 with run.lock:
                     run.client_ok.append((index, time.monotonic()))
                 break
-            except InvalidRequest:
-                raise
+            except InvalidRequest as exc:  # a refusal, not a blip: report it, go on
+                run.note(f"client {index}: {item.stage}/{item.job} refused: {exc}")
+                with run.lock:
+                    run.client_failed.append(f"{item.stage}/{item.job}")
+                break
             except (OnceflowError, OSError) as exc:
                 with run.lock:
                     run.client_err.append((index, time.monotonic(), type(exc).__name__))

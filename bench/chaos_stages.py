@@ -7,7 +7,8 @@ cells, long heartbeating stages, hand-off targets). Every body records what it d
 
 * ``start`` / ``end`` — the body began / reached its last line (``end`` is written just before
   the body returns, so a completion can only follow an ``end`` of the same claim);
-* ``op`` — an op write returned, with its op id, clock and whether it was a replay.
+* ``op`` — an op write returned, with its op id, clock, whether it was a replay, and for a
+  cell's stored value the provider key of the cell (``job/column``).
 
 Each event carries the request id, the attempt, a short hash of the claim token (never the
 token), the pid and ``time.monotonic()`` (one clock for every process on the machine).
@@ -93,9 +94,19 @@ def record(event: str, ctx: StageContext, **extra: Any) -> None:
         _ledger[1].write(line + "\n")
 
 
-def _write(ctx: StageContext, sub_doc: str, op: dict[str, Any], key: str) -> None:
+def _write(
+    ctx: StageContext, sub_doc: str, op: dict[str, Any], key: str, cell: str | None = None
+) -> None:
     result = ctx.apply_op(sub_doc, op, key=key)
-    record("op", ctx, op_id=result.op_id, sub_doc=sub_doc, dup=result.duplicate, clock=result.clock)
+    record(
+        "op",
+        ctx,
+        op_id=result.op_id,
+        sub_doc=sub_doc,
+        dup=result.duplicate,
+        clock=result.clock,
+        cell=cell,
+    )
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -185,7 +196,7 @@ def _declare(flow: Flow) -> Flow:
 
         def store(value: float) -> None:
             op = {"type": "cell.set", "column": data.column, "value": value}
-            _write(ctx, doc, op, f"cell:{data.column}")
+            _write(ctx, doc, op, f"cell:{data.column}", cell=f"{job}/{data.column}")
 
         outcome = ctx.compute_once(f"cell:{data.column}", check=check, compute=compute, store=store)
         record("end", ctx, path=str(outcome.path))
