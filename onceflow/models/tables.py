@@ -63,6 +63,7 @@ workspace_process_requests = Table(
     Column("cancel_requested", Boolean, nullable=False, server_default=text("false")),
     Column("dispatched_at", DateTime(timezone=True)),
     # Wake-ups the sweeper re-sent since the row's first one: the exponent of their backoff.
+    # No CHECK: see migration 0004 (it would scan the table under an exclusive lock).
     Column("redispatch_count", Integer, nullable=False, server_default=text("0")),
     Column("result", JSONB),
     Column("error", JSONB),
@@ -72,7 +73,6 @@ workspace_process_requests = Table(
     CheckConstraint(f"status IN ({_STATUSES})", name="status"),
     CheckConstraint("attempts >= 0 AND crash_attempts >= 0", name="attempts"),
     CheckConstraint("max_attempts >= 1 AND max_crash_attempts >= 1", name="max_attempts"),
-    CheckConstraint("redispatch_count >= 0", name="redispatch_count"),
     # A running row always has a token and a lease; no other row has a live claim.
     CheckConstraint(
         "(status = 'running') = (claim_token IS NOT NULL AND lease_expires_at IS NOT NULL)",

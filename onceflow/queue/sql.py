@@ -335,12 +335,14 @@ WHERE w.request_id = due.request_id
 RETURNING w.request_id, w.stage, w.worker_class
 """)
 
-# Per worker class: queued, due rows, and those of them whose wake-up is stale (past its
-# backoff). The sweeper compares the first with the broker's queue length: a row merely
-# waiting behind a backlog still has its message in the queue.
+# Per worker class: queued, due rows, those of them whose wake-up is stale (past its
+# backoff), and those never sent. The sweeper compares the first with the broker's queue
+# length: a row merely waiting behind a backlog still has its message in the queue, and a
+# never-sent row has none without any having been lost.
 DUE_COUNTS: TextClause = text(f"""
 WITH n AS ({_NOW})
-SELECT w.worker_class, count(*) AS due, count(*) FILTER (WHERE {_STALE}) AS stale
+SELECT w.worker_class, count(*) AS due, count(*) FILTER (WHERE {_STALE}) AS stale,
+       count(*) FILTER (WHERE w.dispatched_at IS NULL) AS unsent
 FROM {TABLE} w, n
 WHERE w.status = 'queued' AND w.run_after <= n.now AND {_STAGES}
 GROUP BY w.worker_class

@@ -8,11 +8,17 @@ Telling a lost wake-up from a waiting one: a row whose wake-up was sent but not 
 claimed may be waiting behind a backlog (its message is still in the broker) or lost
 (purged, dropped with a Redis restart). Re-sends of one row back off exponentially
 (``redispatch_count``), and when the caller can ask the broker how many messages wait
-per worker class, a class gets at most ``due rows - messages waiting`` re-sends.
+per worker class, a class gets at most ``due rows - messages waiting - rows never sent``
+re-sends. Never-sent rows and re-sends each get half of a sweep's limit (a share one
+kind leaves unused goes to the other), so neither kind can starve the other.
+
+A row marked dispatched must get its wake-up: a Flow's sweep hands each batch to its
+sender right after the statement that marked it, and prunes run last, each on its own.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -29,6 +35,11 @@ from onceflow.models.requests import Dispatch, SweepResult
 from onceflow.models.status import Status
 from onceflow.queue import sql
 from onceflow.settings import Settings
+
+log = logging.getLogger("onceflow.sweep")
+
+#: ``send(batch)``: publish the wake-ups of rows a sweep statement has just marked dispatched.
+Send = Callable[[Sequence[Dispatch]], object]
 
 #: ``backlog(worker_classes)``: messages waiting in the broker per worker class (a queue
 #: that does not exist counts 0), or None when the broker cannot be asked.
@@ -99,43 +110,68 @@ class Sweeper:
         stages: Sequence[str] | None = None,
         backlog: Backlog | None = None,
         sending: Sequence[Dispatch] = (),
+        send: Send | None = None,
         now: datetime | None = None,
     ) -> list[Dispatch]:
         """Queued, due rows that need a wake-up; marked dispatched in the same statement.
 
-        First, rows that never had one (``dispatched_at`` NULL: a failed send, a retry
-        that became due) — always. Then rows whose wake-up is stale: sent more than
-        ``redispatch_after * 2**min(k, 5)`` seconds ago, ``k`` being the re-sends so far.
-        With ``backlog``, each worker class gets at most ``due rows - messages waiting``
-        of those (a row waiting behind a backlog still has its message), less the
-        wake-ups of that class about to be sent (``sending``: this sweep's rescues, and the
-        never-sent rows above); without it, or if the broker cannot be asked, the backoff
-        alone limits them.
+        Two kinds share ``limit``: rows that never had a wake-up (``dispatched_at`` NULL:
+        a failed send, a retry that became due), and rows whose wake-up is stale — sent
+        more than ``redispatch_after * 2**min(k, 5)`` seconds ago, ``k`` being the
+        re-sends so far — so possibly lost. Each kind gets half of ``limit``, and the
+        share one kind leaves unused passes to the other: a flood of never-sent rows (a
+        broker outage, a burst of retries) never starves lost wake-ups, nor the reverse.
+
+        With ``backlog``, each worker class gets at most ``due rows - messages waiting -
+        never-sent rows`` stale re-sends (a row waiting behind a backlog still has its
+        message), less the wake-ups of that class marked but not yet published
+        (``sending``; and, without ``send``, this call's own); without it, or if the
+        broker cannot be asked, the backoff alone limits them.
+
+        ``send``: called with each batch right after the statement that marked it, so a
+        later failure can never leave a row marked dispatched without its wake-up.
+        Without it, the caller sends the returned list.
         """
         after = _seconds("redispatch_after", redispatch_after)
         limit = _limit(limit)
         base = {"stages": _stages(stages), "now": now}
-        with raw_connection(self.engine) as raw:
-            rows = fetch_all(raw, sql.Q_DUE_UNSENT, {**base, "limit": limit})
-        if len(rows) < limit:
-            pending = Counter(d.worker_class for d in sending)
-            pending.update(r["worker_class"] for r in rows)
-            budgets = self._resend_budgets(after, base, backlog, pending, limit)
-            for worker_class, budget in budgets.items():
-                take = min(budget, limit - len(rows))
-                if take <= 0:
-                    continue
-                params = {**base, "redispatch_after": after, "worker_class": worker_class}
-                with raw_connection(self.engine) as raw:
-                    rows += fetch_all(raw, sql.Q_DUE_FOR_DISPATCH, {**params, "limit": take})
-        return [Dispatch(RequestId(r["request_id"]), r["stage"], r["worker_class"]) for r in rows]
+        marked: list[Dispatch] = []
+        unpublished = Counter(d.worker_class for d in sending)
+
+        def mark(statement: str, params: dict[str, Any]) -> int:
+            with raw_connection(self.engine) as raw:
+                rows = fetch_all(raw, statement, {**base, **params})
+            batch = [
+                Dispatch(RequestId(r["request_id"]), r["stage"], r["worker_class"]) for r in rows
+            ]
+            marked.extend(batch)
+            if send is None:
+                unpublished.update(d.worker_class for d in batch)
+            elif batch:
+                send(batch)
+            return len(batch)
+
+        share = (limit + 1) // 2  # the never-sent rows' share; the rest is the stale rows'
+        unsent = mark(sql.Q_DUE_UNSENT, {"limit": share})
+        room = limit - unsent
+        stale = 0
+        for worker_class, budget in self._resend_budgets(
+            after, base, backlog, unpublished, room
+        ).items():
+            take = min(budget, room - stale)
+            if take > 0:
+                params = {"redispatch_after": after, "worker_class": worker_class, "limit": take}
+                stale += mark(sql.Q_DUE_FOR_DISPATCH, params)
+        if unsent == share and unsent + stale < limit:  # more may wait: the stale rows' spare
+            mark(sql.Q_DUE_UNSENT, {"limit": limit - unsent - stale})
+        return marked
 
     def _resend_budgets(
         self,
         after: float,
         base: dict[str, Any],
         backlog: Backlog | None,
-        pending: Counter[str],
+        unpublished: Counter[str],
         cap: int,
     ) -> dict[str | None, int]:
         """How many stale wake-ups to re-send per worker class (None: any class)."""
@@ -143,16 +179,19 @@ class Sweeper:
             return {None: cap}
         with raw_connection(self.engine) as raw:
             counts = fetch_all(raw, sql.Q_DUE_COUNTS, {**base, "redispatch_after": after})
-        stale = {r["worker_class"]: (int(r["due"]), int(r["stale"])) for r in counts if r["stale"]}
+        stale = {r["worker_class"]: r for r in counts if r["stale"]}
         if not stale:
             return {}  # nothing stale: the broker is not asked at all
         waiting = backlog(sorted(stale))
         if waiting is None:
             return {None: cap}  # the broker cannot be asked: the backoff alone limits re-sends
-        return {
-            wc: min(n_stale, max(0, due - int(waiting.get(wc, 0)) - pending[wc]))
-            for wc, (due, n_stale) in stale.items()
-        }
+        budgets: dict[str | None, int] = {}
+        for wc, r in stale.items():
+            # A due row with no message in the broker was never sent (not lost: not sent
+            # yet), is marked but not yet published, or lost its wake-up: only those get one.
+            lost = int(r["due"]) - int(waiting.get(wc, 0)) - int(r["unsent"]) - unpublished[wc]
+            budgets[wc] = min(int(r["stale"]), max(0, lost))
+        return budgets
 
     def prune(
         self,
@@ -183,41 +222,75 @@ class Sweeper:
         limit: int = 1000,
         stages: Sequence[str] | None = None,
         backlog: Backlog | None = None,
+        send: Send | None = None,
         now: datetime | None = None,
     ) -> SweepResult:
-        """One sweeper pass: rescue lapsed leases, collect rows needing a wake-up, prune.
+        """One sweeper pass: rescue lapsed leases, send the wake-ups rows need, then prune.
 
-        ``to_dispatch`` lists the wake-ups the caller must send; those rows are already
-        marked dispatched. A :class:`~onceflow.tasks.Flow` passes ``stages`` (the stages
-        it declares, the only ones it can send) and ``backlog`` (its broker's queue
-        lengths). Called on a bare queue (``stages=None``), it covers every stage and
-        limits re-sends by their backoff alone: use it when the caller sends the wake-ups
-        of every stage itself, or serves them with pull workers that need none.
-        Retention (pruning) always applies to the whole table.
+        ``to_dispatch`` lists the wake-ups of the rows this pass marked dispatched. With
+        ``send``, each batch went to it right after the statement that marked it (so an
+        error in a later step strands none); without it, the caller must send them. A
+        :class:`~onceflow.tasks.Flow` passes ``stages`` (the stages it declares, the only
+        ones it can send), ``backlog`` (its broker's queue lengths) and ``send``. Called on
+        a bare queue (``stages=None``), it covers every stage and limits re-sends by their
+        backoff alone: use it when the caller sends the wake-ups of every stage itself, or
+        serves them with pull workers that need none.
+
+        Retention (pruning) always applies to the whole table, runs last, and never fails
+        the sweep: a prune that raises is logged and tried again at the next sweep.
         """
         s = self.settings
         after = s.redispatch_after_seconds if redispatch_after is None else redispatch_after
         rescued = self.rescue_expired(limit=limit, stages=stages, now=now)
+        if send is not None and rescued.to_dispatch:
+            send(rescued.to_dispatch)
         due = self.due_for_dispatch(
             redispatch_after=after,
             limit=limit,
             stages=stages,
             backlog=backlog,
-            sending=rescued.to_dispatch,
+            sending=() if send is not None else rescued.to_dispatch,
+            send=send,
             now=now,
         )
-        pruned = self.prune(
-            retention_seconds=s.retention_seconds,
-            payload_retention_seconds=s.payload_retention_seconds,
-            limit=limit,
-            now=now,
-        )
+        pruned = 0
+        if s.payload_retention_seconds is not None:
+            pruned += _logged_prune(
+                "payload prune",
+                lambda: self.prune(
+                    retention_seconds=None,
+                    payload_retention_seconds=s.payload_retention_seconds,
+                    limit=limit,
+                    now=now,
+                ),
+            )
+        if s.retention_seconds is not None:
+            pruned += _logged_prune(
+                "retention prune",
+                lambda: self.prune(
+                    retention_seconds=s.retention_seconds,
+                    payload_retention_seconds=None,
+                    limit=limit,
+                    now=now,
+                ),
+            )
         return SweepResult(
             rescued=rescued.rescued,
             quarantined=rescued.quarantined,
             to_dispatch=rescued.to_dispatch + due,
             pruned=pruned,
         )
+
+
+def _logged_prune(what: str, prune: Callable[[], int]) -> int:
+    """Run one retention step; an error is logged (the wake-ups are out already), not raised."""
+    try:
+        return prune()
+    except Exception as exc:  # any error: retention waits for the next sweep, nothing else does
+        log.warning(
+            "sweep: %s failed, tried again next sweep: %s: %s", what, type(exc).__name__, exc
+        )
+        return 0
 
 
 def _stages(stages: Sequence[str] | None) -> list[str] | None:
@@ -242,4 +315,4 @@ def _seconds(name: str, value: float) -> float:
     return float(value)
 
 
-__all__ = ["Backlog", "SweepTurn", "Sweeper"]
+__all__ = ["Backlog", "Send", "SweepTurn", "Sweeper"]

@@ -20,13 +20,14 @@ TABLE = "workspace_process_requests"
 
 
 def upgrade() -> None:
-    # A constant default: Postgres 11+ adds the column without rewriting the table.
+    # A constant default: Postgres 11+ adds the column without rewriting the table, holding
+    # its ACCESS EXCLUSIVE lock only for the catalog change. Deliberately no CHECK
+    # (redispatch_count >= 0): adding one would scan the whole hot table under that lock,
+    # and it would guard nothing — only the default and onceflow's own sweep statements
+    # (which set 0 or add 1) ever write the column.
     op.add_column(
         TABLE,
         sa.Column("redispatch_count", sa.Integer(), server_default=sa.text("0"), nullable=False),
-    )
-    op.create_check_constraint(
-        op.f("ck_workspace_process_requests_redispatch_count"), TABLE, "redispatch_count >= 0"
     )
     op.create_table(
         "onceflow_sweeps",
@@ -39,5 +40,4 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.drop_table("onceflow_sweeps")
-    op.drop_constraint(op.f("ck_workspace_process_requests_redispatch_count"), TABLE, "check")
     op.drop_column(TABLE, "redispatch_count")
