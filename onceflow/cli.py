@@ -305,7 +305,8 @@ def worker(
     classes = list(worker_classes) or (flow.queues() if flow is not None else ["default"])
     for wc in classes:
         check_id("worker_class", wc)
-    queues = ",".join([*classes, MAINTENANCE_QUEUE])
+    # Its Flow's maintenance queue (beat's sweeps): another Flow's sweeps are not its own.
+    queues = ",".join([*classes, flow.maintenance_queue if flow is not None else MAINTENANCE_QUEUE])
     name = hostname or f"onceflow-{'-'.join(classes)[:40]}-{os.getpid()}@%h"
     argv = ["worker", "-Q", queues, "-E", "--loglevel", loglevel, "--pool", pool, "-n", name]
     if concurrency:

@@ -85,6 +85,17 @@ def get_engine(url: str | None = None) -> Engine:
     return engine
 
 
+def _renew_lock_after_fork() -> None:
+    # A forked child has only the forking thread: had another thread (the sweep watchdog in
+    # a prefork worker's main process) held _lock at that instant, nobody would release it,
+    # and the child's first get_engine or dispose_engines would wait forever.
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_renew_lock_after_fork)
+
+
 def dispose_engines() -> None:
     """Forget every engine built in a parent process (call in a freshly forked child)."""
     with _lock:

@@ -13,8 +13,21 @@ from typing import Any
 from onceflow.settings import Settings
 
 SWEEP_TASK = "onceflow.sweep"
-#: The queue every onceflow worker also consumes, for maintenance (the sweeper).
+#: The maintenance queue (beat's sweeps) of a Flow with the default name; every onceflow
+#: worker also consumes its Flow's: see :func:`maintenance_queue_for`.
 MAINTENANCE_QUEUE = "onceflow"
+DEFAULT_FLOW_NAME = "onceflow"
+
+
+def maintenance_queue_for(flow_name: str) -> str:
+    """The queue beat sends a Flow's sweeps to, and that Flow's workers consume.
+
+    ``onceflow`` for the default name, else ``onceflow.<name>``: two Flows on one broker
+    (with different names, as their worker classes differ) never take each other's sweeps.
+    """
+    if flow_name == DEFAULT_FLOW_NAME:
+        return MAINTENANCE_QUEUE
+    return f"{MAINTENANCE_QUEUE}.{flow_name[:200]}"
 
 
 def time_limits(max_runtime: float) -> tuple[float, float]:
@@ -26,8 +39,11 @@ def time_limits(max_runtime: float) -> tuple[float, float]:
     return max_runtime, max_runtime + max(5.0, 0.1 * max_runtime)
 
 
-def celery_config(settings: Settings) -> dict[str, Any]:
-    """Celery settings for ``settings`` (lower-case Celery 4+ names)."""
+def celery_config(
+    settings: Settings, *, maintenance_queue: str = MAINTENANCE_QUEUE
+) -> dict[str, Any]:
+    """Celery settings for ``settings`` (lower-case Celery 4+ names); beat sends the
+    sweeps to ``maintenance_queue`` (the Flow's: :func:`maintenance_queue_for`)."""
     interval = settings.sweep_interval_seconds
     return {
         "broker_url": settings.celery_broker_url,
@@ -49,6 +65,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_ignore_result": True,
         "result_backend": None,
         "task_default_queue": "default",
+        "task_routes": {SWEEP_TASK: {"queue": maintenance_queue}},
         "worker_hijack_root_logger": False,
         "beat_schedule": {
             "onceflow-sweep": {
@@ -59,7 +76,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
                 # runs ahead would discard every sweep. Late sweeps do not pile up because
                 # each begins with a compare-and-set on the database clock: one that
                 # arrives within half an interval of the last sweep does nothing.
-                "options": {"queue": MAINTENANCE_QUEUE},
+                "options": {"queue": maintenance_queue},
             }
         },
     }

@@ -25,6 +25,7 @@ import logging
 import os
 import socket
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -40,7 +41,13 @@ from onceflow.ids import check_id, random_request_id
 from onceflow.models.requests import Dispatch, EnqueueResult, NewRequest, SweepResult
 from onceflow.queue import Queue
 from onceflow.settings import Settings, get_settings
-from onceflow.tasks.config import MAINTENANCE_QUEUE, SWEEP_TASK, celery_config, time_limits
+from onceflow.tasks.config import (
+    MAINTENANCE_QUEUE,
+    SWEEP_TASK,
+    celery_config,
+    maintenance_queue_for,
+    time_limits,
+)
 from onceflow.tasks.runtime import StageContext, oplog_for, run_request
 from onceflow.tasks.sweeper import (
     BEAT_GAP_INTERVALS,
@@ -139,16 +146,25 @@ class Flow:
         self.pull_worker_classes = frozenset(pull_worker_classes)
         self.stages: dict[str, StageSpec] = {}
         self.app = app or Celery(name, set_as_current=False)
-        # Evaluated when Celery first reads its config, not at import: nothing connects early.
-        self.app.add_defaults(lambda: celery_config(self.settings))
-        self._queue: tuple[int, Queue] | None = None
-        self._lock = threading.Lock()
         #: The Flow's name (its Celery app's main name): with its stages, the key of its
         #: row in ``onceflow_sweeps``.
         self.name = (app.main if app is not None else None) or name
+        #: Where beat sends this Flow's sweeps and its workers take them from: Flows on one
+        #: broker must differ in name (as in worker classes) so none takes another's sweeps.
+        self.maintenance_queue = maintenance_queue_for(self.name)
+        # Evaluated when Celery first reads its config, not at import: nothing connects early.
+        self.app.add_defaults(
+            lambda: celery_config(self.settings, maintenance_queue=self.maintenance_queue)
+        )
+        self._queue: tuple[int, Queue] | None = None
+        self._lock = threading.Lock()  # renewed in a forked child: see _renew_locks_after_fork
+        _flows.add(self)
         flow = self
 
-        @self.app.task(name=SWEEP_TASK, ignore_result=True)
+        # shared=False here and for stages: Celery would otherwise add this Flow's tasks to
+        # every app of the process, and with two Flows one app's `onceflow.sweep` would be
+        # the other Flow's (the first registered wins).
+        @self.app.task(name=SWEEP_TASK, ignore_result=True, shared=False, flow=self)
         def sweep() -> dict[str, Any]:
             # Beat sends one per interval; one that arrives within half an interval of the
             # last sweep (database clock) — e.g. late, behind others — does nothing.
@@ -242,6 +258,7 @@ class Flow:
                 name=spec.task_name,
                 base=StageTask,
                 bind=True,
+                shared=False,  # this Flow's app only (see the sweep task)
                 flow=self,
                 spec=spec,
                 queue=worker_class,
@@ -414,18 +431,28 @@ class Flow:
     def run_sweep(
         self, *, redispatch_after: float | None = None, now: datetime | None = None
     ) -> SweepResult:
-        """One sweep, without recording it (callers record it: :meth:`sweep_once`)."""
+        """One sweep, without recording it (callers record it: :meth:`sweep_once`).
+
+        Each batch of wake-ups is sent right after the statement that marked its rows
+        dispatched; the prunes (the queue's, then the op log's) come last and a failing
+        one is logged, never allowed to cost a wake-up or fail the sweep.
+        """
         result = self.queue.sweep_once(
             redispatch_after=redispatch_after,
             stages=sorted(self.stages),
             backlog=self.broker_backlog,
+            send=self._send_wakeups,
             now=now,
         )
         if self.settings.op_retention_seconds is not None:
-            oplog_for(self.queue).prune(older_than_seconds=self.settings.op_retention_seconds)
-        for item in result.to_dispatch:
-            if item.stage in self.stages:  # always true: the sweep selected these stages only
-                self.dispatch(item)
+            try:
+                oplog_for(self.queue).prune(older_than_seconds=self.settings.op_retention_seconds)
+            except Exception as exc:  # retention waits for the next sweep; nothing else does
+                log.warning(
+                    "sweep: op-log prune failed, tried again next sweep: %s: %s",
+                    type(exc).__name__,
+                    exc,
+                )
         if result.rescued or result.quarantined:
             log.info(
                 "sweep: %d rescued, %d quarantined, %d wake-ups",
@@ -434,6 +461,11 @@ class Flow:
                 len(result.to_dispatch),
             )
         return result
+
+    def _send_wakeups(self, batch: Sequence[Dispatch]) -> None:
+        """A sweep's sender: the rows are already marked dispatched (a failed send unmarks)."""
+        for item in batch:
+            self.dispatch(item)
 
     def broker_backlog(self, worker_classes: Sequence[str]) -> dict[str, int] | None:
         """Messages waiting in the broker per worker class (None: the broker cannot tell).
@@ -454,6 +486,21 @@ class Flow:
 def _task_body(task: StageTask, request_id: str) -> dict[str, Any]:
     """The body Celery calls: the lifecycle lives in the base class."""
     return task.run_stage(request_id)
+
+
+#: Every Flow of this process, for :func:`_renew_locks_after_fork`.
+_flows: weakref.WeakSet[Flow] = weakref.WeakSet()
+
+
+def _renew_locks_after_fork() -> None:
+    # A forked child has only the forking thread: a Flow._lock held at that instant by
+    # another thread (the sweep watchdog of a prefork worker's main process) would never be
+    # released, and the child's first Flow.queue would wait forever.
+    for flow in list(_flows):
+        flow._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_renew_locks_after_fork)
 
 
 @worker_init.connect

@@ -89,7 +89,17 @@ class SweepWatchdog(bootsteps.StartStopStep):
         return bool(self.flow.settings.sweep_watchdog)
 
     def start(self, parent: Any) -> None:
-        """Start the watchdog thread."""
+        """Build the Flow's queue (and its engine) here, then start the watchdog thread.
+
+        The pool forks replacement children from this process at any time (a child
+        killed by a time limit, ``max_tasks_per_child``). Were the thread to build them
+        on first use, it could hold ``Flow._lock`` or ``onceflow.db._lock`` at the
+        instant of a fork, and the child — which takes both in ``_after_fork`` and
+        ``Flow.queue`` — would wait forever. Built now, before the thread exists, the
+        thread only ever reads them. (Both locks are also renewed in every forked child:
+        see ``os.register_at_fork`` in ``onceflow.db`` and ``onceflow.tasks.flow``.)
+        """
+        _ = self.flow.queue.engine
         self._stop.clear()
         self._thread = threading.Thread(
             target=self._run, name="onceflow-sweep-watchdog", daemon=True
