@@ -85,9 +85,7 @@ def test_fenced_writes_retry_a_blip_and_join_their_first_attempt(
     assert OpLog(clean_db).get_sub_doc("w", "doc").clock == 1
 
 
-def test_a_completion_whose_answer_was_lost_is_recognised(
-    clean_db: Engine, redis_url: str
-) -> None:
+def test_a_completion_whose_answer_was_lost_is_recognised(clean_db: Engine, redis_url: str) -> None:
     """Repeating a completion that committed (its answer lost with the connection) returns
     the committed row instead of ``LeaseLost``; its hand-offs exist once and are marked for
     the sweeper's next wake-up (the lost attempt never sent theirs)."""
