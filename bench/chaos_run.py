@@ -266,13 +266,24 @@ class Run:
             self.fault_end_db = row[0] if row else None
 
     def admin(self) -> psycopg.Connection[Any]:
-        """A direct connection to the scenario's database (never through the proxy)."""
-        return psycopg.connect(
-            libpq(self.cluster.direct_url(self.db)),
-            autocommit=True,
-            connect_timeout=3,
-            application_name="chaos-harness",
-        )
+        """A direct connection to the scenario's database (never through the proxy).
+
+        Retried for a few seconds: a backend-kill round can hit it while it is still starting
+        (before its application name shows), and a crash restart refuses it for a moment.
+        """
+        for attempt in range(30):
+            try:
+                return psycopg.connect(
+                    libpq(self.cluster.direct_url(self.db)),
+                    autocommit=True,
+                    connect_timeout=3,
+                    application_name="chaos-harness",
+                )
+            except psycopg.OperationalError:
+                if attempt == 29:
+                    raise
+                time.sleep(0.2)
+        raise AssertionError("unreachable")
 
     def sleep(self, seconds: float) -> None:
         """Sleep unless the run is being stopped."""
