@@ -14,7 +14,8 @@ has succeeded, stops everything and checks the invariants (``bench.chaos_checks`
 
 Scenarios (default: all): baseline, pg_restart, backend_kills, redis_restart, partition,
 latency, conn_exhaustion, idle_in_tx, beat_stopped_kill, clock_ahead, two_sweepers,
-foreign_sweeper. ``--implicit-handoff``: hand-offs name no worker class (issue 11 item 1).
+foreign_sweeper. ``--explicit-handoff``: hand-offs name their worker class (for runs against
+commits before issue 11 item 1, where a bare ``ctx.then`` went to class ``default``).
 ``--quick``: 300 requests enqueued over 10 s, fault at 3 s (the CI size);
 the full run: 3,000 over 40 s, fault at 10 s.
 
@@ -107,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="write the rows here")
     parser.add_argument("--work", type=Path, default=None, help="keep logs/ledgers here")
     parser.add_argument(
-        "--implicit-handoff",
+        "--explicit-handoff",
         action="store_true",
-        help="hand off with ctx.then(stage, input) alone, no worker_class (issue 11 item 1)",
+        help="hand off naming the worker class (for commits before issue 11 item 1)",
     )
     args = parser.parse_args(argv)
     names = args.scenarios or list(SCENARIOS)
@@ -124,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     def on_term(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt  # unwinds through every cleanup
 
-    if args.implicit_handoff:
-        os.environ["CHAOS_IMPLICIT_HANDOFF"] = "1"  # inherited by every worker
+    if args.explicit_handoff:
+        os.environ["CHAOS_EXPLICIT_HANDOFF"] = "1"  # inherited by every worker
     signal.signal(signal.SIGTERM, on_term)
     rows = run_suite(names, sizes, args.work)
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")

@@ -17,7 +17,8 @@ from bench import chaos_stages
 from bench.chaos_cluster import ROOT, libpq
 from bench.chaos_run import Run, Scenario, lose_wakeups
 
-SKEW_DIR = ROOT / "bench" / "chaos_skew"
+#: One sitecustomize shifts a process's wall clock, for the tests and for the chaos suite.
+SKEW_DIR = ROOT / "tests" / "acceptance" / "skewed_clock"
 #: How long the timed faults last (seconds): quick runs, full runs.
 FAULT_SECONDS = {True: 6.0, False: 20.0}
 
@@ -229,7 +230,7 @@ SCENARIOS: dict[str, Scenario] = {
             kill_llm_worker,
             worker_env={
                 "PYTHONPATH": f"{SKEW_DIR}:{ROOT}",
-                "CHAOS_CLOCK_OFFSET": "3600",
+                "ONCEFLOW_TEST_CLOCK_SKEW_SECONDS": "3600",
             },
         ),
         Scenario(

@@ -38,8 +38,9 @@ LLM = "llm"
 WORKSPACE = "chaos"
 #: The stage lease (seconds); the latency scenario shortens it.
 LEASE = float(os.environ.get("CHAOS_LEASE_SECONDS", "3"))
-#: Hand-offs name the target's worker class (see the TODO in ``handoff``) unless this is "1".
-IMPLICIT_HANDOFF = os.environ.get("CHAOS_IMPLICIT_HANDOFF", "") == "1"
+#: Hand-offs are bare ``ctx.then(stage, input)`` (the target's declaration routes them) unless
+#: this is "1": then they name the worker class, for runs against commits before issue 11.
+EXPLICIT_HANDOFF = os.environ.get("CHAOS_EXPLICIT_HANDOFF", "") == "1"
 
 
 class ChaosCount(OpModel):
@@ -166,12 +167,10 @@ def _declare(flow: Flow) -> Flow:
     def handoff(ctx: StageContext, data: HandoffInput) -> dict[str, Any]:
         record("start", ctx)
         target = HandoffInput(origin=ctx.request.request_id).model_dump()
-        if IMPLICIT_HANDOFF:
-            ctx.then("handoff_target", target)
-        else:
-            # TODO(lead): drop worker_class once ctx.then resolves the target's declaration
-            # (issue 11 item 1); then run with CHAOS_IMPLICIT_HANDOFF=1 by default.
+        if EXPLICIT_HANDOFF:  # before issue 11 a bare hand-off went to class "default"
             ctx.then("handoff_target", target, worker_class=LLM)
+        else:
+            ctx.then("handoff_target", target)
         record("end", ctx)
         return {"handed_off": True}
 

@@ -31,7 +31,7 @@ def chaos_rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, 
     work = tmp_path_factory.mktemp("chaos")
     out = work / "rows.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "chaos.py"), "--quick", "--implicit-handoff",
+        [sys.executable, str(ROOT / "bench" / "chaos.py"), "--quick",
          "--json", str(out),
          "--work", str(work / "run"), *CI_SCENARIOS],
         cwd=ROOT, capture_output=True, text=True, timeout=1200, check=False,
