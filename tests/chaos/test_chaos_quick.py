@@ -10,8 +10,11 @@ call in flight at a kill. Deadlines are generous and nothing here asserts a dura
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +29,20 @@ CI_SCENARIOS = ["baseline", "backend_kills", "beat_stopped_kill", "foreign_sweep
 
 
 @pytest.fixture(scope="module")
-def chaos_rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """One quick chaos run of every CI scenario; its rows by scenario name."""
-    work = tmp_path_factory.mktemp("chaos")
+def chaos_rows() -> Iterator[dict[str, dict[str, Any]]]:
+    """One quick chaos run of every CI scenario; its rows by scenario name.
+
+    Not pytest's tmp_path: the private servers' data directories live here, and another
+    pytest session on the machine may prune old basetemp directories while this one runs.
+    """
+    work = Path(tempfile.mkdtemp(prefix="onceflow-chaos-"))
+    try:
+        yield _run(work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(work: Path) -> dict[str, dict[str, Any]]:
     out = work / "rows.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "chaos.py"), "--quick",
