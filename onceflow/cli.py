@@ -227,19 +227,24 @@ def requeue(request_id: str) -> None:
 
 
 @main.command()
-@click.option("--jobs", type=click.IntRange(1, 200), default=6, show_default=True)
+@click.option("--jobs", type=click.IntRange(1, 1000), default=6, show_default=True)
 @click.option("--columns", type=click.IntRange(1, 8), default=4, show_default=True)
 @click.option("--clients", type=click.IntRange(1, 64), default=8, show_default=True)
 @click.option("--workers", type=click.IntRange(2, 8), default=2, show_default=True)
 @click.option("--no-faults", is_flag=True, help="Skip the kill -9 and the dropped responses.")
 @click.option("--flower", is_flag=True, help="Also run Flower (prints its URL and login).")
+@click.option(
+    "--keep-open", is_flag=True, help="After the report, keep Flower and workers up until Ctrl-C."
+)
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write a PNG.")
-@click.option("--timeout", type=float, default=120.0, show_default=True)
+@click.option(
+    "--timeout", type=float, default=None, help="Seconds for the drain [default: 120 + 1 per job]."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 @_errors_to_exit
 def demo(
     jobs: int, columns: int, clients: int, workers: int, no_faults: bool, flower: bool,
-    plot: str | None, timeout: float, as_json: bool,
+    keep_open: bool, plot: str | None, timeout: float | None, as_json: bool,
 ) -> None:  # fmt: skip
     """Run the seed's whole flow for real and check its invariants (exit 1 if broken)."""
     from onceflow.demo.report import plot as draw
@@ -249,16 +254,22 @@ def demo(
     def announce(message: str) -> None:
         click.echo(f"onceflow demo: {message}", err=True)
 
+    def present(report: dict[str, Any]) -> None:  # while Flower and the workers still run
+        if plot:
+            draw(report, plot)
+            announce(f"plot written to {plot}")
+        if as_json:
+            _echo_json(report)
+        else:
+            print_report(report)
+        sys.stdout.flush()
+
+    if timeout is None:
+        timeout = 120.0 + jobs  # a long run (--jobs 500) drains for minutes
     opts = Options(jobs=jobs, columns=columns, clients=clients, workers=workers,
-                   faults=not no_faults, flower=flower, timeout=timeout)  # fmt: skip
-    report, progress = run_scenario(opts, announce)
-    if plot:
-        draw(report, progress, plot)
-        announce(f"plot written to {plot}")
-    if as_json:
-        _echo_json(report)
-    else:
-        print_report(report)
+                   faults=not no_faults, flower=flower, timeout=timeout, keep_open=keep_open,
+                   progress=sys.stderr.isatty() and not as_json)  # fmt: skip
+    report, _ = run_scenario(opts, announce, present)
     sys.exit(0 if report["invariants_ok"] else EXIT_ERROR)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
@@ -10,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 from onceflow.keys import counters_key
 
 if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
     from onceflow.demo.scenario import Options, Run
     from onceflow.demo.standins import StandIn
 
@@ -18,19 +19,21 @@ def build_report(
     opts: Options, run: Run, llm: StandIn, maps: StandIn, *, embedded: bool
 ) -> dict[str, Any]:
     """Gather every figure and check every invariant; ``invariants_ok`` is the verdict."""
-    from onceflow.demo.scenario import COLUMNS, WORKSPACE
+    from onceflow.demo.scenario import COLUMNS
     from onceflow.demo.stages import flow, job_doc
     from onceflow.oplog import OpLog
 
+    ws = run.workspace
     queue = flow.queue
     oplog = OpLog(queue.engine, queue.settings)
-    rows = queue.list(workspace_id=WORKSPACE, limit=1000)
+    rows = [r for j in range(opts.jobs)  # per job: a long run has more rows than one page
+            for r in queue.list(workspace_id=ws, job_id=f"job-{j}", limit=1000)]  # fmt: skip
     per_key = llm.stats()["per_key"]
     eval_calls = Counter({k: n for k, n in per_key.items() if "/eval:" in k})
     columns = COLUMNS[: opts.columns]
     cells = opts.jobs * len(columns)
     llm_calls = sum(eval_calls.values())
-    raw_stats: dict[Any, Any] = oplog.redis().hgetall(counters_key(WORKSPACE))
+    raw_stats: dict[Any, Any] = oplog.redis().hgetall(counters_key(ws))
     stats = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw_stats.items()}
 
     checks: dict[str, bool] = {}
@@ -38,7 +41,7 @@ def build_report(
         r.status.value == "succeeded" for r in rows
     )
     checks["one row per distinct request (duplicates collapsed)"] = len(rows) == run.created
-    docs = {job_doc(f"job-{j}"): oplog.get_sub_doc(WORKSPACE, job_doc(f"job-{j}"))
+    docs = {job_doc(f"job-{j}"): oplog.get_sub_doc(ws, job_doc(f"job-{j}"))
             for j in range(opts.jobs)}  # fmt: skip
     checks["every cell filled"] = all(
         all(c in d.state.get("cells", {}) for c in columns) for d in docs.values()
@@ -55,14 +58,14 @@ def build_report(
     gapless = True
     ops_applied = 0
     for name in [*docs, "board"]:
-        ops = oplog.ops_since(WORKSPACE, name, 0, limit=10_000)
+        ops = oplog.ops_since(ws, name, 0, limit=10_000)
         ops_applied += len(ops)
         gapless &= [o.clock for o in ops] == list(range(1, len(ops) + 1))
-        gapless &= oplog.get_sub_doc(WORKSPACE, name).clock == len(ops)
+        gapless &= oplog.get_sub_doc(ws, name).clock == len(ops)
     checks["clocks gapless in every sub-doc"] = gapless
-    tailored = [sum(1 for o in oplog.ops_since(WORKSPACE, d) if o.op_type == "merge") for d in docs]
+    tailored = [sum(1 for o in oplog.ops_since(ws, d) if o.op_type == "merge") for d in docs]
     checks["each job's tailor write applied once"] = tailored == [1] * opts.jobs
-    order = oplog.get_sub_doc(WORKSPACE, "board").state.get("order", [])
+    order = oplog.get_sub_doc(ws, "board").state.get("order", [])
     checks["no op applied twice (each card once on the board)"] = sorted(order) == sorted(run.cards)
     return {
         "embedded_services": embedded,
@@ -95,6 +98,12 @@ def build_report(
         "wall_seconds": round(time.monotonic() - run.started, 2),
         "checks": checks,
         "invariants_ok": all(checks.values()),
+        # For the plot (see figure()): seconds since the start.
+        "timeline": {
+            "progress": [[round(t, 3), done, calls] for t, done, calls in run.progress],
+            "killed_at": None if run.killed_at is None else round(run.killed_at, 3),
+            "dropped_at": [round(t, 3) for t in sorted(run.dropped_at)],
+        },
     }
 
 
@@ -130,33 +139,63 @@ def print_report(report: dict[str, Any]) -> None:
     print("\nall invariants hold" if report["invariants_ok"] else "\nINVARIANTS BROKEN")
 
 
-def plot(report: dict[str, Any], progress: list[tuple[float, int, int]], path: str) -> None:
-    """Draw provider calls per cell and requests finished per second over time."""
-    import matplotlib
+def figure(report: dict[str, Any]) -> Figure:
+    """The plot as a matplotlib Figure: provider calls per cell and requests finished per
+    second over time, the kill and each dropped write response marked, both y axes from 0.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Marks carry a ``gid``: ``"kill"`` (a vertical line on each axis) and ``"dropped"``
+    (one tick per dropped response on the lower axis).
+    """
+    from matplotlib.figure import Figure
 
-    if not progress:
-        return
+    timeline = report["timeline"]
+    progress = timeline["progress"]
     t = [p[0] for p in progress]
     cells = max(1, report["cells"])
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    fig = Figure(figsize=(8, 6))
+    top, bottom = fig.subplots(2, 1, sharex=True)
     top.plot(t, [p[2] / cells for p in progress], label="LLM calls per cell (evaluate)")
     top.axhline(1.0, linestyle="--", color="grey", label="one call per cell")
     top.set_ylabel("provider calls per cell")
     top.set_ylim(0, max(1.5, report["llm_calls_per_cell"] + 0.25))
-    top.legend(loc="upper left")
-    rates = [0.0] + [
-        (b[1] - a[1]) / max(1e-6, b[0] - a[0]) for a, b in itertools.pairwise(progress)
-    ]
-    bottom.plot(t, rates, color="tab:green")
+    rates = _rates(t, [p[1] for p in progress], window=1.0)
+    bottom.plot(t, rates, color="tab:green", label="requests finished / s")
+    bottom.set_ylim(0, max(1.0, *rates) * 1.15)
     bottom.set_ylabel("requests finished / s")
     bottom.set_xlabel("seconds since start")
+    killed_at = timeline["killed_at"]
+    if killed_at is not None:
+        for ax, label in ((top, "kill -9 of an llm worker"), (bottom, "_kill")):
+            ax.axvline(killed_at, color="tab:red", linewidth=1.5, gid="kill", label=label)
+        top.annotate("kill -9", xy=(killed_at, top.get_ylim()[1]), xytext=(4, -14),
+                     textcoords="offset points", color="tab:red")  # fmt: skip
+    dropped = timeline["dropped_at"]
+    if dropped:
+        bottom.plot(dropped, [0.0] * len(dropped), linestyle="none", marker="|",
+                    markersize=14, color="tab:orange", gid="dropped", clip_on=False,
+                    label=f"write response dropped ({len(dropped)}, each retried)")  # fmt: skip
+    top.legend(loc="upper right")
+    bottom.legend(loc="upper right")
     fig.suptitle(
         f"onceflow demo: {report['requests_enqueued']} enqueues → {report['requests_created']} "
         f"requests, {report['llm_calls_per_cell']:.2f} LLM calls per cell"
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def _rates(t: list[float], done: list[int], *, window: float) -> list[float]:
+    """Requests finished per second over the last ``window`` seconds, at each sample."""
+    rates: list[float] = []
+    j = 0
+    for i in range(len(t)):
+        while t[i] - t[j] > window:
+            j += 1
+        span = t[i] - t[j]
+        rates.append((done[i] - done[j]) / span if span > 0 else 0.0)
+    return rates
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    """Write :func:`figure` as a PNG to ``path``."""
+    figure(report).savefig(path, dpi=110)

@@ -5,6 +5,10 @@ for two worker classes, beat with the sweeper, stand-in LLM and Maps servers tha
 count every request, and K concurrent clients enqueueing overlapping work and
 writing ops with retries. Faults (on by default): one worker is killed with
 ``kill -9`` mid-stage, and some write responses are dropped after commit.
+
+A run is a good neighbour on a shared Redis database: its broker keys carry a per-run
+prefix (:func:`onceflow.demo.stages.broker_prefix`), its own keys a per-run workspace,
+and at the end it deletes exactly those two namespaces and nothing else.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import json
 import os
 import random
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,10 +32,10 @@ from typing import Any
 from sqlalchemy import make_url
 
 from onceflow.demo.procs import Proc, start_worker, wait_for
+from onceflow.demo.progress import ProgressBar
 from onceflow.demo.standins import StandIn
 
 APP = "onceflow.demo.stages:flow"
-WORKSPACE = "demo"
 COLUMNS = ["fit", "pay", "remote", "growth", "stack", "team", "mission", "location"]
 SECTIONS = ["opening", "experience", "motivation", "closing"]
 LLM_LATENCY = 0.08
@@ -49,6 +54,14 @@ class Options:
     flower: bool = False
     timeout: float = 120.0
     log_dir: Path | None = None
+    #: After the report, keep Flower, workers and beat running until Ctrl-C / SIGTERM.
+    keep_open: bool = False
+    #: Draw a progress bar on stderr (the CLI sets it on a TTY, never with --json).
+    progress: bool = False
+
+    def expected_requests(self) -> int:
+        """Distinct requests the clients create: 4 stages per job, plus the agent's branch."""
+        return self.jobs * (4 + (1 if self.clients >= 2 else 0))
 
 
 @dataclass
@@ -56,6 +69,8 @@ class Run:
     """What the run observed, filled in as it goes."""
 
     started: float = field(default_factory=time.monotonic)
+    #: This run's namespace: broker key prefix and workspace id (see the module's doc).
+    run_id: str = field(default_factory=lambda: secrets.token_hex(4))
     enqueued: int = 0
     created: int = 0
     op_retries: int = 0
@@ -63,8 +78,20 @@ class Run:
     cards: set[str] = field(default_factory=set)
     killed_worker: bool = False
     eval_inflight_at_kill: int = 0
+    #: Seconds since the start of the kill, and of each dropped write response.
+    killed_at: float | None = None
+    dropped_at: list[float] = field(default_factory=list)
     progress: list[tuple[float, int, int]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def workspace(self) -> str:
+        """The run's workspace: its compute locks, counters and ops live under it."""
+        return f"demo-{self.run_id}"
+
+    def elapsed(self) -> float:
+        """Seconds since the run started."""
+        return time.monotonic() - self.started
 
 
 @contextlib.contextmanager
@@ -130,6 +157,8 @@ class DroppingTransport:
         self.sent += 1
         if self.enabled and self.sent % 3 == 0 and result.op_id not in self.dropped:
             self.dropped.add(result.op_id)
+            with self.run.lock:
+                self.run.dropped_at.append(self.run.elapsed())
             raise TransportError("response lost after the server committed")
         return result
 
@@ -147,7 +176,7 @@ def client(n: int, opts: Options, run: Run, env: dict[str, str]) -> None:
     writer = None
     if kind == "tab":
         transport = DroppingTransport(InProcessTransport(OpLog()), run, opts.faults)
-        writer = WorkspaceClient(transport, WORKSPACE, backoff_base=0.01)
+        writer = WorkspaceClient(transport, run.workspace, backoff_base=0.01)
     for j in jobs:
         job = f"job-{j}"
         requests: list[tuple[str, str, dict[str, Any]]] = [
@@ -161,9 +190,9 @@ def client(n: int, opts: Options, run: Run, env: dict[str, str]) -> None:
         rng.shuffle(requests)
         for stage, branch, data in requests:
             if kind == "cli" and stage == "radar" and j == jobs[0]:  # a script, once
-                created = _cli_enqueue(stage, job, branch, data, env)
+                created = _cli_enqueue(stage, run.workspace, job, branch, data, env)
             else:
-                created = flow.enqueue(stage, WORKSPACE, job, branch, data).created
+                created = flow.enqueue(stage, run.workspace, job, branch, data).created
             with run.lock:
                 run.enqueued += 1
                 run.created += int(created)
@@ -179,10 +208,11 @@ def client(n: int, opts: Options, run: Run, env: dict[str, str]) -> None:
 
 
 def _cli_enqueue(
-    stage: str, job: str, branch: str, data: dict[str, Any], env: dict[str, str]
-) -> bool:
+    stage: str, workspace: str, job: str, branch: str, data: dict[str, Any],
+    env: dict[str, str],
+) -> bool:  # fmt: skip
     """Enqueue through the `onceflow enqueue` command, as a script would."""
-    args = ["enqueue", "--stage", stage, "--workspace", WORKSPACE, "--job", job,
+    args = ["enqueue", "--stage", stage, "--workspace", workspace, "--job", job,
             "--branch-path", branch, "--input", json.dumps(data)]  # fmt: skip
     out = subprocess.run(
         [sys.executable, "-m", "onceflow.cli", *args],
@@ -197,25 +227,75 @@ def inject_kill(opts: Options, run: Run, llm: StandIn, worker: Proc, log_dir: Pa
     from onceflow.demo.stages import flow
 
     def llm_stage_running() -> bool:
-        rows = flow.queue.list(workspace_id=WORKSPACE, status="running", worker_class="llm")
+        rows = flow.queue.list(workspace_id=run.workspace, status="running", worker_class="llm")
         return any(r.stage == "tailor" for r in rows) and llm.inflight() > 0
 
     try:
         wait_for(llm_stage_running, timeout=30, interval=0.02, what="an llm stage mid-way")
     except AssertionError:
         return None
-    run.eval_inflight_at_kill = sum(1 for key in llm.inflight_keys() if "/eval:" in key)
+    # A call in flight at the kill: answered by nobody, or received by the stand-in a moment
+    # after the kill (sent just before it). Until the replacement starts, only the killed
+    # worker calls the LLM (with --workers 2; more llm workers make this an upper bound).
+    in_flight = {key for key in llm.inflight_keys() if "/eval:" in key}
+    before = llm.stats()["per_key"]
+    run.killed_at = run.elapsed()
     worker.signal_group(9)
     worker.popen.wait(timeout=10)
+    after = llm.stats()["per_key"]
+    late = sum(n - before.get(k, 0) for k, n in after.items() if "/eval:" in k)
+    # A call already answered whose value was not stored yet died with the worker too: its
+    # cell is paid again once the lock's TTL frees it (the chaos suite counts it the same way).
+    answered = {k for k in after if "/eval:" in k and k not in in_flight and k in before}
+    run.eval_inflight_at_kill = len(in_flight) + late + _unstored(run.workspace, answered)
     run.killed_worker = True
     return start_worker(log_dir, APP, "llm", concurrency=2, name="llm-replacement", env=env)
 
 
-def run_scenario(
-    opts: Options, announce: Any
-) -> tuple[dict[str, Any], list[tuple[float, int, int]]]:
-    """Run the whole flow and return the report (see :mod:`onceflow.demo.report`)."""
+def _unstored(workspace: str, keys: set[str]) -> int:
+    """How many of the ``<job>/eval:<column>`` cells have no stored value now."""
+    from onceflow.demo.stages import flow, job_doc
+    from onceflow.tasks.runtime import oplog_for
+
+    oplog = oplog_for(flow.queue)
+    missing = 0
+    for key in keys:
+        job, column = key.split("/eval:", 1)
+        cells = oplog.get_sub_doc(workspace, job_doc(job)).state.get("cells", {})
+        missing += column not in cells
+    return missing
+
+
+def run_scenario(opts: Options, announce: Any, present: Any = None) -> tuple[dict[str, Any], Run]:
+    """Run the whole flow and return the report (see :mod:`onceflow.demo.report`).
+
+    ``present(report)`` is called while everything still runs (to print it); with
+    ``opts.keep_open`` the run then waits for Ctrl-C or SIGTERM before it cleans up.
+    """
+    with _sigterm_exits():
+        return _run(opts, announce, present)
+
+
+@contextlib.contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C, so a terminated demo still stops and removes all it made."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(opts: Options, announce: Any, present: Any) -> tuple[dict[str, Any], Run]:
     from onceflow.demo.report import build_report
+    from onceflow.demo.stages import RUN_ENV
     from onceflow.settings import get_settings
 
     run = Run()
@@ -232,6 +312,8 @@ def run_scenario(
         env = {
             "ONCEFLOW_DATABASE_URL": db_url,
             "ONCEFLOW_REDIS_URL": redis_url,
+            "ONCEFLOW_BROKER_URL": redis_url,  # the broker whose run-prefixed keys we remove
+            RUN_ENV: run.run_id,
             "ONCEFLOW_APP": APP,
             "ONCEFLOW_DEMO_LLM_URLS": llm.url,
             "ONCEFLOW_DEMO_MAPS_URL": maps.url,
@@ -243,7 +325,11 @@ def run_scenario(
         }
         os.environ.update(env)
         get_settings.cache_clear()
-        _purge_broker(redis_url)
+
+        @stack.callback  # runs after every process below has stopped
+        def _clean_redis() -> None:
+            removed = remove_namespace(redis_url, run)
+            announce(f"removed this run's {removed} Redis keys; nothing else was touched")
 
         @stack.callback
         def _stop_all() -> None:
@@ -261,42 +347,98 @@ def run_scenario(
         for proc in procs[:-1]:
             proc.wait_log(" ready.")
         procs[-1].wait_log("beat: Starting")
+        flower_url = None
         if opts.flower:
-            procs.append(_start_flower(log_dir, env, announce))
+            flower, flower_url = _start_flower(log_dir, env, announce)
+            procs.append(flower)
         announce(f"{opts.clients} clients enqueue {opts.jobs} jobs x {opts.columns} columns")
         threads = [threading.Thread(target=client, args=(n, opts, run, env), daemon=True)
                    for n in range(opts.clients)]  # fmt: skip
         for t in threads:
             t.start()
+        bar = ProgressBar(sys.stderr, opts.expected_requests(), enabled=opts.progress)
         sampling = threading.Event()
-        sampler = threading.Thread(target=_sample, args=(run, llm, sampling), daemon=True)
+        sampler = threading.Thread(target=_sample, args=(run, llm, bar, sampling), daemon=True)
         sampler.start()
         stack.callback(sampling.set)
         if opts.faults:
             replacement = inject_kill(opts, run, llm, procs[0], log_dir, env)
             if replacement is not None:
                 procs.append(replacement)
+                bar.clear()
                 announce("fault: kill -9 of an llm worker mid-stage; a replacement started")
         for t in threads:
             t.join(timeout=opts.timeout)
-        _wait_drained(opts, run, llm, announce)
+        _wait_drained(opts, run)
         sampling.set()
-        return build_report(opts, run, llm, maps, embedded=embedded), run.progress
+        sampler.join(timeout=5)
+        bar.close()
+        announce("every request finished; checking the invariants")
+        report = build_report(opts, run, llm, maps, embedded=embedded)
+        if present is not None:
+            present(report)
+        if opts.keep_open:
+            _hold_open(announce, flower_url)
+        return report, run
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _purge_broker(redis_url: str) -> None:
-    """Drop wake-ups and counters left by an earlier run (the database is new each time)."""
+def _hold_open(announce: Any, flower_url: str | None) -> None:
+    """Keep every process running until Ctrl-C or SIGTERM (then the caller cleans up)."""
+    stop = threading.Event()
+
+    def handler(signum: int, frame: Any) -> None:
+        stop.set()
+
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = {}
+    if on_main:
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        what = f"Flower at {flower_url}" if flower_url else "the workers and beat"
+        announce(f"keeping {what} open; press Ctrl-C to stop and clean up")
+        while not stop.wait(0.5):
+            pass
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+    announce("stopping and cleaning up")
+
+
+def namespace_patterns(run: Run) -> list[str]:
+    """Redis SCAN patterns of every key this run may create: broker keys, workspace keys."""
+    from onceflow.demo.stages import broker_prefix
+    from onceflow.keys import PREFIX, escape
+
+    def glob_escape(text: str) -> str:
+        return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+    prefixes = [broker_prefix(run.run_id), f"{PREFIX}:{{{escape(run.workspace)}}}:"]
+    return [glob_escape(p) + "*" for p in prefixes]
+
+
+def remove_namespace(redis_url: str, run: Run) -> int:
+    """Delete every key of this run's namespaces (and nothing else); returns how many."""
     import redis
 
-    from onceflow.keys import counters_key
-
     client = redis.Redis.from_url(redis_url)
-    client.delete("llm", "fallback", "onceflow", counters_key(WORKSPACE))
-    client.close()
+    removed = 0
+    try:
+        for pattern in namespace_patterns(run):
+            batch: list[bytes] = []
+            for key in client.scan_iter(match=pattern, count=1000):
+                batch.append(key)
+                if len(batch) >= 500:
+                    removed += int(client.delete(*batch))
+                    batch = []
+            if batch:
+                removed += int(client.delete(*batch))
+    finally:
+        client.close()
+    return removed
 
 
-def _start_flower(log_dir: Path, env: dict[str, str], announce: Any) -> Proc:
+def _start_flower(log_dir: Path, env: dict[str, str], announce: Any) -> tuple[Proc, str]:
     import socket
 
     with socket.socket() as s:
@@ -305,15 +447,16 @@ def _start_flower(log_dir: Path, env: dict[str, str], announce: Any) -> Proc:
     password = secrets.token_urlsafe(12)
     flower_env = {**env, "ONCEFLOW_FLOWER_BASIC_AUTH": f"demo:{password}",
                   "ONCEFLOW_FLOWER_PORT": str(port)}  # fmt: skip
-    conf = Path(tempfile.mkdtemp()) / "flower.cfg"
+    conf = log_dir / "flower.cfg"
     conf.write_text(
         "import os\naddress = '127.0.0.1'\nport = int(os.environ['ONCEFLOW_FLOWER_PORT'])\n"
         "basic_auth = [os.environ['ONCEFLOW_FLOWER_BASIC_AUTH']]\n"
     )
     proc = Proc(["flower", "--app", APP, "--conf", str(conf)], log_dir / "flower.log",
                 env=flower_env)  # fmt: skip
-    announce(f"Flower: http://127.0.0.1:{port}  user demo, password {password}")
-    return proc
+    url = f"http://127.0.0.1:{port}"
+    announce(f"Flower: {url}  user demo, password {password}")
+    return proc, url
 
 
 def _counts(queue: Any) -> tuple[int, int]:
@@ -323,32 +466,27 @@ def _counts(queue: Any) -> tuple[int, int]:
     return in_flight, done
 
 
-def _sample(run: Run, llm: StandIn, stop: threading.Event) -> None:
-    """Record (seconds, requests finished, LLM calls) every 0.2 s, for the plot."""
+def _sample(run: Run, llm: StandIn, bar: ProgressBar, stop: threading.Event) -> None:
+    """Record (seconds, requests finished, LLM calls) every 0.2 s, for the plot and the bar."""
     from onceflow.demo.stages import flow
 
     while not stop.wait(0.2):
         try:
-            _, done = _counts(flow.queue)
+            in_flight, done = _counts(flow.queue)
         except Exception:  # noqa: S112 - sampling is best effort; the run goes on
             continue
-        per_key = llm.stats()["per_key"]
-        eval_calls = sum(n for k, n in per_key.items() if "/eval:" in k)
-        run.progress.append((time.monotonic() - run.started, done, eval_calls))
+        stats = llm.stats()
+        eval_calls = sum(n for k, n in stats["per_key"].items() if "/eval:" in k)
+        run.progress.append((run.elapsed(), done, eval_calls))
+        bar.update(done, done + in_flight, f"LLM calls {stats['total']}")
 
 
-def _wait_drained(opts: Options, run: Run, llm: StandIn, announce: Any) -> None:
-    """Wait until no request is queued or running; record progress for the plot."""
+def _wait_drained(opts: Options, run: Run) -> None:
+    """Wait until no request is queued or running."""
     from onceflow.demo.stages import flow
 
     def drained() -> bool:
         queued, done = _counts(flow.queue)
-        if sys.stderr.isatty():
-            print(f"\r  requests: {done} finished, {queued} in flight | LLM calls: "
-                  f"{llm.stats()['total']}   ", end="", file=sys.stderr, flush=True)  # fmt: skip
         return queued == 0 and done > 0
 
     wait_for(drained, timeout=opts.timeout, interval=0.2, what="every request finished")
-    if sys.stderr.isatty():
-        print(file=sys.stderr)
-    announce("every request finished; checking the invariants")

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from functools import cache
 from importlib import resources
@@ -20,9 +21,34 @@ from pydantic import BaseModel, Field
 
 from onceflow.demo.providers import Cascade, MapsClient, llm_from_env, maps_from_env
 from onceflow.tasks import Flow, StageContext
+from onceflow.tasks.config import celery_config
+
+#: The run's id, given by the demo to every process it starts: the demo's broker keys
+#: (queues, bindings, unacked wake-ups, pub/sub channels) all carry the run's prefix, so a
+#: run never touches another application's queues on the same Redis database.
+RUN_ENV = "ONCEFLOW_DEMO_RUN"
+
+
+def broker_prefix(run_id: str) -> str:
+    """The prefix of every broker key of run ``run_id`` (kombu's ``global_keyprefix``)."""
+    return f"onceflow-demo-{run_id}:"
+
 
 flow = Flow()
 app = flow.app
+
+
+def _broker_namespace() -> dict[str, Any]:
+    run_id = os.environ.get(RUN_ENV, "")
+    if not run_id:
+        return {}
+    options = celery_config(flow.settings, maintenance_queue=flow.maintenance_queue)
+    transport = {**options["broker_transport_options"], "global_keyprefix": broker_prefix(run_id)}
+    return {"broker_transport_options": transport}
+
+
+# Added after the Flow's own defaults, so it wins; read when Celery first needs its config.
+app.add_defaults(_broker_namespace)
 
 
 @cache

@@ -2,18 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import pty
+import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import urllib.error
+import urllib.request
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
+import redis as redis_lib
+
+from tests.acceptance.procs import wait_for
 
 pytestmark = pytest.mark.slow
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def run_demo(env: dict[str, str], *args: str) -> tuple[dict[str, Any], str]:
@@ -28,13 +42,31 @@ def run_demo(env: dict[str, str], *args: str) -> tuple[dict[str, Any], str]:
     return json.loads(result.stdout), result.stderr
 
 
+@contextlib.contextmanager
+def redis_left_as_found(redis_url: str) -> Iterator[None]:
+    """Sentinels named like the demo's worker classes and maintenance queue, and a key of
+    another application, in the configured database: untouched after the demo, and no new
+    key left behind."""
+    client = redis_lib.Redis.from_url(redis_url)
+    sentinel = f"sentinel-{uuid.uuid4().hex}"
+    for name in ("llm", "fallback", "onceflow"):
+        client.delete(name)
+        client.rpush(name, sentinel)
+    client.set("someone-else:key", sentinel)
+    before = {k: client.dump(k) for k in client.scan_iter(count=1000)}
+    yield
+    after = {k: client.dump(k) for k in client.scan_iter(count=1000)}
+    assert sorted(set(after) - set(before)) == []  # nothing new left behind
+    assert after == before  # nothing removed or changed
+    assert client.lrange("llm", 0, -1) == [sentinel.encode()]
+    client.delete("llm", "fallback", "onceflow", "someone-else:key")
+
+
 def test_demo_without_faults_pays_exactly_one_llm_call_per_cell(
     database_url: str, redis_url: str
 ) -> None:
-    report, _ = run_demo(
-        {"ONCEFLOW_DATABASE_URL": database_url, "ONCEFLOW_REDIS_URL": redis_url},
-        "--no-faults", "--jobs", "4", "--columns", "3", "--clients", "6",
-    )  # fmt: skip
+    with redis_left_as_found(redis_url):
+        report, _ = _run_no_faults(database_url, redis_url)
     assert report["invariants_ok"] is True
     assert report["embedded_services"] is False
     assert (report["cells"], report["llm_calls"], report["llm_calls_per_cell"]) == (12, 12, 1.0)
@@ -44,11 +76,22 @@ def test_demo_without_faults_pays_exactly_one_llm_call_per_cell(
     assert report["leases_reclaimed"] == 0 and report["op_retries"] == 0
 
 
-def test_demo_with_faults_accounts_for_every_extra_call(database_url: str, redis_url: str) -> None:
-    report, stderr = run_demo(
+def _run_no_faults(database_url: str, redis_url: str) -> tuple[dict[str, Any], str]:
+    return run_demo(
         {"ONCEFLOW_DATABASE_URL": database_url, "ONCEFLOW_REDIS_URL": redis_url},
-        "--jobs", "4", "--columns", "3", "--clients", "6",
+        "--no-faults", "--jobs", "4", "--columns", "3", "--clients", "6",
     )  # fmt: skip
+
+
+def test_demo_with_faults_accounts_for_every_extra_call_and_plots_them(
+    database_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    png = tmp_path / "demo.png"
+    with redis_left_as_found(redis_url):
+        report, stderr = run_demo(
+            {"ONCEFLOW_DATABASE_URL": database_url, "ONCEFLOW_REDIS_URL": redis_url},
+            "--jobs", "4", "--columns", "3", "--clients", "6", "--plot", str(png),
+        )  # fmt: skip
     assert report["invariants_ok"] is True, report["checks"]
     assert report["worker_killed"] is True
     assert "kill -9" in stderr
@@ -56,6 +99,25 @@ def test_demo_with_faults_accounts_for_every_extra_call(database_url: str, redis
     assert 0 <= report["extra_llm_calls"] <= report["llm_calls_in_flight_at_kill"]
     assert report["leases_reclaimed"] >= 1  # the killed worker's requests were reclaimed
     assert report["op_retries"] >= 1  # dropped responses were retried, applied once
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "\r  [" not in stderr  # no progress bar off a terminal
+
+    # The plot marks the kill and each dropped response; both y axes start at 0.
+    from onceflow.demo.report import figure
+
+    timeline = report["timeline"]
+    killed_at, dropped_at = timeline["killed_at"], timeline["dropped_at"]
+    assert killed_at is not None and 0 < killed_at < report["wall_seconds"]
+    assert len(dropped_at) >= 1
+    fig = figure(report)
+    top, bottom = fig.axes
+    for ax in (top, bottom):
+        assert ax.get_ylim()[0] == 0
+        kills = [line for line in ax.get_lines() if line.get_gid() == "kill"]
+        assert [list(line.get_xdata()) for line in kills] == [[killed_at, killed_at]]
+    (drops,) = [line for line in bottom.get_lines() if line.get_gid() == "dropped"]
+    assert list(drops.get_xdata()) == dropped_at
+    assert max(bottom.get_lines()[0].get_ydata()) > 0  # requests finished per second
 
 
 def _closed_port() -> int:
@@ -88,3 +150,126 @@ def _has_marker(proc: psutil.Process, marker: str) -> bool:
         return proc.environ().get("ONCEFLOW_TEST_MARKER") == marker
     except (psutil.Error, OSError):
         return False
+
+
+def test_keep_open_keeps_flower_until_ctrl_c_then_cleans_up_everything(
+    database_url: str, redis_url: str
+) -> None:
+    """--flower --keep-open: after the report Flower answers; Ctrl-C stops every process the
+    demo started (the kill's replacement worker too) and leaves Redis as it was. On a
+    terminal the run draws a progress bar, and the report it prints (faults on, as in
+    `make demo`) has the README sample's lines."""
+    marker = uuid.uuid4().hex  # inherited by every process the demo starts
+    env = {**os.environ, "ONCEFLOW_DATABASE_URL": database_url, "ONCEFLOW_REDIS_URL": redis_url,
+           "ONCEFLOW_TEST_MARKER": marker}  # fmt: skip
+    primary, secondary = pty.openpty()  # stderr on a terminal: the progress bar is drawn
+    err: list[str] = []
+    out: list[str] = []
+    with redis_left_as_found(redis_url):
+        demo = subprocess.Popen(
+            [sys.executable, "-m", "onceflow.cli", "demo", "--flower", "--keep-open",
+             "--jobs", "3", "--columns", "2", "--clients", "4"],
+            stdout=subprocess.PIPE, stderr=secondary, stdin=subprocess.DEVNULL, env=env,
+        )  # fmt: skip
+        os.close(secondary)
+        readers = [
+            threading.Thread(target=_read_pty, args=(primary, err), daemon=True),
+            threading.Thread(target=_read_pipe, args=(demo.stdout, out), daemon=True),
+        ]
+        for reader in readers:
+            reader.start()
+        try:
+            wait_for(lambda: "press Ctrl-C" in "".join(err) or demo.poll() is not None,
+                     timeout=240, what="the report and the keep-open notice")  # fmt: skip
+            assert demo.poll() is None, "".join(err)[-3000:]
+            url = re.search(r"Flower: (http://127\.0\.0\.1:\d+)", "".join(err))
+            assert url is not None, "".join(err)[-3000:]
+            status = wait_for(lambda: _http_status(url.group(1)), timeout=60, what="Flower")
+            assert status in (200, 401)  # it answers (a login is required)
+            report = "".join(out)
+            assert "all invariants hold" in report
+            demo.send_signal(signal.SIGINT)
+            assert demo.wait(timeout=120) == 0
+        finally:
+            if demo.poll() is None:
+                demo.kill()
+            for reader in readers:
+                reader.join(timeout=10)
+            os.close(primary)
+    stderr = "".join(err)
+    assert "stopping and cleaning up" in stderr
+    assert re.search(r"\r  \[#+-*\] +\d+/15 requests", stderr), stderr[-2000:]
+    assert _http_status(url.group(1)) is None  # Flower is gone
+    assert [p.pid for p in psutil.process_iter() if _has_marker(p, marker)] == []
+    assert report_labels(readme_sample()) == report_labels(report)
+
+
+def _read_pty(fd: int, into: list[str]) -> None:
+    while True:
+        try:
+            data = os.read(fd, 4096)
+        except OSError:  # EIO: every writer closed
+            return
+        if not data:
+            return
+        into.append(data.decode(errors="replace"))
+
+
+def _read_pipe(stream: Any, into: list[str]) -> None:
+    for line in iter(stream.readline, b""):
+        into.append(line.decode(errors="replace"))
+
+
+def _http_status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310 - loopback
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
+
+
+def readme_sample() -> str:
+    """The README's sample demo report (the fenced block that starts with its title)."""
+    blocks = re.findall(r"```\n(onceflow demo — .*?)```", README.read_text(), re.S)
+    assert len(blocks) == 1, "the README has one sample demo report"
+    return str(blocks[0])
+
+
+def report_labels(text: str) -> list[str]:
+    """The labels of a printed report, in order: row names and invariant names."""
+    labels = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        check = re.match(r"\[(?:ok|BROKEN)\] (.*)", line)
+        labels.append(check.group(1) if check else re.split(r"\s{2,}", line)[0])
+    return labels
+
+
+def test_report_labels_reads_rows_and_invariants() -> None:
+    sample = "title\n  a / b   1 / 2  (x)\n\ninvariants:\n  [ok] one\n  [BROKEN] two\n"
+    assert report_labels(sample) == ["title", "a / b", "invariants:", "one", "two"]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_draws_on_a_terminal_only() -> None:
+    from onceflow.demo.progress import ProgressBar
+
+    term = _Terminal()
+    bar = ProgressBar(term, 500)
+    bar.update(250, 400, "LLM calls 7")
+    bar.close()
+    assert re.search(r"^\r  \[#{15}-{15}\] 250/500 requests .*LLM calls 7", term.getvalue())
+    piped = io.StringIO()
+    ProgressBar(piped, 500).update(250, 400)
+    assert piped.getvalue() == ""
+    disabled = _Terminal()
+    ProgressBar(disabled, 500, enabled=False).update(250, 400)  # --json
+    assert disabled.getvalue() == ""
