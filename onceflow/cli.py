@@ -32,13 +32,27 @@ def _errors_to_exit(func: F) -> F:
         try:
             return func(*args, **kwargs)
         except NotFound as exc:
-            click.echo(f"onceflow: {exc}", err=True)
+            click.echo(f"onceflow: {_one_line(str(exc))}", err=True)
             sys.exit(EXIT_NOT_FOUND)
         except OnceflowError as exc:
-            click.echo(f"onceflow: {type(exc).__name__}: {exc}", err=True)
+            click.echo(f"onceflow: {type(exc).__name__}: {_one_line(str(exc))}", err=True)
             sys.exit(EXIT_ERROR)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _one_line(message: str) -> str:
+    """``message`` on one line: e.g. a model's validation errors as ``field: problem; …``."""
+    parts: list[str] = []
+    for line in message.splitlines():
+        text = line.strip()
+        if not text or text.startswith("For further information visit"):
+            continue
+        if line[:1].isspace() and parts:
+            parts[-1] = f"{parts[-1]}: {text}"  # pydantic: the field, then its problem indented
+        else:
+            parts.append(text)
+    return "; ".join(parts)
 
 
 def _queue() -> Any:
@@ -47,19 +61,46 @@ def _queue() -> Any:
     return Queue()
 
 
-def _flow_declaring(stage: str) -> Any:
-    """The configured Flow (``ONCEFLOW_APP``) if it declares ``stage``, else None."""
+def _enqueue_flow(app_spec: str | None, stage: str, worker_class: str | None) -> Any:
+    """The app's Flow if it declares ``stage``; None to enqueue it raw on ``worker_class``.
+
+    An undeclared stage is refused (:class:`UnknownStage`, one line naming the app)
+    unless the caller named the worker class.
+    """
     from onceflow.settings import get_settings
     from onceflow.tasks.loader import load_app
 
-    try:
-        _, flow = load_app(get_settings().app)
-    except OnceflowError:
-        return None
-    if flow is None or not flow.stages:
-        return None  # no declarations (the default flow): a bare queue request
-    flow.spec(stage)  # a Flow that declares stages refuses one it does not know: UnknownStage
-    return flow
+    spec = app_spec or get_settings().app
+    _, flow = load_app(spec)
+    if flow is not None and stage in flow.stages:
+        return flow
+    if worker_class is not None:
+        return None  # named explicitly: a raw request on that class
+    declared = ", ".join(sorted(flow.stages)) if flow is not None and flow.stages else "none"
+    click.echo(
+        f"onceflow: UnknownStage: the app {spec} does not declare a stage {stage!r} "
+        f"(it declares: {declared}); pass --app module:flow naming the Flow that declares it, "
+        "or --worker-class to enqueue it undeclared",
+        err=True,
+    )
+    sys.exit(EXIT_ERROR)
+
+
+def _check_database_url() -> None:
+    """Refuse a malformed ONCEFLOW_DATABASE_URL before a long-running command starts."""
+    from onceflow.db import check_database_url
+    from onceflow.settings import get_settings
+
+    check_database_url(get_settings().database_url)
+
+
+_APP_OPTION = click.option(
+    "--app",
+    "app_spec",
+    default=None,
+    help="module:attribute of the Flow, imported from the current directory "
+    "(default ONCEFLOW_APP).",
+)
 
 
 def _echo_json(value: Any) -> None:
@@ -90,30 +131,42 @@ def migrate() -> None:
 @click.option(
     "--worker-class",
     default=None,
-    help="Worker class; default: as the configured Flow declares the stage, else 'default'.",
+    help="Worker class; default: as the app declares the stage. Naming it also enqueues a "
+    "stage the app does not declare, as is: input not validated, no wake-up sent.",
 )
 @click.option("--input", "input_json", default="{}", show_default=True, help="Input as JSON.")
 @click.option("--priority", type=int, default=None, help="Priority; default: as declared, or 0.")
 @click.option("--no-dedupe", is_flag=True, help="Give this request a random id.")
 @click.option("--strict", is_flag=True, help="Fail if the request exists with another input.")
+@_APP_OPTION
 @_errors_to_exit
 def enqueue(
     stage: str,
     workspace_id: str,
     job_id: str,
     branch_path: str,
-    worker_class: str,
+    worker_class: str | None,
     input_json: str,
     priority: int,
     no_dedupe: bool,
     strict: bool,
+    app_spec: str | None,
 ) -> None:
-    """Enqueue a stage request; prints {request_id, created, status, input_mismatch}."""
+    """Enqueue a stage request; prints {request_id, created, status, input_mismatch}.
+
+    The app (--app / ONCEFLOW_APP) must declare the stage: its input is validated
+    against the stage's model and the wake-up sent to its worker class. A stage the
+    app does not declare is refused, unless --worker-class names where it goes.
+    """
+    from onceflow.ids import check_id
+
     try:
         payload = json.loads(input_json)
     except json.JSONDecodeError as exc:
         raise click.BadParameter(f"not JSON: {exc}", param_hint="--input") from None
-    flow = _flow_declaring(stage)
+    for name, value in (("workspace_id", workspace_id), ("job_id", job_id), ("stage", stage)):
+        check_id(name, value)
+    flow = _enqueue_flow(app_spec, stage, worker_class)
     if flow is not None:
         # The configured Flow declares this stage: its declaration, validated input, wake-up.
         result = flow.enqueue(
@@ -254,6 +307,8 @@ def demo(
     def announce(message: str) -> None:
         click.echo(f"onceflow demo: {message}", err=True)
 
+    _check_database_url()
+
     def present(report: dict[str, Any]) -> None:  # while Flower and the workers still run
         if plot:
             draw(report, plot)
@@ -278,11 +333,6 @@ def _load(app_spec: str | None) -> tuple[Any, Any]:
     from onceflow.tasks.loader import load_app
 
     return load_app(app_spec or get_settings().app)
-
-
-_APP_OPTION = click.option(
-    "--app", "app_spec", default=None, help="module:attribute of the Flow (default ONCEFLOW_APP)."
-)
 
 
 @main.command()
@@ -312,7 +362,13 @@ def worker(
     from onceflow.ids import check_id
     from onceflow.tasks.config import MAINTENANCE_QUEUE
 
+    _check_database_url()
     app, flow = _load(app_spec)
+    # The pool's processes fork from this one (sys.path and all); a process that starts
+    # afresh finds the app's directory through PYTHONPATH.
+    path = os.environ.get("PYTHONPATH", "")
+    if os.getcwd() not in path.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), path) if p)
     classes = list(worker_classes) or (flow.queues() if flow is not None else ["default"])
     for wc in classes:
         check_id("worker_class", wc)
@@ -424,6 +480,7 @@ def api(host: str, port: int, log_level: str, app_spec: str | None) -> None:
         sys.exit(EXIT_ERROR)
     from onceflow.settings import get_settings
 
+    _check_database_url()
     _, flow = _load(app_spec)
     if flow is None:
         raise click.UsageError("api needs an onceflow Flow, not a bare Celery app")
@@ -448,6 +505,7 @@ def mcp_(name: str, app_spec: str | None) -> None:
     except ImportError as exc:
         click.echo(f"onceflow: pip install 'onceflow[mcp]' first ({exc})", err=True)
         sys.exit(EXIT_ERROR)
+    _check_database_url()
     _, flow = _load(app_spec)
     if flow is None:
         raise click.UsageError("mcp needs an onceflow Flow, not a bare Celery app")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -26,13 +27,15 @@ from typing import Any, TypeVar
 import psycopg
 import sqlalchemy.exc as sa_exc
 from psycopg.rows import dict_row
-from sqlalchemy import Connection, Engine, TextClause, create_engine
+from sqlalchemy import URL, Connection, Engine, TextClause, create_engine, make_url
 from sqlalchemy.dialects.postgresql import psycopg as pg_psycopg
 
 from onceflow.errors import (
     ConnectionLost,
     DatabaseUnavailable,
+    InvalidDatabaseUrl,
     InvalidRequest,
+    NotMigrated,
     OnceflowError,
     StoreError,
 )
@@ -58,17 +61,62 @@ def size_pools_for(concurrency: int) -> None:
     _min_pool_size = max(0, int(concurrency)) + 2
 
 
+def redact_url(url: str | URL) -> str:
+    """``url`` without its password, for messages (also for a string that does not parse)."""
+    if isinstance(url, URL):
+        return url._replace(password=None).render_as_string(hide_password=False)
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    userinfo, at, hostpart = rest.rpartition("@")
+    if not at:
+        return url
+    return f"{scheme}{sep}{userinfo.split(':', 1)[0]}@{hostpart}"
+
+
+#: The spellings of PostgreSQL accepted; the driver is always psycopg 3.
+_POSTGRES_SCHEMES = ("postgresql+psycopg", "postgresql", "postgres")
+
+
+def check_database_url(url: str) -> URL:
+    """``url`` parsed as a PostgreSQL URL for psycopg 3, or :class:`InvalidDatabaseUrl`.
+
+    Accepts the libpq spelling (``postgresql://``, ``postgres://``) users copy from
+    elsewhere. Nothing connects; the error names the problem, never the password.
+    """
+    shown = redact_url(url)
+    try:
+        parsed = make_url(url)
+    except sa_exc.ArgumentError:
+        raise InvalidDatabaseUrl(shown, "not a URL") from None
+    except ValueError as exc:  # e.g. a port that is not a number
+        raise InvalidDatabaseUrl(shown, _bad_port(exc)) from None
+    if parsed.drivername not in _POSTGRES_SCHEMES:
+        raise InvalidDatabaseUrl(
+            shown, f"onceflow needs PostgreSQL through psycopg 3, not {parsed.drivername!r}"
+        )
+    if parsed.port is not None and not 0 < parsed.port < 65536:
+        raise InvalidDatabaseUrl(shown, f"port {parsed.port} is not in 1-65535")
+    return parsed.set(drivername="postgresql+psycopg")
+
+
+def _bad_port(exc: ValueError) -> str:
+    match = re.search(r"int\(\) with base 10: '(.*)'$", str(exc))
+    return f"port {match.group(1)!r} is not a number" if match else "cannot be parsed"
+
+
 def make_engine(url: str, *, pool_size: int | None = None, **kwargs: Any) -> Engine:
-    """Build an engine for ``url`` (psycopg 3); prefer :func:`get_engine` in long-lived code."""
-    if url.startswith("postgresql://") or url.startswith("postgres://"):
-        # Accept the libpq spelling users copy from elsewhere; the driver is always psycopg 3.
-        url = "postgresql+psycopg://" + url.split("://", 1)[1]
+    """Build an engine for ``url`` (psycopg 3); prefer :func:`get_engine` in long-lived code.
+
+    A malformed URL raises :class:`InvalidDatabaseUrl` (see :func:`check_database_url`).
+    """
+    parsed = check_database_url(url)
     size = pool_size if pool_size is not None else max(get_settings().pool_size, _min_pool_size)
     # No pre-ping: it costs a round trip per checkout. A dead connection surfaces as
     # DatabaseUnavailable on first use and is invalidated (see raw_connection).
     kwargs.setdefault("pool_pre_ping", False)
     kwargs.setdefault("connect_args", {"connect_timeout": 10})
-    return create_engine(url, pool_size=size, max_overflow=size, **kwargs)
+    return create_engine(parsed, pool_size=size, max_overflow=size, **kwargs)
 
 
 def get_engine(url: str | None = None) -> Engine:
@@ -122,7 +170,7 @@ def raw_connection(engine: Engine) -> Iterator[psycopg.Connection[Any]]:
     automatic prepared statements, no result-metadata work). Each statement
     commits on its own; wrap several in ``conn.transaction()``.
     """
-    with translate_errors(), engine.connect() as sa_conn:
+    with translate_errors(engine.url), engine.connect() as sa_conn:
         raw = sa_conn.connection.driver_connection
         assert raw is not None  # noqa: S101 - a live checkout always has one
         raw.autocommit = True
@@ -248,8 +296,12 @@ def fetch_all(conn: psycopg.Connection[Any], query: str, params: dict[str, Any])
 
 
 @contextmanager
-def translate_errors() -> Iterator[None]:
-    """Translate SQLAlchemy / psycopg errors into onceflow's tree; ours pass through."""
+def translate_errors(url: str | URL | None = None) -> Iterator[None]:
+    """Translate SQLAlchemy / psycopg errors into onceflow's tree; ours pass through.
+
+    ``url`` names the database in :class:`NotMigrated` (one of onceflow's tables is
+    missing); the settings' database URL by default.
+    """
     try:
         yield
     except OnceflowError:
@@ -259,7 +311,7 @@ def translate_errors() -> Iterator[None]:
     except (psycopg.DataError, psycopg.IntegrityError) as exc:
         raise InvalidRequest(f"rejected by the database: {_first_line(exc)}") from exc
     except psycopg.Error as exc:
-        raise StoreError(_first_line(exc)) from exc
+        raise _not_migrated(exc, url) or StoreError(_first_line(exc)) from exc
     except sa_exc.OperationalError as exc:
         if exc.connection_invalidated:  # SQLAlchemy invalidated the pool already
             raise ConnectionLost(f"Postgres connection lost: {_first_line(exc)}") from exc
@@ -274,7 +326,7 @@ def translate_errors() -> Iterator[None]:
     except sa_exc.DBAPIError as exc:
         if exc.connection_invalidated:
             raise ConnectionLost(f"Postgres connection lost: {_first_line(exc)}") from exc
-        raise StoreError(_first_line(exc)) from exc
+        raise _not_migrated(exc, url) or StoreError(_first_line(exc)) from exc
     except sa_exc.SQLAlchemyError as exc:
         raise StoreError(_first_line(exc)) from exc
 
@@ -283,3 +335,22 @@ def _first_line(exc: BaseException) -> str:
     orig = getattr(exc, "orig", None)
     text = str(orig if orig is not None else exc)
     return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+
+
+#: An "undefined table" error names the relation in its message (not in its diagnostics).
+_UNDEFINED_RELATION = re.compile(r'relation "(?:[^"]+\.)?([^".]+)" does not exist')
+
+
+def _not_migrated(exc: BaseException, url: str | URL | None) -> NotMigrated | None:
+    """:class:`NotMigrated` if ``exc`` says one of onceflow's tables does not exist."""
+    from onceflow.models import metadata  # the tables; models import nothing of ours
+
+    orig = getattr(exc, "orig", None) or exc
+    if not isinstance(orig, psycopg.errors.UndefinedTable):
+        return None
+    match = _UNDEFINED_RELATION.search(str(orig))
+    ours = {*metadata.tables, "onceflow_alembic_version"}
+    if match is None or match.group(1) not in ours:
+        return None
+    where = redact_url(url if url is not None else get_settings().database_url)
+    return NotMigrated(where, f"table {match.group(1)} is missing")

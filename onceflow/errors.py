@@ -20,7 +20,9 @@ stage code. Control-flow signals (retry later) are kept apart from errors.
     ├── PermanentError            raised by a stage: fail now, no retry
     ├── OpRejected                an op cannot apply to the current state (recorded)
     ├── DatabaseUnavailable       Postgres did not answer (retryable)
-    │   └── ConnectionLost        an established connection died (restart, killed backend)
+    │   ├── ConnectionLost        an established connection died (restart, killed backend)
+    │   └── NotMigrated           onceflow's tables are missing: run `onceflow migrate`
+    ├── InvalidDatabaseUrl        the database URL is malformed or not PostgreSQL/psycopg 3
     ├── StoreError                any other database failure, translated
     ├── LockLost                  a compute lock expired or was taken while held
     ├── LockUnavailable           the compute lock's backend did not answer (retryable)
@@ -196,6 +198,42 @@ class ConnectionLost(DatabaseUnavailable):
     (:func:`onceflow.db.retry_disconnect`). A connection that cannot be opened
     raises the plain :class:`DatabaseUnavailable` instead.
     """
+
+
+class NotMigrated(DatabaseUnavailable):
+    """The database answers but lacks onceflow's tables: ``onceflow migrate`` was not run.
+
+    Retryable like its base: a deploy may start workers before it migrates. The
+    message names the database (never its password) and the fix.
+    """
+
+    def __init__(self, where: str, detail: str = "") -> None:
+        self.where = where
+        self.detail = detail
+        message = f"the database at {where} is not migrated: run `onceflow migrate`"
+        super().__init__(f"{message} ({detail})" if detail else message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.where, self.detail))
+
+
+class InvalidDatabaseUrl(OnceflowError, ValueError):
+    """The database URL cannot be used: malformed, not PostgreSQL, or a bad port.
+
+    A configuration error, not retryable. The message shows the URL without its
+    password and the expected form.
+    """
+
+    def __init__(self, url: str, problem: str) -> None:
+        self.url = url
+        self.problem = problem
+        super().__init__(
+            f"cannot use the database URL {url!r}: {problem}; expected the form "
+            "postgresql+psycopg://user@host:5432/db (set ONCEFLOW_DATABASE_URL)"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.url, self.problem))
 
 
 class StoreError(OnceflowError):

@@ -59,8 +59,8 @@ def test_enqueue_show_status(clean_db: Engine) -> None:
         (["enqueue", "--stage", "s", "--workspace", "", "--job", "j"], 1, "workspace_id"),
         (["enqueue", "--stage", "s", "--workspace", "w", "--job", "j", "--input", "{bad"], 2,
          "not JSON"),
-        (["enqueue", "--stage", "s", "--workspace", "w", "--job", "j", "--input", "NaN"], 1,
-         "not JSON"),
+        (["enqueue", "--stage", "s", "--workspace", "w", "--job", "j", "--input", "NaN",
+          "--worker-class", "x"], 1, "not JSON"),
         (["list", "--status", "finished"], 1, "unknown status"),
     ],
 )  # fmt: skip

@@ -1,0 +1,298 @@
+"""A newcomer's first commands (issue 12, items 1, 2 and 4): real CLI subprocesses.
+
+The CLI runs as an installed console script would: ``python -P`` (the current
+directory is *not* put on ``sys.path`` by Python itself) with ``PYTHONPATH``
+naming only the onceflow under test, from a temporary project directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from sqlalchemy import Engine, make_url
+
+import onceflow
+from onceflow.demo.procs import wait_for
+from onceflow.ids import request_id_for
+from tests.conftest import libpq, table_snapshot
+
+#: The directory holding the onceflow package under test (not the project's directory).
+ONCEFLOW_HOME = str(Path(onceflow.__file__).resolve().parents[1])
+EXPECTED_FORM = "postgresql+psycopg://user@host:5432/db"
+
+STAGES = """
+from pydantic import BaseModel
+
+from onceflow.tasks import Flow, StageContext
+
+flow = Flow(name="{name}")
+
+
+class GreetInput(BaseModel):
+    name: str
+    times: int = 1
+
+
+@flow.stage("greet", input=GreetInput, worker_class="{worker_class}")
+def greet(ctx: StageContext, data: GreetInput) -> dict:
+    from myproject.helpers import greeting  # imported in the worker's pool process
+
+    return {{"text": greeting(data.name) * data.times}}
+"""
+
+
+def cli(
+    *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """``onceflow *args`` from ``cwd``, which is not on the import path unless onceflow puts it."""
+    return subprocess.run(
+        [sys.executable, "-P", "-m", "onceflow.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env=_env(env),
+    )
+
+
+def _env(extra: dict[str, str] | None) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ONCEFLOW_APP")}
+    return {**base, "PYTHONPATH": ONCEFLOW_HOME, **(extra or {})}
+
+
+def one_line(result: subprocess.CompletedProcess[str]) -> str:
+    """The single stderr line of a refused command (exit 1, nothing on stdout, no traceback)."""
+    assert result.returncode == 1, (result.returncode, result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+@pytest.fixture()
+def project(tmp_path: Path) -> Path:
+    """A project directory holding ``myproject/stages.py`` (its own Flow and worker class)."""
+    root = tmp_path / "proj"
+    package = root / "myproject"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    token = secrets.token_hex(3)
+    (package / "stages.py").write_text(
+        STAGES.format(name=f"newcomer-{token}", worker_class=f"newcomer-{token}")
+    )
+    (package / "helpers.py").write_text("def greeting(name):\n    return f'hello {name}'\n")
+    return root
+
+
+# --- item 1: --app finds a module of the current directory ---------------------------------
+
+
+@pytest.mark.parametrize("how", ["option", "env"])
+def test_app_module_is_found_in_the_current_directory(
+    clean_db: Engine, project: Path, how: str
+) -> None:
+    spec = "myproject.stages:flow"
+    app = ["--app", spec] if how == "option" else []
+    env = {"ONCEFLOW_APP": spec} if how == "env" else {}
+    enqueued = cli("enqueue", *app, "--stage", "greet", "--workspace", "w", "--job", "j",
+                   "--input", '{"name": "ada"}', cwd=project, env=env)  # fmt: skip
+    assert enqueued.returncode == 0, enqueued.stderr
+    assert json.loads(enqueued.stdout)["created"] is True
+    swept = cli("sweep", *app, cwd=project, env=env)
+    assert swept.returncode == 0, swept.stderr
+    assert "dispatched" in json.loads(swept.stdout)
+
+
+def test_worker_started_in_the_project_directory_runs_its_stage(
+    clean_db: Engine, redis_url: str, project: Path, tmp_path: Path
+) -> None:
+    log = tmp_path / "worker.log"
+    with open(log, "ab") as out:
+        worker = subprocess.Popen(
+            [sys.executable, "-P", "-m", "onceflow.cli", "worker", "--app",
+             "myproject.stages:flow", "--concurrency", "1", "-n", f"newcomer-{os.getpid()}@%h"],
+            cwd=project, env=_env(None), stdout=out, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+    try:
+
+        def ready() -> bool:
+            text = log.read_text(errors="replace")
+            assert worker.poll() is None, text
+            return " ready." in text
+
+        wait_for(ready, timeout=60, what="the worker to be ready")
+        enqueued = cli("enqueue", "--app", "myproject.stages:flow", "--stage", "greet",
+                       "--workspace", "w", "--job", "j", "--input", '{"name": "ada", "times": 2}',
+                       cwd=project)  # fmt: skip
+        assert enqueued.returncode == 0, enqueued.stderr
+        rid = json.loads(enqueued.stdout)["request_id"]
+
+        def finished() -> dict[str, object]:
+            shown = cli("show", rid, "--json", cwd=project)
+            row: dict[str, object] = json.loads(shown.stdout)
+            assert row["status"] != "dead", (row, log.read_text(errors="replace"))
+            return row if row["status"] == "succeeded" else {}
+
+        row = wait_for(finished, timeout=60, what="the stage to succeed")
+        assert row["result"] == {"text": "hello adahello ada"}
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.pid, signal.SIGTERM)
+        try:
+            worker.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(timeout=20)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["enqueue", "--stage", "greet", "--workspace", "w", "--job", "j"],
+        ["sweep"],
+        ["worker"],
+        ["beat"],
+        ["api"],
+        ["mcp"],
+    ],
+)
+def test_an_app_that_cannot_be_imported_is_one_line_naming_the_fix(
+    clean_db: Engine, tmp_path: Path, command: list[str]
+) -> None:
+    elsewhere = tmp_path / "not-the-project"
+    elsewhere.mkdir()
+    line = one_line(cli(*command, "--app", "myproject.stages:flow", cwd=elsewhere))
+    assert "'myproject.stages'" in line and str(elsewhere) in line
+    assert "PYTHONPATH" in line and "--app module:attribute" in line
+    assert table_snapshot(clean_db) == []
+
+
+def test_a_missing_import_inside_the_app_module_is_named(clean_db: Engine, project: Path) -> None:
+    (project / "myproject" / "stages.py").write_text("import not_installed_anywhere\n")
+    line = one_line(cli("sweep", "--app", "myproject.stages:flow", cwd=project))
+    assert "importing the app module 'myproject.stages' failed" in line
+    assert "not_installed_anywhere" in line
+
+
+# --- item 2: enqueue goes through the app's declaration ------------------------------------
+
+
+@pytest.mark.parametrize("app", [None, "myproject.stages:flow"])
+def test_enqueue_refuses_a_stage_the_app_does_not_declare(
+    clean_db: Engine, project: Path, app: str | None
+) -> None:
+    args = ["--app", app] if app else []  # None: the default app, which declares nothing
+    line = one_line(cli("enqueue", *args, "--stage", "grete", "--workspace", "w", "--job", "j",
+                        cwd=project))  # fmt: skip
+    assert line.startswith("onceflow: UnknownStage:") and "'grete'" in line
+    assert "--worker-class" in line
+    assert table_snapshot(clean_db) == []
+
+
+def test_enqueue_of_an_undeclared_stage_on_a_named_worker_class(
+    clean_db: Engine, project: Path
+) -> None:
+    result = cli("enqueue", "--app", "myproject.stages:flow", "--stage", "raw_stage",
+                 "--workspace", "w", "--job", "j", "--worker-class", "pull-only",
+                 "--input", '{"anything": [1]}', cwd=project)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rid = json.loads(result.stdout)["request_id"]
+    assert rid == request_id_for("w", "j", "", "raw_stage")
+    row = json.loads(cli("show", rid, "--json", cwd=project).stdout)
+    assert (row["worker_class"], row["input"]) == ("pull-only", {"anything": [1]})
+    helptext = " ".join(cli("enqueue", "--help", cwd=project).stdout.split())
+    assert "Naming it also enqueues a stage the app does not declare" in helptext
+
+
+@pytest.mark.parametrize(
+    ("payload", "named"),
+    [('{"times": 2}', "name"), ('{"name": "ada", "times": "often"}', "times"), ("[1]", "")],
+)
+def test_enqueue_refuses_input_that_does_not_fit_the_model(
+    clean_db: Engine, project: Path, payload: str, named: str
+) -> None:
+    for extra in ([], ["--worker-class", "elsewhere"]):  # a named class still validates
+        line = one_line(cli("enqueue", "--app", "myproject.stages:flow", "--stage", "greet",
+                            "--workspace", "w", "--job", "j", "--input", payload, *extra,
+                            cwd=project))  # fmt: skip
+        assert "input of stage 'greet' is invalid" in line and named in line
+    assert table_snapshot(clean_db) == []
+
+
+# --- item 4: a malformed or unmigrated database is one line naming the fix ---------------
+
+BAD_URLS = [
+    ("not-a-url", "not a URL"),
+    ("mysql://app:s3cret-pw@db.example/app", "needs PostgreSQL"),
+    ("postgresql://app:s3cret-pw@127.0.0.1:54x2/app", "port '54x2' is not a number"),
+    ("postgresql+psycopg://app:s3cret-pw@127.0.0.1:99999/app", "port 99999"),
+]
+DB_COMMANDS = [
+    ["migrate"],
+    ["status"],
+    ["list"],
+    ["show", "r1"],
+    ["cancel", "r1"],
+    ["requeue", "r1"],
+    ["enqueue", "--stage", "greet", "--workspace", "w", "--job", "j", "--input", '{"name": "a"}'],
+    ["enqueue", "--stage", "raw", "--workspace", "w", "--job", "j", "--worker-class", "x"],
+    ["sweep"],
+    ["worker"],
+    ["api"],
+    ["mcp"],
+    ["demo", "--jobs", "1"],
+]
+
+
+@pytest.mark.parametrize(("url", "problem"), BAD_URLS)
+def test_a_malformed_database_url_is_one_line(project: Path, url: str, problem: str) -> None:
+    env = {"ONCEFLOW_DATABASE_URL": url, "ONCEFLOW_APP": "myproject.stages:flow"}
+    for command in DB_COMMANDS if url.startswith("mysql") else [["migrate"], ["status"]]:
+        line = one_line(cli(*command, cwd=project, env=env))
+        assert "InvalidDatabaseUrl" in line and problem in line, (command, line)
+        assert EXPECTED_FORM in line
+        assert "s3cret-pw" not in line
+
+
+@pytest.fixture()
+def unmigrated_url(services: tuple[str, str]) -> Iterator[str]:
+    """A fresh, empty database (unique name) on the test server, with a password in its URL
+    (the server trusts local connections, so the password is never checked), dropped after."""
+    admin_url, _ = services
+    name = f"onceflow_unmigrated_{os.getpid()}_{secrets.token_hex(3)}"
+    with psycopg.connect(libpq(admin_url), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        url = make_url(admin_url).set(database=name, password="s3cret-pw")
+        yield url.render_as_string(hide_password=False)
+    finally:
+        with psycopg.connect(libpq(admin_url), autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_an_unmigrated_database_says_run_migrate(project: Path, unmigrated_url: str) -> None:
+    env = {"ONCEFLOW_DATABASE_URL": unmigrated_url, "ONCEFLOW_APP": "myproject.stages:flow"}
+    shown = make_url(unmigrated_url)._replace(password=None).render_as_string(hide_password=False)
+    for command in DB_COMMANDS[1:9]:
+        line = one_line(cli(*command, cwd=project, env=env))
+        assert line.startswith("onceflow: NotMigrated: "), (command, line)
+        assert f"the database at {shown} is not migrated: run `onceflow migrate`" in line
+        assert "s3cret-pw" not in line
+    migrated = cli("migrate", cwd=project, env=env)
+    assert migrated.returncode == 0, migrated.stderr
+    status = cli("status", "--json", cwd=project, env=env)
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout) == {"counts": {}}
