@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import click
 
-from onceflow.errors import NotFound, OnceflowError
+from onceflow.errors import InvalidRequest, NotFound, OnceflowError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -71,7 +71,14 @@ def _enqueue_flow(app_spec: str | None, stage: str, worker_class: str | None) ->
     from onceflow.tasks.loader import load_app
 
     spec = app_spec or get_settings().app
-    _, flow = load_app(spec)
+    try:
+        _, flow = load_app(spec)
+    except InvalidRequest:
+        if worker_class is None:
+            raise
+        # Named explicitly (a cron job run elsewhere, say): the raw request needs no app.
+        click.echo(f"onceflow: the app {spec} could not be imported; enqueued raw", err=True)
+        return None
     if flow is not None and stage in flow.stages:
         return flow
     if worker_class is not None:

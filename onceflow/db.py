@@ -64,13 +64,15 @@ def size_pools_for(concurrency: int) -> None:
 def redact_url(url: str | URL) -> str:
     """``url`` without its password, for messages (also for a string that does not parse)."""
     if isinstance(url, URL):
-        return url._replace(password=None).render_as_string(hide_password=False)
+        clean = url._replace(password=None).difference_update_query(["password"])
+        return clean.render_as_string(hide_password=False)
     scheme, sep, rest = url.partition("://")
     if not sep:
-        scheme, rest = "", url
+        return "<not a URL>"  # a libpq key=value string may carry password=…: show none of it
+    rest = rest.split("?", 1)[0]  # a query string may carry ?password=…
     userinfo, at, hostpart = rest.rpartition("@")
     if not at:
-        return url
+        return f"{scheme}{sep}{rest}"
     return f"{scheme}{sep}{userinfo.split(':', 1)[0]}@{hostpart}"
 
 

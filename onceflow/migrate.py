@@ -25,11 +25,11 @@ def alembic_config(database_url: str | None = None) -> Config:
 
 def migrate(database_url: str | None = None, revision: str = "head") -> None:
     """Upgrade the database to ``revision``; running it again changes nothing."""
-    with translate_errors():
+    with translate_errors(database_url):
         command.upgrade(alembic_config(database_url), revision)
 
 
 def check(database_url: str | None = None) -> None:
     """Raise if the models and the migrated schema differ (``alembic check``)."""
-    with translate_errors():
+    with translate_errors(database_url):
         command.check(alembic_config(database_url))

@@ -160,7 +160,7 @@ def figure(report: dict[str, Any]) -> Figure:
     top.set_ylim(0, max(1.5, report["llm_calls_per_cell"] + 0.25))
     rates = _rates(t, [p[1] for p in progress], window=1.0)
     bottom.plot(t, rates, color="tab:green", label="requests finished / s")
-    bottom.set_ylim(0, max(1.0, *rates) * 1.15)
+    bottom.set_ylim(0, max([1.0, *rates]) * 1.15)
     bottom.set_ylabel("requests finished / s")
     bottom.set_xlabel("seconds since start")
     killed_at = timeline["killed_at"]

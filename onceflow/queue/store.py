@@ -152,7 +152,7 @@ class Queue(Sweeper):
             raise InvalidRequest(f"a batch holds at most {BATCH_MAX} requests, got {len(items)}")
         params = self._enqueue_params(items, now)  # ids (random ones too) minted once, here
         if connection is not None:
-            with translate_errors():
+            with translate_errors(self.engine.url):
                 return self._enqueue_on(connection, params, strict)
         # Idempotent (ON CONFLICT DO NOTHING, same ids): after a lost connection it runs once
         # more; if the first attempt committed, the retry collapses onto its rows.
@@ -678,7 +678,7 @@ class Queue(Sweeper):
         query = query.order_by(wpr.c.created_at.desc(), wpr.c.request_id).limit(limit)
 
         def read() -> builtins.list[Request]:
-            with translate_errors(), self.engine.connect() as conn:
+            with translate_errors(self.engine.url), self.engine.connect() as conn:
                 return [Request.from_row(r) for r in conn.execute(query).mappings()]
 
         return retry_disconnect(read)
