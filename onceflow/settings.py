@@ -64,6 +64,12 @@ class Settings(BaseSettings):
         "interrupt the body. Keep the hard limit below the broker's visibility timeout (and "
         "RabbitMQ's consumer_timeout, 30 min by default).",
     )
+    legacy_queues: bool = Field(
+        default=False,
+        description="Workers also consume each worker class's queue under its old, unprefixed "
+        "name (before queues became onceflow.wc.<class>): set it on the workers during an "
+        "upgrade, until those queues are empty (docs/security.md, 'Upgrading').",
+    )
     broker_visibility_timeout_seconds: float = Field(
         default=3600.0,
         gt=0,
