@@ -10,7 +10,9 @@ the sweeper re-sends what is missing — so such a message is safe to drop:
 
 * a queue item that is not a JSON kombu envelope is logged and dropped;
 * a message whose delivery raises (Celery could not take it) is logged and
-  rejected without requeue, so it is not redelivered forever;
+  rejected without requeue, so it is not redelivered forever — also when it
+  raises on its way to the pool (``timelimit: "x"``), where Celery would keep
+  the pool slot it took for it and the worker would never run another task;
 * a key of the worker's with the wrong type is renamed aside
   (``<key>.wrongtype.<unix ms>``, kept for inspection, never deleted) and
   logged; the worker goes on serving, and the sweeper re-sends lost wake-ups.
@@ -32,6 +34,7 @@ from typing import Any
 
 import redis
 from celery import Celery
+from celery.signals import worker_init
 
 # Typed as Any: kombu's transports are untyped, and these classes extend them.
 kombu_redis: Any = importlib.import_module("kombu.transport.redis")
@@ -216,13 +219,49 @@ class Connection(KombuConnection):
 
 
 def harden(app: Celery) -> None:
-    """Make ``app``'s broker connections use the hardened Redis transport.
+    """Make ``app``'s broker connections use the hardened Redis transport, and its
+    workers reject a task they cannot start instead of losing a pool slot to it.
 
-    Leaves the app alone if its ``amqp`` already has its own connection class.
+    Leaves the app's connections alone if its ``amqp`` has its own connection class.
     """
     amqp = app.amqp
     if amqp.Connection is KombuConnection:
         amqp.Connection = Connection
+    app._onceflow_hardened = True
+
+
+@worker_init.connect
+def _guard_process_task(sender: Any = None, **_: Any) -> None:
+    """Wrap the worker's ``_process_task`` (the step that hands a request to the pool).
+
+    Celery takes a pool slot (its semaphore) before it and gives it back only when the
+    pool reports; a request that raises on its way there (a hostile header) kept the
+    slot forever — with one slot, the worker never ran another task. Runs in
+    ``worker_init``, before the worker's Pool step binds ``process_task``.
+    """
+    if sender is None or not getattr(getattr(sender, "app", None), "_onceflow_hardened", False):
+        return
+    original = sender._process_task
+
+    def process_task(req: Any) -> None:
+        try:
+            original(req)
+        except Exception as exc:
+            log.error(
+                "rejected task %s (%s): it could not be handed to the pool: %s: %s",
+                getattr(req, "id", "?"),
+                getattr(req, "name", "?"),
+                type(exc).__name__,
+                exc,
+            )
+            try:
+                req.reject(requeue=False)
+            except Exception as reject_exc:  # the message may be gone: nothing to do
+                log.warning("could not reject it: %s", type(reject_exc).__name__)
+            if sender.process_task == sender._process_task_sem:
+                sender._quick_release()  # the slot _process_task_sem took for it
+
+    sender._process_task = process_task
 
 
 __all__ = ["Channel", "Connection", "QoS", "Transport", "envelope_problem", "harden"]

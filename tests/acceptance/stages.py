@@ -37,8 +37,9 @@ class NoopInput(BaseModel):
 
 
 # A caller may route a noop only to these classes besides its own (pull workers, the
-# HTTP tests' Hypothesis class, the purge and pickle tests' queues); any other is refused.
-NOOP_CLASSES = ("t-pull", "t-hyp", "t-purge", "t-pickle", "tabs")
+# HTTP tests' Hypothesis class, the purge, pickle and hostile-message tests' queues); any
+# other is refused.
+NOOP_CLASSES = ("t-pull", "t-hyp", "t-purge", "t-pickle", "tabs", "t-hostile")
 
 
 @flow.stage(

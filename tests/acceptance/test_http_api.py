@@ -27,7 +27,7 @@ from onceflow.demo import procs
 from onceflow.errors import AccessDenied, OpIdConflict
 from onceflow.integrations.fastapi import hash_key
 from onceflow.integrations.pull import PullContext, PullWorker
-from onceflow.keys import workspace_channel
+from onceflow.keys import queue_name, workspace_channel
 from onceflow.models.ops import NodeInsert
 from onceflow.oplog import OpLog, TransportError, WorkspaceClient, new_op_id
 from onceflow.oplog.http import HttpTransport
@@ -117,7 +117,7 @@ def client(api: str, runtime: Any, redis_url: str) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=api, timeout=10) as http:
         yield http
     r = redis_lib.Redis.from_url(redis_url)
-    r.delete(PULL, HYP)
+    r.delete(queue_name(PULL), queue_name(HYP))
 
 
 def snapshot(engine: Engine) -> dict[str, list[tuple[Any, ...]]]:
