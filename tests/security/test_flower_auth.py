@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 
-from onceflow.flower_auth import InvalidBasicAuth, parse_basic_auth
 from tests.acceptance.procs import APP, ROOT, wait_for
 
 pytestmark = pytest.mark.slow
@@ -101,6 +100,8 @@ def test_flower_cfg_refuses_them_too_without_the_cli(tmp_path: Path) -> None:
 
 
 def test_the_parser_keeps_good_entries_and_names_the_bad_one_only() -> None:
+    from onceflow.flower_auth import InvalidBasicAuth, parse_basic_auth
+
     assert parse_basic_auth("ops:pw") == ["ops:pw"]
     assert parse_basic_auth(" ops:a:b , admin:x ") == ["ops:a:b", "admin:x"]
     with pytest.raises(InvalidBasicAuth, match="entry 2 of 2") as caught:

@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -24,13 +26,8 @@ import redis as redis_lib
 from sqlalchemy import Engine, text
 
 from onceflow.demo import procs
+from onceflow.integrations.fastapi import events as sse
 from onceflow.integrations.fastapi import hash_key
-from onceflow.integrations.fastapi.events import (
-    CLIENT_NAME,
-    EventHub,
-    HubUnavailable,
-    StreamLimit,
-)
 from onceflow.keys import workspace_channel
 from onceflow.oplog import new_op_id
 from tests.acceptance.conftest import TEST_ENV, runtime  # noqa: F401 - the fixture
@@ -71,6 +68,7 @@ def api(
         ),
         "ONCEFLOW_API_SSE_KEEPALIVE_SECONDS": "1",
         "ONCEFLOW_API_SSE_MAX_PER_KEY": str(STREAMS),
+        "ONCEFLOW_API_SSE_QUEUE_SIZE": "8",
         "ONCEFLOW_API_RATE_LIMIT": f"{RATE}/minute",
         "ONCEFLOW_API_AUTH_FAILURE_LIMIT": f"{AUTH_FAILURES}/minute",
     }
@@ -190,7 +188,7 @@ def test_150_streams_of_one_workspace_do_not_silence_another(api: str, redis_url
             # One Redis pub/sub connection for the 151 streams of two workspaces.
             subscribed = subscribed_clients(redis_url)
             assert len(subscribed) == 1, subscribed
-            assert subscribed[0]["name"] == CLIENT_NAME and int(subscribed[0]["sub"]) == 2
+            assert subscribed[0]["name"] == sse.CLIENT_NAME and int(subscribed[0]["sub"]) == 2
             assert numsub(redis_url, WS_A) == 1 and numsub(redis_url, WS_B) == 1
 
             for stream in [*streams, b]:
@@ -231,6 +229,44 @@ def test_redis_dropping_the_hub_ends_streams_and_the_hub_recovers(api: str, redi
             again.task.cancel()
 
     asyncio.run(scenario())
+
+
+def test_a_client_that_stops_reading_is_disconnected_not_buffered(api: str, redis_url: str) -> None:
+    url = urlsplit(api)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fill up fast
+    sock.settimeout(30)
+    sock.connect((url.hostname or "127.0.0.1", url.port or 80))
+    try:
+        request = (
+            f"GET /v1/workspaces/{WS_B}/events HTTP/1.1\r\nHost: {url.netloc}\r\n"
+            f"Authorization: Bearer {KEY_B}\r\n\r\n"
+        )
+        sock.sendall(request.encode())
+        head = b""
+        while b"event: ready" not in head:
+            chunk = sock.recv(4096)
+            assert chunk, head
+            head += chunk
+        assert head.startswith(b"HTTP/1.1 200")
+        [hub] = subscribed_clients(redis_url)
+        # The client reads no more; commits keep coming on its channel.
+        publisher = redis_lib.Redis.from_url(redis_url)
+        pad = json.dumps({"kind": "commit", "pad": "x" * 65536})
+        channel = workspace_channel(WS_B)
+        published = 0
+        while numsub(redis_url, WS_B) and published < 2000:  # bounded: 2000 x 64 KiB
+            publisher.publish(channel, pad)
+            published += 1
+        assert numsub(redis_url, WS_B) == 0, f"still subscribed after {published} messages"
+        # The server dropped the stream (its queue of 8 was full): Redis did not drop the hub.
+        assert hub["id"] in [c["id"] for c in publisher.client_list()]
+        print(f"slow client dropped after {published} messages of 64 KiB")
+        # ...and closed the connection: what was sent before can be read, then EOF.
+        while sock.recv(1 << 20):
+            pass
+    finally:
+        sock.close()
 
 
 # ----------------------------------------------------------------- rate limits
@@ -301,12 +337,12 @@ def test_hub_refcounts_subscriptions_and_drops_a_slow_consumer(redis_url: str) -
     publisher = redis_lib.Redis.from_url(redis_url)
 
     async def scenario() -> None:
-        hub = EventHub(redis_url, max_streams=10, max_per_key=3, queue_size=4, ping_seconds=5)
+        hub = sse.EventHub(redis_url, max_streams=10, max_per_key=3, queue_size=4)
         try:
             fast = await hub.open(channel, "k1")
             slow = await hub.open(channel, "k2")
             assert numsub(redis_url, ws) == 1  # two listeners, one subscription
-            with pytest.raises(StreamLimit):
+            with pytest.raises(sse.StreamLimit):
                 for _ in range(3):
                     await hub.open(other, "k1")  # k1's third opens, its fourth is refused
             assert hub.streams_of("k1") == 3
@@ -331,11 +367,11 @@ def test_hub_refcounts_subscriptions_and_drops_a_slow_consumer(redis_url: str) -
 
 def test_hub_bounds_streams_per_process_and_answers_503_without_redis(redis_url: str) -> None:
     async def scenario() -> None:
-        hub = EventHub(redis_url, max_streams=2, max_per_key=10)
+        hub = sse.EventHub(redis_url, max_streams=2, max_per_key=10)
         try:
             a = await hub.open(workspace_channel(f"sec-x-{RUN}"), "k1")
             b = await hub.open(workspace_channel(f"sec-y-{RUN}"), "k2")
-            with pytest.raises(StreamLimit):
+            with pytest.raises(sse.StreamLimit):
                 await hub.open(workspace_channel(f"sec-z-{RUN}"), "k3")  # another key too
             await hub.close(a)
             c = await hub.open(workspace_channel(f"sec-z-{RUN}"), "k3")
@@ -344,8 +380,8 @@ def test_hub_bounds_streams_per_process_and_answers_503_without_redis(redis_url:
             assert hub.open_streams == 0
         finally:
             await hub.aclose()
-        nowhere = EventHub(f"redis://127.0.0.1:{free_port()}/0")
-        with pytest.raises(HubUnavailable):
+        nowhere = sse.EventHub(f"redis://127.0.0.1:{free_port()}/0")
+        with pytest.raises(sse.HubUnavailable):
             await nowhere.open(workspace_channel(f"sec-x-{RUN}"), "k1")
         assert nowhere.open_streams == 0 and nowhere.streams_of("k1") == 0
         await nowhere.aclose()
