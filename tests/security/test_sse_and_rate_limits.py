@@ -30,6 +30,7 @@ from onceflow.integrations.fastapi import events as sse
 from onceflow.integrations.fastapi import hash_key
 from onceflow.keys import workspace_channel
 from onceflow.oplog import new_op_id
+from onceflow.settings import Settings
 from tests.acceptance.conftest import TEST_ENV, runtime  # noqa: F401 - the fixture
 from tests.acceptance.procs import APP, ROOT, wait_for
 from tests.acceptance.test_http_api import auth, free_port
@@ -387,3 +388,40 @@ def test_hub_bounds_streams_per_process_and_answers_503_without_redis(redis_url:
         await nowhere.aclose()
 
     asyncio.run(scenario())
+
+
+def test_shared_rate_limit_storage_counts_across_processes(redis_url: str) -> None:
+    """Two limiters on one Redis (as two API processes would be) share a key's budget."""
+    from starlette.requests import Request
+
+    from onceflow.integrations.fastapi.auth import Principal
+    from onceflow.integrations.fastapi.ratelimit import KEY_PREFIX, RateLimited, RateLimits
+
+    key_id = f"shared-{RUN}"
+    principal = Principal(key_id=key_id, workspaces=frozenset({"w"}), worker_classes=frozenset())
+    request = Request({"type": "http", "client": ("192.0.2.1", 1234), "headers": []})
+    r = redis_lib.Redis.from_url(redis_url)
+
+    async def scenario() -> list[bool]:
+        one, two = (
+            RateLimits.from_settings(
+                Settings(api_rate_limit="3/minute", api_rate_limit_storage=redis_url)
+            )
+            for _ in range(2)
+        )
+        served = []
+        for limiter in (one, two, one, two):
+            try:
+                await limiter.authorize(request, lambda: principal)
+                served.append(True)
+            except RateLimited as exc:
+                assert exc.response().status_code == 429
+                served.append(False)
+        return served
+
+    try:
+        assert asyncio.run(scenario()) == [True, True, True, False]
+        assert any(key_id.encode() in k for k in r.scan_iter(f"{KEY_PREFIX}*"))
+    finally:
+        for k in r.scan_iter(f"{KEY_PREFIX}*{key_id}*"):
+            r.delete(k)

@@ -30,7 +30,7 @@ import contextlib
 import json
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -96,6 +96,7 @@ class Listener:
     released: bool = False
     ended: str | None = None  # why the hub ended the stream: "slow" or "redis"
     dropped: asyncio.Event = field(default_factory=asyncio.Event)  # set for a slow consumer
+    on_drop: Callable[[], Any] | None = None  # the response's cancel, for a slow consumer
 
     def deliver(self, data: bytes) -> bool:
         """Queue ``data``; False when the queue is full (a slow consumer)."""
@@ -117,6 +118,8 @@ class Listener:
         self.queue.put_nowait(_END)
         if reason == "slow":
             self.dropped.set()
+            if self.on_drop is not None:
+                self.on_drop()
 
     async def next(self, timeout: float) -> bytes | None:
         """The next message; None after ``timeout`` idle seconds; raises EOFError at the end."""
@@ -486,18 +489,14 @@ class EventStreamResponse(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Stream until the body ends, the client goes, or the hub drops a slow client."""
         try:
-            async with anyio.create_task_group() as group:
-
-                async def drop_when_slow() -> None:
-                    await self.listener.dropped.wait()
-                    group.cancel_scope.cancel()  # a send may be stuck on a client not reading
-
-                async def stream() -> None:
-                    await super(EventStreamResponse, self).__call__(scope, receive, send)
-                    group.cancel_scope.cancel()
-
-                group.start_soon(drop_when_slow)
-                group.start_soon(stream)
+            # A slow consumer's send may be stuck on a client that reads nothing: the hub
+            # cancels the response, and the server closes the connection (uvicorn logs that
+            # the response was not completed).
+            with anyio.CancelScope() as cancel:
+                self.listener.on_drop = cancel.cancel
+                if self.listener.dropped.is_set():
+                    cancel.cancel()
+                await super().__call__(scope, receive, send)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.hub.close(self.listener)
