@@ -311,6 +311,14 @@ class EventHub:
     async def _send(
         self, link: _Link, verb: str, channel: bytes, confirmed: asyncio.Future[None] | None
     ) -> None:
+        # Shielded: a command cut in half by a cancelled request would break the connection
+        # for every stream (a send is bounded by the client's socket timeout).
+        with anyio.CancelScope(shield=True):
+            await self._send_shielded(link, verb, channel, confirmed)
+
+    async def _send_shielded(
+        self, link: _Link, verb: str, channel: bytes, confirmed: asyncio.Future[None] | None
+    ) -> None:
         async with self._send_lock:
             if link is not self._link_now:
                 raise HubUnavailable("the connection to Redis was lost")
