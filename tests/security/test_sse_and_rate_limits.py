@@ -384,6 +384,9 @@ def test_hub_bounds_streams_per_process_and_answers_503_without_redis(redis_url:
         nowhere = sse.EventHub(f"redis://127.0.0.1:{free_port()}/0")
         with pytest.raises(sse.HubUnavailable):
             await nowhere.open(workspace_channel(f"sec-x-{RUN}"), "k1")
+        answer = await sse.event_stream(nowhere, f"sec-x-{RUN}", "k1", 1.0)
+        assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
+        assert json.loads(bytes(answer.body))["code"] == "unavailable"
         assert nowhere.open_streams == 0 and nowhere.streams_of("k1") == 0
         await nowhere.aclose()
 
