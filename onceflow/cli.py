@@ -459,9 +459,14 @@ def flower(
     conf: str, port: int | None, address: str | None, insecure_no_auth: bool, app_spec: str | None
 ) -> None:
     """Run Flower with flower.cfg; refuses to start without ONCEFLOW_FLOWER_BASIC_AUTH."""
-    import os
+    from onceflow.flower_auth import InvalidBasicAuth, basic_auth_from_env
 
-    if not os.environ.get("ONCEFLOW_FLOWER_BASIC_AUTH") and not insecure_no_auth:
+    try:
+        credentials = basic_auth_from_env()
+    except InvalidBasicAuth as exc:  # the message names the entry, never the value
+        click.echo(f"onceflow: refusing to start Flower: {exc}", err=True)
+        sys.exit(EXIT_ERROR)
+    if credentials is None and not insecure_no_auth:
         click.echo(
             "onceflow: refusing to start Flower without credentials: set "
             "ONCEFLOW_FLOWER_BASIC_AUTH=user:password (or pass --insecure-no-auth)",

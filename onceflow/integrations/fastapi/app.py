@@ -15,10 +15,12 @@ in its thread pool, as blocking calls (psycopg, the Celery send) need.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Annotated, Any
@@ -50,8 +52,9 @@ from onceflow.errors import (
 from onceflow.ids import ClaimToken, check_id
 from onceflow.integrations.fastapi import schemas as s
 from onceflow.integrations.fastapi.auth import Authenticator, KeyAuth, Principal
-from onceflow.integrations.fastapi.events import event_stream
+from onceflow.integrations.fastapi.events import EventHub, event_stream
 from onceflow.integrations.fastapi.limits import BodyLimitMiddleware
+from onceflow.integrations.fastapi.ratelimit import RateLimited, RateLimits
 from onceflow.models import Claim, Dispatch, NewRequest, Status
 from onceflow.models import Request as StageRequest
 from onceflow.models import workspace_process_requests as wpr
@@ -91,6 +94,10 @@ class OnceflowServices:
         self._oplog: tuple[int, OpLog] | None = None
         self._redis: aioredis.Redis | None = None
         self._lock = threading.Lock()
+        self.rate_limits = RateLimits.from_settings(self.settings)
+        self._hubs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, EventHub] = (
+            weakref.WeakKeyDictionary()
+        )
 
     @property
     def queue(self) -> Queue:
@@ -115,8 +122,26 @@ class OnceflowServices:
             self._redis = aioredis.Redis.from_url(self.settings.redis_url, socket_connect_timeout=2)
         return self._redis
 
+    def event_hub(self) -> EventHub:
+        """This event loop's hub of event streams: one Redis pub/sub connection for them all."""
+        loop = asyncio.get_running_loop()
+        hub = self._hubs.get(loop)
+        if hub is None:
+            st = self.settings
+            hub = self._hubs[loop] = EventHub(
+                st.redis_url,
+                max_streams=st.api_sse_max_streams,
+                max_per_key=st.api_sse_max_per_key,
+                queue_size=st.api_sse_queue_size,
+                ping_seconds=st.api_sse_keepalive_seconds,
+            )
+        return hub
+
     async def aclose(self) -> None:
-        """Close the async Redis client (the engine stays: it is shared per process)."""
+        """Close the event hub and async Redis client (the engine stays: shared per process)."""
+        hub = self._hubs.pop(asyncio.get_running_loop(), None)
+        if hub is not None:
+            await hub.aclose()
         client, self._redis = self._redis, None
         if client is not None:
             await client.aclose()
@@ -264,8 +289,12 @@ def _route_class(services: OnceflowServices) -> type[APIRoute]:
 
             async def guarded(request: Request) -> Response:
                 try:
-                    request.state.onceflow_principal = _authorize(services.auth, request, kind)
+                    request.state.onceflow_principal = await services.rate_limits.authorize(
+                        request, lambda: _authorize(services.auth, request, kind)
+                    )
                     return await handler(request)
+                except RateLimited as exc:
+                    return exc.response()
                 except (OnceflowError, UnicodeError) as exc:
                     return error_response(exc)
                 except RequestValidationError as exc:
@@ -326,7 +355,10 @@ def create_router(
         prefix="/v1",
         route_class=_route_class(svc),
         dependencies=[Security(_bearer)],
-        responses=_responses(401, 403),
+        responses={
+            **_responses(401, 403),
+            429: {"model": s.ErrorOut, "description": "Over a rate limit (see Retry-After)"},
+        },
     )
     _request_routes(router, svc)
     _claim_routes(router, svc)
@@ -460,10 +492,11 @@ def _request_routes(router: APIRouter, svc: OnceflowServices) -> None:
             **_responses(503),
         },
     )
-    async def events(ws: str) -> Response:
+    async def events(ws: str, principal: PrincipalDep) -> Response:
         """Server-sent events of the workspace's commit broadcasts (what a browser tab follows)."""
         check_id("workspace_id", ws)
-        return await event_stream(svc.async_redis(), ws, svc.settings.api_sse_keepalive_seconds)
+        keepalive = svc.settings.api_sse_keepalive_seconds
+        return await event_stream(svc.event_hub(), ws, principal.key_id, keepalive)
 
 
 def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
