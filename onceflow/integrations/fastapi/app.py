@@ -328,6 +328,7 @@ def create_router(
         app = FastAPI(lifespan=services.lifespan)
         app.add_middleware(BodyLimitMiddleware, max_body_bytes=1 << 20)
         app.include_router(create_router(services=services))
+        add_error_handlers(app)  # 404/405 (with a full Allow) in onceflow's error shape
     """
     if services is None:
         if flow is None:
