@@ -42,6 +42,7 @@ MAX_LINE_BYTES = 4 * 1024 * 1024
 PARSE_ERROR = -32700
 INVALID_REQUEST = -32600
 INVALID_PARAMS = -32602
+INTERNAL_ERROR = -32603
 _MISSING = object()
 BAD_ID = "Invalid request: id must be a string or an integer"
 
@@ -182,14 +183,32 @@ def sdk_line_validator() -> Callable[[str], object]:
     return validate
 
 
+class _Prerendered:
+    """An answer the SDK's own types cannot hold, as its JSON text (for the SDK's writer).
+
+    mcp 1.x types an error's id as ``str | int`` (no null) and writes with
+    ``exclude_none``; the writer only calls ``model_dump_json`` on what it is given.
+    """
+
+    def __init__(self, answer: dict[str, Any]) -> None:
+        self._text = json.dumps(answer, ensure_ascii=True, separators=(",", ":"))
+
+    def model_dump_json(self, **_: Any) -> str:
+        return self._text
+
+
 def _sdk_message(answer: dict[str, Any]) -> Any:
     """``answer`` as what the SDK's write stream carries (a SessionMessage in 2.x and late 1.x)."""
     types = importlib.import_module("mcp.types")
     adapter = getattr(types, "jsonrpc_message_adapter", None)
-    if adapter is not None:
-        message = adapter.validate_python(answer)
-    else:
-        message = types.JSONRPCMessage.model_validate(answer)
+    message: Any
+    try:
+        if adapter is not None:
+            message = adapter.validate_python(answer)
+        else:
+            message = types.JSONRPCMessage.model_validate(answer)
+    except ValueError:  # pydantic's ValidationError: e.g. a null id in 1.x
+        message = _Prerendered(answer)
     try:
         session_message = importlib.import_module("mcp.shared.message").SessionMessage
     except (ImportError, AttributeError):
@@ -239,7 +258,11 @@ class GuardedStdin:
                 )
             else:
                 line = raw.decode("utf-8", errors="replace")  # as the SDK's reader decodes
-                answer = triage(line, self._validate)
+                try:
+                    answer = triage(line, self._validate)
+                except Exception:  # a bug here must not stop the server
+                    log.exception("could not check a line")
+                    answer = _error(None, INTERNAL_ERROR, "Internal error")
                 if answer is True:
                     return line
             if isinstance(answer, dict):
@@ -262,6 +285,8 @@ class GuardedStdin:
             await self._write.send(_sdk_message(answer))
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             log.warning("the session is closed; an answer was not sent")
+        except Exception:  # never let one answer stop the server
+            log.exception("could not send an answer")
 
 
 async def run_stdio(server: Any, *, max_line_bytes: int = MAX_LINE_BYTES) -> None:
