@@ -92,11 +92,16 @@ def _bodies(operation_id: str) -> st.SearchStrategy[Any] | None:
 def test_every_operation_answers_as_its_schema_says(
     schema: Any,
     api: str,  # noqa: F811 - the fixture
+    client: httpx.Client,  # noqa: F811 - the fixture
     runtime: Any,  # noqa: F811 - the fixture
 ) -> None:
     operations = [result.ok() for result in schema.get_all_operations()]
     operations = [op for op in operations if op.definition.raw["operationId"] != STREAMING]
     assert len(operations) == 12
+    # A request that exists, so that reading one answers 200 (and its body is checked) too.
+    made = client.post("/v1/workspaces/w1/requests", json=NOOP, headers=auth(API_KEY))
+    assert made.status_code == 201, made.text
+    existing = made.json()["request_id"]
     statuses: dict[str, set[int]] = {}
     for operation in operations:
         path_params: dict[str, str] = {}
@@ -111,6 +116,9 @@ def test_every_operation_answers_as_its_schema_says(
         modes = [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE]
         for mode in modes:
             cases = operation.as_strategy(generation_mode=mode, path_parameters=path_params)
+            if operation.path == "/v1/workspaces/{ws}/requests/{request_id}":
+                known = {**path_params, "request_id": existing}
+                cases = cases | operation.as_strategy(generation_mode=mode, path_parameters=known)
             bodies = _bodies(operation.definition.raw["operationId"])
             if bodies is not None and mode is schemathesis.GenerationMode.POSITIVE:
                 cases = st.tuples(cases, st.none() | bodies).map(_with_body)
@@ -119,6 +127,7 @@ def test_every_operation_answers_as_its_schema_says(
     everything = set().union(*statuses.values())
     assert {200, 201, 422} <= everything, statuses
     assert statuses["POST /v1/workspaces/{ws}/requests"] >= {201, 422}, statuses
+    assert statuses["GET /v1/workspaces/{ws}/requests/{request_id}"] >= {200, 404}, statuses
 
 
 def _drive(cases: st.SearchStrategy[Any], api: str, key: str, seen: set[int]) -> None:  # noqa: F811
