@@ -38,7 +38,7 @@ from celery.signals import worker_init, worker_process_init
 from pydantic import BaseModel, ValidationError
 
 from onceflow.db import dispose_engines, size_pools_for
-from onceflow.errors import InvalidRequest, OnceflowError, UnknownStage
+from onceflow.errors import InvalidRequest, OnceflowError, UnknownStage, validation_summary
 from onceflow.ids import check_id, check_worker_class, random_request_id
 from onceflow.keys import queue_name
 from onceflow.models.requests import Dispatch, EnqueueResult, NewRequest, SweepResult
@@ -408,7 +408,8 @@ class Flow:
         try:
             model = spec.input_model.model_validate({} if value is None else value)
         except ValidationError as exc:
-            raise InvalidRequest(f"input of stage {spec.name!r} is invalid: {exc}") from None
+            summary = validation_summary(exc)
+            raise InvalidRequest(f"input of stage {spec.name!r} is invalid: {summary}") from None
         return model.model_dump(mode="json")
 
     def dispatch(self, item: Dispatch) -> bool:

@@ -33,6 +33,7 @@ from fastapi.routing import APIRoute
 from fastapi.security import HTTPBearer
 from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
 from onceflow.errors import (
@@ -53,6 +54,12 @@ from onceflow.ids import ClaimToken, check_id
 from onceflow.integrations.fastapi import schemas as s
 from onceflow.integrations.fastapi.auth import Authenticator, KeyAuth, Principal
 from onceflow.integrations.fastapi.events import EventHub, event_stream
+from onceflow.integrations.fastapi.http_errors import (
+    add_error_handlers,
+    http_error_response,
+    one_line,
+    validation_body,
+)
 from onceflow.integrations.fastapi.limits import BodyLimitMiddleware
 from onceflow.integrations.fastapi.ratelimit import RateLimited, RateLimits
 from onceflow.models import Claim, Dispatch, NewRequest, Status
@@ -214,13 +221,12 @@ class AsciiJSONResponse(JSONResponse):
 
 
 def validation_response(exc: RequestValidationError) -> JSONResponse:
-    """FastAPI's 422 body (``{"detail": [errors]}``) without the echoed input.
+    """422 ``{"detail": "<one line>", "code": "invalid_request", "errors": [{loc, msg, type}]}``.
 
     The input is left out: it may be large, and may hold what JSON cannot carry
     back (NaN, a lone surrogate), which would turn a 422 into a 500.
     """
-    errors = [{k: v for k, v in e.items() if k != "input"} for e in exc.errors()]
-    return AsciiJSONResponse({"detail": jsonable_encoder(errors)}, 422)
+    return AsciiJSONResponse(jsonable_encoder(validation_body(exc.errors())), 422)
 
 
 def error_response(exc: Exception) -> JSONResponse:
@@ -261,16 +267,20 @@ def error_response(exc: Exception) -> JSONResponse:
     else:
         log.error("internal error: %s", type(exc).__name__, exc_info=exc)
         detail = "internal error"
-    return AsciiJSONResponse({"detail": detail, "code": code, **extra}, status, headers=headers)
+    body = {"detail": one_line(detail), "code": code, **extra}
+    return AsciiJSONResponse(body, status, headers=headers)
 
 
 def _responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     text = {
+        400: "The body is not parseable, or Content-Length is malformed",
         401: "No key, or an unknown key",
         403: "The key is not scoped to this workspace or worker class",
         404: "No such request in this workspace",
         409: "Conflict (lease lost, op id reused, input mismatch)",
         413: "The body is over the size limit (or a payload over the payload limit)",
+        422: "Invalid parameters or body (code invalid_request; `errors` lists each field)",
+        429: "Too many requests for this key (code rate_limited); retry after Retry-After",
         503: "Postgres or Redis did not answer",
     }
     return {code: {"model": s.ErrorOut, "description": text[code]} for code in statuses}
@@ -299,6 +309,8 @@ def _route_class(services: OnceflowServices) -> type[APIRoute]:
                     return error_response(exc)
                 except RequestValidationError as exc:
                     return validation_response(exc)
+                except StarletteHTTPException as exc:  # e.g. 400: the body cannot be parsed
+                    return http_error_response(request, exc)
 
             return guarded
 
@@ -345,6 +357,7 @@ def create_router(
         app = FastAPI(lifespan=services.lifespan)
         app.add_middleware(BodyLimitMiddleware, max_body_bytes=1 << 20)
         app.include_router(create_router(services=services))
+        add_error_handlers(app)  # 404/405 (with a full Allow) in onceflow's error shape
     """
     if services is None:
         if flow is None:
@@ -355,10 +368,7 @@ def create_router(
         prefix="/v1",
         route_class=_route_class(svc),
         dependencies=[Security(_bearer)],
-        responses={
-            **_responses(401, 403),
-            429: {"model": s.ErrorOut, "description": "Over a rate limit (see Retry-After)"},
-        },
+        responses=_responses(400, 401, 403, 413, 422, 429, 503),
     )
     _request_routes(router, svc)
     _claim_routes(router, svc)
@@ -379,7 +389,9 @@ def _request_routes(router: APIRouter, svc: OnceflowServices) -> None:
             **_responses(409, 413, 503),
         },
     )
-    def enqueue(ws: str, body: s.EnqueueIn, request: Request, response: Response) -> s.EnqueueOut:
+    def enqueue(
+        ws: s.WorkspacePath, body: s.EnqueueIn, request: Request, response: Response
+    ) -> s.EnqueueOut:
         """Enqueue a stage request: 201 for the one caller that created it, 200 for the others.
 
         The input is validated against the stage's model; the row is committed, then
@@ -417,7 +429,7 @@ def _request_routes(router: APIRouter, svc: OnceflowServices) -> None:
         response_model=s.RequestOut,
         responses=_responses(404, 503),
     )
-    def get_request(ws: str, request_id: str) -> s.RequestOut:
+    def get_request(ws: s.WorkspacePath, request_id: s.RequestIdPath) -> s.RequestOut:
         """A request of this workspace (404 also when the id belongs to another workspace)."""
         check_id("workspace_id", ws)
         found = svc.queue.get(request_id)
@@ -433,7 +445,7 @@ def _request_routes(router: APIRouter, svc: OnceflowServices) -> None:
         responses=_responses(503),
     )
     def list_requests(
-        ws: str,
+        ws: s.WorkspacePath,
         status: Annotated[list[Status] | None, Query()] = None,
         stage: Annotated[str | None, Query(min_length=1, max_length=200)] = None,
         job_id: Annotated[str | None, Query(min_length=1, max_length=200)] = None,
@@ -459,7 +471,7 @@ def _request_routes(router: APIRouter, svc: OnceflowServices) -> None:
         response_model=s.CountsOut,
         responses=_responses(503),
     )
-    def counts(ws: str) -> s.CountsOut:
+    def counts(ws: s.WorkspacePath) -> s.CountsOut:
         """The workspace's requests counted by worker class and status."""
         check_id("workspace_id", ws)
         query = (
@@ -492,7 +504,7 @@ def _request_routes(router: APIRouter, svc: OnceflowServices) -> None:
             **_responses(503),
         },
     )
-    async def events(ws: str, principal: PrincipalDep) -> Response:
+    async def events(ws: s.WorkspacePath, principal: PrincipalDep) -> Response:
         """Server-sent events of the workspace's commit broadcasts (what a browser tab follows)."""
         check_id("workspace_id", ws)
         keepalive = svc.settings.api_sse_keepalive_seconds
@@ -509,7 +521,7 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         response_model=s.ClaimOut,
         responses={204: {"description": "Nothing to claim now"}, **_responses(503)},
     )
-    def claim_next(wc: str, body: s.ClaimIn) -> Any:
+    def claim_next(wc: s.WorkerClassPath, body: s.ClaimIn) -> Any:
         """Claim the next due request of this worker class (a lease; heartbeat every lease/3)."""
         claims = svc.queue.claim_next(wc, body.worker_id, 1, lease_seconds=body.lease_seconds)
         if not claims:
@@ -548,7 +560,9 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         response_model=s.HeartbeatOut,
         responses=_responses(409, 503),
     )
-    def heartbeat(request_id: str, body: s.HeartbeatIn, principal: PrincipalDep) -> s.HeartbeatOut:
+    def heartbeat(
+        request_id: s.RequestIdPath, body: s.HeartbeatIn, principal: PrincipalDep
+    ) -> s.HeartbeatOut:
         """Extend the lease; 409 lease_lost once it is gone (stop and write nothing)."""
         claim = claim_of(request_id, body.claim_token, principal)
         if body.lease_seconds is not None:
@@ -565,7 +579,9 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         response_model=s.RequestOut,
         responses=_responses(409, 413, 503),
     )
-    def complete(request_id: str, body: s.CompleteIn, principal: PrincipalDep) -> s.RequestOut:
+    def complete(
+        request_id: s.RequestIdPath, body: s.CompleteIn, principal: PrincipalDep
+    ) -> s.RequestOut:
         """Finish the claimed request (fenced: a zombie's late completion is 409, no change)."""
         claim = claim_of(request_id, body.claim_token, principal)
         then = [_follow_up(svc.flow, claim.request, f) for f in body.then]
@@ -582,7 +598,7 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         response_model=s.RequestOut,
         responses=_responses(409, 413, 503),
     )
-    def fail(request_id: str, body: s.FailIn, principal: PrincipalDep) -> s.RequestOut:
+    def fail(request_id: s.RequestIdPath, body: s.FailIn, principal: PrincipalDep) -> s.RequestOut:
         """Report a failed run: queued again after a backoff, or dead past its attempts."""
         claim = claim_of(request_id, body.claim_token, principal)
         failed = svc.queue.fail(claim, body.error, retryable=body.retryable, retry_in=body.retry_in)
@@ -601,7 +617,7 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         },
     )
     def claim_op(
-        request_id: str, body: s.ClaimOpIn, principal: PrincipalDep, response: Response
+        request_id: s.RequestIdPath, body: s.ClaimOpIn, principal: PrincipalDep, response: Response
     ) -> s.ApplyOut:
         """Write to a sub-doc of the claimed request's workspace, fenced by the claim."""
         claim = claim_of(request_id, body.claim_token, principal)
@@ -631,7 +647,9 @@ def _op_routes(router: APIRouter, svc: OnceflowServices) -> None:
             **_responses(409, 413, 503),
         },
     )
-    def apply_op(ws: str, sub_doc: str, body: s.OpIn, response: Response) -> s.ApplyOut:
+    def apply_op(
+        ws: s.WorkspacePath, sub_doc: s.SubDocPath, body: s.OpIn, response: Response
+    ) -> s.ApplyOut:
         """Apply an op once by its op id: 201 when recorded now, 200 for a replay.
 
         The same op id with another payload is 409 op_id_conflict; an op the state
@@ -648,7 +666,7 @@ def _op_routes(router: APIRouter, svc: OnceflowServices) -> None:
         response_model=s.SubDocOut,
         responses=_responses(503),
     )
-    def get_sub_doc(ws: str, sub_doc: str) -> s.SubDocOut:
+    def get_sub_doc(ws: s.WorkspacePath, sub_doc: s.SubDocPath) -> s.SubDocOut:
         """The sub-doc's state and commit clock."""
         doc = svc.oplog.get_sub_doc(ws, sub_doc)
         return s.SubDocOut(
@@ -663,8 +681,8 @@ def _op_routes(router: APIRouter, svc: OnceflowServices) -> None:
         responses=_responses(503),
     )
     def ops_since(
-        ws: str,
-        sub_doc: str,
+        ws: s.WorkspacePath,
+        sub_doc: s.SubDocPath,
         since: Annotated[int, Query(ge=0, le=2**63 - 1)] = 0,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
     ) -> s.OpsOut:
@@ -748,4 +766,5 @@ def create_app(
     )
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=services.settings.api_max_body_bytes)
     app.include_router(create_router(services=services))
+    add_error_handlers(app)
     return app
