@@ -138,6 +138,14 @@ class Settings(BaseSettings):
         ge=1024,
         description="Largest HTTP request body; larger ones get 413 before anything parses them.",
     )
+    api_body_timeout_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="Time a client has to send a whole request body (from its first read); "
+        "a slower one gets 408 and the connection is closed (slow-body clients cannot hold "
+        "the server's connections).",
+    )
     api_sse_keepalive_seconds: float = Field(
         default=15.0, gt=0, le=3600, description="Keep-alive comment interval of event streams."
     )

@@ -78,6 +78,7 @@ def api(
         "ONCEFLOW_WORKER_KEYS": json.dumps({hash_key(WORKER_KEY): [PULL]}),
         "ONCEFLOW_API_MAX_BODY_BYTES": str(BODY_LIMIT),
         "ONCEFLOW_API_SSE_KEEPALIVE_SECONDS": "0.5",
+        "ONCEFLOW_API_BODY_TIMEOUT_SECONDS": "2",
         # The Hypothesis pass sends many 401s from one address: no lock-out here (see
         # tests/security/test_sse_and_rate_limits.py for the limits).
         "ONCEFLOW_API_AUTH_FAILURE_LIMIT": "",

@@ -278,6 +278,8 @@ def _responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         403: "The key is not scoped to this workspace or worker class",
         404: "No such request in this workspace",
         409: "Conflict (lease lost, op id reused, input mismatch)",
+        408: "The body did not arrive within ONCEFLOW_API_BODY_TIMEOUT_SECONDS (code "
+        "request_timeout; the connection is closed)",
         413: "The body is over the size limit (or a payload over the payload limit)",
         422: "Invalid parameters or body (code invalid_request; `errors` lists each field)",
         429: "Too many requests for this key (code rate_limited); retry after Retry-After",
@@ -355,7 +357,7 @@ def create_router(
 
         services = OnceflowServices(flow)
         app = FastAPI(lifespan=services.lifespan)
-        app.add_middleware(BodyLimitMiddleware, max_body_bytes=1 << 20)
+        app.add_middleware(BodyLimitMiddleware, max_body_bytes=1 << 20, body_timeout=30)
         app.include_router(create_router(services=services))
         add_error_handlers(app)  # 404/405 (with a full Allow) in onceflow's error shape
     """
@@ -368,7 +370,7 @@ def create_router(
         prefix="/v1",
         route_class=_route_class(svc),
         dependencies=[Security(_bearer)],
-        responses=_responses(400, 401, 403, 413, 422, 429, 503),
+        responses=_responses(400, 401, 403, 408, 413, 422, 429, 503),
     )
     _request_routes(router, svc)
     _claim_routes(router, svc)
@@ -764,7 +766,11 @@ def create_app(
         description="Enqueue stages, claim them from pull workers, write ops once, follow "
         "commits. Every route takes `Authorization: Bearer <key>`.",
     )
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=services.settings.api_max_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_body_bytes=services.settings.api_max_body_bytes,
+        body_timeout=services.settings.api_body_timeout_seconds,
+    )
     app.include_router(create_router(services=services))
     add_error_handlers(app)
     return app

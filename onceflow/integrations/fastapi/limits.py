@@ -4,13 +4,16 @@ Starlette reads a whole body into memory with no cap; a chunked body also
 bypasses a check of ``Content-Length`` alone. This ASGI middleware refuses a
 declared length over the limit at once, and counts the bytes of a streamed
 body as they arrive, answering 413 as soon as the count passes the limit. What
-it lets through is at most ``max_body_bytes``, replayed to the app.
+it lets through is at most ``max_body_bytes``, replayed to the app. A body that
+has not arrived whole within ``body_timeout`` seconds gets 408 (a client dripping
+a body byte by byte cannot hold a connection, and a worker thread, for long).
 """
 
 from __future__ import annotations
 
 import json
 
+import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # An oversize body is read and thrown away up to this many times the limit, so that a
@@ -21,9 +24,13 @@ _DRAIN_FACTOR = 8
 class BodyLimitMiddleware:
     """ASGI middleware: 413 for bodies over ``max_body_bytes`` (declared or streamed)."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_body_bytes: int, *, body_timeout: float | None = None
+    ) -> None:
+        """``body_timeout``: seconds a client has to send its whole body (None: no bound)."""
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Buffer the body up to the limit, then hand it to the app; 413 past the limit."""
@@ -43,19 +50,24 @@ class BodyLimitMiddleware:
         chunks: list[bytes] = []
         total = 0
         more = True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # the client went away; nothing to answer
-            body = message.get("body", b"")
-            total += len(body)
-            more = bool(message.get("more_body", False))
-            if total > limit:
-                if more:
-                    await _drain(receive, limit * _DRAIN_FACTOR - total)
-                await _too_large(send, limit)
-                return
-            chunks.append(body)
+        with anyio.move_on_after(self.body_timeout) as waiting:
+            while more:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return  # the client went away; nothing to answer
+                body = message.get("body", b"")
+                total += len(body)
+                more = bool(message.get("more_body", False))
+                if total > limit:
+                    if more:
+                        await _drain(receive, limit * _DRAIN_FACTOR - total)
+                    await _too_large(send, limit)
+                    return
+                chunks.append(body)
+        if waiting.cancelled_caught:
+            detail = f"the request body did not arrive within {self.body_timeout:g} s"
+            await _reply(send, 408, "request_timeout", detail)
+            return
         buffered = b"".join(chunks)
         replayed = False
 
