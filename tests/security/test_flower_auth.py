@@ -9,20 +9,18 @@ still makes Flower require auth.
 
 from __future__ import annotations
 
-import base64
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests.acceptance.procs import APP, ROOT, wait_for
+from tests.acceptance.test_flower import get
 
 pytestmark = pytest.mark.slow
 CELERY_APP = "tests.acceptance.stages:app"
@@ -123,17 +121,3 @@ def test_good_credentials_still_require_auth(redis_url: str, tmp_path: Path) -> 
         assert get(base + "/api/workers", "admin:with:colon")[0] == 200
     finally:
         stop(proc)
-
-
-def get(url: str, credentials: str | None = None) -> tuple[int, bytes]:
-    request = urllib.request.Request(url)  # noqa: S310 - loopback http only
-    if credentials:
-        token = base64.b64encode(credentials.encode()).decode()
-        request.add_header("Authorization", f"Basic {token}")
-    try:
-        with urllib.request.urlopen(request, timeout=5) as response:  # noqa: S310 - loopback
-            return response.status, response.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-    except OSError:
-        return 0, b""
