@@ -39,6 +39,7 @@ from onceflow.db import dispose_engines, size_pools_for
 from onceflow.errors import InvalidRequest, OnceflowError, UnknownStage
 from onceflow.ids import check_id, random_request_id
 from onceflow.models.requests import Dispatch, EnqueueResult, NewRequest, SweepResult
+from onceflow.payloads import check_json
 from onceflow.queue import Queue
 from onceflow.settings import Settings, get_settings
 from onceflow.tasks.config import (
@@ -340,6 +341,9 @@ class Flow:
         does not fit :class:`InvalidRequest` — before anything is written.
         """
         spec = self.spec(item.stage)
+        # Before the model converts it (it would turn NaN into null): depth, NaN, NUL, ….
+        what = f"input of stage {spec.name!r}"
+        check_json(item.input, what=what, max_depth=self.settings.max_payload_depth)
         dedupe = spec.dedupe if item.dedupe is None else item.dedupe
         request_id = item.request_id
         if request_id is None and not dedupe:
@@ -374,6 +378,8 @@ class Flow:
             model = spec.input_model.model_validate({} if value is None else value)
         except ValidationError as exc:
             raise InvalidRequest(f"input of stage {spec.name!r} is invalid: {exc}") from None
+        # A float field the model parsed from "Infinity" would be dumped as null: refuse it.
+        check_json(model.model_dump(mode="python"), what=f"input of stage {spec.name!r}")
         return model.model_dump(mode="json")
 
     def dispatch(self, item: Dispatch) -> bool:

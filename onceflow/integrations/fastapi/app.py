@@ -51,7 +51,7 @@ from onceflow.ids import ClaimToken, check_id
 from onceflow.integrations.fastapi import schemas as s
 from onceflow.integrations.fastapi.auth import Authenticator, KeyAuth, Principal
 from onceflow.integrations.fastapi.events import event_stream
-from onceflow.integrations.fastapi.limits import BodyLimitMiddleware
+from onceflow.integrations.fastapi.limits import BODY_ENVELOPE_DEPTH, BodyLimitMiddleware
 from onceflow.models import Claim, Dispatch, NewRequest, Status
 from onceflow.models import Request as StageRequest
 from onceflow.models import workspace_process_requests as wpr
@@ -713,6 +713,10 @@ def create_app(
         description="Enqueue stages, claim them from pull workers, write ops once, follow "
         "commits. Every route takes `Authorization: Bearer <key>`.",
     )
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=services.settings.api_max_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_body_bytes=services.settings.api_max_body_bytes,
+        max_json_depth=services.settings.max_payload_depth + BODY_ENVELOPE_DEPTH,
+    )
     app.include_router(create_router(services=services))
     return app
