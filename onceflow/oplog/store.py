@@ -213,7 +213,8 @@ class OpLog:
         try:
             if isinstance(doc["state"], Unreadable):
                 raise OpRejected(
-                    parsed.type, f"the sub-doc's stored state: {doc['state']['reason']}"
+                    parsed.type,
+                    f"the sub-doc's stored state cannot be read: {doc['state']['reason']}",
                 )
             state, result = apply(doc["state"], parsed)
             depth = self.settings.max_payload_depth
