@@ -389,7 +389,7 @@ CASES: list[Case] = [
         headers={**auth(API_KEY), "content-type": "application/json"}), 422, ""),
     ("JSON nested past the parser's depth", lambda c, ids: c.post("/v1/workspaces/w1/requests",
         content=b"[" * 5000 + b"]" * 5000,
-        headers={**auth(API_KEY), "content-type": "application/json"}), 400, ""),
+        headers={**auth(API_KEY), "content-type": "application/json"}), 422, "invalid_request"),
     ("short op id", lambda c, ids: c.post("/v1/workspaces/w1/sub-docs/d/ops",
         json={"op_id": "short", "op": OP}, headers=auth(API_KEY)), 422, ""),
     ("unknown op type", lambda c, ids: c.post("/v1/workspaces/w1/sub-docs/d/ops",
