@@ -38,7 +38,7 @@ from onceflow.keys import workspace_channel
 from onceflow.models.ops import OpModel, apply, parse_op
 from onceflow.models.requests import Claim
 from onceflow.oplog import sql
-from onceflow.payloads import Unreadable, canonical_json, check_json, encode_payload
+from onceflow.payloads import Unreadable, canonical_json, encode_payload
 from onceflow.queue import Queue
 from onceflow.settings import Settings, get_settings
 
@@ -146,10 +146,7 @@ class OpLog:
         check_id("workspace_id", workspace_id)
         check_id("sub_doc", sub_doc)
         depth = self.settings.max_payload_depth
-        # Before the op's model converts it (a NaN in an Any field would become null).
-        raw_op = op.model_dump(mode="python") if isinstance(op, OpModel) else op
-        check_json(raw_op, what="op", max_depth=depth)
-        parsed = parse_op(op)
+        parsed = parse_op(op, max_depth=depth)
         payload_json, payload_hash = encode_payload(
             parsed.model_dump(mode="json"),
             self.settings.payload_limit_bytes,

@@ -30,7 +30,7 @@ from onceflow.demo import procs
 from onceflow.integrations.fastapi import hash_key
 from onceflow.integrations.pull import PullContext, PullWorker
 from onceflow.models.ops import CellSet
-from onceflow.oplog import OpLog, new_op_id
+from onceflow.oplog import InProcessTransport, OpLog, WorkspaceClient, new_op_id
 from onceflow.queue import Queue
 from onceflow.tasks.runtime import run_request
 from tests.acceptance.conftest import TEST_ENV
@@ -391,6 +391,12 @@ def test_python_api_refuses_deep_and_non_finite_payloads(clean_db: Engine) -> No
                 oplog.apply_op(WS, "d", op, new_op_id())
     with pytest.raises(InvalidRequest):
         oplog.apply_op(WS, "d", CellSet(column="c", value=float("nan")), new_op_id())
+    sdk = WorkspaceClient(InProcessTransport(oplog), WS)  # the retry-safe SDK: its outbox too
+    for op in ({"type": "cell.set", "column": "c", "value": float("inf")},
+               {"type": "merge", "patch": {"a": nested(LIMIT)}}):  # fmt: skip
+        with pytest.raises(InvalidRequest):
+            sdk.apply("d", op, send=False)
+    assert sdk.pending() == []
     assert table_snapshot(clean_db) == []
     with clean_db.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM workspace_sub_doc_ops")).scalar() == 0
