@@ -34,15 +34,22 @@ READ_MAX_DEPTH = 200
 #: The key that marks a placeholder (over HTTP, where the type is gone).
 UNREADABLE_KEY = "onceflow_unreadable"
 
-# A JSON string (escapes included); every byte that is not a bracket.
-_STRING_B = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+# An escape inside a JSON string; every byte that is not a bracket.
+_ESCAPE = re.compile(rb"\\.", re.S)
 _NOT_BRACKETS = bytes(range(256)).translate(None, b"[]{}")
 _STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
 
 
 def strip_json_strings(data: bytes) -> bytes:
-    """JSON ``data`` with every string replaced by ``""`` (what is left is structure)."""
-    return _STRING_B.sub(b'""', data)
+    """JSON ``data`` with every string replaced by ``""`` (what is left is structure).
+
+    Tokenizes as a JSON parser does: an escape (``\\x``) is dropped first, then a string
+    runs from a quote to the next one. Text that is not JSON may come out differently from
+    its strings, but never so that brackets a parser would nest into are lost.
+    """
+    if b"\\" in data:
+        data = _ESCAPE.sub(b"", data)
+    return b'""'.join(data.split(b'"')[0::2])
 
 
 def bracket_depth(bare: bytes) -> int:
