@@ -2,7 +2,8 @@
 
 Order of checks on every request, each before the next runs:
 
-1. body size (ASGI middleware, before anything parses the body): 413;
+1. body size and shape (ASGI middleware, before anything parses the body): 413, and 422
+   for a JSON body nested too deep or holding NaN/Infinity;
 2. the key (``Authorization: Bearer <key>``), then its scope against the
    workspace or worker class in the path: 401, 403 — before the body is parsed
    and before any lookup, so a refused caller learns nothing about ids;
