@@ -31,6 +31,7 @@ from onceflow.demo.procs import Proc, wait_for
 from onceflow.demo.standins import StandIn
 from onceflow.errors import InvalidRequest, OnceflowError
 from onceflow.ids import request_id_for
+from onceflow.keys import queue_name
 from onceflow.oplog import OpLog
 from onceflow.oplog.store import new_op_id
 from onceflow.settings import Settings
@@ -409,7 +410,9 @@ def lose_wakeups(run: Run, backlog_seconds: float = 2.0) -> None:
         run.sleep(backlog_seconds)
         client = redis_lib.Redis.from_url(run.cluster.redis_url, socket_timeout=5)
         try:
-            n = client.llen(chaos_stages.FAST) + client.llen(chaos_stages.LLM)
+            n = client.llen(queue_name(chaos_stages.FAST)) + client.llen(
+                queue_name(chaos_stages.LLM)
+            )
             client.delete(chaos_stages.FAST, chaos_stages.LLM)
         finally:
             client.close()

@@ -138,8 +138,9 @@ def migrate() -> None:
 @click.option(
     "--worker-class",
     default=None,
-    help="Worker class; default: as the app declares the stage. Naming it also enqueues a "
-    "stage the app does not declare, as is: input not validated, no wake-up sent.",
+    help="Worker class; default: as the app declares the stage (for a declared stage only "
+    "a class it declares). Naming it also enqueues a stage the app does not declare, as "
+    "is: input not validated, no wake-up sent.",
 )
 @click.option("--input", "input_json", default="{}", show_default=True, help="Input as JSON.")
 @click.option("--priority", type=int, default=None, help="Priority; default: as declared, or 0.")
@@ -349,7 +350,8 @@ def _load(app_spec: str | None) -> tuple[Any, Any]:
     "--worker-class",
     "worker_classes",
     multiple=True,
-    help="Queue(s) to consume; repeat. Default: every class the flow declares.",
+    help="Worker class(es) to serve (queue onceflow.wc.<class> each); repeat. "
+    "Default: every class the flow declares.",
 )
 @click.option("--concurrency", "-c", type=click.IntRange(1, 512), default=None)
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
@@ -368,7 +370,8 @@ def worker(
     """Run a Celery worker for some worker classes (a thin wrapper over `celery worker`)."""
     import os
 
-    from onceflow.ids import check_id
+    from onceflow.ids import check_worker_class
+    from onceflow.keys import queue_name
     from onceflow.tasks.config import MAINTENANCE_QUEUE
 
     _check_database_url()
@@ -380,9 +383,13 @@ def worker(
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), path) if p)
     classes = list(worker_classes) or (flow.queues() if flow is not None else ["default"])
     for wc in classes:
-        check_id("worker_class", wc)
-    # Its Flow's maintenance queue (beat's sweeps): another Flow's sweeps are not its own.
-    queues = ",".join([*classes, flow.maintenance_queue if flow is not None else MAINTENANCE_QUEUE])
+        check_worker_class(wc)
+    # Each class's onceflow.wc.<class> queue, and its Flow's maintenance queue (beat's
+    # sweeps): another Flow's sweeps are not its own.
+    if flow is not None:
+        queues = ",".join(flow.broker_queues(classes))
+    else:
+        queues = ",".join([*(queue_name(wc) for wc in classes), MAINTENANCE_QUEUE])
     name = hostname or f"onceflow-{'-'.join(classes)[:40]}-{os.getpid()}@%h"
     argv = ["worker", "-Q", queues, "-E", "--loglevel", loglevel, "--pool", pool, "-n", name]
     if concurrency:
@@ -454,9 +461,14 @@ def flower(
     conf: str, port: int | None, address: str | None, insecure_no_auth: bool, app_spec: str | None
 ) -> None:
     """Run Flower with flower.cfg; refuses to start without ONCEFLOW_FLOWER_BASIC_AUTH."""
-    import os
+    from onceflow.flower_auth import InvalidBasicAuth, basic_auth_from_env
 
-    if not os.environ.get("ONCEFLOW_FLOWER_BASIC_AUTH") and not insecure_no_auth:
+    try:
+        credentials = basic_auth_from_env()
+    except InvalidBasicAuth as exc:  # the message names the entry, never the value
+        click.echo(f"onceflow: refusing to start Flower: {exc}", err=True)
+        sys.exit(EXIT_ERROR)
+    if credentials is None and not insecure_no_auth:
         click.echo(
             "onceflow: refusing to start Flower without credentials: set "
             "ONCEFLOW_FLOWER_BASIC_AUTH=user:password (or pass --insecure-no-auth)",

@@ -310,3 +310,16 @@ class AccessDenied(OnceflowError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.status, self.detail))
+
+
+def validation_summary(exc: Any, *, limit: int = 5) -> str:
+    """A pydantic ``ValidationError`` on one line: ``value: Input should be …; …``."""
+    errors = exc.errors(include_url=False, include_input=False)
+    parts = []
+    for error in errors[:limit]:
+        where = ".".join(str(p) for p in error.get("loc", ()))
+        msg = " ".join(str(error.get("msg", "")).split())
+        parts.append(f"{where}: {msg}" if where else msg)
+    if len(errors) > limit:
+        parts.append(f"and {len(errors) - limit} more")
+    return "; ".join(parts)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import secrets
 import uuid
 from typing import NewType
@@ -40,6 +41,26 @@ def check_id(name: str, value: object, *, max_len: int = ID_MAX, allow_empty: bo
     if not value.isprintable():
         # Control characters (NUL above all) cannot be stored in Postgres text or shown safely.
         raise InvalidRequest(f"{name} contains control characters")
+    return value
+
+
+#: A worker class: it names a broker queue (``onceflow.wc.<class>``), so it is kept to
+#: characters no broker, Redis key scheme or shell treats specially.
+WORKER_CLASS_MAX = 100
+_WORKER_CLASS_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.-]{{0,{WORKER_CLASS_MAX - 1}}}")
+
+
+def check_worker_class(value: object, *, name: str = "worker_class") -> str:
+    """Return ``value`` if it is a usable worker class, else raise :class:`InvalidRequest`.
+
+    1 to 100 characters from ``A-Z a-z 0-9 _ . -``, starting with a letter or digit.
+    """
+    if not isinstance(value, str) or not _WORKER_CLASS_RE.fullmatch(value):
+        shown = value[:40] if isinstance(value, str) else type(value).__name__
+        raise InvalidRequest(
+            f"{name} {shown!r} is not a worker class: 1-{WORKER_CLASS_MAX} characters from "
+            "A-Z a-z 0-9 _ . - starting with a letter or digit"
+        )
     return value
 
 

@@ -1,4 +1,5 @@
-"""Every Redis key and channel onceflow uses, in one place (arq's ``constants.py`` pattern).
+"""Every Redis key, channel and broker queue onceflow uses, in one place (arq's
+``constants.py`` pattern).
 
 Each key of a workspace carries the workspace as a Redis Cluster hash tag
 (``onceflow:{<workspace_id>}:…``), so a workspace's compute locks, its commit
@@ -10,9 +11,22 @@ so that no part can forge another key or move the hash tag.
 
 from __future__ import annotations
 
-from onceflow.ids import check_id
+from onceflow.ids import check_id, check_worker_class
 
 PREFIX = "onceflow"
+
+#: Every broker queue of a worker class is ``onceflow.wc.<worker class>``: the class is
+#: declared by a stage (never chosen by a client) and checked by
+#: :func:`~onceflow.ids.check_worker_class`, so no queue onceflow sends to can name a
+#: key of kombu's (``unacked``, ``_kombu.*``), of another app, or of onceflow's own
+#: locks (``onceflow:{…}:…``). The maintenance queues are ``onceflow`` and
+#: ``onceflow.<flow name>`` (:func:`onceflow.tasks.config.maintenance_queue_for`).
+QUEUE_PREFIX = f"{PREFIX}.wc."
+
+
+def queue_name(worker_class: str) -> str:
+    """The broker queue of a worker class: ``onceflow.wc.<worker class>``."""
+    return QUEUE_PREFIX + check_worker_class(worker_class)
 
 
 def escape(part: str) -> str:

@@ -72,6 +72,12 @@ class Settings(BaseSettings):
         "interrupt the body. Keep the hard limit below the broker's visibility timeout (and "
         "RabbitMQ's consumer_timeout, 30 min by default).",
     )
+    legacy_queues: bool = Field(
+        default=False,
+        description="Workers also consume each worker class's queue under its old, unprefixed "
+        "name (before queues became onceflow.wc.<class>): set it on the workers during an "
+        "upgrade, until those queues are empty (docs/security.md, 'Upgrading').",
+    )
     broker_visibility_timeout_seconds: float = Field(
         default=3600.0,
         gt=0,
@@ -142,6 +148,38 @@ class Settings(BaseSettings):
     )
     api_sse_keepalive_seconds: float = Field(
         default=15.0, gt=0, le=3600, description="Keep-alive comment interval of event streams."
+    )
+    api_sse_max_per_key: int = Field(
+        default=100,
+        ge=1,
+        description="Open event streams per key per API process; past it a new one gets 429.",
+    )
+    api_sse_max_streams: int = Field(
+        default=1000,
+        ge=1,
+        description="Open event streams per API process (all keys); past it a new one gets 429.",
+    )
+    api_sse_queue_size: int = Field(
+        default=100,
+        ge=1,
+        le=100_000,
+        description="Messages queued for one event stream; a client that falls this far behind "
+        "is disconnected (it reconnects and catches up with GET …/ops?since=).",
+    )
+    api_rate_limit: str = Field(
+        default="100/second;3000/minute",
+        description="Requests per key (the `limits` library's syntax, `;` between limits); "
+        'empty ("") turns the limit off.',
+    )
+    api_auth_failure_limit: str = Field(
+        default="30/minute",
+        description="Failed authentications (401) per client address before it gets 429 "
+        'for every request; empty ("") turns the limit off.',
+    )
+    api_rate_limit_storage: str = Field(
+        default="memory://",
+        description="Where rate-limit counters live: memory:// (per API process) or a "
+        "redis:// URL (shared by every API process).",
     )
 
     @property

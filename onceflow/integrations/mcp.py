@@ -24,6 +24,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import anyio
 import anyio.to_thread
 
 from onceflow.errors import OnceflowError
@@ -128,8 +129,15 @@ def build_server(flow: Flow, *, name: str = "onceflow") -> Any:
 
 
 def serve(flow: Flow, *, name: str = "onceflow") -> None:
-    """Serve the tools for ``flow`` over stdio until the client closes the stream."""
-    build_server(flow, name=name).run("stdio")
+    """Serve the tools for ``flow`` over stdio until the client closes the stream.
+
+    Every request gets an answer, one the SDK cannot read included (a lone
+    surrogate, JSON nested too deep, a line that is not JSON): see
+    :mod:`onceflow.integrations.mcp_stdio`.
+    """
+    from onceflow.integrations.mcp_stdio import run_stdio
+
+    anyio.run(run_stdio, build_server(flow, name=name))
 
 
 __all__ = ["INSTRUCTIONS", "build_server", "serve"]

@@ -47,6 +47,16 @@ _clients: dict[tuple[str, float, int], redis.Redis] = {}
 _clients_lock = threading.Lock()
 
 
+#: Delete a key that has no TTL (never one of onceflow's locks); 1 if it did.
+REAP_UNTIMED_LUA = """
+if redis.call('pttl', KEYS[1]) == -1 then
+    redis.call('del', KEYS[1])
+    return 1
+end
+return 0
+"""
+
+
 def redis_client(url: str | None = None, *, timeout: float | None = None) -> redis.Redis:
     """This process's Redis client for ``url`` (made lazily, again after a fork).
 
@@ -100,6 +110,7 @@ class RedisLockBackend:
         self.counters = Counters()
         self._release = client.register_script(RELEASE_LUA)
         self._extend = client.register_script(EXTEND_LUA)
+        self._reap = client.register_script(REAP_UNTIMED_LUA)
         self._policy_checked = False
 
     def acquire(
@@ -156,8 +167,18 @@ class RedisLockBackend:
             pttl = int(self.client.pttl(lock_key(workspace_id, job_id, task)))
         if pttl == -2:
             return None
-        # -1 (a key without TTL) is never written by onceflow; treat it as a full TTL.
-        return pttl if pttl >= 0 else ttl_to_ms(self.settings.lock_ttl_seconds)
+        if pttl == -1:
+            # onceflow writes a lock only with SET NX PX: a key here without a TTL (a
+            # list LPUSHed there, a SET without PX) is not a lock and would never expire,
+            # so every waiter would wait forever. Delete it — atomically, only while it
+            # still has no TTL — and report the cell free, so the caller acquires now.
+            key = lock_key(workspace_id, job_id, task)
+            with translate_redis_errors("reap"):
+                reaped = self._run(self._reap, key)
+            if reaped:
+                log.error("compute lock %r held a value with no TTL (not a lock): deleted", key)
+            return None
+        return pttl
 
     def owner_token(self, workspace_id: str, job_id: str, task: str) -> str | None:
         """The token in the cell's lock key, or None."""

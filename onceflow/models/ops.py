@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from onceflow.errors import InvalidRequest, OpRejected
+from onceflow.errors import InvalidRequest, OpRejected, validation_summary
 from onceflow.payloads import check_json
 
 State = dict[str, Any]
@@ -131,7 +131,7 @@ def parse_op(op: OpModel | dict[str, Any], *, max_depth: int | None = None) -> O
     try:
         return entry.model.model_validate(data)
     except ValidationError as exc:
-        raise InvalidRequest(f"invalid {name} op: {exc}") from None
+        raise InvalidRequest(f"invalid {name} op: {validation_summary(exc)}") from None
 
 
 def apply(state: State, op: OpModel) -> tuple[State, Any]:

@@ -40,6 +40,7 @@ from onceflow.ids import (
     BRANCH_PATH_MAX,
     RequestId,
     check_id,
+    check_worker_class,
     new_claim_token,
     random_request_id,
     request_id_for,
@@ -242,7 +243,7 @@ class Queue(Sweeper):
             check_id("job_id", item.job_id)
             check_id("stage", item.stage)
             check_id("branch_path", item.branch_path, max_len=BRANCH_PATH_MAX, allow_empty=True)
-            check_id("worker_class", item.worker_class)
+            check_worker_class(item.worker_class)
             text, digest = encode_payload(item.input, limit, what="input", max_depth=depth)
             if item.request_id is not None:
                 rid = check_id("request_id", item.request_id)
@@ -381,7 +382,7 @@ class Queue(Sweeper):
         if not classes:
             raise InvalidRequest("claim_next needs at least one worker class")
         for wc in classes:
-            check_id("worker_class", wc)
+            check_worker_class(wc)
         check_id("worker_id", worker_id)
         if not isinstance(limit, int) or not 1 <= limit <= LIST_LIMIT_MAX:
             raise InvalidRequest(f"limit must be an integer in [1, {LIST_LIMIT_MAX}]")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from onceflow.errors import InvalidRequest
 from onceflow.settings import Settings
 
 SWEEP_TASK = "onceflow.sweep"
@@ -27,6 +28,9 @@ def maintenance_queue_for(flow_name: str) -> str:
     """
     if flow_name == DEFAULT_FLOW_NAME:
         return MAINTENANCE_QUEUE
+    if flow_name.startswith("wc."):
+        # onceflow.wc.<class> are the worker classes' queues (onceflow.keys.queue_name).
+        raise InvalidRequest(f"a Flow's name must not start with 'wc.': {flow_name[:60]!r}")
     return f"{MAINTENANCE_QUEUE}.{flow_name[:200]}"
 
 

@@ -14,8 +14,10 @@
 
     flow.enqueue("evaluate", "w1", "j1", "main", {"columns": ["fit"]})
 
-Each stage becomes the Celery task ``onceflow.stage.<name>``, routed to the queue
-named by its worker class. Its only argument is the request id.
+Each stage becomes the Celery task ``onceflow.stage.<name>``, routed to its worker
+class's queue ``onceflow.wc.<class>``. Its only argument is the request id. The
+worker class comes from the declaration: a caller may name only one the stage
+declares (``worker_class`` or ``alternate_worker_classes``).
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ from celery.signals import worker_init, worker_process_init
 from pydantic import BaseModel, ValidationError
 
 from onceflow.db import dispose_engines, size_pools_for
-from onceflow.errors import InvalidRequest, OnceflowError, UnknownStage
-from onceflow.ids import check_id, random_request_id
+from onceflow.errors import InvalidRequest, OnceflowError, UnknownStage, validation_summary
+from onceflow.ids import check_id, check_worker_class, random_request_id
+from onceflow.keys import queue_name
 from onceflow.models.requests import Dispatch, EnqueueResult, NewRequest, SweepResult
 from onceflow.payloads import check_json
 from onceflow.queue import Queue
 from onceflow.settings import Settings, get_settings
+from onceflow.tasks.broker import harden
 from onceflow.tasks.config import (
     MAINTENANCE_QUEUE,
     SWEEP_TASK,
@@ -82,6 +86,13 @@ class StageSpec:
     priority: int
     retry_on: tuple[type[BaseException], ...] | None
     max_runtime: float | None = None  # seconds; None: no bound on the lease
+    #: Other worker classes a caller may name for this stage (e.g. a pull-worker class).
+    alternate_worker_classes: tuple[str, ...] = ()
+
+    @property
+    def worker_classes(self) -> tuple[str, ...]:
+        """Every worker class that may serve this stage: the declared one first."""
+        return (self.worker_class, *self.alternate_worker_classes)
 
     @property
     def task_name(self) -> str:
@@ -144,9 +155,13 @@ class Flow:
         (browser tabs, agents): their requests get no Celery wake-up, which no Celery
         worker would consume."""
         self._settings = settings
-        self.pull_worker_classes = frozenset(pull_worker_classes)
+        self.pull_worker_classes = frozenset(
+            check_worker_class(wc, name="pull worker class") for wc in pull_worker_classes
+        )
         self.stages: dict[str, StageSpec] = {}
         self.app = app or Celery(name, set_as_current=False)
+        # A hostile or malformed broker message (or a wrong-typed key) must not stop a worker.
+        harden(self.app)
         #: The Flow's name (its Celery app's main name): with its stages, the key of its
         #: row in ``onceflow_sweeps``.
         self.name = (app.main if app is not None else None) or name
@@ -214,6 +229,7 @@ class Flow:
         max_runtime: float | None = None,
         priority: int = 0,
         retry_on: tuple[type[BaseException], ...] | None = None,
+        alternate_worker_classes: tuple[str, ...] = (),
     ) -> Callable[[F], F]:
         """Declare a stage; the decorated function is its body: ``body(ctx, input) -> JSON``.
 
@@ -221,9 +237,19 @@ class Flow:
         run: heartbeats stop extending the lease past it (database clock), Celery's soft
         time limit raises in the body then and its hard limit kills it a little later;
         the hard limit must stay below the broker's visibility timeout.
+
+        ``worker_class`` (1 to 100 of ``A-Z a-z 0-9 _ . -``) names the broker queue
+        ``onceflow.wc.<worker_class>``. A caller of :meth:`enqueue` (or of the HTTP API)
+        may route a request elsewhere only to one of ``alternate_worker_classes`` (say,
+        a pull-worker class of browser tabs); any other class is refused.
         """
         check_id("stage", name)
-        check_id("worker_class", worker_class)
+        check_worker_class(worker_class)
+        if isinstance(alternate_worker_classes, str):
+            raise InvalidRequest("alternate_worker_classes must be a tuple of worker classes")
+        alternates = tuple(
+            check_worker_class(wc, name="alternate worker class") for wc in alternate_worker_classes
+        )
         if name in self.stages:
             raise InvalidRequest(f"stage {name!r} is declared twice")
         if not (isinstance(input, type) and issubclass(input, BaseModel)):
@@ -253,6 +279,7 @@ class Flow:
                 max_runtime=float(runtime),
                 priority=priority,
                 retry_on=retry_on,
+                alternate_worker_classes=alternates,
             )
             self.stages[name] = spec
             self.app.task(
@@ -262,7 +289,7 @@ class Flow:
                 shared=False,  # this Flow's app only (see the sweep task)
                 flow=self,
                 spec=spec,
-                queue=worker_class,
+                queue=queue_name(worker_class),
                 soft_time_limit=soft,
                 time_limit=hard,
             )(_task_body)
@@ -337,10 +364,18 @@ class Flow:
 
         Unset fields (``None``) take the declared worker class, dedupe, priority,
         max attempts and crash budget; the input is validated against the stage's
-        model. An undeclared stage raises :class:`UnknownStage` and an input that
-        does not fit :class:`InvalidRequest` — before anything is written.
+        model. An undeclared stage raises :class:`UnknownStage`, an input that does
+        not fit or a worker class the stage does not declare :class:`InvalidRequest` —
+        before anything is written.
         """
         spec = self.spec(item.stage)
+        if item.worker_class is not None and item.worker_class not in spec.worker_classes:
+            shown = item.worker_class[:40] if isinstance(item.worker_class, str) else "?"
+            raise InvalidRequest(
+                f"stage {spec.name!r} is served by worker class "
+                f"{' or '.join(repr(wc) for wc in spec.worker_classes)} (its declaration), "
+                f"not {shown!r}"
+            )
         # Before the model converts it (it would turn NaN into null): depth, NaN, NUL, ….
         what = f"input of stage {spec.name!r}"
         check_json(item.input, what=what, max_depth=self.settings.max_payload_depth)
@@ -377,7 +412,8 @@ class Flow:
         try:
             model = spec.input_model.model_validate({} if value is None else value)
         except ValidationError as exc:
-            raise InvalidRequest(f"input of stage {spec.name!r} is invalid: {exc}") from None
+            summary = validation_summary(exc)
+            raise InvalidRequest(f"input of stage {spec.name!r} is invalid: {summary}") from None
         return model.model_dump(mode="json")
 
     def dispatch(self, item: Dispatch) -> bool:
@@ -391,7 +427,7 @@ class Flow:
             self.app.send_task(
                 TASK_PREFIX + item.stage,
                 args=[item.request_id],
-                queue=item.worker_class,
+                queue=queue_name(item.worker_class),
                 retry=True,
                 retry_policy=PUBLISH_RETRY,
             )
@@ -483,8 +519,20 @@ class Flow:
         return {wc: waiting.get(wc, 0) for wc in worker_classes}
 
     def queues(self) -> list[str]:
-        """The worker classes of the declared stages (queue names)."""
-        return sorted({spec.worker_class for spec in self.stages.values()})
+        """The worker classes of the declared stages (alternates included), pull classes
+        excepted: the classes Celery workers of this Flow serve."""
+        classes = {wc for spec in self.stages.values() for wc in spec.worker_classes}
+        return sorted(classes - self.pull_worker_classes)
+
+    def broker_queues(self, worker_classes: Sequence[str] | None = None) -> list[str]:
+        """The broker queues a worker of ``worker_classes`` (default: :meth:`queues`)
+        consumes: ``onceflow.wc.<class>`` each, the Flow's maintenance queue, and with
+        ``ONCEFLOW_LEGACY_QUEUES`` the classes' old unprefixed queues too (upgrades)."""
+        classes = list(self.queues() if worker_classes is None else worker_classes)
+        names = [queue_name(wc) for wc in classes]
+        if self.settings.legacy_queues:
+            names += [wc for wc in classes if wc not in names]
+        return [*names, self.maintenance_queue]
 
 
 def _task_body(task: StageTask, request_id: str) -> dict[str, Any]:

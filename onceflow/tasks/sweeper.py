@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery, bootsteps
 
+from onceflow.keys import queue_name
+
 if TYPE_CHECKING:
     from onceflow.tasks.flow import Flow
 
@@ -42,7 +44,8 @@ def sweep_name(name: str, stages: Sequence[str]) -> str:
 
 
 def broker_backlog(app: Celery, worker_classes: Sequence[str]) -> dict[str, int] | None:
-    """Messages ready in the broker queue of each worker class; None if it cannot be asked.
+    """Messages ready in the broker queue of each worker class (``onceflow.wc.<class>``);
+    None if it cannot be asked.
 
     A passive ``queue_declare`` (Redis and AMQP alike); a queue that does not exist
     holds nothing. Each class gets its own channel: AMQP closes a channel on a miss.
@@ -54,7 +57,8 @@ def broker_backlog(app: Celery, worker_classes: Sequence[str]) -> dict[str, int]
             for wc in worker_classes:
                 channel: Any = conn.channel()
                 try:
-                    out[wc] = int(channel.queue_declare(queue=wc, passive=True).message_count)
+                    declared = channel.queue_declare(queue=queue_name(wc), passive=True)
+                    out[wc] = int(declared.message_count)
                 except conn.channel_errors:
                     out[wc] = 0  # no such queue: nothing waits in it
                 finally:

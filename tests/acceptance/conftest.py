@@ -11,6 +11,8 @@ import pytest
 import redis as redis_lib
 from sqlalchemy import Engine
 
+from onceflow.keys import queue_name
+
 # Short leases and fast retries, for every process the tests start (workers read these too).
 TEST_ENV = {
     "ONCEFLOW_BACKOFF_BASE_SECONDS": "0.2",
@@ -32,8 +34,9 @@ def runtime(clean_db: Engine, redis_url: str) -> Iterator[Any]:
     client = redis_lib.Redis.from_url(redis_url)
     for key in client.scan_iter("onceflow-test:*"):
         client.delete(key)
-    for wc in ["t-default", "t-block", "t-fail", "t-kill", "t-purge", "t-pickle", "onceflow"]:
-        client.delete(wc)
+    for wc in ["t-default", "t-block", "t-fail", "t-kill", "t-purge", "t-pickle"]:
+        client.delete(queue_name(wc))
+    client.delete("onceflow")
     yield stages
     get_settings.cache_clear()
 

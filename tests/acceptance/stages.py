@@ -36,7 +36,15 @@ class NoopInput(BaseModel):
     value: int = 0
 
 
-@flow.stage("noop", input=NoopInput, worker_class="t-default")
+# A caller may route a noop only to these classes besides its own (pull workers, the
+# HTTP tests' Hypothesis class, the purge, pickle and hostile-message tests' queues); any
+# other is refused.
+NOOP_CLASSES = ("t-pull", "t-hyp", "t-purge", "t-pickle", "tabs", "t-hostile")
+
+
+@flow.stage(
+    "noop", input=NoopInput, worker_class="t-default", alternate_worker_classes=NOOP_CLASSES
+)
 def noop(ctx: StageContext, data: NoopInput) -> dict[str, Any]:
     record(ctx)
     return {"value": data.value, "worker": ctx.worker_id}

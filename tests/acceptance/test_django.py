@@ -20,6 +20,7 @@ import redis as redis_lib
 
 from onceflow import InvalidRequest, NotFound, Status
 from onceflow.errors import UnknownStage
+from onceflow.keys import queue_name
 from tests.acceptance.procs import ROOT, wait_for
 from tests.conftest import env
 
@@ -72,7 +73,7 @@ def shop(clean_db: Any, redis_url: str) -> Iterator[Any]:
     from onceflow.settings import get_settings
 
     get_settings.cache_clear()
-    redis_lib.Redis.from_url(redis_url).delete(QUEUE)
+    redis_lib.Redis.from_url(redis_url).delete(queue_name(QUEUE))
     from orders import models, services, stages
 
     yield type("Shop", (), {"Order": models.Order, "services": services, "flow": stages.flow})
@@ -81,7 +82,7 @@ def shop(clean_db: Any, redis_url: str) -> Iterator[Any]:
 
 def wake_ups(redis_url: str) -> int:
     """Celery messages waiting in the ``orders`` queue (no worker consumes it here)."""
-    return int(redis_lib.Redis.from_url(redis_url).llen(QUEUE))
+    return int(redis_lib.Redis.from_url(redis_url).llen(queue_name(QUEUE)))
 
 
 class PaymentDeclined(Exception):
@@ -187,7 +188,7 @@ def test_outside_a_transaction_it_commits_and_sends_at_once(shop: Any, redis_url
     assert result.created
     assert shop.flow.queue.get(result.request_id).status is Status.QUEUED  # committed
     assert wake_ups(redis_url) == 1
-    message = json.loads(redis_lib.Redis.from_url(redis_url).lindex(QUEUE, 0) or b"{}")
+    message = json.loads(redis_lib.Redis.from_url(redis_url).lindex(queue_name(QUEUE), 0) or b"{}")
     assert message["headers"]["task"] == "onceflow.stage.confirm_order"
 
 

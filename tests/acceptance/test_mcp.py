@@ -15,6 +15,7 @@ from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
 from onceflow import Status
+from onceflow.keys import queue_name
 from tests.acceptance.procs import APP, ROOT, start_worker, wait_for
 from tests.conftest import table_snapshot
 
@@ -74,7 +75,7 @@ def test_agent_lists_tools_enqueues_and_reads_the_request_back(
             again = payload(await call(session, "enqueue_stage", **args))
             assert (again["request_id"], again["created"]) == (first["request_id"], False)
             # The wake-up went to the worker class's queue, once.
-            assert redis_lib.Redis.from_url(redis_url).llen("t-default") == 1
+            assert redis_lib.Redis.from_url(redis_url).llen(queue_name("t-default")) == 1
 
             row = payload(await call(session, "get_request", request_id=first["request_id"]))
             assert (row["stage"], row["input"], row["status"]) == ("noop", {"value": 5}, "queued")
@@ -135,4 +136,4 @@ def test_bad_input_is_a_tool_error_and_writes_nothing(runtime: Any, redis_url: s
     assert "NotFound" in errors[3]
     assert "nope" in errors[4]
     assert table_snapshot(runtime.flow.queue.engine) == before == []
-    assert redis_lib.Redis.from_url(redis_url).llen("t-default") == 0
+    assert redis_lib.Redis.from_url(redis_url).llen(queue_name("t-default")) == 0

@@ -11,6 +11,7 @@ import redis as redis_lib
 
 from onceflow import Status
 from onceflow.ids import request_id_for
+from onceflow.keys import queue_name
 from tests.acceptance.conftest import executions, processed, release
 from tests.acceptance.procs import pool_children, start_beat, start_worker, wait_for
 
@@ -51,7 +52,9 @@ def test_same_message_ten_times_runs_the_body_once(
 ) -> None:
     result = runtime.flow.enqueue("noop", "w1", "j-dup", "main", {"value": 1})
     for _ in range(9):
-        runtime.app.send_task("onceflow.stage.noop", args=[result.request_id], queue="t-default")
+        runtime.app.send_task(
+            "onceflow.stage.noop", args=[result.request_id], queue=queue_name("t-default")
+        )
     # A duplicate enqueue collapses at the primary key and sends nothing more.
     assert not runtime.flow.enqueue("noop", "w1", "j-dup", "main", {"value": 1}).created
     worker = start_worker(tmp_path, "t-default", concurrency=2)
@@ -135,10 +138,10 @@ def test_purged_wakeup_is_resent_by_the_sweeper(
 ) -> None:
     rid = runtime.flow.enqueue("noop", "w1", "j-purge", "main", {}, worker_class="t-purge")
     client = redis_lib.Redis.from_url(redis_url)
-    assert client.llen("t-purge") == 1
+    assert client.llen(queue_name("t-purge")) == 1
     with runtime.app.connection_for_write() as conn:
-        conn.default_channel.queue_purge("t-purge")
-    assert client.llen("t-purge") == 0
+        conn.default_channel.queue_purge(queue_name("t-purge"))
+    assert client.llen(queue_name("t-purge")) == 0
     worker = start_worker(tmp_path, "t-purge")
     try:
         assert status_of(runtime, rid.request_id) is Status.QUEUED
@@ -191,12 +194,14 @@ def test_pickle_message_is_refused_and_runs_nothing(
     runtime: Any, redis_url: str, tmp_path: Path
 ) -> None:
     rid = runtime.flow.queue.enqueue("noop", "w1", "j-pickle", "main", {}).request_id
-    runtime.app.send_task("onceflow.stage.noop", args=[rid], queue="t-pickle", serializer="pickle")
+    runtime.app.send_task(
+        "onceflow.stage.noop", args=[rid], queue=queue_name("t-pickle"), serializer="pickle"
+    )
     worker = start_worker(tmp_path, "t-pickle")
     try:
         worker.wait_log("untrusted content")
         client = redis_lib.Redis.from_url(redis_url)
-        wait_for(lambda: client.llen("t-pickle") == 0, what="message consumed")
+        wait_for(lambda: client.llen(queue_name("t-pickle")) == 0, what="message consumed")
         assert executions(redis_url, rid) == []
         assert status_of(runtime, rid) is Status.QUEUED
         assert rid == request_id_for("w1", "j-pickle", "main", "noop")
@@ -248,14 +253,15 @@ def test_pull_worker_classes_get_no_celery_wakeup(runtime: Any, redis_url: str) 
     from onceflow.tasks import Flow
 
     client = redis_lib.Redis.from_url(redis_url)
-    client.delete("tabs")
+    client.delete(queue_name("tabs"))
     pull_flow = Flow(pull_worker_classes=("tabs",))
     pull_flow.stages.update(runtime.flow.stages)  # the same stage declarations
     result = pull_flow.enqueue("noop", "w1", "j-pull", "main", {}, worker_class="tabs")
     assert result.created
     swept = pull_flow.sweep_once(redispatch_after=0)
     assert [d.request_id for d in swept.to_dispatch] == [result.request_id]
-    assert client.llen("tabs") == 0  # nothing piles up in a queue no Celery worker reads
+    # Nothing piles up in a queue no Celery worker reads.
+    assert client.llen(queue_name("tabs")) == 0
     claim = runtime.flow.queue.claim_next("tabs", "tab-1")  # a pull worker takes it
     assert [c.request_id for c in claim] == [result.request_id]
 

@@ -16,6 +16,7 @@ import redis as redis_lib
 
 from onceflow import NewRequest, Status
 from onceflow.demo import procs
+from onceflow.keys import queue_name
 from onceflow.models import Dispatch
 from tests.acceptance.conftest import processed
 from tests.acceptance.procs import APP, ROOT, wait_for
@@ -45,7 +46,7 @@ def test_a_backlog_longer_than_the_redispatch_interval_gets_no_storm(
             return queue.counts().get("t-default", {}).get("succeeded", 0) == ROWS
 
         wait_for(all_done, timeout=180, interval=0.2, what="the backlog drained")
-        wait_for(lambda: client.llen("t-default") == 0, what="every message consumed")
+        wait_for(lambda: client.llen(queue_name("t-default")) == 0, what="every message consumed")
         messages = sum(processed(redis_url, rid) for rid in ids)
         assert ROWS <= messages <= 1.2 * ROWS, messages
         assert all(queue.get(rid).status is Status.SUCCEEDED for rid in ids[:5])

@@ -62,7 +62,7 @@ MODULE = re.compile(r"^#\s*(?P<path>[\w/]+\.py)\b")
 PYTHON, SHELL = {"python", "py"}, {"sh", "bash", "console", "shell"}
 COMMAND = r"(\$ |onceflow |celery |python3? |\.venv/bin/|make |pip |curl |docker )"
 LONG_RUNNING = {"worker", "beat", "api", "flower", "mcp", "dev-services", "demo"}
-EXAMPLE_QUEUES = ["llm", "fallback", "onceflow"]
+EXAMPLE_QUEUES = ["onceflow.wc.llm", "onceflow.wc.fallback", "onceflow"]
 SESSION_VARS = {"ONCEFLOW_DATABASE_URL", "ONCEFLOW_REDIS_URL"}
 # Fast retries for every process an example starts (as the acceptance tests use).
 FAST = {

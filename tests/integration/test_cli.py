@@ -11,6 +11,7 @@ import pytest
 from sqlalchemy import Engine
 
 from onceflow.ids import request_id_for
+from onceflow.keys import queue_name
 from tests.conftest import table_snapshot
 
 
@@ -107,5 +108,5 @@ def test_enqueue_through_the_configured_flow_validates_and_wakes(
                     "--input", '{"value": 3}', env=env)  # fmt: skip
     assert good.returncode == 0, good.stderr
     assert json.loads(good.stdout)["created"] is True
-    assert client.llen("t-default") == 1  # the wake-up went to the stage's worker class
+    assert client.llen(queue_name("t-default")) == 1  # the wake-up went to the stage's worker class
     client.delete("t-default")

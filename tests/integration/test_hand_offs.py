@@ -31,7 +31,8 @@ def make_flow() -> Flow:
     flow = Flow(name="handoff-test")
 
     @flow.stage("second", input=Score, worker_class="wc-b", dedupe=False, priority=5,
-                max_attempts=7, max_crash_attempts=4)  # fmt: skip
+                max_attempts=7, max_crash_attempts=4,
+                alternate_worker_classes=("wc-c",))  # fmt: skip
     def second(ctx: StageContext, data: Score) -> dict[str, Any]:
         return {"got": data.score}
 
@@ -110,9 +111,12 @@ def test_queue_complete_then_with_an_undeclared_stage_changes_nothing(flow: Flow
     assert flow.queue.list(stage="second") == []
 
 
-def test_explicit_options_override_the_declaration(flow: Flow) -> None:
+def test_explicit_options_override_the_declaration_within_its_classes(flow: Flow) -> None:
     item = flow.new_request("second", "w", "j5", "", {"score": 2}, worker_class="wc-c",
                             priority=-1)  # fmt: skip
     assert (item.worker_class, item.priority, item.dedupe) == ("wc-c", -1, False)
+    # Only a class the stage declares: a caller never routes work anywhere else.
+    with pytest.raises(InvalidRequest, match="served by worker class 'wc-b' or 'wc-c'"):
+        flow.new_request("second", "w", "j5", "", {"score": 2}, worker_class="unacked_index")
     with pytest.raises(InvalidRequest, match="unexpected keyword"):
         flow.new_request("second", "w", "j5", "", {"score": 2}, colour="red")

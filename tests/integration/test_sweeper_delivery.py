@@ -26,6 +26,7 @@ from sqlalchemy import Engine, text
 
 from onceflow import NewRequest
 from onceflow.demo.procs import start_worker, wait_for
+from onceflow.keys import queue_name
 from onceflow.settings import Settings, get_settings
 from onceflow.tasks import MAINTENANCE_QUEUE, SWEEP_TASK, Flow
 from tests.integration.test_claims import db_now
@@ -191,7 +192,7 @@ def test_a_flows_worker_never_takes_another_flows_beat_sweep(
     entries = {f.name: f.app.conf.beat_schedule["onceflow-sweep"] for f in (flow_a, flow_b)}
     beat_queue = {name: entry["options"]["queue"] for name, entry in entries.items()}
     client = redis_lib.Redis.from_url(redis_url)
-    client.delete(*beat_queue.values(), MAINTENANCE_QUEUE, "sd-a", "sd-b")
+    client.delete(*beat_queue.values(), MAINTENANCE_QUEUE, queue_name("sd-a"), queue_name("sd-b"))
     # Only Flow B has a worker (its watchdog off: it sweeps only when beat says so).
     worker = start_worker(
         tmp_path, "tests.integration.sweep_flows:flow_b", name="sd-b",

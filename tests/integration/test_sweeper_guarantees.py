@@ -25,6 +25,7 @@ from sqlalchemy import Engine, text
 
 from onceflow import NewRequest, Queue, Status
 from onceflow.demo.procs import wait_for
+from onceflow.keys import queue_name
 from onceflow.models import Dispatch
 from onceflow.tasks import Flow
 from tests.conftest import table_snapshot
@@ -134,7 +135,7 @@ def test_a_foreign_flows_sweep_leaves_rows_of_other_stages_alone(
     assert (swept_b.rescued, swept_b.to_dispatch) == ([], [])
     # Untouched: status, dispatched_at, redispatch_count, crash_attempts — every column.
     assert rows_of(clean_db, "a1") == before
-    assert broker.llen("sg-b") == 0
+    assert broker.llen(queue_name("sg-b")) == 0
 
     swept_a = flow_a.sweep_once(redispatch_after=0)
     assert swept_a.rescued == [lapsed]
@@ -178,7 +179,7 @@ def test_sweep_cli_refuses_without_a_flow_that_declares_stages(
     bare = onceflow_cli("sweep", "--app", "tests.acceptance.stages:app")
     assert bare.returncode == 2 and "bare Celery app" in bare.stderr
     assert table_snapshot(clean_db) == before  # nothing marked dispatched, nothing sent
-    assert broker.llen("sg-a") == 1
+    assert broker.llen(queue_name("sg-a")) == 1
 
     ok = onceflow_cli("sweep", "--app", "tests.acceptance.stages:flow", "--redispatch-after", "0")
     assert ok.returncode == 0, ok.stderr
@@ -199,12 +200,12 @@ def test_a_backlog_waiting_in_the_broker_gets_no_second_wakeup(
     ids = [r.request_id for r in flow.queue.enqueue_many(items)]
     for rid in ids:
         assert flow.dispatch(Dispatch(rid, "storm", "sg-storm"))
-    assert broker.llen("sg-storm") == ROWS
+    assert broker.llen(queue_name("sg-storm")) == ROWS
 
     # Every row has waited longer than redispatch_after (0 s): the old sweeper re-sent them
     # all at every sweep. Their messages are all still in the broker: nothing to re-send.
     resent = sum(len(flow.sweep_once(redispatch_after=0).to_dispatch) for _ in range(5))
-    assert broker.llen("sg-storm") <= 1.2 * ROWS
+    assert broker.llen(queue_name("sg-storm")) <= 1.2 * ROWS
     assert resent == 0
 
     # A slow worker takes 100 messages and finishes those rows: the rest still wait.
@@ -223,9 +224,9 @@ def test_a_backlog_waiting_in_the_broker_gets_no_second_wakeup(
 
     # 50 messages lost: exactly 50 re-sent (due rows - messages waiting).
     broker.rpop("sg-storm", 50)
-    assert broker.llen("sg-storm") == ROWS - 100 + 3 - 50
+    assert broker.llen(queue_name("sg-storm")) == ROWS - 100 + 3 - 50
     assert len(flow.sweep_once(redispatch_after=0).to_dispatch) == 50 - 3
-    assert broker.llen("sg-storm") == ROWS - 100
+    assert broker.llen(queue_name("sg-storm")) == ROWS - 100
 
     # The whole queue purged (a Redis restart without persistence): every wake-up re-sent.
     broker.delete("sg-storm")

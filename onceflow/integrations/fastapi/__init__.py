@@ -13,6 +13,7 @@ or, inside your own app::
     app = FastAPI(lifespan=services.lifespan)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=1 << 20)
     app.include_router(create_router(services=services))
+    add_error_handlers(app)         # 400/404/405/422 in onceflow's error shape
 
     @app.post("/signup")
     def signup(flow: FlowDep) -> dict: ...
@@ -41,6 +42,7 @@ from onceflow.integrations.fastapi.auth import (
     hash_key,
     new_key,
 )
+from onceflow.integrations.fastapi.http_errors import add_error_handlers
 from onceflow.integrations.fastapi.limits import BodyLimitMiddleware
 
 __all__ = [
@@ -54,6 +56,7 @@ __all__ = [
     "Principal",
     "PrincipalDep",
     "QueueDep",
+    "add_error_handlers",
     "create_app",
     "create_router",
     "error_response",

@@ -16,10 +16,12 @@ in its thread pool, as blocking calls (psycopg, the Celery send) need.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Annotated, Any
@@ -32,6 +34,7 @@ from fastapi.routing import APIRoute
 from fastapi.security import HTTPBearer
 from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
 from onceflow.errors import (
@@ -51,8 +54,15 @@ from onceflow.errors import (
 from onceflow.ids import ClaimToken, check_id
 from onceflow.integrations.fastapi import schemas as s
 from onceflow.integrations.fastapi.auth import Authenticator, KeyAuth, Principal
-from onceflow.integrations.fastapi.events import event_stream
+from onceflow.integrations.fastapi.events import EventHub, event_stream
+from onceflow.integrations.fastapi.http_errors import (
+    add_error_handlers,
+    http_error_response,
+    one_line,
+    validation_body,
+)
 from onceflow.integrations.fastapi.limits import BODY_ENVELOPE_DEPTH, BodyLimitMiddleware
+from onceflow.integrations.fastapi.ratelimit import RateLimited, RateLimits
 from onceflow.models import Claim, Dispatch, NewRequest, Status
 from onceflow.models import Request as StageRequest
 from onceflow.models import workspace_process_requests as wpr
@@ -92,6 +102,10 @@ class OnceflowServices:
         self._oplog: tuple[int, OpLog] | None = None
         self._redis: aioredis.Redis | None = None
         self._lock = threading.Lock()
+        self.rate_limits = RateLimits.from_settings(self.settings)
+        self._hubs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, EventHub] = (
+            weakref.WeakKeyDictionary()
+        )
 
     @property
     def queue(self) -> Queue:
@@ -116,8 +130,26 @@ class OnceflowServices:
             self._redis = aioredis.Redis.from_url(self.settings.redis_url, socket_connect_timeout=2)
         return self._redis
 
+    def event_hub(self) -> EventHub:
+        """This event loop's hub of event streams: one Redis pub/sub connection for them all."""
+        loop = asyncio.get_running_loop()
+        hub = self._hubs.get(loop)
+        if hub is None:
+            st = self.settings
+            hub = self._hubs[loop] = EventHub(
+                st.redis_url,
+                max_streams=st.api_sse_max_streams,
+                max_per_key=st.api_sse_max_per_key,
+                queue_size=st.api_sse_queue_size,
+                ping_seconds=st.api_sse_keepalive_seconds,
+            )
+        return hub
+
     async def aclose(self) -> None:
-        """Close the async Redis client (the engine stays: it is shared per process)."""
+        """Close the event hub and async Redis client (the engine stays: shared per process)."""
+        hub = self._hubs.pop(asyncio.get_running_loop(), None)
+        if hub is not None:
+            await hub.aclose()
         client, self._redis = self._redis, None
         if client is not None:
             await client.aclose()
@@ -190,13 +222,12 @@ class AsciiJSONResponse(JSONResponse):
 
 
 def validation_response(exc: RequestValidationError) -> JSONResponse:
-    """FastAPI's 422 body (``{"detail": [errors]}``) without the echoed input.
+    """422 ``{"detail": "<one line>", "code": "invalid_request", "errors": [{loc, msg, type}]}``.
 
     The input is left out: it may be large, and may hold what JSON cannot carry
     back (NaN, a lone surrogate), which would turn a 422 into a 500.
     """
-    errors = [{k: v for k, v in e.items() if k != "input"} for e in exc.errors()]
-    return AsciiJSONResponse({"detail": jsonable_encoder(errors)}, 422)
+    return AsciiJSONResponse(jsonable_encoder(validation_body(exc.errors())), 422)
 
 
 def error_response(exc: Exception) -> JSONResponse:
@@ -237,16 +268,20 @@ def error_response(exc: Exception) -> JSONResponse:
     else:
         log.error("internal error: %s", type(exc).__name__, exc_info=exc)
         detail = "internal error"
-    return AsciiJSONResponse({"detail": detail, "code": code, **extra}, status, headers=headers)
+    body = {"detail": one_line(detail), "code": code, **extra}
+    return AsciiJSONResponse(body, status, headers=headers)
 
 
 def _responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     text = {
+        400: "The body is not parseable, or Content-Length is malformed",
         401: "No key, or an unknown key",
         403: "The key is not scoped to this workspace or worker class",
         404: "No such request in this workspace",
         409: "Conflict (lease lost, op id reused, input mismatch)",
         413: "The body is over the size limit (or a payload over the payload limit)",
+        422: "Invalid parameters or body (code invalid_request; `errors` lists each field)",
+        429: "Too many requests for this key (code rate_limited); retry after Retry-After",
         503: "Postgres or Redis did not answer",
     }
     return {code: {"model": s.ErrorOut, "description": text[code]} for code in statuses}
@@ -265,12 +300,18 @@ def _route_class(services: OnceflowServices) -> type[APIRoute]:
 
             async def guarded(request: Request) -> Response:
                 try:
-                    request.state.onceflow_principal = _authorize(services.auth, request, kind)
+                    request.state.onceflow_principal = await services.rate_limits.authorize(
+                        request, lambda: _authorize(services.auth, request, kind)
+                    )
                     return await handler(request)
+                except RateLimited as exc:
+                    return exc.response()
                 except (OnceflowError, UnicodeError) as exc:
                     return error_response(exc)
                 except RequestValidationError as exc:
                     return validation_response(exc)
+                except StarletteHTTPException as exc:  # e.g. 400: the body cannot be parsed
+                    return http_error_response(request, exc)
 
             return guarded
 
@@ -317,6 +358,7 @@ def create_router(
         app = FastAPI(lifespan=services.lifespan)
         app.add_middleware(BodyLimitMiddleware, max_body_bytes=1 << 20)
         app.include_router(create_router(services=services))
+        add_error_handlers(app)  # 404/405 (with a full Allow) in onceflow's error shape
     """
     if services is None:
         if flow is None:
@@ -327,7 +369,7 @@ def create_router(
         prefix="/v1",
         route_class=_route_class(svc),
         dependencies=[Security(_bearer)],
-        responses=_responses(401, 403),
+        responses=_responses(400, 401, 403, 413, 422, 429, 503),
     )
     _request_routes(router, svc)
     _claim_routes(router, svc)
@@ -348,7 +390,9 @@ def _request_routes(router: APIRouter, svc: OnceflowServices) -> None:
             **_responses(409, 413, 503),
         },
     )
-    def enqueue(ws: str, body: s.EnqueueIn, request: Request, response: Response) -> s.EnqueueOut:
+    def enqueue(
+        ws: s.WorkspacePath, body: s.EnqueueIn, request: Request, response: Response
+    ) -> s.EnqueueOut:
         """Enqueue a stage request: 201 for the one caller that created it, 200 for the others.
 
         The input is validated against the stage's model; the row is committed, then
@@ -386,7 +430,7 @@ def _request_routes(router: APIRouter, svc: OnceflowServices) -> None:
         response_model=s.RequestOut,
         responses=_responses(404, 503),
     )
-    def get_request(ws: str, request_id: str) -> s.RequestOut:
+    def get_request(ws: s.WorkspacePath, request_id: s.RequestIdPath) -> s.RequestOut:
         """A request of this workspace (404 also when the id belongs to another workspace)."""
         check_id("workspace_id", ws)
         found = svc.queue.get(request_id)
@@ -402,7 +446,7 @@ def _request_routes(router: APIRouter, svc: OnceflowServices) -> None:
         responses=_responses(503),
     )
     def list_requests(
-        ws: str,
+        ws: s.WorkspacePath,
         status: Annotated[list[Status] | None, Query()] = None,
         stage: Annotated[str | None, Query(min_length=1, max_length=200)] = None,
         job_id: Annotated[str | None, Query(min_length=1, max_length=200)] = None,
@@ -428,7 +472,7 @@ def _request_routes(router: APIRouter, svc: OnceflowServices) -> None:
         response_model=s.CountsOut,
         responses=_responses(503),
     )
-    def counts(ws: str) -> s.CountsOut:
+    def counts(ws: s.WorkspacePath) -> s.CountsOut:
         """The workspace's requests counted by worker class and status."""
         check_id("workspace_id", ws)
         query = (
@@ -461,10 +505,11 @@ def _request_routes(router: APIRouter, svc: OnceflowServices) -> None:
             **_responses(503),
         },
     )
-    async def events(ws: str) -> Response:
+    async def events(ws: s.WorkspacePath, principal: PrincipalDep) -> Response:
         """Server-sent events of the workspace's commit broadcasts (what a browser tab follows)."""
         check_id("workspace_id", ws)
-        return await event_stream(svc.async_redis(), ws, svc.settings.api_sse_keepalive_seconds)
+        keepalive = svc.settings.api_sse_keepalive_seconds
+        return await event_stream(svc.event_hub(), ws, principal.key_id, keepalive)
 
 
 def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
@@ -477,7 +522,7 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         response_model=s.ClaimOut,
         responses={204: {"description": "Nothing to claim now"}, **_responses(503)},
     )
-    def claim_next(wc: str, body: s.ClaimIn) -> Any:
+    def claim_next(wc: s.WorkerClassPath, body: s.ClaimIn) -> Any:
         """Claim the next due request of this worker class (a lease; heartbeat every lease/3)."""
         claims = svc.queue.claim_next(wc, body.worker_id, 1, lease_seconds=body.lease_seconds)
         if not claims:
@@ -516,7 +561,9 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         response_model=s.HeartbeatOut,
         responses=_responses(409, 503),
     )
-    def heartbeat(request_id: str, body: s.HeartbeatIn, principal: PrincipalDep) -> s.HeartbeatOut:
+    def heartbeat(
+        request_id: s.RequestIdPath, body: s.HeartbeatIn, principal: PrincipalDep
+    ) -> s.HeartbeatOut:
         """Extend the lease; 409 lease_lost once it is gone (stop and write nothing)."""
         claim = claim_of(request_id, body.claim_token, principal)
         if body.lease_seconds is not None:
@@ -533,7 +580,9 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         response_model=s.RequestOut,
         responses=_responses(409, 413, 503),
     )
-    def complete(request_id: str, body: s.CompleteIn, principal: PrincipalDep) -> s.RequestOut:
+    def complete(
+        request_id: s.RequestIdPath, body: s.CompleteIn, principal: PrincipalDep
+    ) -> s.RequestOut:
         """Finish the claimed request (fenced: a zombie's late completion is 409, no change)."""
         claim = claim_of(request_id, body.claim_token, principal)
         then = [_follow_up(svc.flow, claim.request, f) for f in body.then]
@@ -550,7 +599,7 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         response_model=s.RequestOut,
         responses=_responses(409, 413, 503),
     )
-    def fail(request_id: str, body: s.FailIn, principal: PrincipalDep) -> s.RequestOut:
+    def fail(request_id: s.RequestIdPath, body: s.FailIn, principal: PrincipalDep) -> s.RequestOut:
         """Report a failed run: queued again after a backoff, or dead past its attempts."""
         claim = claim_of(request_id, body.claim_token, principal)
         failed = svc.queue.fail(claim, body.error, retryable=body.retryable, retry_in=body.retry_in)
@@ -569,7 +618,7 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         },
     )
     def claim_op(
-        request_id: str, body: s.ClaimOpIn, principal: PrincipalDep, response: Response
+        request_id: s.RequestIdPath, body: s.ClaimOpIn, principal: PrincipalDep, response: Response
     ) -> s.ApplyOut:
         """Write to a sub-doc of the claimed request's workspace, fenced by the claim."""
         claim = claim_of(request_id, body.claim_token, principal)
@@ -599,7 +648,9 @@ def _op_routes(router: APIRouter, svc: OnceflowServices) -> None:
             **_responses(409, 413, 503),
         },
     )
-    def apply_op(ws: str, sub_doc: str, body: s.OpIn, response: Response) -> s.ApplyOut:
+    def apply_op(
+        ws: s.WorkspacePath, sub_doc: s.SubDocPath, body: s.OpIn, response: Response
+    ) -> s.ApplyOut:
         """Apply an op once by its op id: 201 when recorded now, 200 for a replay.
 
         The same op id with another payload is 409 op_id_conflict; an op the state
@@ -616,7 +667,7 @@ def _op_routes(router: APIRouter, svc: OnceflowServices) -> None:
         response_model=s.SubDocOut,
         responses=_responses(503),
     )
-    def get_sub_doc(ws: str, sub_doc: str) -> s.SubDocOut:
+    def get_sub_doc(ws: s.WorkspacePath, sub_doc: s.SubDocPath) -> s.SubDocOut:
         """The sub-doc's state and commit clock."""
         doc = svc.oplog.get_sub_doc(ws, sub_doc)
         return s.SubDocOut(
@@ -631,8 +682,8 @@ def _op_routes(router: APIRouter, svc: OnceflowServices) -> None:
         responses=_responses(503),
     )
     def ops_since(
-        ws: str,
-        sub_doc: str,
+        ws: s.WorkspacePath,
+        sub_doc: s.SubDocPath,
         since: Annotated[int, Query(ge=0, le=2**63 - 1)] = 0,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
     ) -> s.OpsOut:
@@ -720,4 +771,5 @@ def create_app(
         max_json_depth=services.settings.max_payload_depth + BODY_ENVELOPE_DEPTH,
     )
     app.include_router(create_router(services=services))
+    add_error_handlers(app)
     return app

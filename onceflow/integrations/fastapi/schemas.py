@@ -9,8 +9,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from fastapi import Path
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
+from onceflow.ids import ID_MAX, check_id
 from onceflow.models.status import Status
 
 Id = Annotated[str, StringConstraints(min_length=1, max_length=200)]
@@ -247,15 +249,60 @@ class OpsOut(BaseModel):
     ops: list[OpOut]
 
 
-class ErrorOut(BaseModel):
-    """Every error but FastAPI's own 422 validation errors."""
+class FieldError(BaseModel):
+    """One validation error of a 422: where, what, and pydantic's error type."""
 
-    detail: str
+    loc: list[str | int] = Field(description='e.g. ["body", "job_id"] or ["path", "ws"].')
+    msg: str
+    type: str
+
+
+class ErrorOut(BaseModel):
+    """Every error the API answers, 422 validation errors included."""
+
+    detail: str = Field(description="What went wrong, on one line.")
     code: str = Field(
-        description="unauthorized, forbidden, not_found, lease_lost, op_id_conflict, "
-        "replay_too_old, input_mismatch, invalid_transition, payload_too_large, "
-        "invalid_request, unavailable, internal"
+        description="bad_request, unauthorized, forbidden, not_found, method_not_allowed, "
+        "lease_lost, op_id_conflict, replay_too_old, input_mismatch, invalid_transition, "
+        "payload_too_large, invalid_request, rate_limited, unavailable, internal"
     )
     horizon: int | None = Field(
         default=None, description="With replay_too_old: the op log's pruned clock."
     )
+    errors: list[FieldError] | None = Field(
+        default=None,
+        description="With a 422 from validation of the parameters or body: each error.",
+    )
+
+
+# ------------------------------------------------------------------ path parameters
+
+_NOT_IN_ID = r"/\x00-\x1f\x7f-\x9f"
+# One URL segment: no "/", no control character, not "." or ".." (which clients resolve away).
+ID_PATTERN = rf"^(?:[^{_NOT_IN_ID}]*[^.{_NOT_IN_ID}][^{_NOT_IN_ID}]*|\.{{3,}}[^{_NOT_IN_ID}]*)$"
+_ID_RULES = (
+    "1 to 200 characters, printable: the pattern refuses `/`, control characters, `.` and `..`; "
+    "the server also refuses, with the same 422, what Python's str.isprintable() refuses "
+    "(format, private-use and unassigned code points, separators other than the space)."
+)
+
+
+def _path_id(name: str, description: str) -> tuple[Any, AfterValidator]:
+    """The ``Path`` of an id (its schema) and the server's own check of it (``check_id``)."""
+    path = Path(
+        min_length=1,
+        max_length=ID_MAX,
+        pattern=ID_PATTERN,
+        description=f"{description} {_ID_RULES}",
+    )
+    return path, AfterValidator(lambda value: check_id(name, value))
+
+
+_WS = _path_id("workspace_id", "The workspace id.")
+_WC = _path_id("worker_class", "The worker class.")
+_RID = _path_id("request_id", "The request id.")
+_SUB = _path_id("sub_doc", "The sub-doc id.")
+WorkspacePath = Annotated[str, _WS[0], _WS[1]]
+WorkerClassPath = Annotated[str, _WC[0], _WC[1]]
+RequestIdPath = Annotated[str, _RID[0], _RID[1]]
+SubDocPath = Annotated[str, _SUB[0], _SUB[1]]

@@ -1,0 +1,192 @@
+"""Rate limits of the HTTP API, on the `limits` library (what slowapi is built on).
+
+Two limits, each a `limits` string (``"100/second;3000/minute"``; ``;`` between
+limits, all must pass; empty turns it off):
+
+* per key (``ONCEFLOW_API_RATE_LIMIT``), counted right after the key is
+  authenticated and before the body is parsed: one tenant's flood gets 429
+  while every other key is served;
+* per client address on failed authentication (``ONCEFLOW_API_AUTH_FAILURE_LIMIT``):
+  each 401 counts; past the limit every request from that address gets 429
+  before its key is even looked at, so guessing keys is slowed. Behind a proxy
+  the address is the proxy's unless the server trusts its forwarded headers
+  (uvicorn ``--forwarded-allow-ips``).
+
+Counters live in ``ONCEFLOW_API_RATE_LIMIT_STORAGE``: ``memory://`` (default) is
+per API process — N processes allow N times the rate; a ``redis://`` URL is
+shared by every process. If that Redis does not answer, requests are served
+(the limit fails open, with a warning) rather than the API going down with it.
+
+A refused request gets 429, ``Retry-After``, the ``RateLimit-*`` headers and the
+body ``{"detail": …, "code": "rate_limited"}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from limits import RateLimitItem, parse_many
+from limits.aio.strategies import SlidingWindowCounterRateLimiter
+from limits.storage import storage_from_string
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from onceflow.errors import AccessDenied, InvalidRequest
+from onceflow.integrations.fastapi.auth import Principal
+from onceflow.settings import Settings
+
+log = logging.getLogger("onceflow.api.ratelimit")
+
+KEY_PREFIX = "onceflow:ratelimit"
+_REDIS_SCHEMES = ("redis", "rediss", "redis+unix")
+
+
+class RateLimited(Exception):
+    """A request over a limit: the answer is :meth:`response` (429)."""
+
+    def __init__(self, detail: str, item: RateLimitItem, retry_after: int) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.item = item
+        self.retry_after = retry_after
+
+    def response(self) -> JSONResponse:
+        """429 with Retry-After and the RateLimit headers (IETF draft: Limit, Remaining, Reset)."""
+        window = self.item.get_expiry()
+        return JSONResponse(
+            {"detail": self.detail, "code": "rate_limited"},
+            status_code=429,
+            headers={
+                "Retry-After": str(self.retry_after),
+                "RateLimit-Limit": str(self.item.amount),
+                "RateLimit-Remaining": "0",
+                "RateLimit-Reset": str(self.retry_after),
+                "RateLimit-Policy": f"{self.item.amount};w={window}",
+            },
+        )
+
+
+def parse_limits(name: str, value: str) -> list[RateLimitItem]:
+    """The limits of a setting (empty: none); a malformed one is refused at start-up."""
+    if not value.strip():
+        return []
+    try:
+        return parse_many(value)
+    except ValueError:
+        raise InvalidRequest(
+            f"{name}: expected limits such as '100/second;3000/minute' (empty turns it off)"
+        ) from None
+
+
+def storage_uri(value: str) -> str:
+    """The async `limits` storage for a setting: ``memory://`` or a Redis URL."""
+    scheme = urlsplit(value).scheme
+    if scheme in ("memory", "async+memory"):
+        return "async+memory://"
+    if scheme in _REDIS_SCHEMES:
+        return "async+" + value
+    if scheme.removeprefix("async+") in _REDIS_SCHEMES:
+        return value
+    raise InvalidRequest("ONCEFLOW_API_RATE_LIMIT_STORAGE: expected memory:// or a redis:// URL")
+
+
+@dataclass
+class _Counters:
+    storage: Any
+    limiter: SlidingWindowCounterRateLimiter
+
+
+class RateLimits:
+    """The API's limits: per key, and per address on failed authentication."""
+
+    def __init__(
+        self,
+        per_key: list[RateLimitItem],
+        auth_failures: list[RateLimitItem],
+        storage: str = "memory://",
+    ) -> None:
+        self.per_key = per_key
+        self.auth_failures = auth_failures
+        self.storage = storage_uri(storage)
+        # The async storages bind to an event loop: one set of counters per loop.
+        self._counters: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Counters] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RateLimits:
+        """The limits of ``ONCEFLOW_API_RATE_LIMIT`` and ``ONCEFLOW_API_AUTH_FAILURE_LIMIT``."""
+        return cls(
+            parse_limits("ONCEFLOW_API_RATE_LIMIT", settings.api_rate_limit),
+            parse_limits("ONCEFLOW_API_AUTH_FAILURE_LIMIT", settings.api_auth_failure_limit),
+            settings.api_rate_limit_storage,
+        )
+
+    def _limiter(self) -> SlidingWindowCounterRateLimiter:
+        loop = asyncio.get_running_loop()
+        counters = self._counters.get(loop)
+        if counters is None:
+            options: dict[str, Any] = {}
+            if not self.storage.startswith("async+memory"):
+                options = {"implementation": "redispy", "key_prefix": KEY_PREFIX}
+                options["socket_connect_timeout"] = 2
+                options["socket_timeout"] = 2
+            storage = storage_from_string(self.storage, **options)
+            counters = _Counters(storage, SlidingWindowCounterRateLimiter(storage))
+            self._counters[loop] = counters
+        return counters.limiter
+
+    async def authorize(self, request: Request, authorize: Callable[[], Principal]) -> Principal:
+        """Run ``authorize`` (401/403 raise) under the limits; :class:`RateLimited` past one."""
+        address = request.client.host if request.client else "unknown"
+        if self.auth_failures:
+            await self._check(
+                self.auth_failures, ("auth-failures", address), hit=False,
+                detail="too many failed authentications from this address",
+            )  # fmt: skip
+        try:
+            principal = authorize()
+        except AccessDenied as exc:
+            if exc.status == 401 and self.auth_failures:
+                await self._check(self.auth_failures, ("auth-failures", address), hit=True)
+            raise
+        if self.per_key:
+            await self._check(
+                self.per_key, ("key", principal.key_id), hit=True,
+                detail="too many requests for this key",
+            )  # fmt: skip
+        return principal
+
+    async def _check(
+        self,
+        items: list[RateLimitItem],
+        identifiers: tuple[str, str],
+        *,
+        hit: bool,
+        detail: str | None = None,
+    ) -> None:
+        try:
+            limiter = self._limiter()
+            for item in items:
+                ok = (
+                    await limiter.hit(item, *identifiers)
+                    if hit
+                    else await limiter.test(item, *identifiers)
+                )
+                if ok or detail is None:
+                    continue
+                stats = await limiter.get_window_stats(item, *identifiers)
+                retry_after = max(1, math.ceil(stats.reset_time - time.time()))
+                raise RateLimited(detail, item, min(retry_after, item.get_expiry()))
+        except RateLimited:
+            raise
+        except Exception as exc:  # the shared storage is down: serve, do not fail closed
+            log.warning("rate limit not checked (storage: %s)", type(exc).__name__)

@@ -1,0 +1,267 @@
+"""A Redis broker transport that a hostile or malformed message cannot stop.
+
+kombu's Redis transport lets a worker die ("Unrecoverable error") on things any
+client of the broker's Redis can put there: an item of a queue that is not JSON
+or not a kombu envelope, an envelope Celery cannot read (``timelimit: "x"``, a
+body that is not ``[args, kwargs, embed]``), a key of the worker's with the wrong
+type (a queue that is a string, ``unacked`` that is a list: ``WRONGTYPE``). For
+onceflow a broker message is only a wake-up — the Postgres row is the truth and
+the sweeper re-sends what is missing — so such a message is safe to drop:
+
+* a queue item that is not a JSON kombu envelope is logged and dropped;
+* a message whose delivery raises (Celery could not take it) is logged and
+  rejected without requeue, so it is not redelivered forever — also when it
+  raises on its way to the pool (``timelimit: "x"``), where Celery would keep
+  the pool slot it took for it and the worker would never run another task;
+* a key of the worker's with the wrong type is renamed aside
+  (``<key>.wrongtype.<unix ms>``, kept for inspection, never deleted) and
+  logged; the worker goes on serving, and the sweeper re-sends lost wake-ups.
+
+Installed per Celery app by :func:`harden` (a :class:`~onceflow.tasks.Flow` does
+it for its app): only the app's connections to a ``redis://``/``rediss://``
+broker use it; other transports (RabbitMQ) are untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from queue import Empty  # what kombu's channels raise when nothing was read
+from typing import Any
+
+import redis
+from celery import Celery
+from celery.signals import worker_init
+
+# Typed as Any: kombu's transports are untyped, and these classes extend them.
+kombu_redis: Any = importlib.import_module("kombu.transport.redis")
+KombuConnection: Any = importlib.import_module("kombu.connection").Connection
+
+log = logging.getLogger("onceflow.broker")
+
+#: The keys an envelope must have for kombu to make a message of it.
+_ENVELOPE_PROPERTIES = ("delivery_tag", "delivery_info")
+
+
+def envelope_problem(raw: object) -> str | None:
+    """Why ``raw`` (a decoded queue item) is not a message kombu can deliver; None if it is."""
+    if not isinstance(raw, dict):
+        return f"not a JSON object ({type(raw).__name__})"
+    props = raw.get("properties")
+    if not isinstance(props, dict):
+        return "no properties object"
+    if not isinstance(props.get("delivery_tag"), str) or not props["delivery_tag"]:
+        return "no delivery tag"
+    if not isinstance(props.get("delivery_info"), dict):
+        return "no delivery_info object"
+    if not isinstance(raw.get("headers", {}), dict | None):
+        return "headers is not an object"
+    for name in ("body", "content-type", "content-encoding"):
+        if not isinstance(raw.get(name, ""), str | None):
+            return f"{name} is not a string"
+    return None
+
+
+def _is_wrongtype(exc: BaseException) -> bool:
+    return isinstance(exc, redis.ResponseError) and "WRONGTYPE" in str(exc)
+
+
+class QoS(kombu_redis.QoS):
+    """Ack emulation that heals a wrong-typed ``unacked`` / ``unacked_index`` and retries once."""
+
+    def append(self, message: Any, delivery_tag: str) -> None:
+        self._healing(lambda: super(QoS, self).append(message, delivery_tag))
+
+    def ack(self, delivery_tag: str) -> None:
+        self._healing(lambda: super(QoS, self).ack(delivery_tag))
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        self._healing(lambda: super(QoS, self).reject(delivery_tag, requeue=requeue))
+
+    def restore_visible(self, *args: Any, **kwargs: Any) -> None:
+        self._healing(lambda: super(QoS, self).restore_visible(*args, **kwargs))
+
+    def _healing(self, call: Callable[[], None]) -> None:
+        try:
+            call()
+        except redis.ResponseError as exc:
+            if not _is_wrongtype(exc) or not self.channel.set_aside_wrong_types():
+                raise
+            call()
+
+
+class Channel(kombu_redis.Channel):
+    """kombu's Redis channel, hardened: see the module docstring."""
+
+    QoS = QoS
+
+    def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
+        """Register the consumer, then guard the delivery of each of its messages."""
+        ret = super().basic_consume(queue, *args, **kwargs)
+        callbacks = self.connection._callbacks
+        inner = callbacks.get(queue)
+        if inner is not None and not isinstance(inner, functools.partial):
+            callbacks[queue] = functools.partial(self._deliver_guarded, queue, inner)
+        return ret
+
+    def _deliver_guarded(self, queue: str, inner: Callable[[Any], Any], raw: Any) -> Any:
+        problem = envelope_problem(raw)
+        if problem is not None:
+            log.error(
+                "queue %s: dropped a broker message that is not a kombu message: %s", queue, problem
+            )
+            return None
+        try:
+            return inner(raw)
+        except Exception as exc:
+            if _is_wrongtype(exc) and self.set_aside_wrong_types():
+                return None  # the message is lost with the healed key: the sweeper re-sends
+            if isinstance(exc, self.connection_errors):
+                raise
+            headers = raw.get("headers") or {}
+            task = headers.get("task") if isinstance(headers, dict) else None
+            log.error(
+                "queue %s: rejected a message Celery could not take (task %r): %s: %s",
+                queue,
+                task if isinstance(task, str) else None,
+                type(exc).__name__,
+                exc,
+            )
+            self._reject_quietly(raw["properties"]["delivery_tag"])
+            return None
+
+    def _reject_quietly(self, delivery_tag: str) -> None:
+        try:
+            if delivery_tag in self.qos._delivered:
+                self.qos.reject(delivery_tag, requeue=False)
+        except Exception as exc:  # the message may be gone already: nothing more to do
+            log.warning("could not reject a malformed message: %s", type(exc).__name__)
+
+    def _brpop_read(self, **options: Any) -> Any:
+        try:
+            return super()._brpop_read(**options)
+        except redis.ResponseError as exc:
+            if not _is_wrongtype(exc) or not self.set_aside_wrong_types():
+                raise
+            raise Empty() from None
+        except (ValueError, RecursionError) as exc:
+            # The item BRPOP took is not JSON (kombu's loads failed): it is gone from the
+            # queue already; say so and go on.
+            log.error("dropped a broker message that is not JSON: %s", type(exc).__name__)
+            raise Empty() from None
+
+    def _get(self, queue: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super()._get(queue, *args, **kwargs)
+        except redis.ResponseError as exc:
+            if not _is_wrongtype(exc) or not self.set_aside_wrong_types():
+                raise
+            raise Empty() from None
+        except (ValueError, RecursionError) as exc:
+            log.error(
+                "queue %s: dropped a broker message that is not JSON: %s", queue, type(exc).__name__
+            )
+            raise Empty() from None
+
+    def _own_keys(self) -> Iterable[tuple[str, set[str]]]:
+        """The keys this channel reads and writes, with the types they may have."""
+        for queue in list(self.active_queues):
+            for pri in self.priority_steps:
+                yield self._q_for_pri(queue, pri), {"list", "none"}
+        yield self.unacked_key, {"hash", "none"}
+        yield self.unacked_index_key, {"zset", "none"}
+        yield self.unacked_mutex_key, {"string", "none"}
+
+    def set_aside_wrong_types(self) -> bool:
+        """Rename each of this channel's keys that has the wrong type; True if one was."""
+        prefix = self.global_keyprefix or ""
+        moved = False
+        with self.conn_or_acquire() as client:
+            for key, allowed in self._own_keys():
+                full = prefix + key
+                kind = client.execute_command("TYPE", full)
+                kind = kind.decode() if isinstance(kind, bytes) else str(kind)
+                if kind in allowed:
+                    continue
+                aside = f"{full}.wrongtype.{int(time.time() * 1000)}"
+                try:
+                    client.execute_command("RENAME", full, aside)
+                except redis.ResponseError:
+                    continue  # gone meanwhile
+                moved = True
+                log.error(
+                    "broker key %r had type %s, not %s: renamed to %r and serving on "
+                    "(lost wake-ups are re-sent by the sweeper)",
+                    full,
+                    kind,
+                    "/".join(sorted(allowed - {"none"})),
+                    aside,
+                )
+        return moved
+
+
+class Transport(kombu_redis.Transport):
+    """kombu's Redis transport with the hardened :class:`Channel`."""
+
+    Channel = Channel
+
+
+class Connection(KombuConnection):
+    """A kombu connection that uses the hardened transport where kombu would use Redis's."""
+
+    def get_transport_cls(self) -> Any:
+        """kombu's choice, with its Redis transport replaced by ours."""
+        cls = super().get_transport_cls()
+        return Transport if cls is kombu_redis.Transport else cls
+
+
+def harden(app: Celery) -> None:
+    """Make ``app``'s broker connections use the hardened Redis transport, and its
+    workers reject a task they cannot start instead of losing a pool slot to it.
+
+    Leaves the app's connections alone if its ``amqp`` has its own connection class.
+    """
+    amqp = app.amqp
+    if amqp.Connection is KombuConnection:
+        amqp.Connection = Connection
+    app._onceflow_hardened = True
+
+
+@worker_init.connect
+def _guard_process_task(sender: Any = None, **_: Any) -> None:
+    """Wrap the worker's ``_process_task`` (the step that hands a request to the pool).
+
+    Celery takes a pool slot (its semaphore) before it and gives it back only when the
+    pool reports; a request that raises on its way there (a hostile header) kept the
+    slot forever — with one slot, the worker never ran another task. Runs in
+    ``worker_init``, before the worker's Pool step binds ``process_task``.
+    """
+    if sender is None or not getattr(getattr(sender, "app", None), "_onceflow_hardened", False):
+        return
+    original = sender._process_task
+
+    def process_task(req: Any) -> None:
+        try:
+            original(req)
+        except Exception as exc:
+            log.error(
+                "rejected task %s (%s): it could not be handed to the pool: %s: %s",
+                getattr(req, "id", "?"),
+                getattr(req, "name", "?"),
+                type(exc).__name__,
+                exc,
+            )
+            try:
+                req.reject(requeue=False)
+            except Exception as reject_exc:  # the message may be gone: nothing to do
+                log.warning("could not reject it: %s", type(reject_exc).__name__)
+            if sender.process_task == sender._process_task_sem:
+                sender._quick_release()  # the slot _process_task_sem took for it
+
+    sender._process_task = process_task
+
+
+__all__ = ["Channel", "Connection", "QoS", "Transport", "envelope_problem", "harden"]

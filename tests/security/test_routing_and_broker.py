@@ -1,0 +1,209 @@
+"""Attacks on routing and on the broker, against a real API server, Celery worker and Redis.
+
+A client never chooses where work goes: the worker class comes from the stage's
+declaration (an enqueue naming any other class is refused, nothing written, no Redis
+key touched); every broker queue onceflow uses is ``onceflow.wc.<class>``; and a worker
+survives any message or key a client of the broker's Redis could plant there.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis as redis_lib
+from sqlalchemy import Engine
+
+from onceflow import Status
+from onceflow.errors import InvalidRequest
+from onceflow.keys import lock_key, queue_name
+from onceflow.locks import compute_once
+from onceflow.queue import Queue
+from tests.acceptance.procs import start_worker, wait_for
+from tests.acceptance.test_http_api import API_KEY, auth, snapshot
+
+FOREIGN_NAMES = [
+    "unacked_index",  # kombu's own sorted set: a list there killed every worker
+    "unacked",
+    "_kombu.binding.onceflow.wc.t-default",
+    "onceflow:{w2}:lock:j:t",  # another workspace's compute lock: its waiters hung
+    "onceflow",  # the maintenance queue
+    "t-block",  # a class another stage declares
+    "onceflow.wc.t-default",
+    "other-app:queue",
+]
+
+
+def redis_keys(redis_url: str) -> set[bytes]:
+    return set(redis_lib.Redis.from_url(redis_url).keys("*"))
+
+
+def status(runtime: Any, rid: str) -> Status:
+    return runtime.flow.queue.get(rid).status  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("name", FOREIGN_NAMES)
+def test_an_enqueue_cannot_route_work_to_a_class_the_stage_does_not_declare(
+    client: httpx.Client, clean_db: Engine, redis_url: str, name: str
+) -> None:
+    before_rows, before_keys = snapshot(clean_db), redis_keys(redis_url)
+    body = {"stage": "noop", "job_id": "j-route", "input": {"value": 1}, "worker_class": name}
+    response = client.post("/v1/workspaces/w1/requests", json=body, headers=auth(API_KEY))
+    assert response.status_code == 422, response.text
+    assert response.json()["code"] == "invalid_request"
+    assert "served by worker class 't-default'" in response.json()["detail"]
+    assert snapshot(clean_db) == before_rows
+    assert redis_keys(redis_url) == before_keys
+
+
+def test_the_declared_class_is_used_and_the_worker_keeps_serving(
+    client: httpx.Client, celery_worker: Any, runtime: Any, redis_url: str
+) -> None:
+    for name in FOREIGN_NAMES:  # the attacks first
+        body = {"stage": "noop", "job_id": "j-a", "input": {}, "worker_class": name}
+        client.post("/v1/workspaces/w1/requests", json=body, headers=auth(API_KEY))
+    body = {"stage": "noop", "job_id": "j-ok", "input": {"value": 2}}
+    response = client.post("/v1/workspaces/w1/requests", json=body, headers=auth(API_KEY))
+    assert response.status_code == 201, response.text
+    rid = response.json()["request_id"]
+    wait_for(lambda: status(runtime, rid) is Status.SUCCEEDED, what="the noop to succeed")
+    assert celery_worker.popen.poll() is None
+    # Every key in the broker's Redis is onceflow's (or kombu's/Celery's own): none is
+    # named by a worker class, none is a foreign key a client could have named.
+    keys = {k.decode() for k in redis_keys(redis_url)}
+    assert not keys & {"t-default", "t-block", "onceflow:{w2}:lock:j:t", "other-app:queue"}
+    r = redis_lib.Redis.from_url(redis_url)
+    assert r.type("unacked_index") in (b"zset", b"none")
+    assert r.type("unacked") in (b"hash", b"none")
+
+
+def test_a_bare_queue_refuses_a_worker_class_that_could_name_a_foreign_key(
+    clean_db: Engine, redis_url: str
+) -> None:
+    queue = Queue()
+    for name in ["onceflow:{w2}:lock:j:t", "_kombu.binding.x", "a b", "", "x" * 101, "-x"]:
+        with pytest.raises(InvalidRequest, match="is not a worker class"):
+            queue.enqueue("noop", "w1", "j", "", {}, worker_class=name)
+    assert snapshot(clean_db)["workspace_process_requests"] == []
+
+
+def _envelope(task: str = "onceflow.stage.noop", args: Any = None, **headers: Any) -> dict:
+    args = ["0" * 64] if args is None else args
+    embed = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
+    body = base64.b64encode(json.dumps([args, {}, embed]).encode()).decode()
+    tid = str(uuid.uuid4())
+    return {
+        "body": body,
+        "content-encoding": "utf-8",
+        "content-type": "application/json",
+        "headers": {"lang": "py", "task": task, "id": tid, "root_id": tid, "retries": 0,
+                    "timelimit": [None, None], "ignore_result": True, **headers},
+        "properties": {
+            "correlation_id": tid, "delivery_mode": 2, "priority": 0, "body_encoding": "base64",
+            "delivery_info": {"exchange": "", "routing_key": "x"},
+            "delivery_tag": str(uuid.uuid4()),
+        },
+    }  # fmt: skip
+
+
+def hostile_items() -> Iterator[tuple[str, str]]:
+    """Queue items a client of the broker's Redis could push, each once fatal to a worker."""
+    yield "not JSON", "garbage{"
+    yield "a JSON array", "[]"
+    yield "JSON null", "null"
+    yield "nested 100,000 deep", "[" * 100_000 + "]" * 100_000
+    env = _envelope()
+    env["body"] = "!!!not base64"
+    yield "a body that is not base64", json.dumps(env)
+    env = _envelope()
+    env["headers"] = "x"
+    yield "headers that are not an object", json.dumps(env)
+    env = _envelope()
+    env["properties"]["delivery_info"] = "x"
+    yield "delivery_info that is not an object", json.dumps(env)
+    yield "timelimit that is not a pair", json.dumps(_envelope(timelimit="x"))
+    env = _envelope()
+    env["body"] = base64.b64encode(b'{"a": 1}').decode()
+    yield "a body that is not [args, kwargs, embed]", json.dumps(env)
+    yield "args that are not a request id", json.dumps(_envelope(args=[{"x": 1}, 2]))
+    yield "an unknown task", json.dumps(_envelope(task="nope.unknown"))
+    yield "a bad eta", json.dumps(_envelope(eta="garbage"))
+
+
+@pytest.mark.slow
+def test_a_worker_survives_hostile_messages_and_wrong_typed_keys(
+    runtime: Any, redis_url: str, tmp_path: Path
+) -> None:
+    r = redis_lib.Redis.from_url(redis_url)
+    wc = "t-hostile"  # a class no other worker of the suite consumes
+    q = queue_name(wc)
+    r.delete(q, "unacked", "unacked_index", "unacked_mutex")
+    worker = start_worker(tmp_path, wc)
+    try:
+        items = list(hostile_items())
+        for _, item in items:
+            r.lpush(q, item)
+        first = runtime.flow.enqueue("noop", "w1", "j-after-hostile", "main", {}, worker_class=wc)
+        wait_for(lambda: status(runtime, first.request_id) is Status.SUCCEEDED,
+                 what="a good request after the hostile messages")  # fmt: skip
+        assert worker.popen.poll() is None
+        log = worker.log()
+        # Each was logged, and dropped or rejected.
+        assert log.count("dropped a broker message") == 6, log
+        assert log.count("rejected a message") + log.count("rejected task") == 3, log
+
+        # A queue key with the wrong type: the wake-up cannot even be sent (the row stays
+        # queued), the worker renames the key aside, the sweeper re-sends the wake-up.
+        r.delete(q)
+        r.set(q, "poison")
+        lost = runtime.flow.enqueue("noop", "w1", "j-poisoned-queue", "main", {}, worker_class=wc)
+        wait_for(lambda: status(runtime, lost.request_id) is Status.SUCCEEDED,
+                 what="the request whose wake-up was lost to the poisoned queue")  # fmt: skip
+        assert r.keys(f"{q}.wrongtype.*"), "the poisoned key is kept aside for inspection"
+
+        # kombu's own keys with the wrong type: healed the same way, the worker serves on.
+        r.lpush("unacked", "x")
+        r.lpush("unacked_index", "x")
+        last = runtime.flow.enqueue("noop", "w1", "j-poisoned-unacked", "main", {}, worker_class=wc)
+        wait_for(lambda: status(runtime, last.request_id) is Status.SUCCEEDED,
+                 what="a request after kombu's keys were poisoned")  # fmt: skip
+        assert r.type("unacked") in (b"hash", b"none")
+        assert r.type("unacked_index") in (b"zset", b"none")
+        assert worker.popen.poll() is None
+    finally:
+        worker.stop()
+        for key in r.keys("*.wrongtype.*"):
+            r.delete(key)
+
+
+def test_a_lock_key_without_ttl_does_not_hang_its_waiters(clean_db: Engine, redis_url: str) -> None:
+    """A value planted at a compute lock's key (no TTL: never one of onceflow's locks)
+    made every waiter wait forever; it is deleted and the call computes once."""
+    r = redis_lib.Redis.from_url(redis_url)
+    key = lock_key("w-lock", "j", "t")
+    r.delete(key)
+    r.lpush(key, "planted")
+    calls: list[int] = []
+    stored: dict[str, int] = {}
+
+    def call() -> int:
+        outcome = compute_once(
+            "w-lock", "j", "t",
+            check=lambda: stored.get("v"),
+            compute=lambda: calls.append(1) or 42,
+            store=lambda v: stored.__setitem__("v", v),
+        )  # fmt: skip
+        return outcome.value
+
+    # In a thread with a deadline: before the fix this call never returned.
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(call).result(timeout=30) == 42
+    assert len(calls) == 1
+    assert not r.exists(key)
