@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 import redis as redis_lib
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 
 from onceflow import Status
 from onceflow.errors import InvalidRequest
@@ -207,3 +207,47 @@ def test_a_lock_key_without_ttl_does_not_hang_its_waiters(clean_db: Engine, redi
         assert pool.submit(call).result(timeout=30) == 42
     assert len(calls) == 1
     assert not r.exists(key)
+
+
+def test_upgrading_from_unprefixed_queues_loses_no_wake_up(
+    clean_db: Engine, redis_url: str
+) -> None:
+    """A wake-up sent before the upgrade waits in the old queue (``up-llm``): the new
+    workers consume it with ONCEFLOW_LEGACY_QUEUES, and without it the sweeper re-sends
+    the row's wake-up to ``onceflow.wc.up-llm``."""
+    from pydantic import BaseModel
+
+    from onceflow.settings import Settings
+    from onceflow.tasks import Flow
+
+    class Empty(BaseModel):
+        pass
+
+    r = redis_lib.Redis.from_url(redis_url)
+    r.delete("up-llm", queue_name("up-llm"))
+    settings = Settings(legacy_queues=True)
+    flow = Flow(name="upgrade-test", settings=settings)
+
+    @flow.stage("up", input=Empty, worker_class="up-llm")
+    def up(ctx: Any, data: Empty) -> None:
+        return None
+
+    assert flow.broker_queues() == [queue_name("up-llm"), "up-llm", "onceflow.upgrade-test"]
+    assert Flow(name="upgrade-plain").broker_queues(["up-llm"]) == [
+        queue_name("up-llm"),
+        "onceflow.upgrade-plain",
+    ]
+    # A row dispatched by the old code: its wake-up went to the unprefixed queue.
+    [old] = flow.queue.enqueue_many([flow.new_request("up", "w1", "j-old", "", {})])
+    with clean_db.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE workspace_process_requests SET dispatched_at = now() WHERE request_id = :r"
+            ),
+            {"r": old.request_id},
+        )
+    r.lpush("up-llm", "an old wake-up")
+    swept = flow.sweep_once(redispatch_after=0)
+    assert [d.request_id for d in swept.to_dispatch] == [old.request_id]
+    assert r.llen(queue_name("up-llm")) == 1  # re-sent to the new queue
+    r.delete("up-llm", queue_name("up-llm"))

@@ -87,13 +87,14 @@ def api(
 
 
 def subscribed_clients(redis_url: str) -> list[dict[str, Any]]:
-    """``CLIENT LIST`` entries in subscribed mode on this run's Redis database."""
+    """``CLIENT LIST`` entries SUBSCRIBEd to channels on this run's Redis database (not
+    Celery's pattern subscriptions, which a worker of another test may still hold)."""
     r = redis_lib.Redis.from_url(redis_url)
     db = r.connection_pool.connection_kwargs.get("db", 0)
     return [
         c
         for c in r.client_list()
-        if int(c.get("db", -1)) == int(db) and (int(c.get("sub", 0)) or int(c.get("psub", 0)))
+        if int(c.get("db", -1)) == int(db) and int(c.get("sub", 0))
     ]
 
 
