@@ -411,6 +411,7 @@ CASES: list[Case] = [
 ]  # fmt: skip
 
 
+@pytest.mark.security
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_security_case_gets_its_status_and_writes_nothing(
     client: httpx.Client, engine: Engine, case: Case
@@ -433,6 +434,7 @@ def test_security_case_gets_its_status_and_writes_nothing(
         assert response.headers["www-authenticate"] == "Bearer"
 
 
+@pytest.mark.security
 def test_403_does_not_reveal_whether_an_id_exists(client: httpx.Client) -> None:
     w2 = enqueue(client, "w2", OTHER_KEY, stage="noop", job_id="jw2", worker_class=HYP)
     rid = w2.json()["request_id"]
@@ -452,6 +454,7 @@ def openapi_doc(api: str) -> dict[str, Any]:
     return doc
 
 
+@pytest.mark.security
 def test_openapi_documents_every_route_with_its_errors(openapi_doc: dict[str, Any]) -> None:
     paths = openapi_doc["paths"]
     assert set(paths) == {
@@ -475,6 +478,7 @@ def test_openapi_documents_every_route_with_its_errors(openapi_doc: dict[str, An
     assert "text/event-stream" in events
 
 
+@pytest.mark.security
 def test_no_5xx_for_any_input_over_the_openapi_schema(
     client: httpx.Client, openapi_doc: dict[str, Any], runtime: Any
 ) -> None:
@@ -690,6 +694,7 @@ def test_http_transport_applies_once_and_a_retry_gets_the_original_clock(
     assert [o.clock for o in transport.ops_since("w1", "board")] == [1, 2]
 
 
+@pytest.mark.security
 def test_ids_that_cannot_be_one_url_segment_are_refused_by_the_client(api: str) -> None:
     from onceflow import InvalidRequest
 
