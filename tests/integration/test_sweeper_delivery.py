@@ -52,9 +52,9 @@ def make_flow(settings: Settings | None = None) -> Flow:
 @pytest.fixture()
 def broker(redis_url: str, clean_db: Engine) -> Iterator[redis_lib.Redis]:
     client = redis_lib.Redis.from_url(redis_url)
-    client.delete(WC)
+    client.delete(queue_name(WC))
     yield client
-    client.delete(WC)
+    client.delete(queue_name(WC))
 
 
 @contextmanager
@@ -98,7 +98,7 @@ def test_a_failing_prune_never_costs_a_wakeup_the_sweep_marked_sent(
     wait_for(lambda: db_now(clean_db) > claim.lease_expires_at, what="the lease to lapse")
     unsent = flow.enqueue("sd", "w", "unsent").request_id
     flow.queue.mark_undispatched(unsent)  # its send failed: the next sweep must send it
-    broker.delete(WC)  # no wake-up waits in the broker
+    broker.delete(queue_name(WC))  # no wake-up waits in the broker
     assert flow.queue.get(unsent).dispatched_at is None
 
     error: Exception | None = None
@@ -127,7 +127,7 @@ def test_lost_wakeups_are_resent_however_many_rows_were_never_sent(
 ) -> None:
     flow = make_flow()
     lost = [flow.enqueue("sd", "w", f"lost{i}").request_id for i in range(5)]
-    broker.delete(WC)  # their wake-ups are gone (a Redis restart without persistence)
+    broker.delete(queue_name(WC))  # their wake-ups are gone (a Redis restart without persistence)
     fresh = [NewRequest("w", f"u{i}", "sd", worker_class=WC) for i in range(20)]
     unsent = [r.request_id for r in flow.queue.enqueue_many(fresh)]
     for rid in unsent:  # a broker outage: every send failed, so all are marked unsent
@@ -157,7 +157,7 @@ def test_a_share_nobody_needs_passes_to_the_other_kind(
 ) -> None:
     flow = make_flow()
     lost = [flow.enqueue("sd", "w", f"lost{i}").request_id for i in range(12)]
-    broker.delete(WC)
+    broker.delete(queue_name(WC))
     later = db_now(clean_db) + timedelta(seconds=120)
 
     # Nothing never-sent: all 10 places go to lost wake-ups.

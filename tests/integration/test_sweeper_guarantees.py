@@ -31,7 +31,7 @@ from onceflow.tasks import Flow
 from tests.conftest import table_snapshot
 from tests.integration.test_claims import db_now
 
-QUEUES = ("sg-a", "sg-b", "sg-storm")
+QUEUES = tuple(queue_name(wc) for wc in ("sg-a", "sg-b", "sg-storm"))
 
 
 class Empty(BaseModel):
@@ -65,10 +65,10 @@ def rows_of(engine: Engine, stage: str) -> dict[str, Any]:
         return {r[0]: r[1] for r in conn.execute(query, {"s": stage})}
 
 
-def request_ids_in(client: redis_lib.Redis, queue: str) -> list[str]:
-    """The request ids of the Celery messages waiting in ``queue`` (kombu's Redis list)."""
+def request_ids_in(client: redis_lib.Redis, worker_class: str) -> list[str]:
+    """The request ids of the Celery messages waiting in the class's queue (a Redis list)."""
     out = []
-    for raw in client.lrange(queue, 0, -1):
+    for raw in client.lrange(queue_name(worker_class), 0, -1):
         envelope = json.loads(raw)
         args, _, _ = json.loads(base64.b64decode(envelope["body"]))
         out.append(args[0])
@@ -128,7 +128,8 @@ def test_a_foreign_flows_sweep_leaves_rows_of_other_stages_alone(
     claim = flow_a.queue.claim(lapsed, "gone-worker", lease_seconds=0.05)
     assert claim is not None
     wait_for(lambda: db_now(clean_db) > claim.lease_expires_at, what="the lease to lapse")
-    broker.delete("sg-a")  # every wake-up of flow A is lost: only flow A can send them again
+    # Every wake-up of flow A is lost: only flow A can send them again.
+    broker.delete(queue_name("sg-a"))
     before = rows_of(clean_db, "a1")
 
     swept_b = flow_b.sweep_once(redispatch_after=0)
@@ -209,7 +210,7 @@ def test_a_backlog_waiting_in_the_broker_gets_no_second_wakeup(
     assert resent == 0
 
     # A slow worker takes 100 messages and finishes those rows: the rest still wait.
-    assert len(broker.rpop("sg-storm", 100) or []) == 100
+    assert len(broker.rpop(queue_name("sg-storm"), 100) or []) == 100
     taken = ids[:100]
     for rid in taken:
         claim = flow.queue.claim(rid, "slow-worker")
@@ -223,13 +224,13 @@ def test_a_backlog_waiting_in_the_broker_gets_no_second_wakeup(
     assert sorted(d.request_id for d in flow.sweep_once().to_dispatch) == sorted(ids[100:103])
 
     # 50 messages lost: exactly 50 re-sent (due rows - messages waiting).
-    broker.rpop("sg-storm", 50)
+    broker.rpop(queue_name("sg-storm"), 50)
     assert broker.llen(queue_name("sg-storm")) == ROWS - 100 + 3 - 50
     assert len(flow.sweep_once(redispatch_after=0).to_dispatch) == 50 - 3
     assert broker.llen(queue_name("sg-storm")) == ROWS - 100
 
     # The whole queue purged (a Redis restart without persistence): every wake-up re-sent.
-    broker.delete("sg-storm")
+    broker.delete(queue_name("sg-storm"))
     swept = flow.sweep_once(redispatch_after=0)
     assert sorted(d.request_id for d in swept.to_dispatch) == sorted(ids[100:])
     assert sorted(request_ids_in(broker, "sg-storm")) == sorted(ids[100:])

@@ -91,11 +91,7 @@ def subscribed_clients(redis_url: str) -> list[dict[str, Any]]:
     Celery's pattern subscriptions, which a worker of another test may still hold)."""
     r = redis_lib.Redis.from_url(redis_url)
     db = r.connection_pool.connection_kwargs.get("db", 0)
-    return [
-        c
-        for c in r.client_list()
-        if int(c.get("db", -1)) == int(db) and int(c.get("sub", 0))
-    ]
+    return [c for c in r.client_list() if int(c.get("db", -1)) == int(db) and int(c.get("sub", 0))]
 
 
 def numsub(redis_url: str, workspace: str) -> int:
