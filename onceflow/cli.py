@@ -172,6 +172,8 @@ def enqueue(
         payload = json.loads(input_json)
     except json.JSONDecodeError as exc:
         raise click.BadParameter(f"not JSON: {exc}", param_hint="--input") from None
+    except RecursionError:  # far deeper than ONCEFLOW_MAX_PAYLOAD_DEPTH: the parser gave up
+        raise click.BadParameter("nested too deeply to parse", param_hint="--input") from None
     for name, value in (("workspace_id", workspace_id), ("job_id", job_id), ("stage", stage)):
         check_id(name, value)
     flow = _enqueue_flow(app_spec, stage, worker_class)

@@ -39,6 +39,7 @@ from onceflow.errors import (
     OnceflowError,
     StoreError,
 )
+from onceflow.payloads import load_stored_json
 from onceflow.settings import get_settings
 
 log = logging.getLogger("onceflow.db")
@@ -118,6 +119,9 @@ def make_engine(url: str, *, pool_size: int | None = None, **kwargs: Any) -> Eng
     # DatabaseUnavailable on first use and is invalidated (see raw_connection).
     kwargs.setdefault("pool_pre_ping", False)
     kwargs.setdefault("connect_args", {"connect_timeout": 10})
+    # jsonb is loaded by psycopg with this (raw connections and SQLAlchemy alike): a stored
+    # value too deep to serve comes back as a placeholder instead of failing the read.
+    kwargs.setdefault("json_deserializer", load_stored_json)
     return create_engine(parsed, pool_size=size, max_overflow=size, **kwargs)
 
 

@@ -9,6 +9,7 @@ stage code. Control-flow signals (retry later) are kept apart from errors.
     OnceflowError
     ├── InvalidRequest            bad input: nothing was written
     │   ├── PayloadTooLarge       input or result over the payload limit
+    │   ├── PayloadTooDeep        a payload nested deeper than the payload depth limit
     │   ├── InputMismatch         same request_id, different input (strict mode)
     │   ├── UnknownStage          no stage of that name is registered
     │   ├── OpIdConflict          same op id, different payload
@@ -58,6 +59,25 @@ class PayloadTooLarge(InvalidRequest):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.what, self.size, self.limit))
+
+
+class PayloadTooDeep(InvalidRequest):
+    """A JSON payload nests arrays/objects deeper than the configured depth limit."""
+
+    def __init__(self, what: str, limit: int | None) -> None:
+        self.what = what
+        self.limit = limit
+        if limit is None:
+            message = f"{what} is nested too deeply to encode"
+        else:
+            message = (
+                f"{what} is nested more than {limit} levels deep, over the payload depth "
+                f"limit (ONCEFLOW_MAX_PAYLOAD_DEPTH={limit})"
+            )
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.what, self.limit))
 
 
 class InputMismatch(InvalidRequest):

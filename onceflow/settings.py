@@ -44,6 +44,14 @@ class Settings(BaseSettings):
     payload_limit_bytes: int = Field(
         default=256 * 1024, ge=1024, description="Largest input or result, as canonical JSON."
     )
+    max_payload_depth: int = Field(
+        default=64,
+        ge=1,
+        le=128,
+        description="Deepest nesting of arrays/objects in an input, result, error, op or "
+        "sub-doc state; deeper is refused (422 invalid_request), and an HTTP body nested "
+        "deeper than this plus 4 is refused before it is parsed.",
+    )
     pool_size: int = Field(default=5, ge=1, description="SQLAlchemy pool size per process.")
     broker_url: str | None = Field(
         default=None, description="Celery broker URL; the Redis URL when unset."

@@ -40,6 +40,7 @@ import httpx
 from onceflow.errors import Cancelled, InvalidRequest, LeaseLost, OnceflowError, PermanentError
 from onceflow.oplog import ApplyResult, TransportError
 from onceflow.oplog.http import path_segment, raise_for_api_error
+from onceflow.payloads import is_unreadable
 
 log = logging.getLogger("onceflow.pull")
 
@@ -218,6 +219,13 @@ class PullWorker:
         claim = self.claim()
         if claim is None:
             return None
+        stored: Any = claim.request.get("input")
+        if is_unreadable(stored):  # a value stored before the depth limit: it never will run
+            error: dict[str, Any] = {
+                "type": "PermanentError",
+                "message": f"input cannot be read: {stored['reason']}",
+            }
+            return self._fail(claim, error, retryable=False)
         ctx = PullContext(self, claim)
         beat = _Heartbeat(self, ctx)
         beat.start()

@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from onceflow.errors import InvalidRequest, OpRejected, validation_summary
+from onceflow.payloads import check_json
 
 State = dict[str, Any]
 ApplyFn = Callable[[State, Any], tuple[State, Any]]
@@ -107,8 +108,15 @@ def register_op(name: str, model: type[OpModel], apply: ApplyFn) -> None:
     _REGISTRY[name] = OpType(name, model, apply)
 
 
-def parse_op(op: OpModel | dict[str, Any]) -> OpModel:
-    """Validate an op (a model or a dict with ``type``); a clear error for anything else."""
+def parse_op(op: OpModel | dict[str, Any], *, max_depth: int | None = None) -> OpModel:
+    """Validate an op (a model or a dict with ``type``); a clear error for anything else.
+
+    Before its model converts it (an ``Any`` field would turn NaN into ``null``), the op
+    is checked as every payload is: no NaN/Infinity, NUL or lone surrogate, and nested at
+    most ``max_depth`` levels.
+    """
+    check_json(op.model_dump(mode="python") if isinstance(op, OpModel) else op, what="op",
+               max_depth=max_depth)  # fmt: skip
     if isinstance(op, OpModel):
         data: Any = op.model_dump(mode="json")
     else:

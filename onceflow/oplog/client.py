@@ -35,6 +35,7 @@ from typing import Any, Protocol
 from onceflow.errors import DatabaseUnavailable, InvalidRequest, OnceflowError, ReplayTooOld
 from onceflow.models.ops import OpModel, parse_op
 from onceflow.oplog.store import ApplyResult, OpLog, new_op_id
+from onceflow.settings import get_settings
 
 log = logging.getLogger("onceflow.oplog.client")
 
@@ -239,7 +240,8 @@ class WorkspaceClient:
         other pending ops parked on the way are listed by :meth:`parked`, and
         if this op itself is parked, :class:`OpsParked` is raised.
         """
-        parsed = parse_op(op)  # refuse a malformed op before it reaches the outbox
+        # Refuse a malformed op (NaN, too deep, …) before it reaches the outbox.
+        parsed = parse_op(op, max_depth=get_settings().max_payload_depth)
         if base_clock is not None and (
             isinstance(base_clock, bool) or not isinstance(base_clock, int) or base_clock < 0
         ):

@@ -26,13 +26,19 @@ import psycopg.errors
 import redis
 
 from onceflow.db import fetch_all, fetch_one, get_engine, raw_connection
-from onceflow.errors import InvalidRequest, OpIdConflict, OpRejected, ReplayTooOld
+from onceflow.errors import (
+    InvalidRequest,
+    OpIdConflict,
+    OpRejected,
+    PayloadTooDeep,
+    ReplayTooOld,
+)
 from onceflow.ids import check_id
 from onceflow.keys import workspace_channel
 from onceflow.models.ops import OpModel, apply, parse_op
 from onceflow.models.requests import Claim
 from onceflow.oplog import sql
-from onceflow.payloads import canonical_json, encode_payload
+from onceflow.payloads import Unreadable, canonical_json, encode_payload
 from onceflow.queue import Queue
 from onceflow.settings import Settings, get_settings
 
@@ -139,9 +145,13 @@ class OpLog:
         """
         check_id("workspace_id", workspace_id)
         check_id("sub_doc", sub_doc)
-        parsed = parse_op(op)
+        depth = self.settings.max_payload_depth
+        parsed = parse_op(op, max_depth=depth)
         payload_json, payload_hash = encode_payload(
-            parsed.model_dump(mode="json"), self.settings.payload_limit_bytes, what="op"
+            parsed.model_dump(mode="json"),
+            self.settings.payload_limit_bytes,
+            what="op",
+            max_depth=depth,
         )
         client_id = op_id is not None
         op_id = check_op_id(op_id) if client_id else "srv-" + new_op_id()
@@ -198,7 +208,21 @@ class OpLog:
             "fence": fence.request_id if fence else None,
         }
         try:
+            if isinstance(doc["state"], Unreadable):
+                raise OpRejected(
+                    parsed.type,
+                    f"the sub-doc's stored state cannot be read: {doc['state']['reason']}",
+                )
             state, result = apply(doc["state"], parsed)
+            depth = self.settings.max_payload_depth
+            try:
+                state_json = canonical_json(state, what="the sub-doc's state", max_depth=depth)
+            except PayloadTooDeep:
+                raise OpRejected(
+                    parsed.type,
+                    f"the sub-doc's state would nest more than {depth} levels deep "
+                    "(ONCEFLOW_MAX_PAYLOAD_DEPTH)",
+                ) from None
         except OpRejected as exc:
             error = {"type": "OpRejected", "message": exc.reason}
             row = fetch_one(raw, sql.RECORD_REJECTED, {**record, "error": json.dumps(error)})
@@ -209,8 +233,8 @@ class OpLog:
         values = {
             **record,
             "clock": clock,
-            "state": canonical_json(state, what="state"),
-            "result": canonical_json(result, what="result"),
+            "state": state_json,
+            "result": canonical_json(result, what="result", max_depth=depth),
         }
         row = fetch_one(raw, sql.RECORD_APPLIED, values)
         return ApplyResult(

@@ -234,6 +234,7 @@ class Queue(Sweeper):
             )
         }  # fmt: skip
         limit = self.settings.payload_limit_bytes
+        depth = self.settings.max_payload_depth
         for item in items:
             if not isinstance(item, NewRequest):
                 raise InvalidRequest(f"expected NewRequest, got {type(item).__name__}")
@@ -243,7 +244,7 @@ class Queue(Sweeper):
             check_id("stage", item.stage)
             check_id("branch_path", item.branch_path, max_len=BRANCH_PATH_MAX, allow_empty=True)
             check_worker_class(item.worker_class)
-            text, digest = encode_payload(item.input, limit, what="input")
+            text, digest = encode_payload(item.input, limit, what="input", max_depth=depth)
             if item.request_id is not None:
                 rid = check_id("request_id", item.request_id)
             elif item.dedupe:
@@ -452,7 +453,12 @@ class Queue(Sweeper):
         the retry recognises its own completion instead of reporting ``LeaseLost``
         (its hand-offs are then left for the sweeper's next wake-up).
         """
-        text, _ = encode_payload(result, self.settings.payload_limit_bytes, what="result")
+        text, _ = encode_payload(
+            result,
+            self.settings.payload_limit_bytes,
+            what="result",
+            max_depth=self.settings.max_payload_depth,
+        )
         follow_ups = list(then)
         # Ids (random ones too) are minted once, so every attempt sends the same rows.
         follow_params = self._enqueue_params(follow_ups, now) if follow_ups else None
@@ -521,7 +527,12 @@ class Queue(Sweeper):
         """
         if isinstance(error, BaseException):
             error = {"type": type(error).__name__, "message": str(error)}
-        text, _ = encode_payload(error, self.settings.payload_limit_bytes, what="error")
+        text, _ = encode_payload(
+            error,
+            self.settings.payload_limit_bytes,
+            what="error",
+            max_depth=self.settings.max_payload_depth,
+        )
         delay = self.backoff(claim.attempt) if retry_in is None else _seconds("retry_in", retry_in)
         params = {
             "request_id": claim.request_id, "token": claim.token, "error": text,

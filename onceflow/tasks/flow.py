@@ -42,6 +42,7 @@ from onceflow.errors import InvalidRequest, OnceflowError, UnknownStage, validat
 from onceflow.ids import check_id, check_worker_class, random_request_id
 from onceflow.keys import queue_name
 from onceflow.models.requests import Dispatch, EnqueueResult, NewRequest, SweepResult
+from onceflow.payloads import check_json
 from onceflow.queue import Queue
 from onceflow.settings import Settings, get_settings
 from onceflow.tasks.broker import harden
@@ -375,6 +376,9 @@ class Flow:
                 f"{' or '.join(repr(wc) for wc in spec.worker_classes)} (its declaration), "
                 f"not {shown!r}"
             )
+        # Before the model converts it (it would turn NaN into null): depth, NaN, NUL, ….
+        what = f"input of stage {spec.name!r}"
+        check_json(item.input, what=what, max_depth=self.settings.max_payload_depth)
         dedupe = spec.dedupe if item.dedupe is None else item.dedupe
         request_id = item.request_id
         if request_id is None and not dedupe:

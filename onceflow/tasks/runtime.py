@@ -34,6 +34,7 @@ from onceflow.models.ops import OpModel
 from onceflow.models.requests import Claim, Dispatch, NewRequest, Request
 from onceflow.models.status import Status
 from onceflow.oplog import ApplyResult, OpLog, SubDoc, new_op_id, stage_op_id
+from onceflow.payloads import Unreadable
 from onceflow.queue import Queue
 
 if TYPE_CHECKING:
@@ -313,6 +314,8 @@ def run_request(
     outcome: dict[str, Any] = {"request_id": request_id, "attempt": claim.attempt}
     try:
         try:
+            if isinstance(claim.request.input, Unreadable):  # stored before the depth limit
+                raise PermanentError(f"input cannot be read: {claim.request.input['reason']}")
             try:
                 data = spec.input_model.model_validate(claim.request.input)
             except ValidationError as exc:

@@ -393,7 +393,7 @@ CASES: list[Case] = [
         headers={**auth(API_KEY), "content-type": "application/json"}), 422, "invalid_request"),
     ("JSON nested past the parser's depth", lambda c, ids: c.post("/v1/workspaces/w1/requests",
         content=b"[" * 5000 + b"]" * 5000,
-        headers={**auth(API_KEY), "content-type": "application/json"}), 400, "bad_request"),
+        headers={**auth(API_KEY), "content-type": "application/json"}), 422, "invalid_request"),
     ("short op id", lambda c, ids: c.post("/v1/workspaces/w1/sub-docs/d/ops",
         json={"op_id": "short", "op": OP}, headers=auth(API_KEY)), 422, "invalid_request"),
     ("unknown op type", lambda c, ids: c.post("/v1/workspaces/w1/sub-docs/d/ops",

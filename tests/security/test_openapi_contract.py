@@ -181,8 +181,15 @@ def test_unknown_route_and_unparseable_body_answer_the_error_shape(
         content=b"[" * 5000 + b"]" * 5000,
         headers={**auth(API_KEY), "content-type": "application/json"},
     )
-    assert nested.status_code == 400
-    assert assert_error_shape(nested)["code"] == "bad_request"
+    assert nested.status_code == 422  # refused by the body scan before the parser recurses
+    assert assert_error_shape(nested)["code"] == "invalid_request"
+    unparseable = client.post(  # an integer Python's json refuses to convert (4300 digits)
+        "/v1/workspaces/w1/requests",
+        content=b'{"stage": "noop", "job_id": "j", "input": {"value": ' + b"1" * 5000 + b"}}",
+        headers={**auth(API_KEY), "content-type": "application/json"},
+    )
+    assert unparseable.status_code == 400
+    assert assert_error_shape(unparseable)["code"] == "bad_request"
 
 
 def test_every_422_is_one_shape_with_a_one_line_detail(

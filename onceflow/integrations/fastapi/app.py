@@ -2,7 +2,8 @@
 
 Order of checks on every request, each before the next runs:
 
-1. body size (ASGI middleware, before anything parses the body): 413;
+1. body size and shape (ASGI middleware, before anything parses the body): 413, and 422
+   for a JSON body nested too deep or holding NaN/Infinity;
 2. the key (``Authorization: Bearer <key>``), then its scope against the
    workspace or worker class in the path: 401, 403 — before the body is parsed
    and before any lookup, so a refused caller learns nothing about ids;
@@ -60,7 +61,7 @@ from onceflow.integrations.fastapi.http_errors import (
     one_line,
     validation_body,
 )
-from onceflow.integrations.fastapi.limits import BodyLimitMiddleware
+from onceflow.integrations.fastapi.limits import BODY_ENVELOPE_DEPTH, BodyLimitMiddleware
 from onceflow.integrations.fastapi.ratelimit import RateLimited, RateLimits
 from onceflow.models import Claim, Dispatch, NewRequest, Status
 from onceflow.models import Request as StageRequest
@@ -770,6 +771,7 @@ def create_app(
         BodyLimitMiddleware,
         max_body_bytes=services.settings.api_max_body_bytes,
         body_timeout=services.settings.api_body_timeout_seconds,
+        max_json_depth=services.settings.max_payload_depth + BODY_ENVELOPE_DEPTH,
     )
     app.include_router(create_router(services=services))
     add_error_handlers(app)

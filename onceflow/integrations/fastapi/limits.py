@@ -1,4 +1,4 @@
-"""A cap on request bodies, enforced before anything parses them (413).
+"""A cap on request bodies, enforced before anything parses them (413, 422).
 
 Starlette reads a whole body into memory with no cap; a chunked body also
 bypasses a check of ``Content-Length`` alone. This ASGI middleware refuses a
@@ -7,29 +7,60 @@ body as they arrive, answering 413 as soon as the count passes the limit. What
 it lets through is at most ``max_body_bytes``, replayed to the app. A body that
 has not arrived whole within ``body_timeout`` seconds gets 408 (a client dripping
 a body byte by byte cannot hold a connection, and a worker thread, for long).
+
+A JSON body is then scanned, without parsing it, and refused with 422
+``invalid_request`` if its arrays/objects nest deeper than ``max_json_depth``
+(Python's json parser would recurse on it, and pydantic's serializer fail on
+what it stored), or if it holds ``NaN``/``Infinity`` literals or a number too
+large for a float (``1e400``): standard JSON has none of them, Python's json
+reads them as floats that no store can hold.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 
 import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from onceflow.payloads import bracket_depth, strip_json_strings
+from onceflow.settings import get_settings
+
 # An oversize body is read and thrown away up to this many times the limit, so that a
 # well-behaved client that is still sending gets to read the 413 instead of a reset.
 _DRAIN_FACTOR = 8
+#: Levels a request body adds around a payload (``{"then": [{"input": …}]}``): the body may
+#: nest this much deeper than ``ONCEFLOW_MAX_PAYLOAD_DEPTH``; the payload's own limit is
+#: checked exactly where it is stored.
+BODY_ENVELOPE_DEPTH = 4
+
+_NON_FINITE = re.compile(rb"NaN|Infinity")
+_DIGITS_TO_ZERO = bytes.maketrans(b"0123456789", b"0" * 10)
+_BIG_EXPONENTS = tuple(e + sign + b"000" for e in (b"e", b"E") for sign in (b"", b"+"))
+_NUMBER = re.compile(rb"-?[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 
 
 class BodyLimitMiddleware:
     """ASGI middleware: 413 for bodies over ``max_body_bytes`` (declared or streamed)."""
 
     def __init__(
-        self, app: ASGIApp, max_body_bytes: int, *, body_timeout: float | None = None
+        self,
+        app: ASGIApp,
+        max_body_bytes: int,
+        max_json_depth: int | None = None,
+        *,
+        body_timeout: float | None = None,
     ) -> None:
-        """``body_timeout``: seconds a client has to send its whole body (None: no bound)."""
+        """``max_json_depth``: deepest nesting of a JSON body; by default the settings'
+        ``max_payload_depth`` plus :data:`BODY_ENVELOPE_DEPTH`. ``body_timeout``: seconds
+        a client has to send its whole body (None: no bound)."""
         self.app = app
         self.max_body_bytes = max_body_bytes
+        if max_json_depth is None:
+            max_json_depth = get_settings().max_payload_depth + BODY_ENVELOPE_DEPTH
+        self.max_json_depth = max_json_depth
         self.body_timeout = body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -69,6 +100,11 @@ class BodyLimitMiddleware:
             await _reply(send, 408, "request_timeout", detail)
             return
         buffered = b"".join(chunks)
+        if buffered and _is_json(scope):
+            problem = json_body_problem(buffered, self.max_json_depth)
+            if problem is not None:
+                await _reply(send, 422, "invalid_request", problem)
+                return
         replayed = False
 
         async def replay() -> Message:
@@ -79,6 +115,49 @@ class BodyLimitMiddleware:
             return await receive()  # after the body: wait for the disconnect, as the app expects
 
         await self.app(scope, replay, send)
+
+
+def json_body_problem(body: bytes, max_depth: int) -> str | None:
+    """Why a JSON body must be refused before it is parsed, or None (a scan, not a parse)."""
+    maybe_deep = body.count(b"[") + body.count(b"{") > max_depth
+    maybe_nan = b"NaN" in body or b"Infinity" in body
+    maybe_huge = _maybe_huge(body)
+    if not (maybe_deep or maybe_nan or maybe_huge):
+        return None  # the common case: three C-speed searches
+    bare = strip_json_strings(body)
+    depth = bracket_depth(bare) if maybe_deep else 0
+    if depth > max_depth:
+        return (
+            f"the request body nests {depth} levels deep, over the limit of {max_depth} "
+            f"(ONCEFLOW_MAX_PAYLOAD_DEPTH plus {BODY_ENVELOPE_DEPTH} for the request's own fields)"
+        )
+    if maybe_nan and _NON_FINITE.search(bare):
+        return "the request body holds NaN or Infinity, which JSON does not allow"
+    if maybe_huge and _maybe_huge(bare):
+        for match in _NUMBER.finditer(bare):
+            number = match.group()
+            if any(c in number for c in b".eE") and math.isinf(float(number)):
+                shown = number[:20].decode() + ("…" if len(number) > 20 else "")
+                return f"the request body holds a number too large for a float: {shown}"
+    return None
+
+
+def _maybe_huge(data: bytes) -> bool:
+    """Whether ``data`` may hold a number that overflows a float: an exponent of three
+    digits or more, or a run of 309 digits."""
+    zeros = data.translate(_DIGITS_TO_ZERO)
+    return b"0" * 309 in zeros or any(e in zeros for e in _BIG_EXPONENTS)
+
+
+def _is_json(scope: Scope) -> bool:
+    """Whether FastAPI would parse this body as JSON (no content type, or a JSON one)."""
+    for name, value in scope.get("headers", []):
+        if name == b"content-type":
+            kind: bytes = value.split(b";", 1)[0].strip().lower()
+            return kind == b"application/json" or (
+                kind.startswith(b"application/") and kind.endswith(b"+json")
+            )
+    return True
 
 
 def _content_length(scope: Scope) -> int | None:
