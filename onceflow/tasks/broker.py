@@ -141,28 +141,40 @@ class Channel(kombu_redis.Channel):
             log.warning("could not reject a malformed message: %s", type(exc).__name__)
 
     def _brpop_read(self, **options: Any) -> Any:
-        try:
-            return super()._brpop_read(**options)
-        except redis.ResponseError as exc:
-            if not _is_wrongtype(exc) or not self.set_aside_wrong_types():
-                raise
-            raise Empty() from None
-        except (ValueError, RecursionError) as exc:
-            # The item BRPOP took is not JSON (kombu's loads failed): it is gone from the
-            # queue already; say so and go on.
-            log.error("dropped a broker message that is not JSON: %s", type(exc).__name__)
-            raise Empty() from None
+        return self._reading(lambda: super(Channel, self)._brpop_read(**options), "queue")
 
     def _get(self, queue: str, *args: Any, **kwargs: Any) -> Any:
+        return self._reading(lambda: super(Channel, self)._get(queue, *args, **kwargs), queue)
+
+    def _receive_one(self, c: Any) -> Any:
+        # A broadcast (pidbox, events): kombu catches only TypeError/ValueError from its
+        # decoder, which also raises AttributeError and RecursionError.
+        return self._reading(lambda: super(Channel, self)._receive_one(c), "broadcast")
+
+    def _reading(self, read: Callable[[], Any], where: str) -> Any:
+        """``read()``, with what a hostile item can make it raise turned into "nothing read".
+
+        The item was taken from Redis already (BRPOP, RPOP, a pub/sub message): it is
+        logged as dropped. Connection errors propagate (kombu reconnects); a ``WRONGTYPE``
+        renames the wrong-typed key aside; any other Redis error propagates.
+        """
         try:
-            return super()._get(queue, *args, **kwargs)
+            return read()
+        except Empty:
+            raise
         except redis.ResponseError as exc:
             if not _is_wrongtype(exc) or not self.set_aside_wrong_types():
                 raise
             raise Empty() from None
-        except (ValueError, RecursionError) as exc:
+        except Exception as exc:
+            if isinstance(exc, self.connection_errors):
+                raise
+            # kombu's decoder failed on the item (not JSON, nested too deep, a
+            # {"__type__": …} object it cannot build).
             log.error(
-                "queue %s: dropped a broker message that is not JSON: %s", queue, type(exc).__name__
+                "%s: dropped a broker message that is not a kombu message: %s",
+                where,
+                type(exc).__name__,
             )
             raise Empty() from None
 
@@ -179,18 +191,16 @@ class Channel(kombu_redis.Channel):
         """Rename each of this channel's keys that has the wrong type; True if one was."""
         prefix = self.global_keyprefix or ""
         moved = False
+        stamp = str(int(time.time() * 1000))
         with self.conn_or_acquire() as client:
             for key, allowed in self._own_keys():
                 full = prefix + key
-                kind = client.execute_command("TYPE", full)
-                kind = kind.decode() if isinstance(kind, bytes) else str(kind)
-                if kind in allowed:
+                # One script: check the type and rename (to a name not taken) atomically, so
+                # a good key another worker made meanwhile is never moved, nor one overwritten.
+                found = client.eval(_SET_ASIDE_LUA, 1, full, stamp, *sorted(allowed))
+                if not found:
                     continue
-                aside = f"{full}.wrongtype.{int(time.time() * 1000)}"
-                try:
-                    client.execute_command("RENAME", full, aside)
-                except redis.ResponseError:
-                    continue  # gone meanwhile
+                kind, aside = (v.decode() if isinstance(v, bytes) else str(v) for v in found)
                 moved = True
                 log.error(
                     "broker key %r had type %s, not %s: renamed to %r and serving on "
@@ -201,6 +211,25 @@ class Channel(kombu_redis.Channel):
                     aside,
                 )
         return moved
+
+
+#: KEYS[1]: a key; ARGV[1]: a stamp; ARGV[2..]: the types it may have. Renames it to
+#: ``<key>.wrongtype.<stamp>[.<n>]`` (a name not taken) if its type is another; returns
+#: {type, new name}, or nil.
+_SET_ASIDE_LUA = """
+local kind = redis.call('TYPE', KEYS[1])['ok']
+for i = 2, #ARGV do
+    if kind == ARGV[i] then return nil end
+end
+local aside = KEYS[1] .. '.wrongtype.' .. ARGV[1]
+local n = 0
+while redis.call('EXISTS', aside) == 1 do
+    n = n + 1
+    aside = KEYS[1] .. '.wrongtype.' .. ARGV[1] .. '.' .. n
+end
+redis.call('RENAME', KEYS[1], aside)
+return {kind, aside}
+"""
 
 
 class Transport(kombu_redis.Transport):

@@ -117,6 +117,11 @@ def hostile_items() -> Iterator[tuple[str, str]]:
     """Queue items a client of the broker's Redis could push, each once fatal to a worker."""
     yield "not JSON", "garbage{"
     yield "a JSON array", "[]"
+    yield "an object kombu's decoder cannot build (uuid)", '{"__type__": "uuid", "__value__": 1}'
+    yield "an object kombu's decoder cannot build (bytes)", '{"__type__": "bytes", "__value__": 1}'
+    env = _envelope()
+    env["headers"]["x"] = {"__type__": "datetime", "__value__": 5}
+    yield "a header kombu's decoder cannot build", json.dumps(env)
     yield "JSON null", "null"
     yield "nested 100,000 deep", "[" * 100_000 + "]" * 100_000
     env = _envelope()
@@ -156,8 +161,16 @@ def test_a_worker_survives_hostile_messages_and_wrong_typed_keys(
         assert worker.popen.poll() is None
         log = worker.log()
         # Each was logged, and dropped or rejected.
-        assert log.count("dropped a broker message") == 6, log
+        assert log.count("dropped a broker message") == 9, log
         assert log.count("rejected a message") + log.count("rejected task") == 3, log
+
+        # Broadcasts (the pidbox of remote control) go through the same decoder.
+        db = r.connection_pool.connection_kwargs.get("db", 0)
+        for item in ('{"__type__": "bytes", "__value__": 1}', "[" * 100_000 + "]" * 100_000):
+            r.publish(f"/{db}.celery.pidbox", item)
+        wait_for(lambda: worker.log().count("broadcast: dropped a broker message") >= 2,
+                 what="both broadcasts dropped")  # fmt: skip
+        assert worker.popen.poll() is None
 
         # A queue key with the wrong type: the wake-up cannot even be sent (the row stays
         # queued), the worker renames the key aside, the sweeper re-sends the wake-up.

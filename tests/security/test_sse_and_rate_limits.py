@@ -363,6 +363,35 @@ def test_hub_refcounts_subscriptions_and_drops_a_slow_consumer(redis_url: str) -
     wait_for(lambda: numsub(redis_url, ws) == 0, what="the subscription to go")
 
 
+def test_a_stream_joining_as_the_last_slow_one_is_dropped_still_gets_commits(
+    redis_url: str,
+) -> None:
+    """The dropped stream's UNSUBSCRIBE runs in a task: a stream that subscribed before it
+    ran was `ready` and then silenced (review finding)."""
+    ws = f"sec-race-{RUN}"
+    channel = workspace_channel(ws)
+    publisher = redis_lib.Redis.from_url(redis_url)
+
+    async def scenario() -> None:
+        hub = sse.EventHub(redis_url, queue_size=1)
+        try:
+            slow = await hub.open(channel, "k1")
+            # Two messages reach the reader while the stream reads none: it is dropped, the
+            # channel left, and its UNSUBSCRIBE spawned — not yet sent.
+            for _ in range(2):
+                hub._dispatch({"type": "message", "channel": channel.encode(), "data": b"{}"})
+            assert slow.ended == "slow"
+            fresh = await hub.open(channel, "k2")  # subscribed, confirmed: `ready`
+            await asyncio.gather(*list(hub._tasks))  # the spawned UNSUBSCRIBE has run
+            assert numsub(redis_url, ws) == 1
+            publisher.publish(channel, json.dumps({"kind": "commit", "n": 2}))
+            assert json.loads(await fresh.next(5) or b"{}")["n"] == 2
+        finally:
+            await hub.aclose()
+
+    asyncio.run(scenario())
+
+
 def test_hub_bounds_streams_per_process_and_answers_503_without_redis(redis_url: str) -> None:
     async def scenario() -> None:
         hub = sse.EventHub(redis_url, max_streams=2, max_per_key=10)

@@ -322,6 +322,10 @@ class EventHub:
         async with self._send_lock:
             if link is not self._link_now:
                 raise HubUnavailable("the connection to Redis was lost")
+            if verb == "unsubscribe" and channel in self._channels:
+                # A stream joined the channel again after the last one left (its SUBSCRIBE
+                # went out first): unsubscribing now would silence it after its `ready`.
+                return
             # Redis answers in order: this command's confirmation is the next one queued.
             self._expected.setdefault(channel, deque()).append(confirmed)
             try:
