@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import httpx
 from sqlalchemy import Engine
 
-from tests.acceptance.test_http_api import API_KEY, auth, snapshot
+from tests.acceptance.test_http_api import API_KEY, BODY_LIMIT, auth, snapshot
 
 SLOW_CLIENTS = 40
 
@@ -58,6 +58,8 @@ def test_slow_bodies_get_408_and_other_clients_are_served(
     ]
     # A client that keeps dripping one byte at a time is bounded by the same deadline.
     drip = start_slow_body(api, "/v1/workspaces/w1/requests", body, 1)
+    # One that declares a body over the limit and stalls: 413, not a wait for the rest.
+    oversize = start_slow_body(api, "/v1/workspaces/w1/requests", b"x" * 2 * BODY_LIMIT, 10)
 
     # While they hang, every other client is answered.
     for i in range(5):
@@ -76,6 +78,7 @@ def test_slow_bodies_get_408_and_other_clients_are_served(
     for answer in answers:
         assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
         assert b'"code":"request_timeout"' in answer.replace(b" ", b"")
+    assert answer_of(oversize, deadline).startswith(b"HTTP/1.1 413 ")
     # Nothing of the slow requests was written: only the five fast ones are new.
     rows = snapshot(clean_db)["workspace_process_requests"]
     assert len(rows) == len(before["workspace_process_requests"]) + 5

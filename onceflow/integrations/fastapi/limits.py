@@ -75,7 +75,8 @@ class BodyLimitMiddleware:
             return
         if declared is not None and declared > limit:
             if declared <= limit * _DRAIN_FACTOR:
-                await _drain(receive, limit * _DRAIN_FACTOR)
+                with anyio.move_on_after(self.body_timeout):  # a slow sender is not waited for
+                    await _drain(receive, limit * _DRAIN_FACTOR)
             await _too_large(send, limit)
             return
         chunks: list[bytes] = []
