@@ -424,6 +424,19 @@ class Flow:
         if item.worker_class in self.pull_worker_classes:
             return False
         try:
+            check_worker_class(item.worker_class)
+        except InvalidRequest:
+            # A row stored before worker classes were checked (docs/security.md,
+            # "Upgrading"): no queue of onceflow's can carry it. Not marked unsent, so the
+            # sweeper tries again only after the redispatch interval, not every sweep.
+            log.error(
+                "request %s: worker class %r is not one onceflow can route to; "
+                "re-route the row to its stage's class (docs/security.md, 'Upgrading')",
+                item.request_id,
+                item.worker_class[:40] if isinstance(item.worker_class, str) else None,
+            )
+            return False
+        try:
             self.app.send_task(
                 TASK_PREFIX + item.stage,
                 args=[item.request_id],

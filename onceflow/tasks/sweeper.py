@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery, bootsteps
 
+from onceflow.errors import InvalidRequest
+from onceflow.ids import check_worker_class
 from onceflow.keys import queue_name
 
 if TYPE_CHECKING:
@@ -55,6 +57,11 @@ def broker_backlog(app: Celery, worker_classes: Sequence[str]) -> dict[str, int]
             conn.ensure_connection(max_retries=1, interval_start=0, interval_step=0.2)
             out: dict[str, int] = {}
             for wc in worker_classes:
+                try:
+                    check_worker_class(wc)
+                except InvalidRequest:  # a row from before worker classes were checked
+                    out[wc] = 0  # no queue of onceflow's can hold its wake-ups
+                    continue
                 channel: Any = conn.channel()
                 try:
                     declared = channel.queue_declare(queue=queue_name(wc), passive=True)

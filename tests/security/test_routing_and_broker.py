@@ -269,3 +269,39 @@ def test_upgrading_from_unprefixed_queues_loses_no_wake_up(
     assert [d.request_id for d in swept.to_dispatch] == [old.request_id]
     assert r.llen(queue_name("up-llm")) == 1  # re-sent to the new queue
     r.delete("up-llm", queue_name("up-llm"))
+
+
+def test_a_row_stored_with_a_class_that_names_a_foreign_key_gets_no_wake_up(
+    clean_db: Engine, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A row written before worker classes were checked (the issue's attacker's) is never
+    sent to its foreign name, and does not make the sweep's backlog check give up."""
+    from pydantic import BaseModel
+
+    from onceflow.tasks import Flow
+
+    class Empty(BaseModel):
+        pass
+
+    flow = Flow(name="legacy-rows")
+
+    @flow.stage("lr", input=Empty, worker_class="lr-good")
+    def lr(ctx: Any, data: Empty) -> None:
+        return None
+
+    foreign = "onceflow:{w2}:lock:j:t"
+    r = redis_lib.Redis.from_url(redis_url)
+    r.delete(foreign, queue_name("lr-good"))
+    [bad] = flow.queue.enqueue_many([flow.new_request("lr", "w1", "j-bad", "", {})])
+    with clean_db.begin() as conn:
+        conn.execute(
+            text("UPDATE workspace_process_requests SET worker_class = :wc WHERE request_id = :r"),
+            {"wc": foreign, "r": bad.request_id},
+        )
+    flow.queue.enqueue_many([flow.new_request("lr", "w1", "j-good", "", {})])
+    assert flow.broker_backlog([foreign, "lr-good"]) == {foreign: 0, "lr-good": 0}
+    flow.sweep_once(redispatch_after=0)
+    assert not r.exists(foreign)
+    assert r.llen(queue_name("lr-good")) == 1  # the good row's wake-up went out
+    assert "is not one onceflow can route to" in caplog.text
+    r.delete(queue_name("lr-good"))
