@@ -488,9 +488,23 @@ def flower(
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @click.option("--log-level", default="info", show_default=True)
+@click.option(
+    "--forwarded-allow-ips",
+    default=None,
+    help="Proxies (comma-separated IPs, or *) whose X-Forwarded-For is trusted as the client "
+    "address (uvicorn's option; default: 127.0.0.1, or $FORWARDED_ALLOW_IPS). Behind another "
+    "proxy, set it: the per-address limit on failed authentication would otherwise count "
+    "every client as the proxy.",
+)
 @_APP_OPTION
 @_errors_to_exit
-def api(host: str, port: int, log_level: str, app_spec: str | None) -> None:
+def api(
+    host: str,
+    port: int,
+    log_level: str,
+    forwarded_allow_ips: str | None,
+    app_spec: str | None,
+) -> None:
     """Serve the HTTP API (FastAPI on uvicorn): enqueue, pull-worker claims, ops, events."""
     try:
         import uvicorn
@@ -512,7 +526,14 @@ def api(host: str, port: int, log_level: str, app_spec: str | None) -> None:
             "every request will get 401",
             err=True,
         )
-    uvicorn.run(create_app(flow=flow), host=host, port=port, log_level=log_level)
+    uvicorn.run(
+        create_app(flow=flow),
+        host=host,
+        port=port,
+        log_level=log_level,
+        proxy_headers=True,
+        forwarded_allow_ips=forwarded_allow_ips,
+    )
 
 
 @main.command(name="mcp")
