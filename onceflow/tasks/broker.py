@@ -19,7 +19,10 @@ the sweeper re-sends what is missing — so such a message is safe to drop:
 
 Installed per Celery app by :func:`harden` (a :class:`~onceflow.tasks.Flow` does
 it for its app): only the app's connections to a ``redis://``/``rediss://``
-broker use it; other transports (RabbitMQ) are untouched.
+broker use it; other transports (RabbitMQ) are untouched. A Flow given your own
+app (``Flow(app=…)``) hardens all of it: a malformed message of one of *your*
+tasks is dropped or rejected too — where kombu would have stopped the worker —
+but no sweeper re-sends it.
 """
 
 from __future__ import annotations

@@ -175,17 +175,17 @@ class RateLimits:
     ) -> None:
         try:
             limiter = self._limiter()
+            # Every limit is tested before any is charged: a request refused by the minute
+            # limit does not use up the second's budget too.
             for item in items:
-                ok = (
-                    await limiter.hit(item, *identifiers)
-                    if hit
-                    else await limiter.test(item, *identifiers)
-                )
-                if ok or detail is None:
+                if detail is None or await limiter.test(item, *identifiers):
                     continue
                 stats = await limiter.get_window_stats(item, *identifiers)
                 retry_after = max(1, math.ceil(stats.reset_time - time.time()))
                 raise RateLimited(detail, item, min(retry_after, item.get_expiry()))
+            if hit:
+                for item in items:
+                    await limiter.hit(item, *identifiers)
         except RateLimited:
             raise
         except Exception as exc:  # the shared storage is down: serve, do not fail closed

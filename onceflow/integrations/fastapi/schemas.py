@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from fastapi import Path
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
-from onceflow.ids import ID_MAX, check_id
+from onceflow.ids import ID_MAX, WORKER_CLASS_MAX, check_id, check_worker_class
 from onceflow.models.status import Status
 
 Id = Annotated[str, StringConstraints(min_length=1, max_length=200)]
@@ -299,7 +299,16 @@ def _path_id(name: str, description: str) -> tuple[Any, AfterValidator]:
 
 
 _WS = _path_id("workspace_id", "The workspace id.")
-_WC = _path_id("worker_class", "The worker class.")
+_WC = (
+    Path(
+        min_length=1,
+        max_length=WORKER_CLASS_MAX,
+        pattern=rf"^[A-Za-z0-9][A-Za-z0-9_.-]{{0,{WORKER_CLASS_MAX - 1}}}$",
+        description="The worker class: 1 to 100 characters of A-Z a-z 0-9 _ . -, starting "
+        "with a letter or digit.",
+    ),
+    AfterValidator(check_worker_class),
+)
 _RID = _path_id("request_id", "The request id.")
 _SUB = _path_id("sub_doc", "The sub-doc id.")
 WorkspacePath = Annotated[str, _WS[0], _WS[1]]
