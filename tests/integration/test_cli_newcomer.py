@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psycopg
@@ -261,11 +262,20 @@ DB_COMMANDS = [
 ]
 
 
+def each_line(
+    commands: list[list[str]], project: Path, env: dict[str, str]
+) -> list[tuple[list[str], str]]:
+    """Each command's one line of output; the commands run at once (each is a process)."""
+    with ThreadPoolExecutor(4) as pool:
+        lines = pool.map(lambda command: one_line(cli(*command, cwd=project, env=env)), commands)
+        return list(zip(commands, lines, strict=True))
+
+
 @pytest.mark.parametrize(("url", "problem"), BAD_URLS)
 def test_a_malformed_database_url_is_one_line(project: Path, url: str, problem: str) -> None:
     env = {"ONCEFLOW_DATABASE_URL": url, "ONCEFLOW_APP": "myproject.stages:flow"}
-    for command in DB_COMMANDS if url.startswith("mysql") else [["migrate"], ["status"]]:
-        line = one_line(cli(*command, cwd=project, env=env))
+    commands = DB_COMMANDS if url.startswith("mysql") else [["migrate"], ["status"]]
+    for command, line in each_line(commands, project, env):
         assert "InvalidDatabaseUrl" in line and problem in line, (command, line)
         assert EXPECTED_FORM in line
         assert "s3cret-pw" not in line
@@ -290,8 +300,7 @@ def unmigrated_url(services: tuple[str, str]) -> Iterator[str]:
 def test_an_unmigrated_database_says_run_migrate(project: Path, unmigrated_url: str) -> None:
     env = {"ONCEFLOW_DATABASE_URL": unmigrated_url, "ONCEFLOW_APP": "myproject.stages:flow"}
     shown = make_url(unmigrated_url)._replace(password=None).render_as_string(hide_password=False)
-    for command in DB_COMMANDS[1:9]:
-        line = one_line(cli(*command, cwd=project, env=env))
+    for command, line in each_line(DB_COMMANDS[1:9], project, env):
         assert line.startswith("onceflow: NotMigrated: "), (command, line)
         assert f"the database at {shown} is not migrated: run `onceflow migrate`" in line
         assert "s3cret-pw" not in line
