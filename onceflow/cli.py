@@ -492,7 +492,7 @@ def flower(
     "--forwarded-allow-ips",
     default=None,
     help="Proxies (comma-separated IPs, or *) whose X-Forwarded-For is trusted as the client "
-    "address (uvicorn's option; default: 127.0.0.1, or $FORWARDED_ALLOW_IPS). Behind another "
+    "address (uvicorn's option; default: 127.0.0.1,::1, or $FORWARDED_ALLOW_IPS). Behind another "
     "proxy, set it: the per-address limit on failed authentication would otherwise count "
     "every client as the proxy.",
 )

@@ -27,6 +27,7 @@ but no sweeper re-sends it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
@@ -148,6 +149,17 @@ class Channel(kombu_redis.Channel):
 
     def _get(self, queue: str, *args: Any, **kwargs: Any) -> Any:
         return self._reading(lambda: super(Channel, self)._get(queue, *args, **kwargs), queue)
+
+    def _receive(self) -> bool:
+        # kombu's, except that a dropped broadcast in the middle of a batch does not leave
+        # the rest unread in the client's buffer (the socket would not wake the poller).
+        c = self.subclient
+        delivered = []
+        while True:
+            with contextlib.suppress(Empty):
+                delivered.append(self._receive_one(c))
+            if c.connection is None or not c.connection.can_read(timeout=0):
+                return any(delivered)
 
     def _receive_one(self, c: Any) -> Any:
         # A broadcast (pidbox, events): kombu catches only TypeError/ValueError from its

@@ -454,3 +454,38 @@ def test_shared_rate_limit_storage_counts_across_processes(redis_url: str) -> No
     finally:
         for k in r.scan_iter(f"{KEY_PREFIX}*{key_id}*"):
             r.delete(k)
+
+
+def test_concurrent_requests_on_a_shared_storage_get_no_more_than_the_limit(
+    redis_url: str,
+) -> None:
+    """50 requests of one key at once, counted in Redis: exactly the limit is served (a
+    test-then-hit across round trips once served all 50: review finding)."""
+    from starlette.requests import Request
+
+    from onceflow.integrations.fastapi.auth import Principal
+    from onceflow.integrations.fastapi.ratelimit import KEY_PREFIX, RateLimited, RateLimits
+
+    key_id = f"burst-{RUN}"
+    principal = Principal(key_id=key_id, workspaces=frozenset({"w"}), worker_classes=frozenset())
+    request = Request({"type": "http", "client": ("192.0.2.2", 1234), "headers": []})
+    r = redis_lib.Redis.from_url(redis_url)
+    limits = RateLimits.from_settings(
+        Settings(api_rate_limit="5/minute", api_rate_limit_storage=redis_url)
+    )
+
+    async def one() -> bool:
+        try:
+            await limits.authorize(request, lambda: principal)
+            return True
+        except RateLimited:
+            return False
+
+    async def scenario() -> list[bool]:
+        return list(await asyncio.gather(*(one() for _ in range(50))))
+
+    try:
+        assert sum(asyncio.run(scenario())) == 5
+    finally:
+        for k in r.scan_iter(f"{KEY_PREFIX}*{key_id}*"):
+            r.delete(k)

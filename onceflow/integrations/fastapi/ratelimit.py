@@ -180,13 +180,25 @@ class RateLimits:
             for item in items:
                 if detail is None or await limiter.test(item, *identifiers):
                     continue
-                stats = await limiter.get_window_stats(item, *identifiers)
-                retry_after = max(1, math.ceil(stats.reset_time - time.time()))
-                raise RateLimited(detail, item, min(retry_after, item.get_expiry()))
+                raise await self._refusal(limiter, item, identifiers, detail)
             if hit:
                 for item in items:
-                    await limiter.hit(item, *identifiers)
+                    # hit() is the atomic check-and-count: a concurrent request may have
+                    # taken the last slot since test() (a shared storage is a round trip away).
+                    if not await limiter.hit(item, *identifiers) and detail is not None:
+                        raise await self._refusal(limiter, item, identifiers, detail)
         except RateLimited:
             raise
         except Exception as exc:  # the shared storage is down: serve, do not fail closed
             log.warning("rate limit not checked (storage: %s)", type(exc).__name__)
+
+    @staticmethod
+    async def _refusal(
+        limiter: SlidingWindowCounterRateLimiter,
+        item: RateLimitItem,
+        identifiers: tuple[str, str],
+        detail: str,
+    ) -> RateLimited:
+        stats = await limiter.get_window_stats(item, *identifiers)
+        retry_after = max(1, math.ceil(stats.reset_time - time.time()))
+        return RateLimited(detail, item, min(retry_after, item.get_expiry()))
