@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from onceflow.demo import procs
@@ -12,7 +15,17 @@ ROOT = Path(__file__).resolve().parents[2]
 APP = "tests.acceptance.stages:flow"
 _ENV = {"PYTHONPATH": str(ROOT)}
 
-__all__ = ["APP", "ROOT", "Proc", "pool_children", "start_beat", "start_worker", "wait_for"]
+__all__ = [
+    "APP",
+    "ROOT",
+    "Proc",
+    "api_server",
+    "free_port",
+    "pool_children",
+    "start_beat",
+    "start_worker",
+    "wait_for",
+]
 
 
 def start_worker(tmp: Path, *classes: str, concurrency: int = 1, name: str = "w") -> Proc:
@@ -33,3 +46,27 @@ def pool_children(proc: Proc) -> list[int]:
         ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True, check=False
     ).stdout
     return [int(p) for p in out.split()]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextmanager
+def api_server(log_dir: Path, env: dict[str, str], app: str = APP) -> Iterator[tuple[str, Proc]]:
+    """A real `onceflow api` for ``app`` on a free port, with ``env``: (base URL, process).
+
+    Stopped on exit; the process's log stays readable (``proc.log()``) for checks after.
+    """
+    port = free_port()
+    args = ["api", "--app", app, "--port", str(port), "--log-level", "info"]
+    proc = Proc(args, log_dir / "api.log", env={**_ENV, **env}, cwd=ROOT)
+    try:
+        proc.wait_log("Application startup complete", timeout=60)
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        proc.stop()

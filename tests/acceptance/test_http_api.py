@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import queue as queue_mod
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,7 +38,7 @@ from tests.acceptance.openapi_strategies import (
     operations,
     path_value,
 )
-from tests.acceptance.procs import APP, ROOT, wait_for
+from tests.acceptance.procs import APP, ROOT, api_server, free_port, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -56,22 +55,13 @@ def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def api(
     tmp_path_factory: pytest.TempPathFactory, database_url: str, redis_url: str
 ) -> Iterator[str]:
     """A real `onceflow api` process; its base URL."""
-    port = free_port()
     env = {
         **TEST_ENV,
-        "PYTHONPATH": str(ROOT),
         "ONCEFLOW_API_KEYS": json.dumps(
             {hash_key(API_KEY): ["w1", "w-sse"], hash_key(OTHER_KEY): ["w2"]}
         ),
@@ -83,18 +73,12 @@ def api(
         # tests/security/test_sse_and_rate_limits.py for the limits).
         "ONCEFLOW_API_AUTH_FAILURE_LIMIT": "",
     }
-    log_dir = tmp_path_factory.mktemp("api")
-    args = ["api", "--app", APP, "--port", str(port), "--log-level", "info"]
-    proc = procs.Proc(args, log_dir / "api.log", env=env, cwd=ROOT)
-    try:
-        proc.wait_log("Application startup complete", timeout=60)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.stop()
-        log_text = proc.log()
-        # Secrets are never logged: neither keys nor claim tokens.
-        for secret in (API_KEY, OTHER_KEY, WORKER_KEY, *_TOKENS_SEEN):
-            assert secret not in log_text
+    with api_server(tmp_path_factory.mktemp("api"), env) as (url, proc):
+        yield url
+    # Secrets are never logged: neither keys nor claim tokens.
+    log_text = proc.log()
+    for secret in (API_KEY, OTHER_KEY, WORKER_KEY, *_TOKENS_SEEN):
+        assert secret not in log_text
 
 
 _TOKENS_SEEN: list[str] = []

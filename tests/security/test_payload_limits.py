@@ -28,7 +28,6 @@ from hypothesis import strategies as st
 from sqlalchemy import Engine, text
 
 from onceflow import InvalidRequest, Status
-from onceflow.demo import procs
 from onceflow.integrations.fastapi import hash_key
 from onceflow.integrations.pull import PullContext, PullWorker
 from onceflow.models.ops import CellSet
@@ -36,8 +35,8 @@ from onceflow.oplog import InProcessTransport, OpLog, WorkspaceClient, new_op_id
 from onceflow.queue import Queue
 from onceflow.tasks.runtime import run_request
 from tests.acceptance.conftest import TEST_ENV
-from tests.acceptance.procs import ROOT
-from tests.acceptance.test_http_api import auth, free_port, snapshot
+from tests.acceptance.procs import ROOT, api_server
+from tests.acceptance.test_http_api import auth, snapshot
 from tests.security import payload_stages
 from tests.security.payload_stages import PULL
 
@@ -80,24 +79,16 @@ def api(
     tmp_path_factory: pytest.TempPathFactory, database_url: str, redis_url: str
 ) -> Iterator[str]:
     """A real `onceflow api` process serving the free-form stages; its base URL."""
-    port = free_port()
     env = {
         **TEST_ENV,
-        "PYTHONPATH": str(ROOT),
         "ONCEFLOW_API_KEYS": json.dumps({hash_key(API_KEY): [WS]}),
         "ONCEFLOW_WORKER_KEYS": json.dumps({hash_key(WORKER_KEY): [PULL]}),
     }
-    log_dir = tmp_path_factory.mktemp("api-payloads")
-    args = ["api", "--app", APP, "--port", str(port), "--log-level", "info"]
-    proc = procs.Proc(args, log_dir / "api.log", env=env, cwd=ROOT)
-    try:
-        proc.wait_log("Application startup complete", timeout=60)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.stop()
-        log_text = proc.log()
-        assert "Traceback" not in log_text, log_text[-3000:]  # no 500 on any of these paths
-        assert API_KEY not in log_text and WORKER_KEY not in log_text
+    with api_server(tmp_path_factory.mktemp("api-payloads"), env, APP) as (url, proc):
+        yield url
+    log_text = proc.log()
+    assert "Traceback" not in log_text, log_text[-3000:]  # no 500 on any of these paths
+    assert API_KEY not in log_text and WORKER_KEY not in log_text
 
 
 @pytest.fixture()

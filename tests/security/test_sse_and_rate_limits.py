@@ -25,15 +25,14 @@ import pytest
 import redis as redis_lib
 from sqlalchemy import Engine, text
 
-from onceflow.demo import procs
 from onceflow.integrations.fastapi import events as sse
 from onceflow.integrations.fastapi import hash_key
 from onceflow.keys import workspace_channel
 from onceflow.oplog import new_op_id
 from onceflow.settings import Settings
 from tests.acceptance.conftest import TEST_ENV, runtime  # noqa: F401 - the fixture
-from tests.acceptance.procs import APP, ROOT, wait_for
-from tests.acceptance.test_http_api import auth, free_port
+from tests.acceptance.procs import api_server, free_port, wait_for
+from tests.acceptance.test_http_api import auth
 
 # An empty table and clean broker queues for every test (the acceptance fixture).
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("runtime")]
@@ -55,10 +54,8 @@ def api(
     tmp_path_factory: pytest.TempPathFactory, database_url: str, redis_url: str
 ) -> Iterator[str]:
     """A real `onceflow api` with small bounds; its base URL."""
-    port = free_port()
     env = {
         **TEST_ENV,
-        "PYTHONPATH": str(ROOT),
         "ONCEFLOW_API_KEYS": json.dumps(
             {
                 hash_key(KEY_A): [WS_A],
@@ -73,17 +70,11 @@ def api(
         "ONCEFLOW_API_RATE_LIMIT": f"{RATE}/minute",
         "ONCEFLOW_API_AUTH_FAILURE_LIMIT": f"{AUTH_FAILURES}/minute",
     }
-    log_dir = tmp_path_factory.mktemp("sec-api")
-    args = ["api", "--app", APP, "--port", str(port), "--log-level", "info"]
-    proc = procs.Proc(args, log_dir / "api.log", env=env, cwd=ROOT)
-    try:
-        proc.wait_log("Application startup complete", timeout=60)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.stop()
-        log_text = proc.log()
-        for secret in (KEY_A, KEY_B, KEY_C, KEY_D):
-            assert secret not in log_text
+    with api_server(tmp_path_factory.mktemp("sec-api"), env) as (url, proc):
+        yield url
+    log_text = proc.log()
+    for secret in (KEY_A, KEY_B, KEY_C, KEY_D):
+        assert secret not in log_text
 
 
 def subscribed_clients(redis_url: str) -> list[dict[str, Any]]:
