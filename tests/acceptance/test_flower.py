@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import json
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -15,16 +14,10 @@ from typing import Any
 import pytest
 
 from onceflow import Status
-from tests.acceptance.procs import APP, ROOT, Proc, start_worker, wait_for
+from tests.acceptance.procs import APP, ROOT, Proc, free_port, start_worker, wait_for
 
 pytestmark = pytest.mark.slow
 CREDENTIALS = "ops:correct-horse-battery"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def get(url: str, credentials: str | None = None) -> tuple[int, bytes]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.acceptance.procs import APP, ROOT, wait_for
+from tests.acceptance.procs import APP, ROOT, free_port, wait_for
 from tests.acceptance.test_flower import get
 
 pytestmark = pytest.mark.slow
@@ -27,12 +27,6 @@ CELERY_APP = "tests.acceptance.stages:app"
 
 # The secret parts are distinctive, to check that no message repeats them.
 REFUSED = [",", " , ", ":", "zorro-user:", ":sekrit-pw", "ops:good-horse,", "ops:good-horse,:"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def listening(port: int) -> bool:

@@ -26,7 +26,6 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Annotated, Any
 
-import redis.asyncio as aioredis
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response, Security
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
@@ -81,10 +80,10 @@ _bearer = HTTPBearer(auto_error=False, description="An API key or a worker key."
 
 
 class OnceflowServices:
-    """What the endpoints use: the flow, its queue, an op log and an async Redis client.
+    """What the endpoints use: the flow, its queue, an op log and the event hub.
 
     Built per process: the queue and op log are rebuilt after a fork, and nothing
-    connects until first use. :meth:`lifespan` closes the async Redis client.
+    connects until first use. :meth:`lifespan` closes the event hub.
     """
 
     def __init__(
@@ -100,7 +99,6 @@ class OnceflowServices:
             auth if auth is not None else KeyAuth.from_settings(self.settings)
         )
         self._oplog: tuple[int, OpLog] | None = None
-        self._redis: aioredis.Redis | None = None
         self._lock = threading.Lock()
         self.rate_limits = RateLimits.from_settings(self.settings)
         self._hubs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, EventHub] = (
@@ -124,12 +122,6 @@ class OnceflowServices:
                     current = self._oplog = (pid, OpLog(self.queue.engine, self.settings))
         return current[1]
 
-    def async_redis(self) -> aioredis.Redis:
-        """The async Redis client of the event streams (made on first use, on the server's loop)."""
-        if self._redis is None:
-            self._redis = aioredis.Redis.from_url(self.settings.redis_url, socket_connect_timeout=2)
-        return self._redis
-
     def event_hub(self) -> EventHub:
         """This event loop's hub of event streams: one Redis pub/sub connection for them all."""
         loop = asyncio.get_running_loop()
@@ -146,13 +138,10 @@ class OnceflowServices:
         return hub
 
     async def aclose(self) -> None:
-        """Close the event hub and async Redis client (the engine stays: shared per process)."""
+        """Close this loop's event hub (the engine stays: it is shared per process)."""
         hub = self._hubs.pop(asyncio.get_running_loop(), None)
         if hub is not None:
             await hub.aclose()
-        client, self._redis = self._redis, None
-        if client is not None:
-            await client.aclose()
 
     def lifespan(self, app: FastAPI) -> AbstractAsyncContextManager[None]:
         """A FastAPI lifespan: ``FastAPI(lifespan=services.lifespan)``."""
