@@ -84,6 +84,11 @@ class Settings(BaseSettings):
         description="Redis/SQS broker visibility timeout: an unacknowledged wake-up is "
         "redelivered after it. Every stage's hard time limit must stay below it.",
     )
+    notify: bool = Field(
+        default=True,
+        description="Statements that make rows claimable send a Postgres NOTIFY on channel "
+        "'onceflow_work' (payload: the worker class), waking listening workers at once.",
+    )
     redispatch_after_seconds: float = Field(
         default=60.0,
         gt=0,

@@ -437,6 +437,187 @@ WHERE request_id = :request_id AND status = 'queued'
 """)
 
 
+# ======================================================================= batches (BatchOps)
+# Statements of onceflow/queue/batch.py: fenced writes of many claims in one round trip, a
+# release, and a cheap depth. Each fenced batch joins unnest(ids, tokens, …) to the table
+# and applies the same per-row fence as _FENCE: a row whose fence fails is simply not
+# updated (and not returned); the caller reports it as LeaseLost. No row lock ordering is
+# needed: a row holds one live token, so two batches never both pass the fence on one row,
+# and the sweeper and claimers lock with SKIP LOCKED.
+
+_BATCH_FENCE = """
+  w.request_id = i.request_id
+  AND w.claim_token = i.token
+  AND w.status = 'running'
+  AND w.lease_expires_at > n.now
+"""
+
+
+def _notify_after(rows: str) -> str:
+    """A CTE ``notified`` sending one NOTIFY per worker class that ``rows`` made claimable now.
+
+    ``rows`` is a data-modifying CTE returning ``status``, ``run_after`` and ``worker_class``;
+    the final SELECT must reference ``notified`` (a plain CTE runs only when referenced).
+    Guarded by the bound boolean ``:notify``. NOTIFY is delivered at commit.
+    """
+    return f"""notified AS (
+    SELECT count(pg_notify('onceflow_work', d.c)) AS sent
+    FROM (SELECT DISTINCT r.worker_class AS c FROM {rows} r, n
+          WHERE CAST(:notify AS boolean) AND r.status = 'queued' AND r.run_after <= n.now) AS d
+)"""
+
+
+COMPLETE_MANY: TextClause = text(f"""
+WITH n AS ({_NOW}),
+i AS (
+    SELECT * FROM unnest(CAST(:request_ids AS text[]), CAST(:tokens AS text[]),
+                         CAST(:results AS jsonb[])) AS t(request_id, token, result)
+)
+UPDATE {TABLE} AS w SET
+    status = 'succeeded',
+    result = i.result,
+    claim_token = NULL,
+    lease_expires_at = NULL,
+    finished_at = n.now,
+    updated_at = n.now
+FROM i, n
+WHERE {_BATCH_FENCE}
+RETURNING {RETURNING}
+""")
+
+# FAIL's next-status rule, per row (:retryables[i], :delays[i]).
+_FAIL_NEXT = """CASE
+        WHEN w.cancel_requested THEN 'cancelled'
+        WHEN i.retryable AND w.attempts < w.max_attempts THEN 'queued'
+        ELSE 'dead'
+    END"""
+
+FAIL_MANY: TextClause = text(f"""
+WITH n AS ({_NOW}),
+i AS (
+    SELECT * FROM unnest(CAST(:request_ids AS text[]), CAST(:tokens AS text[]),
+                         CAST(:errors AS jsonb[]), CAST(:retryables AS boolean[]),
+                         CAST(:delays AS float8[])) AS t(request_id, token, error, retryable, delay)
+),
+upd AS (
+    UPDATE {TABLE} AS w SET
+        status = {_FAIL_NEXT},
+        run_after = CASE WHEN {_FAIL_NEXT} = 'queued'
+                         THEN n.now + make_interval(secs => i.delay) ELSE w.run_after END,
+        error = i.error,
+        claim_token = NULL,
+        lease_expires_at = NULL,
+        dispatched_at = NULL,
+        finished_at = CASE WHEN {_FAIL_NEXT} = 'queued' THEN NULL ELSE n.now END,
+        updated_at = n.now
+    FROM i, n
+    WHERE {_BATCH_FENCE}
+    RETURNING {RETURNING}
+),
+{_notify_after("upd")}
+SELECT upd.* FROM upd, notified
+""")
+
+# Never past each claim's run deadline (as HEARTBEAT).
+HEARTBEAT_MANY: TextClause = text(f"""
+WITH n AS ({_NOW}),
+i AS (
+    SELECT * FROM unnest(CAST(:request_ids AS text[]), CAST(:tokens AS text[]),
+                         CAST(:lease_seconds AS float8[]), CAST(:deadlines AS timestamptz[]))
+        AS t(request_id, token, lease_seconds, deadline)
+)
+UPDATE {TABLE} AS w SET
+    lease_expires_at = least(n.now + make_interval(secs => i.lease_seconds), i.deadline),
+    heartbeat_at = n.now,
+    updated_at = n.now
+FROM i, n
+WHERE {_BATCH_FENCE}
+RETURNING w.request_id, w.lease_expires_at, w.cancel_requested
+""")
+
+# Hand back claims whose work has not started: the row is as if never claimed — queued, due
+# at once (run_after kept, so it keeps its place in line), the claim's attempt uncounted, no
+# claimant, lease or heartbeat, and no wake-up recorded (dispatched_at NULL, re-send count 0:
+# a Celery deployment's sweeper sends a fresh one). crash_attempts is kept: a claim taken
+# from a lapsed lease counted the *previous* holder's crash, which did happen (see
+# BatchOps.release). Cancelled instead if cancel was requested.
+RELEASE: TextClause = text(f"""
+WITH n AS ({_NOW}),
+i AS (
+    SELECT * FROM unnest(CAST(:request_ids AS text[]), CAST(:tokens AS text[]))
+        AS t(request_id, token)
+),
+upd AS (
+    UPDATE {TABLE} AS w SET
+        status = CASE WHEN w.cancel_requested THEN 'cancelled' ELSE 'queued' END,
+        run_after = least(w.run_after, n.now),
+        attempts = greatest(w.attempts - 1, 0),
+        claim_token = NULL,
+        lease_expires_at = NULL,
+        claimed_by = NULL,
+        heartbeat_at = NULL,
+        dispatched_at = NULL,
+        redispatch_count = 0,
+        finished_at = CASE WHEN w.cancel_requested THEN n.now ELSE NULL END,
+        updated_at = n.now
+    FROM i, n
+    WHERE {_BATCH_FENCE}
+    RETURNING {RETURNING}
+),
+{_notify_after("upd")}
+SELECT upd.* FROM upd, notified
+""")
+
+# Rows by id, for recognising an own write whose answer was lost.
+GET_MANY: TextClause = text(f"""
+SELECT {RETURNING} FROM {TABLE} w WHERE w.request_id = ANY(CAST(:request_ids AS text[]))
+""")
+
+# Live depth per worker class, read only through the partial indexes ix_wpr_claim
+# (status = 'queued': worker_class, priority, run_after) and ix_wpr_lease (status =
+# 'running': worker_class, lease_expires_at): both hold every column used, so Postgres reads
+# them with index-only scans (EXPLAIN in bench/depth_bench.py) and the cost is proportional
+# to the live backlog, never to the finished rows of the table's history. No OR across
+# states (it defeats partial indexes): one branch per index. {classes} is "" for every class,
+# or a filter on :worker_classes.
+_DEPTH = f"""
+WITH n AS ({_NOW}),
+live AS (
+    SELECT w.worker_class,
+           count(*) FILTER (WHERE w.run_after <= n.now) AS queued_due,
+           count(*) FILTER (WHERE w.run_after > n.now) AS queued_later,
+           0::bigint AS running,
+           min(w.run_after) FILTER (WHERE w.run_after <= n.now) AS oldest_due
+    FROM {TABLE} w, n
+    WHERE w.status = 'queued'{{classes}}
+    GROUP BY w.worker_class
+    UNION ALL
+    SELECT w.worker_class, 0, 0, count(*), NULL
+    FROM {TABLE} w
+    WHERE w.status = 'running'{{classes}}
+    GROUP BY w.worker_class
+)
+SELECT l.worker_class, sum(l.queued_due)::bigint AS queued_due,
+       sum(l.queued_later)::bigint AS queued_later, sum(l.running)::bigint AS running,
+       EXTRACT(EPOCH FROM n.now - min(l.oldest_due))::float8 AS oldest_due_age
+FROM live l, n
+GROUP BY l.worker_class, n.now
+"""
+DEPTH_ALL: TextClause = text(_DEPTH.format(classes=""))
+DEPTH_FOR: TextClause = text(
+    _DEPTH.format(classes="\n      AND w.worker_class = ANY(CAST(:worker_classes AS text[]))")
+)
+
+Q_COMPLETE_MANY = render(COMPLETE_MANY)
+Q_FAIL_MANY = render(FAIL_MANY)
+Q_HEARTBEAT_MANY = render(HEARTBEAT_MANY)
+Q_RELEASE = render(RELEASE)
+Q_GET_MANY = render(GET_MANY)
+Q_DEPTH_ALL = render(DEPTH_ALL)
+Q_DEPTH_FOR = render(DEPTH_FOR)
+# ================================================================== end of batches (BatchOps)
+
+
 @lru_cache(maxsize=64)
 def claim_next_sql(limit: int) -> str:
     """CLAIM_NEXT for psycopg with ``limit`` as a literal.

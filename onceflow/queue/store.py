@@ -56,6 +56,7 @@ from onceflow.models.status import Status, parse_status
 from onceflow.models.tables import workspace_process_requests as wpr
 from onceflow.payloads import JSON, canonical_json, encode_payload
 from onceflow.queue import sql
+from onceflow.queue.batch import BatchOps
 from onceflow.queue.sweep import Sweeper
 from onceflow.settings import Settings, get_settings
 
@@ -70,7 +71,7 @@ BATCH_MAX = 10_000
 Resolver = Callable[[NewRequest], NewRequest]
 
 
-class Queue(Sweeper):
+class Queue(Sweeper, BatchOps):
     """The durable stage queue. Thread-safe; build one per process and share it.
 
     ``resolver`` (set by the :class:`~onceflow.tasks.Flow` that owns the queue)
@@ -715,6 +716,7 @@ class Queue(Sweeper):
 
     # ----------------------------------------------------------------- sweeper
     # rescue_expired, due_for_dispatch, prune, sweep_once, begin_sweep: see queue/sweep.py.
+    # complete_many, fail_many, heartbeat_many, release, depth: see queue/batch.py.
 
     # ----------------------------------------------------------------- helpers
 
