@@ -593,7 +593,8 @@ class Queue(Sweeper, BatchOps):
     def _landed(self, claim: Claim, statuses: tuple[Status, ...]) -> Request | None:
         """The row, if this claim's own write moved it to one of ``statuses``.
 
-        A later claim would have bumped ``attempts`` (and named another claimant).
+        A later claim would have bumped ``attempts`` (and named another claimant); a
+        sweeper's rescue keeps both but counts a crash.
         """
         with raw_connection(self.engine) as raw:
             row = fetch_one(raw, sql.Q_GET, {"request_id": claim.request_id})
@@ -603,6 +604,7 @@ class Queue(Sweeper, BatchOps):
         mine = (
             current.claimed_by == claim.request.claimed_by
             and current.attempts == claim.attempt
+            and current.crash_attempts == claim.request.crash_attempts
             and current.status in statuses
         )
         return current if mine else None
