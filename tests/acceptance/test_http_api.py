@@ -276,6 +276,50 @@ def test_zombie_pull_worker_late_complete_is_rejected(
     assert row["status"] == "succeeded" and row["result"] == {"by": "successor"}
 
 
+def test_long_poll_claim_returns_a_request_enqueued_during_the_wait(
+    client: httpx.Client, engine: Engine
+) -> None:
+    """``wait``: the claim waits (LISTEN, no polling) and returns what was enqueued meanwhile."""
+    from tests.integration.test_wait_for_work import checked_since, db_now
+
+    answers: list[httpx.Response] = []
+    since = db_now(engine)
+    body = {"worker_id": "long", "wait": 30}
+    poll = threading.Thread(
+        target=lambda: answers.append(
+            client.post(
+                f"/v1/worker-classes/{PULL}/claims",
+                json=body,
+                headers=auth(WORKER_KEY),
+                timeout=60,
+            )
+        )
+    )
+    poll.start()
+    wait_for(lambda: checked_since(engine, since), what="the server's claim to wait")
+    rid = enqueue(
+        client, "w1", API_KEY, stage="noop", job_id="lp", input={"value": 1}, worker_class=PULL
+    ).json()["request_id"]
+    poll.join(60)
+    assert not poll.is_alive()
+    (answer,) = answers
+    assert answer.status_code == 201 and answer.json()["request_id"] == rid
+    _TOKENS_SEEN.append(answer.json()["claim_token"])
+    # Nothing claimable during the whole wait: 204 once it is used up.
+    empty = client.post(
+        f"/v1/worker-classes/{PULL}/claims",
+        json={"worker_id": "long", "wait": 0.3},
+        headers=auth(WORKER_KEY),
+    )
+    assert empty.status_code == 204
+    bad = client.post(
+        f"/v1/worker-classes/{PULL}/claims",
+        json={"worker_id": "long", "wait": 61},
+        headers=auth(WORKER_KEY),
+    )
+    assert bad.status_code == 422
+
+
 # ----------------------------------------------------------------- security
 
 

@@ -188,10 +188,16 @@ def test_sweeper_marks_notify(q: Queue, database_url: str) -> None:
     assert notified(database_url, lambda: q.due_for_dispatch(redispatch_after=3600)) == ["wc-u"]
 
 
-def test_notify_setting_off_sends_nothing(clean_db: Engine, database_url: str) -> None:
-    settings = get_settings().model_copy(update={"notify": False})
-    off = Queue(clean_db, settings=settings)
-    assert notified(database_url, lambda: off.enqueue_many([item("n1", "wc-n")])) == []
+def test_notify_setting_off_sends_nothing(q: Queue, database_url: str) -> None:
+    off = Queue(q.engine, settings=get_settings().model_copy(update={"notify": False}))
+
+    def act() -> None:
+        off.enqueue_many([item("n1", "wc-off")])
+        (claim,) = off.claim_next("wc-off", "w")
+        off.fail(claim, {"m": "x"}, retry_in=0)
+        q.enqueue_many([item("n2", "wc-on")])
+
+    assert notified(database_url, act) == ["wc-on"]
 
 
 # ----------------------------------------------------------------- wait_for_work
