@@ -18,6 +18,9 @@ run creates its own database (see bench/queue_bench.py) and drops it at the end.
    two Queues in the same run, ``--rounds`` interleaved rounds of ``--n`` rows
    each (the order alternates per round), with a LISTENing connection draining
    the channel (a listener exists, as in production). Ratio off/on of the medians.
+3. The same with ``--procs`` processes enqueueing at once (4 worker classes):
+   Postgres serialises the commits of notifying transactions (a global lock on
+   the notification queue), so this is where NOTIFY could cost most.
 """
 
 from __future__ import annotations
@@ -129,11 +132,58 @@ def bench_enqueue(url: str, rounds: int, n: int) -> dict[str, Any]:
     }
 
 
+def _enqueuer(url: str, notify: bool, tag: str, n: int, conn: Any) -> None:
+    queue = _make_queue(url, notify)
+    for i in range(20):
+        queue.enqueue("s", "w", f"cw-{tag}-{i}", worker_class="conc")
+    conn.send("ready")
+    conn.recv()
+    start = time.perf_counter()
+    for i in range(n):
+        queue.enqueue("s", "w", f"c-{tag}-{i}", worker_class=f"conc{i % 4}")
+    conn.send(time.perf_counter() - start)
+
+
+def bench_concurrent(url: str, procs: int, rounds: int, n: int) -> dict[str, Any]:
+    """``procs`` processes enqueueing single rows at once: NOTIFY's commit-time lock shows here."""
+    ctx = mp.get_context("spawn")
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(rounds):
+        for notify in (True, False) if r % 2 == 0 else (False, True):
+            pipes, workers = [], []
+            for k in range(procs):
+                here, there = ctx.Pipe()
+                proc = ctx.Process(
+                    target=_enqueuer, args=(url, notify, f"{r}-{notify}-{k}", n, there)
+                )
+                proc.start()
+                pipes.append(here)
+                workers.append(proc)
+            for here in pipes:
+                assert here.recv() == "ready"
+            for here in pipes:
+                here.send("go")
+            took = max(here.recv() for here in pipes)
+            for proc in workers:
+                proc.join(30)
+            rates[notify].append(procs * n / took)
+    on, off = statistics.median(rates[True]), statistics.median(rates[False])
+    return {
+        "procs": procs,
+        "rounds": rounds,
+        "rows_per_proc": n,
+        "notify_on_rows_s": round(on, 1),
+        "notify_off_rows_s": round(off, 1),
+        "off_over_on": round(off / on, 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--wakeups", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--n", type=int, default=400)
+    parser.add_argument("--procs", type=int, default=4)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     admin = os.environ.get(
@@ -145,7 +195,14 @@ def main() -> None:
         latency = bench_latency(url, args.wakeups)
         log("enqueue rate, notify on vs off (interleaved rounds)")
         enqueue = bench_enqueue(url, args.rounds, args.n)
-    out = {"machine": info, "wake_latency_ms": latency, "enqueue": enqueue}
+        log(f"enqueue rate, {args.procs} processes at once, notify on vs off")
+        concurrent = bench_concurrent(url, args.procs, args.rounds, args.n)
+    out = {
+        "machine": info,
+        "wake_latency_ms": latency,
+        "enqueue": enqueue,
+        "concurrent_enqueue": concurrent,
+    }
     if args.json:
         print(json.dumps(out, indent=2))
         return
@@ -164,6 +221,11 @@ def main() -> None:
         f"single-row enqueue: notify on {enqueue['notify_on_rows_s']} rows/s, "
         f"off {enqueue['notify_off_rows_s']} rows/s, off/on {enqueue['off_over_on']} "
         f"(median of {enqueue['rounds']} rounds x {enqueue['rows_per_round']})"
+    )
+    c = concurrent
+    print(
+        f"{c['procs']} processes enqueueing at once: notify on {c['notify_on_rows_s']} rows/s, "
+        f"off {c['notify_off_rows_s']} rows/s, off/on {c['off_over_on']}"
     )
 
 

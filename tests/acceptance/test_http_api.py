@@ -523,6 +523,7 @@ def test_no_5xx_for_any_input_over_the_openapi_schema(
         "op": op_shapes,
         "claim_token": st.just(token) | st.text(max_size=40),
         "input": st.fixed_dictionaries({"value": st.integers(-5, 5)}) | any_json,
+        "wait": st.sampled_from([0, 0.01]),  # a claim's long poll: short, not up to 60 s
     }
     schemas = SchemaStrategies(openapi_doc, hints)
     ops = operations(openapi_doc)
@@ -576,9 +577,12 @@ def test_no_5xx_for_any_input_over_the_openapi_schema(
         assert response.status_code < 500, (op.method, url, content, response.text)
         # Documented for the operation (404/405: a nasty id made the path another route's),
         # and every error is {"detail": <one line>, "code": ...}.
-        assert str(response.status_code) in op.spec["responses"] or response.status_code in (
-            404,
-            405,
+        # An empty path segment ("…/requests/") is Starlette's trailing-slash redirect: 307.
+        empty_segment = path.endswith("/") or "//" in path
+        assert (
+            str(response.status_code) in op.spec["responses"]
+            or response.status_code in (404, 405)
+            or (response.status_code == 307 and empty_segment)
         ), (op.method, url, response.status_code)
         if response.status_code >= 400:
             error = response.json()
