@@ -22,6 +22,25 @@ RETURNING = ", ".join(f"w.{name}" for name in _REQUEST_FIELDS)
 
 _NOW = "SELECT coalesce(CAST(:now AS timestamptz), now()) AS now"
 
+#: The channel of work wake-ups (payload: a worker class). Postgres delivers a NOTIFY when
+#: the sending transaction commits, never if it rolls back. See onceflow.queue.notify.
+NOTIFY_CHANNEL = "onceflow_work"
+
+
+def _notify(rows: str, where: str = "true") -> str:
+    """A CTE body: one NOTIFY per distinct worker class of ``rows`` matching ``where``.
+
+    Sent only when ``:notify`` is true (the ``notify`` setting). A CTE that is not
+    referenced is never run: the statement's final SELECT names it (``_SENT``).
+    """
+    return f"""SELECT count(pg_notify('{NOTIFY_CHANNEL}', d.worker_class)) AS sent
+    FROM (SELECT DISTINCT r.worker_class FROM {rows} r, n
+          WHERE CAST(:notify AS boolean) AND ({where})) AS d"""
+
+
+# Always true; makes the final SELECT read the `sig` CTE, so its NOTIFYs are sent.
+_SENT = "(SELECT sent FROM sig) >= 0"
+
 ENQUEUE: TextClause = text(f"""
 WITH n AS ({_NOW}),
 items AS (
@@ -45,12 +64,13 @@ ins AS (
            n.now + make_interval(secs => i.delay), n.now, n.now, n.now
     FROM items i, n
     ON CONFLICT (request_id) DO NOTHING
-    RETURNING w.request_id, w.status, w.input_hash
-)
+    RETURNING w.request_id, w.status, w.input_hash, w.worker_class, w.run_after
+),
+sig AS ({_notify("ins", "r.run_after <= n.now")})
 -- Rows this statement inserted, then rows that already existed. The second SELECT reads
 -- the statement's snapshot, so it never sees the rows of `ins`; a row committed by a
 -- concurrent enqueue after the snapshot is found by ENQUEUE_LOOKUP in the caller.
-SELECT request_id, true AS created, status, input_hash FROM ins
+SELECT request_id, true AS created, status, input_hash FROM ins WHERE {_SENT}
 UNION ALL
 SELECT w.request_id, false AS created, w.status, w.input_hash
 FROM unnest(CAST(:request_ids AS text[])) AS r(request_id)
@@ -195,7 +215,8 @@ nxt AS (
     END AS status
     FROM {TABLE} w WHERE w.request_id = :request_id
     FOR UPDATE OF w
-)
+),
+upd AS (
 UPDATE {TABLE} AS w SET
     status = nxt.status,
     run_after = CASE WHEN nxt.status = 'queued'
@@ -209,6 +230,9 @@ UPDATE {TABLE} AS w SET
 FROM n, nxt
 WHERE {_FENCE}
 RETURNING {RETURNING}
+),
+sig AS ({_notify("upd", "r.status = 'queued' AND r.run_after <= n.now")})
+SELECT * FROM upd WHERE {_SENT}
 """)
 
 CANCEL: TextClause = text(f"""
@@ -224,7 +248,8 @@ RETURNING {RETURNING}
 """)
 
 REQUEUE: TextClause = text(f"""
-WITH n AS ({_NOW})
+WITH n AS ({_NOW}),
+upd AS (
 UPDATE {TABLE} AS w SET
     status = 'queued',
     attempts = 0,
@@ -241,7 +266,29 @@ UPDATE {TABLE} AS w SET
 FROM n
 WHERE w.request_id = :request_id AND w.status IN ('succeeded', 'dead', 'cancelled')
 RETURNING {RETURNING}
+),
+sig AS ({_notify("upd")})
+SELECT * FROM upd WHERE {_SENT}
 """)
+
+# For Queue.wait_for_work: seconds (database clock) until the next request of these worker
+# classes may be claimable — the earliest run_after of a queued row (<= 0: due now), or the
+# earliest lapse of a claimable running row's lease; NULL when none is known. Each minimum
+# reads one partial index (ix_wpr_claim, ix_wpr_lease).
+NEXT_WORK: TextClause = text(f"""
+WITH n AS (SELECT now() AS now)
+SELECT CAST(EXTRACT(EPOCH FROM least(
+    (SELECT min(w.run_after) FROM {TABLE} w
+     WHERE w.status = 'queued' AND w.worker_class = ANY(CAST(:worker_classes AS text[]))),
+    (SELECT min(w.lease_expires_at) FROM {TABLE} w
+     WHERE w.status = 'running' AND w.worker_class = ANY(CAST(:worker_classes AS text[]))
+       AND NOT w.cancel_requested
+       AND w.attempts < w.max_attempts
+       AND w.crash_attempts + 1 < w.max_crash_attempts)
+) - n.now) AS float8) AS next_in
+FROM n
+""")
+Q_NEXT_WORK = render(NEXT_WORK)
 
 GET: TextClause = text(f"SELECT {RETURNING} FROM {TABLE} w WHERE w.request_id = :request_id")
 
@@ -292,7 +339,8 @@ nxt AS (
         ELSE 'queued'
     END AS status
     FROM {TABLE} w JOIN lapsed USING (request_id)
-)
+),
+upd AS (
 UPDATE {TABLE} AS w SET
     status = nxt.status,
     crash_attempts = w.crash_attempts + 1,
@@ -312,6 +360,9 @@ UPDATE {TABLE} AS w SET
 FROM nxt, n
 WHERE w.request_id = nxt.request_id
 RETURNING w.request_id, w.status, w.stage, w.worker_class
+),
+sig AS ({_notify("upd", "r.status = 'queued'")})
+SELECT * FROM upd WHERE {_SENT}
 """)
 
 # Queued, due rows that never had a wake-up (a send that failed, a retry that became due):
@@ -328,11 +379,15 @@ due AS (
     ORDER BY w.run_after
     LIMIT :limit
     FOR UPDATE OF w SKIP LOCKED
-)
+),
+upd AS (
 UPDATE {TABLE} AS w SET dispatched_at = n.now, redispatch_count = 0
 FROM due, n
 WHERE w.request_id = due.request_id
 RETURNING w.request_id, w.stage, w.worker_class
+),
+sig AS ({_notify("upd", "true")})
+SELECT * FROM upd WHERE {_SENT}
 """)
 
 # Per worker class: queued, due rows, those of them whose wake-up is stale (past its
@@ -363,11 +418,15 @@ due AS (
     ORDER BY w.dispatched_at
     LIMIT :limit
     FOR UPDATE OF w SKIP LOCKED
-)
+),
+upd AS (
 UPDATE {TABLE} AS w SET dispatched_at = n.now, redispatch_count = w.redispatch_count + 1
 FROM due, n
 WHERE w.request_id = due.request_id
 RETURNING w.request_id, w.stage, w.worker_class
+),
+sig AS ({_notify("upd", "true")})
+SELECT * FROM upd WHERE {_SENT}
 """)
 
 # A sweep begins with a compare-and-set on its Flow's row, by the database clock only: it

@@ -57,6 +57,7 @@ from onceflow.models.tables import workspace_process_requests as wpr
 from onceflow.payloads import JSON, canonical_json, encode_payload
 from onceflow.queue import sql
 from onceflow.queue.batch import BatchOps
+from onceflow.queue.notify import Waiter
 from onceflow.queue.sweep import Sweeper
 from onceflow.settings import Settings, get_settings
 
@@ -71,7 +72,7 @@ BATCH_MAX = 10_000
 Resolver = Callable[[NewRequest], NewRequest]
 
 
-class Queue(Sweeper, BatchOps):
+class Queue(Sweeper, BatchOps, Waiter):
     """The durable stage queue. Thread-safe; build one per process and share it.
 
     ``resolver`` (set by the :class:`~onceflow.tasks.Flow` that owns the queue)
@@ -268,7 +269,7 @@ class Queue(Sweeper, BatchOps):
                 ("max_crash_attempts", max_crash), ("delays", delay),
             ):  # fmt: skip
                 cols[key].append(value)
-        return {**cols, "now": now}
+        return {**cols, "now": now, "notify": self.settings.notify}
 
     def _enqueue_on(
         self, conn: Connection, params: dict[str, Any], strict: bool
@@ -538,6 +539,7 @@ class Queue(Sweeper, BatchOps):
         params = {
             "request_id": claim.request_id, "token": claim.token, "error": text,
             "retryable": bool(retryable), "delay": delay, "now": now,
+            "notify": self.settings.notify,
         }  # fmt: skip
 
         def attempt() -> Request:
@@ -644,7 +646,8 @@ class Queue(Sweeper, BatchOps):
         """Run a finished (succeeded, dead or cancelled) request again; refused while running."""
         check_id("request_id", request_id)
         with raw_connection(self.engine) as raw:
-            row = fetch_one(raw, sql.Q_REQUEUE, {"request_id": request_id, "now": now})
+            params = {"request_id": request_id, "now": now, "notify": self.settings.notify}
+            row = fetch_one(raw, sql.Q_REQUEUE, params)
         if row is not None:
             return Request.from_row(row)
         current = self.get(request_id)

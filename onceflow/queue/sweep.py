@@ -90,7 +90,10 @@ class Sweeper:
 
         ``stages``: only requests of these stages (None: every stage).
         """
-        params = {"limit": _limit(limit), "stages": _stages(stages), "now": now}
+        params = {
+            "limit": _limit(limit), "stages": _stages(stages), "now": now,
+            "notify": self.settings.notify,
+        }  # fmt: skip
         with raw_connection(self.engine) as raw:
             rows = fetch_all(raw, sql.Q_RESCUE_EXPIRED, params)
         rescued = [RequestId(r["request_id"]) for r in rows if r["status"] == Status.QUEUED]
@@ -134,7 +137,7 @@ class Sweeper:
         """
         after = _seconds("redispatch_after", redispatch_after)
         limit = _limit(limit)
-        base = {"stages": _stages(stages), "now": now}
+        base = {"stages": _stages(stages), "now": now, "notify": self.settings.notify}
         marked: list[Dispatch] = []
         unpublished = Counter(d.worker_class for d in sending)
 

@@ -228,13 +228,20 @@ def test_release_of_a_lapsed_or_reclaimed_claim_is_lease_lost_and_unchanged(
 def test_release_and_requeueing_failure_notify_listeners(queue: Queue, clean_db: Engine) -> None:
     url = libpq(clean_db.url.render_as_string(hide_password=False))
     quiet = Queue(clean_db, settings=get_settings().model_copy(update={"notify": False}))
+    # Claimed before LISTEN: the enqueues' own NOTIFYs are not what this test is about.
+    silent, gpu, cpu = (
+        _claims(queue, 1, wc="silent"),
+        _claims(queue, 2, wc="gpu"),
+        _claims(queue, 1, wc="cpu"),
+    )
+    late, end = _claims(queue, 1, wc="late"), _claims(queue, 1, wc="end")
     with psycopg.connect(url, autocommit=True) as listener:
         listener.execute("LISTEN onceflow_work")
-        quiet.release(_claims(queue, 1, wc="silent"))  # notify off: nothing sent
-        queue.release(_claims(queue, 2, wc="gpu"))  # one NOTIFY per class, not per row
-        queue.fail_many([Failure(c, "x", retry_in=0) for c in _claims(queue, 1, wc="cpu")])
-        queue.fail_many([Failure(c, "x", retry_in=60) for c in _claims(queue, 1, wc="late")])
-        queue.release(_claims(queue, 1, wc="end"))
+        quiet.release(silent)  # notify off: nothing sent
+        queue.release(gpu)  # one NOTIFY per class, not per row
+        queue.fail_many([Failure(c, "x", retry_in=0) for c in cpu])
+        queue.fail_many([Failure(c, "x", retry_in=60) for c in late])
+        queue.release(end)
         got: list[str] = []
         for note in listener.notifies(timeout=10):
             got.append(note.payload)
