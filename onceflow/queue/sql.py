@@ -327,6 +327,8 @@ lapsed AS (
     FROM {TABLE} w, n
     WHERE w.status = 'running' AND w.lease_expires_at <= n.now
       AND {_STAGES}
+      AND (CAST(:worker_classes AS text[]) IS NULL
+           OR w.worker_class = ANY(CAST(:worker_classes AS text[])))
     ORDER BY w.lease_expires_at
     LIMIT :limit
     FOR UPDATE OF w SKIP LOCKED
