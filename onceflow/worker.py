@@ -274,11 +274,21 @@ class Worker:
         """How many more claims to take now (caller holds the lock)."""
         return self.concurrency + self.prefetch - self._running - len(self._ready)
 
+    def _should_claim(self) -> bool:
+        """Claim now: a slot is free and no claim waits for it, or a batch's worth is free.
+
+        While prefetched claims wait, freed slots accumulate to a quarter of the worker
+        (one round trip for several claims) instead of one claim per finished body.
+        """
+        capacity = self._capacity()
+        batch = max(1, (self.concurrency + self.prefetch) // 4)
+        return capacity > 0 and (not self._ready or capacity >= batch)
+
     def _fetch_loop(self) -> None:
         delay = 0.05
         while not self._stopping.is_set():
             with self._cond:
-                while self._capacity() <= 0 and not self._stopping.is_set():
+                while not self._should_claim() and not self._stopping.is_set():
                     self._cond.wait()
                 want = self._capacity()
             if self._stopping.is_set():
