@@ -79,6 +79,10 @@ Handler = Callable[[StageContext], Any]
 #: Threads besides the bodies' that use the pool: fetcher, completer, heartbeater, sweeper.
 SERVICE_CONNECTIONS = 4
 SWEEP_NAME = "onceflow.worker"
+#: The most claims one claim_next returns (Queue's limit).
+CLAIM_LIMIT = 1000
+#: The longest RetryLater delay honoured as given (the queue's own bound).
+MAX_RETRY_DELAY = 366 * 86_400
 
 
 @dataclass
@@ -101,6 +105,7 @@ class _Done:
     ctx: StageContext
     result: Any = None
     failure: Failure | None = None
+    fallback: bool = False  # a minimal failure recorded after its batch was refused
 
 
 class Worker:
@@ -142,8 +147,12 @@ class Worker:
                 raise InvalidRequest(f"{name} must be an integer in [{low}, 1000]")
         if not callable(handler):
             raise InvalidRequest("handler must be callable")
-        if isinstance(max_wait, bool) or not isinstance(max_wait, int | float) or max_wait <= 0:
+        if concurrency + prefetch > CLAIM_LIMIT:
+            raise InvalidRequest(f"concurrency + prefetch must be at most {CLAIM_LIMIT}")
+        if not _positive_seconds(max_wait):
             raise InvalidRequest("max_wait must be a positive number of seconds")
+        if max_runtime is not None and not _positive_seconds(max_runtime):
+            raise InvalidRequest("max_runtime must be a positive number of seconds")
         self._owns_queue = not isinstance(queue, Queue)
         if isinstance(queue, Queue):
             self.queue = queue
@@ -161,7 +170,10 @@ class Worker:
             "worker_id", worker_id or f"{socket.gethostname()[:60]}:{os.getpid()}:worker"
         )
         self.lease_seconds = self.queue._lease(lease_seconds)
-        self.max_runtime = max_runtime
+        # As on Celery: heartbeats stop extending a lease past claim time + max_runtime.
+        self.max_runtime = (
+            self.queue.settings.max_runtime_seconds if max_runtime is None else max_runtime
+        )
         self.retry_on = retry_on or (lambda exc: True)
         self.sweep = sweep
         self.max_wait = float(max_wait)
@@ -305,6 +317,8 @@ class Worker:
                     self.queue.wait_for_work(
                         self.worker_classes, self.max_wait, interrupt=self._stopping
                     )
+            except InvalidRequest:
+                raise  # a bug or a bad option, not an outage: retrying cannot help
             except OnceflowError as exc:  # the database is away: back off, interruptibly
                 log.warning("worker: claim failed (%s); retrying in %.2f s", exc, delay)
                 self._stopping.wait(delay)
@@ -334,6 +348,7 @@ class Worker:
                     return  # unstarted claims are handed back by _shutdown
                 ctx = self._ready.popleft()
                 self._running += 1
+            done: _Done | None = None
             try:
                 done = self._run_body(ctx)
             finally:
@@ -372,13 +387,19 @@ class Worker:
         except Cancelled:
             return self._failure(ctx, {"type": "Cancelled"}, retryable=False)
         except RetryLater as exc:
-            error = {"type": "RetryLater", "message": exc.reason, "delay": exc.delay}
-            return self._failure(ctx, error, retryable=True, retry_in=exc.delay)
+            delay = exc.delay if _seconds_within(exc.delay, MAX_RETRY_DELAY) else None
+            error = {"type": "RetryLater", "message": str(exc.reason)[:2000], "delay": delay}
+            return self._failure(ctx, error, retryable=True, retry_in=delay)
         except (PermanentError, InvalidRequest) as exc:
             return self._failure(ctx, error_payload(exc), retryable=False)
         except Exception as exc:
             log.exception("request %s: the body raised", claim.request_id)
             return self._failure(ctx, error_payload(exc), retryable=self._retryable(exc))
+        except BaseException as exc:  # SystemExit, KeyboardInterrupt, CancelledError…
+            # Interrupted, not wrong: recorded as a retryable failure, and this thread
+            # lives on to run the next body (re-raising would only end the thread).
+            log.exception("request %s: the body was interrupted", claim.request_id)
+            return self._failure(ctx, error_payload(exc), retryable=True)
 
     def _retryable(self, exc: Exception) -> bool:
         try:
@@ -435,6 +456,12 @@ class Worker:
             )
         return retry
 
+    @staticmethod
+    def _refused(d: _Done, exc: InvalidRequest) -> _Done:
+        error = {"type": "InvalidRequest", "message": str(exc)[:500]}
+        retryable = d.failure.retryable if d.failure is not None else False
+        return _Done(d.ctx, failure=Failure(d.ctx.claim, error, retryable), fallback=True)
+
     def _hand_off_call(self, d: _Done) -> Callable[[], Sequence[Any]]:
         return lambda: [self.queue.hand_off(d.ctx.claim, d.result, then=d.ctx._then)[0]]
 
@@ -444,14 +471,12 @@ class Worker:
         except LeaseLost as exc:  # hand_off raises it for its one row
             outcomes = [exc]
         except InvalidRequest as exc:
-            # Refused as a whole (cannot happen for results checked in the body): fail each.
-            log.error("worker: a batch was refused (%s); failing its requests", exc)
+            # Refused as a whole (results and delays are checked in the body, so this is
+            # unexpected): each request is failed again with a minimal error, once.
+            log.error("worker: a batch was refused (%s); recording minimal failures", exc)
+            self._forget([d for d in items if d.fallback], unrecorded=True)
             with self._cond:
-                self._done += [
-                    self._failure(d.ctx, error_payload(exc), retryable=False)
-                    for d in items
-                    if d.failure is None
-                ]
+                self._done += [self._refused(d, exc) for d in items if not d.fallback]
                 self._cond.notify_all()
             return []
         except OnceflowError as exc:
@@ -589,6 +614,17 @@ class Worker:
                 self._held.pop(ctx.claim.request_id, None)
             self.stats.released += released
         log.info("worker: handed back %d unstarted claim(s)", released)
+
+
+def _positive_seconds(value: object) -> bool:
+    return _seconds_within(value, MAX_RETRY_DELAY) and float(value) > 0  # type: ignore[arg-type]
+
+
+def _seconds_within(value: object, most: float) -> bool:
+    """A finite number of seconds in [0, most] (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return 0 <= value <= most
 
 
 __all__ = ["Handler", "Worker", "WorkerStats"]

@@ -49,6 +49,9 @@ WAIT_MAX_SECONDS = 3600.0
 _BACKOFF_MIN, _BACKOFF_MAX = 0.05, 2.0
 #: How often the listener thread checks whether it was asked to stop.
 _TICK = 0.5
+#: How long a wait gives a (re)connecting listener before it goes on without it; without
+#: one, waits end after this long too, so a consumer looks again at least this often.
+_READY_WAIT = 1.0
 
 
 def _conninfo(engine: Engine) -> str:
@@ -192,6 +195,23 @@ class _AsyncListener:
             await self._task
 
 
+def _wake_at(
+    start: float, timeout: float, next_in: float | None, *, degraded: bool
+) -> tuple[float, bool]:
+    """When a wait ends (monotonic) and whether that moment is a known due time.
+
+    ``next_in``: seconds until the next known event by the database clock. A wait
+    without its listener (``degraded``) ends within ``_READY_WAIT`` to look again.
+    """
+    wake_at, due = start + timeout, False
+    now = time.monotonic()
+    if next_in is not None and now + next_in < wake_at:
+        wake_at, due = now + next_in, True
+    if degraded and now + _READY_WAIT < wake_at:
+        wake_at, due = now + _READY_WAIT, False
+    return wake_at, due
+
+
 def _changed(counts: Counter[str], before: dict[str, int], epoch: int, now_epoch: int) -> bool:
     return now_epoch != epoch or any(counts[c] != n for c, n in before.items())
 
@@ -247,12 +267,14 @@ class Waiter:
         """
         classes, timeout = _check_wait(worker_classes, timeout)
         start = time.monotonic()
+        listener_lost = False
         if timeout == 0 or not self.settings.notify:
             listener = None
         else:
             listener = self._listener()
-            if not listener.wait_ready(start + timeout):
-                listener = None  # not LISTENing yet: wait for the next known event only
+            if not listener.wait_ready(start + min(timeout, _READY_WAIT)):
+                listener = None  # not LISTENing (yet): look again within _READY_WAIT
+                listener_lost = True
         if listener is not None:
             with listener.cond:
                 epoch = listener.epoch
@@ -260,11 +282,7 @@ class Waiter:
         next_in = self._next_work(classes)  # after LISTEN and the note: no lost wake-up
         if next_in is not None and next_in <= 0:
             return True
-        wake_at = start + timeout
-        due = next_in is not None and time.monotonic() + next_in < wake_at
-        if due:
-            assert next_in is not None  # noqa: S101 - for mypy
-            wake_at = time.monotonic() + next_in
+        wake_at, due = _wake_at(start, timeout, next_in, degraded=listener_lost)
         while True:
             if interrupt is not None and interrupt.is_set():
                 return False
@@ -291,22 +309,20 @@ class Waiter:
         """:meth:`wait_for_work` for asyncio: one listener per event loop; cancel to stop."""
         classes, timeout = _check_wait(worker_classes, timeout)
         start = time.monotonic()
+        listener_lost = False
         listener: _AsyncListener | None = None
         if timeout > 0 and self.settings.notify:
             listener = self._async_listener()
-            if not await listener.wait_ready(start + timeout):
-                listener = None  # not LISTENing yet: wait for the next known event only
+            if not await listener.wait_ready(start + min(timeout, _READY_WAIT)):
+                listener = None  # not LISTENing (yet): look again within _READY_WAIT
+                listener_lost = True
         if listener is not None:
             epoch = listener.epoch
             before = {c: listener.counts[c] for c in classes}
         next_in = await asyncio.to_thread(self._next_work, classes)
         if next_in is not None and next_in <= 0:
             return True
-        wake_at = start + timeout
-        due = next_in is not None and time.monotonic() + next_in < wake_at
-        if due:
-            assert next_in is not None  # noqa: S101 - for mypy
-            wake_at = time.monotonic() + next_in
+        wake_at, due = _wake_at(start, timeout, next_in, degraded=listener_lost)
         left = wake_at - time.monotonic()
         if left <= 0:
             return due

@@ -11,6 +11,7 @@ import json
 import queue as queue_mod
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -592,7 +593,10 @@ def test_no_5xx_for_any_input_over_the_openapi_schema(
     one_call()
     # The pass reached past authentication and validation, not only 401s.
     assert {200, 201} & set(statuses) and 401 in statuses and 403 in statuses
-    assert 422 in statuses and 409 in statuses
+    # (Which handler-level refusals a derandomized pass reaches — 409 from a fence, 404 from
+    # a lookup — shifts with the schema and the server's state; the fences' 409s have their
+    # own tests. Validation's 422 is always reached.)
+    assert 422 in statuses and {404, 409} & set(statuses), Counter(statuses)
 
 
 # ---------------------------------------------------------------------- SSE

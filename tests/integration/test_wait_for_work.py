@@ -340,3 +340,19 @@ def test_bad_input_is_refused(q: Queue, classes: Any, timeout: Any) -> None:
         q.wait_for_work(classes, timeout)
     with pytest.raises(InvalidRequest):
         asyncio.run(q.wait_for_work_async(classes, timeout))
+
+
+@WAITS
+def test_a_listener_that_cannot_connect_does_not_cost_the_whole_wait(
+    q: Queue, wait: Wait, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # LISTEN's own connection is refused (a full server, a bad route): the wait still ends
+    # at the next known due time instead of burning its timeout waiting for the listener.
+    from onceflow.queue import notify
+
+    monkeypatch.setattr(notify, "_conninfo", lambda engine: "postgresql://root@127.0.0.1:1/x")
+    q.enqueue_many([item("l2", "wc-nolisten", delay=0.3)])
+    start = time.monotonic()
+    assert wait(q, "wc-nolisten", LONG) is True
+    assert time.monotonic() - start < LONG
+    assert len(q.claim_next("wc-nolisten", "w")) == 1

@@ -21,7 +21,7 @@ import pytest
 from sqlalchemy import Engine, text
 
 from onceflow.context import StageContext
-from onceflow.errors import InvalidRequest, PermanentError
+from onceflow.errors import InvalidRequest, PermanentError, RetryLater
 from onceflow.models import NewRequest, Status
 from onceflow.queue import Queue
 from onceflow.settings import get_settings
@@ -134,6 +134,26 @@ def test_failures_retry_then_die_and_permanent_errors_die_at_once(
     assert fast_queue.get(fine.request_id).result == "ok"
 
 
+@pytest.mark.parametrize(
+    "raised",
+    [SystemExit(3), KeyboardInterrupt(), RetryLater(delay=-1), RetryLater(delay=float("nan"))],
+    ids=["SystemExit", "KeyboardInterrupt", "RetryLater-negative", "RetryLater-nan"],
+)
+def test_odd_exceptions_from_a_body_are_recorded_not_held_forever(
+    fast_queue: Queue, clean_db: Engine, raised: BaseException
+) -> None:
+    # Before: the body thread died (BaseException) or the whole batch of failures was
+    # refused (a bad delay), and the heartbeater kept the request running for ever.
+    [rid] = enqueue(fast_queue, 1, max_attempts=2)
+
+    def body(ctx: StageContext) -> None:
+        raise raised
+
+    with Worker(fast_queue, "w", body, concurrency=1, lease_seconds=30):
+        wait_for(lambda: fast_queue.get(rid).status is Status.DEAD, "the request to settle")
+    assert fast_queue.get(rid).attempts == 2
+
+
 def test_cancel_reaches_a_running_body(fast_queue: Queue, clean_db: Engine) -> None:
     [rid] = enqueue(fast_queue, 1)
     running = threading.Event()
@@ -198,7 +218,11 @@ def test_the_workers_sweep_rescues_its_own_classes_only(
 def test_bad_arguments_are_refused(fast_queue: Queue) -> None:
     def body(ctx: StageContext) -> None: ...
 
-    for kwargs in ({"concurrency": 0}, {"prefetch": -1}, {"max_wait": 0}, {"concurrency": True}):
+    for kwargs in (
+        {"concurrency": 0}, {"prefetch": -1}, {"max_wait": 0}, {"concurrency": True},
+        {"concurrency": 600, "prefetch": 600},  # more than one claim may take
+        {"max_runtime": -5.0}, {"max_runtime": float("nan")},
+    ):  # fmt: skip
         with pytest.raises(InvalidRequest):
             Worker(fast_queue, "w", body, **kwargs)
     with pytest.raises(InvalidRequest):
