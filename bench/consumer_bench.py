@@ -3,7 +3,7 @@
     .venv/bin/python bench/consumer_bench.py            # full run (several minutes on 2 cores)
     .venv/bin/python bench/consumer_bench.py --quick    # smoke run: small N, 1 round, short phases
     .venv/bin/python bench/consumer_bench.py --json     # the raw numbers
-    options: --n 10000 --rounds 3 --concurrency 8 --rate 150 --seconds 20 --stall 2
+    options: --n 20000 --rounds 3 --concurrency 8 --rate 150 --seconds 20 --stall 2
              --only onceflow,procrastinate --phases saturation,fixed,kill,restart,backend,graceful
              --fallback (onceflow consumer on the pre-issue-18 API) --no-docs
 
@@ -43,7 +43,8 @@ Phases, each system in turn (order rotated per round):
   (N - 1) / (last finish - first finish); median of per-round ratios;
 * fixed: a producer enqueues at RATE jobs/s for SECONDS s (one enqueue call per job), one
   consumer: pickup latency = handler start - producer's time before the enqueue call;
-* kill: two consumers, fixed rate, ``kill -9`` of one at 40 % of the run;
+* kill: two consumers, fixed rate, ``kill -9`` of one at 40 % of the run; in the three chaos
+  phases each job sleeps CHAOS_JOB_MS (50 ms) so that work is in flight when the fault hits;
 * restart: two consumers, fixed rate, PostgreSQL crash-restarted (SIGQUIT, same port) at 40 %;
 * backend: two consumers, fixed rate, ``pg_terminate_backend`` of every consumer backend of
   the system's database three times, 1.5 s apart, from 40 %;
@@ -53,7 +54,8 @@ Phases, each system in turn (order rotated per round):
 For the chaos phases: lost = acknowledged enqueues never executed to the end (after waiting
 up to 30 s past the producer's end); duplicates = executions beyond one per job;
 recovery = fault -> the last job enqueued before the fault finished; stall = the longest gap
-between two finishes from the first fault to the producer's end.
+between two finishes from the first fault to the producer's end; left running = rows still in
+the running state once every job ran, after the system's stall timeout + 3 s to settle them.
 """
 
 from __future__ import annotations
@@ -367,14 +369,16 @@ class Bench:
         )
         return float(json.loads(out.strip().splitlines()[-1])["seconds"])
 
-    def producer(self, system: str, dsn: str, prefix: str, out: Path, seconds: float) -> Any:
+    def producer(
+        self, system: str, dsn: str, prefix: str, out: Path, seconds: float, sleep: float
+    ) -> Any:
         side = self.sides[system]
         path = self.logdir / f"{system}-producer-{self.seq}.log"
         with path.open("ab") as err:
             return subprocess.Popen(
                 side.argv(
                     "produce", system, dsn, "--prefix", prefix, "--rate", str(self.args.rate),
-                    "--seconds", str(seconds), "--out", str(out),
+                    "--seconds", str(seconds), "--out", str(out), "--sleep", str(sleep),
                 ),
                 env=side.env, cwd=ROOT, stdout=subprocess.PIPE, stderr=err,
                 stdin=subprocess.DEVNULL, start_new_session=True,
@@ -421,7 +425,8 @@ class Bench:
                 if not self.wait_done(cons, done, {f"w{i}" for i in range(20)}, 60):
                     raise RuntimeError(f"{system}: consumers did not start ({cons.exits})")
                 acked_path = self.work / f"{name}.acked"
-                prod = self.producer(system, dsn, "f", acked_path, seconds)
+                sleep = a.chaos_job_ms / 1000 if fault else 0.0
+                prod = self.producer(system, dsn, "f", acked_path, seconds, sleep)
                 t_start = time.time()
                 fault_at = t_start + seconds * 0.4
                 faults: list[float] = []
@@ -438,7 +443,14 @@ class Bench:
                 self.wait_done(cons, done, set(acked), 30.0)
                 t_wait_end = time.time()
                 with self.pg.connect(name) as conn:
-                    running = conn.execute(RUNNING_SQL[system]).fetchone()[0]  # type: ignore[index]
+
+                    def running() -> int:
+                        return int(conn.execute(RUNNING_SQL[system]).fetchone()[0])  # type: ignore[index]
+
+                    # Rows still in the running state once every job ran: give a system its
+                    # stall timeout (plus 3 s) to settle them, then count what is left.
+                    wait_until(lambda: running() == 0, a.stall + 3, 0.2)
+                    left_running = running()
                     queued = conn.execute(QUEUED_SQL[system]).fetchone()[0]  # type: ignore[index]
             finally:
                 cons.stop_all()
@@ -458,7 +470,7 @@ class Bench:
             "p50_ms": pct(lat, 50) if lat else None, "p95_ms": pct(lat, 95) if lat else None,
             "p99_ms": pct(lat, 99) if lat else None,
             "restarts": cons.restarts, "exits": cons.exits, "notes": notes,
-            "left_running": running, "left_queued": queued,
+            "left_running": left_running, "left_queued": queued,
             "waited_after_producer_s": t_wait_end - t_prod_end,
         }  # fmt: skip
         if faults:
@@ -668,7 +680,8 @@ def render(res: dict[str, Any]) -> str:
         "",
         f"Settings: concurrency {a['concurrency']} per consumer, stall/lease detection "
         f"{a['stall']:g} s for all three, fixed rate {a['rate']:g} jobs/s for {a['seconds']:g} s, "
-        f"saturation N = {a['n']:,} x {a['rounds']} round(s), {a['procs']} consumer process(es).",
+        f"saturation N = {a['n']:,} x {a['rounds']} round(s), {a['procs']} consumer process(es); "
+        f"chaos phases: 2 consumer processes, jobs of {a['chaos_job_ms']:g} ms.",
         "",
     ]
     head = "| Phase | figure | " + " | ".join(systems) + " |"
@@ -750,6 +763,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=150.0)
     p.add_argument("--seconds", type=float)
     p.add_argument("--stall", type=float, default=2.0)
+    p.add_argument("--chaos-job-ms", type=float, default=50.0)
     p.add_argument("--only", default=",".join(SYSTEMS))
     p.add_argument("--phases", default="saturation,fixed,kill,restart,backend,graceful")
     p.add_argument("--fallback", action="store_true")
@@ -757,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-docs", action="store_true")
     p.add_argument("--keep", action="store_true", help="keep the work dir (logs, done files)")
     args = p.parse_args(argv)
-    args.n = args.n or (1000 if args.quick else 10_000)
+    args.n = args.n or (1000 if args.quick else 20_000)
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.seconds = args.seconds or (6.0 if args.quick else 20.0)
     res = run(args)

@@ -184,7 +184,9 @@ def onceflow_preload(dsn: str, keys: list[str], sleep: float) -> None:
         queue.enqueue_many([_onceflow_item(k, now, sleep) for k in keys[i : i + 1000]])
 
 
-def onceflow_enqueuer(dsn: str) -> tuple[Callable[[str, float], None], Callable[[], None]]:
+def onceflow_enqueuer(
+    dsn: str, sleep: float
+) -> tuple[Callable[[str, float], None], Callable[[], None]]:
     from onceflow.db import make_engine
     from onceflow.queue import Queue
 
@@ -192,7 +194,7 @@ def onceflow_enqueuer(dsn: str) -> tuple[Callable[[str, float], None], Callable[
     queue = Queue(make_engine(f"{dsn}{sep}application_name={PRODUCER_APP}", pool_size=1))
 
     def enqueue(key: str, t: float) -> None:
-        queue.enqueue_many([_onceflow_item(key, t, 0.0)])
+        queue.enqueue_many([_onceflow_item(key, t, sleep)])
 
     return enqueue, lambda: None
 
@@ -275,13 +277,15 @@ def procrastinate_preload(dsn: str, keys: list[str], sleep: float) -> None:
             task.batch_defer(*[{"k": k, "t": now, "s": sleep} for k in keys[i : i + 1000]])
 
 
-def procrastinate_enqueuer(dsn: str) -> tuple[Callable[[str, float], None], Callable[[], None]]:
+def procrastinate_enqueuer(
+    dsn: str, sleep: float
+) -> tuple[Callable[[str, float], None], Callable[[], None]]:
     app = _procrastinate_app(dsn, PRODUCER_APP)
     task = app.configure_task(PROCRASTINATE_TASK, queue=QUEUE)
     app.open()
 
     def enqueue(key: str, t: float) -> None:
-        task.defer(k=key, t=t)
+        task.defer(k=key, t=t, s=sleep)
 
     return enqueue, app.close
 
@@ -369,7 +373,9 @@ def pgqueuer_preload(dsn: str, keys: list[str], sleep: float) -> None:
     asyncio.run(main())
 
 
-def pgqueuer_enqueuer(dsn: str) -> tuple[Callable[[str, float], None], Callable[[], None]]:
+def pgqueuer_enqueuer(
+    dsn: str, sleep: float
+) -> tuple[Callable[[str, float], None], Callable[[], None]]:
     from pgqueuer import PsycopgDriver, Queries
 
     loop = asyncio.new_event_loop()
@@ -383,7 +389,7 @@ def pgqueuer_enqueuer(dsn: str) -> tuple[Callable[[str, float], None], Callable[
         if "queries" not in state:
             loop.run_until_complete(connect())
         try:
-            payload = json.dumps({"k": key, "t": t}).encode()
+            payload = json.dumps({"k": key, "t": t, "s": sleep}).encode()
             loop.run_until_complete(state["queries"].enqueue(QUEUE, payload))
         except Exception:
             state.pop("queries", None)  # a new connection on the next attempt
@@ -422,7 +428,7 @@ def produce(args: argparse.Namespace) -> None:
     A failed enqueue (server down, backend killed) is retried every 50 ms with the same key and
     the same ``t_enqueue`` until it succeeds or the run's end plus 30 s; the schedule is kept
     (a late producer catches up, it never skips a job)."""
-    enqueue, close = SYSTEMS[args.system]["enqueuer"](args.dsn)
+    enqueue, close = SYSTEMS[args.system]["enqueuer"](args.dsn, args.sleep)
     out = os.open(args.out, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
