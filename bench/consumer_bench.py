@@ -172,7 +172,15 @@ class PrivatePostgres:
         assert process is not None
         down = time.monotonic()
         process.send_signal(signal.SIGQUIT)
-        process.wait(timeout=30)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            # Seen once under load: the postmaster outlived its immediate shutdown. Kill its
+            # group (postmaster and backends: same session) so the data directory is free.
+            log(f"PostgreSQL did not stop on SIGQUIT within 30 s:\n{self.child.log_tail()}")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
         port = self.port
         original = self.embedded._free_port
         self.embedded._free_port = lambda: port  # respawn on the same port
@@ -329,6 +337,7 @@ class Bench:
         self.logdir = self.work / "logs"
         self.logdir.mkdir()
         self.seq = 0
+        self.live_producer: subprocess.Popen[bytes] | None = None
 
     def make_templates(self) -> None:
         for system, side in self.sides.items():
@@ -427,6 +436,7 @@ class Bench:
                 acked_path = self.work / f"{name}.acked"
                 sleep = a.chaos_job_ms / 1000 if fault else 0.0
                 prod = self.producer(system, dsn, "f", acked_path, seconds, sleep)
+                self.live_producer = prod
                 t_start = time.time()
                 fault_at = t_start + seconds * 0.4
                 faults: list[float] = []
@@ -454,6 +464,12 @@ class Bench:
                     queued = conn.execute(QUEUED_SQL[system]).fetchone()[0]  # type: ignore[index]
             finally:
                 cons.stop_all()
+                prod = self.live_producer
+                if prod is not None and prod.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(prod.pid, signal.SIGKILL)
+                    prod.wait()
+                self.live_producer = None
             rows = [r for r in read_done(done) if r[0].startswith("f")]
         first: dict[str, tuple[float, float, float]] = {}
         for key, t_enq, t_s, t_e in sorted(rows, key=lambda r: r[3]):
@@ -770,7 +786,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-install", action="store_true")
     p.add_argument("--no-docs", action="store_true")
     p.add_argument("--keep", action="store_true", help="keep the work dir (logs, done files)")
+    p.add_argument("--from-json", help="render (and append to the docs) a saved --json output")
     args = p.parse_args(argv)
+    if args.from_json:
+        report = render(json.loads(Path(args.from_json).read_text()))
+        print(report)
+        if not args.no_docs:
+            append_docs(report)
+        return 0
     args.n = args.n or (1000 if args.quick else 20_000)
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.seconds = args.seconds or (6.0 if args.quick else 20.0)
