@@ -52,7 +52,8 @@ Phases, each system in turn (order rotated per round):
   afterwards the rows each system leaves in its running state.
 
 For the chaos phases: lost = acknowledged enqueues never executed to the end (after waiting
-up to 30 s past the producer's end); duplicates = executions beyond one per job;
+30 s past the producer's end, longer while jobs still finish, up to 180 s); duplicates =
+executions beyond one per job; drained = producer's end -> every job done;
 recovery = fault -> the last job enqueued before the fault finished; stall = the longest gap
 between two finishes from the first fault to the producer's end; left running = rows still in
 the running state once every job ran, after the system's stall timeout + 3 s to settle them.
@@ -393,12 +394,29 @@ class Bench:
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )  # fmt: skip
 
-    def wait_done(self, cons: Consumers, done: Path, keys: set[str], timeout: float) -> bool:
+    def wait_done(
+        self, cons: Consumers, done: Path, keys: set[str], timeout: float, cap: float = 0.0
+    ) -> bool:
+        """Wait until every key ran; past ``timeout``, keep waiting while jobs still finish
+        (some progress every 10 s), up to ``cap`` seconds in all."""
+        progress = {"n": -1, "at": time.monotonic()}
+        t0 = time.monotonic()
+
         def all_done() -> bool:
             cons.supervise()
-            return keys <= {r[0] for r in read_done(done)}
+            finished = keys & {r[0] for r in read_done(done)}
+            if len(finished) != progress["n"]:
+                progress["n"], progress["at"] = len(finished), time.monotonic()
+            if len(finished) == len(keys):
+                return True
+            now = time.monotonic()
+            if now - t0 > timeout and (now - progress["at"] > 10 or now - t0 > cap):
+                raise TimeoutError
+            return False
 
-        return wait_until(all_done, timeout, 0.2)
+        with contextlib.suppress(TimeoutError):
+            return wait_until(all_done, max(timeout, cap) + 1, 0.2)
+        return False
 
     # ------------------------------------------------------------------ phases
 
@@ -450,7 +468,7 @@ class Bench:
                 prod_out = json.loads((prod.stdout.read() or b"{}").decode() or "{}")
                 t_prod_end = time.time()
                 acked = read_acked(acked_path)
-                self.wait_done(cons, done, set(acked), 30.0)
+                self.wait_done(cons, done, set(acked), 30.0, cap=180.0)
                 t_wait_end = time.time()
                 with self.pg.connect(name) as conn:
 
@@ -728,6 +746,11 @@ def render(res: dict[str, Any]) -> str:
         p = ph[phase]
         row(label, "lost / enqueued", [f"{p[s]['lost']} / {p[s]['enqueued']}" for s in systems])
         row(label, "duplicates", [str(p[s]["duplicates"]) for s in systems])
+        row(
+            label,
+            "drained s after the producer's end",
+            [fmt(p[s]["waited_after_producer_s"], ".1f") for s in systems],
+        )
         row(label, "recovery s" if phase != "backend" else "recovery s / longest stall s",
             [fmt(p[s].get("recovery_s"), ".2f", "never")
              + ("" if phase != "backend" else f" / {fmt(p[s].get('stall_s'), '.2f')}")
