@@ -644,9 +644,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["workdir"] = str(bench.work)
         bench.make_templates()
         if "saturation" in phases:
-            log("warm-up: 500-job drain per system")
+            warm = 100 if args.quick else 500
+            log(f"warm-up: {warm}-job drain per system")
             for system in only:
-                bench.saturation(system, 500)
+                bench.saturation(system, warm)
             rounds: list[dict[str, Any]] = []
             for r in range(args.rounds):
                 one = {}
