@@ -239,6 +239,7 @@ class Consumers:
     def _spawn(self) -> subprocess.Popen[bytes]:
         self._spawned += 1
         path = self.logdir / f"{self.done_dir.name}-consumer-{self._spawned}.log"
+        self.last_log = path
         with path.open("ab") as out:
             return subprocess.Popen(
                 self.side.argv(
@@ -258,6 +259,9 @@ class Consumers:
         for i, proc in enumerate(self.procs):
             if proc is not None and proc.poll() is not None:
                 self.exits.append(f"consumer {i} exited with {proc.returncode}")
+                if len(self.exits) >= 10:
+                    tail = self.last_log.read_text(errors="replace")[-3000:]
+                    raise RuntimeError(f"{self.side.system}: consumers keep exiting:\n{tail}")
                 self.restarts += 1
                 log(f"  {self.side.system}: consumer {i} exited ({proc.returncode}): restarted")
                 self.procs[i] = self._spawn()
