@@ -235,6 +235,7 @@ class Consumers:
         self.restarts = 0
         self.exits: list[str] = []
         self._spawned = 0
+        self.last_log = logdir / "none.log"
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         self._spawned += 1
