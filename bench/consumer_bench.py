@@ -20,10 +20,11 @@ Peers are not dependencies of onceflow: they run from a separate virtualenv,
 the peers instead). Every consumer and producer is its own process
 (``bench/consumer_side.py``), started as a user would run it:
 
-* onceflow: ``onceflow.queue.Worker(queue, ["bench"], handler, concurrency=C,
-  lease_seconds=STALL).run()`` — a killed worker's claims are re-claimed once their lease
-  (STALL seconds, database clock) lapses; ``--fallback`` runs a loop on the older API instead
-  (``claim_next`` batches, one ``complete`` per row, 50 ms polls);
+* onceflow: ``onceflow.worker.Worker(url, ["bench"], handler, concurrency=C,
+  lease_seconds=STALL).run()`` (a sync handler on C threads; defaults otherwise: prefetch 0,
+  its rescue-only sweep on) — a killed worker's claims are re-claimed once their lease (STALL
+  seconds, database clock) lapses; ``--fallback`` runs a loop on the pre-issue-18 API instead
+  (``claim_next`` batches, one ``complete`` per row, 50 ms polls when empty);
 * Procrastinate: ``app.run_worker_async(concurrency=C, update_heartbeat_interval=STALL/4,
   stalled_worker_timeout=STALL, fetch_job_polling_interval=1)`` with an ``async def`` task, plus
   its documented stalled-job recipe (``get_stalled_jobs(seconds_since_heartbeat=STALL)`` then

@@ -100,14 +100,13 @@ def onceflow_consume(args: argparse.Namespace) -> None:
     if args.fallback:
         _onceflow_fallback(Queue, args, run_job)
         return
-    from onceflow.queue import Worker  # type: ignore[attr-defined]
-
-    queue = Queue(args.dsn)
+    from onceflow.worker import Worker
 
     def handler(ctx: Any) -> None:
-        run_job(ctx.input)
+        run_job(ctx.request.input)
 
-    Worker(queue, [QUEUE], handler, concurrency=args.concurrency, lease_seconds=args.stall).run()
+    # Given the URL, the worker builds its own pool, sized for its concurrency.
+    Worker(args.dsn, [QUEUE], handler, concurrency=args.concurrency, lease_seconds=args.stall).run()
 
 
 def _onceflow_fallback(
