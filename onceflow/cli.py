@@ -398,6 +398,71 @@ def worker(
 
 
 @main.command()
+@click.argument("handler_spec", metavar="MODULE:FUNCTION")
+@click.option(
+    "--worker-class",
+    "-w",
+    "worker_classes",
+    multiple=True,
+    required=True,
+    help="Worker class to serve; repeat for several (claimed in the order given).",
+)
+@click.option("--concurrency", "-c", type=click.IntRange(1, 1000), default=4, show_default=True)
+@click.option(
+    "--prefetch",
+    type=click.IntRange(0, 1000),
+    default=0,
+    show_default=True,
+    help="Claims held ready beyond the free threads (handed back at shutdown).",
+)
+@click.option("--lease-seconds", type=float, default=None, help="Default: ONCEFLOW_LEASE_SECONDS.")
+@click.option("--max-runtime", type=float, default=None, help="Seconds a body may run at most.")
+@click.option("--no-sweep", is_flag=True, help="Leave rescuing lapsed leases to someone else.")
+@click.option("--loglevel", "-l", default="INFO", show_default=True)
+@_errors_to_exit
+def work(
+    handler_spec: str,
+    worker_classes: tuple[str, ...],
+    concurrency: int,
+    prefetch: int,
+    lease_seconds: float | None,
+    max_runtime: float | None,
+    no_sweep: bool,
+    loglevel: str,
+) -> None:
+    """Run a standalone worker (no Celery): MODULE:FUNCTION(ctx) for each claimed request.
+
+    The function gets a StageContext, as a Celery stage body does. SIGTERM or SIGINT
+    stops it gracefully (claims not started are handed back, running bodies finish); a
+    second signal abandons running bodies (their leases lapse).
+    """
+    import importlib
+    import logging
+    import os
+
+    from onceflow.worker import Worker
+
+    _check_database_url()
+    logging.basicConfig(
+        level=loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    module_name, _, attr = handler_spec.partition(":")
+    if not module_name or not attr:
+        raise click.UsageError(f"expected MODULE:FUNCTION, got {handler_spec!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        handler = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise click.UsageError(f"cannot load {handler_spec!r}: {exc}") from None
+    worker = Worker(
+        None, list(worker_classes), handler, concurrency=concurrency, prefetch=prefetch,
+        lease_seconds=lease_seconds, max_runtime=max_runtime, sweep=not no_sweep,
+    )  # fmt: skip
+    worker.run()
+
+
+@main.command()
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
 @_APP_OPTION
 @_errors_to_exit

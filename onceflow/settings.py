@@ -63,6 +63,13 @@ class Settings(BaseSettings):
         default=True,
         description="Workers sweep when no sweep began for 1.5 sweep intervals (beat down).",
     )
+    notify: bool = Field(
+        default=True,
+        description="Statements that make work claimable send a NOTIFY on channel "
+        "onceflow_work (payload: the worker class), which Queue.wait_for_work listens for. "
+        "Turn off behind PgBouncer in transaction mode (no LISTEN there): waiters then wake "
+        "on their timeout or the next known due time only.",
+    )
     max_runtime_seconds: float = Field(
         default=1500.0,
         gt=0,

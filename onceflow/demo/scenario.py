@@ -254,8 +254,8 @@ def inject_kill(opts: Options, run: Run, llm: StandIn, worker: Proc, log_dir: Pa
 
 def _unstored(workspace: str, keys: set[str]) -> int:
     """How many of the ``<job>/eval:<column>`` cells have no stored value now."""
+    from onceflow.context import oplog_for
     from onceflow.demo.stages import flow, job_doc
-    from onceflow.tasks.runtime import oplog_for
 
     oplog = oplog_for(flow.queue)
     missing = 0

@@ -139,17 +139,20 @@ class PullWorker:
 
     # ------------------------------------------------------------- one call each
 
-    def claim(self) -> PullClaim | None:
+    def claim(self, wait: float = 0.0) -> PullClaim | None:
         """Claim the next due request of the worker class, or None if there is none.
 
-        Not retried: a claim whose answer was lost is left to lapse (its lease
-        runs out and another worker claims the request).
+        ``wait`` (0..60 s): a long poll — the server waits that long for a request to
+        become claimable before answering "none". Not retried: a claim whose answer
+        was lost is left to lapse (its lease runs out and another worker claims it).
         """
         body: dict[str, Any] = {"worker_id": self.worker_id}
         if self.lease_seconds is not None:
             body["lease_seconds"] = self.lease_seconds
+        if wait:
+            body["wait"] = wait
         url = f"/v1/worker-classes/{path_segment('worker_class', self.worker_class)}/claims"
-        response = self._send("POST", url, body, retry=False)
+        response = self._send("POST", url, body, retry=False, extra_timeout=wait)
         raise_for_api_error(response)
         if response.status_code == 204:
             return None
@@ -211,12 +214,13 @@ class PullWorker:
 
     # ---------------------------------------------------------------- the loop
 
-    def run_once(self, func: Callable[[PullContext], JSON]) -> str | None:
+    def run_once(self, func: Callable[[PullContext], JSON], *, wait: float = 0.0) -> str | None:
         """Claim one request and run ``func`` on it; the outcome, or None if nothing was due.
 
         Outcomes: ``succeeded``, ``retry``, ``dead``, ``cancelled``, ``lease_lost``.
+        ``wait``: long-poll the claim (see :meth:`claim`).
         """
-        claim = self.claim()
+        claim = self.claim(wait)
         if claim is None:
             return None
         stored: Any = claim.request.get("input")
@@ -260,20 +264,21 @@ class PullWorker:
     ) -> int:
         """Claim and run requests until :meth:`stop` (or ``max_runs``); returns how many ran.
 
-        When nothing is due it waits ``idle_wait`` seconds (a poll; the Celery
-        wake-up does not reach HTTP workers). Transport errors back off and go on.
+        When nothing is due, its claim long-polls: the server holds it up to
+        ``idle_wait`` seconds (at most 60) and answers as soon as a request of the
+        class may be claimable (its NOTIFY, a due time). Transport errors back off
+        and go on. :meth:`stop` takes effect after the current claim.
         """
         runs = 0
+        wait = min(float(idle_wait), 60.0)
         while not self._stop.is_set() and (max_runs is None or runs < max_runs):
             try:
-                outcome = self.run_once(func)
+                outcome = self.run_once(func, wait=wait)
             except TransportError as exc:
                 log.warning("pull worker: %s", exc)
                 self._stop.wait(idle_wait)
                 continue
-            if outcome is None:
-                self._stop.wait(idle_wait)
-            else:
+            if outcome is not None:
                 runs += 1
         return runs
 
@@ -314,7 +319,15 @@ class PullWorker:
         data: dict[str, Any] = response.json()
         return data
 
-    def _send(self, method: str, url: str, body: dict[str, Any], *, retry: bool) -> httpx.Response:
+    def _send(
+        self,
+        method: str,
+        url: str,
+        body: dict[str, Any],
+        *,
+        retry: bool,
+        extra_timeout: float = 0.0,
+    ) -> httpx.Response:
         """One call; with ``retry``, transport errors and 5xx are retried with backoff.
 
         Every call with ``retry`` is safe to repeat: a heartbeat extends the same
@@ -324,7 +337,18 @@ class PullWorker:
         attempts = self.retries if retry else 1
         for attempt in range(1, attempts + 1):
             try:
-                response = self._client.request(method, url, json=body, headers=self._headers)
+                kwargs: dict[str, Any] = {}
+                if extra_timeout:  # a long poll: the server holds the answer that long
+                    base = self._client.timeout
+                    kwargs["timeout"] = httpx.Timeout(
+                        connect=base.connect,
+                        read=None if base.read is None else base.read + extra_timeout,
+                        write=base.write,
+                        pool=base.pool,
+                    )
+                response = self._client.request(
+                    method, url, json=body, headers=self._headers, **kwargs
+                )
             except httpx.TransportError as exc:
                 error: TransportError = TransportError(f"{type(exc).__name__} on {url}")
                 error.__cause__ = exc

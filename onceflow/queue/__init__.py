@@ -1,5 +1,6 @@
 """Layer 1: the durable stage queue on Postgres (``workspace_process_requests``)."""
 
+from onceflow.queue.batch import Depth, Failure
 from onceflow.queue.store import Queue
 
-__all__ = ["Queue"]
+__all__ = ["Depth", "Failure", "Queue"]

@@ -22,6 +22,25 @@ RETURNING = ", ".join(f"w.{name}" for name in _REQUEST_FIELDS)
 
 _NOW = "SELECT coalesce(CAST(:now AS timestamptz), now()) AS now"
 
+#: The channel of work wake-ups (payload: a worker class). Postgres delivers a NOTIFY when
+#: the sending transaction commits, never if it rolls back. See onceflow.queue.notify.
+NOTIFY_CHANNEL = "onceflow_work"
+
+
+def _notify(rows: str, where: str = "true") -> str:
+    """A CTE body: one NOTIFY per distinct worker class of ``rows`` matching ``where``.
+
+    Sent only when ``:notify`` is true (the ``notify`` setting). A CTE that is not
+    referenced is never run: the statement's final SELECT names it (``_SENT``).
+    """
+    return f"""SELECT count(pg_notify('{NOTIFY_CHANNEL}', d.worker_class)) AS sent
+    FROM (SELECT DISTINCT r.worker_class FROM {rows} r, n
+          WHERE CAST(:notify AS boolean) AND ({where})) AS d"""
+
+
+# Always true; makes the final SELECT read the `sig` CTE, so its NOTIFYs are sent.
+_SENT = "(SELECT sent FROM sig) >= 0"
+
 ENQUEUE: TextClause = text(f"""
 WITH n AS ({_NOW}),
 items AS (
@@ -45,12 +64,13 @@ ins AS (
            n.now + make_interval(secs => i.delay), n.now, n.now, n.now
     FROM items i, n
     ON CONFLICT (request_id) DO NOTHING
-    RETURNING w.request_id, w.status, w.input_hash
-)
+    RETURNING w.request_id, w.status, w.input_hash, w.worker_class, w.run_after
+),
+sig AS ({_notify("ins", "r.run_after <= n.now")})
 -- Rows this statement inserted, then rows that already existed. The second SELECT reads
 -- the statement's snapshot, so it never sees the rows of `ins`; a row committed by a
 -- concurrent enqueue after the snapshot is found by ENQUEUE_LOOKUP in the caller.
-SELECT request_id, true AS created, status, input_hash FROM ins
+SELECT request_id, true AS created, status, input_hash FROM ins WHERE {_SENT}
 UNION ALL
 SELECT w.request_id, false AS created, w.status, w.input_hash
 FROM unnest(CAST(:request_ids AS text[])) AS r(request_id)
@@ -195,7 +215,8 @@ nxt AS (
     END AS status
     FROM {TABLE} w WHERE w.request_id = :request_id
     FOR UPDATE OF w
-)
+),
+upd AS (
 UPDATE {TABLE} AS w SET
     status = nxt.status,
     run_after = CASE WHEN nxt.status = 'queued'
@@ -209,6 +230,9 @@ UPDATE {TABLE} AS w SET
 FROM n, nxt
 WHERE {_FENCE}
 RETURNING {RETURNING}
+),
+sig AS ({_notify("upd", "r.status = 'queued' AND r.run_after <= n.now")})
+SELECT * FROM upd WHERE {_SENT}
 """)
 
 CANCEL: TextClause = text(f"""
@@ -224,7 +248,8 @@ RETURNING {RETURNING}
 """)
 
 REQUEUE: TextClause = text(f"""
-WITH n AS ({_NOW})
+WITH n AS ({_NOW}),
+upd AS (
 UPDATE {TABLE} AS w SET
     status = 'queued',
     attempts = 0,
@@ -241,7 +266,29 @@ UPDATE {TABLE} AS w SET
 FROM n
 WHERE w.request_id = :request_id AND w.status IN ('succeeded', 'dead', 'cancelled')
 RETURNING {RETURNING}
+),
+sig AS ({_notify("upd")})
+SELECT * FROM upd WHERE {_SENT}
 """)
+
+# For Queue.wait_for_work: seconds (database clock) until the next request of these worker
+# classes may be claimable — the earliest run_after of a queued row (<= 0: due now), or the
+# earliest lapse of a claimable running row's lease; NULL when none is known. Each minimum
+# reads one partial index (ix_wpr_claim, ix_wpr_lease).
+NEXT_WORK: TextClause = text(f"""
+WITH n AS (SELECT now() AS now)
+SELECT CAST(EXTRACT(EPOCH FROM least(
+    (SELECT min(w.run_after) FROM {TABLE} w
+     WHERE w.status = 'queued' AND w.worker_class = ANY(CAST(:worker_classes AS text[]))),
+    (SELECT min(w.lease_expires_at) FROM {TABLE} w
+     WHERE w.status = 'running' AND w.worker_class = ANY(CAST(:worker_classes AS text[]))
+       AND NOT w.cancel_requested
+       AND w.attempts < w.max_attempts
+       AND w.crash_attempts + 1 < w.max_crash_attempts)
+) - n.now) AS float8) AS next_in
+FROM n
+""")
+Q_NEXT_WORK = render(NEXT_WORK)
 
 GET: TextClause = text(f"SELECT {RETURNING} FROM {TABLE} w WHERE w.request_id = :request_id")
 
@@ -280,6 +327,8 @@ lapsed AS (
     FROM {TABLE} w, n
     WHERE w.status = 'running' AND w.lease_expires_at <= n.now
       AND {_STAGES}
+      AND (CAST(:worker_classes AS text[]) IS NULL
+           OR w.worker_class = ANY(CAST(:worker_classes AS text[])))
     ORDER BY w.lease_expires_at
     LIMIT :limit
     FOR UPDATE OF w SKIP LOCKED
@@ -292,7 +341,8 @@ nxt AS (
         ELSE 'queued'
     END AS status
     FROM {TABLE} w JOIN lapsed USING (request_id)
-)
+),
+upd AS (
 UPDATE {TABLE} AS w SET
     status = nxt.status,
     crash_attempts = w.crash_attempts + 1,
@@ -312,6 +362,9 @@ UPDATE {TABLE} AS w SET
 FROM nxt, n
 WHERE w.request_id = nxt.request_id
 RETURNING w.request_id, w.status, w.stage, w.worker_class
+),
+sig AS ({_notify("upd", "r.status = 'queued'")})
+SELECT * FROM upd WHERE {_SENT}
 """)
 
 # Queued, due rows that never had a wake-up (a send that failed, a retry that became due):
@@ -328,11 +381,15 @@ due AS (
     ORDER BY w.run_after
     LIMIT :limit
     FOR UPDATE OF w SKIP LOCKED
-)
+),
+upd AS (
 UPDATE {TABLE} AS w SET dispatched_at = n.now, redispatch_count = 0
 FROM due, n
 WHERE w.request_id = due.request_id
 RETURNING w.request_id, w.stage, w.worker_class
+),
+sig AS ({_notify("upd", "true")})
+SELECT * FROM upd WHERE {_SENT}
 """)
 
 # Per worker class: queued, due rows, those of them whose wake-up is stale (past its
@@ -363,11 +420,15 @@ due AS (
     ORDER BY w.dispatched_at
     LIMIT :limit
     FOR UPDATE OF w SKIP LOCKED
-)
+),
+upd AS (
 UPDATE {TABLE} AS w SET dispatched_at = n.now, redispatch_count = w.redispatch_count + 1
 FROM due, n
 WHERE w.request_id = due.request_id
 RETURNING w.request_id, w.stage, w.worker_class
+),
+sig AS ({_notify("upd", "true")})
+SELECT * FROM upd WHERE {_SENT}
 """)
 
 # A sweep begins with a compare-and-set on its Flow's row, by the database clock only: it
@@ -435,6 +496,187 @@ MARK_UNDISPATCHED: TextClause = text(f"""
 UPDATE {TABLE} SET dispatched_at = NULL
 WHERE request_id = :request_id AND status = 'queued'
 """)
+
+
+# ======================================================================= batches (BatchOps)
+# Statements of onceflow/queue/batch.py: fenced writes of many claims in one round trip, a
+# release, and a cheap depth. Each fenced batch joins unnest(ids, tokens, …) to the table
+# and applies the same per-row fence as _FENCE: a row whose fence fails is simply not
+# updated (and not returned); the caller reports it as LeaseLost. No row lock ordering is
+# needed: a row holds one live token, so two batches never both pass the fence on one row,
+# and the sweeper and claimers lock with SKIP LOCKED.
+
+_BATCH_FENCE = """
+  w.request_id = i.request_id
+  AND w.claim_token = i.token
+  AND w.status = 'running'
+  AND w.lease_expires_at > n.now
+"""
+
+
+def _notify_after(rows: str) -> str:
+    """A CTE ``notified`` sending one NOTIFY per worker class that ``rows`` made claimable now.
+
+    ``rows`` is a data-modifying CTE returning ``status``, ``run_after`` and ``worker_class``;
+    the final SELECT must reference ``notified`` (a plain CTE runs only when referenced).
+    Guarded by the bound boolean ``:notify``. NOTIFY is delivered at commit.
+    """
+    return f"""notified AS (
+    SELECT count(pg_notify('onceflow_work', d.c)) AS sent
+    FROM (SELECT DISTINCT r.worker_class AS c FROM {rows} r, n
+          WHERE CAST(:notify AS boolean) AND r.status = 'queued' AND r.run_after <= n.now) AS d
+)"""
+
+
+COMPLETE_MANY: TextClause = text(f"""
+WITH n AS ({_NOW}),
+i AS (
+    SELECT * FROM unnest(CAST(:request_ids AS text[]), CAST(:tokens AS text[]),
+                         CAST(:results AS jsonb[])) AS t(request_id, token, result)
+)
+UPDATE {TABLE} AS w SET
+    status = 'succeeded',
+    result = i.result,
+    claim_token = NULL,
+    lease_expires_at = NULL,
+    finished_at = n.now,
+    updated_at = n.now
+FROM i, n
+WHERE {_BATCH_FENCE}
+RETURNING {RETURNING}
+""")
+
+# FAIL's next-status rule, per row (:retryables[i], :delays[i]).
+_FAIL_NEXT = """CASE
+        WHEN w.cancel_requested THEN 'cancelled'
+        WHEN i.retryable AND w.attempts < w.max_attempts THEN 'queued'
+        ELSE 'dead'
+    END"""
+
+FAIL_MANY: TextClause = text(f"""
+WITH n AS ({_NOW}),
+i AS (
+    SELECT * FROM unnest(CAST(:request_ids AS text[]), CAST(:tokens AS text[]),
+                         CAST(:errors AS jsonb[]), CAST(:retryables AS boolean[]),
+                         CAST(:delays AS float8[])) AS t(request_id, token, error, retryable, delay)
+),
+upd AS (
+    UPDATE {TABLE} AS w SET
+        status = {_FAIL_NEXT},
+        run_after = CASE WHEN {_FAIL_NEXT} = 'queued'
+                         THEN n.now + make_interval(secs => i.delay) ELSE w.run_after END,
+        error = i.error,
+        claim_token = NULL,
+        lease_expires_at = NULL,
+        dispatched_at = NULL,
+        finished_at = CASE WHEN {_FAIL_NEXT} = 'queued' THEN NULL ELSE n.now END,
+        updated_at = n.now
+    FROM i, n
+    WHERE {_BATCH_FENCE}
+    RETURNING {RETURNING}
+),
+{_notify_after("upd")}
+SELECT upd.* FROM upd, notified
+""")
+
+# Never past each claim's run deadline (as HEARTBEAT).
+HEARTBEAT_MANY: TextClause = text(f"""
+WITH n AS ({_NOW}),
+i AS (
+    SELECT * FROM unnest(CAST(:request_ids AS text[]), CAST(:tokens AS text[]),
+                         CAST(:lease_seconds AS float8[]), CAST(:deadlines AS timestamptz[]))
+        AS t(request_id, token, lease_seconds, deadline)
+)
+UPDATE {TABLE} AS w SET
+    lease_expires_at = least(n.now + make_interval(secs => i.lease_seconds), i.deadline),
+    heartbeat_at = n.now,
+    updated_at = n.now
+FROM i, n
+WHERE {_BATCH_FENCE}
+RETURNING w.request_id, w.lease_expires_at, w.cancel_requested
+""")
+
+# Hand back claims whose work has not started: the row is as if never claimed — queued, due
+# at once (run_after kept, so it keeps its place in line), the claim's attempt uncounted, no
+# claimant, lease or heartbeat, and no wake-up recorded (dispatched_at NULL, re-send count 0:
+# a Celery deployment's sweeper sends a fresh one). crash_attempts is kept: a claim taken
+# from a lapsed lease counted the *previous* holder's crash, which did happen (see
+# BatchOps.release). Cancelled instead if cancel was requested.
+RELEASE: TextClause = text(f"""
+WITH n AS ({_NOW}),
+i AS (
+    SELECT * FROM unnest(CAST(:request_ids AS text[]), CAST(:tokens AS text[]))
+        AS t(request_id, token)
+),
+upd AS (
+    UPDATE {TABLE} AS w SET
+        status = CASE WHEN w.cancel_requested THEN 'cancelled' ELSE 'queued' END,
+        run_after = least(w.run_after, n.now),
+        attempts = greatest(w.attempts - 1, 0),
+        claim_token = NULL,
+        lease_expires_at = NULL,
+        claimed_by = NULL,
+        heartbeat_at = NULL,
+        dispatched_at = NULL,
+        redispatch_count = 0,
+        finished_at = CASE WHEN w.cancel_requested THEN n.now ELSE NULL END,
+        updated_at = n.now
+    FROM i, n
+    WHERE {_BATCH_FENCE}
+    RETURNING {RETURNING}
+),
+{_notify_after("upd")}
+SELECT upd.* FROM upd, notified
+""")
+
+# Rows by id, for recognising an own write whose answer was lost.
+GET_MANY: TextClause = text(f"""
+SELECT {RETURNING} FROM {TABLE} w WHERE w.request_id = ANY(CAST(:request_ids AS text[]))
+""")
+
+# Live depth per worker class, read only through the partial indexes ix_wpr_claim
+# (status = 'queued': worker_class, priority, run_after) and ix_wpr_lease (status =
+# 'running': worker_class, lease_expires_at): both hold every column used, so Postgres reads
+# them with index-only scans (EXPLAIN in bench/depth_bench.py) and the cost is proportional
+# to the live backlog, never to the finished rows of the table's history. No OR across
+# states (it defeats partial indexes): one branch per index. {classes} is "" for every class,
+# or a filter on :worker_classes.
+_DEPTH = f"""
+WITH n AS ({_NOW}),
+live AS (
+    SELECT w.worker_class,
+           count(*) FILTER (WHERE w.run_after <= n.now) AS queued_due,
+           count(*) FILTER (WHERE w.run_after > n.now) AS queued_later,
+           0::bigint AS running,
+           min(w.run_after) FILTER (WHERE w.run_after <= n.now) AS oldest_due
+    FROM {TABLE} w, n
+    WHERE w.status = 'queued'{{classes}}
+    GROUP BY w.worker_class
+    UNION ALL
+    SELECT w.worker_class, 0, 0, count(*), NULL
+    FROM {TABLE} w
+    WHERE w.status = 'running'{{classes}}
+    GROUP BY w.worker_class
+)
+SELECT l.worker_class, sum(l.queued_due)::bigint AS queued_due,
+       sum(l.queued_later)::bigint AS queued_later, sum(l.running)::bigint AS running,
+       EXTRACT(EPOCH FROM n.now - min(l.oldest_due))::float8 AS oldest_due_age
+FROM live l, n
+GROUP BY l.worker_class, n.now
+"""
+DEPTH_ALL: TextClause = text(_DEPTH.format(classes=""))
+DEPTH_FOR: TextClause = text(
+    _DEPTH.format(classes="\n      AND w.worker_class = ANY(CAST(:worker_classes AS text[]))")
+)
+
+Q_COMPLETE_MANY = render(COMPLETE_MANY)
+Q_FAIL_MANY = render(FAIL_MANY)
+Q_HEARTBEAT_MANY = render(HEARTBEAT_MANY)
+Q_RELEASE = render(RELEASE)
+Q_GET_MANY = render(GET_MANY)
+Q_DEPTH_ALL = render(DEPTH_ALL)
+Q_DEPTH_FOR = render(DEPTH_FOR)
+# ================================================================== end of batches (BatchOps)
 
 
 @lru_cache(maxsize=64)

@@ -56,6 +56,8 @@ from onceflow.models.status import Status, parse_status
 from onceflow.models.tables import workspace_process_requests as wpr
 from onceflow.payloads import JSON, canonical_json, encode_payload
 from onceflow.queue import sql
+from onceflow.queue.batch import BatchOps
+from onceflow.queue.notify import Waiter
 from onceflow.queue.sweep import Sweeper
 from onceflow.settings import Settings, get_settings
 
@@ -70,7 +72,7 @@ BATCH_MAX = 10_000
 Resolver = Callable[[NewRequest], NewRequest]
 
 
-class Queue(Sweeper):
+class Queue(Sweeper, BatchOps, Waiter):
     """The durable stage queue. Thread-safe; build one per process and share it.
 
     ``resolver`` (set by the :class:`~onceflow.tasks.Flow` that owns the queue)
@@ -267,7 +269,7 @@ class Queue(Sweeper):
                 ("max_crash_attempts", max_crash), ("delays", delay),
             ):  # fmt: skip
                 cols[key].append(value)
-        return {**cols, "now": now}
+        return {**cols, "now": now, "notify": self.settings.notify}
 
     def _enqueue_on(
         self, conn: Connection, params: dict[str, Any], strict: bool
@@ -537,6 +539,7 @@ class Queue(Sweeper):
         params = {
             "request_id": claim.request_id, "token": claim.token, "error": text,
             "retryable": bool(retryable), "delay": delay, "now": now,
+            "notify": self.settings.notify,
         }  # fmt: skip
 
         def attempt() -> Request:
@@ -592,7 +595,8 @@ class Queue(Sweeper):
     def _landed(self, claim: Claim, statuses: tuple[Status, ...]) -> Request | None:
         """The row, if this claim's own write moved it to one of ``statuses``.
 
-        A later claim would have bumped ``attempts`` (and named another claimant).
+        A later claim would have bumped ``attempts`` (and named another claimant); a
+        sweeper's rescue keeps both but counts a crash.
         """
         with raw_connection(self.engine) as raw:
             row = fetch_one(raw, sql.Q_GET, {"request_id": claim.request_id})
@@ -602,6 +606,7 @@ class Queue(Sweeper):
         mine = (
             current.claimed_by == claim.request.claimed_by
             and current.attempts == claim.attempt
+            and current.crash_attempts == claim.request.crash_attempts
             and current.status in statuses
         )
         return current if mine else None
@@ -641,7 +646,8 @@ class Queue(Sweeper):
         """Run a finished (succeeded, dead or cancelled) request again; refused while running."""
         check_id("request_id", request_id)
         with raw_connection(self.engine) as raw:
-            row = fetch_one(raw, sql.Q_REQUEUE, {"request_id": request_id, "now": now})
+            params = {"request_id": request_id, "now": now, "notify": self.settings.notify}
+            row = fetch_one(raw, sql.Q_REQUEUE, params)
         if row is not None:
             return Request.from_row(row)
         current = self.get(request_id)
@@ -715,6 +721,7 @@ class Queue(Sweeper):
 
     # ----------------------------------------------------------------- sweeper
     # rescue_expired, due_for_dispatch, prune, sweep_once, begin_sweep: see queue/sweep.py.
+    # complete_many, fail_many, heartbeat_many, release, depth: see queue/batch.py.
 
     # ----------------------------------------------------------------- helpers
 

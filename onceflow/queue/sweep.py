@@ -30,7 +30,7 @@ from sqlalchemy import Engine
 
 from onceflow.db import fetch_all, fetch_one, raw_connection
 from onceflow.errors import InvalidRequest
-from onceflow.ids import RequestId, check_id
+from onceflow.ids import RequestId, check_id, check_worker_class
 from onceflow.models.requests import Dispatch, SweepResult
 from onceflow.models.status import Status
 from onceflow.queue import sql
@@ -84,13 +84,18 @@ class Sweeper:
         *,
         limit: int = 1000,
         stages: Sequence[str] | None = None,
+        worker_classes: Sequence[str] | None = None,
         now: datetime | None = None,
     ) -> SweepResult:
         """Requeue (or quarantine) requests whose lease lapsed, in one compare-and-set.
 
-        ``stages``: only requests of these stages (None: every stage).
+        ``stages``: only requests of these stages; ``worker_classes``: only requests of
+        these classes (the standalone worker's rescue-only sweep). None: every one.
         """
-        params = {"limit": _limit(limit), "stages": _stages(stages), "now": now}
+        params = {
+            "limit": _limit(limit), "stages": _stages(stages), "now": now,
+            "worker_classes": _classes(worker_classes), "notify": self.settings.notify,
+        }  # fmt: skip
         with raw_connection(self.engine) as raw:
             rows = fetch_all(raw, sql.Q_RESCUE_EXPIRED, params)
         rescued = [RequestId(r["request_id"]) for r in rows if r["status"] == Status.QUEUED]
@@ -134,7 +139,7 @@ class Sweeper:
         """
         after = _seconds("redispatch_after", redispatch_after)
         limit = _limit(limit)
-        base = {"stages": _stages(stages), "now": now}
+        base = {"stages": _stages(stages), "now": now, "notify": self.settings.notify}
         marked: list[Dispatch] = []
         unpublished = Counter(d.worker_class for d in sending)
 
@@ -299,6 +304,14 @@ def _stages(stages: Sequence[str] | None) -> list[str] | None:
     if isinstance(stages, str):
         raise InvalidRequest("stages must be a list of stage names, not one string")
     return [check_id("stage", stage) for stage in stages]
+
+
+def _classes(classes: Sequence[str] | None) -> list[str] | None:
+    if classes is None:
+        return None
+    if isinstance(classes, str):
+        raise InvalidRequest("worker_classes must be a list of worker classes, not one string")
+    return [check_worker_class(wc) for wc in classes]
 
 
 def _limit(limit: int) -> int:

@@ -4,9 +4,9 @@ The Postgres table stays the source of truth; a Celery message carries only a
 request id and is a wake-up (DESIGN.md L5).
 """
 
+from onceflow.context import StageContext
 from onceflow.tasks.config import MAINTENANCE_QUEUE, SWEEP_TASK, celery_config
 from onceflow.tasks.flow import Flow, StageSpec, StageTask, worker_id
-from onceflow.tasks.runtime import StageContext
 
 __all__ = [
     "MAINTENANCE_QUEUE",

@@ -37,6 +37,7 @@ from celery import Celery, Task
 from celery.signals import worker_init, worker_process_init
 from pydantic import BaseModel, ValidationError
 
+from onceflow.context import StageContext, oplog_for
 from onceflow.db import dispose_engines, size_pools_for
 from onceflow.errors import InvalidRequest, OnceflowError, UnknownStage, validation_summary
 from onceflow.ids import check_id, check_worker_class, random_request_id
@@ -53,7 +54,7 @@ from onceflow.tasks.config import (
     maintenance_queue_for,
     time_limits,
 )
-from onceflow.tasks.runtime import StageContext, oplog_for, run_request
+from onceflow.tasks.runtime import run_request
 from onceflow.tasks.sweeper import (
     BEAT_GAP_INTERVALS,
     broker_backlog,

@@ -104,6 +104,22 @@ def test_lease_expiry_fences_the_old_claim(queue: Queue, clean_db: Engine) -> No
     assert (done.status, done.result, done.claimed_by) == (Status.SUCCEEDED, {"by": "b"}, "b")
 
 
+def test_a_failure_report_after_a_rescue_is_not_taken_for_our_own(
+    queue: Queue, clean_db: Engine
+) -> None:
+    # The sweeper requeued the lapsed request (same claimant, same attempt count, status
+    # queued — what our own retryable failure would have left): the late report is a zombie.
+    rid = queue.enqueue("s", "w", "j").request_id
+    old = queue.claim(rid, "a", lease_seconds=10)
+    assert old is not None
+    later = db_now(clean_db) + timedelta(seconds=11)
+    assert queue.rescue_expired(now=later).rescued == [rid]
+    with pytest.raises(LeaseLost):
+        queue.fail(old, {"e": 1}, now=later)
+    row = queue.get(rid)
+    assert (row.status, row.error, row.crash_attempts) == (Status.QUEUED, None, 1)
+
+
 def test_claim_next_takes_lapsed_leases_too(queue: Queue, clean_db: Engine) -> None:
     rid = queue.enqueue("s", "w", "j").request_id
     assert queue.claim(rid, "a", lease_seconds=5) is not None

@@ -607,8 +607,8 @@ def test_ids_are_validated_before_anything_runs(backend: LockBackend) -> None:
 
 @pytest.fixture()
 def stage_ctx(clean_db: Engine) -> Any:
+    from onceflow.context import StageContext
     from onceflow.queue import Queue
-    from onceflow.tasks.runtime import StageContext
 
     queue = Queue(clean_db)
     ws = f"ws-{secrets.token_hex(4)}"

@@ -16,10 +16,10 @@ from pydantic import BaseModel
 from sqlalchemy import Engine, text
 
 from onceflow import Status
+from onceflow.context import StageContext as Ctx
 from onceflow.errors import InvalidRequest
 from onceflow.queue import Queue
 from onceflow.tasks import Flow, StageContext
-from onceflow.tasks.runtime import StageContext as Ctx
 from onceflow.tasks.runtime import _heartbeats, run_request
 from tests.acceptance.procs import wait_for
 

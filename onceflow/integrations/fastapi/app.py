@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -33,6 +34,7 @@ from fastapi.routing import APIRoute
 from fastapi.security import HTTPBearer
 from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
@@ -138,10 +140,11 @@ class OnceflowServices:
         return hub
 
     async def aclose(self) -> None:
-        """Close this loop's event hub (the engine stays: it is shared per process)."""
+        """Close this loop's event hub and work listener (the engine stays: shared per process)."""
         hub = self._hubs.pop(asyncio.get_running_loop(), None)
         if hub is not None:
             await hub.aclose()
+        await self.queue.aclose()  # this loop's work listener (long-poll claims)
 
     def lifespan(self, app: FastAPI) -> AbstractAsyncContextManager[None]:
         """A FastAPI lifespan: ``FastAPI(lifespan=services.lifespan)``."""
@@ -513,9 +516,19 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         response_model=s.ClaimOut,
         responses={204: {"description": "Nothing to claim now"}, **_responses(503)},
     )
-    def claim_next(wc: s.WorkerClassPath, body: s.ClaimIn) -> Any:
-        """Claim the next due request of this worker class (a lease; heartbeat every lease/3)."""
-        claims = svc.queue.claim_next(wc, body.worker_id, 1, lease_seconds=body.lease_seconds)
+    async def claim_next(wc: s.WorkerClassPath, body: s.ClaimIn, request: Request) -> Any:
+        """Claim the next due request of this worker class (a lease; heartbeat every lease/3).
+
+        With ``wait`` > 0, a long poll: nothing claimable now waits (no thread held) until
+        something may be, and claims again, until ``wait`` is used up or the client leaves.
+        """
+
+        def claim_now() -> list[Claim]:
+            return svc.queue.claim_next(wc, body.worker_id, 1, lease_seconds=body.lease_seconds)
+
+        claims = await run_in_threadpool(claim_now)
+        if not claims and body.wait > 0:
+            claims = await _long_poll(svc.queue, wc, body.wait, request, claim_now)
         if not claims:
             return Response(status_code=204)
         claim = claims[0]
@@ -694,6 +707,33 @@ def _op_routes(router: APIRouter, svc: OnceflowServices) -> None:
                 for r in records
             ]
         )
+
+
+async def _long_poll(
+    queue: Queue, wc: str, wait: float, request: Request, claim_now: Callable[[], list[Claim]]
+) -> list[Claim]:
+    """Wait for work of ``wc`` and claim it, for up to ``wait`` s; [] on timeout or disconnect."""
+    deadline = time.monotonic() + wait
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            waiter = asyncio.ensure_future(queue.wait_for_work_async(wc, left))
+            await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if watcher.done():
+                waiter.cancel()
+                return []
+            if waiter.result():
+                claims = await run_in_threadpool(claim_now)
+                if claims:
+                    return claims
+        return []
+    finally:
+        watcher.cancel()
 
 
 def _request_out(request: StageRequest) -> s.RequestOut:

@@ -116,6 +116,13 @@ class ClaimIn(_In):
     lease_seconds: LeaseSeconds | None = Field(
         default=None, description="The lease without a heartbeat; the server's default if unset."
     )
+    wait: float = Field(
+        default=0,
+        ge=0,
+        le=60,
+        description="Long poll: when nothing is claimable, wait up to this many seconds for "
+        "a request to become claimable (a NOTIFY, a due time, a lapsed lease) before 204.",
+    )
 
 
 class ClaimOut(BaseModel):

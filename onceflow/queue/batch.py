@@ -1,0 +1,378 @@
+"""Batches of fenced writes, release, and a cheap depth: the layer-1 API of a pull worker.
+
+Mixed into :class:`~onceflow.queue.Queue`. A worker that claims many requests at a
+time (``claim_next(limit=n)``) completes, fails, heartbeats or hands them back in
+one round trip per call. Every row keeps its own fence (token + live lease, database
+clock): a row whose fence fails is not changed and comes back as a
+:class:`~onceflow.errors.LeaseLost` *instance* in its place of the result list (not
+raised), while the other rows land. Results are aligned with the input order.
+
+Blips: a fenced batch is retried on :class:`~onceflow.errors.DatabaseUnavailable`
+while the shortest lease of the batch may hold (like ``Queue.fenced_retry``). A row
+missing from the answer is checked, in one batch read, for being our own write whose
+answer was lost (same claimant, same attempts and crash count, target status) before
+it is reported as ``LeaseLost``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from sqlalchemy import Engine
+
+from onceflow.db import fetch_all, raw_connection, retry_disconnect
+from onceflow.errors import DatabaseUnavailable, InvalidRequest, LeaseLost
+from onceflow.ids import check_worker_class
+from onceflow.models.requests import Claim, Heartbeat, Request
+from onceflow.models.status import Status
+from onceflow.payloads import JSON, encode_payload
+from onceflow.queue import sql
+from onceflow.settings import Settings
+
+log = logging.getLogger("onceflow.queue")
+
+#: The most claims one batch call takes (as ``enqueue_many``).
+BATCH_MAX = 10_000
+
+
+class Failure(NamedTuple):
+    """One failed run for :meth:`BatchOps.fail_many` (the arguments of ``Queue.fail``)."""
+
+    claim: Claim
+    error: JSON | BaseException
+    retryable: bool = True
+    retry_in: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Depth:
+    """The live depth of one worker class, by the database clock.
+
+    ``queued_due``: queued rows claimable now; ``queued_later``: queued rows waiting
+    for their ``run_after`` (retries backing off, delayed enqueues); ``running``:
+    rows under a claim (live or lapsed, not yet rescued); ``oldest_due_age_seconds``:
+    how long the oldest due row has been due, None when none is.
+    """
+
+    queued_due: int
+    queued_later: int
+    running: int
+    oldest_due_age_seconds: float | None
+
+
+_EMPTY = Depth(0, 0, 0, None)
+
+
+class BatchOps:
+    """Batch operations of the layer-1 store (a mixin of :class:`~onceflow.queue.Queue`)."""
+
+    engine: Engine
+    settings: Settings
+
+    if TYPE_CHECKING:  # provided by Queue
+
+        def backoff(self, attempt: int) -> float: ...
+
+    # ---------------------------------------------------------------- complete / fail
+
+    def complete_many(
+        self, items: Sequence[tuple[Claim, JSON]], *, now: datetime | None = None
+    ) -> list[Request | LeaseLost]:
+        """Mark many requests succeeded in one statement, each fenced by its own claim.
+
+        ``items``: ``(claim, result)`` pairs. Results are checked and encoded like
+        ``complete``'s (size and depth limits) before any SQL: a bad one raises
+        :class:`InvalidRequest` and nothing is written; so does the same request twice.
+        Returns, in input order, the updated :class:`Request` or a ``LeaseLost``
+        for a row whose lease was lost (that row is unchanged). No hand-offs here:
+        use ``complete(then=…)`` for a stage that hands off.
+        """
+        pairs = _as_list(items, "complete_many")
+        claims: list[Claim] = []
+        results: list[str] = []
+        for item in pairs:
+            if not isinstance(item, tuple) or len(item) != 2:
+                raise InvalidRequest("complete_many takes (claim, result) pairs")
+            claim, result = item
+            claims.append(_check_claim(claim))
+            text, _ = encode_payload(
+                result,
+                self.settings.payload_limit_bytes,
+                what="result",
+                max_depth=self.settings.max_payload_depth,
+            )
+            results.append(text)
+        if not claims:
+            return []
+        ids = _unique_ids(claims)
+        params = {
+            "request_ids": ids, "tokens": [c.token for c in claims],
+            "results": results, "now": now,
+        }  # fmt: skip
+        return self._fenced_batch(
+            claims, sql.Q_COMPLETE_MANY, params, _landed_as((Status.SUCCEEDED,)), "completion"
+        )
+
+    def fail_many(
+        self, items: Sequence[Failure], *, now: datetime | None = None
+    ) -> list[Request | LeaseLost]:
+        """Record many failed runs in one statement, each fenced; next status as ``fail``.
+
+        Per row: cancelled if cancel was requested, else queued again after
+        ``retry_in`` (default: ``backoff(attempt)``) if ``retryable`` with attempts
+        left, else dead; the error is kept. Rows requeued already due send a NOTIFY
+        (``settings.notify``). Bad input raises :class:`InvalidRequest`, nothing written.
+        """
+        failures = _as_list(items, "fail_many")
+        claims: list[Claim] = []
+        errors: list[str] = []
+        retryables: list[bool] = []
+        delays: list[float] = []
+        for item in failures:
+            if not isinstance(item, Failure):
+                raise InvalidRequest(f"fail_many takes Failure items, got {type(item).__name__}")
+            claim = _check_claim(item.claim)
+            error = item.error
+            if isinstance(error, BaseException):
+                error = {"type": type(error).__name__, "message": str(error)}
+            text, _ = encode_payload(
+                error,
+                self.settings.payload_limit_bytes,
+                what="error",
+                max_depth=self.settings.max_payload_depth,
+            )
+            if not isinstance(item.retryable, bool):
+                raise InvalidRequest("retryable must be a bool")
+            if item.retry_in is None:
+                delay = self.backoff(claim.attempt)
+            else:
+                delay = _seconds("retry_in", item.retry_in)
+            claims.append(claim)
+            errors.append(text)
+            retryables.append(item.retryable)
+            delays.append(delay)
+        if not claims:
+            return []
+        ids = _unique_ids(claims)
+        params = {
+            "request_ids": ids, "tokens": [c.token for c in claims], "errors": errors,
+            "retryables": retryables, "delays": delays, "notify": self._notify(), "now": now,
+        }  # fmt: skip
+        targets = (Status.QUEUED, Status.DEAD, Status.CANCELLED)
+        return self._fenced_batch(
+            claims, sql.Q_FAIL_MANY, params, _landed_as(targets), "failure report"
+        )
+
+    # ------------------------------------------------------------- heartbeat / release
+
+    def heartbeat_many(
+        self, claims: Sequence[Claim], *, now: datetime | None = None
+    ) -> list[Heartbeat | LeaseLost]:
+        """Extend every claim's lease in one round trip (each never past its run deadline).
+
+        In input order: a :class:`Heartbeat` (new expiry, cancel requested) or a
+        ``LeaseLost`` for a claim that no longer holds a live lease. A lost
+        connection is retried once, on a fresh connection (as ``heartbeat``).
+        """
+        checked = [_check_claim(c) for c in _as_list(claims, "heartbeat_many")]
+        if not checked:
+            return []
+        ids = _unique_ids(checked)
+        params = {
+            "request_ids": ids, "tokens": [c.token for c in checked],
+            "lease_seconds": [c.lease_seconds for c in checked],
+            "deadlines": [c.run_deadline for c in checked], "now": now,
+        }  # fmt: skip
+
+        def run() -> list[Any]:
+            with raw_connection(self.engine) as raw:
+                return fetch_all(raw, sql.Q_HEARTBEAT_MANY, params)
+
+        rows = {r["request_id"]: r for r in retry_disconnect(run)}
+        out: list[Heartbeat | LeaseLost] = []
+        for rid in ids:
+            row = rows.get(rid)
+            if row is None:
+                out.append(LeaseLost(rid, "heartbeat rejected"))
+            else:
+                out.append(Heartbeat(row["lease_expires_at"], row["cancel_requested"]))
+        return out
+
+    def release(
+        self, claims: Sequence[Claim], *, now: datetime | None = None
+    ) -> list[Request | LeaseLost]:
+        """Hand back claims whose work has not started (shutdown, an over-fetched batch).
+
+        Each row (fenced: token and live lease) goes back to ``queued``, due at once
+        and keeping its place in line (``run_after`` unchanged), with the claim's
+        attempt not counted (``attempts - 1``), no claimant, lease or heartbeat, and
+        no wake-up recorded (``dispatched_at`` NULL: a Celery deployment's sweeper
+        sends a fresh one; a NOTIFY goes out when ``settings.notify``). A row whose
+        cancel was requested becomes ``cancelled`` instead. A claim whose lease
+        lapsed or was re-claimed is a ``LeaseLost`` and its row is unchanged.
+
+        ``crash_attempts`` is *not* undone. A claim taken from a lapsed lease
+        counted the previous holder's crash: that run started and never finished,
+        which is exactly what the crash budget exists to bound (a request that
+        keeps killing or hanging its workers is quarantined). Releasing the new
+        claim says nothing about that earlier run, so its crash stays counted;
+        only this claim's own attempt, which never ran, is taken back.
+        """
+        checked = [_check_claim(c) for c in _as_list(claims, "release")]
+        if not checked:
+            return []
+        ids = _unique_ids(checked)
+        params = {
+            "request_ids": ids, "tokens": [c.token for c in checked],
+            "notify": self._notify(), "now": now,
+        }  # fmt: skip
+        return self._fenced_batch(checked, sql.Q_RELEASE, params, _released, "release")
+
+    # ----------------------------------------------------------------------- depth
+
+    def depth(
+        self, worker_classes: str | Sequence[str] | None = None, *, now: datetime | None = None
+    ) -> dict[str, Depth]:
+        """Live depth per worker class, cheap enough to poll often.
+
+        Reads only the live rows, through the partial indexes of queued and of
+        running rows (index-only scans): cost proportional to the live backlog,
+        not the table's history (finished rows are never read, unlike ``counts()``).
+        With ``None``, every class that has live rows; with names, exactly those
+        classes (zeros for one without live rows). Ages by the database clock.
+        """
+        params: dict[str, Any] = {"now": now}
+        classes: list[str] = []
+        if worker_classes is None:
+            query = sql.Q_DEPTH_ALL
+        else:
+            classes = [worker_classes] if isinstance(worker_classes, str) else list(worker_classes)
+            for wc in classes:
+                check_worker_class(wc)
+            query = sql.Q_DEPTH_FOR
+            params["worker_classes"] = classes
+
+        def read() -> list[Any]:
+            with raw_connection(self.engine) as raw:
+                return fetch_all(raw, query, params)
+
+        out = {wc: _EMPTY for wc in classes}
+        for row in retry_disconnect(read):
+            age = row["oldest_due_age"]
+            out[row["worker_class"]] = Depth(
+                int(row["queued_due"]),
+                int(row["queued_later"]),
+                int(row["running"]),
+                None if age is None else max(0.0, float(age)),
+            )
+        return out
+
+    # --------------------------------------------------------------------- helpers
+
+    def _notify(self) -> bool:
+        return bool(getattr(self.settings, "notify", True))
+
+    def _fenced_batch(
+        self,
+        claims: list[Claim],
+        query: str,
+        params: dict[str, Any],
+        landed: Callable[[Claim, Request], bool],
+        what: str,
+    ) -> list[Request | LeaseLost]:
+        """Run one fenced batch statement, retrying blips; rows aligned with ``claims``."""
+        deadline = time.monotonic() + min(c.lease_seconds for c in claims)
+        delay = 0.05
+        while True:
+            try:
+                with raw_connection(self.engine) as raw:
+                    rows = fetch_all(raw, query, params)
+                break
+            except DatabaseUnavailable as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning("batch %s of %d: database blip (%s); retrying", what, len(claims), exc)
+                time.sleep(delay)
+                delay = min(1.0, delay * 2)
+        found = {r["request_id"]: Request.from_row(r) for r in rows}
+        missing = [c.request_id for c in claims if c.request_id not in found]
+        current: dict[str, Request] = {}
+        if missing:
+            # An earlier attempt (ours, or a caller's whose answer was lost) may have committed.
+            def read() -> list[Any]:
+                with raw_connection(self.engine) as raw:
+                    return fetch_all(raw, sql.Q_GET_MANY, {"request_ids": missing})
+
+            current = {r["request_id"]: Request.from_row(r) for r in retry_disconnect(read)}
+        out: list[Request | LeaseLost] = []
+        for claim in claims:
+            row = found.get(claim.request_id)
+            if row is None:
+                now_row = current.get(claim.request_id)
+                if now_row is not None and landed(claim, now_row):
+                    row = now_row
+            out.append(row if row is not None else LeaseLost(claim.request_id, f"{what} rejected"))
+        return out
+
+
+def _landed_as(statuses: tuple[Status, ...]) -> Callable[[Claim, Request], bool]:
+    """Whether ``row`` is this claim's own write: a later claim bumps ``attempts``, a rescue
+    of the lapsed lease bumps ``crash_attempts``; neither changes them otherwise."""
+
+    def landed(claim: Claim, row: Request) -> bool:
+        return (
+            row.status in statuses
+            and row.claimed_by == claim.request.claimed_by
+            and row.attempts == claim.attempt
+            and row.crash_attempts == claim.request.crash_attempts
+        )
+
+    return landed
+
+
+def _released(claim: Claim, row: Request) -> bool:
+    """Whether ``row`` is this claim's own release (claimant cleared, its attempt taken back)."""
+    return (
+        row.status in (Status.QUEUED, Status.CANCELLED)
+        and row.claimed_by is None
+        and row.attempts == max(claim.attempt - 1, 0)
+        and row.crash_attempts == claim.request.crash_attempts
+    )
+
+
+def _as_list(items: Any, what: str) -> list[Any]:
+    if isinstance(items, str | bytes) or not isinstance(items, Sequence):
+        raise InvalidRequest(f"{what} takes a sequence")
+    if len(items) > BATCH_MAX:
+        raise InvalidRequest(f"a batch holds at most {BATCH_MAX} items, got {len(items)}")
+    return list(items)
+
+
+def _check_claim(claim: Any) -> Claim:
+    if not isinstance(claim, Claim):
+        raise InvalidRequest(f"expected a Claim, got {type(claim).__name__}")
+    return claim
+
+
+def _unique_ids(claims: list[Claim]) -> list[str]:
+    ids = [str(c.request_id) for c in claims]
+    if len(set(ids)) != len(ids):
+        dup = next(rid for rid in ids if ids.count(rid) > 1)
+        raise InvalidRequest(f"request {dup} appears twice in one batch")
+    return ids
+
+
+def _seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequest(f"{name} must be a number of seconds")
+    if not 0 <= value <= 366 * 86_400:
+        raise InvalidRequest(f"{name} must be between 0 and one year")
+    return float(value)
+
+
+__all__ = ["BATCH_MAX", "BatchOps", "Depth", "Failure"]

@@ -1,0 +1,594 @@
+"""A standalone layer-1 worker: stage bodies run from the Postgres queue, without Celery.
+
+For consumers that embed the queue (agent back-ends, batch jobs, services without a
+broker)::
+
+    from onceflow import Queue
+    from onceflow.worker import Worker
+
+    def handler(ctx):                      # a StageContext, as in a Celery stage body
+        ctx.check()                        # LeaseLost / Cancelled: stop here
+        return {"summary": summarise(ctx.request.input)}
+
+    Worker(Queue(), ["llm"], handler, concurrency=8).run()   # SIGTERM: graceful stop
+
+One process, ``concurrency`` threads running bodies, and four threads around them:
+
+* the **fetcher** claims up to the free capacity (plus ``prefetch``) in one round trip
+  (:meth:`Queue.claim_next`) and, when nothing is claimable, sleeps in
+  :meth:`Queue.wait_for_work` (LISTEN/NOTIFY, and the next due time or lease expiry the
+  database knows of) — no polling loop, no latency-or-load trade-off;
+* the **completer** records finished bodies in batches (:meth:`Queue.complete_many`,
+  :meth:`Queue.fail_many`: one round trip for everything that finished meanwhile —
+  group commit), each row fenced by its own claim token;
+* the **heartbeater** extends every held lease in one round trip every lease/3
+  (:meth:`Queue.heartbeat_many`) and tells bodies whose lease was lost or whose request
+  was cancelled (``ctx.check()`` raises);
+* the **sweeper** (``sweep=True``) rescues lapsed leases of this worker's classes, elected
+  on the database clock (one sweep per interval among every worker), and never sends a
+  Celery wake-up — the rescue-only sweep a consumer without Celery needs.
+
+Shutdown (:meth:`stop`, SIGTERM or SIGINT): claiming stops, claims not yet started are
+handed back (:meth:`Queue.release`: queued again, no attempt counted), running bodies
+finish and are recorded, then :meth:`run` returns. A second signal stops at once: bodies
+still running are abandoned and their leases lapse (the sweeper or another worker takes
+them up, counting a crash). Leases, due times and the sweep election use the database
+clock only; this process's monotonic clock schedules heartbeats and retries.
+
+The connection pool is sized for the worker: ``concurrency`` (bodies writing ops) plus
+one each for the fetcher, completer, heartbeater and sweeper; LISTEN holds one more
+connection of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from types import FrameType, TracebackType
+from typing import Any
+
+from onceflow.context import StageContext, error_payload, to_json_result
+from onceflow.db import make_engine
+from onceflow.errors import (
+    Cancelled,
+    InvalidRequest,
+    LeaseLost,
+    OnceflowError,
+    PermanentError,
+    RetryLater,
+)
+from onceflow.ids import check_id, check_worker_class
+from onceflow.models.requests import Claim
+from onceflow.payloads import Unreadable, encode_payload
+from onceflow.queue import Failure, Queue
+from onceflow.settings import get_settings
+
+log = logging.getLogger("onceflow.worker")
+
+#: A stage body: gets the context, returns the result (JSON-able or a pydantic model).
+Handler = Callable[[StageContext], Any]
+
+#: Threads besides the bodies' that use the pool: fetcher, completer, heartbeater, sweeper.
+SERVICE_CONNECTIONS = 4
+SWEEP_NAME = "onceflow.worker"
+
+
+@dataclass
+class WorkerStats:
+    """What this worker did since it started (counts, this process only)."""
+
+    claimed: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    released: int = 0
+    lease_lost: int = 0
+    unrecorded: int = 0
+    rescued: int = 0
+
+
+@dataclass
+class _Done:
+    """A finished body waiting to be recorded."""
+
+    ctx: StageContext
+    result: Any = None
+    failure: Failure | None = None
+
+
+class Worker:
+    """Runs ``handler`` for requests of ``worker_classes`` claimed from ``queue``.
+
+    ``queue``: a :class:`Queue`, or a database URL (None: the settings' URL) — then
+    the worker builds its own queue with a pool sized for it. ``concurrency``: bodies
+    run at once (threads). ``prefetch``: extra claims held ready beyond the free
+    threads (heartbeated meanwhile; handed back at shutdown), to hide the claim round
+    trip at saturation. ``retry_on(exc)`` decides whether an exception is worth a retry
+    (default: every exception except :class:`PermanentError` and
+    :class:`InvalidRequest`). ``max_wait`` bounds one sleep in
+    :meth:`Queue.wait_for_work` — a safety net only, since the wait already ends at
+    the first notification, due time or lease expiry.
+    """
+
+    def __init__(
+        self,
+        queue: Queue | str | None,
+        worker_classes: str | Sequence[str],
+        handler: Handler,
+        *,
+        concurrency: int = 4,
+        prefetch: int = 0,
+        worker_id: str | None = None,
+        lease_seconds: float | None = None,
+        max_runtime: float | None = None,
+        retry_on: Callable[[BaseException], bool] | None = None,
+        sweep: bool = True,
+        max_wait: float = 30.0,
+    ) -> None:
+        classes = [worker_classes] if isinstance(worker_classes, str) else list(worker_classes)
+        if not classes:
+            raise InvalidRequest("a worker needs at least one worker class")
+        for wc in classes:
+            check_worker_class(wc)
+        for name, value, low in (("concurrency", concurrency, 1), ("prefetch", prefetch, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= 1000:
+                raise InvalidRequest(f"{name} must be an integer in [{low}, 1000]")
+        if not callable(handler):
+            raise InvalidRequest("handler must be callable")
+        if isinstance(max_wait, bool) or not isinstance(max_wait, int | float) or max_wait <= 0:
+            raise InvalidRequest("max_wait must be a positive number of seconds")
+        self._owns_queue = not isinstance(queue, Queue)
+        if isinstance(queue, Queue):
+            self.queue = queue
+        else:
+            settings = get_settings()
+            engine = make_engine(
+                queue or settings.database_url, pool_size=concurrency + SERVICE_CONNECTIONS
+            )
+            self.queue = Queue(engine, settings)
+        self.worker_classes = classes
+        self.handler = handler
+        self.concurrency = concurrency
+        self.prefetch = prefetch
+        self.worker_id = check_id(
+            "worker_id", worker_id or f"{socket.gethostname()[:60]}:{os.getpid()}:worker"
+        )
+        self.lease_seconds = self.queue._lease(lease_seconds)
+        self.max_runtime = max_runtime
+        self.retry_on = retry_on or (lambda exc: True)
+        self.sweep = sweep
+        self.max_wait = float(max_wait)
+        self.stats = WorkerStats()
+
+        self._cond = threading.Condition()
+        self._ready: deque[StageContext] = deque()  # claimed, not started
+        self._held: dict[str, StageContext] = {}  # every claim this worker holds
+        self._running = 0
+        self._done: list[_Done] = []
+        self._stopping = threading.Event()  # no more claims; finish what runs
+        self._abandon = threading.Event()  # a second signal: do not wait for running bodies
+        self._stopped = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._background: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ control
+
+    def run(self) -> None:
+        """Work until :meth:`stop` (or SIGTERM/SIGINT in the main thread); then shut down."""
+        with self._signals():
+            self._start_threads()
+            try:
+                self._fetch_loop()
+            finally:
+                self._shutdown()
+
+    def start(self) -> Worker:
+        """Run in a background thread (``with worker:`` does this); returns the worker."""
+        self._background = threading.Thread(target=self.run, name="onceflow-worker", daemon=True)
+        self._background.start()
+        return self
+
+    def stop(self, *, wait: bool = True, abandon: bool = False) -> None:
+        """Stop claiming, hand back unstarted claims, let running bodies finish.
+
+        ``abandon=True`` does not wait for running bodies (their leases lapse).
+        ``wait``: block until the worker has shut down (when it runs in the background).
+        """
+        if abandon:
+            self._abandon.set()
+        self._stopping.set()
+        with self._cond:
+            self._cond.notify_all()
+        if (
+            wait
+            and self._background is not None
+            and self._background is not threading.current_thread()
+        ):
+            self._background.join()
+
+    def __enter__(self) -> Worker:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    @property
+    def held(self) -> int:
+        """Claims this worker holds now (ready, running or being recorded)."""
+        with self._cond:
+            return len(self._held)
+
+    @contextlib.contextmanager
+    def _signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            if self._stopping.is_set():
+                log.warning("worker: second signal; abandoning running bodies")
+                self._abandon.set()
+            else:
+                log.info(
+                    "worker: signal %s; stopping (a second one abandons running bodies)", signum
+                )
+            self.stop(wait=False)
+
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _start_threads(self) -> None:
+        targets: list[tuple[str, Callable[[], None]]] = [
+            (f"onceflow-body-{i}", self._body_loop) for i in range(self.concurrency)
+        ]
+        targets += [
+            ("onceflow-completer", self._complete_loop),
+            ("onceflow-heartbeats", self._heartbeat_loop),
+        ]
+        if self.sweep:
+            targets.append(("onceflow-sweeper", self._sweep_loop))
+        for name, target in targets:
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    # ------------------------------------------------------------------ fetcher
+
+    def _capacity(self) -> int:
+        """How many more claims to take now (caller holds the lock)."""
+        return self.concurrency + self.prefetch - self._running - len(self._ready)
+
+    def _should_claim(self) -> bool:
+        """Claim now: a slot is free and no claim waits for it, or a batch's worth is free.
+
+        While prefetched claims wait, freed slots accumulate to a quarter of the worker
+        (one round trip for several claims) instead of one claim per finished body.
+        """
+        capacity = self._capacity()
+        batch = max(1, (self.concurrency + self.prefetch) // 4)
+        return capacity > 0 and (not self._ready or capacity >= batch)
+
+    def _fetch_loop(self) -> None:
+        delay = 0.05
+        while not self._stopping.is_set():
+            with self._cond:
+                while not self._should_claim() and not self._stopping.is_set():
+                    self._cond.wait()
+                want = self._capacity()
+            if self._stopping.is_set():
+                break
+            try:
+                claims = self.queue.claim_next(
+                    self.worker_classes,
+                    self.worker_id,
+                    want,
+                    lease_seconds=self.lease_seconds,
+                    max_runtime=self.max_runtime,
+                )
+                if not claims:
+                    self.queue.wait_for_work(
+                        self.worker_classes, self.max_wait, interrupt=self._stopping
+                    )
+            except OnceflowError as exc:  # the database is away: back off, interruptibly
+                log.warning("worker: claim failed (%s); retrying in %.2f s", exc, delay)
+                self._stopping.wait(delay)
+                delay = min(2.0, delay * 2)
+                continue
+            delay = 0.05
+            if claims:
+                self._hold(claims)
+
+    def _hold(self, claims: list[Claim]) -> None:
+        with self._cond:
+            for claim in claims:
+                ctx = StageContext(self.queue, claim, self.worker_id)
+                self._held[claim.request_id] = ctx
+                self._ready.append(ctx)
+            self.stats.claimed += len(claims)
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------- bodies
+
+    def _body_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._ready and not self._stopping.is_set():
+                    self._cond.wait()
+                if not self._ready or self._stopping.is_set():
+                    return  # unstarted claims are handed back by _shutdown
+                ctx = self._ready.popleft()
+                self._running += 1
+            try:
+                done = self._run_body(ctx)
+            finally:
+                with self._cond:
+                    self._running -= 1
+                    if done is not None:
+                        self._done.append(done)
+                    else:
+                        self._held.pop(ctx.claim.request_id, None)
+                    self._cond.notify_all()
+
+    def _run_body(self, ctx: StageContext) -> _Done | None:
+        """Run one body; what to record (None: nothing — the lease is gone)."""
+        claim = ctx.claim
+        settings = self.queue.settings
+        try:
+            if isinstance(claim.request.input, Unreadable):  # stored before the depth limit
+                raise PermanentError(f"input cannot be read: {claim.request.input['reason']}")
+            ctx.check()  # a prefetched claim may have lost its lease while it waited
+            result = to_json_result(self.handler(ctx))
+            ctx.check()
+            # Refused results (too large, too deep, not JSON) fail the request here, per row,
+            # rather than failing a whole batch of completions later.
+            encode_payload(
+                result,
+                settings.payload_limit_bytes,
+                what="result",
+                max_depth=settings.max_payload_depth,
+            )
+            return _Done(ctx, result=result)
+        except LeaseLost:
+            log.warning("request %s: lease lost; the result is discarded", claim.request_id)
+            with self._cond:
+                self.stats.lease_lost += 1
+            return None
+        except Cancelled:
+            return self._failure(ctx, {"type": "Cancelled"}, retryable=False)
+        except RetryLater as exc:
+            error = {"type": "RetryLater", "message": exc.reason, "delay": exc.delay}
+            return self._failure(ctx, error, retryable=True, retry_in=exc.delay)
+        except (PermanentError, InvalidRequest) as exc:
+            return self._failure(ctx, error_payload(exc), retryable=False)
+        except Exception as exc:
+            log.exception("request %s: the body raised", claim.request_id)
+            return self._failure(ctx, error_payload(exc), retryable=self._retryable(exc))
+
+    def _retryable(self, exc: Exception) -> bool:
+        try:
+            return bool(self.retry_on(exc))
+        except Exception:
+            log.exception("worker: retry_on raised; treating the error as retryable")
+            return True
+
+    @staticmethod
+    def _failure(
+        ctx: StageContext, error: Any, *, retryable: bool, retry_in: float | None = None
+    ) -> _Done:
+        return _Done(ctx, failure=Failure(ctx.claim, error, retryable, retry_in))
+
+    # ---------------------------------------------------------------- completer
+
+    def _complete_loop(self) -> None:
+        delay = 0.05
+        while True:
+            with self._cond:
+                while not self._done and not self._completer_may_exit():
+                    self._cond.wait()
+                if not self._done:
+                    return
+                batch, self._done = self._done, []
+            retry = self._record(batch)
+            if retry:
+                with self._cond:
+                    self._done[:0] = retry
+                time.sleep(delay)  # the database is away; _may_retry bounds how long
+                delay = min(1.0, delay * 2)
+            else:
+                delay = 0.05
+
+    def _completer_may_exit(self) -> bool:
+        """Nothing left to record, ever (caller holds the lock)."""
+        return self._stopping.is_set() and (self._abandon.is_set() or self._running == 0)
+
+    def _record(self, batch: list[_Done]) -> list[_Done]:
+        """Record a batch; returns the items to try again (the database did not answer)."""
+        plain = [d for d in batch if d.failure is None and not d.ctx._then]
+        handing_off = [d for d in batch if d.failure is None and d.ctx._then]
+        failed = [d for d in batch if d.failure is not None]
+        retry: list[_Done] = []
+        if plain:
+            retry += self._apply(
+                plain, lambda: self.queue.complete_many([(d.ctx.claim, d.result) for d in plain])
+            )
+        for d in handing_off:  # a hand-off enqueues in the completion's transaction: one by one
+            retry += self._apply([d], self._hand_off_call(d))
+        if failed:
+            retry += self._apply(
+                failed, lambda: self.queue.fail_many([d.failure for d in failed if d.failure])
+            )
+        return retry
+
+    def _hand_off_call(self, d: _Done) -> Callable[[], Sequence[Any]]:
+        return lambda: [self.queue.hand_off(d.ctx.claim, d.result, then=d.ctx._then)[0]]
+
+    def _apply(self, items: list[_Done], call: Callable[[], Sequence[Any]]) -> list[_Done]:
+        try:
+            outcomes: Sequence[Any] = call()
+        except LeaseLost as exc:  # hand_off raises it for its one row
+            outcomes = [exc]
+        except InvalidRequest as exc:
+            # Refused as a whole (cannot happen for results checked in the body): fail each.
+            log.error("worker: a batch was refused (%s); failing its requests", exc)
+            with self._cond:
+                self._done += [
+                    self._failure(d.ctx, error_payload(exc), retryable=False)
+                    for d in items
+                    if d.failure is None
+                ]
+                self._cond.notify_all()
+            return []
+        except OnceflowError as exc:
+            keep = [d for d in items if self._may_retry(d)]
+            log.warning("worker: %d outcome(s) not recorded yet (%s); retrying", len(keep), exc)
+            self._forget([d for d in items if d not in keep], unrecorded=True)
+            return keep
+        for d, outcome in zip(items, outcomes, strict=True):
+            with self._cond:
+                if isinstance(outcome, LeaseLost):
+                    log.warning("request %s: lease lost; outcome discarded", d.ctx.claim.request_id)
+                    self.stats.lease_lost += 1
+                elif d.failure is None:
+                    self.stats.succeeded += 1
+                else:
+                    self.stats.failed += 1
+        self._forget(items)
+        return []
+
+    def _may_retry(self, d: _Done) -> bool:
+        """Keep trying while the database may still confirm the lease (it alone decides)."""
+        silent = time.monotonic() - d.ctx._confirmed_at
+        return (
+            not d.ctx.lease_lost
+            and silent <= d.ctx.claim.lease_seconds
+            and not self._abandon.is_set()
+        )
+
+    def _forget(self, items: list[_Done], *, unrecorded: bool = False) -> None:
+        with self._cond:
+            for d in items:
+                self._held.pop(d.ctx.claim.request_id, None)
+                if unrecorded:
+                    log.error(
+                        "request %s: outcome not recorded; its lease will lapse",
+                        d.ctx.claim.request_id,
+                    )
+                    self.stats.unrecorded += 1
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------- heartbeater
+
+    def _heartbeat_loop(self) -> None:
+        interval = self.lease_seconds / 3
+        while not self._stopped.wait(interval):
+            with self._cond:
+                held = list(self._held.values())
+            if not held:
+                continue
+            try:
+                beats = self.queue.heartbeat_many([ctx.claim for ctx in held])
+            except OnceflowError as exc:  # the database may be back before the leases lapse
+                log.warning("worker: heartbeat failed: %s", exc)
+                continue
+            except Exception:  # the one thread of every lease must never die
+                log.exception("worker: heartbeat raised; carrying on")
+                continue
+            now = time.monotonic()
+            with self._cond:
+                for ctx, beat in zip(held, beats, strict=True):
+                    if isinstance(beat, LeaseLost):
+                        if not ctx._lost.is_set():
+                            log.warning("request %s: lease lost", ctx.claim.request_id)
+                        ctx._lost.set()
+                        if ctx in self._ready:  # not started: nothing to run or record
+                            self._ready.remove(ctx)
+                            self._held.pop(ctx.claim.request_id, None)
+                            self.stats.lease_lost += 1
+                        continue
+                    ctx._confirmed_at = now
+                    if beat.cancel_requested:
+                        ctx._cancel.set()
+                self._cond.notify_all()
+
+    # ----------------------------------------------------------------- sweeper
+
+    def _sweep_loop(self) -> None:
+        settings = self.queue.settings
+        interval = settings.sweep_interval_seconds
+        while not self._stopping.wait(interval):
+            try:
+                turn = self.queue.begin_sweep(SWEEP_NAME, self.worker_id, min_gap=interval / 2)
+                if not turn.won:
+                    continue
+                rescued = self.queue.rescue_expired(worker_classes=self.worker_classes)
+            except OnceflowError as exc:
+                log.warning("worker: sweep failed: %s", exc)
+                continue
+            except Exception:
+                log.exception("worker: sweep raised; carrying on")
+                continue
+            if rescued.rescued or rescued.quarantined:
+                log.info(
+                    "worker: sweep requeued %d and quarantined %d lapsed request(s)",
+                    len(rescued.rescued),
+                    len(rescued.quarantined),
+                )
+                with self._cond:
+                    self.stats.rescued += len(rescued.rescued) + len(rescued.quarantined)
+
+    # ---------------------------------------------------------------- shutdown
+
+    def _shutdown(self) -> None:
+        self._stopping.set()
+        with self._cond:
+            unstarted = list(self._ready)
+            self._ready.clear()
+            self._cond.notify_all()
+        self._release(unstarted)
+        for thread in self._threads:
+            if thread.name.startswith("onceflow-body-") or thread.name == "onceflow-completer":
+                while thread.is_alive() and not self._abandon.is_set():
+                    thread.join(timeout=0.2)
+        self._stopped.set()  # the heartbeater stops with the last recorded outcome
+        if self._abandon.is_set():
+            with self._cond:
+                left = len(self._held)
+            if left:
+                log.warning("worker: abandoned %d running request(s); their leases lapse", left)
+        if self._owns_queue:
+            self.queue.close()
+            self.queue.engine.dispose()
+
+    def _release(self, unstarted: list[StageContext]) -> None:
+        if not unstarted:
+            return
+        try:
+            outcomes = self.queue.release([ctx.claim for ctx in unstarted])
+        except OnceflowError as exc:
+            log.warning("worker: could not hand back %d claim(s): %s", len(unstarted), exc)
+            outcomes = []
+        released = sum(1 for o in outcomes if not isinstance(o, LeaseLost))
+        with self._cond:
+            for ctx in unstarted:
+                self._held.pop(ctx.claim.request_id, None)
+            self.stats.released += released
+        log.info("worker: handed back %d unstarted claim(s)", released)
+
+
+__all__ = ["Handler", "Worker", "WorkerStats"]

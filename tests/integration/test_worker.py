@@ -1,0 +1,309 @@
+"""The standalone worker (``onceflow.worker.Worker``): layer 1 consumed without Celery.
+
+Real Postgres; worker processes where the guarantee is across processes (kill -9,
+SIGTERM). Time is the database's: conditions are awaited with deadlines, never slept on.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, text
+
+from onceflow.context import StageContext
+from onceflow.errors import InvalidRequest, PermanentError
+from onceflow.models import NewRequest, Status
+from onceflow.queue import Queue
+from onceflow.settings import get_settings
+from onceflow.worker import Worker
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def statuses(engine: Engine) -> Counter[str]:
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT status FROM workspace_process_requests")).scalars()
+        return Counter(rows)
+
+
+def enqueue(queue: Queue, n: int, worker_class: str = "w", **kw: Any) -> list[str]:
+    items = [
+        NewRequest("ws", f"job-{i}", "s", worker_class=worker_class, input={"i": i}, **kw)
+        for i in range(n)
+    ]
+    return [r.request_id for r in queue.enqueue_many(items)]
+
+
+def listening(engine: Engine) -> bool:
+    with engine.connect() as conn:
+        query = "SELECT count(*) FROM pg_stat_activity WHERE query ILIKE 'LISTEN%'"
+        return bool(conn.execute(text(query)).scalar())
+
+
+@pytest.fixture()
+def fast_queue(clean_db: Engine) -> Iterator[Queue]:
+    """A queue whose retries and sweeps are quick (no test waits seconds for them)."""
+    settings = get_settings().model_copy(
+        update={"backoff_base_seconds": 0.0, "sweep_interval_seconds": 0.3}
+    )
+    queue = Queue(clean_db, settings)
+    yield queue
+    queue.close()
+
+
+def test_a_worker_drains_every_request_once(fast_queue: Queue, clean_db: Engine) -> None:
+    ids = enqueue(fast_queue, 120)
+    seen: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def body(ctx: StageContext) -> dict[str, Any]:
+        with lock:
+            seen[ctx.request.request_id] += 1
+        return {"double": ctx.request.input["i"] * 2}
+
+    with Worker(fast_queue, "w", body, concurrency=4, prefetch=4) as worker:
+        wait_for(lambda: statuses(clean_db) == {"succeeded": 120}, "the drain")
+    assert seen == Counter({rid: 1 for rid in ids})
+    done = fast_queue.get(ids[7])
+    assert (done.attempts, done.result) == (1, {"double": 14})
+    assert worker.stats.succeeded == 120 and worker.stats.claimed == 120
+    assert worker.held == 0
+
+
+def test_an_idle_worker_wakes_on_the_enqueue_not_a_poll(
+    fast_queue: Queue, clean_db: Engine
+) -> None:
+    # max_wait is a safety net of one minute: the request is done long before it, so the
+    # wake-up came from the enqueue's NOTIFY.
+    started = threading.Event()
+
+    def body(ctx: StageContext) -> None:
+        started.set()
+
+    with Worker(fast_queue, "w", body, concurrency=1, max_wait=60.0):
+        wait_for(lambda: listening(clean_db), "the worker to LISTEN")
+        enqueue(fast_queue, 1)
+        assert started.wait(20.0), "the idle worker did not wake for the enqueue"
+        wait_for(lambda: statuses(clean_db) == {"succeeded": 1}, "the completion")
+
+
+def test_failures_retry_then_die_and_permanent_errors_die_at_once(
+    fast_queue: Queue, clean_db: Engine
+) -> None:
+    [flaky] = enqueue(fast_queue, 1, worker_class="w", max_attempts=3)
+    [bad] = fast_queue.enqueue_many([NewRequest("ws", "perm", "s", worker_class="w")])
+    [huge] = fast_queue.enqueue_many([NewRequest("ws", "huge", "s", worker_class="w")])
+    [fine] = fast_queue.enqueue_many([NewRequest("ws", "fine", "s", worker_class="w")])
+
+    def body(ctx: StageContext) -> Any:
+        job = ctx.request.job_id
+        if job == "perm":
+            raise PermanentError("bad data")
+        if job == "huge":
+            return "x" * (fast_queue.settings.payload_limit_bytes + 1)
+        if job == "fine":
+            return "ok"
+        raise ValueError(f"attempt {ctx.attempt}")
+
+    with Worker(fast_queue, "w", body, concurrency=2):
+        wait_for(
+            lambda: statuses(clean_db) == {"dead": 3, "succeeded": 1}, "every request to settle"
+        )
+    row = fast_queue.get(flaky)
+    assert (row.attempts, row.error["type"], row.error["message"]) == (3, "ValueError", "attempt 3")
+    assert fast_queue.get(bad.request_id).attempts == 1
+    assert fast_queue.get(huge.request_id).error["type"] == "PayloadTooLarge"
+    assert fast_queue.get(fine.request_id).result == "ok"
+
+
+def test_cancel_reaches_a_running_body(fast_queue: Queue, clean_db: Engine) -> None:
+    [rid] = enqueue(fast_queue, 1)
+    running = threading.Event()
+
+    def body(ctx: StageContext) -> None:
+        running.set()
+        while True:  # a long body that checks its lease at each step
+            ctx.check()
+            time.sleep(0.02)
+
+    with Worker(fast_queue, "w", body, concurrency=1, lease_seconds=0.6):
+        assert running.wait(20.0)
+        fast_queue.cancel(rid)
+        wait_for(lambda: fast_queue.get(rid).status is Status.CANCELLED, "the cancel")
+
+
+def test_graceful_stop_hands_back_unstarted_claims_and_finishes_running(
+    fast_queue: Queue, clean_db: Engine
+) -> None:
+    ids = enqueue(fast_queue, 4)
+    release = threading.Event()
+    started: list[str] = []
+
+    def body(ctx: StageContext) -> None:
+        started.append(ctx.request.request_id)
+        assert release.wait(30.0)
+
+    worker = Worker(fast_queue, "w", body, concurrency=1, prefetch=3).start()
+    wait_for(lambda: worker.held == 4 and len(started) == 1, "one running, three prefetched")
+    stopper = threading.Thread(target=worker.stop)
+    stopper.start()
+    wait_for(lambda: statuses(clean_db)["queued"] == 3, "the unstarted claims handed back")
+    release.set()
+    stopper.join(30.0)
+    assert not stopper.is_alive()
+    rows = {rid: fast_queue.get(rid) for rid in ids}
+    assert rows[started[0]].status is Status.SUCCEEDED
+    others = [r for rid, r in rows.items() if rid != started[0]]
+    # Handed back without counting an attempt: claimable again as if never claimed.
+    assert [(r.status, r.attempts, r.crash_attempts) for r in others] == [(Status.QUEUED, 0, 0)] * 3
+    assert worker.stats.released == 3 and worker.held == 0
+
+
+def test_the_workers_sweep_rescues_its_own_classes_only(
+    fast_queue: Queue, clean_db: Engine
+) -> None:
+    # Spent requests whose leases lapse: no claim can take them, only a sweep settles them.
+    mine, theirs = (
+        fast_queue.enqueue("s", "ws", job, worker_class=wc, max_attempts=1).request_id
+        for job, wc in (("mine", "w"), ("theirs", "other"))
+    )
+    assert fast_queue.claim(mine, "gone", lease_seconds=0.2) is not None
+    assert fast_queue.claim(theirs, "gone", lease_seconds=0.2) is not None
+
+    with Worker(fast_queue, "w", lambda ctx: None, concurrency=1) as worker:
+        wait_for(lambda: fast_queue.get(mine).status is Status.DEAD, "the worker's sweep")
+    assert fast_queue.get(mine).error["type"] == "LeaseLapsed"
+    assert fast_queue.get(theirs).status is Status.RUNNING  # another class's: not ours
+    assert worker.stats.rescued == 1
+
+
+def test_bad_arguments_are_refused(fast_queue: Queue) -> None:
+    def body(ctx: StageContext) -> None: ...
+
+    for kwargs in ({"concurrency": 0}, {"prefetch": -1}, {"max_wait": 0}, {"concurrency": True}):
+        with pytest.raises(InvalidRequest):
+            Worker(fast_queue, "w", body, **kwargs)
+    with pytest.raises(InvalidRequest):
+        Worker(fast_queue, [], body)
+    with pytest.raises(InvalidRequest):
+        Worker(fast_queue, "no spaces", body)
+
+
+# ----------------------------------------------------------------- across processes
+
+
+def start_worker(
+    database_url: str, log: Path, *, concurrency: int = 2, prefetch: int = 0, seconds: float = 0
+) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.worker_app", database_url, str(log), "w",
+         str(concurrency), str(prefetch), str(seconds)],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )  # fmt: skip
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready", "the worker process did not start"
+    return proc
+
+
+def executions(log: Path) -> Counter[str]:
+    if not log.exists():
+        return Counter()
+    return Counter(line.split()[0] for line in log.read_text().splitlines())
+
+
+@pytest.mark.slow
+def test_workers_in_several_processes_run_each_request_once(
+    fast_queue: Queue, clean_db: Engine, database_url: str, tmp_path: Path
+) -> None:
+    log = tmp_path / "runs.log"
+    procs = [start_worker(database_url, log, concurrency=3, prefetch=3) for _ in range(3)]
+    try:
+        ids = enqueue(fast_queue, 600)
+        wait_for(lambda: statuses(clean_db) == {"succeeded": 600}, "the drain", timeout=90)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            assert p.wait(30) == 0
+    assert executions(log) == Counter({rid: 1 for rid in ids})
+    assert len({line.split()[1] for line in log.read_text().splitlines()}) > 1
+
+
+@pytest.mark.slow
+def test_sigterm_leaves_nothing_running_and_kill_9_is_recovered_by_another_worker(
+    fast_queue: Queue, clean_db: Engine, database_url: str, tmp_path: Path
+) -> None:
+    log = tmp_path / "runs.log"
+    ids = enqueue(fast_queue, 40)
+    # SIGTERM with bodies running and claims prefetched: nothing is left running.
+    proc = start_worker(database_url, log, concurrency=2, prefetch=4, seconds=0.2)
+    wait_for(lambda: len(executions(log)) >= 2, "some bodies to finish")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    after_term = statuses(clean_db)
+    assert after_term["running"] == 0 and after_term["succeeded"] >= 2, after_term
+    assert sum(after_term.values()) == 40
+
+    # kill -9 mid-body: its leases (1 s) lapse and a second worker takes the requests up.
+    victim = start_worker(database_url, log, concurrency=2, prefetch=2, seconds=0.2)
+    wait_for(lambda: statuses(clean_db)["running"] > 0, "the victim to hold claims")
+    victim.kill()
+    victim.wait(10)
+    orphaned = statuses(clean_db)["running"]
+    assert orphaned > 0
+    rescuer = start_worker(database_url, log, concurrency=4, prefetch=0)
+    try:
+        wait_for(lambda: statuses(clean_db) == {"succeeded": 40}, "the rescue", timeout=60)
+    finally:
+        rescuer.send_signal(signal.SIGTERM)
+        assert rescuer.wait(30) == 0
+    crashed = [r for r in (fast_queue.get(rid) for rid in ids) if r.crash_attempts]
+    assert len(crashed) == orphaned  # each orphan counted one crash, then completed
+    runs = executions(log)
+    assert set(runs) == set(ids)
+    # A body runs again only if it was killed mid-run (before its completion committed).
+    assert all(n == 1 for rid, n in runs.items() if rid not in {r.request_id for r in crashed})
+
+
+def test_onceflow_work_runs_a_handler_from_the_command_line(
+    fast_queue: Queue, clean_db: Engine, database_url: str
+) -> None:
+    ids = enqueue(fast_queue, 5)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "onceflow.cli", "work", "tests.integration.worker_app:double",
+         "-w", "w", "-c", "2", "--loglevel", "WARNING"],
+        cwd=REPO_ROOT, env={**os.environ, "ONCEFLOW_DATABASE_URL": database_url},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: statuses(clean_db) == {"succeeded": 5}, "the CLI worker's drain")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert fast_queue.get(ids[3]).result == {"double": 6}
+    bad = subprocess.run(
+        [sys.executable, "-m", "onceflow.cli", "work", "no_such_module:f", "-w", "w"],
+        cwd=REPO_ROOT, env={**os.environ, "ONCEFLOW_DATABASE_URL": database_url},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "cannot load" in bad.stderr
