@@ -683,10 +683,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 log(f"graceful: {system}: {out[system]}")
             res["phases"]["graceful"] = out
         res["machine"]["load_end"] = loadavg()
-        if not args.keep:
-            shutil.rmtree(bench.work, ignore_errors=True)
     finally:
         pg.close()
+        work = res.get("workdir")
+        if work and not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
     return res
 
 
