@@ -270,7 +270,7 @@ class PullWorker:
         and go on. :meth:`stop` takes effect after the current claim.
         """
         runs = 0
-        wait = min(float(idle_wait), 60.0)
+        wait = min(max(float(idle_wait), 0.0), 60.0)  # the API takes 0..60 s
         while not self._stop.is_set() and (max_runs is None or runs < max_runs):
             try:
                 outcome = self.run_once(func, wait=wait)

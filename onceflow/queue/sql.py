@@ -502,9 +502,10 @@ WHERE request_id = :request_id AND status = 'queued'
 # Statements of onceflow/queue/batch.py: fenced writes of many claims in one round trip, a
 # release, and a cheap depth. Each fenced batch joins unnest(ids, tokens, …) to the table
 # and applies the same per-row fence as _FENCE: a row whose fence fails is simply not
-# updated (and not returned); the caller reports it as LeaseLost. No row lock ordering is
-# needed: a row holds one live token, so two batches never both pass the fence on one row,
-# and the sweeper and claimers lock with SKIP LOCKED.
+# updated (and not returned); the caller reports it as LeaseLost. Rows are locked in id
+# order first (`locked`): the same worker's heartbeat and completion batches both hold the
+# rows' live tokens, and without one lock order they could deadlock. The sweeper and
+# claimers lock with SKIP LOCKED.
 
 _BATCH_FENCE = """
   w.request_id = i.request_id
@@ -533,6 +534,14 @@ WITH n AS ({_NOW}),
 i AS (
     SELECT * FROM unnest(CAST(:request_ids AS text[]), CAST(:tokens AS text[]),
                          CAST(:results AS jsonb[])) AS t(request_id, token, result)
+),
+locked AS (
+    -- Row locks in one order (by id) for every batch: two batches on the same rows (a
+    -- worker's heartbeats and its completions) queue up instead of deadlocking.
+    SELECT w.request_id FROM {TABLE} w
+    WHERE w.request_id = ANY(CAST(:request_ids AS text[]))
+    ORDER BY w.request_id
+    FOR NO KEY UPDATE OF w
 )
 UPDATE {TABLE} AS w SET
     status = 'succeeded',
@@ -541,7 +550,7 @@ UPDATE {TABLE} AS w SET
     lease_expires_at = NULL,
     finished_at = n.now,
     updated_at = n.now
-FROM i, n
+FROM i JOIN locked USING (request_id), n
 WHERE {_BATCH_FENCE}
 RETURNING {RETURNING}
 """)
@@ -560,6 +569,14 @@ i AS (
                          CAST(:errors AS jsonb[]), CAST(:retryables AS boolean[]),
                          CAST(:delays AS float8[])) AS t(request_id, token, error, retryable, delay)
 ),
+locked AS (
+    -- Row locks in one order (by id) for every batch: two batches on the same rows (a
+    -- worker's heartbeats and its completions) queue up instead of deadlocking.
+    SELECT w.request_id FROM {TABLE} w
+    WHERE w.request_id = ANY(CAST(:request_ids AS text[]))
+    ORDER BY w.request_id
+    FOR NO KEY UPDATE OF w
+),
 upd AS (
     UPDATE {TABLE} AS w SET
         status = {_FAIL_NEXT},
@@ -571,7 +588,7 @@ upd AS (
         dispatched_at = NULL,
         finished_at = CASE WHEN {_FAIL_NEXT} = 'queued' THEN NULL ELSE n.now END,
         updated_at = n.now
-    FROM i, n
+    FROM i JOIN locked USING (request_id), n
     WHERE {_BATCH_FENCE}
     RETURNING {RETURNING}
 ),
@@ -586,12 +603,20 @@ i AS (
     SELECT * FROM unnest(CAST(:request_ids AS text[]), CAST(:tokens AS text[]),
                          CAST(:lease_seconds AS float8[]), CAST(:deadlines AS timestamptz[]))
         AS t(request_id, token, lease_seconds, deadline)
+),
+locked AS (
+    -- Row locks in one order (by id) for every batch: two batches on the same rows (a
+    -- worker's heartbeats and its completions) queue up instead of deadlocking.
+    SELECT w.request_id FROM {TABLE} w
+    WHERE w.request_id = ANY(CAST(:request_ids AS text[]))
+    ORDER BY w.request_id
+    FOR NO KEY UPDATE OF w
 )
 UPDATE {TABLE} AS w SET
     lease_expires_at = least(n.now + make_interval(secs => i.lease_seconds), i.deadline),
     heartbeat_at = n.now,
     updated_at = n.now
-FROM i, n
+FROM i JOIN locked USING (request_id), n
 WHERE {_BATCH_FENCE}
 RETURNING w.request_id, w.lease_expires_at, w.cancel_requested
 """)
@@ -608,6 +633,14 @@ i AS (
     SELECT * FROM unnest(CAST(:request_ids AS text[]), CAST(:tokens AS text[]))
         AS t(request_id, token)
 ),
+locked AS (
+    -- Row locks in one order (by id) for every batch: two batches on the same rows (a
+    -- worker's heartbeats and its completions) queue up instead of deadlocking.
+    SELECT w.request_id FROM {TABLE} w
+    WHERE w.request_id = ANY(CAST(:request_ids AS text[]))
+    ORDER BY w.request_id
+    FOR NO KEY UPDATE OF w
+),
 upd AS (
     UPDATE {TABLE} AS w SET
         status = CASE WHEN w.cancel_requested THEN 'cancelled' ELSE 'queued' END,
@@ -621,7 +654,7 @@ upd AS (
         redispatch_count = 0,
         finished_at = CASE WHEN w.cancel_requested THEN n.now ELSE NULL END,
         updated_at = n.now
-    FROM i, n
+    FROM i JOIN locked USING (request_id), n
     WHERE {_BATCH_FENCE}
     RETURNING {RETURNING}
 ),

@@ -17,6 +17,7 @@ in its thread pool, as blocking calls (psycopg, the Celery send) need.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -726,9 +727,16 @@ async def _long_poll(
             await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if watcher.done():
                 waiter.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await waiter  # retrieved: a failed wait logs no "never retrieved"
                 return []
             if waiter.result():
                 claims = await run_in_threadpool(claim_now)
+                if claims and watcher.done():
+                    # The client left while we claimed: hand the claim back (no attempt
+                    # counted) instead of letting its lease lapse as a crash.
+                    await run_in_threadpool(queue.release, claims)
+                    return []
                 if claims:
                     return claims
         return []
