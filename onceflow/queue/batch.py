@@ -368,6 +368,7 @@ def _unique_ids(claims: list[Claim]) -> list[str]:
 
 
 def _seconds(name: str, value: Any) -> float:
+    """``value`` as seconds in [0, one year], or :class:`InvalidRequest` (shared with store)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidRequest(f"{name} must be a number of seconds")
     if not 0 <= value <= 366 * 86_400:

@@ -56,7 +56,7 @@ from onceflow.models.status import Status, parse_status
 from onceflow.models.tables import workspace_process_requests as wpr
 from onceflow.payloads import JSON, canonical_json, encode_payload
 from onceflow.queue import sql
-from onceflow.queue.batch import BatchOps
+from onceflow.queue.batch import BatchOps, _seconds
 from onceflow.queue.notify import Waiter
 from onceflow.queue.sweep import Sweeper
 from onceflow.settings import Settings, get_settings
@@ -749,14 +749,6 @@ def _positive(name: str, value: int | None, default: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1000:
         raise InvalidRequest(f"{name} must be an integer in [1, 1000]")
     return value
-
-
-def _seconds(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidRequest(f"{name} must be a number of seconds")
-    if not 0 <= value <= 366 * 86_400:
-        raise InvalidRequest(f"{name} must be between 0 and one year")
-    return float(value)
 
 
 __all__ = ["Queue", "canonical_json"]
