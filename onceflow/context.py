@@ -178,10 +178,17 @@ class StageContext:
 
 
 def error_payload(exc: BaseException) -> dict[str, Any]:
-    """A JSON description of an exception, kept on the row."""
-    lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
-    tail = "".join(lines).splitlines()[-TRACEBACK_LINES:]
-    return {"type": type(exc).__name__, "message": str(exc)[:2000], "traceback": tail}
+    """A JSON description of an exception, kept on the row (never raises)."""
+    try:
+        message = str(exc)[:2000]
+    except Exception:  # an exception whose __str__ raises must still be recorded
+        message = f"<{type(exc).__name__}: str() failed>"
+    try:
+        lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
+        tail = "".join(lines).splitlines()[-TRACEBACK_LINES:]
+    except Exception:
+        tail = []
+    return {"type": type(exc).__name__, "message": message, "traceback": tail}
 
 
 def to_json_result(value: Any) -> Any:

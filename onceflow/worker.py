@@ -69,6 +69,7 @@ from onceflow.ids import check_id, check_worker_class
 from onceflow.models.requests import Claim
 from onceflow.payloads import Unreadable, encode_payload
 from onceflow.queue import Failure, Queue
+from onceflow.queue.notify import WAIT_MAX_SECONDS
 from onceflow.settings import get_settings
 
 log = logging.getLogger("onceflow.worker")
@@ -117,7 +118,12 @@ class Worker:
     threads (heartbeated meanwhile; handed back at shutdown), to hide the claim round
     trip at saturation. ``retry_on(exc)`` decides whether an exception is worth a retry
     (default: every exception except :class:`PermanentError` and
-    :class:`InvalidRequest`). ``max_wait`` bounds one sleep in
+    :class:`InvalidRequest`). ``max_runtime`` bounds a run as on Celery — heartbeats
+    stop extending the lease past claim time + ``max_runtime`` (time a prefetched claim
+    waits counts too) — but a thread cannot be interrupted: a body still running then
+    loses its lease, its later writes are fenced off, and the request runs again
+    elsewhere. Default: no bound (a hung body holds its lease until the process
+    stops). ``max_wait`` bounds one sleep in
     :meth:`Queue.wait_for_work` — a safety net only, since the wait already ends at
     the first notification, due time or lease expiry.
     """
@@ -149,8 +155,10 @@ class Worker:
             raise InvalidRequest("handler must be callable")
         if concurrency + prefetch > CLAIM_LIMIT:
             raise InvalidRequest(f"concurrency + prefetch must be at most {CLAIM_LIMIT}")
-        if not _positive_seconds(max_wait):
-            raise InvalidRequest("max_wait must be a positive number of seconds")
+        if not _positive_seconds(max_wait) or max_wait > WAIT_MAX_SECONDS:
+            raise InvalidRequest(
+                f"max_wait must be a number of seconds in (0, {WAIT_MAX_SECONDS:g}]"
+            )
         if max_runtime is not None and not _positive_seconds(max_runtime):
             raise InvalidRequest("max_runtime must be a positive number of seconds")
         self._owns_queue = not isinstance(queue, Queue)
@@ -170,10 +178,7 @@ class Worker:
             "worker_id", worker_id or f"{socket.gethostname()[:60]}:{os.getpid()}:worker"
         )
         self.lease_seconds = self.queue._lease(lease_seconds)
-        # As on Celery: heartbeats stop extending a lease past claim time + max_runtime.
-        self.max_runtime = (
-            self.queue.settings.max_runtime_seconds if max_runtime is None else max_runtime
-        )
+        self.max_runtime = max_runtime
         self.retry_on = retry_on or (lambda exc: True)
         self.sweep = sweep
         self.max_wait = float(max_wait)
@@ -328,6 +333,15 @@ class Worker:
             if claims:
                 self._hold(claims)
 
+    def _drop(self, ctx: StageContext) -> None:
+        """Stop holding ``ctx``'s claim (caller holds the lock).
+
+        Only if it is still this claim: after a lost lease the same request may have been
+        claimed again by this worker, and that newer claim must keep its heartbeats.
+        """
+        if self._held.get(ctx.claim.request_id) is ctx:
+            del self._held[ctx.claim.request_id]
+
     def _hold(self, claims: list[Claim]) -> None:
         with self._cond:
             for claim in claims:
@@ -351,13 +365,17 @@ class Worker:
             done: _Done | None = None
             try:
                 done = self._run_body(ctx)
+            except BaseException:  # even recording the error failed: never lose the thread
+                rid = ctx.claim.request_id
+                log.exception("request %s: the body's outcome could not be built", rid)
+                done = self._failure(ctx, {"type": "WorkerError"}, retryable=True)
             finally:
                 with self._cond:
                     self._running -= 1
                     if done is not None:
                         self._done.append(done)
                     else:
-                        self._held.pop(ctx.claim.request_id, None)
+                        self._drop(ctx)
                     self._cond.notify_all()
 
     def _run_body(self, ctx: StageContext) -> _Done | None:
@@ -388,7 +406,7 @@ class Worker:
             return self._failure(ctx, {"type": "Cancelled"}, retryable=False)
         except RetryLater as exc:
             delay = exc.delay if _seconds_within(exc.delay, MAX_RETRY_DELAY) else None
-            error = {"type": "RetryLater", "message": str(exc.reason)[:2000], "delay": delay}
+            error = {**error_payload(exc), "type": "RetryLater", "delay": delay}
             return self._failure(ctx, error, retryable=True, retry_in=delay)
         except (PermanentError, InvalidRequest) as exc:
             return self._failure(ctx, error_payload(exc), retryable=False)
@@ -450,10 +468,11 @@ class Worker:
             )
         for d in handing_off:  # a hand-off enqueues in the completion's transaction: one by one
             retry += self._apply([d], self._hand_off_call(d))
-        if failed:
-            retry += self._apply(
-                failed, lambda: self.queue.fail_many([d.failure for d in failed if d.failure])
-            )
+        # Minimal failures (after a refused batch) go alone: a refusal of others' cannot
+        # take them down with it.
+        for group in ([d for d in failed if not d.fallback], [d for d in failed if d.fallback]):
+            if group:
+                retry += self._apply(group, self._fail_call(group))
         return retry
 
     @staticmethod
@@ -461,6 +480,9 @@ class Worker:
         error = {"type": "InvalidRequest", "message": str(exc)[:500]}
         retryable = d.failure.retryable if d.failure is not None else False
         return _Done(d.ctx, failure=Failure(d.ctx.claim, error, retryable), fallback=True)
+
+    def _fail_call(self, group: list[_Done]) -> Callable[[], Sequence[Any]]:
+        return lambda: self.queue.fail_many([d.failure for d in group if d.failure])
 
     def _hand_off_call(self, d: _Done) -> Callable[[], Sequence[Any]]:
         return lambda: [self.queue.hand_off(d.ctx.claim, d.result, then=d.ctx._then)[0]]
@@ -508,7 +530,7 @@ class Worker:
     def _forget(self, items: list[_Done], *, unrecorded: bool = False) -> None:
         with self._cond:
             for d in items:
-                self._held.pop(d.ctx.claim.request_id, None)
+                self._drop(d.ctx)
                 if unrecorded:
                     log.error(
                         "request %s: outcome not recorded; its lease will lapse",
@@ -543,7 +565,7 @@ class Worker:
                         ctx._lost.set()
                         if ctx in self._ready:  # not started: nothing to run or record
                             self._ready.remove(ctx)
-                            self._held.pop(ctx.claim.request_id, None)
+                            self._drop(ctx)
                             self.stats.lease_lost += 1
                         continue
                     ctx._confirmed_at = now
@@ -611,7 +633,7 @@ class Worker:
         released = sum(1 for o in outcomes if not isinstance(o, LeaseLost))
         with self._cond:
             for ctx in unstarted:
-                self._held.pop(ctx.claim.request_id, None)
+                self._drop(ctx)
             self.stats.released += released
         log.info("worker: handed back %d unstarted claim(s)", released)
 

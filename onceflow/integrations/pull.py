@@ -269,8 +269,12 @@ class PullWorker:
         class may be claimable (its NOTIFY, a due time). Transport errors back off
         and go on. :meth:`stop` takes effect after the current claim.
         """
+        if isinstance(idle_wait, bool) or not isinstance(idle_wait, int | float):
+            raise InvalidRequest("idle_wait must be a number of seconds in (0, 60]")
+        if not 0 < idle_wait <= 60:  # NaN fails this too
+            raise InvalidRequest("idle_wait must be a number of seconds in (0, 60]")
         runs = 0
-        wait = min(max(float(idle_wait), 0.0), 60.0)  # the API takes 0..60 s
+        wait = float(idle_wait)
         while not self._stop.is_set() and (max_runs is None or runs < max_runs):
             try:
                 outcome = self.run_once(func, wait=wait)

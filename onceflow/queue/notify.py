@@ -201,14 +201,16 @@ def _wake_at(
     """When a wait ends (monotonic) and whether that moment is a known due time.
 
     ``next_in``: seconds until the next known event by the database clock. A wait
-    without its listener (``degraded``) ends within ``_READY_WAIT`` to look again.
+    without its listener (``degraded``) ends within ``_READY_WAIT`` with True (a
+    spurious wake-up, so the caller claims and looks again; False means the timeout).
     """
     wake_at, due = start + timeout, False
     now = time.monotonic()
     if next_in is not None and now + next_in < wake_at:
         wake_at, due = now + next_in, True
     if degraded and now + _READY_WAIT < wake_at:
-        wake_at, due = now + _READY_WAIT, False
+        # Not the timeout: a (documented) spurious True makes the caller look again.
+        wake_at, due = now + _READY_WAIT, True
     return wake_at, due
 
 

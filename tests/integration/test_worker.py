@@ -22,6 +22,7 @@ from sqlalchemy import Engine, text
 
 from onceflow.context import StageContext
 from onceflow.errors import InvalidRequest, PermanentError, RetryLater
+from onceflow.integrations.pull import PullWorker
 from onceflow.models import NewRequest, Status
 from onceflow.queue import Queue
 from onceflow.settings import get_settings
@@ -134,10 +135,21 @@ def test_failures_retry_then_die_and_permanent_errors_die_at_once(
     assert fast_queue.get(fine.request_id).result == "ok"
 
 
+class UnprintableError(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text for this error")
+
+
 @pytest.mark.parametrize(
     "raised",
-    [SystemExit(3), KeyboardInterrupt(), RetryLater(delay=-1), RetryLater(delay=float("nan"))],
-    ids=["SystemExit", "KeyboardInterrupt", "RetryLater-negative", "RetryLater-nan"],
+    [
+        SystemExit(3),
+        KeyboardInterrupt(),
+        RetryLater(delay=-1),
+        RetryLater(delay=float("nan")),
+        UnprintableError(),
+    ],
+    ids=["SystemExit", "KeyboardInterrupt", "RetryLater-negative", "RetryLater-nan", "unprintable"],
 )
 def test_odd_exceptions_from_a_body_are_recorded_not_held_forever(
     fast_queue: Queue, clean_db: Engine, raised: BaseException
@@ -152,6 +164,31 @@ def test_odd_exceptions_from_a_body_are_recorded_not_held_forever(
     with Worker(fast_queue, "w", body, concurrency=1, lease_seconds=30):
         wait_for(lambda: fast_queue.get(rid).status is Status.DEAD, "the request to settle")
     assert fast_queue.get(rid).attempts == 2
+
+
+def test_a_request_this_worker_claims_again_keeps_its_heartbeats(
+    fast_queue: Queue, clean_db: Engine
+) -> None:
+    # Attempt 1 outlives max_runtime: its lease lapses and this same worker claims the request
+    # again (attempt 2) while attempt 1's body is still running. When attempt 1 ends, its
+    # bookkeeping must not drop attempt 2's claim: attempt 2 runs for several leases and
+    # completes, under heartbeats (before: dropped, its lease lapsed, attempt 3 ran).
+    [rid] = enqueue(fast_queue, 1)
+
+    def body(ctx: StageContext) -> str:
+        if ctx.attempt == 1:
+            wait_for(lambda: fast_queue.get(rid).attempts == 2, "the second claim")
+            return "late"  # its lease is gone: discarded
+        end = time.monotonic() + 1.0  # the body's work: three leases long
+        while time.monotonic() < end:
+            ctx.check()
+            time.sleep(0.02)
+        return "second"
+
+    with Worker(fast_queue, "w", body, concurrency=2, lease_seconds=0.3, max_runtime=2.0):
+        wait_for(lambda: fast_queue.get(rid).status is Status.SUCCEEDED, "the completion")
+    row = fast_queue.get(rid)
+    assert (row.attempts, row.result) == (2, "second")
 
 
 def test_cancel_reaches_a_running_body(fast_queue: Queue, clean_db: Engine) -> None:
@@ -222,6 +259,7 @@ def test_bad_arguments_are_refused(fast_queue: Queue) -> None:
         {"concurrency": 0}, {"prefetch": -1}, {"max_wait": 0}, {"concurrency": True},
         {"concurrency": 600, "prefetch": 600},  # more than one claim may take
         {"max_runtime": -5.0}, {"max_runtime": float("nan")},
+        {"max_wait": 7200},  # longer than one wait_for_work may take
     ):  # fmt: skip
         with pytest.raises(InvalidRequest):
             Worker(fast_queue, "w", body, **kwargs)
@@ -229,6 +267,10 @@ def test_bad_arguments_are_refused(fast_queue: Queue) -> None:
         Worker(fast_queue, [], body)
     with pytest.raises(InvalidRequest):
         Worker(fast_queue, "no spaces", body)
+    with PullWorker("http://127.0.0.1:1", "k", "w") as pull:  # refused before any request
+        for idle_wait in (0, -1, float("nan"), 61):
+            with pytest.raises(InvalidRequest):
+                pull.run(lambda ctx: None, idle_wait=idle_wait)
 
 
 # ----------------------------------------------------------------- across processes
