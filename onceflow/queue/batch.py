@@ -80,6 +80,18 @@ class BatchOps:
 
     # ---------------------------------------------------------------- complete / fail
 
+    def _error_text(self, error: Any) -> str:
+        """A failure's error as stored JSON (an exception becomes its type and message)."""
+        if isinstance(error, BaseException):
+            error = {"type": type(error).__name__, "message": str(error)}
+        text, _ = encode_payload(
+            error,
+            self.settings.payload_limit_bytes,
+            what="error",
+            max_depth=self.settings.max_payload_depth,
+        )
+        return text
+
     def complete_many(
         self, items: Sequence[tuple[Claim, JSON]], *, now: datetime | None = None
     ) -> list[Request | LeaseLost]:
@@ -137,15 +149,7 @@ class BatchOps:
             if not isinstance(item, Failure):
                 raise InvalidRequest(f"fail_many takes Failure items, got {type(item).__name__}")
             claim = _check_claim(item.claim)
-            error = item.error
-            if isinstance(error, BaseException):
-                error = {"type": type(error).__name__, "message": str(error)}
-            text, _ = encode_payload(
-                error,
-                self.settings.payload_limit_bytes,
-                what="error",
-                max_depth=self.settings.max_payload_depth,
-            )
+            text = self._error_text(item.error)
             if not isinstance(item.retryable, bool):
                 raise InvalidRequest("retryable must be a bool")
             if item.retry_in is None:

@@ -527,14 +527,7 @@ class Queue(Sweeper, BatchOps, Waiter):
 
         Retried on a fresh connection through a database blip, like :meth:`hand_off`.
         """
-        if isinstance(error, BaseException):
-            error = {"type": type(error).__name__, "message": str(error)}
-        text, _ = encode_payload(
-            error,
-            self.settings.payload_limit_bytes,
-            what="error",
-            max_depth=self.settings.max_payload_depth,
-        )
+        text = self._error_text(error)
         delay = self.backoff(claim.attempt) if retry_in is None else _seconds("retry_in", retry_in)
         params = {
             "request_id": claim.request_id, "token": claim.token, "error": text,
