@@ -68,7 +68,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ADMIN_DEFAULT = "postgresql+psycopg://root@127.0.0.1:5432/postgres"
 REDIS_DEFAULT = "redis://127.0.0.1:6379/13"
 PEER_VENV_DEFAULT = "/tmp/onceflow-bench-cost"  # noqa: S108 - a scratch virtualenv
-VISIBILITY = 20.0
+VISIBILITY = 10.0
 CONCURRENCY = 4
 KILL_AT = 0.3
 COLUMNS = ["fit", "pay", "remote", "growth", "stack", "team", "mission", "location"]
@@ -189,9 +189,12 @@ class Bench:
         self.stack = stack
         self.tag = secrets.token_hex(3)
         self.keys = f"onceflow-cost-{self.tag}"
-        self.log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        if args.log_dir:
+            args.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = args.log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         self.jobs = [f"job-{j}" for j in range(args.jobs)]
         self.n_runs = 0
+        self.beat: Any = None
         self.columns = COLUMNS[: args.columns]
         self.workers: list[Worker] = []
         self.n_workers = 0
@@ -216,10 +219,10 @@ class Bench:
             "ONCEFLOW_DEMO_LLM_URLS": self.llm.url,
             "ONCEFLOW_SWEEP_INTERVAL_SECONDS": "0.5",
             "ONCEFLOW_REDISPATCH_AFTER_SECONDS": "10",
-            "ONCEFLOW_LOCK_TTL_SECONDS": "5",
+            "ONCEFLOW_LOCK_TTL_SECONDS": "3",
             "ONCEFLOW_BACKOFF_BASE_SECONDS": "0.2",
             "ONCEFLOW_BROKER_VISIBILITY_TIMEOUT_SECONDS": str(VISIBILITY),
-            "ONCEFLOW_MAX_RUNTIME_SECONDS": "10",
+            "ONCEFLOW_MAX_RUNTIME_SECONDS": "4",
             "COST_KEYS": self.keys,
             "PYTHONPATH": os.pathsep.join(
                 p for p in (str(ROOT), self.peer or "", os.environ.get("PYTHONPATH", "")) if p
@@ -278,6 +281,17 @@ class Bench:
         for w in self.workers:
             w.stop()
         self.workers = []
+        if self.beat is not None:
+            self.beat.stop()
+            self.beat = None
+
+    def start_beat(self) -> None:
+        """onceflow's sweeper (beat, every 0.5 s): it rescues a killed worker's requests."""
+        from onceflow.demo.procs import Proc
+
+        self.beat = Proc(["beat", "--app", "bench.cost_stages:flow"],
+                         self.log_dir / f"beat-{self.n_runs}.log", env=self.env, cwd=ROOT)  # fmt: skip
+        self.beat.wait_log("beat: Starting")
 
     # -- one run
     def calls(self, suffix: str) -> dict[str, int]:
@@ -294,6 +308,8 @@ class Bench:
         missing = 2 - len(self.workers)
         if missing:
             self.start_workers(side, missing)
+        if side.startswith("onceflow") and self.beat is None:
+            self.start_beat()
         expected = row.cells * (k if side == "naive" else 1)
         accepted = 0
         enqueued = 0
@@ -360,6 +376,7 @@ class Bench:
                 row.finished = int(self.r.get(key) or 0)
         except TimeoutError:
             row.complete = False
+            self._dump_broker(run)
             if not side.startswith("onceflow"):
                 row.finished = int(self.r.get(f"{self.keys}:{run}:done") or 0)
         row.wall = time.monotonic() - started
@@ -374,6 +391,15 @@ class Bench:
         if errors:
             row.note = (row.note + "; " if row.note else "") + f"{len(errors)} client errors: " + errors[0][:200]
         return row
+
+    def _dump_broker(self, run: str) -> None:
+        """Where the missing messages are: this run's broker keys and their sizes."""
+        for key in self.r.scan_iter(match=f"{self.keys}*", count=1000):
+            kind = self.r.type(key).decode()
+            size = {"list": self.r.llen, "hash": self.r.hlen, "zset": self.r.zcard}.get(kind)
+            log(f"    {key.decode()} {kind} {size(key) if size else ''}")
+        for key in self.r.scan_iter(match=f"onceflow-demo-{self.tag}:*", count=1000):
+            log(f"    {key.decode()} {self.r.type(key).decode()}")
 
     def _send(self, side: str, task: Any, run: str, job: str, column: str) -> bool:
         if side == "naive":
@@ -421,9 +447,10 @@ def main() -> None:
     parser.add_argument("--sides", default=",".join(SIDES))
     parser.add_argument("--no-kill", action="store_true", help="only the runs without a fault")
     parser.add_argument("--latency", type=float, default=0.05)
-    parser.add_argument("--deadline", type=float, default=60.0)
+    parser.add_argument("--deadline", type=float, default=30.0)
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--log-dir", type=Path, default=None, help="keep the workers' logs here")
     args = parser.parse_args()
     if args.quick:
         args.jobs, args.columns, args.clients = 2, 3, "1,4"
@@ -431,6 +458,11 @@ def main() -> None:
     sides = [s for s in args.sides.split(",") if s]
     t0 = time.monotonic()
     rows: list[Row] = []
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)  # unwind: workers stopped, database dropped, keys removed
     with contextlib.ExitStack() as stack:
         bench = Bench(args, stack)
         bench.peer = None

@@ -39,7 +39,23 @@ BROKER_PREFIX = os.environ.get("COST_BROKER_PREFIX", KEYS + ":broker:")
 QUEUES = {"naive": "cost-naive", "once": "cost-once", "singleton": "cost-singleton"}
 
 _QUIET = {"worker_send_task_events": False, "task_send_sent_event": False}
+#: kombu's Redis transport sweeps the unacked messages of a dead worker back into the queue
+#: every ``unacked_restore_interval * unacked_restore_throttle`` s (100 s by default) once they
+#: are older than the visibility timeout: every side here sweeps every 5 s.
+_RESTORE = {"unacked_restore_interval": 5, "unacked_restore_throttle": 1}
 flow_app.conf.update(_QUIET)
+
+
+def _flow_transport() -> dict[str, Any]:
+    from onceflow.demo.stages import _broker_namespace
+
+    base = celery_config(flow.settings, maintenance_queue=flow.maintenance_queue)
+    transport = {**base["broker_transport_options"], **_RESTORE}
+    transport.update(_broker_namespace().get("broker_transport_options", {}))
+    return {"broker_transport_options": transport}
+
+
+flow_app.add_defaults(_flow_transport)
 
 
 def _capp_config() -> dict[str, Any]:
@@ -48,6 +64,7 @@ def _capp_config() -> dict[str, Any]:
     conf["broker_transport_options"] = {
         **conf["broker_transport_options"],
         "global_keyprefix": BROKER_PREFIX,
+        **_RESTORE,
     }
     conf.update(_QUIET)
     conf["task_routes"] = {f"cost.{side}": {"queue": q} for side, q in QUEUES.items()}
