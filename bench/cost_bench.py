@@ -91,12 +91,14 @@ def peer_site(venv: Path) -> tuple[str | None, str]:
             log(f"creating the peers' venv {venv}")
             subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True,
                            capture_output=True, timeout=300)  # fmt: skip
-        probe = "import celery_once, celery_singleton"
         site = subprocess.run(
             [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
             check=True, capture_output=True, text=True, timeout=60,
         ).stdout.strip()  # fmt: skip
-        ok = subprocess.run([str(py), "-c", probe], capture_output=True, timeout=60)
+        # Installed without their dependencies (Celery, redis-py come from this venv), so
+        # they are checked by pip, not imported by the venv's own python.
+        ok = subprocess.run([str(py), "-m", "pip", "show", "-q", "celery_once", "celery-singleton"],
+                            capture_output=True, timeout=60)  # fmt: skip
         if ok.returncode != 0:
             log("installing celery_once and celery-singleton into it (--no-deps)")
             out = subprocess.run(
