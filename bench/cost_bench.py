@@ -58,7 +58,6 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -140,10 +139,8 @@ class Worker:
         if self.popen.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.popen.pid, signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.popen.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                pass
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -271,6 +268,7 @@ class Bench:
             tag = f"cost-{self.tag}-{side}-{self.n_workers}"
             new.append(Worker(app, queues, tag, self.env, self.log_dir))
         for w in new:
+
             def ready(w: Worker = w) -> bool:
                 if w.popen.poll() is not None:
                     raise RuntimeError(f"{w.tag} exited: {w.log_path.read_text()[-2000:]}")
@@ -291,8 +289,9 @@ class Bench:
         """onceflow's sweeper (beat, every 0.5 s): it rescues a killed worker's requests."""
         from onceflow.demo.procs import Proc
 
-        self.beat = Proc(["beat", "--app", "bench.cost_stages:flow"],
-                         self.log_dir / f"beat-{self.n_runs}.log", env=self.env, cwd=ROOT)  # fmt: skip
+        beat_log = self.log_dir / f"beat-{self.n_runs}.log"
+        self.beat = Proc(["beat", "--app", "bench.cost_stages:flow"], beat_log, env=self.env,
+                         cwd=ROOT)  # fmt: skip
         self.beat.wait_log("beat: Starting")
 
     # -- one run
@@ -347,7 +346,7 @@ class Bench:
                     with lock:
                         enqueued += 1
                         accepted += int(ok)
-            except Exception as exc:  # noqa: BLE001 - reported in the row
+            except Exception as exc:
                 errors.append(f"{type(exc).__name__}: {exc}")
 
         started = time.monotonic()
@@ -382,16 +381,23 @@ class Bench:
             if not side.startswith("onceflow"):
                 row.finished = int(self.r.get(f"{self.keys}:{run}:done") or 0)
         row.wall = time.monotonic() - started
+
         # Late calls: in flight at the kill, or sent just before the end.
-        wait_for(lambda: not any(key.split("/", 1)[0].endswith(suffix)
-                                 for key in self.llm.inflight_keys()), 30, "no call in flight")  # fmt: skip
+        def settled() -> bool:
+            return not any(k.split("/", 1)[0].endswith(suffix) for k in self.llm.inflight_keys())
+
+        wait_for(settled, 30, "no call in flight")
         row.per_cell = self.calls(suffix)
         row.calls = sum(row.per_cell.values())
         row.calls_per_cell = row.calls / row.cells
         row.max_per_cell = max(row.per_cell.values(), default=0)
         row.cells_done = self._cells_done(side, run, ws, jobs)
         if errors:
-            row.note = (row.note + "; " if row.note else "") + f"{len(errors)} client errors: " + errors[0][:200]
+            row.note = (
+                (row.note + "; " if row.note else "")
+                + f"{len(errors)} client errors: "
+                + errors[0][:200]
+            )
         return row
 
     def _dump_broker(self, run: str) -> None:
@@ -470,7 +476,9 @@ def main() -> None:
         bench.peer = None
         peer_reason = ""
         if any(s in ("celery-once", "celery-singleton") for s in sides):
-            bench.peer, peer_reason = peer_site(Path(os.environ.get("COST_PEER_VENV", PEER_VENV_DEFAULT)))
+            bench.peer, peer_reason = peer_site(
+                Path(os.environ.get("COST_PEER_VENV", PEER_VENV_DEFAULT))
+            )
         bench.setup()
         stack.callback(bench.stop_workers)
         for side in sides:
@@ -481,19 +489,23 @@ def main() -> None:
                     rows.append(Row(side, 0, False, 0, complete=False, note=reason))
                     continue
             for k in ks:
-                for kill in ([False] if args.no_kill else [False, True]):
+                for kill in [False] if args.no_kill else [False, True]:
                     log(f"{side} K={k}{' kill' if kill else ''}")
                     row = bench.run(side, k, kill)
-                    log(f"  {row.calls} calls ({row.calls_per_cell:.2f}/cell, max {row.max_per_cell}),"
+                    log(
+                        f"  {row.calls} calls ({row.calls_per_cell:.2f}/cell, "
+                        f"max {row.max_per_cell}),"
                         f" cells done {row.cells_done}/{row.cells}, accepted {row.accepted}/"
                         f"{row.enqueued}, finished {row.finished}, {row.wall:.1f}s"
-                        f"{'' if row.complete else ' INCOMPLETE'} {row.note}")
+                        f"{'' if row.complete else ' INCOMPLETE'} {row.note}"
+                    )
                     rows.append(row)
             bench.stop_workers()
     total = time.monotonic() - t0
     meta = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}",
         "celery": _version("celery"),
         "celery_once": _peer_version("celery_once", bench.peer),
         "celery_singleton": _peer_version("celery_singleton", bench.peer),
@@ -532,7 +544,7 @@ def _peer_version(dist: str, site: str | None) -> str:
 def _peer_import_problem(side: str) -> str:
     try:
         import bench.cost_stages as cs
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return f"bench.cost_stages does not import: {exc}"
     if getattr(cs, CELERY_SIDE[side]) is None:
         return f"{side} does not import with Celery {_version('celery')}"
@@ -566,7 +578,7 @@ def report(rows: list[Row], ks: list[int], meta: dict[str, Any]) -> str:
         for k in ks:
             r = by_k.get(k)
             if r is None:
-                cells.append("–")
+                cells.append("-")
                 continue
             text = f"{r.calls_per_cell:.2f} ({r.max_per_cell}), {r.wall:.1f} s"
             if r.cells_done < r.cells:
@@ -576,13 +588,15 @@ def report(rows: list[Row], ks: list[int], meta: dict[str, Any]) -> str:
             cells.append(text)
         lines.append(f"| {side} | {'yes' if kill else 'no'} | " + " | ".join(cells) + " |")
     for r in skipped:
-        lines.append(f"| {r.side} | – | not run: {r.note} |")
+        lines.append(f"| {r.side} | - | not run: {r.note} |")
     lines += ["", "Accepted enqueues (of J x C x K sent; onceflow: requests created):", ""]
     lines += [head, "|" + "---|" * (2 + len(ks))]
     for (side, kill), by_k in seen.items():
-        vals = [f"{by_k[k].accepted}/{by_k[k].enqueued}" if k in by_k else "–" for k in ks]
+        vals = [f"{by_k[k].accepted}/{by_k[k].enqueued}" if k in by_k else "-" for k in ks]
         lines.append(f"| {side} | {'yes' if kill else 'no'} | " + " | ".join(vals) + " |")
-    notes = [f"- {r.side} K={r.k}{' kill' if r.kill else ''}: {r.note}" for r in rows if r.note and r.k]
+    notes = [
+        f"- {r.side} K={r.k}{' kill' if r.kill else ''}: {r.note}" for r in rows if r.note and r.k
+    ]
     if notes:
         lines += ["", *notes]
     return "\n".join(lines)
@@ -597,7 +611,9 @@ def plot(rows: list[Row], ks: list[int], path: Path, meta: dict[str, Any]) -> No
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for ax, kill in zip(axes, (False, True), strict=True):
         for side in dict.fromkeys(r.side for r in rows if r.k):
-            pts = sorted((r.k, r.calls_per_cell) for r in rows if r.side == side and r.kill == kill and r.k)
+            pts = sorted(
+                (r.k, r.calls_per_cell) for r in rows if r.side == side and r.kill == kill and r.k
+            )
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=side)
         ax.set_xscale("log", base=2)
