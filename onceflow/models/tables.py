@@ -85,6 +85,7 @@ workspace_process_requests = Table(
         text("priority DESC"),
         "run_after",
         postgresql_where=text("status = 'queued'"),
+        postgresql_include=["stage"],  # live counts by class and stage, index-only (0005)
     ),
     # The rescue query's index: running rows by lease expiry.
     Index(
@@ -92,6 +93,14 @@ workspace_process_requests = Table(
         "worker_class",
         "lease_expires_at",
         postgresql_where=text("status = 'running'"),
+        postgresql_include=["stage"],
+    ),
+    # Dead rows, newest first, with class and stage: the dead count and the dashboard's list.
+    Index(
+        "ix_wpr_dead",
+        text("finished_at DESC"),
+        postgresql_where=text("status = 'dead'"),
+        postgresql_include=["worker_class", "stage"],
     ),
     # Listing a workspace's requests, newest first; workspace first (DESIGN.md).
     Index("ix_wpr_workspace", "workspace_id", "created_at"),
