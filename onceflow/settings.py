@@ -148,6 +148,11 @@ class Settings(BaseSettings):
         description='Worker keys as JSON {"<sha256 hex of the key>": ["<worker class>", …]} '
         '("*" = every class): claims of those worker classes over HTTP.',
     )
+    operator_keys: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description='Operator keys as JSON {"<sha256 hex of the key>": ["viewer"] or ["admin"]}: '
+        "the dashboard and /metrics (viewer), and requeue/cancel from the dashboard (admin).",
+    )
     api_max_body_bytes: int = Field(
         default=1024 * 1024,
         ge=1024,

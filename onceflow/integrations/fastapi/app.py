@@ -64,6 +64,7 @@ from onceflow.integrations.fastapi.http_errors import (
     validation_body,
 )
 from onceflow.integrations.fastapi.limits import BODY_ENVELOPE_DEPTH, BodyLimitMiddleware
+from onceflow.integrations.fastapi.operators import OperatorAuth
 from onceflow.integrations.fastapi.ratelimit import RateLimited, RateLimits
 from onceflow.models import Claim, Dispatch, NewRequest, Status
 from onceflow.models import Request as StageRequest
@@ -104,6 +105,7 @@ class OnceflowServices:
         self._oplog: tuple[int, OpLog] | None = None
         self._lock = threading.Lock()
         self.rate_limits = RateLimits.from_settings(self.settings)
+        self.operator_auth = OperatorAuth.from_settings(self.settings)
         self._hubs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, EventHub] = (
             weakref.WeakKeyDictionary()
         )

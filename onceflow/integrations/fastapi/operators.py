@@ -1,0 +1,162 @@
+"""Operator keys: who may read onceflow's own state (dashboard, ``/metrics``) and act on it.
+
+An operator key is neither an API key nor a worker key: it is stored in its own table,
+``ONCEFLOW_OPERATOR_KEYS`` = ``{"<sha256 hex of the key>": ["viewer"] | ["admin"]}``, hashed
+like the others (:func:`~onceflow.integrations.fastapi.auth.hash_key`) and compared in
+constant time. Roles:
+
+* ``viewer`` reads: the dashboard's data and stream, and ``/metrics`` (give Prometheus a
+  viewer key);
+* ``admin`` reads and acts: requeue or cancel a request from the dashboard.
+
+There is no login-less mode: with no operator key configured every operator route answers
+401. :func:`operator_route_class` guards a router's routes: safe methods (GET, HEAD) need
+``viewer``, every other method needs ``admin``; refusals answer in the API's error shape and
+failed authentications count against the per-address limit like the API's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Callable, Coroutine, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from starlette.requests import Request
+from starlette.responses import Response
+
+from onceflow.errors import AccessDenied, InvalidRequest, OnceflowError
+from onceflow.integrations.fastapi.auth import Principal
+from onceflow.settings import Settings
+
+if TYPE_CHECKING:
+    from onceflow.integrations.fastapi.app import OnceflowServices
+
+VIEWER: Final = "viewer"
+ADMIN: Final = "admin"
+ROLES: Final = (VIEWER, ADMIN)
+SAFE_METHODS: Final = frozenset({"GET", "HEAD"})
+_HASH_LEN: Final = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Operator:
+    """An authenticated operator: the key's id (first 12 hex digits of its hash) and roles."""
+
+    key_id: str
+    roles: frozenset[str]
+
+    def may(self, role: str) -> bool:
+        """True if the key has ``role`` (``admin`` includes ``viewer``)."""
+        return role in self.roles or ADMIN in self.roles
+
+    def as_principal(self) -> Principal:
+        """A scope-less principal with this key's id (what the rate limiter counts by)."""
+        return Principal(key_id=self.key_id, workspaces=frozenset(), worker_classes=frozenset())
+
+
+class OperatorAuth:
+    """The operator keys of one table of hashes; a malformed table is refused at start-up."""
+
+    def __init__(self, keys: Mapping[str, Iterable[str]] | None = None) -> None:
+        self._entries: list[tuple[bytes, Operator]] = []
+        for digest, roles in sorted((keys or {}).items()):
+            if (
+                not isinstance(digest, str)
+                or len(digest) != _HASH_LEN
+                or digest.strip("0123456789abcdef")
+            ):
+                raise InvalidRequest(
+                    "operator_keys: keys must be stored as the lowercase hex sha256 of the key "
+                    "(onceflow.integrations.fastapi.hash_key), never in the clear"
+                )
+            if isinstance(roles, str) or not roles or not all(r in ROLES for r in roles):
+                raise InvalidRequest(
+                    f"operator_keys: each hash maps to a non-empty list of roles from {ROLES}"
+                )
+            operator = Operator(key_id=digest[:12], roles=frozenset(roles))
+            self._entries.append((bytes.fromhex(digest), operator))
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> OperatorAuth:
+        """The keys of ``ONCEFLOW_OPERATOR_KEYS``."""
+        return cls(settings.operator_keys)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def authenticate(self, key: str) -> Operator | None:
+        """Hash ``key`` and compare it with every stored hash (no early exit)."""
+        presented = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+        found: Operator | None = None
+        for digest, operator in self._entries:
+            if hmac.compare_digest(presented, digest):
+                found = operator
+        return found
+
+
+def bearer_key(request: Request) -> str:
+    """The key of ``Authorization: Bearer <key>``; 401 if missing or malformed."""
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    key = key.strip()
+    if not header:
+        raise AccessDenied(401, "missing key: send Authorization: Bearer <key>")
+    if scheme.lower() != "bearer" or not key:
+        raise AccessDenied(401, "malformed Authorization header: expected Bearer <key>")
+    return key
+
+
+def role_for(method: str) -> str:
+    """The role a request method needs: ``viewer`` to read, ``admin`` for anything else."""
+    return VIEWER if method.upper() in SAFE_METHODS else ADMIN
+
+
+async def authorize_operator(services: OnceflowServices, request: Request, role: str) -> Operator:
+    """The request's operator if its key has ``role``; AccessDenied (401/403) or RateLimited.
+
+    Failed authentications count against ``ONCEFLOW_API_AUTH_FAILURE_LIMIT`` per address,
+    and an operator's requests against ``ONCEFLOW_API_RATE_LIMIT`` per key.
+    """
+    found: list[Operator] = []
+
+    def authorize() -> Principal:
+        operator = services.operator_auth.authenticate(bearer_key(request))
+        if operator is None:
+            raise AccessDenied(401, "unknown operator key")
+        if not operator.may(role):
+            raise AccessDenied(403, f"this operator key does not have the {role!r} role")
+        found.append(operator)
+        return operator.as_principal()
+
+    await services.rate_limits.authorize(request, authorize)
+    request.state.onceflow_operator = found[0]
+    return found[0]
+
+
+def operator_route_class(services: OnceflowServices) -> type[APIRoute]:
+    """Routes that check the operator key and role before the handler (or body parsing) runs."""
+    from onceflow.integrations.fastapi.app import error_response, validation_response
+    from onceflow.integrations.fastapi.ratelimit import RateLimited
+
+    class OperatorRoute(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            handler = super().get_route_handler()
+
+            async def guarded(request: Request) -> Response:
+                try:
+                    await authorize_operator(services, request, role_for(request.method))
+                    return await handler(request)
+                except RateLimited as exc:
+                    return exc.response()
+                except (OnceflowError, UnicodeError) as exc:
+                    return error_response(exc)
+                except RequestValidationError as exc:
+                    return validation_response(exc)
+
+            return guarded
+
+    return OperatorRoute
