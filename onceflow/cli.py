@@ -418,6 +418,14 @@ def worker(
 @click.option("--lease-seconds", type=float, default=None, help="Default: ONCEFLOW_LEASE_SECONDS.")
 @click.option("--max-runtime", type=float, default=None, help="Seconds a body may run at most.")
 @click.option("--no-sweep", is_flag=True, help="Leave rescuing lapsed leases to someone else.")
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Serve Prometheus metrics (this worker's and the database's) on this port, "
+    "unauthenticated, on --metrics-bind.",
+)
+@click.option("--metrics-bind", default="127.0.0.1", show_default=True)
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
 @_errors_to_exit
 def work(
@@ -428,6 +436,8 @@ def work(
     lease_seconds: float | None,
     max_runtime: float | None,
     no_sweep: bool,
+    metrics_port: int | None,
+    metrics_bind: str,
     loglevel: str,
 ) -> None:
     """Run a standalone worker (no Celery): MODULE:FUNCTION(ctx) for each claimed request.
@@ -459,7 +469,45 @@ def work(
         None, list(worker_classes), handler, concurrency=concurrency, prefetch=prefetch,
         lease_seconds=lease_seconds, max_runtime=max_runtime, sweep=not no_sweep,
     )  # fmt: skip
+    if metrics_port is not None:
+        from onceflow.metrics import serve
+
+        serve(metrics_port, metrics_bind)
     worker.run()
+
+
+@main.command()
+@click.option("--port", type=click.IntRange(1, 65535), default=9808, show_default=True)
+@click.option("--bind", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option(
+    "--keep-dead-pids",
+    is_flag=True,
+    help="Do not drop the live gauges of pids not running on this host (use when the "
+    "writers run in another pid namespace, e.g. another container sharing the directory).",
+)
+@_errors_to_exit
+def metrics(port: int, bind: str, keep_dead_pids: bool) -> None:
+    """Serve Prometheus metrics: every process of PROMETHEUS_MULTIPROC_DIR, and the database.
+
+    UNAUTHENTICATED: bind it to an internal network only (the default is loopback). The
+    workers' files are merged from PROMETHEUS_MULTIPROC_DIR, which the start script sets
+    before any onceflow process starts and wipes at each start; the database's live
+    counts (queued, scheduled, running, dead; oldest due age) are read at each scrape
+    (onceflow_database_up 0 when it does not answer). See docs/metrics.md.
+    """
+    import threading
+
+    from onceflow.metrics import multiproc_dir, registry, serve
+
+    if multiproc_dir() is None:
+        click.echo(
+            "onceflow: PROMETHEUS_MULTIPROC_DIR is not set: serving the database's counts "
+            "only (no worker's metrics)",
+            err=True,
+        )
+    serve(port, bind, reg=registry(prune_dead=not keep_dead_pids))
+    click.echo(f"onceflow: metrics on http://{bind}:{port}/metrics", err=True)
+    threading.Event().wait()
 
 
 @main.command()

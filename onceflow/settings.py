@@ -153,6 +153,18 @@ class Settings(BaseSettings):
         description='Operator keys as JSON {"<sha256 hex of the key>": ["viewer"] or ["admin"]}: '
         "the dashboard and /metrics (viewer), and requeue/cancel from the dashboard (admin).",
     )
+    metrics_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="Serve Prometheus metrics (every process of the multiprocess directory, and "
+        "the database's live counts) on this port from a Celery worker's main process; unset: "
+        "not served. Unauthenticated: bind it to an internal network only.",
+    )
+    metrics_bind: str = Field(
+        default="127.0.0.1",
+        description="Address the worker's metrics port (ONCEFLOW_METRICS_PORT) binds.",
+    )
     api_max_body_bytes: int = Field(
         default=1024 * 1024,
         ge=1024,

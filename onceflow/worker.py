@@ -66,6 +66,7 @@ from onceflow.errors import (
     RetryLater,
 )
 from onceflow.ids import check_id, check_worker_class
+from onceflow.metrics import record as metrics
 from onceflow.models.requests import Claim
 from onceflow.payloads import Unreadable, encode_payload
 from onceflow.queue import Failure, Queue
@@ -386,7 +387,8 @@ class Worker:
             if isinstance(claim.request.input, Unreadable):  # stored before the depth limit
                 raise PermanentError(f"input cannot be read: {claim.request.input['reason']}")
             ctx.check()  # a prefetched claim may have lost its lease while it waited
-            result = to_json_result(self.handler(ctx))
+            with metrics.in_progress(claim.request.worker_class):
+                result = to_json_result(self.handler(ctx))
             ctx.check()
             # Refused results (too large, too deep, not JSON) fail the request here, per row,
             # rather than failing a whole batch of completions later.

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from onceflow.keys import counters_key
+from onceflow.metrics import record as metrics
 
 PREFLIGHT_HITS: Final = "preflight_hits"
 DOUBLE_CHECK_HITS: Final = "double_check_hits"
@@ -86,6 +87,7 @@ class Counters:
             totals[name] += n
             pending = self._pending.setdefault(workspace_id, {})
             pending[name] = pending.get(name, 0) + n
+        metrics.lock_outcome(name, n)  # Prometheus: onceflow_compute_lock_total{outcome}
 
     def snapshot(self, workspace_id: str | None = None) -> dict[str, int]:
         """This process's totals as a plain dict: of one workspace, or summed over all."""

@@ -61,6 +61,7 @@ from onceflow.locks.counters import (
     WAITS_SERVED_BY_BROADCAST,
     WAITS_SERVED_BY_RECHECK,
 )
+from onceflow.metrics import record as metrics
 from onceflow.settings import get_settings
 
 log = logging.getLogger("onceflow.locks")
@@ -258,6 +259,7 @@ def _served(
     be.counters.incr(workspace_id, name)
     be.flush_counters()
     waited = time.monotonic() - waiting_since
+    metrics.lock_wait(waited)
     return Outcome(value, Path.WAITED, served_by, waited_seconds=waited, rounds=rounds)
 
 

@@ -35,6 +35,7 @@ from onceflow.errors import (
 )
 from onceflow.ids import check_id
 from onceflow.keys import workspace_channel
+from onceflow.metrics import record as metrics
 from onceflow.models.ops import OpModel, apply, parse_op
 from onceflow.models.requests import Claim
 from onceflow.oplog import sql
@@ -141,8 +142,36 @@ class OpLog:
         the log no longer knows with ``base_clock`` below the sub-doc's pruned
         horizon may be a replay of a pruned op, so it is refused
         (:class:`ReplayTooOld`). Without ``base_clock`` the op is taken as new;
-        a fenced write (a live claim) is never a stale replay.
+        a fenced write (a live claim) is never a stale replay. Each outcome is
+        counted in ``onceflow_ops_total``.
         """
+        try:
+            done = self._apply_op(
+                workspace_id, sub_doc, op, op_id, fence=fence, base_clock=base_clock
+            )
+        except OpIdConflict:
+            metrics.op("conflict")
+            raise
+        except ReplayTooOld:
+            metrics.op("refused")
+            raise
+        if done.duplicate:
+            metrics.op("duplicate")
+        else:
+            metrics.op("applied" if done.error is None else "refused")
+        return done
+
+    def _apply_op(
+        self,
+        workspace_id: str,
+        sub_doc: str,
+        op: OpModel | dict[str, Any],
+        op_id: str | None = None,
+        *,
+        fence: Claim | None = None,
+        base_clock: int | None = None,
+    ) -> ApplyResult:
+        """The body of :meth:`apply_op`."""
         check_id("workspace_id", workspace_id)
         check_id("sub_doc", sub_doc)
         depth = self.settings.max_payload_depth

@@ -28,6 +28,7 @@ from sqlalchemy import Engine
 from onceflow.db import fetch_all, raw_connection, retry_disconnect
 from onceflow.errors import DatabaseUnavailable, InvalidRequest, LeaseLost
 from onceflow.ids import check_worker_class
+from onceflow.metrics import record as metrics
 from onceflow.models.requests import Claim, Heartbeat, Request
 from onceflow.models.status import Status
 from onceflow.payloads import JSON, encode_payload
@@ -126,9 +127,11 @@ class BatchOps:
             "request_ids": ids, "tokens": [c.token for c in claims],
             "results": results, "now": now,
         }  # fmt: skip
-        return self._fenced_batch(
+        done = self._fenced_batch(
             claims, sql.Q_COMPLETE_MANY, params, _landed_as((Status.SUCCEEDED,)), "completion"
         )
+        _record(claims, done, "complete")
+        return done
 
     def fail_many(
         self, items: Sequence[Failure], *, now: datetime | None = None
@@ -168,9 +171,11 @@ class BatchOps:
             "retryables": retryables, "delays": delays, "notify": self._notify(), "now": now,
         }  # fmt: skip
         targets = (Status.QUEUED, Status.DEAD, Status.CANCELLED)
-        return self._fenced_batch(
+        done = self._fenced_batch(
             claims, sql.Q_FAIL_MANY, params, _landed_as(targets), "failure report"
         )
+        _record(claims, done, "fail")
+        return done
 
     # ------------------------------------------------------------- heartbeat / release
 
@@ -202,6 +207,7 @@ class BatchOps:
         for rid in ids:
             row = rows.get(rid)
             if row is None:
+                metrics.zombie("heartbeat")
                 out.append(LeaseLost(rid, "heartbeat rejected"))
             else:
                 out.append(Heartbeat(row["lease_expires_at"], row["cancel_requested"]))
@@ -235,7 +241,10 @@ class BatchOps:
             "request_ids": ids, "tokens": [c.token for c in checked],
             "notify": self._notify(), "now": now,
         }  # fmt: skip
-        return self._fenced_batch(checked, sql.Q_RELEASE, params, _released, "release")
+        done = self._fenced_batch(checked, sql.Q_RELEASE, params, _released, "release")
+        metrics.released(done)
+        metrics.zombie("release", sum(1 for r in done if isinstance(r, LeaseLost)))
+        return done
 
     # ----------------------------------------------------------------------- depth
 
@@ -322,6 +331,12 @@ class BatchOps:
                     row = now_row
             out.append(row if row is not None else LeaseLost(claim.request_id, f"{what} rejected"))
         return out
+
+
+def _record(claims: list[Claim], done: list[Request | LeaseLost], operation: str) -> None:
+    """Metrics of a fenced batch: each landed row's outcome, each refused row a zombie write."""
+    metrics.finished_many(claims, done)
+    metrics.zombie(operation, sum(1 for r in done if isinstance(r, LeaseLost)))
 
 
 def _landed_as(statuses: tuple[Status, ...]) -> Callable[[Claim, Request], bool]:

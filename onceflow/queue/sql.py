@@ -107,7 +107,10 @@ WHERE w.request_id = :request_id
          AND w.attempts < w.max_attempts
          AND w.crash_attempts + 1 < w.max_crash_attempts)
   )
-RETURNING {RETURNING}
+-- The row as this statement's snapshot saw it (a statement never sees its own changes):
+-- running means this claim took over a lapsed lease (metrics only).
+RETURNING {RETURNING},
+    (SELECT o.status = 'running' FROM {TABLE} o WHERE o.request_id = w.request_id) AS took_over
 """)
 
 # Claim up to :limit requests of one worker class. Each candidate set is read through its
@@ -140,8 +143,9 @@ queued AS (
     FOR UPDATE OF w SKIP LOCKED
 ),
 picked AS (
-    SELECT request_id, row_number() OVER () AS rn
-    FROM (SELECT request_id FROM lapsed UNION ALL SELECT request_id FROM queued) AS u
+    SELECT request_id, took_over, row_number() OVER () AS rn
+    FROM (SELECT request_id, true AS took_over FROM lapsed
+          UNION ALL SELECT request_id, false FROM queued) AS u
     LIMIT :limit
 )
 UPDATE {TABLE} AS w SET
@@ -155,7 +159,7 @@ UPDATE {TABLE} AS w SET
     updated_at = n.now
 FROM picked, n
 WHERE w.request_id = picked.request_id
-RETURNING {RETURNING}, picked.rn
+RETURNING {RETURNING}, picked.rn, picked.took_over
 """
 CLAIM_NEXT: TextClause = text(_CLAIM_NEXT)
 

@@ -45,6 +45,7 @@ from onceflow.ids import (
     random_request_id,
     request_id_for,
 )
+from onceflow.metrics import record as metrics
 from onceflow.models.requests import (
     Claim,
     EnqueueResult,
@@ -320,6 +321,7 @@ class Queue(Sweeper, BatchOps, Waiter):
                     RequestId(rid), created, status, mismatch, stage=stage, worker_class=wc
                 )
             )
+        metrics.enqueued(results)
         return results
 
     # ------------------------------------------------------------------- claims
@@ -363,7 +365,9 @@ class Queue(Sweeper, BatchOps, Waiter):
             return None
         request = Request.from_row(row)
         assert request.lease_expires_at is not None  # noqa: S101 - set by the claim itself
-        return Claim(request, token, request.lease_expires_at, lease, runtime)
+        claim = Claim(request, token, request.lease_expires_at, lease, runtime)
+        metrics.claimed([claim], [bool(row.get("took_over"))])
+        return claim
 
     def claim_next(
         self,
@@ -390,6 +394,7 @@ class Queue(Sweeper, BatchOps, Waiter):
             raise InvalidRequest(f"limit must be an integer in [1, {LIST_LIMIT_MAX}]")
         lease = self._lease(lease_seconds)
         claims: list[Claim] = []
+        took_over: list[bool] = []
         with raw_connection(self.engine) as raw:
             for wc in classes:
                 want = limit - len(claims)
@@ -406,6 +411,8 @@ class Queue(Sweeper, BatchOps, Waiter):
                     assert request.lease_expires_at is not None  # noqa: S101
                     token = tokens[row["rn"] - 1]
                     claims.append(Claim(request, token, request.lease_expires_at, lease, runtime))
+                    took_over.append(bool(row["took_over"]))
+        metrics.claimed(claims, took_over)
         return claims
 
     def heartbeat(self, claim: Claim, *, now: datetime | None = None) -> Heartbeat:
@@ -424,6 +431,7 @@ class Queue(Sweeper, BatchOps, Waiter):
         # tick is the next retry.
         row = retry_disconnect(lambda: self._read_one(sql.Q_HEARTBEAT, params))
         if row is None:
+            metrics.zombie("heartbeat")
             raise LeaseLost(claim.request_id, "heartbeat rejected")
         return Heartbeat(row["lease_expires_at"], row["cancel_requested"])
 
@@ -512,7 +520,13 @@ class Queue(Sweeper, BatchOps, Waiter):
                 ]
             return current, followed
 
-        return self.fenced_retry(claim, attempt, landed)
+        try:
+            done = self.fenced_retry(claim, attempt, landed)
+        except LeaseLost:
+            metrics.zombie("hand_off" if follow_ups else "complete")
+            raise
+        metrics.finished(claim, done[0])
+        return done
 
     def fail(
         self,
@@ -545,7 +559,13 @@ class Queue(Sweeper, BatchOps, Waiter):
         def landed() -> Request | None:
             return self._landed(claim, (Status.QUEUED, Status.DEAD, Status.CANCELLED))
 
-        return self.fenced_retry(claim, attempt, landed)
+        try:
+            row = self.fenced_retry(claim, attempt, landed)
+        except LeaseLost:
+            metrics.zombie("fail")
+            raise
+        metrics.finished(claim, row)
+        return row
 
     def fenced_retry(
         self,
@@ -621,6 +641,7 @@ class Queue(Sweeper, BatchOps, Waiter):
         """
         params = {"request_id": claim.request_id, "token": claim.token, "now": now}
         if fetch_one(raw, sql.Q_FENCE_CHECK, params) is None:
+            metrics.zombie("op")
             raise LeaseLost(claim.request_id, "fenced write rejected")
 
     # --------------------------------------------------------------- operators
@@ -633,7 +654,11 @@ class Queue(Sweeper, BatchOps, Waiter):
         check_id("request_id", request_id)
         with raw_connection(self.engine) as raw:
             row = fetch_one(raw, sql.Q_CANCEL, {"request_id": request_id, "now": now})
-        return Request.from_row(row) if row is not None else self.get(request_id)
+        if row is None:
+            return self.get(request_id)
+        cancelled = Request.from_row(row)
+        metrics.cancelled(cancelled)
+        return cancelled
 
     def requeue(self, request_id: str, *, now: datetime | None = None) -> Request:
         """Run a finished (succeeded, dead or cancelled) request again; refused while running."""
@@ -642,7 +667,9 @@ class Queue(Sweeper, BatchOps, Waiter):
             params = {"request_id": request_id, "now": now, "notify": self.settings.notify}
             row = fetch_one(raw, sql.Q_REQUEUE, params)
         if row is not None:
-            return Request.from_row(row)
+            requeued = Request.from_row(row)
+            metrics.requeued(requeued)
+            return requeued
         current = self.get(request_id)
         if current.status is Status.RUNNING:
             raise InvalidTransition(request_id, current.status.value, "requeue")

@@ -31,6 +31,7 @@ from sqlalchemy import Engine
 from onceflow.db import fetch_all, fetch_one, raw_connection
 from onceflow.errors import InvalidRequest
 from onceflow.ids import RequestId, check_id, check_worker_class
+from onceflow.metrics import record as metrics
 from onceflow.models.requests import Dispatch, SweepResult
 from onceflow.models.status import Status
 from onceflow.queue import sql
@@ -98,6 +99,7 @@ class Sweeper:
         }  # fmt: skip
         with raw_connection(self.engine) as raw:
             rows = fetch_all(raw, sql.Q_RESCUE_EXPIRED, params)
+        metrics.reclaimed(rows)
         rescued = [RequestId(r["request_id"]) for r in rows if r["status"] == Status.QUEUED]
         dead = [RequestId(r["request_id"]) for r in rows if r["status"] != Status.QUEUED]
         dispatch = [

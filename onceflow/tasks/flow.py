@@ -42,10 +42,12 @@ from onceflow.db import dispose_engines, size_pools_for
 from onceflow.errors import InvalidRequest, OnceflowError, UnknownStage, validation_summary
 from onceflow.ids import check_id, check_worker_class, random_request_id
 from onceflow.keys import queue_name
+from onceflow.metrics import record as metrics
 from onceflow.models.requests import Dispatch, EnqueueResult, NewRequest, SweepResult
 from onceflow.payloads import check_json
 from onceflow.queue import Queue
 from onceflow.settings import Settings, get_settings
+from onceflow.tasks import metrics_hooks as _metrics_hooks  # noqa: F401 - connects signals
 from onceflow.tasks.broker import harden
 from onceflow.tasks.config import (
     MAINTENANCE_QUEUE,
@@ -417,10 +419,11 @@ class Flow:
             raise InvalidRequest(f"input of stage {spec.name!r} is invalid: {summary}") from None
         return model.model_dump(mode="json")
 
-    def dispatch(self, item: Dispatch) -> bool:
+    def dispatch(self, item: Dispatch, *, kind: str = "first") -> bool:
         """Send the wake-up for one request; False (and logged) if the broker refused.
 
         Requests of a pull-worker class get none: pull workers claim by polling the API.
+        ``kind`` (metrics): ``first``, or ``resent`` by the sweeper.
         """
         if item.worker_class in self.pull_worker_classes:
             return False
@@ -452,6 +455,7 @@ class Flow:
             with contextlib.suppress(OnceflowError):
                 self.queue.mark_undispatched(item.request_id)
             return False
+        metrics.wakeup(item.worker_class, kind)
         return True
 
     @property
@@ -519,7 +523,7 @@ class Flow:
     def _send_wakeups(self, batch: Sequence[Dispatch]) -> None:
         """A sweep's sender: the rows are already marked dispatched (a failed send unmarks)."""
         for item in batch:
-            self.dispatch(item)
+            self.dispatch(item, kind="resent")
 
     def broker_backlog(self, worker_classes: Sequence[str]) -> dict[str, int] | None:
         """Messages waiting in the broker per worker class (None: the broker cannot tell).

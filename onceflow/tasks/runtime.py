@@ -29,6 +29,7 @@ from onceflow.errors import (
     RetryLater,
 )
 from onceflow.keys import counters_key
+from onceflow.metrics import record as metrics
 from onceflow.models.requests import Claim, Dispatch
 from onceflow.models.status import Status
 from onceflow.payloads import Unreadable
@@ -149,7 +150,8 @@ def run_request(
             except ValidationError as exc:
                 msg = f"input does not fit {spec.input_model.__name__}: {exc}"
                 raise PermanentError(msg) from exc
-            result = to_json_result(spec.func(ctx, data))
+            with metrics.in_progress(claim.request.worker_class):
+                result = to_json_result(spec.func(ctx, data))
             ctx.check()
         except LeaseLost:
             return {**outcome, **_lease_lost(queue, claim)}

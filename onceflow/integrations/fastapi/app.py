@@ -64,6 +64,7 @@ from onceflow.integrations.fastapi.http_errors import (
     validation_body,
 )
 from onceflow.integrations.fastapi.limits import BODY_ENVELOPE_DEPTH, BodyLimitMiddleware
+from onceflow.integrations.fastapi.metrics_routes import install_metrics
 from onceflow.integrations.fastapi.operators import OperatorAuth
 from onceflow.integrations.fastapi.ratelimit import RateLimited, RateLimits
 from onceflow.models import Claim, Dispatch, NewRequest, Status
@@ -813,5 +814,6 @@ def create_app(
         max_json_depth=services.settings.max_payload_depth + BODY_ENVELOPE_DEPTH,
     )
     app.include_router(create_router(services=services))
+    install_metrics(app, services)
     add_error_handlers(app)
     return app

@@ -1,0 +1,135 @@
+"""The database collector: live request counts and the oldest due age, read at scrape time.
+
+Index-only scans of the partial indexes (``onceflow.queue.metrics_sql``), on one
+connection of its own with a short connect and statement timeout: a database that is
+down or slow costs the scrape at most a couple of seconds and answers
+``onceflow_database_up 0``, while every process-recorded metric still answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from psycopg.rows import dict_row
+from sqlalchemy import make_url
+
+from onceflow.db import redact_url
+from onceflow.queue import metrics_sql
+
+log = logging.getLogger("onceflow.metrics")
+
+#: Seconds the collector waits to connect and for its statements.
+DB_TIMEOUT_SECONDS = 2.0
+
+
+def libpq_url(url: str) -> str:
+    """A SQLAlchemy database URL as a libpq connection string."""
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+class DatabaseCollector(Collector):
+    """``onceflow_requests``, ``onceflow_oldest_queued_age_seconds``, the table's estimated
+    rows and ``onceflow_database_up``, from the database at each scrape."""
+
+    def __init__(self, database_url: str, *, timeout: float = DB_TIMEOUT_SECONDS) -> None:
+        self._url = database_url
+        self._conninfo = libpq_url(database_url)
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._conn: psycopg.Connection[Any] | None = None
+        self._warned = False
+
+    def describe(self) -> list[Any]:
+        return []  # nothing is read at registration
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed:
+            ms = int(self._timeout * 1000)
+            self._conn = psycopg.connect(
+                self._conninfo,
+                connect_timeout=max(2, int(self._timeout)),
+                options=f"-c statement_timeout={ms} -c lock_timeout={ms}",
+                autocommit=True,
+                row_factory=dict_row,
+                application_name="onceflow-metrics",
+            )
+        return self._conn
+
+    def read(self) -> tuple[list[dict[str, Any]], float]:
+        """(live count rows, estimated table rows); raises if the database does not answer."""
+        with self._lock:
+            try:
+                conn = self._connection()
+                rows = conn.execute(metrics_sql.Q_LIVE_COUNTS).fetchall()
+                est = conn.execute(metrics_sql.Q_ESTIMATED_ROWS).fetchone()
+            except Exception:
+                if self._conn is not None:
+                    self._conn.close()
+                self._conn = None
+                raise
+        return rows, float(est["estimate"]) if est else 0.0
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        up = GaugeMetricFamily(
+            "onceflow_database_up",
+            "1 if the metrics' database query answered at this scrape, else 0.",
+        )
+        try:
+            rows, estimate = self.read()
+        except Exception as exc:
+            if not self._warned:
+                self._warned = True
+                log.warning("metrics: database %s not answering: %s", redact_url(self._url), exc)
+            up.add_metric([], 0.0)
+            yield up
+            return
+        self._warned = False
+        up.add_metric([], 1.0)
+        yield up
+        yield from _families(rows, estimate)
+
+
+def _families(rows: list[dict[str, Any]], estimate: float) -> Iterator[GaugeMetricFamily]:
+    counts: dict[tuple[str, str, str], int] = {}
+    oldest: dict[str, float] = {}
+    for r in rows:
+        wc, stage = r["worker_class"], r["stage"]
+        for status in ("queued", "scheduled", "running", "dead"):
+            key = (wc, stage, status)
+            counts[key] = counts.get(key, 0) + int(r[status])
+        age = r["oldest_due_age"]
+        if age is not None:
+            oldest[wc] = max(oldest.get(wc, 0.0), max(0.0, float(age)))
+        else:
+            oldest.setdefault(wc, 0.0)
+    requests = GaugeMetricFamily(
+        "onceflow_requests",
+        "Live requests by status (queued = due now, scheduled = run_after in the future, "
+        "running, dead): exact counts from the partial indexes. Succeeded and cancelled are "
+        "not counted here (see the counters).",
+        labels=["worker_class", "stage", "status"],
+    )
+    for (wc, stage, status), n in sorted(counts.items()):
+        requests.add_metric([wc, stage, status], float(n))
+    yield requests
+    age_family = GaugeMetricFamily(
+        "onceflow_oldest_queued_age_seconds",
+        "How long the oldest due queued request of the class has been due (database clock); "
+        "0 when none is due.",
+        labels=["worker_class"],
+    )
+    for wc, age in sorted(oldest.items()):
+        age_family.add_metric([wc], age)
+    yield age_family
+    yield GaugeMetricFamily(
+        "onceflow_requests_estimated_rows",
+        "ESTIMATE of the rows of workspace_process_requests (every status, history "
+        "included) from pg_class.reltuples, as of the last VACUUM/ANALYZE; 0 before the first.",
+        value=max(0.0, estimate),
+    )

@@ -1,0 +1,125 @@
+"""Exposition: the registry to serve (every process + the database) and its HTTP server."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+from prometheus_client.registry import Collector
+
+from onceflow.metrics.collector import DatabaseCollector
+
+log = logging.getLogger("onceflow.metrics")
+
+__all__ = [
+    "DatabaseCollector",
+    "mark_dead",
+    "multiproc_dir",
+    "prune_dead_pids",
+    "registry",
+    "serve",
+]
+
+
+def multiproc_dir() -> str | None:
+    """The multiprocess directory (``PROMETHEUS_MULTIPROC_DIR``), or None in single-process mode."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+def mark_dead(pid: int) -> None:
+    """Drop the live gauges of process ``pid`` (multiprocess mode; a no-op otherwise)."""
+    path = multiproc_dir()
+    if path is not None:
+        try:
+            mark_process_dead(pid, path)  # type: ignore[no-untyped-call]
+        except Exception:  # never break a process's exit for a metric
+            log.warning("metrics: could not mark process %s dead", pid, exc_info=True)
+
+
+_LIVE_FILE = re.compile(r"gauge_live\w*?_(\d+)\.db$")
+
+
+def prune_dead_pids(path: str) -> list[int]:
+    """Mark dead every pid with live-gauge files that is not running (on this host)."""
+    dead: list[int] = []
+    for name in glob.glob(os.path.join(path, "gauge_live*_*.db")):
+        m = _LIVE_FILE.search(name)
+        if m is None:
+            continue
+        pid = int(m.group(1))
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            dead.append(pid)
+        except PermissionError:
+            pass  # alive, another user's
+    for pid in sorted(set(dead)):
+        mark_process_dead(pid, path)  # type: ignore[no-untyped-call]
+    return dead
+
+
+class _Processes(Collector):
+    """The merged files of every process (dead pids' live gauges dropped first)."""
+
+    def __init__(self, path: str, prune_dead: bool) -> None:
+        self._path = path
+        self._prune = prune_dead
+        self._merged = MultiProcessCollector(None, path)  # type: ignore[no-untyped-call]
+
+    def collect(self) -> Iterable[Any]:
+        if self._prune:
+            try:
+                prune_dead_pids(self._path)
+            except Exception:
+                log.warning("metrics: pruning dead pids failed", exc_info=True)
+        merged: Iterable[Any] = self._merged.collect()  # type: ignore[no-untyped-call]
+        return merged
+
+
+class _ThisProcess(Collector):
+    """The default registry of this process (single-process mode)."""
+
+    def collect(self) -> Iterable[Any]:
+        return REGISTRY.collect()
+
+
+def registry(
+    database_url: str | None = None, *, database: bool = True, prune_dead: bool = True
+) -> CollectorRegistry:
+    """A registry to expose: every process's metrics plus the database collector.
+
+    Multiprocess mode: the files of ``PROMETHEUS_MULTIPROC_DIR`` merged (``prune_dead``:
+    drop the live gauges of pids no longer running — turn off when the writers run in
+    another pid namespace, e.g. another container sharing the directory). Single-process
+    mode: this process's default registry. ``database_url`` defaults to the settings'.
+    """
+    reg = CollectorRegistry()
+    path = multiproc_dir()
+    if path is not None:
+        reg.register(_Processes(path, prune_dead))
+    else:
+        reg.register(_ThisProcess())
+    if database:
+        if database_url is None:
+            from onceflow.settings import get_settings
+
+            database_url = get_settings().database_url
+        reg.register(DatabaseCollector(database_url))
+    return reg
+
+
+def serve(port: int, bind: str = "127.0.0.1", *, reg: CollectorRegistry | None = None) -> Any:
+    """Serve ``reg`` (default: :func:`registry`) over HTTP, unauthenticated, in a thread.
+
+    Returns the server. A process forked afterwards closes its copy of the listening socket.
+    """
+    server, _thread = start_http_server(port, bind, registry=reg or registry())
+    os.register_at_fork(after_in_child=server.socket.close)
+    log.info("metrics: serving on http://%s:%d/metrics", bind, port)
+    return server
