@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.multiprocess import MultiProcessCollector
 import redis as redis_lib
+from prometheus_client.multiprocess import MultiProcessCollector
 from sqlalchemy import Engine, text
 
 from onceflow.keys import queue_name
@@ -49,7 +49,9 @@ def truth(engine: Engine, sql: str) -> Any:
 
 
 def live_file_pids(path: Path) -> set[int]:
-    return {int(m.group(1)) for f in path.iterdir() if (m := re.search(r"live\w*_(\d+)\.db$", f.name))}
+    return {
+        int(m.group(1)) for f in path.iterdir() if (m := re.search(r"live\w*_(\d+)\.db$", f.name))
+    }
 
 
 def alive(pid: int) -> bool:
@@ -77,8 +79,12 @@ def test_prefork_worker_metrics_match_the_table(
         {"stage": "m_dead", "job": "dead"},
         {"stage": "m_kill", "job": "kill"},
         *(
-            {"stage": "m_lock", "job": "jl", "branch": f"b{i}",
-             "input": {"standin": standin.url, "cell": cell}}
+            {
+                "stage": "m_lock",
+                "job": "jl",
+                "branch": f"b{i}",
+                "input": {"standin": standin.url, "cell": cell},
+            }
             for i in range(4)
         ),  # fmt: skip
         *({"stage": "m_op", "job": f"op{i}", "input": {"value": i}} for i in range(2)),
@@ -135,9 +141,7 @@ def test_prefork_worker_metrics_match_the_table(
 
         # The standalone exporter over the same directory says the same.
         eport = free_port()
-        exporter = Proc(
-            ["metrics", "--port", str(eport)], tmp_path / "exporter.log", env, ROOT
-        )
+        exporter = Proc(["metrics", "--port", str(eport)], tmp_path / "exporter.log", env, ROOT)
         exporter.wait_log("metrics on")
         e = scrape(f"http://127.0.0.1:{eport}/metrics")
         for name in ("onceflow_claims_total", "onceflow_attempts_total", "onceflow_ops_total"):
