@@ -6,6 +6,7 @@ test sees many child pids come and go in the multiprocess directory.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from typing import Any
@@ -76,10 +77,8 @@ def op(ctx: StageContext, data: Value) -> dict[str, Any]:
     doc = f"doc-{data.value}"
     ctx.apply_op(doc, {"type": "cell.set", "column": "c", "value": 1}, key="a")
     ctx.apply_op(doc, {"type": "cell.set", "column": "c", "value": 1}, key="a")
-    try:
+    with contextlib.suppress(OpIdConflict):
         ctx.apply_op(doc, {"type": "cell.set", "column": "c", "value": 2}, key="a")
-    except OpIdConflict:
-        pass
     refused = ctx.apply_op(doc, {"type": "node.delete", "node": "missing"}, key="b")
     return {"refused": refused.error is not None}
 

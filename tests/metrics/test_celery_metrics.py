@@ -49,9 +49,8 @@ def truth(engine: Engine, sql: str) -> Any:
 
 
 def live_file_pids(path: Path) -> set[int]:
-    return {
-        int(m.group(1)) for f in path.iterdir() if (m := re.search(r"live\w*_(\d+)\.db$", f.name))
-    }
+    found = (re.search(r"live\w*_(\d+)\.db$", f.name) for f in path.iterdir())
+    return {int(m.group(1)) for m in found if m}
 
 
 def alive(pid: int) -> bool:
@@ -86,13 +85,13 @@ def test_prefork_worker_metrics_match_the_table(
                 "input": {"standin": standin.url, "cell": cell},
             }
             for i in range(4)
-        ),  # fmt: skip
+        ),
         *({"stage": "m_op", "job": f"op{i}", "input": {"value": i}} for i in range(2)),
         *({"stage": "m_idle", "job": f"idle{i}"} for i in range(3)),
         *({"stage": "m_idle", "job": f"later{i}", "delay": 3600} for i in range(2)),
     ]
     args = ["worker", "--app", APP, "--concurrency", "2", "--worker-class", "m-work"]
-    worker = Proc(args + ["-n", f"m-{os.getpid()}@%h"], tmp_path / "worker.log", env, ROOT)
+    worker = Proc([*args, "-n", f"m-{os.getpid()}@%h"], tmp_path / "worker.log", env, ROOT)
     exporter = None
     try:
         worker.wait_log(" ready.")
@@ -155,7 +154,8 @@ def test_prefork_worker_metrics_match_the_table(
 
 def _check_against_table(s: Samples, engine: Engine, claims: int, planned: int) -> None:
     def count(where: str) -> int:
-        return int(truth(engine, f"SELECT count(*) FROM workspace_process_requests WHERE {where}"))
+        query = f"SELECT count(*) FROM workspace_process_requests WHERE {where}"  # noqa: S608
+        return int(truth(engine, query))
 
     succeeded, dead = count("status = 'succeeded'"), count("status = 'dead'")
     rows = count("true")

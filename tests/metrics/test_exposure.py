@@ -30,7 +30,7 @@ def get(
     if body is not None:
         data = json.dumps(body).encode()
         headers["Content-Type"] = "application/json"
-    req = urllib.request.Request(url, data=data, headers=headers, method=method)
+    req = urllib.request.Request(url, data=data, headers=headers, method=method)  # noqa: S310
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - a test URL
             return resp.status, resp.read().decode()
