@@ -1,0 +1,217 @@
+"""What Prometheus metrics cost a draining worker: no scraping vs an aggressive scraper.
+
+    .venv/bin/python bench/metrics_bench.py [--n 8000] [--rounds 5] [--concurrency 8] [--json]
+
+The worker is the standalone one (``onceflow work``, one process, threads; no
+Celery), started as a user would, on a no-op handler (``bench.metrics_bench:noop``),
+so the queue's own overhead — where every metric is recorded — is all there is to
+measure. Three sides, interleaved in every round, each on a fresh table of N
+requests enqueued before the worker starts:
+
+* ``metrics``: ``PROMETHEUS_MULTIPROC_DIR`` set (a fresh empty directory: every
+  recording writes the process's mmap file) and ``--metrics-port``, never scraped;
+* ``scraped``: the same, with a scraper hitting that port every 0.5 s during the
+  drain (Prometheus scrapes every 15 s by default: this is 30 times as often). The
+  server runs inside the worker process, so each scrape's merge of the files and its
+  database query (the live counts by class and stage) compete with the worker;
+* ``in-memory``: no ``PROMETHEUS_MULTIPROC_DIR`` (prometheus_client's in-process
+  values), not scraped: the price of multiprocess mode's file writes.
+
+The rate is (N - 1) / (last finished_at - first finished_at), both by the database
+clock, so worker start-up is outside it. Reported: each side's median rate, and the
+median of the per-round ratios against ``metrics``. Postgres comes from
+``ONCEFLOW_BENCH_DATABASE_URL`` (default ``postgresql+psycopg://root@127.0.0.1:5432/postgres``),
+used as the admin URL: the run creates ``onceflow_bench_metrics_<random>`` and drops it
+at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import secrets
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from sqlalchemy import make_url
+
+ROOT = Path(__file__).resolve().parent.parent
+ADMIN_URL = os.environ.get(
+    "ONCEFLOW_BENCH_DATABASE_URL", "postgresql+psycopg://root@127.0.0.1:5432/postgres"
+)
+WC = "mbench"
+SIDES = ("metrics", "scraped", "in-memory")
+
+
+def noop(ctx: Any) -> dict[str, Any]:
+    """The benchmark's handler: nothing, so the queue's own work is all that is timed."""
+    return {}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def libpq(url: str) -> str:
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Scraper(threading.Thread):
+    """GET /metrics every ``interval`` seconds until stopped; counts scrapes and their time."""
+
+    def __init__(self, url: str, interval: float) -> None:
+        super().__init__(daemon=True)
+        self.url, self.interval = url, interval
+        self.stop_event = threading.Event()
+        self.times: list[float] = []
+        self.errors = 0
+
+    def run(self) -> None:
+        while not self.stop_event.wait(self.interval):
+            start = time.perf_counter()
+            try:
+                with urllib.request.urlopen(self.url, timeout=10) as resp:  # noqa: S310
+                    resp.read()
+                self.times.append(time.perf_counter() - start)
+            except OSError:
+                self.errors += 1  # the server is not up yet (start-up) or going down
+
+
+def one_drain(url: str, side: str, n: int, concurrency: int) -> dict[str, Any]:
+    from onceflow.models.requests import NewRequest
+    from onceflow.queue import Queue
+
+    with psycopg.connect(libpq(url), autocommit=True) as conn:
+        conn.execute("TRUNCATE workspace_process_requests")
+    queue = Queue(url)
+    items = [NewRequest("ws", f"j{i}", "noop", worker_class=WC) for i in range(n)]
+    for start in range(0, n, 5000):
+        queue.enqueue_many(items[start : start + 5000])
+    port = free_port()
+    env = {**os.environ, "ONCEFLOW_DATABASE_URL": url, "PYTHONPATH": str(ROOT)}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    tmp = None
+    if side != "in-memory":
+        tmp = tempfile.mkdtemp(prefix="onceflow-mbench-")
+        env["PROMETHEUS_MULTIPROC_DIR"] = tmp  # fresh and empty, as a start script makes it
+    args = [sys.executable, "-m", "onceflow.cli", "work", "bench.metrics_bench:noop", "-w", WC]
+    args += ["-c", str(concurrency), "--no-sweep", "--loglevel", "WARNING"]
+    args += ["--metrics-port", str(port)]
+    proc = subprocess.Popen(args, env=env, cwd=ROOT)  # noqa: S603
+    scraper = Scraper(f"http://127.0.0.1:{port}/metrics", 0.5) if side == "scraped" else None
+    if scraper is not None:
+        scraper.start()
+    try:
+        with psycopg.connect(libpq(url), autocommit=True) as conn:
+            done_sql = "SELECT count(*) FROM workspace_process_requests WHERE status = 'succeeded'"
+            deadline = time.monotonic() + 600
+            while conn.execute(done_sql).fetchone()[0] < n:  # type: ignore[index]
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError(f"{side}: the drain did not finish")
+                time.sleep(0.05)
+            row = conn.execute(
+                "SELECT EXTRACT(EPOCH FROM max(finished_at) - min(finished_at)) "
+                "FROM workspace_process_requests"
+            ).fetchone()
+    finally:
+        if scraper is not None:
+            scraper.stop_event.set()
+            scraper.join()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        queue.engine.dispose()
+    seconds = float(row[0])  # type: ignore[index]
+    out: dict[str, Any] = {"side": side, "rate": (n - 1) / seconds, "seconds": seconds}
+    if scraper is not None:
+        out["scrapes"] = len(scraper.times)
+        out["scrape_ms_median"] = 1000 * statistics.median(scraper.times or [0.0])
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from onceflow.migrate import migrate
+
+    name = f"onceflow_bench_metrics_{secrets.token_hex(3)}"
+    with psycopg.connect(libpq(ADMIN_URL), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = make_url(ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+    rounds: list[dict[str, dict[str, Any]]] = []
+    try:
+        migrate(url)
+        for r in range(args.rounds):
+            order = SIDES if r % 2 == 0 else tuple(reversed(SIDES))
+            result = {}
+            for side in order:
+                result[side] = one_drain(url, side, args.n, args.concurrency)
+                log(f"round {r + 1}: {side:<9} {result[side]['rate']:8.0f}/s "
+                    f"{result[side].get('scrapes', '')}")  # fmt: skip
+            rounds.append(result)
+    finally:
+        with psycopg.connect(libpq(ADMIN_URL), autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    summary: dict[str, Any] = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "n": args.n, "rounds": args.rounds, "concurrency": args.concurrency,
+    }  # fmt: skip
+    for side in SIDES:
+        summary[f"{side}_rate_median"] = statistics.median(r[side]["rate"] for r in rounds)
+    for side in ("scraped", "in-memory"):
+        ratios = [r[side]["rate"] / r["metrics"]["rate"] for r in rounds]
+        summary[f"{side}_vs_metrics_ratio_median"] = statistics.median(ratios)
+        summary[f"{side}_vs_metrics_ratios"] = ratios
+    summary["scrapes_per_drain"] = [r["scraped"]["scrapes"] for r in rounds]
+    summary["scrape_ms_median"] = statistics.median(r["scraped"]["scrape_ms_median"] for r in rounds)
+    summary["rounds_detail"] = rounds
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--n", type=int, default=8000, help="requests per drain")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    args = p.parse_args(argv)
+    summary = run(args)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"{summary['date']}  {summary['machine']}  N={args.n} x {args.rounds} rounds, "
+          f"-c {args.concurrency}")  # fmt: skip
+    print("| side | median drain rate (req/s) | median ratio vs `metrics` |")
+    print("|---|---:|---:|")
+    print(f"| metrics (multiprocess files, not scraped) | {summary['metrics_rate_median']:.0f} | 1 |")
+    for side in ("scraped", "in-memory"):
+        print(f"| {side} | {summary[f'{side}_rate_median']:.0f} | "
+              f"{summary[f'{side}_vs_metrics_ratio_median']:.3f} |")  # fmt: skip
+    print(f"scrapes per drain: {summary['scrapes_per_drain']}, "
+          f"median scrape {summary['scrape_ms_median']:.1f} ms")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
