@@ -118,7 +118,7 @@ def one_drain(url: str, side: str, n: int, concurrency: int) -> dict[str, Any]:
     args = [sys.executable, "-m", "onceflow.cli", "work", "bench.metrics_bench:noop", "-w", WC]
     args += ["-c", str(concurrency), "--no-sweep", "--loglevel", "WARNING"]
     args += ["--metrics-port", str(port)]
-    proc = subprocess.Popen(args, env=env, cwd=ROOT)  # noqa: S603
+    proc = subprocess.Popen(args, env=env, cwd=ROOT)
     scraper = Scraper(f"http://127.0.0.1:{port}/metrics", 0.5) if side == "scraped" else None
     if scraper is not None:
         scraper.start()
@@ -184,7 +184,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         summary[f"{side}_vs_metrics_ratio_median"] = statistics.median(ratios)
         summary[f"{side}_vs_metrics_ratios"] = ratios
     summary["scrapes_per_drain"] = [r["scraped"]["scrapes"] for r in rounds]
-    summary["scrape_ms_median"] = statistics.median(r["scraped"]["scrape_ms_median"] for r in rounds)
+    summary["scrape_ms_median"] = statistics.median(
+        r["scraped"]["scrape_ms_median"] for r in rounds
+    )
     summary["rounds_detail"] = rounds
     return summary
 
@@ -204,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
           f"-c {args.concurrency}")  # fmt: skip
     print("| side | median drain rate (req/s) | median ratio vs `metrics` |")
     print("|---|---:|---:|")
-    print(f"| metrics (multiprocess files, not scraped) | {summary['metrics_rate_median']:.0f} | 1 |")
+    print(
+        f"| metrics (multiprocess files, not scraped) | {summary['metrics_rate_median']:.0f} | 1 |"
+    )
     for side in ("scraped", "in-memory"):
         print(f"| {side} | {summary[f'{side}_rate_median']:.0f} | "
               f"{summary[f'{side}_vs_metrics_ratio_median']:.3f} |")  # fmt: skip

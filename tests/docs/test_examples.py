@@ -12,7 +12,7 @@ line(s) right before its fence (invisible on GitHub):
   modules. ``export NAME=value`` applies to the lines after it, except for the database
   and Redis URLs, which stay the test session's. ``REQUEST_ID`` stands for the last
   ``request_id`` a command printed. Long-running commands (``onceflow worker|work|beat|
-  api|flower|mcp|dev-services|demo``, ``celery … worker|beat``, ``bench/*.py``) are checked
+  api|flower|mcp|dev-services|demo|metrics``, ``celery … worker|beat``, ``bench/*.py``) are checked
   with ``--help`` appended (the command line must parse); inside a group they are started
   instead and run until the group ends. ``make TARGET`` is checked with ``make -n``;
   ``pip install …`` and ``python -m venv …`` with ``--help`` (nothing is installed).
@@ -61,7 +61,17 @@ SETUP = re.compile(r"^<!--\s*example-setup\s*\n(?P<code>.*?)-->$", re.S)
 MODULE = re.compile(r"^#\s*(?P<path>[\w/]+\.py)\b")
 PYTHON, SHELL = {"python", "py"}, {"sh", "bash", "console", "shell"}
 COMMAND = r"(\$ |onceflow |celery |python3? |\.venv/bin/|make |pip |curl |docker )"
-LONG_RUNNING = {"worker", "work", "beat", "api", "flower", "mcp", "dev-services", "demo"}
+LONG_RUNNING = {
+    "worker",
+    "work",
+    "beat",
+    "api",
+    "flower",
+    "mcp",
+    "dev-services",
+    "demo",
+    "metrics",
+}
 EXAMPLE_QUEUES = ["onceflow.wc.llm", "onceflow.wc.fallback", "onceflow"]
 SESSION_VARS = {"ONCEFLOW_DATABASE_URL", "ONCEFLOW_REDIS_URL"}
 # Fast retries for every process an example starts (as the acceptance tests use).
