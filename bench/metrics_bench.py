@@ -1,6 +1,6 @@
 """What Prometheus metrics cost a draining worker: no scraping vs an aggressive scraper.
 
-    .venv/bin/python bench/metrics_bench.py [--n 8000] [--rounds 5] [--concurrency 8] [--json]
+    .venv/bin/python bench/metrics_bench.py [--n 4000] [--rounds 8] [--concurrency 8] [--json]
 
 The worker is the standalone one (``onceflow work``, one process, threads; no
 Celery), started as a user would, on a no-op handler (``bench.metrics_bench:noop``),
@@ -17,10 +17,15 @@ requests enqueued before the worker starts:
 * ``in-memory``: no ``PROMETHEUS_MULTIPROC_DIR`` (prometheus_client's in-process
   values), not scraped: the price of multiprocess mode's file writes.
 
+Then one scrape's direct cost (wall time, and the serving process's CPU) with 0, 4,000
+and 40,000 live queued rows: the figure a shared, noisy machine disturbs least.
+
 The rate is (N - 1) / (last finished_at - first finished_at), both by the database
-clock, so worker start-up is outside it. Reported: each side's median rate, and the
-median of the per-round ratios against ``metrics``. Postgres comes from
-``ONCEFLOW_BENCH_DATABASE_URL`` (default ``postgresql+psycopg://root@127.0.0.1:5432/postgres``),
+clock, so worker start-up is outside it; so is the worker's CPU per request (user +
+system seconds of the worker process from its first finished request to the last, from
+/proc), which a shared machine's load disturbs less than the wall-clock rate. Reported:
+each side's medians, and the medians of the per-round ratios against ``metrics``.
+Postgres comes from ``ONCEFLOW_BENCH_DATABASE_URL`` (default ``postgresql+psycopg://root@127.0.0.1:5432/postgres``),
 used as the admin URL: the run creates ``onceflow_bench_metrics_<random>`` and drops it
 at the end.
 """
@@ -98,6 +103,12 @@ class Scraper(threading.Thread):
                 self.errors += 1  # the server is not up yet (start-up) or going down
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (/proc, Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def one_drain(url: str, side: str, n: int, concurrency: int) -> dict[str, Any]:
     from onceflow.models.requests import NewRequest
     from onceflow.queue import Queue
@@ -126,10 +137,14 @@ def one_drain(url: str, side: str, n: int, concurrency: int) -> dict[str, Any]:
         with psycopg.connect(libpq(url), autocommit=True) as conn:
             done_sql = "SELECT count(*) FROM workspace_process_requests WHERE status = 'succeeded'"
             deadline = time.monotonic() + 600
-            while conn.execute(done_sql).fetchone()[0] < n:  # type: ignore[index]
+            cpu_start, done_start = None, 0
+            while (done := conn.execute(done_sql).fetchone()[0]) < n:  # type: ignore[index]
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise RuntimeError(f"{side}: the drain did not finish")
-                time.sleep(0.05)
+                if cpu_start is None and done > 0:  # start-up (imports, connects) excluded
+                    cpu_start, done_start = cpu_seconds(proc.pid), done
+                time.sleep(0.02)
+            cpu = cpu_seconds(proc.pid) - (cpu_start or 0.0)
             row = conn.execute(
                 "SELECT EXTRACT(EPOCH FROM max(finished_at) - min(finished_at)) "
                 "FROM workspace_process_requests"
@@ -145,9 +160,53 @@ def one_drain(url: str, side: str, n: int, concurrency: int) -> dict[str, Any]:
         queue.engine.dispose()
     seconds = float(row[0])  # type: ignore[index]
     out: dict[str, Any] = {"side": side, "rate": (n - 1) / seconds, "seconds": seconds}
+    # The worker's own CPU per request (its threads, and the in-process metrics server).
+    out["cpu_us_per_request"] = 1e6 * cpu / max(1, n - done_start)
     if scraper is not None:
         out["scrapes"] = len(scraper.times)
         out["scrape_ms_median"] = 1000 * statistics.median(scraper.times or [0.0])
+    return out
+
+
+def scrape_cost(url: str, backlogs: tuple[int, ...] = (0, 4000, 40000)) -> list[dict[str, Any]]:
+    """One scrape's direct cost by live backlog: wall time and this process's CPU.
+
+    The registry a worker serves (this process's metrics and the database's live counts),
+    scraped 30 times per backlog of queued rows (no worker running); the wall time is
+    mostly the database's index-only count, the CPU the serving process's own share.
+    """
+    from prometheus_client import generate_latest
+
+    from onceflow.metrics import registry
+    from onceflow.models.requests import NewRequest
+    from onceflow.queue import Queue
+
+    with psycopg.connect(libpq(url), autocommit=True) as conn:
+        conn.execute("TRUNCATE workspace_process_requests")
+    queue = Queue(url)
+    reg = registry(url)
+    out, have = [], 0
+    for backlog in backlogs:
+        while have < backlog:
+            take = min(5000, backlog - have)
+            queue.enqueue_many(
+                [NewRequest("ws", f"s{have + i}", "noop", worker_class=WC) for i in range(take)]
+            )
+            have += take
+        generate_latest(reg)
+        walls, cpus = [], []
+        for _ in range(30):
+            start, cpu = time.perf_counter(), time.process_time()
+            generate_latest(reg)
+            walls.append(time.perf_counter() - start)
+            cpus.append(time.process_time() - cpu)
+        out.append({
+            "queued": backlog, "wall_ms": 1000 * statistics.median(walls),
+            "cpu_ms": 1000 * statistics.median(cpus),
+        })  # fmt: skip
+        wall, cpu_ms = out[-1]["wall_ms"], out[-1]["cpu_ms"]
+        log(f"scrape at {backlog} queued: {wall:.1f} ms, CPU {cpu_ms:.2f} ms")
+    queue.engine.dispose()
     return out
 
 
@@ -169,32 +228,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 log(f"round {r + 1}: {side:<9} {result[side]['rate']:8.0f}/s "
                     f"{result[side].get('scrapes', '')}")  # fmt: skip
             rounds.append(result)
+        costs = scrape_cost(url)
     finally:
         with psycopg.connect(libpq(ADMIN_URL), autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     summary: dict[str, Any] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}",
         "n": args.n, "rounds": args.rounds, "concurrency": args.concurrency,
     }  # fmt: skip
     for side in SIDES:
         summary[f"{side}_rate_median"] = statistics.median(r[side]["rate"] for r in rounds)
+    for side in SIDES:
+        per_request = [r[side]["cpu_us_per_request"] for r in rounds]
+        summary[f"{side}_cpu_us_median"] = statistics.median(per_request)
     for side in ("scraped", "in-memory"):
         ratios = [r[side]["rate"] / r["metrics"]["rate"] for r in rounds]
         summary[f"{side}_vs_metrics_ratio_median"] = statistics.median(ratios)
         summary[f"{side}_vs_metrics_ratios"] = ratios
+        cpu = [r[side]["cpu_us_per_request"] / r["metrics"]["cpu_us_per_request"] for r in rounds]
+        summary[f"{side}_vs_metrics_cpu_ratio_median"] = statistics.median(cpu)
     summary["scrapes_per_drain"] = [r["scraped"]["scrapes"] for r in rounds]
     summary["scrape_ms_median"] = statistics.median(
         r["scraped"]["scrape_ms_median"] for r in rounds
     )
+    summary["scrape_cost"] = costs
+    summary["load_average"] = os.getloadavg()
     summary["rounds_detail"] = rounds
     return summary
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--n", type=int, default=8000, help="requests per drain")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--n", type=int, default=4000, help="requests per drain")
+    p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = p.parse_args(argv)
@@ -204,14 +272,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{summary['date']}  {summary['machine']}  N={args.n} x {args.rounds} rounds, "
           f"-c {args.concurrency}")  # fmt: skip
-    print("| side | median drain rate (req/s) | median ratio vs `metrics` |")
-    print("|---|---:|---:|")
-    print(
-        f"| metrics (multiprocess files, not scraped) | {summary['metrics_rate_median']:.0f} | 1 |"
-    )
+    print("| side | median drain rate (req/s) | median rate ratio vs `metrics` "
+          "| worker CPU per request (µs) | median CPU ratio vs `metrics` |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|")
+    rate, cpu = summary["metrics_rate_median"], summary["metrics_cpu_us_median"]
+    print(f"| metrics (multiprocess files, not scraped) | {rate:.0f} | 1 | {cpu:.0f} | 1 |")
     for side in ("scraped", "in-memory"):
         print(f"| {side} | {summary[f'{side}_rate_median']:.0f} | "
-              f"{summary[f'{side}_vs_metrics_ratio_median']:.3f} |")  # fmt: skip
+              f"{summary[f'{side}_vs_metrics_ratio_median']:.3f} | "
+              f"{summary[f'{side}_cpu_us_median']:.0f} | "
+              f"{summary[f'{side}_vs_metrics_cpu_ratio_median']:.3f} |")  # fmt: skip
+    print("| live queued rows | one scrape, wall (ms) | serving process CPU (ms) |")
+    print("|---:|---:|---:|")
+    for c in summary["scrape_cost"]:
+        print(f"| {c['queued']} | {c['wall_ms']:.1f} | {c['cpu_ms']:.2f} |")
+    print(f"load average at the end: {summary['load_average']}")
     print(f"scrapes per drain: {summary['scrapes_per_drain']}, "
           f"median scrape {summary['scrape_ms_median']:.1f} ms")  # fmt: skip
     return 0
