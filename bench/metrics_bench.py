@@ -14,6 +14,8 @@ requests enqueued before the worker starts:
   drain (Prometheus scrapes every 15 s by default: this is 30 times as often). The
   server runs inside the worker process, so each scrape's merge of the files and its
   database query (the live counts by class and stage) compete with the worker;
+* ``exporter``: the same, scraped every 0.5 s through a separate ``onceflow metrics``
+  process over the same directory (the worker only writes its files);
 * ``in-memory``: no ``PROMETHEUS_MULTIPROC_DIR`` (prometheus_client's in-process
   values), not scraped: the price of multiprocess mode's file writes.
 
@@ -58,7 +60,7 @@ ADMIN_URL = os.environ.get(
     "ONCEFLOW_BENCH_DATABASE_URL", "postgresql+psycopg://root@127.0.0.1:5432/postgres"
 )
 WC = "mbench"
-SIDES = ("metrics", "scraped", "in-memory")
+SIDES = ("metrics", "scraped", "exporter", "in-memory")
 
 
 def noop(ctx: Any) -> dict[str, Any]:
@@ -129,8 +131,16 @@ def one_drain(url: str, side: str, n: int, concurrency: int) -> dict[str, Any]:
     args = [sys.executable, "-m", "onceflow.cli", "work", "bench.metrics_bench:noop", "-w", WC]
     args += ["-c", str(concurrency), "--no-sweep", "--loglevel", "WARNING"]
     args += ["--metrics-port", str(port)]
+    exporter = None
+    if side == "exporter":  # a separate `onceflow metrics` process over the same directory
+        port = free_port()
+        exporter = subprocess.Popen(
+            [sys.executable, "-m", "onceflow.cli", "metrics", "--port", str(port)],
+            env=env, cwd=ROOT, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
     proc = subprocess.Popen(args, env=env, cwd=ROOT)
-    scraper = Scraper(f"http://127.0.0.1:{port}/metrics", 0.5) if side == "scraped" else None
+    scraped = side in ("scraped", "exporter")
+    scraper = Scraper(f"http://127.0.0.1:{port}/metrics", 0.5) if scraped else None
     if scraper is not None:
         scraper.start()
     try:
@@ -155,6 +165,9 @@ def one_drain(url: str, side: str, n: int, concurrency: int) -> dict[str, Any]:
             scraper.join()
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
+        if exporter is not None:
+            exporter.terminate()
+            exporter.wait(timeout=30)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         queue.engine.dispose()
@@ -243,13 +256,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for side in SIDES:
         per_request = [r[side]["cpu_us_per_request"] for r in rounds]
         summary[f"{side}_cpu_us_median"] = statistics.median(per_request)
-    for side in ("scraped", "in-memory"):
+    for side in ("scraped", "exporter", "in-memory"):
         ratios = [r[side]["rate"] / r["metrics"]["rate"] for r in rounds]
         summary[f"{side}_vs_metrics_ratio_median"] = statistics.median(ratios)
         summary[f"{side}_vs_metrics_ratios"] = ratios
         cpu = [r[side]["cpu_us_per_request"] / r["metrics"]["cpu_us_per_request"] for r in rounds]
         summary[f"{side}_vs_metrics_cpu_ratio_median"] = statistics.median(cpu)
     summary["scrapes_per_drain"] = [r["scraped"]["scrapes"] for r in rounds]
+    summary["exporter_scrapes_per_drain"] = [r["exporter"]["scrapes"] for r in rounds]
     summary["scrape_ms_median"] = statistics.median(
         r["scraped"]["scrape_ms_median"] for r in rounds
     )
@@ -277,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|---:|---:|---:|")
     rate, cpu = summary["metrics_rate_median"], summary["metrics_cpu_us_median"]
     print(f"| metrics (multiprocess files, not scraped) | {rate:.0f} | 1 | {cpu:.0f} | 1 |")
-    for side in ("scraped", "in-memory"):
+    for side in ("scraped", "exporter", "in-memory"):
         print(f"| {side} | {summary[f'{side}_rate_median']:.0f} | "
               f"{summary[f'{side}_vs_metrics_ratio_median']:.3f} | "
               f"{summary[f'{side}_cpu_us_median']:.0f} | "

@@ -86,3 +86,10 @@ def op(ctx: StageContext, data: Value) -> dict[str, Any]:
 @flow.stage("m_idle", input=Value, worker_class=IDLE)
 def idle(ctx: StageContext, data: Value) -> None:
     raise AssertionError("no worker serves this class")
+
+
+def standalone(ctx: StageContext) -> dict[str, Any]:
+    """A standalone worker's handler (``onceflow work tests.metrics.stages:standalone``)."""
+    if ctx.request.input.get("fail"):
+        raise RuntimeError("fails on purpose")
+    return {"ok": True}

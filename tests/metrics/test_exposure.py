@@ -15,7 +15,7 @@ from sqlalchemy import Engine
 
 from onceflow.integrations.fastapi.auth import hash_key
 from onceflow.keys import queue_name
-from tests.acceptance.procs import ROOT, Proc, api_server, free_port
+from tests.acceptance.procs import ROOT, Proc, api_server, free_port, wait_for
 from tests.metrics.scrape import parse, total
 
 APP = "tests.metrics.stages:flow"
@@ -114,3 +114,35 @@ def test_exporter_help_says_unauthenticated(flag: list[str]) -> None:
     result = CliRunner().invoke(main, ["metrics", "--help", *flag])
     assert result.exit_code == 0
     assert "UNAUTHENTICATED" in result.output
+
+
+def test_standalone_worker_serves_its_metrics(tmp_path: Path, clean_db: Engine) -> None:
+    from onceflow.queue import Queue
+
+    queue = Queue(clean_db)
+    queue.enqueue("s", "w", "ok", worker_class="m-solo")
+    queue.enqueue("s", "w", "bad", {"fail": True}, worker_class="m-solo", max_attempts=1)
+    port = free_port()
+    args = ["work", "tests.metrics.stages:standalone", "-w", "m-solo", "--metrics-port", str(port)]
+    proc = Proc(args, tmp_path / "work.log", {"PYTHONPATH": str(ROOT)}, ROOT)
+    try:
+        url = f"http://127.0.0.1:{port}/metrics"
+
+        def drained() -> bool:
+            try:
+                s = parse(get(url)[1])
+            except OSError:
+                return False  # not serving yet
+            return total(s, "onceflow_attempts_total", worker_class="m-solo") == 2
+
+        wait_for(drained, timeout=30, what="both requests recorded")
+        s = parse(get(url)[1])
+    finally:
+        proc.stop()
+    labels = {"worker_class": "m-solo", "stage": "s"}
+    assert total(s, "onceflow_claims_total", **labels) == 2
+    assert total(s, "onceflow_attempts_total", outcome="succeeded", **labels) == 1
+    assert total(s, "onceflow_attempts_total", outcome="dead", **labels) == 1
+    assert total(s, "onceflow_stage_duration_seconds_count", **labels) == 2
+    assert total(s, "onceflow_stages_in_progress", worker_class="m-solo") == 0
+    assert total(s, "onceflow_requests", status="dead", worker_class="m-solo") == 1
