@@ -5,7 +5,7 @@
 The worker is the standalone one (``onceflow work``, one process, threads; no
 Celery), started as a user would, on a no-op handler (``bench.metrics_bench:noop``),
 so the queue's own overhead — where every metric is recorded — is all there is to
-measure. Three sides, interleaved in every round, each on a fresh table of N
+measure. Four sides, interleaved in every round, each on a fresh table of N
 requests enqueued before the worker starts:
 
 * ``metrics``: ``PROMETHEUS_MULTIPROC_DIR`` set (a fresh empty directory: every

@@ -121,7 +121,7 @@ def test_standalone_worker_serves_its_metrics(tmp_path: Path, clean_db: Engine) 
 
     queue = Queue(clean_db)
     queue.enqueue("s", "w", "ok", worker_class="m-solo")
-    queue.enqueue("s", "w", "bad", {"fail": True}, worker_class="m-solo", max_attempts=1)
+    queue.enqueue("s", "w", "bad", input={"fail": True}, worker_class="m-solo", max_attempts=1)
     port = free_port()
     args = ["work", "tests.metrics.stages:standalone", "-w", "m-solo", "--metrics-port", str(port)]
     proc = Proc(args, tmp_path / "work.log", {"PYTHONPATH": str(ROOT)}, ROOT)
