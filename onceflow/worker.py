@@ -188,6 +188,10 @@ class Worker:
         self._cond = threading.Condition()
         self._ready: deque[StageContext] = deque()  # claimed, not started
         self._held: dict[str, StageContext] = {}  # every claim this worker holds
+        # Held while outcomes are recorded (and dropped from _held) and while a heartbeat
+        # round runs: a heartbeat is never sent for a row whose outcome just committed
+        # (the database would reject it, a false "lease lost").
+        self._write_turn = threading.Lock()
         self._running = 0
         self._done: list[_Done] = []
         self._stopping = threading.Event()  # no more claims; finish what runs
@@ -490,6 +494,10 @@ class Worker:
         return lambda: [self.queue.hand_off(d.ctx.claim, d.result, then=d.ctx._then)[0]]
 
     def _apply(self, items: list[_Done], call: Callable[[], Sequence[Any]]) -> list[_Done]:
+        with self._write_turn:
+            return self._apply_in_turn(items, call)
+
+    def _apply_in_turn(self, items: list[_Done], call: Callable[[], Sequence[Any]]) -> list[_Done]:
         try:
             outcomes: Sequence[Any] = call()
         except LeaseLost as exc:  # hand_off raises it for its one row
@@ -546,11 +554,14 @@ class Worker:
     def _heartbeat_loop(self) -> None:
         interval = self.lease_seconds / 3
         while not self._stopped.wait(interval):
-            with self._cond:
-                held = list(self._held.values())
-            if not held:
+            # The completer is recording (the database is slow or away): skip this round.
+            if not self._write_turn.acquire(timeout=interval):
                 continue
             try:
+                with self._cond:
+                    held = list(self._held.values())
+                if not held:
+                    continue
                 beats = self.queue.heartbeat_many([ctx.claim for ctx in held])
             except OnceflowError as exc:  # the database may be back before the leases lapse
                 log.warning("worker: heartbeat failed: %s", exc)
@@ -558,6 +569,8 @@ class Worker:
             except Exception:  # the one thread of every lease must never die
                 log.exception("worker: heartbeat raised; carrying on")
                 continue
+            finally:
+                self._write_turn.release()
             now = time.monotonic()
             with self._cond:
                 for ctx, beat in zip(held, beats, strict=True):
@@ -627,16 +640,17 @@ class Worker:
     def _release(self, unstarted: list[StageContext]) -> None:
         if not unstarted:
             return
-        try:
-            outcomes = self.queue.release([ctx.claim for ctx in unstarted])
-        except OnceflowError as exc:
-            log.warning("worker: could not hand back %d claim(s): %s", len(unstarted), exc)
-            outcomes = []
-        released = sum(1 for o in outcomes if not isinstance(o, LeaseLost))
-        with self._cond:
-            for ctx in unstarted:
-                self._drop(ctx)
-            self.stats.released += released
+        with self._write_turn:
+            try:
+                outcomes = self.queue.release([ctx.claim for ctx in unstarted])
+            except OnceflowError as exc:
+                log.warning("worker: could not hand back %d claim(s): %s", len(unstarted), exc)
+                outcomes = []
+            released = sum(1 for o in outcomes if not isinstance(o, LeaseLost))
+            with self._cond:
+                for ctx in unstarted:
+                    self._drop(ctx)
+                self.stats.released += released
         log.info("worker: handed back %d unstarted claim(s)", released)
 
 

@@ -6,6 +6,7 @@ SIGTERM). Time is the database's: conditions are awaited with deadlines, never s
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 from sqlalchemy import Engine, text
 
 from onceflow.context import StageContext
@@ -373,3 +375,25 @@ def test_onceflow_work_runs_a_handler_from_the_command_line(
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert bad.returncode != 0 and "cannot load" in bad.stderr
+
+
+def test_heartbeats_never_race_the_completions_of_the_same_rows(
+    fast_queue: Queue, clean_db: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Short leases: a heartbeat every 0.1 s while bodies finish all the time. A heartbeat
+    # sent for a row whose completion committed after the heartbeater took its snapshot is
+    # rejected by the database — a false "lease lost" (and a false zombie-write count).
+    def rejected_heartbeats() -> float:
+        sample = REGISTRY.get_sample_value(
+            "onceflow_zombie_writes_rejected_total", {"operation": "heartbeat"}
+        )
+        return sample or 0.0
+
+    before = rejected_heartbeats()
+    enqueue(fast_queue, 1500)
+    caplog.set_level(logging.WARNING, logger="onceflow")
+    with Worker(fast_queue, "w", lambda ctx: None, concurrency=8, lease_seconds=0.3) as w:
+        wait_for(lambda: statuses(clean_db) == {"succeeded": 1500}, "the drain", timeout=60)
+    assert w.stats.succeeded == 1500
+    assert [r.getMessage() for r in caplog.records if "lease lost" in r.getMessage()] == []
+    assert rejected_heartbeats() == before
