@@ -635,16 +635,22 @@ class Queue(Sweeper, BatchOps, Waiter):
             row = fetch_one(raw, sql.Q_CANCEL, {"request_id": request_id, "now": now})
         return Request.from_row(row) if row is not None else self.get(request_id)
 
-    def requeue(self, request_id: str, *, now: datetime | None = None) -> Request:
-        """Run a finished (succeeded, dead or cancelled) request again; refused while running."""
+    def requeue(
+        self, request_id: str, *, now: datetime | None = None, expect: datetime | None = None
+    ) -> Request:
+        """Run a finished (succeeded, dead or cancelled) request again; refused while running.
+
+        ``expect`` fences it: only a dead or cancelled row last updated at ``expect`` moves;
+        any other row is left unchanged and :class:`InvalidTransition` is raised.
+        """
         check_id("request_id", request_id)
         with raw_connection(self.engine) as raw:
             params = {"request_id": request_id, "now": now, "notify": self.settings.notify}
-            row = fetch_one(raw, sql.Q_REQUEUE, params)
+            row = fetch_one(raw, sql.Q_REQUEUE, {**params, "expect": expect})
         if row is not None:
             return Request.from_row(row)
         current = self.get(request_id)
-        if current.status is Status.RUNNING:
+        if current.status is Status.RUNNING or expect is not None:
             raise InvalidTransition(request_id, current.status.value, "requeue")
         return current
 

@@ -813,5 +813,8 @@ def create_app(
         max_json_depth=services.settings.max_payload_depth + BODY_ENVELOPE_DEPTH,
     )
     app.include_router(create_router(services=services))
+    from onceflow.integrations.fastapi.dashboard import create_dashboard_router
+
+    app.include_router(create_dashboard_router(services))  # /dashboard: docs/dashboard.md
     add_error_handlers(app)
     return app
