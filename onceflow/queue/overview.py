@@ -3,7 +3,7 @@
 Every statement reads a partial index (or a bounded range of one), never the table's
 finished history, so its cost follows the live backlog, not the table's size:
 
-* depth by worker class × stage × status: ``ix_wpr_claim`` (queued; INCLUDE stage),
+* depth by worker class x stage x status: ``ix_wpr_claim`` (queued; INCLUDE stage),
   ``ix_wpr_lease`` (running; INCLUDE stage), ``ix_wpr_dead`` (dead; INCLUDE class, stage)
   — index-only scans, one ``UNION ALL`` branch per index (an OR defeats partial indexes);
 * running requests: ``ix_wpr_lease``, newest lease first, ``LIMIT`` :data:`RUNNING_LIMIT`;
@@ -24,8 +24,8 @@ from typing import Any, Final
 import redis
 from sqlalchemy import Engine
 
-from onceflow.errors import InvalidRequest
 from onceflow.db import fetch_all, fetch_one, raw_connection, retry_disconnect
+from onceflow.errors import InvalidRequest
 from onceflow.keys import counters_key, counters_workspaces_key
 from onceflow.locks.counters import (
     COMPUTES,

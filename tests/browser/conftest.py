@@ -24,6 +24,7 @@ VIEWER_KEY = "of_test_dash_viewer_0123456789abcdef"
 ADMIN_KEY = "of_test_dash_admin_0123456789abcdefg"
 API_KEY = "of_test_dash_api_key_0123456789abcdef"  # an API key: not an operator key
 WC = "t-dash"
+HOLD_WC = "t-dash-hold"
 
 
 def auth(key: str) -> dict[str, str]:
@@ -54,11 +55,11 @@ def dashboard_api(
 def dashboard_worker(
     tmp_path_factory: pytest.TempPathFactory, database_url: str, redis_url: str
 ) -> Iterator[procs.Proc]:
-    """A real Celery worker (prefork, 2 children) of the dashboard stages."""
-    redis_lib.Redis.from_url(redis_url).delete(queue_name(WC))
+    """A real Celery worker (prefork, 2 children: one may hold a long stage) of the stages."""
+    redis_lib.Redis.from_url(redis_url).delete(queue_name(WC), queue_name(HOLD_WC))
     env = {**TEST_ENV, "PYTHONPATH": str(ROOT)}
     worker = procs.start_worker(
-        tmp_path_factory.mktemp("dash-worker"), APP, WC, concurrency=2, env=env, cwd=ROOT,
+        tmp_path_factory.mktemp("dash-worker"), APP, WC, HOLD_WC, concurrency=2, env=env, cwd=ROOT,
         name="dash",
     )  # fmt: skip
     try:
@@ -81,7 +82,7 @@ def dash(clean_db: Engine, redis_url: str) -> Iterator[Any]:
         client.delete(key)
     for key in client.scan_iter("onceflow:{dash-*"):
         client.delete(key)
-    client.delete(queue_name(WC), counters_workspaces_key())
+    client.delete(queue_name(WC), queue_name(HOLD_WC), counters_workspaces_key())
     yield stages
     get_settings.cache_clear()
 

@@ -48,3 +48,15 @@ def flaky(ctx: StageContext, data: CellInput) -> dict[str, Any]:
     if not r().exists(FIXED + ctx.request.job_id):
         raise RuntimeError(f"not fixed yet: job {ctx.request.job_id}")
     return {"fixed": True}
+
+
+HOLD_WC = "t-dash-hold"
+RELEASE = "onceflow-test:dash:release:"  # + job id: set by the test, the stage then returns
+
+
+@flow.stage("hold", input=CellInput, worker_class=HOLD_WC, lease_seconds=6.0)
+def hold(ctx: StageContext, data: CellInput) -> dict[str, Any]:
+    """Runs (heartbeating) until the test releases it or an operator asks it to stop."""
+    while not ctx.cancel_requested and r().blpop([RELEASE + ctx.request.job_id], 0.2) is None:
+        pass
+    return {"stopped": ctx.cancel_requested}

@@ -21,6 +21,9 @@ from tests.conftest import table_snapshot
 
 pytestmark = pytest.mark.slow
 
+OPS_LAST_MINUTE = (
+    "SELECT count(*) FROM workspace_sub_doc_ops WHERE committed_at > now() - interval '60 s'"
+)
 IDLE = "t-dash-idle"  # a worker class nobody serves: its rows stay queued / scheduled
 
 
@@ -122,15 +125,14 @@ def test_snapshot_equals_the_table_after_a_drain(
     assert snap["depth"] == expected_depth(engine)
     assert snap["depth"][IDLE]["cell"] == {"queued": 3, "scheduled": 2, "running": 0, "dead": 0}
     assert snap["depth"][WC]["flaky"]["dead"] == 1
-    assert snap["oldest_queued_age_seconds"][IDLE] >= 0 and WC not in snap["oldest_queued_age_seconds"]
+    oldest = snap["oldest_queued_age_seconds"]
+    assert oldest[IDLE] >= 0 and WC not in oldest
     assert snap["running"] == []
     [dead] = snap["dead"]
     assert dead["request_id"] == dead_id and dead["attempts"] == 1
     assert dead["error"].startswith("RuntimeError: not fixed yet")
     with engine.connect() as conn:
-        ops = conn.execute(text(
-            "SELECT count(*) FROM workspace_sub_doc_ops WHERE committed_at > now() - interval '60 s'"
-        )).scalar_one()  # fmt: skip
+        ops = conn.execute(text(OPS_LAST_MINUTE)).scalar_one()
     assert snap["ops"]["last_minute"] == ops == 4
     # Savings per workspace, as Redis holds them, and as the provider would see them.
     client = redis_lib.Redis.from_url(redis_url)

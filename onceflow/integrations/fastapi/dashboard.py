@@ -288,8 +288,11 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
         svc.flow.dispatch(Dispatch(done.request_id, done.stage, done.worker_class))
         log.info("dashboard: operator %s requeued request %s", who, request_id)
         return JSONResponse(
-            {"request_id": request_id, "status": done.status.value,
-             "version": done.updated_at.isoformat()}  # fmt: skip
+            {
+                "request_id": request_id,
+                "status": done.status.value,
+                "version": done.updated_at.isoformat(),
+            }
         )
 
     @api.post("/requests/{request_id}/cancel", operation_id="dashboard_cancel")
@@ -306,9 +309,12 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
         log.info("dashboard: operator %s cancelled request %s (%s)", who, request_id,
                  "cancelled" if done.status is Status.CANCELLED else "stop requested")  # fmt: skip
         return JSONResponse(
-            {"request_id": request_id, "status": done.status.value,
-             "cancel_requested": done.cancel_requested,
-             "version": done.updated_at.isoformat()}  # fmt: skip
+            {
+                "request_id": request_id,
+                "status": done.status.value,
+                "cancel_requested": done.cancel_requested,
+                "version": done.updated_at.isoformat(),
+            }
         )
 
     router.include_router(api)

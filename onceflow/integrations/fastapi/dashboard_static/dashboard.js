@@ -89,7 +89,7 @@ function render(s) {
   $("#running-note").textContent = `${s.running.length} shown (newest ${s.running_limit} at most)`;
   fill($("#running tbody"), s.running, (tr, r) => {
     tr.dataset.requestId = r.request_id;
-    cell(tr, r.request_id).classList.add("id");
+    cell(tr, r.request_id, "id").title = r.request_id;
     cell(tr, r.workspace_id);
     cell(tr, r.worker_class);
     cell(tr, r.stage);
@@ -106,7 +106,7 @@ function render(s) {
   $("#dead-note").textContent = `${s.dead.length} shown (newest ${s.dead_limit} at most)`;
   fill($("#dead tbody"), s.dead, (tr, r) => {
     tr.dataset.requestId = r.request_id;
-    cell(tr, r.request_id).classList.add("id");
+    cell(tr, r.request_id, "id").title = r.request_id;
     cell(tr, r.workspace_id);
     cell(tr, r.worker_class);
     cell(tr, r.stage);
@@ -237,8 +237,7 @@ async function act(action, item, button) {
       ok = true;
       text = `${action} ${item.request_id}: done (now ${body.status}).`;
     } else if (response.status === 403) {
-      text = `Refused: this operator key may not ${action} (it needs the admin role). ` +
-        (await errorText(response));
+      text = `Refused (403): this operator key may not ${action}: it needs the admin role.`;
     } else {
       text = `Refused (${response.status}): ${await errorText(response)}`;
     }
