@@ -11,9 +11,7 @@ finished history, so its cost follows the live backlog, not the table's size:
   :data:`DEAD_LIMIT`;
 * op-log rate: ``ix_ops_committed``, the last minute only, counted up to :data:`OPS_CAP`.
 
-Compute-lock savings come from Redis: the set :func:`onceflow.keys.counters_workspaces_key`
-(``SADD``-ed with every counters flush) read with ``SSCAN`` up to
-:data:`SAVINGS_WORKSPACES` members, then one pipelined ``HMGET`` per workspace.
+Compute-lock savings come from Redis: see :mod:`onceflow.locks.savings`.
 """
 
 from __future__ import annotations
@@ -21,25 +19,13 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Final
 
-import redis
 from sqlalchemy import Engine
 
 from onceflow.db import fetch_all, fetch_one, raw_connection, retry_disconnect
-from onceflow.errors import InvalidRequest
-from onceflow.keys import counters_key, counters_workspaces_key
-from onceflow.locks.counters import (
-    COMPUTES,
-    COMPUTES_WITHOUT_LOCK,
-    DOUBLE_CHECK_HITS,
-    PREFLIGHT_HITS,
-    WAITS_SERVED_BY_BROADCAST,
-    WAITS_SERVED_BY_RECHECK,
-)
 
 RUNNING_LIMIT: Final = 100
 DEAD_LIMIT: Final = 50
 OPS_CAP: Final = 100_000
-SAVINGS_WORKSPACES: Final = 200
 ERROR_SUMMARY_CHARS: Final = 200
 STATUSES: Final = ("queued", "scheduled", "running", "dead")
 
@@ -164,51 +150,4 @@ def read_tables(engine: Engine) -> dict[str, Any]:
     }
 
 
-_MADE = (COMPUTES, COMPUTES_WITHOUT_LOCK)
-_SAVED = (PREFLIGHT_HITS, DOUBLE_CHECK_HITS, WAITS_SERVED_BY_BROADCAST, WAITS_SERVED_BY_RECHECK)
-_FIELDS = (*_MADE, *_SAVED)
-
-
-def read_savings(client: redis.Redis) -> dict[str, Any]:
-    """Calls made vs asked per workspace, from at most :data:`SAVINGS_WORKSPACES` workspaces.
-
-    ``made`` = computes (with or without the lock); ``saved`` = pre-flight and double-check
-    hits plus waits served; ``asked`` = made + saved. Round trips: ``SCARD``, the ``SSCAN``
-    pages, one pipeline of ``HMGET``.
-    """
-    key = counters_workspaces_key()
-    total = int(client.scard(key))
-    names: list[str] = []
-    cursor = 0
-    while len(names) < SAVINGS_WORKSPACES:
-        cursor, batch = client.sscan(key, cursor, count=SAVINGS_WORKSPACES)
-        names.extend(b.decode() if isinstance(b, bytes) else str(b) for b in batch)
-        if cursor == 0:
-            break
-    keys: dict[str, str] = {}
-    for ws in sorted(set(names)):
-        try:
-            keys[ws] = counters_key(ws)
-        except InvalidRequest:  # not a workspace id (written by something else): skipped
-            continue
-        if len(keys) == SAVINGS_WORKSPACES:
-            break
-    names = list(keys)
-    pipe = client.pipeline(transaction=False)
-    for ws in names:
-        pipe.hmget(keys[ws], list(_FIELDS))
-    out = []
-    for ws, values in zip(names, pipe.execute(), strict=True):
-        counts = dict(zip(_FIELDS, (int(v or 0) for v in values), strict=True))
-        made = sum(counts[f] for f in _MADE)
-        saved = sum(counts[f] for f in _SAVED)
-        out.append({"workspace_id": ws, "made": made, "saved": saved, "asked": made + saved})
-    return {
-        "workspaces": out,
-        "workspaces_total": total,
-        "truncated": total > len(out),
-        "limit": SAVINGS_WORKSPACES,
-    }
-
-
-__all__ = ["DEAD_LIMIT", "REQUEST_QUERIES", "RUNNING_LIMIT", "read_savings", "read_tables"]
+__all__ = ["DEAD_LIMIT", "REQUEST_QUERIES", "RUNNING_LIMIT", "read_tables"]

@@ -10,6 +10,7 @@ from sqlalchemy import Engine, text
 
 from onceflow.db import fetch_all, raw_connection
 from onceflow.keys import counters_key, counters_workspaces_key
+from onceflow.locks import savings
 from onceflow.queue import overview
 
 pytestmark = pytest.mark.slow
@@ -62,18 +63,18 @@ def test_request_table_reads_use_partial_indexes_on_a_big_table(clean_db: Engine
 def test_savings_read_is_bounded(redis_url: str) -> None:
     client = redis_lib.Redis.from_url(redis_url)
     key = counters_workspaces_key()
-    names = [f"dash-sv-{i:03d}" for i in range(overview.SAVINGS_WORKSPACES + 20)]
+    names = [f"dash-sv-{i:03d}" for i in range(savings.SAVINGS_WORKSPACES + 20)]
     try:
         client.delete(key)
         client.sadd(key, names[0], "bad\x00name")  # a member no workspace id can be: skipped
         client.hset(counters_key(names[0]), mapping={"computes": 2, "preflight_hits": 5})
-        out = overview.read_savings(client)
+        out = savings.read_savings(client)
         assert out["workspaces"] == [{"workspace_id": names[0], "made": 2, "saved": 5, "asked": 7}]
         client.sadd(key, *names)
-        out = overview.read_savings(client)
+        out = savings.read_savings(client)
         assert out["workspaces_total"] == len(names) + 1 and out["truncated"]
         # At most SAVINGS_WORKSPACES members are read (the bad one, if read, is skipped).
-        assert len(out["workspaces"]) >= overview.SAVINGS_WORKSPACES - 1
-        assert len(out["workspaces"]) <= overview.SAVINGS_WORKSPACES
+        assert len(out["workspaces"]) >= savings.SAVINGS_WORKSPACES - 1
+        assert len(out["workspaces"]) <= savings.SAVINGS_WORKSPACES
     finally:
         client.delete(key, counters_key(names[0]))

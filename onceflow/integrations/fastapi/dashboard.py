@@ -45,8 +45,10 @@ from onceflow.errors import InvalidRequest, InvalidTransition, OnceflowError
 from onceflow.ids import check_id
 from onceflow.integrations.fastapi.events import StreamLimit, too_many_streams
 from onceflow.integrations.fastapi.operators import Operator, operator_route_class
+from onceflow.integrations.fastapi.schemas import RequestIdPath
+from onceflow.locks.savings import read_savings
 from onceflow.models import Dispatch, Status
-from onceflow.queue.overview import read_savings, read_tables
+from onceflow.queue.overview import read_tables
 
 if TYPE_CHECKING:
     from onceflow.integrations.fastapi.app import OnceflowServices
@@ -251,8 +253,11 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
             include_in_schema=False,
         )
 
+    # Not in /openapi.json: that schema documents the API of API and worker keys (and is
+    # checked against it); these routes take operator keys and are described in
+    # docs/dashboard.md.
     api = APIRouter(
-        prefix="/dashboard/api", tags=["dashboard"], route_class=operator_route_class(svc)
+        prefix="/dashboard/api", route_class=operator_route_class(svc), include_in_schema=False
     )
 
     @api.get("/snapshot", operation_id="dashboard_snapshot")
@@ -275,7 +280,7 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
         )
 
     @api.post("/requests/{request_id}/requeue", operation_id="dashboard_requeue")
-    def requeue(request_id: str, body: ActionIn, request: Request) -> Response:
+    def requeue(request_id: RequestIdPath, body: ActionIn, request: Request) -> Response:
         """Run a dead or cancelled request again, if it is still as the operator saw it."""
         who = _operator(request).key_id
         check_id("request_id", request_id)
@@ -296,7 +301,7 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
         )
 
     @api.post("/requests/{request_id}/cancel", operation_id="dashboard_cancel")
-    def cancel(request_id: str, body: ActionIn, request: Request) -> Response:
+    def cancel(request_id: RequestIdPath, body: ActionIn, request: Request) -> Response:
         """Cancel a queued request, or ask a running one to stop (its heartbeat says so)."""
         who = _operator(request).key_id
         check_id("request_id", request_id)

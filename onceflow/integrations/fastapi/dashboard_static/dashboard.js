@@ -220,6 +220,7 @@ async function connect() {
 
 async function act(action, item, button) {
   const out = $("#action-result");
+  out.dataset.outcome = "pending";
   button.disabled = true;
   let text;
   let ok = false;
