@@ -31,7 +31,7 @@ def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def dashboard_api(
     tmp_path_factory: pytest.TempPathFactory, database_url: str, redis_url: str
 ) -> Iterator[tuple[str, procs.Proc]]:
@@ -51,7 +51,7 @@ def dashboard_api(
         assert secret not in log_text  # keys are never logged
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def dashboard_worker(
     tmp_path_factory: pytest.TempPathFactory, database_url: str, redis_url: str
 ) -> Iterator[procs.Proc]:

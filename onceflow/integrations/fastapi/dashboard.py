@@ -307,7 +307,10 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
         check_id("request_id", request_id)
         seen = svc.queue.get(request_id)
         done = svc.queue.cancel(request_id) if seen.status in _CANCELLABLE else seen
-        if done.updated_at == seen.updated_at:  # finished already (or meanwhile): unchanged
+        acted = done.status is Status.CANCELLED or (
+            done.status is Status.RUNNING and done.cancel_requested
+        )
+        if not acted or done.updated_at == seen.updated_at:  # finished already or meanwhile
             log.info("dashboard: operator %s: cancel of %s refused (it is %s)", who,
                      request_id, done.status.value)  # fmt: skip
             return _changed(request_id, f"it is {done.status.value}: nothing to cancel")
