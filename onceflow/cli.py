@@ -639,6 +639,7 @@ def api(
             "every request will get 401",
             err=True,
         )
+    _log_onceflow(log_level)  # the dashboard's audit lines (onceflow.dashboard) among them
     uvicorn.run(
         create_app(flow=flow),
         host=host,
@@ -647,6 +648,19 @@ def api(
         proxy_headers=True,
         forwarded_allow_ips=forwarded_allow_ips,
     )
+
+
+def _log_onceflow(level: str) -> None:
+    """Send onceflow's own log records to stderr at ``level`` (uvicorn configures only its own)."""
+    import logging
+
+    logger = logging.getLogger("onceflow")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(level.upper() if level.upper() in logging.getLevelNamesMapping() else "INFO")
 
 
 @main.command(name="mcp")

@@ -52,3 +52,11 @@ def workspace_channel(workspace_id: str) -> str:
 def counters_key(workspace_id: str) -> str:
     """A hash of a workspace's compute-lock outcome counters."""
     return f"{_ws(workspace_id)}:lock-stats"
+
+
+def counters_workspaces_key() -> str:
+    """A set of the workspaces that have a counters hash (the dashboard lists them).
+
+    Not tagged by a workspace: one key for the whole deployment (its own Redis Cluster slot).
+    """
+    return f"{PREFIX}:counters:workspaces"

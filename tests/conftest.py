@@ -24,6 +24,8 @@ from sqlalchemy.exc import ArgumentError
 # Scrub the environment at import: the suite must not depend on a developer's settings.
 _SERVER_DB = os.environ.get("ONCEFLOW_TEST_DATABASE_URL") or os.environ.get("ONCEFLOW_DATABASE_URL")
 _SERVER_REDIS = os.environ.get("ONCEFLOW_TEST_REDIS_URL") or os.environ.get("ONCEFLOW_REDIS_URL")
+#: Where tests save artefacts (screenshots): $ONCEFLOW_TEST_ARTIFACTS, read before the scrub.
+TEST_ARTIFACTS = os.environ.get("ONCEFLOW_TEST_ARTIFACTS")
 for _name in [n for n in os.environ if n.startswith("ONCEFLOW_")]:
     del os.environ[_name]
 

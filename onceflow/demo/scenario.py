@@ -421,6 +421,8 @@ def remove_namespace(redis_url: str, run: Run) -> int:
     """Delete every key of this run's namespaces (and nothing else); returns how many."""
     import redis
 
+    from onceflow.keys import counters_workspaces_key
+
     client = redis.Redis.from_url(redis_url)
     removed = 0
     try:
@@ -433,6 +435,8 @@ def remove_namespace(redis_url: str, run: Run) -> int:
                     batch = []
             if batch:
                 removed += int(client.delete(*batch))
+        # The run's workspace in the set of workspaces with counters (the dashboard's list).
+        client.srem(counters_workspaces_key(), run.workspace)
     finally:
         client.close()
     return removed

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any, Final
 
-from onceflow.keys import counters_key
+from onceflow.keys import counters_key, counters_workspaces_key
 from onceflow.metrics import record as metrics
 
 PREFLIGHT_HITS: Final = "preflight_hits"
@@ -116,12 +116,17 @@ class Counters:
 
 
 def queue_increments(pipeline: Any, pending: Pending) -> None:
-    """Add one ``HINCRBY`` per pending count to a Redis pipeline (no round trip yet)."""
+    """Add one ``HINCRBY`` per pending count to a Redis pipeline (no round trip yet).
+
+    Each workspace flushed is also ``SADD``-ed to :func:`~onceflow.keys.counters_workspaces_key`,
+    so the dashboard can list the workspaces that have counters without a ``SCAN``.
+    """
     for workspace_id, counts in pending.items():
         key = counters_key(workspace_id)
         for name, n in counts.items():
             if n:
                 pipeline.hincrby(key, name, n)
+        pipeline.sadd(counters_workspaces_key(), workspace_id)
 
 
 def parse_hash(raw: Mapping[Any, Any]) -> dict[str, int]:

@@ -269,6 +269,9 @@ UPDATE {TABLE} AS w SET
     updated_at = n.now
 FROM n
 WHERE w.request_id = :request_id AND w.status IN ('succeeded', 'dead', 'cancelled')
+  -- fenced (an operator's requeue): only the dead/cancelled row as the operator saw it
+  AND (CAST(:expect AS timestamptz) IS NULL
+       OR (w.status IN ('dead', 'cancelled') AND w.updated_at = CAST(:expect AS timestamptz)))
 RETURNING {RETURNING}
 ),
 sig AS ({_notify("upd")})

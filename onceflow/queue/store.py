@@ -660,18 +660,24 @@ class Queue(Sweeper, BatchOps, Waiter):
         metrics.cancelled(cancelled)
         return cancelled
 
-    def requeue(self, request_id: str, *, now: datetime | None = None) -> Request:
-        """Run a finished (succeeded, dead or cancelled) request again; refused while running."""
+    def requeue(
+        self, request_id: str, *, now: datetime | None = None, expect: datetime | None = None
+    ) -> Request:
+        """Run a finished (succeeded, dead or cancelled) request again; refused while running.
+
+        ``expect`` fences it: only a dead or cancelled row last updated at ``expect`` moves;
+        any other row is left unchanged and :class:`InvalidTransition` is raised.
+        """
         check_id("request_id", request_id)
         with raw_connection(self.engine) as raw:
             params = {"request_id": request_id, "now": now, "notify": self.settings.notify}
-            row = fetch_one(raw, sql.Q_REQUEUE, params)
+            row = fetch_one(raw, sql.Q_REQUEUE, {**params, "expect": expect})
         if row is not None:
             requeued = Request.from_row(row)
             metrics.requeued(requeued)
             return requeued
         current = self.get(request_id)
-        if current.status is Status.RUNNING:
+        if current.status is Status.RUNNING or expect is not None:
             raise InvalidTransition(request_id, current.status.value, "requeue")
         return current
 

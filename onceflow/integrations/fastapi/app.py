@@ -815,5 +815,8 @@ def create_app(
     )
     app.include_router(create_router(services=services))
     install_metrics(app, services)
+    from onceflow.integrations.fastapi.dashboard import create_dashboard_router
+
+    app.include_router(create_dashboard_router(services))  # /dashboard: docs/dashboard.md
     add_error_handlers(app)
     return app

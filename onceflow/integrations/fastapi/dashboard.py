@@ -1,0 +1,332 @@
+"""The dashboard: a static page on ``GET /dashboard`` and its operator-keyed data routes.
+
+The page (``dashboard_static/``: HTML, JS, CSS, no build) holds no data and needs no key: it
+asks the operator for one, keeps it in ``sessionStorage`` and sends it as
+``Authorization: Bearer`` (never in a URL). The data routes, guarded by
+:func:`~onceflow.integrations.fastapi.operators.operator_route_class` (GET: viewer, POST:
+admin; no login-less mode):
+
+* ``GET /dashboard/api/snapshot`` — one snapshot (see :mod:`onceflow.queue.overview`);
+* ``GET /dashboard/api/stream`` — Server-Sent Events, ``event: snapshot`` each time the
+  snapshot changes. ONE producer per API process (per event loop) computes it at most every
+  :data:`INTERVAL_SECONDS` while at least one stream is open, and only then; every stream
+  gets the latest snapshot (a slow reader skips to the newest, it never queues more than
+  one). At most :data:`MAX_STREAMS` streams per process (and ``ONCEFLOW_API_SSE_MAX_PER_KEY``
+  per key): past that, 429;
+* ``POST /dashboard/api/requests/{id}/requeue`` — fenced: body ``{"version": <the row's
+  updated_at as shown>}``; only that dead or cancelled row moves, anything else is 409
+  ``changed`` and the row is left as it is; the wake-up is sent after;
+* ``POST /dashboard/api/requests/{id}/cancel`` — :meth:`Queue.cancel`: a queued row is
+  cancelled, a running one is asked to stop; a finished one is 409 and unchanged.
+
+Every action is logged (logger ``onceflow.dashboard``) with the operator key's id, never
+the key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import weakref
+from collections.abc import AsyncIterator, Callable
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+import redis
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from onceflow.errors import InvalidRequest, InvalidTransition, OnceflowError
+from onceflow.ids import check_id
+from onceflow.integrations.fastapi.events import StreamLimit, too_many_streams
+from onceflow.integrations.fastapi.operators import Operator, operator_route_class
+from onceflow.integrations.fastapi.schemas import RequestIdPath
+from onceflow.locks.savings import read_savings
+from onceflow.models import Dispatch, Status
+from onceflow.queue.overview import read_tables
+
+if TYPE_CHECKING:
+    from onceflow.integrations.fastapi.app import OnceflowServices
+
+log = logging.getLogger("onceflow.dashboard")
+
+STATIC: Final = Path(__file__).with_name("dashboard_static")
+INTERVAL_SECONDS: Final = 1.0
+MAX_STREAMS: Final = 64
+KEEPALIVE_SECONDS: Final = 15.0
+_ASSETS: Final = {
+    "dashboard.js": "text/javascript; charset=utf-8",
+    "dashboard.css": "text/css; charset=utf-8",
+}
+_CANCELLABLE: Final = (Status.QUEUED, Status.RUNNING)
+_HEADERS: Final = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+    "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'; "
+    "frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+# Fields that change with the clock alone: a snapshot differing only in these is not re-sent
+# (the page counts them on from the last snapshot).
+_VOLATILE: Final = ("db_now", "oldest_queued_age_seconds")
+
+
+def compute_snapshot(services: OnceflowServices) -> dict[str, Any]:
+    """The tables' state, plus the Redis savings (an error there is reported, not raised)."""
+    snapshot = read_tables(services.queue.engine)
+    try:
+        snapshot["savings"] = read_savings(services.oplog.redis())
+    except (redis.RedisError, OSError) as exc:
+        snapshot["savings"] = {"error": f"Redis: {type(exc).__name__}"}
+    return snapshot
+
+
+def _stable(snapshot: dict[str, Any]) -> str:
+    """The snapshot without what changes by the clock alone: what 'changed' compares."""
+    rest = {k: v for k, v in snapshot.items() if k not in _VOLATILE}
+    rest["running"] = [
+        {k: v for k, v in r.items() if k != "lease_seconds_left"}
+        for r in snapshot.get("running", [])
+    ]
+    return json.dumps(rest, sort_keys=True, default=str)
+
+
+class _Stream:
+    """One open stream: the latest snapshot not yet sent (older ones are replaced)."""
+
+    def __init__(self, key_id: str) -> None:
+        self.key_id = key_id
+        self.queue: asyncio.Queue[str] = asyncio.Queue(maxsize=1)
+
+    def offer(self, text: str) -> None:
+        with contextlib.suppress(asyncio.QueueEmpty):
+            self.queue.get_nowait()  # a slow reader skips to the newest snapshot
+        self.queue.put_nowait(text)
+
+
+class SnapshotHub:
+    """One snapshot producer for every stream of an event loop, running only while watched."""
+
+    def __init__(
+        self,
+        compute: Callable[[], dict[str, Any]],
+        *,
+        interval: float = INTERVAL_SECONDS,
+        max_streams: int = MAX_STREAMS,
+        max_per_key: int = 100,
+    ) -> None:
+        self._compute = compute
+        self._interval = interval
+        self._max_streams = max_streams
+        self._max_per_key = max_per_key
+        self._streams: set[_Stream] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._last: tuple[str, str] | None = None  # (stable form, event text)
+        self.computed = 0  # snapshots computed (how often the producer ran)
+
+    def open(self, key_id: str) -> _Stream:
+        """Join; StreamLimit past the bounds. The latest snapshot (if any) is sent at once."""
+        if len(self._streams) >= self._max_streams:
+            raise StreamLimit("too many open dashboard streams in this process", self._max_streams)
+        if sum(s.key_id == key_id for s in self._streams) >= self._max_per_key:
+            raise StreamLimit("too many open dashboard streams for this key", self._max_per_key)
+        stream = _Stream(key_id)
+        self._streams.add(stream)
+        if self._last is not None:
+            stream.offer(self._last[1])
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        return stream
+
+    def close(self, stream: _Stream) -> None:
+        """Leave (the producer stops after its current round when nobody watches)."""
+        self._streams.discard(stream)
+
+    async def _run(self) -> None:
+        while self._streams:
+            try:
+                snapshot = await run_in_threadpool(self._compute)
+                self.computed += 1
+                stable = _stable(snapshot)
+                text = "event: snapshot\ndata: " + json.dumps(snapshot, default=str) + "\n\n"
+            except OnceflowError as exc:  # e.g. the database is down: say so, keep streaming
+                stable = text = "event: problem\ndata: " + json.dumps(
+                    {"detail": f"snapshot failed: {type(exc).__name__}"}
+                ) + "\n\n"  # fmt: skip
+            except Exception as exc:  # never kill the producer of every stream
+                log.error("dashboard snapshot failed: %s", type(exc).__name__, exc_info=exc)
+                stable = text = 'event: problem\ndata: {"detail": "snapshot failed"}\n\n'
+            if self._last is None or self._last[0] != stable:
+                self._last = (stable, text)
+                for stream in list(self._streams):
+                    stream.offer(text)
+            await asyncio.sleep(self._interval)
+        self._last = None  # nobody watched: the next stream waits for a fresh snapshot
+
+
+async def _events(hub: SnapshotHub, stream: _Stream) -> AsyncIterator[str]:
+    try:
+        yield ": connected\n\n"
+        while True:
+            try:
+                yield await asyncio.wait_for(stream.queue.get(), KEEPALIVE_SECONDS)
+            except TimeoutError:
+                yield ": keep-alive\n\n"
+    finally:
+        hub.close(stream)
+
+
+class ActionIn(BaseModel):
+    """An operator's action on one request."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: str | None = Field(
+        default=None,
+        max_length=64,
+        description="The row's `version` as the snapshot showed it (its updated_at): "
+        "required to requeue; the action is refused (409) if the row changed since.",
+    )
+
+
+def _operator(request: Request) -> Operator:
+    found = getattr(request.state, "onceflow_operator", None)
+    if not isinstance(found, Operator):  # the route class always sets it
+        raise InvalidRequest("no operator key was checked for this route")
+    return found
+
+
+def _version(value: str | None) -> datetime:
+    if value is None:
+        raise InvalidRequest("version is required: the row's version as the dashboard showed it")
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise InvalidRequest("version must be an ISO 8601 timestamp with a zone") from None
+    if parsed.tzinfo is None:
+        raise InvalidRequest("version must be an ISO 8601 timestamp with a zone")
+    return parsed
+
+
+def _changed(request_id: str, detail: str) -> JSONResponse:
+    body = {"detail": f"request {request_id}: {detail}", "code": "changed"}
+    return JSONResponse(body, status_code=409)
+
+
+def _page(name: str, media_type: str) -> Response:
+    return Response((STATIC / name).read_bytes(), media_type=media_type, headers=_HEADERS)
+
+
+def create_dashboard_router(services: OnceflowServices) -> APIRouter:
+    """``/dashboard`` (the page) and ``/dashboard/api/…`` (operator keys) for ``services``."""
+    svc = services
+    hubs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, SnapshotHub] = (
+        weakref.WeakKeyDictionary()
+    )
+
+    def hub() -> SnapshotHub:
+        loop = asyncio.get_running_loop()
+        found = hubs.get(loop)
+        if found is None:
+            found = hubs[loop] = SnapshotHub(
+                lambda: compute_snapshot(svc), max_per_key=svc.settings.api_sse_max_per_key
+            )
+        return found
+
+    router = APIRouter()
+
+    @router.get("/dashboard", include_in_schema=False)
+    def page() -> Response:
+        return _page("index.html", "text/html; charset=utf-8")
+
+    for name, media in _ASSETS.items():
+        router.add_api_route(
+            f"/dashboard/{name}",
+            lambda name=name, media=media: _page(name, media),
+            methods=["GET"],
+            include_in_schema=False,
+        )
+
+    # Not in /openapi.json: that schema documents the API of API and worker keys (and is
+    # checked against it); these routes take operator keys and are described in
+    # docs/dashboard.md.
+    api = APIRouter(
+        prefix="/dashboard/api", route_class=operator_route_class(svc), include_in_schema=False
+    )
+
+    @api.get("/snapshot", operation_id="dashboard_snapshot")
+    def snapshot() -> JSONResponse:
+        """Queue depth, oldest queued, running and dead requests, savings, op-log rate."""
+        return JSONResponse(compute_snapshot(svc), headers={"Cache-Control": "no-store"})
+
+    @api.get("/stream", operation_id="dashboard_stream", response_class=Response)
+    async def stream(request: Request) -> Response:
+        """Server-Sent Events: ``event: snapshot`` (JSON) whenever the snapshot changes."""
+        the_hub = hub()
+        try:
+            opened = the_hub.open(_operator(request).key_id)
+        except StreamLimit as exc:
+            return too_many_streams(exc)
+        return StreamingResponse(
+            _events(the_hub, opened),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+        )
+
+    @api.post("/requests/{request_id}/requeue", operation_id="dashboard_requeue")
+    def requeue(request_id: RequestIdPath, body: ActionIn, request: Request) -> Response:
+        """Run a dead or cancelled request again, if it is still as the operator saw it."""
+        who = _operator(request).key_id
+        check_id("request_id", request_id)
+        expect = _version(body.version)
+        try:
+            done = svc.queue.requeue(request_id, expect=expect)
+        except InvalidTransition as exc:
+            log.info("dashboard: operator %s: requeue of %s refused (%s)", who, request_id, exc)
+            return _changed(request_id, f"it is {exc.status} and changed since it was shown")
+        svc.flow.dispatch(Dispatch(done.request_id, done.stage, done.worker_class))
+        log.info("dashboard: operator %s requeued request %s", who, request_id)
+        return JSONResponse(
+            {
+                "request_id": request_id,
+                "status": done.status.value,
+                "version": done.updated_at.isoformat(),
+            }
+        )
+
+    @api.post("/requests/{request_id}/cancel", operation_id="dashboard_cancel")
+    def cancel(request_id: RequestIdPath, body: ActionIn, request: Request) -> Response:
+        """Cancel a queued request, or ask a running one to stop (its heartbeat says so)."""
+        who = _operator(request).key_id
+        check_id("request_id", request_id)
+        seen = svc.queue.get(request_id)
+        done = svc.queue.cancel(request_id) if seen.status in _CANCELLABLE else seen
+        acted = done.status is Status.CANCELLED or (
+            done.status is Status.RUNNING and done.cancel_requested
+        )
+        if not acted or done.updated_at == seen.updated_at:  # finished already or meanwhile
+            log.info("dashboard: operator %s: cancel of %s refused (it is %s)", who,
+                     request_id, done.status.value)  # fmt: skip
+            return _changed(request_id, f"it is {done.status.value}: nothing to cancel")
+        log.info("dashboard: operator %s cancelled request %s (%s)", who, request_id,
+                 "cancelled" if done.status is Status.CANCELLED else "stop requested")  # fmt: skip
+        return JSONResponse(
+            {
+                "request_id": request_id,
+                "status": done.status.value,
+                "cancel_requested": done.cancel_requested,
+                "version": done.updated_at.isoformat(),
+            }
+        )
+
+    router.include_router(api)
+    return router
+
+
+__all__ = ["SnapshotHub", "compute_snapshot", "create_dashboard_router"]

@@ -1,0 +1,274 @@
+// onceflow dashboard: reads /dashboard/api/stream (Server-Sent Events over fetch, since
+// EventSource cannot send an Authorization header) and renders each snapshot in place.
+// The operator key lives in sessionStorage (this tab only) and is only ever sent as
+// "Authorization: Bearer <key>". Every value from the server is set with textContent.
+"use strict";
+
+const KEY = "onceflow.operatorKey";
+const STATUSES = ["queued", "scheduled", "running", "dead"];
+const $ = (sel) => document.querySelector(sel);
+let controller = null;   // aborts the current stream
+let backoff = 1000;      // reconnect delay after an error, doubled up to 30 s
+let retryTimer = null;
+let received = 0;        // performance.now() when the last snapshot arrived
+let snapshots = 0;
+
+function setState(state, text) {
+  document.body.dataset.state = state;
+  $("#conn-state").textContent = text;
+}
+
+function refuse(text) {
+  const p = $("#refusal");
+  p.textContent = text;
+  p.hidden = false;
+  $("#panels").hidden = true;
+  setState("refused", "refused");
+}
+
+function cell(row, text, cls, key) {
+  const td = document.createElement("td");
+  td.textContent = text === null || text === undefined ? "" : String(text);
+  if (cls) td.className = cls;
+  if (key) td.dataset.k = key;
+  row.appendChild(td);
+  return td;
+}
+
+function fill(tbody, items, build) {
+  const rows = items.map((item) => {
+    const tr = document.createElement("tr");
+    build(tr, item);
+    return tr;
+  });
+  tbody.replaceChildren(...rows);
+}
+
+function ageText(seconds) {
+  if (seconds < 60) return seconds.toFixed(1) + " s";
+  if (seconds < 3600) return (seconds / 60).toFixed(1) + " min";
+  return (seconds / 3600).toFixed(1) + " h";
+}
+
+function actionButton(label, action, item) {
+  const b = document.createElement("button");
+  b.type = "button";
+  b.textContent = label;
+  b.dataset.action = action;
+  b.addEventListener("click", () => act(action, item, b));
+  return b;
+}
+
+function render(s) {
+  const depthRows = [];
+  const total = Object.fromEntries(STATUSES.map((st) => [st, 0]));
+  for (const wc of Object.keys(s.depth).sort()) {
+    for (const stage of Object.keys(s.depth[wc]).sort()) {
+      depthRows.push([wc, stage, s.depth[wc][stage]]);
+      for (const st of STATUSES) total[st] += s.depth[wc][stage][st];
+    }
+  }
+  fill($("#depth tbody"), depthRows, (tr, [wc, stage, counts]) => {
+    cell(tr, wc);
+    cell(tr, stage);
+    for (const st of STATUSES) cell(tr, counts[st], "num", `depth/${wc}/${stage}/${st}`);
+  });
+  for (const st of STATUSES) document.querySelector(`[data-k="total/${st}"]`).textContent = total[st];
+
+  const ages = s.oldest_queued_age_seconds;
+  fill($("#oldest tbody"), Object.keys(ages).sort(), (tr, wc) => {
+    cell(tr, wc);
+    const td = cell(tr, ageText(ages[wc]), "num tick", `oldest/${wc}`);
+    td.dataset.base = ages[wc];
+    td.dataset.kind = "age";
+  });
+
+  $('[data-k="ops/last_minute"]').textContent = s.ops.last_minute + (s.ops.capped ? "+" : "");
+  $('[data-k="ops/per_second"]').textContent = s.ops.per_second.toFixed(2);
+
+  $("#running-note").textContent = `${s.running.length} shown (newest ${s.running_limit} at most)`;
+  fill($("#running tbody"), s.running, (tr, r) => {
+    tr.dataset.requestId = r.request_id;
+    cell(tr, r.request_id, "id").title = r.request_id;
+    cell(tr, r.workspace_id);
+    cell(tr, r.worker_class);
+    cell(tr, r.stage);
+    cell(tr, r.holder);
+    cell(tr, r.attempt, "num");
+    cell(tr, r.lease_expires_at);
+    const left = cell(tr, r.lease_seconds_left.toFixed(1) + " s", "num tick");
+    left.dataset.base = r.lease_seconds_left;
+    left.dataset.kind = "left";
+    const td = cell(tr, r.cancel_requested ? "stop requested" : "");
+    if (!r.cancel_requested) td.appendChild(actionButton("Cancel", "cancel", r));
+  });
+
+  $("#dead-note").textContent = `${s.dead.length} shown (newest ${s.dead_limit} at most)`;
+  fill($("#dead tbody"), s.dead, (tr, r) => {
+    tr.dataset.requestId = r.request_id;
+    cell(tr, r.request_id, "id").title = r.request_id;
+    cell(tr, r.workspace_id);
+    cell(tr, r.worker_class);
+    cell(tr, r.stage);
+    cell(tr, r.attempts, "num");
+    cell(tr, r.finished_at);
+    cell(tr, r.error, "error");
+    cell(tr, "").appendChild(actionButton("Requeue", "requeue", r));
+  });
+
+  const sv = s.savings;
+  if (sv.error) {
+    $("#savings-note").textContent = "unavailable: " + sv.error;
+    fill($("#savings tbody"), [], () => {});
+  } else {
+    $("#savings-note").textContent = sv.truncated
+      ? `first ${sv.workspaces.length} of ${sv.workspaces_total} workspaces`
+      : `${sv.workspaces_total} workspace(s)`;
+    fill($("#savings tbody"), sv.workspaces, (tr, w) => {
+      cell(tr, w.workspace_id);
+      cell(tr, w.asked, "num", `savings/${w.workspace_id}/asked`);
+      cell(tr, w.made, "num", `savings/${w.workspace_id}/made`);
+      cell(tr, w.saved, "num", `savings/${w.workspace_id}/saved`);
+    });
+  }
+  $("#updated").textContent = "database time " + s.db_now;
+  document.body.dataset.snapshots = String(++snapshots);
+}
+
+// Ages and leases count on from the last snapshot (the server's clock, plus time elapsed here).
+function tick() {
+  const elapsed = (performance.now() - received) / 1000;
+  for (const td of document.querySelectorAll("td.tick")) {
+    const value = Number(td.dataset.base) + (td.dataset.kind === "age" ? elapsed : -elapsed);
+    td.textContent = td.dataset.kind === "age" ? ageText(value) : value.toFixed(1) + " s";
+  }
+}
+
+function authHeaders() {
+  return { Authorization: "Bearer " + sessionStorage.getItem(KEY) };
+}
+
+async function errorText(response) {
+  try {
+    const body = await response.json();
+    return body.detail || response.statusText;
+  } catch (e) {
+    return response.statusText;
+  }
+}
+
+function handleEvent(block) {
+  let event = "message";
+  const data = [];
+  for (const line of block.split("\n")) {
+    if (line.startsWith("event:")) event = line.slice(6).trim();
+    else if (line.startsWith("data:")) data.push(line.slice(5).replace(/^ /, ""));
+  }
+  if (!data.length) return;
+  if (event === "snapshot") {
+    received = performance.now();
+    backoff = 1000;
+    $("#refusal").hidden = true;
+    $("#panels").hidden = false;
+    setState("live", "live");
+    render(JSON.parse(data.join("\n")));
+  } else if (event === "problem") {
+    setState("retrying", JSON.parse(data.join("\n")).detail);
+  }
+}
+
+async function connect() {
+  clearTimeout(retryTimer);
+  if (controller) controller.abort();
+  if (!sessionStorage.getItem(KEY)) {
+    setState("no-key", "enter an operator key");
+    return;
+  }
+  controller = new AbortController();
+  const mine = controller;
+  setState("connecting", "connecting");
+  try {
+    const response = await fetch("/dashboard/api/stream", {
+      headers: authHeaders(), signal: mine.signal, cache: "no-store",
+    });
+    if (response.status === 401 || response.status === 403) {
+      sessionStorage.removeItem(KEY);
+      refuse(`Refused (${response.status}): ${await errorText(response)}. Enter a valid operator key.`);
+      return;
+    }
+    if (!response.ok) throw new Error(`${response.status} ${await errorText(response)}`);
+    const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) throw new Error("the stream ended");
+      buffer += value.replace(/\r\n/g, "\n");
+      let end;
+      while ((end = buffer.indexOf("\n\n")) >= 0) {
+        handleEvent(buffer.slice(0, end));
+        buffer = buffer.slice(end + 2);
+      }
+    }
+  } catch (err) {
+    if (mine.signal.aborted) return;
+    const wait = backoff;
+    backoff = Math.min(backoff * 2, 30000);
+    setState("retrying", `${err.message}: reconnecting in ${Math.round(wait / 1000)} s`);
+    retryTimer = setTimeout(connect, wait);
+  }
+}
+
+async function act(action, item, button) {
+  const out = $("#action-result");
+  out.dataset.outcome = "pending";
+  button.disabled = true;
+  let text;
+  let ok = false;
+  try {
+    const response = await fetch(
+      `/dashboard/api/requests/${encodeURIComponent(item.request_id)}/${action}`,
+      {
+        method: "POST",
+        headers: { ...authHeaders(), "Content-Type": "application/json" },
+        body: JSON.stringify({ version: item.version }),
+      },
+    );
+    if (response.ok) {
+      const body = await response.json();
+      ok = true;
+      text = `${action} ${item.request_id}: done (now ${body.status}).`;
+    } else if (response.status === 403) {
+      text = `Refused (403): this operator key may not ${action}: it needs the admin role.`;
+    } else {
+      text = `Refused (${response.status}): ${await errorText(response)}`;
+    }
+  } catch (err) {
+    text = `${action} ${item.request_id} failed: ${err.message}`;
+  }
+  out.textContent = text;
+  out.className = ok ? "ok" : "bad";
+  out.dataset.outcome = ok ? "ok" : "refused";
+  out.hidden = false;
+  button.disabled = false;
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("#key-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const key = $("#key").value.trim();
+    $("#key").value = "";
+    if (!key) return;
+    sessionStorage.setItem(KEY, key);
+    $("#refusal").hidden = true;
+    backoff = 1000;
+    connect();
+  });
+  $("#forget").addEventListener("click", () => {
+    sessionStorage.removeItem(KEY);
+    if (controller) controller.abort();
+    $("#panels").hidden = true;
+    setState("no-key", "enter an operator key");
+  });
+  setInterval(tick, 1000);
+  connect();
+});

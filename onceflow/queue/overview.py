@@ -1,0 +1,153 @@
+"""The dashboard's reads: cheap, bounded, on the database clock.
+
+Every statement reads a partial index (or a bounded range of one), never the table's
+finished history, so its cost follows the live backlog, not the table's size:
+
+* depth by worker class x stage x status: ``ix_wpr_claim`` (queued; INCLUDE stage),
+  ``ix_wpr_lease`` (running; INCLUDE stage), ``ix_wpr_dead`` (dead; INCLUDE class, stage)
+  — index-only scans, one ``UNION ALL`` branch per index (an OR defeats partial indexes);
+* running requests: ``ix_wpr_lease``, newest lease first, ``LIMIT`` :data:`RUNNING_LIMIT`;
+* dead requests: ``ix_wpr_dead`` in its order (``finished_at DESC``), ``LIMIT``
+  :data:`DEAD_LIMIT`;
+* op-log rate: ``ix_ops_committed``, the last minute only, counted up to :data:`OPS_CAP`.
+
+Compute-lock savings come from Redis: see :mod:`onceflow.locks.savings`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Final
+
+from sqlalchemy import Engine
+
+from onceflow.db import fetch_all, fetch_one, raw_connection, retry_disconnect
+
+RUNNING_LIMIT: Final = 100
+DEAD_LIMIT: Final = 50
+OPS_CAP: Final = 100_000
+ERROR_SUMMARY_CHARS: Final = 200
+STATUSES: Final = ("queued", "scheduled", "running", "dead")
+
+_T = "workspace_process_requests"
+
+# queued = due now (run_after <= now), scheduled = run_after in the future (a retry's backoff).
+DEPTH: Final = f"""
+WITH n AS (SELECT now() AS now)
+SELECT w.worker_class, w.stage,
+       count(*) FILTER (WHERE w.run_after <= n.now) AS queued,
+       count(*) FILTER (WHERE w.run_after > n.now) AS scheduled,
+       0::bigint AS running, 0::bigint AS dead,
+       EXTRACT(EPOCH FROM n.now - min(w.run_after) FILTER (WHERE w.run_after <= n.now))::float8
+           AS oldest_age
+FROM {_T} w, n WHERE w.status = 'queued' GROUP BY w.worker_class, w.stage, n.now
+UNION ALL
+SELECT w.worker_class, w.stage, 0, 0, count(*), 0, NULL
+FROM {_T} w WHERE w.status = 'running' GROUP BY w.worker_class, w.stage
+UNION ALL
+SELECT w.worker_class, w.stage, 0, 0, 0, count(*), NULL
+FROM {_T} w WHERE w.status = 'dead' GROUP BY w.worker_class, w.stage
+"""
+
+RUNNING: Final = f"""
+WITH n AS (SELECT now() AS now)
+SELECT w.request_id, w.workspace_id, w.worker_class, w.stage, w.claimed_by AS holder,
+       w.attempts AS attempt, w.lease_expires_at,
+       EXTRACT(EPOCH FROM w.lease_expires_at - n.now)::float8 AS lease_seconds_left,
+       w.cancel_requested, w.updated_at
+FROM {_T} w, n
+WHERE w.status = 'running'
+ORDER BY w.lease_expires_at DESC, w.request_id
+LIMIT {RUNNING_LIMIT}
+"""
+
+DEAD: Final = f"""
+SELECT w.request_id, w.workspace_id, w.worker_class, w.stage, w.attempts, w.finished_at,
+       w.updated_at,
+       left(CASE WHEN jsonb_typeof(w.error) = 'object'
+                 THEN concat_ws(': ', w.error->>'type', w.error->>'message')
+                 ELSE w.error::text END, {ERROR_SUMMARY_CHARS}) AS error
+FROM {_T} w
+WHERE w.status = 'dead'
+ORDER BY w.finished_at DESC
+LIMIT {DEAD_LIMIT}
+"""
+
+OPS_RATE: Final = f"""
+SELECT now() AS db_now,
+       (SELECT count(*) FROM (
+            SELECT 1 FROM workspace_sub_doc_ops o
+            WHERE o.committed_at > now() - interval '60 seconds'
+            LIMIT {OPS_CAP}) AS recent) AS last_minute
+"""
+
+#: The request-table statements (their plans are checked: no sequential scan).
+REQUEST_QUERIES: Final = {"depth": DEPTH, "running": RUNNING, "dead": DEAD}
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def read_tables(engine: Engine) -> dict[str, Any]:
+    """Depth, oldest queued age, running and dead requests, and the op-log rate (one checkout)."""
+
+    def read() -> dict[str, Any]:
+        with raw_connection(engine) as raw:
+            depth_rows = fetch_all(raw, DEPTH, {})
+            running = fetch_all(raw, RUNNING, {})
+            dead = fetch_all(raw, DEAD, {})
+            ops = fetch_one(raw, OPS_RATE, {})
+        return {"depth": depth_rows, "running": running, "dead": dead, "ops": ops}
+
+    rows = retry_disconnect(read)
+    depth: dict[str, dict[str, dict[str, int]]] = {}
+    oldest: dict[str, float] = {}
+    for r in rows["depth"]:
+        cell = depth.setdefault(r["worker_class"], {}).setdefault(
+            r["stage"], dict.fromkeys(STATUSES, 0)
+        )
+        for status in STATUSES:
+            cell[status] += int(r[status])
+        age = r["oldest_age"]
+        if age is not None:
+            oldest[r["worker_class"]] = max(oldest.get(r["worker_class"], 0.0), float(age))
+    ops = rows["ops"]
+    last_minute = int(ops["last_minute"])
+    return {
+        "db_now": _iso(ops["db_now"]),
+        "depth": depth,
+        "oldest_queued_age_seconds": oldest,
+        "running": [
+            {
+                **{k: r[k] for k in ("request_id", "workspace_id", "worker_class", "stage")},
+                "holder": r["holder"],
+                "attempt": r["attempt"],
+                "lease_expires_at": _iso(r["lease_expires_at"]),
+                "lease_seconds_left": round(float(r["lease_seconds_left"]), 3),
+                "cancel_requested": r["cancel_requested"],
+                "version": _iso(r["updated_at"]),
+            }
+            for r in rows["running"]
+        ],
+        "running_limit": RUNNING_LIMIT,
+        "dead": [
+            {
+                **{k: r[k] for k in ("request_id", "workspace_id", "worker_class", "stage")},
+                "attempts": r["attempts"],
+                "finished_at": _iso(r["finished_at"]),
+                "error": r["error"],
+                "version": _iso(r["updated_at"]),
+            }
+            for r in rows["dead"]
+        ],
+        "dead_limit": DEAD_LIMIT,
+        "ops": {
+            "last_minute": last_minute,
+            "per_second": round(last_minute / 60, 3),
+            "capped": last_minute >= OPS_CAP,
+        },
+    }
+
+
+__all__ = ["DEAD_LIMIT", "REQUEST_QUERIES", "RUNNING_LIMIT", "read_tables"]

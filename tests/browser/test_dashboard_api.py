@@ -1,0 +1,201 @@
+"""The dashboard's data routes over HTTP (no browser): a real `onceflow api`, Postgres, Redis
+and Celery worker. Roles, the snapshot against the table, fenced requeue, bad ids."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+import httpx
+import pytest
+import redis as redis_lib
+from sqlalchemy import Engine, text
+
+from onceflow.demo.procs import wait_for
+from onceflow.keys import counters_key
+from onceflow.locks.counters import calls_saved, parse_hash
+from onceflow.models import NewRequest
+from onceflow.queue import Queue
+from tests.browser.conftest import ADMIN_KEY, API_KEY, VIEWER_KEY, WC, auth
+from tests.conftest import table_snapshot
+
+pytestmark = pytest.mark.slow
+
+OPS_LAST_MINUTE = (
+    "SELECT count(*) FROM workspace_sub_doc_ops WHERE committed_at > now() - interval '60 s'"
+)
+IDLE = "t-dash-idle"  # a worker class nobody serves: its rows stay queued / scheduled
+
+
+def expected_depth(engine: Engine) -> dict[str, dict[str, dict[str, int]]]:
+    """Depth counted straight from the table (a full scan: fine in a test)."""
+    query = text("""
+        SELECT worker_class, stage,
+               CASE WHEN status = 'queued' AND run_after > now() THEN 'scheduled'
+                    ELSE status END AS s, count(*) AS n
+        FROM workspace_process_requests
+        WHERE status IN ('queued', 'running', 'dead')
+        GROUP BY 1, 2, 3""")
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    with engine.connect() as conn:
+        for wc, stage, status, n in conn.execute(query):
+            cell = out.setdefault(wc, {}).setdefault(
+                stage, {"queued": 0, "scheduled": 0, "running": 0, "dead": 0}
+            )
+            cell[status] = int(n)
+    return out
+
+
+def idle_rows(engine: Engine, due: int, later: int) -> list[str]:
+    """Requests of a class nobody serves: ``due`` due now and ``later`` scheduled in an hour."""
+    queue = Queue(engine)
+    items = [NewRequest("dash-idle", f"d{i}", "cell", worker_class=IDLE) for i in range(due)]
+    items += [
+        NewRequest("dash-idle", f"l{i}", "cell", worker_class=IDLE, run_after_seconds=3600)
+        for i in range(later)
+    ]
+    return [r.request_id for r in queue.enqueue_many(items)]
+
+
+def drained(engine: Engine) -> bool:
+    query = text(
+        "SELECT count(*) FROM workspace_process_requests "
+        "WHERE worker_class = :wc AND status IN ('queued', 'running')"
+    )
+    with engine.connect() as conn:
+        return conn.execute(query, {"wc": WC}).scalar_one() == 0
+
+
+def status_of(engine: Engine, request_id: str) -> str:
+    query = text("SELECT status FROM workspace_process_requests WHERE request_id = :r")
+    with engine.connect() as conn:
+        return str(conn.execute(query, {"r": request_id}).scalar_one())
+
+
+@pytest.fixture()
+def http(dashboard_api: tuple[str, Any]) -> Any:
+    with httpx.Client(base_url=dashboard_api[0], timeout=10) as client:
+        yield client
+
+
+def test_roles_no_key_and_other_keys_are_refused(http: httpx.Client, dash: Any) -> None:
+    page = http.get("/dashboard")  # the shell: no data, no key needed
+    assert page.status_code == 200 and "Operator key" in page.text
+    assert "script-src 'self'" in page.headers["content-security-policy"]
+    assert http.get("/dashboard/dashboard.js").status_code == 200
+    for method, path in [
+        ("GET", "/dashboard/api/snapshot"),
+        ("GET", "/dashboard/api/stream"),
+        ("POST", "/dashboard/api/requests/r1/requeue"),
+        ("POST", "/dashboard/api/requests/r1/cancel"),
+    ]:
+        for headers in ({}, auth("wrong-key"), auth(API_KEY)):  # an API key is no operator key
+            answer = http.request(method, path, headers=headers, json={})
+            assert answer.status_code == 401, (method, path, answer.text)
+            assert answer.json()["code"] == "unauthorized"
+    assert http.get("/dashboard/api/snapshot", headers=auth(VIEWER_KEY)).status_code == 200
+    assert http.get("/dashboard/api/snapshot", headers=auth(ADMIN_KEY)).status_code == 200
+    for action in ("requeue", "cancel"):
+        refused = http.post(
+            f"/dashboard/api/requests/r1/{action}", headers=auth(VIEWER_KEY), json={}
+        )
+        assert refused.status_code == 403 and refused.json()["code"] == "forbidden"
+    # The stream: a viewer key reads Server-Sent Events, the first one a snapshot.
+    with http.stream("GET", "/dashboard/api/stream", headers=auth(VIEWER_KEY)) as stream:
+        assert stream.status_code == 200
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("event:")) == "event: snapshot"
+        assert next(lines).startswith('data: {"db_now"')
+
+
+def test_snapshot_equals_the_table_after_a_drain(
+    http: httpx.Client, dash: Any, dashboard_worker: Any, engine: Engine, redis_url: str
+) -> None:
+    idle_rows(engine, due=3, later=2)
+    flow = dash.flow
+    for branch in ("a", "b", "c"):  # one job, three rows: one call made, two saved
+        flow.enqueue("cell", "dash-ws1", "j1", branch, {"value": 5})
+    flow.enqueue("cell", "dash-ws2", "j2", "", {"value": 6})
+    dead_id = flow.enqueue("flaky", "dash-ws1", "jf", "", {}).request_id
+    wait_for(lambda: drained(engine), what="the worker to drain t-dash")
+    assert status_of(engine, dead_id) == "dead"
+
+    snap = http.get("/dashboard/api/snapshot", headers=auth(VIEWER_KEY)).json()
+    assert snap["depth"] == expected_depth(engine)
+    assert snap["depth"][IDLE]["cell"] == {"queued": 3, "scheduled": 2, "running": 0, "dead": 0}
+    assert snap["depth"][WC]["flaky"]["dead"] == 1
+    oldest = snap["oldest_queued_age_seconds"]
+    assert oldest[IDLE] >= 0 and WC not in oldest
+    assert snap["running"] == []
+    [dead] = snap["dead"]
+    assert dead["request_id"] == dead_id and dead["attempts"] == 1
+    assert dead["error"].startswith("RuntimeError: not fixed yet")
+    with engine.connect() as conn:
+        ops = conn.execute(text(OPS_LAST_MINUTE)).scalar_one()
+    assert snap["ops"]["last_minute"] == ops == 4
+    # Savings per workspace, as Redis holds them, and as the provider would see them.
+    client = redis_lib.Redis.from_url(redis_url)
+    savings = {w["workspace_id"]: w for w in snap["savings"]["workspaces"]}
+    assert set(savings) == {"dash-ws1", "dash-ws2"}
+    for ws, made, asked in (("dash-ws1", 1, 3), ("dash-ws2", 1, 1)):
+        stored = parse_hash(client.hgetall(counters_key(ws)))
+        assert savings[ws]["made"] == stored["computes"] == made
+        assert savings[ws]["saved"] == calls_saved(stored) == asked - made
+        assert savings[ws]["asked"] == asked
+
+
+def test_requeue_is_fenced_and_cancel_refuses_finished_rows(
+    http: httpx.Client, dash: Any, dashboard_worker: Any, engine: Engine, redis_url: str
+) -> None:
+    dead_id = dash.flow.enqueue("flaky", "dash-ws1", "jr", "", {}).request_id
+    wait_for(lambda: status_of(engine, dead_id) == "dead", what="the request to die")
+    [shown] = http.get("/dashboard/api/snapshot", headers=auth(VIEWER_KEY)).json()["dead"]
+    url = f"/dashboard/api/requests/{dead_id}/requeue"
+
+    # The row changed since it was shown (another operator requeued it, it died again).
+    before = table_snapshot(engine)
+    stale = (datetime.fromisoformat(shown["version"]) - timedelta(seconds=1)).isoformat()
+    refused = http.post(url, headers=auth(ADMIN_KEY), json={"version": stale})
+    assert refused.status_code == 409 and refused.json()["code"] == "changed", refused.text
+    assert table_snapshot(engine) == before
+    # A viewer may not; a missing or malformed version is a 422; nothing moves.
+    assert http.post(url, headers=auth(VIEWER_KEY), json=shown).status_code == 403
+    for body in ({}, {"version": "yesterday"}, {"version": "2026-01-01T00:00:00"},
+                 {"version": shown["version"], "extra": 1}):  # fmt: skip
+        assert http.post(url, headers=auth(ADMIN_KEY), json=body).status_code == 422, body
+    assert table_snapshot(engine) == before
+
+    moved = http.post(url, headers=auth(ADMIN_KEY), json={"version": shown["version"]})
+    assert moved.status_code == 200 and moved.json()["status"] == "queued", moved.text
+    # The wake-up was sent: the worker runs it, and it dies again (not fixed yet).
+    wait_for(lambda: status_of(engine, dead_id) == "dead" and drained(engine), what="re-death")
+    before = table_snapshot(engine)
+    again = http.post(url, headers=auth(ADMIN_KEY), json={"version": shown["version"]})
+    assert again.status_code == 409  # the version shown before the first requeue: refused
+    assert table_snapshot(engine) == before
+
+    # Cancel: a queued row is cancelled; a finished one is 409 and unchanged.
+    [idle_id] = idle_rows(engine, due=1, later=0)
+    cancel = f"/dashboard/api/requests/{idle_id}/cancel"
+    assert http.post(cancel, headers=auth(ADMIN_KEY), json={}).json()["status"] == "cancelled"
+    before = table_snapshot(engine)
+    assert http.post(cancel, headers=auth(ADMIN_KEY), json={}).status_code == 409
+    assert table_snapshot(engine) == before
+
+
+def test_bad_and_unknown_ids(http: httpx.Client, dash: Any, engine: Engine) -> None:
+    version = {"version": "2026-01-01T00:00:00+00:00"}
+    before = table_snapshot(engine)
+    for action in ("requeue", "cancel"):
+        for bad in ("x" * 1000, "a%00b", "a%1Fb"):
+            answer = http.post(
+                f"/dashboard/api/requests/{bad}/{action}", headers=auth(ADMIN_KEY), json=version
+            )
+            assert answer.status_code == 422, (bad, answer.text)
+            assert answer.json()["code"] == "invalid_request"
+        unknown = http.post(
+            f"/dashboard/api/requests/no-such-id/{action}", headers=auth(ADMIN_KEY), json=version
+        )
+        assert unknown.status_code == 404 and unknown.json()["code"] == "not_found"
+    assert table_snapshot(engine) == before
