@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -62,11 +63,41 @@ def redis_left_as_found(redis_url: str) -> Iterator[None]:
     client.delete("llm", "fallback", "onceflow", "someone-else:key")
 
 
+# The demos run side by side where nothing they check can see the other: the two on the
+# configured servers share one "Redis left as found" window (a key either left behind fails it),
+# and the fresh-machine one has servers of its own. Each asserts on its own report as before.
+
+
+@pytest.fixture(scope="module")
+def fresh_machine_demo() -> Iterator[Future[tuple[dict[str, Any], str, str]]]:
+    """The fresh-machine demo (its own embedded servers), started in the background; its test
+    waits for it. :func:`configured_demos` asks for it first, so it runs beside those."""
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(_run_fresh_machine)
+        yield future
+        future.cancel()
+
+
+@pytest.fixture(scope="module")
+def configured_demos(
+    fresh_machine_demo: Future[tuple[dict[str, Any], str, str]],
+    database_url: str,
+    redis_url: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[tuple[dict[str, Any], str], tuple[dict[str, Any], str], Path]:
+    """(no-faults run, faults run, the faults run's plot), run at once on the configured servers,
+    inside one :func:`redis_left_as_found` window."""
+    png = tmp_path_factory.mktemp("demo") / "demo.png"
+    with redis_left_as_found(redis_url), ThreadPoolExecutor(2) as pool:
+        no_faults = pool.submit(_run_no_faults, database_url, redis_url)
+        faults = pool.submit(_run_faults, database_url, redis_url, png)
+        return no_faults.result(), faults.result(), png
+
+
 def test_demo_without_faults_pays_exactly_one_llm_call_per_cell(
-    database_url: str, redis_url: str
+    configured_demos: tuple[tuple[dict[str, Any], str], tuple[dict[str, Any], str], Path],
 ) -> None:
-    with redis_left_as_found(redis_url):
-        report, _ = _run_no_faults(database_url, redis_url)
+    report, _ = configured_demos[0]
     assert report["invariants_ok"] is True
     assert report["embedded_services"] is False
     assert (report["cells"], report["llm_calls"], report["llm_calls_per_cell"]) == (12, 12, 1.0)
@@ -83,15 +114,17 @@ def _run_no_faults(database_url: str, redis_url: str) -> tuple[dict[str, Any], s
     )  # fmt: skip
 
 
+def _run_faults(database_url: str, redis_url: str, png: Path) -> tuple[dict[str, Any], str]:
+    return run_demo(
+        {"ONCEFLOW_DATABASE_URL": database_url, "ONCEFLOW_REDIS_URL": redis_url},
+        "--jobs", "4", "--columns", "3", "--clients", "6", "--plot", str(png),
+    )  # fmt: skip
+
+
 def test_demo_with_faults_accounts_for_every_extra_call_and_plots_them(
-    database_url: str, redis_url: str, tmp_path: Path
+    configured_demos: tuple[tuple[dict[str, Any], str], tuple[dict[str, Any], str], Path],
 ) -> None:
-    png = tmp_path / "demo.png"
-    with redis_left_as_found(redis_url):
-        report, stderr = run_demo(
-            {"ONCEFLOW_DATABASE_URL": database_url, "ONCEFLOW_REDIS_URL": redis_url},
-            "--jobs", "4", "--columns", "3", "--clients", "6", "--plot", str(png),
-        )  # fmt: skip
+    (report, stderr), png = configured_demos[1], configured_demos[2]
     assert report["invariants_ok"] is True, report["checks"]
     assert report["worker_killed"] is True
     assert "kill -9" in stderr
@@ -126,7 +159,8 @@ def _closed_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_fresh_machine_path_starts_embedded_services_and_cleans_up() -> None:
+def _run_fresh_machine() -> tuple[dict[str, Any], str, str]:
+    """(report, stderr, marker) of the demo on URLs where nothing answers."""
     pg_port, redis_port = _closed_port(), _closed_port()
     marker = uuid.uuid4().hex  # inherited by every process the demo starts
     report, stderr = run_demo(
@@ -137,6 +171,13 @@ def test_fresh_machine_path_starts_embedded_services_and_cleans_up() -> None:
         },
         "--no-faults", "--jobs", "2", "--columns", "2", "--clients", "4",
     )  # fmt: skip
+    return report, stderr, marker
+
+
+def test_fresh_machine_path_starts_embedded_services_and_cleans_up(
+    fresh_machine_demo: Future[tuple[dict[str, Any], str, str]],
+) -> None:
+    report, stderr, marker = fresh_machine_demo.result(timeout=300)
     assert "starting the embedded servers" in stderr
     assert report["embedded_services"] is True
     assert report["invariants_ok"] is True

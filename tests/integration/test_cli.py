@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from sqlalchemy import Engine
@@ -37,7 +38,10 @@ def test_enqueue_show_status(clean_db: Engine) -> None:
     second = json.loads(onceflow(*args).stdout)
     assert (second["request_id"], second["created"]) == (rid, False)
 
-    shown = onceflow("show", rid, "--json")
+    # The four reads change nothing, so they run side by side.
+    reads = [("show", rid, "--json"), ("show", rid), ("status", "--json"), ("status",)]
+    with ThreadPoolExecutor(len(reads)) as pool:
+        shown, shown_text, status, status_text = pool.map(lambda a: onceflow(*a), reads)
     assert shown.returncode == 0, shown.stderr
     row = json.loads(shown.stdout)
     assert (row["status"], row["input"], row["worker_class"]) == (
@@ -46,11 +50,10 @@ def test_enqueue_show_status(clean_db: Engine) -> None:
         "llm",
     )
     assert "claim_token" not in row
-    assert rid in onceflow("show", rid).stdout
+    assert rid in shown_text.stdout
 
-    status = onceflow("status", "--json")
     assert json.loads(status.stdout)["counts"]["llm"]["queued"] == 1
-    assert "llm" in onceflow("status").stdout
+    assert "llm" in status_text.stdout
 
 
 @pytest.mark.parametrize(

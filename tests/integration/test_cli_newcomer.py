@@ -16,11 +16,12 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
 import pytest
-from sqlalchemy import Engine, make_url
+from sqlalchemy import Engine, make_url, text
 
 import onceflow
 from onceflow.demo.procs import wait_for
@@ -84,6 +85,11 @@ def one_line(result: subprocess.CompletedProcess[str]) -> str:
 @pytest.fixture()
 def project(tmp_path: Path) -> Path:
     """A project directory holding ``myproject/stages.py`` (its own Flow and worker class)."""
+    return make_project(tmp_path)
+
+
+def make_project(tmp_path: Path) -> Path:
+    """:func:`project` under ``tmp_path``."""
     root = tmp_path / "proj"
     package = root / "myproject"
     package.mkdir(parents=True)
@@ -159,26 +165,74 @@ def test_worker_started_in_the_project_directory_runs_its_stage(
             worker.wait(timeout=20)
 
 
-@pytest.mark.parametrize(
-    "command",
-    [
-        ["enqueue", "--stage", "greet", "--workspace", "w", "--job", "j"],
-        ["sweep"],
-        ["worker"],
-        ["beat"],
-        ["api"],
-        ["mcp"],
-    ],
-)
-def test_an_app_that_cannot_be_imported_is_one_line_naming_the_fix(
-    clean_db: Engine, tmp_path: Path, command: list[str]
-) -> None:
-    elsewhere = tmp_path / "not-the-project"
+UNIMPORTABLE = [
+    ["enqueue", "--stage", "greet", "--workspace", "w", "--job", "j"],
+    ["sweep"],
+    ["worker"],
+    ["beat"],
+    ["api"],
+    ["mcp"],
+]
+UNDECLARED_APPS = [None, "myproject.stages:flow"]
+INVALID_INPUTS = [('{"times": 2}', "name"), ('{"name": "ada", "times": "often"}', "times"),
+                  ("[1]", "")]  # fmt: skip
+
+
+@dataclass
+class Refusals:
+    """The refused commands of items 1 and 2, run side by side on an emptied table (none of
+    them may write, so none can see another), and what the table held once all had run."""
+
+    elsewhere: Path
+    unimportable: dict[str, subprocess.CompletedProcess[str]]
+    undeclared: dict[str | None, subprocess.CompletedProcess[str]]
+    invalid: dict[tuple[str, str], subprocess.CompletedProcess[str]]
+    table_after: list[tuple[object, ...]]
+
+
+@pytest.fixture(scope="module")
+def refusals(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Refusals:
+    from onceflow.models import metadata
+
+    project = make_project(tmp_path_factory.mktemp("refusals"))
+    elsewhere = project.parent / "not-the-project"
     elsewhere.mkdir()
-    line = one_line(cli(*command, "--app", "myproject.stages:flow", cwd=elsewhere))
-    assert "'myproject.stages'" in line and str(elsewhere) in line
+    with engine.begin() as conn:
+        conn.execute(text("TRUNCATE " + ", ".join(sorted(metadata.tables))))
+    app = ["--app", "myproject.stages:flow"]
+    greet = [*app, "--stage", "greet", "--workspace", "w", "--job", "j"]
+    with ThreadPoolExecutor(4) as pool:
+        unimportable = {c[0]: pool.submit(cli, *c, *app, cwd=elsewhere) for c in UNIMPORTABLE}
+        undeclared = {
+            a: pool.submit(cli, "enqueue", *(["--app", a] if a else []), "--stage", "grete",
+                           "--workspace", "w", "--job", "j", cwd=project)
+            for a in UNDECLARED_APPS
+        }  # fmt: skip
+        invalid = {
+            (payload, how): pool.submit(cli, "enqueue", *greet, "--input", payload, *extra,
+                                        cwd=project)
+            for payload, _ in INVALID_INPUTS
+            for how, extra in (("model", []), ("class", ["--worker-class", "elsewhere"]))
+        }  # fmt: skip
+        done = Refusals(
+            elsewhere,
+            {k: f.result() for k, f in unimportable.items()},
+            {k: f.result() for k, f in undeclared.items()},
+            {k: f.result() for k, f in invalid.items()},
+            [],
+        )
+    done.table_after = table_snapshot(engine)
+    return done
+
+
+@pytest.mark.parametrize("command", UNIMPORTABLE)
+def test_an_app_that_cannot_be_imported_is_one_line_naming_the_fix(
+    refusals: Refusals, command: list[str]
+) -> None:
+    line = one_line(refusals.unimportable[command[0]])
+    assert "'myproject.stages'" in line and str(refusals.elsewhere) in line
     assert "PYTHONPATH" in line and "--app module:attribute" in line
-    assert table_snapshot(clean_db) == []
+    assert refusals.table_after == []
 
 
 def test_a_missing_import_inside_the_app_module_is_named(clean_db: Engine, project: Path) -> None:
@@ -191,16 +245,15 @@ def test_a_missing_import_inside_the_app_module_is_named(clean_db: Engine, proje
 # --- item 2: enqueue goes through the app's declaration ------------------------------------
 
 
-@pytest.mark.parametrize("app", [None, "myproject.stages:flow"])
+@pytest.mark.parametrize("app", UNDECLARED_APPS)
 def test_enqueue_refuses_a_stage_the_app_does_not_declare(
-    clean_db: Engine, project: Path, app: str | None
+    refusals: Refusals, app: str | None
 ) -> None:
-    args = ["--app", app] if app else []  # None: the default app, which declares nothing
-    line = one_line(cli("enqueue", *args, "--stage", "grete", "--workspace", "w", "--job", "j",
-                        cwd=project))  # fmt: skip
+    # None: the default app, which declares nothing
+    line = one_line(refusals.undeclared[app])
     assert line.startswith("onceflow: UnknownStage:") and "'grete'" in line
     assert "--worker-class" in line
-    assert table_snapshot(clean_db) == []
+    assert refusals.table_after == []
 
 
 def test_enqueue_of_an_undeclared_stage_on_a_named_worker_class(
@@ -218,23 +271,16 @@ def test_enqueue_of_an_undeclared_stage_on_a_named_worker_class(
     assert "Naming it also enqueues a stage the app does not declare" in helptext
 
 
-@pytest.mark.parametrize(
-    ("payload", "named"),
-    [('{"times": 2}', "name"), ('{"name": "ada", "times": "often"}', "times"), ("[1]", "")],
-)
+@pytest.mark.parametrize(("payload", "named"), INVALID_INPUTS)
 def test_enqueue_refuses_input_that_does_not_fit_the_model(
-    clean_db: Engine, project: Path, payload: str, named: str
+    refusals: Refusals, payload: str, named: str
 ) -> None:
-    line = one_line(cli("enqueue", "--app", "myproject.stages:flow", "--stage", "greet",
-                        "--workspace", "w", "--job", "j", "--input", payload,
-                        cwd=project))  # fmt: skip
+    line = one_line(refusals.invalid[payload, "model"])
     assert "input of stage 'greet' is invalid" in line and named in line
     # A class the stage does not declare is refused before the input is looked at.
-    line = one_line(cli("enqueue", "--app", "myproject.stages:flow", "--stage", "greet",
-                        "--workspace", "w", "--job", "j", "--input", payload,
-                        "--worker-class", "elsewhere", cwd=project))  # fmt: skip
+    line = one_line(refusals.invalid[payload, "class"])
     assert "is served by worker class" in line and "not 'elsewhere'" in line
-    assert table_snapshot(clean_db) == []
+    assert refusals.table_after == []
 
 
 # --- item 4: a malformed or unmigrated database is one line naming the fix ---------------
@@ -271,11 +317,38 @@ def each_line(
         return list(zip(commands, lines, strict=True))
 
 
+@pytest.fixture(scope="module")
+def malformed_url_lines(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, list[tuple[list[str], str]]]:
+    """Each bad URL's commands and their lines; every URL's commands run in one pool (none of
+    them reaches a database, so none can see another)."""
+    project = make_project(tmp_path_factory.mktemp("malformed"))
+    runs = [
+        (url, command)
+        for url, _ in BAD_URLS
+        for command in (DB_COMMANDS if url.startswith("mysql") else [["migrate"], ["status"]])
+    ]
+
+    def line(run: tuple[str, list[str]]) -> str:
+        env = {"ONCEFLOW_DATABASE_URL": run[0], "ONCEFLOW_APP": "myproject.stages:flow"}
+        return one_line(cli(*run[1], cwd=project, env=env))
+
+    with ThreadPoolExecutor(4) as pool:
+        lines = list(pool.map(line, runs))
+    by_url: dict[str, list[tuple[list[str], str]]] = {url: [] for url, _ in BAD_URLS}
+    for (url, command), text_ in zip(runs, lines, strict=True):
+        by_url[url].append((command, text_))
+    return by_url
+
+
 @pytest.mark.parametrize(("url", "problem"), BAD_URLS)
-def test_a_malformed_database_url_is_one_line(project: Path, url: str, problem: str) -> None:
-    env = {"ONCEFLOW_DATABASE_URL": url, "ONCEFLOW_APP": "myproject.stages:flow"}
+def test_a_malformed_database_url_is_one_line(
+    malformed_url_lines: dict[str, list[tuple[list[str], str]]], url: str, problem: str
+) -> None:
     commands = DB_COMMANDS if url.startswith("mysql") else [["migrate"], ["status"]]
-    for command, line in each_line(commands, project, env):
+    assert [command for command, _ in malformed_url_lines[url]] == commands
+    for command, line in malformed_url_lines[url]:
         assert "InvalidDatabaseUrl" in line and problem in line, (command, line)
         assert EXPECTED_FORM in line
         assert "s3cret-pw" not in line

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -39,13 +40,29 @@ def test_the_services_fixture_gives_servers_that_answer(services: tuple[str, str
     assert service_answers(*services) == (True, True)
 
 
-def test_the_summary_names_the_configured_servers(services: tuple[str, str]) -> None:
+@pytest.fixture(scope="module")
+def summaries(services: tuple[str, str]) -> dict[str, str]:
+    """The output of each fresh pytest below, by case; the three run side by side (each its
+    own process, database and, for ``embedded``, its own Valkey), so their waits overlap."""
+    node = f"{HERE}::test_the_services_fixture_gives_servers_that_answer"
+    runs = {
+        "configured": (node, {"ONCEFLOW_TEST_DATABASE_URL": services[0],
+                              "ONCEFLOW_TEST_REDIS_URL": services[1]}),
+        "none": ("tests/unit/test_ids.py::test_random_ids_and_tokens_are_fresh", {}),
+        # Nothing listens on port 1: the suite starts its embedded Valkey and says so.
+        "embedded": (node, {"ONCEFLOW_TEST_DATABASE_URL": services[0],
+                            "ONCEFLOW_TEST_REDIS_URL": "redis://127.0.0.1:1/0"}),
+    }  # fmt: skip
+    with ThreadPoolExecutor(len(runs)) as pool:
+        futures = {k: pool.submit(run_pytest, n, **env) for k, (n, env) in runs.items()}
+        return {k: f.result() for k, f in futures.items()}
+
+
+def test_the_summary_names_the_configured_servers(
+    services: tuple[str, str], summaries: dict[str, str]
+) -> None:
     db_url, redis_url = services
-    out = run_pytest(
-        f"{HERE}::test_the_services_fixture_gives_servers_that_answer",
-        ONCEFLOW_TEST_DATABASE_URL=db_url,
-        ONCEFLOW_TEST_REDIS_URL=redis_url,
-    )
+    out = summaries["configured"]
     expected = service_summary(
         [("Postgres", db_url, "configured"), ("Redis", redis_url, "configured")]
     )
@@ -54,8 +71,8 @@ def test_the_summary_names_the_configured_servers(services: tuple[str, str]) -> 
     assert "(configured), Redis redis://" in expected
 
 
-def test_the_summary_says_when_no_server_was_used() -> None:
-    out = run_pytest("tests/unit/test_ids.py::test_random_ids_and_tokens_are_fresh")
+def test_the_summary_says_when_no_server_was_used(summaries: dict[str, str]) -> None:
+    out = summaries["none"]
     assert (
         "onceflow services: none used (no test in this run needed Postgres or Redis)"
         in out.splitlines()
@@ -76,13 +93,10 @@ def test_the_summary_never_shows_a_password_or_the_driver() -> None:
 
 
 @pytest.mark.slow
-def test_the_summary_says_when_a_server_was_embedded(services: tuple[str, str]) -> None:
-    # Nothing listens on port 1: the suite starts its embedded Valkey and says so.
-    out = run_pytest(
-        f"{HERE}::test_the_services_fixture_gives_servers_that_answer",
-        ONCEFLOW_TEST_DATABASE_URL=services[0],
-        ONCEFLOW_TEST_REDIS_URL="redis://127.0.0.1:1/0",
-    )
+def test_the_summary_says_when_a_server_was_embedded(
+    services: tuple[str, str], summaries: dict[str, str]
+) -> None:
+    out = summaries["embedded"]
     line = next((x for x in out.splitlines() if x.startswith("onceflow services: ")), out)
     postgres = service_summary([("Postgres", services[0], "configured")])
     assert line.startswith(postgres + ", Redis redis://127.0.0.1:"), line

@@ -15,6 +15,7 @@ import sys
 import threading
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -174,10 +175,14 @@ def test_sweep_cli_refuses_without_a_flow_that_declares_stages(
         conn.execute(text("UPDATE workspace_process_requests SET dispatched_at = '2000-01-01'"))
     before = table_snapshot(clean_db)
 
-    default = onceflow_cli("sweep")  # ONCEFLOW_APP unset: the default Flow, which declares none
+    # The two refusals run side by side (neither may write or send anything).
+    with ThreadPoolExecutor(2) as pool:
+        # ONCEFLOW_APP unset: the default Flow, which declares none
+        default_run = pool.submit(onceflow_cli, "sweep")
+        bare_run = pool.submit(onceflow_cli, "sweep", "--app", "tests.acceptance.stages:app")
+        default, bare = default_run.result(), bare_run.result()
     assert default.returncode == 2, default.stdout
     assert "declares no stages" in default.stderr
-    bare = onceflow_cli("sweep", "--app", "tests.acceptance.stages:app")
     assert bare.returncode == 2 and "bare Celery app" in bare.stderr
     assert table_snapshot(clean_db) == before  # nothing marked dispatched, nothing sent
     assert broker.llen(queue_name("sg-a")) == 1

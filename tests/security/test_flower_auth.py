@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -69,13 +70,30 @@ def secret_parts(value: str) -> list[str]:
     return [p for entry in value.split(",") for p in entry.split(":") if len(p.strip()) > 3]
 
 
-@pytest.mark.parametrize("value", REFUSED)
-def test_cli_refuses_credentials_that_parse_to_nothing_or_are_malformed(
-    value: str, tmp_path: Path
-) -> None:
+def cli_outcome(value: str, log: Path) -> tuple[int | None, str, bool]:
+    """:func:`outcome` of ``onceflow flower`` on a port of its own, with ``value``."""
     port = free_port()
     argv = ["-m", "onceflow.cli", "flower", "--app", APP, "--port", str(port)]
-    code, output, heard = outcome(argv, value, port, tmp_path / "flower.log")
+    return outcome(argv, value, port, log)
+
+
+@pytest.fixture(scope="module")
+def cli_outcomes(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, tuple[int | None, str, bool]]:
+    """The outcome of every refused value, the CLIs run side by side (each its own process,
+    log and port: none can see another), so the waits for them overlap."""
+    logs = tmp_path_factory.mktemp("flower-refusals")
+    with ThreadPoolExecutor(len(REFUSED)) as pool:
+        results = pool.map(lambda iv: cli_outcome(iv[1], logs / f"{iv[0]}.log"), enumerate(REFUSED))
+        return dict(zip(REFUSED, results, strict=True))
+
+
+@pytest.mark.parametrize("value", REFUSED)
+def test_cli_refuses_credentials_that_parse_to_nothing_or_are_malformed(
+    value: str, cli_outcomes: dict[str, tuple[int | None, str, bool]]
+) -> None:
+    code, output, heard = cli_outcomes[value]
     assert not heard, f"Flower listened with ONCEFLOW_FLOWER_BASIC_AUTH={value!r}"
     assert code not in (None, 0), output
     [line] = output.strip().splitlines()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +28,29 @@ def test_the_expected_services_exist() -> None:
         assert "healthcheck" in COMPOSE["services"][name]
 
 
-@pytest.mark.parametrize("name", sorted(ONCEFLOW_SERVICES))
-def test_service_command_exists_in_the_cli(name: str) -> None:
-    service: dict[str, Any] = ONCEFLOW_SERVICES[name]
-    command = service["command"]
+def _help(command: list[str]) -> subprocess.CompletedProcess[str]:
     # --help after the service's own arguments: click rejects any option that does not exist.
-    result = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", "onceflow.cli", *command, "--help"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict[str, subprocess.CompletedProcess[str]]:
+    """Each service's command run with --help; side by side (nothing is started or written)."""
+    names = sorted(ONCEFLOW_SERVICES)
+    with ThreadPoolExecutor(len(names)) as pool:
+        results = pool.map(lambda n: _help(ONCEFLOW_SERVICES[n]["command"]), names)
+        return dict(zip(names, results, strict=True))
+
+
+@pytest.mark.parametrize("name", sorted(ONCEFLOW_SERVICES))
+def test_service_command_exists_in_the_cli(
+    name: str, helps: dict[str, subprocess.CompletedProcess[str]]
+) -> None:
+    service: dict[str, Any] = ONCEFLOW_SERVICES[name]
+    result = helps[name]
     assert result.returncode == 0, result.stderr
     assert "Usage:" in result.stdout
     if name != "migrate":
