@@ -169,7 +169,10 @@ def _check_against_table(s: Samples, engine: Engine, claims: int, planned: int) 
     # Durations: every run with a recorded end (the killed run's end is unknown).
     assert total(s, "onceflow_stage_duration_seconds_count") == claims - 1
     assert total(s, "onceflow_stage_duration_seconds_count", outcome="succeeded") == succeeded
-    assert total(s, "onceflow_pickup_latency_seconds_count") == claims
+    # The killed run's lapsed lease is taken back either by the sweeper (its next claim is
+    # a plain pickup) or directly by a claim (a takeover: no pickup latency) — whichever
+    # comes first, which load decides.
+    assert total(s, "onceflow_pickup_latency_seconds_count") in (claims, claims - 1)
     # Enqueues: every row created once, the two duplicates collapsed.
     assert total(s, "onceflow_requests_enqueued_total", outcome="created") == rows == planned
     assert total(s, "onceflow_requests_enqueued_total", outcome="duplicate") == 2
