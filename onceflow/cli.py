@@ -635,8 +635,14 @@ def api(
     settings = get_settings()
     if not settings.api_keys and not settings.worker_keys:
         click.echo(
-            "onceflow: no keys configured (ONCEFLOW_API_KEYS / ONCEFLOW_WORKER_KEYS): "
-            "every request will get 401",
+            "onceflow: no API or worker keys configured (ONCEFLOW_API_KEYS / "
+            "ONCEFLOW_WORKER_KEYS): every /v1 request will get 401",
+            err=True,
+        )
+    if not settings.operator_keys:
+        click.echo(
+            "onceflow: no operator keys configured (ONCEFLOW_OPERATOR_KEYS): the dashboard's "
+            "data and /metrics will get 401",
             err=True,
         )
     _log_onceflow(log_level)  # the dashboard's audit lines (onceflow.dashboard) among them

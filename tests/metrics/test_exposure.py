@@ -48,7 +48,9 @@ def test_api_metrics_need_a_viewer_key_and_count_routes_by_template(
         "ONCEFLOW_API_KEYS": json.dumps({hash_key(API_KEY): ["w1"]}),
     }
     try:
-        with api_server(tmp_path, env, app=APP) as (base, _):
+        with api_server(tmp_path, env, app=APP) as (base, proc):
+            # Keys of every kind are configured: no start-up warning says otherwise.
+            assert "keys configured" not in proc.log()
             assert get(f"{base}/metrics")[0] == 401
             assert get(f"{base}/metrics", API_KEY)[0] == 401  # an API key is no operator key
             assert get(f"{base}/metrics", "not-a-key-at-all")[0] == 401
