@@ -366,7 +366,7 @@ def test_the_dashboard_has_the_panels_the_issue_asks_for() -> None:
     exprs = " ".join(e for _, e in dashboard_exprs())
     q = "histogram_quantile"
     for needle in (
-        "max by (worker_class, status) (onceflow_requests{",
+        "sum by (worker_class, status) (max by (worker_class, stage, status) (onceflow_requests{",
         "onceflow_oldest_queued_age_seconds",
         f"{q}(0.5, sum by (le, worker_class) (rate(onceflow_pickup_latency_seconds_bucket",
         f"{q}(0.95, sum by (le, worker_class) (rate(onceflow_pickup_latency_seconds_bucket",
@@ -418,3 +418,54 @@ def test_promtool_parses_every_dashboard_query(tmp_path: Path) -> None:
         yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]})
     )
     _promtool("check", "rules", "dashboard.yml", cwd=tmp_path)
+
+
+@needs_promtool
+def test_the_depth_panel_sums_stages_and_counts_each_target_once(tmp_path: Path) -> None:
+    """The API and every exporter serve the same database gauges: take one copy per series
+    (max over targets), then add the stages of a class up (sum) — not the max of the stages."""
+    [expr] = [
+        t["expr"]
+        for p in dashboard_panels()
+        for t in p.get("targets", [])
+        if "onceflow_requests{" in t.get("expr", "")
+    ]
+    expr = expr.replace('worker_class=~"$worker_class"', 'worker_class=~".*"')
+    rules = {"groups": [{"name": "panel", "rules": [{"record": "panel_depth", "expr": expr}]}]}
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump(rules))
+    series = [
+        (job, stage, n)
+        for job in ("onceflow-api", "onceflow-workers")
+        for stage, n in (("summarise", 10), ("evaluate", 5))
+    ]
+    test = {
+        "rule_files": ["rules.yml"],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [
+                    {
+                        "series": f'onceflow_requests{{job="{job}",worker_class="llm",'
+                        f'stage="{stage}",status="queued"}}',
+                        "values": f"{n}x5",
+                    }
+                    for job, stage, n in series
+                ],
+                "promql_expr_test": [
+                    {
+                        "expr": "panel_depth",
+                        "eval_time": "2m",
+                        "exp_samples": [
+                            {
+                                "labels": 'panel_depth{worker_class="llm",status="queued"}',
+                                "value": 15,
+                            }
+                        ],
+                    }
+                ],
+            }
+        ],
+    }
+    (tmp_path / "test.yml").write_text(yaml.safe_dump(test))
+    _promtool("test", "rules", "test.yml", cwd=tmp_path)
