@@ -4,11 +4,19 @@ Index-only scans of the partial indexes (``onceflow.queue.metrics_sql``), on one
 connection of its own with a short connect and statement timeout: a database that is
 down or slow costs the scrape at most a couple of seconds and answers
 ``onceflow_database_up 0``, while every process-recorded metric still answers.
+
+A database that stops answering without closing anything (a paused server, a black-holed
+network) is bounded on the client side too, since ``statement_timeout`` is the server's:
+the connection has ``tcp_user_timeout`` and keepalives, a watchdog shuts its socket down
+when a read outlives the timeout, and a scrape waits for another scrape's read at most
+the timeout (then it answers ``onceflow_database_up 0``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -26,6 +34,8 @@ log = logging.getLogger("onceflow.metrics")
 
 #: Seconds the collector waits to connect and for its statements.
 DB_TIMEOUT_SECONDS = 2.0
+#: Extra seconds past the timeout before the watchdog shuts a stuck read's socket down.
+WATCHDOG_GRACE_SECONDS = 1.0
 
 
 def libpq_url(url: str) -> str:
@@ -58,21 +68,36 @@ class DatabaseCollector(Collector):
                 autocommit=True,
                 row_factory=dict_row,
                 application_name="onceflow-metrics",
+                # Client-side bounds (statement_timeout needs a server that answers).
+                tcp_user_timeout=ms,
+                keepalives=1,
+                keepalives_idle=max(1, int(self._timeout)),
+                keepalives_interval=1,
+                keepalives_count=3,
             )
         return self._conn
 
     def read(self) -> tuple[list[dict[str, Any]], float]:
         """(live count rows, estimated table rows); raises if the database does not answer."""
-        with self._lock:
+        if not self._lock.acquire(timeout=self._timeout):
+            raise TimeoutError("another scrape's database read has not answered")
+        try:
+            conn = self._connection()
+            watchdog = threading.Timer(self._timeout + WATCHDOG_GRACE_SECONDS, _abort, (conn,))
+            watchdog.daemon = True
+            watchdog.start()
             try:
-                conn = self._connection()
                 rows = conn.execute(metrics_sql.Q_LIVE_COUNTS).fetchall()
                 est = conn.execute(metrics_sql.Q_ESTIMATED_ROWS).fetchone()
-            except Exception:
-                if self._conn is not None:
-                    self._conn.close()
-                self._conn = None
-                raise
+            finally:
+                watchdog.cancel()
+        except Exception:
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = None
+            raise
+        finally:
+            self._lock.release()
         return rows, float(est["estimate"]) if est else 0.0
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -93,6 +118,23 @@ class DatabaseCollector(Collector):
         up.add_metric([], 1.0)
         yield up
         yield from _families(rows, estimate)
+
+
+def _abort(conn: psycopg.Connection[Any]) -> None:
+    """Shut down the socket of a read that outlived its timeout: the blocked read fails at once.
+
+    ``conn.cancel()`` would need the server to answer; a shutdown needs nothing from it.
+    """
+    try:
+        fd = os.dup(conn.fileno())
+    except Exception:
+        return  # closed meanwhile
+    with socket.socket(fileno=fd) as sock:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+    log.warning("metrics: database read outlived its timeout; connection dropped")
 
 
 def _families(rows: list[dict[str, Any]], estimate: float) -> Iterator[GaugeMetricFamily]:
