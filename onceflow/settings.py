@@ -165,6 +165,20 @@ class Settings(BaseSettings):
         default="127.0.0.1",
         description="Address the worker's metrics port (ONCEFLOW_METRICS_PORT) binds.",
     )
+    metrics_database: bool = Field(
+        default=True,
+        description="Include the database collector (live counts, oldest due age, "
+        "onceflow_database_up) in the worker's metrics port and the API's /metrics. Set false "
+        "on all but one scrape target (e.g. keep it in `onceflow metrics` only) so one place "
+        "runs the counts.",
+    )
+    api_metrics_prune_dead_pids: bool = Field(
+        default=False,
+        description="Let the API's /metrics drop the live-gauge files of pids it cannot see "
+        "(PROMETHEUS_MULTIPROC_DIR). Off by default: in another pid namespace (a container "
+        "sharing the directory) every worker looks dead. `onceflow metrics` prunes unless "
+        "--keep-dead-pids.",
+    )
     api_max_body_bytes: int = Field(
         default=1024 * 1024,
         ge=1024,

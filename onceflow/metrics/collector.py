@@ -14,6 +14,7 @@ the timeout (then it answers ``onceflow_database_up 0``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -129,11 +130,8 @@ def _abort(conn: psycopg.Connection[Any]) -> None:
         fd = os.dup(conn.fileno())
     except Exception:
         return  # closed meanwhile
-    with socket.socket(fileno=fd) as sock:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+    with socket.socket(fileno=fd) as sock, contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
     log.warning("metrics: database read outlived its timeout; connection dropped")
 
 

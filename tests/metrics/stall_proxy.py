@@ -6,6 +6,7 @@ server or a black-holed network as the client sees it. ``resume()`` forwards wha
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from types import TracebackType
@@ -46,10 +47,8 @@ class StallProxy:
         self._forwarding.set()
         self._listener.close()
         for s in self._socks:
-            try:
+            with contextlib.suppress(OSError):
                 s.close()
-            except OSError:
-                pass
 
     def __enter__(self) -> StallProxy:
         return self
@@ -82,7 +81,5 @@ class StallProxy:
         except OSError:
             pass
         for s in (src, dst):
-            try:
+            with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
