@@ -172,6 +172,14 @@ class Settings(BaseSettings):
         "on all but one scrape target (e.g. keep it in `onceflow metrics` only) so one place "
         "runs the counts.",
     )
+    metrics_count_cap: int = Field(
+        default=100_000,
+        ge=1,
+        le=100_000_000,
+        description="Index entries the live counts read per status at most (/metrics and the "
+        "dashboard): past it a status's counts are lower bounds "
+        "(onceflow_requests_lower_bound 1; the dashboard's depth_lower_bound).",
+    )
     api_metrics_prune_dead_pids: bool = Field(
         default=False,
         description="Let the API's /metrics drop the live-gauge files of pids it cannot see "

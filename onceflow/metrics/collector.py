@@ -48,8 +48,15 @@ class DatabaseCollector(Collector):
     """``onceflow_requests``, ``onceflow_oldest_queued_age_seconds``, the table's estimated
     rows and ``onceflow_database_up``, from the database at each scrape."""
 
-    def __init__(self, database_url: str, *, timeout: float = DB_TIMEOUT_SECONDS) -> None:
+    def __init__(
+        self,
+        database_url: str,
+        *,
+        timeout: float = DB_TIMEOUT_SECONDS,
+        count_cap: int = metrics_sql.COUNT_CAP_DEFAULT,
+    ) -> None:
         self._url = database_url
+        self._query = metrics_sql.live_counts(count_cap)
         self._conninfo = libpq_url(database_url)
         self._timeout = timeout
         self._lock = threading.Lock()
@@ -88,7 +95,7 @@ class DatabaseCollector(Collector):
             watchdog.daemon = True
             watchdog.start()
             try:
-                rows = conn.execute(metrics_sql.Q_LIVE_COUNTS).fetchall()
+                rows = conn.execute(self._query).fetchall()
                 est = conn.execute(metrics_sql.Q_ESTIMATED_ROWS).fetchone()
             finally:
                 watchdog.cancel()
@@ -152,12 +159,24 @@ def _families(rows: list[dict[str, Any]], estimate: float) -> Iterator[GaugeMetr
         "onceflow_requests",
         "Live requests by status (queued = due now, scheduled = run_after in the future, "
         "running, dead): exact counts from the partial indexes. Succeeded and cancelled are "
-        "not counted here (see the counters).",
+        "not counted here (see the counters). Lower bounds where "
+        "onceflow_requests_lower_bound{status} is 1.",
         labels=["worker_class", "stage", "status"],
     )
     for (wc, stage, status), n in sorted(counts.items()):
         requests.add_metric([wc, stage, status], float(n))
     yield requests
+    capped = set(metrics_sql.capped_statuses(rows))
+    bound = GaugeMetricFamily(
+        "onceflow_requests_lower_bound",
+        "1 if this status's counts (for queued, also the oldest due age) are LOWER BOUNDS: "
+        "its index held more entries than the count cap (ONCEFLOW_METRICS_COUNT_CAP); "
+        "0 if exact.",
+        labels=["status"],
+    )
+    for status in ("queued", "scheduled", "running", "dead"):
+        bound.add_metric([status], 1.0 if status in capped else 0.0)
+    yield bound
     age_family = GaugeMetricFamily(
         "onceflow_oldest_queued_age_seconds",
         "How long the oldest due queued request of the class has been due (database clock); "

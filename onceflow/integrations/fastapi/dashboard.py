@@ -86,7 +86,7 @@ _VOLATILE: Final = ("db_now", "oldest_queued_age_seconds")
 
 def compute_snapshot(services: OnceflowServices) -> dict[str, Any]:
     """The tables' state, plus the Redis savings (an error there is reported, not raised)."""
-    snapshot = read_tables(services.queue.engine)
+    snapshot = read_tables(services.queue.engine, count_cap=services.settings.metrics_count_cap)
     try:
         snapshot["savings"] = read_savings(services.oplog.redis())
     except (redis.RedisError, OSError) as exc:

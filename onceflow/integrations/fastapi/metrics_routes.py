@@ -85,6 +85,7 @@ def metrics_router(services: OnceflowServices) -> APIRouter:
         settings.database_url,
         database=settings.metrics_database,
         prune_dead=settings.api_metrics_prune_dead_pids,
+        count_cap=settings.metrics_count_cap,
     )
 
     @router.get("/metrics", include_in_schema=False, operation_id="metrics")
