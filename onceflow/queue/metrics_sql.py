@@ -28,7 +28,9 @@ def live_counts(cap: int = COUNT_CAP_DEFAULT, *, age_column: str = "oldest_due_a
 
     A branch that read ``cap`` entries answers ``capped`` true: its counts (and, for
     queued, the oldest due age) are LOWER BOUNDS, from the first ``cap`` entries of its
-    index. The cost is bounded by the cap, not by the backlog.
+    index. The cost is bounded by the cap, not by the backlog. Each ``ORDER BY`` is its
+    index's order: the planner walks the index (index-only) instead of reading the heap,
+    even when most of the table is in that status.
     """
     cap = int(cap)
     if cap < 1:
@@ -44,17 +46,19 @@ SELECT w.worker_class, w.stage,
            AS {age_column},
        {capped}
 FROM (SELECT q.worker_class, q.stage, q.run_after FROM {TABLE} q
-      WHERE q.status = 'queued' LIMIT {cap}) w, n
+      WHERE q.status = 'queued'
+      ORDER BY q.worker_class, q.priority DESC, q.run_after LIMIT {cap}) w, n
 GROUP BY w.worker_class, w.stage, n.now
 UNION ALL
 SELECT w.worker_class, w.stage, 0, 0, count(*), 0, NULL, {capped}
 FROM (SELECT r.worker_class, r.stage FROM {TABLE} r
-      WHERE r.status = 'running' LIMIT {cap}) w
+      WHERE r.status = 'running'
+      ORDER BY r.worker_class, r.lease_expires_at LIMIT {cap}) w
 GROUP BY w.worker_class, w.stage
 UNION ALL
 SELECT w.worker_class, w.stage, 0, 0, 0, count(*), NULL, {capped}
 FROM (SELECT d.worker_class, d.stage FROM {TABLE} d
-      WHERE d.status = 'dead' LIMIT {cap}) w
+      WHERE d.status = 'dead' ORDER BY d.finished_at DESC LIMIT {cap}) w
 GROUP BY w.worker_class, w.stage
 """
 
