@@ -1,4 +1,5 @@
-"""The API's /metrics keeps other pid namespaces' live gauges and can leave out the database."""
+"""The API's /metrics keeps unseen pids' live gauges; the API and the exporter can leave out
+the database collector."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 from sqlalchemy import Engine
 
 from onceflow.integrations.fastapi.auth import hash_key
-from tests.acceptance.procs import api_server
+from tests.acceptance.procs import ROOT, Proc, api_server, free_port
 from tests.metrics.test_exposure import APP, VIEWER, get
 
 _WRITER = """
@@ -42,3 +43,23 @@ def test_api_metrics_keep_unseen_pids_and_skip_the_database_when_told(
     assert "rev_live_probe 1.0" in body  # the unseen pid's live gauge is still served
     assert set(files) <= {p.name for p in prom.iterdir()}  # and its file is still there
     assert "onceflow_database_up" not in body  # no database collector on this target
+
+
+def test_exporter_without_database_runs_no_count(tmp_path: Path, database_url: str) -> None:
+    prom = tmp_path / "prom"
+    prom.mkdir()
+    port = free_port()
+    env = {
+        "ONCEFLOW_DATABASE_URL": database_url,
+        "PROMETHEUS_MULTIPROC_DIR": str(prom),
+        "PYTHONPATH": str(ROOT),
+    }
+    args = ["metrics", "--port", str(port), "--no-database"]
+    proc = Proc(args, tmp_path / "exporter.log", env, ROOT)
+    try:
+        proc.wait_log("metrics on")
+        status, body = get(f"http://127.0.0.1:{port}/metrics")
+    finally:
+        proc.stop()
+    assert status == 200
+    assert "onceflow_database_up" not in body and "# TYPE onceflow_requests gauge" not in body
