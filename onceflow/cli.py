@@ -485,8 +485,14 @@ def work(
     help="Do not drop the live gauges of pids not running on this host (use when the "
     "writers run in another pid namespace, e.g. another container sharing the directory).",
 )
+@click.option(
+    "--no-database",
+    is_flag=True,
+    help="Serve the processes' metrics only: no database collector (live counts, "
+    "onceflow_database_up). Use on all but one scrape target so one place runs the counts.",
+)
 @_errors_to_exit
-def metrics(port: int, bind: str, keep_dead_pids: bool) -> None:
+def metrics(port: int, bind: str, keep_dead_pids: bool, no_database: bool) -> None:
     """Serve Prometheus metrics: every process of PROMETHEUS_MULTIPROC_DIR, and the database.
 
     UNAUTHENTICATED: bind it to an internal network only (the default is loopback). The
@@ -505,7 +511,7 @@ def metrics(port: int, bind: str, keep_dead_pids: bool) -> None:
             "only (no worker's metrics)",
             err=True,
         )
-    serve(port, bind, reg=registry(prune_dead=not keep_dead_pids))
+    serve(port, bind, reg=registry(database=not no_database, prune_dead=not keep_dead_pids))
     click.echo(f"onceflow: metrics on http://{bind}:{port}/metrics", err=True)
     threading.Event().wait()
 

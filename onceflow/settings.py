@@ -165,6 +165,28 @@ class Settings(BaseSettings):
         default="127.0.0.1",
         description="Address the worker's metrics port (ONCEFLOW_METRICS_PORT) binds.",
     )
+    metrics_database: bool = Field(
+        default=True,
+        description="Include the database collector (live counts, oldest due age, "
+        "onceflow_database_up) in the worker's metrics port and the API's /metrics. Set false "
+        "on all but one scrape target (e.g. keep it in `onceflow metrics` only) so one place "
+        "runs the counts.",
+    )
+    metrics_count_cap: int = Field(
+        default=100_000,
+        ge=1,
+        le=100_000_000,
+        description="Index entries the live counts read per status at most (/metrics and the "
+        "dashboard): past it a status's counts are lower bounds "
+        "(onceflow_requests_lower_bound 1; the dashboard's depth_lower_bound).",
+    )
+    api_metrics_prune_dead_pids: bool = Field(
+        default=False,
+        description="Let the API's /metrics drop the live-gauge files of pids it cannot see "
+        "(PROMETHEUS_MULTIPROC_DIR). Off by default: in another pid namespace (a container "
+        "sharing the directory) every worker looks dead. `onceflow metrics` prunes unless "
+        "--keep-dead-pids.",
+    )
     api_max_body_bytes: int = Field(
         default=1024 * 1024,
         ge=1024,

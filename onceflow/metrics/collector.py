@@ -4,11 +4,20 @@ Index-only scans of the partial indexes (``onceflow.queue.metrics_sql``), on one
 connection of its own with a short connect and statement timeout: a database that is
 down or slow costs the scrape at most a couple of seconds and answers
 ``onceflow_database_up 0``, while every process-recorded metric still answers.
+
+A database that stops answering without closing anything (a paused server, a black-holed
+network) is bounded on the client side too, since ``statement_timeout`` is the server's:
+the connection has ``tcp_user_timeout`` and keepalives, a watchdog shuts its socket down
+when a read outlives the timeout, and a scrape waits for another scrape's read at most
+the timeout (then it answers ``onceflow_database_up 0``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -26,6 +35,8 @@ log = logging.getLogger("onceflow.metrics")
 
 #: Seconds the collector waits to connect and for its statements.
 DB_TIMEOUT_SECONDS = 2.0
+#: Extra seconds past the timeout before the watchdog shuts a stuck read's socket down.
+WATCHDOG_GRACE_SECONDS = 1.0
 
 
 def libpq_url(url: str) -> str:
@@ -37,8 +48,15 @@ class DatabaseCollector(Collector):
     """``onceflow_requests``, ``onceflow_oldest_queued_age_seconds``, the table's estimated
     rows and ``onceflow_database_up``, from the database at each scrape."""
 
-    def __init__(self, database_url: str, *, timeout: float = DB_TIMEOUT_SECONDS) -> None:
+    def __init__(
+        self,
+        database_url: str,
+        *,
+        timeout: float = DB_TIMEOUT_SECONDS,
+        count_cap: int = metrics_sql.COUNT_CAP_DEFAULT,
+    ) -> None:
         self._url = database_url
+        self._query = metrics_sql.live_counts(count_cap)
         self._conninfo = libpq_url(database_url)
         self._timeout = timeout
         self._lock = threading.Lock()
@@ -58,21 +76,36 @@ class DatabaseCollector(Collector):
                 autocommit=True,
                 row_factory=dict_row,
                 application_name="onceflow-metrics",
+                # Client-side bounds (statement_timeout needs a server that answers).
+                tcp_user_timeout=ms,
+                keepalives=1,
+                keepalives_idle=max(1, int(self._timeout)),
+                keepalives_interval=1,
+                keepalives_count=3,
             )
         return self._conn
 
     def read(self) -> tuple[list[dict[str, Any]], float]:
         """(live count rows, estimated table rows); raises if the database does not answer."""
-        with self._lock:
+        if not self._lock.acquire(timeout=self._timeout):
+            raise TimeoutError("another scrape's database read has not answered")
+        try:
+            conn = self._connection()
+            watchdog = threading.Timer(self._timeout + WATCHDOG_GRACE_SECONDS, _abort, (conn,))
+            watchdog.daemon = True
+            watchdog.start()
             try:
-                conn = self._connection()
-                rows = conn.execute(metrics_sql.Q_LIVE_COUNTS).fetchall()
+                rows = conn.execute(self._query).fetchall()
                 est = conn.execute(metrics_sql.Q_ESTIMATED_ROWS).fetchone()
-            except Exception:
-                if self._conn is not None:
-                    self._conn.close()
-                self._conn = None
-                raise
+            finally:
+                watchdog.cancel()
+        except Exception:
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = None
+            raise
+        finally:
+            self._lock.release()
         return rows, float(est["estimate"]) if est else 0.0
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -95,6 +128,20 @@ class DatabaseCollector(Collector):
         yield from _families(rows, estimate)
 
 
+def _abort(conn: psycopg.Connection[Any]) -> None:
+    """Shut down the socket of a read that outlived its timeout: the blocked read fails at once.
+
+    ``conn.cancel()`` would need the server to answer; a shutdown needs nothing from it.
+    """
+    try:
+        fd = os.dup(conn.fileno())
+    except Exception:
+        return  # closed meanwhile
+    with socket.socket(fileno=fd) as sock, contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    log.warning("metrics: database read outlived its timeout; connection dropped")
+
+
 def _families(rows: list[dict[str, Any]], estimate: float) -> Iterator[GaugeMetricFamily]:
     counts: dict[tuple[str, str, str], int] = {}
     oldest: dict[str, float] = {}
@@ -112,12 +159,24 @@ def _families(rows: list[dict[str, Any]], estimate: float) -> Iterator[GaugeMetr
         "onceflow_requests",
         "Live requests by status (queued = due now, scheduled = run_after in the future, "
         "running, dead): exact counts from the partial indexes. Succeeded and cancelled are "
-        "not counted here (see the counters).",
+        "not counted here (see the counters). Lower bounds where "
+        "onceflow_requests_lower_bound{status} is 1.",
         labels=["worker_class", "stage", "status"],
     )
     for (wc, stage, status), n in sorted(counts.items()):
         requests.add_metric([wc, stage, status], float(n))
     yield requests
+    capped = set(metrics_sql.capped_statuses(rows))
+    bound = GaugeMetricFamily(
+        "onceflow_requests_lower_bound",
+        "1 if this status's counts (for queued, also the oldest due age) are LOWER BOUNDS: "
+        "its index held more entries than the count cap (ONCEFLOW_METRICS_COUNT_CAP); "
+        "0 if exact.",
+        labels=["status"],
+    )
+    for status in ("queued", "scheduled", "running", "dead"):
+        bound.add_metric([status], 1.0 if status in capped else 0.0)
+    yield bound
     age_family = GaugeMetricFamily(
         "onceflow_oldest_queued_age_seconds",
         "How long the oldest due queued request of the class has been due (database clock); "

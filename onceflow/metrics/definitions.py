@@ -136,6 +136,7 @@ HTTP_DURATION = Histogram(
 #: Scrape-time gauges of the database collector (onceflow.metrics.collector).
 DB_GAUGES: Final = (
     "onceflow_requests",
+    "onceflow_requests_lower_bound",
     "onceflow_oldest_queued_age_seconds",
     "onceflow_requests_estimated_rows",
     "onceflow_database_up",

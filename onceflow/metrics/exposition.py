@@ -90,14 +90,19 @@ class _ThisProcess(Collector):
 
 
 def registry(
-    database_url: str | None = None, *, database: bool = True, prune_dead: bool = True
+    database_url: str | None = None,
+    *,
+    database: bool = True,
+    prune_dead: bool = True,
+    count_cap: int | None = None,
 ) -> CollectorRegistry:
     """A registry to expose: every process's metrics plus the database collector.
 
     Multiprocess mode: the files of ``PROMETHEUS_MULTIPROC_DIR`` merged (``prune_dead``:
     drop the live gauges of pids no longer running — turn off when the writers run in
     another pid namespace, e.g. another container sharing the directory). Single-process
-    mode: this process's default registry. ``database_url`` defaults to the settings'.
+    mode: this process's default registry. ``database_url`` and ``count_cap`` (index
+    entries counted per status at most) default to the settings'.
     """
     reg = CollectorRegistry()
     path = multiproc_dir()
@@ -106,11 +111,13 @@ def registry(
     else:
         reg.register(_ThisProcess())
     if database:
-        if database_url is None:
+        if database_url is None or count_cap is None:
             from onceflow.settings import get_settings
 
-            database_url = get_settings().database_url
-        reg.register(DatabaseCollector(database_url))
+            settings = get_settings()
+            database_url = database_url or settings.database_url
+            count_cap = count_cap or settings.metrics_count_cap
+        reg.register(DatabaseCollector(database_url, count_cap=count_cap))
     return reg
 
 

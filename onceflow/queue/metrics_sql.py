@@ -7,7 +7,9 @@ and ix_wpr_dead (dead: finished_at INCLUDE worker_class, stage) — see migratio
 The cost follows the live backlog and the dead rows, never the table's finished
 history: succeeded and cancelled rows are never counted here (their totals come from
 the process counters, the table's size from ``pg_class.reltuples``, an estimate).
-One branch per index: an OR across statuses would defeat the partial indexes.
+One branch per index: an OR across statuses would defeat the partial indexes. Each
+branch reads at most a cap of index entries (:func:`live_counts`): exact below it, a
+lower bound (flagged ``capped``) at it, so a huge backlog cannot make the read slow.
 """
 
 from __future__ import annotations
@@ -17,33 +19,68 @@ from sqlalchemy import text
 from onceflow.db import render
 from onceflow.queue.sql import TABLE
 
-LIVE_COUNTS = text(f"""
+#: Rows each branch (index) counts at most: past it the counts are lower bounds.
+COUNT_CAP_DEFAULT = 100_000
+
+
+def live_counts(cap: int = COUNT_CAP_DEFAULT, *, age_column: str = "oldest_due_age") -> str:
+    """The live counts, each status's branch reading at most ``cap`` index entries.
+
+    A branch that read ``cap`` entries answers ``capped`` true: its counts (and, for
+    queued, the oldest due age) are LOWER BOUNDS, from the first ``cap`` entries of its
+    index. The cost is bounded by the cap, not by the backlog. Each ``ORDER BY`` is its
+    index's order: the planner walks the index (index-only) instead of reading the heap,
+    even when most of the table is in that status.
+    """
+    cap = int(cap)
+    if cap < 1:
+        raise ValueError("the count cap must be at least 1")
+    capped = f"sum(count(*)) OVER () >= {cap} AS capped"
+    return f"""
 WITH n AS (SELECT now() AS now)
 SELECT w.worker_class, w.stage,
        count(*) FILTER (WHERE w.run_after <= n.now) AS queued,
        count(*) FILTER (WHERE w.run_after > n.now) AS scheduled,
        0::bigint AS running, 0::bigint AS dead,
        EXTRACT(EPOCH FROM n.now - min(w.run_after) FILTER (WHERE w.run_after <= n.now))::float8
-           AS oldest_due_age
-FROM {TABLE} w, n
-WHERE w.status = 'queued'
+           AS {age_column},
+       {capped}
+FROM (SELECT q.worker_class, q.stage, q.run_after FROM {TABLE} q
+      WHERE q.status = 'queued'
+      ORDER BY q.worker_class, q.priority DESC, q.run_after LIMIT {cap}) w, n
 GROUP BY w.worker_class, w.stage, n.now
 UNION ALL
-SELECT w.worker_class, w.stage, 0, 0, count(*), 0, NULL
-FROM {TABLE} w
-WHERE w.status = 'running'
+SELECT w.worker_class, w.stage, 0, 0, count(*), 0, NULL, {capped}
+FROM (SELECT r.worker_class, r.stage FROM {TABLE} r
+      WHERE r.status = 'running'
+      ORDER BY r.worker_class, r.lease_expires_at LIMIT {cap}) w
 GROUP BY w.worker_class, w.stage
 UNION ALL
-SELECT w.worker_class, w.stage, 0, 0, 0, count(*), NULL
-FROM {TABLE} w
-WHERE w.status = 'dead'
+SELECT w.worker_class, w.stage, 0, 0, 0, count(*), NULL, {capped}
+FROM (SELECT d.worker_class, d.stage FROM {TABLE} d
+      WHERE d.status = 'dead' ORDER BY d.finished_at DESC LIMIT {cap}) w
 GROUP BY w.worker_class, w.stage
-""")
+"""
+
+
+def capped_statuses(rows: list[dict[str, object]]) -> list[str]:
+    """The statuses whose counts are lower bounds (their branch hit the cap)."""
+    out: set[str] = set()
+    for r in rows:
+        if r["capped"]:
+            if r["running"]:
+                out.add("running")
+            elif r["dead"]:
+                out.add("dead")
+            else:
+                out.update(("queued", "scheduled"))
+    return sorted(out)
+
 
 # The planner's estimate of the table's rows (-1 before its first ANALYZE on PG 14+).
 ESTIMATED_ROWS = text(f"""
 SELECT c.reltuples::float8 AS estimate FROM pg_class c WHERE c.oid = '{TABLE}'::regclass
 """)
 
-Q_LIVE_COUNTS = render(LIVE_COUNTS)
+Q_LIVE_COUNTS = live_counts()
 Q_ESTIMATED_ROWS = render(ESTIMATED_ROWS)

@@ -5,7 +5,8 @@ finished history, so its cost follows the live backlog, not the table's size:
 
 * depth by worker class x stage x status: ``ix_wpr_claim`` (queued; INCLUDE stage),
   ``ix_wpr_lease`` (running; INCLUDE stage), ``ix_wpr_dead`` (dead; INCLUDE class, stage)
-  — index-only scans, one ``UNION ALL`` branch per index (an OR defeats partial indexes);
+  — index-only scans, one ``UNION ALL`` branch per index (an OR defeats partial indexes),
+  each reading at most a cap of entries (exact below it, a lower bound at it);
 * running requests: ``ix_wpr_lease``, newest lease first, ``LIMIT`` :data:`RUNNING_LIMIT`;
 * dead requests: ``ix_wpr_dead`` in its order (``finished_at DESC``), ``LIMIT``
   :data:`DEAD_LIMIT`;
@@ -22,6 +23,7 @@ from typing import Any, Final
 from sqlalchemy import Engine
 
 from onceflow.db import fetch_all, fetch_one, raw_connection, retry_disconnect
+from onceflow.queue.metrics_sql import COUNT_CAP_DEFAULT, capped_statuses, live_counts
 
 RUNNING_LIMIT: Final = 100
 DEAD_LIMIT: Final = 50
@@ -32,22 +34,8 @@ STATUSES: Final = ("queued", "scheduled", "running", "dead")
 _T = "workspace_process_requests"
 
 # queued = due now (run_after <= now), scheduled = run_after in the future (a retry's backoff).
-DEPTH: Final = f"""
-WITH n AS (SELECT now() AS now)
-SELECT w.worker_class, w.stage,
-       count(*) FILTER (WHERE w.run_after <= n.now) AS queued,
-       count(*) FILTER (WHERE w.run_after > n.now) AS scheduled,
-       0::bigint AS running, 0::bigint AS dead,
-       EXTRACT(EPOCH FROM n.now - min(w.run_after) FILTER (WHERE w.run_after <= n.now))::float8
-           AS oldest_age
-FROM {_T} w, n WHERE w.status = 'queued' GROUP BY w.worker_class, w.stage, n.now
-UNION ALL
-SELECT w.worker_class, w.stage, 0, 0, count(*), 0, NULL
-FROM {_T} w WHERE w.status = 'running' GROUP BY w.worker_class, w.stage
-UNION ALL
-SELECT w.worker_class, w.stage, 0, 0, 0, count(*), NULL
-FROM {_T} w WHERE w.status = 'dead' GROUP BY w.worker_class, w.stage
-"""
+# Each branch reads at most COUNT_CAP_DEFAULT index entries (see metrics_sql.live_counts).
+DEPTH: Final = live_counts(age_column="oldest_age")
 
 RUNNING: Final = f"""
 WITH n AS (SELECT now() AS now)
@@ -89,12 +77,19 @@ def _iso(value: datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
 
 
-def read_tables(engine: Engine) -> dict[str, Any]:
-    """Depth, oldest queued age, running and dead requests, and the op-log rate (one checkout)."""
+def read_tables(engine: Engine, *, count_cap: int = COUNT_CAP_DEFAULT) -> dict[str, Any]:
+    """Depth, oldest queued age, running and dead requests, and the op-log rate (one checkout).
+
+    Depth counts at most ``count_cap`` index entries per status: ``depth_lower_bound``
+    lists the statuses whose counts (and, for queued, the oldest age) are lower bounds.
+    """
+    depth_sql = DEPTH if count_cap == COUNT_CAP_DEFAULT else live_counts(
+        count_cap, age_column="oldest_age"
+    )  # fmt: skip
 
     def read() -> dict[str, Any]:
         with raw_connection(engine) as raw:
-            depth_rows = fetch_all(raw, DEPTH, {})
+            depth_rows = fetch_all(raw, depth_sql, {})
             running = fetch_all(raw, RUNNING, {})
             dead = fetch_all(raw, DEAD, {})
             ops = fetch_one(raw, OPS_RATE, {})
@@ -118,6 +113,8 @@ def read_tables(engine: Engine) -> dict[str, Any]:
         "db_now": _iso(ops["db_now"]),
         "depth": depth,
         "oldest_queued_age_seconds": oldest,
+        "depth_lower_bound": capped_statuses(rows["depth"]),
+        "depth_cap": count_cap,
         "running": [
             {
                 **{k: r[k] for k in ("request_id", "workspace_id", "worker_class", "stage")},

@@ -33,7 +33,7 @@ def _serve_from_main_process(sender: Any = None, **_: Any) -> None:
     settings = get_settings()
     if settings.metrics_port is None:
         return
-    from onceflow.metrics.exposition import multiproc_dir, serve
+    from onceflow.metrics.exposition import multiproc_dir, registry, serve
 
     if multiproc_dir() is None:
         log.warning(
@@ -41,6 +41,11 @@ def _serve_from_main_process(sender: Any = None, **_: Any) -> None:
             "process only; a prefork pool's children record nothing visible there"
         )
     try:
-        serve(settings.metrics_port, settings.metrics_bind)
+        reg = registry(
+            settings.database_url,
+            database=settings.metrics_database,
+            count_cap=settings.metrics_count_cap,
+        )
+        serve(settings.metrics_port, settings.metrics_bind, reg=reg)
     except OSError as exc:  # a taken port must not stop the worker
         log.error("metrics: cannot serve on port %s: %s", settings.metrics_port, exc)

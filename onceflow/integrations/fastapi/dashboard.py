@@ -6,12 +6,18 @@ asks the operator for one, keeps it in ``sessionStorage`` and sends it as
 :func:`~onceflow.integrations.fastapi.operators.operator_route_class` (GET: viewer, POST:
 admin; no login-less mode):
 
-* ``GET /dashboard/api/snapshot`` — one snapshot (see :mod:`onceflow.queue.overview`);
+* ``GET /dashboard/api/snapshot`` — one snapshot (see :mod:`onceflow.queue.overview`),
+  sharing the producer's compute in flight; 503 if it has not answered after
+  :data:`SNAPSHOT_TIMEOUT_SECONDS`;
 * ``GET /dashboard/api/stream`` — Server-Sent Events, ``event: snapshot`` each time the
   snapshot changes. ONE producer per API process (per event loop) computes it at most every
   :data:`INTERVAL_SECONDS` while at least one stream is open, and only then; every stream
   gets the latest snapshot (a slow reader skips to the newest, it never queues more than
-  one). At most :data:`MAX_STREAMS` streams per process (and ``ONCEFLOW_API_SSE_MAX_PER_KEY``
+  one). A compute that has not answered after :data:`SNAPSHOT_TIMEOUT_SECONDS` (a database
+  that stopped answering) sends ``event: problem`` and is awaited again, never doubled: no
+  second compute starts while it runs, and the stream recovers when it answers. The
+  producer never starts computes more often than the last one took. At most
+  :data:`MAX_STREAMS` streams per process (and ``ONCEFLOW_API_SSE_MAX_PER_KEY``
   per key): past that, 429;
 * ``POST /dashboard/api/requests/{id}/requeue`` — fenced: body ``{"version": <the row's
   updated_at as shown>}``; only that dead or cancelled row moves, anything else is 409
@@ -29,6 +35,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import weakref
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime
@@ -38,7 +45,6 @@ from typing import TYPE_CHECKING, Any, Final
 import redis
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from onceflow.errors import InvalidRequest, InvalidTransition, OnceflowError
@@ -59,6 +65,7 @@ STATIC: Final = Path(__file__).with_name("dashboard_static")
 INTERVAL_SECONDS: Final = 1.0
 MAX_STREAMS: Final = 64
 KEEPALIVE_SECONDS: Final = 15.0
+SNAPSHOT_TIMEOUT_SECONDS: Final = 5.0
 _ASSETS: Final = {
     "dashboard.js": "text/javascript; charset=utf-8",
     "dashboard.css": "text/css; charset=utf-8",
@@ -79,7 +86,7 @@ _VOLATILE: Final = ("db_now", "oldest_queued_age_seconds")
 
 def compute_snapshot(services: OnceflowServices) -> dict[str, Any]:
     """The tables' state, plus the Redis savings (an error there is reported, not raised)."""
-    snapshot = read_tables(services.queue.engine)
+    snapshot = read_tables(services.queue.engine, count_cap=services.settings.metrics_count_cap)
     try:
         snapshot["savings"] = read_savings(services.oplog.redis())
     except (redis.RedisError, OSError) as exc:
@@ -110,6 +117,10 @@ class _Stream:
         self.queue.put_nowait(text)
 
 
+class SnapshotTimeout(Exception):
+    """The snapshot's compute has not answered in time (it keeps running; nothing is doubled)."""
+
+
 class SnapshotHub:
     """One snapshot producer for every stream of an event loop, running only while watched."""
 
@@ -118,11 +129,14 @@ class SnapshotHub:
         compute: Callable[[], dict[str, Any]],
         *,
         interval: float = INTERVAL_SECONDS,
+        timeout: float = SNAPSHOT_TIMEOUT_SECONDS,
         max_streams: int = MAX_STREAMS,
         max_per_key: int = 100,
     ) -> None:
         self._compute = compute
         self._interval = interval
+        self._timeout = timeout
+        self._pending: asyncio.Future[tuple[dict[str, Any], float]] | None = None
         self._max_streams = max_streams
         self._max_per_key = max_per_key
         self._streams: set[_Stream] = set()
@@ -148,13 +162,45 @@ class SnapshotHub:
         """Leave (the producer stops after its current round when nobody watches)."""
         self._streams.discard(stream)
 
+    def _timed(self) -> tuple[dict[str, Any], float]:
+        start = time.monotonic()
+        return self._compute(), time.monotonic() - start
+
+    async def fresh(self) -> tuple[dict[str, Any], float]:
+        """(snapshot, seconds it took): the compute in flight, or a new one.
+
+        Raises :class:`SnapshotTimeout` if it has not answered after the timeout; the
+        compute keeps running (in its thread, which cannot be interrupted) and the next
+        call waits for that same one instead of starting another.
+        """
+        if self._pending is None:
+            loop = asyncio.get_running_loop()
+            # Not run_in_threadpool: a timeout must be able to stop *waiting* for it.
+            pending = self._pending = loop.run_in_executor(None, self._timed)
+            pending.add_done_callback(self._clear)
+        done, _ = await asyncio.wait({self._pending}, timeout=self._timeout)
+        if not done:
+            raise SnapshotTimeout(f"the database has not answered in {self._timeout:g} s")
+        return done.pop().result()
+
+    def _clear(self, fut: asyncio.Future[tuple[dict[str, Any], float]]) -> None:
+        if self._pending is fut:
+            self._pending = None
+        if not fut.cancelled():
+            fut.exception()  # retrieved: an unawaited failure is not logged as lost
+
     async def _run(self) -> None:
         while self._streams:
+            took = 0.0
             try:
-                snapshot = await run_in_threadpool(self._compute)
+                snapshot, took = await self.fresh()
                 self.computed += 1
                 stable = _stable(snapshot)
                 text = "event: snapshot\ndata: " + json.dumps(snapshot, default=str) + "\n\n"
+            except SnapshotTimeout as exc:  # a stalled database: say so, keep waiting for it
+                stable = text = "event: problem\ndata: " + json.dumps(
+                    {"detail": f"snapshot timed out: {exc}"}
+                ) + "\n\n"  # fmt: skip
             except OnceflowError as exc:  # e.g. the database is down: say so, keep streaming
                 stable = text = "event: problem\ndata: " + json.dumps(
                     {"detail": f"snapshot failed: {type(exc).__name__}"}
@@ -166,7 +212,8 @@ class SnapshotHub:
                 self._last = (stable, text)
                 for stream in list(self._streams):
                     stream.offer(text)
-            await asyncio.sleep(self._interval)
+            # Never more often than the last compute took (a slow database is not piled on).
+            await asyncio.sleep(max(self._interval, took))
         self._last = None  # nobody watched: the next stream waits for a fresh snapshot
 
 
@@ -261,9 +308,13 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
     )
 
     @api.get("/snapshot", operation_id="dashboard_snapshot")
-    def snapshot() -> JSONResponse:
+    async def snapshot() -> JSONResponse:
         """Queue depth, oldest queued, running and dead requests, savings, op-log rate."""
-        return JSONResponse(compute_snapshot(svc), headers={"Cache-Control": "no-store"})
+        try:
+            found, _took = await hub().fresh()
+        except SnapshotTimeout as exc:
+            return JSONResponse({"detail": str(exc)}, status_code=503)
+        return JSONResponse(found, headers={"Cache-Control": "no-store"})
 
     @api.get("/stream", operation_id="dashboard_stream", response_class=Response)
     async def stream(request: Request) -> Response:
@@ -329,4 +380,4 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
     return router
 
 
-__all__ = ["SnapshotHub", "compute_snapshot", "create_dashboard_router"]
+__all__ = ["SnapshotHub", "SnapshotTimeout", "compute_snapshot", "create_dashboard_router"]

@@ -3,7 +3,9 @@ middleware counting HTTP requests by route template.
 
 The metrics are every process's (with ``PROMETHEUS_MULTIPROC_DIR``: workers, API
 processes, exporters sharing the directory) plus the database's live counts, read at
-scrape time. Give Prometheus a viewer key (``authorization`` with ``credentials``).
+scrape time (unless ``ONCEFLOW_METRICS_DATABASE=false``). Live gauges of pids this
+process cannot see are kept (``ONCEFLOW_API_METRICS_PRUNE_DEAD_PIDS=true`` drops them).
+Give Prometheus a viewer key (``authorization`` with ``credentials``).
 """
 
 from __future__ import annotations
@@ -77,7 +79,14 @@ def metrics_router(services: OnceflowServices) -> APIRouter:
     from onceflow.metrics import registry
 
     router = APIRouter(route_class=operator_route_class(services))
-    reg = registry(services.settings.database_url)
+    settings = services.settings
+    # No pruning unless asked: the API may not see the workers' pids (another namespace).
+    reg = registry(
+        settings.database_url,
+        database=settings.metrics_database,
+        prune_dead=settings.api_metrics_prune_dead_pids,
+        count_cap=settings.metrics_count_cap,
+    )
 
     @router.get("/metrics", include_in_schema=False, operation_id="metrics")
     async def metrics() -> Response:

@@ -68,12 +68,14 @@ function render(s) {
       for (const st of STATUSES) total[st] += s.depth[wc][stage][st];
     }
   }
+  // A status past the count cap: its counts are lower bounds, shown with "+".
+  const more = (st) => ((s.depth_lower_bound || []).includes(st) ? "+" : "");
   fill($("#depth tbody"), depthRows, (tr, [wc, stage, counts]) => {
     cell(tr, wc);
     cell(tr, stage);
-    for (const st of STATUSES) cell(tr, counts[st], "num", `depth/${wc}/${stage}/${st}`);
+    for (const st of STATUSES) cell(tr, counts[st] + more(st), "num", `depth/${wc}/${stage}/${st}`);
   });
-  for (const st of STATUSES) document.querySelector(`[data-k="total/${st}"]`).textContent = total[st];
+  for (const st of STATUSES) document.querySelector(`[data-k="total/${st}"]`).textContent = total[st] + more(st);
 
   const ages = s.oldest_queued_age_seconds;
   fill($("#oldest tbody"), Object.keys(ages).sort(), (tr, wc) => {
