@@ -3,6 +3,7 @@ and Celery worker. Roles, the snapshot against the table, fenced requeue, bad id
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -182,6 +183,25 @@ def test_requeue_is_fenced_and_cancel_refuses_finished_rows(
     before = table_snapshot(engine)
     assert http.post(cancel, headers=auth(ADMIN_KEY), json={}).status_code == 409
     assert table_snapshot(engine) == before
+
+
+def test_one_key_gets_at_most_eight_streams(http: httpx.Client, dash: Any) -> None:
+    with ExitStack() as open_streams:
+        for _ in range(8):
+            stream = open_streams.enter_context(
+                http.stream("GET", "/dashboard/api/stream", headers=auth(VIEWER_KEY))
+            )
+            assert stream.status_code == 200
+        with http.stream("GET", "/dashboard/api/stream", headers=auth(VIEWER_KEY)) as ninth:
+            assert ninth.status_code == 429
+            ninth.read()
+        assert ninth.json()["code"] == "rate_limited" and ninth.headers["RateLimit-Limit"] == "8"
+        # Another key is still served (the process's own bound is far off).
+        with http.stream("GET", "/dashboard/api/stream", headers=auth(ADMIN_KEY)) as other:
+            assert other.status_code == 200
+            assert next(ln for ln in other.iter_lines() if ln.startswith("event:")) == (
+                "event: snapshot"
+            )
 
 
 def test_bad_and_unknown_ids(http: httpx.Client, dash: Any, engine: Engine) -> None:

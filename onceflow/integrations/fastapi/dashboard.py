@@ -11,8 +11,9 @@ admin; no login-less mode):
   snapshot changes. ONE producer per API process (per event loop) computes it at most every
   :data:`INTERVAL_SECONDS` while at least one stream is open, and only then; every stream
   gets the latest snapshot (a slow reader skips to the newest, it never queues more than
-  one). At most :data:`MAX_STREAMS` streams per process (and ``ONCEFLOW_API_SSE_MAX_PER_KEY``
-  per key): past that, 429;
+  one). At most :data:`MAX_STREAMS` streams per process and :data:`MAX_STREAMS_PER_KEY` per
+  operator key (or ``ONCEFLOW_API_SSE_MAX_PER_KEY`` if lower; one key cannot take every
+  stream of a process): past that, 429;
 * ``POST /dashboard/api/requests/{id}/requeue`` — fenced: body ``{"version": <the row's
   updated_at as shown>}``; only that dead or cancelled row moves, anything else is 409
   ``changed`` and the row is left as it is; the wake-up is sent after;
@@ -58,6 +59,7 @@ log = logging.getLogger("onceflow.dashboard")
 STATIC: Final = Path(__file__).with_name("dashboard_static")
 INTERVAL_SECONDS: Final = 1.0
 MAX_STREAMS: Final = 64
+MAX_STREAMS_PER_KEY: Final = 8  # a few tabs per operator, well below MAX_STREAMS
 KEEPALIVE_SECONDS: Final = 15.0
 _ASSETS: Final = {
     "dashboard.js": "text/javascript; charset=utf-8",
@@ -119,7 +121,7 @@ class SnapshotHub:
         *,
         interval: float = INTERVAL_SECONDS,
         max_streams: int = MAX_STREAMS,
-        max_per_key: int = 100,
+        max_per_key: int = MAX_STREAMS_PER_KEY,
     ) -> None:
         self._compute = compute
         self._interval = interval
@@ -234,9 +236,8 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
         loop = asyncio.get_running_loop()
         found = hubs.get(loop)
         if found is None:
-            found = hubs[loop] = SnapshotHub(
-                lambda: compute_snapshot(svc), max_per_key=svc.settings.api_sse_max_per_key
-            )
+            per_key = min(MAX_STREAMS_PER_KEY, svc.settings.api_sse_max_per_key)
+            found = hubs[loop] = SnapshotHub(lambda: compute_snapshot(svc), max_per_key=per_key)
         return found
 
     router = APIRouter()
