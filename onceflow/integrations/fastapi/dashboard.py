@@ -17,8 +17,11 @@ admin; no login-less mode):
 * ``POST /dashboard/api/requests/{id}/requeue`` — fenced: body ``{"version": <the row's
   updated_at as shown>}``; only that dead or cancelled row moves, anything else is 409
   ``changed`` and the row is left as it is; the wake-up is sent after;
-* ``POST /dashboard/api/requests/{id}/cancel`` — :meth:`Queue.cancel`: a queued row is
-  cancelled, a running one is asked to stop; a finished one is 409 and unchanged.
+* ``POST /dashboard/api/requests/{id}/cancel`` — fenced :meth:`Queue.cancel`: body
+  ``{"run": <a running row's run as shown>}`` (the run's identity: a heartbeat moves
+  updated_at) or ``{"version": <a queued row's updated_at as shown>}``; that running run is
+  asked to stop, that queued row is cancelled; anything else (finished, another run, a
+  changed row) is 409 ``changed`` and unchanged.
 
 Every action is logged (logger ``onceflow.dashboard``) with the operator key's id, never
 the key.
@@ -65,7 +68,6 @@ _ASSETS: Final = {
     "dashboard.js": "text/javascript; charset=utf-8",
     "dashboard.css": "text/css; charset=utf-8",
 }
-_CANCELLABLE: Final = (Status.QUEUED, Status.RUNNING)
 _HEADERS: Final = {
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
     "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'; "
@@ -193,7 +195,15 @@ class ActionIn(BaseModel):
         default=None,
         max_length=64,
         description="The row's `version` as the snapshot showed it (its updated_at): "
-        "required to requeue; the action is refused (409) if the row changed since.",
+        "required to requeue, or to cancel a queued row; the action is refused (409) if the "
+        "row changed since.",
+    )
+    run: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=64,
+        description="A running row's `run` as the snapshot showed it (the run's identity): "
+        "to cancel it; refused (409) if that run ended or another took its place.",
     )
 
 
@@ -303,18 +313,17 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
 
     @api.post("/requests/{request_id}/cancel", operation_id="dashboard_cancel")
     def cancel(request_id: RequestIdPath, body: ActionIn, request: Request) -> Response:
-        """Cancel a queued request, or ask a running one to stop (its heartbeat says so)."""
+        """Cancel a queued request, or ask a running one to stop, if it is still as shown."""
         who = _operator(request).key_id
         check_id("request_id", request_id)
-        seen = svc.queue.get(request_id)
-        done = svc.queue.cancel(request_id) if seen.status in _CANCELLABLE else seen
-        acted = done.status is Status.CANCELLED or (
-            done.status is Status.RUNNING and done.cancel_requested
-        )
-        if not acted or done.updated_at == seen.updated_at:  # finished already or meanwhile
-            log.info("dashboard: operator %s: cancel of %s refused (it is %s)", who,
-                     request_id, done.status.value)  # fmt: skip
-            return _changed(request_id, f"it is {done.status.value}: nothing to cancel")
+        if body.run is None and body.version is None:
+            raise InvalidRequest("run (a running row's) or version (a queued row's) is required")
+        expect = _version(body.version) if body.version is not None else None
+        try:
+            done = svc.queue.cancel(request_id, expect=expect, expect_run=body.run)
+        except InvalidTransition as exc:
+            log.info("dashboard: operator %s: cancel of %s refused (%s)", who, request_id, exc)
+            return _changed(request_id, f"it is {exc.status} and changed since it was shown")
         log.info("dashboard: operator %s cancelled request %s (%s)", who, request_id,
                  "cancelled" if done.status is Status.CANCELLED else "stop requested")  # fmt: skip
         return JSONResponse(
