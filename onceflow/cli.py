@@ -470,9 +470,13 @@ def work(
         lease_seconds=lease_seconds, max_runtime=max_runtime, sweep=not no_sweep,
     )  # fmt: skip
     if metrics_port is not None:
-        from onceflow.metrics import serve
+        from onceflow.metrics import multiproc_dir_problem, serve
 
-        serve(metrics_port, metrics_bind)
+        problem = multiproc_dir_problem()
+        if problem is None:
+            serve(metrics_port, metrics_bind)
+        else:  # a metrics setting must not stop the worker
+            click.echo(f"onceflow: not serving metrics on port {metrics_port}: {problem}", err=True)
     worker.run()
 
 
@@ -503,8 +507,12 @@ def metrics(port: int, bind: str, keep_dead_pids: bool, no_database: bool) -> No
     """
     import threading
 
-    from onceflow.metrics import multiproc_dir, registry, serve
+    from onceflow.metrics import multiproc_dir, multiproc_dir_problem, registry, serve
 
+    problem = multiproc_dir_problem()
+    if problem is not None:
+        click.echo(f"onceflow: {problem}", err=True)
+        sys.exit(EXIT_ERROR)
     if multiproc_dir() is None:
         click.echo(
             "onceflow: PROMETHEUS_MULTIPROC_DIR is not set: serving the database's counts "
@@ -651,6 +659,11 @@ def api(
             "data and /metrics will get 401",
             err=True,
         )
+    from onceflow.metrics import multiproc_dir_problem
+
+    problem = multiproc_dir_problem()
+    if problem is not None:
+        click.echo(f"onceflow: {problem}: no metrics recorded by this process", err=True)
     _log_onceflow(log_level)  # the dashboard's audit lines (onceflow.dashboard) among them
     uvicorn.run(
         create_app(flow=flow),

@@ -16,9 +16,11 @@ from typing import Any
 
 from onceflow.metrics.definitions import METRIC_NAMES
 
-__all__ = ["METRIC_NAMES", "mark_dead", "multiproc_dir", "registry", "serve"]
+__all__ = [
+    "METRIC_NAMES", "mark_dead", "multiproc_dir", "multiproc_dir_problem", "registry", "serve",
+]  # fmt: skip
 
-_LAZY = frozenset({"DatabaseCollector", "mark_dead", "multiproc_dir", "registry", "serve"})
+_LAZY = frozenset(("DatabaseCollector", *__all__[1:]))
 
 
 def __getattr__(name: str) -> Any:

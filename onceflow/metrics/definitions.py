@@ -12,9 +12,33 @@ HTTP routes are route templates, never raw paths.
 
 from __future__ import annotations
 
-from typing import Final
+import threading
+from collections.abc import Callable
+from typing import Any, Final, TypeVar
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram, values
+
+M = TypeVar("M")
+_lazy: dict[str, Any] = {}
+_lazy_lock = threading.Lock()
+
+
+def _once(name: str, make: Callable[[], M]) -> M:
+    """``make()`` once per process.
+
+    An unlabelled metric opens its file in ``PROMETHEUS_MULTIPROC_DIR`` when it is created
+    (labelled ones only when a child is): created at import, a missing or unwritable
+    directory would fail every ``import onceflow…`` (migrate, api, workers, --help).
+    Created on first use, the error stays inside the recording helper that swallows it.
+    """
+    metric = _lazy.get(name)
+    if metric is None:
+        with _lazy_lock:
+            metric = _lazy.get(name)
+            if metric is None:
+                metric = _lazy[name] = make()
+    return metric
+
 
 #: Latencies from 1 ms to an hour (pickup waits behind a backlog; long LLM stages).
 LATENCY_BUCKETS: Final = (
@@ -100,15 +124,36 @@ COMPUTE_LOCK = Counter(
     "Compute-lock outcomes (onceflow.locks.counters names).",
     ["outcome"],
 )
-PROVIDER_CALLS_SAVED = Counter(
-    "onceflow_provider_calls_saved",
-    "Third-party calls not made: pre-flight and double-check hits, and served waits.",
-)
-COMPUTE_LOCK_WAIT = Histogram(
-    "onceflow_compute_lock_wait_seconds",
-    "Time a waiter waited for another process's compute before being served.",
-    buckets=LATENCY_BUCKETS,
-)
+
+
+def provider_calls_saved() -> Counter:
+    """``onceflow_provider_calls_saved_total`` (unlabelled: created on first use, see _once)."""
+    return _once(
+        "provider_calls_saved",
+        lambda: Counter(
+            "onceflow_provider_calls_saved",
+            "Third-party calls not made: pre-flight and double-check hits, and served waits.",
+        ),
+    )
+
+
+def compute_lock_wait() -> Histogram:
+    """``onceflow_compute_lock_wait_seconds`` (unlabelled: created on first use, see _once)."""
+    return _once(
+        "compute_lock_wait",
+        lambda: Histogram(
+            "onceflow_compute_lock_wait_seconds",
+            "Time a waiter waited for another process's compute before being served.",
+            buckets=LATENCY_BUCKETS,
+        ),
+    )
+
+
+if not getattr(values.ValueClass, "_multiprocess", False):
+    # Single-process mode touches no file: create them now, so they are exposed at 0.
+    provider_calls_saved()
+    compute_lock_wait()
+
 OPS = Counter(
     "onceflow_ops",
     "Op-log writes by outcome: applied, duplicate (a replay), conflict (an op id reused "

@@ -21,6 +21,7 @@ __all__ = [
     "DatabaseCollector",
     "mark_dead",
     "multiproc_dir",
+    "multiproc_dir_problem",
     "prune_dead_pids",
     "registry",
     "serve",
@@ -30,6 +31,19 @@ __all__ = [
 def multiproc_dir() -> str | None:
     """The multiprocess directory (``PROMETHEUS_MULTIPROC_DIR``), or None in single-process mode."""
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+def multiproc_dir_problem() -> str | None:
+    """One line saying why ``PROMETHEUS_MULTIPROC_DIR`` cannot be used, or None if it can
+    (or is not set). The start script must create it; onceflow never does."""
+    path = multiproc_dir()
+    if path is None:
+        return None
+    if not os.path.isdir(path):
+        return f"PROMETHEUS_MULTIPROC_DIR={path} is not a directory (create it, empty, at start)"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"PROMETHEUS_MULTIPROC_DIR={path} is not writable by this process"
+    return None
 
 
 def mark_dead(pid: int) -> None:
@@ -70,15 +84,23 @@ class _Processes(Collector):
     def __init__(self, path: str, prune_dead: bool) -> None:
         self._path = path
         self._prune = prune_dead
-        self._merged = MultiProcessCollector(None, path)  # type: ignore[no-untyped-call]
+        self._merged: Any = None
+        self._warned = False
 
     def collect(self) -> Iterable[Any]:
+        if not os.path.isdir(self._path):  # a scrape must not fail: the database's still count
+            if not self._warned:
+                self._warned = True
+                log.warning("metrics: %s", multiproc_dir_problem())
+            return []
+        if self._merged is None:
+            self._merged = MultiProcessCollector(None, self._path)  # type: ignore[no-untyped-call]
         if self._prune:
             try:
                 prune_dead_pids(self._path)
             except Exception:
                 log.warning("metrics: pruning dead pids failed", exc_info=True)
-        merged: Iterable[Any] = self._merged.collect()  # type: ignore[no-untyped-call]
+        merged: Iterable[Any] = self._merged.collect()
         return merged
 
 

@@ -168,12 +168,12 @@ def lock_outcome(name: str, n: int = 1) -> None:
     """A compute-lock counter (onceflow.locks.counters); saved calls counted too."""
     _child(d.COMPUTE_LOCK, name).inc(n)
     if name in _SAVED:
-        d.PROVIDER_CALLS_SAVED.inc(n)
+        d.provider_calls_saved().inc(n)
 
 
 @_safe
 def lock_wait(seconds: float) -> None:
-    d.COMPUTE_LOCK_WAIT.observe(max(0.0, seconds))
+    d.compute_lock_wait().observe(max(0.0, seconds))
 
 
 @_safe

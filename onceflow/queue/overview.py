@@ -24,6 +24,7 @@ from sqlalchemy import Engine
 
 from onceflow.db import fetch_all, fetch_one, raw_connection, retry_disconnect
 from onceflow.queue.metrics_sql import COUNT_CAP_DEFAULT, capped_statuses, live_counts
+from onceflow.queue.sql import RUN_ID
 
 RUNNING_LIMIT: Final = 100
 DEAD_LIMIT: Final = 50
@@ -42,7 +43,7 @@ WITH n AS (SELECT now() AS now)
 SELECT w.request_id, w.workspace_id, w.worker_class, w.stage, w.claimed_by AS holder,
        w.attempts AS attempt, w.lease_expires_at,
        EXTRACT(EPOCH FROM w.lease_expires_at - n.now)::float8 AS lease_seconds_left,
-       w.cancel_requested, w.updated_at
+       w.cancel_requested, w.updated_at, {RUN_ID} AS run
 FROM {_T} w, n
 WHERE w.status = 'running'
 ORDER BY w.lease_expires_at DESC, w.request_id
@@ -124,6 +125,7 @@ def read_tables(engine: Engine, *, count_cap: int = COUNT_CAP_DEFAULT) -> dict[s
                 "lease_seconds_left": round(float(r["lease_seconds_left"]), 3),
                 "cancel_requested": r["cancel_requested"],
                 "version": _iso(r["updated_at"]),
+                "run": r["run"],
             }
             for r in rows["running"]
         ],

@@ -239,6 +239,11 @@ sig AS ({_notify("upd", "r.status = 'queued' AND r.run_after <= n.now")})
 SELECT * FROM upd WHERE {_SENT}
 """)
 
+#: A run's public identity: a digest of its claim token (new at every claim, takeovers
+#: included; the token itself never leaves the workers). The dashboard shows it and fences
+#: its cancel on it (a running row's updated_at moves with every heartbeat).
+RUN_ID = "left(encode(sha256(convert_to(w.claim_token, 'UTF8')), 'hex'), 32)"
+
 CANCEL: TextClause = text(f"""
 WITH n AS ({_NOW})
 UPDATE {TABLE} AS w SET
@@ -248,6 +253,10 @@ UPDATE {TABLE} AS w SET
     updated_at = n.now
 FROM n
 WHERE w.request_id = :request_id AND w.status IN ('queued', 'running')
+  -- fenced (an operator's cancel): only the row / the run as the operator saw it
+  AND (CAST(:expect AS timestamptz) IS NULL OR w.updated_at = CAST(:expect AS timestamptz))
+  AND (CAST(:expect_run AS text) IS NULL
+       OR (w.status = 'running' AND {RUN_ID} = CAST(:expect_run AS text)))
 RETURNING {RETURNING}
 """)
 

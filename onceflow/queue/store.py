@@ -646,16 +646,31 @@ class Queue(Sweeper, BatchOps, Waiter):
 
     # --------------------------------------------------------------- operators
 
-    def cancel(self, request_id: str, *, now: datetime | None = None) -> Request:
+    def cancel(
+        self,
+        request_id: str,
+        *,
+        now: datetime | None = None,
+        expect: datetime | None = None,
+        expect_run: str | None = None,
+    ) -> Request:
         """Cancel a queued request at once, or ask a running one to stop (its heartbeat says so).
 
-        A finished request is returned unchanged.
+        A finished request is returned unchanged. Fenced (an operator's cancel): with
+        ``expect``, only a queued or running row last updated at ``expect`` moves; with
+        ``expect_run``, only the running run of that identity (``sql.RUN_ID``, as the
+        dashboard shows it); any other row is left unchanged and
+        :class:`InvalidTransition` is raised.
         """
         check_id("request_id", request_id)
+        params = {"request_id": request_id, "now": now, "expect": expect, "expect_run": expect_run}
         with raw_connection(self.engine) as raw:
-            row = fetch_one(raw, sql.Q_CANCEL, {"request_id": request_id, "now": now})
+            row = fetch_one(raw, sql.Q_CANCEL, params)
         if row is None:
-            return self.get(request_id)
+            current = self.get(request_id)
+            if expect is not None or expect_run is not None:
+                raise InvalidTransition(request_id, current.status.value, "cancel")
+            return current
         cancelled = Request.from_row(row)
         metrics.cancelled(cancelled)
         return cancelled

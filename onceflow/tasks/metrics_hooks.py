@@ -33,8 +33,12 @@ def _serve_from_main_process(sender: Any = None, **_: Any) -> None:
     settings = get_settings()
     if settings.metrics_port is None:
         return
-    from onceflow.metrics.exposition import multiproc_dir, registry, serve
+    from onceflow.metrics.exposition import multiproc_dir, multiproc_dir_problem, registry, serve
 
+    problem = multiproc_dir_problem()
+    if problem is not None:  # a metrics setting must not stop the worker
+        log.error("metrics: not serving on port %s: %s", settings.metrics_port, problem)
+        return
     if multiproc_dir() is None:
         log.warning(
             "metrics: ONCEFLOW_METRICS_PORT without PROMETHEUS_MULTIPROC_DIR serves this "

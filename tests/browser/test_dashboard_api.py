@@ -3,6 +3,7 @@ and Celery worker. Roles, the snapshot against the table, fenced requeue, bad id
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -175,13 +176,74 @@ def test_requeue_is_fenced_and_cancel_refuses_finished_rows(
     assert again.status_code == 409  # the version shown before the first requeue: refused
     assert table_snapshot(engine) == before
 
-    # Cancel: a queued row is cancelled; a finished one is 409 and unchanged.
+    # Cancel: a queued row is cancelled (fenced on its version); a finished one is 409.
     [idle_id] = idle_rows(engine, due=1, later=0)
     cancel = f"/dashboard/api/requests/{idle_id}/cancel"
-    assert http.post(cancel, headers=auth(ADMIN_KEY), json={}).json()["status"] == "cancelled"
+    seen = {"version": Queue(engine).get(idle_id).updated_at.isoformat()}
+    assert http.post(cancel, headers=auth(ADMIN_KEY), json=seen).json()["status"] == "cancelled"
     before = table_snapshot(engine)
-    assert http.post(cancel, headers=auth(ADMIN_KEY), json={}).status_code == 409
+    assert http.post(cancel, headers=auth(ADMIN_KEY), json=seen).status_code == 409
     assert table_snapshot(engine) == before
+
+
+def test_cancel_is_fenced_on_the_run(http: httpx.Client, dash: Any, engine: Engine) -> None:
+    """A page showing run 1 of a request cannot cancel run 2 (same holder name, even)."""
+    queue = Queue(engine)
+    [rid] = idle_rows(engine, due=1, later=0)  # a class no worker serves: this test claims
+    first = queue.claim(rid, "holder-a", lease_seconds=0.2)
+    assert first is not None
+    snap = http.get("/dashboard/api/snapshot", headers=auth(VIEWER_KEY)).json()
+    [shown] = [r for r in snap["running"] if r["request_id"] == rid]
+    assert shown["holder"] == "holder-a"
+
+    def lapsed() -> bool:
+        with engine.connect() as conn:
+            query = text("SELECT now() > :t")
+            return bool(conn.execute(query, {"t": first.lease_expires_at}).scalar())
+
+    wait_for(lapsed, what="run 1's lease to lapse on the database clock")
+    second = queue.claim(rid, "holder-a", lease_seconds=60)  # run 2, same holder
+    assert second is not None and second.token != first.token
+    url = f"/dashboard/api/requests/{rid}/cancel"
+    before = table_snapshot(engine)
+    # What a stale page sends: run 1's version, or run 1's identity.
+    for field in ("version", "run"):
+        stale = {field: shown[field]}
+        refused = http.post(url, headers=auth(ADMIN_KEY), json=stale)
+        assert refused.status_code == 409 and refused.json()["code"] == "changed", refused.text
+        assert table_snapshot(engine) == before  # run 2 goes on, not asked to stop
+    assert http.post(url, headers=auth(ADMIN_KEY), json={}).status_code == 422  # says what
+    assert http.post(url, headers=auth(VIEWER_KEY), json=stale).status_code == 403
+    assert table_snapshot(engine) == before
+
+    queue.heartbeat(second)  # a heartbeat moves updated_at, not the run
+    snap = http.get("/dashboard/api/snapshot", headers=auth(VIEWER_KEY)).json()
+    [now_shown] = [r for r in snap["running"] if r["request_id"] == rid]
+    assert now_shown["run"] != shown["run"]
+    queue.heartbeat(second)  # and another after the page showed it: the run still matches
+    done = http.post(url, headers=auth(ADMIN_KEY), json={"run": now_shown["run"]})
+    assert done.status_code == 200, done.text
+    assert done.json()["status"] == "running" and done.json()["cancel_requested"] is True
+    assert queue.heartbeat(second).cancel_requested  # run 2 learns it at its next heartbeat
+
+
+def test_one_key_gets_at_most_eight_streams(http: httpx.Client, dash: Any) -> None:
+    with ExitStack() as open_streams:
+        for _ in range(8):
+            stream = open_streams.enter_context(
+                http.stream("GET", "/dashboard/api/stream", headers=auth(VIEWER_KEY))
+            )
+            assert stream.status_code == 200
+        with http.stream("GET", "/dashboard/api/stream", headers=auth(VIEWER_KEY)) as ninth:
+            assert ninth.status_code == 429
+            ninth.read()
+        assert ninth.json()["code"] == "rate_limited" and ninth.headers["RateLimit-Limit"] == "8"
+        # Another key is still served (the process's own bound is far off).
+        with http.stream("GET", "/dashboard/api/stream", headers=auth(ADMIN_KEY)) as other:
+            assert other.status_code == 200
+            assert next(ln for ln in other.iter_lines() if ln.startswith("event:")) == (
+                "event: snapshot"
+            )
 
 
 def test_bad_and_unknown_ids(http: httpx.Client, dash: Any, engine: Engine) -> None:

@@ -46,6 +46,7 @@ def test_api_metrics_need_a_viewer_key_and_count_routes_by_template(
             {hash_key(VIEWER): ["viewer"], hash_key(ADMIN): ["admin"]}
         ),
         "ONCEFLOW_API_KEYS": json.dumps({hash_key(API_KEY): ["w1"]}),
+        "ONCEFLOW_API_MAX_BODY_BYTES": "4096",
     }
     try:
         with api_server(tmp_path, env, app=APP) as (base, proc):
@@ -59,6 +60,8 @@ def test_api_metrics_need_a_viewer_key_and_count_routes_by_template(
             assert get(f"{base}/v1/workspaces/w1/requests", API_KEY, "POST", item)[0] == 200
             assert get(f"{base}/v1/workspaces/w2/requests", API_KEY, "POST", item)[0] == 403
             assert get(f"{base}/no/such/path/123")[0] == 404
+            big = {**item, "input": {"pad": "x" * 5000}}  # over ONCEFLOW_API_MAX_BODY_BYTES
+            assert get(f"{base}/v1/workspaces/w1/requests", API_KEY, "POST", big)[0] == 413
             status, body = get(f"{base}/metrics", VIEWER)
             assert status == 200
             assert get(f"{base}/metrics", ADMIN)[0] == 200
@@ -70,8 +73,11 @@ def test_api_metrics_need_a_viewer_key_and_count_routes_by_template(
     assert total(s, "onceflow_http_requests_total", route=route, method="POST", status="200") == 1
     assert total(s, "onceflow_http_requests_total", route=route, method="POST", status="403") == 1
     assert total(s, "onceflow_http_requests_total", route="unmatched", status="404") == 1
+    # Refused by the body limit before routing: still counted under its route template.
+    assert total(s, "onceflow_http_requests_total", route=route, method="POST", status="413") == 1
+    assert total(s, "onceflow_http_requests_total", route="unmatched", status="413") == 0
     assert total(s, "onceflow_http_requests_total", route="/metrics", status="401") == 3
-    assert total(s, "onceflow_http_request_duration_seconds_count", route=route) == 3
+    assert total(s, "onceflow_http_request_duration_seconds_count", route=route) == 4
     # Raw paths never become labels.
     assert "/v1/workspaces/w1" not in body and "/no/such" not in body
     # The API process recorded its enqueues; the database collector answered.

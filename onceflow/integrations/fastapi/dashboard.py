@@ -17,13 +17,17 @@ admin; no login-less mode):
   that stopped answering) sends ``event: problem`` and is awaited again, never doubled: no
   second compute starts while it runs, and the stream recovers when it answers. The
   producer never starts computes more often than the last one took. At most
-  :data:`MAX_STREAMS` streams per process (and ``ONCEFLOW_API_SSE_MAX_PER_KEY``
-  per key): past that, 429;
+  :data:`MAX_STREAMS` streams per process and :data:`MAX_STREAMS_PER_KEY` per operator key
+  (or ``ONCEFLOW_API_SSE_MAX_PER_KEY`` if lower; one key cannot take every stream of a
+  process): past that, 429;
 * ``POST /dashboard/api/requests/{id}/requeue`` — fenced: body ``{"version": <the row's
   updated_at as shown>}``; only that dead or cancelled row moves, anything else is 409
   ``changed`` and the row is left as it is; the wake-up is sent after;
-* ``POST /dashboard/api/requests/{id}/cancel`` — :meth:`Queue.cancel`: a queued row is
-  cancelled, a running one is asked to stop; a finished one is 409 and unchanged.
+* ``POST /dashboard/api/requests/{id}/cancel`` — fenced :meth:`Queue.cancel`: body
+  ``{"run": <a running row's run as shown>}`` (the run's identity: a heartbeat moves
+  updated_at) or ``{"version": <a queued row's updated_at as shown>}``; that running run is
+  asked to stop, that queued row is cancelled; anything else (finished, another run, a
+  changed row) is 409 ``changed`` and unchanged.
 
 Every action is logged (logger ``onceflow.dashboard``) with the operator key's id, never
 the key.
@@ -64,13 +68,13 @@ log = logging.getLogger("onceflow.dashboard")
 STATIC: Final = Path(__file__).with_name("dashboard_static")
 INTERVAL_SECONDS: Final = 1.0
 MAX_STREAMS: Final = 64
+MAX_STREAMS_PER_KEY: Final = 8  # a few tabs per operator, well below MAX_STREAMS
 KEEPALIVE_SECONDS: Final = 15.0
 SNAPSHOT_TIMEOUT_SECONDS: Final = 5.0
 _ASSETS: Final = {
     "dashboard.js": "text/javascript; charset=utf-8",
     "dashboard.css": "text/css; charset=utf-8",
 }
-_CANCELLABLE: Final = (Status.QUEUED, Status.RUNNING)
 _HEADERS: Final = {
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
     "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'; "
@@ -131,7 +135,7 @@ class SnapshotHub:
         interval: float = INTERVAL_SECONDS,
         timeout: float = SNAPSHOT_TIMEOUT_SECONDS,
         max_streams: int = MAX_STREAMS,
-        max_per_key: int = 100,
+        max_per_key: int = MAX_STREAMS_PER_KEY,
     ) -> None:
         self._compute = compute
         self._interval = interval
@@ -238,7 +242,15 @@ class ActionIn(BaseModel):
         default=None,
         max_length=64,
         description="The row's `version` as the snapshot showed it (its updated_at): "
-        "required to requeue; the action is refused (409) if the row changed since.",
+        "required to requeue, or to cancel a queued row; the action is refused (409) if the "
+        "row changed since.",
+    )
+    run: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=64,
+        description="A running row's `run` as the snapshot showed it (the run's identity): "
+        "to cancel it; refused (409) if that run ended or another took its place.",
     )
 
 
@@ -281,9 +293,8 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
         loop = asyncio.get_running_loop()
         found = hubs.get(loop)
         if found is None:
-            found = hubs[loop] = SnapshotHub(
-                lambda: compute_snapshot(svc), max_per_key=svc.settings.api_sse_max_per_key
-            )
+            per_key = min(MAX_STREAMS_PER_KEY, svc.settings.api_sse_max_per_key)
+            found = hubs[loop] = SnapshotHub(lambda: compute_snapshot(svc), max_per_key=per_key)
         return found
 
     router = APIRouter()
@@ -353,18 +364,17 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
 
     @api.post("/requests/{request_id}/cancel", operation_id="dashboard_cancel")
     def cancel(request_id: RequestIdPath, body: ActionIn, request: Request) -> Response:
-        """Cancel a queued request, or ask a running one to stop (its heartbeat says so)."""
+        """Cancel a queued request, or ask a running one to stop, if it is still as shown."""
         who = _operator(request).key_id
         check_id("request_id", request_id)
-        seen = svc.queue.get(request_id)
-        done = svc.queue.cancel(request_id) if seen.status in _CANCELLABLE else seen
-        acted = done.status is Status.CANCELLED or (
-            done.status is Status.RUNNING and done.cancel_requested
-        )
-        if not acted or done.updated_at == seen.updated_at:  # finished already or meanwhile
-            log.info("dashboard: operator %s: cancel of %s refused (it is %s)", who,
-                     request_id, done.status.value)  # fmt: skip
-            return _changed(request_id, f"it is {done.status.value}: nothing to cancel")
+        if body.run is None and body.version is None:
+            raise InvalidRequest("run (a running row's) or version (a queued row's) is required")
+        expect = _version(body.version) if body.version is not None else None
+        try:
+            done = svc.queue.cancel(request_id, expect=expect, expect_run=body.run)
+        except InvalidTransition as exc:
+            log.info("dashboard: operator %s: cancel of %s refused (%s)", who, request_id, exc)
+            return _changed(request_id, f"it is {exc.status} and changed since it was shown")
         log.info("dashboard: operator %s cancelled request %s (%s)", who, request_id,
                  "cancelled" if done.status is Status.CANCELLED else "stop requested")  # fmt: skip
         return JSONResponse(

@@ -10,14 +10,18 @@ Give Prometheus a viewer key (``authorization`` with ``credentials``).
 
 from __future__ import annotations
 
+import re
 import time
+import weakref
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, FastAPI
+from fastapi import routing as fastapi_routing
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
+from starlette.routing import compile_path
 
 from onceflow.integrations.fastapi.operators import operator_route_class
 from onceflow.metrics import record
@@ -40,7 +44,9 @@ class HttpMetricsMiddleware:
     """Counts every HTTP request by route template, method and status, and its duration.
 
     The route is read after routing (``scope["route"].path``, e.g.
-    ``/v1/workspaces/{ws}/requests``); ``unmatched`` when no route matched. A method
+    ``/v1/workspaces/{ws}/requests``), or, for a request refused before routing (413 by
+    the body limit, installed outside this middleware), matched from its path;
+    ``unmatched`` when no route matches. A method
     outside the standard ones is ``OTHER``. A response never started counts as 500.
     """
 
@@ -63,8 +69,7 @@ class HttpMetricsMiddleware:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            route = scope.get("route")
-            template = getattr(route, "path", None)
+            template = getattr(scope.get("route"), "path", None) or _template_of(scope)
             method = str(scope.get("method", "")).upper()
             record.http(
                 template if isinstance(template, str) and template else UNMATCHED,
@@ -72,6 +77,43 @@ class HttpMetricsMiddleware:
                 status,
                 time.perf_counter() - start,
             )
+
+
+_Table = list[tuple["re.Pattern[str]", frozenset[str], str]]
+_tables: weakref.WeakKeyDictionary[Any, _Table] = weakref.WeakKeyDictionary()
+
+
+def _route_table(app: Any) -> _Table:
+    """(path regex, methods, template) of every HTTP route of ``app``, built once."""
+    table = _tables.get(app)
+    if table is None:
+        routes: Any = getattr(app, "routes", ())
+        flatten = getattr(fastapi_routing, "iter_route_contexts", None)  # included routers
+        table = []
+        for route in flatten(routes) if flatten is not None else routes:
+            path, methods = getattr(route, "path", None), getattr(route, "methods", None)
+            if isinstance(path, str) and methods:
+                table.append((compile_path(path)[0], frozenset(methods), path))
+        _tables[app] = table
+    return table
+
+
+def _template_of(scope: Scope) -> str | None:
+    """The route template of a request refused before routing (e.g. 413 by the body limit).
+
+    Starlette sets ``scope["app"]`` before its middleware runs; the first route whose path
+    and method match gives its template. None when none does (404s, scanners)."""
+    app = scope.get("app")
+    if app is None:
+        return None
+    path, root = str(scope.get("path", "")), str(scope.get("root_path", ""))
+    if root and path.startswith(root + "/"):  # as Starlette's routing sees it
+        path = path[len(root) :]
+    method = scope.get("method")
+    for regex, methods, template in _route_table(app):
+        if method in methods and regex.match(path):
+            return template
+    return None
 
 
 def metrics_router(services: OnceflowServices) -> APIRouter:

@@ -232,7 +232,9 @@ async function act(action, item, button) {
       {
         method: "POST",
         headers: { ...authHeaders(), "Content-Type": "application/json" },
-        body: JSON.stringify({ version: item.version }),
+        // What the operator saw: a running row's run (its identity; a heartbeat moves its
+        // version) for cancel, the row's version for requeue. Changed since: 409.
+        body: JSON.stringify(action === "cancel" ? { run: item.run } : { version: item.version }),
       },
     );
     if (response.ok) {
