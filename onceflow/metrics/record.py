@@ -79,8 +79,8 @@ def claimed(claims: Iterable[Claim], lapsed: Iterable[bool] | None = None) -> No
             _child(d.LEASES_RECLAIMED, req.worker_class).inc()
             _child(d.ATTEMPTS, req.worker_class, req.stage, "retried").inc()
             continue
-        # At the claim, updated_at is the claim's own time (database clock).
-        wait = _seconds(max(req.created_at, req.run_after), req.updated_at)
+        # claimed_at: the claim's own time (database clock).
+        wait = _seconds(max(req.created_at, req.run_after), req.claimed_at)
         if wait is not None:
             _child(d.PICKUP_LATENCY, req.worker_class, req.stage).observe(wait)
 
@@ -101,7 +101,9 @@ def finished(claim: Claim, row: Request) -> None:
         return
     wc, stage = row.worker_class, row.stage
     _child(d.ATTEMPTS, wc, stage, outcome).inc()
-    took = _seconds(claim.request.updated_at, row.updated_at)
+    # claimed_at, never updated_at: heartbeats and cancels move updated_at, and the HTTP
+    # API rebuilds a pull worker's claim from the current row.
+    took = _seconds(row.claimed_at or claim.request.claimed_at, row.updated_at)
     if took is not None:
         _child(d.STAGE_DURATION, wc, stage, outcome).observe(took)
 

@@ -96,6 +96,7 @@ UPDATE {TABLE} AS w SET
     crash_attempts = w.crash_attempts + CASE WHEN w.status = 'running' THEN 1 ELSE 0 END,
     lease_expires_at = n.now + make_interval(secs => :lease_seconds),
     heartbeat_at = n.now,
+    claimed_at = n.now,
     updated_at = n.now
 FROM n
 WHERE w.request_id = :request_id
@@ -156,6 +157,7 @@ UPDATE {TABLE} AS w SET
     crash_attempts = w.crash_attempts + CASE WHEN w.status = 'running' THEN 1 ELSE 0 END,
     lease_expires_at = n.now + make_interval(secs => :lease_seconds),
     heartbeat_at = n.now,
+    claimed_at = n.now,
     updated_at = n.now
 FROM picked, n
 WHERE w.request_id = picked.request_id
@@ -264,6 +266,7 @@ UPDATE {TABLE} AS w SET
     error = NULL,
     claimed_by = NULL,
     heartbeat_at = NULL,
+    claimed_at = NULL,
     finished_at = NULL,
     dispatched_at = n.now,
     updated_at = n.now
@@ -657,6 +660,7 @@ upd AS (
         lease_expires_at = NULL,
         claimed_by = NULL,
         heartbeat_at = NULL,
+        claimed_at = NULL,
         dispatched_at = NULL,
         redispatch_count = 0,
         finished_at = CASE WHEN w.cancel_requested THEN n.now ELSE NULL END,

@@ -1,0 +1,41 @@
+"""What the metrics record when the rows move in ways a run's own code does not see.
+
+A pull worker's claim is rebuilt from the current row by the HTTP API, so nothing but the
+claim's own time (``claimed_at``) may time its run; a rolled-back enqueue never happened;
+a cancel already asked for is not asked again.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from prometheus_client import REGISTRY
+
+from onceflow.models.requests import Claim
+from onceflow.queue import Queue
+
+T0 = datetime(2030, 1, 1, tzinfo=UTC)
+
+
+def value(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def test_duration_runs_from_the_claim_not_the_last_heartbeat(queue: Queue) -> None:
+    queue.enqueue("s1", "w1", "j1", worker_class="wc-pull", now=T0)
+    lab = {"worker_class": "wc-pull", "stage": "s1"}
+    wait_before = value("onceflow_pickup_latency_seconds_sum", **lab)
+    [c] = queue.claim_next("wc-pull", "pw", lease_seconds=300, now=T0 + timedelta(seconds=5))
+    assert value("onceflow_pickup_latency_seconds_sum", **lab) - wait_before == 5.0
+    queue.heartbeat(c, now=T0 + timedelta(seconds=50))
+    queue.cancel(c.request_id, now=T0 + timedelta(seconds=55))  # moves updated_at too
+    # As the HTTP API's claim_of builds a pull worker's claim: from the current row.
+    found = queue.get(c.request_id)
+    assert found.lease_expires_at is not None and found.heartbeat_at is not None
+    lease = (found.lease_expires_at - found.heartbeat_at).total_seconds()
+    http_claim = Claim(found, c.token, found.lease_expires_at, lease)
+    out = {**lab, "outcome": "succeeded"}
+    before = value("onceflow_stage_duration_seconds_sum", **out)
+    queue.complete(http_claim, {"ok": 1}, now=T0 + timedelta(seconds=65))
+    assert value("onceflow_stage_duration_seconds_sum", **out) - before == 60.0
+    assert c.request.claimed_at == found.claimed_at == T0 + timedelta(seconds=5)
