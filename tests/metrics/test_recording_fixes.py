@@ -10,8 +10,9 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from prometheus_client import REGISTRY
+from sqlalchemy import Engine, text
 
-from onceflow.models.requests import Claim
+from onceflow.models.requests import Claim, NewRequest
 from onceflow.queue import Queue
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
@@ -39,3 +40,38 @@ def test_duration_runs_from_the_claim_not_the_last_heartbeat(queue: Queue) -> No
     queue.complete(http_claim, {"ok": 1}, now=T0 + timedelta(seconds=65))
     assert value("onceflow_stage_duration_seconds_sum", **out) - before == 60.0
     assert c.request.claimed_at == found.claimed_at == T0 + timedelta(seconds=5)
+
+
+def enqueued(worker_class: str, outcome: str = "created") -> float:
+    labels = {"worker_class": worker_class, "stage": "s1", "outcome": outcome}
+    return value("onceflow_requests_enqueued_total", **labels)
+
+
+def test_enqueues_are_counted_when_their_transaction_commits(queue: Queue, engine: Engine) -> None:
+    before = enqueued("wc-rb")
+    with engine.connect() as conn:
+        tx = conn.begin()
+        queue.enqueue_many([NewRequest("w1", "j9", "s1", worker_class="wc-rb")], connection=conn)
+        tx.rollback()
+        # A later transaction of the same connection does not count the rolled-back rows.
+        with conn.begin():
+            conn.execute(text("SELECT 1"))
+    with engine.connect() as conn:
+        n = conn.execute(text("SELECT count(*) FROM workspace_process_requests")).scalar()
+    assert n == 0
+    assert enqueued("wc-rb") == before
+    with engine.connect() as conn, conn.begin():
+        queue.enqueue_many([NewRequest("w1", "j9", "s1", worker_class="wc-rb")], connection=conn)
+        assert enqueued("wc-rb") == before  # not yet committed
+    assert enqueued("wc-rb") == before + 1
+    queue.enqueue("s1", "w1", "j9", worker_class="wc-rb")  # pooled: committed at once
+    assert enqueued("wc-rb", "duplicate") >= 1
+    assert enqueued("wc-rb") == before + 1
+
+
+def test_a_hand_off_counts_its_follow_ups_once(queue: Queue) -> None:
+    queue.enqueue("s0", "w1", "j1", worker_class="wc-ho")
+    [c] = queue.claim_next("wc-ho", "w")
+    before = enqueued("wc-ho")
+    queue.hand_off(c, {"ok": 1}, then=[NewRequest("w1", "j1", "s1", worker_class="wc-ho")])
+    assert enqueued("wc-ho") == before + 1
