@@ -249,7 +249,9 @@ UPDATE {TABLE} AS w SET
     finished_at = CASE WHEN w.status = 'queued' THEN n.now ELSE w.finished_at END,
     updated_at = n.now
 FROM n
-WHERE w.request_id = :request_id AND w.status IN ('queued', 'running')
+WHERE w.request_id = :request_id
+  -- a running row asked to stop already is no new transition: left as it is
+  AND (w.status = 'queued' OR (w.status = 'running' AND NOT w.cancel_requested))
 RETURNING {RETURNING}
 """)
 

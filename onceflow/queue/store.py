@@ -659,7 +659,8 @@ class Queue(Sweeper, BatchOps, Waiter):
     def cancel(self, request_id: str, *, now: datetime | None = None) -> Request:
         """Cancel a queued request at once, or ask a running one to stop (its heartbeat says so).
 
-        A finished request is returned unchanged.
+        A finished request, or a running one asked to stop already, is returned unchanged
+        (and not counted again in ``onceflow_requests_cancelled_total``).
         """
         check_id("request_id", request_id)
         with raw_connection(self.engine) as raw:

@@ -75,3 +75,14 @@ def test_a_hand_off_counts_its_follow_ups_once(queue: Queue) -> None:
     before = enqueued("wc-ho")
     queue.hand_off(c, {"ok": 1}, then=[NewRequest("w1", "j1", "s1", worker_class="wc-ho")])
     assert enqueued("wc-ho") == before + 1
+
+
+def test_a_repeated_cancel_of_a_running_request_is_no_new_transition(queue: Queue) -> None:
+    queue.enqueue("s1", "w1", "j2", worker_class="wc-c")
+    [c] = queue.claim_next("wc-c", "w", lease_seconds=30)
+    before = value("onceflow_requests_cancelled_total", worker_class="wc-c")
+    first = queue.cancel(c.request_id, now=T0)
+    again = queue.cancel(c.request_id, now=T0 + timedelta(seconds=1))
+    assert value("onceflow_requests_cancelled_total", worker_class="wc-c") - before == 1
+    assert (again.status.value, again.cancel_requested) == ("running", True)
+    assert again.updated_at == first.updated_at == T0  # left as it was

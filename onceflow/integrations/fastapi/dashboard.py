@@ -310,6 +310,20 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
         acted = done.status is Status.CANCELLED or (
             done.status is Status.RUNNING and done.cancel_requested
         )
+        if done.status is Status.RUNNING and seen.cancel_requested and done.cancel_requested:
+            # Asked to stop already (another click, another operator): nothing new to do and
+            # nothing changed; what the operator wanted holds, so 200, not a conflict.
+            log.info("dashboard: operator %s: cancel of %s: stop already requested", who,
+                     request_id)  # fmt: skip
+            return JSONResponse(
+                {
+                    "request_id": request_id,
+                    "status": done.status.value,
+                    "cancel_requested": True,
+                    "already_requested": True,
+                    "version": done.updated_at.isoformat(),
+                }
+            )
         if not acted or done.updated_at == seen.updated_at:  # finished already or meanwhile
             log.info("dashboard: operator %s: cancel of %s refused (it is %s)", who,
                      request_id, done.status.value)  # fmt: skip
