@@ -62,6 +62,35 @@ def enqueued(results: Iterable[EnqueueResult]) -> None:
         _child(d.REQUESTS_ENQUEUED, r.worker_class, r.stage, outcome).inc()
 
 
+def enqueued_on_commit(connection: Any, results: list[EnqueueResult]) -> None:
+    """``enqueued(results)`` when the SQLAlchemy ``connection``'s transaction commits.
+
+    Never if it rolls back first. SQLAlchemy Core's ``commit`` event fires as the commit
+    is issued (a commit that then fails is still counted), and a savepoint rolled back
+    inside a committed transaction is not seen: such enqueues are counted all the same.
+    """
+    if not results:
+        return
+    try:
+        from sqlalchemy import event
+
+        pending = [results]
+
+        def on_commit(_conn: Any) -> None:
+            if pending:
+                enqueued(pending.pop())
+
+        def on_rollback(_conn: Any) -> None:
+            pending.clear()
+
+        event.listen(connection, "commit", on_commit, once=True)
+        event.listen(connection, "rollback", on_rollback, once=True)
+    except Exception:  # a metric must never fail what it records
+        if "enqueued_on_commit" not in _warned:
+            _warned.add("enqueued_on_commit")
+            log.warning("metrics: recording enqueued_on_commit failed", exc_info=True)
+
+
 @_safe
 def claimed(claims: Iterable[Claim], lapsed: Iterable[bool] | None = None) -> None:
     """Claims, with pickup latency (due → claim) for claims taken from the queue.
@@ -79,8 +108,8 @@ def claimed(claims: Iterable[Claim], lapsed: Iterable[bool] | None = None) -> No
             _child(d.LEASES_RECLAIMED, req.worker_class).inc()
             _child(d.ATTEMPTS, req.worker_class, req.stage, "retried").inc()
             continue
-        # At the claim, updated_at is the claim's own time (database clock).
-        wait = _seconds(max(req.created_at, req.run_after), req.updated_at)
+        # claimed_at: the claim's own time (database clock).
+        wait = _seconds(max(req.created_at, req.run_after), req.claimed_at)
         if wait is not None:
             _child(d.PICKUP_LATENCY, req.worker_class, req.stage).observe(wait)
 
@@ -101,7 +130,9 @@ def finished(claim: Claim, row: Request) -> None:
         return
     wc, stage = row.worker_class, row.stage
     _child(d.ATTEMPTS, wc, stage, outcome).inc()
-    took = _seconds(claim.request.updated_at, row.updated_at)
+    # claimed_at, never updated_at: heartbeats and cancels move updated_at, and the HTTP
+    # API rebuilds a pull worker's claim from the current row.
+    took = _seconds(row.claimed_at or claim.request.claimed_at, row.updated_at)
     if took is not None:
         _child(d.STAGE_DURATION, wc, stage, outcome).observe(took)
 

@@ -68,6 +68,7 @@ class Request:
     claimed_by: str | None
     lease_expires_at: datetime | None
     heartbeat_at: datetime | None
+    claimed_at: datetime | None
     attempts: int
     crash_attempts: int
     max_attempts: int
@@ -119,7 +120,9 @@ class Claim:
     @property
     def run_deadline(self) -> datetime | None:
         """When heartbeats stop extending the lease: claim time + ``max_runtime`` (DB clock)."""
-        claimed_at = self.request.heartbeat_at  # set to the database's now() by the claim
+        # Both set to the database's now() by the claim; heartbeat_at moves on with each
+        # heartbeat (a claim rebuilt from the current row, as the HTTP API does).
+        claimed_at = self.request.claimed_at or self.request.heartbeat_at
         if self.max_runtime is None or claimed_at is None:
             return None
         return claimed_at + timedelta(seconds=self.max_runtime)

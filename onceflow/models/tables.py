@@ -54,6 +54,8 @@ workspace_process_requests = Table(
     Column("claimed_by", Text),
     Column("lease_expires_at", DateTime(timezone=True)),
     Column("heartbeat_at", DateTime(timezone=True)),
+    # When the latest claim was taken (database clock): pickup latency and run duration.
+    Column("claimed_at", DateTime(timezone=True)),
     Column("attempts", Integer, nullable=False, server_default=text("0")),
     Column("crash_attempts", Integer, nullable=False, server_default=text("0")),
     Column("max_attempts", Integer, nullable=False),

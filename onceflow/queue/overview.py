@@ -70,6 +70,13 @@ SELECT now() AS db_now,
             LIMIT {OPS_CAP}) AS recent) AS last_minute
 """
 
+# Is this run (the dashboard's `run`) running and asked to stop already? (By primary key.)
+STOP_REQUESTED: Final = f"""
+SELECT 1 FROM {_T} w
+WHERE w.request_id = %(request_id)s AND w.status = 'running' AND w.cancel_requested
+  AND {RUN_ID} = %(run)s
+"""
+
 #: The request-table statements (their plans are checked: no sequential scan).
 REQUEST_QUERIES: Final = {"depth": DEPTH, "running": RUNNING, "dead": DEAD}
 
@@ -150,3 +157,15 @@ def read_tables(engine: Engine, *, count_cap: int = COUNT_CAP_DEFAULT) -> dict[s
 
 
 __all__ = ["DEAD_LIMIT", "REQUEST_QUERIES", "RUNNING_LIMIT", "read_tables"]
+
+
+def stop_already_requested(engine: Engine, request_id: str, run: str) -> bool:
+    """True if run ``run`` of the request is running and was asked to stop already."""
+
+    def read() -> bool:
+        with raw_connection(engine) as raw:
+            return (
+                fetch_one(raw, STOP_REQUESTED, {"request_id": request_id, "run": run}) is not None
+            )
+
+    return bool(retry_disconnect(read))

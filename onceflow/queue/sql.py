@@ -96,6 +96,7 @@ UPDATE {TABLE} AS w SET
     crash_attempts = w.crash_attempts + CASE WHEN w.status = 'running' THEN 1 ELSE 0 END,
     lease_expires_at = n.now + make_interval(secs => :lease_seconds),
     heartbeat_at = n.now,
+    claimed_at = n.now,
     updated_at = n.now
 FROM n
 WHERE w.request_id = :request_id
@@ -156,6 +157,7 @@ UPDATE {TABLE} AS w SET
     crash_attempts = w.crash_attempts + CASE WHEN w.status = 'running' THEN 1 ELSE 0 END,
     lease_expires_at = n.now + make_interval(secs => :lease_seconds),
     heartbeat_at = n.now,
+    claimed_at = n.now,
     updated_at = n.now
 FROM picked, n
 WHERE w.request_id = picked.request_id
@@ -252,7 +254,9 @@ UPDATE {TABLE} AS w SET
     finished_at = CASE WHEN w.status = 'queued' THEN n.now ELSE w.finished_at END,
     updated_at = n.now
 FROM n
-WHERE w.request_id = :request_id AND w.status IN ('queued', 'running')
+WHERE w.request_id = :request_id
+  -- a running row asked to stop already is no new transition: left as it is
+  AND (w.status = 'queued' OR (w.status = 'running' AND NOT w.cancel_requested))
   -- fenced (an operator's cancel): only the row / the run as the operator saw it
   AND (CAST(:expect AS timestamptz) IS NULL OR w.updated_at = CAST(:expect AS timestamptz))
   AND (CAST(:expect_run AS text) IS NULL
@@ -273,6 +277,7 @@ UPDATE {TABLE} AS w SET
     error = NULL,
     claimed_by = NULL,
     heartbeat_at = NULL,
+    claimed_at = NULL,
     finished_at = NULL,
     dispatched_at = n.now,
     updated_at = n.now
@@ -666,6 +671,7 @@ upd AS (
         lease_expires_at = NULL,
         claimed_by = NULL,
         heartbeat_at = NULL,
+        claimed_at = NULL,
         dispatched_at = NULL,
         redispatch_count = 0,
         finished_at = CASE WHEN w.cancel_requested THEN n.now ELSE NULL END,

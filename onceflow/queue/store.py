@@ -148,7 +148,9 @@ class Queue(Sweeper, BatchOps, Waiter):
         A row that exists with a different input is flagged ``input_mismatch``;
         with ``strict=True`` that raises :class:`InputMismatch` and nothing of
         the batch is written. ``connection`` runs it inside the caller's
-        transaction (used by ``complete(then=…)`` and the Django integration).
+        transaction; its enqueues are counted in ``onceflow_requests_enqueued_total``
+        when that transaction commits (SQLAlchemy's ``commit`` event on the
+        connection), never if it rolls back.
         """
         if not items:
             return []
@@ -157,16 +159,21 @@ class Queue(Sweeper, BatchOps, Waiter):
         params = self._enqueue_params(items, now)  # ids (random ones too) minted once, here
         if connection is not None:
             with translate_errors(self.engine.url):
-                return self._enqueue_on(connection, params, strict)
+                results = self._enqueue_on(connection, params, strict)
+            metrics.enqueued_on_commit(connection, results)
+            return results
         # Idempotent (ON CONFLICT DO NOTHING, same ids): after a lost connection it runs once
         # more; if the first attempt committed, the retry collapses onto its rows.
         try:
-            return self._enqueue_pooled(params, strict)
+            results = self._enqueue_pooled(params, strict)
+            metrics.enqueued(results)  # committed: counted
+            return results
         except DatabaseUnavailable as exc:
             if not is_disconnect(exc):
                 raise
             log.info("enqueue: retrying once on a fresh connection after: %s", exc)
         results = self._enqueue_pooled(params, strict)
+        metrics.enqueued(results)
         # The lost attempt may have committed: then its rows read back as created=False and
         # nobody sends their wake-up. Mark them unsent: the next sweep sends them (a duplicate
         # wake-up for a row that had one is harmless).
@@ -201,7 +208,10 @@ class Queue(Sweeper, BatchOps, Waiter):
         (the Django integration passes a cursor of Django's own connection).
         Inputs are checked before any SQL runs. With ``strict=True`` a mismatch
         raises after the statement: roll back (or use a savepoint) to discard
-        the rest of the batch.
+        the rest of the batch. Nothing is counted in ``onceflow_requests_enqueued_total``
+        here (the commit is the caller's): count the results once committed with
+        ``onceflow.metrics.record.enqueued(results)`` (the Django integration does, in
+        ``transaction.on_commit``).
         """
         if not items:
             return []
@@ -321,7 +331,6 @@ class Queue(Sweeper, BatchOps, Waiter):
                     RequestId(rid), created, status, mismatch, stage=stage, worker_class=wc
                 )
             )
-        metrics.enqueued(results)
         return results
 
     # ------------------------------------------------------------------- claims
@@ -526,6 +535,7 @@ class Queue(Sweeper, BatchOps, Waiter):
             metrics.zombie("hand_off" if follow_ups else "complete")
             raise
         metrics.finished(claim, done[0])
+        metrics.enqueued(done[1])  # once, for the attempt that committed
         return done
 
     def fail(
@@ -656,11 +666,12 @@ class Queue(Sweeper, BatchOps, Waiter):
     ) -> Request:
         """Cancel a queued request at once, or ask a running one to stop (its heartbeat says so).
 
-        A finished request is returned unchanged. Fenced (an operator's cancel): with
-        ``expect``, only a queued or running row last updated at ``expect`` moves; with
-        ``expect_run``, only the running run of that identity (``sql.RUN_ID``, as the
-        dashboard shows it); any other row is left unchanged and
-        :class:`InvalidTransition` is raised.
+        A finished request, or a running one asked to stop already, is returned unchanged
+        (and not counted again in ``onceflow_requests_cancelled_total``). Fenced (an
+        operator's cancel): with ``expect``, only a queued or running row last updated at
+        ``expect`` moves; with ``expect_run``, only the running run of that identity
+        (``sql.RUN_ID``, as the dashboard shows it); when nothing moved,
+        :class:`InvalidTransition` is raised (the caller tells a repeat from a change).
         """
         check_id("request_id", request_id)
         params = {"request_id": request_id, "now": now, "expect": expect, "expect_run": expect_run}

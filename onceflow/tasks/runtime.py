@@ -12,7 +12,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -47,11 +48,22 @@ class _Heartbeats:
     Starting a thread per stage cost milliseconds per task; a registration costs a dict
     insert. The monotonic clock here only schedules the next heartbeat: whether a lease
     is live is always decided by the database's clock, in the heartbeat's UPDATE.
+
+    Each stage has a turn (a lock), held by its heartbeat and by the recording of its
+    outcome (:meth:`recording`), which drops it from the set before letting go: no
+    heartbeat is sent for a row whose outcome committed (the database would reject it, a
+    false "lease lost" and a false zombie-write count). A heartbeat that finds the turn
+    taken skips that stage and comes back soon: a slow recording never holds up the
+    heartbeats of the other stages.
     """
+
+    #: How soon a heartbeat skipped for a recording in flight is tried again (at most).
+    RETRY_BUSY_SECONDS = 0.05
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._due: dict[int, tuple[float, StageContext, Queue, float]] = {}
+        self._turns: dict[int, threading.Lock] = {}
         self._thread: threading.Thread | None = None
         self._pid = 0
 
@@ -66,12 +78,33 @@ class _Heartbeats:
                 self._pid = os.getpid()
                 self._thread.start()
             self._due[id(ctx)] = (time.monotonic() + interval, ctx, queue, interval)
+            self._turns[id(ctx)] = threading.Lock()
             self._cond.notify()
 
     def remove(self, ctx: StageContext) -> None:
         """Stop heartbeating ``ctx`` (always called when its stage ends, also on BaseException)."""
         with self._cond:
             self._due.pop(id(ctx), None)
+            self._turns.pop(id(ctx), None)
+
+    @contextmanager
+    def recording(self, ctx: StageContext, *, ends: bool = True) -> Iterator[None]:
+        """Hold ``ctx``'s turn while its outcome is written: no heartbeat for it meanwhile.
+
+        ``ends``: the write, if it returns or raises :class:`LeaseLost`, ends the run, so
+        ``ctx`` leaves the set before the turn is let go. Any other error keeps it (a
+        retried write needs the lease kept alive between its tries).
+        """
+        with self._cond:
+            turn = self._turns.get(id(ctx))
+        with turn if turn is not None else nullcontext():
+            try:
+                yield
+            except LeaseLost:
+                self.remove(ctx)
+                raise
+            if ends:
+                self.remove(ctx)
 
     def _run(self) -> None:
         while True:
@@ -91,13 +124,29 @@ class _Heartbeats:
                 return
             for k, (_, ctx, queue, interval) in ready:
                 self._due[k] = (now + interval, ctx, queue, interval)
-        for k, (_, ctx, queue, _) in ready:
+        for k, (_, ctx, queue, interval) in ready:
+            with self._cond:
+                turn = self._turns.get(k)
+            if turn is None:
+                continue  # the stage ended meanwhile
+            if not turn.acquire(blocking=False):
+                # Its outcome is being recorded: no beat now; again soon if it stays.
+                with self._cond:
+                    if k in self._due:
+                        again = time.monotonic() + min(interval, self.RETRY_BUSY_SECONDS)
+                        self._due[k] = (again, ctx, queue, interval)
+                continue
             try:
                 self._beat(k, ctx, queue)
             except Exception:  # one stage's odd failure must not starve the others
                 log.exception("request %s: heartbeat raised", ctx.request.request_id)
+            finally:
+                turn.release()
 
     def _beat(self, key: int, ctx: StageContext, queue: Queue) -> None:
+        with self._cond:
+            if key not in self._due:
+                return  # its outcome was recorded while this round gathered
         try:
             beat = queue.heartbeat(ctx.claim)
         except LeaseLost:
@@ -156,16 +205,16 @@ def run_request(
         except LeaseLost:
             return {**outcome, **_lease_lost(queue, claim)}
         except Cancelled:
-            return {**outcome, **_fail(queue, claim, {"type": "Cancelled"}, retryable=False)}
+            return {**outcome, **_fail(queue, ctx, {"type": "Cancelled"}, retryable=False)}
         except RetryLater as exc:
             error = {"type": "RetryLater", "message": exc.reason, "delay": exc.delay}
-            return {**outcome, **_fail(queue, claim, error, retryable=True, retry_in=exc.delay)}
+            return {**outcome, **_fail(queue, ctx, error, retryable=True, retry_in=exc.delay)}
         except (PermanentError, InvalidRequest) as exc:
-            return {**outcome, **_fail(queue, claim, error_payload(exc), retryable=False)}
+            return {**outcome, **_fail(queue, ctx, error_payload(exc), retryable=False)}
         except Exception as exc:
             log.exception("request %s: stage %s raised", request_id, spec.name)
             retryable = is_retryable(exc)
-            return {**outcome, **_fail(queue, claim, error_payload(exc), retryable=retryable)}
+            return {**outcome, **_fail(queue, ctx, error_payload(exc), retryable=retryable)}
         # The body succeeded: from here on nothing may turn that into a failure or a re-run
         # except a lost lease (someone else owns the request now).
         return {**outcome, **_complete(queue, ctx, result, dispatch)}
@@ -220,12 +269,13 @@ def _complete(
     delay = 0.1
     while True:
         try:
-            _, followed = queue.hand_off(claim, result, then=ctx._then)
+            with _heartbeats.recording(ctx):
+                _, followed = queue.hand_off(claim, result, then=ctx._then)
             break
         except LeaseLost:
             return _lease_lost(queue, claim)
         except InvalidRequest as exc:  # the result itself is refused (too large, not JSON)
-            return _fail(queue, claim, error_payload(exc), retryable=False)
+            return _fail(queue, ctx, error_payload(exc), retryable=False)
         except OnceflowError as exc:  # unavailable, lost connection, pool timeout, failover
             silent = time.monotonic() - ctx._confirmed_at
             if ctx.lease_lost or silent > claim.lease_seconds:
@@ -253,14 +303,16 @@ def _lease_lost(queue: Queue, claim: Claim) -> dict[str, Any]:
 
 def _fail(
     queue: Queue,
-    claim: Claim,
+    ctx: StageContext,
     error: dict[str, Any],
     *,
     retryable: bool,
     retry_in: float | None = None,
 ) -> dict[str, Any]:
+    claim = ctx.claim
     try:
-        row = queue.fail(claim, error, retryable=retryable, retry_in=retry_in)
+        with _heartbeats.recording(ctx):
+            row = queue.fail(claim, error, retryable=retryable, retry_in=retry_in)
     except LeaseLost:
         return {"outcome": "lease_lost"}
     except DatabaseUnavailable as exc:

@@ -85,11 +85,20 @@ def wake_ups(redis_url: str) -> int:
     return int(redis_lib.Redis.from_url(redis_url).llen(queue_name(QUEUE)))
 
 
+def enqueued(outcome: str = "created") -> float:
+    """``onceflow_requests_enqueued_total`` of the example's stage in this process."""
+    from prometheus_client import REGISTRY
+
+    labels = {"worker_class": QUEUE, "stage": "confirm_order", "outcome": outcome}
+    return REGISTRY.get_sample_value("onceflow_requests_enqueued_total", labels) or 0.0
+
+
 class PaymentDeclined(Exception):
     pass
 
 
 def test_rollback_leaves_no_row_and_sends_nothing(shop: Any, redis_url: str) -> None:
+    before = enqueued()
     with pytest.raises(PaymentDeclined), transaction.atomic():
         order, result = shop.services.place_order("w-dj", "A-1")
         assert result.created and order.pk
@@ -99,11 +108,13 @@ def test_rollback_leaves_no_row_and_sends_nothing(shop: Any, redis_url: str) -> 
         shop.flow.queue.get(result.request_id)
     assert shop.flow.queue.counts() == {}
     assert wake_ups(redis_url) == 0
+    assert enqueued() == before  # a rolled-back enqueue never happened
 
 
 def test_row_is_invisible_until_commit_then_one_wake_up(shop: Any, redis_url: str) -> None:
     from onceflow.integrations.django import enqueue
 
+    before = enqueued(), enqueued("duplicate")
     with transaction.atomic():
         order, result = shop.services.place_order("w-dj", "A-2")
         # Another connection (onceflow's own engine) sees neither row yet; nothing was sent.
@@ -114,12 +125,14 @@ def test_row_is_invisible_until_commit_then_one_wake_up(shop: Any, redis_url: st
         again = enqueue(shop.flow, "confirm_order", "w-dj", f"order-{order.pk}", "",
                         {"order_id": order.pk})  # fmt: skip
         assert (again.request_id, again.created) == (result.request_id, False)
+        assert (enqueued(), enqueued("duplicate")) == before  # counted at the commit
     row = shop.flow.queue.get(result.request_id)
     assert (row.status, row.input, row.worker_class) == (
         Status.QUEUED, {"order_id": order.pk}, QUEUE,
     )  # fmt: skip
     assert shop.Order.objects.get(pk=order.pk).status == "placed"
     assert wake_ups(redis_url) == 1
+    assert (enqueued(), enqueued("duplicate")) == (before[0] + 1, before[1] + 1)
 
 
 def test_commit_runs_the_stage_on_a_celery_worker(

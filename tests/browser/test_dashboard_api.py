@@ -246,6 +246,34 @@ def test_one_key_gets_at_most_eight_streams(http: httpx.Client, dash: Any) -> No
             )
 
 
+def test_a_repeated_cancel_of_a_running_row_changes_and_counts_nothing(
+    http: httpx.Client, dash: Any, engine: Engine
+) -> None:
+    from prometheus_client import REGISTRY
+
+    def cancelled() -> float:
+        labels = {"worker_class": "wc-dash-stop"}
+        return REGISTRY.get_sample_value("onceflow_requests_cancelled_total", labels) or 0.0
+
+    queue = Queue(engine)
+    rid = queue.enqueue("s", "dash-ws1", "j-stop", worker_class="wc-dash-stop").request_id
+    assert queue.claim(rid, "a", lease_seconds=300) is not None
+    snap = http.get("/dashboard/api/snapshot", headers=auth(VIEWER_KEY)).json()
+    [shown] = [r for r in snap["running"] if r["request_id"] == rid]
+    run = {"run": shown["run"]}
+    cancel = f"/dashboard/api/requests/{rid}/cancel"
+    first = http.post(cancel, headers=auth(ADMIN_KEY), json=run)
+    assert first.status_code == 200 and first.json()["cancel_requested"] is True, first.text
+    before, counted = table_snapshot(engine), cancelled()
+    again = http.post(cancel, headers=auth(ADMIN_KEY), json=run)
+    # Idempotent: the stop asked for already is what the operator wants; nothing moves.
+    assert again.status_code == 200 and again.json()["already_requested"] is True, again.text
+    assert again.json()["version"] == first.json()["version"]
+    assert table_snapshot(engine) == before
+    assert queue.cancel(rid).updated_at == queue.get(rid).updated_at
+    assert table_snapshot(engine) == before and cancelled() == counted
+
+
 def test_bad_and_unknown_ids(http: httpx.Client, dash: Any, engine: Engine) -> None:
     version = {"version": "2026-01-01T00:00:00+00:00"}
     before = table_snapshot(engine)

@@ -36,6 +36,7 @@ from django.db.transaction import TransactionManagementError
 from sqlalchemy import URL, make_url
 
 from onceflow.errors import InvalidRequest
+from onceflow.metrics import record as metrics
 from onceflow.models.requests import Dispatch, EnqueueResult
 from onceflow.settings import get_settings
 from onceflow.tasks import Flow
@@ -94,6 +95,8 @@ def enqueue(
             "onceflow enqueue needs autocommit or an atomic block (transaction.atomic())"
         )
     [result] = flow.queue.enqueue_many_with(cursor_executor(using), [item], strict=strict)
+    # Counted once committed (at once in autocommit), never for a rollback.
+    transaction.on_commit(functools.partial(metrics.enqueued, [result]), using=using)
     if result.created:
         wake_up = Dispatch(result.request_id, stage, result.worker_class)
         # robust: a failed send after the commit is logged, never raised into the app

@@ -58,7 +58,7 @@ from onceflow.integrations.fastapi.operators import Operator, operator_route_cla
 from onceflow.integrations.fastapi.schemas import RequestIdPath
 from onceflow.locks.savings import read_savings
 from onceflow.models import Dispatch, Status
-from onceflow.queue.overview import read_tables
+from onceflow.queue.overview import read_tables, stop_already_requested
 
 if TYPE_CHECKING:
     from onceflow.integrations.fastapi.app import OnceflowServices
@@ -373,6 +373,23 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
         try:
             done = svc.queue.cancel(request_id, expect=expect, expect_run=body.run)
         except InvalidTransition as exc:
+            if body.run is not None and stop_already_requested(
+                svc.queue.engine, request_id, body.run
+            ):
+                # Asked to stop already (another click, another operator): nothing new to do
+                # and nothing changed; what the operator wanted holds, so 200, not a conflict.
+                log.info("dashboard: operator %s: cancel of %s: stop already requested", who,
+                         request_id)  # fmt: skip
+                current = svc.queue.get(request_id)
+                return JSONResponse(
+                    {
+                        "request_id": request_id,
+                        "status": current.status.value,
+                        "cancel_requested": True,
+                        "already_requested": True,
+                        "version": current.updated_at.isoformat(),
+                    }
+                )
             log.info("dashboard: operator %s: cancel of %s refused (%s)", who, request_id, exc)
             return _changed(request_id, f"it is {exc.status} and changed since it was shown")
         log.info("dashboard: operator %s cancelled request %s (%s)", who, request_id,

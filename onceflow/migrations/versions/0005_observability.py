@@ -7,6 +7,11 @@ finished history. A new partial index of dead rows (ix_wpr_dead: newest first, w
 and stage) serves the dead count and the dashboard's list of dead requests; dead rows are
 few and only a terminal failure writes to it.
 
+A nullable ``claimed_at`` column (no default: a catalog-only change, no table rewrite)
+records when the latest claim was taken, on the database clock: pickup latency is due →
+``claimed_at`` and a run's duration ``claimed_at`` → finish, whatever heartbeats did to
+``updated_at`` and ``heartbeat_at`` in between.
+
 Each index is rebuilt under a new name first and the old one dropped after, so the claim
 and rescue queries always have an index. On a large table run this migration in a quiet
 moment: ``CREATE INDEX`` blocks writes to the table while it builds.
@@ -42,6 +47,7 @@ def _swap(name: str, columns: list[sa.TextClause | str], where: str, include: li
 
 
 def upgrade() -> None:
+    op.add_column(TABLE, sa.Column("claimed_at", sa.DateTime(timezone=True), nullable=True))
     _swap(
         "ix_wpr_claim",
         ["worker_class", sa.text("priority DESC"), "run_after"],
@@ -67,3 +73,4 @@ def downgrade() -> None:
         "status = 'queued'",
         [],
     )
+    op.drop_column(TABLE, "claimed_at")
