@@ -101,7 +101,7 @@ def test_enqueue_through_the_configured_flow_validates_and_wakes(
     from tests.acceptance.procs import ROOT
 
     client = redis.Redis.from_url(redis_url)
-    client.delete("t-default")
+    client.delete(queue_name("t-default"))
     env = {"ONCEFLOW_APP": "tests.acceptance.stages:flow", "PYTHONPATH": str(ROOT)}
     bad = onceflow("enqueue", "--stage", "noop", "--workspace", "w", "--job", "j",
                    "--input", '{"value": "NaN-ish"}', env=env)  # fmt: skip
@@ -112,4 +112,4 @@ def test_enqueue_through_the_configured_flow_validates_and_wakes(
     assert good.returncode == 0, good.stderr
     assert json.loads(good.stdout)["created"] is True
     assert client.llen(queue_name("t-default")) == 1  # the wake-up went to the stage's worker class
-    client.delete("t-default")
+    client.delete(queue_name("t-default"))

@@ -65,7 +65,7 @@ from onceflow.integrations.fastapi.http_errors import (
 )
 from onceflow.integrations.fastapi.limits import BODY_ENVELOPE_DEPTH, BodyLimitMiddleware
 from onceflow.integrations.fastapi.metrics_routes import install_metrics
-from onceflow.integrations.fastapi.operators import OperatorAuth
+from onceflow.integrations.fastapi.operators import OperatorAuth, bearer_key
 from onceflow.integrations.fastapi.ratelimit import RateLimited, RateLimits
 from onceflow.models import Claim, Dispatch, NewRequest, Status
 from onceflow.models import Request as StageRequest
@@ -317,14 +317,7 @@ def _route_class(services: OnceflowServices) -> type[APIRoute]:
 
 
 def _authorize(auth: Authenticator, request: Request, kind: str) -> Principal:
-    header = request.headers.get("authorization", "")
-    scheme, _, key = header.partition(" ")
-    key = key.strip()
-    if not header:
-        raise AccessDenied(401, "missing key: send Authorization: Bearer <key>")
-    if scheme.lower() != "bearer" or not key:
-        raise AccessDenied(401, "malformed Authorization header: expected Bearer <key>")
-    principal = auth.authenticate(key)
+    principal = auth.authenticate(bearer_key(request))
     if principal is None:
         raise AccessDenied(401, "unknown key")
     params = request.path_params
