@@ -288,6 +288,25 @@ def _responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 # ---------------------------------------------------------------- the route class
 
 
+async def guarded_call(
+    request: Request,
+    authorize: Callable[[], Coroutine[Any, Any, None]],
+    handler: Callable[[Request], Coroutine[Any, Any, Response]],
+) -> Response:
+    """``authorize()`` then ``handler(request)``; every refusal in the API's error shape."""
+    try:
+        await authorize()
+        return await handler(request)
+    except RateLimited as exc:
+        return exc.response()
+    except (OnceflowError, UnicodeError) as exc:
+        return error_response(exc)
+    except RequestValidationError as exc:
+        return validation_response(exc)
+    except StarletteHTTPException as exc:  # e.g. 400: the body cannot be parsed
+        return http_error_response(request, exc)
+
+
 def _route_class(services: OnceflowServices) -> type[APIRoute]:
     """Routes that check the key and its scope before FastAPI parses the body."""
 
@@ -297,19 +316,12 @@ def _route_class(services: OnceflowServices) -> type[APIRoute]:
             kind = "workspace" if "{ws}" in self.path else "wc" if "{wc}" in self.path else "claim"
 
             async def guarded(request: Request) -> Response:
-                try:
+                async def authorize() -> None:
                     request.state.onceflow_principal = await services.rate_limits.authorize(
                         request, lambda: _authorize(services.auth, request, kind)
                     )
-                    return await handler(request)
-                except RateLimited as exc:
-                    return exc.response()
-                except (OnceflowError, UnicodeError) as exc:
-                    return error_response(exc)
-                except RequestValidationError as exc:
-                    return validation_response(exc)
-                except StarletteHTTPException as exc:  # e.g. 400: the body cannot be parsed
-                    return http_error_response(request, exc)
+
+                return await guarded_call(request, authorize, handler)
 
             return guarded
 

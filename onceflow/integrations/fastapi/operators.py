@@ -23,12 +23,11 @@ from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from starlette.requests import Request
 from starlette.responses import Response
 
-from onceflow.errors import AccessDenied, InvalidRequest, OnceflowError
+from onceflow.errors import AccessDenied, InvalidRequest
 from onceflow.integrations.fastapi.auth import Principal
 from onceflow.settings import Settings
 
@@ -139,23 +138,17 @@ async def authorize_operator(services: OnceflowServices, request: Request, role:
 
 def operator_route_class(services: OnceflowServices) -> type[APIRoute]:
     """Routes that check the operator key and role before the handler (or body parsing) runs."""
-    from onceflow.integrations.fastapi.app import error_response, validation_response
-    from onceflow.integrations.fastapi.ratelimit import RateLimited
+    from onceflow.integrations.fastapi.app import guarded_call
 
     class OperatorRoute(APIRoute):
         def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
             handler = super().get_route_handler()
 
             async def guarded(request: Request) -> Response:
-                try:
+                async def authorize() -> None:
                     await authorize_operator(services, request, role_for(request.method))
-                    return await handler(request)
-                except RateLimited as exc:
-                    return exc.response()
-                except (OnceflowError, UnicodeError) as exc:
-                    return error_response(exc)
-                except RequestValidationError as exc:
-                    return validation_response(exc)
+
+                return await guarded_call(request, authorize, handler)
 
             return guarded
 
