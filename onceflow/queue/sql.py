@@ -313,6 +313,13 @@ Q_NEXT_WORK = render(NEXT_WORK)
 
 GET: TextClause = text(f"SELECT {RETURNING} FROM {TABLE} w WHERE w.request_id = :request_id")
 
+# A live claim: the row runs under this token and its lease has not lapsed (DB clock).
+LIVE_CLAIM: TextClause = text(f"""
+WITH n AS ({_NOW})
+SELECT {RETURNING} FROM {TABLE} w, n
+WHERE {_FENCE}
+""")
+
 # A claim whose answer was lost: the row already runs under our token.
 OWN_CLAIM: TextClause = text(f"""
 SELECT {RETURNING} FROM {TABLE} w
@@ -755,6 +762,7 @@ Q_FAIL = render(FAIL)
 Q_CANCEL = render(CANCEL)
 Q_REQUEUE = render(REQUEUE)
 Q_GET = render(GET)
+Q_LIVE_CLAIM = render(LIVE_CLAIM)
 Q_OWN_CLAIM = render(OWN_CLAIM)
 Q_COUNTS = render(COUNTS)
 Q_RESCUE_EXPIRED = render(RESCUE_EXPIRED)

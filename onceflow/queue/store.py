@@ -720,6 +720,17 @@ class Queue(Sweeper, BatchOps, Waiter):
             raise NotFound(request_id)
         return Request.from_row(row)
 
+    def live_claim(self, request_id: str, token: str) -> Request | None:
+        """The request if it runs under ``token`` with a live lease (DB clock), else None.
+
+        A read, not a fence: it holds nothing, so a write that must not outlive the
+        claim still fences in its own statement (``fence_check``, the fenced updates).
+        """
+        check_id("request_id", request_id)
+        params = {"request_id": request_id, "token": token, "now": None}
+        row = retry_disconnect(lambda: self._read_one(sql.Q_LIVE_CLAIM, params))
+        return None if row is None else Request.from_row(row)
+
     def list(
         self,
         *,

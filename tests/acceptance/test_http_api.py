@@ -11,6 +11,7 @@ import json
 import queue as queue_mod
 import threading
 import time
+import urllib.parse
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -493,7 +494,8 @@ def test_openapi_documents_every_route_with_its_errors(openapi_doc: dict[str, An
         "/v1/worker-classes/{wc}/claims", "/v1/claims/{request_id}/heartbeat",
         "/v1/claims/{request_id}/complete", "/v1/claims/{request_id}/fail",
         "/v1/claims/{request_id}/ops", "/v1/workspaces/{ws}/sub-docs/{sub_doc}",
-        "/v1/workspaces/{ws}/sub-docs/{sub_doc}/ops",
+        "/v1/workspaces/{ws}/sub-docs/{sub_doc}/ops", "/v1/claims/{request_id}/locks",
+        "/v1/claims/{request_id}/locks/extend", "/v1/claims/{request_id}/locks/release",
     }  # fmt: skip
     for item in paths.values():
         for op in item.values():
@@ -578,8 +580,10 @@ def test_no_5xx_for_any_input_over_the_openapi_schema(
         assert response.status_code < 500, (op.method, url, content, response.text)
         # Documented for the operation (404/405: a nasty id made the path another route's),
         # and every error is {"detail": <one line>, "code": ...}.
-        # An empty path segment ("…/requests/") is Starlette's trailing-slash redirect: 307.
-        empty_segment = path.endswith("/") or "//" in path
+        # An empty path segment ("…/requests/") is Starlette's trailing-slash redirect: 307
+        # (Starlette decodes %2F before routing: an id of "/" makes one too).
+        decoded = urllib.parse.unquote(path)
+        empty_segment = decoded.endswith("/") or "//" in decoded
         assert (
             str(response.status_code) in op.spec["responses"]
             or response.status_code in (404, 405)
@@ -739,3 +743,89 @@ def test_ids_that_cannot_be_one_url_segment_are_refused_by_the_client(api: str) 
         HttpTransport(api, API_KEY).apply("w/1", "board", OP, new_op_id(), None)
     with pytest.raises(InvalidRequest):
         HttpTransport(api, API_KEY).apply("w1", "..", OP, new_op_id(), None)
+
+
+# --------------------------------------------------------- compute locks over HTTP
+
+
+def _claim_two_of_one_job(client: httpx.Client) -> list[tuple[str, str]]:
+    """Two claimed requests of the same job (two branches): two holders racing one cell."""
+    held = []
+    for branch in ("a", "b"):
+        enqueue(client, "w1", API_KEY, stage="noop", job_id="jl", branch_path=branch,
+                input={"value": 1}, worker_class=PULL)  # fmt: skip
+        answer = client.post(
+            f"/v1/worker-classes/{PULL}/claims", json={"worker_id": branch},
+            headers=auth(WORKER_KEY),
+        )  # fmt: skip
+        assert answer.status_code == 201, answer.text
+        _TOKENS_SEEN.append(answer.json()["claim_token"])
+        held.append((answer.json()["request_id"], answer.json()["claim_token"]))
+    return held
+
+
+def test_http_compute_lock_one_holder_a_waiter_and_the_release_broadcast(
+    client: httpx.Client, redis_url: str
+) -> None:
+    (rid_a, tok_a), (rid_b, tok_b) = _claim_two_of_one_job(client)
+    pubsub = redis_lib.Redis.from_url(redis_url).pubsub()
+    pubsub.subscribe(workspace_channel("w1"))
+    assert pubsub.get_message(timeout=5)["type"] == "subscribe"  # type: ignore[index]
+
+    def lock(rid: str, token: str, action: str = "", **body: Any) -> httpx.Response:
+        path = f"/v1/claims/{rid}/locks" + (f"/{action}" if action else "")
+        return client.post(path, json={"claim_token": token, "task": "eval:fit", **body},
+                           headers=auth(WORKER_KEY))  # fmt: skip
+
+    first = lock(rid_a, tok_a, ttl_seconds=30)
+    assert first.status_code == 201 and first.json()["acquired"] is True, first.text
+    lock_token = first.json()["lock_token"]
+    _TOKENS_SEEN.append(lock_token)
+    second = lock(rid_b, tok_b)
+    assert second.status_code == 200, second.text
+    assert second.json()["locked"] is True and second.json()["acquired"] is False
+    assert 0 < second.json()["remaining_ms"] <= 30_000 and second.json()["job_id"] == "jl"
+    # Another holder's token cannot extend or release it; the holder's can.
+    assert lock(rid_b, tok_b, "extend", lock_token="not-the-token").json() == {"held": False}
+    assert lock(rid_a, tok_a, "extend", lock_token=lock_token).json() == {"held": True}
+    stolen = lock(rid_b, tok_b, "release", lock_token="not-the-token", outcome="computed")
+    assert stolen.json() == {"released": False}
+    assert lock(rid_b, tok_b).json()["locked"] is True  # still held by a
+    released = lock(rid_a, tok_a, "release", lock_token=lock_token, outcome="computed")
+    assert released.json() == {"released": True}
+    kinds = []
+    deadline = time.monotonic() + 10
+    while "lock_released" not in kinds and time.monotonic() < deadline:
+        message = pubsub.get_message(timeout=1)
+        if message and message["type"] == "message":
+            kinds.append(json.loads(message["data"])["kind"])
+    assert "lock_released" in kinds
+    assert lock(rid_b, tok_b).status_code == 201  # free again: the waiter takes it
+    pubsub.close()
+
+
+def test_http_compute_lock_needs_a_live_claim_and_a_good_task(client: httpx.Client) -> None:
+    (rid, token), _ = _claim_two_of_one_job(client)
+    url = f"/v1/claims/{rid}/locks"
+    forged = client.post(url, json={"claim_token": "forged", "task": "t"}, headers=auth(WORKER_KEY))
+    assert forged.status_code == 409 and forged.json()["code"] == "lease_lost"
+    as_api_key = client.post(url, json={"claim_token": token, "task": "t"}, headers=auth(API_KEY))
+    assert as_api_key.status_code == 403
+    bad = client.post(url, json={"claim_token": token, "task": ""}, headers=auth(WORKER_KEY))
+    assert bad.status_code == 422
+    done = client.post(f"/v1/claims/{rid}/complete", json={"claim_token": token, "result": {}},
+                       headers=auth(WORKER_KEY))  # fmt: skip
+    assert done.status_code == 200, done.text
+    late = client.post(url, json={"claim_token": token, "task": "t"}, headers=auth(WORKER_KEY))
+    assert late.status_code == 409  # the claim ended: no new lock for it
+
+
+def test_the_sdk_is_served_as_es_modules_with_an_etag(client: httpx.Client) -> None:
+    index = client.get("/sdk/index.js")
+    assert index.status_code == 200 and index.headers["content-type"].startswith("text/javascript")
+    assert 'from "./transport.js"' in index.text
+    again = client.get("/sdk/index.js", headers={"If-None-Match": index.headers["etag"]})
+    assert again.status_code == 304
+    assert client.get("/sdk/index.d.ts").status_code == 200
+    for missing in ("/sdk/package.json", "/sdk/..%2Fapp.py", "/sdk/test", "/sdk/nope.js"):
+        assert client.get(missing).status_code == 404, missing

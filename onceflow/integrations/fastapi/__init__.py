@@ -24,14 +24,12 @@ from onceflow.integrations.fastapi.app import (
     FlowDep,
     OnceflowServices,
     OpLogDep,
-    PrincipalDep,
     QueueDep,
     create_app,
     create_router,
     error_response,
     get_flow,
     get_oplog,
-    get_principal,
     get_queue,
     get_services,
 )
@@ -39,6 +37,8 @@ from onceflow.integrations.fastapi.auth import (
     Authenticator,
     KeyAuth,
     Principal,
+    PrincipalDep,
+    get_principal,
     hash_key,
     new_key,
 )

@@ -55,7 +55,12 @@ from onceflow.errors import (
 )
 from onceflow.ids import ClaimToken, check_id
 from onceflow.integrations.fastapi import schemas as s
-from onceflow.integrations.fastapi.auth import Authenticator, KeyAuth, Principal
+from onceflow.integrations.fastapi.auth import (
+    Authenticator,
+    KeyAuth,
+    Principal,
+    PrincipalDep,
+)
 from onceflow.integrations.fastapi.events import EventHub, event_stream
 from onceflow.integrations.fastapi.http_errors import (
     add_error_handlers,
@@ -64,9 +69,11 @@ from onceflow.integrations.fastapi.http_errors import (
     validation_body,
 )
 from onceflow.integrations.fastapi.limits import BODY_ENVELOPE_DEPTH, BodyLimitMiddleware
+from onceflow.integrations.fastapi.lock_routes import add_lock_routes
 from onceflow.integrations.fastapi.metrics_routes import install_metrics
 from onceflow.integrations.fastapi.operators import OperatorAuth, bearer_key
 from onceflow.integrations.fastapi.ratelimit import RateLimited, RateLimits
+from onceflow.integrations.fastapi.sdk_routes import create_sdk_router
 from onceflow.models import Claim, Dispatch, NewRequest, Status
 from onceflow.models import Request as StageRequest
 from onceflow.models import workspace_process_requests as wpr
@@ -192,18 +199,9 @@ def get_oplog(services: Annotated[OnceflowServices, Depends(get_services)]) -> O
     return services.oplog
 
 
-def get_principal(request: Request) -> Principal:
-    """The key's principal, set by the router's routes once the key and its scope passed."""
-    principal = getattr(request.state, "onceflow_principal", None)
-    if not isinstance(principal, Principal):
-        raise AccessDenied(401, "no API key was checked for this route")
-    return principal
-
-
 FlowDep = Annotated[Flow, Depends(get_flow)]
 QueueDep = Annotated[Queue, Depends(get_queue)]
 OpLogDep = Annotated[OpLog, Depends(get_oplog)]
-PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 
 # ------------------------------------------------------------------------ errors
@@ -377,6 +375,7 @@ def create_router(
     _request_routes(router, svc)
     _claim_routes(router, svc)
     _op_routes(router, svc)
+    add_lock_routes(router, svc, _responses(409, 413, 503))
     return router
 
 
@@ -823,5 +822,6 @@ def create_app(
     from onceflow.integrations.fastapi.dashboard import create_dashboard_router
 
     app.include_router(create_dashboard_router(services))  # /dashboard: docs/dashboard.md
+    app.include_router(create_sdk_router())  # /sdk/index.js: the browser SDK (docs/browser.md)
     add_error_handlers(app)
     return app

@@ -21,9 +21,11 @@ import re
 import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Annotated, Protocol
 
-from onceflow.errors import InvalidRequest
+from fastapi import Depends, Request
+
+from onceflow.errors import AccessDenied, InvalidRequest
 from onceflow.settings import Settings
 
 WILDCARD = "*"
@@ -124,3 +126,14 @@ def _table(name: str, table: Mapping[str, Iterable[str]]) -> dict[str, frozenset
             raise InvalidRequest(f"{name}: each hash maps to a list of non-empty scope names")
         out[digest] = frozenset(scopes)
     return out
+
+
+def get_principal(request: Request) -> Principal:
+    """The key's principal, set by the router's routes once the key and its scope passed."""
+    principal = getattr(request.state, "onceflow_principal", None)
+    if not isinstance(principal, Principal):
+        raise AccessDenied(401, "no API key was checked for this route")
+    return principal
+
+
+PrincipalDep = Annotated[Principal, Depends(get_principal)]

@@ -1,0 +1,188 @@
+"""Compute locks over HTTP: layer 2 for pull workers that are not Python (browser tabs).
+
+The seed's protocol per expensive call, with the client doing steps 1, 3 and 4 and
+these routes the lock itself (the same Redis ``SET NX PX`` lock, keys and broadcasts
+as :func:`onceflow.locks.compute_once`, so a tab, a Celery stage and a Python pull
+worker asking for the same cell share one lock):
+
+* ``POST /v1/claims/{request_id}/locks`` ``{claim_token, task, ttl_seconds?}`` — for the
+  holder of a live claim (DB clock), on the cell ``(claim's workspace, claim's job, task)``:
+  201 ``{acquired: true, lock_token, ttl_ms}``, or 200 ``{locked: true, remaining_ms}``:
+  someone else is on it — wait for the workspace's ``lock_released`` or ``commit``
+  event (``GET /v1/workspaces/{ws}/events``), check again, and try again at the latest
+  when ``remaining_ms`` has passed (the holder may have died: its lock expires);
+* ``POST …/locks/extend`` ``{claim_token, task, lock_token, ttl_seconds?}`` — compare and
+  extend: ``{held: true|false}`` (a long call keeps its lock; the claim must be live);
+* ``POST …/locks/release`` ``{claim_token, task, lock_token, outcome}`` — compare and delete,
+  then announce ``lock_released`` (``ok`` unless ``outcome`` is ``failed``) on the
+  workspace channel: ``{released: true|false}``. It does not need a live claim: a lock
+  is released by its own token whatever happened to the claim meanwhile.
+
+``outcome`` (``computed``, ``double_check`` or ``failed``) feeds the workspace's
+compute-lock counters, so the dashboard's savings include the tabs' calls. The lock
+token is a secret of its holder: never logged, only compared in Redis.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from fastapi import APIRouter, Response
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from onceflow.errors import LeaseLost, NotFound
+from onceflow.ids import check_id
+from onceflow.integrations.fastapi import schemas as s
+from onceflow.integrations.fastapi.auth import Principal, PrincipalDep
+from onceflow.keys import lock_key
+from onceflow.locks.base import LockHandle, ttl_to_ms
+from onceflow.locks.counters import COMPUTE_ERRORS, COMPUTES, DOUBLE_CHECK_HITS
+from onceflow.locks.protocol import get_backend
+from onceflow.models import Request as StageRequest
+
+if TYPE_CHECKING:
+    from onceflow.integrations.fastapi.app import OnceflowServices
+
+Task = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+LockToken = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+TtlSeconds = Annotated[float, Field(gt=0, le=3600)]
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    claim_token: s.ClaimTokenStr
+    task: Task = Field(description="The expensive call, e.g. `eval:<column>`.")
+
+
+class LockIn(_In):
+    """Take the cell's compute lock."""
+
+    ttl_seconds: TtlSeconds | None = Field(
+        default=None, description="The lock's TTL; ONCEFLOW_LOCK_TTL_SECONDS by default."
+    )
+
+
+class LockOut(BaseModel):
+    """``acquired``: yours, release it; ``locked``: someone else is on it."""
+
+    acquired: bool
+    locked: bool
+    job_id: str
+    task: str
+    lock_token: str | None = None
+    ttl_ms: int | None = None
+    remaining_ms: int | None = None
+
+
+class ExtendIn(_In):
+    """Extend a lock you hold."""
+
+    lock_token: LockToken
+    ttl_seconds: TtlSeconds | None = None
+
+
+class ExtendOut(BaseModel):
+    held: bool
+
+
+class ReleaseIn(_In):
+    """Release a lock you hold and announce it."""
+
+    lock_token: LockToken
+    outcome: Literal["computed", "double_check", "failed"] = Field(
+        description="What the holder did: `failed` announces ok=false (a waiter takes over)."
+    )
+
+
+class ReleaseOut(BaseModel):
+    released: bool
+
+
+_COUNTED = {"computed": (COMPUTES,), "double_check": (DOUBLE_CHECK_HITS,),
+            "failed": (COMPUTES, COMPUTE_ERRORS)}  # fmt: skip
+
+
+def add_lock_routes(
+    router: APIRouter, svc: OnceflowServices, responses: dict[int | str, dict[str, Any]]
+) -> None:
+    """Add the three lock routes to the ``/v1`` router."""
+
+    def claim_holder(request_id: str, token: str, principal: Principal, *, live: bool) -> Any:
+        # One answer (409 lease_lost) for "no such request", "not your worker class", "not
+        # running" and "wrong token", as on the other claim routes: nothing leaks about ids.
+        check_id("request_id", request_id)
+        if live:
+            found = svc.queue.live_claim(request_id, token)
+        else:  # a release needs the cell, not a live claim: the lock token is the proof
+            try:
+                found = svc.queue.get(request_id)
+            except NotFound:
+                found = None
+        if found is None or not principal.may_work(found.worker_class):
+            raise LeaseLost(request_id)
+        return found
+
+    def handle(request: StageRequest, body: _In, token: str, ttl_ms: int) -> LockHandle:
+        be = get_backend()
+        key = lock_key(request.workspace_id, request.job_id, body.task)
+        return LockHandle(be, request.workspace_id, request.job_id, body.task, key, token, ttl_ms)
+
+    @router.post(
+        "/claims/{request_id}/locks",
+        operation_id="acquire_lock",
+        tags=["pull workers"],
+        status_code=201,
+        response_model=LockOut,
+        responses={200: {"model": LockOut, "description": "Locked by someone else"}, **responses},
+    )
+    def acquire(
+        request_id: s.RequestIdPath, body: LockIn, response: Response, principal: PrincipalDep
+    ) -> LockOut:
+        """Take the compute lock of ``task`` on the claimed request's job (a live claim only)."""
+        request: StageRequest = claim_holder(request_id, body.claim_token, principal, live=True)
+        lock_key(request.workspace_id, request.job_id, body.task)  # a bad task: 400 first
+        be = get_backend()
+        got = be.acquire(request.workspace_id, request.job_id, body.task, body.ttl_seconds)
+        if got is not None:
+            return LockOut(acquired=True, locked=False, job_id=request.job_id, task=body.task,
+                           lock_token=got.token, ttl_ms=got.ttl_ms)  # fmt: skip
+        response.status_code = 200
+        remaining = be.remaining_ms(request.workspace_id, request.job_id, body.task)
+        return LockOut(acquired=False, locked=True, job_id=request.job_id, task=body.task,
+                       remaining_ms=remaining or 0)  # fmt: skip
+
+    @router.post(
+        "/claims/{request_id}/locks/extend",
+        operation_id="extend_lock",
+        tags=["pull workers"],
+        response_model=ExtendOut,
+        responses=responses,
+    )
+    def extend(request_id: s.RequestIdPath, body: ExtendIn, principal: PrincipalDep) -> ExtendOut:
+        """Compare and extend: ``held: false`` once the lock expired or was taken."""
+        request: StageRequest = claim_holder(request_id, body.claim_token, principal, live=True)
+        be = get_backend()
+        ttl = be.settings.lock_ttl_seconds if body.ttl_seconds is None else body.ttl_seconds
+        ttl_ms = ttl_to_ms(ttl)
+        lock = handle(request, body, body.lock_token, ttl_ms)
+        return ExtendOut(held=be.cad_extend(lock, ttl_ms))
+
+    @router.post(
+        "/claims/{request_id}/locks/release",
+        operation_id="release_lock",
+        tags=["pull workers"],
+        response_model=ReleaseOut,
+        responses=responses,
+    )
+    def release(
+        request_id: s.RequestIdPath, body: ReleaseIn, principal: PrincipalDep
+    ) -> ReleaseOut:
+        """Compare and delete, then announce ``lock_released`` on the workspace channel."""
+        request: StageRequest = claim_holder(request_id, body.claim_token, principal, live=False)
+        lock = handle(request, body, body.lock_token, 0)
+        be = get_backend()
+        released = be.cad_release(lock)
+        for name in _COUNTED[body.outcome]:
+            be.counters.incr(request.workspace_id, name)
+        be.announce(lock, ok=body.outcome != "failed")  # flushes the counters too
+        return ReleaseOut(released=released)

@@ -1,0 +1,3 @@
+export * from "./transport.js";
+export * from "./workspace-client.js";
+export * from "./pull-worker.js";

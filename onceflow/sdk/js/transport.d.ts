@@ -1,0 +1,75 @@
+export interface ErrorOptions {
+  status?: number;
+  code?: string;
+  body?: unknown;
+  cause?: unknown;
+}
+/** Every error the SDK throws. */
+export class OnceflowError extends Error {
+  constructor(message: string, options?: ErrorOptions);
+  readonly status: number;
+  readonly code: string;
+  readonly body: unknown;
+}
+/** No answer from the server (offline, refused, reset, timed out). Retryable. */
+export class NetworkError extends OnceflowError {}
+/** An error answer: `status` and the API's `code`. */
+export class HttpError extends OnceflowError {
+  retryAfterMs?: number;
+}
+/** 409 lease_lost: the claim is gone; write nothing more for it. */
+export class LeaseLost extends HttpError {}
+/** Cancel was requested for the running stage. */
+export class Cancelled extends OnceflowError {}
+/** Stopped by an AbortSignal. */
+export class Aborted extends OnceflowError {}
+
+export const RETRYABLE_STATUS: ReadonlySet<number>;
+export function isRetryable(error: unknown): boolean;
+export interface BackoffOptions {
+  baseMs?: number;
+  capMs?: number;
+  random?: () => number;
+  retryAfterMs?: number;
+}
+export function backoffDelay(attempt: number, options?: BackoffOptions): number;
+export function retryAfterMs(headers: { get(name: string): string | null } | null | undefined, now?: number): number;
+/** A new op id (default 21 URL-safe symbols from Web Crypto). */
+export function newOpId(size?: number): string;
+export function sleep(ms: number, signal?: AbortSignal): Promise<void>;
+export function errorFor(status: number, body: unknown, what?: string): HttpError;
+export function seg(value: string): string;
+
+export interface Answer<T = any> {
+  status: number;
+  body: T | null;
+  headers: Headers;
+}
+export interface ApiOptions {
+  apiKey: string;
+  fetch?: typeof fetch;
+  timeoutMs?: number;
+}
+export interface CallOptions {
+  signal?: AbortSignal;
+  timeoutMs?: number;
+}
+export interface RetryOptions extends CallOptions {
+  attempts?: number;
+  backoff?: BackoffOptions;
+  what?: string;
+  onRetry?: (error: unknown, attempt: number) => void;
+}
+export class Api {
+  constructor(baseUrl: string, options: ApiOptions);
+  readonly baseUrl: string;
+  raw(method: string, path: string, options?: CallOptions & { body?: unknown; headers?: Record<string, string> }): Promise<Response>;
+  call<T = any>(method: string, path: string, body?: unknown, options?: CallOptions): Promise<Answer<T>>;
+  callRetrying<T = any>(method: string, path: string, body?: unknown, options?: RetryOptions): Promise<Answer<T>>;
+}
+export interface SseEvent {
+  event: string;
+  data: string;
+  id: string | null;
+}
+export function sseEvents(chunks: AsyncIterable<Uint8Array> | ReadableStream<Uint8Array>): AsyncGenerator<SseEvent>;

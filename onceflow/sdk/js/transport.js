@@ -1,0 +1,239 @@
+// onceflow SDK — the transport every part shares: one fetch wrapper, the error classes,
+// backoff with full jitter, op ids and a streaming SSE reader. No dependencies, no build:
+// an ES module for browsers (and Node >= 20 for its pure parts).
+
+/** Every error the SDK throws. `status` and `code` come from the API's error body. */
+export class OnceflowError extends Error {
+  constructor(message, { status = 0, code = "", body = null, cause } = {}) {
+    super(message, cause === undefined ? undefined : { cause });
+    this.name = new.target.name;
+    this.status = status;
+    this.code = code;
+    this.body = body;
+  }
+}
+
+/** The network failed or timed out: nothing is known of the server's answer. Retryable. */
+export class NetworkError extends OnceflowError {}
+
+/** The server answered with an error (`status`, `code` as in the API's `{detail, code}`). */
+export class HttpError extends OnceflowError {}
+
+/** 409 lease_lost: the claim is gone — stop, and write nothing more for it. */
+export class LeaseLost extends HttpError {}
+
+/** A heartbeat said cancel was requested: stop the stage. */
+export class Cancelled extends OnceflowError {}
+
+/** The stage (or the client) was stopped by its AbortSignal. */
+export class Aborted extends OnceflowError {}
+
+/** Statuses worth retrying with the same request (the request must be safe to repeat). */
+export const RETRYABLE_STATUS = new Set([408, 425, 429, 500, 502, 503, 504]);
+
+/** True for an error that a retry of the same (idempotent) request may cure. */
+export function isRetryable(error) {
+  if (error instanceof NetworkError) return true;
+  return error instanceof HttpError && !(error instanceof LeaseLost) && RETRYABLE_STATUS.has(error.status);
+}
+
+/**
+ * The delay before retry number `attempt` (0 = the first retry): "full jitter", a uniform
+ * draw in [0, min(capMs, baseMs * 2^attempt)], so clients that failed together do not
+ * come back together. A server's Retry-After (ms) is a floor.
+ */
+export function backoffDelay(attempt, { baseMs = 200, capMs = 10_000, random = Math.random, retryAfterMs = 0 } = {}) {
+  const ceiling = Math.min(capMs, baseMs * 2 ** Math.max(0, Math.min(attempt, 30)));
+  return Math.max(retryAfterMs, Math.floor(random() * ceiling));
+}
+
+/** Retry-After (seconds, or an HTTP date) in ms; 0 when absent or unreadable. */
+export function retryAfterMs(headers, now = Date.now()) {
+  const value = headers && typeof headers.get === "function" ? headers.get("retry-after") : null;
+  if (!value) return 0;
+  const seconds = Number(value);
+  if (Number.isFinite(seconds)) return Math.max(0, seconds * 1000);
+  const at = Date.parse(value);
+  return Number.isFinite(at) ? Math.max(0, at - now) : 0;
+}
+
+// nanoid's URL-safe alphabet: 64 symbols, so a random byte's low 6 bits pick one uniformly.
+const ALPHABET = "useandom-26T198340PX75pxJACKVERYMINDBUSHWOLF_GQZbfghjklqvwyzrict";
+
+/**
+ * A new op id: `size` symbols (default 21: 126 random bits, nanoid's strength) drawn
+ * from Web Crypto. Matches the API's op id pattern `^[A-Za-z0-9_-]{16,64}$`.
+ */
+export function newOpId(size = 21) {
+  if (!Number.isInteger(size) || size < 16 || size > 64) throw new RangeError("op id size must be 16..64");
+  const bytes = globalThis.crypto.getRandomValues(new Uint8Array(size));
+  let id = "";
+  for (const byte of bytes) id += ALPHABET[byte & 63];
+  return id;
+}
+
+/** Wait `ms`, or reject with Aborted as soon as `signal` aborts. */
+export function sleep(ms, signal) {
+  return new Promise((resolve, reject) => {
+    if (signal?.aborted) return reject(new Aborted("aborted"));
+    const timer = setTimeout(done, Math.max(0, ms));
+    function done() {
+      signal?.removeEventListener("abort", onAbort);
+      resolve();
+    }
+    function onAbort() {
+      clearTimeout(timer);
+      reject(new Aborted("aborted"));
+    }
+    signal?.addEventListener("abort", onAbort, { once: true });
+  });
+}
+
+/** The error for a non-2xx answer: LeaseLost for 409 lease_lost, else HttpError. */
+export function errorFor(status, body, what = "request") {
+  const code = body && typeof body.code === "string" ? body.code : "";
+  const detail = body && typeof body.detail === "string" ? body.detail : `HTTP ${status}`;
+  const Kind = status === 409 && code === "lease_lost" ? LeaseLost : HttpError;
+  return new Kind(`${what}: ${status} ${code || ""} ${detail}`.replace(/\s+/g, " ").trim(), { status, code, body });
+}
+
+/**
+ * The API's client: base URL, key, JSON in and out. `call` returns `{status, body, headers}`
+ * for every HTTP answer (the caller decides what a status means) and throws NetworkError
+ * when there is none (offline, refused, reset, timed out).
+ */
+export class Api {
+  constructor(baseUrl, { apiKey, fetch: fetchImpl = globalThis.fetch, timeoutMs = 30_000 } = {}) {
+    if (!apiKey || typeof apiKey !== "string") throw new TypeError("apiKey is required");
+    this.baseUrl = String(baseUrl || "").replace(/\/+$/, "");
+    this.timeoutMs = timeoutMs;
+    this._fetch = fetchImpl.bind(globalThis);
+    // The key lives in this object only: never in a URL, never logged, never stored.
+    Object.defineProperty(this, "_auth", { value: `Bearer ${apiKey}`, enumerable: false });
+  }
+
+  /** `fetch` with the key, a timeout, and an optional caller signal. */
+  async raw(method, path, { body, signal, timeoutMs = this.timeoutMs, headers = {} } = {}) {
+    const controller = new AbortController();
+    const onAbort = () => controller.abort(signal.reason);
+    if (signal?.aborted) throw new Aborted("aborted");
+    signal?.addEventListener("abort", onAbort, { once: true });
+    const timer = timeoutMs > 0 ? setTimeout(() => controller.abort(new Error("timeout")), timeoutMs) : null;
+    try {
+      const init = { method, headers: { Authorization: this._auth, ...headers }, signal: controller.signal, cache: "no-store" };
+      if (body !== undefined) {
+        init.body = JSON.stringify(body);
+        init.headers["Content-Type"] = "application/json";
+      }
+      return await this._fetch(this.baseUrl + path, init);
+    } catch (error) {
+      if (signal?.aborted) throw new Aborted("aborted", { cause: error });
+      throw new NetworkError(`${method} ${path}: no answer (${error?.message || error})`, { cause: error });
+    } finally {
+      if (timer !== null) clearTimeout(timer);
+      signal?.removeEventListener("abort", onAbort);
+    }
+  }
+
+  /** One JSON call: `{status, body, headers}`; the body is null when empty or not JSON. */
+  async call(method, path, body, options = {}) {
+    const response = await this.raw(method, path, { ...options, body });
+    let parsed = null;
+    try {
+      const text = await response.text();
+      parsed = text ? JSON.parse(text) : null;
+    } catch (error) {
+      if (options.signal?.aborted) throw new Aborted("aborted", { cause: error });
+      if (!(error instanceof SyntaxError)) throw new NetworkError(`${method} ${path}: the answer was cut`, { cause: error });
+    }
+    return { status: response.status, body: parsed, headers: response.headers };
+  }
+
+  /**
+   * A call that is safe to repeat, retried on no answer and on RETRYABLE_STATUS with
+   * backoff and jitter, up to `attempts` tries (Infinity: until `signal` aborts). Returns
+   * the first other answer; throws errorFor() for a non-2xx one.
+   */
+  async callRetrying(method, path, body, { signal, attempts = 5, backoff = {}, what, onRetry, timeoutMs } = {}) {
+    for (let attempt = 0; ; attempt++) {
+      let error;
+      try {
+        const answer = await this.call(method, path, body, { signal, timeoutMs });
+        if (answer.status < 300) return answer;
+        error = errorFor(answer.status, answer.body, what || `${method} ${path}`);
+        error.retryAfterMs = retryAfterMs(answer.headers);
+      } catch (caught) {
+        error = caught;
+      }
+      if (!isRetryable(error) || attempt + 1 >= attempts) throw error;
+      onRetry?.(error, attempt);
+      await sleep(backoffDelay(attempt, { ...backoff, retryAfterMs: error.retryAfterMs || 0 }), signal);
+    }
+  }
+}
+
+/** One percent-encoded path segment (ids may hold `/`, `:` and other reserved characters). */
+export function seg(value) {
+  return encodeURIComponent(String(value));
+}
+
+/**
+ * The events of a `text/event-stream` body, parsed as the HTML standard says (fields
+ * `event`, `data`, `id`; comments and `retry` ignored; CRLF, LF or CR line ends; an event
+ * is dispatched at a blank line, one without data is not). Yields `{event, data, id}`
+ * with `event` defaulting to "message". Works on any async iterable of Uint8Array chunks
+ * (a fetch body in browsers and in Node).
+ */
+export async function* sseEvents(chunks) {
+  const decoder = new TextDecoder();
+  let buffer = "";
+  let event = "";
+  let data = [];
+  let id = null;
+  let pendingCR = false;
+  for await (const chunk of iterate(chunks)) {
+    let text = decoder.decode(chunk, { stream: true });
+    if (pendingCR && text.startsWith("\n")) text = text.slice(1);
+    pendingCR = false;
+    buffer += text;
+    let match;
+    while ((match = /\r\n|\r|\n/.exec(buffer)) !== null) {
+      if (match[0] === "\r" && match.index === buffer.length - 1) {
+        pendingCR = true; // a CR at the chunk's end may be the first half of CRLF
+      }
+      const line = buffer.slice(0, match.index);
+      buffer = buffer.slice(match.index + match[0].length);
+      if (line === "") {
+        if (data.length) yield { event: event || "message", data: data.join("\n"), id };
+        event = "";
+        data = [];
+        continue;
+      }
+      if (line.startsWith(":")) continue;
+      const colon = line.indexOf(":");
+      const field = colon === -1 ? line : line.slice(0, colon);
+      let value = colon === -1 ? "" : line.slice(colon + 1);
+      if (value.startsWith(" ")) value = value.slice(1);
+      if (field === "event") event = value;
+      else if (field === "data") data.push(value);
+      else if (field === "id" && !value.includes("\0")) id = value;
+    }
+  }
+}
+
+async function* iterate(chunks) {
+  if (chunks && typeof chunks.getReader === "function" && !(Symbol.asyncIterator in chunks)) {
+    const reader = chunks.getReader();
+    try {
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) return;
+        yield value;
+      }
+    } finally {
+      reader.releaseLock();
+    }
+  } else {
+    yield* chunks;
+  }
+}
