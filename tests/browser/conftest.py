@@ -1,9 +1,18 @@
-"""A real `onceflow api` with operator keys and a real Celery worker, for the dashboard tests."""
+"""What the browser tests share: Debian's Chromium, real `onceflow api` processes, a Celery worker.
+
+* ``browser``: one headless Chromium (``/usr/bin/chromium`` through Playwright's
+  ``executable_path``; nothing downloads a browser) for the whole package;
+* ``dashboard_api`` / ``dashboard_worker`` / ``dash``: the dashboard tests' server and worker;
+* ``sdk_api``: an `onceflow api` with API and worker keys for the SDK tests, and
+  :func:`open_tab`: a page at the API's own origin (so ``import "/sdk/index.js"`` and the
+  ``/v1`` calls are same-origin, as in a deployment that serves its app beside the API).
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -92,3 +101,71 @@ def artifacts_dir() -> Path:
     path = Path(TEST_ARTIFACTS or ROOT / "test-artifacts")
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--no-first-run", "--disable-sync"]  # fmt: skip
+
+
+@pytest.fixture(scope="package")
+def browser() -> Iterator[Any]:
+    """Debian's Chromium, headless, for the whole package (skipped without it; failed on CI)."""
+    if not os.path.exists(CHROMIUM) or shutil.which(CHROMIUM) is None:
+        reason = f"Debian's chromium is not installed at {CHROMIUM} (apt-get install chromium)"
+        if os.environ.get("CI", "").lower() in ("true", "1"):
+            pytest.fail(f"CI: {reason}")
+        pytest.skip(reason)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        launched = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+        try:
+            yield launched
+        finally:
+            launched.close()
+
+
+# ------------------------------------------------------------------------- the SDK
+
+SDK_APP = "tests.browser.sdk_stages:flow"
+SDK_API_KEY = "of_test_sdk_api_key_0123456789abcdef"  # workspaces sdk-*
+SDK_WORKER_KEY = "of_test_sdk_worker_key_0123456789ab"  # worker classes t-tab*
+SDK_WORKSPACES = ["sdk-w1", "sdk-w2", "sdk-w3", "sdk-w4", "sdk-w5", "sdk-w6"]
+
+
+@pytest.fixture(scope="package")
+def sdk_api(
+    tmp_path_factory: pytest.TempPathFactory, database_url: str, redis_url: str
+) -> Iterator[tuple[str, procs.Proc]]:
+    """A real `onceflow api` for the SDK tests: (base URL, process). Keys never logged."""
+    env = {
+        **TEST_ENV,
+        "PYTHONPATH": str(ROOT),
+        "ONCEFLOW_API_KEYS": json.dumps({hash_key(SDK_API_KEY): SDK_WORKSPACES}),
+        "ONCEFLOW_WORKER_KEYS": json.dumps({hash_key(SDK_WORKER_KEY): ["*"]}),
+        "ONCEFLOW_API_AUTH_FAILURE_LIMIT": "",
+        "ONCEFLOW_API_SSE_KEEPALIVE_SECONDS": "1",
+    }
+    with api_server(tmp_path_factory.mktemp("sdk-api"), env, app=SDK_APP) as (url, proc):
+        yield url, proc
+    log_text = proc.log()
+    for secret in (SDK_API_KEY, SDK_WORKER_KEY):
+        assert secret not in log_text  # keys are never logged
+
+
+def open_tab(context: Any, base_url: str, body: str, name: str = "tab") -> Any:
+    """A new page of ``context`` at ``{base_url}/__test__/{name}.html`` holding ``body``.
+
+    The page is served by Playwright (``context.route``) at the API's origin, so it is
+    same-origin with ``/sdk/`` and ``/v1``; a reload is served the same page again.
+    """
+    url = f"{base_url}/__test__/{name}.html"
+
+    def fulfil(route: Any) -> None:
+        route.fulfill(status=200, content_type="text/html; charset=utf-8", body=body)
+
+    context.route(url, fulfil)
+    page = context.new_page()
+    page.goto(url)
+    return page

@@ -9,9 +9,6 @@ downloads a browser: without /usr/bin/chromium the test skips, or fails under CI
 
 from __future__ import annotations
 
-import os
-import shutil
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -33,27 +30,7 @@ from tests.browser.test_dashboard_api import (
 
 pytestmark = pytest.mark.slow
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--no-first-run", "--disable-sync"]  # fmt: skip
 DEADLINE_MS = 20_000
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    if not os.path.exists(CHROMIUM) or shutil.which(CHROMIUM) is None:
-        reason = f"Debian's chromium is not installed at {CHROMIUM} (apt-get install chromium)"
-        if os.environ.get("CI", "").lower() in ("true", "1"):
-            pytest.fail(f"CI: {reason}")
-        pytest.skip(reason)
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        launched = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
-        try:
-            yield launched
-        finally:
-            launched.close()
 
 
 def row(engine: Engine, request_id: str) -> tuple[Any, ...]:
