@@ -496,6 +496,7 @@ def test_openapi_documents_every_route_with_its_errors(openapi_doc: dict[str, An
         "/v1/claims/{request_id}/ops", "/v1/workspaces/{ws}/sub-docs/{sub_doc}",
         "/v1/workspaces/{ws}/sub-docs/{sub_doc}/ops", "/v1/claims/{request_id}/locks",
         "/v1/claims/{request_id}/locks/extend", "/v1/claims/{request_id}/locks/release",
+        "/v1/claims/{request_id}/events",
     }  # fmt: skip
     for item in paths.values():
         for op in item.values():
@@ -802,6 +803,33 @@ def test_http_compute_lock_one_holder_a_waiter_and_the_release_broadcast(
     assert "lock_released" in kinds
     assert lock(rid_b, tok_b).status_code == 201  # free again: the waiter takes it
     pubsub.close()
+
+
+def test_a_claim_holder_follows_its_workspace_events_and_no_one_else(
+    client: httpx.Client, api: str
+) -> None:
+    (rid, token), _ = _claim_two_of_one_job(client)
+    url = f"/v1/claims/{rid}/events"
+    forged = client.post(url, json={"claim_token": "forged"}, headers=auth(WORKER_KEY))
+    assert forged.status_code == 409
+    with (
+        httpx.Client(base_url=api, timeout=10) as http,
+        http.stream("POST", url, json={"claim_token": token}, headers=auth(WORKER_KEY)) as stream,
+    ):
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        assert "event: ready" in [next(lines), next(lines)]  # after the `retry:` hint
+        write = client.post(f"/v1/claims/{rid}/ops", headers=auth(WORKER_KEY), json={
+            "claim_token": token, "sub_doc": "doc-ev", "key": "k1",
+            "op": {"type": "node.insert", "node": "a"},
+        })  # fmt: skip
+        assert write.status_code == 201, write.text
+        seen = []
+        for line in lines:
+            seen.append(line)
+            if line.startswith("data: ") and "commit" in line:
+                break
+        assert "event: commit" in seen
 
 
 def test_http_compute_lock_needs_a_live_claim_and_a_good_task(client: httpx.Client) -> None:

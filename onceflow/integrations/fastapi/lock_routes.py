@@ -18,6 +18,11 @@ worker asking for the same cell share one lock):
   workspace channel: ``{released: true|false}``. It does not need a live claim: a lock
   is released by its own token whatever happened to the claim meanwhile.
 
+``POST /v1/claims/{request_id}/events`` ``{claim_token}`` streams the claimed request's
+workspace events (the ``GET /v1/workspaces/{ws}/events`` stream: ``ready``, ``commit``,
+``lock_released``) to a worker key, which holds no workspace scope: opened for a live
+claim only, it is what a waiting tab listens to. The client closes it when its stage ends.
+
 ``outcome`` (``computed``, ``double_check`` or ``failed``) feeds the workspace's
 compute-lock counters, so the dashboard's savings include the tabs' calls. The lock
 token is a secret of its holder: never logged, only compared in Redis.
@@ -29,11 +34,13 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import APIRouter, Response
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from starlette.concurrency import run_in_threadpool
 
 from onceflow.errors import LeaseLost, NotFound
 from onceflow.ids import check_id
 from onceflow.integrations.fastapi import schemas as s
 from onceflow.integrations.fastapi.auth import Principal, PrincipalDep
+from onceflow.integrations.fastapi.events import event_stream
 from onceflow.keys import lock_key
 from onceflow.locks.base import LockHandle, ttl_to_ms
 from onceflow.locks.counters import COMPUTE_ERRORS, COMPUTES, DOUBLE_CHECK_HITS
@@ -60,6 +67,13 @@ class LockIn(_In):
     ttl_seconds: TtlSeconds | None = Field(
         default=None, description="The lock's TTL; ONCEFLOW_LOCK_TTL_SECONDS by default."
     )
+
+
+class EventsIn(BaseModel):
+    """Follow the claimed request's workspace events while the claim is live."""
+
+    model_config = ConfigDict(extra="forbid")
+    claim_token: s.ClaimTokenStr
 
 
 class LockOut(BaseModel):
@@ -186,3 +200,29 @@ def add_lock_routes(
             be.counters.incr(request.workspace_id, name)
         be.announce(lock, ok=body.outcome != "failed")  # flushes the counters too
         return ReleaseOut(released=released)
+
+    @router.post(
+        "/claims/{request_id}/events",
+        operation_id="claim_events",
+        tags=["pull workers"],
+        response_class=Response,
+        responses={
+            200: {
+                "description": "The claimed request's workspace event stream (as "
+                "`GET /v1/workspaces/{ws}/events`): `ready`, `commit`, `lock_released`",
+                "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            },
+            **responses,
+        },
+    )
+    async def claim_events(
+        request_id: s.RequestIdPath, body: EventsIn, principal: PrincipalDep
+    ) -> Response:
+        """Server-sent events of the claimed request's workspace, for the claim's holder."""
+        request: StageRequest = await run_in_threadpool(
+            claim_holder, request_id, body.claim_token, principal, live=True
+        )
+        keepalive = svc.settings.api_sse_keepalive_seconds
+        return await event_stream(
+            svc.event_hub(), request.workspace_id, principal.key_id, keepalive
+        )
