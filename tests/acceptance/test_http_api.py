@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import queue as queue_mod
+import secrets
 import threading
 import time
 import urllib.parse
@@ -752,8 +753,9 @@ def test_ids_that_cannot_be_one_url_segment_are_refused_by_the_client(api: str) 
 def _claim_two_of_one_job(client: httpx.Client) -> list[tuple[str, str]]:
     """Two claimed requests of the same job (two branches): two holders racing one cell."""
     held = []
+    job = f"jl-{secrets.token_hex(4)}"  # a lock left by an earlier run on this Redis is not ours
     for branch in ("a", "b"):
-        enqueue(client, "w1", API_KEY, stage="noop", job_id="jl", branch_path=branch,
+        enqueue(client, "w1", API_KEY, stage="noop", job_id=job, branch_path=branch,
                 input={"value": 1}, worker_class=PULL)  # fmt: skip
         answer = client.post(
             f"/v1/worker-classes/{PULL}/claims", json={"worker_id": branch},
@@ -785,7 +787,7 @@ def test_http_compute_lock_one_holder_a_waiter_and_the_release_broadcast(
     second = lock(rid_b, tok_b)
     assert second.status_code == 200, second.text
     assert second.json()["locked"] is True and second.json()["acquired"] is False
-    assert 0 < second.json()["remaining_ms"] <= 30_000 and second.json()["job_id"] == "jl"
+    assert 0 < second.json()["remaining_ms"] <= 30_000 and second.json()["job_id"].startswith("jl-")
     # Another holder's token cannot extend or release it; the holder's can.
     assert lock(rid_b, tok_b, "extend", lock_token="not-the-token").json() == {"held": False}
     assert lock(rid_a, tok_a, "extend", lock_token=lock_token).json() == {"held": True}
