@@ -497,7 +497,7 @@ def test_openapi_documents_every_route_with_its_errors(openapi_doc: dict[str, An
         "/v1/claims/{request_id}/ops", "/v1/workspaces/{ws}/sub-docs/{sub_doc}",
         "/v1/workspaces/{ws}/sub-docs/{sub_doc}/ops", "/v1/claims/{request_id}/locks",
         "/v1/claims/{request_id}/locks/extend", "/v1/claims/{request_id}/locks/release",
-        "/v1/claims/{request_id}/events",
+        "/v1/claims/{request_id}/events", "/v1/claims/{request_id}/sub-docs",
     }  # fmt: skip
     for item in paths.values():
         for op in item.values():
@@ -832,6 +832,14 @@ def test_a_claim_holder_follows_its_workspace_events_and_no_one_else(
             if line.startswith("data: ") and "commit" in line:
                 break
         assert "event: commit" in seen
+    read = client.post(f"/v1/claims/{rid}/sub-docs", json={"claim_token": token,
+                       "sub_doc": "doc-ev"}, headers=auth(WORKER_KEY))  # fmt: skip
+    assert read.status_code == 200 and read.json()["clock"] >= 1, read.text
+    assert "a" in json.dumps(read.json()["state"])
+    forged_read = client.post(f"/v1/claims/{rid}/sub-docs",
+                              json={"claim_token": "forged", "sub_doc": "doc-ev"},
+                              headers=auth(WORKER_KEY))  # fmt: skip
+    assert forged_read.status_code == 409
 
 
 def test_http_compute_lock_needs_a_live_claim_and_a_good_task(client: httpx.Client) -> None:

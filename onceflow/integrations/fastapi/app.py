@@ -69,9 +69,9 @@ from onceflow.integrations.fastapi.http_errors import (
     validation_body,
 )
 from onceflow.integrations.fastapi.limits import BODY_ENVELOPE_DEPTH, BodyLimitMiddleware
-from onceflow.integrations.fastapi.lock_routes import add_lock_routes
 from onceflow.integrations.fastapi.metrics_routes import install_metrics
 from onceflow.integrations.fastapi.operators import OperatorAuth, bearer_key
+from onceflow.integrations.fastapi.pull_routes import add_pull_routes
 from onceflow.integrations.fastapi.ratelimit import RateLimited, RateLimits
 from onceflow.integrations.fastapi.sdk_routes import create_sdk_router
 from onceflow.models import Claim, Dispatch, NewRequest, Status
@@ -375,7 +375,7 @@ def create_router(
     _request_routes(router, svc)
     _claim_routes(router, svc)
     _op_routes(router, svc)
-    add_lock_routes(router, svc, _responses(409, 413, 503))
+    add_pull_routes(router, svc, _responses(409, 413, 503))
     return router
 
 

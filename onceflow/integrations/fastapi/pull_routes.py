@@ -1,4 +1,4 @@
-"""Compute locks over HTTP: layer 2 for pull workers that are not Python (browser tabs).
+"""Routes for pull workers that are not Python (browser tabs): compute locks, events, reads.
 
 The seed's protocol per expensive call, with the client doing steps 1, 3 and 4 and
 these routes the lock itself (the same Redis ``SET NX PX`` lock, keys and broadcasts
@@ -22,6 +22,10 @@ worker asking for the same cell share one lock):
 workspace events (the ``GET /v1/workspaces/{ws}/events`` stream: ``ready``, ``commit``,
 ``lock_released``) to a worker key, which holds no workspace scope: opened for a live
 claim only, it is what a waiting tab listens to. The client closes it when its stage ends.
+
+``POST /v1/claims/{request_id}/sub-docs`` ``{claim_token, sub_doc}`` reads a sub-doc of the
+claimed request's workspace (``{workspace_id, sub_doc, clock, state}``) for a live claim: the
+pre-flight and double-check reads of a tab's stage, as ``ctx.read_sub_doc`` in Python.
 
 ``outcome`` (``computed``, ``double_check`` or ``failed``) feeds the workspace's
 compute-lock counters, so the dashboard's savings include the tabs' calls. The lock
@@ -76,6 +80,14 @@ class EventsIn(BaseModel):
     claim_token: s.ClaimTokenStr
 
 
+class SubDocIn(BaseModel):
+    """Read a sub-doc of the claimed request's workspace."""
+
+    model_config = ConfigDict(extra="forbid")
+    claim_token: s.ClaimTokenStr
+    sub_doc: s.Id
+
+
 class LockOut(BaseModel):
     """``acquired``: yours, release it; ``locked``: someone else is on it."""
 
@@ -116,10 +128,10 @@ _COUNTED = {"computed": (COMPUTES,), "double_check": (DOUBLE_CHECK_HITS,),
             "failed": (COMPUTES, COMPUTE_ERRORS)}  # fmt: skip
 
 
-def add_lock_routes(
+def add_pull_routes(
     router: APIRouter, svc: OnceflowServices, responses: dict[int | str, dict[str, Any]]
 ) -> None:
-    """Add the three lock routes to the ``/v1`` router."""
+    """Add the lock, events and sub-doc read routes for claim holders to the ``/v1`` router."""
 
     def claim_holder(request_id: str, token: str, principal: Principal, *, live: bool) -> Any:
         # One answer (409 lease_lost) for "no such request", "not your worker class", "not
@@ -225,4 +237,21 @@ def add_lock_routes(
         keepalive = svc.settings.api_sse_keepalive_seconds
         return await event_stream(
             svc.event_hub(), request.workspace_id, principal.key_id, keepalive
+        )
+
+    @router.post(
+        "/claims/{request_id}/sub-docs",
+        operation_id="claim_read_sub_doc",
+        tags=["pull workers"],
+        response_model=s.SubDocOut,
+        responses=responses,
+    )
+    def read_sub_doc(
+        request_id: s.RequestIdPath, body: SubDocIn, principal: PrincipalDep
+    ) -> s.SubDocOut:
+        """A sub-doc of the claimed request's workspace: its state and commit clock."""
+        request: StageRequest = claim_holder(request_id, body.claim_token, principal, live=True)
+        doc = svc.oplog.get_sub_doc(request.workspace_id, body.sub_doc)
+        return s.SubDocOut(
+            workspace_id=doc.workspace_id, sub_doc=doc.sub_doc, clock=doc.clock, state=doc.state
         )
