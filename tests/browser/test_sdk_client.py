@@ -183,7 +183,8 @@ def test_base_clock_is_sent_with_every_op(
     bodies = op_bodies(page)
     other = new_tab(context, base_url, W1, "base-other", "base-other")
     script = "(v) => client.applyOp('b', {type: 'cell.set', column: 'c', value: v})"
-    page.evaluate(script, 1)  # unknown clock: read first (0)
+    page.evaluate("client.read('b')")  # a tab reads (or follows) a sub-doc before editing it
+    page.evaluate(script, 1)  # the read's clock: 0
     page.evaluate(script, 2)  # the answer's clock: 1
     other.evaluate(script, 3)  # another client moves the sub-doc to 3
     page.evaluate(script, 4)  # this one still knows 2

@@ -111,8 +111,8 @@ export class WorkspaceClient extends EventTarget {
    * @param {string} subDoc
    * @param {{type: string, [field: string]: unknown}} op
    * @param {{baseClock?: number|null}} [options] default: the last clock this client saw for
-   *   `subDoc` (answers, commits, reads); if it saw none, one quick read first (when that
-   *   gets no answer, e.g. offline, the op is stored without one: the server takes it as new)
+   *   `subDoc` (answers, commits, `read`, `subscribe`); none if it never saw the sub-doc (read
+   *   or subscribe first: the server takes an op without a base clock as new)
    * @returns {Promise<{opId: string, seq: number, subDoc: string, clock: number|null,
    *   duplicate: boolean, applied: boolean, result: unknown, error: unknown}>}
    */
@@ -127,7 +127,8 @@ export class WorkspaceClient extends EventTarget {
     const body = JSON.parse(JSON.stringify(op)); // the JSON that will be sent, fixed now
     if (this._stop.signal.aborted) throw new Aborted("the client is closed");
     await this.start();
-    if (baseClock == null) baseClock = await this._knownClock(subDoc);
+    // No read here: the op is stored before anything can lose it, and calls keep their order.
+    if (baseClock == null) baseClock = this._clocks.get(subDoc) ?? null;
     const opId = newOpId();
     const answer = new Promise((resolve, reject) => this._waiting.set(opId, { resolve, reject }));
     try {
@@ -284,18 +285,6 @@ export class WorkspaceClient extends EventTarget {
       else waiting.reject(new HttpError(message.error.message, message.error));
     }
     this._emitPending();
-  }
-
-  /** The clock to base a new op on: the last one seen, else a quick read (none if offline). */
-  async _knownClock(subDoc) {
-    if (this._clocks.has(subDoc)) return this._clocks.get(subDoc);
-    try {
-      const got = await this._api.call("GET", this._docPath(subDoc), undefined, { signal: this._stop.signal, timeoutMs: 5000 });
-      if (got.status === 200 && Number.isSafeInteger(got.body?.clock)) this._seen(subDoc, got.body.clock);
-    } catch (error) {
-      if (!(error instanceof NetworkError)) throw error;
-    }
-    return this._clocks.get(subDoc) ?? null; // unknown offline: the server takes the op as new
   }
 
   /** Wait `ms` or until poked; rejects with Aborted on close. */

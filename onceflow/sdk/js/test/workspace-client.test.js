@@ -35,11 +35,12 @@ test("retries under the same op id and base clock until an answer, then leaves t
   const answer = (call) => ({ status: 201, body: { op_id: call.body.op_id, clock: 5, duplicate: false, applied: true, result: { n: ++n }, error: null } });
   const { fetch, calls } = scripted(["offline", { status: 503 }, { status: 429, headers: { "Retry-After": "0" } }, "offline", answer]);
   const c = client(fetch);
+  await c.read("doc"); // the tab has seen the sub-doc at clock 4
   const got = await c.applyOp("doc", { type: "cell.set", column: "c", value: 1 });
   const posts = calls.filter((call) => call.method === "POST");
   assert.equal(posts.length, 5);
   assert.equal(new Set(posts.map((p) => p.body.op_id)).size, 1);
-  assert.deepEqual(new Set(posts.map((p) => p.body.base_clock)), new Set([4])); // read before minting
+  assert.deepEqual(new Set(posts.map((p) => p.body.base_clock)), new Set([4])); // kept on retries
   assert.equal(got.opId, posts[0].body.op_id);
   assert.equal(got.clock, 5);
   assert.deepEqual(await c.pending(), []);
@@ -156,4 +157,16 @@ test("MemoryOutbox keeps seq order per namespace and returns copies", async () =
   assert.deepEqual(list.map((e) => e.opId), ["2", "3"]);
   list[0].opId = "changed";
   assert.equal((await box.list("n", 1))[0].opId, "2");
+});
+
+test("ops on a sub-doc never seen keep their call order and carry no base clock", async () => {
+  const { fetch, calls } = scripted([ok, ok, ok].map((f) => (call) => f(call)));
+  const c = client(fetch);
+  const answers = await Promise.all([1, 2, 3].map((v) => c.applyOp("fresh", { type: "cell.set", column: "c", value: v })));
+  const posts = calls.filter((call) => call.method === "POST");
+  assert.deepEqual(posts.map((p) => p.body.op.value), [1, 2, 3]);
+  assert.deepEqual(posts.map((p) => p.body.base_clock), [null, null, null]); // minted unseen
+  assert.equal(calls.filter((call) => call.method === "GET").length, 0); // stored at once, no read first
+  assert.equal(answers.length, 3);
+  c.close();
 });
