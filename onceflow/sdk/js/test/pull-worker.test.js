@@ -355,3 +355,32 @@ test("computeOnce: bad arguments are refused before any call", async () => {
   await assert.rejects(computeOnce("", {}), TypeError);
   assert.equal(script.calls.length, 0);
 });
+
+test("run: a transport error backs off and goes on; stop() ends the loop during a long poll", async () => {
+  let claims = 0;
+  const ran = [];
+  let worker;
+  const script = scripted({
+    "POST /v1/worker-classes/t-wc/claims": async (body, init) => {
+      claims += 1;
+      if (claims === 1) throw new TypeError("connection refused"); // no answer: NetworkError
+      if (claims === 2) return claimAnswer({ lease_seconds: 30 });
+      // a long poll: held until the worker stops (the abort reaches fetch)
+      return new Promise((_, reject) => init.signal.addEventListener("abort", () => reject(new Error("aborted")), { once: true }));
+    },
+    [`POST ${CLAIMS}/complete`]: () => ({ body: { status: "succeeded" } }),
+  });
+  worker = new PullWorker({ apiKey: KEY, workerClass: "t-wc", leader: false, waitSeconds: 1, fetch: script.fetch, onOutcome: (o) => (ran.push(o), setTimeout(() => worker.stop(), 20)) });
+  const runs = await worker.run(async (ctx) => ctx.input.value);
+  assert.equal(runs, 1);
+  assert.deepEqual(ran, ["succeeded"]);
+  assert.equal(claims, 3);
+  assert.deepEqual(script.calls.find((c) => c.name.endsWith("/complete")).body.result, 3);
+});
+
+test("run: a refused key rejects (not retried forever)", async () => {
+  const script = scripted({ "POST /v1/worker-classes/t-wc/claims": () => ({ status: 401, body: { detail: "bad key", code: "unauthorized" } }) });
+  const worker = new PullWorker({ apiKey: KEY, workerClass: "t-wc", leader: false, fetch: script.fetch });
+  await assert.rejects(worker.run(async () => 1), (e) => e.status === 401);
+  assert.equal(script.calls.length, 1);
+});
