@@ -80,15 +80,10 @@ function record(o) {
 // The demo's evaluate, in the tab: one provider call per cell under its compute lock.
 function evaluate(o) {
   return async (ctx) => {
-    const { workspace_id: ws, job_id: job } = ctx.request;
+    const job = ctx.request.job_id;
     const doc = `job:${job}`;
-    const cells = async () => {
-      const url = `/v1/workspaces/${encodeURIComponent(ws)}/sub-docs/${encodeURIComponent(doc)}`;
-      const answer = await fetch(url, { headers: { Authorization: `Bearer ${o.apiKey}` },
-                                        cache: "no-store" });
-      if (!answer.ok) throw new Error(`read ${answer.status}`);
-      return (await answer.json()).state.cells || {};
-    };
+    // The cell as stored: a read under the claim (a worker key has no workspace scope).
+    const cells = async () => (await ctx.readSubDoc(doc)).state.cells || {};
     const scores = {}, paths = {};
     for (const column of ctx.input.columns) {
       const out = await ctx.computeOnce(`eval:${column}`, {
@@ -165,7 +160,7 @@ def tab(context: Any, base: str, name: str) -> Any:
 
 def start(page: Any, base: str, **options: Any) -> str:
     """Start the tab's PullWorker (leader election on); returns its Web Lock name."""
-    defaults = {"workerKey": SDK_WORKER_KEY, "apiKey": SDK_API_KEY, "mode": "record"}
+    defaults = {"workerKey": SDK_WORKER_KEY, "mode": "record"}
     name: str = page.evaluate("o => window.startWorker(o)", {**defaults, **options})
     return name
 

@@ -85,6 +85,8 @@ export class PullContext {
   readonly locks: ClaimLocks;
   /** Throws LeaseLost or Cancelled if the stage must stop now. */
   check(): void;
+  /** A sub-doc of the request's workspace, read under this claim (409 lease_lost once it is gone). */
+  readSubDoc(subDoc: string): Promise<{ workspace_id: string; sub_doc: string; clock: number; state: Record<string, any> }>;
   applyOp(subDoc: string, op: Record<string, unknown>, options: { key?: string; opId?: string }): Promise<ApplyAnswer>;
   then(stage: string, input?: Record<string, unknown>, options?: { branchPath?: string }): void;
   computeOnce<T>(task: string, options: ComputeOnceOptions<T>): Promise<ComputeOutcome<T>>;

@@ -128,6 +128,16 @@ export class PullContext {
     return this.worker._claimCall(this, "ops", body);
   }
 
+  /**
+   * Read a sub-doc of the request's workspace (`{workspace_id, sub_doc, clock, state}`) under
+   * this claim — the pre-flight and double-check reads of a stage (a worker key has no
+   * workspace scope: this is its only read). A live claim only: 409 lease_lost otherwise.
+   */
+  async readSubDoc(subDoc) {
+    this.check();
+    return this.worker._claimCall(this, "sub-docs", { sub_doc: subDoc });
+  }
+
   /** Hand off to a next stage, enqueued in the same transaction as the completion. */
   then(stage, input = {}, { branchPath } = {}) {
     if (typeof stage !== "string" || !stage) throw new TypeError("stage is required");
@@ -302,13 +312,13 @@ export class PullWorker {
 
   /**
    * A fenced call on the claim, retried on no answer and 5xx (each is safe to repeat: a
-   * heartbeat extends the same lease, an op joins its op id, and a completion or failure
+   * read, a heartbeat extends the same lease, an op joins its op id, and a completion or failure
    * that landed makes its repeat 409 lease_lost — never a second write). A 409 lease_lost
    * stops the stage (ctx.signal aborts) and is thrown as LeaseLost.
    */
   async _claimCall(ctx, action, body) {
     const path = `/v1/claims/${seg(ctx.claim.requestId)}/${action}`;
-    const stageCall = action === "ops" || action === "heartbeat";
+    const stageCall = action === "ops" || action === "sub-docs" || action === "heartbeat";
     try {
       const answer = await this.api.callRetrying("POST", path, { claim_token: ctx.claim.token, ...body }, {
         signal: stageCall ? ctx.signal : undefined,

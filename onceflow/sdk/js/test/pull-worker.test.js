@@ -151,10 +151,12 @@ test("runOnce: a result completes with the hand-offs; the token only in bodies",
   const { w, script } = worker({
     "POST /v1/worker-classes/t-wc/claims": () => claimAnswer({ lease_seconds: 30 }),
     [`POST ${CLAIMS}/ops`]: (body) => ({ status: 201, body: { op_id: "x", clock: 1, key: body.key } }),
+    [`POST ${CLAIMS}/sub-docs`]: (body) => ({ body: { workspace_id: "w", sub_doc: body.sub_doc, clock: 2, state: { cells: { c: 0.5 } } } }),
     [`POST ${CLAIMS}/complete`]: () => ({ body: { status: "succeeded" } }),
   });
   const outcome = await w.runOnce(async (ctx) => {
     assert.deepEqual(ctx.input, { value: 3 });
+    assert.deepEqual((await ctx.readSubDoc("job:j1")).state, { cells: { c: 0.5 } });
     assert.equal(ctx.attempt, 1);
     assert.equal(ctx.requestId, REQ);
     assert.ok(!JSON.stringify(ctx.claim).includes("secret-claim-token")); // not enumerable
@@ -165,6 +167,8 @@ test("runOnce: a result completes with the hand-offs; the token only in bodies",
   assert.equal(outcome, "succeeded");
   const complete = script.calls.find((c) => c.name.endsWith("/complete"));
   assert.deepEqual(complete.body, { claim_token: "secret-claim-token", result: { done: 3 }, then: [{ stage: "next", input: { a: 1 }, branch_path: "b" }] });
+  const read = script.calls.find((c) => c.name.endsWith("/sub-docs"));
+  assert.deepEqual(read.body, { claim_token: "secret-claim-token", sub_doc: "job:j1" });
   const op = script.calls.find((c) => c.name.endsWith("/ops"));
   assert.equal(op.body.key, "cell:c");
   assert.ok(script.calls.every((c) => !c.name.includes("secret")));
