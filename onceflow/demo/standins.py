@@ -4,6 +4,11 @@ Real HTTP servers on 127.0.0.1 that answer like the real thing (an OpenAI-compat
 ``POST /v1/chat/completions``; ``GET /v1/commute?origin=…&destination=…``), with a
 realistic latency, and that count every request they receive — so a saving is
 measured at the provider, not claimed. ``GET /stats`` returns the counts.
+
+They answer CORS (``OPTIONS`` preflights, ``Access-Control-Allow-Origin: *``) so the
+demo's browser tab (``onceflow demo --browser``) can call them from its page; a preflight
+is not a provider call and is not counted. (A real app never lets a page call a paid
+provider with its secret key: it proxies the call through its own server.)
 """
 
 from __future__ import annotations
@@ -31,10 +36,21 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        self.send_header("Access-Control-Allow-Origin", "*")
         self.end_headers()
         # The caller may be gone (a worker killed mid-call): that is the demo's fault, not ours.
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             self.wfile.write(data)
+
+    def do_OPTIONS(self) -> None:
+        """A CORS preflight (from a browser page): allowed, and not counted."""
+        self.send_response(204)
+        self.send_header("Access-Control-Allow-Origin", "*")
+        self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+        self.send_header("Access-Control-Allow-Headers", "Authorization, Content-Type")
+        self.send_header("Access-Control-Max-Age", "600")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
 
     def do_GET(self) -> None:
         url = urlparse(self.path)
