@@ -4,11 +4,6 @@ Real HTTP servers on 127.0.0.1 that answer like the real thing (an OpenAI-compat
 ``POST /v1/chat/completions``; ``GET /v1/commute?origin=…&destination=…``), with a
 realistic latency, and that count every request they receive — so a saving is
 measured at the provider, not claimed. ``GET /stats`` returns the counts.
-
-They answer CORS (``OPTIONS`` preflights, ``Access-Control-Allow-Origin: *``) so the
-demo's browser tab (``onceflow demo --browser``) can call them from its page; a preflight
-is not a provider call and is not counted. (A real app never lets a page call a paid
-provider with its secret key: it proxies the call through its own server.)
 """
 
 from __future__ import annotations
@@ -31,23 +26,28 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         """Quiet: the counts are the log."""
 
+    def _cors(self) -> None:
+        # A browser tab may call the stand-in directly (the SDK tests' tabs do); a real
+        # deployment proxies provider calls through its own back end instead.
+        self.send_header("Access-Control-Allow-Origin", "*")
+        self.send_header("Access-Control-Allow-Headers", "Authorization, Content-Type")
+        self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+
     def _send(self, status: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
-        self.send_header("Access-Control-Allow-Origin", "*")
+        self._cors()
         self.end_headers()
         # The caller may be gone (a worker killed mid-call): that is the demo's fault, not ours.
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             self.wfile.write(data)
 
     def do_OPTIONS(self) -> None:
-        """A CORS preflight (from a browser page): allowed, and not counted."""
+        """A CORS preflight: allowed, and not counted (it is no provider call)."""
         self.send_response(204)
-        self.send_header("Access-Control-Allow-Origin", "*")
-        self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
-        self.send_header("Access-Control-Allow-Headers", "Authorization, Content-Type")
+        self._cors()
         self.send_header("Access-Control-Max-Age", "600")
         self.send_header("Content-Length", "0")
         self.end_headers()
