@@ -1,1 +1,124 @@
-export {};
+import type { Api } from "./transport.js";
+
+export * from "./compute.js";
+export * from "./leader.js";
+
+export type Outcome = "succeeded" | "retry" | "dead" | "cancelled" | "lease_lost";
+export const OUTCOMES: readonly Outcome[];
+
+/** A third of the lease, in ms (at least 10). Throws RangeError for a non-positive lease. */
+export function heartbeatIntervalMs(leaseSeconds: number): number;
+/** "retry" for a request queued again, else its status ("dead", "cancelled"). */
+export function failOutcome(row: { status?: string } | null | undefined): string;
+/** How a handler's error is reported: retryable unless it says otherwise. */
+export function failureOf(error: unknown): { error: { type: string; message: string; traceback?: string[] }; retryable: boolean };
+export function newWorkerId(): string;
+
+/** The request as the API returns it (ids, stage, input, attempts, …). */
+export interface ClaimedRequest {
+  request_id: string;
+  workspace_id: string;
+  job_id: string;
+  branch_path: string;
+  stage: string;
+  input: any;
+  worker_class: string;
+  attempts: number;
+  [field: string]: unknown;
+}
+
+export class PullClaim {
+  readonly requestId: string;
+  readonly leaseSeconds: number;
+  readonly leaseExpiresAt: string;
+  readonly attempt: number;
+  readonly request: ClaimedRequest;
+}
+
+export interface ApplyAnswer {
+  workspace_id: string;
+  sub_doc: string;
+  op_id: string;
+  clock: number;
+  duplicate: boolean;
+  result: unknown;
+  error: unknown;
+  committed_at: string;
+  [field: string]: unknown;
+}
+
+export interface ComputeOnceOptions<T> {
+  /** The stored value, or null/undefined for "not stored yet". */
+  check: () => T | null | undefined | Promise<T | null | undefined>;
+  /** The expensive call (the provider); must not return null/undefined. */
+  compute: () => T | Promise<T>;
+  /** Store the value (e.g. ctx.applyOp with a key); false means an earlier value was kept. */
+  store: (value: T) => unknown;
+  ttlSeconds?: number;
+  onWait?: (info: { task: string; remainingMs: number }) => void;
+}
+
+export type ComputePath = "preflight" | "waited" | "double_check" | "computed" | "lock_lost";
+export interface ComputeOutcome<T> {
+  value: T;
+  path: ComputePath;
+  rounds: number;
+  servedBy?: "broadcast" | "recheck";
+  duplicate?: boolean;
+}
+
+export class PullContext {
+  readonly worker: PullWorker;
+  readonly claim: PullClaim;
+  /** Aborted at the first lease-lost or cancel (reason: LeaseLost or Cancelled), or when the worker stops. */
+  readonly signal: AbortSignal;
+  readonly request: ClaimedRequest;
+  readonly input: any;
+  readonly requestId: string;
+  readonly attempt: number;
+  readonly leaseLost: boolean;
+  readonly cancelRequested: boolean;
+  /** Throws LeaseLost or Cancelled if the stage must stop now. */
+  check(): void;
+  applyOp(subDoc: string, op: Record<string, unknown>, options: { key?: string; opId?: string }): Promise<ApplyAnswer>;
+  then(stage: string, input?: Record<string, unknown>, options?: { branchPath?: string }): void;
+  computeOnce<T>(task: string, options: ComputeOnceOptions<T>): Promise<ComputeOutcome<T>>;
+}
+
+export type Handler = (ctx: PullContext) => unknown | Promise<unknown>;
+
+export interface PullWorkerOptions {
+  baseUrl?: string;
+  /** A worker key (it may claim the worker class). */
+  apiKey: string;
+  workerClass: string;
+  workerId?: string;
+  leaseSeconds?: number;
+  /** Claim long poll, 0..60 s (default 20). */
+  waitSeconds?: number;
+  /** Be the one leader per browser for this worker class (Web Locks; default true). */
+  leader?: boolean;
+  leaderName?: string;
+  fetch?: typeof fetch;
+  timeoutMs?: number;
+  onLeader?: (leading: boolean) => void;
+  onOutcome?: (outcome: Outcome) => void;
+}
+
+export class PullWorker {
+  constructor(options: PullWorkerOptions);
+  readonly api: Api;
+  readonly workerClass: string;
+  readonly workerId: string;
+  readonly leaseSeconds: number | undefined;
+  readonly waitSeconds: number;
+  /** The Web Lock name, or null with `leader: false`. */
+  readonly leaderName: string | null;
+  readonly isLeader: boolean;
+  /** Claim and run until stop() or `signal`; resolves with how many requests ran. */
+  run(handler: Handler, options?: { signal?: AbortSignal }): Promise<number>;
+  /** One claim (long poll `wait` s) and its run: the outcome, or null when nothing was claimed. */
+  runOnce(handler: Handler, options?: { wait?: number; signal?: AbortSignal }): Promise<Outcome | null>;
+  claim(wait?: number, signal?: AbortSignal): Promise<PullClaim | null>;
+  stop(): void;
+}

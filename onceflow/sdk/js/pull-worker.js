@@ -1,1 +1,365 @@
-export {};
+// onceflow SDK — a pull worker: a browser tab (or any fetch-capable runtime) that claims
+// stage requests of a worker class over HTTP, heartbeats every lease/3, runs the stage's
+// handler, and completes or fails the request: the lifecycle of a Celery stage, with the
+// claim token kept in memory and sent only in request bodies. It mirrors the Python
+// reference client, onceflow/integrations/pull.py.
+//
+//   const worker = new PullWorker({ apiKey: workerKey, workerClass: "browser" });
+//   worker.run(async (ctx) => {
+//     const { value } = await ctx.computeOnce("eval:fit", { check, compute, store });
+//     return { fit: value };                       // completed, fenced by the claim
+//   });
+//
+// Only one tab per browser works a worker class (the Web Locks API elects it); the others
+// wait for it to close. A tab that closes mid-stage stops heartbeating: its lease lapses
+// (the database's clock) and another worker claims the request again.
+
+import { Aborted, Api, Cancelled, LeaseLost, backoffDelay, errorFor, isRetryable, seg, sleep } from "./transport.js";
+import { ClaimEvents, ClaimLocks, computeOnce } from "./compute.js";
+import { leaderName, webLocks, whileLeader } from "./leader.js";
+
+export { ClaimEvents, ClaimLocks, Subscription, WAIT_MARGIN_MS, computeOnce, extendIntervalMs, isReleaseOf } from "./compute.js";
+export { LEADER_PREFIX, leaderName, webLocks, whileLeader } from "./leader.js";
+
+/** What runOnce() returns for each way a claimed request can end. */
+export const OUTCOMES = Object.freeze(["succeeded", "retry", "dead", "cancelled", "lease_lost"]);
+
+/** The heartbeat interval for a lease of `leaseSeconds`: a third of it (ms). */
+export function heartbeatIntervalMs(leaseSeconds) {
+  const seconds = Number(leaseSeconds);
+  if (!Number.isFinite(seconds) || seconds <= 0) throw new RangeError("lease_seconds must be a positive number");
+  return Math.max(10, Math.floor((seconds * 1000) / 3));
+}
+
+/** The outcome of a `/fail` answer (the request as stored): queued again is "retry". */
+export function failOutcome(row) {
+  const status = String(row?.status ?? "");
+  return status === "queued" ? "retry" : status;
+}
+
+/**
+ * How a handler's error is reported: `{error, retryable}`. Retryable unless the error says
+ * otherwise (`error.retryable === false`, `error.permanent === true`, or a name of
+ * PermanentError / InvalidRequest, as the Python client's permanent errors).
+ */
+export function failureOf(error) {
+  const name = error?.name || error?.constructor?.name || typeof error;
+  const permanent = error?.retryable === false || error?.permanent === true || name === "PermanentError" || name === "InvalidRequest";
+  const message = String(error?.message ?? error).slice(0, 2000);
+  const report = { type: name, message };
+  if (typeof error?.stack === "string") report.traceback = error.stack.split("\n").slice(0, 30);
+  return { error: report, retryable: !permanent };
+}
+
+/** A random worker id: `tab:<random>` (shown as `claimed_by`). */
+export function newWorkerId() {
+  const bytes = globalThis.crypto.getRandomValues(new Uint8Array(6));
+  return "tab:" + Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
+}
+
+/** A claim held over HTTP. The token is a secret: kept off enumeration, never logged. */
+export class PullClaim {
+  constructor(data) {
+    this.requestId = data.request_id;
+    this.leaseSeconds = Number(data.lease_seconds);
+    this.leaseExpiresAt = data.lease_expires_at;
+    this.attempt = Number(data.attempt);
+    this.request = data.request;
+    Object.defineProperty(this, "token", { value: data.claim_token, enumerable: false });
+  }
+}
+
+/** What the handler gets: the request, the lease's state, fenced writes, hand-offs, locks. */
+export class PullContext {
+  constructor(worker, claim) {
+    this.worker = worker;
+    this.claim = claim;
+    this._controller = new AbortController();
+    /** Aborted at the first lease-lost or cancel (its `reason` is LeaseLost or Cancelled). */
+    this.signal = this._controller.signal;
+    this._then = [];
+    this._stop = null; // the reason the stage must stop, once known
+    this.events = new ClaimEvents(worker.api, claim.requestId, claim.token, { signal: this.signal });
+    this.locks = new ClaimLocks(worker.api, claim.requestId, claim.token, { signal: this.signal });
+  }
+
+  get request() {
+    return this.claim.request;
+  }
+  get input() {
+    return this.claim.request?.input;
+  }
+  get requestId() {
+    return this.claim.requestId;
+  }
+  get attempt() {
+    return this.claim.attempt;
+  }
+  get leaseLost() {
+    return this._stop instanceof LeaseLost;
+  }
+  get cancelRequested() {
+    return this._stop instanceof Cancelled;
+  }
+
+  /** Throw LeaseLost or Cancelled if the stage must stop now. */
+  check() {
+    if (this._stop) throw this._stop;
+  }
+
+  /** Stop the stage: abort `signal` with `reason` (the first reason wins). */
+  _halt(reason) {
+    if (this._stop) return;
+    this._stop = reason;
+    this._controller.abort(reason);
+  }
+
+  /**
+   * Write an op to a sub-doc of the request's workspace, fenced by this claim. `key` names
+   * the write within the stage: its op id derives from (request, key), so a retried stage
+   * joins its first write. Returns the API's answer (`{op_id, clock, duplicate, ...}`).
+   */
+  async applyOp(subDoc, op, { key, opId } = {}) {
+    this.check();
+    if (!key && !opId) throw new TypeError("applyOp needs a key (or an opId), so that a retried write is applied once");
+    const body = { sub_doc: subDoc, op };
+    if (key) body.key = key;
+    if (opId) body.op_id = opId;
+    return this.worker._claimCall(this, "ops", body);
+  }
+
+  /** Hand off to a next stage, enqueued in the same transaction as the completion. */
+  then(stage, input = {}, { branchPath } = {}) {
+    if (typeof stage !== "string" || !stage) throw new TypeError("stage is required");
+    const item = { stage, input: input ?? {} };
+    if (branchPath !== undefined && branchPath !== null) item.branch_path = branchPath;
+    this._then.push(item);
+  }
+
+  /**
+   * The compute-lock protocol for one expensive call on the request's job (see compute.js):
+   * `{value, path}` with path "preflight", "waited", "double_check", "computed" or "lock_lost".
+   */
+  computeOnce(task, { check, compute, store, ttlSeconds, onWait } = {}) {
+    return computeOnce(task, {
+      locks: this.locks,
+      events: this.events,
+      jobId: this.request?.job_id,
+      check,
+      compute,
+      store,
+      ttlSeconds,
+      onWait,
+      guard: () => this.check(),
+      signal: this.signal,
+    });
+  }
+}
+
+/** Claims and runs requests of one worker class over onceflow's HTTP API. */
+export class PullWorker {
+  constructor({ baseUrl = "", apiKey, workerClass, workerId, leaseSeconds, waitSeconds = 20, leader = true, leaderName: name, fetch, timeoutMs = 30_000, onLeader, onOutcome } = {}) {
+    if (typeof workerClass !== "string" || !workerClass) throw new TypeError("workerClass is required");
+    if (!(Number.isFinite(waitSeconds) && waitSeconds >= 0 && waitSeconds <= 60)) throw new RangeError("waitSeconds must be 0..60");
+    if (leaseSeconds !== undefined && !(Number.isFinite(leaseSeconds) && leaseSeconds > 0)) throw new RangeError("leaseSeconds must be a positive number");
+    const options = { apiKey, timeoutMs };
+    if (fetch) options.fetch = fetch;
+    this.api = new Api(baseUrl, options);
+    this.workerClass = workerClass;
+    this.workerId = workerId || newWorkerId();
+    this.leaseSeconds = leaseSeconds;
+    this.waitSeconds = waitSeconds;
+    this.leaderName = leader ? leaderName(workerClass, { baseUrl, leaderName: name }) : null;
+    /** True while this instance holds the leadership (always false with `leader: false`). */
+    this.isLeader = false;
+    this._onLeader = onLeader;
+    this._onOutcome = onOutcome;
+    this._stopper = new AbortController();
+  }
+
+  /** Ask run() to return: stops waiting for leadership, a claim's long poll, a backoff. */
+  stop() {
+    this._stopper.abort(new Aborted("the worker was stopped"));
+  }
+
+  /**
+   * Claim and run requests until stop() or `signal` aborts; resolves with how many ran.
+   * With `leader` (the default) this tab first waits to be the one leader of the browser
+   * for this worker class. Transport errors and retryable statuses back off with full
+   * jitter and go on; other errors (a 401, a 403) reject.
+   */
+  async run(handler, { signal } = {}) {
+    if (typeof handler !== "function") throw new TypeError("handler must be a function");
+    const stop = this._combined(signal);
+    const loop = () => this._loop(handler, stop);
+    try {
+      if (!this.leaderName) return await loop();
+      return await whileLeader(this.leaderName, loop, {
+        signal: stop,
+        locks: webLocks(),
+        onLeader: (leading) => {
+          this.isLeader = leading;
+          this._onLeader?.(leading);
+        },
+      });
+    } catch (error) {
+      if (stop.aborted) return this._runs ?? 0;
+      throw error;
+    } finally {
+      this.isLeader = false;
+    }
+  }
+
+  async _loop(handler, stop) {
+    this._runs = 0;
+    let failures = 0;
+    while (!stop.aborted) {
+      let outcome;
+      try {
+        outcome = await this.runOnce(handler, { wait: this.waitSeconds, signal: stop });
+        failures = 0;
+      } catch (error) {
+        if (stop.aborted || error instanceof Aborted) break;
+        if (!isRetryable(error)) throw error;
+        try {
+          await sleep(backoffDelay(failures++, { retryAfterMs: error.retryAfterMs || 0 }), stop);
+        } catch {
+          break;
+        }
+        continue;
+      }
+      if (outcome !== null) {
+        this._runs += 1;
+        this._onOutcome?.(outcome);
+      }
+    }
+    return this._runs;
+  }
+
+  /** Claim the next due request (long poll up to `wait` s), or null. Not retried. */
+  async claim(wait = 0, signal) {
+    const body = { worker_id: this.workerId };
+    if (this.leaseSeconds !== undefined) body.lease_seconds = this.leaseSeconds;
+    if (wait) body.wait = wait;
+    const path = `/v1/worker-classes/${seg(this.workerClass)}/claims`;
+    // A claim whose answer was lost is left to lapse: its lease runs out, someone claims it.
+    const answer = await this.api.call("POST", path, body, { signal, timeoutMs: this.api.timeoutMs + wait * 1000 });
+    if (answer.status === 204) return null;
+    if (answer.status !== 201) throw errorFor(answer.status, answer.body, "claim");
+    return new PullClaim(answer.body);
+  }
+
+  /**
+   * Claim one request and run `handler(ctx)` on it: the outcome ("succeeded", "retry",
+   * "dead", "cancelled", "lease_lost"), or null when nothing was claimed.
+   */
+  async runOnce(handler, { wait = 0, signal } = {}) {
+    const claim = await this.claim(wait, signal);
+    if (claim === null) return null;
+    const ctx = new PullContext(this, claim);
+    const input = claim.request?.input;
+    if (input && typeof input === "object" && input.onceflow_unreadable === true && "reason" in input) {
+      // a value stored before the depth limit: it never will run
+      return this._fail(ctx, { type: "PermanentError", message: `input cannot be read: ${input.reason}` }, false);
+    }
+    const onStop = () => ctx._halt(new Aborted("the worker was stopped"));
+    signal?.addEventListener("abort", onStop, { once: true });
+    const beat = this._heartbeat(ctx);
+    try {
+      const result = await handler(ctx);
+      ctx.check();
+      await this._claimCall(ctx, "complete", { result: result === undefined ? null : result, then: ctx._then });
+      return "succeeded";
+    } catch (error) {
+      const reason = ctx._stop || error;
+      if (reason instanceof LeaseLost) return "lease_lost";
+      if (reason instanceof Cancelled) return this._fail(ctx, { type: "Cancelled" }, false);
+      if (reason instanceof Aborted) {
+        // Stopped by its page: hand the request back now rather than after the lease.
+        return this._fail(ctx, { type: "Aborted", message: "the worker was stopped" }, true, 0);
+      }
+      const { error: report, retryable } = failureOf(error);
+      return this._fail(ctx, report, retryable);
+    } finally {
+      signal?.removeEventListener("abort", onStop);
+      beat.stop();
+      ctx.events.close();
+    }
+  }
+
+  // ------------------------------------------------------------------ helpers
+
+  _combined(signal) {
+    if (!signal) return this._stopper.signal;
+    if (typeof AbortSignal.any === "function") return AbortSignal.any([signal, this._stopper.signal]);
+    const both = new AbortController();
+    for (const s of [signal, this._stopper.signal]) {
+      if (s.aborted) both.abort(s.reason);
+      else s.addEventListener("abort", () => both.abort(s.reason), { once: true });
+    }
+    return both.signal;
+  }
+
+  /**
+   * A fenced call on the claim, retried on no answer and 5xx (each is safe to repeat: a
+   * heartbeat extends the same lease, an op joins its op id, and a completion or failure
+   * that landed makes its repeat 409 lease_lost — never a second write). A 409 lease_lost
+   * stops the stage (ctx.signal aborts) and is thrown as LeaseLost.
+   */
+  async _claimCall(ctx, action, body) {
+    const path = `/v1/claims/${seg(ctx.claim.requestId)}/${action}`;
+    const stageCall = action === "ops" || action === "heartbeat";
+    try {
+      const answer = await this.api.callRetrying("POST", path, { claim_token: ctx.claim.token, ...body }, {
+        signal: stageCall ? ctx.signal : undefined,
+        what: action,
+      });
+      return answer.body;
+    } catch (error) {
+      if (error instanceof LeaseLost) ctx._halt(error);
+      if (error instanceof Aborted && ctx._stop) throw ctx._stop;
+      throw error;
+    }
+  }
+
+  async _fail(ctx, error, retryable, retryIn) {
+    const body = { error, retryable };
+    if (retryIn !== undefined) body.retry_in = retryIn;
+    try {
+      return failOutcome(await this._claimCall(ctx, "fail", body));
+    } catch (caught) {
+      if (caught instanceof LeaseLost) return "lease_lost";
+      throw caught;
+    }
+  }
+
+  /** Extends the lease every lease/3 until stopped; halts the stage at lease-lost or cancel. */
+  _heartbeat(ctx) {
+    const stopper = new AbortController();
+    const interval = heartbeatIntervalMs(ctx.claim.leaseSeconds);
+    (async () => {
+      while (!stopper.signal.aborted && !ctx._stop) {
+        try {
+          await sleep(interval, stopper.signal);
+        } catch {
+          return;
+        }
+        try {
+          const path = `/v1/claims/${seg(ctx.claim.requestId)}/heartbeat`;
+          const answer = await this.api.call("POST", path, { claim_token: ctx.claim.token }, { signal: stopper.signal });
+          if (answer.status === 200) {
+            if (answer.body?.cancel_requested) ctx._halt(new Cancelled(`request ${ctx.claim.requestId}: cancel requested`));
+            continue;
+          }
+          const error = errorFor(answer.status, answer.body, "heartbeat");
+          if (error instanceof LeaseLost) ctx._halt(error);
+          // other statuses: the lease may still hold; the next beat tries again
+        } catch (error) {
+          if (error instanceof Aborted) return;
+          // no answer: the lease may still hold; the next beat tries again
+        }
+      }
+    })();
+    return { stop: () => stopper.abort() };
+  }
+}

@@ -1,1 +1,84 @@
-export {};
+import type { BackoffOptions, HttpError } from "./transport.js";
+import type { Outbox, OutboxEntry } from "./outbox.js";
+export { IndexedDbOutbox, MemoryOutbox } from "./outbox.js";
+export type { Outbox, OutboxEntry, NewOutboxEntry } from "./outbox.js";
+
+export interface Op {
+  type: string;
+  [field: string]: unknown;
+}
+/** The server's answer to an op (a replay has the original clock and `duplicate: true`). */
+export interface OpAnswer {
+  opId: string;
+  seq: number;
+  subDoc: string;
+  /** The commit clock; null when the op was recorded as rejected by the state (`applied: false`). */
+  clock: number | null;
+  duplicate: boolean;
+  applied: boolean;
+  result: unknown;
+  error: unknown;
+}
+export interface OpRefusal {
+  opId: string;
+  seq: number;
+  subDoc: string;
+  error: HttpError;
+}
+/** One applied op, read from the op log. */
+export interface Commit {
+  opId: string;
+  clock: number;
+  subDoc: string;
+  opType: string;
+  payload: Op;
+  result: unknown;
+  fence: string | null;
+  committedAt: string;
+}
+/** The `commit` event's data as broadcast by the server. */
+export interface CommitNotice {
+  kind: "commit";
+  workspace_id: string;
+  sub_doc: string;
+  clock: number;
+  op_id: string;
+  type: string;
+}
+export interface WorkspaceClientEvents {
+  applied: OpAnswer;
+  refused: OpRefusal;
+  pending: { count: number };
+  unauthorized: { opId: string; error: HttpError };
+  commit: CommitNotice;
+  error: unknown;
+}
+export interface WorkspaceClientOptions {
+  /** The API's origin; "" (default) = this page's. */
+  baseUrl?: string;
+  apiKey: string;
+  workspaceId: string;
+  /** Default: an IndexedDbOutbox where IndexedDB exists, else a MemoryOutbox. */
+  outbox?: Outbox;
+  /** With the workspace, names the outbox namespace `<clientName>@<workspaceId>`. */
+  clientName?: string;
+  fetch?: typeof fetch;
+  backoff?: BackoffOptions;
+}
+export class WorkspaceClient extends EventTarget {
+  constructor(options: WorkspaceClientOptions);
+  readonly workspaceId: string;
+  /** `<clientName>@<workspaceId>`; also the Web Lock / BroadcastChannel name after `onceflow-outbox:`. */
+  readonly namespace: string;
+  readonly outbox: Outbox;
+  on<K extends keyof WorkspaceClientEvents>(name: K, callback: (detail: WorkspaceClientEvents[K]) => void): () => void;
+  start(): Promise<void>;
+  applyOp(subDoc: string, op: Op, options?: { baseClock?: number | null }): Promise<OpAnswer>;
+  pending(): Promise<OutboxEntry[]>;
+  read(subDoc: string): Promise<{ state: Record<string, unknown>; clock: number }>;
+  clockOf(subDoc: string): number | undefined;
+  setApiKey(apiKey: string): void;
+  retryNow(): void;
+  subscribe(subDoc: string, onCommit: (commit: Commit) => void, options?: { since?: number }): () => void;
+  close(): void;
+}

@@ -1,1 +1,438 @@
-export {};
+// onceflow SDK — the retry-safe op client of one workspace (the design note's layer 3): an op id
+// minted before the first send and kept with the op in an outbox until the server answers, so a
+// retry, a reload or a reconnect replays the op under the same id and the server applies it once.
+// Live commits come over the workspace's event stream, with catch-up from the op log.
+
+import {
+  Aborted, Api, HttpError, NetworkError, backoffDelay, errorFor, isRetryable,
+  newOpId, retryAfterMs, seg, sleep, sseEvents,
+} from "./transport.js";
+import { IndexedDbOutbox, MemoryOutbox } from "./outbox.js";
+
+export { IndexedDbOutbox, MemoryOutbox };
+
+const PAGE = 500; // catch-up page size
+
+/**
+ * One workspace's op client. Events (it is an EventTarget; `on(name, cb)` is a shorthand):
+ * - `applied`: an op was answered (`detail`: `{opId, seq, subDoc, clock, duplicate, applied,
+ *   result, error}`), whether or not a promise still waits for it (after a reload none does);
+ * - `refused`: the server refused an op for good (`detail`: `{opId, seq, subDoc, error}`);
+ * - `pending`: the outbox changed (`detail`: `{count}`);
+ * - `unauthorized`: a 401: the op stays and is retried; give a new key with `setApiKey`;
+ * - `commit`: a commit of the workspace seen on the event stream (`detail`: its JSON data);
+ * - `error`: a subscriber's callback threw (`detail`: the error).
+ *
+ * Two tabs with the same `clientName` share one outbox namespace (`<clientName>@<workspace>`).
+ * With a shared outbox (IndexedDB) the namespace is drained under the Web Lock
+ * `onceflow-outbox:<ns>` when `navigator.locks` exists, so one tab sends and no op is sent
+ * twice at once; the others add to the outbox, and their promises settle through a
+ * BroadcastChannel of the same name. A reloaded tab gets the same namespace and replays it.
+ */
+export class WorkspaceClient extends EventTarget {
+  /**
+   * @param {object} options
+   * @param {string} [options.baseUrl] the API's origin ("" = this page's)
+   * @param {string} options.apiKey an API key for the workspace (sent as a Bearer header only)
+   * @param {string} options.workspaceId
+   * @param {MemoryOutbox|IndexedDbOutbox} [options.outbox] default: IndexedDB if present
+   * @param {string} [options.clientName] names the outbox namespace with the workspace
+   * @param {typeof fetch} [options.fetch]
+   * @param {import("./transport.js").BackoffOptions} [options.backoff]
+   */
+  constructor({ baseUrl = "", apiKey, workspaceId, outbox, clientName = "default", fetch, backoff = {} } = {}) {
+    super();
+    checkId("workspaceId", workspaceId);
+    checkId("clientName", clientName);
+    this.workspaceId = workspaceId;
+    this.namespace = `${clientName}@${workspaceId}`;
+    this.outbox = outbox || (globalThis.indexedDB ? new IndexedDbOutbox() : new MemoryOutbox());
+    this._baseUrl = baseUrl;
+    this._fetch = fetch;
+    this._api = new Api(baseUrl, { apiKey, fetch });
+    this._backoff = backoff;
+    this._clocks = new Map(); // sub-doc -> the highest clock seen
+    this._waiting = new Map(); // op id -> {resolve, reject}
+    this._subs = new Set();
+    this._stop = new AbortController();
+    this._poked = false;
+    this._wake = null;
+    this._started = null;
+    this._stream = null;
+    this._channel = null;
+    this._onOnline = () => this.retryNow();
+  }
+
+  /** Shorthand for addEventListener; the callback gets `event.detail`. Returns an off function. */
+  on(name, callback) {
+    const listener = (event) => callback(event.detail);
+    this.addEventListener(name, listener);
+    return () => this.removeEventListener(name, listener);
+  }
+
+  /**
+   * Open the outbox and start draining it in `seq` order: ops left by an earlier page load
+   * go first, under their stored ids and base clocks (answers as `applied`/`refused` events).
+   * Called by `applyOp` too; calling it again does nothing.
+   */
+  start() {
+    if (this._started) return this._started;
+    this._started = (async () => {
+      await this.outbox.open();
+      if (this.outbox.shared && typeof BroadcastChannel === "function") {
+        this._channel = new BroadcastChannel(`onceflow-outbox:${this.namespace}`);
+        this._channel.onmessage = (message) => this._onChannel(message.data);
+      }
+      globalThis.addEventListener?.("online", this._onOnline);
+      const locks = this.outbox.shared ? globalThis.navigator?.locks : null;
+      const drain = locks
+        ? locks.request(`onceflow-outbox:${this.namespace}`, { signal: this._stop.signal }, () => this._drain())
+        : this._drain();
+      drain.catch((error) => { if (!this._stop.signal.aborted) this._emit("error", error); });
+      this._emitPending();
+    })();
+    return this._started;
+  }
+
+  /**
+   * Apply `op` to `subDoc` once. The op id is minted and stored with the op (and its base
+   * clock) in the outbox before the first send; it is retried under that id on no answer and
+   * on 408/425/429/5xx, until the server answers. Resolves with the answer; rejects with
+   * HttpError on a refusal (400/403/404/409/413/422: the op is dropped), with Aborted on
+   * `close()` (the op stays for the next start), with TypeError on bad input (nothing stored).
+   * @param {string} subDoc
+   * @param {{type: string, [field: string]: unknown}} op
+   * @param {{baseClock?: number|null}} [options] default: the last clock seen for `subDoc`
+   * @returns {Promise<{opId: string, seq: number, subDoc: string, clock: number|null,
+   *   duplicate: boolean, applied: boolean, result: unknown, error: unknown}>}
+   */
+  async applyOp(subDoc, op, { baseClock } = {}) {
+    checkId("subDoc", subDoc);
+    if (op === null || typeof op !== "object" || Array.isArray(op) || typeof op.type !== "string" || !op.type) {
+      throw new TypeError('op must be an object with a string "type", e.g. {type: "cell.set", column, value}');
+    }
+    if (baseClock != null && !(Number.isSafeInteger(baseClock) && baseClock >= 0)) {
+      throw new TypeError("baseClock must be a non-negative integer");
+    }
+    const body = JSON.parse(JSON.stringify(op)); // the JSON that will be sent, fixed now
+    if (this._stop.signal.aborted) throw new Aborted("the client is closed");
+    await this.start();
+    if (baseClock == null) baseClock = await this._knownClock(subDoc);
+    const opId = newOpId();
+    const answer = new Promise((resolve, reject) => this._waiting.set(opId, { resolve, reject }));
+    try {
+      await this.outbox.add(this.namespace, { opId, subDoc, op: body, baseClock, mintedAt: Date.now() });
+    } catch (error) {
+      this._waiting.delete(opId);
+      throw error;
+    }
+    this._emitPending();
+    this._channel?.postMessage({ kind: "added" });
+    this._poke();
+    return answer;
+  }
+
+  /** The outbox's entries (ops not yet answered), in send order. */
+  pending() {
+    return this.start().then(() => this.outbox.list(this.namespace));
+  }
+
+  /** The sub-doc's `{state, clock}` (and its clock becomes the next ops' base clock). */
+  async read(subDoc) {
+    checkId("subDoc", subDoc);
+    const { body } = await this._api.callRetrying("GET", this._docPath(subDoc), undefined, { signal: this._stop.signal });
+    this._seen(subDoc, body.clock);
+    return { state: body.state, clock: body.clock };
+  }
+
+  /** The highest clock this client has seen for `subDoc` (undefined if none). */
+  clockOf(subDoc) {
+    return this._clocks.get(subDoc);
+  }
+
+  /** Use another key from now on (after a 401: the ops waiting are retried with it). */
+  setApiKey(apiKey) {
+    this._api = new Api(this._baseUrl, { apiKey, fetch: this._fetch });
+    this.retryNow();
+  }
+
+  /** Cut a retry's wait short (also done on the browser's `online` event). */
+  retryNow() {
+    this._poke();
+  }
+
+  /**
+   * Call `onCommit` once per commit of `subDoc`, in clock order, from clock `since` on
+   * (default: the sub-doc's clock now, so only new commits). Each commit is read from the
+   * op log (`{opId, clock, subDoc, opType, payload, result, fence, committedAt}`): after
+   * the stream's `ready`, after every reconnect, and on every live commit the client
+   * catches up from the last clock it delivered, so none is missed or delivered twice.
+   * @returns {() => void} unsubscribe
+   */
+  subscribe(subDoc, onCommit, { since } = {}) {
+    checkId("subDoc", subDoc);
+    if (typeof onCommit !== "function") throw new TypeError("onCommit must be a function");
+    if (since != null && !(Number.isSafeInteger(since) && since >= 0)) throw new TypeError("since must be a non-negative integer");
+    const sub = { subDoc, onCommit, last: since ?? null, busy: null, again: false, active: true };
+    this._subs.add(sub);
+    this._catchUp(sub);
+    this._stream ??= this._follow();
+    return () => {
+      sub.active = false;
+      this._subs.delete(sub);
+      if (!this._subs.size) this._streamStop?.abort();
+    };
+  }
+
+  /** Stop sending and following; waiting promises reject with Aborted (their ops stay stored). */
+  close() {
+    this._stop.abort();
+    this._streamStop?.abort();
+    this._wake?.();
+    globalThis.removeEventListener?.("online", this._onOnline);
+    this._channel?.close();
+    for (const { reject } of this._waiting.values()) reject(new Aborted("the client was closed; the op stays in the outbox"));
+    this._waiting.clear();
+    this.outbox.close();
+  }
+
+  // ---------------------------------------------------------------------------- sending
+
+  async _drain() {
+    const signal = this._stop.signal;
+    while (!signal.aborted) {
+      this._poked = false;
+      const [entry] = await this.outbox.list(this.namespace, 1);
+      if (!entry) {
+        await this._nap(Infinity);
+        continue;
+      }
+      let outcome;
+      try {
+        outcome = await this._send(entry);
+      } catch (error) {
+        if (signal.aborted) return;
+        throw error;
+      }
+      await this.outbox.delete(this.namespace, entry.seq);
+      const settled = this._settle(entry, outcome);
+      this._channel?.postMessage({ kind: "settled", opId: entry.opId, ...settled });
+      this._emitPending();
+    }
+  }
+
+  /** Send until the server answers: `{answer}` or `{error}` (a refusal). Throws only Aborted. */
+  async _send(entry) {
+    const path = `${this._docPath(entry.subDoc)}/ops`;
+    const body = { op_id: entry.opId, op: entry.op, base_clock: entry.baseClock ?? null };
+    for (let attempt = 0; ; attempt++) {
+      let error;
+      try {
+        const got = await this._api.call("POST", path, body, { signal: this._stop.signal });
+        if (got.status < 300) return { answer: got.body || {} };
+        error = errorFor(got.status, got.body, `op ${entry.opId}`);
+        error.retryAfterMs = retryAfterMs(got.headers);
+        if (got.status === 401) this._emit("unauthorized", { opId: entry.opId, error });
+        else if (!isRetryable(error)) return { error };
+      } catch (caught) {
+        if (!(caught instanceof NetworkError)) throw caught;
+        error = caught;
+      }
+      await this._nap(backoffDelay(attempt, { ...this._backoff, retryAfterMs: error.retryAfterMs || 0 }));
+    }
+  }
+
+  _settle(entry, { answer, error }) {
+    const base = { opId: entry.opId, seq: entry.seq, subDoc: entry.subDoc };
+    const waiting = this._waiting.get(entry.opId);
+    this._waiting.delete(entry.opId);
+    if (answer) {
+      this._seen(entry.subDoc, answer.clock);
+      const detail = {
+        ...base, clock: answer.clock ?? null, duplicate: !!answer.duplicate, applied: !!answer.applied,
+        result: answer.result ?? null, error: answer.error ?? null,
+      };
+      this._emit("applied", detail);
+      waiting?.resolve(detail);
+      return { detail };
+    }
+    this._emit("refused", { ...base, error });
+    waiting?.reject(error);
+    const { message, status, code, body } = error;
+    return { error: { message, status, code, body } };
+  }
+
+  _onChannel(message) {
+    if (message?.kind === "added") this._poke();
+    if (message?.kind !== "settled") return;
+    const waiting = this._waiting.get(message.opId);
+    if (message.detail) this._seen(message.detail.subDoc, message.detail.clock);
+    if (waiting) {
+      this._waiting.delete(message.opId);
+      if (message.detail) waiting.resolve(message.detail);
+      else waiting.reject(new HttpError(message.error.message, message.error));
+    }
+    this._emitPending();
+  }
+
+  /** The clock to base a new op on: the last one seen, else a quick read (none if offline). */
+  async _knownClock(subDoc) {
+    if (this._clocks.has(subDoc)) return this._clocks.get(subDoc);
+    try {
+      const got = await this._api.call("GET", this._docPath(subDoc), undefined, { signal: this._stop.signal, timeoutMs: 5000 });
+      if (got.status === 200 && Number.isSafeInteger(got.body?.clock)) this._seen(subDoc, got.body.clock);
+    } catch (error) {
+      if (!(error instanceof NetworkError)) throw error;
+    }
+    return this._clocks.get(subDoc) ?? null; // unknown offline: the server takes the op as new
+  }
+
+  /** Wait `ms` or until poked; rejects with Aborted on close. */
+  _nap(ms) {
+    if (this._poked) {
+      this._poked = false;
+      return Promise.resolve();
+    }
+    return new Promise((resolve, reject) => {
+      const signal = this._stop.signal;
+      let timer = null;
+      const end = (abort) => {
+        clearTimeout(timer);
+        signal.removeEventListener("abort", onAbort);
+        if (this._wake === wake) this._wake = null;
+        if (abort) reject(new Aborted("aborted"));
+        else resolve();
+      };
+      const onAbort = () => end(true);
+      const wake = () => { this._poked = false; end(false); };
+      if (signal.aborted) return onAbort();
+      if (Number.isFinite(ms)) timer = setTimeout(end, ms, false);
+      signal.addEventListener("abort", onAbort, { once: true });
+      this._wake = wake;
+    });
+  }
+
+  _poke() {
+    this._poked = true;
+    this._wake?.();
+  }
+
+  // ---------------------------------------------------------------------------- following
+
+  async _follow() {
+    const path = `/v1/workspaces/${seg(this.workspaceId)}/events`;
+    for (let attempt = 0; this._subs.size && !this._stop.signal.aborted; attempt++) {
+      this._streamStop = new AbortController();
+      const signal = this._streamStop.signal;
+      try {
+        const response = await this._api.raw("GET", path, { signal, timeoutMs: 0, headers: { Accept: "text/event-stream" } });
+        if (!response.ok) {
+          const error = errorFor(response.status, await response.json().catch(() => null), "event stream");
+          if (!isRetryable(error) && response.status !== 401) {
+            this._emit("error", error); // 403/404: retrying will not help
+            break;
+          }
+        } else {
+          for await (const event of sseEvents(response.body)) {
+            if (event.event === "ready") {
+              attempt = -1; // connected: the next reconnect starts from a short wait
+              for (const sub of this._subs) this._catchUp(sub);
+            } else if (event.event === "commit") {
+              this._onCommit(JSON.parse(event.data));
+            }
+          }
+        }
+      } catch {
+        if (signal.aborted || this._stop.signal.aborted) break; // else the stream broke: reconnect
+      }
+      try {
+        await sleep(backoffDelay(Math.max(0, attempt), this._backoff), this._stop.signal);
+      } catch {
+        break;
+      }
+    }
+    this._stream = null;
+    if (this._subs.size && !this._stop.signal.aborted) this._stream = this._follow();
+  }
+
+  _onCommit(data) {
+    this._seen(data.sub_doc, data.clock);
+    this._emit("commit", data);
+    for (const sub of this._subs) if (sub.subDoc === data.sub_doc && !(data.clock <= sub.last)) this._catchUp(sub);
+  }
+
+  /** Deliver `sub`'s commits above its last clock, page by page; one catch-up at a time. */
+  async _catchUp(sub) {
+    if (sub.busy) {
+      sub.again = true;
+      return;
+    }
+    sub.busy = (async () => {
+      do {
+        sub.again = false;
+        if (sub.last == null) {
+          const { body } = await this._api.callRetrying("GET", this._docPath(sub.subDoc), undefined, {
+            signal: this._stop.signal, attempts: Infinity, backoff: this._backoff,
+          });
+          sub.last ??= body.clock;
+        }
+        for (;;) {
+          const query = `?since=${sub.last}&limit=${PAGE}`;
+          const { body } = await this._api.callRetrying("GET", `${this._docPath(sub.subDoc)}/ops${query}`, undefined, {
+            signal: this._stop.signal, attempts: Infinity, backoff: this._backoff,
+          });
+          for (const op of body.ops) {
+            if (!sub.active || op.clock <= sub.last) continue;
+            sub.last = op.clock;
+            this._seen(sub.subDoc, op.clock);
+            const commit = {
+              opId: op.op_id, clock: op.clock, subDoc: sub.subDoc, opType: op.op_type, payload: op.payload,
+              result: op.result, fence: op.fence, committedAt: op.committed_at,
+            };
+            try {
+              sub.onCommit(commit);
+            } catch (error) {
+              this._emit("error", error);
+            }
+          }
+          if (body.ops.length < PAGE || !sub.active) break;
+        }
+      } while (sub.again && sub.active);
+    })();
+    try {
+      await sub.busy;
+    } catch (error) {
+      if (!(error instanceof Aborted)) this._emit("error", error);
+    } finally {
+      sub.busy = null;
+    }
+  }
+
+  // ---------------------------------------------------------------------------- small parts
+
+  _docPath(subDoc) {
+    return `/v1/workspaces/${seg(this.workspaceId)}/sub-docs/${seg(subDoc)}`;
+  }
+
+  _seen(subDoc, clock) {
+    if (Number.isSafeInteger(clock) && !(clock <= this._clocks.get(subDoc))) this._clocks.set(subDoc, clock);
+  }
+
+  _emit(name, detail) {
+    this.dispatchEvent(new CustomEvent(name, { detail }));
+  }
+
+  _emitPending() {
+    this.outbox.list(this.namespace).then(
+      (entries) => this._emit("pending", { count: entries.length }),
+      () => {},
+    );
+  }
+}
+
+function checkId(name, value) {
+  if (typeof value !== "string" || !value) throw new TypeError(`${name} must be a non-empty string`);
+  if (value.length > 200) throw new TypeError(`${name} is ${value.length} characters, over the limit of 200`);
+  // eslint-disable-next-line no-control-regex
+  if (/[\u0000-\u001f\u007f-\u009f]/.test(value)) throw new TypeError(`${name} contains control characters`);
+}

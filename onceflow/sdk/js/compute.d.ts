@@ -1,0 +1,63 @@
+import type { Api } from "./transport.js";
+
+export const WAIT_MARGIN_MS: number;
+export function extendIntervalMs(ttlMs: number): number;
+export function isReleaseOf(message: unknown, jobId: string, task: string): boolean;
+
+export class Subscription {
+  /** null while live; "ended", "unavailable" or "closed" once the stream is gone. */
+  readonly ended: null | "ended" | "unavailable" | "closed";
+  next(timeoutMs: number, signal?: AbortSignal): Promise<Record<string, unknown> | null>;
+  close(): void;
+}
+
+/** The claimed request's workspace events (POST /v1/claims/{id}/events), shared by its waiters. */
+export class ClaimEvents {
+  constructor(api: Api, requestId: string, token: string, options?: { signal?: AbortSignal });
+  readonly opened: number;
+  subscribe(): Promise<Subscription>;
+  close(): void;
+}
+
+export interface AcquireAnswer {
+  acquired: boolean;
+  locked: boolean;
+  job_id: string;
+  task: string;
+  lock_token?: string | null;
+  ttl_ms?: number | null;
+  remaining_ms?: number | null;
+}
+
+/** The lock calls of one claim (POST /v1/claims/{id}/locks, /extend, /release). */
+export class ClaimLocks {
+  constructor(api: Api, requestId: string, token: string, options?: { signal?: AbortSignal });
+  acquire(task: string, ttlSeconds?: number): Promise<AcquireAnswer>;
+  extend(task: string, lockToken: string, ttlSeconds?: number): Promise<boolean>;
+  release(task: string, lockToken: string, outcome: "computed" | "double_check" | "failed"): Promise<boolean>;
+}
+
+export interface ComputeOnceArgs<T> {
+  locks: ClaimLocks;
+  events: ClaimEvents;
+  jobId: string;
+  check: () => T | null | undefined | Promise<T | null | undefined>;
+  compute: () => T | Promise<T>;
+  store: (value: T) => unknown;
+  ttlSeconds?: number;
+  guard?: () => void;
+  signal?: AbortSignal;
+  onWait?: (info: { task: string; remainingMs: number }) => void;
+  waitMarginMs?: number;
+}
+
+export function computeOnce<T>(
+  task: string,
+  args: ComputeOnceArgs<T>,
+): Promise<{
+  value: T;
+  path: "preflight" | "waited" | "double_check" | "computed" | "lock_lost";
+  rounds: number;
+  servedBy?: "broadcast" | "recheck";
+  duplicate?: boolean;
+}>;

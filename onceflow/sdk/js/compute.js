@@ -1,0 +1,341 @@
+// onceflow SDK — layer 2 for a pull worker: the seed's compute-lock protocol over HTTP, so a
+// tab, a Celery stage and a Python pull worker asking for the same cell pay for it once.
+//
+//   1. pre-flight check(): a stored value returns at once, no lock round trip;
+//   2. acquire the cell's lock (POST /v1/claims/{id}/locks). `{locked: true}` is "someone else
+//      is on it": open the claim's event stream FIRST, check again, then wait for a
+//      `lock_released` of this (job, task) or a `commit` (after which check() runs again), at
+//      most the holder's `remaining_ms` plus a margin, and try again (the holder may have
+//      died: its lock expires). No polling loop;
+//   3. holding the lock, check() again (the double-check);
+//   4. compute() — the provider call — with the lock extended every ttl/3;
+//   5. store(value), then release with the outcome (`computed`, `double_check`, or `failed`
+//      from the finally), which announces `lock_released` to the waiters.
+
+import { Aborted, LeaseLost, NetworkError, OnceflowError, errorFor, seg, sleep, sseEvents } from "./transport.js";
+
+/** Waits run this long past the holder's remaining TTL, so the retry finds the key expired. */
+export const WAIT_MARGIN_MS = 50;
+
+/** A lock's extension interval: a third of its TTL (as the Python watchdog). */
+export function extendIntervalMs(ttlMs) {
+  return Math.max(10, Math.floor(ttlMs / 3));
+}
+
+/** True if `message` (a broadcast's JSON) says the lock of (jobId, task) was released. */
+export function isReleaseOf(message, jobId, task) {
+  return !!message && message.kind === "lock_released" && message.job_id === jobId && message.task === task;
+}
+
+/**
+ * The claimed request's workspace events (POST /v1/claims/{id}/events), one stream shared by
+ * every waiter of the claim: opened by the first subscriber, closed when the last one leaves
+ * or the claim ends. A subscription sees every message from its `ready` on, so nothing
+ * committed after it subscribed can be missed.
+ */
+export class ClaimEvents {
+  constructor(api, requestId, token, { signal } = {}) {
+    this.api = api;
+    this.requestId = requestId;
+    Object.defineProperty(this, "_token", { value: token, enumerable: false });
+    this._parent = signal;
+    this._subs = new Set();
+    this._stream = null; // { controller, ready: Promise<boolean> }
+    /** Streams opened so far (for tests and diagnostics). */
+    this.opened = 0;
+  }
+
+  /** A new subscription, once the stream is live (`ready`); a dead one if it cannot open. */
+  async subscribe() {
+    const sub = new Subscription(this);
+    this._subs.add(sub);
+    if (!this._stream) this._stream = this._open();
+    const ok = await this._stream.ready;
+    if (!ok) sub._end("unavailable");
+    return sub;
+  }
+
+  /** Close the stream (the claim ended). */
+  close() {
+    for (const sub of [...this._subs]) sub._end("closed");
+    this._subs.clear();
+    this._stream?.controller.abort();
+    this._stream = null;
+  }
+
+  _leave(sub) {
+    this._subs.delete(sub);
+    if (this._subs.size === 0 && this._stream) {
+      this._stream.controller.abort();
+      this._stream = null;
+    }
+  }
+
+  _open() {
+    const controller = new AbortController();
+    const parent = this._parent;
+    if (parent) {
+      if (parent.aborted) controller.abort();
+      else parent.addEventListener("abort", () => controller.abort(), { once: true });
+    }
+    let resolveReady;
+    const ready = new Promise((resolve) => (resolveReady = resolve));
+    const stream = { controller, ready };
+    this.opened += 1;
+    const path = `/v1/claims/${seg(this.requestId)}/events`;
+    (async () => {
+      let live = false;
+      try {
+        const response = await this.api.raw("POST", path, {
+          body: { claim_token: this._token },
+          signal: controller.signal,
+          timeoutMs: 0, // a stream: the keep-alives say it lives; the claim's end closes it
+        });
+        if (response.status !== 200 || !response.body) {
+          let body = null;
+          try {
+            body = await response.json();
+          } catch {
+            body = null;
+          }
+          throw errorFor(response.status, body, "claim events");
+        }
+        for await (const event of sseEvents(response.body)) {
+          if (event.event === "ready") {
+            live = true;
+            resolveReady(true);
+            continue;
+          }
+          let message;
+          try {
+            message = JSON.parse(event.data);
+          } catch {
+            continue;
+          }
+          if (!message || typeof message !== "object") continue;
+          for (const sub of this._subs) if (stream === this._stream) sub._push(message);
+        }
+      } catch {
+        // Closed by us, the claim ended, or the network failed: waiters fall back to the TTL.
+      } finally {
+        resolveReady(false);
+        if (this._stream === stream) {
+          this._stream = null;
+          for (const sub of this._subs) sub._end(live ? "ended" : "unavailable");
+        }
+      }
+    })();
+    return stream;
+  }
+}
+
+/** One waiter's view of the claim's event stream: a queue of messages since `ready`. */
+export class Subscription {
+  constructor(events) {
+    this._events = events;
+    this._queue = [];
+    this._wake = null;
+    /** null while live; "ended", "unavailable" or "closed" once the stream is gone. */
+    this.ended = null;
+  }
+
+  _push(message) {
+    this._queue.push(message);
+    this._wake?.();
+  }
+
+  _end(reason) {
+    if (this.ended === null) this.ended = reason;
+    this._wake?.();
+  }
+
+  /**
+   * The next message, or null after `timeoutMs` without one, or when the stream is gone
+   * (then `ended` says why; a dead stream waits out the timeout: the TTL is the fallback).
+   */
+  async next(timeoutMs, signal) {
+    if (this._queue.length) return this._queue.shift();
+    if (this.ended !== null && this.ended !== "unavailable") return null;
+    let timer = null;
+    let onAbort = null;
+    try {
+      await new Promise((resolve, reject) => {
+        this._wake = this.ended === "unavailable" ? null : resolve;
+        timer = setTimeout(resolve, Math.max(0, timeoutMs));
+        if (signal) {
+          if (signal.aborted) return reject(new Aborted("aborted"));
+          onAbort = () => reject(new Aborted("aborted"));
+          signal.addEventListener("abort", onAbort, { once: true });
+        }
+      });
+    } finally {
+      this._wake = null;
+      clearTimeout(timer);
+      if (onAbort) signal.removeEventListener("abort", onAbort);
+    }
+    return this._queue.length ? this._queue.shift() : null;
+  }
+
+  close() {
+    this._end("closed");
+    this._events._leave(this);
+  }
+}
+
+/**
+ * The lock calls of one claim. `acquire` → `{acquired, lock_token, ttl_ms}` or
+ * `{locked, remaining_ms}`; `extend` → held?; `release` → released?. A 409 lease_lost is
+ * thrown as LeaseLost (the claim is gone: the cell's lock is not ours to take).
+ */
+export class ClaimLocks {
+  constructor(api, requestId, token, { signal } = {}) {
+    this.api = api;
+    this.requestId = requestId;
+    Object.defineProperty(this, "_token", { value: token, enumerable: false });
+    this.signal = signal;
+  }
+
+  _path(suffix) {
+    return `/v1/claims/${seg(this.requestId)}/locks${suffix}`;
+  }
+
+  async acquire(task, ttlSeconds) {
+    const body = { claim_token: this._token, task };
+    if (ttlSeconds !== undefined && ttlSeconds !== null) body.ttl_seconds = ttlSeconds;
+    // Safe to repeat: a lost answer's lock is ours but unknown, and expires by its TTL.
+    const answer = await this.api.callRetrying("POST", this._path(""), body, { signal: this.signal, what: "acquire lock" });
+    return answer.body;
+  }
+
+  async extend(task, lockToken, ttlSeconds) {
+    const body = { claim_token: this._token, task, lock_token: lockToken };
+    if (ttlSeconds !== undefined && ttlSeconds !== null) body.ttl_seconds = ttlSeconds;
+    const answer = await this.api.callRetrying("POST", this._path("/extend"), body, { signal: this.signal, attempts: 2, what: "extend lock" });
+    return !!answer.body?.held;
+  }
+
+  async release(task, lockToken, outcome) {
+    // Not tied to the stage's signal: a stage stopped by a lost lease still frees the cell.
+    const body = { claim_token: this._token, task, lock_token: lockToken, outcome };
+    const answer = await this.api.callRetrying("POST", this._path("/release"), body, { what: "release lock" });
+    return !!answer.body?.released;
+  }
+}
+
+function isStored(value) {
+  return value !== null && value !== undefined;
+}
+
+/**
+ * Get the cell's value, paying for `compute()` at most once across every caller.
+ * Returns `{value, path, servedBy?, rounds, duplicate?}` with `path` one of "preflight",
+ * "waited", "double_check", "computed", "lock_lost".
+ *
+ * `locks` (ClaimLocks), `events` (ClaimEvents), `jobId`: the claim's; `check()` returns the
+ * stored value or null/undefined; `store(value)` may return false for "an earlier value
+ * was kept". `guard()` throws when the stage must stop (the context's check()); `signal`
+ * aborts waits. `onWait()` is called each time this caller starts waiting for a holder.
+ */
+export async function computeOnce(task, { locks, events, jobId, check, compute, store, ttlSeconds, guard = () => {}, signal, onWait, waitMarginMs = WAIT_MARGIN_MS }) {
+  if (typeof task !== "string" || task.length === 0 || task.length > 200) throw new TypeError("task must be a string of 1..200 characters");
+  for (const [name, fn] of [["check", check], ["compute", compute], ["store", store]]) {
+    if (typeof fn !== "function") throw new TypeError(`${name} must be a function`);
+  }
+  guard();
+  const first = await check();
+  if (isStored(first)) return { value: first, path: "preflight", rounds: 0 };
+
+  let sub = null;
+  let rounds = 0;
+  try {
+    for (;;) {
+      rounds += 1;
+      guard();
+      const got = await locks.acquire(task, ttlSeconds);
+      if (got?.acquired) return await lead(task, got, { locks, check, compute, store, ttlSeconds, guard, rounds });
+      if (!got?.locked) throw new OnceflowError(`acquire lock: an answer neither acquired nor locked`, { body: got });
+      // Someone else is on it: listen first, then look again, then wait.
+      if (sub === null || sub.ended !== null) {
+        sub?.close();
+        sub = await events.subscribe();
+        const value = await check();
+        if (isStored(value)) return { value, path: "waited", servedBy: "recheck", rounds };
+      }
+      onWait?.({ task, remainingMs: got.remaining_ms });
+      const deadline = Date.now() + Math.max(0, Number(got.remaining_ms) || 0) + waitMarginMs;
+      for (;;) {
+        const message = await sub.next(deadline - Date.now(), signal);
+        if (message === null) break; // the holder's TTL ran out (or the stream is gone): try again
+        guard();
+        const value = await check(); // any message may be the store's commit
+        if (isStored(value)) return { value, path: "waited", servedBy: "broadcast", rounds };
+        if (isReleaseOf(message, jobId, task)) break; // released without a value: try again
+      }
+    }
+  } finally {
+    sub?.close();
+  }
+}
+
+async function lead(task, got, { locks, check, compute, store, ttlSeconds, guard, rounds }) {
+  const token = got.lock_token;
+  const ttlMs = Number(got.ttl_ms) || 60_000;
+  let lost = false;
+  let outcome = "failed";
+  const extender = new AbortController();
+  const watchdog = (async () => {
+    try {
+      for (;;) {
+        await sleep(extendIntervalMs(ttlMs), extender.signal);
+        if (!(await locks.extend(task, token, ttlSeconds))) {
+          lost = true;
+          return;
+        }
+      }
+    } catch {
+      // stopped, or the network failed: the lock lives out its TTL
+    }
+  })();
+  try {
+    const again = await check(); // the double-check: stored between the pre-flight and the acquire?
+    if (isStored(again)) {
+      outcome = "double_check";
+      return { value: again, path: "double_check", rounds };
+    }
+    guard(); // no provider call for a stage that must stop
+    const value = await compute();
+    if (!isStored(value)) throw new TypeError("compute() returned null/undefined, which check() would read as 'not stored'");
+    guard();
+    let held = !lost;
+    try {
+      held = held && (await locks.extend(task, token, ttlSeconds)); // ours right before the store?
+    } catch (error) {
+      if (error instanceof LeaseLost) throw error;
+      // cannot confirm (no answer): store anyway, the store keeps the first value
+    }
+    if (!held) {
+      const existing = await check();
+      if (isStored(existing)) {
+        outcome = "computed";
+        return { value: existing, path: "lock_lost", rounds, duplicate: true };
+      }
+    }
+    const kept = await store(value);
+    outcome = "computed";
+    const path = held ? "computed" : "lock_lost";
+    if (kept === false) {
+      const existing = await check();
+      return { value: isStored(existing) ? existing : value, path, rounds, duplicate: true };
+    }
+    return { value, path, rounds };
+  } finally {
+    extender.abort();
+    await watchdog;
+    try {
+      await locks.release(task, token, outcome);
+    } catch (error) {
+      if (!(error instanceof NetworkError || error instanceof OnceflowError)) throw error;
+      // not released: it expires by its TTL, and waiters wake then
+    }
+  }
+}

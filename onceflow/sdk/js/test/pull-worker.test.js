@@ -1,0 +1,357 @@
+// The pull worker's pure parts under Node's test runner (`node --test onceflow/sdk/js/test/`):
+// intervals, leader names, outcome mapping, and computeOnce's decisions against a scripted
+// fetch. The real server's behaviour (leases, locks, broadcasts) is proven in Chromium
+// (tests/browser/test_sdk_worker.py).
+
+import assert from "node:assert/strict";
+import { test } from "node:test";
+
+import {
+  Api,
+  Cancelled,
+  ClaimEvents,
+  ClaimLocks,
+  LEADER_PREFIX,
+  LeaseLost,
+  PullWorker,
+  computeOnce,
+  extendIntervalMs,
+  failOutcome,
+  failureOf,
+  heartbeatIntervalMs,
+  isReleaseOf,
+  leaderName,
+  whileLeader,
+} from "../index.js";
+
+const KEY = "of_test_worker_key_for_node_0123456";
+
+/** A fetch that answers from `routes` ("POST /v1/..." → fn(body) → {status, body} | Response) and records calls. */
+function scripted(routes) {
+  const calls = [];
+  async function fetch(url, init = {}) {
+    const path = new URL(url, "http://x").pathname;
+    const name = `${init.method} ${path}`;
+    const body = init.body ? JSON.parse(init.body) : undefined;
+    calls.push({ name, body, auth: init.headers?.Authorization });
+    const route = routes[name];
+    if (!route) return new Response(JSON.stringify({ detail: `no route ${name}`, code: "not_found" }), { status: 404 });
+    const answer = await route(body, init);
+    if (answer instanceof Response) return answer;
+    if (answer.status === 204) return new Response(null, { status: 204 });
+    return new Response(JSON.stringify(answer.body ?? null), { status: answer.status ?? 200, headers: { "content-type": "application/json" } });
+  }
+  return { fetch, calls, names: () => calls.map((c) => c.name) };
+}
+
+/** An SSE body we feed by hand: `send(kind, data)`, `end()`. */
+function sseStream() {
+  const encoder = new TextEncoder();
+  let controller;
+  const body = new ReadableStream({ start: (c) => (controller = c) });
+  return {
+    response: () => new Response(body, { status: 200, headers: { "content-type": "text/event-stream" } }),
+    send(kind, data) {
+      controller.enqueue(encoder.encode(`event: ${kind}\ndata: ${JSON.stringify(data)}\n\n`));
+    },
+    end() {
+      controller.close();
+    },
+  };
+}
+
+const REQ = "r".repeat(32);
+const CLAIMS = `/v1/claims/${REQ}`;
+
+function claimAnswer(extra = {}) {
+  return {
+    status: 201,
+    body: {
+      request_id: REQ,
+      claim_token: "secret-claim-token",
+      lease_expires_at: "2026-01-01T00:00:00+00:00",
+      lease_seconds: 0.06,
+      attempt: 1,
+      request: { request_id: REQ, workspace_id: "w", job_id: "j1", stage: "s", input: { value: 3 } },
+      ...extra,
+    },
+  };
+}
+
+// ----------------------------------------------------------------- pure helpers
+
+test("heartbeats every lease/3", () => {
+  assert.equal(heartbeatIntervalMs(6), 2000);
+  assert.equal(heartbeatIntervalMs(2), 666);
+  assert.equal(heartbeatIntervalMs(0.003), 10); // a floor: never a busy loop
+  for (const bad of [0, -1, NaN, "x", undefined]) assert.throws(() => heartbeatIntervalMs(bad), RangeError);
+  assert.equal(extendIntervalMs(60_000), 20_000);
+});
+
+test("leader names: one per worker class (and server), a given name as is, '-' names refused", () => {
+  assert.equal(leaderName("browser"), `${LEADER_PREFIX}browser`);
+  assert.equal(leaderName("browser", { baseUrl: "https://api.example/" }), `${LEADER_PREFIX}browser@https://api.example`);
+  assert.notEqual(leaderName("a"), leaderName("b"));
+  assert.equal(leaderName("browser", { leaderName: "my-app:leader" }), "my-app:leader");
+  for (const bad of ["", "-reserved", 3, "x".repeat(501)]) {
+    assert.throws(() => leaderName("browser", { leaderName: bad }), TypeError);
+  }
+  assert.throws(() => leaderName(""), TypeError);
+  const worker = new PullWorker({ apiKey: KEY, workerClass: "wc", fetch: async () => {} });
+  assert.equal(worker.leaderName, `${LEADER_PREFIX}wc`);
+  const loner = new PullWorker({ apiKey: KEY, workerClass: "wc", leader: false, fetch: async () => {} });
+  assert.equal(loner.leaderName, null);
+});
+
+test("without the Web Locks API there is no election: the body runs at once", async () => {
+  const seen = [];
+  const result = await whileLeader("n", async () => "ran", { locks: null, onLeader: (l) => seen.push(l) });
+  assert.equal(result, "ran");
+  assert.deepEqual(seen, [false]);
+  // with a Web Locks implementation, the body runs inside the lock request
+  const requested = [];
+  const locks = { request: async (name, options, fn) => (requested.push([name, options.mode]), fn()) };
+  assert.equal(await whileLeader("n2", async () => 7, { locks, onLeader: (l) => seen.push(l) }), 7);
+  assert.deepEqual(requested, [["n2", "exclusive"]]);
+  assert.deepEqual(seen, [false, true]);
+});
+
+test("outcomes: queued again is retry; a handler's error is retryable unless it says otherwise", () => {
+  assert.equal(failOutcome({ status: "queued" }), "retry");
+  assert.equal(failOutcome({ status: "dead" }), "dead");
+  assert.equal(failOutcome({ status: "cancelled" }), "cancelled");
+  assert.equal(failureOf(new Error("boom")).retryable, true);
+  assert.equal(failureOf(new Error("boom")).error.message, "boom");
+  assert.equal(failureOf(Object.assign(new Error("no"), { retryable: false })).retryable, false);
+  assert.equal(failureOf(Object.assign(new Error("no"), { permanent: true })).retryable, false);
+  class PermanentError extends Error {}
+  assert.equal(failureOf(Object.assign(new PermanentError("p"), { name: "PermanentError" })).retryable, false);
+  assert.equal(failureOf("a string").error.message, "a string");
+  assert.ok(isReleaseOf({ kind: "lock_released", job_id: "j", task: "t", ok: true }, "j", "t"));
+  assert.ok(!isReleaseOf({ kind: "lock_released", job_id: "j", task: "u" }, "j", "t"));
+  assert.ok(!isReleaseOf({ kind: "commit", job_id: "j", task: "t" }, "j", "t"));
+});
+
+// ----------------------------------------------------------------- runOnce
+
+function worker(routes) {
+  const script = scripted(routes);
+  const w = new PullWorker({ apiKey: KEY, workerClass: "t-wc", leader: false, waitSeconds: 0, fetch: script.fetch });
+  return { w, script };
+}
+
+test("runOnce: nothing due is null", async () => {
+  const { w, script } = worker({ "POST /v1/worker-classes/t-wc/claims": () => ({ status: 204 }) });
+  assert.equal(await w.runOnce(async () => assert.fail("no handler without a claim")), null);
+  assert.deepEqual(script.calls[0].body, { worker_id: w.workerId });
+  assert.equal(script.calls[0].auth, `Bearer ${KEY}`);
+});
+
+test("runOnce: a result completes with the hand-offs; the token only in bodies", async () => {
+  const { w, script } = worker({
+    "POST /v1/worker-classes/t-wc/claims": () => claimAnswer({ lease_seconds: 30 }),
+    [`POST ${CLAIMS}/ops`]: (body) => ({ status: 201, body: { op_id: "x", clock: 1, key: body.key } }),
+    [`POST ${CLAIMS}/complete`]: () => ({ body: { status: "succeeded" } }),
+  });
+  const outcome = await w.runOnce(async (ctx) => {
+    assert.deepEqual(ctx.input, { value: 3 });
+    assert.equal(ctx.attempt, 1);
+    assert.equal(ctx.requestId, REQ);
+    assert.ok(!JSON.stringify(ctx.claim).includes("secret-claim-token")); // not enumerable
+    await ctx.applyOp("job:j1", { type: "cell.set", column: "c", value: 1 }, { key: "cell:c" });
+    ctx.then("next", { a: 1 }, { branchPath: "b" });
+    return { done: 3 };
+  });
+  assert.equal(outcome, "succeeded");
+  const complete = script.calls.find((c) => c.name.endsWith("/complete"));
+  assert.deepEqual(complete.body, { claim_token: "secret-claim-token", result: { done: 3 }, then: [{ stage: "next", input: { a: 1 }, branch_path: "b" }] });
+  const op = script.calls.find((c) => c.name.endsWith("/ops"));
+  assert.equal(op.body.key, "cell:c");
+  assert.ok(script.calls.every((c) => !c.name.includes("secret")));
+});
+
+test("runOnce: an error fails retryable (retry) or permanent (dead)", async () => {
+  const failed = [];
+  const { w } = worker({
+    "POST /v1/worker-classes/t-wc/claims": () => claimAnswer({ lease_seconds: 30 }),
+    [`POST ${CLAIMS}/fail`]: (body) => (failed.push(body), { body: { status: body.retryable ? "queued" : "dead" } }),
+  });
+  assert.equal(await w.runOnce(async () => { throw new Error("flaky"); }), "retry");
+  assert.equal(await w.runOnce(async () => { throw Object.assign(new Error("bad input"), { retryable: false }); }), "dead");
+  assert.deepEqual(failed.map((f) => [f.retryable, f.error.message]), [[true, "flaky"], [false, "bad input"]]);
+});
+
+test("runOnce: a completion answered 409 lease_lost (e.g. a retry after a lost answer) is lease_lost", async () => {
+  const { w } = worker({
+    "POST /v1/worker-classes/t-wc/claims": () => claimAnswer({ lease_seconds: 30 }),
+    [`POST ${CLAIMS}/complete`]: () => ({ status: 409, body: { detail: "gone", code: "lease_lost" } }),
+  });
+  assert.equal(await w.runOnce(async () => 1), "lease_lost");
+});
+
+test("heartbeats every lease/3; the first 409 lease_lost aborts ctx.signal and nothing more is written", async () => {
+  let beats = 0;
+  const { w, script } = worker({
+    "POST /v1/worker-classes/t-wc/claims": () => claimAnswer({ lease_seconds: 0.06 }),
+    [`POST ${CLAIMS}/heartbeat`]: () => (++beats < 3 ? { body: { cancel_requested: false } } : { status: 409, body: { detail: "gone", code: "lease_lost" } }),
+  });
+  const outcome = await w.runOnce(async (ctx) => {
+    await new Promise((resolve) => ctx.signal.addEventListener("abort", resolve, { once: true }));
+    assert.ok(ctx.signal.reason instanceof LeaseLost);
+    assert.ok(ctx.leaseLost);
+    assert.throws(() => ctx.check(), LeaseLost);
+    await assert.rejects(ctx.applyOp("job:j1", { type: "cell.set", column: "c", value: 1 }, { key: "k" }), LeaseLost);
+    return "late";
+  });
+  assert.equal(outcome, "lease_lost");
+  assert.equal(beats, 3);
+  assert.ok(!script.names().some((n) => n.endsWith("/ops") || n.endsWith("/complete") || n.endsWith("/fail")));
+});
+
+test("cancel_requested stops the stage: ctx.signal aborts with Cancelled, failed not retryable", async () => {
+  let failBody = null;
+  const { w } = worker({
+    "POST /v1/worker-classes/t-wc/claims": () => claimAnswer({ lease_seconds: 0.06 }),
+    [`POST ${CLAIMS}/heartbeat`]: () => ({ body: { cancel_requested: true } }),
+    [`POST ${CLAIMS}/fail`]: (body) => ((failBody = body), { body: { status: "cancelled" } }),
+  });
+  const outcome = await w.runOnce(async (ctx) => {
+    await new Promise((resolve) => ctx.signal.addEventListener("abort", resolve, { once: true }));
+    assert.ok(ctx.signal.reason instanceof Cancelled);
+    ctx.check();
+  });
+  assert.equal(outcome, "cancelled");
+  assert.deepEqual([failBody.retryable, failBody.error.type], [false, "Cancelled"]);
+});
+
+// ----------------------------------------------------------------- computeOnce
+
+/** computeOnce against scripted lock routes; `events` is an SSE body (or a 503). */
+function cell({ acquire, extend = () => ({ body: { held: true } }), events, stored = () => null }) {
+  const log = [];
+  const script = scripted({
+    [`POST ${CLAIMS}/locks`]: (body) => (log.push("acquire"), acquire(body)),
+    [`POST ${CLAIMS}/locks/extend`]: (body) => (log.push("extend"), extend(body)),
+    [`POST ${CLAIMS}/locks/release`]: (body) => (log.push(`release:${body.outcome}`), { body: { released: true } }),
+    [`POST ${CLAIMS}/events`]: () => (log.push("events"), events ? events.response() : { status: 503, body: { detail: "down", code: "unavailable" } }),
+  });
+  const api = new Api("", { apiKey: KEY, fetch: script.fetch });
+  const locks = new ClaimLocks(api, REQ, "tok");
+  const eventsClient = new ClaimEvents(api, REQ, "tok");
+  const hooks = {
+    check: async () => (log.push("check"), stored()),
+    compute: async () => (log.push("compute"), 42),
+    store: async (v) => log.push(`store:${v}`),
+  };
+  const run = (extra = {}) => computeOnce("eval:fit", { locks, events: eventsClient, jobId: "j1", ...hooks, ...extra });
+  return { log, run, script, eventsClient };
+}
+
+const ACQUIRED = { status: 201, body: { acquired: true, locked: false, lock_token: "lt", ttl_ms: 60_000 } };
+const locked = (ms) => ({ status: 200, body: { acquired: false, locked: true, remaining_ms: ms } });
+
+test("computeOnce: a stored value returns at the pre-flight, no lock call", async () => {
+  const { log, run, script } = cell({ acquire: () => assert.fail(), stored: () => 7 });
+  assert.deepEqual(await run(), { value: 7, path: "preflight", rounds: 0 });
+  assert.deepEqual(log, ["check"]);
+  assert.equal(script.calls.length, 0);
+});
+
+test("computeOnce: holding the lock, compute, store, release computed", async () => {
+  const { log, run } = cell({ acquire: () => ACQUIRED });
+  const out = await run();
+  assert.deepEqual([out.value, out.path], [42, "computed"]);
+  assert.deepEqual(log, ["check", "acquire", "check", "compute", "extend", "store:42", "release:computed"]);
+});
+
+test("computeOnce: the double-check finds it stored: no compute, release double_check", async () => {
+  let n = 0;
+  const { log, run } = cell({ acquire: () => ACQUIRED, stored: () => (n++ === 0 ? null : 5) });
+  assert.deepEqual(await run(), { value: 5, path: "double_check", rounds: 1 });
+  assert.deepEqual(log, ["check", "acquire", "check", "release:double_check"]);
+});
+
+test("computeOnce: a compute that throws releases as failed and rethrows", async () => {
+  const { log, run } = cell({ acquire: () => ACQUIRED });
+  await assert.rejects(run({ compute: async () => { throw new Error("provider down"); } }), /provider down/);
+  assert.deepEqual(log.slice(-1), ["release:failed"]);
+  assert.ok(!log.some((x) => x.startsWith("store")));
+});
+
+test("computeOnce: locked → listen FIRST, re-check, wait for the broadcast; never computes", async () => {
+  const sse = sseStream();
+  let value = null;
+  const { log, run } = cell({ acquire: () => locked(60_000), events: sse, stored: () => value });
+  const waits = [];
+  const pending = run({ onWait: (w) => waits.push(w) });
+  // the stream opens, says ready; then an unrelated release (checked, ignored), then the commit
+  setTimeout(() => sse.send("ready", {}), 5);
+  setTimeout(() => sse.send("lock_released", { kind: "lock_released", job_id: "j1", task: "eval:other", ok: true }), 20);
+  setTimeout(() => {
+    value = 9;
+    sse.send("commit", { kind: "commit", sub_doc: "job:j1", clock: 3 });
+  }, 40);
+  const out = await pending;
+  assert.deepEqual([out.value, out.path, out.servedBy], [9, "waited", "broadcast"]);
+  assert.deepEqual(log, ["check", "acquire", "events", "check", "check", "check"]);
+  assert.deepEqual(waits, [{ task: "eval:fit", remainingMs: 60_000 }]);
+  assert.ok(!log.includes("compute"));
+});
+
+test("computeOnce: locked, but the re-check after subscribing finds it: waited (recheck)", async () => {
+  const sse = sseStream();
+  let n = 0;
+  const { log, run } = cell({ acquire: () => locked(60_000), events: sse, stored: () => (n++ === 0 ? null : 4) });
+  setTimeout(() => sse.send("ready", {}), 5);
+  const out = await run();
+  assert.deepEqual([out.value, out.path, out.servedBy], [4, "waited", "recheck"]);
+  assert.deepEqual(log, ["check", "acquire", "events", "check"]);
+});
+
+test("computeOnce: the holder failed (ok=false, nothing stored): try again, lead, compute once", async () => {
+  const sse = sseStream();
+  let acquires = 0;
+  const { log, run } = cell({ acquire: () => (++acquires === 1 ? locked(60_000) : ACQUIRED), events: sse });
+  setTimeout(() => sse.send("ready", {}), 5);
+  setTimeout(() => sse.send("lock_released", { kind: "lock_released", job_id: "j1", task: "eval:fit", ok: false }), 20);
+  const out = await run();
+  assert.deepEqual([out.value, out.path, out.rounds], [42, "computed", 2]);
+  assert.deepEqual(log, ["check", "acquire", "events", "check", "check", "acquire", "check", "compute", "extend", "store:42", "release:computed"]);
+});
+
+test("computeOnce: a silent holder's TTL runs out: one more acquire after remaining_ms, no polling", async () => {
+  const sse = sseStream();
+  let acquires = 0;
+  const { log, run } = cell({ acquire: () => (++acquires === 1 ? locked(30) : ACQUIRED), events: sse });
+  setTimeout(() => sse.send("ready", {}), 5);
+  const out = await run({ waitMarginMs: 5 });
+  assert.equal(out.path, "computed");
+  assert.equal(log.filter((x) => x === "acquire").length, 2);
+  assert.equal(log.filter((x) => x === "events").length, 1);
+});
+
+test("computeOnce: concurrent waiters of one claim share one event stream", async () => {
+  const sse = sseStream();
+  let value = null;
+  const { run, eventsClient, script } = cell({ acquire: () => locked(60_000), events: sse, stored: () => value });
+  const both = Promise.all([run(), run()]);
+  setTimeout(() => sse.send("ready", {}), 10);
+  setTimeout(() => ((value = 1), sse.send("commit", { kind: "commit" })), 30);
+  const outs = await both;
+  assert.deepEqual(outs.map((o) => o.path), ["waited", "waited"]);
+  assert.equal(eventsClient.opened, 1);
+  assert.equal(script.calls.filter((c) => c.name.endsWith("/events")).length, 1);
+});
+
+test("computeOnce: the claim is gone at the acquire: LeaseLost, no compute", async () => {
+  const { log, run } = cell({ acquire: () => ({ status: 409, body: { detail: "gone", code: "lease_lost" } }) });
+  await assert.rejects(run(), LeaseLost);
+  assert.ok(!log.includes("compute"));
+});
+
+test("computeOnce: bad arguments are refused before any call", async () => {
+  const { run, script } = cell({ acquire: () => ACQUIRED });
+  await assert.rejects(run({ compute: undefined }), TypeError);
+  await assert.rejects(computeOnce("", {}), TypeError);
+  assert.equal(script.calls.length, 0);
+});

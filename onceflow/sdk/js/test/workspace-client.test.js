@@ -1,0 +1,159 @@
+// The WorkspaceClient's send logic under Node, driven by a scripted fetch (a test double of the
+// network for the pure logic only; the real server is exercised in Chromium, tests/browser).
+import { test } from "node:test";
+import assert from "node:assert/strict";
+import { HttpError, MemoryOutbox, WorkspaceClient } from "../index.js";
+
+const BACKOFF = { baseMs: 1, capMs: 2 };
+
+/** A fetch that answers each POST with the next scripted reply; every call is recorded. */
+function scripted(replies) {
+  const calls = [];
+  const fetch = async (url, init) => {
+    const call = { url, method: init.method, body: init.body ? JSON.parse(init.body) : null, auth: init.headers.Authorization };
+    calls.push(call);
+    if (init.method === "GET") return Response.json({ clock: 4, state: {} });
+    const reply = replies.shift();
+    if (reply === undefined) throw new Error("no more scripted replies");
+    if (reply === "offline") throw new TypeError("Failed to fetch");
+    const { status, body = {}, headers = {} } = typeof reply === "function" ? reply(call) : reply;
+    return new Response(JSON.stringify(body), { status, headers: { "Content-Type": "application/json", ...headers } });
+  };
+  return { fetch, calls };
+}
+
+function ok(call, extra = {}) {
+  return { status: 201, body: { op_id: call.body.op_id, clock: 11, duplicate: false, applied: true, result: null, error: null, ...extra } };
+}
+
+function client(fetch, outbox = new MemoryOutbox()) {
+  return new WorkspaceClient({ apiKey: "k_test", workspaceId: "w1", fetch, outbox, backoff: BACKOFF, baseUrl: "http://x" });
+}
+
+test("retries under the same op id and base clock until an answer, then leaves the outbox", async () => {
+  let n = 0;
+  const answer = (call) => ({ status: 201, body: { op_id: call.body.op_id, clock: 5, duplicate: false, applied: true, result: { n: ++n }, error: null } });
+  const { fetch, calls } = scripted(["offline", { status: 503 }, { status: 429, headers: { "Retry-After": "0" } }, "offline", answer]);
+  const c = client(fetch);
+  const got = await c.applyOp("doc", { type: "cell.set", column: "c", value: 1 });
+  const posts = calls.filter((call) => call.method === "POST");
+  assert.equal(posts.length, 5);
+  assert.equal(new Set(posts.map((p) => p.body.op_id)).size, 1);
+  assert.deepEqual(new Set(posts.map((p) => p.body.base_clock)), new Set([4])); // read before minting
+  assert.equal(got.opId, posts[0].body.op_id);
+  assert.equal(got.clock, 5);
+  assert.deepEqual(await c.pending(), []);
+  assert.equal(c.clockOf("doc"), 5);
+  assert.equal(posts[0].auth, "Bearer k_test");
+  assert.ok(!posts[0].url.includes("k_test"));
+  c.close();
+});
+
+test("ops are sent one at a time in the order they were applied, across sub-docs", async () => {
+  let inFlight = 0;
+  let most = 0;
+  const slow = (call) => { inFlight++; most = Math.max(most, inFlight); return { status: 201, body: { op_id: call.body.op_id, clock: 1, duplicate: false, applied: true, result: null, error: null } }; };
+  const replies = [];
+  for (let i = 0; i < 6; i++) replies.push(i % 2 ? "offline" : slow);
+  replies.push(slow, slow, slow);
+  const { fetch, calls } = scripted(replies);
+  const wrapped = async (url, init) => { const r = await fetch(url, init); inFlight = Math.max(0, inFlight - 1); return r; };
+  const c = client(wrapped);
+  const docs = ["a", "b", "a", "c", "b"];
+  const answers = await Promise.all(docs.map((d, i) => c.applyOp(d, { type: "cell.set", column: "c", value: i }, { baseClock: i })));
+  const posts = calls.filter((call) => call.method === "POST");
+  // each op's attempts come before the next op's first attempt
+  const order = [...new Set(posts.map((p) => p.body.op_id))];
+  assert.deepEqual(order, answers.map((a) => a.opId));
+  assert.deepEqual(posts.filter((p, i) => i === 0 || posts[i - 1].body.op_id !== p.body.op_id).map((p) => p.body.op.value), [0, 1, 2, 3, 4]);
+  assert.deepEqual(order.map((id) => posts.find((p) => p.body.op_id === id).body.base_clock), [0, 1, 2, 3, 4]);
+  assert.equal(most, 1);
+  c.close();
+});
+
+test("a refusal removes the op and rejects with HttpError; the next op still goes", async () => {
+  const { fetch } = scripted([
+    { status: 409, body: { detail: "op id used with another payload", code: "op_id_conflict" } },
+    { status: 422, body: { detail: "bad op", code: "invalid_request" } },
+    (call) => ok(call, { clock: 3 }),
+  ]);
+  const c = client(fetch);
+  const refused = [];
+  c.on("refused", (d) => refused.push(d.error.code));
+  const first = c.applyOp("d", { type: "cell.set", column: "c", value: 1 }, { baseClock: 0 });
+  const second = c.applyOp("d", { type: "nope" }, { baseClock: 0 });
+  const third = c.applyOp("d", { type: "cell.set", column: "c", value: 2 }, { baseClock: 0 });
+  await assert.rejects(first, (e) => e instanceof HttpError && e.status === 409 && e.code === "op_id_conflict");
+  await assert.rejects(second, (e) => e instanceof HttpError && e.status === 422);
+  assert.equal((await third).clock, 3);
+  assert.deepEqual(refused, ["op_id_conflict", "invalid_request"]);
+  assert.deepEqual(await c.pending(), []);
+  c.close();
+});
+
+test("401 keeps the op and retries it; setApiKey lets it through", async () => {
+  const { fetch, calls } = scripted([{ status: 401, body: { detail: "bad key", code: "unauthorized" } }, { status: 401 }, (call) => ok(call)]);
+  const c = client(fetch);
+  let told = 0;
+  c.on("unauthorized", () => { told++; if (told === 2) c.setApiKey("k_new"); });
+  const got = await c.applyOp("d", { type: "cell.set", column: "c", value: 1 }, { baseClock: 0 });
+  assert.equal(got.applied, true);
+  assert.equal(calls.at(-1).auth, "Bearer k_new");
+  assert.equal(told, 2);
+  c.close();
+});
+
+test("start() replays what an earlier page load left, in seq order, with stored ids", async () => {
+  const outbox = new MemoryOutbox();
+  const ns = "default@w1";
+  await outbox.add(ns, { opId: "left_by_earlier_load_1", subDoc: "d", op: { type: "cell.clear", column: "x" }, baseClock: 7 });
+  await outbox.add(ns, { opId: "left_by_earlier_load_2", subDoc: "e", op: { type: "cell.clear", column: "y" }, baseClock: 2 });
+  await outbox.add("other@w1", { opId: "another_namespace_op", subDoc: "d", op: { type: "cell.clear", column: "z" }, baseClock: 0 });
+  const { fetch, calls } = scripted([(call) => ok(call, { duplicate: true, clock: 8 }), (call) => ok(call)]);
+  const c = client(fetch, outbox);
+  const applied = [];
+  const done = new Promise((resolve) => c.on("applied", (d) => { applied.push(d); if (applied.length === 2) resolve(); }));
+  await c.start();
+  await done;
+  assert.deepEqual(calls.map((call) => [call.body.op_id, call.body.base_clock]), [["left_by_earlier_load_1", 7], ["left_by_earlier_load_2", 2]]);
+  assert.deepEqual(applied.map((d) => [d.opId, d.duplicate, d.clock]), [["left_by_earlier_load_1", true, 8], ["left_by_earlier_load_2", false, 11]]);
+  assert.deepEqual((await outbox.list("other@w1")).map((e) => e.opId), ["another_namespace_op"]);
+  c.close();
+});
+
+test("bad input is refused before anything is stored or sent", async () => {
+  const { fetch, calls } = scripted([]);
+  const c = client(fetch);
+  for (const [subDoc, op, opts] of [["", { type: "cell.set" }], ["d", null], ["d", [1]], ["d", "cell.set"], ["d", {}], ["d", { type: "x" }, { baseClock: -1 }], ["a\u0000b", { type: "x" }]]) {
+    await assert.rejects(c.applyOp(subDoc, op, opts), TypeError);
+  }
+  assert.deepEqual(await c.pending(), []);
+  assert.equal(calls.length, 0);
+  c.close();
+});
+
+test("close() rejects waiting ops and keeps them in the outbox", async () => {
+  const { fetch } = scripted(Array(1000).fill("offline"));
+  const outbox = new MemoryOutbox();
+  const c = client(fetch, outbox);
+  const waiting = c.applyOp("d", { type: "cell.set", column: "c", value: 1 }, { baseClock: 1 });
+  await new Promise((r) => setTimeout(r, 20));
+  c.close();
+  await assert.rejects(waiting, (e) => e.name === "Aborted");
+  assert.equal((await outbox.list("default@w1")).length, 1);
+});
+
+test("MemoryOutbox keeps seq order per namespace and returns copies", async () => {
+  const box = new MemoryOutbox();
+  const a = await box.add("n", { opId: "1" });
+  const b = await box.add("n", { opId: "2" });
+  await box.add("m", { opId: "x" });
+  assert.deepEqual([a.seq, b.seq], [1, 2]);
+  await box.delete("n", 1);
+  const c = await box.add("n", { opId: "3" });
+  assert.equal(c.seq, 3);
+  const list = await box.list("n");
+  assert.deepEqual(list.map((e) => e.opId), ["2", "3"]);
+  list[0].opId = "changed";
+  assert.equal((await box.list("n", 1))[0].opId, "2");
+});
