@@ -94,16 +94,11 @@ class TabKeys:
 
 
 def start_api(app: str, log_dir: Path, env: dict[str, str]) -> tuple[Proc, str]:
-    """A real ``onceflow api`` for ``app`` on a free port: (process, base URL)."""
+    """A real ``onceflow api`` for ``app`` on a free port: (process, base URL). It is up
+    once its log says ``Application startup complete``."""
     port = free_port()
     args = ["api", "--app", app, "--port", str(port), "--log-level", "info"]
-    proc = Proc(args, log_dir / "api.log", env=env)
-    try:
-        proc.wait_log("Application startup complete", timeout=60)
-    except BaseException:
-        proc.stop()
-        raise
-    return proc, f"http://127.0.0.1:{port}"
+    return Proc(args, log_dir / "api.log", env=env), f"http://127.0.0.1:{port}"
 
 
 @dataclass
@@ -119,6 +114,8 @@ class BrowserTab(threading.Thread):
 
     Playwright's sync API belongs to the thread that started it, so the whole browser
     lives in this thread; :meth:`stop` asks the page to stop, and the thread closes it.
+    The page is loaded first (``ready`` is set then, or when the thread ends); its work
+    starts on :meth:`go`, so the tab races the other clients from the same start line.
     """
 
     def __init__(self, api_url: str, config: dict[str, Any], log_dir: Path,
@@ -129,12 +126,20 @@ class BrowserTab(threading.Thread):
         self.log_path = log_dir / "browser-tab.log"
         self.timeout = timeout
         self.outcome = TabOutcome()
-        self._stop = threading.Event()
-        self.started_page = threading.Event()
+        self._halt = threading.Event()
+        self._go = threading.Event()
+        #: Set by the caller once the api answers (the page's origin).
+        self.api_up = threading.Event()
+        self.ready = threading.Event()
 
     def stop(self) -> None:
         """Ask the tab to stop (its thread closes the browser)."""
-        self._stop.set()
+        self._halt.set()
+        self._go.set()
+
+    def go(self) -> None:
+        """Start the page's work (once ``ready``)."""
+        self._go.set()
 
     def run(self) -> None:
         try:
@@ -144,7 +149,7 @@ class BrowserTab(threading.Thread):
         except Exception as exc:  # the report says what went wrong; the run goes on
             self.outcome.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         finally:
-            self.started_page.set()
+            self.ready.set()
 
     def _run(self) -> dict[str, Any]:
         from playwright.sync_api import sync_playwright
@@ -155,6 +160,10 @@ class BrowserTab(threading.Thread):
             browser = pw.chromium.launch(executable_path=chromium_path(), headless=True, args=ARGS)
             try:
                 context = browser.new_context()
+                # The page (at the API's origin) calls the LLM stand-in on another loopback
+                # port: Chromium's Local Network Access asks the user first, as a person
+                # would allow it for a local dev server; headless, the demo allows it.
+                context.grant_permissions(["local-network-access"], origin=self.api_url)
 
                 def fulfil(route: Any) -> None:
                     route.fulfill(status=200, content_type="text/html; charset=utf-8",
@@ -171,6 +180,9 @@ class BrowserTab(threading.Thread):
 
                 page.on("console", on_console)
                 page.on("pageerror", on_error)
+                while not self.api_up.wait(0.1):
+                    if self._halt.is_set():
+                        raise RuntimeError("the tab was stopped before it started")
                 page.goto(url)
                 page.wait_for_function(
                     "() => window.onceflowDemo && (window.onceflowDemo.ready"
@@ -180,17 +192,20 @@ class BrowserTab(threading.Thread):
                 load_error = page.evaluate("() => window.onceflowDemo.loadError || null")
                 if load_error:
                     raise RuntimeError(f"the SDK did not load in the page: {load_error}")
+                self.ready.set()
+                self._go.wait()
+                if self._halt.is_set():
+                    raise RuntimeError("the tab was stopped before it started")
                 page.evaluate("config => window.onceflowDemo.start(config)", self._config)
-                self.started_page.set()
                 deadline = time.monotonic() + self.timeout
                 while True:
                     status: dict[str, Any] = page.evaluate("() => window.onceflowDemo.status()")
                     self.outcome.status = status
                     if status["done"]:
                         return status
-                    if self._stop.is_set() or time.monotonic() > deadline:
+                    if self._halt.is_set() or time.monotonic() > deadline:
                         page.evaluate("() => window.onceflowDemo.stop()")
-                        why = "stopped" if self._stop.is_set() else f"not done in {self.timeout}s"
+                        why = "stopped" if self._halt.is_set() else f"not done in {self.timeout}s"
                         raise RuntimeError(f"the tab was {why}")
                     time.sleep(POLL)
             finally:

@@ -357,21 +357,25 @@ def _run(opts: Options, announce: Any, present: Any) -> tuple[dict[str, Any], Ru
                     "-n", f"{wc}-{i}-{os.getpid()}@%h"]  # fmt: skip
             procs.append(Proc(args, log_dir / f"worker-{wc}-{i}.log", env=env))
         procs.append(Proc(["beat", "--app", APP], log_dir / "beat.log", env=env))
-        for proc in procs[:-1]:
+        starting = list(procs)
+        # With --browser, the api and Chromium start while the workers do.
+        tab = _start_tab(opts, run, env, llm, api_key, log_dir, procs, stack)
+        for proc in starting[:-1]:
             proc.wait_log(" ready.")
-        procs[-1].wait_log("beat: Starting")
+        starting[-1].wait_log("beat: Starting")
+        if tab is not None:
+            _tab_ready(tab, procs[len(starting)], announce)
         flower_url = None
         if opts.flower:
             flower, flower_url = _start_flower(log_dir, env, announce)
             procs.append(flower)
-        tab = _start_tab(opts, run, env, llm, api_key, log_dir, procs, announce, stack)
         announce(f"{opts.clients} clients enqueue {opts.jobs} jobs x {opts.columns} columns")
         threads = [threading.Thread(target=client, args=(n, opts, run, env), daemon=True)
                    for n in range(opts.clients)]  # fmt: skip
         for t in threads:
             t.start()
         if tab is not None:
-            tab.start()
+            tab.go()
         bar = ProgressBar(sys.stderr, opts.expected_requests(), enabled=opts.progress)
         sampling = threading.Event()
         sampler = threading.Thread(target=_sample, args=(run, llm, bar, sampling), daemon=True)
@@ -403,9 +407,10 @@ def _run(opts: Options, announce: Any, present: Any) -> tuple[dict[str, Any], Ru
 
 def _start_tab(
     opts: Options, run: Run, env: dict[str, str], llm: StandIn, llm_key: str, log_dir: Path,
-    procs: list[Proc], announce: Any, stack: contextlib.ExitStack,
+    procs: list[Proc], stack: contextlib.ExitStack,
 ) -> BrowserTab | None:  # fmt: skip
-    """With ``--browser``: an ``onceflow api`` with this run's keys, and the tab's thread."""
+    """With ``--browser``: start an ``onceflow api`` with this run's keys (appended to
+    ``procs``) and the tab's thread (Chromium starts; the page loads once the api is up)."""
     if not opts.browser:
         return None
     from onceflow.demo.browser import BrowserTab, TabKeys, start_api, tab_config
@@ -414,13 +419,13 @@ def _start_tab(
     keys = TabKeys()
     api, api_url = start_api(APP, log_dir, {**env, **keys.env(run.workspace, TAB_CLASS)})
     procs.append(api)
-    announce(f"onceflow api at {api_url}; a headless Chromium tab joins the clients")
     config = tab_config(
         api_url=api_url, keys=keys, workspace=run.workspace, worker_class=TAB_CLASS,
         llm_url=llm.url, llm_key=llm_key, jobs=[f"job-{j}" for j in range(opts.jobs)],
         columns=COLUMNS[: opts.columns],
     )  # fmt: skip
     tab = BrowserTab(api_url, config, log_dir, timeout=opts.timeout)
+    tab.start()  # Chromium starts, then waits for api_up to load the page
 
     @stack.callback  # before the api and the workers stop (callbacks run last-in first)
     def _stop_tab() -> None:
@@ -429,6 +434,15 @@ def _start_tab(
             tab.join(timeout=30)
 
     return tab
+
+
+def _tab_ready(tab: BrowserTab, api: Proc, announce: Any) -> None:
+    """Wait for the api, let the tab load its page, and wait for the page to be ready."""
+    api.wait_log("Application startup complete", timeout=60)
+    tab.api_up.set()
+    if not tab.ready.wait(timeout=90) or not tab.is_alive():
+        raise RuntimeError(f"the browser tab did not start: {tab.outcome.error or 'timed out'}")
+    announce(f"onceflow api at {tab.api_url}; a headless Chromium tab joins the clients")
 
 
 def _join_tab(tab: BrowserTab, run: Run, opts: Options) -> None:
