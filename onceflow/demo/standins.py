@@ -26,15 +26,31 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         """Quiet: the counts are the log."""
 
+    def _cors(self) -> None:
+        # A browser tab may call the stand-in directly (the SDK tests' tabs do); a real
+        # deployment proxies provider calls through its own back end instead.
+        self.send_header("Access-Control-Allow-Origin", "*")
+        self.send_header("Access-Control-Allow-Headers", "Authorization, Content-Type")
+        self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+
     def _send(self, status: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        self._cors()
         self.end_headers()
         # The caller may be gone (a worker killed mid-call): that is the demo's fault, not ours.
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             self.wfile.write(data)
+
+    def do_OPTIONS(self) -> None:
+        """A CORS preflight: allowed, and not counted (it is no provider call)."""
+        self.send_response(204)
+        self._cors()
+        self.send_header("Access-Control-Max-Age", "600")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
 
     def do_GET(self) -> None:
         url = urlparse(self.path)
