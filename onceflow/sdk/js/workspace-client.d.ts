@@ -51,6 +51,7 @@ export interface WorkspaceClientEvents {
   pending: { count: number };
   unauthorized: { opId: string; error: HttpError };
   commit: CommitNotice;
+  stream: { connected: boolean };
   error: unknown;
 }
 export interface WorkspaceClientOptions {

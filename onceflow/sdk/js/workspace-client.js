@@ -21,6 +21,8 @@ const PAGE = 500; // catch-up page size
  * - `pending`: the outbox changed (`detail`: `{count}`);
  * - `unauthorized`: a 401: the op stays and is retried; give a new key with `setApiKey`;
  * - `commit`: a commit of the workspace seen on the event stream (`detail`: its JSON data);
+ * - `stream`: the event stream (open while something is subscribed) connected or was lost
+ *   (`detail`: `{connected}`); after a loss it reconnects with backoff and catches up;
  * - `error`: a subscriber's callback threw (`detail`: the error).
  *
  * Two tabs with the same `clientName` share one outbox namespace (`<clientName>@<workspace>`).
@@ -59,6 +61,8 @@ export class WorkspaceClient extends EventTarget {
     this._wake = null;
     this._started = null;
     this._stream = null;
+    this._streamStop = null;
+    this._streamRetry = null;
     this._channel = null;
     this._onOnline = () => this.retryNow();
   }
@@ -156,9 +160,10 @@ export class WorkspaceClient extends EventTarget {
     this.retryNow();
   }
 
-  /** Cut a retry's wait short (also done on the browser's `online` event). */
+  /** Cut the waits before a resend and a reconnect short (done on the browser's `online` too). */
   retryNow() {
     this._poke();
+    this._streamRetry?.abort();
   }
 
   /**
@@ -321,6 +326,7 @@ export class WorkspaceClient extends EventTarget {
 
   async _follow() {
     const path = `/v1/workspaces/${seg(this.workspaceId)}/events`;
+    let connected = false;
     for (let attempt = 0; this._subs.size && !this._stop.signal.aborted; attempt++) {
       this._streamStop = new AbortController();
       const signal = this._streamStop.signal;
@@ -336,6 +342,8 @@ export class WorkspaceClient extends EventTarget {
           for await (const event of sseEvents(response.body)) {
             if (event.event === "ready") {
               attempt = -1; // connected: the next reconnect starts from a short wait
+              connected = true;
+              this._emit("stream", { connected });
               for (const sub of this._subs) this._catchUp(sub);
             } else if (event.event === "commit") {
               this._onCommit(JSON.parse(event.data));
@@ -344,12 +352,16 @@ export class WorkspaceClient extends EventTarget {
         }
       } catch {
         if (signal.aborted || this._stop.signal.aborted) break; // else the stream broke: reconnect
+      } finally {
+        if (connected) this._emit("stream", { connected: (connected = false) });
       }
-      try {
-        await sleep(backoffDelay(Math.max(0, attempt), this._backoff), this._stop.signal);
-      } catch {
-        break;
-      }
+      const wait = new AbortController(); // cut short by retryNow() (the browser's `online`)
+      const onStop = () => wait.abort();
+      this._stop.signal.addEventListener("abort", onStop, { once: true });
+      this._streamRetry = wait;
+      await sleep(backoffDelay(Math.max(0, attempt), this._backoff), wait.signal).catch(() => {});
+      this._stop.signal.removeEventListener("abort", onStop);
+      if (this._stop.signal.aborted) break;
     }
     this._stream = null;
     if (this._subs.size && !this._stop.signal.aborted) this._stream = this._follow();
