@@ -107,6 +107,18 @@ class TabOutcome:
 
     status: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    #: Whether a key of the run appeared in the api's or the page's log (checked at the end).
+    keys_logged: bool | None = None
+
+
+def keys_in(paths: list[Path], keys: TabKeys, extra: tuple[str, ...] = ()) -> bool:
+    """True if any of the run's keys (or ``extra`` secrets) appears in one of the files."""
+    secrets_ = [keys.api_key, keys.worker_key, *extra]
+    for path in paths:
+        text = path.read_text(errors="replace") if path.exists() else ""
+        if any(secret in text for secret in secrets_):
+            return True
+    return False
 
 
 class BrowserTab(threading.Thread):
@@ -126,6 +138,7 @@ class BrowserTab(threading.Thread):
         self.log_path = log_dir / "browser-tab.log"
         self.timeout = timeout
         self.outcome = TabOutcome()
+        self.keys: TabKeys | None = None
         self._halt = threading.Event()
         self._go = threading.Event()
         #: Set by the caller once the api answers (the page's origin).

@@ -71,6 +71,7 @@ def build_report(
     tab = _tab_report(run, [r for r in rows if r.branch_path == TAB_BRANCH], opts.jobs)
     if tab is not None:
         checks["the browser tab ran its stages (a PullWorker in Chromium)"] = tab["ok"]
+        checks["the tab's keys in no log (the api's, the page's)"] = tab["keys_logged"] is False
     return {
         "embedded_services": embedded,
         "jobs": opts.jobs,
@@ -131,6 +132,7 @@ def _tab_report(run: Run, rows: list[Any], jobs: int) -> dict[str, Any] | None:
         "leader": status.get("leader"),
         "stage_errors": errors,
         "error": run.tab.error,
+        "keys_logged": run.tab.keys_logged,
         # Each of its requests ran in the tab and succeeded; its cards were acknowledged.
         "ok": run.tab.error is None
         and len(rows) == jobs

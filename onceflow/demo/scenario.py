@@ -425,6 +425,7 @@ def _start_tab(
         columns=COLUMNS[: opts.columns],
     )  # fmt: skip
     tab = BrowserTab(api_url, config, log_dir, timeout=opts.timeout)
+    tab.keys = keys  # to check the logs for them at the end
     tab.start()  # Chromium starts, then waits for api_up to load the page
 
     @stack.callback  # before the api and the workers stop (callbacks run last-in first)
@@ -452,6 +453,11 @@ def _join_tab(tab: BrowserTab, run: Run, opts: Options) -> None:
         tab.stop()
         tab.join(timeout=30)
     status = tab.outcome.status
+    if tab.keys is not None:  # the api's and the page's logs so far: no key of the run
+        from onceflow.demo.browser import keys_in
+
+        logs = [tab.log_path.parent / "api.log", tab.log_path]
+        tab.outcome.keys_logged = keys_in(logs, tab.keys)
     if tab.outcome.error is not None:  # what the tab left open would never finish: cancel it
         from onceflow.demo.stages import TAB_CLASS, flow
 

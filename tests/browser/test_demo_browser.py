@@ -56,6 +56,7 @@ def test_demo_with_a_browser_tab_keeps_every_invariant(database_url: str, redis_
     # With the tab among the clients, still one provider call per cell, and every invariant.
     assert (report["cells"], report["llm_calls"]) == (4, 4)
     assert report["checks"]["the browser tab ran its stages (a PullWorker in Chromium)"] is True
+    assert tab["keys_logged"] is False  # the api's log and the page's console: no key
     assert all(report["checks"].values()), report["checks"]
     assert report["invariants_ok"] is True
     assert report["requests_created"] == 2 * 6  # 4 stages + the agent's and the tab's branches
