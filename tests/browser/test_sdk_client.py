@@ -3,7 +3,8 @@
 Each test runs in a fresh browser context (its own IndexedDB) with pages at the API's origin
 importing ``/sdk/index.js``: a reload while an op is in flight replays it under the same id
 and it is applied once; ops applied offline stay in the outbox and drain in order once
-online; a subscriber sees commits live and, after its stream breaks, catches up on the ones
+online; two tabs of one outbox namespace send each op once (one holds the Web Lock);
+a subscriber sees commits live and, after its stream breaks, catches up on the ones
 it missed, each once and in order; every op carries its base clock; bad input is refused.
 
 The subscriber's stream is broken for real: its tab talks to the API through a TCP relay
@@ -222,6 +223,25 @@ def test_bad_input_gets_a_clear_error_and_changes_nothing(
     assert page.evaluate("client.pending().then((p) => p.length)") == 0
     assert page.evaluate("refused.length") == 2
     assert op_rows(clean_db, W1) == []
+
+
+def test_two_tabs_of_one_namespace_send_each_op_once(
+    sdk_api: tuple[str, Any], context: Any, clean_db: Engine
+) -> None:
+    base_url, _ = sdk_api
+    first = new_tab(context, base_url, W1, "shared", "shared-1")
+    second = new_tab(context, base_url, W1, "shared", "shared-2")
+    sent = {"shared-1": op_bodies(first), "shared-2": op_bodies(second)}
+    script = """(n) => Promise.all(Array.from({length: n}, (_, i) => client.applyOp('t',
+                  {type: 'cell.set', column: 'c' + i, value: i})))"""
+    answers = first.evaluate(script, 3) + second.evaluate(script, 3)  # every promise settles
+    ids = [a["opId"] for a in answers]
+    assert sorted(r["op_id"] for r in op_rows(clean_db, W1)) == sorted(ids)
+    assert not any(a["duplicate"] for a in answers)
+    # one tab holds the namespace's Web Lock and sends the ops of both, each once
+    senders = [name for name, bodies in sent.items() if bodies]
+    assert senders == ["shared-1"]
+    assert sorted(b["op_id"] for b in sent["shared-1"]) == sorted(ids)
 
 
 class Relay:

@@ -45,7 +45,8 @@ DEADLINE_MS = 15_000
 
 PAGE = """<!doctype html><meta charset="utf-8"><title>pull worker tab</title>
 <script type="module">
-import { PullWorker } from "/sdk/index.js";
+import * as sdk from "/sdk/index.js";
+const { PullWorker } = sdk;
 const state = (window.state = { leader: false, claimCalls: 0, lockCalls: 0, runs: [],
   outcomes: [], paths: [], waiting: [], errors: [] });
 window.hold = false;
@@ -354,7 +355,8 @@ def test_three_browsers_a_celery_worker_and_an_agent_pay_once_per_cell(
         summary = [(r["stage"], r["status"], r["attempts"], r.get("error")) for r in done]
         assert all(r[1:3] == ("succeeded", 1) for r in summary), json.dumps(summary, indent=1)
         # Exactly one provider call per cell, whoever asked.
-        assert llm.stats()["per_key"] == {f"{j}/eval:{c}": 1 for c in COLUMNS}
+        calls = {k: n for k, n in llm.stats()["per_key"].items() if k.startswith(f"{j}/")}
+        assert calls == {f"{j}/eval:{c}": 1 for c in COLUMNS}
         # Every cell stored once (one cell.set op per column), with the value everyone got.
         query = text(
             "SELECT payload->>'column', count(*), min(clock) IS NOT NULL "

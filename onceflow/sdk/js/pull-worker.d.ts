@@ -1,4 +1,5 @@
 import type { Api } from "./transport.js";
+import type { ClaimEvents, ClaimLocks } from "./compute.js";
 
 export * from "./compute.js";
 export * from "./leader.js";
@@ -78,6 +79,10 @@ export class PullContext {
   readonly attempt: number;
   readonly leaseLost: boolean;
   readonly cancelRequested: boolean;
+  /** The claim's workspace event stream (shared by its computeOnce waiters). */
+  readonly events: ClaimEvents;
+  /** The claim's compute-lock calls. */
+  readonly locks: ClaimLocks;
   /** Throws LeaseLost or Cancelled if the stage must stop now. */
   check(): void;
   applyOp(subDoc: string, op: Record<string, unknown>, options: { key?: string; opId?: string }): Promise<ApplyAnswer>;
@@ -115,7 +120,10 @@ export class PullWorker {
   /** The Web Lock name, or null with `leader: false`. */
   readonly leaderName: string | null;
   readonly isLeader: boolean;
-  /** Claim and run until stop() or `signal`; resolves with how many requests ran. */
+  /**
+   * Claim and run until stop() or `signal`; resolves with how many requests ran. Stopping
+   * aborts a running stage's ctx.signal and hands its request back (fail, retryable, retry_in 0).
+   */
   run(handler: Handler, options?: { signal?: AbortSignal }): Promise<number>;
   /** One claim (long poll `wait` s) and its run: the outcome, or null when nothing was claimed. */
   runOnce(handler: Handler, options?: { wait?: number; signal?: AbortSignal }): Promise<Outcome | null>;

@@ -101,9 +101,13 @@ export class WorkspaceClient extends EventTarget {
   /**
    * Apply `op` to `subDoc` once. The op id is minted and stored with the op (and its base
    * clock) in the outbox before the first send; it is retried under that id on no answer and
-   * on 408/425/429/5xx, until the server answers. Resolves with the answer; rejects with
-   * HttpError on a refusal (400/403/404/409/413/422: the op is dropped), with Aborted on
-   * `close()` (the op stays for the next start), with TypeError on bad input (nothing stored).
+   * on 408/425/429/5xx (Retry-After honoured), until the server answers. Resolves with the
+   * answer (also for an op the state rejected: `applied: false`, `error` set); rejects with
+   * HttpError on a refusal (any other 4xx, e.g. 400/403/404/413/422, 409 op_id_conflict or
+   * replay_too_old: the op is dropped), with Aborted on `close()` (the op stays for the next
+   * start), with TypeError on bad input (nothing stored). A 401 is no answer about the op:
+   * it stays in the outbox (and blocks the ones after it), an `unauthorized` event is sent
+   * and it is retried with backoff, under a new key once `setApiKey` gives one.
    * @param {string} subDoc
    * @param {{type: string, [field: string]: unknown}} op
    * @param {{baseClock?: number|null}} [options] default: the last clock seen for `subDoc`
@@ -167,8 +171,8 @@ export class WorkspaceClient extends EventTarget {
   }
 
   /**
-   * Call `onCommit` once per commit of `subDoc`, in clock order, from clock `since` on
-   * (default: the sub-doc's clock now, so only new commits). Each commit is read from the
+   * Call `onCommit` once per commit of `subDoc` with a clock above `since`, in clock order
+   * (default `since`: the sub-doc's clock now, so only new commits). Each commit is read from the
    * op log (`{opId, clock, subDoc, opType, payload, result, fence, committedAt}`): after
    * the stream's `ready`, after every reconnect, and on every live commit the client
    * catches up from the last clock it delivered, so none is missed or delivered twice.
