@@ -110,7 +110,9 @@ export class WorkspaceClient extends EventTarget {
    * and it is retried with backoff, under a new key once `setApiKey` gives one.
    * @param {string} subDoc
    * @param {{type: string, [field: string]: unknown}} op
-   * @param {{baseClock?: number|null}} [options] default: the last clock seen for `subDoc`
+   * @param {{baseClock?: number|null}} [options] default: the last clock this client saw for
+   *   `subDoc` (answers, commits, reads); if it saw none, one quick read first (when that
+   *   gets no answer, e.g. offline, the op is stored without one: the server takes it as new)
    * @returns {Promise<{opId: string, seq: number, subDoc: string, clock: number|null,
    *   duplicate: boolean, applied: boolean, result: unknown, error: unknown}>}
    */
