@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+# Extra flags for `make demo`, e.g. DEMO_ARGS=--browser (see `onceflow demo --help`).
+DEMO_ARGS ?=
 
 .PHONY: help setup test lint typecheck demo bench clean
 
@@ -32,8 +34,8 @@ lint: setup ## ruff: lint and format check
 typecheck: setup ## mypy --strict on the package
 	$(BIN)/mypy
 
-demo: setup ## Run the main job end to end (embedded Postgres if none answers)
-	$(BIN)/onceflow demo
+demo: setup ## Run the main job end to end (embedded Postgres if none answers); DEMO_ARGS=--browser adds a headless Chromium tab
+	$(BIN)/onceflow demo $(DEMO_ARGS)
 
 bench: setup ## Benchmarks, each beside its baseline; results go to docs/benchmarks.md by hand
 	$(BIN)/python bench/queue_bench.py

@@ -21,6 +21,7 @@ from onceflow.errors import InvalidRequest, NotFound, OnceflowError
 F = TypeVar("F", bound=Callable[..., Any])
 
 EXIT_ERROR = 1
+EXIT_USAGE = 2  # as click's usage errors: this machine cannot run what was asked
 EXIT_NOT_FOUND = 3
 
 
@@ -304,10 +305,16 @@ def requeue(request_id: str) -> None:
     "--timeout", type=float, default=None, help="Seconds for the drain [default: 120 + 1 per job]."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+@click.option(
+    "--browser",
+    is_flag=True,
+    help="Also run a real headless browser tab (Debian's Chromium via Playwright; "
+    "$ONCEFLOW_CHROMIUM) with the JavaScript SDK, against a real `onceflow api`.",
+)
 @_errors_to_exit
 def demo(
     jobs: int, columns: int, clients: int, workers: int, no_faults: bool, flower: bool,
-    keep_open: bool, plot: str | None, timeout: float | None, as_json: bool,
+    keep_open: bool, plot: str | None, timeout: float | None, as_json: bool, browser: bool,
 ) -> None:  # fmt: skip
     """Run the seed's whole flow for real and check its invariants (exit 1 if broken)."""
     from onceflow.demo.report import plot as draw
@@ -317,6 +324,13 @@ def demo(
     def announce(message: str) -> None:
         click.echo(f"onceflow demo: {message}", err=True)
 
+    if browser:  # before anything starts
+        from onceflow.demo.browser import browser_problem
+
+        problem = browser_problem()
+        if problem is not None:
+            click.echo(f"onceflow demo: {problem}", err=True)
+            sys.exit(EXIT_USAGE)
     _check_database_url()
 
     def present(report: dict[str, Any]) -> None:  # while Flower and the workers still run
@@ -333,7 +347,7 @@ def demo(
         timeout = 120.0 + jobs  # a long run (--jobs 500) drains for minutes
     opts = Options(jobs=jobs, columns=columns, clients=clients, workers=workers,
                    faults=not no_faults, flower=flower, timeout=timeout, keep_open=keep_open,
-                   progress=sys.stderr.isatty() and not as_json)  # fmt: skip
+                   progress=sys.stderr.isatty() and not as_json, browser=browser)  # fmt: skip
     report, _ = run_scenario(opts, announce, present)
     sys.exit(0 if report["invariants_ok"] else EXIT_ERROR)
 

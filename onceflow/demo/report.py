@@ -19,6 +19,7 @@ def build_report(
     opts: Options, run: Run, llm: StandIn, maps: StandIn, *, embedded: bool
 ) -> dict[str, Any]:
     """Gather every figure and check every invariant; ``invariants_ok`` is the verdict."""
+    from onceflow.demo.browser import TAB_BRANCH
     from onceflow.demo.scenario import COLUMNS
     from onceflow.demo.stages import flow, job_doc
     from onceflow.oplog import OpLog
@@ -67,6 +68,10 @@ def build_report(
     checks["each job's tailor write applied once"] = tailored == [1] * opts.jobs
     order = oplog.get_sub_doc(ws, "board").state.get("order", [])
     checks["no op applied twice (each card once on the board)"] = sorted(order) == sorted(run.cards)
+    tab = _tab_report(run, [r for r in rows if r.branch_path == TAB_BRANCH], opts.jobs)
+    if tab is not None:
+        checks["the browser tab ran its stages (a PullWorker in Chromium)"] = tab["ok"]
+        checks["the tab's keys in no log (the api's, the page's)"] = tab["keys_logged"] is False
     return {
         "embedded_services": embedded,
         "jobs": opts.jobs,
@@ -96,6 +101,7 @@ def build_report(
         "zombie_writes_rejected": stats.get("zombie_writes_rejected", 0),
         "worker_killed": run.killed_worker,
         "wall_seconds": round(time.monotonic() - run.started, 2),
+        "browser": tab,
         "checks": checks,
         "invariants_ok": all(checks.values()),
         # For the plot (see figure()): seconds since the start.
@@ -104,6 +110,35 @@ def build_report(
             "killed_at": None if run.killed_at is None else round(run.killed_at, 3),
             "dropped_at": [round(t, 3) for t in sorted(run.dropped_at)],
         },
+    }
+
+
+def _tab_report(run: Run, rows: list[Any], jobs: int) -> dict[str, Any] | None:
+    """What the browser tab did (``--browser``), from its own account and the table."""
+    if run.tab is None:
+        return None
+    status = run.tab.status
+    stages = int(status.get("stages", 0))
+    succeeded = sum(1 for r in rows if r.status.value == "succeeded")
+    paths = {str(k): int(v) for k, v in sorted(status.get("paths", {}).items())}
+    errors = [str(e)[:300] for e in status.get("stageErrors", [])]
+    return {
+        "stages_run": stages,
+        "requests_created": int(status.get("created", 0)),
+        "requests_succeeded": succeeded,
+        "cells": sum(paths.values()),
+        "paths": paths,
+        "cards_written": int(status.get("cardsAcked", 0)),
+        "leader": status.get("leader"),
+        "stage_errors": errors,
+        "error": run.tab.error,
+        "keys_logged": run.tab.keys_logged,
+        # Each of its requests ran in the tab and succeeded; its cards were acknowledged.
+        "ok": run.tab.error is None
+        and len(rows) == jobs
+        and succeeded == jobs
+        and stages >= jobs
+        and int(status.get("cardsAcked", 0)) == jobs,
     }
 
 
@@ -130,6 +165,17 @@ def print_report(report: dict[str, Any]) -> None:
         ("worker killed (kill -9)", str(report["worker_killed"])),
         ("wall time", f"{report['wall_seconds']} s"),
     ]  # fmt: skip
+    tab = report.get("browser")
+    if tab is not None:
+        paths = ", ".join(f"{k} {v}" for k, v in tab["paths"].items()) or "none"
+        rows[-1:-1] = [
+            ("browser tab: stages run / its requests",
+             f"{tab['stages_run']} / {tab['requests_created']}  (a PullWorker in Chromium)"),
+            ("  its cells by path", paths),
+            ("  its cards written (WorkspaceClient)", str(tab["cards_written"])),
+        ]  # fmt: skip
+        if tab["error"]:
+            rows.insert(-1, ("  tab error", tab["error"]))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")

@@ -4,7 +4,9 @@ Real Postgres and Redis (configured, or embedded ones), real Celery worker proce
 for two worker classes, beat with the sweeper, stand-in LLM and Maps servers that
 count every request, and K concurrent clients enqueueing overlapping work and
 writing ops with retries. Faults (on by default): one worker is killed with
-``kill -9`` mid-stage, and some write responses are dropped after commit.
+``kill -9`` mid-stage, and some write responses are dropped after commit. With
+``browser`` (``--browser``), one more client is a real headless Chromium tab (see
+:mod:`onceflow.demo.browser`) talking to a real ``onceflow api``.
 
 A run is a good neighbour on a shared Redis database: its broker keys carry a per-run
 prefix (:func:`onceflow.demo.stages.broker_prefix`), its own keys a per-run workspace,
@@ -27,13 +29,17 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import make_url
 
+from onceflow.demo.browser import TabOutcome
 from onceflow.demo.procs import Proc, start_worker, wait_for
 from onceflow.demo.progress import ProgressBar
 from onceflow.demo.standins import StandIn
+
+if TYPE_CHECKING:
+    from onceflow.demo.browser import BrowserTab
 
 APP = "onceflow.demo.stages:flow"
 COLUMNS = ["fit", "pay", "remote", "growth", "stack", "team", "mission", "location"]
@@ -58,10 +64,13 @@ class Options:
     keep_open: bool = False
     #: Draw a progress bar on stderr (the CLI sets it on a TTY, never with --json).
     progress: bool = False
+    #: A real headless browser tab among the clients (``onceflow api`` + Chromium).
+    browser: bool = False
 
     def expected_requests(self) -> int:
-        """Distinct requests the clients create: 4 stages per job, plus the agent's branch."""
-        return self.jobs * (4 + (1 if self.clients >= 2 else 0))
+        """Distinct requests the clients create: 4 stages per job, plus the agent's branch,
+        plus the browser tab's branch."""
+        return self.jobs * (4 + (1 if self.clients >= 2 else 0) + (1 if self.browser else 0))
 
 
 @dataclass
@@ -82,6 +91,8 @@ class Run:
     killed_at: float | None = None
     dropped_at: list[float] = field(default_factory=list)
     progress: list[tuple[float, int, int]] = field(default_factory=list)
+    #: What the browser tab reported (``--browser``), else None.
+    tab: TabOutcome | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -300,6 +311,8 @@ def _run(opts: Options, announce: Any, present: Any) -> tuple[dict[str, Any], Ru
 
     run = Run()
     api_key = os.environ.get("ONCEFLOW_LLM_API_KEY") or secrets.token_urlsafe(24)
+    if opts.browser:  # the page gets the stand-in's key: a throwaway one, never a real secret
+        api_key = secrets.token_urlsafe(24)
     procs: list[Proc] = []
     with contextlib.ExitStack() as stack:
         server_url, redis_url, embedded = stack.enter_context(services(announce))
@@ -344,9 +357,14 @@ def _run(opts: Options, announce: Any, present: Any) -> tuple[dict[str, Any], Ru
                     "-n", f"{wc}-{i}-{os.getpid()}@%h"]  # fmt: skip
             procs.append(Proc(args, log_dir / f"worker-{wc}-{i}.log", env=env))
         procs.append(Proc(["beat", "--app", APP], log_dir / "beat.log", env=env))
-        for proc in procs[:-1]:
+        starting = list(procs)
+        # With --browser, the api and Chromium start while the workers do.
+        tab = _start_tab(opts, run, env, llm, api_key, log_dir, procs, stack)
+        for proc in starting[:-1]:
             proc.wait_log(" ready.")
-        procs[-1].wait_log("beat: Starting")
+        starting[-1].wait_log("beat: Starting")
+        if tab is not None:
+            _tab_ready(tab, procs[len(starting)], announce)
         flower_url = None
         if opts.flower:
             flower, flower_url = _start_flower(log_dir, env, announce)
@@ -356,6 +374,8 @@ def _run(opts: Options, announce: Any, present: Any) -> tuple[dict[str, Any], Ru
                    for n in range(opts.clients)]  # fmt: skip
         for t in threads:
             t.start()
+        if tab is not None:
+            tab.go()
         bar = ProgressBar(sys.stderr, opts.expected_requests(), enabled=opts.progress)
         sampling = threading.Event()
         sampler = threading.Thread(target=_sample, args=(run, llm, bar, sampling), daemon=True)
@@ -369,6 +389,8 @@ def _run(opts: Options, announce: Any, present: Any) -> tuple[dict[str, Any], Ru
                 announce("fault: kill -9 of an llm worker mid-stage; a replacement started")
         for t in threads:
             t.join(timeout=opts.timeout)
+        if tab is not None:
+            _join_tab(tab, run, opts)
         _wait_drained(opts, run)
         sampling.set()
         sampler.join(timeout=5)
@@ -381,6 +403,74 @@ def _run(opts: Options, announce: Any, present: Any) -> tuple[dict[str, Any], Ru
             _hold_open(announce, flower_url)
         return report, run
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _start_tab(
+    opts: Options, run: Run, env: dict[str, str], llm: StandIn, llm_key: str, log_dir: Path,
+    procs: list[Proc], stack: contextlib.ExitStack,
+) -> BrowserTab | None:  # fmt: skip
+    """With ``--browser``: start an ``onceflow api`` with this run's keys (appended to
+    ``procs``) and the tab's thread (Chromium starts; the page loads once the api is up)."""
+    if not opts.browser:
+        return None
+    from onceflow.demo.browser import BrowserTab, TabKeys, start_api, tab_config
+    from onceflow.demo.stages import TAB_CLASS
+
+    keys = TabKeys()
+    api, api_url = start_api(APP, log_dir, {**env, **keys.env(run.workspace, TAB_CLASS)})
+    procs.append(api)
+    config = tab_config(
+        api_url=api_url, keys=keys, workspace=run.workspace, worker_class=TAB_CLASS,
+        llm_url=llm.url, llm_key=llm_key, jobs=[f"job-{j}" for j in range(opts.jobs)],
+        columns=COLUMNS[: opts.columns],
+    )  # fmt: skip
+    tab = BrowserTab(api_url, config, log_dir, timeout=opts.timeout)
+    tab.keys = keys  # to check the logs for them at the end
+    tab.start()  # Chromium starts, then waits for api_up to load the page
+
+    @stack.callback  # before the api and the workers stop (callbacks run last-in first)
+    def _stop_tab() -> None:
+        if tab.is_alive():
+            tab.stop()
+            tab.join(timeout=30)
+
+    return tab
+
+
+def _tab_ready(tab: BrowserTab, api: Proc, announce: Any) -> None:
+    """Wait for the api, let the tab load its page, and wait for the page to be ready."""
+    api.wait_log("Application startup complete", timeout=60)
+    tab.api_up.set()
+    if not tab.ready.wait(timeout=90) or not tab.is_alive():
+        raise RuntimeError(f"the browser tab did not start: {tab.outcome.error or 'timed out'}")
+    announce(f"onceflow api at {tab.api_url}; a headless Chromium tab joins the clients")
+
+
+def _join_tab(tab: BrowserTab, run: Run, opts: Options) -> None:
+    """Wait for the tab to finish its work; count its enqueues, rows and cards."""
+    tab.join(timeout=opts.timeout + 30)
+    if tab.is_alive():
+        tab.stop()
+        tab.join(timeout=30)
+    status = tab.outcome.status
+    if tab.keys is not None:  # the api's and the page's logs so far: no key of the run
+        from onceflow.demo.browser import keys_in
+
+        logs = [tab.log_path.parent / "api.log", tab.log_path]
+        tab.outcome.keys_logged = keys_in(logs, tab.keys)
+    if tab.outcome.error is not None:  # what the tab left open would never finish: cancel it
+        from onceflow.demo.stages import TAB_CLASS, flow
+
+        for state in ("queued", "running"):
+            for row in flow.queue.list(workspace_id=run.workspace, worker_class=TAB_CLASS,
+                                       status=state, limit=1000):  # fmt: skip
+                with contextlib.suppress(Exception):
+                    flow.queue.cancel(row.request_id)
+    with run.lock:
+        run.tab = tab.outcome
+        run.enqueued += int(status.get("enqueued", 0))
+        run.created += int(status.get("created", 0))
+        run.cards.update(status.get("cards", []))
 
 
 def _hold_open(announce: Any, flower_url: str | None) -> None:

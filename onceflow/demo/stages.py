@@ -1,7 +1,10 @@
 """The demo's stages, modelled on the seed's domain (``ONCEFLOW_APP=onceflow.demo.stages:flow``).
 
 * ``evaluate`` — one LLM call per custom column, each under compute_lock ``eval:<column>``;
-  results written as ``cell.set`` ops (layers 2 and 3).
+  results written as ``cell.set`` ops (layers 2 and 3). Its alternate worker class
+  ``tabs`` is a pull class: with ``onceflow demo --browser`` a headless browser tab
+  claims those requests over HTTP and runs the same stage in JavaScript
+  (``onceflow/demo/browser_tab.html``), sharing the Celery workers' compute locks.
 * ``enrich`` — one Maps call per job under compute_lock ``commute``.
 * ``tailor`` — several LLM calls in one long stage: deterministic request id, no lock (the
   claim already serializes it), heartbeating between calls.
@@ -34,7 +37,10 @@ def broker_prefix(run_id: str) -> str:
     return f"onceflow-demo-{run_id}:"
 
 
-flow = Flow()
+#: The pull-worker class of the demo's browser tab (``--browser``): no Celery wake-up.
+TAB_CLASS = "tabs"
+
+flow = Flow(pull_worker_classes=(TAB_CLASS,))
 app = flow.app
 
 
@@ -81,7 +87,10 @@ class EvaluateInput(BaseModel):
     columns: list[str] = Field(min_length=1, max_length=50)
 
 
-@flow.stage("evaluate", input=EvaluateInput, worker_class="llm", lease_seconds=4.0)
+@flow.stage(
+    "evaluate", input=EvaluateInput, worker_class="llm", lease_seconds=4.0,
+    alternate_worker_classes=(TAB_CLASS,),
+)  # fmt: skip
 def evaluate(ctx: StageContext, data: EvaluateInput) -> dict[str, Any]:
     """Score each column with one LLM call per cell, paid once across every caller."""
     job = ctx.request.job_id
