@@ -112,3 +112,9 @@ def sleeper(ctx: StageContext, data: NoopInput) -> None:
     """Hangs far past its max_runtime; Celery's soft time limit interrupts it."""
     record(ctx)
     time.sleep(120)
+
+
+@flow.stage("leased_pull", input=NoopInput, worker_class="t-pull", lease_seconds=3.0)
+def leased_pull(ctx: StageContext, data: NoopInput) -> dict[str, Any]:
+    """A pull-class stage that declares its lease (claimed over HTTP, never run here)."""
+    return {"value": data.value}

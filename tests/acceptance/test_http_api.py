@@ -867,3 +867,16 @@ def test_the_sdk_is_served_as_es_modules_with_an_etag(client: httpx.Client) -> N
     assert client.get("/sdk/index.d.ts").status_code == 200
     for missing in ("/sdk/package.json", "/sdk/..%2Fapp.py", "/sdk/test", "/sdk/nope.js"):
         assert client.get(missing).status_code == 404, missing
+
+
+def test_an_http_claim_gets_the_lease_its_stage_declares(client: httpx.Client) -> None:
+    rid = enqueue(client, "w1", API_KEY, stage="leased_pull", job_id="jlease",
+                  input={"value": 1}).json()["request_id"]  # fmt: skip
+    answer = client.post(
+        f"/v1/worker-classes/{PULL}/claims", json={"worker_id": "lw"}, headers=auth(WORKER_KEY)
+    )
+    assert answer.status_code == 201 and answer.json()["request_id"] == rid, answer.text
+    _TOKENS_SEEN.append(answer.json()["claim_token"])
+    assert answer.json()["lease_seconds"] == 3.0  # the stage's, not the server's 30 s default
+    row = client.get(f"/v1/workspaces/w1/requests/{rid}", headers=auth(API_KEY)).json()
+    assert row["lease_expires_at"] == answer.json()["lease_expires_at"]

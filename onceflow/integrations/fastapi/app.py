@@ -532,7 +532,10 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         """
 
         def claim_now() -> list[Claim]:
-            return svc.queue.claim_next(wc, body.worker_id, 1, lease_seconds=body.lease_seconds)
+            claims = svc.queue.claim_next(wc, body.worker_id, 1, lease_seconds=body.lease_seconds)
+            if body.lease_seconds is None:
+                claims = [c for c in (_with_stage_lease(svc, claim) for claim in claims) if c]
+            return claims
 
         claims = await run_in_threadpool(claim_now)
         if not claims and body.wait > 0:
@@ -749,6 +752,27 @@ async def _long_poll(
         return []
     finally:
         watcher.cancel()
+
+
+def _with_stage_lease(svc: OnceflowServices, claim: Claim) -> Claim | None:
+    """The claim with the lease its stage declares (a heartbeat sets it on the DB clock).
+
+    The claim took the server's default lease (the stage is known only once claimed); a
+    stage that declares another one gets it at once, as a Celery worker's claim would.
+    """
+    try:
+        declared = svc.flow.spec(claim.request.stage).lease_seconds
+    except OnceflowError:
+        return claim  # a stage this API does not declare: the default lease
+    if declared is None or declared == claim.lease_seconds:
+        return claim
+    try:
+        beat = svc.queue.heartbeat(
+            Claim(claim.request, claim.token, claim.lease_expires_at, declared, claim.max_runtime)
+        )
+    except LeaseLost:
+        return None  # rescued in between (a default lease shorter than a moment): not ours
+    return Claim(claim.request, claim.token, beat.lease_expires_at, declared, claim.max_runtime)
 
 
 def _request_out(request: StageRequest) -> s.RequestOut:

@@ -114,7 +114,9 @@ class ClaimIn(_In):
 
     worker_id: Id = Field(description="A name for this worker (shown as claimed_by).")
     lease_seconds: LeaseSeconds | None = Field(
-        default=None, description="The lease without a heartbeat; the server's default if unset."
+        default=None,
+        description="The lease without a heartbeat; if unset, the lease the claimed stage "
+        "declares, else the server's default.",
     )
     wait: float = Field(
         default=0,
