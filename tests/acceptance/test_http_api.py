@@ -29,7 +29,7 @@ from onceflow.demo import procs
 from onceflow.errors import AccessDenied, OpIdConflict
 from onceflow.integrations.fastapi import hash_key
 from onceflow.integrations.pull import PullContext, PullWorker
-from onceflow.keys import queue_name, workspace_channel
+from onceflow.keys import counters_key, queue_name, workspace_channel
 from onceflow.models.ops import NodeInsert
 from onceflow.oplog import OpLog, TransportError, WorkspaceClient, new_op_id
 from onceflow.oplog.http import HttpTransport
@@ -807,6 +807,44 @@ def test_http_compute_lock_one_holder_a_waiter_and_the_release_broadcast(
     pubsub.close()
 
 
+def test_only_a_release_that_released_is_counted_and_announced(
+    client: httpx.Client, redis_url: str
+) -> None:
+    (rid, token), _ = _claim_two_of_one_job(client)
+    r = redis_lib.Redis.from_url(redis_url)
+    pubsub = r.pubsub()
+    pubsub.subscribe(workspace_channel("w1"))
+    assert pubsub.get_message(timeout=5)["type"] == "subscribe"  # type: ignore[index]
+
+    def post(action: str, **body: Any) -> dict[str, Any]:
+        answer = client.post(f"/v1/claims/{rid}/locks{action}", headers=auth(WORKER_KEY),
+                             json={"claim_token": token, "task": "eval:x", **body})  # fmt: skip
+        assert answer.status_code < 300, answer.text
+        out: dict[str, Any] = answer.json()
+        return out
+
+    got = post("", ttl_seconds=3600)
+    _TOKENS_SEEN.append(got["lock_token"])
+    assert got["ttl_ms"] <= 60_000  # cut to ONCEFLOW_LOCK_TTL_SECONDS: a closed tab holds no hour
+    counters = counters_key("w1")
+    before = r.hgetall(counters)
+    forged = post("/release", lock_token="forged", outcome="failed")
+    assert forged == {"released": False}
+    assert post("/release", lock_token=got["lock_token"], outcome="abandoned")["released"]
+    again = post("/release", lock_token=got["lock_token"], outcome="computed")  # a retry
+    assert again == {"released": False}
+    messages = []
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not messages:
+        message = pubsub.get_message(timeout=0.5)
+        if message and message["type"] == "message":
+            messages.append(json.loads(message["data"]))
+    assert pubsub.get_message(timeout=0.5) is None  # exactly one announcement
+    assert [(m["kind"], m["ok"]) for m in messages] == [("lock_released", False)]
+    assert r.hgetall(counters) == before  # abandoned counts nothing; the others released nothing
+    pubsub.close()
+
+
 def test_a_claim_holder_follows_its_workspace_events_and_no_one_else(
     client: httpx.Client, api: str
 ) -> None:
@@ -832,10 +870,23 @@ def test_a_claim_holder_follows_its_workspace_events_and_no_one_else(
             if line.startswith("data: ") and "commit" in line:
                 break
         assert "event: commit" in seen
+        read = client.post(f"/v1/claims/{rid}/sub-docs", headers=auth(WORKER_KEY),
+                           json={"claim_token": token, "sub_doc": "doc-ev"})  # fmt: skip
+        assert read.status_code == 200 and read.json()["clock"] >= 1, read.text
+        assert "a" in json.dumps(read.json()["state"])
+        done = client.post(f"/v1/claims/{rid}/complete", headers=auth(WORKER_KEY),
+                           json={"claim_token": token, "result": {}})  # fmt: skip
+        assert done.status_code == 200, done.text
+        after = []
+        deadline = time.monotonic() + 10  # keep-alives come every 0.5 s: the loop gets here
+        for line in lines:  # the claim is over: the stream ends (no more of the workspace)
+            after.append(line)
+            if time.monotonic() > deadline:
+                break
+        assert "event: end" in after
     read = client.post(f"/v1/claims/{rid}/sub-docs", json={"claim_token": token,
                        "sub_doc": "doc-ev"}, headers=auth(WORKER_KEY))  # fmt: skip
-    assert read.status_code == 200 and read.json()["clock"] >= 1, read.text
-    assert "a" in json.dumps(read.json()["state"])
+    assert read.status_code == 409  # after the claim: no read either
     forged_read = client.post(f"/v1/claims/{rid}/sub-docs",
                               json={"claim_token": "forged", "sub_doc": "doc-ev"},
                               headers=auth(WORKER_KEY))  # fmt: skip

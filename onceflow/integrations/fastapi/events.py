@@ -30,7 +30,7 @@ import contextlib
 import json
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -454,9 +454,19 @@ def too_many_streams(exc: StreamLimit) -> JSONResponse:
 
 
 async def event_stream(
-    hub: EventHub, workspace_id: str, key_id: str, keepalive_seconds: float
+    hub: EventHub,
+    workspace_id: str,
+    key_id: str,
+    keepalive_seconds: float,
+    still_valid: Callable[[], Awaitable[bool]] | None = None,
+    check_seconds: float = 5.0,
 ) -> Response:
-    """Join the hub, wait until the subscription is live, then stream; 429 / 503 if not."""
+    """Join the hub, wait until the subscription is live, then stream; 429 / 503 if not.
+
+    With ``still_valid``, the stream asks it every ``check_seconds`` (idle or not) and
+    ends with ``event: end`` the first time it says False (a claim's stream, once the
+    claim is over).
+    """
     try:
         listener = await hub.open(workspace_channel(workspace_id), key_id)
     except StreamLimit as exc:
@@ -468,17 +478,27 @@ async def event_stream(
             status_code=503,
             headers={"Retry-After": "1"},
         )
-    return EventStreamResponse(hub, listener, workspace_id, keepalive_seconds)
+    return EventStreamResponse(
+        hub, listener, workspace_id, keepalive_seconds, still_valid, check_seconds
+    )
 
 
 class EventStreamResponse(StreamingResponse):
     """The stream of one listener; gives the listener back however the stream ends."""
 
     def __init__(
-        self, hub: EventHub, listener: Listener, workspace_id: str, keepalive_seconds: float
+        self,
+        hub: EventHub,
+        listener: Listener,
+        workspace_id: str,
+        keepalive_seconds: float,
+        still_valid: Callable[[], Awaitable[bool]] | None = None,
+        check_seconds: float = 5.0,
     ) -> None:
         self.hub = hub
         self.listener = listener
+        self.still_valid = still_valid
+        self.check_seconds = check_seconds
         super().__init__(
             self._body(workspace_id, keepalive_seconds),
             media_type="text/event-stream",
@@ -489,9 +509,27 @@ class EventStreamResponse(StreamingResponse):
         try:
             ready = json.dumps({"kind": "ready", "workspace_id": workspace_id})
             yield f"retry: 2000\nevent: ready\ndata: {ready}\n\n"
+            loop = asyncio.get_running_loop()
+            wait = keepalive_seconds
+            if self.still_valid is not None:
+                wait = min(wait, self.check_seconds)
+            next_check = loop.time() + self.check_seconds
+            idle = 0.0
             while True:
-                data = await self.listener.next(keepalive_seconds)
-                yield ": keep-alive\n\n" if data is None else format_event(data)
+                data = await self.listener.next(wait)
+                if data is not None:
+                    idle = 0.0
+                    yield format_event(data)
+                else:
+                    idle += wait
+                    if idle >= keepalive_seconds:
+                        idle = 0.0
+                        yield ": keep-alive\n\n"
+                if self.still_valid is not None and loop.time() >= next_check:
+                    next_check = loop.time() + self.check_seconds
+                    if not await self.still_valid():
+                        yield 'event: end\ndata: {"kind": "end", "reason": "claim_ended"}\n\n'
+                        return
         except EOFError:
             return  # ended by the hub: the client reconnects and catches up with ops_since
         finally:

@@ -16,18 +16,22 @@ worker asking for the same cell share one lock):
 * ``POST …/locks/release`` ``{claim_token, task, lock_token, outcome}`` — compare and delete,
   then announce ``lock_released`` (``ok`` unless ``outcome`` is ``failed``) on the
   workspace channel: ``{released: true|false}``. It does not need a live claim: a lock
-  is released by its own token whatever happened to the claim meanwhile.
+  is released by its own token whatever happened to the claim meanwhile. Only a release
+  that released something is counted and announced (a wrong token or a repeat is not).
 
 ``POST /v1/claims/{request_id}/events`` ``{claim_token}`` streams the claimed request's
 workspace events (the ``GET /v1/workspaces/{ws}/events`` stream: ``ready``, ``commit``,
 ``lock_released``) to a worker key, which holds no workspace scope: opened for a live
-claim only, it is what a waiting tab listens to. The client closes it when its stage ends.
+claim only, and ended (``event: end``) within ``CLAIM_CHECK_SECONDS`` (or the keep-alive
+interval if shorter) once the claim is over
+(completed, failed, lapsed). It is what a waiting tab listens to.
 
 ``POST /v1/claims/{request_id}/sub-docs`` ``{claim_token, sub_doc}`` reads a sub-doc of the
 claimed request's workspace (``{workspace_id, sub_doc, clock, state}``) for a live claim: the
 pre-flight and double-check reads of a tab's stage, as ``ctx.read_sub_doc`` in Python.
 
-``outcome`` (``computed``, ``double_check`` or ``failed``) feeds the workspace's
+``ttl_seconds`` is at most ``ONCEFLOW_LOCK_TTL_SECONDS`` (a longer one is cut to it).
+``outcome`` (``computed``, ``double_check``, ``failed`` or ``abandoned``) feeds the workspace's
 compute-lock counters, so the dashboard's savings include the tabs' calls. The lock
 token is a secret of its holder: never logged, only compared in Redis.
 """
@@ -46,7 +50,7 @@ from onceflow.integrations.fastapi import schemas as s
 from onceflow.integrations.fastapi.auth import Principal, PrincipalDep
 from onceflow.integrations.fastapi.events import event_stream
 from onceflow.keys import lock_key
-from onceflow.locks.base import LockHandle, ttl_to_ms
+from onceflow.locks.base import LockBackend, LockHandle, ttl_to_ms
 from onceflow.locks.counters import COMPUTE_ERRORS, COMPUTES, DOUBLE_CHECK_HITS
 from onceflow.locks.protocol import get_backend
 from onceflow.models import Request as StageRequest
@@ -56,6 +60,8 @@ if TYPE_CHECKING:
 
 Task = Annotated[str, StringConstraints(min_length=1, max_length=200)]
 LockToken = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+#: How often a claim's event stream checks that the claim is still live (then ends if not).
+CLAIM_CHECK_SECONDS = 5.0
 TtlSeconds = Annotated[float, Field(gt=0, le=3600)]
 
 
@@ -115,8 +121,9 @@ class ReleaseIn(_In):
     """Release a lock you hold and announce it."""
 
     lock_token: LockToken
-    outcome: Literal["computed", "double_check", "failed"] = Field(
-        description="What the holder did: `failed` announces ok=false (a waiter takes over)."
+    outcome: Literal["computed", "double_check", "failed", "abandoned"] = Field(
+        description="What the holder did: `failed` (the call failed) and `abandoned` (stopped "
+        "before calling: lease lost, cancel) announce ok=false (a waiter takes over)."
     )
 
 
@@ -125,7 +132,14 @@ class ReleaseOut(BaseModel):
 
 
 _COUNTED = {"computed": (COMPUTES,), "double_check": (DOUBLE_CHECK_HITS,),
-            "failed": (COMPUTES, COMPUTE_ERRORS)}  # fmt: skip
+            "failed": (COMPUTES, COMPUTE_ERRORS), "abandoned": ()}  # fmt: skip
+
+
+def _ttl(be: LockBackend, asked: float | None) -> float:
+    """The lock TTL: the one asked for, at most the server's ONCEFLOW_LOCK_TTL_SECONDS (a
+    closed tab must not hold a cell past it; a long call extends its lock instead)."""
+    cap = be.settings.lock_ttl_seconds
+    return cap if asked is None else min(asked, cap)
 
 
 def add_pull_routes(
@@ -168,7 +182,8 @@ def add_pull_routes(
         request: StageRequest = claim_holder(request_id, body.claim_token, principal, live=True)
         lock_key(request.workspace_id, request.job_id, body.task)  # a bad task: 400 first
         be = get_backend()
-        got = be.acquire(request.workspace_id, request.job_id, body.task, body.ttl_seconds)
+        ttl = _ttl(be, body.ttl_seconds)
+        got = be.acquire(request.workspace_id, request.job_id, body.task, ttl)
         if got is not None:
             return LockOut(acquired=True, locked=False, job_id=request.job_id, task=body.task,
                            lock_token=got.token, ttl_ms=got.ttl_ms)  # fmt: skip
@@ -188,8 +203,7 @@ def add_pull_routes(
         """Compare and extend: ``held: false`` once the lock expired or was taken."""
         request: StageRequest = claim_holder(request_id, body.claim_token, principal, live=True)
         be = get_backend()
-        ttl = be.settings.lock_ttl_seconds if body.ttl_seconds is None else body.ttl_seconds
-        ttl_ms = ttl_to_ms(ttl)
+        ttl_ms = ttl_to_ms(_ttl(be, body.ttl_seconds))
         lock = handle(request, body, body.lock_token, ttl_ms)
         return ExtendOut(held=be.cad_extend(lock, ttl_ms))
 
@@ -208,9 +222,10 @@ def add_pull_routes(
         lock = handle(request, body, body.lock_token, 0)
         be = get_backend()
         released = be.cad_release(lock)
-        for name in _COUNTED[body.outcome]:
-            be.counters.incr(request.workspace_id, name)
-        be.announce(lock, ok=body.outcome != "failed")  # flushes the counters too
+        if released:  # a wrong token, a repeat or an expired lock: nothing counted or announced
+            for name in _COUNTED[body.outcome]:
+                be.counters.incr(request.workspace_id, name)
+            be.announce(lock, ok=body.outcome in ("computed", "double_check"))  # flushes counts
         return ReleaseOut(released=released)
 
     @router.post(
@@ -235,9 +250,15 @@ def add_pull_routes(
             claim_holder, request_id, body.claim_token, principal, live=True
         )
         keepalive = svc.settings.api_sse_keepalive_seconds
+
+        async def claim_live() -> bool:
+            live = await run_in_threadpool(svc.queue.live_claim, request_id, body.claim_token)
+            return live is not None
+
         return await event_stream(
-            svc.event_hub(), request.workspace_id, principal.key_id, keepalive
-        )
+            svc.event_hub(), request.workspace_id, principal.key_id, keepalive,
+            still_valid=claim_live, check_seconds=min(CLAIM_CHECK_SECONDS, keepalive),
+        )  # fmt: skip
 
     @router.post(
         "/claims/{request_id}/sub-docs",
