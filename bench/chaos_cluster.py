@@ -25,6 +25,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -169,11 +170,16 @@ class Cluster:
         return proc
 
     def stop_procs(self) -> None:
-        """Stop every CLI process started so far (SIGTERM, then SIGKILL of its group)."""
-        while self.procs:
-            proc = self.procs.pop()
+        """Stop every CLI process started so far (SIGTERM, then SIGKILL of its group), all at
+        once: each is a warm shutdown of its own, and one after another they took seconds."""
+        procs, self.procs = self.procs, []
+
+        def stop(proc: Proc) -> None:
             with contextlib.suppress(Exception):
                 proc.stop()
+
+        with ThreadPoolExecutor(max(1, len(procs))) as pool:
+            list(pool.map(stop, procs))
 
     # ------------------------------------------------------------------ server faults
 

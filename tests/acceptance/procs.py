@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,7 +26,10 @@ __all__ = [
     "pool_children",
     "start_beat",
     "start_worker",
+    "started_together",
+    "stop_all",
     "wait_for",
+    "worker_args",
 ]
 
 
@@ -38,6 +43,41 @@ def start_worker(tmp: Path, *classes: str, concurrency: int = 1, name: str = "w"
 def start_beat(tmp: Path) -> Proc:
     """A real `onceflow beat` for the test stages."""
     return procs.start_beat(tmp, APP, env=_ENV, cwd=ROOT)
+
+
+def worker_args(*classes: str, app: str = APP, concurrency: int = 1, name: str = "w") -> list[str]:
+    """The CLI arguments of a real `onceflow worker` (as :func:`start_worker` runs it)."""
+    args = ["worker", "--app", app, "--concurrency", str(concurrency)]
+    args += ["-n", f"{name}-{os.getpid()}@%h"]
+    for wc in classes:
+        args += ["--worker-class", wc]
+    return args
+
+
+@contextmanager
+def started_together(
+    tmp: Path, *commands: tuple[str, list[str], str], env: dict[str, str] | None = None
+) -> Iterator[list[Proc]]:
+    """Start every ``(log name, CLI args, ready line)`` at once, then wait until each has
+    logged its ready line: the start-ups overlap instead of running one after another.
+
+    Stopped on exit, all at once (:func:`stop_all`).
+    """
+    started: list[Proc] = []
+    try:
+        for log, args, _ in commands:
+            started.append(Proc(args, tmp / log, env={**_ENV, **(env or {})}, cwd=ROOT))
+        for proc, (_, _, ready) in zip(started, commands, strict=True):
+            proc.wait_log(ready)
+        yield started
+    finally:
+        stop_all(started)
+
+
+def stop_all(procs: list[Proc]) -> None:
+    """:meth:`Proc.stop` of each, side by side (each is a warm shutdown of its own)."""
+    with ThreadPoolExecutor(max(1, len(procs))) as pool:
+        list(pool.map(Proc.stop, procs))
 
 
 def pool_children(proc: Proc) -> list[int]:

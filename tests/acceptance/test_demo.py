@@ -18,6 +18,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -90,24 +91,42 @@ def fresh_machine_demo() -> Iterator[Future[tuple[dict[str, Any], str, str]]]:
         future.cancel()
 
 
+@dataclass
+class KeepOpen:
+    """What the ``--flower --keep-open`` run showed: its terminal (stderr) text, the report
+    it had printed (stdout) at the keep-open notice, whether it was still running then,
+    Flower's answer then and after Ctrl-C, its exit code, and the pids still carrying its
+    marker once it had exited."""
+
+    err: str
+    report: str
+    open_at_notice: bool
+    flower_url: str | None
+    flower_status: int | None
+    exit_code: int | None
+    flower_after: int | None
+    leftovers: list[int]
+
+
 @pytest.fixture(scope="module")
 def configured_demos(
     fresh_machine_demo: Future[tuple[dict[str, Any], str, str]],
     database_url: str,
     redis_url: str,
     tmp_path_factory: pytest.TempPathFactory,
-) -> tuple[tuple[dict[str, Any], str], tuple[dict[str, Any], str], Path]:
-    """(no-faults run, faults run, the faults run's plot), run at once on the configured servers,
-    inside one :func:`redis_left_as_found` window."""
+) -> tuple[tuple[dict[str, Any], str], tuple[dict[str, Any], str], Path, KeepOpen]:
+    """(no-faults run, faults run, the faults run's plot, the keep-open run), run at once on
+    the configured servers, inside one :func:`redis_left_as_found` window."""
     png = tmp_path_factory.mktemp("demo") / "demo.png"
-    with redis_left_as_found(redis_url), ThreadPoolExecutor(2) as pool:
+    with redis_left_as_found(redis_url), ThreadPoolExecutor(3) as pool:
         no_faults = pool.submit(_run_no_faults, database_url, redis_url)
         faults = pool.submit(_run_faults, database_url, redis_url, png)
-        return no_faults.result(), faults.result(), png
+        keep_open = pool.submit(_run_keep_open, database_url, redis_url)
+        return no_faults.result(), faults.result(), png, keep_open.result()
 
 
 def test_demo_without_faults_pays_exactly_one_llm_call_per_cell(
-    configured_demos: tuple[tuple[dict[str, Any], str], tuple[dict[str, Any], str], Path],
+    configured_demos: tuple[tuple[dict[str, Any], str], tuple[dict[str, Any], str], Path, Any],
 ) -> None:
     report, _ = configured_demos[0]
     assert report["invariants_ok"] is True
@@ -134,7 +153,7 @@ def _run_faults(database_url: str, redis_url: str, png: Path) -> tuple[dict[str,
 
 
 def test_demo_with_faults_accounts_for_every_extra_call_and_plots_them(
-    configured_demos: tuple[tuple[dict[str, Any], str], tuple[dict[str, Any], str], Path],
+    configured_demos: tuple[tuple[dict[str, Any], str], tuple[dict[str, Any], str], Path, Any],
 ) -> None:
     (report, stderr), png = configured_demos[1], configured_demos[2]
     assert report["invariants_ok"] is True, report["checks"]
@@ -205,56 +224,80 @@ def _has_marker(proc: psutil.Process, marker: str) -> bool:
         return False
 
 
-def test_keep_open_keeps_flower_until_ctrl_c_then_cleans_up_everything(
-    database_url: str, redis_url: str
-) -> None:
-    """--flower --keep-open: after the report Flower answers; Ctrl-C stops every process the
-    demo started (the kill's replacement worker too) and leaves Redis as it was. On a
-    terminal the run draws a progress bar, and the report it prints (faults on, as in
-    `make demo`) has the README sample's lines."""
+def _run_keep_open(database_url: str, redis_url: str) -> KeepOpen:
+    """``onceflow demo --flower --keep-open`` on a terminal: wait for the keep-open notice,
+    ask Flower, press Ctrl-C, and record what each step showed."""
     marker = uuid.uuid4().hex  # inherited by every process the demo starts
     env = {**os.environ, "ONCEFLOW_DATABASE_URL": database_url, "ONCEFLOW_REDIS_URL": redis_url,
            "ONCEFLOW_TEST_MARKER": marker}  # fmt: skip
     primary, secondary = pty.openpty()  # stderr on a terminal: the progress bar is drawn
     err: list[str] = []
     out: list[str] = []
-    with redis_left_as_found(redis_url):
-        demo = subprocess.Popen(
-            [sys.executable, "-m", "onceflow.cli", "demo", "--flower", "--keep-open",
-             "--jobs", "3", "--columns", "2", "--clients", "4"],
-            stdout=subprocess.PIPE, stderr=secondary, stdin=subprocess.DEVNULL, env=env,
-        )  # fmt: skip
-        os.close(secondary)
-        readers = [
-            threading.Thread(target=_read_pty, args=(primary, err), daemon=True),
-            threading.Thread(target=_read_pipe, args=(demo.stdout, out), daemon=True),
-        ]
-        for reader in readers:
-            reader.start()
-        try:
-            wait_for(lambda: "press Ctrl-C" in "".join(err) or demo.poll() is not None,
-                     timeout=240, what="the report and the keep-open notice")  # fmt: skip
-            assert demo.poll() is None, "".join(err)[-3000:]
-            url = re.search(r"Flower: (http://127\.0\.0\.1:\d+)", "".join(err))
-            assert url is not None, "".join(err)[-3000:]
-            status = wait_for(lambda: _http_status(url.group(1)), timeout=60, what="Flower")
-            assert status in (200, 401)  # it answers (a login is required)
-            report = "".join(out)
-            assert "all invariants hold" in report
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "onceflow.cli", "demo", "--flower", "--keep-open",
+         "--jobs", "3", "--columns", "2", "--clients", "4"],
+        stdout=subprocess.PIPE, stderr=secondary, stdin=subprocess.DEVNULL, env=env,
+    )  # fmt: skip
+    os.close(secondary)
+    readers = [
+        threading.Thread(target=_read_pty, args=(primary, err), daemon=True),
+        threading.Thread(target=_read_pipe, args=(demo.stdout, out), daemon=True),
+    ]
+    for reader in readers:
+        reader.start()
+    url: str | None = None
+    flower_status = exit_code = None
+    open_at_notice = False
+    report = ""
+    try:
+        wait_for(lambda: "press Ctrl-C" in "".join(err) or demo.poll() is not None,
+                 timeout=240, what="the report and the keep-open notice")  # fmt: skip
+        open_at_notice = demo.poll() is None
+        report = "".join(out)
+        found = re.search(r"Flower: (http://127\.0\.0\.1:\d+)", "".join(err))
+        url = found.group(1) if found else None
+        if open_at_notice and url is not None:
+            flower = url
+            flower_status = wait_for(lambda: _http_status(flower), timeout=60, what="Flower")
             demo.send_signal(signal.SIGINT)
-            assert demo.wait(timeout=120) == 0
-        finally:
-            if demo.poll() is None:
-                demo.kill()
-            for reader in readers:
-                reader.join(timeout=10)
-            os.close(primary)
-    stderr = "".join(err)
-    assert "stopping and cleaning up" in stderr
-    assert re.search(r"\r  \[#+-*\] +\d+/15 requests", stderr), stderr[-2000:]
-    assert _http_status(url.group(1)) is None  # Flower is gone
-    assert [p.pid for p in psutil.process_iter() if _has_marker(p, marker)] == []
-    assert report_labels(readme_sample()) == report_labels(report)
+            exit_code = demo.wait(timeout=120)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+        for reader in readers:
+            reader.join(timeout=10)
+        os.close(primary)
+    return KeepOpen(
+        err="".join(err),
+        report=report,
+        open_at_notice=open_at_notice,
+        flower_url=url,
+        flower_status=flower_status,
+        exit_code=exit_code,
+        flower_after=_http_status(url) if url else None,
+        leftovers=[p.pid for p in psutil.process_iter() if _has_marker(p, marker)],
+    )
+
+
+def test_keep_open_keeps_flower_until_ctrl_c_then_cleans_up_everything(
+    configured_demos: tuple[tuple[dict[str, Any], str], tuple[dict[str, Any], str], Path, Any],
+) -> None:
+    """--flower --keep-open: after the report Flower answers; Ctrl-C stops every process the
+    demo started (the kill's replacement worker too) and leaves Redis as it was (the shared
+    :func:`redis_left_as_found` window of :func:`configured_demos`). On a terminal the run
+    draws a progress bar, and the report it prints (faults on, as in `make demo`) has the
+    README sample's lines."""
+    run: KeepOpen = configured_demos[3]
+    assert run.open_at_notice, run.err[-3000:]
+    assert run.flower_url is not None, run.err[-3000:]
+    assert run.flower_status in (200, 401)  # it answers (a login is required)
+    assert "all invariants hold" in run.report
+    assert run.exit_code == 0
+    assert "stopping and cleaning up" in run.err
+    assert re.search(r"\r  \[#+-*\] +\d+/15 requests", run.err), run.err[-2000:]
+    assert run.flower_after is None  # Flower is gone
+    assert run.leftovers == []
+    assert report_labels(readme_sample()) == report_labels(run.report)
 
 
 def _read_pty(fd: int, into: list[str]) -> None:

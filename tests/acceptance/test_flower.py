@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from onceflow import Status
-from tests.acceptance.procs import APP, ROOT, Proc, free_port, start_worker, wait_for
+from tests.acceptance.procs import APP, ROOT, Proc, free_port, stop_all, wait_for, worker_args
 
 pytestmark = pytest.mark.slow
 CREDENTIALS = "ops:correct-horse-battery"
@@ -61,14 +61,17 @@ def test_flower_requires_auth_and_lists_stage_tasks(runtime: Any, tmp_path: Path
         },
         cwd=ROOT,
     )
-    worker = None
+    # The worker starts beside Flower (its start-up overlaps Flower's); nothing is enqueued
+    # until both answer.
+    worker = Proc(worker_args("t-default", name="flower"), tmp_path / "worker-flower.log",
+                  env={"PYTHONPATH": str(ROOT)}, cwd=ROOT)  # fmt: skip
     try:
         base = f"http://127.0.0.1:{port}"
         wait_for(lambda: get(base + "/api/workers")[0] != 0, timeout=60, what="Flower answers")
         assert get(base + "/api/tasks")[0] == 401
         assert get(base + "/api/tasks", "ops:wrong")[0] == 401
         assert get(base + "/")[0] == 401
-        worker = start_worker(tmp_path, "t-default", name="flower")
+        worker.wait_log(" ready.")
         result = runtime.flow.enqueue("noop", "w1", "j-flower", "main", {"value": 3})
         rid = result.request_id
         wait_for(lambda: runtime.flow.queue.get(rid).status is Status.SUCCEEDED, what="success")
@@ -86,6 +89,4 @@ def test_flower_requires_auth_and_lists_stage_tasks(runtime: Any, tmp_path: Path
         assert "succeeded" in str(task["result"])
         assert "token" not in json.dumps(task)
     finally:
-        if worker is not None:
-            worker.stop()
-        flower.stop()
+        stop_all([worker, flower])

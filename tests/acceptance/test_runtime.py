@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -10,30 +11,28 @@ import pytest
 import redis as redis_lib
 
 from onceflow import Status
+from onceflow.demo import procs
 from onceflow.ids import request_id_for
 from onceflow.keys import queue_name
-from tests.acceptance.conftest import executions, processed, release
-from tests.acceptance.procs import pool_children, start_beat, start_worker, wait_for
+from tests.acceptance.conftest import TEST_ENV, executions, processed, release
+from tests.acceptance.procs import (
+    APP,
+    ROOT,
+    Proc,
+    pool_children,
+    start_beat,
+    start_worker,
+    started_together,
+    stop_all,
+    wait_for,
+    worker_args,
+)
 
 pytestmark = pytest.mark.slow
 
 
 def status_of(stages: Any, rid: str) -> Status:
     return stages.flow.queue.get(rid).status
-
-
-def test_enqueue_runs_the_stage_to_success(runtime: Any, redis_url: str, tmp_path: Path) -> None:
-    worker = start_worker(tmp_path, "t-default")
-    try:
-        result = runtime.flow.enqueue("noop", "w1", "j1", "main", {"value": 7})
-        assert result.created
-        wait_for(lambda: status_of(runtime, result.request_id) is Status.SUCCEEDED, what="success")
-        row = runtime.flow.queue.get(result.request_id)
-        assert row.result["value"] == 7
-        assert row.attempts == 1
-        assert len(executions(redis_url, result.request_id)) == 1
-    finally:
-        worker.stop()
 
 
 def test_bad_input_is_refused_before_anything_is_written(runtime: Any) -> None:
@@ -93,17 +92,17 @@ def test_kill_9_mid_stage_beat_redispatches_another_worker_completes(
         assert row.result["pid"] == runs[1]["pid"]
         assert len(executions(redis_url, rid)) == 2
     finally:
-        for proc in (a, b, beat):
-            if proc is not None:
-                proc.stop()
+        stop_all([proc for proc in (a, b, beat) if proc is not None])
 
 
 def test_sigstop_past_the_lease_zombie_completion_rejected(
     runtime: Any, redis_url: str, tmp_path: Path
 ) -> None:
-    a = start_worker(tmp_path, "t-block", name="a")
-    b = start_worker(tmp_path, "t-block", name="b")
-    try:
+    with started_together(
+        tmp_path,
+        ("worker-a.log", worker_args("t-block", name="a"), " ready."),
+        ("worker-b.log", worker_args("t-block", name="b"), " ready."),
+    ) as (a, b):
         rid = runtime.flow.enqueue("blocker", "w1", "j-stop", "main", {}).request_id
         [first] = wait_for(lambda: executions(redis_url, rid), what="first run started")
         owner = a if first["pid"] in pool_children(a) else b
@@ -128,9 +127,6 @@ def test_sigstop_past_the_lease_zombie_completion_rejected(
         assert row.status is Status.SUCCEEDED
         assert row.result["attempt"] == 2 and row.result["pid"] == runs[1]["pid"]
         assert (row.attempts, row.crash_attempts) == (2, 1)
-    finally:
-        a.stop()
-        b.stop()
 
 
 def test_purged_wakeup_is_resent_by_the_sweeper(
@@ -155,9 +151,11 @@ def test_purged_wakeup_is_resent_by_the_sweeper(
 def test_always_raising_stage_retries_with_backoff_then_dead(
     runtime: Any, redis_url: str, tmp_path: Path
 ) -> None:
-    worker = start_worker(tmp_path, "t-fail")
-    beat = start_beat(tmp_path)
-    try:
+    with started_together(
+        tmp_path,
+        ("worker-w.log", worker_args("t-fail"), " ready."),
+        ("beat.log", ["beat", "--app", APP], "beat: Starting"),
+    ):
         rid = runtime.flow.enqueue("always_fails", "w1", "j-fail", "main", {}).request_id
         wait_for(lambda: status_of(runtime, rid) is Status.DEAD, timeout=60, what="dead")
         row = runtime.flow.queue.get(rid)
@@ -165,9 +163,6 @@ def test_always_raising_stage_retries_with_backoff_then_dead(
         assert row.error["type"] == "RuntimeError"
         assert row.error["message"] == "boom on attempt 3"
         assert [e["attempt"] for e in executions(redis_url, rid)] == [1, 2, 3]
-    finally:
-        worker.stop()
-        beat.stop()
 
 
 def test_stage_that_kills_its_process_is_quarantined(
@@ -209,46 +204,6 @@ def test_pickle_message_is_refused_and_runs_nothing(
         worker.stop()
 
 
-def test_stage_writes_through_the_fenced_op_log(
-    runtime: Any, redis_url: str, tmp_path: Path
-) -> None:
-    from onceflow.oplog import OpLog
-
-    worker = start_worker(tmp_path, "t-default")
-    try:
-        rid = runtime.flow.enqueue("write_cell", "w1", "j-cell", "main",
-                                   {"column": "fit", "value": 9}).request_id  # fmt: skip
-        wait_for(lambda: status_of(runtime, rid) is Status.SUCCEEDED, what="success")
-        oplog = OpLog(runtime.flow.queue.engine, runtime.flow.queue.settings)
-        doc = oplog.get_sub_doc("w1", "job:j-cell")
-        assert (doc.clock, doc.state) == (1, {"cells": {"fit": 9}})
-        [op] = oplog.ops_since("w1", "job:j-cell")
-        assert op.fence == rid
-        assert runtime.flow.queue.get(rid).result == {"clock": 1}
-    finally:
-        worker.stop()
-
-
-def test_hand_off_is_dispatched_with_the_completion(
-    runtime: Any, redis_url: str, tmp_path: Path
-) -> None:
-    worker = start_worker(tmp_path, "t-default")
-    try:
-        rid = runtime.flow.enqueue("hand_off", "w1", "j-next", "main", {"value": 1}).request_id
-        nxt = request_id_for("w1", "j-next", "main", "noop")
-
-        # No sweeper runs here (redispatch_after is 30 s): the hand-off's wake-up was sent.
-        def next_done() -> bool:
-            rows = runtime.flow.queue.list(job_id="j-next", stage="noop")
-            return bool(rows) and rows[0].status is Status.SUCCEEDED
-
-        wait_for(next_done, what="the next stage")
-        assert status_of(runtime, rid) is Status.SUCCEEDED
-        assert runtime.flow.queue.get(nxt).result["value"] == 2
-    finally:
-        worker.stop()
-
-
 def test_pull_worker_classes_get_no_celery_wakeup(runtime: Any, redis_url: str) -> None:
     from onceflow.tasks import Flow
 
@@ -266,16 +221,75 @@ def test_pull_worker_classes_get_no_celery_wakeup(runtime: Any, redis_url: str) 
     assert [c.request_id for c in claim] == [result.request_id]
 
 
+# The tests below share one `t-default` worker (a module fixture): each is a request the
+# worker takes up while idle, on a table and queues the `runtime` fixture empties first.
+# They come last: the tests above that start `t-default` workers of their own (the ten
+# duplicate messages, waiting before a concurrency-2 worker starts) must not meet it.
+
+
+@pytest.fixture(scope="module")
+def t_default_worker(
+    database_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Proc]:
+    """One real `onceflow worker` for class `t-default`, with the tests' fast settings."""
+    worker = procs.start_worker(
+        tmp_path_factory.mktemp("t-default"), APP, "t-default",
+        env={"PYTHONPATH": str(ROOT), **TEST_ENV}, cwd=ROOT,
+    )  # fmt: skip
+    yield worker
+    worker.stop()
+
+
+def test_enqueue_runs_the_stage_to_success(
+    runtime: Any, redis_url: str, t_default_worker: Proc
+) -> None:
+    result = runtime.flow.enqueue("noop", "w1", "j1", "main", {"value": 7})
+    assert result.created
+    wait_for(lambda: status_of(runtime, result.request_id) is Status.SUCCEEDED, what="success")
+    row = runtime.flow.queue.get(result.request_id)
+    assert row.result["value"] == 7
+    assert row.attempts == 1
+    assert len(executions(redis_url, result.request_id)) == 1
+
+
+def test_stage_writes_through_the_fenced_op_log(
+    runtime: Any, redis_url: str, t_default_worker: Proc
+) -> None:
+    from onceflow.oplog import OpLog
+
+    rid = runtime.flow.enqueue("write_cell", "w1", "j-cell", "main",
+                               {"column": "fit", "value": 9}).request_id  # fmt: skip
+    wait_for(lambda: status_of(runtime, rid) is Status.SUCCEEDED, what="success")
+    oplog = OpLog(runtime.flow.queue.engine, runtime.flow.queue.settings)
+    doc = oplog.get_sub_doc("w1", "job:j-cell")
+    assert (doc.clock, doc.state) == (1, {"cells": {"fit": 9}})
+    [op] = oplog.ops_since("w1", "job:j-cell")
+    assert op.fence == rid
+    assert runtime.flow.queue.get(rid).result == {"clock": 1}
+
+
+def test_hand_off_is_dispatched_with_the_completion(
+    runtime: Any, redis_url: str, t_default_worker: Proc
+) -> None:
+    rid = runtime.flow.enqueue("hand_off", "w1", "j-next", "main", {"value": 1}).request_id
+    nxt = request_id_for("w1", "j-next", "main", "noop")
+
+    # No sweeper runs here (redispatch_after is 30 s): the hand-off's wake-up was sent.
+    def next_done() -> bool:
+        rows = runtime.flow.queue.list(job_id="j-next", stage="noop")
+        return bool(rows) and rows[0].status is Status.SUCCEEDED
+
+    wait_for(next_done, what="the next stage")
+    assert status_of(runtime, rid) is Status.SUCCEEDED
+    assert runtime.flow.queue.get(nxt).result["value"] == 2
+
+
 def test_a_hung_body_is_interrupted_at_max_runtime(
-    runtime: Any, redis_url: str, tmp_path: Path
+    runtime: Any, redis_url: str, t_default_worker: Proc
 ) -> None:
     """Issue 11, item 9: Celery's soft time limit (= max_runtime) stops a hung body."""
-    worker = start_worker(tmp_path, "t-default")
-    try:
-        rid = runtime.flow.enqueue("sleeper", "w1", "j-hang", "main", {}).request_id
-        wait_for(lambda: status_of(runtime, rid) is Status.DEAD, timeout=60, what="dead")
-        row = runtime.flow.queue.get(rid)
-        assert row.error["type"] == "SoftTimeLimitExceeded"
-        assert len(executions(redis_url, rid)) == 1
-    finally:
-        worker.stop()
+    rid = runtime.flow.enqueue("sleeper", "w1", "j-hang", "main", {}).request_id
+    wait_for(lambda: status_of(runtime, rid) is Status.DEAD, timeout=60, what="dead")
+    row = runtime.flow.queue.get(rid)
+    assert row.error["type"] == "SoftTimeLimitExceeded"
+    assert len(executions(redis_url, rid)) == 1

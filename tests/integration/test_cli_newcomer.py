@@ -146,14 +146,20 @@ def test_worker_started_in_the_project_directory_runs_its_stage(
         assert enqueued.returncode == 0, enqueued.stderr
         rid = json.loads(enqueued.stdout)["request_id"]
 
-        def finished() -> dict[str, object]:
-            shown = cli("show", rid, "--json", cwd=project)
-            row: dict[str, object] = json.loads(shown.stdout)
-            assert row["status"] != "dead", (row, log.read_text(errors="replace"))
-            return row if row["status"] == "succeeded" else {}
+        # Polled in the table (a `show` process per poll cost a CLI start-up each time);
+        # the result is then read back through the CLI, as a newcomer would.
+        status_sql = text("SELECT status FROM workspace_process_requests WHERE request_id = :r")
 
-        row = wait_for(finished, timeout=60, what="the stage to succeed")
-        assert row["result"] == {"text": "hello adahello ada"}
+        def finished() -> bool:
+            with clean_db.connect() as conn:
+                status = conn.execute(status_sql, {"r": rid}).scalar()
+            assert status != "dead", log.read_text(errors="replace")
+            return status == "succeeded"
+
+        wait_for(finished, timeout=60, what="the stage to succeed")
+        shown = cli("show", rid, "--json", cwd=project)
+        row = json.loads(shown.stdout)
+        assert (row["status"], row["result"]) == ("succeeded", {"text": "hello adahello ada"})
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(worker.pid, signal.SIGTERM)

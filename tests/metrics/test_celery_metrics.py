@@ -94,11 +94,15 @@ def test_prefork_worker_metrics_match_the_table(
     worker = Proc([*args, "-n", f"m-{os.getpid()}@%h"], tmp_path / "worker.log", env, ROOT)
     exporter = None
     try:
-        worker.wait_log(" ready.")
-        subprocess.run(
+        # The enqueuer starts beside the worker's start-up: its wake-ups wait in the broker.
+        enqueuer = subprocess.Popen(
             [sys.executable, "-m", "tests.metrics.enqueuer", json.dumps(plan)],
-            env={**os.environ, **env}, cwd=ROOT, check=True, timeout=60,
+            env={**os.environ, **env}, cwd=ROOT,
         )  # fmt: skip
+        try:
+            worker.wait_log(" ready.")
+        finally:
+            assert enqueuer.wait(timeout=60) == 0
         busy = "SELECT count(*) FROM workspace_process_requests WHERE worker_class = 'm-work' "
         busy += "AND status NOT IN ('succeeded', 'dead')"
         wait_for(lambda: truth(clean_db, busy) == 0, timeout=30, what="the drain")
