@@ -43,9 +43,8 @@ def page_html(workspace: str, client_name: str, web_locks: bool = True) -> str:
     options = json.dumps(
         {"apiKey": SDK_API_KEY, "workspaceId": workspace, "clientName": client_name}
     )
-    hide = "" if web_locks else (
-        "Object.defineProperty(navigator, 'locks', {value: undefined, configurable: true});"
-    )
+    no_locks = "Object.defineProperty(navigator, 'locks', {value: undefined, configurable: true});"
+    hide = "" if web_locks else no_locks
     return f"""<!doctype html><meta charset="utf-8"><title>sdk</title>
 <script type="module">
   {hide}
@@ -260,7 +259,7 @@ def test_without_web_locks_two_tabs_of_one_namespace_settle_every_op_once(
     sdk_api: tuple[str, Any], context: Any, clean_db: Engine
 ) -> None:
     base_url, _ = sdk_api
-    tabs = [new_tab(context, base_url, W1, "nolock", f"nolock-{i}", web_locks=False) for i in (1, 2)]
+    tabs = [new_tab(context, base_url, W1, "nolock", f"nl-{i}", web_locks=False) for i in (1, 2)]
     assert tabs[0].evaluate("navigator.locks === undefined")
     script = """(n) => { window.done = Promise.all(Array.from({length: n}, (_, i) =>
                   client.applyOp('t', {type: 'cell.set', column: 'c' + i, value: i}))); }"""
