@@ -3,7 +3,9 @@
 Each test runs in a fresh browser context (its own IndexedDB) with pages at the API's origin
 importing ``/sdk/index.js``: a reload while an op is in flight replays it under the same id
 and it is applied once; ops applied offline stay in the outbox and drain in order once
-online; two tabs of one outbox namespace send each op once (one holds the Web Lock);
+online; two tabs of one outbox namespace send each op once (one holds the Web Lock), and without
+Web Locks both drain it and every op is still applied once; the outbox never reuses a seq and
+deletes only the op it was asked to; a connection closed under the client is opened again;
 a subscriber sees commits live and, after its stream breaks, catches up on the ones
 it missed, each once and in order; every op carries its base clock; bad input is refused.
 
@@ -33,13 +35,19 @@ W1, W2 = "sdk-w1", "sdk-w2"
 DEADLINE_MS = 10_000
 
 
-def page_html(workspace: str, client_name: str) -> str:
-    """A page that makes `window.client` (started: it replays its outbox) and logs its events."""
+def page_html(workspace: str, client_name: str, web_locks: bool = True) -> str:
+    """A page that makes `window.client` (started: it replays its outbox) and logs its events.
+
+    ``web_locks=False`` hides ``navigator.locks`` (as in an insecure context, where IndexedDB
+    still exists)."""
     options = json.dumps(
         {"apiKey": SDK_API_KEY, "workspaceId": workspace, "clientName": client_name}
     )
+    no_locks = "Object.defineProperty(navigator, 'locks', {value: undefined, configurable: true});"
+    hide = "" if web_locks else no_locks
     return f"""<!doctype html><meta charset="utf-8"><title>sdk</title>
 <script type="module">
+  {hide}
   const sdk = await import("/sdk/index.js");
   window.sdk = sdk;
   window.applied = []; window.refused = []; window.commits = []; window.answers = [];
@@ -52,8 +60,10 @@ def page_html(workspace: str, client_name: str) -> str:
 </script>"""
 
 
-def new_tab(context: Any, base_url: str, workspace: str, client_name: str, name: str) -> Any:
-    page = open_tab(context, base_url, page_html(workspace, client_name), name=name)
+def new_tab(
+    context: Any, base_url: str, workspace: str, client_name: str, name: str, web_locks: bool = True
+) -> Any:
+    page = open_tab(context, base_url, page_html(workspace, client_name, web_locks), name=name)
     page.wait_for_function("window.ready === true", timeout=DEADLINE_MS)
     return page
 
@@ -243,6 +253,66 @@ def test_two_tabs_of_one_namespace_send_each_op_once(
     senders = [name for name, bodies in sent.items() if bodies]
     assert senders == ["shared-1"]
     assert sorted(b["op_id"] for b in sent["shared-1"]) == sorted(ids)
+
+
+def test_without_web_locks_two_tabs_of_one_namespace_settle_every_op_once(
+    sdk_api: tuple[str, Any], context: Any, clean_db: Engine
+) -> None:
+    base_url, _ = sdk_api
+    tabs = [new_tab(context, base_url, W1, "nolock", f"nl-{i}", web_locks=False) for i in (1, 2)]
+    assert tabs[0].evaluate("navigator.locks === undefined")
+    script = """(n) => { window.done = Promise.all(Array.from({length: n}, (_, i) =>
+                  client.applyOp('t', {type: 'cell.set', column: 'c' + i, value: i}))); }"""
+    # both tabs drain the shared outbox at once: an op may be sent by both (the second send is
+    # answered as a replay), and every promise settles
+    for tab in tabs:
+        tab.evaluate(script, 4)
+    answers = [a for tab in tabs for a in tab.evaluate("done")]
+    ids = [a["opId"] for a in answers]
+    assert len(set(ids)) == 8
+    assert sorted(r["op_id"] for r in op_rows(clean_db, W1)) == sorted(ids)  # each applied once
+    assert doc_clock(clean_db, W1, "t") == 8
+    for tab in tabs:
+        tab.wait_for_function("client.pending().then((p) => p.length === 0)", timeout=DEADLINE_MS)
+
+
+def test_outbox_seq_is_never_reused_and_a_late_delete_spares_a_newer_op(
+    sdk_api: tuple[str, Any], context: Any
+) -> None:
+    base_url, _ = sdk_api
+    first = new_tab(context, base_url, W1, "seq", "seq-1")
+    second = new_tab(context, base_url, W1, "seq", "seq-2")
+    ns = "probe@nowhere"  # no client drains it: the test drives two tabs' outboxes by hand
+    setup = "() => { window.box = new sdk.IndexedDbOutbox(); }"
+    first.evaluate(setup)
+    second.evaluate(setup)
+    add = "([ns, opId]) => box.add(ns, {opId, subDoc: 'd', op: {type: 'x'}, baseClock: null})"
+    delete = "([ns, seq, opId]) => box.delete(ns, seq, opId)"
+    a = first.evaluate(add, [ns, "op_a"])
+    first.evaluate(delete, [ns, a["seq"], "op_a"])  # answered: the namespace is empty now
+    b = second.evaluate(add, [ns, "op_b"])
+    assert b["seq"] > a["seq"]  # not reused after the namespace emptied
+    assert first.evaluate("(ns) => box.list(ns)", ns) == [b]  # op_a was deleted
+    # a tab that also sent op_a (no Web Lock) deletes it late: the newer op stays
+    assert first.evaluate(delete, [ns, a["seq"], "op_a"]) is False
+    assert first.evaluate(delete, [ns, b["seq"], "op_other"]) is False
+    assert second.evaluate("(ns) => box.list(ns)", ns) == [b]
+
+
+def test_an_outbox_connection_closed_under_the_client_is_opened_again(
+    sdk_api: tuple[str, Any], context: Any, clean_db: Engine
+) -> None:
+    base_url, _ = sdk_api
+    page = new_tab(context, base_url, W1, "closed", "closed")
+    answer = page.evaluate(
+        """async () => {
+          (await client.outbox.open()).close();  // the browser closed the connection
+          return client.applyOp('z', {type: 'cell.set', column: 'c', value: 1});
+        }"""
+    )
+    assert answer["applied"] is True
+    assert [r["op_id"] for r in op_rows(clean_db, W1)] == [answer["opId"]]
+    assert page.evaluate("client.pending().then((p) => p.length)") == 0
 
 
 class Relay:

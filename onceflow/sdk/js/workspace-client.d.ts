@@ -1,6 +1,6 @@
 import type { BackoffOptions, HttpError } from "./transport.js";
 import type { Outbox, OutboxEntry } from "./outbox.js";
-export { IndexedDbOutbox, MemoryOutbox } from "./outbox.js";
+export { IndexedDbOutbox, MemoryOutbox, OutboxError } from "./outbox.js";
 export type { Outbox, OutboxEntry, NewOutboxEntry } from "./outbox.js";
 
 export interface Op {
@@ -52,14 +52,28 @@ export interface WorkspaceClientEvents {
   unauthorized: { opId: string; error: HttpError };
   commit: CommitNotice;
   stream: { connected: boolean };
+  /**
+   * A subscriber's callback threw (its error), or the outbox could not be listed or deleted
+   * from (an OutboxError, `cause`: the storage's error): the client retries with backoff and
+   * keeps draining; an op the server answered settles even while its deletion is retried.
+   */
   error: unknown;
+  /**
+   * The default IndexedDB outbox could not be opened (storage disabled or refused): this client
+   * keeps its ops in memory; they are retried while the page lives but not replayed after a reload.
+   */
+  warning: { message: string; error: unknown };
 }
 export interface WorkspaceClientOptions {
   /** The API's origin; "" (default) = this page's. */
   baseUrl?: string;
   apiKey: string;
   workspaceId: string;
-  /** Default: an IndexedDbOutbox where IndexedDB exists, else a MemoryOutbox. */
+  /**
+   * Default: an IndexedDbOutbox where IndexedDB exists (a MemoryOutbox, with a `warning` event,
+   * if it cannot be opened), else a MemoryOutbox. A given outbox that cannot be opened makes
+   * `start()` reject with OutboxError (the next call tries again).
+   */
   outbox?: Outbox;
   /** With the workspace, names the outbox namespace `<clientName>@<workspaceId>`. */
   clientName?: string;
@@ -71,9 +85,14 @@ export class WorkspaceClient extends EventTarget {
   readonly workspaceId: string;
   /** `<clientName>@<workspaceId>`; also the Web Lock / BroadcastChannel name after `onceflow-outbox:`. */
   readonly namespace: string;
+  /** Replaced by a MemoryOutbox when the default IndexedDB outbox cannot be opened. */
   readonly outbox: Outbox;
   on<K extends keyof WorkspaceClientEvents>(name: K, callback: (detail: WorkspaceClientEvents[K]) => void): () => void;
   start(): Promise<void>;
+  /**
+   * Rejects with HttpError on a refusal, Aborted on `close()`, TypeError on bad input, and
+   * OutboxError when the op could not be stored (nothing was sent).
+   */
   applyOp(subDoc: string, op: Op, options?: { baseClock?: number | null }): Promise<OpAnswer>;
   pending(): Promise<OutboxEntry[]>;
   read(subDoc: string): Promise<{ state: Record<string, unknown>; clock: number }>;

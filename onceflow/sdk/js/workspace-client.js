@@ -7,9 +7,9 @@ import {
   Aborted, Api, HttpError, NetworkError, backoffDelay, errorFor, isRetryable,
   newOpId, retryAfterMs, seg, sleep, sseEvents,
 } from "./transport.js";
-import { IndexedDbOutbox, MemoryOutbox } from "./outbox.js";
+import { IndexedDbOutbox, MemoryOutbox, OutboxError } from "./outbox.js";
 
-export { IndexedDbOutbox, MemoryOutbox };
+export { IndexedDbOutbox, MemoryOutbox, OutboxError };
 
 const PAGE = 500; // catch-up page size
 
@@ -23,7 +23,11 @@ const PAGE = 500; // catch-up page size
  * - `commit`: a commit of the workspace seen on the event stream (`detail`: its JSON data);
  * - `stream`: the event stream (open while something is subscribed) connected or was lost
  *   (`detail`: `{connected}`); after a loss it reconnects with backoff and catches up;
- * - `error`: a subscriber's callback threw (`detail`: the error).
+ * - `error`: a subscriber's callback threw (`detail`: the error), or the outbox failed to list
+ *   or delete entries (`detail`: an OutboxError, its `cause` the storage's error): the client
+ *   retries with backoff and goes on draining; an op the server answered settles all the same;
+ * - `warning`: the default IndexedDB outbox could not be opened, so this client keeps its ops
+ *   in memory (`detail`: `{message, error}`): they are not replayed after a reload.
  *
  * Two tabs with the same `clientName` share one outbox namespace (`<clientName>@<workspace>`).
  * With a shared outbox (IndexedDB) the namespace is drained under the Web Lock
@@ -49,6 +53,7 @@ export class WorkspaceClient extends EventTarget {
     this.workspaceId = workspaceId;
     this.namespace = `${clientName}@${workspaceId}`;
     this.outbox = outbox || (globalThis.indexedDB ? new IndexedDbOutbox() : new MemoryOutbox());
+    this._outboxGiven = !!outbox;
     this._baseUrl = baseUrl;
     this._fetch = fetch;
     this._api = new Api(baseUrl, { apiKey, fetch });
@@ -77,12 +82,15 @@ export class WorkspaceClient extends EventTarget {
   /**
    * Open the outbox and start draining it in `seq` order: ops left by an earlier page load
    * go first, under their stored ids and base clocks (answers as `applied`/`refused` events).
-   * Called by `applyOp` too; calling it again does nothing.
+   * Called by `applyOp` too; calling it again does nothing. If the default IndexedDB outbox
+   * cannot be opened (storage disabled or refused) the client goes on with a MemoryOutbox and
+   * sends a `warning` event; a given outbox that cannot be opened rejects with OutboxError,
+   * and the next call tries again.
    */
   start() {
     if (this._started) return this._started;
-    this._started = (async () => {
-      await this.outbox.open();
+    const started = (this._started = (async () => {
+      await this._openOutbox();
       if (this.outbox.shared && typeof BroadcastChannel === "function") {
         this._channel = new BroadcastChannel(`onceflow-outbox:${this.namespace}`);
         this._channel.onmessage = (message) => this._onChannel(message.data);
@@ -94,8 +102,23 @@ export class WorkspaceClient extends EventTarget {
         : this._drain();
       drain.catch((error) => { if (!this._stop.signal.aborted) this._emit("error", error); });
       this._emitPending();
-    })();
-    return this._started;
+    })());
+    started.catch(() => { if (this._started === started) this._started = null; });
+    return started;
+  }
+
+  async _openOutbox() {
+    try {
+      await this.outbox.open();
+    } catch (error) {
+      if (this._outboxGiven || !(this.outbox instanceof IndexedDbOutbox)) {
+        throw new OutboxError(`the outbox could not be opened: ${describe(error)}`, { cause: error });
+      }
+      this.outbox.close();
+      this.outbox = new MemoryOutbox();
+      const message = `IndexedDB could not be opened (${describe(error)}): ops are kept in memory only and are not replayed after a reload`;
+      this._emit("warning", { message, error });
+    }
   }
 
   /**
@@ -105,7 +128,8 @@ export class WorkspaceClient extends EventTarget {
    * answer (also for an op the state rejected: `applied: false`, `error` set); rejects with
    * HttpError on a refusal (any other 4xx, e.g. 400/403/404/413/422, 409 op_id_conflict or
    * replay_too_old: the op is dropped), with Aborted on `close()` (the op stays for the next
-   * start), with TypeError on bad input (nothing stored). A 401 is no answer about the op:
+   * start), with TypeError on bad input (nothing stored), with OutboxError when the outbox
+   * cannot store the op (quota, storage refused: nothing is sent). A 401 is no answer about the op:
    * it stays in the outbox (and blocks the ones after it), an `unauthorized` event is sent
    * and it is retried with backoff, under a new key once `setApiKey` gives one.
    * @param {string} subDoc
@@ -135,7 +159,7 @@ export class WorkspaceClient extends EventTarget {
       await this.outbox.add(this.namespace, { opId, subDoc, op: body, baseClock, mintedAt: Date.now() });
     } catch (error) {
       this._waiting.delete(opId);
-      throw error;
+      throw new OutboxError(`the op was not stored in the outbox, so it was not sent: ${describe(error)}`, { cause: error });
     }
     this._emitPending();
     this._channel?.postMessage({ kind: "added" });
@@ -210,26 +234,45 @@ export class WorkspaceClient extends EventTarget {
 
   // ---------------------------------------------------------------------------- sending
 
+  /**
+   * Send the outbox's first entry until answered, delete it, settle it; again, until close().
+   * A storage error (list or delete) is retried with backoff: the loop goes on. An answered op
+   * settles (once) even when its deletion fails; the deletion is then retried, not the send.
+   */
   async _drain() {
     const signal = this._stop.signal;
-    while (!signal.aborted) {
-      this._poked = false;
-      const [entry] = await this.outbox.list(this.namespace, 1);
-      if (!entry) {
-        await this._nap(Infinity);
-        continue;
-      }
-      let outcome;
+    let answered = null; // the op id answered and settled whose deletion failed
+    for (let failures = 0; !signal.aborted; ) {
       try {
-        outcome = await this._send(entry);
+        this._poked = false;
+        const [entry] = await this.outbox.list(this.namespace, 1);
+        if (!entry) {
+          await this._nap(Infinity);
+          continue;
+        }
+        if (entry.opId === answered) {
+          await this.outbox.delete(this.namespace, entry.seq, entry.opId);
+        } else {
+          const outcome = await this._send(entry);
+          let deleteError = null;
+          await this.outbox.delete(this.namespace, entry.seq, entry.opId).catch((error) => { deleteError = error; });
+          answered = entry.opId;
+          const settled = this._settle(entry, outcome);
+          this._channel?.postMessage({ kind: "settled", opId: entry.opId, ...settled });
+          if (deleteError) throw deleteError;
+        }
+        answered = null;
+        failures = 0;
+        this._emitPending();
       } catch (error) {
         if (signal.aborted) return;
-        throw error;
+        this._emit("error", new OutboxError(`the outbox could not be drained (retrying): ${describe(error)}`, { cause: error }));
+        try {
+          await this._nap(backoffDelay(failures++, this._backoff));
+        } catch {
+          return; // closed
+        }
       }
-      await this.outbox.delete(this.namespace, entry.seq);
-      const settled = this._settle(entry, outcome);
-      this._channel?.postMessage({ kind: "settled", opId: entry.opId, ...settled });
-      this._emitPending();
     }
   }
 
@@ -435,6 +478,10 @@ export class WorkspaceClient extends EventTarget {
       () => {},
     );
   }
+}
+
+function describe(error) {
+  return error instanceof Error ? `${error.name}: ${error.message}` : String(error);
 }
 
 function checkId(name, value) {

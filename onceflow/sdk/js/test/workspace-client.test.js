@@ -170,3 +170,101 @@ test("ops on a sub-doc never seen keep their call order and carry no base clock"
   assert.equal(answers.length, 3);
   c.close();
 });
+
+/** A MemoryOutbox whose `method` throws on the calls numbered in `failOn` (1-based). */
+function flaky(method, failOn) {
+  const box = new MemoryOutbox();
+  const real = box[method].bind(box);
+  let n = 0;
+  box[method] = async (...args) => {
+    if (failOn.includes(++n)) throw new DOMException("The transaction was aborted", "AbortError");
+    return real(...args);
+  };
+  return box;
+}
+
+test("an outbox delete that fails is retried; the answered op resolves once and is not resent", async () => {
+  const { fetch, calls } = scripted([(call) => ok(call, { clock: 1 }), (call) => ok(call, { clock: 2 })]);
+  const c = client(fetch, flaky("delete", [1, 2]));
+  const errors = [];
+  const applied = [];
+  c.on("error", (e) => errors.push(e));
+  c.on("applied", (d) => applied.push(d.opId));
+  const first = c.applyOp("d", { type: "cell.set", column: "c", value: 1 });
+  const second = c.applyOp("d", { type: "cell.set", column: "c", value: 2 });
+  const [a, b] = await Promise.all([first, second]);
+  assert.deepEqual([a.clock, b.clock], [1, 2]);
+  assert.equal(calls.length, 2); // op 1 was answered once: its deletion is retried, not its send
+  assert.deepEqual(applied, [a.opId, b.opId]); // one `applied` each
+  assert.equal(errors.length, 2);
+  assert.ok(errors.every((e) => e.name === "OutboxError" && e.cause.name === "AbortError"), errors);
+  assert.deepEqual(await c.pending(), []);
+  c.close();
+});
+
+test("an outbox list that fails is retried and the drain goes on", async () => {
+  const { fetch, calls } = scripted([(call) => ok(call, { clock: 1 })]);
+  const c = client(fetch, flaky("list", [1, 2, 3]));
+  const got = await c.applyOp("d", { type: "cell.set", column: "c", value: 1 });
+  assert.equal(got.clock, 1);
+  assert.equal(calls.length, 1);
+  assert.deepEqual(await c.pending(), []);
+  c.close();
+});
+
+test("an op the outbox cannot store rejects with OutboxError and nothing is sent", async () => {
+  const { fetch, calls } = scripted([(call) => ok(call, { clock: 1 })]);
+  const c = client(fetch, flaky("add", [1]));
+  await assert.rejects(c.applyOp("d", { type: "cell.set", column: "c", value: 1 }),
+    (e) => e.name === "OutboxError" && /not stored/.test(e.message) && e.cause.name === "AbortError");
+  assert.deepEqual(await c.pending(), []);
+  assert.equal(calls.length, 0);
+  const got = await c.applyOp("d", { type: "cell.set", column: "c", value: 2 }); // the next one goes
+  assert.equal(calls.length, 1);
+  assert.equal(calls[0].body.op.value, 2);
+  assert.equal(got.clock, 1);
+  c.close();
+});
+
+test("an outbox that cannot open: start() rejects with OutboxError, and a later start() tries again", async () => {
+  const box = new MemoryOutbox();
+  let opens = 0;
+  box.open = async () => { if (++opens === 1) throw new DOMException("denied", "UnknownError"); };
+  const { fetch } = scripted([(call) => ok(call, { clock: 1 })]);
+  const c = client(fetch, box);
+  await assert.rejects(c.start(), (e) => e.name === "OutboxError" && /could not be opened/.test(e.message));
+  assert.equal((await c.applyOp("d", { type: "cell.set", column: "c", value: 1 })).clock, 1);
+  assert.equal(opens, 2);
+  c.close();
+});
+
+test("the default outbox falls back to memory, with a warning, when IndexedDB cannot open", async () => {
+  const denied = { open() { const req = {}; setTimeout(() => { req.error = new DOMException("denied", "InvalidStateError"); req.onerror(); }); return req; } };
+  globalThis.indexedDB = denied; // a browser whose IndexedDB refuses (e.g. storage disabled)
+  try {
+    const { fetch } = scripted([(call) => ok(call, { clock: 1 })]);
+    const c = new WorkspaceClient({ apiKey: "k", workspaceId: "w1", fetch, backoff: BACKOFF, baseUrl: "http://x" });
+    const warnings = [];
+    c.on("warning", (w) => warnings.push(w));
+    assert.equal(c.outbox.shared, true);
+    assert.equal((await c.applyOp("d", { type: "cell.set", column: "c", value: 1 })).clock, 1);
+    assert.ok(c.outbox instanceof MemoryOutbox);
+    assert.equal(warnings.length, 1);
+    assert.match(warnings[0].message, /in memory/);
+    assert.equal(warnings[0].error.name, "InvalidStateError");
+    c.close();
+  } finally {
+    delete globalThis.indexedDB;
+  }
+});
+
+test("MemoryOutbox never reuses a seq and deletes only the entry of the given op id", async () => {
+  const box = new MemoryOutbox();
+  const a = await box.add("n", { opId: "a" });
+  assert.equal(await box.delete("n", a.seq, "a"), true);
+  const b = await box.add("n", { opId: "b" }); // the namespace was empty: seq still moves on
+  assert.notEqual(b.seq, a.seq);
+  assert.equal(await box.delete("n", a.seq, "a"), false); // a late second delete of a
+  assert.equal(await box.delete("n", b.seq, "not-b"), false);
+  assert.deepEqual((await box.list("n")).map((e) => e.opId), ["b"]);
+});
