@@ -287,7 +287,7 @@ def test_a_tab_finding_the_cell_locked_waits_for_the_broadcast(
         start(page, base, workerClass=sdk.TAB_WAIT, name="wait", mode="eval",
               llmUrl=llm.url, llmKey=LLM_KEY)  # fmt: skip
         made = sdk.flow.enqueue("tab_wait", "sdk-w6", j, "main", {"columns": ["fit"]})
-        # The tab got {locked: true}, subscribed, re-checked, and now waits.
+        # The tab got {locked: true}, subscribed, re-checked, tried again (locked), and waits.
         page.wait_for_function("window.state.waiting.length === 1", timeout=DEADLINE_MS)
 
         # The holder stores its value (a commit broadcast) and releases (lock_released).
@@ -308,7 +308,9 @@ def test_a_tab_finding_the_cell_locked_waits_for_the_broadcast(
         seen = state(page)
         assert seen["paths"] == [["fit", "waited", "broadcast"]]
         assert seen["waiting"] == ["eval:fit"]
-        assert seen["lockCalls"] == 1  # one acquire, then the broadcast: no polling loop
+        # one acquire, one more once subscribed (a release before the stream was live would
+        # be missed otherwise), then the broadcast: no polling loop
+        assert seen["lockCalls"] == 2
         assert f"{j}/eval:fit" not in llm.stats()["per_key"]  # the provider was never called
     finally:
         context.close()

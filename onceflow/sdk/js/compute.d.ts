@@ -5,13 +5,20 @@ export function extendIntervalMs(ttlMs: number): number;
 export function isReleaseOf(message: unknown, jobId: string, task: string): boolean;
 
 export class Subscription {
-  /** null while live; "ended", "unavailable" or "closed" once the stream is gone. */
-  readonly ended: null | "ended" | "unavailable" | "closed";
+  /**
+   * null while live; once the stream is gone: "ended" (it closed: subscribe again),
+   * "claim_ended" (the server sent `event: end`: the claim is over, the stream is not
+   * opened again), "unavailable" or "closed".
+   */
+  readonly ended: null | "ended" | "claim_ended" | "unavailable" | "closed";
   next(timeoutMs: number, signal?: AbortSignal): Promise<Record<string, unknown> | null>;
   close(): void;
 }
 
-/** The claimed request's workspace events (POST /v1/claims/{id}/events), shared by its waiters. */
+/**
+ * The claimed request's workspace events (POST /v1/claims/{id}/events), shared by its
+ * waiters. Ends for good at the server's `event: end` (the claim is over).
+ */
 export class ClaimEvents {
   constructor(api: Api, requestId: string, token: string, options?: { signal?: AbortSignal });
   readonly opened: number;
@@ -34,7 +41,7 @@ export class ClaimLocks {
   constructor(api: Api, requestId: string, token: string, options?: { signal?: AbortSignal });
   acquire(task: string, ttlSeconds?: number): Promise<AcquireAnswer>;
   extend(task: string, lockToken: string, ttlSeconds?: number): Promise<boolean>;
-  release(task: string, lockToken: string, outcome: "computed" | "double_check" | "failed"): Promise<boolean>;
+  release(task: string, lockToken: string, outcome: "computed" | "double_check" | "failed" | "abandoned"): Promise<boolean>;
 }
 
 export interface ComputeOnceArgs<T> {

@@ -3,16 +3,19 @@
 //
 //   1. pre-flight check(): a stored value returns at once, no lock round trip;
 //   2. acquire the cell's lock (POST /v1/claims/{id}/locks). `{locked: true}` is "someone else
-//      is on it": open the claim's event stream FIRST, check again, then wait for a
-//      `lock_released` of this (job, task) or a `commit` (after which check() runs again), at
-//      most the holder's `remaining_ms` plus a margin, and try again (the holder may have
-//      died: its lock expires). No polling loop;
+//      is on it": open the claim's event stream FIRST, check again, and try the lock once
+//      more (a release announced before the stream was live is not missed; its answer gives a
+//      fresh `remaining_ms`), then wait for a `lock_released` of this (job, task) or a
+//      `commit` (after which check() runs again), at most the holder's `remaining_ms` plus a
+//      margin, and try again (the holder may have died: its lock expires). No polling loop;
 //   3. holding the lock, check() again (the double-check);
-//   4. compute() — the provider call — with the lock extended every ttl/3;
-//   5. store(value), then release with the outcome (`computed`, `double_check`, or `failed`
-//      from the finally), which announces `lock_released` to the waiters.
+//   4. compute() — the provider call — with the lock extended every ttl/3 (a failed extend
+//      is tried again at the next third; only a refused one — `held: false` — stops it);
+//   5. store(value), then release with the outcome — `computed`, `double_check`, `failed`
+//      (compute() or store() threw) or `abandoned` (stopped before compute() was called:
+//      the server counts no provider call) — which announces `lock_released` to the waiters.
 
-import { Aborted, LeaseLost, NetworkError, OnceflowError, errorFor, seg, sleep, sseEvents } from "./transport.js";
+import { Aborted, LeaseLost, NetworkError, OnceflowError, errorFor, isRetryable, seg, sleep, sseEvents } from "./transport.js";
 
 /** Waits run this long past the holder's remaining TTL, so the retry finds the key expired. */
 export const WAIT_MARGIN_MS = 50;
@@ -31,7 +34,10 @@ export function isReleaseOf(message, jobId, task) {
  * The claimed request's workspace events (POST /v1/claims/{id}/events), one stream shared by
  * every waiter of the claim: opened by the first subscriber, closed when the last one leaves
  * or the claim ends. A subscription sees every message from its `ready` on, so nothing
- * committed after it subscribed can be missed.
+ * committed after it subscribed can be missed. The server ends the stream with `event: end`
+ * once the claim is over: then the stream is not opened again (subscriptions are dead,
+ * `ended` "claim_ended", and waiters wait out their TTL or meet the claim's LeaseLost). A
+ * stream that ends otherwise (a server restart) is opened again by the next subscribe().
  */
 export class ClaimEvents {
   constructor(api, requestId, token, { signal } = {}) {
@@ -41,6 +47,7 @@ export class ClaimEvents {
     this._parent = signal;
     this._subs = new Set();
     this._stream = null; // { controller, ready: Promise<boolean> }
+    this._claimEnded = false; // the server said `event: end`: never open the stream again
     /** Streams opened so far (for tests and diagnostics). */
     this.opened = 0;
   }
@@ -48,10 +55,14 @@ export class ClaimEvents {
   /** A new subscription, once the stream is live (`ready`); a dead one if it cannot open. */
   async subscribe() {
     const sub = new Subscription(this);
+    if (this._claimEnded) {
+      sub._end("claim_ended");
+      return sub;
+    }
     this._subs.add(sub);
     if (!this._stream) this._stream = this._open();
     const ok = await this._stream.ready;
-    if (!ok) sub._end("unavailable");
+    if (!ok) sub._end(this._claimEnded ? "claim_ended" : "unavailable");
     return sub;
   }
 
@@ -106,6 +117,10 @@ export class ClaimEvents {
             resolveReady(true);
             continue;
           }
+          if (event.event === "end") {
+            this._claimEnded = true; // the claim is over: its stream is not opened again
+            break;
+          }
           let message;
           try {
             message = JSON.parse(event.data);
@@ -119,9 +134,11 @@ export class ClaimEvents {
         // Closed by us, the claim ended, or the network failed: waiters fall back to the TTL.
       } finally {
         resolveReady(false);
+        if (this._claimEnded) controller.abort(); // let the connection go
         if (this._stream === stream) {
           this._stream = null;
-          for (const sub of this._subs) sub._end(live ? "ended" : "unavailable");
+          const reason = this._claimEnded ? "claim_ended" : live ? "ended" : "unavailable";
+          for (const sub of this._subs) sub._end(reason);
         }
       }
     })();
@@ -135,7 +152,10 @@ export class Subscription {
     this._events = events;
     this._queue = [];
     this._wake = null;
-    /** null while live; "ended", "unavailable" or "closed" once the stream is gone. */
+    /**
+     * null while live; once the stream is gone: "ended" (it closed: subscribe again),
+     * "claim_ended" (the server ended it, the claim is over), "unavailable" or "closed".
+     */
     this.ended = null;
   }
 
@@ -151,16 +171,18 @@ export class Subscription {
 
   /**
    * The next message, or null after `timeoutMs` without one, or when the stream is gone
-   * (then `ended` says why; a dead stream waits out the timeout: the TTL is the fallback).
+   * (then `ended` says why; a stream that never opened or whose claim ended waits out the
+   * timeout: the TTL is the fallback).
    */
   async next(timeoutMs, signal) {
     if (this._queue.length) return this._queue.shift();
-    if (this.ended !== null && this.ended !== "unavailable") return null;
+    const waitsOut = this.ended === "unavailable" || this.ended === "claim_ended";
+    if (this.ended !== null && !waitsOut) return null;
     let timer = null;
     let onAbort = null;
     try {
       await new Promise((resolve, reject) => {
-        this._wake = this.ended === "unavailable" ? null : resolve;
+        this._wake = waitsOut ? null : resolve;
         timer = setTimeout(resolve, Math.max(0, timeoutMs));
         if (signal) {
           if (signal.aborted) return reject(new Aborted("aborted"));
@@ -247,19 +269,27 @@ export async function computeOnce(task, { locks, events, jobId, check, compute, 
 
   let sub = null;
   let rounds = 0;
+  const acquire = async () => {
+    rounds += 1;
+    guard();
+    const got = await locks.acquire(task, ttlSeconds);
+    if (!got?.acquired && !got?.locked) throw new OnceflowError(`acquire lock: an answer neither acquired nor locked`, { body: got });
+    return got;
+  };
   try {
     for (;;) {
-      rounds += 1;
-      guard();
-      const got = await locks.acquire(task, ttlSeconds);
-      if (got?.acquired) return await lead(task, got, { locks, check, compute, store, ttlSeconds, guard, rounds });
-      if (!got?.locked) throw new OnceflowError(`acquire lock: an answer neither acquired nor locked`, { body: got });
+      let got = await acquire();
+      if (got.acquired) return await lead(task, got, { locks, check, compute, store, ttlSeconds, guard, rounds });
       // Someone else is on it: listen first, then look again, then wait.
       if (sub === null || sub.ended !== null) {
         sub?.close();
         sub = await events.subscribe();
         const value = await check();
         if (isStored(value)) return { value, path: "waited", servedBy: "recheck", rounds };
+        // A holder that released without a value before the stream was live announced it
+        // to no one here: try once more now (its answer's remaining_ms is the fresh wait).
+        got = await acquire();
+        if (got.acquired) return await lead(task, got, { locks, check, compute, store, ttlSeconds, guard, rounds });
       }
       onWait?.({ task, remainingMs: got.remaining_ms });
       const deadline = Date.now() + Math.max(0, Number(got.remaining_ms) || 0) + waitMarginMs;
@@ -281,19 +311,21 @@ async function lead(task, got, { locks, check, compute, store, ttlSeconds, guard
   const token = got.lock_token;
   const ttlMs = Number(got.ttl_ms) || 60_000;
   let lost = false;
-  let outcome = "failed";
+  let outcome = "abandoned"; // until compute() is called: no provider call to count
   const extender = new AbortController();
   const watchdog = (async () => {
-    try {
-      for (;;) {
+    for (;;) {
+      try {
         await sleep(extendIntervalMs(ttlMs), extender.signal);
         if (!(await locks.extend(task, token, ttlSeconds))) {
-          lost = true;
+          lost = true; // refused: the lock is someone else's (or expired)
           return;
         }
+      } catch (error) {
+        // No answer or a retryable status: the lock may still be ours, try at the next third.
+        // Stopped, the claim's lease lost, or a refusal (4xx): stop extending.
+        if (extender.signal.aborted || !isRetryable(error)) return;
       }
-    } catch {
-      // stopped, or the network failed: the lock lives out its TTL
     }
   })();
   try {
@@ -303,6 +335,7 @@ async function lead(task, got, { locks, check, compute, store, ttlSeconds, guard
       return { value: again, path: "double_check", rounds };
     }
     guard(); // no provider call for a stage that must stop
+    outcome = "failed"; // from here a throw is a failed provider call (or a lost value)
     const value = await compute();
     if (!isStored(value)) throw new TypeError("compute() returned null/undefined, which check() would read as 'not stored'");
     guard();

@@ -343,20 +343,31 @@ export class PullWorker {
     }
   }
 
-  /** Extends the lease every lease/3 until stopped; halts the stage at lease-lost or cancel. */
+  /**
+   * Extends the lease every lease/3 until stopped; halts the stage at lease-lost or cancel.
+   * Beats keep to fixed slots (start + k·interval) and each call is given at most one
+   * interval: a beat that hangs is dropped at the next slot, so one stalled request cannot
+   * hold back the beats after it until the lease lapses.
+   */
   _heartbeat(ctx) {
     const stopper = new AbortController();
     const interval = heartbeatIntervalMs(ctx.claim.leaseSeconds);
+    const path = `/v1/claims/${seg(ctx.claim.requestId)}/heartbeat`;
+    const start = Date.now();
     (async () => {
+      let slot = 0;
       while (!stopper.signal.aborted && !ctx._stop) {
+        // the next slot; if the loop fell behind (a throttled timer), the latest slot begun,
+        // not a backlog of missed ones
+        slot = Math.max(slot + 1, Math.floor((Date.now() - start) / interval));
         try {
-          await sleep(interval, stopper.signal);
+          await sleep(start + slot * interval - Date.now(), stopper.signal);
         } catch {
           return;
         }
+        const timeoutMs = Math.max(1, start + (slot + 1) * interval - Date.now());
         try {
-          const path = `/v1/claims/${seg(ctx.claim.requestId)}/heartbeat`;
-          const answer = await this.api.call("POST", path, { claim_token: ctx.claim.token }, { signal: stopper.signal });
+          const answer = await this.api.call("POST", path, { claim_token: ctx.claim.token }, { signal: stopper.signal, timeoutMs });
           if (answer.status === 200) {
             if (answer.body?.cancel_requested) ctx._halt(new Cancelled(`request ${ctx.claim.requestId}: cancel requested`));
             continue;
@@ -366,7 +377,7 @@ export class PullWorker {
           // other statuses: the lease may still hold; the next beat tries again
         } catch (error) {
           if (error instanceof Aborted) return;
-          // no answer: the lease may still hold; the next beat tries again
+          // no answer (or none within the slot): the lease may still hold; the next beat tries again
         }
       }
     })();

@@ -297,7 +297,7 @@ test("computeOnce: locked → listen FIRST, re-check, wait for the broadcast; ne
   }, 40);
   const out = await pending;
   assert.deepEqual([out.value, out.path, out.servedBy], [9, "waited", "broadcast"]);
-  assert.deepEqual(log, ["check", "acquire", "events", "check", "check", "check"]);
+  assert.deepEqual(log, ["check", "acquire", "events", "check", "acquire", "check", "check"]);
   assert.deepEqual(waits, [{ task: "eval:fit", remainingMs: 60_000 }]);
   assert.ok(!log.includes("compute"));
 });
@@ -315,22 +315,22 @@ test("computeOnce: locked, but the re-check after subscribing finds it: waited (
 test("computeOnce: the holder failed (ok=false, nothing stored): try again, lead, compute once", async () => {
   const sse = sseStream();
   let acquires = 0;
-  const { log, run } = cell({ acquire: () => (++acquires === 1 ? locked(60_000) : ACQUIRED), events: sse });
+  const { log, run } = cell({ acquire: () => (++acquires <= 2 ? locked(60_000) : ACQUIRED), events: sse });
   setTimeout(() => sse.send("ready", {}), 5);
   setTimeout(() => sse.send("lock_released", { kind: "lock_released", job_id: "j1", task: "eval:fit", ok: false }), 20);
   const out = await run();
-  assert.deepEqual([out.value, out.path, out.rounds], [42, "computed", 2]);
-  assert.deepEqual(log, ["check", "acquire", "events", "check", "check", "acquire", "check", "compute", "extend", "store:42", "release:computed"]);
+  assert.deepEqual([out.value, out.path, out.rounds], [42, "computed", 3]);
+  assert.deepEqual(log, ["check", "acquire", "events", "check", "acquire", "check", "acquire", "check", "compute", "extend", "store:42", "release:computed"]);
 });
 
 test("computeOnce: a silent holder's TTL runs out: one more acquire after remaining_ms, no polling", async () => {
   const sse = sseStream();
   let acquires = 0;
-  const { log, run } = cell({ acquire: () => (++acquires === 1 ? locked(30) : ACQUIRED), events: sse });
+  const { log, run } = cell({ acquire: () => (++acquires <= 2 ? locked(30) : ACQUIRED), events: sse });
   setTimeout(() => sse.send("ready", {}), 5);
   const out = await run({ waitMarginMs: 5 });
   assert.equal(out.path, "computed");
-  assert.equal(log.filter((x) => x === "acquire").length, 2);
+  assert.equal(log.filter((x) => x === "acquire").length, 3); // first, after subscribing, after the TTL
   assert.equal(log.filter((x) => x === "events").length, 1);
 });
 
@@ -358,6 +358,141 @@ test("computeOnce: bad arguments are refused before any call", async () => {
   await assert.rejects(run({ compute: undefined }), TypeError);
   await assert.rejects(computeOnce("", {}), TypeError);
   assert.equal(script.calls.length, 0);
+});
+
+/** `promise`'s value, or `fallback` if it has not settled within `ms` (a deadline, not a measure). */
+function within(promise, ms, fallback) {
+  let timer;
+  const late = new Promise((resolve) => (timer = setTimeout(() => resolve(fallback), ms)));
+  return Promise.race([promise, late]).finally(() => clearTimeout(timer));
+}
+
+test("heartbeats: a beat that hangs is dropped at the next slot (its timeout ≤ lease/3), the next goes out on time", async () => {
+  // The worker's API timeout is the default 30 s; the lease 60 ms (beats every 20 ms). The first
+  // beat never answers: the second must not wait for it (else the lease lapses while the
+  // network is back).
+  let beats = 0;
+  let firstAbort = null; // the hung beat's abort reason, once aborted
+  let abortedBeforeSecond = null;
+  let second;
+  const secondBeat = new Promise((resolve) => (second = resolve));
+  const { w } = worker({
+    "POST /v1/worker-classes/t-wc/claims": () => claimAnswer({ lease_seconds: 0.06 }),
+    [`POST ${CLAIMS}/heartbeat`]: (_body, init) => {
+      beats += 1;
+      if (beats === 1) {
+        return new Promise((_, reject) =>
+          init.signal.addEventListener("abort", () => ((firstAbort = init.signal.reason), reject(init.signal.reason)), { once: true }),
+        );
+      }
+      if (beats === 2) (abortedBeforeSecond = firstAbort !== null), second();
+      return { body: { cancel_requested: false } };
+    },
+    [`POST ${CLAIMS}/complete`]: () => ({ body: { status: "succeeded" } }),
+  });
+  let sent = false;
+  const outcome = await w.runOnce(async () => {
+    sent = await within(secondBeat.then(() => true), 5_000, false); // 250 intervals
+    return 1;
+  });
+  assert.equal(outcome, "succeeded");
+  assert.ok(sent, "a second heartbeat went out while the first one hung");
+  assert.equal(abortedBeforeSecond, true);
+  assert.equal(firstAbort?.message, "timeout"); // by its own (slot) timeout, not by the stage's end
+});
+
+test("computeOnce: a release missed before the stream was live: acquire again at once, no TTL wait", async () => {
+  // The holder released (failed, nothing stored) between our first acquire and our stream's
+  // ready: no broadcast will come. The acquire after subscribing finds the lock free.
+  const sse = sseStream();
+  let acquires = 0;
+  const { log, run } = cell({ acquire: () => (++acquires === 1 ? locked(300) : ACQUIRED), events: sse });
+  setTimeout(() => sse.send("ready", {}), 5);
+  const waits = [];
+  const out = await run({ onWait: (info) => waits.push(info) });
+  assert.deepEqual(waits, []); // never waited out the first answer's remaining_ms
+  assert.deepEqual([out.value, out.path, out.rounds], [42, "computed", 2]);
+  assert.deepEqual(log, ["check", "acquire", "events", "check", "acquire", "check", "compute", "extend", "store:42", "release:computed"]);
+});
+
+test("computeOnce: the lock watchdog keeps extending after a failed extend (no answer / 5xx)", async () => {
+  // TTL 60 ms: an extend every 20 ms. The first extend fails (503 twice: its retry too); the
+  // watchdog must try again at the next third, not stop for good.
+  let extends_ = 0;
+  let third;
+  const thirdExtend = new Promise((resolve) => (third = resolve));
+  const { log, run } = cell({
+    acquire: () => ({ status: 201, body: { acquired: true, locked: false, lock_token: "lt", ttl_ms: 60 } }),
+    extend: () => {
+      extends_ += 1;
+      if (extends_ <= 2) return { status: 503, body: { detail: "blip", code: "unavailable" } };
+      if (extends_ === 3) third();
+      return { body: { held: true } };
+    },
+  });
+  let extendedAfterBlip = false;
+  const out = await run({
+    compute: async () => {
+      extendedAfterBlip = await within(thirdExtend.then(() => true), 5_000, false);
+      return 42;
+    },
+  });
+  assert.ok(extendedAfterBlip, "the watchdog extended again after the failed extend");
+  assert.equal(out.path, "computed");
+  assert.deepEqual(log.slice(-2), ["store:42", "release:computed"]);
+});
+
+test("computeOnce: stopped before compute() (guard or double-check throws) releases 'abandoned'; compute/store throwing is 'failed'", async () => {
+  // the stage must stop after the acquire: guard() throws before the provider call
+  let stop = false;
+  let checks = 0;
+  const a = cell({ acquire: () => ACQUIRED, stored: () => (++checks === 2 ? ((stop = true), null) : null) });
+  await assert.rejects(a.run({ guard: () => { if (stop) throw new LeaseLost("gone"); } }), LeaseLost);
+  assert.ok(!a.log.includes("compute"));
+  assert.equal(a.log.at(-1), "release:abandoned");
+  // the double-check's read throws
+  let reads = 0;
+  const b = cell({ acquire: () => ACQUIRED });
+  await assert.rejects(b.run({ check: async () => { if (++reads === 2) throw new Error("read failed"); return null; } }), /read failed/);
+  assert.equal(b.log.at(-1), "release:abandoned");
+  // store() throws after a paid compute: failed
+  const c = cell({ acquire: () => ACQUIRED });
+  await assert.rejects(c.run({ store: async () => { throw new Error("store failed"); } }), /store failed/);
+  assert.ok(c.log.includes("compute"));
+  assert.equal(c.log.at(-1), "release:failed");
+});
+
+test("ClaimEvents: `event: end` ends the claim's stream for good; a stream closed otherwise opens again", async () => {
+  const streams = [];
+  const script = scripted({
+    [`POST ${CLAIMS}/events`]: () => {
+      const sse = sseStream();
+      streams.push(sse);
+      sse.send("ready", {});
+      return sse.response();
+    },
+  });
+  const events = new ClaimEvents(new Api("", { apiKey: KEY, fetch: script.fetch }), REQ, "tok");
+  // a stream that closes without `end` (a server restart): the next subscribe opens it again
+  const first = await events.subscribe();
+  streams[0].end();
+  assert.equal(await first.next(5_000), null);
+  assert.equal(first.ended, "ended");
+  first.close();
+  const second = await events.subscribe();
+  assert.equal(second.ended, null);
+  assert.equal(events.opened, 2);
+  // the server ends it: the claim is over
+  streams[1].send("end", { kind: "end", reason: "claim_ended" });
+  assert.equal(await second.next(5_000), null); // not a message: the end of the stream
+  assert.equal(second.ended, "claim_ended");
+  second.close();
+  const third = await events.subscribe();
+  assert.equal(third.ended, "claim_ended");
+  assert.equal(await third.next(10), null); // a dead subscription waits out its timeout (the TTL)
+  third.close();
+  assert.equal(events.opened, 2); // never opened again
+  assert.equal(script.calls.length, 2);
 });
 
 test("run: a transport error backs off and goes on; stop() ends the loop during a long poll", async () => {
