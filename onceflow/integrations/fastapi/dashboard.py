@@ -61,7 +61,7 @@ from onceflow.models import Dispatch, Status
 from onceflow.queue.overview import read_tables, stop_already_requested
 
 if TYPE_CHECKING:
-    from onceflow.integrations.fastapi.app import OnceflowServices
+    from onceflow.integrations.fastapi.services import OnceflowServices
 
 log = logging.getLogger("onceflow.dashboard")
 

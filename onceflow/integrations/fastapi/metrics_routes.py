@@ -27,7 +27,7 @@ from onceflow.integrations.fastapi.operators import operator_route_class
 from onceflow.metrics import record
 
 if TYPE_CHECKING:
-    from onceflow.integrations.fastapi.app import OnceflowServices
+    from onceflow.integrations.fastapi.services import OnceflowServices
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

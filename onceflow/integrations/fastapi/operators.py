@@ -32,7 +32,7 @@ from onceflow.integrations.fastapi.auth import Principal
 from onceflow.settings import Settings
 
 if TYPE_CHECKING:
-    from onceflow.integrations.fastapi.app import OnceflowServices
+    from onceflow.integrations.fastapi.services import OnceflowServices
 
 VIEWER: Final = "viewer"
 ADMIN: Final = "admin"
@@ -138,7 +138,7 @@ async def authorize_operator(services: OnceflowServices, request: Request, role:
 
 def operator_route_class(services: OnceflowServices) -> type[APIRoute]:
     """Routes that check the operator key and role before the handler (or body parsing) runs."""
-    from onceflow.integrations.fastapi.app import guarded_call
+    from onceflow.integrations.fastapi.guard import guarded_call
 
     class OperatorRoute(APIRoute):
         def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:

@@ -56,7 +56,7 @@ from onceflow.locks.protocol import get_backend
 from onceflow.models import Request as StageRequest
 
 if TYPE_CHECKING:
-    from onceflow.integrations.fastapi.app import OnceflowServices
+    from onceflow.integrations.fastapi.services import OnceflowServices
 
 Task = Annotated[str, StringConstraints(min_length=1, max_length=200)]
 LockToken = Annotated[str, StringConstraints(min_length=1, max_length=200)]

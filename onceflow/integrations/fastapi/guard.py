@@ -1,0 +1,75 @@
+"""The route class of the ``/v1`` routes: the key and its scope are checked (and the rate
+limit applied) before FastAPI parses the body; every refusal in the API's error shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from onceflow.errors import AccessDenied, OnceflowError
+from onceflow.integrations.fastapi.auth import Authenticator, Principal
+from onceflow.integrations.fastapi.http_errors import http_error_response
+from onceflow.integrations.fastapi.operators import bearer_key
+from onceflow.integrations.fastapi.ratelimit import RateLimited
+from onceflow.integrations.fastapi.responses import error_response, validation_response
+from onceflow.integrations.fastapi.services import OnceflowServices
+
+
+async def guarded_call(
+    request: Request,
+    authorize: Callable[[], Coroutine[Any, Any, None]],
+    handler: Callable[[Request], Coroutine[Any, Any, Response]],
+) -> Response:
+    """``authorize()`` then ``handler(request)``; every refusal in the API's error shape."""
+    try:
+        await authorize()
+        return await handler(request)
+    except RateLimited as exc:
+        return exc.response()
+    except (OnceflowError, UnicodeError) as exc:
+        return error_response(exc)
+    except RequestValidationError as exc:
+        return validation_response(exc)
+    except StarletteHTTPException as exc:  # e.g. 400: the body cannot be parsed
+        return http_error_response(request, exc)
+
+
+def _route_class(services: OnceflowServices) -> type[APIRoute]:
+    """Routes that check the key and its scope before FastAPI parses the body."""
+
+    class OnceflowRoute(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            handler = super().get_route_handler()
+            kind = "workspace" if "{ws}" in self.path else "wc" if "{wc}" in self.path else "claim"
+
+            async def guarded(request: Request) -> Response:
+                async def authorize() -> None:
+                    request.state.onceflow_principal = await services.rate_limits.authorize(
+                        request, lambda: _authorize(services.auth, request, kind)
+                    )
+
+                return await guarded_call(request, authorize, handler)
+
+            return guarded
+
+    return OnceflowRoute
+
+
+def _authorize(auth: Authenticator, request: Request, kind: str) -> Principal:
+    principal = auth.authenticate(bearer_key(request))
+    if principal is None:
+        raise AccessDenied(401, "unknown key")
+    params = request.path_params
+    if kind == "workspace" and not principal.may_use_workspace(params["ws"]):
+        raise AccessDenied(403, "this key is not scoped to that workspace")
+    if kind == "wc" and not principal.may_work(params["wc"]):
+        raise AccessDenied(403, "this key is not a worker key of that worker class")
+    if kind == "claim" and not principal.is_worker:
+        raise AccessDenied(403, "claims need a worker key")
+    return principal
