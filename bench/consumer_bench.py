@@ -184,12 +184,13 @@ class PrivatePostgres:
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=30)
         port = self.port
-        original = self.embedded._free_port
-        self.embedded._free_port = lambda: port  # respawn on the same port
+        children = self.embedded.children  # where _Child looks _free_port up
+        original = children._free_port
+        children._free_port = lambda: port  # respawn on the same port
         try:
             self.child.spawn()
         finally:
-            self.embedded._free_port = original
+            children._free_port = original
         self.child.wait_until_answering(self.probe, time.monotonic() + 60)
         return time.monotonic() - down
 

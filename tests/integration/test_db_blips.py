@@ -227,6 +227,7 @@ def test_private_postgres_restart_clients_work_on_their_first_call(
 ) -> None:
     pytest.importorskip("pgserver")
     from onceflow import embedded
+    from onceflow.embedded import children as embedded_children
     from onceflow.migrate import migrate
 
     deadline = time.monotonic() + 120
@@ -255,7 +256,7 @@ def test_private_postgres_restart_clients_work_on_their_first_call(
         child.signal_stop()
         child.process.wait(timeout=30)
         port = child.port
-        monkeypatch.setattr(embedded, "_free_port", lambda: port)
+        monkeypatch.setattr(embedded_children, "_free_port", lambda: port)
         child.spawn()
         child.wait_until_answering(probe, deadline)
         back = time.monotonic()  # the server accepts connections again
