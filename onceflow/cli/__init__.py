@@ -1,0 +1,98 @@
+"""The ``onceflow`` command line: what scripts and operators rely on.
+
+Every command reads the database from ``ONCEFLOW_DATABASE_URL``; results go to
+stdout (one JSON object with ``--json`` or where scripts parse it), errors to
+stderr with a non-zero exit status.
+
+The commands live in ``commands_requests``, ``commands_processes`` and ``commands_dev``;
+``base`` holds the ``main`` group they register on.
+"""
+
+from __future__ import annotations
+
+from onceflow.cli.base import (
+    _APP_OPTION as _APP_OPTION,
+)
+from onceflow.cli.base import (
+    EXIT_ERROR,
+    EXIT_NOT_FOUND,
+    EXIT_USAGE,
+    main,
+)
+from onceflow.cli.base import (
+    F as F,
+)
+from onceflow.cli.base import (
+    _check_database_url as _check_database_url,
+)
+from onceflow.cli.base import (
+    _echo_json as _echo_json,
+)
+from onceflow.cli.base import (
+    _enqueue_flow as _enqueue_flow,
+)
+from onceflow.cli.base import (
+    _errors_to_exit as _errors_to_exit,
+)
+from onceflow.cli.base import (
+    _load as _load,
+)
+from onceflow.cli.base import (
+    _log_onceflow as _log_onceflow,
+)
+from onceflow.cli.base import (
+    _one_line as _one_line,
+)
+from onceflow.cli.base import (
+    _queue as _queue,
+)
+from onceflow.cli.commands_dev import (
+    demo,
+    dev_services,
+)
+from onceflow.cli.commands_processes import (
+    api,
+    beat,
+    flower,
+    mcp_,
+    metrics,
+    sweep,
+    work,
+    worker,
+)
+from onceflow.cli.commands_requests import (
+    cancel,
+    enqueue,
+    list_,
+    migrate,
+    requeue,
+    show,
+    status,
+)
+
+__all__ = [
+    "EXIT_ERROR",
+    "EXIT_NOT_FOUND",
+    "EXIT_USAGE",
+    "api",
+    "beat",
+    "cancel",
+    "demo",
+    "dev_services",
+    "enqueue",
+    "flower",
+    "list_",
+    "main",
+    "mcp_",
+    "metrics",
+    "migrate",
+    "requeue",
+    "show",
+    "status",
+    "sweep",
+    "work",
+    "worker",
+]
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,368 @@
+"""Commands that run a process: ``worker``, ``work``, ``metrics``, ``beat``, ``sweep``,
+``flower``, ``api``, ``mcp``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from onceflow.cli.base import (
+    _APP_OPTION,
+    EXIT_ERROR,
+    _check_database_url,
+    _echo_json,
+    _errors_to_exit,
+    _load,
+    _log_onceflow,
+    main,
+)
+
+
+@main.command()
+@click.option(
+    "--worker-class",
+    "worker_classes",
+    multiple=True,
+    help="Worker class(es) to serve (queue onceflow.wc.<class> each); repeat. "
+    "Default: every class the flow declares.",
+)
+@click.option("--concurrency", "-c", type=click.IntRange(1, 512), default=None)
+@click.option("--loglevel", "-l", default="INFO", show_default=True)
+@click.option("--pool", default="prefork", show_default=True)
+@click.option("--hostname", "-n", default=None, help="Celery node name (default: unique).")
+@_APP_OPTION
+@_errors_to_exit
+def worker(
+    worker_classes: tuple[str, ...],
+    concurrency: int | None,
+    loglevel: str,
+    pool: str,
+    hostname: str | None,
+    app_spec: str | None,
+) -> None:
+    """Run a Celery worker for some worker classes (a thin wrapper over `celery worker`)."""
+    import os
+
+    from onceflow.ids import check_worker_class
+    from onceflow.keys import queue_name
+    from onceflow.tasks.config import MAINTENANCE_QUEUE
+
+    _check_database_url()
+    app, flow = _load(app_spec)
+    # The pool's processes fork from this one (sys.path and all); a process that starts
+    # afresh finds the app's directory through PYTHONPATH.
+    path = os.environ.get("PYTHONPATH", "")
+    if os.getcwd() not in path.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), path) if p)
+    classes = list(worker_classes) or (flow.queues() if flow is not None else ["default"])
+    for wc in classes:
+        check_worker_class(wc)
+    # Each class's onceflow.wc.<class> queue, and its Flow's maintenance queue (beat's
+    # sweeps): another Flow's sweeps are not its own.
+    if flow is not None:
+        queues = ",".join(flow.broker_queues(classes))
+    else:
+        queues = ",".join([*(queue_name(wc) for wc in classes), MAINTENANCE_QUEUE])
+    name = hostname or f"onceflow-{'-'.join(classes)[:40]}-{os.getpid()}@%h"
+    argv = ["worker", "-Q", queues, "-E", "--loglevel", loglevel, "--pool", pool, "-n", name]
+    if concurrency:
+        argv += ["--concurrency", str(concurrency)]
+    app.worker_main(argv=argv)
+
+
+@main.command()
+@click.argument("handler_spec", metavar="MODULE:FUNCTION")
+@click.option(
+    "--worker-class",
+    "-w",
+    "worker_classes",
+    multiple=True,
+    required=True,
+    help="Worker class to serve; repeat for several (claimed in the order given).",
+)
+@click.option("--concurrency", "-c", type=click.IntRange(1, 1000), default=4, show_default=True)
+@click.option(
+    "--prefetch",
+    type=click.IntRange(0, 1000),
+    default=0,
+    show_default=True,
+    help="Claims held ready beyond the free threads (handed back at shutdown).",
+)
+@click.option("--lease-seconds", type=float, default=None, help="Default: ONCEFLOW_LEASE_SECONDS.")
+@click.option("--max-runtime", type=float, default=None, help="Seconds a body may run at most.")
+@click.option("--no-sweep", is_flag=True, help="Leave rescuing lapsed leases to someone else.")
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Serve Prometheus metrics (this worker's and the database's) on this port, "
+    "unauthenticated, on --metrics-bind.",
+)
+@click.option("--metrics-bind", default="127.0.0.1", show_default=True)
+@click.option("--loglevel", "-l", default="INFO", show_default=True)
+@_errors_to_exit
+def work(
+    handler_spec: str,
+    worker_classes: tuple[str, ...],
+    concurrency: int,
+    prefetch: int,
+    lease_seconds: float | None,
+    max_runtime: float | None,
+    no_sweep: bool,
+    metrics_port: int | None,
+    metrics_bind: str,
+    loglevel: str,
+) -> None:
+    """Run a standalone worker (no Celery): MODULE:FUNCTION(ctx) for each claimed request.
+
+    The function gets a StageContext, as a Celery stage body does. SIGTERM or SIGINT
+    stops it gracefully (claims not started are handed back, running bodies finish); a
+    second signal abandons running bodies (their leases lapse).
+    """
+    import importlib
+    import logging
+    import os
+
+    from onceflow.worker import Worker
+
+    _check_database_url()
+    logging.basicConfig(
+        level=loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    module_name, _, attr = handler_spec.partition(":")
+    if not module_name or not attr:
+        raise click.UsageError(f"expected MODULE:FUNCTION, got {handler_spec!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        handler = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise click.UsageError(f"cannot load {handler_spec!r}: {exc}") from None
+    worker = Worker(
+        None, list(worker_classes), handler, concurrency=concurrency, prefetch=prefetch,
+        lease_seconds=lease_seconds, max_runtime=max_runtime, sweep=not no_sweep,
+    )  # fmt: skip
+    if metrics_port is not None:
+        from onceflow.metrics import multiproc_dir_problem, serve
+
+        problem = multiproc_dir_problem()
+        if problem is None:
+            serve(metrics_port, metrics_bind)
+        else:  # a metrics setting must not stop the worker
+            click.echo(f"onceflow: not serving metrics on port {metrics_port}: {problem}", err=True)
+    worker.run()
+
+
+@main.command()
+@click.option("--port", type=click.IntRange(1, 65535), default=9808, show_default=True)
+@click.option("--bind", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option(
+    "--keep-dead-pids",
+    is_flag=True,
+    help="Do not drop the live gauges of pids not running on this host (use when the "
+    "writers run in another pid namespace, e.g. another container sharing the directory).",
+)
+@click.option(
+    "--no-database",
+    is_flag=True,
+    help="Serve the processes' metrics only: no database collector (live counts, "
+    "onceflow_database_up). Use on all but one scrape target so one place runs the counts.",
+)
+@_errors_to_exit
+def metrics(port: int, bind: str, keep_dead_pids: bool, no_database: bool) -> None:
+    """Serve Prometheus metrics: every process of PROMETHEUS_MULTIPROC_DIR, and the database.
+
+    UNAUTHENTICATED: bind it to an internal network only (the default is loopback). The
+    workers' files are merged from PROMETHEUS_MULTIPROC_DIR, which the start script sets
+    before any onceflow process starts and wipes at each start; the database's live
+    counts (queued, scheduled, running, dead; oldest due age) are read at each scrape
+    (onceflow_database_up 0 when it does not answer). See docs/metrics.md.
+    """
+    import threading
+
+    from onceflow.metrics import multiproc_dir, multiproc_dir_problem, registry, serve
+
+    problem = multiproc_dir_problem()
+    if problem is not None:
+        click.echo(f"onceflow: {problem}", err=True)
+        sys.exit(EXIT_ERROR)
+    if multiproc_dir() is None:
+        click.echo(
+            "onceflow: PROMETHEUS_MULTIPROC_DIR is not set: serving the database's counts "
+            "only (no worker's metrics)",
+            err=True,
+        )
+    serve(port, bind, reg=registry(database=not no_database, prune_dead=not keep_dead_pids))
+    click.echo(f"onceflow: metrics on http://{bind}:{port}/metrics", err=True)
+    threading.Event().wait()
+
+
+@main.command()
+@click.option("--loglevel", "-l", default="INFO", show_default=True)
+@_APP_OPTION
+@_errors_to_exit
+def beat(loglevel: str, app_spec: str | None) -> None:
+    """Run Celery beat, which sends the sweeper task every ONCEFLOW_SWEEP_INTERVAL_SECONDS."""
+    app, _ = _load(app_spec)
+    # The in-memory scheduler: an interval schedule needs no state file (and shelve is pickle).
+    app.start(argv=["beat", "--loglevel", loglevel, "--scheduler", "celery.beat:Scheduler"])
+
+
+@main.command()
+@click.option(
+    "--redispatch-after",
+    type=float,
+    default=None,
+    help="Seconds before an unclaimed wake-up is sent again.",
+)
+@_APP_OPTION
+@_errors_to_exit
+def sweep(redispatch_after: float | None, app_spec: str | None) -> None:
+    """Run one sweeper pass of the configured Flow now; prints what it did as JSON.
+
+    Only the stages that Flow declares are swept: it sends their wake-ups, and leaves
+    every other stage's rows to the Flow that declares them.
+    """
+    from onceflow.settings import get_settings
+
+    spec = app_spec or get_settings().app
+    _, flow = _load(spec)
+    if flow is None:
+        raise click.UsageError(
+            f"sweep needs an onceflow Flow, and {spec!r} is a bare Celery app: "
+            "pass --app module:flow or set ONCEFLOW_APP"
+        )
+    if not flow.stages:
+        raise click.UsageError(
+            f"the Flow {spec!r} declares no stages, so it has nothing to sweep: "
+            "pass --app module:flow or set ONCEFLOW_APP to the Flow that declares them"
+        )
+    result = flow.sweep_once(redispatch_after=redispatch_after)
+    _echo_json(
+        {
+            "rescued": result.rescued,
+            "quarantined": result.quarantined,
+            "dispatched": [d.request_id for d in result.to_dispatch],
+            "pruned": result.pruned,
+        }
+    )
+
+
+@main.command()
+@click.option(
+    "--conf", type=click.Path(exists=True, dir_okay=False), default="flower.cfg", show_default=True
+)
+@click.option("--port", type=int, default=None)
+@click.option("--address", default=None)
+@click.option("--insecure-no-auth", is_flag=True, help="Start without basic auth (never in prod).")
+@_APP_OPTION
+@_errors_to_exit
+def flower(
+    conf: str, port: int | None, address: str | None, insecure_no_auth: bool, app_spec: str | None
+) -> None:
+    """Run Flower with flower.cfg; refuses to start without ONCEFLOW_FLOWER_BASIC_AUTH."""
+    from onceflow.flower_auth import InvalidBasicAuth, basic_auth_from_env
+
+    try:
+        credentials = basic_auth_from_env()
+    except InvalidBasicAuth as exc:  # the message names the entry, never the value
+        click.echo(f"onceflow: refusing to start Flower: {exc}", err=True)
+        sys.exit(EXIT_ERROR)
+    if credentials is None and not insecure_no_auth:
+        click.echo(
+            "onceflow: refusing to start Flower without credentials: set "
+            "ONCEFLOW_FLOWER_BASIC_AUTH=user:password (or pass --insecure-no-auth)",
+            err=True,
+        )
+        sys.exit(EXIT_ERROR)
+    app, _ = _load(app_spec)
+    argv = ["flower", f"--conf={conf}"]
+    if port is not None:
+        argv.append(f"--port={port}")
+    if address is not None:
+        argv.append(f"--address={address}")
+    app.start(argv=argv)
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--log-level", default="info", show_default=True)
+@click.option(
+    "--forwarded-allow-ips",
+    default=None,
+    help="Proxies (comma-separated IPs, or *) whose X-Forwarded-For is trusted as the client "
+    "address (uvicorn's option; default: 127.0.0.1,::1, or $FORWARDED_ALLOW_IPS). Behind another "
+    "proxy, set it: the per-address limit on failed authentication would otherwise count "
+    "every client as the proxy.",
+)
+@_APP_OPTION
+@_errors_to_exit
+def api(
+    host: str,
+    port: int,
+    log_level: str,
+    forwarded_allow_ips: str | None,
+    app_spec: str | None,
+) -> None:
+    """Serve the HTTP API (FastAPI on uvicorn): enqueue, pull-worker claims, ops, events."""
+    try:
+        import uvicorn
+
+        from onceflow.integrations.fastapi import create_app
+    except ImportError as exc:
+        click.echo(f"onceflow: pip install 'onceflow[fastapi]' first ({exc})", err=True)
+        sys.exit(EXIT_ERROR)
+    from onceflow.settings import get_settings
+
+    _check_database_url()
+    _, flow = _load(app_spec)
+    if flow is None:
+        raise click.UsageError("api needs an onceflow Flow, not a bare Celery app")
+    settings = get_settings()
+    if not settings.api_keys and not settings.worker_keys:
+        click.echo(
+            "onceflow: no API or worker keys configured (ONCEFLOW_API_KEYS / "
+            "ONCEFLOW_WORKER_KEYS): every /v1 request will get 401",
+            err=True,
+        )
+    if not settings.operator_keys:
+        click.echo(
+            "onceflow: no operator keys configured (ONCEFLOW_OPERATOR_KEYS): the dashboard's "
+            "data and /metrics will get 401",
+            err=True,
+        )
+    from onceflow.metrics import multiproc_dir_problem
+
+    problem = multiproc_dir_problem()
+    if problem is not None:
+        click.echo(f"onceflow: {problem}: no metrics recorded by this process", err=True)
+    _log_onceflow(log_level)  # the dashboard's audit lines (onceflow.dashboard) among them
+    uvicorn.run(
+        create_app(flow=flow),
+        host=host,
+        port=port,
+        log_level=log_level,
+        proxy_headers=True,
+        forwarded_allow_ips=forwarded_allow_ips,
+    )
+
+
+@main.command(name="mcp")
+@click.option("--name", default="onceflow", show_default=True, help="Server name for clients.")
+@_APP_OPTION
+@_errors_to_exit
+def mcp_(name: str, app_spec: str | None) -> None:
+    """Serve the MCP tools (enqueue a stage, get and list requests) over stdio."""
+    try:
+        from onceflow.integrations.mcp import serve
+    except ImportError as exc:
+        click.echo(f"onceflow: pip install 'onceflow[mcp]' first ({exc})", err=True)
+        sys.exit(EXIT_ERROR)
+    _check_database_url()
+    _, flow = _load(app_spec)
+    if flow is None:
+        raise click.UsageError("mcp needs an onceflow Flow, not a bare Celery app")
+    serve(flow, name=name)
