@@ -1,0 +1,397 @@
+"""The event hub behind the API's server-sent events (:mod:`.events` has the whole story).
+
+One :class:`EventHub` per event loop holds ONE Redis pub/sub connection, subscribed to the
+channels of the workspaces that have listeners, and fans each message out to the streams'
+own bounded queues (:class:`Listener`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import anyio
+import redis
+import redis.asyncio as aioredis
+from redis.asyncio.client import PubSub
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+log = logging.getLogger("onceflow.api.events")
+
+SUBSCRIBE_TIMEOUT = 5.0
+# After a failed connect, new streams get 503 at once for this long (no connect storm).
+RECONNECT_BACKOFF = 1.0
+CLIENT_NAME = "onceflow-events"
+
+
+class HubUnavailable(Exception):
+    """Redis did not answer (connect, subscribe or its confirmation): 503."""
+
+
+class StreamLimit(Exception):
+    """Too many open streams for this key (or this process): 429."""
+
+    def __init__(self, detail: str, limit: int) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.limit = limit
+
+
+_END = object()  # queued to a listener whose stream must end
+
+
+@dataclass(eq=False)
+class Listener:
+    """One stream's membership of a channel: its bounded queue of messages."""
+
+    channel: bytes
+    key_id: str
+    queue: asyncio.Queue[Any]
+    state: _Channel | None = None
+    released: bool = False
+    ended: str | None = None  # why the hub ended the stream: "slow" or "redis"
+    dropped: asyncio.Event = field(default_factory=asyncio.Event)  # set for a slow consumer
+    on_drop: Callable[[], Any] | None = None  # the response's cancel, for a slow consumer
+
+    def deliver(self, data: bytes) -> bool:
+        """Queue ``data``; False when the queue is full (a slow consumer)."""
+        if self.ended is not None:
+            return True
+        try:
+            self.queue.put_nowait(data)
+        except asyncio.QueueFull:
+            return False
+        return True
+
+    def end(self, reason: str) -> None:
+        """End the stream: queued messages are dropped (the client resyncs), then the end mark."""
+        if self.ended is not None:
+            return
+        self.ended = reason
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        self.queue.put_nowait(_END)
+        if reason == "slow":
+            self.dropped.set()
+            if self.on_drop is not None:
+                self.on_drop()
+
+    async def next(self, timeout: float) -> bytes | None:
+        """The next message; None after ``timeout`` idle seconds; raises EOFError at the end."""
+        try:
+            async with asyncio.timeout(timeout):
+                item = await self.queue.get()
+        except TimeoutError:
+            return None
+        if item is _END:
+            raise EOFError
+        data: bytes = item
+        return data
+
+
+@dataclass(eq=False)
+class _Channel:
+    confirmed: asyncio.Future[None]
+    listeners: set[Listener] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class _Link:
+    client: aioredis.Redis
+    pubsub: PubSub
+    reader: asyncio.Task[None] | None = None
+
+
+class EventHub:
+    """One Redis pub/sub connection of an event loop, fanned out to per-stream queues.
+
+    Commands (SUBSCRIBE, UNSUBSCRIBE, PING) are sent under one lock; one reader task
+    reads the connection. Redis answers a connection's commands in order, so each
+    ``subscribe`` confirmation is matched to the command that asked for it through a
+    FIFO per channel: a stream is ``ready`` only once its own SUBSCRIBE is confirmed.
+    """
+
+    def __init__(
+        self,
+        redis_url: str,
+        *,
+        max_streams: int = 1000,
+        max_per_key: int = 100,
+        queue_size: int = 100,
+        ping_seconds: float = 15.0,
+        subscribe_timeout: float = SUBSCRIBE_TIMEOUT,
+    ) -> None:
+        self.redis_url = redis_url
+        self.max_streams = max_streams
+        self.max_per_key = max_per_key
+        self.queue_size = queue_size
+        self.ping_seconds = ping_seconds
+        self.subscribe_timeout = subscribe_timeout
+        self._link_now: _Link | None = None
+        self._channels: dict[bytes, _Channel] = {}
+        self._expected: dict[bytes, deque[asyncio.Future[None] | None]] = {}
+        self._per_key: dict[str, int] = {}
+        self._open = 0
+        self._send_lock = asyncio.Lock()
+        self._connect_lock = asyncio.Lock()
+        self._down_until = 0.0
+        self._closed = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -------------------------------------------------------------- public
+
+    @property
+    def open_streams(self) -> int:
+        """Streams open now (all keys)."""
+        return self._open
+
+    def streams_of(self, key_id: str) -> int:
+        """Streams open now for ``key_id``."""
+        return self._per_key.get(key_id, 0)
+
+    async def open(self, channel: str, key_id: str) -> Listener:
+        """A listener on ``channel`` whose subscription is confirmed live.
+
+        Raises :class:`StreamLimit` past a bound, :class:`HubUnavailable` when Redis
+        does not answer. Give the listener back with :meth:`close`.
+        """
+        if self._open >= self.max_streams:
+            raise StreamLimit("too many event streams on this server", self.max_streams)
+        if self._per_key.get(key_id, 0) >= self.max_per_key:
+            raise StreamLimit("too many event streams for this key", self.max_per_key)
+        self._open += 1
+        self._per_key[key_id] = self._per_key.get(key_id, 0) + 1
+        listener = Listener(channel.encode(), key_id, asyncio.Queue(maxsize=self.queue_size))
+        try:
+            await self._join(listener)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.close(listener)
+            raise
+        return listener
+
+    async def close(self, listener: Listener) -> None:
+        """Give back a listener (idempotent): the last one of a channel unsubscribes."""
+        link = self._release(listener)
+        if link is not None:
+            with contextlib.suppress(HubUnavailable):
+                await self._send(link, "unsubscribe", listener.channel, None)
+
+    async def aclose(self) -> None:
+        """End every stream and close the connection (the app's shutdown)."""
+        self._closed = True
+        link = self._link_now
+        if link is not None:
+            self._reset(link, "shutdown")
+        for task in list(self._tasks):
+            with contextlib.suppress(Exception):
+                await task
+
+    # ------------------------------------------------------------ internals
+
+    def _release(self, listener: Listener) -> _Link | None:
+        """Free the listener's slots; the link to unsubscribe on if its channel emptied."""
+        if listener.released:
+            return None
+        listener.released = True
+        self._open -= 1
+        left = self._per_key.get(listener.key_id, 1) - 1
+        if left > 0:
+            self._per_key[listener.key_id] = left
+        else:
+            self._per_key.pop(listener.key_id, None)
+        state = listener.state
+        if state is None:
+            return None
+        state.listeners.discard(listener)
+        link = self._link_now
+        if state.listeners or self._channels.get(listener.channel) is not state or link is None:
+            return None
+        del self._channels[listener.channel]
+        return link
+
+    async def _link(self) -> _Link:
+        link = self._link_now
+        if link is not None:
+            return link
+        if self._closed:
+            raise HubUnavailable("the event hub is closed")
+        async with self._connect_lock:
+            link = self._link_now
+            if link is not None:
+                return link
+            loop = asyncio.get_running_loop()
+            if loop.time() < self._down_until:
+                raise HubUnavailable("Redis did not answer a moment ago")
+            client = aioredis.Redis.from_url(
+                self.redis_url,
+                socket_connect_timeout=2,
+                socket_timeout=self.subscribe_timeout,
+                retry=Retry(NoBackoff(), 0),  # a lost connection ends the streams: no silent gap
+                client_name=CLIENT_NAME,
+            )
+            pubsub = client.pubsub()
+            try:
+                async with asyncio.timeout(self.subscribe_timeout):
+                    await cast(Any, pubsub).connect()  # untyped in redis-py
+            except (redis.RedisError, OSError, TimeoutError) as exc:
+                self._down_until = loop.time() + RECONNECT_BACKOFF
+                await _quietly_close(pubsub, client)
+                raise HubUnavailable(f"Redis: {type(exc).__name__}") from exc
+            link = _Link(client, pubsub)
+            link.reader = loop.create_task(self._read(link))
+            self._link_now = link
+            return link
+
+    async def _join(self, listener: Listener) -> None:
+        link = await self._link()
+        state = self._channels.get(listener.channel)
+        if state is None:
+            state = _Channel(asyncio.get_running_loop().create_future())
+            state.confirmed.add_done_callback(_retrieve)
+            self._channels[listener.channel] = state
+            listener.state = state
+            state.listeners.add(listener)
+            await self._send(link, "subscribe", listener.channel, state.confirmed)
+        else:
+            listener.state = state
+            state.listeners.add(listener)
+        try:
+            async with asyncio.timeout(self.subscribe_timeout):
+                await asyncio.shield(state.confirmed)
+        except TimeoutError:
+            self._reset(link, "no subscribe confirmation")
+            raise HubUnavailable("Redis did not confirm the subscription") from None
+
+    async def _send(
+        self, link: _Link, verb: str, channel: bytes, confirmed: asyncio.Future[None] | None
+    ) -> None:
+        # Shielded: a command cut in half by a cancelled request would break the connection
+        # for every stream (a send is bounded by the client's socket timeout).
+        with anyio.CancelScope(shield=True):
+            await self._send_shielded(link, verb, channel, confirmed)
+
+    async def _send_shielded(
+        self, link: _Link, verb: str, channel: bytes, confirmed: asyncio.Future[None] | None
+    ) -> None:
+        async with self._send_lock:
+            if link is not self._link_now:
+                raise HubUnavailable("the connection to Redis was lost")
+            if verb == "unsubscribe" and channel in self._channels:
+                # A stream joined the channel again after the last one left (its SUBSCRIBE
+                # went out first): unsubscribing now would silence it after its `ready`.
+                return
+            # Redis answers in order: this command's confirmation is the next one queued.
+            self._expected.setdefault(channel, deque()).append(confirmed)
+            try:
+                if verb == "subscribe":
+                    await link.pubsub.subscribe(channel)
+                else:
+                    await link.pubsub.unsubscribe(channel)
+            except (redis.RedisError, OSError) as exc:
+                self._reset(link, type(exc).__name__)
+                raise HubUnavailable(f"Redis: {type(exc).__name__}") from exc
+
+    async def _read(self, link: _Link) -> None:
+        pubsub = link.pubsub
+        awaiting_pong = False
+        try:
+            while link is self._link_now:
+                message = await pubsub.get_message(timeout=self.ping_seconds)
+                if link is not self._link_now:
+                    return
+                if message is None:  # idle: is the connection still alive?
+                    if awaiting_pong:
+                        raise HubUnavailable("Redis did not answer a PING")
+                    async with self._send_lock:
+                        await pubsub.ping()
+                    awaiting_pong = True
+                    continue
+                awaiting_pong = False
+                self._dispatch(message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # Redis gone, or anything unexpected: every stream ends
+            self._reset(link, type(exc).__name__)
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        kind = message.get("type")
+        channel = message.get("channel")
+        if not isinstance(channel, bytes):
+            return
+        if kind == "message":
+            state = self._channels.get(channel)
+            if state is None:
+                return
+            for listener in list(state.listeners):
+                if not listener.deliver(message["data"]):
+                    log.warning(
+                        "event stream dropped: its client reads too slowly (%d queued)",
+                        self.queue_size,
+                    )
+                    listener.end("slow")
+                    link = self._release(listener)
+                    if link is not None:
+                        self._spawn(self._send_quietly(link, channel))
+        elif kind in ("subscribe", "unsubscribe"):
+            expected = self._expected.get(channel)
+            if not expected:
+                return
+            confirmed = expected.popleft()
+            if not expected:
+                del self._expected[channel]
+            if kind == "subscribe" and confirmed is not None and not confirmed.done():
+                confirmed.set_result(None)
+
+    async def _send_quietly(self, link: _Link, channel: bytes) -> None:
+        with contextlib.suppress(HubUnavailable):
+            await self._send(link, "unsubscribe", channel, None)
+
+    def _reset(self, link: _Link, reason: str) -> None:
+        """The connection is lost: end every stream, close it; the next stream reconnects."""
+        if self._link_now is not link:
+            return
+        self._link_now = None
+        ended = 0
+        for state in self._channels.values():
+            if not state.confirmed.done():
+                state.confirmed.set_exception(HubUnavailable(f"Redis: {reason}"))
+            for listener in state.listeners:
+                listener.end("redis")
+                ended += 1
+        self._channels.clear()
+        self._expected.clear()
+        if reason != "shutdown":
+            log.warning("event hub lost Redis (%s): %d streams end and resync", reason, ended)
+        self._spawn(self._dispose(link))
+
+    async def _dispose(self, link: _Link) -> None:
+        reader = link.reader
+        if reader is not None and reader is not asyncio.current_task():
+            reader.cancel()
+            with contextlib.suppress(BaseException):
+                await reader
+        await _quietly_close(link.pubsub, link.client)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _retrieve(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()  # retrieved: a failed subscription is reported to its waiters
+
+
+async def _quietly_close(pubsub: PubSub, client: aioredis.Redis) -> None:
+    with contextlib.suppress(redis.RedisError, OSError, RuntimeError):
+        await cast(Any, pubsub).aclose()
+    with contextlib.suppress(redis.RedisError, OSError, RuntimeError):
+        await client.aclose()
