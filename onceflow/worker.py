@@ -1,3 +1,5 @@
+# Over ~400 lines on purpose: one Worker whose body threads and four helper threads share
+# its held claims under one condition variable; split, the locking would scatter.
 """A standalone layer-1 worker: stage bodies run from the Postgres queue, without Celery.
 
 For consumers that embed the queue (agent back-ends, batch jobs, services without a

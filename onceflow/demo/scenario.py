@@ -1,3 +1,5 @@
+# Over ~400 lines on purpose: one scripted run of the seed's flow, read top to bottom as
+# the demo's story (start, load, faults, checks); not on the runtime path.
 """The seed's "When each layer applies" flow, run for real, with figures that prove it.
 
 Real Postgres and Redis (configured, or embedded ones), real Celery worker processes

@@ -1,3 +1,5 @@
+# Over ~400 lines on purpose: compute_once's five steps as one function, with its
+# documentation of every branch (the seed's protocol), kept together to be read as one.
 """``compute_once``: the seed's five steps for one expensive call, as one function.
 
 1. pre-flight ``check()``: a stored value returns at once, with no lock round trip;

@@ -1,3 +1,5 @@
+# Over ~400 lines on purpose: WorkspaceClient and its durable outbox are one state
+# machine (mint once, retry, replay in order); split, the ordering rules would scatter.
 """The retry-safe client SDK: mint the op id once, keep it through retries, restarts, replays.
 
 ``WorkspaceClient.apply`` mints a nanoid op id *before* the first send and

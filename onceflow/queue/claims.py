@@ -1,3 +1,4 @@
+# About 400 lines: claims and every fenced write under them share the fence and retry rules.
 """Claims and the fenced writes under them: claim, heartbeat, complete, hand off, fail.
 
 Every write checks the fence (token + live lease, database clock). Mixed into

@@ -1,3 +1,4 @@
+# Over ~400 lines on purpose: all SQL of the queue, one named statement each, in one place.
 """All SQL of the layer-1 queue, one named statement each.
 
 Every statement takes ``:now`` (NULL in production): ``coalesce(:now, now())`` makes

@@ -1,3 +1,5 @@
+# Over ~400 lines on purpose: the Flow is the one public class users declare stages on; its
+# stage decorator, enqueue and sweeper set-up share the registry and settings.
 """Declaring stages as Celery tasks, enqueueing them, and sweeping.
 
 ::

@@ -1,3 +1,4 @@
+# About 400 lines: the dashboard's data routes and their snapshot producer, one router.
 """The dashboard: a static page on ``GET /dashboard`` and its operator-keyed data routes.
 
 The page (``dashboard_static/``: HTML, JS, CSS, no build) holds no data and needs no key: it
