@@ -22,7 +22,7 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.signals import task_postrun
+from celery.signals import task_postrun, worker_ready
 from pydantic import BaseModel
 
 from onceflow.settings import get_settings
@@ -41,6 +41,11 @@ flow = Flow()
 app = flow.app
 bare = Celery("onceflow-bench-bare", set_as_current=False)
 bare.add_defaults(lambda: celery_config(get_settings()))
+#: ``ONCEFLOW_BENCH_EVENTS=0`` (bench/drain_bench.py): task events off on both apps, in the
+#: workers and in the enqueuing process alike (the shipped config turns them on).
+if os.environ.get("ONCEFLOW_BENCH_EVENTS") == "0":
+    for _app in (app, bare):
+        _app.conf.update(worker_send_task_events=False, task_send_sent_event=False)
 
 _redis: tuple[int, redis.Redis] | None = None
 
@@ -74,6 +79,12 @@ def bare_noop(n: int = 0, pickup: bool = False) -> None:
 
 
 _TAGS = {"onceflow.stage.bench_noop": "onceflow", "bench.noop": "bare"}
+
+
+@worker_ready.connect
+def _ready(**_: Any) -> None:
+    """A worker's main process is consuming: counted, so a bench can wait for all of them."""
+    r().incr(f"{KEYS}:ready")
 
 
 @task_postrun.connect

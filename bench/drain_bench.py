@@ -1,0 +1,679 @@
+"""A fair stage-drain benchmark: onceflow's stage beside a bare Celery task, matched flags.
+
+    PYTHONPATH=. .venv/bin/python bench/drain_bench.py [--quick] [--json]
+        [--breakdown] [--profile]
+
+Why a new file beside ``bench/runtime_bench.py``: that one starts onceflow through
+``onceflow worker``, which cannot pass ``--without-gossip/--without-mingle/--without-heartbeat``
+and always adds ``-E``; it pools rounds, polls the two sides differently (the
+onceflow table vs a Redis counter) and includes worker start-up skew. Here both
+sides start the same way and are measured the same way:
+
+* both workers: ``python -m celery -A <app> worker -Q <queues> --loglevel WARNING
+  --pool prefork -c <c> --prefetch-multiplier 1 --without-gossip --without-mingle
+  --without-heartbeat``, with ``<app>`` ``bench.bench_stages:app`` (the Flow's
+  Celery app; queues ``onceflow.wc.<class>`` and the maintenance queue, as
+  ``onceflow worker`` consumes) or ``bench.bench_stages:bare`` (queue ``<q>-bare``).
+  Task events off on both (``ONCEFLOW_BENCH_EVENTS=0``: the shipped config turns
+  them on, the workers get no ``-E``). Same shipped settings otherwise: acks_late,
+  prefetch 1, JSON, Redis broker (``ONCEFLOW_BENCH_REDIS_URL``, default DB 15).
+* a drain: N requests enqueued with no worker (``flow.enqueue`` / ``send_task``),
+  the broker list then RENAMEd aside; the worker processes are started and the
+  bench waits until each one's ``worker_ready`` handler has counted (one Redis
+  INCR each), then RENAMEs the list back: every process starts at once, start-up
+  is outside the measurement.
+* completion, on both sides: a ``task_postrun`` handler INCRs a Redis counter and
+  stores ``time.time()`` of the first and the N-th finish; the bench polls that
+  counter every 10 ms. The rate is (N - 1) / (last - first). Afterwards (outside
+  the timing) the onceflow table must show all N succeeded.
+* rounds interleaved (onceflow, Celery, onceflow, Celery…); the ratio is taken per
+  round, the headline is the median of the per-round ratios, with their spread.
+* configurations: one process at concurrency 2 and 4; 1, 2 and 4 processes at
+  concurrency 2 (throughput and growth factor per side). During the multi-process
+  drains the CPU time (utime + stime from ``/proc/<pid>/stat``) of the worker
+  parents, their pool children, the Postgres backends of the bench database and
+  the Redis server is read before and after: who used the two cores.
+* pickup: one onceflow and one bare worker (concurrency 2) up and idle; requests
+  alternate, each timed from just before ``flow.enqueue`` / ``send_task`` to the
+  first line of the body (``time.time()`` pushed to Redis), after the previous one
+  finished and 50 ms of idle.
+
+``--breakdown``: on a private PostgreSQL 16 and Valkey 8 (``onceflow.embedded``:
+``fsync=off``, ``synchronous_commit=off``), with ``log_statement = 'all'`` set by
+``ALTER SYSTEM`` (the pgserver wheel has no ``pg_stat_statements``), drain M
+requests per side and count, per stage execution: the statements the server logged
+(each a client round trip), ``xact_commit`` of ``pg_stat_database``, and Valkey's
+``INFO commandstats`` calls, all diffed over the drain window only.
+
+``--profile``: drain N requests once more per side (one process, concurrency 2) with
+``py-spy record --idle --nonblocking`` on both pool children (py-spy from ``PATH``,
+the venv, or ``ONCEFLOW_BENCH_PYSPY``), and split a child's main-thread wall time
+per task into claim, completion, heartbeat registration, input validation, body,
+the rest of the runtime, Celery tracing and waiting for the pool's parent.
+
+Progress goes to stderr; Markdown (or ``--json``) to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.runtime_bench import (
+    ADMIN_DEFAULT,
+    REDIS_DEFAULT,
+    Bench,
+    Proc,
+    _lat,
+    _loadavg,
+    bench_databases,
+    log,
+    machine_info,
+    raw_connect,
+)
+
+POLL = 0.01
+IDLE_GAP = 0.05
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+class Drain(Bench):
+    """The runtime bench's run state, with matched worker commands and a start gate."""
+
+    def __init__(self, *args: Any) -> None:
+        os.environ["ONCEFLOW_BENCH_EVENTS"] = "0"
+        super().__init__(*args)
+        self.env["ONCEFLOW_BENCH_EVENTS"] = "0"
+        from onceflow.keys import queue_name
+
+        self.flow_queue = queue_name(self.queue)
+        self.names = 0
+        self.polls = 0
+
+    def queue_of(self, kind: str) -> str:
+        return self.flow_queue if kind == "onceflow" else self.stages.BARE_QUEUE
+
+    def worker(self, kind: str, concurrency: int, total: int = 0) -> Proc:
+        if kind == "onceflow":
+            app = "bench.bench_stages:app"
+            queues = ",".join(self.stages.flow.broker_queues([self.queue]))
+        else:
+            app, queues = "bench.bench_stages:bare", self.stages.BARE_QUEUE
+        self.names += 1
+        argv = [
+            sys.executable, "-m", "celery", "-A", app, "worker", "-Q", queues,
+            "--loglevel", "WARNING", "--pool", "prefork", "-c", str(concurrency),
+            "--prefetch-multiplier", "1", "--without-gossip", "--without-mingle",
+            "--without-heartbeat", "-n", f"{kind}{self.names}-{self.queue}@%h",
+        ]  # fmt: skip
+        return self.start(f"worker-{kind}-{self.names}", argv, total)
+
+    def wait_ready(self, procs: list[Proc], timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while int(self.redis.get(f"{self.keys}:ready") or 0) < len(procs):
+            for p in procs:
+                p.check_alive()
+            if time.monotonic() > deadline:
+                raise RuntimeError("workers not ready in time")
+            time.sleep(POLL)
+
+    def enqueue(self, kind: str, n: int, tag: str) -> float:
+        t0 = time.perf_counter()
+        if kind == "onceflow":
+            for i in range(n):
+                self.stages.flow.enqueue("bench_noop", "bench", f"{tag}-{i}", input={"n": i})
+        else:
+            for i in range(n):
+                self.stages.bare.send_task("bench.noop", args=[i], queue=self.stages.BARE_QUEUE)
+        return time.perf_counter() - t0
+
+    def done(self, kind: str) -> int:
+        self.polls += 1  # the bench's own GETs, taken out of the breakdown's Redis counts
+        return int(self.redis.get(f"{self.keys}:done:{kind}") or 0)
+
+
+def drain(
+    b: Drain,
+    kind: str,
+    n: int,
+    processes: int,
+    concurrency: int,
+    tag: str,
+    probe: Any = None,
+    timeout: float = 900.0,
+) -> dict[str, Any]:
+    """One gated drain of ``n`` requests; ``probe(phase, procs)`` runs just before the
+    release and just after the last finish (both outside the rate's window)."""
+    b.reset()
+    enqueue_s = b.enqueue(kind, n, tag)
+    q = b.queue_of(kind)
+    if b.redis.llen(q) != n:
+        raise RuntimeError(f"{kind}: {b.redis.llen(q)} messages queued for {n}")
+    hold = f"{b.keys}:hold"
+    b.redis.rename(q, hold)
+    procs = [b.worker(kind, concurrency, total=n) for _ in range(processes)]
+    try:
+        b.wait_ready(procs)
+        time.sleep(0.5)  # the pool children settle on their first receive
+        before = probe("before", procs) if probe else None
+        b.redis.rename(hold, q)
+        released = time.time()
+        deadline = time.monotonic() + timeout
+        while b.done(kind) < n:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{kind}: not drained after {timeout}s")
+            time.sleep(POLL)
+        seen = time.time()
+        after = probe("after", procs) if probe else None
+        first, last = b.redis_time("first", kind), b.redis_time("last", kind)
+    finally:
+        for p in procs:
+            b.stop(p)
+    if kind == "onceflow":
+        counts = b.onceflow_counts()
+        if counts != {"succeeded": n}:
+            raise RuntimeError(f"onceflow drain ended with {counts}")
+    elif b.done(kind) != n:
+        raise RuntimeError(f"bare Celery ran {b.done(kind)} tasks for {n} messages")
+    return {
+        "per_s": (n - 1) / (last - first),
+        "from_release_per_s": n / (seen - released),
+        "enqueue_per_s": n / enqueue_s,
+        "probe": (before, after),
+    }
+
+
+# ---------------------------------------------------------------------------- CPU per process
+
+
+def _cpu(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    except (OSError, IndexError):
+        return 0.0
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False)
+    return [int(x) for x in out.stdout.split()]
+
+
+def cpu_probe(b: Drain) -> Any:
+    """A probe reading CPU seconds of the drain's processes, by role."""
+    redis_pid = int(b.redis.info("server")["process_id"])
+
+    def probe(phase: str, procs: list[Proc]) -> dict[str, dict[int, float]]:
+        parents = [p.popen.pid for p in procs]
+        children = [c for p in parents for c in _children(p)]
+        with raw_connect(b.url) as conn:
+            rows = conn.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                "AND pid <> pg_backend_pid()"
+            ).fetchall()
+        backends = [int(r[0]) for r in rows]
+        roles = {"parents": parents, "children": children, "backends": backends}
+        out = {role: {pid: _cpu(pid) for pid in pids} for role, pids in roles.items()}
+        out["redis"] = {redis_pid: _cpu(redis_pid)}
+        out["wall"] = {0: time.time()}
+        return out
+
+    return probe
+
+
+def cpu_use(
+    before: dict[str, dict[int, float]], after: dict[str, dict[int, float]], n: int
+) -> dict[str, float]:
+    wall = after["wall"][0] - before["wall"][0]
+    out: dict[str, float] = {"wall_s": wall}
+    for role in ("parents", "children", "backends", "redis"):
+        used = sum(after[role].get(pid, 0.0) - before[role].get(pid, 0.0) for pid in after[role])
+        out[f"{role}_cores"] = used / wall
+        out[f"{role}_ms_per_stage"] = used / n * 1e3
+    return out
+
+
+# ---------------------------------------------------------------------------- 1. drains
+
+
+def bench_drains(
+    b: Drain, n: int, rounds: int, configs: list[tuple[int, int]]
+) -> list[dict[str, Any]]:
+    results = []
+    for processes, concurrency in configs:
+        runs: dict[str, list[dict[str, Any]]] = {"onceflow": [], "celery": []}
+        multi = processes > 1
+        for rnd in range(rounds):
+            for kind, side in (("onceflow", "onceflow"), ("bare", "celery")):
+                probe = cpu_probe(b) if multi or processes == 1 else None
+                res = drain(
+                    b, kind, n, processes, concurrency, f"p{processes}c{concurrency}r{rnd}", probe
+                )
+                before, after = res.pop("probe")
+                if before is not None:
+                    res["cpu"] = cpu_use(before, after, n)
+                runs[side].append(res)
+                log(
+                    f"{processes}x c={concurrency} round {rnd + 1} {side}: {res['per_s']:,.0f}/s "
+                    f"({res['from_release_per_s']:,.0f}/s from release)"
+                )
+        ratios = [
+            o["per_s"] / c["per_s"] for o, c in zip(runs["onceflow"], runs["celery"], strict=True)
+        ]
+        results.append(
+            {
+                "processes": processes,
+                "concurrency": concurrency,
+                "ratios": ratios,
+                "ratio_median": statistics.median(ratios),
+                "sides": {
+                    side: {
+                        "per_s_median": statistics.median(r["per_s"] for r in rs),
+                        "runs": rs,
+                    }
+                    for side, rs in runs.items()
+                },
+            }
+        )
+        log(f"{processes}x c={concurrency}: median ratio {statistics.median(ratios):.2f} {ratios}")
+    return results
+
+
+# ---------------------------------------------------------------------------- 2. pickup
+
+
+def bench_pickup(b: Drain, count: int, warm: int) -> dict[str, Any]:
+    b.reset()
+    workers = [b.worker("onceflow", 2), b.worker("bare", 2)]
+    try:
+        b.wait_ready(workers)
+        time.sleep(1.0)
+        samples: dict[str, list[float]] = {"onceflow": [], "bare": []}
+        done = {"onceflow": 0, "bare": 0}
+        for i in range(2 * (count + warm)):
+            tag = "onceflow" if i % 2 == 0 else "bare"
+            t0 = time.time()
+            if tag == "onceflow":
+                b.stages.flow.enqueue(
+                    "bench_noop", "bench", f"pick-{i}", input={"n": i, "pickup": True}
+                )
+            else:
+                b.stages.bare.send_task("bench.noop", args=[i, True], queue=b.stages.BARE_QUEUE)
+            got = b.redis.blpop([f"{b.keys}:pickup:{tag}"], timeout=30)
+            if got is None:
+                raise RuntimeError(f"{tag}: the stage did not start within 30 s")
+            started = float(got[1])
+            done[tag] += 1
+            deadline = time.monotonic() + 30
+            while b.done(tag) < done[tag]:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{tag}: the task did not finish within 30 s")
+                time.sleep(0.002)
+            if i // 2 >= warm:
+                samples[tag].append(started - t0)
+            time.sleep(IDLE_GAP)
+    finally:
+        for w in workers:
+            b.stop(w)
+    out = {tag: _lat(xs) for tag, xs in samples.items()}
+    out["ratio_p50"] = {"x": out["onceflow"]["p50_ms"] / out["bare"]["p50_ms"]}
+    log(
+        f"pickup p50 onceflow {out['onceflow']['p50_ms']:.2f} ms, "
+        f"bare {out['bare']['p50_ms']:.2f} ms"
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------- 3. breakdown
+
+STATEMENT = re.compile(r"LOG:\s+(?:statement|execute [^:]*):\s+(\w+)")
+
+
+def bench_breakdown(m: int) -> dict[str, Any]:
+    """Statements, commits and Redis commands per stage on a private Postgres and Valkey."""
+    from onceflow.embedded import embedded_services
+
+    with (
+        tempfile.TemporaryDirectory(prefix="onceflow-drain-breakdown-") as tmp,
+        embedded_services() as svc,
+    ):
+        with raw_connect(svc.database_url) as conn:
+            conn.execute("ALTER SYSTEM SET log_statement = 'all'")
+            conn.execute("SELECT pg_reload_conf()")
+        logs = [
+            p
+            for p in svc.data_dir.rglob("*.log")
+            if "postgres" in p.name.lower() or "pg" in p.name.lower()
+        ]
+        if not logs:
+            logs = list(svc.data_dir.rglob("*.log"))
+        out: dict[str, Any] = {"m": m, "log": str(logs)}
+        with bench_databases(svc.database_url, False) as (url, _):
+            b = Drain(url, None, svc.redis_url, Path("/nonexistent"), Path(tmp))
+            dbname = url.rsplit("/", 1)[1]
+            try:
+                for kind in ("onceflow", "bare"):
+
+                    def probe(phase: str, procs: list[Proc]) -> dict[str, Any]:
+                        # Backends flush pg_stat_database when idle, within ~10 s (PG 15+);
+                        # the postrun INCRs and log lines land meanwhile too.
+                        time.sleep(11.0)
+                        polls = b.polls
+                        with raw_connect(svc.database_url) as conn:
+                            xact = conn.execute(
+                                "SELECT xact_commit FROM pg_stat_database WHERE datname = %s",
+                                (dbname,),
+                            ).fetchone()
+                        stats = b.redis.info("commandstats")
+                        sizes = {str(p): p.stat().st_size for p in logs}
+                        return {
+                            "xact": int(xact[0]) if xact else 0,
+                            "cmd": stats,
+                            "sizes": sizes,
+                            "polls": polls,
+                        }
+
+                    res = drain(b, kind, m, 1, 2, f"bd-{kind}", probe)
+                    before, after = res["probe"]
+                    statements: dict[str, int] = {}
+                    for p in logs:
+                        with open(p, "rb") as f:
+                            f.seek(before["sizes"][str(p)])
+                            text = f.read(after["sizes"][str(p)] - before["sizes"][str(p)]).decode(
+                                errors="replace"
+                            )
+                        for word in STATEMENT.findall(text):
+                            statements[word.upper()] = statements.get(word.upper(), 0) + 1
+                    cmds = {
+                        k.removeprefix("cmdstat_"): int(v["calls"])
+                        - int(before["cmd"].get(k, {}).get("calls", 0))
+                        for k, v in after["cmd"].items()
+                    }
+                    # The bench's own commands between the two probes: its polling GETs,
+                    # the RENAME that releases the queue and the first probe's INFO.
+                    cmds["get"] = cmds.get("get", 0) - (after["polls"] - before["polls"])
+                    cmds["rename"] = cmds.get("rename", 0) - 1
+                    cmds["info"] = cmds.get("info", 0) - 1
+                    cmds = {k: v for k, v in cmds.items() if v}
+                    out[kind] = {
+                        "statements": statements,
+                        "commits": after["xact"] - before["xact"],
+                        "redis": cmds,
+                    }
+                    log(f"breakdown {kind}: {out[kind]}")
+            finally:
+                b.stop_all()
+                b.cleanup()
+    return out
+
+
+# ---------------------------------------------------------------------------- 4. profile
+
+BUCKETS = (
+    ("Queue.claim (", "claim (UPDATE … RETURNING, commit)"),
+    ("Queue.hand_off (", "completion (hand_off: UPDATE, commit)"),
+    ("_Heartbeats.add (", "heartbeat registration (add/remove)"),
+    ("_Heartbeats.remove (", "heartbeat registration (add/remove)"),
+    ("model_validate (", "input validation (pydantic)"),
+    ("bench_noop (", "the stage body"),
+    ("run_request (", "the rest of run_request (context, metrics, outcome)"),
+    ("bare_noop (", "the stage body"),
+    ("trace_task (", "Celery's task tracing (signals incl. the bench's INCR, ack)"),
+    ("_make_protected_receive", "waiting for the next message from the pool's parent"),
+)
+
+
+def pyspy_path() -> str | None:
+    env = os.environ.get("ONCEFLOW_BENCH_PYSPY")
+    if env:
+        return env
+    local = Path(sys.executable).parent / "py-spy"
+    return str(local) if local.exists() else shutil.which("py-spy")
+
+
+def profile(b: Drain, kind: str, n: int, seconds: float, pyspy: str) -> dict[str, Any]:
+    spies: list[tuple[Path, subprocess.Popen[bytes]]] = []
+    parent: list[tuple[Path, subprocess.Popen[bytes]]] = []
+    counted: dict[str, int] = {}
+
+    def probe(phase: str, procs: list[Proc]) -> None:
+        if phase == "before":
+            for pid in _children(procs[0].popen.pid):
+                out = b.logdir / f"pyspy-{kind}-{pid}.txt"
+                argv = [
+                    pyspy, "record", "--pid", str(pid), "--duration", str(int(seconds)),
+                    "--rate", "200", "--idle", "--nonblocking", "--format", "raw", "-o", str(out),
+                ]  # fmt: skip
+                spies.append(
+                    (
+                        out,
+                        subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT),
+                    )
+                )
+            parent_out = b.logdir / f"pyspy-{kind}-parent.txt"
+            argv = [
+                pyspy, "record", "--pid", str(procs[0].popen.pid),
+                "--duration", str(int(seconds)), "--rate", "200", "--idle", "--nonblocking",
+                "--format", "raw", "-o", str(parent_out),
+            ]  # fmt: skip
+            spy = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            parent.append((parent_out, spy))
+            time.sleep(0.5)  # py-spy attaches
+            counted["before"] = b.done(kind)
+        return None
+
+    # The drain is released right after the probe: py-spy samples from the start.
+    res = drain(b, kind, n, 1, 2, f"prof-{kind}", probe)
+    for _, spy in spies:
+        spy.wait(timeout=seconds + 60)
+    buckets: dict[str, int] = {}
+    db_wait: dict[str, int] = {}
+    total = 0
+    for out, _ in spies:
+        for line in out.read_text(errors="replace").splitlines():
+            stack, _, count = line.rpartition(" ")
+            if "workloop" not in stack or not count.isdigit():
+                continue
+            frames = stack.split(";")
+            name = "other"
+            for marker, bucket in BUCKETS:
+                if any(marker in f for f in frames):
+                    name = bucket
+                    break
+            buckets[name] = buckets.get(name, 0) + int(count)
+            if any("psycopg" in f and "wait" in f for f in frames):
+                db_wait[name] = db_wait.get(name, 0) + int(count)
+            total += int(count)
+    for _, spy in parent:
+        spy.wait(timeout=seconds + 60)
+    rate = res["per_s"]
+    # child wall time per task = children / throughput (both children busy or waiting)
+    child_ms = len(spies) / rate * 1e3
+    shares = {k: v / max(total, 1) for k, v in sorted(buckets.items(), key=lambda kv: -kv[1])}
+    waits = {k: v / max(total, 1) for k, v in db_wait.items()}
+    log(f"profile {kind}: {rate:,.0f}/s; " + ", ".join(f"{k} {v:.0%}" for k, v in shares.items()))
+    return {
+        "kind": kind,
+        "per_s": rate,
+        "child_ms_per_task": child_ms,
+        "shares": shares,
+        "db_wait": waits,
+        "parent_top": parent_top(parent[0][0]) if parent else {},
+    }
+
+
+def parent_top(path: Path, top: int = 25) -> dict[str, float]:
+    """The pool parent's main thread: inclusive share of its samples per function."""
+    seen: dict[str, int] = {}
+    total = 0
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if "__main__" not in stack or not count.isdigit():
+            continue  # not the main thread
+        total += int(count)
+        for name in {
+            f.split(" (")[0] + " " + f.split("/")[-1].split(":")[0] for f in stack.split(";")
+        }:
+            seen[name] = seen.get(name, 0) + int(count)
+    ranked = sorted(seen.items(), key=lambda kv: -kv[1])[:top]
+    return {k: v / max(total, 1) for k, v in ranked}
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def grow(d: dict[str, Any], base: dict[str, Any], side: str) -> float:
+    return float(d["sides"][side]["per_s_median"] / base[side]["per_s_median"])
+
+
+def render(res: dict[str, Any]) -> str:
+    m = res["machine"]
+    lines = [
+        f"Command: `{res['command']}` · {m['date']} · wall {res['wall_seconds']:.0f} s · "
+        f"nproc {m['nproc']} ({m['cpu']}); PostgreSQL {m['postgres']}; Redis "
+        f"{m['redis_server']}; Python {m['python']}; Celery {m['celery']}; psycopg {m['psycopg']}; "
+        f"load {m['loadavg_start']} → {res['loadavg_end']}",
+        "",
+        f"Drain: {res['config']['n']:,} no-op requests, "
+        f"{res['config']['rounds']} interleaved rounds.",
+        "",
+        "| processes x concurrency | onceflow/s (median) | bare Celery/s (median) "
+        "| onceflow / Celery, median of per-round ratios | per-round ratios |",
+        "| --- | ---: | ---: | ---: | --- |",
+    ]
+    for d in res["drains"]:
+        s = d["sides"]
+        lines.append(
+            f"| {d['processes']} x {d['concurrency']} | {s['onceflow']['per_s_median']:,.0f} "
+            f"| {s['celery']['per_s_median']:,.0f} | **{d['ratio_median']:.2f}** "
+            f"| {', '.join(f'{r:.2f}' for r in d['ratios'])} |"
+        )
+    scale = [d for d in res["drains"] if d["concurrency"] == 2]
+    if len(scale) > 1:
+        base = scale[0]["sides"]
+        lines += [
+            "",
+            "| processes (c=2) | onceflow growth | bare Celery growth |",
+            "| --- | ---: | ---: |",
+        ]
+        for d in scale:
+            lines.append(
+                f"| {d['processes']} "
+                f"| {grow(d, base, 'onceflow'):.2f}x "
+                f"| {d['sides']['celery']['per_s_median'] / base['celery']['per_s_median']:.2f}x |"
+            )
+        lines += [
+            "",
+            "| processes (c=2), side | cores: worker parents | pool children | PG backends "
+            "| Redis | CPU ms per stage: parents | children | backends | Redis |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for d in scale:
+            for side, sd in d["sides"].items():
+                cpus = [r["cpu"] for r in sd["runs"] if "cpu" in r]
+                if not cpus:
+                    continue
+                med = {k: statistics.median(c[k] for c in cpus) for k in cpus[0]}
+                lines.append(
+                    f"| {d['processes']}, {side} | {med['parents_cores']:.2f} "
+                    f"| {med['children_cores']:.2f} "
+                    f"| {med['backends_cores']:.2f} | {med['redis_cores']:.2f} "
+                    f"| {med['parents_ms_per_stage']:.3f} | {med['children_ms_per_stage']:.3f} "
+                    f"| {med['backends_ms_per_stage']:.3f} | {med['redis_ms_per_stage']:.3f} |"
+                )
+    p = res.get("pickup")
+    if p:
+        lines += [
+            "",
+            "| pickup, enqueue → body start (idle) | p50 | p99 | mean |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for tag in ("onceflow", "bare"):
+            st = p[tag]
+            lines.append(
+                f"| {tag} | {st['p50_ms']:.2f} ms | {st['p99_ms']:.2f} ms "
+                f"| {st['mean_ms']:.2f} ms |"
+            )
+        lines.append(f"| **onceflow / bare p50** | **{p['ratio_p50']['x']:.2f}x** | | |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n", 1)[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="300 requests, 2 rounds, fewer pickups"
+    )
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="statements/commits/Redis per stage"
+    )
+    parser.add_argument("--profile", action="store_true", help="py-spy the pool children")
+    parser.add_argument("--only", choices=("drain", "breakdown", "profile"), default=None)
+    args = parser.parse_args(argv)
+    if args.quick:
+        cfg = {"n": 300, "rounds": 2, "pickups": 40, "warm": 5, "m": 200}
+    else:
+        cfg = {"n": 2_000, "rounds": 5, "pickups": 200, "warm": 10, "m": 1_000}
+    configs = [(1, 2), (1, 4), (2, 2), (4, 2)]
+    admin = os.environ.get("ONCEFLOW_BENCH_DATABASE_URL", ADMIN_DEFAULT)
+    redis_url = os.environ.get("ONCEFLOW_BENCH_REDIS_URL", REDIS_DEFAULT)
+    started = time.perf_counter()
+
+    res: dict[str, Any] = {
+        "command": "bench/drain_bench.py " + " ".join(argv or sys.argv[1:]),
+        "config": cfg,
+    }
+    if args.only != "breakdown":
+        with (
+            tempfile.TemporaryDirectory(prefix="onceflow-drain-bench-") as tmp,
+            bench_databases(admin, False) as (url, _),
+        ):
+            b = Drain(url, None, redis_url, Path("/nonexistent"), Path(tmp))
+            try:
+                res["machine"] = machine_info(b)
+                res["machine"]["loadavg_start"] = _loadavg()
+                if args.only in (None, "drain"):
+                    res["drains"] = bench_drains(b, cfg["n"], cfg["rounds"], configs)
+                    res["pickup"] = bench_pickup(b, cfg["pickups"], cfg["warm"])
+                if args.profile or args.only == "profile":
+                    spy = pyspy_path()
+                    if spy is None:
+                        log("no py-spy: profile skipped")
+                    else:
+                        res["profile"] = [
+                            profile(b, k, cfg["n"] * 2, 4.0, spy) for k in ("onceflow", "bare")
+                        ]
+            finally:
+                b.stop_all()
+                b.cleanup()
+    if args.breakdown or args.only == "breakdown":
+        res["breakdown"] = bench_breakdown(cfg["m"])
+    res["loadavg_end"] = _loadavg()
+    res["wall_seconds"] = time.perf_counter() - started
+    import json
+
+    if args.json or "drains" not in res:
+        print(json.dumps(res, indent=2, default=str))
+    else:
+        print(render(res))
+        print(
+            "\n<!-- raw -->\n"
+            + json.dumps({k: v for k, v in res.items() if k != "machine"}, default=str)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
