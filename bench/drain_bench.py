@@ -1,7 +1,9 @@
 """A fair stage-drain benchmark: onceflow's stage beside a bare Celery task, matched flags.
 
     PYTHONPATH=. .venv/bin/python bench/drain_bench.py [--quick] [--json]
-        [--breakdown] [--profile]
+        [--breakdown] [--profile] [--only drain|breakdown|profile]
+
+Results and their reading: docs/benchmarks.md, "Celery stage runtime".
 
 Why a new file beside ``bench/runtime_bench.py``: that one starts onceflow through
 ``onceflow worker``, which cannot pass ``--without-gossip/--without-mingle/--without-heartbeat``
@@ -45,11 +47,15 @@ requests per side and count, per stage execution: the statements the server logg
 (each a client round trip), ``xact_commit`` of ``pg_stat_database``, and Valkey's
 ``INFO commandstats`` calls, all diffed over the drain window only.
 
-``--profile``: drain N requests once more per side (one process, concurrency 2) with
-``py-spy record --idle --nonblocking`` on both pool children (py-spy from ``PATH``,
-the venv, or ``ONCEFLOW_BENCH_PYSPY``), and split a child's main-thread wall time
-per task into claim, completion, heartbeat registration, input validation, body,
-the rest of the runtime, Celery tracing and waiting for the pool's parent.
+``--profile``: drain 2N requests once more per side (one process, concurrency 2) with
+``py-spy record --idle --nonblocking`` on both pool children and the parent for 4 s
+(py-spy from ``ONCEFLOW_BENCH_PYSPY``, the venv or ``PATH``; it is not a dependency),
+and split a child's main-thread wall time per task into claim, completion, heartbeat
+registration, input validation, body, the rest of the runtime, Celery tracing and
+waiting for the pool's parent; the parent's samples are given as inclusive shares per
+function. ``ONCEFLOW_BENCH_ONCPU=1`` samples on-CPU time only (no ``--idle``).
+The breakdown and the profile run best as separate ``--only`` invocations: the
+breakdown points the bench's apps at its private servers.
 
 Progress goes to stderr; Markdown (or ``--json``) to stdout.
 """
@@ -84,6 +90,8 @@ from bench.runtime_bench import (
 )
 
 POLL = 0.01
+#: ``ONCEFLOW_BENCH_ONCPU=1``: profile on-CPU samples only (py-spy without ``--idle``).
+IDLE = "" if os.environ.get("ONCEFLOW_BENCH_ONCPU") == "1" else "--idle"
 IDLE_GAP = 0.05
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -454,8 +462,9 @@ def profile(b: Drain, kind: str, n: int, seconds: float, pyspy: str) -> dict[str
                 out = b.logdir / f"pyspy-{kind}-{pid}.txt"
                 argv = [
                     pyspy, "record", "--pid", str(pid), "--duration", str(int(seconds)),
-                    "--rate", "200", "--idle", "--nonblocking", "--format", "raw", "-o", str(out),
+                    "--rate", "200", IDLE, "--nonblocking", "--format", "raw", "-o", str(out),
                 ]  # fmt: skip
+                argv = [a for a in argv if a]
                 spies.append(
                     (
                         out,
@@ -465,9 +474,10 @@ def profile(b: Drain, kind: str, n: int, seconds: float, pyspy: str) -> dict[str
             parent_out = b.logdir / f"pyspy-{kind}-parent.txt"
             argv = [
                 pyspy, "record", "--pid", str(procs[0].popen.pid),
-                "--duration", str(int(seconds)), "--rate", "200", "--idle", "--nonblocking",
+                "--duration", str(int(seconds)), "--rate", "200", IDLE, "--nonblocking",
                 "--format", "raw", "-o", str(parent_out),
             ]  # fmt: skip
+            argv = [a for a in argv if a]
             spy = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
             parent.append((parent_out, spy))
             time.sleep(0.5)  # py-spy attaches

@@ -1,5 +1,8 @@
 """Celery stage-runtime benchmark: onceflow's stage beside a bare Celery task and Procrastinate.
 
+Superseded for the onceflow/Celery ratio by ``bench/drain_bench.py`` (issue 13): this script
+runs bare Celery with onceflow's shipped flags, pools rounds and polls the sides differently.
+
     .venv/bin/python bench/runtime_bench.py [--quick] [--json] [--profile]
 
 Postgres comes from ``ONCEFLOW_BENCH_DATABASE_URL`` (default
