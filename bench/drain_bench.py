@@ -1,3 +1,5 @@
+# Over ~400 lines on purpose: one benchmark (drains, pickup, breakdown, profile) read top to
+# bottom, sharing its process helpers with bench/runtime_bench.py; not on the runtime path.
 """A fair stage-drain benchmark: onceflow's stage beside a bare Celery task, matched flags.
 
     PYTHONPATH=. .venv/bin/python bench/drain_bench.py [--quick] [--json]
@@ -431,7 +433,9 @@ def bench_breakdown(m: int) -> dict[str, Any]:
 
 BUCKETS = (
     ("Queue.claim (", "claim (UPDATE … RETURNING, commit)"),
+    ("ClaimOps.claim (", "claim (UPDATE … RETURNING, commit)"),  # after the store's split
     ("Queue.hand_off (", "completion (hand_off: UPDATE, commit)"),
+    ("ClaimOps.hand_off (", "completion (hand_off: UPDATE, commit)"),
     ("_Heartbeats.add (", "heartbeat registration (add/remove)"),
     ("_Heartbeats.remove (", "heartbeat registration (add/remove)"),
     ("model_validate (", "input validation (pydantic)"),
