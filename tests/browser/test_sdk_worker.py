@@ -221,7 +221,8 @@ def test_two_tabs_of_one_browser_one_leader_one_claim(
         assert row["request_id"] == made.request_id
         assert row["attempts"] == 1
         assert row["result"] == {"tab": f"lead-{leaders[0] + 1}", "attempt": 1}
-        ran = state(leader)
+        leader.wait_for_function("window.state.outcomes.length >= 1", timeout=DEADLINE_MS)
+        ran = state(leader)  # (the row commits before the tab has its complete's answer)
         assert ran["runs"] == [{"requestId": made.request_id, "attempt": 1}]
         assert ran["outcomes"] == ["succeeded"] and ran["claimCalls"] >= 1
         idle = state(other)
@@ -263,6 +264,8 @@ def test_a_tab_closed_mid_stage_lapses_and_the_other_tab_completes(
         assert row["request_id"] == made.request_id
         assert row["attempts"] == 2  # claimed again once the closed tab's lease lapsed
         assert (row["claimed_by"], row["result"]) == ("close-b", {"tab": "close-b", "attempt": 2})
+        # The row commits before the tab has the answer of its complete call: wait for it.
+        second.wait_for_function("window.state.outcomes.length >= 1", timeout=DEADLINE_MS)
         took_over = state(second)
         assert took_over["leader"] is True
         assert took_over["runs"] == [{"requestId": made.request_id, "attempt": 2}]
@@ -370,6 +373,7 @@ def test_three_browsers_a_celery_worker_and_an_agent_pay_once_per_cell(
         assert paths.count("computed") == len(COLUMNS)
         assert set(paths) <= {"computed", "waited", "double_check", "preflight"}
         for page in pages:
+            page.wait_for_function("window.state.outcomes.length >= 1", timeout=DEADLINE_MS)
             assert state(page)["errors"] == [] and state(page)["outcomes"] == ["succeeded"]
     finally:
         for context in contexts:
