@@ -165,6 +165,22 @@ def queue(clean_db: Engine) -> object:
     return Queue(clean_db, settings=get_settings())
 
 
+@pytest.fixture(params=["sync", "async"])
+def api_queue(request: pytest.FixtureRequest, clean_db: Engine) -> Iterator[object]:
+    """The queue on an empty table, once as :class:`onceflow.Queue` and once as
+    :class:`onceflow.AsyncQueue` driven through ``tests.both_apis.Blocking``."""
+    from onceflow.queue import AsyncQueue, Queue
+    from onceflow.settings import get_settings
+    from tests.both_apis import both
+
+    url = clean_db.url.render_as_string(hide_password=False)
+    yield from both(
+        lambda: Queue(clean_db, settings=get_settings()),
+        lambda: AsyncQueue(url, get_settings()),
+        request.param,
+    )
+
+
 def table_snapshot(engine: Engine) -> list[tuple[object, ...]]:
     """Every row of the queue table, for 'bad input changes nothing' checks."""
     with engine.connect() as conn:

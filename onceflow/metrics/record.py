@@ -62,35 +62,6 @@ def enqueued(results: Iterable[EnqueueResult]) -> None:
         _child(d.REQUESTS_ENQUEUED, r.worker_class, r.stage, outcome).inc()
 
 
-def enqueued_on_commit(connection: Any, results: list[EnqueueResult]) -> None:
-    """``enqueued(results)`` when the SQLAlchemy ``connection``'s transaction commits.
-
-    Never if it rolls back first. SQLAlchemy Core's ``commit`` event fires as the commit
-    is issued (a commit that then fails is still counted), and a savepoint rolled back
-    inside a committed transaction is not seen: such enqueues are counted all the same.
-    """
-    if not results:
-        return
-    try:
-        from sqlalchemy import event
-
-        pending = [results]
-
-        def on_commit(_conn: Any) -> None:
-            if pending:
-                enqueued(pending.pop())
-
-        def on_rollback(_conn: Any) -> None:
-            pending.clear()
-
-        event.listen(connection, "commit", on_commit, once=True)
-        event.listen(connection, "rollback", on_rollback, once=True)
-    except Exception:  # a metric must never fail what it records
-        if "enqueued_on_commit" not in _warned:
-            _warned.add("enqueued_on_commit")
-            log.warning("metrics: recording enqueued_on_commit failed", exc_info=True)
-
-
 @_safe
 def claimed(claims: Iterable[Claim], lapsed: Iterable[bool] | None = None) -> None:
     """Claims, with pickup latency (due → claim) for claims taken from the queue.

@@ -1,6 +1,6 @@
 """Layer 1: the durable stage queue on Postgres (``workspace_process_requests``)."""
 
 from onceflow.queue.batch import Depth, Failure
-from onceflow.queue.store import Queue
+from onceflow.queue.store import AsyncQueue, Queue
 
-__all__ = ["Depth", "Failure", "Queue"]
+__all__ = ["AsyncQueue", "Depth", "Failure", "Queue"]

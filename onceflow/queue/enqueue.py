@@ -5,6 +5,7 @@ Mixed into :class:`~onceflow.queue.Queue`.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -12,14 +13,21 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
-from sqlalchemy import Connection, Engine
 
-from onceflow.db import (
-    fetch_all,
-    is_disconnect,
-    raw_connection,
-    translate_errors,
+from onceflow.connector import (
+    AfterCommit,
+    Execute,
+    ExecutorConnector,
+    Pooled,
+    Steps,
+    Transaction,
+    Using,
+    all_rows,
+    on_connection,
+    operation,
+    run,
 )
+from onceflow.db import is_disconnect
 from onceflow.errors import DatabaseUnavailable, InputMismatch, InvalidRequest
 from onceflow.ids import (
     BRANCH_PATH_MAX,
@@ -33,8 +41,8 @@ from onceflow.metrics import record as metrics
 from onceflow.models.requests import EnqueueResult, NewRequest
 from onceflow.models.status import Status
 from onceflow.payloads import JSON, encode_payload
-from onceflow.queue import sql
 from onceflow.queue.batch import _seconds
+from onceflow.queue.sql import N
 from onceflow.settings import Settings
 
 log = logging.getLogger("onceflow.queue")
@@ -49,10 +57,10 @@ Resolver = Callable[[NewRequest], NewRequest]
 class EnqueueOps:
     """Enqueue operations of the layer-1 store (a mixin of :class:`~onceflow.queue.Queue`)."""
 
-    engine: Engine
     settings: Settings
     resolver: Resolver | None
 
+    @operation
     def enqueue(
         self,
         stage: str,
@@ -70,7 +78,7 @@ class EnqueueOps:
         request_id: str | None = None,
         strict: bool = False,
         now: datetime | None = None,
-    ) -> EnqueueResult:
+    ) -> Steps[EnqueueResult]:
         """Enqueue one request; a duplicate collapses onto the existing row (``created=False``)."""
         item = NewRequest(
             workspace_id=workspace_id,
@@ -86,16 +94,18 @@ class EnqueueOps:
             run_after_seconds=run_after_seconds,
             request_id=request_id,
         )
-        return self.enqueue_many([item], strict=strict, now=now)[0]
+        results = yield from self._enqueue(self._enqueue_params([item], now), strict)
+        return results[0]
 
+    @operation
     def enqueue_many(
         self,
         items: Sequence[NewRequest],
         *,
         strict: bool = False,
         now: datetime | None = None,
-        connection: Connection | None = None,
-    ) -> list[EnqueueResult]:
+        connection: Any = None,
+    ) -> Steps[list[EnqueueResult]]:
         """Enqueue a batch in one round trip; results in the order of ``items``.
 
         ``INSERT … ON CONFLICT DO NOTHING``: the caller that inserted a row gets
@@ -103,49 +113,21 @@ class EnqueueOps:
         A row that exists with a different input is flagged ``input_mismatch``;
         with ``strict=True`` that raises :class:`InputMismatch` and nothing of
         the batch is written. ``connection`` runs it inside the caller's
-        transaction; its enqueues are counted in ``onceflow_requests_enqueued_total``
-        when that transaction commits (SQLAlchemy's ``commit`` event on the
-        connection), never if it rolls back.
+        transaction: a SQLAlchemy ``Connection`` or any connector
+        (:mod:`onceflow.connector`; the Django integration's for Django's
+        connection); strict then writes the batch under a savepoint. Enqueues
+        are counted in ``onceflow_requests_enqueued_total`` once that transaction
+        commits, never if it rolls back.
         """
-        if not items:
+        if not _sized(items):
             return []
-        if len(items) > BATCH_MAX:
-            raise InvalidRequest(f"a batch holds at most {BATCH_MAX} requests, got {len(items)}")
         params = self._enqueue_params(items, now)  # ids (random ones too) minted once, here
         if connection is not None:
-            with translate_errors(self.engine.url):
-                results = self._enqueue_on(connection, params, strict)
-            metrics.enqueued_on_commit(connection, results)
+            results: list[EnqueueResult] = yield Using(connection, self._enqueue(params, strict))
             return results
-        # Idempotent (ON CONFLICT DO NOTHING, same ids): after a lost connection it runs once
-        # more; if the first attempt committed, the retry collapses onto its rows.
-        try:
-            results = self._enqueue_pooled(params, strict)
-            metrics.enqueued(results)  # committed: counted
-            return results
-        except DatabaseUnavailable as exc:
-            if not is_disconnect(exc):
-                raise
-            log.info("enqueue: retrying once on a fresh connection after: %s", exc)
-        results = self._enqueue_pooled(params, strict)
-        metrics.enqueued(results)
-        # The lost attempt may have committed: then its rows read back as created=False and
-        # nobody sends their wake-up. Mark them unsent: the next sweep sends them (a duplicate
-        # wake-up for a row that had one is harmless).
-        unsure = [r.request_id for r in results if not r.created and r.status is Status.QUEUED]
-        if unsure:
-            with raw_connection(self.engine) as raw:
-                raw.execute(sql.Q_MARK_UNDISPATCHED_MANY, {"request_ids": unsure})
-        return results
+        return (yield from self._enqueue(params, strict))
 
-    def _enqueue_pooled(self, params: dict[str, Any], strict: bool) -> list[EnqueueResult]:
-        with raw_connection(self.engine) as raw:
-            if not strict:
-                # One INSERT statement is atomic on its own: no BEGIN/COMMIT round trips.
-                return self._enqueue_raw(raw, params, strict)
-            with raw.transaction():  # strict: a mismatch must roll the whole batch back
-                return self._enqueue_raw(raw, params, strict)
-
+    @operation
     def enqueue_many_with(
         self,
         execute: Callable[[str, dict[str, Any]], Sequence[Mapping[str, Any]]],
@@ -153,31 +135,56 @@ class EnqueueOps:
         *,
         strict: bool = False,
         now: datetime | None = None,
-    ) -> list[EnqueueResult]:
+    ) -> Steps[list[EnqueueResult]]:
         """Enqueue a batch through the caller's own executor of SQL; results as ``enqueue_many``.
 
         ``execute(query, params)`` runs one statement written for psycopg
         (``%(name)s`` placeholders; lists bound as arrays) and returns its rows
-        as mappings. The executor owns the connection and the transaction —
-        nothing commits here — so the rows land with the caller's other writes
-        (the Django integration passes a cursor of Django's own connection).
-        Inputs are checked before any SQL runs. With ``strict=True`` a mismatch
-        raises after the statement: roll back (or use a savepoint) to discard
-        the rest of the batch. Nothing is counted in ``onceflow_requests_enqueued_total``
-        here (the commit is the caller's): count the results once committed with
-        ``onceflow.metrics.record.enqueued(results)`` (the Django integration does, in
-        ``transaction.on_commit``).
+        as mappings: :class:`~onceflow.connector.ExecutorConnector`. The executor
+        owns the connection and the transaction — nothing commits here. With
+        ``strict=True`` a mismatch raises after the statement: roll back (or use a
+        savepoint) to discard the rest of the batch. Nothing is counted in
+        ``onceflow_requests_enqueued_total`` here (the commit is the caller's):
+        count the results once committed with ``onceflow.metrics.record.enqueued``.
+        Prefer ``enqueue_many(items, connection=<connector>)``.
         """
-        if not items:
+        if not _sized(items):
             return []
-        if len(items) > BATCH_MAX:
-            raise InvalidRequest(f"a batch holds at most {BATCH_MAX} requests, got {len(items)}")
         params = self._enqueue_params(items, now)
+        connector = ExecutorConnector(execute)
+        results: list[EnqueueResult] = yield Using(connector, self._enqueue(params, strict))
+        return results
 
-        def run(lookup: bool, values: dict[str, Any]) -> list[Any]:
-            return list(execute(sql.Q_ENQUEUE_LOOKUP if lookup else sql.Q_ENQUEUE, values))
+    def _enqueue(self, params: dict[str, Any], strict: bool) -> Steps[list[EnqueueResult]]:
+        """Insert the rows of ``params``; on a pooled connection, once more after a lost one.
 
-        return self._enqueue_with(run, params, strict)
+        Idempotent (ON CONFLICT DO NOTHING, same ids): if the lost attempt committed, the
+        retry collapses onto its rows.
+        """
+        try:
+            results = yield from self._insert(params, strict)
+        except DatabaseUnavailable as exc:
+            if not is_disconnect(exc) or not (yield Pooled()):
+                raise
+            log.info("enqueue: retrying once on a fresh connection after: %s", exc)
+            results = yield from self._insert(params, strict)
+            # The lost attempt may have committed: then its rows read back as created=False
+            # and nobody sends their wake-up. Mark them unsent: the next sweep sends them (a
+            # duplicate wake-up for a row that had one is harmless).
+            unsure = [r.request_id for r in results if not r.created and r.status is Status.QUEUED]
+            if unsure:
+                yield Execute(N.MARK_UNDISPATCHED_MANY, {"request_ids": unsure})
+        yield AfterCommit(functools.partial(metrics.enqueued, results))
+        return results
+
+    def _insert(self, params: dict[str, Any], strict: bool) -> Steps[list[EnqueueResult]]:
+        if not strict:
+            # One INSERT statement is atomic on its own: no BEGIN/COMMIT round trips.
+            return (yield from self._insert_rows(params, strict))
+        # strict: a mismatch must roll the whole batch back (a savepoint on a caller's
+        # connection).
+        results: list[EnqueueResult] = yield Transaction(self._insert_rows(params, strict))
+        return results
 
     def resolve(self, item: NewRequest) -> NewRequest:
         """``item`` completed from its stage's declaration (or the bare-queue defaults)."""
@@ -237,37 +244,16 @@ class EnqueueOps:
                 cols[key].append(value)
         return {**cols, "now": now, "notify": self.settings.notify}
 
-    def _enqueue_on(
-        self, conn: Connection, params: dict[str, Any], strict: bool
-    ) -> list[EnqueueResult]:
-        """Enqueue on the caller's SQLAlchemy connection (inside its transaction)."""
-
-        def run(lookup: bool, values: dict[str, Any]) -> list[Any]:
-            stmt = sql.ENQUEUE_LOOKUP if lookup else sql.ENQUEUE
-            return list(conn.execute(stmt, values).mappings())
-
-        return self._enqueue_with(run, params, strict)
-
-    def _enqueue_raw(
-        self, raw: psycopg.Connection[Any], params: dict[str, Any], strict: bool
-    ) -> list[EnqueueResult]:
-        def run(lookup: bool, values: dict[str, Any]) -> list[Any]:
-            return fetch_all(raw, sql.Q_ENQUEUE_LOOKUP if lookup else sql.Q_ENQUEUE, values)
-
-        return self._enqueue_with(run, params, strict)
-
-    @staticmethod
-    def _enqueue_with(
-        run: Callable[[bool, dict[str, Any]], list[Any]], params: dict[str, Any], strict: bool
-    ) -> list[EnqueueResult]:
+    def _insert_rows(self, params: dict[str, Any], strict: bool) -> Steps[list[EnqueueResult]]:
         ids: list[str] = params["request_ids"]
         hashes: list[str] = params["input_hashes"]
-        rows = {r["request_id"]: r for r in run(False, params)}
+        rows = {r["request_id"]: r for r in (yield from all_rows(N.ENQUEUE, params))}
         missing = [rid for rid in ids if rid not in rows]
         if missing:
             # Inserted by a concurrent enqueue that committed after this statement's snapshot:
             # ON CONFLICT waited for it, so a fresh snapshot (READ COMMITTED) sees it now.
-            rows.update({r["request_id"]: r for r in run(True, {"request_ids": missing})})
+            found = yield from all_rows(N.ENQUEUE_LOOKUP, {"request_ids": missing})
+            rows.update({r["request_id"]: r for r in found})
         results: list[EnqueueResult] = []
         seen: set[str] = set()
         stages: list[str] = params["stages"]
@@ -287,6 +273,18 @@ class EnqueueOps:
                 )
             )
         return results
+
+    def _enqueue_raw(
+        self, raw: psycopg.Connection[Any], params: dict[str, Any], strict: bool
+    ) -> list[EnqueueResult]:
+        """The rows of ``params`` inserted on ``raw`` (the caller's transaction), not counted."""
+        return run(on_connection(raw), self._insert_rows(params, strict))
+
+
+def _sized(items: Sequence[NewRequest]) -> bool:
+    if len(items) > BATCH_MAX:
+        raise InvalidRequest(f"a batch holds at most {BATCH_MAX} requests, got {len(items)}")
+    return bool(items)
 
 
 def _positive(name: str, value: int | None, default: int) -> int:

@@ -13,6 +13,7 @@ from functools import lru_cache
 
 from sqlalchemy import TextClause, text
 
+from onceflow.connector import Query
 from onceflow.db import render
 from onceflow.models.requests import _REQUEST_FIELDS
 
@@ -776,3 +777,55 @@ Q_DELETE_FINISHED = render(DELETE_FINISHED)
 Q_MARK_UNDISPATCHED = render(MARK_UNDISPATCHED)
 Q_MARK_UNDISPATCHED_MANY = render(MARK_UNDISPATCHED_MANY)
 Q_FENCE_CHECK = render(FENCE_CHECK)
+
+COUNTS_FOR_WORKSPACE: TextClause = text(f"""
+SELECT w.status, w.worker_class, count(*) AS n
+FROM {TABLE} w
+WHERE w.workspace_id = :workspace_id
+GROUP BY w.status, w.worker_class
+ORDER BY w.worker_class, w.status
+""")
+
+#: The filters ``Queue.list`` takes, each an equality on its column (``status``: any of a list).
+LIST_FILTERS = ("workspace_id", "worker_class", "stage", "job_id", "status")
+
+
+@lru_cache(maxsize=64)
+def list_query(filters: tuple[str, ...], limit: int) -> Query:
+    """The list statement for this set of filters (a tuple in LIST_FILTERS order), newest first.
+
+    One statement per set of filters rather than ``(:x IS NULL OR col = :x)``, so each
+    prepared statement keeps a plan that uses the index for its filters; ``limit`` is a
+    literal for the same reason as in :func:`claim_next_sql`.
+    """
+    where = [
+        "w.status = ANY(CAST(%(statuses)s AS text[]))" if f == "status" else f"w.{f} = %({f})s"
+        for f in filters
+    ]
+    clause = " AND ".join(where) or "true"
+    return Query(
+        f"queue.list[{','.join(filters)}]",
+        f"SELECT {RETURNING} FROM {TABLE} w WHERE {clause}"
+        f" ORDER BY w.created_at DESC, w.request_id LIMIT {int(limit)}",
+    )
+
+
+class N:
+    """The queue's statements by name: what its operations yield to a connector."""
+
+    ENQUEUE = Query("queue.enqueue", Q_ENQUEUE)
+    ENQUEUE_LOOKUP = Query("queue.enqueue_lookup", Q_ENQUEUE_LOOKUP)
+    CLAIM = Query("queue.claim", Q_CLAIM)
+    OWN_CLAIM = Query("queue.own_claim", Q_OWN_CLAIM)
+    HEARTBEAT = Query("queue.heartbeat", Q_HEARTBEAT)
+    COMPLETE = Query("queue.complete", Q_COMPLETE)
+    FAIL = Query("queue.fail", Q_FAIL)
+    CANCEL = Query("queue.cancel", Q_CANCEL)
+    REQUEUE = Query("queue.requeue", Q_REQUEUE)
+    GET = Query("queue.get", Q_GET)
+    LIVE_CLAIM = Query("queue.live_claim", Q_LIVE_CLAIM)
+    COUNTS = Query("queue.counts", Q_COUNTS)
+    COUNTS_FOR_WORKSPACE = Query.of("queue.counts_for_workspace", COUNTS_FOR_WORKSPACE)
+    MARK_UNDISPATCHED = Query("queue.mark_undispatched", Q_MARK_UNDISPATCHED)
+    MARK_UNDISPATCHED_MANY = Query("queue.mark_undispatched_many", Q_MARK_UNDISPATCHED_MANY)
+    FENCE_CHECK = Query("queue.fence_check", Q_FENCE_CHECK)

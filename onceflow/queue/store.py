@@ -2,7 +2,10 @@
 
 A small typed seam (River's driver interface, PgQueuer's repository port): each
 operation takes typed parameters and returns rows as :class:`Request` /
-:class:`Claim` values. The SQL lives in :mod:`onceflow.queue.sql`.
+:class:`Claim` values. The SQL lives in :mod:`onceflow.queue.sql`, by name; each
+operation is written once as steps (:mod:`onceflow.connector`) and served by
+:class:`Queue` (sync, on the process's pooled connections) and :class:`AsyncQueue`
+(asyncio, on a psycopg async pool) alike.
 
 :class:`Queue` is built here from one mixin per thing it owns: enqueue
 (``queue/enqueue.py``), claims and fenced writes (``queue/claims.py``), operator actions
@@ -12,11 +15,19 @@ batches (``queue/batch.py``) and waiting for work (``queue/notify.py``).
 
 from __future__ import annotations
 
+import builtins
 import logging
+from typing import Any
 
 from sqlalchemy import Engine
 
-from onceflow.db import get_engine
+from onceflow.connector import (
+    AsyncPsycopgConnector,
+    AsyncSide,
+    PsycopgConnector,
+    SyncSide,
+)
+from onceflow.db import fetch_all, fetch_one, get_engine, raw_connection
 from onceflow.payloads import canonical_json
 from onceflow.queue.batch import BatchOps
 from onceflow.queue.claims import ClaimOps
@@ -30,7 +41,7 @@ from onceflow.settings import Settings, get_settings
 log = logging.getLogger("onceflow.queue")
 
 
-class Queue(EnqueueOps, ClaimOps, OperatorOps, ReadOps, Sweeper, BatchOps, Waiter):
+class Queue(SyncSide, EnqueueOps, ClaimOps, OperatorOps, ReadOps, Sweeper, BatchOps, Waiter):
     """The durable stage queue. Thread-safe; build one per process and share it.
 
     ``resolver`` (set by the :class:`~onceflow.tasks.Flow` that owns the queue)
@@ -51,7 +62,18 @@ class Queue(EnqueueOps, ClaimOps, OperatorOps, ReadOps, Sweeper, BatchOps, Waite
         if engine is None or isinstance(engine, str):
             engine = get_engine(engine or self.settings.database_url)
         self.engine = engine
+        self.connector = PsycopgConnector(engine)
         self.resolver = resolver
+
+    def _read_one(self, query: str, params: dict[str, Any]) -> Any:
+        """The first row of one statement on a pooled connection (autocommit)."""
+        with raw_connection(self.engine) as raw:
+            return fetch_one(raw, query, params)
+
+    def _read_all(self, query: str, params: dict[str, Any]) -> builtins.list[Any]:
+        """Every row of a read on a pooled connection (safe to repeat: see retry_disconnect)."""
+        with raw_connection(self.engine) as raw:
+            return fetch_all(raw, query, params)
 
     # enqueue, enqueue_many, enqueue_many_with, resolve: see queue/enqueue.py.
     # claim, claim_next, heartbeat, complete, hand_off, fail, fenced_retry: queue/claims.py.
@@ -61,4 +83,45 @@ class Queue(EnqueueOps, ClaimOps, OperatorOps, ReadOps, Sweeper, BatchOps, Waite
     # complete_many, fail_many, heartbeat_many, release, depth: see queue/batch.py.
 
 
-__all__ = ["BATCH_MAX", "LIST_LIMIT_MAX", "Queue", "Resolver", "canonical_json"]
+class AsyncQueue(AsyncSide, EnqueueOps, ReadOps):
+    """The durable stage queue for asyncio: the same operations as :class:`Queue`, awaited.
+
+    Each operation is the very code :class:`Queue` runs (one body, two drivers), on a
+    psycopg async pool per event loop (nothing connects until the first call).
+    ``AsyncQueue.from_queue(queue)`` shares a sync queue's settings and resolver
+    (a Flow's stage declarations). Close each loop's pool with :meth:`aclose`.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        settings: Settings | None = None,
+        *,
+        resolver: Resolver | None = None,
+        connector: AsyncPsycopgConnector | None = None,
+    ):
+        self.settings = settings or get_settings()
+        self.aconnector = connector or AsyncPsycopgConnector(url or self.settings.database_url)
+        self.resolver = resolver
+
+    @classmethod
+    def from_queue(cls, queue: Queue) -> AsyncQueue:
+        """An async queue on ``queue``'s database, with its settings and resolver."""
+        url = queue.engine.url.render_as_string(hide_password=False)
+        return cls(url, queue.settings, resolver=queue.resolver)
+
+    async def aclose(self) -> None:
+        """Close this event loop's connection pool."""
+        connector = self.aconnector
+        if isinstance(connector, AsyncPsycopgConnector):
+            await connector.aclose()
+
+
+__all__ = [
+    "BATCH_MAX",
+    "LIST_LIMIT_MAX",
+    "AsyncQueue",
+    "Queue",
+    "Resolver",
+    "canonical_json",
+]

@@ -196,8 +196,8 @@ def test_a_retry_after_a_lost_reply_collapses_onto_the_committed_row(
     attempts: list[int] = []
 
     class LostReply(Queue):
-        def _enqueue_pooled(self, params: dict[str, Any], strict: bool) -> Any:
-            results = super()._enqueue_pooled(params, strict)  # committed
+        def _insert(self, params: dict[str, Any], strict: bool) -> Any:
+            results = yield from super()._insert(params, strict)  # committed
             attempts.append(len(results))
             if len(attempts) == 1:  # the reply is lost: a real dead connection says so
                 kill_backends(admin_url, "application_name = %s", STORE_APP)

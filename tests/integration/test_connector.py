@@ -1,0 +1,183 @@
+"""The connector seam (onceflow.connector): one operation body, run by every connector.
+
+The layer tests run on both APIs through the ``api_queue`` fixture; these cover what
+only the seam does: the caller's-transaction connectors, savepoints, after-commit
+callbacks, the async pool through a lost connection, and the refusals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine
+
+from onceflow import AsyncQueue, InputMismatch, NewRequest, Queue
+from onceflow.connector import (
+    AfterCommit,
+    AsyncPsycopgConnector,
+    FetchOne,
+    Query,
+    SQLAlchemyConnector,
+    Steps,
+    Transaction,
+    run,
+)
+from onceflow.errors import ConnectionLost
+from tests.conftest import table_snapshot
+from tests.integration.test_db_blips import kill_backends
+
+ASYNC_APP = "onceflow-async-blip"
+
+
+@pytest.fixture()
+def admin_url(services: tuple[str, str]) -> str:
+    return services[0]
+
+
+def test_strict_mismatch_on_the_callers_connection_rolls_back_only_the_batch(
+    queue: Queue, clean_db: Engine
+) -> None:
+    """strict=True on a caller's connection writes the batch under a savepoint: the mismatch
+    discards the batch, and the caller's own transaction goes on and commits."""
+    queue.enqueue("evaluate", "w1", "j1", "main", {"x": 1})
+    with clean_db.begin() as conn:
+        queue.enqueue_many([NewRequest("w1", "mine", "evaluate")], connection=conn)
+        with pytest.raises(InputMismatch):
+            queue.enqueue_many(
+                [
+                    NewRequest("w1", "batch-new", "evaluate"),
+                    NewRequest("w1", "j1", "evaluate", "main", {"x": 2}),
+                ],
+                strict=True,
+                connection=conn,
+            )
+        queue.enqueue_many([NewRequest("w1", "after", "evaluate")], connection=conn)
+    jobs = {r.job_id for r in queue.list(workspace_id="w1")}
+    assert jobs == {"j1", "mine", "after"}  # the strict batch left nothing, the rest committed
+
+
+def test_after_commit_runs_on_commit_only(clean_db: Engine) -> None:
+    seen: list[str] = []
+    one = Query("test.one", "SELECT 1 AS one")
+
+    def steps(tag: str) -> Steps[Any]:
+        row = yield FetchOne(one, {})
+        yield AfterCommit(lambda: seen.append(tag))
+        return row
+
+    with clean_db.connect() as conn:
+        run(SQLAlchemyConnector(conn), steps("rolled-back"))
+        conn.rollback()
+        run(SQLAlchemyConnector(conn), steps("committed"))
+        assert seen == []  # not yet: the caller has not committed
+        conn.commit()
+    assert seen == ["committed"]
+
+
+def test_a_failed_transaction_step_rolls_back_and_throws_into_the_operation(
+    queue: Queue, clean_db: Engine
+) -> None:
+    insert = Query(
+        "test.insert_bad",
+        "UPDATE workspace_process_requests SET priority = 7 WHERE job_id = %(job)s RETURNING 1",
+    )
+
+    def body() -> Steps[None]:
+        yield FetchOne(insert, {"job": "j1"})
+        raise RuntimeError("after the write")
+
+    def outer() -> Steps[str]:
+        try:
+            yield Transaction(body())
+        except RuntimeError as exc:
+            return f"caught: {exc}"
+        return "not caught"
+
+    queue.enqueue("evaluate", "w1", "j1")
+    before = table_snapshot(clean_db)
+    assert run(queue.connector, outer()) == "caught: after the write"
+    assert table_snapshot(clean_db) == before  # the update was rolled back
+
+
+def test_async_queue_refuses_a_sync_connection(clean_db: Engine) -> None:
+    url = clean_db.url.render_as_string(hide_password=False)
+
+    async def go() -> None:
+        aq = AsyncQueue(url)
+        try:
+            with clean_db.connect() as conn, pytest.raises(TypeError, match="async connector"):
+                await aq.enqueue_many([NewRequest("w1", "j1", "s")], connection=conn)
+        finally:
+            await aq.aclose()
+
+    asyncio.run(go())
+    assert table_snapshot(clean_db) == []
+
+
+def test_async_pool_through_killed_backends(clean_db: Engine, admin_url: str) -> None:
+    """Every pooled async connection killed: a read is retried once on a fresh connection and
+    answers; the pool then serves live connections only."""
+    url = clean_db.url.set(query={"application_name": ASYNC_APP}).render_as_string(
+        hide_password=False
+    )
+
+    async def go() -> list[str]:
+        aq = AsyncQueue(url, connector=AsyncPsycopgConnector(url, max_size=3))
+        try:
+            first = await aq.enqueue("evaluate", "w1", "j1")
+            await asyncio.gather(*(aq.get(first.request_id) for _ in range(3)))  # fill the pool
+            assert await asyncio.to_thread(
+                kill_backends, admin_url, "application_name = %s", ASYNC_APP
+            )
+            got = await aq.get(first.request_id)  # one retry, on a fresh connection
+            again = await asyncio.gather(*(aq.get(first.request_id) for _ in range(3)))
+            return [got.job_id, *(r.job_id for r in again)]
+        finally:
+            await aq.aclose()
+
+    assert asyncio.run(go()) == ["j1"] * 4
+
+
+def test_a_lost_connection_in_a_non_retried_write_is_connection_lost(
+    clean_db: Engine, admin_url: str
+) -> None:
+    url = clean_db.url.set(query={"application_name": ASYNC_APP}).render_as_string(
+        hide_password=False
+    )
+    probe = Query("test.probe", "SELECT 1 AS one")
+
+    async def go() -> None:
+        connector = AsyncPsycopgConnector(url, max_size=1)
+        try:
+            assert await connector.fetch_one(probe, {}) == {"one": 1}
+            await asyncio.to_thread(kill_backends, admin_url, "application_name = %s", ASYNC_APP)
+            with pytest.raises(ConnectionLost):
+                await connector.fetch_one(probe, {})
+            assert await connector.fetch_one(probe, {}) == {"one": 1}  # the pool recovered
+        finally:
+            await connector.aclose()
+
+    asyncio.run(go())
+
+
+def test_counts_of_one_workspace_on_both_apis(api_queue: Queue) -> None:
+    api_queue.enqueue("evaluate", "w1", "j1")
+    api_queue.enqueue("evaluate", "w1", "j2", worker_class="llm")
+    api_queue.enqueue("evaluate", "w2", "j3")
+    assert api_queue.counts(workspace_id="w1")["default"]["queued"] == 1
+    assert api_queue.counts(workspace_id="w1")["llm"]["queued"] == 1
+    assert api_queue.counts()["default"]["queued"] == 2
+    assert api_queue.counts(workspace_id="nobody") == {}
+
+
+def test_list_filters_on_both_apis(api_queue: Queue) -> None:
+    api_queue.enqueue("evaluate", "w1", "j1")
+    api_queue.enqueue("score", "w1", "j1", worker_class="llm")
+    api_queue.enqueue("evaluate", "w2", "j2")
+    assert {r.stage for r in api_queue.list(workspace_id="w1")} == {"evaluate", "score"}
+    assert [r.stage for r in api_queue.list(workspace_id="w1", worker_class="llm")] == ["score"]
+    assert len(api_queue.list(status=["queued", "running"], stage="evaluate")) == 2
+    assert api_queue.list(job_id="j1", status="succeeded") == []
+    assert len(api_queue.list(limit=1)) == 1
