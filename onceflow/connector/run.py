@@ -1,0 +1,187 @@
+"""The runners (sync and async) that drive an operation's steps, and :class:`operation`,
+which makes one generator a plain method on a :class:`SyncSide` and a coroutine method on
+an :class:`AsyncSide`."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
+
+from sqlalchemy import Connection
+
+from onceflow.connector.steps import (
+    AfterCommit,
+    AsyncConnector,
+    Connector,
+    Execute,
+    FetchAll,
+    FetchOne,
+    Pooled,
+    Sleep,
+    Step,
+    Steps,
+    Transaction,
+    Using,
+)
+from onceflow.connector.sync import SQLAlchemyConnector
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+# ------------------------------------------------------------------ runners
+
+
+def run(connector: Connector, steps: Steps[R]) -> R:
+    """Drive ``steps`` to their result on a sync connector."""
+    answer: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = steps.send(answer) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            result: R = stop.value
+            return result
+        answer, error = None, None
+        try:
+            answer = _do(connector, step)
+        except Exception as exc:
+            error = exc
+
+
+def _do(c: Connector, step: Step) -> Any:
+    if isinstance(step, FetchOne):
+        return c.fetch_one(step.query, step.params)
+    if isinstance(step, FetchAll):
+        return c.fetch_all(step.query, step.params)
+    if isinstance(step, Execute):
+        return c.execute(step.query, step.params)
+    if isinstance(step, Transaction):
+        with c.transaction() as tx:
+            return run(tx, step.body)
+    if isinstance(step, Sleep):
+        time.sleep(step.seconds)
+        return None
+    if isinstance(step, Pooled):
+        return c.pooled
+    if isinstance(step, AfterCommit):
+        c.after_commit(step.fn)
+        return None
+    if isinstance(step, Using):
+        other = step.connector
+        if isinstance(other, Connection):
+            other = SQLAlchemyConnector(other)
+        return run(other, step.body)
+    raise TypeError(f"not a step: {step!r}")
+
+
+async def arun(connector: AsyncConnector, steps: Steps[R]) -> R:
+    """Drive ``steps`` to their result on an async connector."""
+    answer: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = steps.send(answer) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            result: R = stop.value
+            return result
+        answer, error = None, None
+        try:
+            answer = await _ado(connector, step)
+        except Exception as exc:
+            error = exc
+
+
+async def _ado(c: AsyncConnector, step: Step) -> Any:
+    if isinstance(step, FetchOne):
+        return await c.fetch_one(step.query, step.params)
+    if isinstance(step, FetchAll):
+        return await c.fetch_all(step.query, step.params)
+    if isinstance(step, Execute):
+        return await c.execute(step.query, step.params)
+    if isinstance(step, Transaction):
+        async with c.transaction() as tx:
+            return await arun(tx, step.body)
+    if isinstance(step, Sleep):
+        await asyncio.sleep(step.seconds)
+        return None
+    if isinstance(step, Pooled):
+        return c.pooled
+    if isinstance(step, AfterCommit):
+        c.after_commit(step.fn)
+        return None
+    if isinstance(step, Using):
+        if not inspect.iscoroutinefunction(getattr(step.connector, "fetch_one", None)):
+            raise TypeError(
+                f"an async operation needs an async connector, not {type(step.connector).__name__}"
+            )
+        return await arun(step.connector, step.body)
+    raise TypeError(f"not a step: {step!r}")
+
+
+# ------------------------------------------------------------------ one body, two APIs
+
+
+class SyncSide:
+    """An object whose :class:`operation` methods run at once on :attr:`connector`."""
+
+    connector: Connector
+
+
+class AsyncSide:
+    """An object whose :class:`operation` methods are coroutines on :attr:`aconnector`."""
+
+    aconnector: AsyncConnector
+
+
+class operation(Generic[P, R]):
+    """Turns a generator of steps into a method: plain on a :class:`SyncSide`, a coroutine on
+    an :class:`AsyncSide`. ``steps`` is the generator function itself, for composing
+    operations (``yield from Core.get.steps(self, ...)``)."""
+
+    def __init__(self, fn: Callable[Concatenate[Any, P], Steps[R]]) -> None:
+        self.steps = fn
+        self.name = fn.__name__
+        self.__doc__ = fn.__doc__
+        self.__wrapped__ = fn
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> operation[P, R]: ...
+
+    @overload
+    def __get__(self, obj: AsyncSide, owner: type) -> Callable[P, Coroutine[Any, Any, R]]: ...
+
+    @overload
+    def __get__(self, obj: SyncSide, owner: type) -> Callable[P, R]: ...
+
+    def __get__(self, obj: object, owner: type) -> Any:
+        if obj is None:
+            return self
+        fn = self.steps
+        bound: Callable[..., Any]
+        if isinstance(obj, AsyncSide):
+            target = obj
+
+            async def abound(*args: Any, **kwargs: Any) -> Any:
+                return await arun(target.aconnector, fn(target, *args, **kwargs))
+
+            bound = abound
+        elif isinstance(obj, SyncSide):
+            sync_target = obj
+
+            def sbound(*args: Any, **kwargs: Any) -> Any:
+                return run(sync_target.connector, fn(sync_target, *args, **kwargs))
+
+            bound = sbound
+        else:
+            raise TypeError(f"{type(obj).__name__} is neither a SyncSide nor an AsyncSide")
+        functools.update_wrapper(bound, fn)
+        obj.__dict__[self.name] = bound  # once per instance: later lookups skip __get__
+        return bound

@@ -1,0 +1,184 @@
+"""Steps: what an operation yields (named statements, a transaction, a sleep …), the
+connector protocols that run them, and small helpers for writing operations."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator, Mapping
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeAlias, TypeVar
+
+from sqlalchemy import TextClause
+
+from onceflow.db import is_disconnect, render
+
+log = logging.getLogger("onceflow.db")
+
+R = TypeVar("R")
+
+
+# ------------------------------------------------------------------ statements and steps
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    """A named statement, written for psycopg (``%(name)s`` placeholders; lists bind as arrays).
+
+    ``name`` is how logs, traces and benchmarks count it (``queue.claim``, ``oplog.apply``).
+    """
+
+    name: str
+    sql: str
+
+    @classmethod
+    def of(cls, name: str, clause: TextClause | str) -> Query:
+        """A query from SQLAlchemy ``text()`` (``:name`` binds, rendered once) or psycopg SQL."""
+        return cls(name, clause if isinstance(clause, str) else render(clause))
+
+
+@dataclass(frozen=True, slots=True)
+class FetchOne:
+    """Run ``query``; answers its first row as a dict, or None."""
+
+    query: Query
+    params: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class FetchAll:
+    """Run ``query``; answers every row as a dict."""
+
+    query: Query
+    params: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Execute:
+    """Run ``query``; answers the number of rows it touched."""
+
+    query: Query
+    params: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Transaction:
+    """Run ``body``'s steps on one connection, in one transaction; answers its return value.
+
+    Committed when ``body`` returns, rolled back when it raises (the error is then
+    thrown into the outer generator). On a connector already inside the caller's
+    transaction this is a savepoint.
+    """
+
+    body: Generator[Step, Any, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """Wait ``seconds`` (``time.sleep`` or ``asyncio.sleep``); answers None."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Pooled:
+    """Answers whether each statement runs on a pooled connection of its own (autocommit).
+
+    True: a statement that failed with a lost connection may be repeated at once on a
+    fresh one. False: the connector is the caller's (one transaction), which a lost
+    connection has aborted: nothing can be repeated there.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class AfterCommit:
+    """Call ``fn()`` once the current transaction commits (at once in autocommit); never on a
+    rollback. Answers None. An error in ``fn`` is logged, never raised."""
+
+    fn: Callable[[], object]
+
+
+@dataclass(frozen=True, slots=True)
+class Using:
+    """Run ``body``'s steps on ``connector`` instead (e.g. the caller's connection, in its
+    transaction); answers its return value. A SQLAlchemy ``Connection`` is taken as a
+    :class:`SQLAlchemyConnector`. A sync connector cannot serve an async runner."""
+
+    connector: Any
+    body: Generator[Step, Any, Any]
+
+
+Step: TypeAlias = FetchOne | FetchAll | Execute | Transaction | Sleep | Pooled | AfterCommit | Using
+#: What an operation is: a generator of steps whose return value is the operation's result.
+Steps: TypeAlias = Generator[Step, Any, R]
+
+
+def one_row(query: Query, params: Mapping[str, Any]) -> Steps[Any]:
+    """``row = yield from one_row(q, p)``: the statement's first row, or None."""
+    row = yield FetchOne(query, params)
+    return row
+
+
+def all_rows(query: Query, params: Mapping[str, Any]) -> Steps[list[Any]]:
+    """``rows = yield from all_rows(q, p)``: every row of the statement."""
+    rows: list[Any] = yield FetchAll(query, params)
+    return rows
+
+
+def retrying(make: Callable[[], Steps[R]]) -> Steps[R]:
+    """``make()``'s steps, run once more on a fresh connection if a connection was lost.
+
+    For operations safe to run twice (reads; writes whose ids were minted before the
+    first attempt; fenced writes): see :func:`onceflow.db.retry_disconnect`, whose
+    rule this is. Not repeated on a caller's connection (:class:`Pooled`).
+    """
+    try:
+        return (yield from make())
+    except Exception as exc:
+        if not is_disconnect(exc) or not (yield Pooled()):
+            raise
+        log.info("retrying once on a fresh connection after: %s", exc)
+    return (yield from make())
+
+
+# ------------------------------------------------------------------ connectors
+
+
+class Connector(Protocol):
+    """Runs statements synchronously (see :func:`run`)."""
+
+    #: Whether each statement runs on a pooled connection of its own (see :class:`Pooled`).
+    pooled: bool
+
+    def fetch_one(self, query: Query, params: Mapping[str, Any]) -> Any: ...
+
+    def fetch_all(self, query: Query, params: Mapping[str, Any]) -> list[Any]: ...
+
+    def execute(self, query: Query, params: Mapping[str, Any]) -> int: ...
+
+    def transaction(self) -> AbstractContextManager[Connector]: ...
+
+    def after_commit(self, fn: Callable[[], object]) -> None: ...
+
+
+class AsyncConnector(Protocol):
+    """Runs statements on an event loop (see :func:`arun`)."""
+
+    pooled: bool
+
+    async def fetch_one(self, query: Query, params: Mapping[str, Any]) -> Any: ...
+
+    async def fetch_all(self, query: Query, params: Mapping[str, Any]) -> list[Any]: ...
+
+    async def execute(self, query: Query, params: Mapping[str, Any]) -> int: ...
+
+    def transaction(self) -> AbstractAsyncContextManager[AsyncConnector]: ...
+
+    def after_commit(self, fn: Callable[[], object]) -> None: ...
+
+
+def _call_safely(fn: Callable[[], object]) -> None:
+    try:
+        fn()
+    except Exception:
+        log.exception("an after-commit callback failed")

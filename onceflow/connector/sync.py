@@ -1,0 +1,161 @@
+"""Sync connectors: the process's pooled psycopg connections, and the caller's own
+connection (SQLAlchemy, or an executor of SQL) inside the caller's transaction."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+from sqlalchemy import Connection, Engine, event
+
+from onceflow.connector.steps import Connector, Query, _call_safely
+from onceflow.db import fetch_all, fetch_one, raw_connection, translate_errors
+
+
+class _OnOneConnection:
+    """Statements on one psycopg connection (inside a transaction the runner opened)."""
+
+    pooled = False
+
+    def __init__(self, raw: psycopg.Connection[Any]) -> None:
+        self.raw = raw
+        self.callbacks: list[Callable[[], object]] = []
+
+    def fetch_one(self, query: Query, params: Mapping[str, Any]) -> Any:
+        return fetch_one(self.raw, query.sql, dict(params))
+
+    def fetch_all(self, query: Query, params: Mapping[str, Any]) -> list[Any]:
+        return fetch_all(self.raw, query.sql, dict(params))
+
+    def execute(self, query: Query, params: Mapping[str, Any]) -> int:
+        return self.raw.execute(query.sql, dict(params)).rowcount
+
+    @contextmanager
+    def transaction(self) -> Iterator[Connector]:
+        with self.raw.transaction():  # nested: a savepoint
+            yield self
+
+    def after_commit(self, fn: Callable[[], object]) -> None:
+        self.callbacks.append(fn)
+
+
+def on_connection(raw: psycopg.Connection[Any]) -> Connector:
+    """A connector on one psycopg connection the caller holds (and whose transaction it owns)."""
+    return _OnOneConnection(raw)
+
+
+class PsycopgConnector:
+    """The process's pooled psycopg connections (SQLAlchemy keeps the pool): one checkout per
+    statement in autocommit, one per :class:`Transaction`. See :func:`onceflow.db.raw_connection`
+    for what a lost connection does to the pool."""
+
+    pooled = True
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def fetch_one(self, query: Query, params: Mapping[str, Any]) -> Any:
+        with raw_connection(self.engine) as raw:
+            return fetch_one(raw, query.sql, dict(params))
+
+    def fetch_all(self, query: Query, params: Mapping[str, Any]) -> list[Any]:
+        with raw_connection(self.engine) as raw:
+            return fetch_all(raw, query.sql, dict(params))
+
+    def execute(self, query: Query, params: Mapping[str, Any]) -> int:
+        with raw_connection(self.engine) as raw:
+            return raw.execute(query.sql, dict(params)).rowcount
+
+    @contextmanager
+    def transaction(self) -> Iterator[Connector]:
+        with raw_connection(self.engine) as raw:
+            bound = _OnOneConnection(raw)
+            with raw.transaction():
+                yield bound
+        for fn in bound.callbacks:  # committed: the with-block above did not raise
+            _call_safely(fn)
+
+    def after_commit(self, fn: Callable[[], object]) -> None:
+        _call_safely(fn)  # every statement here commits on its own
+
+
+class SQLAlchemyConnector:
+    """The caller's SQLAlchemy connection: statements run inside the caller's transaction.
+
+    Nothing commits here. :class:`Transaction` is a savepoint; :class:`AfterCommit`
+    runs on the connection's ``commit`` event (dropped on a rollback).
+    """
+
+    pooled = False
+
+    def __init__(self, connection: Connection) -> None:
+        self.connection = connection
+
+    def _rows(self, query: Query, params: Mapping[str, Any]) -> list[Any]:
+        with translate_errors(self.connection.engine.url):
+            result = self.connection.exec_driver_sql(query.sql, dict(params))
+            return [dict(r) for r in result.mappings()] if result.returns_rows else []
+
+    def fetch_one(self, query: Query, params: Mapping[str, Any]) -> Any:
+        rows = self._rows(query, params)
+        return rows[0] if rows else None
+
+    def fetch_all(self, query: Query, params: Mapping[str, Any]) -> list[Any]:
+        return self._rows(query, params)
+
+    def execute(self, query: Query, params: Mapping[str, Any]) -> int:
+        with translate_errors(self.connection.engine.url):
+            return int(self.connection.exec_driver_sql(query.sql, dict(params)).rowcount)
+
+    @contextmanager
+    def transaction(self) -> Iterator[Connector]:
+        with translate_errors(self.connection.engine.url), self.connection.begin_nested():
+            yield self
+
+    def after_commit(self, fn: Callable[[], object]) -> None:
+        conn = self.connection
+        done = False
+
+        def on_commit(_conn: Connection) -> None:
+            nonlocal done
+            if not done:
+                done = True
+                _call_safely(fn)
+
+        def on_rollback(_conn: Connection) -> None:
+            nonlocal done
+            done = True  # never counted: the rows are gone
+
+        event.listen(conn, "commit", on_commit, once=True)
+        event.listen(conn, "rollback", on_rollback, once=True)
+
+
+class ExecutorConnector:
+    """A caller's executor of SQL, ``execute(sql, params) -> rows as mappings``, in its
+    transaction (what :meth:`onceflow.Queue.enqueue_many_with` takes). No savepoints:
+    a :class:`Transaction` runs its steps as they are; :class:`AfterCommit` is the
+    caller's to do (``on_commit``), so it is dropped here."""
+
+    pooled = False
+
+    def __init__(self, execute: Callable[[str, dict[str, Any]], Any]) -> None:
+        self._execute = execute
+
+    def fetch_one(self, query: Query, params: Mapping[str, Any]) -> Any:
+        rows = list(self._execute(query.sql, dict(params)))
+        return rows[0] if rows else None
+
+    def fetch_all(self, query: Query, params: Mapping[str, Any]) -> list[Any]:
+        return list(self._execute(query.sql, dict(params)))
+
+    def execute(self, query: Query, params: Mapping[str, Any]) -> int:
+        return len(list(self._execute(query.sql, dict(params)) or ()))
+
+    @contextmanager
+    def transaction(self) -> Iterator[Connector]:
+        yield self
+
+    def after_commit(self, fn: Callable[[], object]) -> None:
+        pass
