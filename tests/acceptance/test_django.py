@@ -218,3 +218,27 @@ def test_onceflow_migrate_command_and_the_same_database_check(shop: Any) -> None
         [warning] = check_same_database()
     get_settings.cache_clear()
     assert warning.id == "onceflow.W001"
+
+
+def test_strict_mismatch_discards_only_its_own_write_inside_atomic(
+    shop: Any, redis_url: str
+) -> None:
+    """strict=True through Django's connector writes the batch under a savepoint: a mismatch
+    discards the whole batch, the caller's atomic block stays usable and commits the rest."""
+    from onceflow import InputMismatch, NewRequest
+    from onceflow.integrations.django import DjangoConnector, enqueue
+
+    first = enqueue(shop.flow, "confirm_order", "w-dj", "order-s", "", {"order_id": 1})
+    batch = [
+        shop.flow.new_request("confirm_order", "w-dj", "order-new", "", {"order_id": 3}),
+        shop.flow.new_request("confirm_order", "w-dj", "order-s", "", {"order_id": 2}),
+    ]
+    assert all(isinstance(item, NewRequest) for item in batch)
+    with transaction.atomic():
+        order = shop.Order.objects.create(sku="S-1")
+        with pytest.raises(InputMismatch):
+            shop.flow.queue.enqueue_many(batch, strict=True, connection=DjangoConnector())
+        shop.Order.objects.filter(pk=order.pk).update(status="kept")  # the block still works
+    assert shop.Order.objects.get(pk=order.pk).status == "kept"
+    assert [r.job_id for r in shop.flow.queue.list(workspace_id="w-dj")] == ["order-s"]
+    assert shop.flow.queue.get(first.request_id).input == {"order_id": 1}

@@ -36,7 +36,7 @@ from django.db.transaction import TransactionManagementError
 from sqlalchemy import URL, make_url
 
 from onceflow.errors import InvalidRequest
-from onceflow.metrics import record as metrics
+from onceflow.integrations.django.connector import DjangoConnector
 from onceflow.models.requests import Dispatch, EnqueueResult
 from onceflow.settings import get_settings
 from onceflow.tasks import Flow
@@ -94,9 +94,9 @@ def enqueue(
         raise TransactionManagementError(
             "onceflow enqueue needs autocommit or an atomic block (transaction.atomic())"
         )
-    [result] = flow.queue.enqueue_many_with(cursor_executor(using), [item], strict=strict)
-    # Counted once committed (at once in autocommit), never for a rollback.
-    transaction.on_commit(functools.partial(metrics.enqueued, [result]), using=using)
+    # Counted once committed (at once in autocommit), never for a rollback: the connector's
+    # after-commit is transaction.on_commit. strict: the batch is written under a savepoint.
+    [result] = flow.queue.enqueue_many([item], strict=strict, connection=DjangoConnector(using))
     if result.created:
         wake_up = Dispatch(result.request_id, stage, result.worker_class)
         # robust: a failed send after the commit is logged, never raised into the app
@@ -106,7 +106,8 @@ def enqueue(
 
 
 def cursor_executor(using: str = DEFAULT_DB_ALIAS) -> Executor:
-    """An executor for :meth:`onceflow.Queue.enqueue_many_with` on Django's connection ``using``.
+    """An executor for :meth:`onceflow.Queue.enqueue_many_with` on Django's connection ``using``
+    (prefer ``queue.enqueue_many(items, connection=DjangoConnector(using))``).
 
     Runs each statement on a cursor of that connection (so inside its current
     transaction) and returns the rows as dicts. Django's PostgreSQL backend takes
@@ -190,6 +191,7 @@ def _where(url: URL) -> tuple[str, int, str]:
 
 
 __all__ = [
+    "DjangoConnector",
     "Executor",
     "cursor_executor",
     "database_settings",
