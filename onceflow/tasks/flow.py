@@ -129,8 +129,8 @@ class StageTask(Task):
         the caller names none. :meth:`Flow.enqueue` is the way to start a stage: a
         message alone names a request that must exist already."""
         if not any(options.get(k) for k in ("queue", "exchange", "routing_key")):
-            routing = send_options(self._get_app(), self.spec.name, self.spec.worker_class, args or ())
-            options = {**routing, **options}
+            app, spec = self._get_app(), self.spec
+            options = {**send_options(app, spec.name, spec.worker_class, args or ()), **options}
         return super().apply_async(args, kwargs, **options)
 
     def run_stage(self, request_id: str) -> dict[str, Any]:

@@ -8,7 +8,8 @@ own default queue, and routes — one of them for an onceflow stage by its docum
 from __future__ import annotations
 
 import os
-from typing import Any
+import time
+from typing import Any, ClassVar
 
 from celery import Celery
 from pydantic import BaseModel
@@ -24,12 +25,12 @@ class UserConfig:
     broker_url = REDIS
     result_backend = REDIS
     task_serializer = "yaml"
-    accept_content = ["yaml", "json"]
+    accept_content: ClassVar = ["yaml", "json"]
     task_acks_late = False
     task_ignore_result = False
     worker_prefetch_multiplier = 4
     task_default_queue = DEFAULT_QUEUE
-    task_routes = {
+    task_routes: ClassVar = {
         "guest.routed": {"queue": "guest-routed"},
         "onceflow.stage.guest_routed": {"queue": STAGE_ROUTE_QUEUE},
     }
@@ -59,3 +60,13 @@ def plain(ctx: Any, data: Empty) -> dict[str, Any]:
 @flow.stage("guest_routed", input=Empty, worker_class="guest-wc2")
 def routed(ctx: Any, data: Empty) -> dict[str, Any]:
     return {"routed": True}
+
+
+@flow.stage("guest_slow", input=Empty, worker_class="guest-slow", lease_seconds=1.0)
+def slow(ctx: Any, data: Empty) -> dict[str, Any]:
+    """Runs until killed on its first attempt (a ``revoke(terminate=True)`` target)."""
+    if ctx.claim.attempt == 1:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+    return {"attempt": ctx.claim.attempt}

@@ -8,7 +8,9 @@ real ``celery -A … worker`` processes (Celery's own CLI, not ``onceflow worker
 - a ``task_routes`` entry naming a stage's task (``onceflow.stage.<stage>``) is honoured,
   and the sweeper counts the wake-ups waiting there;
 - declaring stages sets no deprecated ``queue`` task attribute (no warning);
-- ``revoke`` of a wake-up does not cancel the request: the sweeper sends another.
+- ``revoke`` of a wake-up does not cancel the request: the sweeper sends another; and
+  ``revoke(terminate=True)`` kills the body mid-run, but the lease lapses and the
+  sweeper runs the request again.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ APP = "tests.integration.guest_app:app"
 QUEUES = [
     queue_name("guest-wc"),
     queue_name("guest-wc2"),
+    queue_name("guest-slow"),
     "guest-stage-q",
     "guest-default",
     "default",
@@ -57,14 +60,16 @@ def guest(redis_url: str, clean_db: Engine) -> Iterator[tuple[Any, redis_lib.Red
 
 
 @contextmanager
-def celery_worker(tmp: Path, queues: list[str], name: str = "guest") -> Iterator[str]:
+def celery_worker(
+    tmp: Path, queues: list[str], name: str = "guest", pool: str = "solo"
+) -> Iterator[str]:
     """``celery -A tests.integration.guest_app:app worker -Q <queues>``, once ready."""
     node = f"{name}-{os.getpid()}@localhost"
     log = tmp / f"{name}.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", APP, "worker", "-Q", ",".join(queues),
-             "--pool", "solo", "-n", node, "--loglevel", "INFO"],
+             "--pool", pool, "-c", "1", "-n", node, "--loglevel", "INFO"],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True,
         )  # fmt: skip
@@ -149,9 +154,7 @@ def test_declaring_stages_warns_nothing_and_an_own_app_keeps_onceflows_settings(
     assert (app.conf.accept_content, app.conf.broker_url) == (["yaml", "json"], "memory://")
 
 
-def test_documented_queues_and_routes_on_a_plain_celery_worker(
-    guest: Any, tmp_path: Path
-) -> None:
+def test_documented_queues_and_routes_on_a_plain_celery_worker(guest: Any, tmp_path: Path) -> None:
     guest_app, client = guest
     flow = guest_app.flow
     plain = flow.enqueue("guest_plain", "w-guest", "j1", "main", {}).request_id
@@ -170,6 +173,10 @@ def test_documented_queues_and_routes_on_a_plain_celery_worker(
     )  # fmt: skip
     # The sweeper counts the routed wake-up as waiting (no duplicate re-send).
     assert flow.broker_backlog(["guest-wc2"]) == {"guest-wc2": 1}
+    # A stage task's own apply_async routes the same way (a duplicate wake-up: harmless).
+    for stage, request_id in (("guest_plain", plain), ("guest_routed", routed)):
+        guest_app.app.tasks[f"onceflow.stage.{stage}"].apply_async([request_id])
+    assert (client.llen(queue_name("guest-wc")), client.llen("guest-stage-q")) == (2, 2)
     # `onceflow worker` would consume the routed queue too.
     assert "guest-stage-q" in flow.broker_queues(["guest-wc2"])
 
@@ -197,8 +204,9 @@ def test_a_revoked_wakeup_does_not_cancel_the_request(guest: Any, tmp_path: Path
         )
         log = tmp_path / "guest-revoke.log"
         wait_for(
-            lambda: f"Discarding revoked task: onceflow.stage.guest_plain[{task_id}]"
-            in log.read_text(),
+            lambda: (
+                f"Discarding revoked task: onceflow.stage.guest_plain[{task_id}]" in log.read_text()
+            ),
             timeout=30,
             what="the worker to discard the revoked wake-up",
         )
@@ -214,3 +222,29 @@ def test_a_revoked_wakeup_does_not_cancel_the_request(guest: Any, tmp_path: Path
             what="the request to run after the revoke",
         )
         assert flow.queue.get(request_id).attempts == 1
+
+
+def test_revoke_terminate_kills_a_run_and_the_sweeper_runs_it_again(
+    guest: Any, tmp_path: Path
+) -> None:
+    guest_app, _ = guest
+    flow, app = guest_app.flow, guest_app.app
+    queues = [queue_name("guest-slow")]
+    with celery_worker(tmp_path, queues, name="guest-term", pool="prefork") as node:
+        request_id = flow.enqueue("guest_slow", "w-guest", "j4", "main", {}).request_id
+        wait_for(lambda: _status(flow, request_id) is Status.RUNNING, what="the body to start")
+        [active] = app.control.inspect(destination=[node], timeout=10).active()[node]
+        assert active["args"] == [request_id]
+        app.control.revoke(active["id"], terminate=True, destination=[node], reply=True)
+        # The body is gone, but the row is still running: nothing told the database.
+        log = tmp_path / "guest-term.log"
+        wait_for(lambda: "Terminating" in log.read_text(), timeout=30, what="the terminate")
+        assert _status(flow, request_id) is Status.RUNNING
+
+        def swept_and_done() -> bool:
+            flow.sweep_once(redispatch_after=0)  # rescues the lapsed lease, re-sends
+            return _status(flow, request_id) is Status.SUCCEEDED
+
+        wait_for(swept_and_done, timeout=30, interval=0.3, what="the request to run again")
+        row = flow.queue.get(request_id)
+        assert (row.attempts, row.crash_attempts, row.result) == (2, 1, {"attempt": 2})
