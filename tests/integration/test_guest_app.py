@@ -248,3 +248,35 @@ def test_revoke_terminate_kills_a_run_and_the_sweeper_runs_it_again(
         wait_for(swept_and_done, timeout=30, interval=0.3, what="the request to run again")
         row = flow.queue.get(request_id)
         assert (row.attempts, row.crash_attempts, row.result) == (2, 1, {"attempt": 2})
+
+
+def test_which_routes_decide_the_queue() -> None:
+    from onceflow.tasks.routing import routed_queue, send_options
+
+    def router(name: str, args: Any, kwargs: Any, options: Any, task: Any = None, **kw: Any) -> Any:
+        if name == "onceflow.stage.boom":
+            raise RuntimeError("a bug in the user's router")
+        if name == "onceflow.stage.fn":
+            return {"queue": "by-function"}
+        return None
+
+    app = Celery("guest-routes", set_as_current=False)
+    app.conf.update(
+        broker_url="memory://",
+        task_routes=[
+            {"onceflow.stage.prio": {"priority": 5}, "onceflow.stage.glob*": "globbed"},
+            router,
+        ],
+    )
+    cases = {stage: send_options(app, stage, "c", ["r"]) for stage in
+             ("plain", "prio", "glob_x", "fn", "boom")}  # fmt: skip
+    assert cases == {
+        "plain": {"queue": "onceflow.wc.c"},
+        "prio": {"queue": "onceflow.wc.c"},  # a route naming no destination
+        "glob_x": {},  # Celery routes it: to "globbed"
+        "fn": {},
+        "boom": {"queue": "onceflow.wc.c"},  # a failing router never loses the wake-up
+    }
+    assert [routed_queue(app, s, "c") for s in ("plain", "glob_x", "fn")] == [
+        "onceflow.wc.c", "globbed", "by-function"
+    ]  # fmt: skip
