@@ -47,7 +47,7 @@ def worker(
 
     from onceflow.ids import check_worker_class
     from onceflow.keys import queue_name
-    from onceflow.tasks.config import MAINTENANCE_QUEUE
+    from onceflow.tasks.config import MAINTENANCE_QUEUE, user_sets
 
     _check_database_url()
     app, flow = _load(app_spec)
@@ -69,6 +69,10 @@ def worker(
     argv = ["worker", "-Q", queues, "-E", "--loglevel", loglevel, "--pool", pool, "-n", name]
     if concurrency:
         argv += ["--concurrency", str(concurrency)]
+    if not user_sets(app.conf, "worker_prefetch_multiplier"):
+        # One wake-up reserved per process (a stage may run for long), as a Flow's own app
+        # is configured: a worker-level option here, your app's setting if it has one.
+        argv += ["--prefetch-multiplier", "1"]
     app.worker_main(argv=argv)
 
 

@@ -1,13 +1,25 @@
-"""The Celery configuration onceflow ships (users may override any key).
+"""The Celery configuration onceflow ships, and what it asks of an app it is a guest in.
 
 The Postgres table is the source of truth; a Celery message is only a wake-up
 naming a request id. So: JSON only (pickle refused), late acks and requeue on
 worker loss (a redelivered wake-up is harmless: the claim decides), one message
 prefetched at a time, task events on for Flower, and no result backend.
+
+Two cases (docs/celery.md, "Your own Celery app"):
+
+* a Flow that builds its own app gets all of :func:`celery_config` as the app's
+  defaults (any key can still be overridden);
+* a Flow given *your* app (``Flow(app=…)``) leaves your settings alone: its tasks
+  carry their own options (:data:`TASK_OPTIONS`; their queue is chosen when a
+  wake-up is sent), and :func:`guest_config` sets only what has no per-task
+  knob, only where your app leaves it unset, logging each key once.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import Callable
 from typing import Any
 
 from onceflow.errors import InvalidRequest
@@ -18,6 +30,22 @@ SWEEP_TASK = "onceflow.sweep"
 #: worker also consumes its Flow's: see :func:`maintenance_queue_for`.
 MAINTENANCE_QUEUE = "onceflow"
 DEFAULT_FLOW_NAME = "onceflow"
+#: The key of the sweeper's entry in ``beat_schedule``.
+SWEEP_SCHEDULE_KEY = "onceflow-sweep"
+
+#: Options each of onceflow's tasks carries itself (Celery task options), so they hold on
+#: any app — including yours, whose own tasks keep your settings. The wake-up is only a
+#: pointer to a Postgres row: a late ack with requeue on worker loss lets a redelivery
+#: reach a worker (the claim decides whether anything runs), no result is stored (the
+#: row holds it), and the message is JSON whatever your ``task_serializer`` says.
+TASK_OPTIONS: dict[str, Any] = {
+    "acks_late": True,
+    "reject_on_worker_lost": True,
+    "ignore_result": True,
+    "serializer": "json",
+}
+
+log = logging.getLogger("onceflow.celery")
 
 
 def maintenance_queue_for(flow_name: str) -> str:
@@ -43,12 +71,29 @@ def time_limits(max_runtime: float) -> tuple[float, float]:
     return max_runtime, max_runtime + max(5.0, 0.1 * max_runtime)
 
 
+def sweep_schedule_entry(settings: Settings, maintenance_queue: str) -> dict[str, Any]:
+    """The sweeper's ``beat_schedule`` entry: every sweep interval, to ``maintenance_queue``."""
+    return {
+        "task": SWEEP_TASK,
+        "schedule": settings.sweep_interval_seconds,
+        # No `expires` (nor eta/countdown): Celery checks those against the wall
+        # clock of the worker that receives the message, and a worker whose clock
+        # runs ahead would discard every sweep. Late sweeps do not pile up because
+        # each begins with a compare-and-set on the database clock: one that
+        # arrives within half an interval of the last sweep does nothing.
+        "options": {"queue": maintenance_queue, "serializer": "json"},
+    }
+
+
 def celery_config(
     settings: Settings, *, maintenance_queue: str = MAINTENANCE_QUEUE
 ) -> dict[str, Any]:
     """Celery settings for ``settings`` (lower-case Celery 4+ names); beat sends the
-    sweeps to ``maintenance_queue`` (the Flow's: :func:`maintenance_queue_for`)."""
-    interval = settings.sweep_interval_seconds
+    sweeps to ``maintenance_queue`` (the Flow's: :func:`maintenance_queue_for`).
+
+    The defaults of an app a Flow builds itself; never applied to an app you pass in
+    (see :func:`guest_config`).
+    """
     return {
         "broker_url": settings.celery_broker_url,
         "broker_connection_retry_on_startup": True,
@@ -71,16 +116,79 @@ def celery_config(
         "task_default_queue": "default",
         "task_routes": {SWEEP_TASK: {"queue": maintenance_queue}},
         "worker_hijack_root_logger": False,
-        "beat_schedule": {
-            "onceflow-sweep": {
-                "task": SWEEP_TASK,
-                "schedule": interval,
-                # No `expires` (nor eta/countdown): Celery checks those against the wall
-                # clock of the worker that receives the message, and a worker whose clock
-                # runs ahead would discard every sweep. Late sweeps do not pile up because
-                # each begins with a compare-and-set on the database clock: one that
-                # arrives within half an interval of the last sweep does nothing.
-                "options": {"queue": maintenance_queue},
-            }
-        },
+        "beat_schedule": {SWEEP_SCHEDULE_KEY: sweep_schedule_entry(settings, maintenance_queue)},
     }
+
+
+def user_sets(conf: Any, key: str) -> bool:
+    """Whether ``key`` is set on ``conf`` (a Celery app's configuration) by anyone but
+    Celery's own defaults: ``conf.update``, ``config_from_object``, ``Celery(broker=…)``."""
+    keys = conf._to_keys(key)  # the new and old spellings (task_serializer, CELERY_…)
+    return any(k in layer for layer in conf.maps[:-1] for k in keys)
+
+
+def guest_config(
+    conf: Any, settings: Settings, maintenance_queue: str, *, app_name: str = "?"
+) -> dict[str, Any]:
+    """What a Flow sets on an app you pass in (``conf``, being configured): only the keys
+    Celery offers no per-task knob for, only where your app leaves them unset.
+
+    * ``broker_url`` — the wake-ups must go somewhere: onceflow's broker
+      (``ONCEFLOW_BROKER_URL``, else ``ONCEFLOW_REDIS_URL``) if your app names none;
+    * ``broker_transport_options["visibility_timeout"]`` — every stage's hard time
+      limit is checked against ``ONCEFLOW_BROKER_VISIBILITY_TIMEOUT_SECONDS``: set to it
+      if your app leaves it unset (kombu's default, 3600 s, is also onceflow's);
+    * ``accept_content`` — a worker decodes a message before it knows its task: if
+      your list leaves out ``json``, ``json`` is added (onceflow's wake-ups are JSON);
+    * ``beat_schedule["onceflow-sweep"]`` — beat's sweep entry, added beside yours.
+
+    Returns the defaults to add (the first two); the others are written in ``conf``. Each
+    key set is logged (once: this runs when the app's configuration is loaded).
+    """
+    added: dict[str, Any] = {}
+    said: list[str] = []
+    if not user_sets(conf, "broker_url") and not _env_broker():
+        added["broker_url"] = settings.celery_broker_url
+        said.append("broker_url (onceflow's broker)")
+    options = conf.get("broker_transport_options") or {}
+    if "visibility_timeout" not in options:
+        visibility = settings.broker_visibility_timeout_seconds
+        new = {**options, "visibility_timeout": visibility}
+        if user_sets(conf, "broker_transport_options"):
+            conf["broker_transport_options"] = new  # yours, with the one key added
+        else:
+            added["broker_transport_options"] = new
+        said.append(f"broker_transport_options['visibility_timeout'] = {visibility:g}")
+    accept = conf.get("accept_content")
+    if accept is not None and "json" not in accept and "application/json" not in accept:
+        conf["accept_content"] = [*accept, "json"]
+        log.warning(
+            "Celery app %r: accept_content %r left out json; added it (onceflow's "
+            "wake-ups are JSON messages)",
+            app_name,
+            list(accept),
+        )
+    schedule = conf.get("beat_schedule") or {}
+    if SWEEP_SCHEDULE_KEY not in schedule:
+        entry = sweep_schedule_entry(settings, maintenance_queue)
+        conf["beat_schedule"] = {**schedule, SWEEP_SCHEDULE_KEY: entry}
+        said.append(f"beat_schedule[{SWEEP_SCHEDULE_KEY!r}]")
+    if said:
+        log.info(
+            "Celery app %r: onceflow set %s (unset by the app; docs/celery.md)",
+            app_name,
+            ", ".join(said),
+        )
+    return added
+
+
+def _env_broker() -> bool:
+    return bool(os.environ.get("CELERY_BROKER_URL"))
+
+
+def guest_defaults(
+    app: Any, settings: Callable[[], Settings], maintenance_queue: str
+) -> Callable[[], dict[str, Any]]:
+    """The lazy defaults a Flow adds to your app: :func:`guest_config`, when Celery loads
+    the app's configuration (never at import)."""
+    return lambda: guest_config(app.conf, settings(), maintenance_queue, app_name=app.main)

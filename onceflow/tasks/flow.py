@@ -17,9 +17,13 @@
     flow.enqueue("evaluate", "w1", "j1", "main", {"columns": ["fit"]})
 
 Each stage becomes the Celery task ``onceflow.stage.<name>``, routed to its worker
-class's queue ``onceflow.wc.<class>``. Its only argument is the request id. The
+class's queue ``onceflow.wc.<class>`` unless the app's ``task_routes`` routes that
+task (:mod:`onceflow.tasks.routing`). Its only argument is the request id. The
 worker class comes from the declaration: a caller may name only one the stage
 declares (``worker_class`` or ``alternate_worker_classes``).
+
+``Flow()`` builds and fully configures its own Celery app; ``Flow(app=your_app)``
+leaves your app's settings to your tasks (:mod:`onceflow.tasks.config`).
 """
 
 from __future__ import annotations
@@ -54,10 +58,13 @@ from onceflow.tasks.broker import harden
 from onceflow.tasks.config import (
     MAINTENANCE_QUEUE,
     SWEEP_TASK,
+    TASK_OPTIONS,
     celery_config,
+    guest_defaults,
     maintenance_queue_for,
     time_limits,
 )
+from onceflow.tasks.routing import TASK_PREFIX, routed_queue, send_options
 from onceflow.tasks.runtime import run_request
 from onceflow.tasks.sweeper import (
     BEAT_GAP_INTERVALS,
@@ -68,7 +75,6 @@ from onceflow.tasks.sweeper import (
 
 log = logging.getLogger("onceflow.flow")
 
-TASK_PREFIX = "onceflow.stage."
 # A wake-up that cannot be published quickly is left to the sweeper, not retried for long.
 PUBLISH_RETRY = {"max_retries": 2, "interval_start": 0.1, "interval_step": 0.2, "interval_max": 0.5}
 
@@ -110,10 +116,22 @@ class StageTask(Task):
 
     flow: Flow
     spec: StageSpec
+    # TASK_OPTIONS (onceflow.tasks.config), as class attributes: they hold on any app.
     acks_late = True
     reject_on_worker_lost = True
     ignore_result = True
+    serializer = "json"
     typing = False  # the single argument is checked by the claim, not by call signature
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        """Celery's, with the queue chosen as :meth:`Flow.dispatch` chooses it (your
+        ``task_routes`` entry for this task, else ``onceflow.wc.<declared class>``) when
+        the caller names none. :meth:`Flow.enqueue` is the way to start a stage: a
+        message alone names a request that must exist already."""
+        if not any(options.get(k) for k in ("queue", "exchange", "routing_key")):
+            app, spec = self._get_app(), self.spec
+            options = {**send_options(app, spec.name, spec.worker_class, args or ()), **options}
+        return super().apply_async(args, kwargs, **options)
 
     def run_stage(self, request_id: str) -> dict[str, Any]:
         """Claim the request and run the stage (the message is only a wake-up)."""
@@ -164,6 +182,8 @@ class Flow:
             check_worker_class(wc, name="pull worker class") for wc in pull_worker_classes
         )
         self.stages: dict[str, StageSpec] = {}
+        #: Whether the app is yours (``Flow(app=…)``): its settings are then left to you.
+        self.guest = app is not None
         self.app = app or Celery(name, set_as_current=False)
         # A hostile or malformed broker message (or a wrong-typed key) must not stop a worker.
         harden(self.app)
@@ -174,9 +194,15 @@ class Flow:
         #: broker must differ in name (as in worker classes) so none takes another's sweeps.
         self.maintenance_queue = maintenance_queue_for(self.name)
         # Evaluated when Celery first reads its config, not at import: nothing connects early.
-        self.app.add_defaults(
-            lambda: celery_config(self.settings, maintenance_queue=self.maintenance_queue)
-        )
+        if self.guest:
+            # Your app: your settings stay yours (docs/celery.md, "Your own Celery app").
+            self.app.add_defaults(
+                guest_defaults(self.app, lambda: self.settings, self.maintenance_queue)
+            )
+        else:
+            self.app.add_defaults(
+                lambda: celery_config(self.settings, maintenance_queue=self.maintenance_queue)
+            )
         self._queue: tuple[int, Queue] | None = None
         self._lock = threading.Lock()  # renewed in a forked child: see _renew_locks_after_fork
         _flows.add(self)
@@ -185,7 +211,7 @@ class Flow:
         # shared=False here and for stages: Celery would otherwise add this Flow's tasks to
         # every app of the process, and with two Flows one app's `onceflow.sweep` would be
         # the other Flow's (the first registered wins).
-        @self.app.task(name=SWEEP_TASK, ignore_result=True, shared=False, flow=self)
+        @self.app.task(name=SWEEP_TASK, shared=False, flow=self, **TASK_OPTIONS)
         def sweep() -> dict[str, Any]:
             # Beat sends one per interval; one that arrives within half an interval of the
             # last sweep (database clock) — e.g. late, behind others — does nothing.
@@ -294,7 +320,8 @@ class Flow:
                 shared=False,  # this Flow's app only (see the sweep task)
                 flow=self,
                 spec=spec,
-                queue=queue_name(worker_class),
+                # No `queue=` (deprecated by Celery, and it would beat task_routes): the
+                # queue is chosen per wake-up (onceflow.tasks.routing).
                 soft_time_limit=soft,
                 time_limit=hard,
             )(_task_body)
@@ -443,12 +470,14 @@ class Flow:
             )
             return False
         try:
+            args = [item.request_id]
             self.app.send_task(
                 TASK_PREFIX + item.stage,
-                args=[item.request_id],
-                queue=queue_name(item.worker_class),
+                args=args,
                 retry=True,
                 retry_policy=PUBLISH_RETRY,
+                serializer="json",  # whatever the app's task_serializer
+                **send_options(self.app, item.stage, item.worker_class, args),
             )
         except Exception as exc:  # kombu/redis errors: the row is durable, the sweeper resends
             log.warning(
@@ -533,7 +562,8 @@ class Flow:
         Pull-worker classes get no messages: 0.
         """
         celery_classes = [wc for wc in worker_classes if wc not in self.pull_worker_classes]
-        waiting = broker_backlog(self.app, celery_classes) if celery_classes else {}
+        queues = {wc: self._routed_queues([wc]) for wc in celery_classes}
+        waiting = broker_backlog(self.app, queues) if celery_classes else {}
         if waiting is None:
             return None
         return {wc: waiting.get(wc, 0) for wc in worker_classes}
@@ -550,9 +580,26 @@ class Flow:
         ``ONCEFLOW_LEGACY_QUEUES`` the classes' old unprefixed queues too (upgrades)."""
         classes = list(self.queues() if worker_classes is None else worker_classes)
         names = [queue_name(wc) for wc in classes]
+        names += [q for q in self._routed_queues(classes) if q not in names]
         if self.settings.legacy_queues:
             names += [wc for wc in classes if wc not in names]
         return [*names, self.maintenance_queue]
+
+    def _routed_queues(self, worker_classes: Sequence[str]) -> list[str]:
+        """The queues the wake-ups of ``worker_classes`` go to: each class's
+        ``onceflow.wc.<class>``, or where the app's ``task_routes`` sends a stage's."""
+        out: list[str] = []
+        classes = set(worker_classes)
+        for wc in worker_classes:
+            with contextlib.suppress(InvalidRequest):
+                out.append(queue_name(wc))
+        for spec in self.stages.values():
+            for wc in classes.intersection(spec.worker_classes):
+                with contextlib.suppress(InvalidRequest):
+                    routed = routed_queue(self.app, spec.name, wc)
+                    if routed is not None and routed not in out:
+                        out.append(routed)
+        return out
 
 
 def _task_body(task: StageTask, request_id: str) -> dict[str, Any]:

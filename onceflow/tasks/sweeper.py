@@ -15,13 +15,12 @@ import contextlib
 import hashlib
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery, bootsteps
 
 from onceflow.errors import InvalidRequest
-from onceflow.ids import check_worker_class
 from onceflow.keys import queue_name
 
 if TYPE_CHECKING:
@@ -45,36 +44,53 @@ def sweep_name(name: str, stages: Sequence[str]) -> str:
     return f"{name[:100]}:{digest}"
 
 
-def broker_backlog(app: Celery, worker_classes: Sequence[str]) -> dict[str, int] | None:
-    """Messages ready in the broker queue of each worker class (``onceflow.wc.<class>``);
-    None if it cannot be asked.
+def broker_backlog(
+    app: Celery, queues: Mapping[str, Sequence[str]] | Sequence[str]
+) -> dict[str, int] | None:
+    """Messages ready in the broker for each worker class; None if it cannot be asked.
 
-    A passive ``queue_declare`` (Redis and AMQP alike); a queue that does not exist
-    holds nothing. Each class gets its own channel: AMQP closes a channel on a miss.
+    ``queues``: each class's broker queues (``onceflow.wc.<class>``, and where the app's
+    ``task_routes`` sends its stages' wake-ups: :meth:`Flow.broker_backlog`), summed; or
+    just the classes (their ``onceflow.wc.<class>`` queue each). A passive
+    ``queue_declare`` (Redis and AMQP alike); a queue that does not exist holds nothing.
+    Each queue gets its own channel: AMQP closes a channel on a miss.
     """
+    if not isinstance(queues, Mapping):
+        queues = {wc: _own_queue(wc) for wc in queues}
     try:
         with app.connection_for_write() as conn:
             conn.ensure_connection(max_retries=1, interval_start=0, interval_step=0.2)
+            counted: dict[str, int] = {}
             out: dict[str, int] = {}
-            for wc in worker_classes:
-                try:
-                    check_worker_class(wc)
-                except InvalidRequest:  # a row from before worker classes were checked
-                    out[wc] = 0  # no queue of onceflow's can hold its wake-ups
-                    continue
-                channel: Any = conn.channel()
-                try:
-                    declared = channel.queue_declare(queue=queue_name(wc), passive=True)
-                    out[wc] = int(declared.message_count)
-                except conn.channel_errors:
-                    out[wc] = 0  # no such queue: nothing waits in it
-                finally:
-                    with contextlib.suppress(Exception):
-                        channel.close()
+            for wc, names in queues.items():
+                total = 0
+                for name in names:
+                    if name not in counted:
+                        counted[name] = _ready(conn, name)
+                    total += counted[name]
+                out[wc] = total
             return out
     except Exception as exc:  # kombu / redis / amqp errors: fall back to the backoff alone
         log.warning("sweep: broker queue lengths unavailable (%s); backoff alone applies", exc)
         return None
+
+
+def _own_queue(worker_class: str) -> list[str]:
+    try:
+        return [queue_name(worker_class)]
+    except InvalidRequest:  # a row from before worker classes were checked
+        return []  # no queue of onceflow's can hold its wake-ups
+
+
+def _ready(conn: Any, name: str) -> int:
+    channel: Any = conn.channel()
+    try:
+        return int(channel.queue_declare(queue=name, passive=True).message_count)
+    except conn.channel_errors:
+        return 0  # no such queue: nothing waits in it
+    finally:
+        with contextlib.suppress(Exception):
+            channel.close()
 
 
 class SweepWatchdog(bootsteps.StartStopStep):
