@@ -226,8 +226,6 @@ def compute_once(
     rounds = 0
 
     def acquire() -> dict[str, Any]:
-        nonlocal rounds
-        rounds += 1
         ctx.check()
         got = worker.acquire_lock(claim, task, ttl)
         if not got.get("acquired") and not got.get("locked"):
@@ -240,6 +238,7 @@ def compute_once(
 
     try:
         while True:
+            rounds += 1  # one round per run of the protocol (as onceflow.locks counts them)
             got = acquire()
             if got["acquired"]:
                 return _lead(ctx, task, got, check, compute, store, ttl, watchdog, rounds)

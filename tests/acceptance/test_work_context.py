@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +21,7 @@ from onceflow import LeaseLost
 from onceflow.context import WorkContext
 from onceflow.integrations.fastapi import hash_key
 from onceflow.integrations.pull import PullContext, PullWorker
+from onceflow.locks import Locked
 from onceflow.oplog import SubDoc
 from tests.acceptance.conftest import TEST_ENV
 from tests.acceptance.context_stages import CELERY, IDLE, PULL, shared_body
@@ -215,3 +217,55 @@ def test_a_pull_context_whose_lease_lapsed_reads_and_locks_nothing(
             ctx.heartbeat()
         assert ctx.lease_lost
         successor.complete(new, {"by": "successor"})
+
+
+def test_a_waiter_woken_by_a_failed_release_leads_and_its_stream_is_closed(
+    client: httpx.Client, api: str
+) -> None:
+    """The holder's compute fails: its release announces ok=false on the claim's event
+    stream, the waiter wakes (no polling), takes the lock and computes; ``wait=False``
+    meanwhile answers Locked; the stream the waiter opened is closed after."""
+    for branch in ("a", "b"):
+        enqueue(client, stage="ctx_race", job_id="jfail", branch_path=branch,
+                input={"value": 1, "provider": "http://unused"})  # fmt: skip
+    with (
+        PullWorker(api, WORKER_KEY, PULL, lease_seconds=30, worker_id="holder") as holder,
+        PullWorker(api, WORKER_KEY, PULL, lease_seconds=30, worker_id="waiter") as waiter,
+    ):
+        first, second = holder.claim(), waiter.claim()
+        assert first is not None and second is not None
+        _TOKENS_SEEN.extend([first.token, second.token])
+        lead, other = PullContext(holder, first), PullContext(waiter, second)
+        waiting = threading.Event()
+        calls: list[str] = []
+        outcomes: list[Any] = []
+
+        def compute(ctx: PullContext, value: str) -> str:
+            calls.append(ctx.worker_id)
+            return value
+
+        def run_waiter() -> None:
+            outcomes.append(other.compute_once(
+                "eval:f", check=lambda: None, compute=lambda: compute(other, "second"),
+                store=lambda v: None, on_wait=waiting.set,
+            ))  # fmt: skip
+
+        waiter_thread = threading.Thread(target=run_waiter)
+
+        def failing() -> str:
+            compute(lead, "first")
+            waiter_thread.start()
+            assert waiting.wait(30), "the waiter never waited"
+            locked = other.compute_once("eval:f", check=lambda: None, compute=lambda: "no",
+                                        store=lambda v: None, wait=False)  # fmt: skip
+            assert isinstance(locked, Locked)
+            raise RuntimeError("provider down")
+
+        with pytest.raises(RuntimeError, match="provider down"):
+            lead.compute_once("eval:f", check=lambda: None, compute=failing, store=lambda v: None)
+        waiter_thread.join(timeout=30)
+    assert calls == ["holder", "waiter"]  # one call each, one after the other
+    [outcome] = outcomes
+    assert (outcome.value, str(outcome.path), outcome.rounds) == ("second", "computed", 2)
+    wait_for(lambda: not [t for t in threading.enumerate() if t.name == "onceflow-pull-events"],
+             what="the claim's event stream reader to end")  # fmt: skip
