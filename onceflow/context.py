@@ -1,7 +1,10 @@
-"""What a stage body gets: :class:`StageContext` — its request, its lease, its fenced steps.
+"""What a stage body gets: :class:`WorkContext` — its request, its lease, its fenced steps.
 
-Shared by the two runtimes that run stage bodies: Celery tasks (:mod:`onceflow.tasks`) and
-the standalone worker (:mod:`onceflow.worker`), so a body runs unchanged under either.
+:class:`WorkContext` is the interface, defined once; two classes implement it:
+:class:`StageContext` in-process, for the runtimes that run stage bodies — Celery tasks
+(:mod:`onceflow.tasks`) and the standalone worker (:mod:`onceflow.worker`) — and
+:class:`onceflow.integrations.pull.PullContext` over the HTTP API, for a pull worker. A body
+that uses only the interface's members runs unchanged under any of the three.
 """
 
 from __future__ import annotations
@@ -10,12 +13,12 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Literal, Protocol, TypeVar, overload, runtime_checkable
 
 from pydantic import BaseModel
 
 from onceflow.errors import Cancelled, InvalidRequest, LeaseLost
-from onceflow.locks import compute_once
+from onceflow.locks import Locked, Outcome, compute_once
 from onceflow.models.ops import OpModel
 from onceflow.models.requests import Claim, NewRequest, Request
 from onceflow.oplog import ApplyResult, OpLog, SubDoc, new_op_id, stage_op_id
@@ -36,8 +39,138 @@ def oplog_for(queue: Queue) -> OpLog:
 T = TypeVar("T")
 
 
+@runtime_checkable
+class ClaimRef(Protocol):
+    """The claim a context holds. The token is a secret: never log it."""
+
+    @property
+    def request_id(self) -> str:
+        """The claimed request's id."""
+
+    @property
+    def token(self) -> str:
+        """The claim token (what fences every write)."""
+
+
+@runtime_checkable
+class WorkContext(Protocol):
+    """What a body gets, in-process (:class:`StageContext`) or over HTTP (``PullContext``).
+
+    Beyond these members, :class:`StageContext` has ``request`` (the
+    :class:`~onceflow.models.Request`) and ``then(..., **options)``; ``PullContext`` has
+    ``request`` (the row as the API returned it, a dict) and ``worker``. See
+    ``docs/integration-fastapi.md`` for the table.
+    """
+
+    @property
+    def request_id(self) -> str:
+        """The claimed request's id."""
+
+    @property
+    def workspace_id(self) -> str:
+        """The request's workspace."""
+
+    @property
+    def job_id(self) -> str:
+        """The request's job."""
+
+    @property
+    def stage(self) -> str:
+        """The stage being run."""
+
+    @property
+    def branch_path(self) -> str:
+        """The request's branch path."""
+
+    @property
+    def worker_id(self) -> str:
+        """The worker running it (the row's ``claimed_by``)."""
+
+    @property
+    def attempt(self) -> int:
+        """Which run this is (1 for the first)."""
+
+    @property
+    def input(self) -> Any:
+        """The request's input as stored (JSON)."""
+
+    @property
+    def claim(self) -> ClaimRef:
+        """The claim (``request_id``, ``token``): never log it."""
+
+    @property
+    def lease_lost(self) -> bool:
+        """True once a heartbeat learned that the lease is gone."""
+
+    @property
+    def cancel_requested(self) -> bool:
+        """True once a heartbeat learned that cancel was requested."""
+
+    def check(self) -> None:
+        """Raise :class:`LeaseLost` or :class:`Cancelled` if the work should stop now."""
+
+    def heartbeat(self) -> None:
+        """Extend the lease now; raises :class:`LeaseLost` or :class:`Cancelled`."""
+
+    def then(self, stage: str, input: Any = None, *, branch_path: str | None = None) -> None:
+        """Hand off to a next stage, enqueued in the same transaction as the completion."""
+
+    def apply_op(
+        self,
+        sub_doc: str,
+        op: OpModel | dict[str, Any],
+        *,
+        key: str | None = None,
+        op_id: str | None = None,
+    ) -> ApplyResult:
+        """Write to a sub-doc of the request's workspace, fenced by the claim."""
+
+    def read_sub_doc(self, sub_doc: str) -> SubDoc:
+        """A sub-doc of the request's workspace as committed now; :class:`LeaseLost` once
+        the lease is known to be gone."""
+
+    @overload
+    def compute_once(
+        self,
+        task: str,
+        check: Callable[[], T | None],
+        compute: Callable[[], T],
+        store: Callable[[T], object],
+        *,
+        wait: Literal[True] = True,
+        **kw: Any,
+    ) -> Outcome[T]: ...
+    @overload
+    def compute_once(
+        self,
+        task: str,
+        check: Callable[[], T | None],
+        compute: Callable[[], T],
+        store: Callable[[T], object],
+        *,
+        wait: bool,
+        **kw: Any,
+    ) -> Outcome[T] | Locked: ...
+    def compute_once(
+        self,
+        task: str,
+        check: Callable[[], T | None],
+        compute: Callable[[], T],
+        store: Callable[[T], object],
+        *,
+        wait: bool = True,
+        **kw: Any,
+    ) -> Outcome[T] | Locked:
+        """The compute-lock protocol on the cell (workspace, job, ``task``): ``compute()``
+        is paid for once across every caller. ``wait=False``: :class:`Locked` when someone
+        else holds the lock; ``kw``: ``ttl``, ``on_wait``, ``watchdog``…"""
+
+
 class StageContext:
-    """What a stage body gets besides its input: its request, its lease, its fenced steps."""
+    """What a stage body gets besides its input: its request, its lease, its fenced steps.
+
+    Implements :class:`WorkContext` in-process (the queue and the op log directly).
+    """
 
     def __init__(self, queue: Queue, claim: Claim, worker_id: str) -> None:
         self._queue = queue
@@ -54,6 +187,36 @@ class StageContext:
     def request(self) -> Request:
         """The claimed request (ids, input, attempt, …)."""
         return self._claim.request
+
+    @property
+    def request_id(self) -> str:
+        """The claimed request's id."""
+        return self._claim.request.request_id
+
+    @property
+    def workspace_id(self) -> str:
+        """The request's workspace."""
+        return self._claim.request.workspace_id
+
+    @property
+    def job_id(self) -> str:
+        """The request's job."""
+        return self._claim.request.job_id
+
+    @property
+    def stage(self) -> str:
+        """The stage being run."""
+        return self._claim.request.stage
+
+    @property
+    def branch_path(self) -> str:
+        """The request's branch path."""
+        return self._claim.request.branch_path
+
+    @property
+    def input(self) -> Any:
+        """The request's input as stored (JSON; the body's second argument is it validated)."""
+        return self._claim.request.input
 
     @property
     def attempt(self) -> int:
@@ -119,7 +282,12 @@ class StageContext:
         return self._claim
 
     def read_sub_doc(self, sub_doc: str) -> SubDoc:
-        """A sub-doc of this request's workspace, as committed now (state and clock)."""
+        """A sub-doc of this request's workspace, as committed now (state and clock).
+
+        Raises :class:`LeaseLost` once a heartbeat learned that the lease is gone.
+        """
+        if self._lost.is_set():
+            raise LeaseLost(self._claim.request_id, "a heartbeat was rejected")
         return oplog_for(self._queue).get_sub_doc(self.request.workspace_id, sub_doc)
 
     def apply_op(
@@ -148,14 +316,38 @@ class StageContext:
             lambda: oplog.apply_op(workspace, sub_doc, op, op_id, fence=self._claim),
         )
 
+    @overload
     def compute_once(
         self,
         task: str,
         check: Callable[[], T | None],
         compute: Callable[[], T],
         store: Callable[[T], object],
+        *,
+        wait: Literal[True] = True,
         **kw: Any,
-    ) -> Any:
+    ) -> Outcome[T]: ...
+    @overload
+    def compute_once(
+        self,
+        task: str,
+        check: Callable[[], T | None],
+        compute: Callable[[], T],
+        store: Callable[[T], object],
+        *,
+        wait: bool,
+        **kw: Any,
+    ) -> Outcome[T] | Locked: ...
+    def compute_once(
+        self,
+        task: str,
+        check: Callable[[], T | None],
+        compute: Callable[[], T],
+        store: Callable[[T], object],
+        *,
+        wait: bool = True,
+        **kw: Any,
+    ) -> Outcome[T] | Locked:
         """:func:`onceflow.locks.compute_once` on this request's workspace and job (layer 2).
 
         The lease is checked before ``compute()`` and before ``store()``, so a stage
@@ -173,8 +365,12 @@ class StageContext:
 
         return compute_once(
             req.workspace_id, req.job_id, task,
-            check=check, compute=fenced_compute, store=fenced_store, **kw,
+            check=check, compute=fenced_compute, store=fenced_store, wait=wait, **kw,
         )  # fmt: skip
+
+
+def _implements_the_interface(ctx: StageContext) -> WorkContext:
+    return ctx  # mypy checks that every member of WorkContext is here, with its type
 
 
 def error_payload(exc: BaseException) -> dict[str, Any]:

@@ -7,9 +7,9 @@ and sent only in request bodies::
 
     from onceflow.integrations.pull import PullWorker
 
-    def work(ctx):
+    def work(ctx):                                # a WorkContext, as a stage body's
         ctx.check()                              # LeaseLost / Cancelled: stop here
-        ctx.apply_op(f"job:{ctx.request['job_id']}", {"type": "cell.set", ...}, key="cell:x")
+        ctx.apply_op(f"job:{ctx.job_id}", {"type": "cell.set", ...}, key="cell:x")
         return {"done": True}                    # the result, completed (fenced)
 
     with PullWorker("http://127.0.0.1:8000", worker_key, "browser") as worker:
@@ -17,6 +17,11 @@ and sent only in request bodies::
 
 A worker whose lease lapsed (paused, partitioned) learns it from its next
 heartbeat or fenced call (409 lease_lost) and writes nothing more.
+
+:class:`PullContext` implements :class:`onceflow.context.WorkContext`, the interface of a
+Celery stage's :class:`~onceflow.context.StageContext`, so one body runs under either; its
+``compute_once`` is the compute-lock protocol over the claim's lock routes
+(:mod:`onceflow.integrations.pull_locks`); it lives in :mod:`onceflow.integrations.pull_context`.
 """
 
 from __future__ import annotations
@@ -38,13 +43,17 @@ from typing import Any
 import httpx
 
 from onceflow.errors import Cancelled, InvalidRequest, LeaseLost, OnceflowError, PermanentError
-from onceflow.oplog import ApplyResult, TransportError
+from onceflow.integrations import pull_locks
+from onceflow.integrations.pull_context import PullContext
+from onceflow.oplog import ApplyResult, SubDoc, TransportError
 from onceflow.oplog.http import path_segment, raise_for_api_error
 from onceflow.payloads import is_unreadable
 
 log = logging.getLogger("onceflow.pull")
 
 JSON = Any
+
+__all__ = ["PullClaim", "PullContext", "PullWorker"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,58 +66,6 @@ class PullClaim:
     lease_expires_at: datetime
     attempt: int
     request: dict[str, Any]
-
-
-class PullContext:
-    """What the work function gets: the request, the lease's state, fenced writes, hand-offs."""
-
-    def __init__(self, worker: PullWorker, claim: PullClaim) -> None:
-        self.worker = worker
-        self.claim = claim
-        self._lost = threading.Event()
-        self._cancel = threading.Event()
-        self._then: list[dict[str, Any]] = []
-
-    @property
-    def request(self) -> dict[str, Any]:
-        """The claimed request as the API returned it (ids, stage, input, attempt…)."""
-        return self.claim.request
-
-    @property
-    def input(self) -> Any:
-        """The request's input."""
-        return self.claim.request.get("input")
-
-    @property
-    def lease_lost(self) -> bool:
-        """True once a heartbeat learned that the lease is gone."""
-        return self._lost.is_set()
-
-    @property
-    def cancel_requested(self) -> bool:
-        """True once a heartbeat learned that cancel was requested."""
-        return self._cancel.is_set()
-
-    def check(self) -> None:
-        """Raise :class:`LeaseLost` or :class:`Cancelled` if the work should stop now."""
-        if self._lost.is_set():
-            raise LeaseLost(self.claim.request_id, "a heartbeat was rejected")
-        if self._cancel.is_set():
-            raise Cancelled(self.claim.request_id)
-
-    def apply_op(
-        self, sub_doc: str, op: dict[str, Any], *, key: str | None = None, op_id: str | None = None
-    ) -> ApplyResult:
-        """Write to a sub-doc of the request's workspace, fenced by this claim (see ``key``)."""
-        self.check()
-        return self.worker.apply_op(self.claim, sub_doc, op, key=key, op_id=op_id)
-
-    def then(self, stage: str, input: JSON = None, *, branch_path: str | None = None) -> None:
-        """Hand off to a next stage, enqueued in the same transaction as the completion."""
-        item: dict[str, Any] = {"stage": stage, "input": {} if input is None else input}
-        if branch_path is not None:
-            item["branch_path"] = branch_path
-        self._then.append(item)
 
 
 class PullWorker:
@@ -211,6 +168,46 @@ class PullWorker:
             error=data["error"],
             committed_at=datetime.fromisoformat(data["committed_at"]),
         )
+
+    def read_sub_doc(self, claim: PullClaim, sub_doc: str) -> SubDoc:
+        """A sub-doc of the claimed request's workspace, read under the live claim."""
+        data = self._claim_call(claim, "sub-docs", {"sub_doc": sub_doc})
+        return SubDoc(data["workspace_id"], data["sub_doc"], data["clock"], data["state"])
+
+    def acquire_lock(
+        self, claim: PullClaim, task: str, ttl_seconds: float | None = None
+    ) -> dict[str, Any]:
+        """Take the compute lock of ``task`` on the claimed request's job: ``{acquired,
+        lock_token, ttl_ms}`` or ``{locked, remaining_ms}`` (a lost answer's lock expires)."""
+        body: dict[str, Any] = {"task": task}
+        if ttl_seconds is not None:
+            body["ttl_seconds"] = ttl_seconds
+        return self._claim_call(claim, "locks", body)
+
+    def extend_lock(
+        self, claim: PullClaim, task: str, lock_token: str, ttl_seconds: float | None = None
+    ) -> bool:
+        """Compare and extend a held lock: False once it expired or was taken."""
+        body: dict[str, Any] = {"task": task, "lock_token": lock_token}
+        if ttl_seconds is not None:
+            body["ttl_seconds"] = ttl_seconds
+        return bool(self._claim_call(claim, "locks/extend", body)["held"])
+
+    def release_lock(
+        self, claim: PullClaim, task: str, lock_token: str, outcome: pull_locks.Release
+    ) -> bool:
+        """Compare and delete a held lock, announcing ``lock_released`` to its waiters."""
+        body = {"task": task, "lock_token": lock_token, "outcome": outcome}
+        return bool(self._claim_call(claim, "locks/release", body)["released"])
+
+    def claim_events(self, claim: PullClaim) -> pull_locks.ClaimEvents:
+        """The claimed request's workspace events, once live (see :class:`ClaimEvents`)."""
+        url = f"/v1/claims/{path_segment('request_id', claim.request_id)}/events"
+        events = pull_locks.ClaimEvents(
+            self._client, url, self._headers, claim.request_id, claim.token
+        )
+        timeout = self._client.timeout
+        return events.open((timeout.connect or 10.0) + (timeout.read or 10.0))
 
     # ---------------------------------------------------------------- the loop
 

@@ -4,7 +4,7 @@ The Postgres table stays the source of truth; a Celery message carries only a
 request id and is a wake-up (DESIGN.md L5).
 """
 
-from onceflow.context import StageContext
+from onceflow.context import StageContext, WorkContext
 from onceflow.tasks.config import MAINTENANCE_QUEUE, SWEEP_TASK, celery_config
 from onceflow.tasks.flow import Flow, StageSpec, StageTask, worker_id
 
@@ -15,6 +15,7 @@ __all__ = [
     "StageContext",
     "StageSpec",
     "StageTask",
+    "WorkContext",
     "celery_config",
     "worker_id",
 ]

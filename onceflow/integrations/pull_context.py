@@ -1,0 +1,193 @@
+"""The context a pull worker's function gets: :class:`PullContext`, a
+:class:`~onceflow.context.WorkContext` over onceflow's HTTP API (the claim routes).
+
+Every member of the interface a Celery stage's :class:`~onceflow.context.StageContext` has,
+so one body runs under either: ids, input, attempt, the lease's state, ``heartbeat``,
+fenced ``apply_op`` and ``read_sub_doc``, ``then`` and ``compute_once``
+(:mod:`onceflow.integrations.pull_locks`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
+
+from onceflow.errors import Cancelled, LeaseLost
+from onceflow.integrations import pull_locks
+from onceflow.locks import Locked, Outcome
+from onceflow.models.ops import OpModel
+from onceflow.oplog import ApplyResult, SubDoc, new_op_id
+
+if TYPE_CHECKING:
+    from onceflow.context import WorkContext
+    from onceflow.integrations.pull import PullClaim, PullWorker
+
+T = TypeVar("T")
+
+
+class PullContext:
+    """What the work function gets: a :class:`~onceflow.context.WorkContext` over HTTP.
+
+    Beyond the interface: ``request`` (the row as the API returned it, a dict) and
+    ``worker`` (the :class:`PullWorker`).
+    """
+
+    def __init__(self, worker: PullWorker, claim: PullClaim) -> None:
+        self.worker = worker
+        self.claim = claim
+        self._lost = threading.Event()
+        self._cancel = threading.Event()
+        self._then: list[dict[str, Any]] = []
+
+    @property
+    def request(self) -> dict[str, Any]:
+        """The claimed request as the API returned it (ids, stage, input, attempt…)."""
+        return self.claim.request
+
+    @property
+    def request_id(self) -> str:
+        """The claimed request's id."""
+        return self.claim.request_id
+
+    @property
+    def workspace_id(self) -> str:
+        """The request's workspace."""
+        return str(self.claim.request["workspace_id"])
+
+    @property
+    def job_id(self) -> str:
+        """The request's job."""
+        return str(self.claim.request["job_id"])
+
+    @property
+    def stage(self) -> str:
+        """The stage being run."""
+        return str(self.claim.request["stage"])
+
+    @property
+    def branch_path(self) -> str:
+        """The request's branch path."""
+        return str(self.claim.request["branch_path"])
+
+    @property
+    def worker_id(self) -> str:
+        """This worker's id (the row's ``claimed_by``)."""
+        return self.worker.worker_id
+
+    @property
+    def attempt(self) -> int:
+        """Which run this is (1 for the first)."""
+        return self.claim.attempt
+
+    @property
+    def input(self) -> Any:
+        """The request's input."""
+        return self.claim.request.get("input")
+
+    @property
+    def lease_lost(self) -> bool:
+        """True once a heartbeat learned that the lease is gone."""
+        return self._lost.is_set()
+
+    @property
+    def cancel_requested(self) -> bool:
+        """True once a heartbeat learned that cancel was requested."""
+        return self._cancel.is_set()
+
+    def check(self) -> None:
+        """Raise :class:`LeaseLost` or :class:`Cancelled` if the work should stop now."""
+        if self._lost.is_set():
+            raise LeaseLost(self.claim.request_id, "a heartbeat was rejected")
+        if self._cancel.is_set():
+            raise Cancelled(self.claim.request_id)
+
+    def heartbeat(self) -> None:
+        """Extend the lease now; raises :class:`LeaseLost` or :class:`Cancelled`."""
+        try:
+            cancel = self.worker.heartbeat(self.claim)
+        except LeaseLost:
+            self._lost.set()
+            raise
+        if cancel:
+            self._cancel.set()
+        self.check()
+
+    def apply_op(
+        self,
+        sub_doc: str,
+        op: OpModel | dict[str, Any],
+        *,
+        key: str | None = None,
+        op_id: str | None = None,
+    ) -> ApplyResult:
+        """Write to a sub-doc of the request's workspace, fenced by this claim.
+
+        ``key`` names the write within the stage: its op id is derived from the request
+        and the key, so a retried run joins the first run's write. Without ``key`` or
+        ``op_id``, an op id is minted once, before the first send.
+        """
+        self.check()
+        if isinstance(op, OpModel):
+            op = op.model_dump(mode="json")
+        if key is None and op_id is None:
+            op_id = new_op_id()
+        return self.worker.apply_op(self.claim, sub_doc, op, key=key, op_id=op_id)
+
+    def read_sub_doc(self, sub_doc: str) -> SubDoc:
+        """A sub-doc of the request's workspace as committed now, read under the claim
+        (``POST /v1/claims/{id}/sub-docs``: :class:`LeaseLost` once the claim is not live)."""
+        if self._lost.is_set():
+            raise LeaseLost(self.claim.request_id, "a heartbeat was rejected")
+        return self.worker.read_sub_doc(self.claim, sub_doc)
+
+    @overload
+    def compute_once(
+        self,
+        task: str,
+        check: Callable[[], T | None],
+        compute: Callable[[], T],
+        store: Callable[[T], object],
+        *,
+        wait: Literal[True] = True,
+        **kw: Any,
+    ) -> Outcome[T]: ...
+    @overload
+    def compute_once(
+        self,
+        task: str,
+        check: Callable[[], T | None],
+        compute: Callable[[], T],
+        store: Callable[[T], object],
+        *,
+        wait: bool,
+        **kw: Any,
+    ) -> Outcome[T] | Locked: ...
+    def compute_once(
+        self,
+        task: str,
+        check: Callable[[], T | None],
+        compute: Callable[[], T],
+        store: Callable[[T], object],
+        *,
+        wait: bool = True,
+        **kw: Any,
+    ) -> Outcome[T] | Locked:
+        """The compute-lock protocol on the cell (workspace, job, ``task``) over the claim's
+        lock routes: the same lock as a Celery stage's. ``kw``: ``wait``, ``ttl``,
+        ``watchdog``, ``on_wait`` (see :func:`onceflow.integrations.pull_locks.compute_once`).
+        """
+        return pull_locks.compute_once(self, task, check, compute, store, wait=wait, **kw)
+
+    def then(self, stage: str, input: Any = None, *, branch_path: str | None = None) -> None:
+        """Hand off to a next stage, enqueued in the same transaction as the completion."""
+        item: dict[str, Any] = {"stage": stage, "input": {} if input is None else input}
+        if branch_path is not None:
+            item["branch_path"] = branch_path
+        self._then.append(item)
+
+
+if TYPE_CHECKING:
+
+    def _implements_the_interface(ctx: PullContext) -> WorkContext:
+        return ctx  # mypy checks that every member of WorkContext is here, with its type
