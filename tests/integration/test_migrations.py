@@ -42,7 +42,7 @@ def test_upgrade_head_on_empty_database_then_no_drift(empty_database: str) -> No
             ).scalar_one()
             assert "autovacuum_vacuum_scale_factor=0.01" in options
             version = conn.execute(text("SELECT version_num FROM onceflow_alembic_version"))
-            assert version.scalar_one() == "0005"
+            assert version.scalar_one() == "0006"
     finally:
         engine.dispose()
 
@@ -74,7 +74,7 @@ def test_claim_uses_its_partial_index_on_a_big_table(clean_db: Engine) -> None:
         conn.execute(text("ANALYZE workspace_process_requests"))
     params = {
         "worker_class": "llm", "worker_id": "w", "tokens": ["t"] * 10,
-        "lease_seconds": 30.0, "now": None,
+        "lease_seconds": 30.0, "max_runtime": None, "now": None,
     }  # fmt: skip
     # The statement exactly as claim_next sends it (psycopg, literal LIMIT).
     with raw_connection(clean_db) as raw:
