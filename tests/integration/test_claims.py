@@ -31,6 +31,7 @@ from onceflow.db import raw_connection
 from onceflow.ids import request_id_for
 from onceflow.models import Dispatch
 from onceflow.queue.claims import fence_steps
+from onceflow.queue.sql import N
 from tests.acceptance.procs import wait_for
 from tests.both_apis import both
 from tests.conftest import table_snapshot
@@ -273,6 +274,40 @@ def test_the_fence_check_by_ref_inside_a_transaction(api_queue: Queue, queue: Qu
     run(queue.connector, fenced(claim.ref))
     with pytest.raises(LeaseLost):
         run(queue.connector, fenced(ClaimRef(rid, "0" * 32)))
+
+
+def test_fenced_retry_takes_steps_or_values_and_retries_a_blip(api_queue: Queue) -> None:
+    rid = api_queue.enqueue("s", "w", "j").request_id
+    claim = api_queue.claim(rid, "a")
+    assert claim is not None
+    tries: list[int] = []
+
+    def attempt() -> Steps[Any]:
+        tries.append(1)
+        if len(tries) < 3:  # a blip: retried (after a Sleep step) while the lease may hold
+            raise DatabaseUnavailable("a blip")
+        row = yield FetchOne(N.LIVE_CLAIM, {"request_id": rid, "token": claim.token, "now": None})
+        return row["request_id"]
+
+    assert api_queue.fenced_retry(claim.ref, attempt) == rid
+    assert len(tries) == 3
+
+    def refused() -> Any:
+        raise LeaseLost(rid, "refused")
+
+    def landed() -> Steps[str]:
+        row = yield FetchOne(N.GET, {"request_id": rid})
+        return str(row["status"])
+
+    assert api_queue.fenced_retry(claim, refused, landed) == "running"  # asked on LeaseLost only
+    with pytest.raises(LeaseLost):
+        api_queue.fenced_retry(claim, refused)
+    with pytest.raises(DatabaseUnavailable):  # the budget bounds the trying, nothing more
+        api_queue.fenced_retry(claim, _blip, budget=0.2)
+
+
+def _blip() -> Any:
+    raise DatabaseUnavailable("a long blip")
 
 
 def test_retry_backoff_then_dead_with_error_kept(api_queue: Queue, clean_db: Engine) -> None:
