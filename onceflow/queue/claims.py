@@ -1,4 +1,4 @@
-# About 400 lines: claims and every fenced write under them share the fence and retry rules.
+# Over 400 lines: claims and every fenced write under them share the fence and retry rules.
 """Claims and the fenced writes under them: claim, heartbeat, complete, hand off, fail.
 
 Operations of both APIs (:class:`~onceflow.Queue` and :class:`~onceflow.AsyncQueue`),
