@@ -27,7 +27,7 @@ from onceflow.errors import (
 )
 from onceflow.ids import request_id_for
 from onceflow.locks import compute_once
-from onceflow.models import Claim, EnqueueResult, Heartbeat, NewRequest, Request, Status
+from onceflow.models import Claim, ClaimRef, EnqueueResult, Heartbeat, NewRequest, Request, Status
 from onceflow.oplog import OpLog, WorkspaceClient
 from onceflow.queue import AsyncQueue, Queue
 from onceflow.settings import Settings, get_settings
@@ -37,6 +37,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncQueue",
     "Claim",
+    "ClaimRef",
     "ConnectionLost",
     "DatabaseUnavailable",
     "EnqueueResult",

@@ -94,26 +94,29 @@ _OUTCOME = {
 
 
 @_safe
-def finished(claim: Claim, row: Request) -> None:
+def finished(row: Request) -> None:
     """A run's recorded outcome (``row``: the request after complete/fail)."""
     outcome = _OUTCOME.get(row.status)
     if outcome is None:
         return
     wc, stage = row.worker_class, row.stage
     _child(d.ATTEMPTS, wc, stage, outcome).inc()
-    # claimed_at, never updated_at: heartbeats and cancels move updated_at, and the HTTP
-    # API rebuilds a pull worker's claim from the current row.
-    took = _seconds(row.claimed_at or claim.request.claimed_at, row.updated_at)
+    # From the row's claimed_at (the claim's own time, kept by complete and fail), never
+    # updated_at: heartbeats and cancels move updated_at.
+    took = _seconds(row.claimed_at, row.updated_at)
     if took is not None:
         _child(d.STAGE_DURATION, wc, stage, outcome).observe(took)
 
 
 @_safe
 def finished_many(claims: Iterable[Claim], rows: Iterable[Any]) -> None:
-    """``finished`` for a batch (entries that are not rows, e.g. LeaseLost, are skipped)."""
-    for claim, row in zip(claims, rows, strict=False):
+    """``finished`` for a batch (entries that are not rows, e.g. LeaseLost, are skipped).
+
+    ``claims`` is not needed any more (each row has its claim time); kept for callers.
+    """
+    for row in rows:
         if isinstance(row, Request):
-            finished(claim, row)
+            finished(row)
 
 
 @_safe

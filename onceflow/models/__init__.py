@@ -3,6 +3,7 @@
 from onceflow.models.locks import compute_locks as compute_locks
 from onceflow.models.requests import (
     Claim,
+    ClaimRef,
     Dispatch,
     EnqueueResult,
     Heartbeat,
@@ -16,6 +17,7 @@ from onceflow.models.tables import metadata, workspace_process_requests
 
 __all__ = [
     "Claim",
+    "ClaimRef",
     "Dispatch",
     "EnqueueResult",
     "Heartbeat",

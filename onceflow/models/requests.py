@@ -104,11 +104,26 @@ _REQUEST_FIELDS = tuple(Request.__dataclass_fields__)
 
 
 @dataclass(frozen=True, slots=True)
+class ClaimRef:
+    """What a pull worker holds of a claim: the request id and the claim token.
+
+    Every fenced write (``heartbeat``, ``complete``, ``hand_off``, ``fail``) takes one
+    as it takes a :class:`Claim`; what the ref does not carry (the claim's lease length,
+    its run deadline, which attempt it is) comes from the row, in the fenced statement
+    itself. ``repr`` hides the token.
+    """
+
+    request_id: str
+    token: str = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
 class Claim:
     """A live claim on a request: the only holder of its claim token.
 
     Keep it with the code running the stage; never log it, never put it in a
-    Celery message. ``repr`` hides the token.
+    Celery message. ``repr`` hides the token. Like :class:`ClaimRef`, it has
+    ``request_id`` and ``token``: either is taken by the fenced writes.
     """
 
     request: Request
@@ -136,6 +151,11 @@ class Claim:
     def attempt(self) -> int:
         """Which run this is (1 for the first)."""
         return self.request.attempts
+
+    @property
+    def ref(self) -> ClaimRef:
+        """The claim as a pull worker holds it: request id and token."""
+        return ClaimRef(self.request.request_id, self.token)
 
 
 @dataclass(frozen=True, slots=True)

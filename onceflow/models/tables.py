@@ -12,6 +12,7 @@ from sqlalchemy import (
     CheckConstraint,
     Column,
     DateTime,
+    Double,
     Index,
     Integer,
     MetaData,
@@ -56,6 +57,13 @@ workspace_process_requests = Table(
     Column("heartbeat_at", DateTime(timezone=True)),
     # When the latest claim was taken (database clock): pickup latency and run duration.
     Column("claimed_at", DateTime(timezone=True)),
+    # The claim's lease length (the latest a heartbeat asked for) and run deadline (claim
+    # time + max_runtime): a heartbeat by (request_id, token) alone reads them here (0006).
+    Column("lease_seconds", Double),
+    Column("run_deadline", DateTime(timezone=True)),
+    # The run id (digest of the token) whose own complete/fail ended the latest claim: a
+    # retried write whose answer was lost recognises its outcome by its token (0006).
+    Column("ended_run", Text),
     Column("attempts", Integer, nullable=False, server_default=text("0")),
     Column("crash_attempts", Integer, nullable=False, server_default=text("0")),
     Column("max_attempts", Integer, nullable=False),

@@ -1,13 +1,18 @@
-# About 400 lines: claims and every fenced write under them share the fence and retry rules.
+# Over 400 lines: claims and every fenced write under them share the fence and retry rules.
 """Claims and the fenced writes under them: claim, heartbeat, complete, hand off, fail.
 
-Every write checks the fence (token + live lease, database clock). Mixed into
-:class:`~onceflow.queue.Queue`.
+Operations of both APIs (:class:`~onceflow.Queue` and :class:`~onceflow.AsyncQueue`),
+each written once as steps (see :mod:`onceflow.connector`). Every fenced write checks
+the fence (token + live lease, database clock) and takes a :class:`Claim` or a bare
+:class:`ClaimRef` (``request_id``, ``token``: what a pull worker holds); what a ref
+does not carry — the claim's lease length, its run deadline, its attempt number, whether
+a write whose answer was lost was its own — the statement reads from the row itself.
 """
 
 from __future__ import annotations
 
 import builtins
+import inspect
 import logging
 import random
 import time
@@ -16,15 +21,21 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
-from sqlalchemy import Engine
 
-from onceflow.db import (
-    fetch_all,
-    fetch_one,
-    is_disconnect,
-    raw_connection,
-    retry_disconnect,
+from onceflow.connector import (
+    Execute,
+    FetchAll,
+    FetchOne,
+    Sleep,
+    Steps,
+    Transaction,
+    on_connection,
+    one_row,
+    operation,
+    retrying,
+    run,
 )
+from onceflow.db import is_disconnect
 from onceflow.errors import DatabaseUnavailable, InvalidRequest, LeaseLost
 from onceflow.ids import (
     RequestId,
@@ -35,6 +46,7 @@ from onceflow.ids import (
 from onceflow.metrics import record as metrics
 from onceflow.models.requests import (
     Claim,
+    ClaimRef,
     EnqueueResult,
     Heartbeat,
     NewRequest,
@@ -45,32 +57,32 @@ from onceflow.payloads import JSON, encode_payload
 from onceflow.queue import sql
 from onceflow.queue.batch import _seconds
 from onceflow.queue.reads import LIST_LIMIT_MAX
+from onceflow.queue.sql import N
 from onceflow.settings import Settings
 
 log = logging.getLogger("onceflow.queue")
 _T = TypeVar("_T")
 
+#: What every fenced write takes: a claim, or its bare ``(request_id, token)``.
+Fenced = Claim | ClaimRef
+
 
 class ClaimOps:
-    """Claims and fenced writes of the layer-1 store (a mixin of :class:`~onceflow.queue.Queue`)."""
+    """Claims and fenced writes of the layer-1 store (a mixin of both queue APIs)."""
 
-    engine: Engine
     settings: Settings
 
-    if TYPE_CHECKING:  # provided by Queue (queue/reads.py, queue/enqueue.py, queue/batch.py)
-
-        def _read_one(self, query: str, params: dict[str, Any]) -> Any: ...
+    if TYPE_CHECKING:  # provided by EnqueueOps (queue/enqueue.py)
 
         def _enqueue_params(
             self, items: Sequence[NewRequest], now: datetime | None
         ) -> dict[str, Any]: ...
 
-        def _enqueue_raw(
-            self, raw: psycopg.Connection[Any], params: dict[str, Any], strict: bool
-        ) -> list[EnqueueResult]: ...
+        def _insert_rows(
+            self, params: dict[str, Any], strict: bool
+        ) -> Steps[builtins.list[EnqueueResult]]: ...
 
-        def _error_text(self, error: Any) -> str: ...
-
+    @operation
     def claim(
         self,
         request_id: str,
@@ -80,7 +92,7 @@ class ClaimOps:
         stage: str | None = None,
         max_runtime: float | None = None,
         now: datetime | None = None,
-    ) -> Claim | None:
+    ) -> Steps[Claim | None]:
         """Claim one request by id, or None if it is not claimable (running, finished, not due).
 
         ``stage`` (optional) claims it only if it is a request of that stage.
@@ -95,17 +107,18 @@ class ClaimOps:
         token = new_claim_token()
         params = {
             "request_id": request_id, "worker_id": worker_id, "token": token,
-            "lease_seconds": lease, "stage": stage, "now": now,
+            "lease_seconds": lease, "max_runtime": runtime, "stage": stage, "now": now,
         }  # fmt: skip
         try:
-            row = self._read_one(sql.Q_CLAIM, params)
+            row = yield FetchOne(N.CLAIM, params)
         except DatabaseUnavailable as exc:
             if not is_disconnect(exc):
                 raise
             # The lost attempt may have committed our claim (same token): take it up, or
             # claim now. Never a second claim: the row can hold only one token.
-            own = {"request_id": request_id, "token": token}
-            row = self._read_one(sql.Q_OWN_CLAIM, own) or self._read_one(sql.Q_CLAIM, params)
+            row = yield FetchOne(N.OWN_CLAIM, {"request_id": request_id, "token": token})
+            if row is None:
+                row = yield FetchOne(N.CLAIM, params)
         if row is None:
             return None
         request = Request.from_row(row)
@@ -114,6 +127,7 @@ class ClaimOps:
         metrics.claimed([claim], [bool(row.get("took_over"))])
         return claim
 
+    @operation
     def claim_next(
         self,
         worker_classes: str | Sequence[str],
@@ -123,7 +137,7 @@ class ClaimOps:
         lease_seconds: float | None = None,
         max_runtime: float | None = None,
         now: datetime | None = None,
-    ) -> list[Claim]:
+    ) -> Steps[builtins.list[Claim]]:
         """Claim up to ``limit`` due requests, reading one worker class at a time, in order.
 
         ``max_runtime`` as for :meth:`claim`.
@@ -138,76 +152,87 @@ class ClaimOps:
         if not isinstance(limit, int) or not 1 <= limit <= LIST_LIMIT_MAX:
             raise InvalidRequest(f"limit must be an integer in [1, {LIST_LIMIT_MAX}]")
         lease = self._lease(lease_seconds)
-        claims: list[Claim] = []
-        took_over: list[bool] = []
-        with raw_connection(self.engine) as raw:
-            for wc in classes:
-                want = limit - len(claims)
-                if want <= 0:
-                    break
-                tokens = [new_claim_token() for _ in range(want)]
-                params = {
-                    "worker_class": wc, "worker_id": worker_id,
-                    "tokens": tokens, "lease_seconds": lease, "now": now,
-                }  # fmt: skip
-                rows = fetch_all(raw, sql.claim_next_sql(want), params)
-                for row in rows:
-                    request = Request.from_row(row)
-                    assert request.lease_expires_at is not None  # noqa: S101
-                    token = tokens[row["rn"] - 1]
-                    claims.append(Claim(request, token, request.lease_expires_at, lease, runtime))
-                    took_over.append(bool(row["took_over"]))
+        claims: builtins.list[Claim] = []
+        took_over: builtins.list[bool] = []
+        for wc in classes:
+            want = limit - len(claims)
+            if want <= 0:
+                break
+            tokens = [new_claim_token() for _ in range(want)]
+            params = {
+                "worker_class": wc, "worker_id": worker_id, "tokens": tokens,
+                "lease_seconds": lease, "max_runtime": runtime, "now": now,
+            }  # fmt: skip
+            rows = yield FetchAll(sql.claim_next_query(want), params)
+            for row in rows:
+                request = Request.from_row(row)
+                assert request.lease_expires_at is not None  # noqa: S101
+                token = tokens[row["rn"] - 1]
+                claims.append(Claim(request, token, request.lease_expires_at, lease, runtime))
+                took_over.append(bool(row["took_over"]))
         metrics.claimed(claims, took_over)
         return claims
 
-    def heartbeat(self, claim: Claim, *, now: datetime | None = None) -> Heartbeat:
+    @operation
+    def heartbeat(self, claim: Fenced, *, now: datetime | None = None) -> Steps[Heartbeat]:
         """Extend the lease by the claim's lease; raises :class:`LeaseLost` if it is gone.
 
         Never past the claim's run deadline (``max_runtime``): once there, the lease
-        is left to lapse. A lost connection is retried once, on a fresh connection.
+        is left to lapse. A :class:`ClaimRef` extends by the lease recorded on the row
+        (the claim's, or the latest a heartbeat asked for); a :class:`Claim` by its own
+        ``lease_seconds``, which the row keeps from then on. A lost connection is
+        retried once, on a fresh connection.
         """
+        _check_ref(claim)
+        full = claim if isinstance(claim, Claim) else None
         params = {
             "request_id": claim.request_id, "token": claim.token,
-            "lease_seconds": claim.lease_seconds, "deadline": claim.run_deadline, "now": now,
+            "lease_seconds": full.lease_seconds if full else None,
+            "deadline": full.run_deadline if full else None,
+            "default_lease": self.settings.lease_seconds, "now": now,
         }  # fmt: skip
-
         # One immediate retry after a lost connection (extending a lease twice is harmless);
         # nothing longer: one thread beats for every stage of the process, and its next
         # tick is the next retry.
-        row = retry_disconnect(lambda: self._read_one(sql.Q_HEARTBEAT, params))
+        row = yield from retrying(lambda: one_row(N.HEARTBEAT, params))
         if row is None:
             metrics.zombie("heartbeat")
             raise LeaseLost(claim.request_id, "heartbeat rejected")
         return Heartbeat(row["lease_expires_at"], row["cancel_requested"])
 
+    @operation
     def complete(
         self,
-        claim: Claim,
+        claim: Fenced,
         result: JSON = None,
         *,
         then: Iterable[NewRequest] = (),
         now: datetime | None = None,
-    ) -> Request:
+    ) -> Steps[Request]:
         """Mark the request succeeded (fenced by the token); :meth:`hand_off` with the results."""
-        return self.hand_off(claim, result, then=then, now=now)[0]
+        done = yield from ClaimOps.hand_off.steps(self, claim, result, then=then, now=now)
+        return done[0]
 
+    @operation
     def hand_off(
         self,
-        claim: Claim,
+        claim: Fenced,
         result: JSON = None,
         *,
         then: Iterable[NewRequest] = (),
         now: datetime | None = None,
-    ) -> tuple[Request, builtins.list[EnqueueResult]]:
+    ) -> Steps[tuple[Request, builtins.list[EnqueueResult]]]:
         """Mark the request succeeded with ``result`` (fenced by the token).
 
         ``then`` enqueues follow-up requests (the next stage) in the same
         transaction: the hand-off lands entirely or not at all. A database blip
         (a lost connection, a restart) is retried on a fresh connection while the
-        lease may still hold; if an attempt whose answer was lost had committed,
-        the retry recognises its own completion instead of reporting ``LeaseLost``
-        (its hand-offs are then left for the sweeper's next wake-up).
+        lease may still hold; if an attempt whose answer was lost had committed
+        (this call's, or a caller's repeating a call whose answer it lost), the
+        retry recognises its own completion by the token instead of reporting
+        ``LeaseLost`` (its hand-offs are then left for the sweeper's next wake-up).
         """
+        _check_ref(claim)
         text, _ = encode_payload(
             result,
             self.settings.payload_limit_bytes,
@@ -219,124 +244,171 @@ class ClaimOps:
         follow_params = self._enqueue_params(follow_ups, now) if follow_ups else None
         params = {"request_id": claim.request_id, "token": claim.token, "result": text, "now": now}
 
-        def attempt() -> tuple[Request, builtins.list[EnqueueResult]]:
-            followed: builtins.list[EnqueueResult] = []
-            with raw_connection(self.engine) as raw:
-                if follow_params is None:
-                    row = fetch_one(raw, sql.Q_COMPLETE, params)  # one statement, one round trip
-                else:
-                    with raw.transaction():
-                        row = fetch_one(raw, sql.Q_COMPLETE, params)
-                        if row is not None:
-                            followed = self._enqueue_raw(raw, follow_params, strict=False)
+        def attempt() -> Steps[tuple[Request, builtins.list[EnqueueResult]]]:
+            row, followed = yield from self._complete_once(params, follow_params)
             if row is None:
                 raise LeaseLost(claim.request_id, "completion rejected")
             return Request.from_row(row), followed
 
-        def landed() -> tuple[Request, builtins.list[EnqueueResult]] | None:
-            current = self._landed(claim, (Status.SUCCEEDED,))
+        def landed() -> Steps[tuple[Request, builtins.list[EnqueueResult]] | None]:
+            current = yield from _landed(claim, (Status.SUCCEEDED,))
             if current is None:
                 return None
-            followed: builtins.list[EnqueueResult] = []
-            if follow_params is not None:
-                ids = follow_params["request_ids"]
-                with raw_connection(self.engine) as raw:
-                    # Our lost attempt created them, but their wake-ups were never sent.
-                    raw.execute(sql.Q_MARK_UNDISPATCHED_MANY, {"request_ids": ids})
-                    rows = fetch_all(raw, sql.Q_ENQUEUE_LOOKUP, {"request_ids": ids})
-                found = {r["request_id"]: r for r in rows}
-                followed = [
-                    EnqueueResult(
-                        RequestId(rid),
-                        False,
-                        Status(found[rid]["status"]),
-                        found[rid]["input_hash"] != digest,
-                        stage=stage,
-                        worker_class=wc,
-                    )
-                    for rid, digest, stage, wc in zip(
-                        ids,
-                        follow_params["input_hashes"],
-                        follow_params["stages"],
-                        follow_params["worker_classes"],
-                        strict=True,
-                    )
-                    if rid in found
-                ]
+            if follow_params is None:
+                return current, []
+            ids = follow_params["request_ids"]
+            # Our lost attempt created them, but their wake-ups were never sent.
+            yield Execute(N.MARK_UNDISPATCHED_MANY, {"request_ids": ids})
+            rows = yield FetchAll(N.ENQUEUE_LOOKUP, {"request_ids": ids})
+            found = {r["request_id"]: r for r in rows}
+            followed = [
+                EnqueueResult(
+                    RequestId(rid),
+                    False,
+                    Status(found[rid]["status"]),
+                    found[rid]["input_hash"] != digest,
+                    stage=stage,
+                    worker_class=wc,
+                )
+                for rid, digest, stage, wc in zip(
+                    ids,
+                    follow_params["input_hashes"],
+                    follow_params["stages"],
+                    follow_params["worker_classes"],
+                    strict=True,
+                )
+                if rid in found
+            ]
             return current, followed
 
         try:
-            done = self.fenced_retry(claim, attempt, landed)
+            done = yield from self._fenced(claim, attempt, landed)
         except LeaseLost:
             metrics.zombie("hand_off" if follow_ups else "complete")
             raise
-        metrics.finished(claim, done[0])
+        metrics.finished(done[0])
         metrics.enqueued(done[1])  # once, for the attempt that committed
         return done
 
+    def _complete_once(
+        self, params: dict[str, Any], follow_params: dict[str, Any] | None
+    ) -> Steps[tuple[Any, builtins.list[EnqueueResult]]]:
+        """One attempt at a completion: the updated row (None if fenced off) and follow-ups."""
+        if follow_params is None:
+            row = yield FetchOne(N.COMPLETE, params)  # one statement, one round trip
+            return row, []
+        out: tuple[Any, builtins.list[EnqueueResult]] = yield Transaction(
+            self._complete_and_enqueue(params, follow_params)
+        )
+        return out
+
+    def _complete_and_enqueue(
+        self, params: dict[str, Any], follow_params: dict[str, Any]
+    ) -> Steps[tuple[Any, builtins.list[EnqueueResult]]]:
+        row = yield FetchOne(N.COMPLETE, params)
+        if row is None:
+            return None, []
+        followed = yield from self._insert_rows(follow_params, False)
+        return row, followed
+
+    @operation
     def fail(
         self,
-        claim: Claim,
+        claim: Fenced,
         error: JSON,
         *,
         retryable: bool = True,
         retry_in: float | None = None,
         now: datetime | None = None,
-    ) -> Request:
+    ) -> Steps[Request]:
         """Record a failed run (fenced): queued again after a backoff, or dead; error kept.
 
-        Retried on a fresh connection through a database blip, like :meth:`hand_off`.
+        The backoff (unless ``retry_in`` is given) is :meth:`backoff` of the row's attempt
+        number, computed in the fenced statement. Retried on a fresh connection through a
+        database blip, like :meth:`hand_off`.
         """
-        text = self._error_text(error)
-        delay = self.backoff(claim.attempt) if retry_in is None else _seconds("retry_in", retry_in)
+        _check_ref(claim)
+        text = _error_text(self.settings, error)
+        delay = None if retry_in is None else _seconds("retry_in", retry_in)
         params = {
             "request_id": claim.request_id, "token": claim.token, "error": text,
             "retryable": bool(retryable), "delay": delay, "now": now,
+            "backoff_base": float(self.settings.backoff_base_seconds),
+            "backoff_max": float(self.settings.backoff_max_seconds),
             "notify": self.settings.notify,
         }  # fmt: skip
 
-        def attempt() -> Request:
-            with raw_connection(self.engine) as raw:
-                row = fetch_one(raw, sql.Q_FAIL, params)
+        def attempt() -> Steps[Request]:
+            row = yield from self._fail_once(params)
             if row is None:
                 raise LeaseLost(claim.request_id, "failure report rejected")
             return Request.from_row(row)
 
-        def landed() -> Request | None:
-            return self._landed(claim, (Status.QUEUED, Status.DEAD, Status.CANCELLED))
+        def landed() -> Steps[Request | None]:
+            return (yield from _landed(claim, (Status.QUEUED, Status.DEAD, Status.CANCELLED)))
 
         try:
-            row = self.fenced_retry(claim, attempt, landed)
+            row = yield from self._fenced(claim, attempt, landed)
         except LeaseLost:
             metrics.zombie("fail")
             raise
-        metrics.finished(claim, row)
+        metrics.finished(row)
         return row
 
+    def _fail_once(self, params: dict[str, Any]) -> Steps[Any]:
+        """One attempt at a failure report: the updated row, None if fenced off."""
+        row = yield FetchOne(N.FAIL, params)
+        return row
+
+    @operation
     def fenced_retry(
         self,
-        claim: Claim,
-        attempt: Callable[[], _T],
-        landed: Callable[[], _T | None] = lambda: None,
+        claim: Fenced,
+        attempt: Callable[[], _T | Steps[_T]],
+        landed: Callable[[], _T | Steps[_T | None] | None] = lambda: None,
         *,
         budget: float | None = None,
-    ) -> _T:
+    ) -> Steps[_T]:
         """Run a fenced write, retrying database blips while the claim's lease may hold.
 
-        Fenced writes are safe to repeat: the token decides, on the database clock.
-        The retry ``budget`` (one lease by default, on this process's monotonic
-        clock) only bounds how long we keep trying; it never decides whether the
-        lease holds. A ``LeaseLost`` may mean that an earlier attempt — this call's or
-        a caller's, whose answer was lost — committed: ``landed()`` recognises our own
-        committed write (it is asked only on that path, never on success).
+        ``attempt()`` and ``landed()`` return their value, or steps that make it (a
+        generator, run on this queue's connector: what an :class:`~onceflow.AsyncQueue`
+        needs — a callable doing blocking I/O belongs only to the sync
+        :class:`~onceflow.Queue`). See :meth:`_fenced` for the rule.
         """
-        deadline = time.monotonic() + (claim.lease_seconds if budget is None else budget)
+        out: _T = yield from self._fenced(
+            claim, lambda: _as_steps(attempt()), lambda: _as_steps(landed()), budget
+        )
+        return out
+
+    def _fenced(
+        self,
+        claim: Fenced,
+        attempt: Callable[[], Steps[_T]],
+        landed: Callable[[], Steps[_T | None]],
+        budget: float | None = None,
+    ) -> Steps[_T]:
+        """A fenced write's steps, retried through database blips while the lease may hold.
+
+        Fenced writes are safe to repeat: the token decides, on the database clock.
+        The retry ``budget`` (the claim's lease by default — a bare ref's: the queue's
+        default lease —, on this process's monotonic clock) only bounds how long we keep
+        trying; it never decides whether the lease holds. A ``LeaseLost`` may mean that
+        an earlier attempt — this call's or a caller's, whose answer was lost — committed:
+        ``landed()`` recognises our own committed write (it is asked only on that path,
+        never on success).
+        """
+        if budget is None:
+            budget = (
+                claim.lease_seconds if isinstance(claim, Claim) else self.settings.lease_seconds
+            )
+        deadline = time.monotonic() + budget
         delay = 0.05
         while True:
             try:
-                return attempt()
+                return (yield from attempt())
             except LeaseLost:
-                found = landed()
+                found = yield from landed()
                 if found is not None:
                     return found
                 raise
@@ -348,47 +420,29 @@ class ClaimOps:
                     claim.request_id,
                     exc,
                 )
-                time.sleep(delay)
+                yield Sleep(delay)
                 delay = min(1.0, delay * 2)
 
-    def _landed(self, claim: Claim, statuses: tuple[Status, ...]) -> Request | None:
-        """The row, if this claim's own write moved it to one of ``statuses``.
-
-        A later claim would have bumped ``attempts`` (and named another claimant); a
-        sweeper's rescue keeps both but counts a crash.
-        """
-        with raw_connection(self.engine) as raw:
-            row = fetch_one(raw, sql.Q_GET, {"request_id": claim.request_id})
-        if row is None:
-            return None
-        current = Request.from_row(row)
-        mine = (
-            current.claimed_by == claim.request.claimed_by
-            and current.attempts == claim.attempt
-            and current.crash_attempts == claim.request.crash_attempts
-            and current.status in statuses
-        )
-        return current if mine else None
-
     def backoff(self, attempt: int) -> float:
-        """Delay before retry number ``attempt``: exponential, capped, with equal jitter."""
+        """Delay before retry number ``attempt``: exponential, capped, with equal jitter.
+
+        (``fail`` computes the same in its statement, from the row's attempt number.)
+        """
         base = self.settings.backoff_base_seconds * 2 ** max(0, attempt - 1)
         delay = min(self.settings.backoff_max_seconds, base)
         return float(delay / 2 + random.uniform(0, delay / 2))
 
     @staticmethod
     def fence_check(
-        raw: psycopg.Connection[Any], claim: Claim, *, now: datetime | None = None
+        raw: psycopg.Connection[Any], claim: Fenced, *, now: datetime | None = None
     ) -> None:
         """Inside the caller's transaction: raise :class:`LeaseLost` unless the claim is live.
 
         Holds a share lock on the row until that transaction ends, so the lease
-        cannot be rescued between the check and the caller's commit.
+        cannot be rescued between the check and the caller's commit. As steps:
+        :func:`fence_steps`.
         """
-        params = {"request_id": claim.request_id, "token": claim.token, "now": now}
-        if fetch_one(raw, sql.Q_FENCE_CHECK, params) is None:
-            metrics.zombie("op")
-            raise LeaseLost(claim.request_id, "fenced write rejected")
+        run(on_connection(raw), fence_steps(claim, now))
 
     def _lease(self, lease_seconds: float | None) -> float:
         if lease_seconds is None:
@@ -397,6 +451,63 @@ class ClaimOps:
         if lease <= 0:
             raise InvalidRequest("lease_seconds must be positive")
         return lease
+
+
+def fence_steps(claim: Fenced, now: datetime | None = None) -> Steps[None]:
+    """The fence check as steps, for a :class:`~onceflow.connector.Transaction` body.
+
+    Raises :class:`LeaseLost` unless ``claim`` (a :class:`Claim` or a :class:`ClaimRef`)
+    runs under a live lease (database clock), and holds a share lock on the row until the
+    transaction ends, so the lease cannot be rescued before the caller's commit::
+
+        def _apply(self, ...):                    # the body of a Transaction
+            yield from fence_steps(fence)
+            ...                                   # writes that must not outlive the claim
+    """
+    params = {"request_id": claim.request_id, "token": claim.token, "now": now}
+    row = yield FetchOne(N.FENCE_CHECK, params)
+    if row is None:
+        metrics.zombie("op")
+        raise LeaseLost(claim.request_id, "fenced write rejected")
+
+
+def _landed(claim: Fenced, statuses: tuple[Status, ...]) -> Steps[Request | None]:
+    """The row, if this claim's own write (its token's run) ended it in one of ``statuses``.
+
+    Read from ``ended_run`` (a digest of the token ending the run): a later claim, a
+    requeue, or the sweeper's rescue of a run that never ended leaves another value.
+    """
+    params = {
+        "request_id": claim.request_id, "token": claim.token,
+        "statuses": [s.value for s in statuses],
+    }  # fmt: skip
+    row = yield FetchOne(N.LANDED, params)
+    return None if row is None else Request.from_row(row)
+
+
+def _check_ref(claim: Any) -> None:
+    if not isinstance(claim, Claim | ClaimRef):
+        raise InvalidRequest(f"expected a Claim or a ClaimRef, got {type(claim).__name__}")
+    check_id("request_id", claim.request_id)
+    if not isinstance(claim.token, str) or not claim.token:
+        raise InvalidRequest("a claim token is a non-empty string")
+
+
+def _as_steps(value: Any) -> Steps[Any]:
+    """``value``'s steps if it is a generator of steps, else ``value`` itself."""
+    if inspect.isgenerator(value):
+        return (yield from value)
+    return value
+
+
+def _error_text(settings: Settings, error: Any) -> str:
+    """A failure's error as stored JSON (an exception becomes its type and message)."""
+    if isinstance(error, BaseException):
+        error = {"type": type(error).__name__, "message": str(error)}
+    text, _ = encode_payload(
+        error, settings.payload_limit_bytes, what="error", max_depth=settings.max_payload_depth
+    )
+    return text
 
 
 def _max_runtime(value: float | None) -> float | None:

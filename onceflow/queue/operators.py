@@ -1,35 +1,30 @@
 """What an operator does to a request: cancel, requeue; and the sweeper's undispatched mark.
 
-Mixed into :class:`~onceflow.queue.Queue`.
+Operations of both APIs (:class:`~onceflow.Queue` and :class:`~onceflow.AsyncQueue`),
+each written once as steps (see :mod:`onceflow.connector`).
 """
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import TYPE_CHECKING
 
-from sqlalchemy import Engine
-
-from onceflow.db import fetch_one, raw_connection
+from onceflow.connector import Execute, FetchOne, Steps, operation
 from onceflow.errors import InvalidTransition
 from onceflow.ids import check_id
 from onceflow.metrics import record as metrics
 from onceflow.models.requests import Request
 from onceflow.models.status import Status
-from onceflow.queue import sql
+from onceflow.queue.reads import ReadOps
+from onceflow.queue.sql import N
 from onceflow.settings import Settings
 
 
 class OperatorOps:
-    """Operator actions of the layer-1 store (a mixin of :class:`~onceflow.queue.Queue`)."""
+    """Operator actions of the layer-1 store (a mixin of both queue APIs)."""
 
-    engine: Engine
     settings: Settings
 
-    if TYPE_CHECKING:  # provided by Queue (queue/reads.py)
-
-        def get(self, request_id: str) -> Request: ...
-
+    @operation
     def cancel(
         self,
         request_id: str,
@@ -37,7 +32,7 @@ class OperatorOps:
         now: datetime | None = None,
         expect: datetime | None = None,
         expect_run: str | None = None,
-    ) -> Request:
+    ) -> Steps[Request]:
         """Cancel a queued request at once, or ask a running one to stop (its heartbeat says so).
 
         A finished request, or a running one asked to stop already, is returned unchanged
@@ -49,10 +44,9 @@ class OperatorOps:
         """
         check_id("request_id", request_id)
         params = {"request_id": request_id, "now": now, "expect": expect, "expect_run": expect_run}
-        with raw_connection(self.engine) as raw:
-            row = fetch_one(raw, sql.Q_CANCEL, params)
+        row = yield FetchOne(N.CANCEL, params)
         if row is None:
-            current = self.get(request_id)
+            current = yield from ReadOps.get.steps(self, request_id)
             if expect is not None or expect_run is not None:
                 raise InvalidTransition(request_id, current.status.value, "cancel")
             return current
@@ -60,28 +54,28 @@ class OperatorOps:
         metrics.cancelled(cancelled)
         return cancelled
 
+    @operation
     def requeue(
         self, request_id: str, *, now: datetime | None = None, expect: datetime | None = None
-    ) -> Request:
+    ) -> Steps[Request]:
         """Run a finished (succeeded, dead or cancelled) request again; refused while running.
 
         ``expect`` fences it: only a dead or cancelled row last updated at ``expect`` moves;
         any other row is left unchanged and :class:`InvalidTransition` is raised.
         """
         check_id("request_id", request_id)
-        with raw_connection(self.engine) as raw:
-            params = {"request_id": request_id, "now": now, "notify": self.settings.notify}
-            row = fetch_one(raw, sql.Q_REQUEUE, {**params, "expect": expect})
+        params = {"request_id": request_id, "now": now, "notify": self.settings.notify}
+        row = yield FetchOne(N.REQUEUE, {**params, "expect": expect})
         if row is not None:
             requeued = Request.from_row(row)
             metrics.requeued(requeued)
             return requeued
-        current = self.get(request_id)
+        current = yield from ReadOps.get.steps(self, request_id)
         if current.status is Status.RUNNING or expect is not None:
             raise InvalidTransition(request_id, current.status.value, "requeue")
         return current
 
-    def mark_undispatched(self, request_id: str) -> None:
+    @operation
+    def mark_undispatched(self, request_id: str) -> Steps[None]:
         """Note that a queued request's wake-up was not sent, so the next sweep sends one."""
-        with raw_connection(self.engine) as raw:
-            raw.execute(sql.Q_MARK_UNDISPATCHED, {"request_id": request_id})
+        yield Execute(N.MARK_UNDISPATCHED, {"request_id": request_id})

@@ -85,6 +85,13 @@ FROM {TABLE} w
 WHERE w.request_id = ANY(CAST(:request_ids AS text[]))
 """)
 
+# What a claim records beside its token, for fenced writes by (request_id, token) alone: its
+# lease length and run deadline (claim time + :max_runtime; NULL for none), and no run ended
+# yet (ended_run: see COMPLETE).
+_CLAIM_SETS = """lease_seconds = :lease_seconds,
+    run_deadline = n.now + make_interval(secs => CAST(:max_runtime AS float8)),
+    ended_run = NULL"""
+
 # Claim one request by id: queued and due, or running under a lease that lapsed (a crash,
 # counted in crash_attempts) while attempts and the crash budget remain. One statement:
 # a concurrent claimer blocks on the row lock, re-checks the WHERE and gets nothing.
@@ -99,6 +106,7 @@ UPDATE {TABLE} AS w SET
     lease_expires_at = n.now + make_interval(secs => :lease_seconds),
     heartbeat_at = n.now,
     claimed_at = n.now,
+    {_CLAIM_SETS},
     updated_at = n.now
 FROM n
 WHERE w.request_id = :request_id
@@ -160,6 +168,7 @@ UPDATE {TABLE} AS w SET
     lease_expires_at = n.now + make_interval(secs => :lease_seconds),
     heartbeat_at = n.now,
     claimed_at = n.now,
+    {_CLAIM_SETS},
     updated_at = n.now
 FROM picked, n
 WHERE w.request_id = picked.request_id
@@ -174,13 +183,27 @@ _FENCE = """
   AND w.lease_expires_at > n.now
 """
 
-# Never past the run's deadline (claim time + max_runtime, NULL for none: least() ignores
-# NULL): a hung body's heartbeats stop extending its lease, and the sweeper rescues it.
+#: A run's public identity: a digest of its claim token (new at every claim, takeovers
+#: included; the token itself never leaves the workers). The dashboard shows it and fences
+#: its cancel on it (a running row's updated_at moves with every heartbeat).
+RUN_ID = "left(encode(sha256(convert_to(w.claim_token, 'UTF8')), 'hex'), 32)"
+
+# RUN_ID of the :token parameter (what a fenced write's retry compares with ended_run).
+_RUN_OF_TOKEN = "left(encode(sha256(convert_to(CAST(:token AS text), 'UTF8')), 'hex'), 32)"  # noqa: S105
+
+# Extends the lease by :lease_seconds when given (a Claim's; kept as the row's lease for
+# later heartbeats), else by the row's own (a ClaimRef's heartbeat), else by
+# :default_lease (a row claimed before migration 0006). Never past the run's deadline (the
+# row's, else :deadline; NULL for none: least() ignores NULL): a hung body's heartbeats
+# stop extending its lease, and the sweeper rescues it.
 HEARTBEAT: TextClause = text(f"""
 WITH n AS ({_NOW})
 UPDATE {TABLE} AS w SET
-    lease_expires_at = least(n.now + make_interval(secs => :lease_seconds),
-                             CAST(:deadline AS timestamptz)),
+    lease_expires_at = least(
+        n.now + make_interval(secs => coalesce(CAST(:lease_seconds AS float8), w.lease_seconds,
+                                               CAST(:default_lease AS float8))),
+        coalesce(w.run_deadline, CAST(:deadline AS timestamptz))),
+    lease_seconds = coalesce(CAST(:lease_seconds AS float8), w.lease_seconds),
     heartbeat_at = n.now,
     updated_at = n.now
 FROM n
@@ -202,6 +225,7 @@ WITH n AS ({_NOW})
 UPDATE {TABLE} AS w SET
     status = 'succeeded',
     result = CAST(:result AS jsonb),
+    ended_run = {RUN_ID},
     claim_token = NULL,
     lease_expires_at = NULL,
     finished_at = n.now,
@@ -211,8 +235,10 @@ WHERE {_FENCE}
 RETURNING {RETURNING}
 """)
 
-# The next status of a failed run: cancelled if cancel was requested, queued again (after
-# :delay seconds) if retryable with attempts left, else dead. The error is always kept.
+# The next status of a failed run: cancelled if cancel was requested, queued again if
+# retryable with attempts left, else dead. The error is always kept. Queued again after
+# :delay seconds, or (NULL) after the backoff of the row's attempt number: exponential from
+# :backoff_base, capped at :backoff_max, with equal jitter (as Queue.backoff).
 FAIL: TextClause = text(f"""
 WITH n AS ({_NOW}),
 nxt AS (
@@ -220,7 +246,10 @@ nxt AS (
         WHEN w.cancel_requested THEN 'cancelled'
         WHEN :retryable AND w.attempts < w.max_attempts THEN 'queued'
         ELSE 'dead'
-    END AS status
+    END AS status,
+    least(CAST(:backoff_max AS float8),
+          CAST(:backoff_base AS float8) * power(2, least(greatest(w.attempts - 1, 0), 60)))
+        AS backoff
     FROM {TABLE} w WHERE w.request_id = :request_id
     FOR UPDATE OF w
 ),
@@ -228,8 +257,11 @@ upd AS (
 UPDATE {TABLE} AS w SET
     status = nxt.status,
     run_after = CASE WHEN nxt.status = 'queued'
-                     THEN n.now + make_interval(secs => :delay) ELSE w.run_after END,
+                     THEN n.now + make_interval(secs => coalesce(CAST(:delay AS float8),
+                                                nxt.backoff / 2 + random() * nxt.backoff / 2))
+                     ELSE w.run_after END,
     error = CAST(:error AS jsonb),
+    ended_run = {RUN_ID},
     claim_token = NULL,
     lease_expires_at = NULL,
     dispatched_at = NULL,
@@ -242,11 +274,6 @@ RETURNING {RETURNING}
 sig AS ({_notify("upd", "r.status = 'queued' AND r.run_after <= n.now")})
 SELECT * FROM upd WHERE {_SENT}
 """)
-
-#: A run's public identity: a digest of its claim token (new at every claim, takeovers
-#: included; the token itself never leaves the workers). The dashboard shows it and fences
-#: its cancel on it (a running row's updated_at moves with every heartbeat).
-RUN_ID = "left(encode(sha256(convert_to(w.claim_token, 'UTF8')), 'hex'), 32)"
 
 CANCEL: TextClause = text(f"""
 WITH n AS ({_NOW})
@@ -280,6 +307,7 @@ UPDATE {TABLE} AS w SET
     claimed_by = NULL,
     heartbeat_at = NULL,
     claimed_at = NULL,
+    ended_run = NULL,
     finished_at = NULL,
     dispatched_at = n.now,
     updated_at = n.now
@@ -326,6 +354,16 @@ WHERE {_FENCE}
 OWN_CLAIM: TextClause = text(f"""
 SELECT {RETURNING} FROM {TABLE} w
 WHERE w.request_id = :request_id AND w.claim_token = :token AND w.status = 'running'
+""")
+
+# A fenced write whose answer was lost (LeaseLost on its retry): the row, if the run of
+# :token ended it (ended_run) with one of :statuses. A later claim, a requeue or a rescue
+# of a run that never ended would have left ended_run NULL or another run's.
+LANDED: TextClause = text(f"""
+SELECT {RETURNING} FROM {TABLE} w
+WHERE w.request_id = :request_id
+  AND w.ended_run = {_RUN_OF_TOKEN}
+  AND w.status = ANY(CAST(:statuses AS text[]))
 """)
 
 COUNTS: TextClause = text(f"""
@@ -754,6 +792,12 @@ def claim_next_sql(limit: int) -> str:
     return render(text(_CLAIM_NEXT.replace(":limit", str(int(limit)))))
 
 
+@lru_cache(maxsize=64)
+def claim_next_query(limit: int) -> Query:
+    """:func:`claim_next_sql` as the named statement ``queue.claim_next``."""
+    return Query("queue.claim_next", claim_next_sql(limit))
+
+
 # Rendered once for psycopg (the hot paths bypass SQLAlchemy's result machinery).
 Q_ENQUEUE = render(ENQUEUE)
 Q_ENQUEUE_LOOKUP = render(ENQUEUE_LOOKUP)
@@ -777,6 +821,7 @@ Q_DELETE_FINISHED = render(DELETE_FINISHED)
 Q_MARK_UNDISPATCHED = render(MARK_UNDISPATCHED)
 Q_MARK_UNDISPATCHED_MANY = render(MARK_UNDISPATCHED_MANY)
 Q_FENCE_CHECK = render(FENCE_CHECK)
+Q_LANDED = render(LANDED)
 
 COUNTS_FOR_WORKSPACE: TextClause = text(f"""
 SELECT w.status, w.worker_class, count(*) AS n
@@ -829,3 +874,5 @@ class N:
     MARK_UNDISPATCHED = Query("queue.mark_undispatched", Q_MARK_UNDISPATCHED)
     MARK_UNDISPATCHED_MANY = Query("queue.mark_undispatched_many", Q_MARK_UNDISPATCHED_MANY)
     FENCE_CHECK = Query("queue.fence_check", Q_FENCE_CHECK)
+    # claims and operators (queue/claims.py, queue/operators.py); CLAIM … FENCE_CHECK above
+    LANDED = Query("queue.landed", Q_LANDED)

@@ -15,9 +15,7 @@ batches (``queue/batch.py``) and waiting for work (``queue/notify.py``).
 
 from __future__ import annotations
 
-import builtins
 import logging
-from typing import Any
 
 from sqlalchemy import Engine
 
@@ -27,7 +25,7 @@ from onceflow.connector import (
     PsycopgConnector,
     SyncSide,
 )
-from onceflow.db import fetch_all, fetch_one, get_engine, raw_connection
+from onceflow.db import get_engine
 from onceflow.payloads import canonical_json
 from onceflow.queue.batch import BatchOps
 from onceflow.queue.claims import ClaimOps
@@ -65,16 +63,6 @@ class Queue(SyncSide, EnqueueOps, ClaimOps, OperatorOps, ReadOps, Sweeper, Batch
         self.connector = PsycopgConnector(engine)
         self.resolver = resolver
 
-    def _read_one(self, query: str, params: dict[str, Any]) -> Any:
-        """The first row of one statement on a pooled connection (autocommit)."""
-        with raw_connection(self.engine) as raw:
-            return fetch_one(raw, query, params)
-
-    def _read_all(self, query: str, params: dict[str, Any]) -> builtins.list[Any]:
-        """Every row of a read on a pooled connection (safe to repeat: see retry_disconnect)."""
-        with raw_connection(self.engine) as raw:
-            return fetch_all(raw, query, params)
-
     # enqueue, enqueue_many, enqueue_many_with, resolve: see queue/enqueue.py.
     # claim, claim_next, heartbeat, complete, hand_off, fail, fenced_retry: queue/claims.py.
     # cancel, requeue, mark_undispatched: queue/operators.py.
@@ -83,7 +71,7 @@ class Queue(SyncSide, EnqueueOps, ClaimOps, OperatorOps, ReadOps, Sweeper, Batch
     # complete_many, fail_many, heartbeat_many, release, depth: see queue/batch.py.
 
 
-class AsyncQueue(AsyncSide, EnqueueOps, ReadOps):
+class AsyncQueue(AsyncSide, EnqueueOps, ClaimOps, OperatorOps, ReadOps):
     """The durable stage queue for asyncio: the same operations as :class:`Queue`, awaited.
 
     Each operation is the very code :class:`Queue` runs (one body, two drivers), on a

@@ -14,7 +14,11 @@ import pytest
 from sqlalchemy import Engine, text
 
 from onceflow import (
+    AsyncQueue,
+    Claim,
+    ClaimRef,
     DatabaseUnavailable,
+    InvalidRequest,
     InvalidTransition,
     LeaseLost,
     NewRequest,
@@ -22,9 +26,16 @@ from onceflow import (
     Queue,
     Status,
 )
+from onceflow.connector import FetchOne, Query, Steps, Transaction, run
+from onceflow.db import raw_connection
 from onceflow.ids import request_id_for
 from onceflow.models import Dispatch
+from onceflow.queue.claims import fence_steps
+from onceflow.queue.sql import N
 from tests.acceptance.procs import wait_for
+from tests.both_apis import both
+from tests.conftest import table_snapshot
+from tests.integration.test_db_blips import kill_backends, own_engine
 
 
 def db_now(engine: Engine) -> datetime:
@@ -81,149 +92,290 @@ def test_8_processes_claim_rows_each_exactly_once(queue: Queue, database_url: st
     assert all(r.attempts == 1 for r in queue.list(limit=1000))
 
 
-def test_claim_is_exclusive_while_the_lease_lives(queue: Queue) -> None:
-    rid = queue.enqueue("s", "w", "j").request_id
-    first = queue.claim(rid, "a")
+def test_claim_is_exclusive_while_the_lease_lives(api_queue: Queue) -> None:
+    rid = api_queue.enqueue("s", "w", "j").request_id
+    first = api_queue.claim(rid, "a")
     assert first is not None and first.attempt == 1
-    assert queue.claim(rid, "b") is None
-    assert queue.claim_next("default", "b") == []
+    assert api_queue.claim(rid, "b") is None
+    assert api_queue.claim_next("default", "b") == []
     assert "token" not in repr(first) or first.token not in repr(first)
 
 
-def test_lease_expiry_fences_the_old_claim(queue: Queue, clean_db: Engine) -> None:
-    rid = queue.enqueue("s", "w", "j").request_id
-    old = queue.claim(rid, "a", lease_seconds=10)
+def test_lease_expiry_fences_the_old_claim(api_queue: Queue, clean_db: Engine) -> None:
+    rid = api_queue.enqueue("s", "w", "j").request_id
+    old = api_queue.claim(rid, "a", lease_seconds=10)
     assert old is not None
     later = db_now(clean_db) + timedelta(seconds=11)
     # With the database clock moved past the lease, the old token is worthless ...
     with pytest.raises(LeaseLost):
-        queue.heartbeat(old, now=later)
+        api_queue.heartbeat(old, now=later)
     with pytest.raises(LeaseLost):
-        queue.complete(old, {"by": "a"}, now=later)
+        api_queue.complete(old, {"by": "a"}, now=later)
     with pytest.raises(LeaseLost):
-        queue.fail(old, {"e": 1}, now=later)
+        api_queue.fail(old, {"e": 1}, now=later)
     # ... and the request is claimable again: a new token, the next attempt, one crash counted.
-    new = queue.claim(rid, "b", lease_seconds=10, now=later)
+    new = api_queue.claim(rid, "b", lease_seconds=10, now=later)
     assert new is not None
     assert new.token != old.token
     assert (new.attempt, new.request.crash_attempts) == (2, 1)
     # The old holder still cannot write, even at the real time when its lease would be alive.
     with pytest.raises(LeaseLost):
-        queue.heartbeat(old)
+        api_queue.heartbeat(old)
     with pytest.raises(LeaseLost):
-        queue.complete(old, {"by": "a"})
-    done = queue.complete(new, {"by": "b"}, now=later)
+        api_queue.complete(old, {"by": "a"})
+    done = api_queue.complete(new, {"by": "b"}, now=later)
     assert (done.status, done.result, done.claimed_by) == (Status.SUCCEEDED, {"by": "b"}, "b")
 
 
 def test_a_failure_report_after_a_rescue_is_not_taken_for_our_own(
-    queue: Queue, clean_db: Engine
+    api_queue: Queue, queue: Queue, clean_db: Engine
 ) -> None:
     # The sweeper requeued the lapsed request (same claimant, same attempt count, status
     # queued — what our own retryable failure would have left): the late report is a zombie.
-    rid = queue.enqueue("s", "w", "j").request_id
-    old = queue.claim(rid, "a", lease_seconds=10)
+    rid = api_queue.enqueue("s", "w", "j").request_id
+    old = api_queue.claim(rid, "a", lease_seconds=10)
     assert old is not None
     later = db_now(clean_db) + timedelta(seconds=11)
     assert queue.rescue_expired(now=later).rescued == [rid]
     with pytest.raises(LeaseLost):
-        queue.fail(old, {"e": 1}, now=later)
-    row = queue.get(rid)
+        api_queue.fail(old, {"e": 1}, now=later)
+    row = api_queue.get(rid)
     assert (row.status, row.error, row.crash_attempts) == (Status.QUEUED, None, 1)
 
 
-def test_claim_next_takes_lapsed_leases_too(queue: Queue, clean_db: Engine) -> None:
-    rid = queue.enqueue("s", "w", "j").request_id
-    assert queue.claim(rid, "a", lease_seconds=5) is not None
+def test_claim_next_takes_lapsed_leases_too(api_queue: Queue, clean_db: Engine) -> None:
+    rid = api_queue.enqueue("s", "w", "j").request_id
+    assert api_queue.claim(rid, "a", lease_seconds=5) is not None
     later = db_now(clean_db) + timedelta(seconds=6)
-    [again] = queue.claim_next("default", "b", now=later)
+    [again] = api_queue.claim_next("default", "b", now=later)
     assert (again.request_id, again.attempt, again.request.crash_attempts) == (rid, 2, 1)
 
 
 def test_heartbeat_extends_from_database_time_and_reports_cancel(
-    queue: Queue, clean_db: Engine
+    api_queue: Queue, clean_db: Engine
 ) -> None:
-    rid = queue.enqueue("s", "w", "j").request_id
-    claim = queue.claim(rid, "a", lease_seconds=10)
+    rid = api_queue.enqueue("s", "w", "j").request_id
+    claim = api_queue.claim(rid, "a", lease_seconds=10)
     assert claim is not None
     t = db_now(clean_db) + timedelta(seconds=8)
-    beat = queue.heartbeat(claim, now=t)
+    beat = api_queue.heartbeat(claim, now=t)
     assert beat.lease_expires_at == t + timedelta(seconds=10)
     assert not beat.cancel_requested
     # Kept alive by heartbeats well past the original lease.
-    beat = queue.heartbeat(claim, now=t + timedelta(seconds=9))
-    assert queue.claim(rid, "b", now=t + timedelta(seconds=12)) is None
-    queue.cancel(rid)
-    assert queue.heartbeat(claim).cancel_requested
-    assert queue.fail(claim, {"type": "Cancelled"}).status is Status.CANCELLED
+    beat = api_queue.heartbeat(claim, now=t + timedelta(seconds=9))
+    assert api_queue.claim(rid, "b", now=t + timedelta(seconds=12)) is None
+    api_queue.cancel(rid)
+    assert api_queue.heartbeat(claim).cancel_requested
+    assert api_queue.fail(claim, {"type": "Cancelled"}).status is Status.CANCELLED
 
 
-def test_retry_backoff_then_dead_with_error_kept(queue: Queue, clean_db: Engine) -> None:
-    rid = queue.enqueue("s", "w", "j", max_attempts=3).request_id
+def test_heartbeat_by_ref_extends_by_the_claims_own_lease_from_the_row(
+    api_queue: Queue, clean_db: Engine
+) -> None:
+    rid = api_queue.enqueue("s", "w", "j").request_id
+    claim = api_queue.claim(rid, "a", lease_seconds=17)
+    assert claim is not None and api_queue.settings.lease_seconds != 17
+    ref = ClaimRef(rid, claim.token)  # all a pull worker holds: nothing read to rebuild a Claim
+    t = db_now(clean_db) + timedelta(seconds=5)
+    beat = api_queue.heartbeat(ref, now=t)
+    assert beat.lease_expires_at == t + timedelta(seconds=17)  # the claim's lease, from the row
+    assert api_queue.get(rid).lease_expires_at == t + timedelta(seconds=17)
+    # A Claim's own lease (a stage's, the HTTP API's per-heartbeat one) is applied and kept.
+    longer = Claim(claim.request, claim.token, claim.lease_expires_at, 40)
+    assert api_queue.heartbeat(longer, now=t).lease_expires_at == t + timedelta(seconds=40)
+    later = t + timedelta(seconds=1)
+    assert api_queue.heartbeat(ref, now=later).lease_expires_at == later + timedelta(seconds=40)
+
+
+def test_heartbeat_by_ref_never_passes_the_claims_max_runtime(
+    api_queue: Queue, clean_db: Engine
+) -> None:
+    rid = api_queue.enqueue("s", "w", "j", priority=1).request_id
+    other = api_queue.enqueue("s", "w", "j2").request_id
+    now = db_now(clean_db)
+    [claim] = api_queue.claim_next("default", "a", lease_seconds=10, max_runtime=15, now=now)
+    ref = ClaimRef(rid, claim.token)
+    beat = api_queue.heartbeat(ref, now=now + timedelta(seconds=8))
+    assert beat.lease_expires_at == now + timedelta(seconds=15)  # claim time + max_runtime
+    with pytest.raises(LeaseLost):  # past the deadline the lease lapsed: nothing extends it
+        api_queue.heartbeat(ref, now=now + timedelta(seconds=16))
+    # The same by id (claim): the deadline is on the row, whoever beats.
+    by_id = api_queue.claim(other, "a", lease_seconds=10, max_runtime=12, now=now)
+    assert by_id is not None
+    beat = api_queue.heartbeat(ClaimRef(other, by_id.token), now=now + timedelta(seconds=5))
+    assert beat.lease_expires_at == now + timedelta(seconds=12)
+
+
+def test_complete_hand_off_and_fail_by_ref(api_queue: Queue, clean_db: Engine) -> None:
+    for job in ("a", "b", "c"):
+        api_queue.enqueue("s", "w", job)
+    ca, cb, cc = api_queue.claim_next("default", "pw", limit=3)
+    done = api_queue.complete(ClaimRef(ca.request_id, ca.token), {"ok": 1})
+    assert (done.status, done.result, done.claimed_by) == (Status.SUCCEEDED, {"ok": 1}, "pw")
+    row, [made] = api_queue.hand_off(
+        ClaimRef(cb.request_id, cb.token), {"ok": 2}, then=[NewRequest("w", "b", "next")]
+    )
+    assert row.status is Status.SUCCEEDED and made.created
+    now = db_now(clean_db)
+    failed = api_queue.fail(ClaimRef(cc.request_id, cc.token), {"type": "Boom"}, now=now)
+    assert (failed.status, failed.error) == (Status.QUEUED, {"type": "Boom"})
+    delay = (failed.run_after - now).total_seconds()
+    base = api_queue.settings.backoff_base_seconds  # attempt 1, read from the row
+    assert base / 2 <= delay <= base
+    # A repeat of a write that landed (its answer lost on the way to a pull worker) is
+    # recognised by the token alone, and changes nothing.
+    assert api_queue.complete(ClaimRef(ca.request_id, ca.token), {"ok": 1}) == done
+    again = api_queue.fail(ClaimRef(cc.request_id, cc.token), {"type": "Boom"}, now=now)
+    assert again == failed
+
+
+def test_a_wrong_token_by_ref_is_lease_lost_and_changes_nothing(
+    api_queue: Queue, clean_db: Engine
+) -> None:
+    rid = api_queue.enqueue("s", "w", "j").request_id
+    claim = api_queue.claim(rid, "a")
+    assert claim is not None
+    before = table_snapshot(clean_db)
+    wrong = ClaimRef(rid, "0" * 32)
+    with pytest.raises(LeaseLost):
+        api_queue.heartbeat(wrong)
+    with pytest.raises(LeaseLost):
+        api_queue.complete(wrong, {"zombie": True})
+    with pytest.raises(LeaseLost):
+        api_queue.fail(wrong, {"zombie": True})
+    assert table_snapshot(clean_db) == before
+    with pytest.raises(InvalidRequest):
+        api_queue.heartbeat(ClaimRef(rid, ""))
+    # A run that ended is not taken for another's: the old token of a requeued and rerun
+    # row, repeating its completion, is a zombie.
+    api_queue.complete(claim, {"v": 1})
+    api_queue.requeue(rid)
+    rerun = api_queue.claim(rid, "b")
+    assert rerun is not None
+    api_queue.complete(rerun, {"v": 2})
+    with pytest.raises(LeaseLost):
+        api_queue.complete(claim.ref, {"v": 1})
+    assert api_queue.get(rid).result == {"v": 2}
+
+
+def test_the_fence_check_by_ref_inside_a_transaction(api_queue: Queue, queue: Queue) -> None:
+    rid = api_queue.enqueue("s", "w", "j").request_id
+    claim = api_queue.claim(rid, "a")
+    assert claim is not None
+    with raw_connection(queue.engine) as raw, raw.transaction():
+        Queue.fence_check(raw, claim.ref)
+    with pytest.raises(LeaseLost), raw_connection(queue.engine) as raw, raw.transaction():
+        Queue.fence_check(raw, ClaimRef(rid, "0" * 32))
+    # As steps, for an operation's Transaction (what the op log's apply does).
+
+    def fenced(ref: ClaimRef) -> Steps[None]:
+        yield Transaction(fence_steps(ref))
+
+    run(queue.connector, fenced(claim.ref))
+    with pytest.raises(LeaseLost):
+        run(queue.connector, fenced(ClaimRef(rid, "0" * 32)))
+
+
+def test_fenced_retry_takes_steps_or_values_and_retries_a_blip(api_queue: Queue) -> None:
+    rid = api_queue.enqueue("s", "w", "j").request_id
+    claim = api_queue.claim(rid, "a")
+    assert claim is not None
+    tries: list[int] = []
+
+    def attempt() -> Steps[Any]:
+        tries.append(1)
+        if len(tries) < 3:  # a blip: retried (after a Sleep step) while the lease may hold
+            raise DatabaseUnavailable("a blip")
+        row = yield FetchOne(N.LIVE_CLAIM, {"request_id": rid, "token": claim.token, "now": None})
+        return row["request_id"]
+
+    assert api_queue.fenced_retry(claim.ref, attempt) == rid
+    assert len(tries) == 3
+
+    def refused() -> Any:
+        raise LeaseLost(rid, "refused")
+
+    def landed() -> Steps[str]:
+        row = yield FetchOne(N.GET, {"request_id": rid})
+        return str(row["status"])
+
+    assert api_queue.fenced_retry(claim, refused, landed) == "running"  # asked on LeaseLost only
+    with pytest.raises(LeaseLost):
+        api_queue.fenced_retry(claim, refused)
+    with pytest.raises(DatabaseUnavailable):  # the budget bounds the trying, nothing more
+        api_queue.fenced_retry(claim, _blip, budget=0.2)
+
+
+def _blip() -> Any:
+    raise DatabaseUnavailable("a long blip")
+
+
+def test_retry_backoff_then_dead_with_error_kept(api_queue: Queue, clean_db: Engine) -> None:
+    rid = api_queue.enqueue("s", "w", "j", max_attempts=3).request_id
     now = db_now(clean_db)
     for attempt in (1, 2):
-        claim = queue.claim(rid, "a", now=now)
+        claim = api_queue.claim(rid, "a", now=now)
         assert claim is not None and claim.attempt == attempt
-        failed = queue.fail(claim, {"type": "Boom", "attempt": attempt}, now=now)
+        failed = api_queue.fail(claim, {"type": "Boom", "attempt": attempt}, now=now)
         assert failed.status is Status.QUEUED
         delay = (failed.run_after - now).total_seconds()
-        base = queue.settings.backoff_base_seconds * 2 ** (attempt - 1)
+        base = api_queue.settings.backoff_base_seconds * 2 ** (attempt - 1)
         assert base / 2 <= delay <= base  # exponential, with equal jitter
         # Not due before run_after: neither by id nor by class.
-        assert queue.claim(rid, "a", now=now) is None
-        assert queue.claim_next("default", "a", now=now) == []
+        assert api_queue.claim(rid, "a", now=now) is None
+        assert api_queue.claim_next("default", "a", now=now) == []
         now = failed.run_after
-    claim = queue.claim(rid, "a", now=now)
+    claim = api_queue.claim(rid, "a", now=now)
     assert claim is not None and claim.attempt == 3
-    dead = queue.fail(claim, {"type": "Boom", "attempt": 3}, now=now)
+    dead = api_queue.fail(claim, {"type": "Boom", "attempt": 3}, now=now)
     assert dead.status is Status.DEAD
     assert dead.error == {"type": "Boom", "attempt": 3}
     assert dead.finished_at is not None
-    assert queue.claim(rid, "a", now=now + timedelta(days=1)) is None
+    assert api_queue.claim(rid, "a", now=now + timedelta(days=1)) is None
 
 
-def test_non_retryable_failure_is_dead_at_once(queue: Queue) -> None:
-    rid = queue.enqueue("s", "w", "j").request_id
-    claim = queue.claim(rid, "a")
+def test_non_retryable_failure_is_dead_at_once(api_queue: Queue) -> None:
+    rid = api_queue.enqueue("s", "w", "j").request_id
+    claim = api_queue.claim(rid, "a")
     assert claim is not None
-    assert queue.fail(claim, ValueError("bad input"), retryable=False).status is Status.DEAD
-    assert queue.get(rid).error == {"type": "ValueError", "message": "bad input"}
+    assert api_queue.fail(claim, ValueError("bad input"), retryable=False).status is Status.DEAD
+    assert api_queue.get(rid).error == {"type": "ValueError", "message": "bad input"}
 
 
-def test_cancel_queued_and_running(queue: Queue) -> None:
-    queued = queue.enqueue("s", "w", "j1").request_id
-    assert queue.cancel(queued).status is Status.CANCELLED
-    assert queue.claim(queued, "a") is None
-    running = queue.enqueue("s", "w", "j2").request_id
-    claim = queue.claim(running, "a")
+def test_cancel_queued_and_running(api_queue: Queue) -> None:
+    queued = api_queue.enqueue("s", "w", "j1").request_id
+    assert api_queue.cancel(queued).status is Status.CANCELLED
+    assert api_queue.claim(queued, "a") is None
+    running = api_queue.enqueue("s", "w", "j2").request_id
+    claim = api_queue.claim(running, "a")
     assert claim is not None
-    after = queue.cancel(running)
+    after = api_queue.cancel(running)
     assert (after.status, after.cancel_requested) == (Status.RUNNING, True)
     # Finished requests are returned unchanged; unknown ones are NotFound.
-    queue.complete(claim, {"done": True})
-    assert queue.cancel(running).status is Status.SUCCEEDED
+    api_queue.complete(claim, {"done": True})
+    assert api_queue.cancel(running).status is Status.SUCCEEDED
     with pytest.raises(NotFound):
-        queue.cancel("no-such-request")
+        api_queue.cancel("no-such-request")
 
 
-def test_requeue_refused_while_running_allowed_when_finished(queue: Queue) -> None:
-    rid = queue.enqueue("s", "w", "j").request_id
-    claim = queue.claim(rid, "a")
+def test_requeue_refused_while_running_allowed_when_finished(api_queue: Queue) -> None:
+    rid = api_queue.enqueue("s", "w", "j").request_id
+    claim = api_queue.claim(rid, "a")
     assert claim is not None
     with pytest.raises(InvalidTransition):
-        queue.requeue(rid)
-    queue.complete(claim, {"v": 1})
-    again = queue.requeue(rid)
+        api_queue.requeue(rid)
+    api_queue.complete(claim, {"v": 1})
+    again = api_queue.requeue(rid)
     assert (again.status, again.attempts, again.result) == (Status.QUEUED, 0, None)
-    assert queue.claim(rid, "b") is not None
+    assert api_queue.claim(rid, "b") is not None
 
 
-def test_complete_then_hands_off_in_one_transaction(queue: Queue) -> None:
-    rid = queue.enqueue("evaluate", "w", "j", "main").request_id
-    claim = queue.claim(rid, "a")
+def test_complete_then_hands_off_in_one_transaction(api_queue: Queue) -> None:
+    rid = api_queue.enqueue("evaluate", "w", "j", "main").request_id
+    claim = api_queue.claim(rid, "a")
     assert claim is not None
-    queue.complete(claim, {"ok": 1}, then=[NewRequest("w", "j", "tailor", "main")])
-    nxt = queue.get(request_id_for("w", "j", "main", "tailor"))
+    api_queue.complete(claim, {"ok": 1}, then=[NewRequest("w", "j", "tailor", "main")])
+    nxt = api_queue.get(request_id_for("w", "j", "main", "tailor"))
     assert nxt.status is Status.QUEUED
 
 
@@ -257,68 +409,149 @@ def hand_off_killer(engine: Engine, kills: int) -> Iterator[None]:
 
 
 def test_hand_off_killed_between_the_two_writes_lands_nothing(
-    queue: Queue, clean_db: Engine
+    api_queue: Queue, clean_db: Engine
 ) -> None:
-    rid = queue.enqueue("evaluate", "w", "j", "main").request_id
-    claim = queue.claim(rid, "a", lease_seconds=1)
+    rid = api_queue.enqueue("evaluate", "w", "j", "main").request_id
+    claim = api_queue.claim(rid, "a", lease_seconds=1)
     assert claim is not None
     then = [NewRequest("w", "then-test", "tailor", "main")]
     with hand_off_killer(clean_db, kills=1000), pytest.raises(DatabaseUnavailable):
         # Every attempt dies between its two writes; retried for one lease, then raised.
-        queue.complete(claim, {"ok": 1}, then=then)
+        api_queue.complete(claim, {"ok": 1}, then=then)
     # Each attempt rolled back with its hand-off: still running, no follow-up row.
-    assert queue.get(rid).status is Status.RUNNING
+    assert api_queue.get(rid).status is Status.RUNNING
     with pytest.raises(NotFound):
-        queue.get(request_id_for("w", "then-test", "main", "tailor"))
+        api_queue.get(request_id_for("w", "then-test", "main", "tailor"))
     # The pool dropped the dead connections: once the lease lapsed, a new claim completes.
-    again = wait_for(lambda: queue.claim(rid, "b"), what="the lapsed lease reclaimed")
+    again = wait_for(lambda: api_queue.claim(rid, "b"), what="the lapsed lease reclaimed")
     assert again is not None
-    queue.complete(again, {"ok": 2}, then=then)
-    assert queue.get(request_id_for("w", "then-test", "main", "tailor")).status is Status.QUEUED
+    api_queue.complete(again, {"ok": 2}, then=then)
+    assert api_queue.get(request_id_for("w", "then-test", "main", "tailor")).status is Status.QUEUED
 
 
-def test_hand_off_killed_once_is_retried_and_lands_once(queue: Queue, clean_db: Engine) -> None:
-    rid = queue.enqueue("evaluate", "w", "j", "main").request_id
-    claim = queue.claim(rid, "a")
+def test_hand_off_killed_once_is_retried_and_lands_once(api_queue: Queue, clean_db: Engine) -> None:
+    rid = api_queue.enqueue("evaluate", "w", "j", "main").request_id
+    claim = api_queue.claim(rid, "a")
     assert claim is not None
     then = [NewRequest("w", "then-test", "tailor", "main", dedupe=False)]
     with hand_off_killer(clean_db, kills=1):
-        row, [made] = queue.hand_off(claim, {"ok": 1}, then=then)
+        row, [made] = api_queue.hand_off(claim, {"ok": 1}, then=then)
     assert row.status is Status.SUCCEEDED and row.result == {"ok": 1}
     assert made.created  # the retry inserted it: the killed attempt left nothing
     # A random (non-dedupe) id is minted once: the retry did not add a second row.
-    assert [r.request_id for r in queue.list(job_id="then-test")] == [made.request_id]
+    assert [r.request_id for r in api_queue.list(job_id="then-test")] == [made.request_id]
 
 
-def test_rescue_expired_requeues_then_quarantines(queue: Queue, clean_db: Engine) -> None:
-    rid = queue.enqueue("s", "w", "j", max_crash_attempts=2).request_id
+LOST_APP = "onceflow-lost-answer"
+
+
+class LoseFirstAnswer:
+    """A queue whose first completion or failure report commits, then loses its answer: every
+    backend of the queue is killed (a restart, a failover) and a real dead connection says so.
+    """
+
+    lost: list[str]
+
+    def _lose(self) -> Steps[None]:
+        if not self.lost:
+            self.lost.append("lost")
+            kill_backends(ADMIN[0], "application_name = %s", LOST_APP)
+            yield FetchOne(Query("test.probe", "SELECT 1 AS one"), {})  # raises ConnectionLost
+
+    def _complete_once(self, params: Any, follow_params: Any) -> Steps[Any]:
+        out = yield from super()._complete_once(params, follow_params)  # type: ignore[misc]
+        yield from self._lose()
+        return out
+
+    def _fail_once(self, params: Any) -> Steps[Any]:
+        out = yield from super()._fail_once(params)  # type: ignore[misc]
+        yield from self._lose()
+        return out
+
+
+class LostSync(LoseFirstAnswer, Queue):
+    pass
+
+
+class LostAsync(LoseFirstAnswer, AsyncQueue):
+    pass
+
+
+ADMIN: list[str] = []
+
+
+@pytest.fixture()
+def losing_queue(
+    request: pytest.FixtureRequest, clean_db: Engine, services: tuple[str, str]
+) -> Iterator[Any]:
+    """A LoseFirstAnswer queue of each API, its connections named LOST_APP (to kill only them)."""
+    ADMIN[:] = [services[0]]
+    url = clean_db.url.update_query_dict({"application_name": LOST_APP})
+    engine = own_engine(clean_db, LOST_APP, pool_size=2)
+    sync, asyn = LostSync(engine), LostAsync(url.render_as_string(hide_password=False))
+    sync.lost, asyn.lost = [], []
+    try:
+        yield from both(lambda: sync, lambda: asyn, request.param)
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("losing_queue", ["sync", "async"], indirect=True)
+@pytest.mark.parametrize("write", ["hand_off", "fail"])
+def test_a_write_by_ref_whose_answer_was_lost_is_recognised_on_retry(
+    losing_queue: Any, write: str
+) -> None:
+    rid = losing_queue.enqueue("s", "w", "j").request_id
+    claim = losing_queue.claim(rid, "pw")
+    assert claim is not None
+    ref = ClaimRef(rid, claim.token)
+    if write == "hand_off":
+        then = [NewRequest("w", "lost-next", "next", dedupe=False)]  # a random id, minted once
+        row, [made] = losing_queue.hand_off(ref, {"ok": 1}, then=then)
+        assert (row.status, row.result) == (Status.SUCCEEDED, {"ok": 1})
+        # The lost attempt created it: one row, and left for the sweeper's wake-up.
+        [nxt] = losing_queue.list(job_id="lost-next")
+        assert (nxt.request_id, made.created, nxt.dispatched_at) == (made.request_id, False, None)
+    else:
+        row = losing_queue.fail(ref, {"type": "Boom"}, retryable=False)
+        assert (row.status, row.error) == (Status.DEAD, {"type": "Boom"})
+    assert losing_queue.lost == ["lost"]  # the first answer really was lost
+    assert losing_queue.get(rid) == row
+
+
+def test_rescue_expired_requeues_then_quarantines(
+    api_queue: Queue, queue: Queue, clean_db: Engine
+) -> None:
+    rid = api_queue.enqueue("s", "w", "j", max_crash_attempts=2).request_id
     now = db_now(clean_db)
-    assert queue.claim(rid, "a", lease_seconds=5, now=now) is not None
+    assert api_queue.claim(rid, "a", lease_seconds=5, now=now) is not None
     # Two sweepers at once: the compare-and-set lets only one act on the row.
     first = queue.rescue_expired(now=now + timedelta(seconds=6))
     second = queue.rescue_expired(now=now + timedelta(seconds=6))
     assert first.rescued == [rid] and second.rescued == []
     assert first.to_dispatch == [Dispatch(rid, "s", "default")]
-    assert queue.get(rid).crash_attempts == 1
+    assert api_queue.get(rid).crash_attempts == 1
     # Crash again: the budget of 2 lapsed leases is spent, the request is quarantined (dead).
-    assert queue.claim(rid, "b", lease_seconds=5, now=now + timedelta(seconds=7)) is not None
+    assert api_queue.claim(rid, "b", lease_seconds=5, now=now + timedelta(seconds=7)) is not None
     swept = queue.rescue_expired(now=now + timedelta(seconds=13))
     assert swept.quarantined == [rid]
-    dead = queue.get(rid)
+    dead = api_queue.get(rid)
     assert (dead.status, dead.crash_attempts, dead.error["type"]) == (Status.DEAD, 2, "LeaseLapsed")
 
 
-def test_rescue_never_touches_a_live_or_finished_claim(queue: Queue, clean_db: Engine) -> None:
-    live = queue.enqueue("s", "w", "live").request_id
-    done = queue.enqueue("s", "w", "done").request_id
-    claim_live = queue.claim(live, "a", lease_seconds=60)
-    claim_done = queue.claim(done, "a", lease_seconds=1)
+def test_rescue_never_touches_a_live_or_finished_claim(
+    api_queue: Queue, queue: Queue, clean_db: Engine
+) -> None:
+    live = api_queue.enqueue("s", "w", "live").request_id
+    done = api_queue.enqueue("s", "w", "done").request_id
+    claim_live = api_queue.claim(live, "a", lease_seconds=60)
+    claim_done = api_queue.claim(done, "a", lease_seconds=1)
     assert claim_live is not None and claim_done is not None
-    queue.complete(claim_done, {"v": 1})
+    api_queue.complete(claim_done, {"v": 1})
     swept = queue.rescue_expired(now=db_now(clean_db) + timedelta(seconds=30))
     assert swept.rescued == [] and swept.quarantined == []
-    assert queue.get(done).status is Status.SUCCEEDED
-    queue.heartbeat(claim_live)
+    assert api_queue.get(done).status is Status.SUCCEEDED
+    api_queue.heartbeat(claim_live)
 
 
 def test_due_for_dispatch_resends_only_stale_wakeups(queue: Queue, clean_db: Engine) -> None:

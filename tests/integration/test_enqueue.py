@@ -38,9 +38,9 @@ def test_32_threads_same_request_one_row_one_creator(api_queue: Queue) -> None:
     assert len(api_queue.list(workspace_id="w1")) == 1
 
 
-def test_duplicate_gets_existing_status(api_queue: Queue, queue: Queue) -> None:
+def test_duplicate_gets_existing_status(api_queue: Queue) -> None:
     first = api_queue.enqueue("evaluate", "w1", "j1", "main", {"x": 1})
-    claim = queue.claim(first.request_id, "worker-a")
+    claim = api_queue.claim(first.request_id, "worker-a")
     assert claim is not None
     again = api_queue.enqueue("evaluate", "w1", "j1", "main", {"x": 1})
     assert (again.created, again.status, again.request_id) == (
@@ -50,7 +50,7 @@ def test_duplicate_gets_existing_status(api_queue: Queue, queue: Queue) -> None:
     )
     # A duplicate never rewrites a claimed row (Chancy #51): still running under the same claim.
     assert api_queue.get(first.request_id).claimed_by == "worker-a"
-    queue.heartbeat(claim)
+    api_queue.heartbeat(claim)
 
 
 def test_input_mismatch_is_reported_not_merged(api_queue: Queue, clean_db: Engine) -> None:

@@ -6,13 +6,16 @@ import json
 import os
 import secrets
 from collections.abc import Iterator
+from datetime import timedelta
 
 import psycopg
 import pytest
+from alembic import command
 from sqlalchemy import Engine, make_url, text
 
+from onceflow import ClaimRef, LeaseLost, Queue, Status
 from onceflow.db import fetch_all, make_engine, raw_connection
-from onceflow.migrate import check, migrate
+from onceflow.migrate import alembic_config, check, migrate
 from onceflow.queue import sql
 from tests.conftest import libpq
 
@@ -42,7 +45,73 @@ def test_upgrade_head_on_empty_database_then_no_drift(empty_database: str) -> No
             ).scalar_one()
             assert "autovacuum_vacuum_scale_factor=0.01" in options
             version = conn.execute(text("SELECT version_num FROM onceflow_alembic_version"))
-            assert version.scalar_one() == "0005"
+            assert version.scalar_one() == "0006"
+    finally:
+        engine.dispose()
+
+
+ROWS_0005 = """
+INSERT INTO workspace_process_requests
+    (request_id, workspace_id, job_id, branch_path, stage, dedupe, input, input_hash,
+     worker_class, status, claim_token, claimed_by, lease_expires_at, heartbeat_at, claimed_at,
+     attempts, max_attempts, max_crash_attempts, result, finished_at)
+VALUES
+    ('queued', 'w', 'j1', '', 's', true, '{"a": 1}', 'h1', 'default', 'queued',
+     NULL, NULL, NULL, NULL, NULL, 0, 5, 3, NULL, NULL),
+    ('running', 'w', 'j2', '', 's', true, '{"a": 2}', 'h2', 'default', 'running',
+     'tok-0005', 'old-worker', now() + interval '30 seconds', now(), now(), 1, 5, 3, NULL, NULL),
+    ('done', 'w', 'j3', '', 's', true, '{"a": 3}', 'h3', 'default', 'succeeded',
+     NULL, 'old-worker', NULL, now(), now(), 1, 5, 3, '{"ok": true}', now())
+"""
+
+# Every row as JSON, without the columns 0006 adds.
+ROWS_AS_0005 = """
+SELECT to_jsonb(w) - 'lease_seconds' - 'run_deadline' - 'ended_run' AS row
+FROM workspace_process_requests w ORDER BY request_id
+"""
+
+
+def test_0006_keeps_existing_rows_and_a_claim_taken_before_it_works_by_ref(
+    empty_database: str,
+) -> None:
+    migrate(empty_database, "0005")
+    engine = make_engine(empty_database, pool_size=1)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(ROWS_0005))
+            before = conn.execute(text(ROWS_AS_0005)).scalars().all()
+        migrate(empty_database)
+        check(empty_database)
+        with engine.connect() as conn:
+            assert conn.execute(text(ROWS_AS_0005)).scalars().all() == before
+            added = conn.execute(
+                text("SELECT count(*) FROM workspace_process_requests WHERE lease_seconds IS NULL"
+                     " AND run_deadline IS NULL AND ended_run IS NULL")
+            ).scalar_one()  # fmt: skip
+            assert added == 3
+        # The claim taken before the migration, by its bare ref: the row has no lease length
+        # yet, so the heartbeat extends by the queue's default lease; then it completes.
+        queue = Queue(engine)
+        ref = ClaimRef("running", "tok-0005")
+        with engine.connect() as conn:
+            t = conn.execute(text("SELECT now()")).scalar_one()
+        beat = queue.heartbeat(ref, now=t)
+        assert beat.lease_expires_at == t + timedelta(seconds=queue.settings.lease_seconds)
+        done = queue.complete(ref, {"ok": 2})
+        assert (done.status, done.result, done.claimed_by) == (
+            Status.SUCCEEDED,
+            {"ok": 2},
+            "old-worker",
+        )
+        with pytest.raises(LeaseLost):
+            queue.heartbeat(ref)
+        # And back: the downgrade drops the three columns, every row stays.
+        with engine.connect() as conn:
+            now_rows = conn.execute(text(ROWS_AS_0005)).scalars().all()
+        engine.dispose()
+        command.downgrade(alembic_config(empty_database), "0005")
+        with engine.connect() as conn:
+            assert conn.execute(text(ROWS_AS_0005)).scalars().all() == now_rows
     finally:
         engine.dispose()
 
@@ -74,7 +143,7 @@ def test_claim_uses_its_partial_index_on_a_big_table(clean_db: Engine) -> None:
         conn.execute(text("ANALYZE workspace_process_requests"))
     params = {
         "worker_class": "llm", "worker_id": "w", "tokens": ["t"] * 10,
-        "lease_seconds": 30.0, "now": None,
+        "lease_seconds": 30.0, "max_runtime": None, "now": None,
     }  # fmt: skip
     # The statement exactly as claim_next sends it (psycopg, literal LIMIT).
     with raw_connection(clean_db) as raw:
