@@ -165,7 +165,25 @@ class Using:
     body: Generator[Step, Any, Any]
 
 
-Step: TypeAlias = FetchOne | FetchAll | Execute | Transaction | Sleep | Pooled | AfterCommit | Using
+@dataclass(frozen=True, slots=True)
+class Call:
+    """Call a caller's callback ``fn(*args)`` that may do I/O (a broker publish); answers
+    its return value, and its error is thrown into the generator like a statement's.
+
+    A sync runner calls it at once (an awaitable answer is refused: nothing could await
+    it). An async runner awaits it when it is a coroutine function (or answers an
+    awaitable), else runs it in a worker thread (``asyncio.to_thread``), so a blocking
+    callback never stalls the event loop; either way the operation goes on only once
+    it has returned.
+    """
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...] = ()
+
+
+Step: TypeAlias = (
+    FetchOne | FetchAll | Execute | Transaction | Sleep | Pooled | AfterCommit | Using | Call
+)
 #: What an operation is: a generator of steps whose return value is the operation's result.
 Steps: TypeAlias = Generator[Step, Any, R]
 
@@ -616,6 +634,13 @@ def _do(c: Connector, step: Step) -> Any:
         if isinstance(other, Connection):
             other = SQLAlchemyConnector(other)
         return run(other, step.body)
+    if isinstance(step, Call):
+        answer = step.fn(*step.args)
+        if inspect.isawaitable(answer):
+            if inspect.iscoroutine(answer):
+                answer.close()
+            raise TypeError(f"{step.fn!r} is async: call it through the asyncio API")
+        return answer
     raise TypeError(f"not a step: {step!r}")
 
 
@@ -660,6 +685,11 @@ async def _ado(c: AsyncConnector, step: Step) -> Any:
                 f"an async operation needs an async connector, not {type(step.connector).__name__}"
             )
         return await arun(step.connector, step.body)
+    if isinstance(step, Call):
+        if inspect.iscoroutinefunction(step.fn):
+            return await step.fn(*step.args)
+        answer = await asyncio.to_thread(step.fn, *step.args)
+        return (await answer) if inspect.isawaitable(answer) else answer
     raise TypeError(f"not a step: {step!r}")
 
 

@@ -32,7 +32,7 @@ from onceflow.payloads import canonical_json
 from onceflow.queue.batch import BatchOps
 from onceflow.queue.claims import ClaimOps
 from onceflow.queue.enqueue import BATCH_MAX, EnqueueOps, Resolver
-from onceflow.queue.notify import Waiter
+from onceflow.queue.notify import AsyncWaiter, Waiter
 from onceflow.queue.operators import OperatorOps
 from onceflow.queue.reads import LIST_LIMIT_MAX, ReadOps
 from onceflow.queue.sweep import Sweeper
@@ -83,7 +83,15 @@ class Queue(SyncSide, EnqueueOps, ClaimOps, OperatorOps, ReadOps, Sweeper, Batch
     # complete_many, fail_many, heartbeat_many, release, depth: see queue/batch.py.
 
 
-class AsyncQueue(AsyncSide, EnqueueOps, ReadOps):
+class AsyncQueue(
+    AsyncSide,
+    EnqueueOps,
+    ReadOps,
+    # batches and sweeps
+    Sweeper,
+    BatchOps,
+    AsyncWaiter,
+):
     """The durable stage queue for asyncio: the same operations as :class:`Queue`, awaited.
 
     Each operation is the very code :class:`Queue` runs (one body, two drivers), on a
@@ -110,8 +118,14 @@ class AsyncQueue(AsyncSide, EnqueueOps, ReadOps):
         url = queue.engine.url.render_as_string(hide_password=False)
         return cls(url, queue.settings, resolver=queue.resolver)
 
+    # batches and sweeps: fail_many's default retry delay (until ClaimOps is a base here).
+    def backoff(self, attempt: int) -> float:
+        """Delay before retry number ``attempt``: exponential, capped, with equal jitter."""
+        return ClaimOps.backoff(self, attempt)  # type: ignore[arg-type]
+
     async def aclose(self) -> None:
-        """Close this event loop's connection pool."""
+        """Close this event loop's connection pool and work listener."""
+        await self._close_async_listener()  # batches and sweeps: wait_for_work's listener
         connector = self.aconnector
         if isinstance(connector, AsyncPsycopgConnector):
             await connector.aclose()
