@@ -1,15 +1,16 @@
 """Batches of fenced writes, release, and a cheap depth: the layer-1 API of a pull worker.
 
 Operations of both APIs (:class:`~onceflow.Queue` and :class:`~onceflow.AsyncQueue`),
-each written once as steps (:mod:`onceflow.connector`). A worker that claims many requests at a
-time (``claim_next(limit=n)``) completes, fails, heartbeats or hands them back in
-one round trip per call. Every row keeps its own fence (token + live lease, database
+each written once as steps (:mod:`onceflow.connector`). A worker that claims many
+requests at a time (``claim_next(limit=n)``) completes, fails, heartbeats or hands
+them back in one round trip per call. Every row keeps its own fence (token + live lease, database
 clock): a row whose fence fails is not changed and comes back as a
 :class:`~onceflow.errors.LeaseLost` *instance* in its place of the result list (not
 raised), while the other rows land. Results are aligned with the input order.
 
 Blips: a fenced batch is retried on :class:`~onceflow.errors.DatabaseUnavailable`
-while the shortest lease of the batch may hold (like ``Queue.fenced_retry``). A row
+while the shortest lease of the batch may hold (like ``Queue.fenced_retry``), waiting
+between attempts with :class:`~onceflow.connector.Sleep` (``asyncio.sleep`` on AsyncQueue). A row
 missing from the answer is checked, in one batch read, for being our own write whose
 answer was lost (same claimant, same attempts and crash count, target status) before
 it is reported as ``LeaseLost``.
