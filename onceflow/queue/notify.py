@@ -1,3 +1,4 @@
+# Over ~400 lines on purpose: one listener in two drivers beside both APIs' waits, kept in step.
 """Waiting for work without polling: LISTEN on ``onceflow_work`` (mixins of both queue APIs).
 
 The statements that make a request claimable now (enqueue of a due row, a failure

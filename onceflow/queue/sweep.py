@@ -44,7 +44,8 @@ from onceflow.settings import Settings
 
 log = logging.getLogger("onceflow.sweep")
 
-#: ``send(batch)``: publish the wake-ups of rows a sweep statement has just marked dispatched.
+#: ``send(batch)``: publish the wake-ups of rows a sweep statement has just marked dispatched
+#: (on AsyncQueue it may also be a coroutine function; a plain one runs in a worker thread).
 Send = Callable[[Sequence[Dispatch]], object]
 
 #: ``backlog(worker_classes)``: messages waiting in the broker per worker class (a queue
