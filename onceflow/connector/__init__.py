@@ -30,6 +30,7 @@ from onceflow.connector.run import AsyncSide, SyncSide, arun, operation, run
 from onceflow.connector.steps import (
     AfterCommit,
     AsyncConnector,
+    Call,
     Connector,
     Execute,
     FetchAll,
@@ -57,6 +58,7 @@ __all__ = [
     "AsyncConnector",
     "AsyncPsycopgConnector",
     "AsyncSide",
+    "Call",
     "Connector",
     "Execute",
     "ExecutorConnector",

@@ -16,6 +16,7 @@ from sqlalchemy import Connection
 from onceflow.connector.steps import (
     AfterCommit,
     AsyncConnector,
+    Call,
     Connector,
     Execute,
     FetchAll,
@@ -76,6 +77,13 @@ def _do(c: Connector, step: Step) -> Any:
         if isinstance(other, Connection):
             other = SQLAlchemyConnector(other)
         return run(other, step.body)
+    if isinstance(step, Call):
+        answer = step.fn(*step.args)
+        if inspect.isawaitable(answer):
+            if inspect.iscoroutine(answer):
+                answer.close()
+            raise TypeError(f"{step.fn!r} is async: call it through the asyncio API")
+        return answer
     raise TypeError(f"not a step: {step!r}")
 
 
@@ -120,6 +128,11 @@ async def _ado(c: AsyncConnector, step: Step) -> Any:
                 f"an async operation needs an async connector, not {type(step.connector).__name__}"
             )
         return await arun(step.connector, step.body)
+    if isinstance(step, Call):
+        if inspect.iscoroutinefunction(step.fn):
+            return await step.fn(*step.args)
+        answer = await asyncio.to_thread(step.fn, *step.args)
+        return (await answer) if inspect.isawaitable(answer) else answer
     raise TypeError(f"not a step: {step!r}")
 
 

@@ -108,7 +108,25 @@ class Using:
     body: Generator[Step, Any, Any]
 
 
-Step: TypeAlias = FetchOne | FetchAll | Execute | Transaction | Sleep | Pooled | AfterCommit | Using
+@dataclass(frozen=True, slots=True)
+class Call:
+    """Call a caller's callback ``fn(*args)`` that may do I/O (a broker publish); answers
+    its return value, and its error is thrown into the generator like a statement's.
+
+    A sync runner calls it at once (an awaitable answer is refused: nothing could await
+    it). An async runner awaits it when it is a coroutine function (or answers an
+    awaitable), else runs it in a worker thread (``asyncio.to_thread``), so a blocking
+    callback never stalls the event loop; either way the operation goes on only once
+    it has returned.
+    """
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...] = ()
+
+
+Step: TypeAlias = (
+    FetchOne | FetchAll | Execute | Transaction | Sleep | Pooled | AfterCommit | Using | Call
+)
 #: What an operation is: a generator of steps whose return value is the operation's result.
 Steps: TypeAlias = Generator[Step, Any, R]
 

@@ -1,14 +1,16 @@
 """Batches of fenced writes, release, and a cheap depth: the layer-1 API of a pull worker.
 
-Mixed into :class:`~onceflow.queue.Queue`. A worker that claims many requests at a
-time (``claim_next(limit=n)``) completes, fails, heartbeats or hands them back in
-one round trip per call. Every row keeps its own fence (token + live lease, database
+Operations of both APIs (:class:`~onceflow.Queue` and :class:`~onceflow.AsyncQueue`),
+each written once as steps (:mod:`onceflow.connector`). A worker that claims many
+requests at a time (``claim_next(limit=n)``) completes, fails, heartbeats or hands
+them back in one round trip per call. Every row keeps its own fence (token + live lease, database
 clock): a row whose fence fails is not changed and comes back as a
 :class:`~onceflow.errors.LeaseLost` *instance* in its place of the result list (not
 raised), while the other rows land. Results are aligned with the input order.
 
 Blips: a fenced batch is retried on :class:`~onceflow.errors.DatabaseUnavailable`
-while the shortest lease of the batch may hold (like ``Queue.fenced_retry``). A row
+while the shortest lease of the batch may hold (like ``Queue.fenced_retry``), waiting
+between attempts with :class:`~onceflow.connector.Sleep` (``asyncio.sleep`` on AsyncQueue). A row
 missing from the answer is checked, in one batch read, for being our own write whose
 answer was lost (same claimant, same attempts and crash count, target status) before
 it is reported as ``LeaseLost``.
@@ -23,16 +25,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from sqlalchemy import Engine
-
-from onceflow.db import fetch_all, raw_connection, retry_disconnect
+from onceflow.connector import FetchAll, Query, Sleep, Steps, all_rows, operation, retrying
 from onceflow.errors import DatabaseUnavailable, InvalidRequest, LeaseLost
 from onceflow.ids import check_worker_class
 from onceflow.metrics import record as metrics
 from onceflow.models.requests import Claim, Heartbeat, Request
 from onceflow.models.status import Status
 from onceflow.payloads import JSON, encode_payload
-from onceflow.queue import sql
+from onceflow.queue.sql import N
 from onceflow.settings import Settings
 
 log = logging.getLogger("onceflow.queue")
@@ -70,12 +70,11 @@ _EMPTY = Depth(0, 0, 0, None)
 
 
 class BatchOps:
-    """Batch operations of the layer-1 store (a mixin of :class:`~onceflow.queue.Queue`)."""
+    """Batch operations of the layer-1 store (a mixin of both queue APIs)."""
 
-    engine: Engine
     settings: Settings
 
-    if TYPE_CHECKING:  # provided by Queue
+    if TYPE_CHECKING:  # provided by the queue (ClaimOps)
 
         def backoff(self, attempt: int) -> float: ...
 
@@ -93,9 +92,10 @@ class BatchOps:
         )
         return text
 
+    @operation
     def complete_many(
         self, items: Sequence[tuple[Claim, JSON]], *, now: datetime | None = None
-    ) -> list[Request | LeaseLost]:
+    ) -> Steps[list[Request | LeaseLost]]:
         """Mark many requests succeeded in one statement, each fenced by its own claim.
 
         ``items``: ``(claim, result)`` pairs. Results are checked and encoded like
@@ -127,15 +127,16 @@ class BatchOps:
             "request_ids": ids, "tokens": [c.token for c in claims],
             "results": results, "now": now,
         }  # fmt: skip
-        done = self._fenced_batch(
-            claims, sql.Q_COMPLETE_MANY, params, _landed_as((Status.SUCCEEDED,)), "completion"
+        done = yield from self._fenced_batch(
+            claims, N.COMPLETE_MANY, params, _landed_as((Status.SUCCEEDED,)), "completion"
         )
         _record(claims, done, "complete")
         return done
 
+    @operation
     def fail_many(
         self, items: Sequence[Failure], *, now: datetime | None = None
-    ) -> list[Request | LeaseLost]:
+    ) -> Steps[list[Request | LeaseLost]]:
         """Record many failed runs in one statement, each fenced; next status as ``fail``.
 
         Per row: cancelled if cancel was requested, else queued again after
@@ -171,17 +172,18 @@ class BatchOps:
             "retryables": retryables, "delays": delays, "notify": self._notify(), "now": now,
         }  # fmt: skip
         targets = (Status.QUEUED, Status.DEAD, Status.CANCELLED)
-        done = self._fenced_batch(
-            claims, sql.Q_FAIL_MANY, params, _landed_as(targets), "failure report"
+        done = yield from self._fenced_batch(
+            claims, N.FAIL_MANY, params, _landed_as(targets), "failure report"
         )
         _record(claims, done, "fail")
         return done
 
     # ------------------------------------------------------------- heartbeat / release
 
+    @operation
     def heartbeat_many(
         self, claims: Sequence[Claim], *, now: datetime | None = None
-    ) -> list[Heartbeat | LeaseLost]:
+    ) -> Steps[list[Heartbeat | LeaseLost]]:
         """Extend every claim's lease in one round trip (each never past its run deadline).
 
         In input order: a :class:`Heartbeat` (new expiry, cancel requested) or a
@@ -197,12 +199,8 @@ class BatchOps:
             "lease_seconds": [c.lease_seconds for c in checked],
             "deadlines": [c.run_deadline for c in checked], "now": now,
         }  # fmt: skip
-
-        def run() -> list[Any]:
-            with raw_connection(self.engine) as raw:
-                return fetch_all(raw, sql.Q_HEARTBEAT_MANY, params)
-
-        rows = {r["request_id"]: r for r in retry_disconnect(run)}
+        answer = yield from retrying(lambda: all_rows(N.HEARTBEAT_MANY, params))
+        rows = {r["request_id"]: r for r in answer}
         out: list[Heartbeat | LeaseLost] = []
         for rid in ids:
             row = rows.get(rid)
@@ -213,9 +211,10 @@ class BatchOps:
                 out.append(Heartbeat(row["lease_expires_at"], row["cancel_requested"]))
         return out
 
+    @operation
     def release(
         self, claims: Sequence[Claim], *, now: datetime | None = None
-    ) -> list[Request | LeaseLost]:
+    ) -> Steps[list[Request | LeaseLost]]:
         """Hand back claims whose work has not started (shutdown, an over-fetched batch).
 
         Each row (fenced: token and live lease) goes back to ``queued``, due at once
@@ -241,16 +240,17 @@ class BatchOps:
             "request_ids": ids, "tokens": [c.token for c in checked],
             "notify": self._notify(), "now": now,
         }  # fmt: skip
-        done = self._fenced_batch(checked, sql.Q_RELEASE, params, _released, "release")
+        done = yield from self._fenced_batch(checked, N.RELEASE, params, _released, "release")
         metrics.released(done)
         metrics.zombie("release", sum(1 for r in done if isinstance(r, LeaseLost)))
         return done
 
     # ----------------------------------------------------------------------- depth
 
+    @operation
     def depth(
         self, worker_classes: str | Sequence[str] | None = None, *, now: datetime | None = None
-    ) -> dict[str, Depth]:
+    ) -> Steps[dict[str, Depth]]:
         """Live depth per worker class, cheap enough to poll often.
 
         Reads only the live rows, through the partial indexes of queued and of
@@ -262,20 +262,16 @@ class BatchOps:
         params: dict[str, Any] = {"now": now}
         classes: list[str] = []
         if worker_classes is None:
-            query = sql.Q_DEPTH_ALL
+            query = N.DEPTH_ALL
         else:
             classes = [worker_classes] if isinstance(worker_classes, str) else list(worker_classes)
             for wc in classes:
                 check_worker_class(wc)
-            query = sql.Q_DEPTH_FOR
+            query = N.DEPTH_FOR
             params["worker_classes"] = classes
-
-        def read() -> list[Any]:
-            with raw_connection(self.engine) as raw:
-                return fetch_all(raw, query, params)
-
+        rows = yield from retrying(lambda: all_rows(query, params))
         out = {wc: _EMPTY for wc in classes}
-        for row in retry_disconnect(read):
+        for row in rows:
             age = row["oldest_due_age"]
             out[row["worker_class"]] = Depth(
                 int(row["queued_due"]),
@@ -293,35 +289,31 @@ class BatchOps:
     def _fenced_batch(
         self,
         claims: list[Claim],
-        query: str,
+        query: Query,
         params: dict[str, Any],
         landed: Callable[[Claim, Request], bool],
         what: str,
-    ) -> list[Request | LeaseLost]:
+    ) -> Steps[list[Request | LeaseLost]]:
         """Run one fenced batch statement, retrying blips; rows aligned with ``claims``."""
         deadline = time.monotonic() + min(c.lease_seconds for c in claims)
         delay = 0.05
         while True:
             try:
-                with raw_connection(self.engine) as raw:
-                    rows = fetch_all(raw, query, params)
+                rows = yield FetchAll(query, params)
                 break
             except DatabaseUnavailable as exc:
                 if time.monotonic() + delay > deadline:
                     raise
                 log.warning("batch %s of %d: database blip (%s); retrying", what, len(claims), exc)
-                time.sleep(delay)
+                yield Sleep(delay)
                 delay = min(1.0, delay * 2)
         found = {r["request_id"]: Request.from_row(r) for r in rows}
         missing = [c.request_id for c in claims if c.request_id not in found]
         current: dict[str, Request] = {}
         if missing:
             # An earlier attempt (ours, or a caller's whose answer was lost) may have committed.
-            def read() -> list[Any]:
-                with raw_connection(self.engine) as raw:
-                    return fetch_all(raw, sql.Q_GET_MANY, {"request_ids": missing})
-
-            current = {r["request_id"]: Request.from_row(r) for r in retry_disconnect(read)}
+            again = yield from retrying(lambda: all_rows(N.GET_MANY, {"request_ids": missing}))
+            current = {r["request_id"]: Request.from_row(r) for r in again}
         out: list[Request | LeaseLost] = []
         for claim in claims:
             row = found.get(claim.request_id)

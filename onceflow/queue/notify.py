@@ -1,4 +1,5 @@
-"""Waiting for work without polling: LISTEN on ``onceflow_work`` (a mixin of the Queue).
+# Over ~400 lines on purpose: one listener in two drivers beside both APIs' waits, kept in step.
+"""Waiting for work without polling: LISTEN on ``onceflow_work`` (mixins of both queue APIs).
 
 The statements that make a request claimable now (enqueue of a due row, a failure
 queued again and due, a rescue, a requeue, the sweeper's due / re-dispatch marks)
@@ -15,6 +16,12 @@ and sleeps until a notify for one of its classes arrives, the listener reconnect
 listener LISTENs before the counters are noted and the query runs after, a commit
 is either seen by the query or counted after the note: no lost wake-up. It never
 claims: the caller's claim decides (a wake-up may be spurious).
+
+:class:`~onceflow.Queue` waits in the calling thread (``wait_for_work``, a listener
+thread per process) or on an event loop (``wait_for_work_async``, the query in a worker
+thread: the queue's connections are sync); :class:`~onceflow.AsyncQueue`'s
+``wait_for_work`` is the coroutine, its query a step on the async pool (see
+:mod:`onceflow.connector`). One listener per event loop serves both async waits.
 """
 
 from __future__ import annotations
@@ -28,16 +35,25 @@ import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import psycopg
 from sqlalchemy import Engine
 
-from onceflow.db import fetch_one, raw_connection, retry_disconnect
+from onceflow.connector import (
+    AsyncConnector,
+    Connector,
+    Steps,
+    arun,
+    conninfo,
+    one_row,
+    retrying,
+    run,
+)
 from onceflow.errors import InvalidRequest
 from onceflow.ids import check_worker_class
-from onceflow.queue.sql import NOTIFY_CHANNEL, Q_NEXT_WORK
+from onceflow.queue.sql import NOTIFY_CHANNEL, N
 from onceflow.settings import Settings
 
 log = logging.getLogger("onceflow.queue.notify")
@@ -54,8 +70,20 @@ _TICK = 0.5
 _READY_WAIT = 1.0
 
 
-def _conninfo(engine: Engine) -> str:
-    return engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+def _conninfo(source: Engine | str) -> str:
+    """The listener's libpq connection string, from a queue's engine or database URL."""
+    if isinstance(source, Engine):
+        return source.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    return conninfo(source)
+
+
+def next_work(classes: list[str]) -> Steps[float | None]:
+    """Seconds (database clock) until work of ``classes`` may be claimable; None: unknown.
+
+    A read: repeated once on a fresh connection after a lost one.
+    """
+    row = yield from retrying(lambda: one_row(N.NEXT_WORK, {"worker_classes": classes}))
+    return None if row["next_in"] is None else float(row["next_in"])
 
 
 def _check_wait(worker_classes: str | Sequence[str], timeout: float) -> tuple[list[str], float]:
@@ -218,15 +246,89 @@ def _changed(counts: Counter[str], before: dict[str, int], epoch: int, now_epoch
     return now_epoch != epoch or any(counts[c] != n for c, n in before.items())
 
 
-class Waiter:
+class _Listening:
+    """What both queue APIs' asyncio waits share: one listener per event loop, the wait."""
+
+    settings: Settings
+
+    _alisteners: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _AsyncListener]
+
+    def _listen_source(self) -> Engine | str:
+        """The database the listener connects to (an engine or a URL)."""
+        raise NotImplementedError
+
+    def _async_listener(self) -> _AsyncListener:
+        loop = asyncio.get_running_loop()
+        try:
+            table = self._alisteners
+        except AttributeError:
+            table = self._alisteners = weakref.WeakKeyDictionary()
+        listener = table.get(loop)
+        if listener is None:
+            listener = table[loop] = _AsyncListener(_conninfo(self._listen_source()))
+        return listener
+
+    async def _close_async_listener(self) -> None:
+        """Stop the running event loop's work listener, if one was started."""
+        table = getattr(self, "_alisteners", None)
+        if table is not None:
+            listener = table.pop(asyncio.get_running_loop(), None)
+            if listener is not None:
+                await listener.close()
+
+    async def _await_work(
+        self,
+        worker_classes: str | Sequence[str],
+        timeout: float,
+        next_work_in: Callable[[list[str]], Awaitable[float | None]],
+    ) -> bool:
+        """The asyncio wait; ``next_work_in`` runs the ``NEXT_WORK`` read without blocking."""
+        classes, timeout = _check_wait(worker_classes, timeout)
+        start = time.monotonic()
+        listener_lost = False
+        listener: _AsyncListener | None = None
+        if timeout > 0 and self.settings.notify:
+            listener = self._async_listener()
+            if not await listener.wait_ready(start + min(timeout, _READY_WAIT)):
+                listener = None  # not LISTENing (yet): look again within _READY_WAIT
+                listener_lost = True
+        if listener is not None:
+            epoch = listener.epoch
+            before = {c: listener.counts[c] for c in classes}
+        next_in = await next_work_in(classes)  # after LISTEN and the note: no lost wake-up
+        if next_in is not None and next_in <= 0:
+            return True
+        wake_at, due = _wake_at(start, timeout, next_in, degraded=listener_lost)
+        left = wake_at - time.monotonic()
+        if left <= 0:
+            return due
+        if listener is None:
+            await asyncio.sleep(left)
+            return due
+        cond = listener.cond
+
+        def woken() -> bool:
+            return _changed(listener.counts, before, epoch, listener.epoch)
+
+        async with cond:
+            try:
+                await asyncio.wait_for(cond.wait_for(woken), left)
+            except TimeoutError:
+                return due
+        return True
+
+
+class Waiter(_Listening):
     """``wait_for_work`` / ``wait_for_work_async`` (a mixin of :class:`~onceflow.queue.Queue`)."""
 
     engine: Engine
-    settings: Settings
+    connector: Connector
 
     # Built lazily, keyed by pid: a forked child never uses its parent's listener.
     _listener_pid: tuple[int, _Listener] | None = None
-    _alisteners: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _AsyncListener]
+
+    def _listen_source(self) -> Engine | str:
+        return self.engine
 
     def _listener(self) -> _Listener:
         pid = os.getpid()
@@ -243,13 +345,7 @@ class Waiter:
 
     def _next_work(self, classes: list[str]) -> float | None:
         """Seconds (database clock) until work of ``classes`` may be claimable; None: unknown."""
-
-        def read() -> Any:
-            with raw_connection(self.engine) as raw:
-                return fetch_one(raw, Q_NEXT_WORK, {"worker_classes": classes})
-
-        row = retry_disconnect(read)
-        return None if row["next_in"] is None else float(row["next_in"])
+        return run(self.connector, next_work(classes))
 
     def wait_for_work(
         self,
@@ -308,51 +404,16 @@ class Waiter:
     async def wait_for_work_async(
         self, worker_classes: str | Sequence[str], timeout: float
     ) -> bool:
-        """:meth:`wait_for_work` for asyncio: one listener per event loop; cancel to stop."""
-        classes, timeout = _check_wait(worker_classes, timeout)
-        start = time.monotonic()
-        listener_lost = False
-        listener: _AsyncListener | None = None
-        if timeout > 0 and self.settings.notify:
-            listener = self._async_listener()
-            if not await listener.wait_ready(start + min(timeout, _READY_WAIT)):
-                listener = None  # not LISTENing (yet): look again within _READY_WAIT
-                listener_lost = True
-        if listener is not None:
-            epoch = listener.epoch
-            before = {c: listener.counts[c] for c in classes}
-        next_in = await asyncio.to_thread(self._next_work, classes)
-        if next_in is not None and next_in <= 0:
-            return True
-        wake_at, due = _wake_at(start, timeout, next_in, degraded=listener_lost)
-        left = wake_at - time.monotonic()
-        if left <= 0:
-            return due
-        if listener is None:
-            await asyncio.sleep(left)
-            return due
-        cond = listener.cond
+        """:meth:`wait_for_work` for asyncio: one listener per event loop; cancel to stop.
 
-        def woken() -> bool:
-            return _changed(listener.counts, before, epoch, listener.epoch)
+        This queue's connections are sync: its one query runs in a worker thread.
+        :class:`~onceflow.AsyncQueue`'s ``wait_for_work`` runs it on its async pool.
+        """
 
-        async with cond:
-            try:
-                await asyncio.wait_for(cond.wait_for(woken), left)
-            except TimeoutError:
-                return due
-        return True
+        async def next_work_in(classes: list[str]) -> float | None:
+            return await asyncio.to_thread(self._next_work, classes)
 
-    def _async_listener(self) -> _AsyncListener:
-        loop = asyncio.get_running_loop()
-        try:
-            table = self._alisteners
-        except AttributeError:
-            table = self._alisteners = weakref.WeakKeyDictionary()
-        listener = table.get(loop)
-        if listener is None:
-            listener = table[loop] = _AsyncListener(_conninfo(self.engine))
-        return listener
+        return await self._await_work(worker_classes, timeout, next_work_in)
 
     def close(self) -> None:
         """Stop this process's work listener (started by the first wait_for_work)."""
@@ -363,8 +424,32 @@ class Waiter:
 
     async def aclose(self) -> None:
         """Stop the running event loop's work listener (started by wait_for_work_async)."""
-        table = getattr(self, "_alisteners", None)
-        if table is not None:
-            listener = table.pop(asyncio.get_running_loop(), None)
-            if listener is not None:
-                await listener.close()
+        await self._close_async_listener()
+
+
+class AsyncWaiter(_Listening):
+    """``wait_for_work`` as a coroutine (a mixin of :class:`~onceflow.AsyncQueue`).
+
+    Its listener is per event loop (a task); ``AsyncQueue.aclose`` stops the running loop's.
+    """
+
+    aconnector: AsyncConnector
+
+    def _listen_source(self) -> Engine | str:
+        url = getattr(self.aconnector, "url", None)
+        return str(url) if url is not None else self.settings.database_url
+
+    async def wait_for_work(self, worker_classes: str | Sequence[str], timeout: float) -> bool:
+        """Wait until a request of ``worker_classes`` may be claimable; never claims.
+
+        True as soon as a NOTIFY for one of the classes arrives, work is due when
+        called, or the next known event of those classes passes (a delayed row's
+        ``run_after``, a running row's lease lapsing) — by the database clock. False
+        after ``timeout`` seconds (0..3600). A True may be spurious (another worker
+        claimed first, the listener reconnected): claim and wait again. Cancel to stop.
+        """
+
+        async def next_work_in(classes: list[str]) -> float | None:
+            return await arun(self.aconnector, next_work(classes))
+
+        return await self._await_work(worker_classes, timeout, next_work_in)

@@ -614,6 +614,7 @@ locked AS (
 UPDATE {TABLE} AS w SET
     status = 'succeeded',
     result = i.result,
+    ended_run = {RUN_ID},
     claim_token = NULL,
     lease_expires_at = NULL,
     finished_at = n.now,
@@ -651,6 +652,7 @@ upd AS (
         run_after = CASE WHEN {_FAIL_NEXT} = 'queued'
                          THEN n.now + make_interval(secs => i.delay) ELSE w.run_after END,
         error = i.error,
+        ended_run = {RUN_ID},
         claim_token = NULL,
         lease_expires_at = NULL,
         dispatched_at = NULL,
@@ -876,3 +878,20 @@ class N:
     FENCE_CHECK = Query("queue.fence_check", Q_FENCE_CHECK)
     # claims and operators (queue/claims.py, queue/operators.py); CLAIM … FENCE_CHECK above
     LANDED = Query("queue.landed", Q_LANDED)
+
+    # batches and sweeps (queue/batch.py, queue/sweep.py, queue/notify.py)
+    COMPLETE_MANY = Query("queue.complete_many", Q_COMPLETE_MANY)
+    FAIL_MANY = Query("queue.fail_many", Q_FAIL_MANY)
+    HEARTBEAT_MANY = Query("queue.heartbeat_many", Q_HEARTBEAT_MANY)
+    RELEASE = Query("queue.release", Q_RELEASE)
+    GET_MANY = Query("queue.get_many", Q_GET_MANY)
+    DEPTH_ALL = Query("queue.depth_all", Q_DEPTH_ALL)
+    DEPTH_FOR = Query("queue.depth_for", Q_DEPTH_FOR)
+    BEGIN_SWEEP = Query("queue.begin_sweep", Q_BEGIN_SWEEP)
+    RESCUE_EXPIRED = Query("queue.rescue_expired", Q_RESCUE_EXPIRED)
+    DUE_UNSENT = Query("queue.due_unsent", Q_DUE_UNSENT)
+    DUE_FOR_DISPATCH = Query("queue.due_for_dispatch", Q_DUE_FOR_DISPATCH)
+    DUE_COUNTS = Query("queue.due_counts", Q_DUE_COUNTS)
+    PRUNE_PAYLOADS = Query("queue.prune_payloads", Q_PRUNE_PAYLOADS)
+    DELETE_FINISHED = Query("queue.delete_finished", Q_DELETE_FINISHED)
+    NEXT_WORK = Query("queue.next_work", Q_NEXT_WORK)

@@ -30,7 +30,7 @@ from onceflow.payloads import canonical_json
 from onceflow.queue.batch import BatchOps
 from onceflow.queue.claims import ClaimOps
 from onceflow.queue.enqueue import BATCH_MAX, EnqueueOps, Resolver
-from onceflow.queue.notify import Waiter
+from onceflow.queue.notify import AsyncWaiter, Waiter
 from onceflow.queue.operators import OperatorOps
 from onceflow.queue.reads import LIST_LIMIT_MAX, ReadOps
 from onceflow.queue.sweep import Sweeper
@@ -71,7 +71,16 @@ class Queue(SyncSide, EnqueueOps, ClaimOps, OperatorOps, ReadOps, Sweeper, Batch
     # complete_many, fail_many, heartbeat_many, release, depth: see queue/batch.py.
 
 
-class AsyncQueue(AsyncSide, EnqueueOps, ClaimOps, OperatorOps, ReadOps):
+class AsyncQueue(
+    AsyncSide,
+    EnqueueOps,
+    ClaimOps,
+    OperatorOps,
+    ReadOps,
+    Sweeper,
+    BatchOps,
+    AsyncWaiter,
+):
     """The durable stage queue for asyncio: the same operations as :class:`Queue`, awaited.
 
     Each operation is the very code :class:`Queue` runs (one body, two drivers), on a
@@ -99,7 +108,8 @@ class AsyncQueue(AsyncSide, EnqueueOps, ClaimOps, OperatorOps, ReadOps):
         return cls(url, queue.settings, resolver=queue.resolver)
 
     async def aclose(self) -> None:
-        """Close this event loop's connection pool."""
+        """Close this event loop's connection pool and work listener."""
+        await self._close_async_listener()  # batches and sweeps: wait_for_work's listener
         connector = self.aconnector
         if isinstance(connector, AsyncPsycopgConnector):
             await connector.aclose()

@@ -1,6 +1,7 @@
 """The sweeper's half of the layer-1 store: rescue lapsed leases, find lost wake-ups, prune.
 
-Mixed into :class:`~onceflow.queue.Queue`. Every step is a compare-and-set over rows
+Operations of both APIs (:class:`~onceflow.Queue` and :class:`~onceflow.AsyncQueue`),
+each written once as steps (:mod:`onceflow.connector`). Every step is a compare-and-set over rows
 locked with ``SKIP LOCKED`` and decided by the database clock, so any number of
 sweepers may run at once: they split the work, never double it.
 
@@ -14,6 +15,12 @@ kind leaves unused goes to the other), so neither kind can starve the other.
 
 A row marked dispatched must get its wake-up: a Flow's sweep hands each batch to its
 sender right after the statement that marked it, and prunes run last, each on its own.
+
+The caller's callbacks (``send``, ``backlog``) talk to a broker: blocking I/O. They are
+:class:`~onceflow.connector.Call` steps, so on :class:`~onceflow.AsyncQueue` a plain
+function runs in a worker thread (the event loop never waits on a publish, even one a
+broker outage stalls) and a coroutine function is awaited; on both APIs the sweep goes
+on only once the callback has returned, so the order above holds on both.
 """
 
 from __future__ import annotations
@@ -26,20 +33,19 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Engine
-
-from onceflow.db import fetch_all, fetch_one, raw_connection
+from onceflow.connector import Call, Execute, FetchAll, FetchOne, Query, Steps, operation
 from onceflow.errors import InvalidRequest
 from onceflow.ids import RequestId, check_id, check_worker_class
 from onceflow.metrics import record as metrics
 from onceflow.models.requests import Dispatch, SweepResult
 from onceflow.models.status import Status
-from onceflow.queue import sql
+from onceflow.queue.sql import N
 from onceflow.settings import Settings
 
 log = logging.getLogger("onceflow.sweep")
 
-#: ``send(batch)``: publish the wake-ups of rows a sweep statement has just marked dispatched.
+#: ``send(batch)``: publish the wake-ups of rows a sweep statement has just marked dispatched
+#: (on AsyncQueue it may also be a coroutine function; a plain one runs in a worker thread).
 Send = Callable[[Sequence[Dispatch]], object]
 
 #: ``backlog(worker_classes)``: messages waiting in the broker per worker class (a queue
@@ -60,12 +66,12 @@ class SweepTurn:
 
 
 class Sweeper:
-    """The sweeper's operations (a mixin of :class:`~onceflow.queue.Queue`)."""
+    """The sweeper's operations (a mixin of both queue APIs)."""
 
-    engine: Engine
     settings: Settings
 
-    def begin_sweep(self, name: str, swept_by: str, *, min_gap: float) -> SweepTurn:
+    @operation
+    def begin_sweep(self, name: str, swept_by: str, *, min_gap: float) -> Steps[SweepTurn]:
         """Compare-and-set on the sweep row ``name``: won if no sweep began in ``min_gap`` s.
 
         The database clock alone decides (``now()``); ``min_gap=0`` always wins and just
@@ -76,10 +82,10 @@ class Sweeper:
         check_id("sweep name", name)
         gap = _seconds("min_gap", min_gap)
         params = {"name": name, "swept_by": str(swept_by)[:200], "min_gap": gap}
-        with raw_connection(self.engine) as raw:
-            row = fetch_one(raw, sql.Q_BEGIN_SWEEP, params)
+        row = yield FetchOne(N.BEGIN_SWEEP, params)
         return SweepTurn(bool(row["won"]), max(0.0, float(row["next_in"])))
 
+    @operation
     def rescue_expired(
         self,
         *,
@@ -87,7 +93,7 @@ class Sweeper:
         stages: Sequence[str] | None = None,
         worker_classes: Sequence[str] | None = None,
         now: datetime | None = None,
-    ) -> SweepResult:
+    ) -> Steps[SweepResult]:
         """Requeue (or quarantine) requests whose lease lapsed, in one compare-and-set.
 
         ``stages``: only requests of these stages; ``worker_classes``: only requests of
@@ -97,8 +103,7 @@ class Sweeper:
             "limit": _limit(limit), "stages": _stages(stages), "now": now,
             "worker_classes": _classes(worker_classes), "notify": self.settings.notify,
         }  # fmt: skip
-        with raw_connection(self.engine) as raw:
-            rows = fetch_all(raw, sql.Q_RESCUE_EXPIRED, params)
+        rows = yield FetchAll(N.RESCUE_EXPIRED, params)
         metrics.reclaimed(rows)
         rescued = [RequestId(r["request_id"]) for r in rows if r["status"] == Status.QUEUED]
         dead = [RequestId(r["request_id"]) for r in rows if r["status"] != Status.QUEUED]
@@ -109,6 +114,7 @@ class Sweeper:
         ]
         return SweepResult(rescued=rescued, quarantined=dead, to_dispatch=dispatch)
 
+    @operation
     def due_for_dispatch(
         self,
         *,
@@ -119,7 +125,7 @@ class Sweeper:
         sending: Sequence[Dispatch] = (),
         send: Send | None = None,
         now: datetime | None = None,
-    ) -> list[Dispatch]:
+    ) -> Steps[list[Dispatch]]:
         """Queued, due rows that need a wake-up; marked dispatched in the same statement.
 
         Two kinds share ``limit``: rows that never had a wake-up (``dispatched_at`` NULL:
@@ -145,9 +151,8 @@ class Sweeper:
         marked: list[Dispatch] = []
         unpublished = Counter(d.worker_class for d in sending)
 
-        def mark(statement: str, params: dict[str, Any]) -> int:
-            with raw_connection(self.engine) as raw:
-                rows = fetch_all(raw, statement, {**base, **params})
+        def mark(statement: Query, params: dict[str, Any]) -> Steps[int]:
+            rows = yield FetchAll(statement, {**base, **params})
             batch = [
                 Dispatch(RequestId(r["request_id"]), r["stage"], r["worker_class"]) for r in rows
             ]
@@ -155,22 +160,21 @@ class Sweeper:
             if send is None:
                 unpublished.update(d.worker_class for d in batch)
             elif batch:
-                send(batch)
+                yield Call(send, (batch,))
             return len(batch)
 
         share = (limit + 1) // 2  # the never-sent rows' share; the rest is the stale rows'
-        unsent = mark(sql.Q_DUE_UNSENT, {"limit": share})
+        unsent = yield from mark(N.DUE_UNSENT, {"limit": share})
         room = limit - unsent
         stale = 0
-        for worker_class, budget in self._resend_budgets(
-            after, base, backlog, unpublished, room
-        ).items():
+        budgets = yield from self._resend_budgets(after, base, backlog, unpublished, room)
+        for worker_class, budget in budgets.items():
             take = min(budget, room - stale)
             if take > 0:
                 params = {"redispatch_after": after, "worker_class": worker_class, "limit": take}
-                stale += mark(sql.Q_DUE_FOR_DISPATCH, params)
+                stale += yield from mark(N.DUE_FOR_DISPATCH, params)
         if unsent == share and unsent + stale < limit:  # more may wait: the stale rows' spare
-            mark(sql.Q_DUE_UNSENT, {"limit": limit - unsent - stale})
+            yield from mark(N.DUE_UNSENT, {"limit": limit - unsent - stale})
         return marked
 
     def _resend_budgets(
@@ -180,16 +184,15 @@ class Sweeper:
         backlog: Backlog | None,
         unpublished: Counter[str],
         cap: int,
-    ) -> dict[str | None, int]:
+    ) -> Steps[dict[str | None, int]]:
         """How many stale wake-ups to re-send per worker class (None: any class)."""
         if backlog is None:
             return {None: cap}
-        with raw_connection(self.engine) as raw:
-            counts = fetch_all(raw, sql.Q_DUE_COUNTS, {**base, "redispatch_after": after})
+        counts = yield FetchAll(N.DUE_COUNTS, {**base, "redispatch_after": after})
         stale = {r["worker_class"]: r for r in counts if r["stale"]}
         if not stale:
             return {}  # nothing stale: the broker is not asked at all
-        waiting = backlog(sorted(stale))
+        waiting: Mapping[str, int] | None = yield Call(backlog, (sorted(stale),))
         if waiting is None:
             return {None: cap}  # the broker cannot be asked: the backoff alone limits re-sends
         budgets: dict[str | None, int] = {}
@@ -200,6 +203,7 @@ class Sweeper:
             budgets[wc] = min(int(r["stale"]), max(0, lost))
         return budgets
 
+    @operation
     def prune(
         self,
         *,
@@ -207,21 +211,21 @@ class Sweeper:
         payload_retention_seconds: float | None,
         limit: int = 1000,
         now: datetime | None = None,
-    ) -> int:
+    ) -> Steps[int]:
         """Apply the retention policy; returns rows deleted or turned into tombstones.
 
         ``None`` for either age disables that step: nothing is pruned unless asked.
         """
         touched = 0
-        with raw_connection(self.engine) as raw:
-            if payload_retention_seconds is not None:
-                params = {"age": payload_retention_seconds, "limit": limit, "now": now}
-                touched += raw.execute(sql.Q_PRUNE_PAYLOADS, params).rowcount
-            if retention_seconds is not None:
-                params = {"age": retention_seconds, "limit": limit, "now": now}
-                touched += raw.execute(sql.Q_DELETE_FINISHED, params).rowcount
+        if payload_retention_seconds is not None:
+            params = {"age": payload_retention_seconds, "limit": limit, "now": now}
+            touched += yield Execute(N.PRUNE_PAYLOADS, params)
+        if retention_seconds is not None:
+            params = {"age": retention_seconds, "limit": limit, "now": now}
+            touched += yield Execute(N.DELETE_FINISHED, params)
         return touched
 
+    @operation
     def sweep_once(
         self,
         *,
@@ -231,7 +235,7 @@ class Sweeper:
         backlog: Backlog | None = None,
         send: Send | None = None,
         now: datetime | None = None,
-    ) -> SweepResult:
+    ) -> Steps[SweepResult]:
         """One sweeper pass: rescue lapsed leases, send the wake-ups rows need, then prune.
 
         ``to_dispatch`` lists the wake-ups of the rows this pass marked dispatched. With
@@ -245,13 +249,17 @@ class Sweeper:
 
         Retention (pruning) always applies to the whole table, runs last, and never fails
         the sweep: a prune that raises is logged and tried again at the next sweep.
+
+        On :class:`~onceflow.AsyncQueue`, ``send`` and ``backlog`` run in a worker thread
+        (or are awaited, if coroutine functions): see the module's notes.
         """
         s = self.settings
         after = s.redispatch_after_seconds if redispatch_after is None else redispatch_after
-        rescued = self.rescue_expired(limit=limit, stages=stages, now=now)
+        rescued = yield from Sweeper.rescue_expired.steps(self, limit=limit, stages=stages, now=now)
         if send is not None and rescued.to_dispatch:
-            send(rescued.to_dispatch)
-        due = self.due_for_dispatch(
+            yield Call(send, (rescued.to_dispatch,))
+        due = yield from Sweeper.due_for_dispatch.steps(
+            self,
             redispatch_after=after,
             limit=limit,
             stages=stages,
@@ -262,9 +270,10 @@ class Sweeper:
         )
         pruned = 0
         if s.payload_retention_seconds is not None:
-            pruned += _logged_prune(
+            pruned += yield from _logged_prune(
                 "payload prune",
-                lambda: self.prune(
+                Sweeper.prune.steps(
+                    self,
                     retention_seconds=None,
                     payload_retention_seconds=s.payload_retention_seconds,
                     limit=limit,
@@ -272,9 +281,10 @@ class Sweeper:
                 ),
             )
         if s.retention_seconds is not None:
-            pruned += _logged_prune(
+            pruned += yield from _logged_prune(
                 "retention prune",
-                lambda: self.prune(
+                Sweeper.prune.steps(
+                    self,
                     retention_seconds=s.retention_seconds,
                     payload_retention_seconds=None,
                     limit=limit,
@@ -289,10 +299,10 @@ class Sweeper:
         )
 
 
-def _logged_prune(what: str, prune: Callable[[], int]) -> int:
+def _logged_prune(what: str, prune: Steps[int]) -> Steps[int]:
     """Run one retention step; an error is logged (the wake-ups are out already), not raised."""
     try:
-        return prune()
+        return (yield from prune)
     except Exception as exc:  # any error: retention waits for the next sweep, nothing else does
         log.warning(
             "sweep: %s failed, tried again next sweep: %s: %s", what, type(exc).__name__, exc

@@ -1,6 +1,8 @@
 """Batches of fenced writes, release and depth (onceflow.queue.batch) on a real Postgres.
 
 Database time is moved with ``now=`` (never slept); the concurrent test runs real processes.
+The batch calls run on both APIs (``api_queue``: Queue and AsyncQueue); the setup (enqueue,
+claims, cancels, reads) on the sync ``queue``, and the many-process drain on Queue alone.
 """
 
 from __future__ import annotations
@@ -46,40 +48,42 @@ def _steal(queue: Queue, claim: Claim, later: datetime) -> Claim:
 # ------------------------------------------------------------------------- complete_many
 
 
-def test_complete_many_lands_every_row_in_input_order(queue: Queue) -> None:
+def test_complete_many_lands_every_row_in_input_order(api_queue: Queue, queue: Queue) -> None:
     claims = _claims(queue, 5)
     order = list(reversed(claims))
-    out = queue.complete_many([(c, {"n": i}) for i, c in enumerate(order)])
+    out = api_queue.complete_many([(c, {"n": i}) for i, c in enumerate(order)])
     assert [r.request_id for r in out if isinstance(r, Request)] == [c.request_id for c in order]
     for i, (r, c) in enumerate(zip(out, order, strict=True)):
         assert isinstance(r, Request)
         assert r.status is Status.SUCCEEDED and r.result == {"n": i}
         assert queue.get(c.request_id).status is Status.SUCCEEDED
-    assert queue.complete_many([]) == []
+    assert api_queue.complete_many([]) == []
 
 
 def test_complete_many_fences_each_row_a_zombie_row_is_lease_lost_and_unchanged(
-    queue: Queue, clean_db: Engine
+    api_queue: Queue, queue: Queue, clean_db: Engine
 ) -> None:
     claims = _claims(queue, 3, lease=30)
     t0 = db_now(clean_db)
     # Rows 0 and 2 heartbeat in time; row 1's holder pauses, its lease lapses, it is re-claimed.
     assert all(
         isinstance(b, Heartbeat)
-        for b in queue.heartbeat_many([claims[0], claims[2]], now=t0 + timedelta(seconds=25))
+        for b in api_queue.heartbeat_many([claims[0], claims[2]], now=t0 + timedelta(seconds=25))
     )
     thief = _steal(queue, claims[1], t0 + timedelta(seconds=31))
     before = queue.get(claims[1].request_id)
-    out = queue.complete_many([(c, "done") for c in claims], now=t0 + timedelta(seconds=32))
+    out = api_queue.complete_many([(c, "done") for c in claims], now=t0 + timedelta(seconds=32))
     assert isinstance(out[0], Request) and out[0].status is Status.SUCCEEDED
     assert isinstance(out[2], Request) and out[2].status is Status.SUCCEEDED
     assert isinstance(out[1], LeaseLost) and out[1].request_id == claims[1].request_id
     assert queue.get(claims[1].request_id) == before  # the zombie wrote nothing
-    mine = queue.complete_many([(thief, "mine")], now=t0 + timedelta(seconds=33))[0]
+    mine = api_queue.complete_many([(thief, "mine")], now=t0 + timedelta(seconds=33))[0]
     assert isinstance(mine, Request) and mine.result == "mine"
 
 
-def test_complete_many_bad_input_raises_and_changes_nothing(queue: Queue, clean_db: Engine) -> None:
+def test_complete_many_bad_input_raises_and_changes_nothing(
+    api_queue: Queue, queue: Queue, clean_db: Engine
+) -> None:
     claims = _claims(queue, 3)
     snapshot = table_snapshot(clean_db)
     huge = "x" * (get_settings().payload_limit_bytes + 1)
@@ -97,19 +101,19 @@ def test_complete_many_bad_input_raises_and_changes_nothing(queue: Queue, clean_
     ]
     for batch in bad_batches:
         with pytest.raises(InvalidRequest):
-            queue.complete_many(batch)  # type: ignore[arg-type]
+            api_queue.complete_many(batch)  # type: ignore[arg-type]
     assert table_snapshot(clean_db) == snapshot
 
 
 # ----------------------------------------------------------------------------- fail_many
 
 
-def test_fail_many_next_status_per_row_and_error_kept(queue: Queue) -> None:
+def test_fail_many_next_status_per_row_and_error_kept(api_queue: Queue, queue: Queue) -> None:
     claims = _claims(queue, 3)
     queue.enqueue("s", "w", "once", max_attempts=1)
     once = queue.claim_next("default", "a", lease_seconds=10)[0]
     queue.cancel(claims[2].request_id)  # cancel requested while running
-    out = queue.fail_many(
+    out = api_queue.fail_many(
         [
             Failure(claims[0], {"why": "flaky"}, retry_in=0),  # queued, due at once
             Failure(claims[1], ValueError("bad row"), retryable=False),  # dead
@@ -129,14 +133,16 @@ def test_fail_many_next_status_per_row_and_error_kept(queue: Queue) -> None:
     assert again is not None and again.attempt == 2
 
 
-def test_fail_many_default_backoff_and_a_zombie_row(queue: Queue, clean_db: Engine) -> None:
+def test_fail_many_default_backoff_and_a_zombie_row(
+    api_queue: Queue, queue: Queue, clean_db: Engine
+) -> None:
     claims = _claims(queue, 2, lease=30)
     t0 = db_now(clean_db)
     queue.heartbeat(claims[0], now=t0 + timedelta(seconds=25))
     _steal(queue, claims[1], t0 + timedelta(seconds=31))
     before = queue.get(claims[1].request_id)
     t = t0 + timedelta(seconds=32)
-    out = queue.fail_many([Failure(c, "boom") for c in claims], now=t)
+    out = api_queue.fail_many([Failure(c, "boom") for c in claims], now=t)
     assert isinstance(out[0], Request) and out[0].status is Status.QUEUED
     assert out[0].run_after > t  # backed off (backoff(1) > 0)
     assert isinstance(out[1], LeaseLost)
@@ -149,7 +155,7 @@ def test_fail_many_default_backoff_and_a_zombie_row(queue: Queue, clean_db: Engi
         [Failure(claims[0], "x" * (get_settings().payload_limit_bytes + 1))],
     ):
         with pytest.raises(InvalidRequest):
-            queue.fail_many(bad)  # type: ignore[arg-type]
+            api_queue.fail_many(bad)  # type: ignore[arg-type]
     assert table_snapshot(clean_db) == snapshot
 
 
@@ -157,39 +163,39 @@ def test_fail_many_default_backoff_and_a_zombie_row(queue: Queue, clean_db: Engi
 
 
 def test_heartbeat_many_extends_live_leases_never_past_the_deadline(
-    queue: Queue, clean_db: Engine
+    api_queue: Queue, queue: Queue, clean_db: Engine
 ) -> None:
     claims = _claims(queue, 3, lease=10)
     queue.enqueue("s", "w", "capped")
     short = queue.claim_next("default", "a", lease_seconds=10, max_runtime=12)[0]
     assert short.run_deadline is not None
     t = db_now(clean_db) + timedelta(seconds=8)
-    first = queue.heartbeat_many([claims[0], short, claims[2]], now=t)
+    first = api_queue.heartbeat_many([claims[0], short, claims[2]], now=t)
     assert isinstance(first[0], Heartbeat) and first[0].lease_expires_at == t + timedelta(
         seconds=10
     )
     assert isinstance(first[1], Heartbeat)
     assert first[1].lease_expires_at == short.run_deadline  # capped: claim time + 12 s
     _steal(queue, claims[1], t + timedelta(seconds=3))  # claims[1] lapsed and was re-claimed
-    out = queue.heartbeat_many(claims, now=t + timedelta(seconds=4))
+    out = api_queue.heartbeat_many(claims, now=t + timedelta(seconds=4))
     assert isinstance(out[0], Heartbeat) and out[0].lease_expires_at == t + timedelta(seconds=14)
     assert isinstance(out[1], LeaseLost) and out[1].request_id == claims[1].request_id
     assert isinstance(out[2], Heartbeat) and not out[2].cancel_requested
     assert queue.get(claims[1].request_id).claimed_by == "thief"
-    assert queue.heartbeat_many([]) == []
+    assert api_queue.heartbeat_many([]) == []
     with pytest.raises(InvalidRequest):
-        queue.heartbeat_many([claims[0], claims[0]])
+        api_queue.heartbeat_many([claims[0], claims[0]])
 
 
 # ------------------------------------------------------------------------------- release
 
 
 def test_release_does_not_count_the_attempt_and_is_claimable_at_once(
-    queue: Queue, clean_db: Engine
+    api_queue: Queue, queue: Queue, clean_db: Engine
 ) -> None:
     claims = _claims(queue, 2)
     queue.cancel(claims[1].request_id)
-    out = queue.release(claims)
+    out = api_queue.release(claims)
     first, second = out
     assert isinstance(first, Request) and first.status is Status.QUEUED
     assert first.attempts == 0 and first.claimed_by is None and first.dispatched_at is None
@@ -201,31 +207,33 @@ def test_release_does_not_count_the_attempt_and_is_claimable_at_once(
     assert [c.request_id for c in again] == [claims[0].request_id]
     assert again[0].attempt == 1  # the released claim's attempt was not counted
     # The old claim is spent: releasing (or completing) it again is LeaseLost.
-    assert isinstance(queue.release([claims[0]])[0], LeaseLost)
+    assert isinstance(api_queue.release([claims[0]])[0], LeaseLost)
     assert queue.get(claims[0].request_id).claimed_by == "b"
 
 
 def test_release_of_a_lapsed_or_reclaimed_claim_is_lease_lost_and_unchanged(
-    queue: Queue, clean_db: Engine
+    api_queue: Queue, queue: Queue, clean_db: Engine
 ) -> None:
     claims = _claims(queue, 2, lease=5)
     later = db_now(clean_db) + timedelta(seconds=6)
     before = queue.get(claims[0].request_id)
-    out = queue.release([claims[0]], now=later)  # lapsed, not re-claimed
+    out = api_queue.release([claims[0]], now=later)  # lapsed, not re-claimed
     assert isinstance(out[0], LeaseLost)
     assert queue.get(claims[0].request_id) == before
     thief = _steal(queue, claims[1], later)
     assert thief.request.crash_attempts == 1
-    out = queue.release([claims[1]], now=later)
+    out = api_queue.release([claims[1]], now=later)
     assert isinstance(out[0], LeaseLost)
     assert queue.get(claims[1].request_id).claimed_by == "thief"
     # The thief's release takes back its attempt but keeps the crash it counted.
-    released = queue.release([thief], now=later)[0]
+    released = api_queue.release([thief], now=later)[0]
     assert isinstance(released, Request) and released.status is Status.QUEUED
     assert released.attempts == 1 and released.crash_attempts == 1
 
 
-def test_release_and_requeueing_failure_notify_listeners(queue: Queue, clean_db: Engine) -> None:
+def test_release_and_requeueing_failure_notify_listeners(
+    api_queue: Queue, queue: Queue, clean_db: Engine
+) -> None:
     url = libpq(clean_db.url.render_as_string(hide_password=False))
     quiet = Queue(clean_db, settings=get_settings().model_copy(update={"notify": False}))
     # Claimed before LISTEN: the enqueues' own NOTIFYs are not what this test is about.
@@ -238,10 +246,10 @@ def test_release_and_requeueing_failure_notify_listeners(queue: Queue, clean_db:
     with psycopg.connect(url, autocommit=True) as listener:
         listener.execute("LISTEN onceflow_work")
         quiet.release(silent)  # notify off: nothing sent
-        queue.release(gpu)  # one NOTIFY per class, not per row
-        queue.fail_many([Failure(c, "x", retry_in=0) for c in cpu])
-        queue.fail_many([Failure(c, "x", retry_in=60) for c in late])
-        queue.release(end)
+        api_queue.release(gpu)  # one NOTIFY per class, not per row
+        api_queue.fail_many([Failure(c, "x", retry_in=0) for c in cpu])
+        api_queue.fail_many([Failure(c, "x", retry_in=60) for c in late])
+        api_queue.release(end)
         got: list[str] = []
         for note in listener.notifies(timeout=10):
             got.append(note.payload)
@@ -253,8 +261,8 @@ def test_release_and_requeueing_failure_notify_listeners(queue: Queue, clean_db:
 # --------------------------------------------------------------------------------- depth
 
 
-def test_depth_matches_the_truth(queue: Queue, clean_db: Engine) -> None:
-    assert queue.depth() == {}
+def test_depth_matches_the_truth(api_queue: Queue, queue: Queue, clean_db: Engine) -> None:
+    assert api_queue.depth() == {}
     queue.enqueue_many([NewRequest("w", f"a{i}", "s", worker_class="a") for i in range(6)])
     queue.enqueue_many(
         [NewRequest("w", f"l{i}", "s", worker_class="a", run_after_seconds=600) for i in range(2)]
@@ -262,10 +270,10 @@ def test_depth_matches_the_truth(queue: Queue, clean_db: Engine) -> None:
     queue.enqueue_many([NewRequest("w", f"b{i}", "s", worker_class="b") for i in range(3)])
     done = queue.claim_next("a", "x", limit=2)
     running = queue.claim_next("a", "x", limit=1)
-    queue.complete_many([(c, None) for c in done])
+    api_queue.complete_many([(c, None) for c in done])
     queue.claim_next("b", "x", limit=3)
     t = db_now(clean_db) + timedelta(seconds=5)
-    depth = queue.depth(now=t)
+    depth = api_queue.depth(now=t)
     assert set(depth) == {"a", "b"}
     a, b = depth["a"], depth["b"]
     assert (a.queued_due, a.queued_later, a.running) == (3, 2, 1)
@@ -274,10 +282,10 @@ def test_depth_matches_the_truth(queue: Queue, clean_db: Engine) -> None:
     oldest = min(r.run_after for r in queue.list(worker_class="a", status="queued"))
     assert a.oldest_due_age_seconds == pytest.approx((t - oldest).total_seconds(), abs=1e-3)
     assert running  # still counted as running until completed
-    assert queue.depth(["b", "none"], now=t) == {"b": b, "none": Depth(0, 0, 0, None)}
-    assert queue.depth("a", now=t) == {"a": a}
+    assert api_queue.depth(["b", "none"], now=t) == {"b": b, "none": Depth(0, 0, 0, None)}
+    assert api_queue.depth("a", now=t) == {"a": a}
     with pytest.raises(InvalidRequest):
-        queue.depth("bad class!")
+        api_queue.depth("bad class!")
 
 
 # ------------------------------------------------------------------ concurrent processes
@@ -338,13 +346,13 @@ FOR EACH ROW WHEN (NEW.status = 'succeeded') EXECUTE FUNCTION kill_batch_backend
 
 
 def test_complete_many_killed_once_is_retried_and_lands_once(
-    queue: Queue, clean_db: Engine
+    api_queue: Queue, queue: Queue, clean_db: Engine
 ) -> None:
     claims = _claims(queue, 3)
     with clean_db.begin() as conn:
         conn.execute(text(KILL_ONCE))
     try:
-        out = queue.complete_many([(c, {"i": i}) for i, c in enumerate(claims)])
+        out = api_queue.complete_many([(c, {"i": i}) for i, c in enumerate(claims)])
     finally:
         with clean_db.begin() as conn:
             conn.execute(text("DROP TRIGGER kill_batch ON workspace_process_requests"))
@@ -355,22 +363,22 @@ def test_complete_many_killed_once_is_retried_and_lands_once(
 
 
 def test_a_repeated_batch_whose_answer_was_lost_recognises_its_own_writes(
-    queue: Queue, clean_db: Engine
+    api_queue: Queue, queue: Queue, clean_db: Engine
 ) -> None:
     # A caller that lost the answer of a batch that committed sends it again: its own rows
     # come back as they landed, not as LeaseLost; a row someone else moved stays LeaseLost.
     claims = _claims(queue, 3, lease=30)
     t0 = db_now(clean_db)
-    first = queue.complete_many([(c, "ok") for c in claims[:2]])
-    again = queue.complete_many([(c, "ok") for c in claims[:2]])
+    first = api_queue.complete_many([(c, "ok") for c in claims[:2]])
+    again = api_queue.complete_many([(c, "ok") for c in claims[:2]])
     assert again == first
-    failed = queue.fail_many([Failure(claims[2], "x", retry_in=0)])
-    assert queue.fail_many([Failure(claims[2], "x", retry_in=0)]) == failed
+    failed = api_queue.fail_many([Failure(claims[2], "x", retry_in=0)])
+    assert api_queue.fail_many([Failure(claims[2], "x", retry_in=0)]) == failed
     retry = queue.claim(claims[2].request_id, "b", lease_seconds=30)
     assert retry is not None
-    released = queue.release([retry])
-    assert queue.release([retry]) == released
+    released = api_queue.release([retry])
+    assert api_queue.release([retry]) == released
     # Someone else's later claim of the row makes our repeat a LeaseLost.
     queue.claim(claims[2].request_id, "c", lease_seconds=30, now=t0 + timedelta(seconds=1))
-    assert isinstance(queue.release([retry])[0], LeaseLost)
-    assert isinstance(queue.fail_many([Failure(claims[2], "x")])[0], LeaseLost)
+    assert isinstance(api_queue.release([retry])[0], LeaseLost)
+    assert isinstance(api_queue.fail_many([Failure(claims[2], "x")])[0], LeaseLost)

@@ -79,7 +79,10 @@ def request_ids_in(client: redis_lib.Redis, worker_class: str) -> list[str]:
 # ------------------------------------------------------------ the sweep compare-and-set
 
 
-def test_begin_sweep_is_a_compare_and_set_on_the_database_clock(queue: Queue) -> None:
+def test_begin_sweep_is_a_compare_and_set_on_the_database_clock(
+    api_queue: Queue, clean_db: Engine
+) -> None:
+    queue = api_queue  # both APIs (the async one's contenders share one event loop)
     first = queue.begin_sweep("flow:x", "beat@a", min_gap=60)
     assert first.won and 59 < first.next_in <= 60  # no row yet: inserted, won
     again = queue.begin_sweep("flow:x", "watchdog@b", min_gap=60)
@@ -101,7 +104,7 @@ def test_begin_sweep_is_a_compare_and_set_on_the_database_clock(queue: Queue) ->
     for t in threads:
         t.join(timeout=60)
     assert sorted(wins) == [False] * 7 + [True]
-    with queue.engine.connect() as conn:
+    with clean_db.connect() as conn:
         names = conn.execute(text("SELECT name FROM onceflow_sweeps ORDER BY name")).scalars()
         assert list(names) == ["flow:race", "flow:x"]
 
@@ -146,13 +149,13 @@ def test_a_foreign_flows_sweep_leaves_rows_of_other_stages_alone(
 
 
 def test_a_bare_queue_sweep_covers_every_stage_or_the_stages_named(
-    queue: Queue, clean_db: Engine
+    api_queue: Queue, queue: Queue, clean_db: Engine
 ) -> None:
     queue.enqueue_many([NewRequest("w", "j", s, worker_class="default") for s in ("x", "y")])
     later = db_now(clean_db) + timedelta(seconds=120)
-    only_x = queue.sweep_once(now=later, stages=["x"])
+    only_x = api_queue.sweep_once(now=later, stages=["x"])
     assert [d.stage for d in only_x.to_dispatch] == ["x"]
-    rest = queue.sweep_once(now=later)  # no stages: every stage (the caller sends them all)
+    rest = api_queue.sweep_once(now=later)  # no stages: every stage (the caller sends them all)
     assert [d.stage for d in rest.to_dispatch] == ["y"]
 
 
@@ -242,7 +245,9 @@ def test_a_backlog_waiting_in_the_broker_gets_no_second_wakeup(
     assert flow.sweep_once(redispatch_after=0).to_dispatch == []
 
 
-def test_without_the_broker_resends_of_one_row_back_off(queue: Queue, clean_db: Engine) -> None:
+def test_without_the_broker_resends_of_one_row_back_off(
+    api_queue: Queue, queue: Queue, clean_db: Engine
+) -> None:
     ids = [r.request_id for r in queue.enqueue_many([NewRequest("w", f"j{i}", "s")
                                                      for i in range(20)])]  # fmt: skip
     start = db_now(clean_db)
@@ -250,7 +255,7 @@ def test_without_the_broker_resends_of_one_row_back_off(queue: Queue, clean_db: 
     # 16 sweeps, one per redispatch interval (10 s), nobody claiming: the wake-ups may all be
     # lost, so each row is re-sent — after 1, 2, 4, 8 intervals, not at every sweep.
     for k in range(1, 17):
-        swept = queue.sweep_once(redispatch_after=10, now=start + timedelta(seconds=10 * k + 1))
+        swept = api_queue.sweep_once(redispatch_after=10, now=start + timedelta(seconds=10 * k + 1))
         resends.update(d.request_id for d in swept.to_dispatch)
     assert set(resends) == set(ids)
     assert set(resends.values()) == {4}

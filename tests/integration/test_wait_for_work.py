@@ -1,5 +1,8 @@
 """Queue.wait_for_work: NOTIFY on commit, no lost wake-up, due times by the database clock.
 
+The waits run three ways (``WAITS``): ``Queue.wait_for_work`` (a thread),
+``Queue.wait_for_work_async`` and ``AsyncQueue.wait_for_work`` (coroutines).
+
 Real Postgres, real processes; every wait is bounded by a deadline and only the
 order of events is asserted, never a speed.
 """
@@ -18,7 +21,7 @@ import psycopg
 import pytest
 from sqlalchemy import Engine, text
 
-from onceflow import InvalidRequest, NewRequest, Queue
+from onceflow import AsyncQueue, InvalidRequest, NewRequest, Queue
 from onceflow.queue.notify import CHANNEL
 from onceflow.settings import get_settings
 from tests.acceptance.procs import wait_for
@@ -85,7 +88,20 @@ def _async_wait(queue: Queue, classes: Any, timeout: float) -> bool:
     return asyncio.run(run())
 
 
-WAITS = pytest.mark.parametrize("wait", [_sync_wait, _async_wait], ids=["sync", "async"])
+def _asyncqueue_wait(queue: Queue, classes: Any, timeout: float) -> bool:
+    async def run() -> bool:
+        aqueue = AsyncQueue.from_queue(queue)
+        try:
+            return await aqueue.wait_for_work(classes, timeout)
+        finally:
+            await aqueue.aclose()
+
+    return asyncio.run(run())
+
+
+WAITS = pytest.mark.parametrize(
+    "wait", [_sync_wait, _async_wait, _asyncqueue_wait], ids=["sync", "async", "asyncqueue"]
+)
 
 
 class Waiting:
@@ -340,6 +356,8 @@ def test_bad_input_is_refused(q: Queue, classes: Any, timeout: Any) -> None:
         q.wait_for_work(classes, timeout)
     with pytest.raises(InvalidRequest):
         asyncio.run(q.wait_for_work_async(classes, timeout))
+    with pytest.raises(InvalidRequest):
+        asyncio.run(AsyncQueue.from_queue(q).wait_for_work(classes, timeout))
 
 
 @WAITS
