@@ -26,7 +26,7 @@ from onceflow.errors import (
     StoreError,
 )
 from onceflow.ids import request_id_for
-from onceflow.locks import compute_once
+from onceflow.locks import acompute_once, compute_once
 from onceflow.models import Claim, EnqueueResult, Heartbeat, NewRequest, Request, Status
 from onceflow.oplog import OpLog, WorkspaceClient
 from onceflow.queue import Queue
@@ -62,6 +62,7 @@ __all__ = [
     "Status",
     "StoreError",
     "WorkspaceClient",
+    "acompute_once",
     "compute_once",
     "get_settings",
     "request_id_for",
