@@ -1,7 +1,8 @@
 """onceflow: each stage runs once, each expensive call is paid once, each write applies once.
 
 Layer 1: :class:`Queue`, the durable stage queue on Postgres (stages on Celery in
-:mod:`onceflow.tasks`). Layer 2: :func:`compute_once`, the compute lock. Layer 3:
+:mod:`onceflow.tasks`). Layer 2: :func:`compute_once` (asyncio: :func:`acompute_once`), the
+compute lock. Layer 3:
 :class:`OpLog` and the retry-safe :class:`WorkspaceClient`.
 Nothing here connects at import time.
 """
