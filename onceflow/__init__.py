@@ -2,8 +2,7 @@
 
 Layer 1: :class:`Queue`, the durable stage queue on Postgres (stages on Celery in
 :mod:`onceflow.tasks`). Layer 2: :func:`compute_once` (asyncio: :func:`acompute_once`), the
-compute lock. Layer 3:
-:class:`OpLog` and the retry-safe :class:`WorkspaceClient`.
+compute lock. Layer 3: :class:`OpLog` and the retry-safe :class:`WorkspaceClient`.
 Nothing here connects at import time.
 """
 
