@@ -25,7 +25,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import Callable, Generator
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 R = TypeVar("R")
 
@@ -55,6 +55,14 @@ Step = Call | Sleep
 Steps = Generator[Step, Any, R]
 
 
+def _reraise_stop_iteration(exc: RuntimeError, thrown: BaseException | None) -> NoReturn:
+    """A callback's own ``StopIteration`` leaves the generator as a ``RuntimeError``
+    (PEP 479): raise the callback's exception, as a direct call would have."""
+    if thrown is not None and isinstance(thrown, StopIteration) and exc.__cause__ is thrown:
+        raise thrown.with_traceback(thrown.__traceback__) from None
+    raise exc
+
+
 def run_sync(steps: Steps[R]) -> R:
     """Drive ``steps`` with plain calls and :func:`time.sleep`; its return value."""
     send: Any = None
@@ -64,6 +72,8 @@ def run_sync(steps: Steps[R]) -> R:
             step = steps.send(send) if error is None else steps.throw(error)
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
+        except RuntimeError as exc:
+            _reraise_stop_iteration(exc, error)
         error = send = None
         try:
             if isinstance(step, Call):
@@ -83,6 +93,8 @@ async def run_async(steps: Steps[R]) -> R:
             step = steps.send(send) if error is None else steps.throw(error)
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
+        except RuntimeError as exc:
+            _reraise_stop_iteration(exc, error)
         error = send = None
         try:
             if isinstance(step, Call):
