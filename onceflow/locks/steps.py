@@ -16,7 +16,8 @@ in, at the ``yield``, where the direct code would have raised it):
 
 A cancellation (``asyncio.CancelledError``) or ``KeyboardInterrupt`` met by a
 driver is thrown into the generator like any other exception, so the protocol's
-``finally`` — release, then announce — still runs its steps.
+``finally`` — release, then announce — still runs its steps; a cancellation that
+a step swallowed is thrown in too (:func:`run_async`).
 """
 
 from __future__ import annotations
@@ -85,7 +86,14 @@ def run_sync(steps: Steps[R]) -> R:
 
 
 async def run_async(steps: Steps[R]) -> R:
-    """Drive ``steps`` awaiting awaitable results and :func:`asyncio.sleep`; its return value."""
+    """Drive ``steps`` awaiting awaitable results and :func:`asyncio.sleep`; its return value.
+
+    A cancellation of the calling task that a step swallowed (redis-py 8.1 can return a
+    command's reply to a task cancelled during it) is thrown in after that step all the
+    same, so a cancelled caller does not go on to acquire or pay.
+    """
+    task = asyncio.current_task()
+    cancels = task.cancelling() if task is not None else 0
     send: Any = None
     error: BaseException | None = None
     while True:
@@ -105,3 +113,8 @@ async def run_async(steps: Steps[R]) -> R:
                 await asyncio.sleep(step.seconds)
         except BaseException as exc:
             error = exc
+        if task is not None and task.cancelling() > cancels:
+            cancels = task.cancelling()  # one CancelledError per request to cancel
+            if not isinstance(error, asyncio.CancelledError):
+                send = None
+                error = asyncio.CancelledError()  # the step swallowed it: raise it here

@@ -8,6 +8,7 @@ what a direct call would have raised.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -102,3 +103,52 @@ def test_cancellation_still_runs_the_finally_steps() -> None:
 
     asyncio.run(main())
     assert log == ["released"]
+
+
+def test_a_cancellation_a_step_swallowed_is_thrown_in_after_it() -> None:
+    """redis-py 8.1 can swallow a task's cancellation mid-command and return the reply;
+    the protocol must not go on (to acquire, to pay) as if nothing had been asked."""
+    log: list[str] = []
+    started = asyncio.Event()
+
+    async def swallowing() -> str:
+        started.set()
+        with contextlib.suppress(asyncio.CancelledError):  # swallowed, as a library might
+            await asyncio.Event().wait()
+        return "reply"
+
+    def protocol() -> Steps[None]:
+        try:
+            yield Call(swallowing)
+            log.append("went on to the next step")
+            yield Call(asyncio.sleep, 0)
+        finally:
+            yield Call(asyncio.sleep, 0)  # the release still runs, once
+            log.append("released")
+
+    async def main() -> None:
+        task = asyncio.create_task(run_async(protocol()))
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert log == ["released"]
+
+
+def test_a_timeout_around_the_call_still_ends_as_a_timeout() -> None:
+    async def swallowing() -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.Event().wait()
+
+    def protocol() -> Steps[None]:
+        yield Call(swallowing)
+        yield Call(asyncio.Event().wait)  # never reached: would wait forever
+
+    async def main() -> None:
+        async with asyncio.timeout(0.05):
+            await run_async(protocol())
+
+    with pytest.raises(TimeoutError):
+        asyncio.run(main())
