@@ -1,8 +1,8 @@
 """onceflow: each stage runs once, each expensive call is paid once, each write applies once.
 
 Layer 1: :class:`Queue`, the durable stage queue on Postgres (stages on Celery in
-:mod:`onceflow.tasks`). Layer 2: :func:`compute_once`, the compute lock. Layer 3:
-:class:`OpLog` and the retry-safe :class:`WorkspaceClient`.
+:mod:`onceflow.tasks`). Layer 2: :func:`compute_once` (asyncio: :func:`acompute_once`), the
+compute lock. Layer 3: :class:`OpLog` and the retry-safe :class:`WorkspaceClient`.
 Nothing here connects at import time.
 """
 
@@ -26,7 +26,7 @@ from onceflow.errors import (
     StoreError,
 )
 from onceflow.ids import request_id_for
-from onceflow.locks import compute_once
+from onceflow.locks import acompute_once, compute_once
 from onceflow.models import Claim, ClaimRef, EnqueueResult, Heartbeat, NewRequest, Request, Status
 from onceflow.oplog import OpLog, WorkspaceClient
 from onceflow.queue import AsyncQueue, Queue
@@ -64,6 +64,7 @@ __all__ = [
     "Status",
     "StoreError",
     "WorkspaceClient",
+    "acompute_once",
     "compute_once",
     "get_settings",
     "request_id_for",

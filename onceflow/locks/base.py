@@ -11,7 +11,9 @@ client's clock.
 A backend (:class:`LockBackend`) is the seam: the Redis backend
 (:mod:`onceflow.locks.redis_lock`) and the SQL backend
 (:mod:`onceflow.locks.sql_lock`) implement it, and :func:`onceflow.locks.compute_once`
-runs the protocol on either.
+runs the protocol on either. :class:`AsyncLockBackend` is the same seam for asyncio
+(:class:`onceflow.locks.redis_async.AsyncRedisLockBackend`), run by
+:func:`onceflow.locks.acompute_once`; :class:`HeldLock` is what the handles of both share.
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ import json
 import logging
 import threading
 from types import TracebackType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from onceflow.errors import LockLost, LockUnavailable
 from onceflow.locks.counters import LOCKS_LOST, Counters
 from onceflow.settings import Settings
+
+if TYPE_CHECKING:
+    from onceflow.locks.aio import AsyncLockHandle
 
 log = logging.getLogger("onceflow.locks")
 
@@ -87,6 +92,59 @@ class LockBackend(Protocol):
         """A workspace's counters, summed over every process where the backend allows."""
 
 
+class AsyncSubscription(Protocol):
+    """:class:`Subscription` for asyncio: a live, confirmed subscription."""
+
+    async def wait(self, timeout: float) -> Message | None:
+        """The next message of the workspace, or None after ``timeout`` seconds."""
+
+    async def close(self) -> None:
+        """Unsubscribe and free the connection."""
+
+
+class AsyncLockBackend(Protocol):
+    """:class:`LockBackend` for asyncio (one per event loop): the same calls, awaited."""
+
+    name: str
+    counters: Counters
+    settings: Settings
+
+    async def acquire(
+        self,
+        workspace_id: str,
+        job_id: str,
+        task: str,
+        ttl: float | None = None,
+        *,
+        watchdog: bool = False,
+    ) -> AsyncLockHandle | None:
+        """Take the lock (one atomic step), or None if someone else holds it."""
+
+    async def cad_release(self, handle: HeldLock[Any]) -> bool:
+        """Compare-and-delete: True if the lock still held the handle's token and is gone."""
+
+    async def cad_extend(self, handle: HeldLock[Any], ttl_ms: int) -> bool:
+        """Compare-and-extend: True if the lock still held the handle's token."""
+
+    async def remaining_ms(self, workspace_id: str, job_id: str, task: str) -> int | None:
+        """Milliseconds until the current holder's lock expires, or None if it is free."""
+
+    async def owner_token(self, workspace_id: str, job_id: str, task: str) -> str | None:
+        """The token of the live lock on the cell, or None if it is free."""
+
+    async def subscribe(self, workspace_id: str) -> AsyncSubscription:
+        """Subscribe to the workspace's broadcasts; returns once the subscription is live."""
+
+    async def announce(self, handle: HeldLock[Any], *, ok: bool) -> None:
+        """Publish ``lock_released`` for the handle's cell (and flush pending counters)."""
+
+    async def flush_counters(self) -> None:
+        """Send pending counter increments now (best effort)."""
+
+    async def workspace_counters(self, workspace_id: str) -> dict[str, int]:
+        """A workspace's counters, summed over every process where the backend allows."""
+
+
 def released_message(job_id: str, task: str, *, ok: bool) -> Message:
     """The small message a leader publishes after releasing a cell's lock."""
     return {"kind": LOCK_RELEASED, "job_id": job_id, "task": task, "ok": ok}
@@ -110,18 +168,25 @@ def is_release_of(message: Message, job_id: str, task: str) -> bool:
     )
 
 
-class LockHandle:
-    """One held compute lock: its key and owner token, its ``lost`` flag, its watchdog.
+B = TypeVar("B", bound="_HasCounters")
 
-    Use it as a context manager, or call :meth:`release` in a ``finally``. A
-    lock found lost (an extend or the release refused by the server) sets
-    :attr:`lost`, is counted once as ``locks_lost``, and makes
+
+class _HasCounters(Protocol):
+    counters: Counters
+
+
+class HeldLock(Generic[B]):
+    """What a held lock knows of itself, for either API: key, token, TTL and ``lost`` flag.
+
+    :class:`LockHandle` (sync) and :class:`onceflow.locks.aio.AsyncLockHandle`
+    add the calls. A lock found lost (an extend or the release refused by the
+    server) sets :attr:`lost`, is counted once as ``locks_lost``, and makes
     :meth:`ensure_held` raise :class:`LockLost`.
     """
 
     def __init__(
         self,
-        backend: LockBackend,
+        backend: B,
         workspace_id: str,
         job_id: str,
         task: str,
@@ -140,10 +205,9 @@ class LockHandle:
         self._state = threading.Lock()
         self._released = False
         self._lost_detail = ""
-        self._watchdog: _Watchdog | None = None
 
     def __repr__(self) -> str:  # never shows the token
-        return f"<LockHandle {self.key} lost={self.lost} released={self._released}>"
+        return f"<{type(self).__name__} {self.key} lost={self.lost} released={self._released}>"
 
     @property
     def lost(self) -> bool:
@@ -152,13 +216,45 @@ class LockHandle:
 
     @property
     def released(self) -> bool:
-        """True once :meth:`release` got an answer from the server."""
+        """True once the release got an answer from the server."""
         return self._released
 
     def ensure_held(self) -> None:
         """Raise :class:`LockLost` if the lock is known to be lost (no round trip)."""
         if self._lost:
             raise LockLost(self.key, self._lost_detail)
+
+    def _mark_lost(self, detail: str) -> None:
+        with self._state:
+            if self._lost:
+                return
+            self._lost_detail = detail
+            self._lost = True
+        log.warning("compute lock %s lost: %s", self.key, detail)
+        self.backend.counters.incr(self.workspace_id, LOCKS_LOST)
+
+
+class LockHandle(HeldLock[LockBackend]):
+    """One held compute lock: its key and owner token, its ``lost`` flag, its watchdog.
+
+    Use it as a context manager, or call :meth:`release` in a ``finally``. A
+    lock found lost (an extend or the release refused by the server) sets
+    :attr:`lost`, is counted once as ``locks_lost``, and makes
+    :meth:`ensure_held` raise :class:`LockLost`.
+    """
+
+    def __init__(
+        self,
+        backend: LockBackend,
+        workspace_id: str,
+        job_id: str,
+        task: str,
+        key: str,
+        token: str,
+        ttl_ms: int,
+    ) -> None:
+        super().__init__(backend, workspace_id, job_id, task, key, token, ttl_ms)
+        self._watchdog: _Watchdog | None = None
 
     def extend(self, ttl: float | None = None) -> bool:
         """Reset the TTL to ``ttl`` seconds (the handle's TTL by default); False if lost."""
@@ -195,15 +291,6 @@ class LockHandle:
         """Stop extending (idempotent)."""
         if self._watchdog is not None:
             self._watchdog.stop()
-
-    def _mark_lost(self, detail: str) -> None:
-        with self._state:
-            if self._lost:
-                return
-            self._lost_detail = detail
-            self._lost = True
-        log.warning("compute lock %s lost: %s", self.key, detail)
-        self.backend.counters.incr(self.workspace_id, LOCKS_LOST)
 
     def __enter__(self) -> LockHandle:
         return self

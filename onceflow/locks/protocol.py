@@ -1,6 +1,10 @@
-# Over ~400 lines on purpose: compute_once's five steps as one function, with its
+# Over ~400 lines on purpose: compute_once's five steps as one protocol, with its
 # documentation of every branch (the seed's protocol), kept together to be read as one.
-"""``compute_once``: the seed's five steps for one expensive call, as one function.
+"""``compute_once``: the seed's five steps for one expensive call, as one protocol.
+
+The protocol is :func:`protocol_steps`, a generator of steps (:mod:`onceflow.locks.steps`)
+that both APIs drive: :func:`compute_once` with sync calls, and
+:func:`onceflow.locks.acompute_once` with awaited ones. The steps:
 
 1. pre-flight ``check()``: a stored value returns at once, with no lock round trip;
 2. acquire the cell's lock; if it is taken and ``wait=False``, return :class:`Locked`;
@@ -46,11 +50,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Generic, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeAlias, TypeVar, overload
 
 from onceflow.errors import InvalidRequest, LockUnavailable
 from onceflow.keys import lock_key
-from onceflow.locks.base import LockBackend, LockHandle, Subscription, is_release_of
+from onceflow.locks.base import AsyncLockBackend, LockBackend, LockHandle, is_release_of
 from onceflow.locks.counters import (
     COMPUTE_ERRORS,
     COMPUTES,
@@ -63,8 +67,12 @@ from onceflow.locks.counters import (
     WAITS_SERVED_BY_BROADCAST,
     WAITS_SERVED_BY_RECHECK,
 )
+from onceflow.locks.steps import Call, Sleep, Steps, run_sync
 from onceflow.metrics import record as metrics
 from onceflow.settings import get_settings
+
+if TYPE_CHECKING:
+    from onceflow.locks.aio import AsyncLockHandle
 
 log = logging.getLogger("onceflow.locks")
 
@@ -75,6 +83,11 @@ WAIT_MARGIN_SECONDS = 0.02
 #: Backoff between retries of a store that raised a retryable error: first delay, cap (seconds).
 STORE_RETRY_FIRST_DELAY = 0.05
 STORE_RETRY_MAX_DELAY = 1.0
+
+
+#: The backend and handle of either API: the protocol yields their calls to its driver.
+AnyBackend: TypeAlias = LockBackend | AsyncLockBackend
+AnyHandle: TypeAlias = "LockHandle | AsyncLockHandle"
 
 
 class Path(StrEnum):
@@ -166,83 +179,115 @@ def compute_once(
     default to the settings; ``backend`` to :func:`get_backend`. ``on_wait`` is
     called each time this caller starts waiting for the holder (e.g. to show
     "someone else is on it"). Raises :class:`LockUnavailable` when the backend
-    is down, unless ``lock_unavailable="compute"``.
+    is down, unless ``lock_unavailable="compute"``. The asyncio twin is
+    :func:`onceflow.locks.acompute_once`; both run :func:`protocol_steps`.
+    """
+    return run_sync(
+        protocol_steps(
+            workspace_id, job_id, task, check, compute, store, wait, ttl, watchdog,
+            backend, get_backend, on_wait,
+        )
+    )  # fmt: skip
+
+
+def protocol_steps(
+    workspace_id: str,
+    job_id: str,
+    task: str,
+    check: Callable[[], Any],
+    compute: Callable[[], Any],
+    store: Callable[[Any], Any],
+    wait: bool,
+    ttl: float | None,
+    watchdog: bool | None,
+    backend: AnyBackend | None,
+    default_backend: Callable[[], AnyBackend],
+    on_wait: Callable[[], object] | None,
+) -> Steps[Outcome[Any] | Locked]:
+    """The protocol as steps, for either driver (:mod:`onceflow.locks.steps`).
+
+    ``backend`` is a :class:`LockBackend` for :func:`~onceflow.locks.steps.run_sync`
+    or an :class:`~onceflow.locks.base.AsyncLockBackend` for
+    :func:`~onceflow.locks.steps.run_async`; the protocol only reads its
+    ``counters`` and ``settings`` itself and yields every other call.
     """
     lock_key(workspace_id, job_id, task)  # bad ids fail before any call is made
-    value = check()
-    be = backend if backend is not None else get_backend()
+    value = yield Call(check)
+    be = backend if backend is not None else default_backend()
     if value is not None:
         be.counters.incr(workspace_id, PREFLIGHT_HITS)  # sent later: zero round trips now
         return Outcome(value, Path.PREFLIGHT)
     settings = be.settings
     use_watchdog = settings.lock_watchdog if watchdog is None else watchdog
     try:
-        got = _acquire_or_wait(be, workspace_id, job_id, task, check, wait, ttl, on_wait)
+        got = yield from _acquire_or_wait(be, workspace_id, job_id, task, check, wait, ttl, on_wait)
     except LockUnavailable:
         if settings.lock_unavailable != "compute":
             raise
-        return _compute_unlocked(be, workspace_id, check, compute, store)
+        return (yield from _compute_unlocked(be, workspace_id, check, compute, store))
     if isinstance(got, tuple):
         handle, rounds = got
-        return _lead(be, handle, check, compute, store, use_watchdog, rounds)
+        return (yield from _lead(be, handle, check, compute, store, use_watchdog, rounds))
     return got
 
 
 def _acquire_or_wait(
-    be: LockBackend,
+    be: AnyBackend,
     workspace_id: str,
     job_id: str,
     task: str,
-    check: Callable[[], T | None],
+    check: Callable[[], Any],
     wait: bool,
     ttl: float | None,
     on_wait: Callable[[], object] | None,
-) -> tuple[LockHandle, int] | Outcome[T] | Locked:
-    sub: Subscription | None = None
+) -> Steps[tuple[AnyHandle, int] | Outcome[Any] | Locked]:
+    sub: Any = None
     waiting_since = 0.0
     rounds = 0
     try:
         while True:
             rounds += 1
-            handle = be.acquire(workspace_id, job_id, task, ttl)
+            handle = yield Call(be.acquire, workspace_id, job_id, task, ttl)
             if handle is not None:
                 return handle, rounds
             if not wait:
                 return Locked(workspace_id, job_id, task)
             if sub is None:
                 waiting_since = time.monotonic()
-                sub = be.subscribe(workspace_id)  # subscribe first, then re-check
-                value = check()
+                sub = yield Call(be.subscribe, workspace_id)  # subscribe first, then re-check
+                value = yield Call(check)
                 if value is not None:
-                    return _served(be, workspace_id, value, "recheck", waiting_since, rounds)
-            remaining = be.remaining_ms(workspace_id, job_id, task)
+                    served = _served(be, workspace_id, value, "recheck", waiting_since, rounds)
+                    return (yield from served)
+            remaining = yield Call(be.remaining_ms, workspace_id, job_id, task)
             if not remaining:
                 continue  # released or expired since the acquire: try again now
             if on_wait is not None:
-                on_wait()
-            verdict, value = _await(
+                yield Call(on_wait)
+            verdict, value = yield from _await(
                 sub, remaining / 1000 + WAIT_MARGIN_SECONDS, check, job_id, task
             )
             if value is not None:
-                return _served(be, workspace_id, value, "broadcast", waiting_since, rounds)
+                served = _served(be, workspace_id, value, "broadcast", waiting_since, rounds)
+                return (yield from served)
             if verdict == "timeout":
                 be.counters.incr(workspace_id, WAIT_TIMEOUTS)
             # Timed out (the holder may have died) or released without a value: run again.
     finally:
         if sub is not None:
-            sub.close()
+            yield Call(sub.close)
 
 
 def _await(
-    sub: Subscription, timeout: float, check: Callable[[], T | None], job_id: str, task: str
-) -> tuple[Literal["served", "released", "timeout"], T | None]:
+    sub: Any, timeout: float, check: Callable[[], Any], job_id: str, task: str
+) -> Steps[tuple[Literal["served", "released", "timeout"], Any]]:
     deadline = time.monotonic() + timeout
     while True:
         remaining = deadline - time.monotonic()
-        message = sub.wait(remaining) if remaining > 0 else None
+        message = (yield Call(sub.wait, remaining)) if remaining > 0 else None
         if message is None:
             return "timeout", None
-        value = check()  # any message may be the store's commit broadcast (layer 3)
+        value = yield Call(check)  # any message may be the store's commit broadcast (layer 3)
         if value is not None:
             return "served", value
         if is_release_of(message, job_id, task):
@@ -250,55 +295,55 @@ def _await(
 
 
 def _served(
-    be: LockBackend,
+    be: AnyBackend,
     workspace_id: str,
     value: T,
     served_by: Literal["broadcast", "recheck"],
     waiting_since: float,
     rounds: int,
-) -> Outcome[T]:
+) -> Steps[Outcome[T]]:
     name = WAITS_SERVED_BY_BROADCAST if served_by == "broadcast" else WAITS_SERVED_BY_RECHECK
     be.counters.incr(workspace_id, name)
-    be.flush_counters()
+    yield Call(be.flush_counters)
     waited = time.monotonic() - waiting_since
     metrics.lock_wait(waited)
     return Outcome(value, Path.WAITED, served_by, waited_seconds=waited, rounds=rounds)
 
 
 def _lead(
-    be: LockBackend,
-    handle: LockHandle,
-    check: Callable[[], T | None],
-    compute: Callable[[], T],
-    store: Callable[[T], object],
+    be: AnyBackend,
+    handle: AnyHandle,
+    check: Callable[[], Any],
+    compute: Callable[[], Any],
+    store: Callable[[Any], Any],
     watchdog: bool,
     rounds: int,
-) -> Outcome[T]:
+) -> Steps[Outcome[Any]]:
     ws = handle.workspace_id
     ok = False
     try:
         if watchdog:
-            handle.start_watchdog()
-        value = check()  # the double-check: stored between our pre-flight and our acquire?
+            yield Call(handle.start_watchdog)
+        value = yield Call(check)  # the double-check: stored between our pre-flight and acquire?
         if value is not None:
             be.counters.incr(ws, DOUBLE_CHECK_HITS)
             outcome = Outcome(value, Path.DOUBLE_CHECK, rounds=rounds)
         else:
-            value = _counted_compute(be, ws, compute)
-            outcome = _store(be, handle, check, store, value)
+            value = yield from _counted_compute(be, ws, compute)
+            outcome = yield from _store(be, handle, check, store, value)
             outcome = dataclasses.replace(outcome, rounds=rounds)
         ok = True
     finally:
-        _release_and_announce(be, handle, ok=ok)
+        yield from _release_and_announce(be, handle, ok=ok)
     if handle.lost and outcome.path is Path.COMPUTED:
         outcome = dataclasses.replace(outcome, path=Path.LOCK_LOST)  # lost while storing
     return outcome
 
 
-def _counted_compute(be: LockBackend, workspace_id: str, compute: Callable[[], T]) -> T:
+def _counted_compute(be: AnyBackend, workspace_id: str, compute: Callable[[], Any]) -> Steps[Any]:
     be.counters.incr(workspace_id, COMPUTES)
     try:
-        value = compute()
+        value = yield Call(compute)
     except BaseException:
         be.counters.incr(workspace_id, COMPUTE_ERRORS)
         raise
@@ -309,41 +354,41 @@ def _counted_compute(be: LockBackend, workspace_id: str, compute: Callable[[], T
 
 
 def _store(
-    be: LockBackend,
-    handle: LockHandle,
-    check: Callable[[], T | None],
-    store: Callable[[T], object],
-    value: T,
-) -> Outcome[T]:
+    be: AnyBackend,
+    handle: AnyHandle,
+    check: Callable[[], Any],
+    store: Callable[[Any], Any],
+    value: Any,
+) -> Steps[Outcome[Any]]:
     ws = handle.workspace_id
     # The lock is ours for one TTL from here even without a watchdog: the store's retry window.
     deadline = time.monotonic() + handle.ttl_ms / 1000
     try:
-        held = handle.extend()  # ours right before the store? (also buys the store a full TTL)
+        held = yield Call(handle.extend)  # ours right before the store? (and a full TTL for it)
     except LockUnavailable as exc:
         log.warning("compute lock %s: cannot confirm it before storing: %s", handle.key, exc)
         held = True
     if not held:
-        existing = check()  # lost: did the next holder store its value already?
+        existing = yield Call(check)  # lost: did the next holder store its value already?
         if existing is not None:
             be.counters.incr(ws, DUPLICATE_COMPUTES_DETECTED)
             return Outcome(existing, Path.LOCK_LOST, duplicate=True)
     path = Path.COMPUTED if held else Path.LOCK_LOST
-    if _store_retrying(be, ws, store, value, deadline) is False:
+    if (yield from _store_retrying(be, ws, store, value, deadline)) is False:
         # the store kept an earlier value (first writer wins)
         be.counters.incr(ws, DUPLICATE_COMPUTES_DETECTED)
-        existing = check()
+        existing = yield Call(check)
         return Outcome(value if existing is None else existing, path, duplicate=True)
     return Outcome(value, path)
 
 
 def _store_retrying(
-    be: LockBackend,
+    be: AnyBackend,
     workspace_id: str,
-    store: Callable[[T], object],
-    value: T,
+    store: Callable[[Any], Any],
+    value: Any,
     deadline: float,
-) -> object:
+) -> Steps[object]:
     """``store(value)``, repeated after a ``retryable`` error until ``deadline`` (monotonic).
 
     Backs off from :data:`STORE_RETRY_FIRST_DELAY` doubling to :data:`STORE_RETRY_MAX_DELAY`.
@@ -355,7 +400,7 @@ def _store_retrying(
     retries = 0
     while True:
         try:
-            return store(value)
+            return (yield Call(store, value))
         except Exception as exc:
             if getattr(exc, "retryable", False) is not True:
                 raise
@@ -370,18 +415,18 @@ def _store_retrying(
             retries += 1
             be.counters.incr(workspace_id, STORE_RETRIES)
             log.warning("compute lock: store failed (%s); retry %d in %.2fs", exc, retries, delay)
-            time.sleep(min(delay, remaining))
+            yield Sleep(min(delay, remaining))
             delay = min(delay * 2, STORE_RETRY_MAX_DELAY)
 
 
-def _release_and_announce(be: LockBackend, handle: LockHandle, *, ok: bool) -> None:
+def _release_and_announce(be: AnyBackend, handle: AnyHandle, *, ok: bool) -> Steps[None]:
     # Release before announcing: a waiter woken by ok=false must find the cell free.
     try:
-        handle.release()
+        yield Call(handle.release)
     except LockUnavailable as exc:
         log.warning("compute lock %s: release failed (%s); it expires by its TTL", handle.key, exc)
     try:
-        be.announce(handle, ok=ok)
+        yield Call(be.announce, handle, ok=ok)
     except LockUnavailable as exc:
         log.warning(
             "compute lock %s: announce failed (%s); waiters wake at the TTL", handle.key, exc
@@ -389,24 +434,24 @@ def _release_and_announce(be: LockBackend, handle: LockHandle, *, ok: bool) -> N
 
 
 def _compute_unlocked(
-    be: LockBackend,
+    be: AnyBackend,
     workspace_id: str,
-    check: Callable[[], T | None],
-    compute: Callable[[], T],
-    store: Callable[[T], object],
-) -> Outcome[T]:
-    value = check()
+    check: Callable[[], Any],
+    compute: Callable[[], Any],
+    store: Callable[[Any], Any],
+) -> Steps[Outcome[Any]]:
+    value = yield Call(check)
     if value is not None:
         be.counters.incr(workspace_id, DOUBLE_CHECK_HITS)
         return Outcome(value, Path.DOUBLE_CHECK, with_lock=False)
     log.warning("compute lock unavailable: computing without it (duplicates are possible)")
     be.counters.incr(workspace_id, COMPUTES_WITHOUT_LOCK)
-    value = _counted_compute(be, workspace_id, compute)
+    value = yield from _counted_compute(be, workspace_id, compute)
     deadline = time.monotonic() + be.settings.lock_ttl_seconds  # no lock: the default TTL
-    duplicate = _store_retrying(be, workspace_id, store, value, deadline) is False
+    duplicate = (yield from _store_retrying(be, workspace_id, store, value, deadline)) is False
     if duplicate:
         be.counters.incr(workspace_id, DUPLICATE_COMPUTES_DETECTED)
-        existing = check()
+        existing = yield Call(check)
         value = value if existing is None else existing
     return Outcome(value, Path.COMPUTED, with_lock=False, duplicate=duplicate)
 

@@ -229,25 +229,34 @@ class RedisLockBackend:
         try:
             reply = self.client.config_get("maxmemory-policy")
         except redis.ResponseError as exc:
-            # CONFIG renamed away or denied by an ACL (managed Redis often does this).
-            log.info(
-                "compute locks: could not read Redis maxmemory-policy (%s); make sure keys "
-                "with a TTL are never evicted",
-                exc,
-            )
+            note_config_refused(exc)
             self._policy_checked = True
             return
         except redis.RedisError:
             return  # not reachable now; the acquire says so, and we check again next time
-        policy = _text(dict(reply).get("maxmemory-policy"))
-        if policy and policy != "noeviction":
-            log.warning(
-                "compute locks: Redis maxmemory-policy is %r, which can evict keys with a "
-                "TTL under memory pressure; an evicted lock lets a second caller pay for the "
-                "same call. Use 'noeviction' (or a Redis of its own) for onceflow.",
-                policy,
-            )
+        warn_on_eviction_policy(reply)
         self._policy_checked = True
+
+
+def note_config_refused(exc: redis.ResponseError) -> None:
+    """``CONFIG`` renamed away or denied by an ACL (managed Redis often does this): INFO."""
+    log.info(
+        "compute locks: could not read Redis maxmemory-policy (%s); make sure keys "
+        "with a TTL are never evicted",
+        exc,
+    )
+
+
+def warn_on_eviction_policy(reply: Any) -> None:
+    """Warn when ``CONFIG GET maxmemory-policy`` says Redis may evict keys with a TTL."""
+    policy = _text(dict(reply).get("maxmemory-policy"))
+    if policy and policy != "noeviction":
+        log.warning(
+            "compute locks: Redis maxmemory-policy is %r, which can evict keys with a "
+            "TTL under memory pressure; an evicted lock lets a second caller pay for the "
+            "same call. Use 'noeviction' (or a Redis of its own) for onceflow.",
+            policy,
+        )
 
 
 class RedisSubscription:

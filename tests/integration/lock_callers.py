@@ -7,10 +7,17 @@ and none inherits the test process's threads or sockets. A child builds its
 own backend, opens its connections, waits at a barrier with the others, runs
 :func:`onceflow.locks.compute_once` in one thread per assigned cell, and reports
 every outcome on a queue.
+
+Every caller runs on either API (``api``): ``"sync"`` is ``compute_once``,
+``"async"`` is ``acompute_once`` on an event loop of its own
+(:func:`run_compute_once`), with the same arguments and the same backend's Redis
+and counters.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import multiprocessing as mp
 import os
 import queue
@@ -22,12 +29,90 @@ from multiprocessing.context import BaseContext
 from typing import Any
 
 import redis
+import redis.asyncio
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from onceflow.db import make_engine
-from onceflow.locks import LockBackend, RedisLockBackend, SqlLockBackend, compute_once
+from onceflow.locks import (
+    AsyncRedisLockBackend,
+    LockBackend,
+    RedisLockBackend,
+    SqlLockBackend,
+    acompute_once,
+    compute_once,
+    get_async_backend,
+)
 from tests.integration.standin import call_provider, mark_waiting, store_get, store_put
 
 Cell = tuple[str, str]  # (job_id, task)
+
+#: The two APIs every compute_once test runs on.
+APIS = ("sync", "async")
+
+
+def async_twin(backend: LockBackend) -> AsyncRedisLockBackend:
+    """An async backend on the same Redis as ``backend``, counting in its counters.
+
+    Built inside the event loop that uses it (a redis.asyncio client belongs to one loop),
+    with the socket timeouts of ``backend``'s client and the one immediate retry of
+    onceflow's own clients.
+    """
+    if not isinstance(backend, RedisLockBackend):
+        raise TypeError(f"no async twin for the {backend.name} lock backend (sync-only)")
+    kw = backend.client.connection_pool.connection_kwargs
+    client = redis.asyncio.Redis(
+        host=kw.get("host", "localhost"),
+        port=kw.get("port", 6379),
+        db=kw.get("db", 0),
+        socket_timeout=kw.get("socket_timeout"),
+        socket_connect_timeout=kw.get("socket_connect_timeout"),
+        retry=Retry(NoBackoff(), 1),
+    )
+    return AsyncRedisLockBackend(client, settings=backend.settings, counters=backend.counters)
+
+
+def in_thread(fn: Any) -> Any:
+    """A plain (blocking) callable as a coroutine function that runs it in a worker thread."""
+    if fn is None or inspect.iscoroutinefunction(fn):
+        return fn
+
+    async def run(*args: Any) -> Any:
+        return await asyncio.to_thread(fn, *args)
+
+    return run
+
+
+def run_compute_once(api: str, workspace_id: str, job_id: str, task: str, **kw: Any) -> Any:
+    """``compute_once(...)``, or the same call as ``acompute_once`` in ``asyncio.run``.
+
+    The async call gets :func:`async_twin` of ``backend`` (or, without one, the loop's
+    default backend), and the test's blocking callbacks as coroutine functions running
+    in threads (:func:`in_thread`) so that the loop, and its watchdog task, keep running.
+    ``plain=True`` hands them to ``acompute_once`` as they are (called on the loop).
+    """
+    if api == "sync":
+        kw.pop("plain", None)
+        return compute_once(workspace_id, job_id, task, **kw)
+    if api != "async":
+        raise ValueError(f"unknown api {api!r}")
+    backend = kw.pop("backend", None)
+    if not kw.pop("plain", False):
+        for name in ("check", "compute", "store", "on_wait"):
+            if name in kw:
+                kw[name] = in_thread(kw[name])
+
+    async def main() -> Any:
+        if backend is None:  # the loop's default backend, closed with the loop
+            default = get_async_backend()
+            try:
+                return await acompute_once(workspace_id, job_id, task, backend=default, **kw)
+            finally:
+                await default.aclose()  # type: ignore[attr-defined]
+        async with async_twin(backend) as abe:
+            return await acompute_once(workspace_id, job_id, task, backend=abe, **kw)
+
+    return asyncio.run(main())
 
 
 def context() -> BaseContext:
@@ -59,11 +144,13 @@ def call(
     hold: float = 0.0,
     ttl: float | None = None,
     watchdog: bool | None = None,
+    api: str = "sync",
 ) -> dict[str, Any]:
     """One caller: ``compute_once`` on the stand-in provider and store; the outcome as a dict."""
     job_id, task = cell
     name = cell_name(workspace_id, job_id, task)
-    outcome = compute_once(
+    outcome = run_compute_once(
+        api,
         workspace_id,
         job_id,
         task,
@@ -85,6 +172,7 @@ def call(
         "duplicate": outcome.duplicate,
         "served_at": time.monotonic(),  # CLOCK_MONOTONIC: one clock for every process
         "pid": os.getpid(),
+        "api": api,
     }
 
 
@@ -118,7 +206,7 @@ def run_process(plan: dict[str, Any], barrier: Any, results: Any) -> None:
                     call(
                         backend, plan["standin"], ws, cell,
                         hold=plan.get("hold", 0.0), ttl=plan.get("ttl"),
-                        watchdog=plan.get("watchdog"),
+                        watchdog=plan.get("watchdog"), api=plan.get("api", "sync"),
                     )
                 )  # fmt: skip
             except BaseException:

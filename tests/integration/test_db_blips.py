@@ -28,13 +28,13 @@ from sqlalchemy import Engine, text
 from onceflow import db
 from onceflow.db import fetch_one, make_engine, raw_connection
 from onceflow.errors import DatabaseUnavailable, InvalidRequest
-from onceflow.locks import Path, RedisLockBackend, compute_once
+from onceflow.locks import Path, RedisLockBackend
 from onceflow.models import NewRequest, Status
 from onceflow.queue import Queue
 from onceflow.settings import get_settings
 from onceflow.tasks import Flow, StageContext
 from tests.conftest import libpq
-from tests.integration.lock_callers import cell_name
+from tests.integration.lock_callers import APIS, cell_name, run_compute_once
 from tests.integration.standin import StandIn, call_provider
 
 STORE_APP = "onceflow-blip-store"
@@ -295,8 +295,9 @@ def test_private_postgres_restart_clients_work_on_their_first_call(
 # ------------------------------------------------------------ compute_once keeps a paid answer
 
 
+@pytest.mark.parametrize("api", APIS)
 def test_compute_once_keeps_the_answer_when_its_store_meets_a_killed_backend(
-    standin: StandIn, redis_url: str, clean_db: Engine, admin_url: str
+    api: str, standin: StandIn, redis_url: str, clean_db: Engine, admin_url: str
 ) -> None:
     store_engine = own_engine(clean_db, STORE_APP, pool_size=3)
     with store_engine.begin() as conn:
@@ -329,8 +330,8 @@ def test_compute_once_keeps_the_answer_when_its_store_meets_a_killed_backend(
         return row is not None
 
     def cell() -> Any:
-        return compute_once(
-            ws, job, task, check=check, compute=compute, store=store, backend=backend
+        return run_compute_once(
+            api, ws, job, task, check=check, compute=compute, store=store, backend=backend
         )
 
     try:

@@ -4,7 +4,10 @@ The stand-in provider (:mod:`tests.integration.standin`) counts every request it
 receives; that count, not onceflow's counters, is what "paid once" is checked
 against. Tests wait for conditions with deadlines, never for time to pass, and
 assert no timing thresholds. Each test runs on the Redis backend and, where it
-applies, on the SQL backend (``compute_locks`` + LISTEN/NOTIFY).
+applies, on the SQL backend (``compute_locks`` + LISTEN/NOTIFY). Each test of
+``compute_once`` runs on both APIs (``api``: ``compute_once``, and ``acompute_once``
+through :func:`~tests.integration.lock_callers.run_compute_once`); the SQL backend
+is sync-only, so it runs the sync API alone.
 """
 
 from __future__ import annotations
@@ -36,17 +39,29 @@ from onceflow.locks import (
     RedisLockBackend,
     SqlLockBackend,
     calls_saved,
-    compute_once,
     redis_client,
 )
 from onceflow.settings import Settings
 from tests.acceptance.procs import wait_for
 from tests.integration import lock_callers
-from tests.integration.lock_callers import Fleet, call, cell_name, outcomes
+from tests.integration.lock_callers import APIS, Fleet, call, cell_name, outcomes, run_compute_once
 from tests.integration.standin import StandIn, call_provider, store_get, store_put
 
 BACKENDS = ["redis", "sql"]
 SERVED_WITHOUT_CALL = {"preflight", "double_check", "waited"}
+#: (backend, API) pairs: the SQL lock backend has no async API.
+BACKEND_APIS = [(kind, api) for kind in BACKENDS for api in APIS if (kind, api) != ("sql", "async")]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test taking ``api`` runs on both APIs; with ``kind`` too, on every backend of each."""
+    if "api" not in metafunc.fixturenames:
+        return
+    if "kind" in metafunc.fixturenames:
+        ids = [f"{kind}-{api}" for kind, api in BACKEND_APIS]
+        metafunc.parametrize(("kind", "api"), BACKEND_APIS, ids=ids)
+    else:
+        metafunc.parametrize("api", APIS)
 
 
 @pytest.fixture(scope="module")
@@ -116,13 +131,20 @@ def counters_of(backend: LockBackend, ws: str, reports: list[dict[str, Any]]) ->
 
 
 def test_64_callers_race_one_cell(
-    kind: str, url: str, backend: LockBackend, standin: StandIn, ctx: BaseContext, ws: str
+    kind: str,
+    api: str,
+    url: str,
+    backend: LockBackend,
+    standin: StandIn,
+    ctx: BaseContext,
+    ws: str,
 ) -> None:
     # Redis: 64 processes of one caller each. SQL: 8 processes x 8 threads, because 64
     # processes x (pool + LISTEN connection) would pass the shared server's max_connections.
     procs, threads = (64, 1) if kind == "redis" else (8, 8)
     cell = ("job-1", "eval:score")
-    fleet = Fleet(ctx, [plan(kind, url, standin, ws, [cell] * threads, hold=0.5)] * procs)
+    one = plan(kind, url, standin, ws, [cell] * threads, hold=0.5, api=api)
+    fleet = Fleet(ctx, [one] * procs)
     try:
         reports = fleet.collect()
     finally:
@@ -130,6 +152,7 @@ def test_64_callers_race_one_cell(
     results = outcomes(reports)
     name = cell_name(ws, *cell)
     assert len(results) == 64
+    assert {r["api"] for r in results} == {api}
     assert standin.calls[name] == 1  # the provider's own count
     assert standin.store_writes[name] == 1
     assert {r["value"] for r in results} == {f"answer-{name}-1"}
@@ -144,14 +167,25 @@ def test_64_callers_race_one_cell(
 
 
 def test_16_cells_times_16_callers(
-    kind: str, url: str, backend: LockBackend, standin: StandIn, ctx: BaseContext, ws: str
+    kind: str,
+    api: str,
+    url: str,
+    backend: LockBackend,
+    standin: StandIn,
+    ctx: BaseContext,
+    ws: str,
 ) -> None:
     cells = [(f"job-{i}", "commute") for i in range(16)]
     if kind == "redis":  # 64 processes x 4 threads; each cell gets one thread in 16 processes
+        # async: half the processes of each cell are async: its lock is raced from both APIs
+        apis = ["sync", api]
         plans = [
-            plan(kind, url, standin, ws, [cells[(p * 4 + t) % 16] for t in range(4)], hold=0.3)
+            plan(
+                kind, url, standin, ws, [cells[(p * 4 + t) % 16] for t in range(4)], hold=0.3,
+                api=apis[(p // 4) % 2],
+            )
             for p in range(64)
-        ]
+        ]  # fmt: skip
     else:  # 8 processes x 32 threads: every process races every cell twice
         plans = [plan(kind, url, standin, ws, cells * 2, hold=0.3) for _ in range(8)]
     fleet = Fleet(ctx, plans)
@@ -166,13 +200,21 @@ def test_16_cells_times_16_callers(
     for n in names:
         mine = [r for r in results if r["cell"] == n]
         assert len(mine) == 16
+        assert {r["api"] for r in mine} == {"sync", api}
         assert {r["value"] for r in mine} == {f"answer-{n}-1"}
         assert Counter(r["path"] for r in mine)["computed"] == 1
 
 
 def test_holder_killed_mid_call_next_caller_computes_after_the_ttl(
-    kind: str, url: str, backend: LockBackend, standin: StandIn, ctx: BaseContext, ws: str
+    kind: str,
+    api: str,
+    url: str,
+    backend: LockBackend,
+    standin: StandIn,
+    ctx: BaseContext,
+    ws: str,
 ) -> None:
+    # The holder is a sync caller; with api="async" its waiters, in other processes, are async.
     cell = ("job-k", "eval:summary")
     name = cell_name(ws, *cell)
     standin.block_next(name)  # the holder's call hangs at the provider until it is killed
@@ -180,7 +222,8 @@ def test_holder_killed_mid_call_next_caller_computes_after_the_ttl(
     waiters: Fleet | None = None
     try:
         wait_for(lambda: standin.calls[name] == 1, what="the holder's provider call")
-        waiters = Fleet(ctx, [plan(kind, url, standin, ws, [cell], ttl=1.0)] * 4, barrier=False)
+        waiting = plan(kind, url, standin, ws, [cell], ttl=1.0, api=api)
+        waiters = Fleet(ctx, [waiting] * 4, barrier=False)
         wait_for(lambda: standin.marks[name] >= 4, what="4 callers waiting on the holder")
         os.kill(holder.processes[0].pid or 0, signal.SIGKILL)
         holder.processes[0].join(timeout=10)
@@ -191,6 +234,7 @@ def test_holder_killed_mid_call_next_caller_computes_after_the_ttl(
         if waiters is not None:
             waiters.stop()
     results = outcomes(reports)
+    assert {r["api"] for r in results} == {api}
     assert standin.calls[name] == 2  # the killed call, and exactly one more
     assert {r["value"] for r in results} == {f"answer-{name}-2"}
     paths = Counter(r["path"] for r in results)
@@ -231,7 +275,7 @@ def test_expired_then_reacquired_lock_is_not_deleted_by_the_old_holder(
 
 
 def test_watchdog_keeps_a_3x_ttl_calls_lock(
-    backend: LockBackend, standin: StandIn, ws: str
+    backend: LockBackend, api: str, standin: StandIn, ws: str
 ) -> None:
     cell = ("job-w", "eval:long")
     name = cell_name(ws, *cell)
@@ -240,14 +284,14 @@ def test_watchdog_keeps_a_3x_ttl_calls_lock(
     def compute() -> str:
         value = call_provider(standin.url, name, hold=1.5)  # 3 x the 0.5 s TTL
         seen["owner"] = backend.owner_token(ws, *cell)
-        seen["other"] = compute_once(
-            ws, *cell, check=lambda: None, compute=lambda: "never", store=lambda v: None,
+        seen["other"] = run_compute_once(
+            api, ws, *cell, check=lambda: None, compute=lambda: "never", store=lambda v: None,
             wait=False, backend=backend,
         )  # fmt: skip
         return value
 
-    out = compute_once(
-        ws, *cell, check=lambda: store_get(standin.url, name), compute=compute,
+    out = run_compute_once(
+        api, ws, *cell, check=lambda: store_get(standin.url, name), compute=compute,
         store=lambda v: store_put(standin.url, name, v), ttl=0.5, watchdog=True, backend=backend,
     )  # fmt: skip
     assert out.path is Path.COMPUTED
@@ -258,7 +302,7 @@ def test_watchdog_keeps_a_3x_ttl_calls_lock(
 
 
 def test_without_watchdog_a_long_call_loses_its_lock_and_it_is_counted(
-    backend: LockBackend, standin: StandIn, ws: str
+    backend: LockBackend, api: str, standin: StandIn, ws: str
 ) -> None:
     cell = ("job-nw", "eval:long")
     name = cell_name(ws, *cell)
@@ -268,8 +312,8 @@ def test_without_watchdog_a_long_call_loses_its_lock_and_it_is_counted(
         wait_for(lambda: backend.owner_token(ws, *cell) is None, what="the lock to expire")
         return value
 
-    out = compute_once(
-        ws, *cell, check=lambda: store_get(standin.url, name), compute=compute,
+    out = run_compute_once(
+        api, ws, *cell, check=lambda: store_get(standin.url, name), compute=compute,
         store=lambda v: store_put(standin.url, name, v), ttl=0.5, watchdog=False, backend=backend,
     )  # fmt: skip
     assert out.path is Path.LOCK_LOST
@@ -303,6 +347,7 @@ def test_watchdog_flags_a_lock_taken_from_it(backend: LockBackend, ws: str, engi
 
 def test_waiters_wake_on_the_broadcast_before_the_ttl(
     kind: str,
+    api: str,
     url: str,
     backend: LockBackend,
     standin: StandIn,
@@ -310,6 +355,8 @@ def test_waiters_wake_on_the_broadcast_before_the_ttl(
     ws: str,
     record_property: Callable[[str, object], None],
 ) -> None:
+    # The leader is a sync caller; with api="async" the 4 waiters (other processes) are
+    # async: one lock per cell across the APIs, and the sync leader's broadcast wakes them.
     cell = ("job-b", "eval:fit")
     name = cell_name(ws, *cell)
     standin.block_next(name)
@@ -317,7 +364,8 @@ def test_waiters_wake_on_the_broadcast_before_the_ttl(
     waiters: Fleet | None = None
     try:
         wait_for(lambda: standin.calls[name] == 1, what="the leader's provider call")
-        waiters = Fleet(ctx, [plan(kind, url, standin, ws, [cell], ttl=60)] * 4, barrier=False)
+        waiting = plan(kind, url, standin, ws, [cell], ttl=60, api=api)
+        waiters = Fleet(ctx, [waiting] * 4, barrier=False)
         wait_for(lambda: standin.marks[name] >= 4, what="4 callers waiting")
         released_at = time.monotonic()
         standin.unblock(name)
@@ -330,16 +378,17 @@ def test_waiters_wake_on_the_broadcast_before_the_ttl(
     results = outcomes(reports)
     served = [r for r in results if r["path"] == "waited"]
     assert len(served) == 4
+    assert {r["api"] for r in served} == {api}
     assert all(r["served_by"] == "broadcast" for r in served), served
     latencies = sorted(round((r["served_at"] - released_at) * 1000, 1) for r in served)
     record_property("wake_latency_ms", latencies)
-    print(f"\n{kind}: waiters served {latencies} ms after the provider answered (TTL 60 s)")
+    print(f"\n{kind}-{api}: waiters served {latencies} ms after the provider answered (TTL 60 s)")
     assert standin.calls[name] == 1
     assert counters_of(backend, ws, reports)["wait_timeouts"] == 0
 
 
 def test_leader_error_is_not_shared_one_waiter_becomes_the_next_leader(
-    backend: LockBackend, standin: StandIn, ws: str
+    backend: LockBackend, api: str, standin: StandIn, ws: str
 ) -> None:
     cell = ("job-f", "eval:flaky")
     name = cell_name(ws, *cell)
@@ -349,7 +398,7 @@ def test_leader_error_is_not_shared_one_waiter_becomes_the_next_leader(
 
     def leader() -> None:
         try:
-            call(backend, standin.url, ws, cell)
+            call(backend, standin.url, ws, cell, api=api)
         except BaseException as exc:
             errors.append(exc)
 
@@ -358,7 +407,9 @@ def test_leader_error_is_not_shared_one_waiter_becomes_the_next_leader(
     lead.start()
     wait_for(lambda: standin.calls[name] == 1, what="the leader's call")
     waiters = [
-        threading.Thread(target=lambda: results.append(call(backend, standin.url, ws, cell)))
+        threading.Thread(
+            target=lambda: results.append(call(backend, standin.url, ws, cell, api=api))
+        )
         for _ in range(3)
     ]
     for t in waiters:
@@ -379,7 +430,7 @@ class _Interrupted(BaseException):
 
 
 def test_base_exception_in_compute_still_releases_and_wakes_waiters(
-    backend: LockBackend, ws: str
+    backend: LockBackend, api: str, ws: str
 ) -> None:
     cell = ("job-i", "eval:x")
     sub = backend.subscribe(ws)
@@ -389,8 +440,8 @@ def test_base_exception_in_compute_still_releases_and_wakes_waiters(
             raise _Interrupted
 
         with pytest.raises(_Interrupted):
-            compute_once(
-                ws, *cell, check=lambda: None, compute=compute, store=lambda v: None,
+            run_compute_once(
+                api, ws, *cell, check=lambda: None, compute=compute, store=lambda v: None,
                 backend=backend,
             )  # fmt: skip
         assert backend.owner_token(ws, *cell) is None
@@ -473,14 +524,14 @@ def _finishes(fn: Callable[[], Any], within: float) -> Any:
 
 
 def test_redis_stopped_lock_unavailable_then_back(
-    private_redis: PrivateRedis, standin: StandIn, ws: str
+    private_redis: PrivateRedis, api: str, standin: StandIn, ws: str
 ) -> None:
     timeout = 2.0
     client = redis.Redis.from_url(
         private_redis.url, socket_timeout=timeout, socket_connect_timeout=timeout
     )
     be = RedisLockBackend(client)
-    assert call(be, standin.url, ws, ("job-r", "a"))["path"] == "computed"
+    assert call(be, standin.url, ws, ("job-r", "a"), api=api)["path"] == "computed"
 
     # A waiter blocked on the holder's broadcast when Redis dies must not hang.
     holder = be.acquire(ws, "job-r", "b", ttl=60)
@@ -490,8 +541,8 @@ def test_redis_stopped_lock_unavailable_then_back(
 
     def waiter() -> None:
         try:
-            compute_once(
-                ws, "job-r", "b", check=lambda: None, compute=lambda: "x",
+            run_compute_once(
+                api, ws, "job-r", "b", check=lambda: None, compute=lambda: "x",
                 store=lambda v: None, backend=be, on_wait=waiting.set,
             )  # fmt: skip
         except BaseException as exc:
@@ -507,17 +558,17 @@ def test_redis_stopped_lock_unavailable_then_back(
 
     name = cell_name(ws, "job-r", "c")
     with pytest.raises(LockUnavailable):
-        _finishes(lambda: call(be, standin.url, ws, ("job-r", "c")), within=10 * timeout)
+        _finishes(lambda: call(be, standin.url, ws, ("job-r", "c"), api=api), within=10 * timeout)
     assert standin.calls[name] == 0  # policy "fail": no call was paid for without the lock
 
     private_redis.start()  # same port, empty data: work resumes on the same client
-    result = _finishes(lambda: call(be, standin.url, ws, ("job-r", "c")), within=30)
+    result = _finishes(lambda: call(be, standin.url, ws, ("job-r", "c"), api=api), within=30)
     assert result["path"] == "computed"
     assert standin.calls[name] == 1
 
 
 def test_policy_compute_without_the_lock_when_redis_is_down(
-    private_redis: PrivateRedis, standin: StandIn, ws: str
+    private_redis: PrivateRedis, api: str, standin: StandIn, ws: str
 ) -> None:
     settings = Settings(lock_unavailable="compute")
     client = redis.Redis.from_url(private_redis.url, socket_timeout=2, socket_connect_timeout=2)
@@ -525,8 +576,8 @@ def test_policy_compute_without_the_lock_when_redis_is_down(
     private_redis.stop()
     name = cell_name(ws, "job-p", "t")
     out = _finishes(
-        lambda: compute_once(
-            ws, "job-p", "t", check=lambda: store_get(standin.url, name),
+        lambda: run_compute_once(
+            api, ws, "job-p", "t", check=lambda: store_get(standin.url, name),
             compute=lambda: call_provider(standin.url, name),
             store=lambda v: store_put(standin.url, name, v), backend=be,
         ),
@@ -569,7 +620,9 @@ def test_eviction_policy_warning_and_config_refused(
         refused.stop()
 
 
-def test_a_preflight_hit_makes_no_redis_round_trip(private_redis: PrivateRedis, ws: str) -> None:
+def test_a_preflight_hit_makes_no_redis_round_trip(
+    private_redis: PrivateRedis, api: str, ws: str
+) -> None:
     client = redis.Redis.from_url(private_redis.url)
     be = RedisLockBackend(client)
     probe = redis.Redis.from_url(private_redis.url)
@@ -579,24 +632,25 @@ def test_a_preflight_hit_makes_no_redis_round_trip(private_redis: PrivateRedis, 
 
     baseline = -processed() + processed()  # what reading the figure itself adds
     before = processed()
-    for _ in range(1000):
-        out = compute_once(
-            ws, "j", "t", check=lambda: "stored", compute=lambda: "x", store=lambda v: None,
-            backend=be,
+    calls = 1000 if api == "sync" else 200  # async: an event loop each (asyncio.run)
+    for _ in range(calls):  # async: plain callables, called on the loop
+        out = run_compute_once(
+            api, ws, "j", "t", check=lambda: "stored", compute=lambda: "x", store=lambda v: None,
+            backend=be, plain=True,
         )  # fmt: skip
         assert out.path is Path.PREFLIGHT
     assert processed() - before == baseline
-    assert be.counters.snapshot(ws)["preflight_hits"] == 1000
+    assert be.counters.snapshot(ws)["preflight_hits"] == calls
     be.flush_counters()  # pending hits reach the workspace hash on the next round trip
-    assert be.workspace_counters(ws)["preflight_hits"] == 1000
+    assert be.workspace_counters(ws)["preflight_hits"] == calls
 
 
-def test_ids_are_validated_before_anything_runs(backend: LockBackend) -> None:
+def test_ids_are_validated_before_anything_runs(backend: LockBackend, api: str) -> None:
     called: list[str] = []
     with pytest.raises(InvalidRequest):
-        compute_once(
-            "", "j", "t", check=lambda: called.append("check"), compute=lambda: "x",
-            store=lambda v: None, backend=backend,
+        run_compute_once(
+            api, "", "j", "t", check=lambda: called.append("check"), compute=lambda: "x",
+            store=lambda v: None, backend=backend, plain=True,
         )  # fmt: skip
     assert called == []
     assert lock_key("w{1}", "j:1", "eval:a") == "onceflow:{w%7B1%7D}:lock:j%3A1:eval%3Aa"

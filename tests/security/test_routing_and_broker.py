@@ -24,10 +24,10 @@ from sqlalchemy import Engine, text
 from onceflow import Status
 from onceflow.errors import InvalidRequest
 from onceflow.keys import lock_key, queue_name
-from onceflow.locks import compute_once
 from onceflow.queue import Queue
 from tests.acceptance.procs import start_worker, wait_for
 from tests.acceptance.test_http_api import API_KEY, auth, snapshot
+from tests.integration.lock_callers import APIS, run_compute_once
 
 FOREIGN_NAMES = [
     "unacked_index",  # kombu's own sorted set: a list there killed every worker
@@ -201,7 +201,10 @@ def test_a_worker_survives_hostile_messages_and_wrong_typed_keys(
             r.delete(key)
 
 
-def test_a_lock_key_without_ttl_does_not_hang_its_waiters(clean_db: Engine, redis_url: str) -> None:
+@pytest.mark.parametrize("api", APIS)
+def test_a_lock_key_without_ttl_does_not_hang_its_waiters(
+    api: str, clean_db: Engine, redis_url: str
+) -> None:
     """A value planted at a compute lock's key (no TTL: never one of onceflow's locks)
     made every waiter wait forever; it is deleted and the call computes once."""
     r = redis_lib.Redis.from_url(redis_url)
@@ -212,8 +215,8 @@ def test_a_lock_key_without_ttl_does_not_hang_its_waiters(clean_db: Engine, redi
     stored: dict[str, int] = {}
 
     def call() -> int:
-        outcome = compute_once(
-            "w-lock", "j", "t",
+        outcome = run_compute_once(
+            api, "w-lock", "j", "t",
             check=lambda: stored.get("v"),
             compute=lambda: calls.append(1) or 42,
             store=lambda v: stored.__setitem__("v", v),

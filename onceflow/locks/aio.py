@@ -1,0 +1,220 @@
+"""``acompute_once``: the compute lock for asyncio, on the protocol :func:`compute_once` runs.
+
+Both APIs drive one implementation, :func:`onceflow.locks.protocol.protocol_steps`
+(see :mod:`onceflow.locks.steps`): the same pre-flight, acquire, wait for the
+``lock_released`` broadcast, double-check, compute, store retrying, release and
+announce, counted by the same counters, with the same outcomes. Only the calls
+differ: here they are awaited on an :class:`~onceflow.locks.base.AsyncLockBackend`
+(:class:`~onceflow.locks.redis_async.AsyncRedisLockBackend`, redis.asyncio), and
+``check``, ``compute``, ``store`` and ``on_wait`` may be coroutine functions.
+
+Plain callables are called in place, on the event loop: one that blocks (a
+sync HTTP call, a sync database query) blocks the loop, and the watchdog with
+it, for as long as it runs. Give blocking work to ``asyncio.to_thread``.
+
+The watchdog of an :class:`AsyncLockHandle` is a task on the caller's loop. A
+sync holder and an async waiter (or the reverse) share a cell's lock: the keys,
+tokens and broadcasts are the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import weakref
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Literal, TypeAlias, TypeVar, overload
+
+from onceflow.errors import InvalidRequest, LockUnavailable
+from onceflow.locks.base import AsyncLockBackend, HeldLock, ttl_to_ms
+from onceflow.locks.protocol import Locked, Outcome, protocol_steps
+from onceflow.locks.steps import run_async
+from onceflow.settings import get_settings
+
+log = logging.getLogger("onceflow.locks")
+
+T = TypeVar("T")
+
+
+class AsyncLockHandle(HeldLock[AsyncLockBackend]):
+    """:class:`~onceflow.locks.base.LockHandle` for asyncio: the calls are awaited.
+
+    Use it as ``async with handle:`` or ``await handle.release()`` in a
+    ``finally``. Its watchdog is a task on the loop that acquired it.
+    """
+
+    def __init__(
+        self,
+        backend: AsyncLockBackend,
+        workspace_id: str,
+        job_id: str,
+        task: str,
+        key: str,
+        token: str,
+        ttl_ms: int,
+    ) -> None:
+        super().__init__(backend, workspace_id, job_id, task, key, token, ttl_ms)
+        self._watchdog: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    async def extend(self, ttl: float | None = None) -> bool:
+        """Reset the TTL to ``ttl`` seconds (the handle's TTL by default); False if lost."""
+        ttl_ms = self.ttl_ms if ttl is None else ttl_to_ms(ttl)
+        if await self.backend.cad_extend(self, ttl_ms):
+            return True
+        self._mark_lost("extend refused: the lock expired or was taken")
+        return False
+
+    async def release(self) -> bool:
+        """Release if still ours (compare-and-delete); False if it was lost or released already.
+
+        The token is kept until the server answered, so a release that raised
+        :class:`LockUnavailable` can be retried.
+        """
+        await self.stop_watchdog()
+        if self._released:
+            return False
+        held = await self.backend.cad_release(self)
+        self._released = True
+        if not held:
+            self._mark_lost("released after it expired or was taken")
+        return held
+
+    async def start_watchdog(self) -> None:
+        """Extend the lock every ttl/3 in a task until released or lost."""
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().create_task(
+                self._watch(), name=f"onceflow-lock-watchdog-{self.task[:20]}"
+            )
+
+    async def stop_watchdog(self) -> None:
+        """Stop extending (idempotent); returns once no extend is in flight."""
+        self._stopping = True
+        task = self._watchdog
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait([task])  # never raises: our own cancellation stays ours
+
+    async def _watch(self) -> None:
+        # The flag, not only the cancellation, ends the loop: redis-py (8.1) can swallow a
+        # cancellation that lands during a command and return its reply instead.
+        interval = self.ttl_ms / 3000.0
+        while not self._stopping:
+            await asyncio.sleep(interval)
+            if self._stopping:
+                return
+            try:
+                held = await self.backend.cad_extend(self, self.ttl_ms)
+            except LockUnavailable as exc:
+                # The backend may answer again before the TTL runs out: keep trying.
+                log.warning("compute lock %s: extend failed: %s", self.key, exc)
+                continue
+            if not held:
+                self._mark_lost("watchdog extend refused: the lock expired or was taken")
+                return
+
+    async def __aenter__(self) -> AsyncLockHandle:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.release()
+        if exc_type is None:
+            self.ensure_held()  # lost while the block ran: say so
+
+
+MaybeAwaitable: TypeAlias = T | Awaitable[T]
+
+
+@overload
+async def acompute_once(
+    workspace_id: str,
+    job_id: str,
+    task: str,
+    *,
+    check: Callable[[], MaybeAwaitable[T | None]],
+    compute: Callable[[], MaybeAwaitable[T]],
+    store: Callable[[T], object],
+    wait: Literal[True] = True,
+    ttl: float | None = None,
+    watchdog: bool | None = None,
+    backend: AsyncLockBackend | None = None,
+    on_wait: Callable[[], object] | None = None,
+) -> Outcome[T]: ...
+@overload
+async def acompute_once(
+    workspace_id: str,
+    job_id: str,
+    task: str,
+    *,
+    check: Callable[[], MaybeAwaitable[T | None]],
+    compute: Callable[[], MaybeAwaitable[T]],
+    store: Callable[[T], object],
+    wait: bool,
+    ttl: float | None = None,
+    watchdog: bool | None = None,
+    backend: AsyncLockBackend | None = None,
+    on_wait: Callable[[], object] | None = None,
+) -> Outcome[T] | Locked: ...
+async def acompute_once(
+    workspace_id: str,
+    job_id: str,
+    task: str,
+    *,
+    check: Callable[[], MaybeAwaitable[T | None]],
+    compute: Callable[[], MaybeAwaitable[T]],
+    store: Callable[[T], object],
+    wait: bool = True,
+    ttl: float | None = None,
+    watchdog: bool | None = None,
+    backend: AsyncLockBackend | None = None,
+    on_wait: Callable[[], object] | None = None,
+) -> Outcome[T] | Locked:
+    """:func:`~onceflow.locks.compute_once` for asyncio: the same protocol, awaited.
+
+    ``check``, ``compute``, ``store`` and ``on_wait`` may be coroutine functions
+    or plain callables (called on the loop). ``backend`` defaults to
+    :func:`get_async_backend` (this loop's). Cancelling the caller releases the
+    lock and announces ``ok: false`` before the cancellation propagates.
+    """
+    return await run_async(
+        protocol_steps(
+            workspace_id, job_id, task, check, compute, store, wait, ttl, watchdog,
+            backend, get_async_backend, on_wait,
+        )
+    )  # fmt: skip
+
+
+_async_backends: weakref.WeakKeyDictionary[
+    asyncio.AbstractEventLoop, dict[tuple[str, int], AsyncLockBackend]
+] = weakref.WeakKeyDictionary()
+
+
+def get_async_backend() -> AsyncLockBackend:
+    """The running loop's async backend for ``redis_url`` (made lazily; one per loop).
+
+    A redis.asyncio connection belongs to the loop that opened it, so each loop
+    gets its own backend; it goes with the loop. Only ``lock_backend="redis"``
+    has an async backend: with ``"sql"`` this raises :class:`InvalidRequest`.
+    """
+    settings = get_settings()
+    if settings.lock_backend != "redis":
+        raise InvalidRequest(
+            f"acompute_once needs lock_backend='redis' (it is {settings.lock_backend!r}); "
+            "the SQL lock backend is sync-only: use compute_once"
+        )
+    loop = asyncio.get_running_loop()
+    key = (settings.redis_url, os.getpid())
+    mine = _async_backends.setdefault(loop, {})
+    backend = mine.get(key)
+    if backend is None:
+        from onceflow.locks.redis_async import AsyncRedisLockBackend
+
+        backend = mine[key] = AsyncRedisLockBackend(settings.redis_url, settings=settings)
+    return backend

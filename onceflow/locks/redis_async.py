@@ -1,0 +1,271 @@
+"""The Redis compute lock on redis.asyncio: :class:`RedisLockBackend`'s calls, awaited.
+
+The same key, token, ``SET NX PX``, ``release.lua`` / ``extend.lua``, channel,
+``lock_released`` message and counters hash as the sync backend, so sync and
+async callers share every cell's lock. A redis.asyncio client belongs to the
+event loop it first connects on: build one backend per loop
+(:func:`onceflow.locks.aio.get_async_backend` does), and close it with
+:meth:`AsyncRedisLockBackend.aclose` (or ``async with``) when it is yours.
+
+Every redis-py error is translated to :class:`LockUnavailable` here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import secrets
+import time
+from types import TracebackType
+from typing import Any
+
+import redis
+import redis.asyncio
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
+
+from onceflow.errors import LockUnavailable
+from onceflow.keys import counters_key, lock_key, workspace_channel
+from onceflow.locks.aio import AsyncLockHandle
+from onceflow.locks.base import HeldLock, Message, parse_message, released_message, ttl_to_ms
+from onceflow.locks.counters import Counters, parse_hash, queue_increments
+from onceflow.locks.redis_lock import (
+    EXTEND_LUA,
+    REAP_UNTIMED_LUA,
+    RELEASE_LUA,
+    note_config_refused,
+    warn_on_eviction_policy,
+)
+from onceflow.settings import Settings, get_settings
+
+log = logging.getLogger("onceflow.locks")
+
+
+def _unavailable(what: str, exc: redis.RedisError) -> LockUnavailable:
+    return LockUnavailable(f"Redis unavailable ({what}): {exc}")
+
+
+class AsyncRedisLockBackend:
+    """Compute locks in Redis, for asyncio. One per event loop.
+
+    ``client`` is a ``redis.asyncio.Redis`` or a URL (default: ``redis_url``),
+    with socket timeouts of ``lock_timeout_seconds``. ``counters`` may be shared
+    with a sync backend of the same process, so both APIs count in one place.
+    """
+
+    name = "redis"
+
+    def __init__(
+        self,
+        client: redis.asyncio.Redis | str | None = None,
+        *,
+        settings: Settings | None = None,
+        counters: Counters | None = None,
+    ) -> None:
+        self.settings = settings or get_settings()
+        if client is None or isinstance(client, str):
+            timeout = self.settings.lock_timeout_seconds
+            client = redis.asyncio.Redis.from_url(
+                client or self.settings.redis_url,
+                socket_timeout=timeout,
+                socket_connect_timeout=timeout,
+                retry=Retry(NoBackoff(), 1),
+            )
+        self.client = client
+        self.counters = counters if counters is not None else Counters()
+        self._release = client.register_script(RELEASE_LUA)
+        self._extend = client.register_script(EXTEND_LUA)
+        self._reap = client.register_script(REAP_UNTIMED_LUA)
+        self._policy_checked = False
+
+    async def aclose(self) -> None:
+        """Close the client's connections.
+
+        Pending counter increments stay pending (as with the sync backend, they ride on
+        the next round trip): :meth:`flush_counters` sends them.
+        """
+        await self.client.aclose()
+
+    async def __aenter__(self) -> AsyncRedisLockBackend:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def acquire(
+        self,
+        workspace_id: str,
+        job_id: str,
+        task: str,
+        ttl: float | None = None,
+        *,
+        watchdog: bool = False,
+    ) -> AsyncLockHandle | None:
+        """``SET key token NX PX ttl``: a handle if taken now, None if someone holds it."""
+        key = lock_key(workspace_id, job_id, task)
+        ttl_ms = ttl_to_ms(self.settings.lock_ttl_seconds if ttl is None else ttl)
+        token = secrets.token_hex(16)
+        if not self._policy_checked:
+            await self._check_eviction_policy()
+        try:
+            taken = await self.client.set(key, token, nx=True, px=ttl_ms)
+        except redis.RedisError as exc:
+            raise _unavailable("acquire", exc) from exc
+        if not taken:
+            return None
+        handle = AsyncLockHandle(self, workspace_id, job_id, task, key, token, ttl_ms)
+        if watchdog:
+            await handle.start_watchdog()
+        return handle
+
+    async def cad_release(self, handle: HeldLock[Any]) -> bool:
+        """``release.lua``: delete the key only if it still holds the handle's token."""
+        try:
+            return bool(await self._run(self._release, handle.key, handle.token))
+        except redis.RedisError as exc:
+            raise _unavailable("release", exc) from exc
+
+    async def cad_extend(self, handle: HeldLock[Any], ttl_ms: int) -> bool:
+        """``extend.lua``: reset the TTL only if the key still holds the handle's token."""
+        try:
+            return bool(await self._run(self._extend, handle.key, handle.token, ttl_ms))
+        except redis.RedisError as exc:
+            raise _unavailable("extend", exc) from exc
+
+    async def _run(self, script: AsyncScript, key: str, *args: str | int) -> Any:
+        try:
+            return await self.client.evalsha(script.sha, 1, key, *args)
+        except redis.exceptions.NoScriptError:
+            return await script(keys=[key], args=list(args))
+
+    async def remaining_ms(self, workspace_id: str, job_id: str, task: str) -> int | None:
+        """``PTTL`` of the cell's lock; None when no lock exists (a key with no TTL is reaped)."""
+        key = lock_key(workspace_id, job_id, task)
+        try:
+            pttl = int(await self.client.pttl(key))
+            if pttl == -1:  # not a lock (see RedisLockBackend.remaining_ms): delete it
+                if await self._run(self._reap, key):
+                    log.error("compute lock %r held a value with no TTL (not a lock): deleted", key)
+                return None
+        except redis.RedisError as exc:
+            raise _unavailable("pttl", exc) from exc
+        return None if pttl == -2 else pttl
+
+    async def owner_token(self, workspace_id: str, job_id: str, task: str) -> str | None:
+        """The token in the cell's lock key, or None."""
+        try:
+            value = await self.client.get(lock_key(workspace_id, job_id, task))
+        except redis.RedisError as exc:
+            raise _unavailable("get", exc) from exc
+        return value.decode() if isinstance(value, bytes) else value
+
+    async def subscribe(self, workspace_id: str) -> AsyncRedisSubscription:
+        """``SUBSCRIBE`` to the workspace's channel; returns once Redis confirmed it."""
+        sub = AsyncRedisSubscription(self.client, workspace_channel(workspace_id))
+        try:
+            await sub.confirm(self.settings.lock_timeout_seconds)
+        except BaseException:
+            await sub.close()
+            raise
+        return sub
+
+    async def announce(self, handle: HeldLock[Any], *, ok: bool) -> None:
+        """One pipelined round trip: ``PUBLISH`` lock_released, plus pending counters."""
+        message = json.dumps(released_message(handle.job_id, handle.task, ok=ok))
+        pending = self.counters.take_pending()
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.publish(workspace_channel(handle.workspace_id), message)
+            queue_increments(pipe, pending)
+            await pipe.execute()
+        except redis.RedisError as exc:
+            self.counters.restore_pending(pending)
+            raise _unavailable("publish", exc) from exc
+        except BaseException:
+            self.counters.restore_pending(pending)
+            raise
+
+    async def flush_counters(self) -> None:
+        """Send pending increments (``HINCRBY``, one pipelined round trip); kept on failure."""
+        pending = self.counters.take_pending()
+        if not pending:
+            return
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            queue_increments(pipe, pending)
+            await pipe.execute()
+        except redis.RedisError as exc:
+            self.counters.restore_pending(pending)
+            log.debug("compute-lock counters not flushed: %s", exc)
+        except BaseException:
+            self.counters.restore_pending(pending)
+            raise
+
+    async def workspace_counters(self, workspace_id: str) -> dict[str, int]:
+        """``HGETALL`` of the workspace's counters: every process's flushed increments."""
+        try:
+            raw = await self.client.hgetall(counters_key(workspace_id))
+        except redis.RedisError as exc:
+            raise _unavailable("counters", exc) from exc
+        return parse_hash(raw)
+
+    async def _check_eviction_policy(self) -> None:
+        try:
+            reply = await self.client.config_get("maxmemory-policy")
+        except redis.ResponseError as exc:
+            note_config_refused(exc)
+            self._policy_checked = True
+            return
+        except redis.RedisError:
+            return  # not reachable now; the acquire says so, and we check again next time
+        warn_on_eviction_policy(reply)
+        self._policy_checked = True
+
+
+class AsyncRedisSubscription:
+    """A confirmed ``SUBSCRIBE`` to one channel on its own connection (redis.asyncio)."""
+
+    def __init__(self, client: redis.asyncio.Redis, channel: str) -> None:
+        self._pubsub = client.pubsub()
+        self._channel = channel
+
+    async def confirm(self, timeout: float) -> None:
+        """``SUBSCRIBE`` and wait for Redis to confirm it (every later publish then reaches us)."""
+        try:
+            await self._pubsub.subscribe(self._channel)
+            deadline = time.monotonic() + timeout
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise LockUnavailable(f"Redis did not confirm SUBSCRIBE {self._channel}")
+                reply = await self._pubsub.get_message(timeout=remaining)
+                if reply is not None and reply["type"] == "subscribe":
+                    return
+        except redis.RedisError as exc:
+            raise _unavailable("subscribe", exc) from exc
+
+    async def wait(self, timeout: float) -> Message | None:
+        """The next published message, or None once ``timeout`` seconds passed."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            try:
+                reply = await self._pubsub.get_message(timeout=remaining)
+            except redis.RedisError as exc:
+                raise _unavailable("wait", exc) from exc
+            if reply is not None and reply["type"] == "message":
+                return parse_message(reply["data"])
+
+    async def close(self) -> None:
+        """Unsubscribe by closing the connection (errors ignored: it may be dead already)."""
+        with contextlib.suppress(redis.RedisError, OSError):
+            await self._pubsub.aclose()  # type: ignore[no-untyped-call]
