@@ -28,13 +28,14 @@ from onceflow.errors import (
 from onceflow.ids import request_id_for
 from onceflow.locks import compute_once
 from onceflow.models import Claim, EnqueueResult, Heartbeat, NewRequest, Request, Status
-from onceflow.oplog import OpLog, WorkspaceClient
+from onceflow.oplog import AsyncOpLog, OpLog, WorkspaceClient
 from onceflow.queue import AsyncQueue, Queue
 from onceflow.settings import Settings, get_settings
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncOpLog",
     "AsyncQueue",
     "Claim",
     "ConnectionLost",

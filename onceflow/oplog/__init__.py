@@ -9,6 +9,7 @@ from onceflow.oplog.client import (
 )
 from onceflow.oplog.store import (
     ApplyResult,
+    AsyncOpLog,
     OpLog,
     OpRecord,
     SubDoc,
@@ -19,6 +20,7 @@ from onceflow.oplog.store import (
 
 __all__ = [
     "ApplyResult",
+    "AsyncOpLog",
     "InProcessTransport",
     "OpLog",
     "OpRecord",
