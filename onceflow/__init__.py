@@ -2,7 +2,8 @@
 
 Layer 1: :class:`Queue`, the durable stage queue on Postgres (stages on Celery in
 :mod:`onceflow.tasks`). Layer 2: :func:`compute_once`, the compute lock. Layer 3:
-:class:`OpLog` and the retry-safe :class:`WorkspaceClient`.
+:class:`OpLog` and the retry-safe :class:`WorkspaceClient` (asyncio: :class:`AsyncQueue`,
+:class:`AsyncOpLog`, :class:`AsyncWorkspaceClient`).
 Nothing here connects at import time.
 """
 
@@ -28,7 +29,7 @@ from onceflow.errors import (
 from onceflow.ids import request_id_for
 from onceflow.locks import compute_once
 from onceflow.models import Claim, EnqueueResult, Heartbeat, NewRequest, Request, Status
-from onceflow.oplog import AsyncOpLog, OpLog, WorkspaceClient
+from onceflow.oplog import AsyncOpLog, AsyncWorkspaceClient, OpLog, WorkspaceClient
 from onceflow.queue import AsyncQueue, Queue
 from onceflow.settings import Settings, get_settings
 
@@ -37,6 +38,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncOpLog",
     "AsyncQueue",
+    "AsyncWorkspaceClient",
     "Claim",
     "ConnectionLost",
     "DatabaseUnavailable",
