@@ -315,6 +315,13 @@ class FenceRef(NamedTuple):
     token: str
 
 
+def zombie_ops() -> float:
+    from prometheus_client import REGISTRY
+
+    sample = REGISTRY.get_sample_value("onceflow_zombie_writes_rejected_total", {"operation": "op"})
+    return sample or 0.0
+
+
 def test_fenced_op_by_reference_live_retried_lost(oplog: OpLog, clean_db: Engine) -> None:
     queue = Queue(clean_db, settings=oplog.settings)
     rid = queue.enqueue("evaluate", "w1", "j1", "main").request_id
@@ -331,11 +338,13 @@ def test_fenced_op_by_reference_live_retried_lost(oplog: OpLog, clean_db: Engine
 
     queue.claim(rid, "worker-b", now=db_now(clean_db) + timedelta(seconds=601))  # lease lapsed
     before = table_snapshot_ops(clean_db)
+    zombies = zombie_ops()
     for fence in (claim, FenceRef(rid, "not-the-claim-token")):
         with pytest.raises(LeaseLost):
             oplog.apply_op("w1", "cells", {"type": "cell.set", "column": "b", "value": 2},
                            new_op_id(), fence=fence)  # fmt: skip
     assert table_snapshot_ops(clean_db) == before
+    assert zombie_ops() == zombies + 2
     # The committed write's retry still learns its answer: it was fenced when it applied.
     late = oplog.apply_op("w1", "cells", {"type": "cell.set", "column": "a", "value": 1},
                           op_id, fence=claim)  # fmt: skip
