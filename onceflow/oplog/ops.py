@@ -50,7 +50,7 @@ def fence_steps(fence: Fence) -> Steps[None]:
 
     Holds a share lock on the request row until that transaction ends, so the
     lease cannot be rescued between the check and the commit (the database clock
-    decides). A refused write is counted in ``onceflow_zombie_writes_total``.
+    decides). A refused write is counted in ``onceflow_zombie_writes_rejected_total``.
     """
     params = {"request_id": fence.request_id, "token": fence.token, "now": None}
     row = yield FetchOne(QueueN.FENCE_CHECK, params)
@@ -98,7 +98,7 @@ def _unique_violation(exc: BaseException) -> bool:
 
 
 class OpLogOps:
-    """The op log's operations, written once (a mixin of :class:`OpLog` and :class:`AsyncOpLog`)."""
+    """The op log's operations, written once: a mixin of ``OpLog`` and ``AsyncOpLog``."""
 
     settings: Settings
 
