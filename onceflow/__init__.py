@@ -1,8 +1,9 @@
 """onceflow: each stage runs once, each expensive call is paid once, each write applies once.
 
 Layer 1: :class:`Queue`, the durable stage queue on Postgres (stages on Celery in
-:mod:`onceflow.tasks`). Layer 2: :func:`compute_once` (asyncio: :func:`acompute_once`), the
-compute lock. Layer 3: :class:`OpLog` and the retry-safe :class:`WorkspaceClient`.
+:mod:`onceflow.tasks`). Layer 2: :func:`compute_once`, the compute lock. Layer 3:
+:class:`OpLog` and the retry-safe :class:`WorkspaceClient` (asyncio: :class:`AsyncQueue`,
+:func:`acompute_once`, :class:`AsyncOpLog`, :class:`AsyncWorkspaceClient`).
 Nothing here connects at import time.
 """
 
@@ -28,14 +29,16 @@ from onceflow.errors import (
 from onceflow.ids import request_id_for
 from onceflow.locks import acompute_once, compute_once
 from onceflow.models import Claim, ClaimRef, EnqueueResult, Heartbeat, NewRequest, Request, Status
-from onceflow.oplog import OpLog, WorkspaceClient
+from onceflow.oplog import AsyncOpLog, AsyncWorkspaceClient, OpLog, WorkspaceClient
 from onceflow.queue import AsyncQueue, Queue
 from onceflow.settings import Settings, get_settings
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncOpLog",
     "AsyncQueue",
+    "AsyncWorkspaceClient",
     "Claim",
     "ClaimRef",
     "ConnectionLost",

@@ -50,6 +50,10 @@ class Blocking:
     def target(self) -> Any:
         return self._target
 
+    def beside(self, other: Any) -> Blocking:
+        """Another async object (built on ``target``, e.g. a client of it), on the same loop."""
+        return Blocking(other, self._loop)
+
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._target, name)
         if not inspect.iscoroutinefunction(attr):

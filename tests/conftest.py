@@ -181,6 +181,22 @@ def api_queue(request: pytest.FixtureRequest, clean_db: Engine) -> Iterator[obje
     )
 
 
+@pytest.fixture(params=["sync", "async"])
+def api_oplog(request: pytest.FixtureRequest, clean_db: Engine, redis_url: str) -> Iterator[object]:
+    """The op log on empty tables, once as :class:`onceflow.OpLog` and once as
+    :class:`onceflow.AsyncOpLog` driven through ``tests.both_apis.Blocking``."""
+    from onceflow.oplog import AsyncOpLog, OpLog
+    from onceflow.settings import get_settings
+    from tests.both_apis import both
+
+    url = clean_db.url.render_as_string(hide_password=False)
+    yield from both(
+        lambda: OpLog(clean_db, get_settings()),
+        lambda: AsyncOpLog(url, get_settings()),
+        request.param,
+    )
+
+
 def table_snapshot(engine: Engine) -> list[tuple[object, ...]]:
     """Every row of the queue table, for 'bad input changes nothing' checks."""
     with engine.connect() as conn:

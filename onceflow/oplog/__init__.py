@@ -1,6 +1,9 @@
 """Layer 3: the op log — writes applied once by op id, with gapless commit clocks."""
 
 from onceflow.oplog.client import (
+    AsyncInProcessTransport,
+    AsyncTransport,
+    AsyncWorkspaceClient,
     InProcessTransport,
     OpsParked,
     Transport,
@@ -9,6 +12,7 @@ from onceflow.oplog.client import (
 )
 from onceflow.oplog.store import (
     ApplyResult,
+    AsyncOpLog,
     OpLog,
     OpRecord,
     SubDoc,
@@ -19,6 +23,10 @@ from onceflow.oplog.store import (
 
 __all__ = [
     "ApplyResult",
+    "AsyncInProcessTransport",
+    "AsyncOpLog",
+    "AsyncTransport",
+    "AsyncWorkspaceClient",
     "InProcessTransport",
     "OpLog",
     "OpRecord",

@@ -1,5 +1,3 @@
-# Over ~400 lines on purpose: WorkspaceClient and its durable outbox are one state
-# machine (mint once, retry, replay in order); split, the ordering rules would scatter.
 """The retry-safe client SDK: mint the op id once, keep it through retries, restarts, replays.
 
 ``WorkspaceClient.apply`` mints a nanoid op id *before* the first send and
@@ -19,59 +17,29 @@ dropped; the application lists it (:meth:`~WorkspaceClient.parked`), and
 discards or resubmits it. An op this client minted and never sent with an
 unknown outcome cannot be a replay: refused on its first sends, it is re-based
 on the horizon the server reported and sent again, not parked.
+
+:class:`AsyncWorkspaceClient` is the same client for asyncio: both drive the one
+set of rules in :class:`~onceflow.oplog.outbox.Outbox` (generators of "send this
+op" / "wait" steps), through a :class:`Transport` or an :class:`AsyncTransport`.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import random
-import sqlite3
-import threading
+import asyncio
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
-from onceflow.errors import DatabaseUnavailable, InvalidRequest, OnceflowError, ReplayTooOld
-from onceflow.models.ops import OpModel, parse_op
-from onceflow.oplog.store import ApplyResult, OpLog, new_op_id
-from onceflow.settings import get_settings
+from onceflow.connector import Sleep
+from onceflow.errors import DatabaseUnavailable
+from onceflow.models.ops import OpModel
+from onceflow.oplog.outbox import ClientSteps, OpsParked, Outbox, Send, TransportError
+from onceflow.oplog.records import ApplyResult
+from onceflow.oplog.store import AsyncOpLog, OpLog
 
-log = logging.getLogger("onceflow.oplog.client")
-
-# Times an op known never to have been applied is re-based on a reported horizon and resent.
-_REBASES = 3
-
-
-class TransportError(OnceflowError):
-    """The op may or may not have reached the server: retry it with the same op id."""
-
-
-class OpsParked(ReplayTooOld):
-    """A :meth:`WorkspaceClient.replay` pass parked ops the server refused as too old.
-
-    Raised after the pass: every other pending op was sent. ``parked`` holds the
-    ops parked by this pass (as :meth:`WorkspaceClient.parked` lists them),
-    ``results`` the answers of the ops that were sent. ``op_id``, ``base_clock``
-    and ``horizon`` are the first parked op's.
-    """
-
-    def __init__(self, parked: list[dict[str, Any]], results: list[ApplyResult]) -> None:
-        first = parked[0]
-        super().__init__(first["op_id"], first["base_clock"], int(first["error"]["horizon"]))
-        self.parked = parked
-        self.results = results
-        ids = ", ".join(p["op_id"] for p in parked)
-        self.args = (
-            f"{len(parked)} op(s) refused as older than the op log's horizon, parked: {ids}; "
-            "they may have been applied already: re-read the sub-doc, then "
-            "WorkspaceClient.resubmit(op_id) or discard(op_id)",
-        )
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.parked, self.results))
+R = TypeVar("R")
 
 
 class Transport(Protocol):
@@ -110,49 +78,61 @@ class InProcessTransport:
         committed, so it is a :class:`TransportError` — retried with the same op id,
         kept in the outbox — never a final answer.
         """
-        try:
+        with _unknown_outcome():
             return self.oplog.apply_op(workspace_id, sub_doc, op, op_id, base_clock=base_clock)
-        except DatabaseUnavailable as exc:
-            raise TransportError(f"database unavailable: {exc}") from exc
 
 
-_SCHEMA = (
-    """
-CREATE TABLE IF NOT EXISTS outbox (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    op_id TEXT NOT NULL UNIQUE,
-    workspace_id TEXT NOT NULL,
-    sub_doc TEXT NOT NULL,
-    op TEXT NOT NULL,
-    base_clock INTEGER
-)
-""",
-    # The last commit clock seen per sub-doc: the base_clock of the next op minted.
-    """
-CREATE TABLE IF NOT EXISTS seen (
-    workspace_id TEXT NOT NULL,
-    sub_doc TEXT NOT NULL,
-    clock INTEGER NOT NULL,
-    PRIMARY KEY (workspace_id, sub_doc)
-)
-""",
-    # Ops refused as older than the horizon, kept until the application decides.
-    """
-CREATE TABLE IF NOT EXISTS parked (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    op_id TEXT NOT NULL UNIQUE,
-    workspace_id TEXT NOT NULL,
-    sub_doc TEXT NOT NULL,
-    op TEXT NOT NULL,
-    base_clock INTEGER,
-    error TEXT NOT NULL
-)
-""",
-)
+class AsyncTransport(Protocol):
+    """How ops reach the server from an event loop (:class:`AsyncWorkspaceClient`)."""
+
+    async def apply(
+        self,
+        workspace_id: str,
+        sub_doc: str,
+        op: dict[str, Any],
+        op_id: str,
+        base_clock: int | None,
+    ) -> ApplyResult:
+        """Send one op; raise :class:`TransportError` when the outcome is unknown."""
+        ...
+
+
+class AsyncInProcessTransport:
+    """Awaits :meth:`AsyncOpLog.apply_op` directly (server-side asyncio code, tests)."""
+
+    def __init__(self, oplog: AsyncOpLog) -> None:
+        self.oplog = oplog
+
+    async def apply(
+        self,
+        workspace_id: str,
+        sub_doc: str,
+        op: dict[str, Any],
+        op_id: str,
+        base_clock: int | None,
+    ) -> ApplyResult:
+        """Apply the op through the op log (see :meth:`InProcessTransport.apply`)."""
+        with _unknown_outcome():
+            return await self.oplog.apply_op(
+                workspace_id, sub_doc, op, op_id, base_clock=base_clock
+            )
+
+
+@contextmanager
+def _unknown_outcome() -> Iterator[None]:
+    # A database that did not answer may or may not have committed the op.
+    try:
+        yield
+    except DatabaseUnavailable as exc:
+        raise TransportError(f"database unavailable: {exc}") from exc
 
 
 class WorkspaceClient:
-    """A client of one workspace's sub-docs with a durable outbox of pending ops."""
+    """A client of one workspace's sub-docs with a durable outbox of pending ops.
+
+    Thread-safe: threads sharing one client send one at a time. The rules are
+    :class:`Outbox`'s, shared with :class:`AsyncWorkspaceClient`.
+    """
 
     def __init__(
         self,
@@ -166,30 +146,38 @@ class WorkspaceClient:
     ) -> None:
         self.transport = transport
         self.workspace_id = workspace_id
-        self.max_attempts = max_attempts
-        self.backoff_base = backoff_base
-        self.backoff_max = backoff_max
-        self.retries = 0  # transport errors retried, over this client's life
-        # check_same_thread=False + our own lock: one client may be shared by threads.
-        self._db = sqlite3.connect(str(outbox), isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")  # an acknowledged add survives power loss
-        for statement in _SCHEMA:
-            self._db.execute(statement)
-        self._lock = threading.RLock()
-        # Ops minted here of which no attempt may have been applied (every attempt so far was
-        # refused, or none was made). In memory only: after a restart nothing is known new.
-        self._unsent: set[str] = set()
+        self.outbox = Outbox(
+            workspace_id,
+            outbox,
+            max_attempts=max_attempts,
+            backoff_base=backoff_base,
+            backoff_max=backoff_max,
+        )
 
-    @contextmanager
-    def _txn(self) -> Iterator[None]:
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+    @property
+    def retries(self) -> int:
+        """Transport errors retried, over this client's life."""
+        return self.outbox.retries
+
+    def _run(self, steps: ClientSteps[R]) -> R:
+        """Drive the rules' steps: the transport sends, ``time.sleep`` waits."""
+        with self.outbox.lock:
+            answer: Any = None
+            error: Exception | None = None
+            while True:
+                try:
+                    step = steps.send(answer) if error is None else steps.throw(error)
+                except StopIteration as stop:
+                    result: R = stop.value
+                    return result
+                answer, error = None, None
+                try:
+                    if isinstance(step, Sleep):
+                        time.sleep(step.seconds)
+                    else:
+                        answer = self.transport.apply(*_args(step))
+                except Exception as exc:
+                    error = exc
 
     # ------------------------------------------------------------------ clocks
 
@@ -200,26 +188,11 @@ class WorkspaceClient:
         reads (``get_sub_doc``, ``ops_since``, broadcasts), so that the next op
         carries a recent ``base_clock``. The recorded clock never goes down.
         """
-        if isinstance(clock, bool) or not isinstance(clock, int) or clock < 0:
-            raise InvalidRequest("clock must be a non-negative integer")
-        with self._lock:
-            self._observe(sub_doc, clock)
-
-    def _observe(self, sub_doc: str, clock: int) -> None:
-        self._db.execute(
-            "INSERT INTO seen (workspace_id, sub_doc, clock) VALUES (?, ?, ?)"
-            " ON CONFLICT (workspace_id, sub_doc) DO UPDATE SET clock = max(clock, excluded.clock)",
-            (self.workspace_id, sub_doc, clock),
-        )
+        self.outbox.observe(sub_doc, clock)
 
     def seen_clock(self, sub_doc: str) -> int | None:
         """The last commit clock of ``sub_doc`` this client saw (None if never)."""
-        with self._lock:
-            row = self._db.execute(
-                "SELECT clock FROM seen WHERE workspace_id = ? AND sub_doc = ?",
-                (self.workspace_id, sub_doc),
-            ).fetchone()
-        return None if row is None else int(row[0])
+        return self.outbox.seen_clock(sub_doc)
 
     # ------------------------------------------------------------------- writes
 
@@ -242,51 +215,11 @@ class WorkspaceClient:
         other pending ops parked on the way are listed by :meth:`parked`, and
         if this op itself is parked, :class:`OpsParked` is raised.
         """
-        # Refuse a malformed op (NaN, too deep, …) before it reaches the outbox.
-        parsed = parse_op(op, max_depth=get_settings().max_payload_depth)
-        if base_clock is not None and (
-            isinstance(base_clock, bool) or not isinstance(base_clock, int) or base_clock < 0
-        ):
-            raise InvalidRequest("base_clock must be a non-negative integer")
-        with self._lock:
-            if base_clock is None:
-                base_clock = self.seen_clock(sub_doc)
-            op_id = self._add(sub_doc, json.dumps(parsed.model_dump(mode="json")), base_clock)
-            return self._send_own(op_id, send)
-
-    def _add(self, sub_doc: str, op_json: str, base_clock: int | None) -> str:
-        op_id = new_op_id()
-        self._db.execute(
-            "INSERT INTO outbox (op_id, workspace_id, sub_doc, op, base_clock)"
-            " VALUES (?, ?, ?, ?, ?)",
-            (op_id, self.workspace_id, sub_doc, op_json, base_clock),
-        )
-        self._unsent.add(op_id)
-        return op_id
-
-    def _send_own(self, op_id: str, send: bool) -> ApplyResult | None:
-        if not send:
-            return None
-        results, parked = self._pass()
-        for result in results:
-            if result.op_id == op_id:
-                if parked:
-                    log.warning("%d earlier op(s) parked as too old: see parked()", len(parked))
-                return result
-        raise OpsParked(parked, results)  # this op was parked (nothing else leaves it out)
+        return self._run(self.outbox.apply(sub_doc, op, base_clock=base_clock, send=send))
 
     def pending(self) -> list[dict[str, Any]]:
         """The ops not yet acknowledged, in the order they were made."""
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT op_id, sub_doc, op, base_clock FROM outbox WHERE workspace_id = ?"
-                " ORDER BY seq",
-                (self.workspace_id,),
-            ).fetchall()
-        return [
-            {"op_id": r[0], "sub_doc": r[1], "op": json.loads(r[2]), "base_clock": r[3]}
-            for r in rows
-        ]
+        return self.outbox.pending()
 
     def replay(self) -> list[ApplyResult]:
         """Send every pending op in order, each until the server answers; returns the answers.
@@ -299,97 +232,7 @@ class WorkspaceClient:
         :class:`OpsParked` (a :class:`ReplayTooOld`) is raised, carrying the
         parked ops and the answers of the others.
         """
-        with self._lock:
-            results, parked = self._pass()
-        if parked:
-            raise OpsParked(parked, results)
-        return results
-
-    def _pass(self) -> tuple[list[ApplyResult], list[dict[str, Any]]]:
-        results: list[ApplyResult] = []
-        parked: list[dict[str, Any]] = []
-        for item in self.pending():
-            try:
-                result = self._send(item)
-            except TransportError:
-                raise
-            except ReplayTooOld as exc:
-                parked.append(self._park(item, exc))
-                continue
-            except OnceflowError as exc:
-                if getattr(exc, "retryable", False):
-                    raise  # no answer for this op (a custom transport's blip): keep it
-                self._ack(item["op_id"])
-                raise
-            with self._txn():
-                if result.clock is not None:
-                    self._observe(item["sub_doc"], result.clock)
-                self._ack(item["op_id"])
-            results.append(result)
-        return results, parked
-
-    def _send(self, item: dict[str, Any]) -> ApplyResult:
-        rebases = 0
-        attempt = 1
-        while True:
-            op_id = item["op_id"]
-            known_new = op_id in self._unsent
-            self._unsent.discard(op_id)  # from here on, this attempt may apply it
-            try:
-                return self.transport.apply(
-                    self.workspace_id, item["sub_doc"], item["op"], op_id, item["base_clock"]
-                )
-            except ReplayTooOld as exc:
-                # A refusal records nothing. If no attempt of this op may have been applied,
-                # it is not a replay: re-base it on the horizon the server reported.
-                if not known_new or rebases == _REBASES:
-                    raise
-                rebases += 1
-                item = {**item, "base_clock": self._rebase(item, exc.horizon)}
-                self._unsent.add(op_id)
-            except TransportError:
-                if attempt == self.max_attempts:
-                    raise
-                attempt += 1
-                self.retries += 1
-                delay = min(self.backoff_max, self.backoff_base * 2 ** (attempt - 2))
-                time.sleep(delay / 2 + random.uniform(0, delay / 2))
-
-    def _rebase(self, item: dict[str, Any], horizon: int) -> int:
-        base = max(horizon, item["base_clock"] or 0, self.seen_clock(item["sub_doc"]) or 0)
-        with self._txn():
-            self._observe(item["sub_doc"], horizon)
-            self._db.execute(
-                "UPDATE outbox SET base_clock = ? WHERE op_id = ?", (base, item["op_id"])
-            )
-        return base
-
-    def _park(self, item: dict[str, Any], exc: ReplayTooOld) -> dict[str, Any]:
-        error = {"type": "ReplayTooOld", "message": str(exc), "horizon": exc.horizon}
-        with self._txn():
-            self._db.execute(
-                "INSERT INTO parked (op_id, workspace_id, sub_doc, op, base_clock, error)"
-                " SELECT op_id, workspace_id, sub_doc, op, base_clock, ? FROM outbox"
-                " WHERE op_id = ?",
-                (json.dumps(error), item["op_id"]),
-            )
-            self._ack(item["op_id"])
-            # The server says the sub-doc is at least at the horizon: new ops base on it.
-            self._observe(item["sub_doc"], exc.horizon)
-        log.warning(
-            "op %s on %s/%s refused as older than the horizon %d: parked",
-            item["op_id"], self.workspace_id, item["sub_doc"], exc.horizon,
-        )  # fmt: skip
-        return {
-            "op_id": item["op_id"],
-            "sub_doc": item["sub_doc"],
-            "op": item["op"],
-            "base_clock": item["base_clock"],
-            "error": error,
-        }
-
-    def _ack(self, op_id: str) -> None:
-        self._db.execute("DELETE FROM outbox WHERE op_id = ?", (op_id,))
+        return self._run(self.outbox.replay())
 
     # -------------------------------------------------------------- parked ops
 
@@ -401,32 +244,11 @@ class WorkspaceClient:
         ones still wanted or :meth:`discard` them. Keys: ``op_id``, ``sub_doc``,
         ``op``, ``base_clock``, ``error`` (with the ``horizon``).
         """
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT op_id, sub_doc, op, base_clock, error FROM parked"
-                " WHERE workspace_id = ? ORDER BY seq",
-                (self.workspace_id,),
-            ).fetchall()
-        return [
-            {
-                "op_id": r[0],
-                "sub_doc": r[1],
-                "op": json.loads(r[2]),
-                "base_clock": r[3],
-                "error": json.loads(r[4]),
-            }
-            for r in rows
-        ]
+        return self.outbox.parked()
 
     def discard(self, op_id: str) -> None:
         """Forget a parked op (the application decided it is not wanted)."""
-        with self._lock:
-            gone = self._db.execute(
-                "DELETE FROM parked WHERE op_id = ? AND workspace_id = ?",
-                (op_id, self.workspace_id),
-            ).rowcount
-        if gone == 0:
-            raise InvalidRequest(f"no parked op {op_id!r} in workspace {self.workspace_id!r}")
+        self.outbox.discard(op_id)
 
     def resubmit(self, op_id: str, *, send: bool = True) -> ApplyResult | None:
         """Send a parked op again as a *new* op: a new op id, based on the clock seen now.
@@ -434,18 +256,141 @@ class WorkspaceClient:
         For the application that checked the sub-doc and still wants the op.
         Returns its answer like :meth:`apply` (None with ``send=False``).
         """
-        with self._lock:
-            row = self._db.execute(
-                "SELECT sub_doc, op FROM parked WHERE op_id = ? AND workspace_id = ?",
-                (op_id, self.workspace_id),
-            ).fetchone()
-            if row is None:
-                raise InvalidRequest(f"no parked op {op_id!r} in workspace {self.workspace_id!r}")
-            with self._txn():
-                self._db.execute("DELETE FROM parked WHERE op_id = ?", (op_id,))
-                new_id = self._add(row[0], row[1], self.seen_clock(row[0]))
-            return self._send_own(new_id, send)
+        return self._run(self.outbox.resubmit(op_id, send=send))
 
     def close(self) -> None:
         """Close the outbox file (pending and parked ops stay in it)."""
-        self._db.close()
+        self.outbox.close()
+
+
+class AsyncWorkspaceClient:
+    """:class:`WorkspaceClient` for asyncio: the same rules (:class:`Outbox`), awaited.
+
+    Ops go through an :class:`AsyncTransport` (:class:`AsyncInProcessTransport`,
+    :class:`~onceflow.oplog.http.AsyncHttpTransport`), backoff waits with
+    ``asyncio.sleep``, and the outbox file (SQLite, fsynced) is read and written in a
+    worker thread, so the event loop never blocks on it. Calls on one client run one
+    at a time; use a client from one event loop.
+    """
+
+    def __init__(
+        self,
+        transport: AsyncTransport,
+        workspace_id: str,
+        *,
+        outbox: str | Path = ":memory:",
+        max_attempts: int = 8,
+        backoff_base: float = 0.05,
+        backoff_max: float = 5.0,
+    ) -> None:
+        self.transport = transport
+        self.workspace_id = workspace_id
+        self.outbox = Outbox(
+            workspace_id,
+            outbox,
+            max_attempts=max_attempts,
+            backoff_base=backoff_base,
+            backoff_max=backoff_max,
+        )
+        self._turn: asyncio.Lock | None = None
+
+    @property
+    def retries(self) -> int:
+        """Transport errors retried, over this client's life."""
+        return self.outbox.retries
+
+    async def _run(self, steps: ClientSteps[R]) -> R:
+        """Drive the rules' steps: advanced in a worker thread (the outbox file), the
+        transport sends, ``asyncio.sleep`` waits; one call at a time."""
+        if self._turn is None:
+            self._turn = asyncio.Lock()
+        async with self._turn:
+            answer: Any = None
+            error: Exception | None = None
+            while True:
+                done, step = await asyncio.to_thread(self._advance, steps, answer, error)
+                if done:
+                    result: R = step
+                    return result
+                answer, error = None, None
+                try:
+                    if isinstance(step, Sleep):
+                        await asyncio.sleep(step.seconds)
+                    else:
+                        answer = await self.transport.apply(*_args(step))
+                except Exception as exc:
+                    error = exc
+
+    def _advance(
+        self, steps: ClientSteps[Any], answer: Any, error: Exception | None
+    ) -> tuple[bool, Any]:
+        # StopIteration cannot cross a future: the result comes back as (True, value).
+        with self.outbox.lock:
+            try:
+                return False, steps.send(answer) if error is None else steps.throw(error)
+            except StopIteration as stop:
+                return True, stop.value
+
+    async def observe(self, sub_doc: str, clock: int) -> None:
+        """:meth:`WorkspaceClient.observe`."""
+        await asyncio.to_thread(self.outbox.observe, sub_doc, clock)
+
+    async def seen_clock(self, sub_doc: str) -> int | None:
+        """:meth:`WorkspaceClient.seen_clock`."""
+        return await asyncio.to_thread(self.outbox.seen_clock, sub_doc)
+
+    async def apply(
+        self,
+        sub_doc: str,
+        op: OpModel | dict[str, Any],
+        *,
+        base_clock: int | None = None,
+        send: bool = True,
+    ) -> ApplyResult | None:
+        """:meth:`WorkspaceClient.apply`: the op id minted once, retried under it."""
+        return await self._run(self.outbox.apply(sub_doc, op, base_clock=base_clock, send=send))
+
+    async def pending(self) -> list[dict[str, Any]]:
+        """:meth:`WorkspaceClient.pending`."""
+        return await asyncio.to_thread(self.outbox.pending)
+
+    async def replay(self) -> list[ApplyResult]:
+        """:meth:`WorkspaceClient.replay`."""
+        return await self._run(self.outbox.replay())
+
+    async def parked(self) -> list[dict[str, Any]]:
+        """:meth:`WorkspaceClient.parked`."""
+        return await asyncio.to_thread(self.outbox.parked)
+
+    async def discard(self, op_id: str) -> None:
+        """:meth:`WorkspaceClient.discard`."""
+        await asyncio.to_thread(self.outbox.discard, op_id)
+
+    async def resubmit(self, op_id: str, *, send: bool = True) -> ApplyResult | None:
+        """:meth:`WorkspaceClient.resubmit`."""
+        return await self._run(self.outbox.resubmit(op_id, send=send))
+
+    def close(self) -> None:
+        """Close the outbox file (pending and parked ops stay in it)."""
+        self.outbox.close()
+
+    async def aclose(self) -> None:
+        """:meth:`close`, off the event loop."""
+        await asyncio.to_thread(self.outbox.close)
+
+
+def _args(step: Send) -> tuple[str, str, dict[str, Any], str, int | None]:
+    return step.workspace_id, step.sub_doc, step.op, step.op_id, step.base_clock
+
+
+__all__ = [
+    "AsyncInProcessTransport",
+    "AsyncTransport",
+    "AsyncWorkspaceClient",
+    "InProcessTransport",
+    "OpsParked",
+    "Outbox",
+    "Transport",
+    "TransportError",
+    "WorkspaceClient",
+]

@@ -1,4 +1,4 @@
-"""An HTTP :class:`~onceflow.oplog.client.Transport`: ops travel to onceflow's HTTP API.
+"""HTTP transports for the client SDK: ops travel to onceflow's HTTP API.
 
 ::
 
@@ -7,6 +7,11 @@
 
     client = WorkspaceClient(HttpTransport("https://api.example", key), "w1", outbox="ops.sqlite")
     client.apply("board", {"type": "node.insert", "node": "a"})
+
+:class:`AsyncHttpTransport` is the same on ``httpx.AsyncClient``, for
+:class:`~onceflow.oplog.AsyncWorkspaceClient`. Both build each request and read
+each answer with the same functions (:class:`Call` and the ``*_answer`` readers):
+only the sending differs.
 
 When the outcome is unknown — a connection error, a timeout, a 5xx answer, a
 malformed 2xx body — it raises :class:`~onceflow.oplog.client.TransportError`,
@@ -19,6 +24,7 @@ imported only when a transport is made.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -84,6 +90,76 @@ def raise_for_api_error(
     raise InvalidRequest(f"{status} {code or 'error'}: {detail}")
 
 
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One request of the HTTP API: what a transport sends (sync or async)."""
+
+    method: str
+    url: str
+    json: Any = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+def _sub_doc_url(workspace_id: str, sub_doc: str) -> str:
+    return (
+        f"/v1/workspaces/{path_segment('workspace_id', workspace_id)}"
+        f"/sub-docs/{path_segment('sub_doc', sub_doc)}"
+    )
+
+
+def apply_call(
+    workspace_id: str, sub_doc: str, op: dict[str, Any], op_id: str, base_clock: int | None
+) -> Call:
+    """``POST …/ops`` with the op, its id and its base clock."""
+    body = {"op_id": op_id, "op": op, "base_clock": base_clock}
+    return Call("POST", _sub_doc_url(workspace_id, sub_doc) + "/ops", json=body)
+
+
+def apply_answer(
+    response: httpx.Response, sub_doc: str, op_id: str, base_clock: int | None
+) -> ApplyResult:
+    """The op's result; a replay answers with the original clock (``duplicate=True``)."""
+    raise_for_api_error(response, op_id=op_id, sub_doc=sub_doc, base_clock=base_clock)
+    try:
+        data = response.json()
+        return ApplyResult(
+            workspace_id=data["workspace_id"],
+            sub_doc=data["sub_doc"],
+            op_id=data["op_id"],
+            clock=data["clock"],
+            duplicate=bool(data["duplicate"]),
+            result=data["result"],
+            error=data["error"],
+            committed_at=datetime.fromisoformat(data["committed_at"]),
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise TransportError(f"malformed answer ({type(exc).__name__})") from exc
+
+
+def sub_doc_answer(response: httpx.Response, sub_doc: str) -> SubDoc:
+    """The sub-doc of a ``GET …/sub-docs/{sub_doc}`` answer."""
+    raise_for_api_error(response, sub_doc=sub_doc)
+    data = response.json()
+    return SubDoc(data["workspace_id"], data["sub_doc"], data["clock"], data["state"])
+
+
+def ops_since_answer(response: httpx.Response, sub_doc: str) -> list[OpRecord]:
+    """The ops of a ``GET …/ops?since=`` answer."""
+    raise_for_api_error(response, sub_doc=sub_doc)
+    return [
+        OpRecord(
+            op_id=o["op_id"],
+            clock=o["clock"],
+            op_type=o["op_type"],
+            payload=o["payload"],
+            result=o["result"],
+            fence=o["fence"],
+            committed_at=datetime.fromisoformat(o["committed_at"]),
+        )
+        for o in response.json()["ops"]
+    ]
+
+
 class HttpTransport:
     """Sends ops to ``POST /v1/workspaces/{ws}/sub-docs/{sub_doc}/ops`` with an API key."""
 
@@ -102,9 +178,11 @@ class HttpTransport:
         self._owns_client = client is None
         self._headers = {"Authorization": f"Bearer {key}"}
 
-    def _call(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+    def _send(self, call: Call) -> httpx.Response:
         try:
-            return self._client.request(method, url, headers=self._headers, **kwargs)
+            return self._client.request(
+                call.method, call.url, headers=self._headers, json=call.json, params=call.params
+            )
         except self._httpx.TransportError as exc:
             raise TransportError(f"{type(exc).__name__}: the outcome is unknown") from exc
 
@@ -117,61 +195,76 @@ class HttpTransport:
         base_clock: int | None,
     ) -> ApplyResult:
         """Send one op; a replay answers with the original clock (``duplicate=True``)."""
-        url = (
-            f"/v1/workspaces/{path_segment('workspace_id', workspace_id)}"
-            f"/sub-docs/{path_segment('sub_doc', sub_doc)}/ops"
-        )
-        body = {"op_id": op_id, "op": op, "base_clock": base_clock}
-        response = self._call("POST", url, json=body)
-        raise_for_api_error(response, op_id=op_id, sub_doc=sub_doc, base_clock=base_clock)
-        try:
-            data = response.json()
-            return ApplyResult(
-                workspace_id=data["workspace_id"],
-                sub_doc=data["sub_doc"],
-                op_id=data["op_id"],
-                clock=data["clock"],
-                duplicate=bool(data["duplicate"]),
-                result=data["result"],
-                error=data["error"],
-                committed_at=datetime.fromisoformat(data["committed_at"]),
-            )
-        except (ValueError, KeyError, TypeError) as exc:
-            raise TransportError(f"malformed answer ({type(exc).__name__})") from exc
+        response = self._send(apply_call(workspace_id, sub_doc, op, op_id, base_clock))
+        return apply_answer(response, sub_doc, op_id, base_clock)
 
     def get_sub_doc(self, workspace_id: str, sub_doc: str) -> SubDoc:
         """The sub-doc's state and clock, read over HTTP."""
-        url = (
-            f"/v1/workspaces/{path_segment('workspace_id', workspace_id)}"
-            f"/sub-docs/{path_segment('sub_doc', sub_doc)}"
-        )
-        response = self._call("GET", url)
-        raise_for_api_error(response, sub_doc=sub_doc)
-        data = response.json()
-        return SubDoc(data["workspace_id"], data["sub_doc"], data["clock"], data["state"])
+        response = self._send(Call("GET", _sub_doc_url(workspace_id, sub_doc)))
+        return sub_doc_answer(response, sub_doc)
 
     def ops_since(self, workspace_id: str, sub_doc: str, clock: int = 0) -> list[OpRecord]:
         """Applied ops after ``clock``, over HTTP (a reconnecting client catches up)."""
-        url = (
-            f"/v1/workspaces/{path_segment('workspace_id', workspace_id)}"
-            f"/sub-docs/{path_segment('sub_doc', sub_doc)}/ops"
-        )
-        response = self._call("GET", url, params={"since": clock})
-        raise_for_api_error(response, sub_doc=sub_doc)
-        return [
-            OpRecord(
-                op_id=o["op_id"],
-                clock=o["clock"],
-                op_type=o["op_type"],
-                payload=o["payload"],
-                result=o["result"],
-                fence=o["fence"],
-                committed_at=datetime.fromisoformat(o["committed_at"]),
-            )
-            for o in response.json()["ops"]
-        ]
+        url = _sub_doc_url(workspace_id, sub_doc) + "/ops"
+        response = self._send(Call("GET", url, params={"since": clock}))
+        return ops_since_answer(response, sub_doc)
 
     def close(self) -> None:
         """Close the HTTP client if this transport made it."""
         if self._owns_client:
             self._client.close()
+
+
+class AsyncHttpTransport:
+    """:class:`HttpTransport` on ``httpx.AsyncClient``: the same requests and answers, awaited."""
+
+    def __init__(
+        self,
+        base_url: str,
+        key: str,
+        *,
+        timeout: float = 10.0,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        import httpx
+
+        self._httpx = httpx
+        self._client = client or httpx.AsyncClient(base_url=base_url, timeout=timeout)
+        self._owns_client = client is None
+        self._headers = {"Authorization": f"Bearer {key}"}
+
+    async def _send(self, call: Call) -> httpx.Response:
+        try:
+            return await self._client.request(
+                call.method, call.url, headers=self._headers, json=call.json, params=call.params
+            )
+        except self._httpx.TransportError as exc:
+            raise TransportError(f"{type(exc).__name__}: the outcome is unknown") from exc
+
+    async def apply(
+        self,
+        workspace_id: str,
+        sub_doc: str,
+        op: dict[str, Any],
+        op_id: str,
+        base_clock: int | None,
+    ) -> ApplyResult:
+        """:meth:`HttpTransport.apply`, awaited."""
+        response = await self._send(apply_call(workspace_id, sub_doc, op, op_id, base_clock))
+        return apply_answer(response, sub_doc, op_id, base_clock)
+
+    async def get_sub_doc(self, workspace_id: str, sub_doc: str) -> SubDoc:
+        """:meth:`HttpTransport.get_sub_doc`, awaited."""
+        response = await self._send(Call("GET", _sub_doc_url(workspace_id, sub_doc)))
+        return sub_doc_answer(response, sub_doc)
+
+    async def ops_since(self, workspace_id: str, sub_doc: str, clock: int = 0) -> list[OpRecord]:
+        """:meth:`HttpTransport.ops_since`, awaited."""
+        url = _sub_doc_url(workspace_id, sub_doc) + "/ops"
+        response = await self._send(Call("GET", url, params={"since": clock}))
+        return ops_since_answer(response, sub_doc)
+
+    async def aclose(self) -> None:
+        """Close the HTTP client if this transport made it."""
+        if self._owns_client:
+            await self._client.aclose()

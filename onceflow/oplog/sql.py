@@ -1,9 +1,14 @@
-"""All SQL of the op log, one named statement each (rendered once for psycopg)."""
+"""All SQL of the op log, one named statement each (rendered once for psycopg).
+
+What the op log's operations yield to a connector are the :class:`N` queries
+(``oplog.<name>``); the module-level strings are the same statements' psycopg SQL.
+"""
 
 from __future__ import annotations
 
 from sqlalchemy import text
 
+from onceflow.connector import Query
 from onceflow.db import render
 
 # Lock the sub-doc row: every writer of one sub-doc queues here, which is what makes its
@@ -137,3 +142,16 @@ upd AS (
 SELECT (SELECT count(*) FROM gone) AS deleted, (SELECT count(*) FROM upd) AS sub_docs
 """)
 )
+
+
+class N:
+    """The op log's statements by name: what its operations yield to a connector."""
+
+    LOCK_SUB_DOC = Query("oplog.lock_sub_doc", LOCK_SUB_DOC)
+    CREATE_SUB_DOC = Query("oplog.create_sub_doc", CREATE_SUB_DOC)
+    FIND_OP = Query("oplog.find_op", FIND_OP)
+    RECORD_APPLIED = Query("oplog.record_applied", RECORD_APPLIED)
+    RECORD_REJECTED = Query("oplog.record_rejected", RECORD_REJECTED)
+    GET_SUB_DOC = Query("oplog.get_sub_doc", GET_SUB_DOC)
+    OPS_SINCE = Query("oplog.ops_since", OPS_SINCE)
+    PRUNE_OPS = Query("oplog.prune", PRUNE_OPS)

@@ -4,7 +4,8 @@ Pruning must never refuse a new write: a client op without ``base_clock``, a
 stage's fenced write and an SDK op minted on a stale clock all apply after a
 prune; only an op the log no longer knows *and* based below the horizon is
 refused, and the SDK parks it for the application instead of dropping it.
-Time moves through ``prune(now=…)``, never by sleeping.
+Time moves through ``prune(now=…)``, never by sleeping. Every test runs on both APIs
+(:class:`OpLog` / :class:`AsyncOpLog`, with the matching SDK client).
 """
 
 from __future__ import annotations
@@ -21,18 +22,18 @@ from onceflow import Queue
 from onceflow.demo.procs import wait_for
 from onceflow.errors import InvalidRequest, ReplayTooOld
 from onceflow.models.ops import NodeInsert
-from onceflow.oplog import InProcessTransport, OpLog, WorkspaceClient, new_op_id, stage_op_id
+from onceflow.oplog import AsyncWorkspaceClient, OpLog, WorkspaceClient, new_op_id, stage_op_id
+from tests.both_apis import Blocking
 from tests.integration.test_claims import db_now
-from tests.integration.test_oplog import table_snapshot_ops
+from tests.integration.test_oplog import table_snapshot_ops, workspace_client
 
 WS = "w-ret"
 
 
 @pytest.fixture()
-def oplog(clean_db: Engine, redis_url: str) -> OpLog:
-    from onceflow.settings import get_settings
-
-    return OpLog(clean_db, get_settings())
+def oplog(api_oplog: Any) -> Any:
+    """The op log, on both APIs."""
+    return api_oplog
 
 
 def cell(column: str, value: Any) -> dict[str, Any]:
@@ -73,7 +74,7 @@ def test_after_a_prune_a_new_client_op_without_base_clock_applies(
     again = oplog.apply_op(WS, "cells", cell("b", 1), fresh.op_id)  # its retry dedups
     assert (again.clock, again.duplicate) == (4, True)
     # The SDK of a client that never saw the sub-doc: its op goes without base_clock.
-    client = WorkspaceClient(InProcessTransport(oplog), WS, outbox=tmp_path / "o.sqlite")
+    client = workspace_client(oplog, WS, outbox=tmp_path / "o.sqlite")
     sent = client.apply("cells", cell("c", 1))
     assert sent is not None and (sent.clock, sent.duplicate) == (5, False)
     assert client.pending() == []
@@ -195,7 +196,7 @@ def test_sdk_parks_a_too_old_op_sends_the_others_and_resubmits_or_discards(
     oplog: OpLog, clean_db: Engine, tmp_path: Path
 ) -> None:
     outbox = tmp_path / "outbox.sqlite"
-    client = WorkspaceClient(InProcessTransport(oplog), WS, outbox=outbox)
+    client = workspace_client(oplog, WS, outbox=outbox)
     first = client.apply("board", NodeInsert(node="a"))
     assert first is not None and first.clock == 1
     for node in ("b", "c", "d"):  # other writers move the sub-doc on
@@ -213,7 +214,7 @@ def test_sdk_parks_a_too_old_op_sends_the_others_and_resubmits_or_discards(
     assert prune_all(oplog, clean_db) == 4
     assert pruned_clock(clean_db, "board") == 4
 
-    client = WorkspaceClient(InProcessTransport(oplog), WS, outbox=outbox)  # "tab reload"
+    client = workspace_client(oplog, WS, outbox=outbox)  # "tab reload"
     with pytest.raises(ReplayTooOld) as parked:
         client.replay()
     report: Any = parked.value
@@ -225,7 +226,7 @@ def test_sdk_parks_a_too_old_op_sends_the_others_and_resubmits_or_discards(
     assert sorted(oplog.get_sub_doc(WS, "board").state["order"]) == ["a", "b", "c", "d", "z"]
     client.close()
 
-    client = WorkspaceClient(InProcessTransport(oplog), WS, outbox=outbox)  # survives a restart
+    client = workspace_client(oplog, WS, outbox=outbox)  # survives a restart
     assert client.pending() == []
     listed = client.parked()
     assert [(p["op_id"], p["sub_doc"], p["op"]["node"], p["base_clock"]) for p in listed] == [
@@ -250,7 +251,7 @@ def test_sdk_parks_a_too_old_op_sends_the_others_and_resubmits_or_discards(
 def test_sdk_op_minted_on_a_stale_clock_and_never_sent_is_rebased_not_parked(
     oplog: OpLog, clean_db: Engine, tmp_path: Path
 ) -> None:
-    client = WorkspaceClient(InProcessTransport(oplog), WS, outbox=tmp_path / "o.sqlite")
+    client = workspace_client(oplog, WS, outbox=tmp_path / "o.sqlite")
     assert client.apply("cells", cell("a", 1)) is not None  # the client saw clock 1 ...
     for i in range(5):  # ... then stayed idle while others wrote and the sweeper pruned
         oplog.apply_op(WS, "cells", cell("b", i), new_op_id())
@@ -271,7 +272,7 @@ def test_sdk_over_http_parks_the_409_and_resubmits_with_the_reported_horizon(
     from fastapi.testclient import TestClient
 
     from onceflow.integrations.fastapi import KeyAuth, create_app, hash_key
-    from onceflow.oplog.http import HttpTransport
+    from onceflow.oplog.http import AsyncHttpTransport, HttpTransport
     from onceflow.tasks import Flow
 
     key = "of_test_retention_key_0123456789abcdef"
@@ -280,8 +281,20 @@ def test_sdk_over_http_parks_the_409_and_resubmits_with_the_reported_horizon(
     )
     outbox = tmp_path / "outbox.sqlite"
     with TestClient(app) as http:
-        transport = HttpTransport("http://testserver", key, client=cast(httpx.Client, http))
-        client = WorkspaceClient(transport, WS, outbox=outbox)
+        if isinstance(oplog, Blocking):  # httpx.AsyncClient on the app, on the test's loop
+            asgi = httpx.ASGITransport(app=app)
+            async_http = httpx.AsyncClient(transport=asgi, base_url="http://testserver")
+            over_http = AsyncHttpTransport("http://testserver", key, client=async_http)
+
+            def sdk() -> Any:
+                return oplog.beside(AsyncWorkspaceClient(over_http, WS, outbox=outbox))
+        else:
+            transport = HttpTransport("http://testserver", key, client=cast(httpx.Client, http))
+
+            def sdk() -> Any:
+                return WorkspaceClient(transport, WS, outbox=outbox)
+
+        client = sdk()
         assert client.apply("cells", cell("a", 1)) is not None
         client.apply("cells", cell("x", 1), send=False)  # offline, based on clock 1
         client.close()
@@ -290,7 +303,7 @@ def test_sdk_over_http_parks_the_409_and_resubmits_with_the_reported_horizon(
         assert prune_all(oplog, clean_db) == 3
         before = table_snapshot_ops(clean_db)
 
-        client = WorkspaceClient(transport, WS, outbox=outbox)
+        client = sdk()
         with pytest.raises(ReplayTooOld) as refused:  # 409 replay_too_old, with the horizon
             client.replay()
         assert refused.value.horizon == 3
@@ -305,3 +318,5 @@ def test_sdk_over_http_parks_the_409_and_resubmits_with_the_reported_horizon(
         assert again is not None and (again.clock, again.duplicate) == (4, False)
         assert client.parked() == [] and client.seen_clock("cells") == 4
         client.close()
+        if isinstance(oplog, Blocking):
+            oplog.beside(async_http).aclose()

@@ -1,12 +1,19 @@
-"""Layer 3 on a real Postgres and Redis: each write applied once, gapless clocks, fencing."""
+"""Layer 3 on a real Postgres and Redis: each write applied once, gapless clocks, fencing.
+
+The ``oplog`` fixture is both APIs (:class:`OpLog`, and :class:`AsyncOpLog` behind
+``tests.both_apis.Blocking``); :func:`workspace_client` makes the matching SDK client
+(:class:`WorkspaceClient` / :class:`AsyncWorkspaceClient` on the same event loop).
+"""
 
 from __future__ import annotations
 
+import inspect
 import json
 import multiprocessing as mp
 import threading
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import redis as redis_lib
@@ -18,33 +25,57 @@ from onceflow.keys import workspace_channel
 from onceflow.models.ops import NodeInsert, NodeMove, apply, parse_op
 from onceflow.oplog import (
     ApplyResult,
+    AsyncInProcessTransport,
+    AsyncOpLog,
+    AsyncWorkspaceClient,
     InProcessTransport,
     OpLog,
     TransportError,
     WorkspaceClient,
     new_op_id,
 )
+from onceflow.settings import get_settings
+from tests.both_apis import Blocking
 from tests.conftest import table_snapshot
 from tests.integration.test_claims import db_now
 
 
 @pytest.fixture()
-def oplog(clean_db: Engine, redis_url: str) -> OpLog:
-    from onceflow.settings import get_settings
+def oplog(api_oplog: Any) -> Any:
+    """The op log, on both APIs."""
+    return api_oplog
 
-    return OpLog(clean_db, get_settings())
+
+def workspace_client(
+    oplog: Any, workspace_id: str, wrap: Callable[[Any], Any] = lambda t: t, **kw: Any
+) -> Any:
+    """The SDK client of ``oplog``'s API, in process; ``wrap`` wraps its transport."""
+    if isinstance(oplog, Blocking):
+        transport = wrap(AsyncInProcessTransport(oplog.target))
+        return oplog.beside(AsyncWorkspaceClient(transport, workspace_id, **kw))
+    return WorkspaceClient(wrap(InProcessTransport(oplog)), workspace_id, **kw)
 
 
 class DropResponses:
-    """The seed's flaky network: the server commits, then the response is lost."""
+    """The seed's flaky network: the server commits, then the response is lost.
 
-    def __init__(self, inner: InProcessTransport, drops: int) -> None:
+    Wraps a sync or an async transport (an awaitable answer is awaited, then dropped)."""
+
+    def __init__(self, inner: Any, drops: int) -> None:
         self.inner = inner
         self.drops = drops
         self.seen: list[ApplyResult] = []
 
-    def apply(self, *args: Any) -> ApplyResult:
+    def apply(self, *args: Any) -> Any:
         result = self.inner.apply(*args)
+        if inspect.isawaitable(result):
+            return self._later(result)
+        return self._answer(result)
+
+    async def _later(self, pending: Awaitable[ApplyResult]) -> ApplyResult:
+        return self._answer(await pending)
+
+    def _answer(self, result: ApplyResult) -> ApplyResult:
         self.seen.append(result)
         if self.drops > 0:
             self.drops -= 1
@@ -61,8 +92,8 @@ def seed_order(oplog: OpLog, ws: str, sub_doc: str, nodes: list[str]) -> None:
 
 def test_flaky_network_node_move_applied_once_same_clock(oplog: OpLog) -> None:
     seed_order(oplog, "w1", "board", ["a", "b", "c", "d"])
-    flaky = DropResponses(InProcessTransport(oplog), drops=5)
-    client = WorkspaceClient(flaky, "w1", backoff_base=0.001)
+    client = workspace_client(oplog, "w1", lambda t: DropResponses(t, 5), backoff_base=0.001)
+    flaky = client.transport
     result = client.apply("board", NodeMove(node="a", after="c"))
     assert result is not None
     assert client.retries == 5
@@ -99,6 +130,42 @@ def test_16_threads_same_op_id_applied_once(oplog: OpLog) -> None:
     assert len(oplog.ops_since("w1", "cells")) == 1
 
 
+def test_attempts_waiting_on_the_sub_doc_lock_join_the_first(
+    oplog: OpLog, clean_db: Engine
+) -> None:
+    from sqlalchemy import text
+
+    from onceflow.demo.procs import wait_for
+
+    oplog.apply_op("w1", "cells", {"type": "cell.set", "column": "a", "value": 0})
+    op_id = new_op_id()
+    results: list[ApplyResult] = []
+
+    def send() -> None:
+        results.append(oplog.apply_op("w1", "cells", {"type": "cell.set", "column": "a",
+                                                      "value": 1}, op_id))  # fmt: skip
+
+    def waiting() -> int:
+        with clean_db.connect() as conn:
+            return int(conn.execute(text(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            )).scalar_one())  # fmt: skip
+
+    with clean_db.connect() as blocker:  # every attempt passes the replay lookup, then waits
+        blocker.execute(text("SELECT 1 FROM workspace_sub_docs WHERE sub_doc = 'cells' FOR UPDATE"))
+        threads = [threading.Thread(target=send) for _ in range(3)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: waiting() == 3, what="three attempts waiting on the sub-doc lock")
+        blocker.rollback()
+    for t in threads:
+        t.join(timeout=30)
+    # The first commits; the two others meet its op id's key and join it (not applied twice).
+    assert sorted((r.clock, r.duplicate) for r in results) == [(2, False), (2, True), (2, True)]
+    assert [o.clock for o in oplog.ops_since("w1", "cells")] == [1, 2]
+
+
 #: Ops per writer process. The property is gapless clocks under concurrent writers, not
 #: volume: the eight processes wait at a barrier once imported and connected, so their
 #: writes overlap from the first op (500 each, started one by one, mostly did not).
@@ -129,8 +196,9 @@ def _writer(
 
 @pytest.mark.slow
 def test_8_writers_gapless_clocks_and_replayable(
-    oplog: OpLog, database_url: str, redis_url: str
+    clean_db: Engine, database_url: str, redis_url: str
 ) -> None:
+    oplog = OpLog(clean_db, get_settings())  # sync only: the writers are processes
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     start = ctx.Barrier(8)
@@ -240,13 +308,87 @@ def test_stage_write_with_a_lapsed_fence_changes_nothing(oplog: OpLog, clean_db:
     assert table_snapshot(clean_db)[0] is not None
 
 
-def test_broadcast_comes_after_commit(oplog: OpLog, redis_url: str) -> None:
+class FenceRef(NamedTuple):
+    """A fence that is not a Claim: the request id and claim token a remote worker holds."""
+
+    request_id: str
+    token: str
+
+
+def zombie_ops() -> float:
+    from prometheus_client import REGISTRY
+
+    sample = REGISTRY.get_sample_value("onceflow_zombie_writes_rejected_total", {"operation": "op"})
+    return sample or 0.0
+
+
+def test_fenced_op_by_reference_live_retried_lost(oplog: OpLog, clean_db: Engine) -> None:
+    queue = Queue(clean_db, settings=oplog.settings)
+    rid = queue.enqueue("evaluate", "w1", "j1", "main").request_id
+    claim = queue.claim(rid, "worker-a", lease_seconds=600)
+    assert claim is not None
+    op_id = new_op_id()
+    first = oplog.apply_op("w1", "cells", {"type": "cell.set", "column": "a", "value": 1},
+                           op_id, fence=FenceRef(rid, claim.token))  # fmt: skip
+    assert (first.clock, first.duplicate) == (1, False)
+    assert [o.fence for o in oplog.ops_since("w1", "cells")] == [rid]
+    again = oplog.apply_op("w1", "cells", {"type": "cell.set", "column": "a", "value": 1},
+                           op_id, fence=claim)  # fmt: skip
+    assert (again.clock, again.duplicate, again.committed_at) == (1, True, first.committed_at)
+
+    queue.claim(rid, "worker-b", now=db_now(clean_db) + timedelta(seconds=601))  # lease lapsed
+    before = table_snapshot_ops(clean_db)
+    zombies = zombie_ops()
+    for fence in (claim, FenceRef(rid, "not-the-claim-token")):
+        with pytest.raises(LeaseLost):
+            oplog.apply_op("w1", "cells", {"type": "cell.set", "column": "b", "value": 2},
+                           new_op_id(), fence=fence)  # fmt: skip
+    assert table_snapshot_ops(clean_db) == before
+    assert zombie_ops() == zombies + 2
+    # The committed write's retry still learns its answer: it was fenced when it applied.
+    late = oplog.apply_op("w1", "cells", {"type": "cell.set", "column": "a", "value": 1},
+                          op_id, fence=claim)  # fmt: skip
+    assert (late.clock, late.duplicate) == (1, True)
+    assert table_snapshot_ops(clean_db) == before
+
+
+def test_async_oplog_from_a_sync_one_publishes_on_its_loop(
+    clean_db: Engine, redis_url: str
+) -> None:
+    import asyncio
+
+    sync = OpLog(clean_db, get_settings())
+    pubsub = redis_lib.Redis.from_url(redis_url).pubsub()
+    pubsub.subscribe(workspace_channel("w-async"))
+    assert pubsub.get_message(timeout=5)["type"] == "subscribe"  # type: ignore[index]
+
+    async def main() -> tuple[ApplyResult, ApplyResult]:
+        aoplog = AsyncOpLog.from_oplog(sync)
+        try:
+            op = {"type": "cell.set", "column": "x", "value": 1}
+            first = await aoplog.apply_op("w-async", "cells", op, "async-op-id-0123456789")
+            replay = await aoplog.apply_op("w-async", "cells", op, "async-op-id-0123456789")
+            return first, replay
+        finally:
+            await aoplog.aclose()
+
+    first, replay = asyncio.run(main())
+    assert (first.clock, replay.clock, replay.duplicate) == (1, 1, True)
+    msg = pubsub.get_message(timeout=5)
+    assert msg is not None and json.loads(msg["data"])["op_id"] == "async-op-id-0123456789"
+    assert pubsub.get_message(timeout=0.2) is None  # the replay is not broadcast again
+    pubsub.close()
+    assert sync.get_sub_doc("w-async", "cells").clock == 1
+
+
+def test_broadcast_comes_after_commit(oplog: OpLog, clean_db: Engine, redis_url: str) -> None:
     client = redis_lib.Redis.from_url(redis_url)
     pubsub = client.pubsub()
     pubsub.subscribe(workspace_channel("w-bc"))
     assert pubsub.get_message(timeout=5)["type"] == "subscribe"  # type: ignore[index]
     seen: list[tuple[int, int]] = []
-    reader = OpLog(oplog.engine, oplog.settings)
+    messages: list[dict[str, Any]] = []
+    reader = OpLog(clean_db, get_settings())
 
     def listen() -> None:
         while len(seen) < 20:
@@ -255,6 +397,7 @@ def test_broadcast_comes_after_commit(oplog: OpLog, redis_url: str) -> None:
                 return
             if msg["type"] == "message":
                 data = json.loads(msg["data"])
+                messages.append(data)
                 # Read the sub-doc the moment the broadcast arrives: the commit must be visible.
                 seen.append((data["clock"], reader.get_sub_doc("w-bc", "cells").clock))
 
@@ -266,6 +409,10 @@ def test_broadcast_comes_after_commit(oplog: OpLog, redis_url: str) -> None:
     pubsub.close()
     assert [c for c, _ in seen] == list(range(1, 21))
     assert all(visible >= clock for clock, visible in seen)
+    # The message the SSE streams forward as `event: commit` (the same from both APIs).
+    first = {"kind": "commit", "workspace_id": "w-bc", "sub_doc": "cells", "clock": 1}
+    assert messages[0] == {**first, "op_id": messages[0]["op_id"], "type": "cell.set"}
+    assert list(messages[0]) == ["kind", "workspace_id", "sub_doc", "clock", "op_id", "type"]
 
 
 def test_replay_older_than_retention_is_refused(oplog: OpLog, clean_db: Engine) -> None:
@@ -313,7 +460,7 @@ def test_client_killed_with_ops_in_its_outbox_new_client_replays_them_once(
     proc.send_signal(signal.SIGKILL)  # ... and the client died before hearing back
     proc.wait(timeout=10)
 
-    client = WorkspaceClient(InProcessTransport(oplog), "w1", outbox=outbox)  # "tab reload"
+    client = workspace_client(oplog, "w1", outbox=outbox)  # "tab reload" (either API)
     pending = client.pending()
     assert len(pending) == 5 and pending[0]["op_id"] == committed[1]
     results = client.replay()

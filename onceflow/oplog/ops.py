@@ -1,0 +1,323 @@
+"""The op log's operations, written once as steps for :class:`~onceflow.oplog.OpLog` and
+:class:`~onceflow.oplog.AsyncOpLog` (see :mod:`onceflow.connector`).
+
+``apply_quietly`` is the apply path: a fast replay lookup, then ONE transaction
+(fence the stage's claim, lock the sub-doc, find the op id, record it applied or
+rejected, check the retention horizon). It answers the commit message it owes;
+each API publishes it after the commit with its own Redis client.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any, NamedTuple, Protocol
+
+import psycopg.errors
+
+from onceflow.connector import Execute, FetchAll, FetchOne, Steps, Transaction, operation
+from onceflow.errors import (
+    InvalidRequest,
+    LeaseLost,
+    OpIdConflict,
+    OpRejected,
+    PayloadTooDeep,
+    ReplayTooOld,
+)
+from onceflow.ids import check_id
+from onceflow.metrics import record as metrics
+from onceflow.models.ops import OpModel, apply, parse_op
+from onceflow.oplog.records import ApplyResult, OpRecord, SubDoc, check_op_id, new_op_id
+from onceflow.oplog.sql import N
+from onceflow.payloads import Unreadable, canonical_json, encode_payload
+from onceflow.queue.sql import N as QueueN
+from onceflow.settings import Settings
+
+
+class Fence(Protocol):
+    """What fences a stage's write: a :class:`~onceflow.models.requests.Claim`, or any
+    object naming the claimed request and its claim token."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def token(self) -> str: ...
+
+
+def fence_steps(fence: Fence) -> Steps[None]:
+    """Inside the caller's transaction: raise :class:`LeaseLost` unless ``fence`` is live.
+
+    Holds a share lock on the request row until that transaction ends, so the
+    lease cannot be rescued between the check and the commit (the database clock
+    decides). A refused write is counted in ``onceflow_zombie_writes_rejected_total``.
+    """
+    params = {"request_id": fence.request_id, "token": fence.token, "now": None}
+    row = yield FetchOne(QueueN.FENCE_CHECK, params)
+    if row is None:
+        metrics.zombie("op")
+        raise LeaseLost(fence.request_id, "fenced write rejected")
+
+
+class Applied(NamedTuple):
+    """What the apply operation answers: the op's result, and the broadcast it owes."""
+
+    result: ApplyResult
+    op_type: str
+
+    @property
+    def broadcast(self) -> str | None:
+        """The commit message to publish (None for a replay or a rejected op)."""
+        done = self.result
+        if done.duplicate or done.error is not None:
+            return None
+        return commit_message(done, self.op_type)
+
+
+def commit_message(applied: ApplyResult, op_type: str) -> str:
+    """The JSON published on the workspace's channel after a commit (SSE ``commit`` event)."""
+    return json.dumps(
+        {
+            "kind": "commit",
+            "workspace_id": applied.workspace_id,
+            "sub_doc": applied.sub_doc,
+            "clock": applied.clock,
+            "op_id": applied.op_id,
+            "type": op_type,
+        }
+    )
+
+
+def _unique_violation(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, psycopg.errors.UniqueViolation):
+            return True
+        seen = seen.__cause__
+    return False
+
+
+class OpLogOps:
+    """The op log's operations, written once: a mixin of ``OpLog`` and ``AsyncOpLog``."""
+
+    settings: Settings
+
+    # ------------------------------------------------------------------- writes
+
+    @operation
+    def apply_quietly(
+        self,
+        workspace_id: str,
+        sub_doc: str,
+        op: OpModel | dict[str, Any],
+        op_id: str | None = None,
+        *,
+        fence: Fence | None = None,
+        base_clock: int | None = None,
+    ) -> Steps[Applied]:
+        """``apply_op`` without its broadcast: the result and the commit message it owes.
+
+        For composing (``yield from OpLogOps.apply_quietly.steps(self, ...)``) and for the
+        two APIs' ``apply_op``, which publish :attr:`Applied.broadcast` after the commit.
+        """
+        try:
+            done = yield from self._apply(
+                workspace_id, sub_doc, op, op_id, fence=fence, base_clock=base_clock
+            )
+        except OpIdConflict:
+            metrics.op("conflict")
+            raise
+        except ReplayTooOld:
+            metrics.op("refused")
+            raise
+        if done.result.duplicate:
+            metrics.op("duplicate")
+        else:
+            metrics.op("applied" if done.result.error is None else "refused")
+        return done
+
+    def _apply(
+        self,
+        workspace_id: str,
+        sub_doc: str,
+        op: OpModel | dict[str, Any],
+        op_id: str | None,
+        *,
+        fence: Fence | None,
+        base_clock: int | None,
+    ) -> Steps[Applied]:
+        """The body of :meth:`apply_quietly`: validation first, then the statements."""
+        check_id("workspace_id", workspace_id)
+        check_id("sub_doc", sub_doc)
+        depth = self.settings.max_payload_depth
+        parsed = parse_op(op, max_depth=depth)
+        payload_json, payload_hash = encode_payload(
+            parsed.model_dump(mode="json"),
+            self.settings.payload_limit_bytes,
+            what="op",
+            max_depth=depth,
+        )
+        client_id = op_id is not None
+        op_id = check_op_id(op_id) if client_id else "srv-" + new_op_id()
+        if base_clock is not None and (not isinstance(base_clock, int) or base_clock < 0):
+            raise InvalidRequest("base_clock must be a non-negative integer")
+        key = {"workspace_id": workspace_id, "sub_doc": sub_doc, "op_id": op_id}
+        if client_id:
+            # A replay of a committed op costs this one round trip.
+            found = yield FetchOne(N.FIND_OP, key)
+            if found is not None:
+                return Applied(_replayed(key, found, payload_hash), parsed.type)
+        locked = self._apply_locked(
+            key, parsed, payload_json, payload_hash, fence, client_id, base_clock
+        )
+        try:
+            done: ApplyResult = yield Transaction(locked)
+        except Exception as exc:
+            if not _unique_violation(exc):
+                raise
+            # Another attempt with this op id committed while we waited for the row lock:
+            # join it, never apply twice.
+            found = yield FetchOne(N.FIND_OP, key)
+            if found is None:
+                raise
+            return Applied(_replayed(key, found, payload_hash), parsed.type)
+        return Applied(done, parsed.type)
+
+    def _apply_locked(
+        self,
+        key: dict[str, Any],
+        parsed: OpModel,
+        payload_json: str,
+        payload_hash: str,
+        fence: Fence | None,
+        client_id: bool,
+        base_clock: int | None,
+    ) -> Steps[ApplyResult]:
+        """Inside the transaction: fence, lock the sub-doc, then replay, reject, or apply."""
+        workspace_id, sub_doc, op_id = key["workspace_id"], key["sub_doc"], key["op_id"]
+        if fence is not None:
+            yield from fence_steps(fence)
+        doc = yield FetchOne(N.LOCK_SUB_DOC, key)
+        if doc is None:
+            yield Execute(N.CREATE_SUB_DOC, key)
+            doc = yield FetchOne(N.LOCK_SUB_DOC, key)
+        if doc["op_found"]:
+            return _replayed(key, {**doc, "clock": doc["op_clock"]}, payload_hash)
+        if client_id and fence is None:
+            _check_horizon(op_id, base_clock, doc["pruned_clock"])
+        record = {
+            **key,
+            "op_type": parsed.type,
+            "payload": payload_json,
+            "payload_hash": payload_hash,
+            "fence": fence.request_id if fence else None,
+        }
+        depth = self.settings.max_payload_depth
+        try:
+            if isinstance(doc["state"], Unreadable):
+                raise OpRejected(
+                    parsed.type,
+                    f"the sub-doc's stored state cannot be read: {doc['state']['reason']}",
+                )
+            state, result = apply(doc["state"], parsed)
+            try:
+                state_json = canonical_json(state, what="the sub-doc's state", max_depth=depth)
+            except PayloadTooDeep:
+                raise OpRejected(
+                    parsed.type,
+                    f"the sub-doc's state would nest more than {depth} levels deep "
+                    "(ONCEFLOW_MAX_PAYLOAD_DEPTH)",
+                ) from None
+        except OpRejected as exc:
+            error = {"type": "OpRejected", "message": exc.reason}
+            row = yield FetchOne(N.RECORD_REJECTED, {**record, "error": json.dumps(error)})
+            return ApplyResult(
+                workspace_id, sub_doc, op_id, None, False, None, error, row["committed_at"]
+            )
+        clock = doc["clock"] + 1
+        values = {
+            **record,
+            "clock": clock,
+            "state": state_json,
+            "result": canonical_json(result, what="result", max_depth=depth),
+        }
+        row = yield FetchOne(N.RECORD_APPLIED, values)
+        return ApplyResult(
+            workspace_id, sub_doc, op_id, clock, False, result, None, row["committed_at"]
+        )
+
+    # -------------------------------------------------------------------- reads
+
+    @operation
+    def get_sub_doc(self, workspace_id: str, sub_doc: str) -> Steps[SubDoc]:
+        """The sub-doc's state and clock (an empty state at clock 0 if never written)."""
+        key = {
+            "workspace_id": check_id("workspace_id", workspace_id),
+            "sub_doc": check_id("sub_doc", sub_doc),
+        }
+        row = yield FetchOne(N.GET_SUB_DOC, key)
+        if row is None:
+            return SubDoc(workspace_id, sub_doc, 0, {})
+        return SubDoc(workspace_id, sub_doc, row["clock"], row["state"])
+
+    @operation
+    def ops_since(
+        self, workspace_id: str, sub_doc: str, clock: int = 0, *, limit: int = 1000
+    ) -> Steps[list[OpRecord]]:
+        """Applied ops with a clock above ``clock``, in clock order (catching up)."""
+        if not isinstance(clock, int) or clock < 0:
+            raise InvalidRequest("clock must be a non-negative integer")
+        if not isinstance(limit, int) or not 1 <= limit <= 10_000:
+            raise InvalidRequest("limit must be an integer in [1, 10000]")
+        params = {
+            "workspace_id": check_id("workspace_id", workspace_id),
+            "sub_doc": check_id("sub_doc", sub_doc),
+            "clock": clock,
+            "limit": limit,
+        }
+        rows = yield FetchAll(N.OPS_SINCE, params)
+        return [OpRecord(**row) for row in rows]
+
+    @operation
+    def prune(
+        self, *, older_than_seconds: float, now: datetime | None = None, limit: int = 10_000
+    ) -> Steps[int]:
+        """Delete op rows past the retention window (at most about ``limit``); returns how many.
+
+        Per sub-doc, the horizon is the highest clock among its applied ops older
+        than the window; every applied op at or below it is deleted and the
+        sub-doc's ``pruned_clock`` rises to it, so the log keeps exactly the ops
+        above ``pruned_clock``. Rejected ops (no clock) go by age alone and never
+        move the horizon. ``now`` (default: the database clock) is for tests.
+        One pruner runs at a time; a concurrent call returns 0.
+        """
+        if not isinstance(limit, int) or limit < 1:
+            raise InvalidRequest("limit must be a positive integer")
+        params = {"age": float(older_than_seconds), "limit": limit, "now": now}
+        row = yield FetchOne(N.PRUNE_OPS, params)
+        return int(row["deleted"]) if row else 0
+
+
+def _check_horizon(op_id: str, base_clock: int | None, pruned: int) -> None:
+    # Called for an unknown client op id. Pruning keeps every applied op above the
+    # sub-doc's pruned_clock, and an op minted at base_clock commits above it: so an op
+    # based at or above the horizon that is not in the log was never applied. Below the
+    # horizon it may be a pruned op coming back: refuse it rather than apply it twice.
+    # Without base_clock the server cannot tell: the op is taken as new.
+    if base_clock is not None and base_clock < pruned:
+        raise ReplayTooOld(op_id, base_clock, pruned)
+
+
+def _replayed(key: dict[str, Any], found: Any, payload_hash: str) -> ApplyResult:
+    if found["payload_hash"] != payload_hash:
+        raise OpIdConflict(key["op_id"], key["sub_doc"])
+    return ApplyResult(
+        key["workspace_id"],
+        key["sub_doc"],
+        key["op_id"],
+        found["clock"],
+        True,
+        found["result"],
+        found["error"],
+        found["committed_at"],
+    )
