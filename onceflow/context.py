@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from onceflow.errors import Cancelled, InvalidRequest, LeaseLost
 from onceflow.locks import Locked, Outcome, compute_once
 from onceflow.models.ops import OpModel
-from onceflow.models.requests import Claim, NewRequest, Request
+from onceflow.models.requests import Claim, Fence, NewRequest, Request
 from onceflow.oplog import ApplyResult, OpLog, SubDoc, new_op_id, stage_op_id
 from onceflow.queue import Queue
 
@@ -37,19 +37,6 @@ def oplog_for(queue: Queue) -> OpLog:
 
 
 T = TypeVar("T")
-
-
-@runtime_checkable
-class ClaimRef(Protocol):
-    """The claim a context holds. The token is a secret: never log it."""
-
-    @property
-    def request_id(self) -> str:
-        """The claimed request's id."""
-
-    @property
-    def token(self) -> str:
-        """The claim token (what fences every write)."""
 
 
 @runtime_checkable
@@ -95,7 +82,7 @@ class WorkContext(Protocol):
         """The request's input as stored (JSON)."""
 
     @property
-    def claim(self) -> ClaimRef:
+    def claim(self) -> Fence:
         """The claim (``request_id``, ``token``): never log it."""
 
     @property

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from onceflow.ids import ClaimToken, RequestId
 from onceflow.models.status import Status
@@ -101,6 +101,20 @@ class Request:
 
 
 _REQUEST_FIELDS = tuple(Request.__dataclass_fields__)
+
+
+@runtime_checkable
+class Fence(Protocol):
+    """What fences a write: the claimed request's id and its claim token (a :class:`Claim`,
+    a :class:`ClaimRef`, a pull worker's claim). The token is a secret: never log it."""
+
+    @property
+    def request_id(self) -> str:
+        """The claimed request's id."""
+
+    @property
+    def token(self) -> str:
+        """The claim token (what fences every write)."""
 
 
 @dataclass(frozen=True, slots=True)

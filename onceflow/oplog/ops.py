@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import psycopg.errors
 
 from onceflow.connector import Execute, FetchAll, FetchOne, Steps, Transaction, operation
 from onceflow.errors import (
     InvalidRequest,
-    LeaseLost,
     OpIdConflict,
     OpRejected,
     PayloadTooDeep,
@@ -27,36 +26,12 @@ from onceflow.errors import (
 from onceflow.ids import check_id
 from onceflow.metrics import record as metrics
 from onceflow.models.ops import OpModel, apply, parse_op
+from onceflow.models.requests import Fence
 from onceflow.oplog.records import ApplyResult, OpRecord, SubDoc, check_op_id, new_op_id
 from onceflow.oplog.sql import N
 from onceflow.payloads import Unreadable, canonical_json, encode_payload
-from onceflow.queue.sql import N as QueueN
+from onceflow.queue.claims import fence_steps
 from onceflow.settings import Settings
-
-
-class Fence(Protocol):
-    """What fences a stage's write: a :class:`~onceflow.models.requests.Claim`, or any
-    object naming the claimed request and its claim token."""
-
-    @property
-    def request_id(self) -> str: ...
-
-    @property
-    def token(self) -> str: ...
-
-
-def fence_steps(fence: Fence) -> Steps[None]:
-    """Inside the caller's transaction: raise :class:`LeaseLost` unless ``fence`` is live.
-
-    Holds a share lock on the request row until that transaction ends, so the
-    lease cannot be rescued between the check and the commit (the database clock
-    decides). A refused write is counted in ``onceflow_zombie_writes_rejected_total``.
-    """
-    params = {"request_id": fence.request_id, "token": fence.token, "now": None}
-    row = yield FetchOne(QueueN.FENCE_CHECK, params)
-    if row is None:
-        metrics.zombie("op")
-        raise LeaseLost(fence.request_id, "fenced write rejected")
 
 
 class Applied(NamedTuple):

@@ -31,7 +31,8 @@ from onceflow.connector import AsyncPsycopgConnector, AsyncSide, PsycopgConnecto
 from onceflow.db import get_engine
 from onceflow.keys import workspace_channel
 from onceflow.models.ops import OpModel
-from onceflow.oplog.ops import Applied, Fence, OpLogOps, commit_message, fence_steps
+from onceflow.models.requests import Fence
+from onceflow.oplog.ops import Applied, OpLogOps, commit_message
 from onceflow.oplog.records import (
     OP_ID_RE,
     ApplyResult,
@@ -41,6 +42,7 @@ from onceflow.oplog.records import (
     new_op_id,
     stage_op_id,
 )
+from onceflow.queue.claims import fence_steps
 from onceflow.settings import Settings, get_settings
 
 log = logging.getLogger("onceflow.oplog")

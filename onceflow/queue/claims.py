@@ -48,6 +48,7 @@ from onceflow.models.requests import (
     Claim,
     ClaimRef,
     EnqueueResult,
+    Fence,
     Heartbeat,
     NewRequest,
     Request,
@@ -453,10 +454,11 @@ class ClaimOps:
         return lease
 
 
-def fence_steps(claim: Fenced, now: datetime | None = None) -> Steps[None]:
+def fence_steps(claim: Fence, now: datetime | None = None) -> Steps[None]:
     """The fence check as steps, for a :class:`~onceflow.connector.Transaction` body.
 
-    Raises :class:`LeaseLost` unless ``claim`` (a :class:`Claim` or a :class:`ClaimRef`)
+    Raises :class:`LeaseLost` unless ``claim`` (a :class:`Claim`, a :class:`ClaimRef`, any
+    :class:`~onceflow.models.requests.Fence`)
     runs under a live lease (database clock), and holds a share lock on the row until the
     transaction ends, so the lease cannot be rescued before the caller's commit::
 
