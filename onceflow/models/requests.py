@@ -129,6 +129,9 @@ class ClaimRef:
 
     request_id: str
     token: str = field(repr=False)
+    #: The worker classes the holder may work (an HTTP worker key's scope), None for any:
+    #: a fenced write by this reference changes only a request of one of them.
+    worker_classes: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

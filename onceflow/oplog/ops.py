@@ -82,7 +82,7 @@ class OpLogOps:
     @operation
     def apply_quietly(
         self,
-        workspace_id: str,
+        workspace_id: str | None,
         sub_doc: str,
         op: OpModel | dict[str, Any],
         op_id: str | None = None,
@@ -113,7 +113,7 @@ class OpLogOps:
 
     def _apply(
         self,
-        workspace_id: str,
+        workspace_id: str | None,
         sub_doc: str,
         op: OpModel | dict[str, Any],
         op_id: str | None,
@@ -121,8 +121,15 @@ class OpLogOps:
         fence: Fence | None,
         base_clock: int | None,
     ) -> Steps[Applied]:
-        """The body of :meth:`apply_quietly`: validation first, then the statements."""
-        check_id("workspace_id", workspace_id)
+        """The body of :meth:`apply_quietly`: validation first, then the statements.
+
+        ``workspace_id`` None: the fenced request's workspace, read by the fence itself (what
+        a pull worker holding only a claim reference writes to).
+        """
+        if workspace_id is not None:
+            check_id("workspace_id", workspace_id)
+        elif fence is None:
+            raise InvalidRequest("workspace_id is required unless a fence names the request")
         check_id("sub_doc", sub_doc)
         depth = self.settings.max_payload_depth
         parsed = parse_op(op, max_depth=depth)
@@ -136,8 +143,8 @@ class OpLogOps:
         op_id = check_op_id(op_id) if client_id else "srv-" + new_op_id()
         if base_clock is not None and (not isinstance(base_clock, int) or base_clock < 0):
             raise InvalidRequest("base_clock must be a non-negative integer")
-        key = {"workspace_id": workspace_id, "sub_doc": sub_doc, "op_id": op_id}
-        if client_id:
+        key: dict[str, Any] = {"workspace_id": workspace_id, "sub_doc": sub_doc, "op_id": op_id}
+        if client_id and workspace_id is not None:
             # A replay of a committed op costs this one round trip.
             found = yield FetchOne(N.FIND_OP, key)
             if found is not None:
@@ -169,9 +176,11 @@ class OpLogOps:
         base_clock: int | None,
     ) -> Steps[ApplyResult]:
         """Inside the transaction: fence, lock the sub-doc, then replay, reject, or apply."""
-        workspace_id, sub_doc, op_id = key["workspace_id"], key["sub_doc"], key["op_id"]
         if fence is not None:
-            yield from fence_steps(fence)
+            fenced_workspace = yield from fence_steps(fence)
+            if key["workspace_id"] is None:
+                key["workspace_id"] = fenced_workspace  # also for the caller's join below
+        workspace_id, sub_doc, op_id = key["workspace_id"], key["sub_doc"], key["op_id"]
         doc = yield FetchOne(N.LOCK_SUB_DOC, key)
         if doc is None:
             yield Execute(N.CREATE_SUB_DOC, key)

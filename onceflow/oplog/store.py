@@ -67,7 +67,7 @@ class OpLog(SyncSide, OpLogOps):
 
     def apply_op(
         self,
-        workspace_id: str,
+        workspace_id: str | None,
         sub_doc: str,
         op: OpModel | dict[str, Any],
         op_id: str | None = None,
@@ -81,7 +81,8 @@ class OpLog(SyncSide, OpLogOps):
         server-internal one-shot callers may omit it. ``fence`` (a stage's claim,
         or any object with its ``request_id`` and ``token``) is checked in the same
         transaction: a worker whose lease is gone gets
-        :class:`~onceflow.errors.LeaseLost` and changes nothing. ``base_clock``
+        :class:`~onceflow.errors.LeaseLost` and changes nothing; with a fence,
+        ``workspace_id`` may be None: the fenced request's own. ``base_clock``
         is the sub-doc clock the client had seen when it minted the op: an op id
         the log no longer knows with ``base_clock`` below the sub-doc's pruned
         horizon may be a replay of a pruned op, so it is refused
@@ -147,7 +148,7 @@ class AsyncOpLog(AsyncSide, OpLogOps):
 
     async def apply_op(
         self,
-        workspace_id: str,
+        workspace_id: str | None,
         sub_doc: str,
         op: OpModel | dict[str, Any],
         op_id: str | None = None,

@@ -188,6 +188,7 @@ class ClaimOps:
         full = claim if isinstance(claim, Claim) else None
         params = {
             "request_id": claim.request_id, "token": claim.token,
+            "worker_classes": _scope(claim),
             "lease_seconds": full.lease_seconds if full else None,
             "deadline": full.run_deadline if full else None,
             "default_lease": self.settings.lease_seconds, "now": now,
@@ -243,7 +244,10 @@ class ClaimOps:
         follow_ups = list(then)
         # Ids (random ones too) are minted once, so every attempt sends the same rows.
         follow_params = self._enqueue_params(follow_ups, now) if follow_ups else None
-        params = {"request_id": claim.request_id, "token": claim.token, "result": text, "now": now}
+        params = {
+            "request_id": claim.request_id, "token": claim.token, "result": text, "now": now,
+            "worker_classes": _scope(claim),
+        }  # fmt: skip
 
         def attempt() -> Steps[tuple[Request, builtins.list[EnqueueResult]]]:
             row, followed = yield from self._complete_once(params, follow_params)
@@ -333,6 +337,7 @@ class ClaimOps:
         delay = None if retry_in is None else _seconds("retry_in", retry_in)
         params = {
             "request_id": claim.request_id, "token": claim.token, "error": text,
+            "worker_classes": _scope(claim),
             "retryable": bool(retryable), "delay": delay, "now": now,
             "backoff_base": float(self.settings.backoff_base_seconds),
             "backoff_max": float(self.settings.backoff_max_seconds),
@@ -454,7 +459,7 @@ class ClaimOps:
         return lease
 
 
-def fence_steps(claim: Fence, now: datetime | None = None) -> Steps[None]:
+def fence_steps(claim: Fence, now: datetime | None = None) -> Steps[str]:
     """The fence check as steps, for a :class:`~onceflow.connector.Transaction` body.
 
     Raises :class:`LeaseLost` unless ``claim`` (a :class:`Claim`, a :class:`ClaimRef`, any
@@ -466,11 +471,16 @@ def fence_steps(claim: Fence, now: datetime | None = None) -> Steps[None]:
             yield from fence_steps(fence)
             ...                                   # writes that must not outlive the claim
     """
-    params = {"request_id": claim.request_id, "token": claim.token, "now": now}
+    params = {
+        "request_id": claim.request_id, "token": claim.token, "now": now,
+        "worker_classes": _scope(claim),
+    }  # fmt: skip
     row = yield FetchOne(N.FENCE_CHECK, params)
     if row is None:
         metrics.zombie("op")
         raise LeaseLost(claim.request_id, "fenced write rejected")
+    workspace_id: str = row["workspace_id"]
+    return workspace_id
 
 
 def _landed(claim: Fenced, statuses: tuple[Status, ...]) -> Steps[Request | None]:
@@ -485,6 +495,12 @@ def _landed(claim: Fenced, statuses: tuple[Status, ...]) -> Steps[Request | None
     }  # fmt: skip
     row = yield FetchOne(N.LANDED, params)
     return None if row is None else Request.from_row(row)
+
+
+def _scope(claim: Any) -> list[str] | None:
+    """The worker classes a reference is scoped to (None: any), for the fence's SQL."""
+    scope = getattr(claim, "worker_classes", None)
+    return None if scope is None else [str(c) for c in scope]
 
 
 def _check_ref(claim: Any) -> None:

@@ -47,14 +47,18 @@ class ReadOps:
         return Request.from_row(row)
 
     @operation
-    def live_claim(self, request_id: str, token: str) -> Steps[Request | None]:
+    def live_claim(
+        self, request_id: str, token: str, *, worker_classes: Sequence[str] | None = None
+    ) -> Steps[Request | None]:
         """The request if it runs under ``token`` with a live lease (DB clock), else None.
 
-        A read, not a fence: it holds nothing, so a write that must not outlive the
+        ``worker_classes`` scopes it (an HTTP worker key's classes). A read, not a fence: it
+        holds nothing, so a write that must not outlive the
         claim still fences in its own statement (``fence_check``, the fenced updates).
         """
         check_id("request_id", request_id)
-        params = {"request_id": request_id, "token": token, "now": None}
+        scope = None if worker_classes is None else builtins.list(worker_classes)
+        params = {"request_id": request_id, "token": token, "now": None, "worker_classes": scope}
         row = yield from one(N.LIVE_CLAIM, params)
         return None if row is None else Request.from_row(row)
 

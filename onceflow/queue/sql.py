@@ -176,11 +176,15 @@ RETURNING {RETURNING}, picked.rn, picked.took_over
 """
 CLAIM_NEXT: TextClause = text(_CLAIM_NEXT)
 
+# :worker_classes (NULL for none) scopes a fenced write to a principal's worker classes (an
+# HTTP worker key): a token of another class's request is fenced off like a wrong token.
 _FENCE = """
   w.request_id = :request_id
   AND w.claim_token = :token
   AND w.status = 'running'
   AND w.lease_expires_at > n.now
+  AND (CAST(:worker_classes AS text[]) IS NULL
+       OR w.worker_class = ANY(CAST(:worker_classes AS text[])))
 """
 
 #: A run's public identity: a digest of its claim token (new at every claim, takeovers
@@ -215,7 +219,7 @@ RETURNING w.lease_expires_at, w.cancel_requested
 # lock (FOR SHARE) holds off a concurrent rescue until that transaction commits.
 FENCE_CHECK: TextClause = text(f"""
 WITH n AS ({_NOW})
-SELECT w.request_id FROM {TABLE} w, n
+SELECT w.request_id, w.workspace_id FROM {TABLE} w, n
 WHERE {_FENCE}
 FOR SHARE OF w
 """)

@@ -258,6 +258,30 @@ def test_a_wrong_token_by_ref_is_lease_lost_and_changes_nothing(
     assert api_queue.get(rid).result == {"v": 2}
 
 
+def test_a_ref_scoped_to_other_worker_classes_is_fenced_off(
+    api_queue: Queue, clean_db: Engine
+) -> None:
+    """An HTTP worker key's reference carries its worker classes: a token of a request of
+    another class changes nothing (the scope is in the fenced statement, nothing is read)."""
+    rid = api_queue.enqueue("s", "w", "j", worker_class="llm").request_id
+    claim = api_queue.claim(rid, "a")
+    assert claim is not None
+    before = table_snapshot(clean_db)
+    other = ClaimRef(rid, claim.token, ("tabs", "maps"))
+    with pytest.raises(LeaseLost):
+        api_queue.heartbeat(other)
+    with pytest.raises(LeaseLost):
+        api_queue.complete(other, {"zombie": True})
+    with pytest.raises(LeaseLost):
+        api_queue.fail(other, {"zombie": True})
+    assert api_queue.live_claim(rid, claim.token, worker_classes=["tabs"]) is None
+    assert table_snapshot(clean_db) == before
+    mine = ClaimRef(rid, claim.token, ("tabs", "llm"))
+    assert api_queue.live_claim(rid, claim.token, worker_classes=["llm"]) is not None
+    api_queue.heartbeat(mine)
+    assert api_queue.complete(mine, {"ok": 1}).status is Status.SUCCEEDED
+
+
 def test_the_fence_check_by_ref_inside_a_transaction(api_queue: Queue, queue: Queue) -> None:
     rid = api_queue.enqueue("s", "w", "j").request_id
     claim = api_queue.claim(rid, "a")
@@ -286,7 +310,10 @@ def test_fenced_retry_takes_steps_or_values_and_retries_a_blip(api_queue: Queue)
         tries.append(1)
         if len(tries) < 3:  # a blip: retried (after a Sleep step) while the lease may hold
             raise DatabaseUnavailable("a blip")
-        row = yield FetchOne(N.LIVE_CLAIM, {"request_id": rid, "token": claim.token, "now": None})
+        row = yield FetchOne(
+            N.LIVE_CLAIM,
+            {"request_id": rid, "token": claim.token, "now": None, "worker_classes": None},
+        )
         return row["request_id"]
 
     assert api_queue.fenced_retry(claim.ref, attempt) == rid

@@ -19,7 +19,7 @@ import pytest
 import redis as redis_lib
 from sqlalchemy import Engine
 
-from onceflow import LeaseLost, Queue
+from onceflow import ClaimRef, LeaseLost, Queue
 from onceflow.errors import InvalidRequest, OpIdConflict, ReplayTooOld
 from onceflow.keys import workspace_channel
 from onceflow.models.ops import NodeInsert, NodeMove, apply, parse_op
@@ -472,3 +472,25 @@ def test_client_killed_with_ops_in_its_outbox_new_client_replays_them_once(
     assert [o.op_id for o in ops[4:]] == [p["op_id"] for p in pending]  # once each, in order
     # a b c d -> d a b c -> d a e b c -> d a e b c (b after e) -> f d a e b c -> f a d e b c
     assert oplog.get_sub_doc("w1", "board").state["order"] == ["f", "a", "d", "e", "b", "c"]
+
+
+def test_a_fenced_op_by_reference_needs_no_workspace(oplog: OpLog, clean_db: Engine) -> None:
+    """What an HTTP pull worker holds is (request id, token): the fence's own statement names
+    the workspace, so nothing is read to find it; a reference scoped to another worker class
+    is fenced off like a wrong token, and nothing is written."""
+    queue = Queue(clean_db, settings=oplog.settings)
+    rid = queue.enqueue("evaluate", "w-ref", "j1", "main", worker_class="llm").request_id
+    claim = queue.claim(rid, "worker-a", lease_seconds=600)
+    assert claim is not None
+    op = {"type": "cell.set", "column": "a", "value": 1}
+    done = oplog.apply_op(None, "cells", op, new_op_id(),
+                          fence=ClaimRef(rid, claim.token, ("llm",)))  # fmt: skip
+    assert (done.workspace_id, done.clock) == ("w-ref", 1)
+    assert [o.fence for o in oplog.ops_since("w-ref", "cells")] == [rid]
+    before = table_snapshot_ops(clean_db)
+    with pytest.raises(LeaseLost):
+        oplog.apply_op(None, "cells", op, new_op_id(),
+                       fence=ClaimRef(rid, claim.token, ("tabs",)))  # fmt: skip
+    with pytest.raises(InvalidRequest, match="workspace_id is required"):
+        oplog.apply_op(None, "cells", op, new_op_id())
+    assert table_snapshot_ops(clean_db) == before
