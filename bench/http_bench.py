@@ -1,6 +1,10 @@
-"""HTTP API benchmark: enqueue and apply-op requests/s through uvicorn vs the same calls in-process.
+"""HTTP API benchmark: enqueue and apply-op calls/s through uvicorn vs the same calls in-process.
 
-    .venv/bin/python bench/http_bench.py [--quick] [--json]
+    PYTHONPATH=. .venv/bin/python bench/http_bench.py [--quick] [--json] [--rounds N] [--calls N]
+
+Results and their reading: docs/benchmarks.md, "HTTP API (FastAPI)". The server runs the
+onceflow this process imports (``PYTHONPATH`` is passed on), so ``PYTHONPATH=<a checkout>``
+measures that checkout's API; the report names it (path and commit).
 
 Postgres comes from ``ONCEFLOW_BENCH_DATABASE_URL`` (default
 ``postgresql+psycopg://root@127.0.0.1:5432/postgres``), used only as the admin
@@ -10,11 +14,12 @@ and drops it at the end (``WITH (FORCE)``). Redis comes from
 deletes the one broker queue it fills (``bench-http``).
 
 The server is a real ``onceflow api`` process (uvicorn, one worker process, the
-default thread pool and a pool of 5+5 database connections, as shipped) serving
-this file's flow. The client is ``httpx`` (sync, one keep-alive connection per
-client thread) in this process. In-process means the same call on a
-:class:`~onceflow.tasks.Flow` / :class:`~onceflow.oplog.OpLog` built here with
-the same settings, from the same number of threads.
+default thread pool and a pool of 5+5 database connections, as shipped; the per-key
+rate limit raised out of reach, still counted) serving this file's flow. The client
+is ``httpx`` (sync, one keep-alive connection per client thread) in this process.
+In-process means the same call on a :class:`~onceflow.tasks.Flow` /
+:class:`~onceflow.oplog.OpLog` built here with the same settings, from the same
+number of threads.
 
 1. Enqueue: ``flow.enqueue`` of a new request (validate, one INSERT, the Celery
    wake-up sent to Redis) vs ``POST /v1/workspaces/{ws}/requests`` doing exactly
@@ -25,9 +30,12 @@ the same settings, from the same number of threads.
 3. A floor for HTTP itself: ``GET /docs`` (no key, no database): what uvicorn,
    FastAPI and the httpx client cost per request on this machine.
 
-Each figure is measured with 1 and 8 client threads, for a fixed duration after
-a warm-up; the two sides alternate round by round and the median round is
-reported, so outside load on a shared machine hits both alike.
+Each figure is measured with 1 and 8 client threads: rounds of a fixed number of
+calls (default 5 rounds of 300, split evenly between the threads) after a warm-up;
+the two sides alternate within each round (the order flips every round), the ratio
+is taken per round (HTTP rate over the in-process rate measured next to it) and the
+headline is the median of the per-round ratios, so outside load on a shared machine
+hits both sides alike.
 """
 
 from __future__ import annotations
@@ -62,6 +70,7 @@ WC = "bench-http"
 WS = "wb"
 KEY = "of_bench_key_" + secrets.token_hex(8)
 CONCURRENCY = (1, 8)
+WARMUP = 20  # calls per thread before each timed batch
 HERE = Path(__file__).resolve().parent
 
 # The flow the server serves (imported by `onceflow api --app http_bench:flow`).
@@ -120,12 +129,18 @@ def api_server(url: str, redis_url: str) -> Iterator[tuple[str, int]]:
     from onceflow.integrations.fastapi import hash_key
 
     port = free_port()
+    # This file's directory for the flow, then the caller's PYTHONPATH: the server runs
+    # the same onceflow as this process.
+    pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
     env = {
         **os.environ,
         "ONCEFLOW_DATABASE_URL": url,
         "ONCEFLOW_REDIS_URL": redis_url,
         "ONCEFLOW_API_KEYS": json.dumps({hash_key(KEY): [WS]}),
-        "PYTHONPATH": str(HERE),
+        # The shipped per-key limit (3000/minute) would refuse a benchmark's calls: the
+        # limiter still counts every call, at a limit no round reaches.
+        "ONCEFLOW_API_RATE_LIMIT": "1000000/second",
+        "PYTHONPATH": pythonpath,
     }
     args = ["api", "--app", "http_bench:flow", "--port", str(port), "--log-level", "warning"]
     proc = subprocess.Popen(
@@ -162,33 +177,29 @@ def api_server(url: str, redis_url: str) -> Iterator[tuple[str, int]]:
 Op = Callable[[int], None]
 
 
-def throughput(
+def timed(
     threads: int,
     make_op: Callable[[int], Op],
-    duration: float,
-    warmup: int,
+    calls: int,
     cpu: Callable[[], float],
 ) -> tuple[float, float]:
-    """Requests/s of ``threads`` threads each calling its op in a loop for ``duration`` s,
-    and the CPU seconds per request that ``cpu()`` (this process + the server) counted."""
-    counts = [0] * threads
+    """Calls/s of ``threads`` threads making ``calls`` calls in all (an even share each,
+    after :data:`WARMUP` each, released together), and the CPU seconds per call that
+    ``cpu()`` (this process + the server) counted."""
+    share = max(1, calls // threads)
     ready = threading.Barrier(threads + 1)
     go = threading.Event()
-    stop_at = [0.0]
     errors: list[BaseException] = []
 
     def run(t: int) -> None:
         try:
             op = make_op(t)
-            for i in range(warmup):
+            for i in range(WARMUP):
                 op(-1 - i)
             ready.wait()
             go.wait()
-            i = 0
-            while time.perf_counter() < stop_at[0]:
+            for i in range(share):
                 op(i)
-                i += 1
-            counts[t] = i
         except BaseException as exc:  # reported below, never swallowed
             errors.append(exc)
             ready.abort()
@@ -200,7 +211,6 @@ def throughput(
         ready.wait()
     cpu_start = cpu()
     start = time.perf_counter()
-    stop_at[0] = start + duration
     go.set()
     for w in workers:
         w.join()
@@ -208,16 +218,18 @@ def throughput(
     cpu_used = cpu() - cpu_start
     if errors:
         raise errors[0]
-    ops = sum(counts)
-    return ops / elapsed, cpu_used / max(ops, 1)
+    done = share * threads
+    return done / elapsed, cpu_used / done
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n", 1)[0])
-    parser.add_argument("--quick", action="store_true", help="1 s per figure, 1 round")
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 100 calls")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per figure (5)")
+    parser.add_argument("--calls", type=int, default=300, help="calls per round and side (300)")
     parser.add_argument("--json", action="store_true", help="print the raw numbers as JSON")
     args = parser.parse_args(argv)
-    duration, rounds = (1.0, 1) if args.quick else (3.0, 3)
+    rounds, calls = (2, 100) if args.quick else (args.rounds, args.calls)
     admin = os.environ.get("ONCEFLOW_BENCH_DATABASE_URL", ADMIN_DEFAULT)
     redis_url = os.environ.get("ONCEFLOW_BENCH_REDIS_URL", REDIS_DEFAULT)
 
@@ -228,9 +240,11 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     results: dict[str, Any] = {
-        "command": "bench/http_bench.py" + " --quick" * args.quick,
-        "duration_s": duration,
+        "command": "bench/http_bench.py"
+        + " ".join(["", *(argv if argv is not None else sys.argv[1:])]).rstrip(),
+        "calls": calls,
         "rounds": rounds,
+        "onceflow": onceflow_source(),
         "machine": machine_info(),
         "figures": {},
     }
@@ -311,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                     if r % 2:
                         order.reverse()
                     for side, make in order:
-                        rate, per_call = throughput(threads, make, duration, 20, cpu)
+                        rate, per_call = timed(threads, make, calls, cpu)
                         samples[side].append(rate)
                         cpu_per_call[side].append(per_call)
                         log(f"{name} x{threads} {side}: {rate:,.0f}/s")
@@ -329,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                     "cpu_ms": {k: 1000 * statistics.median(v) for k, v in cpu_per_call.items()},
                 }
         for threads in CONCURRENCY:
-            runs = [throughput(threads, floor_http, duration, 20, cpu) for _ in range(rounds)]
+            runs = [timed(threads, floor_http, calls, cpu) for _ in range(rounds)]
             rate = statistics.median(r for r, _ in runs)
             results["figures"][f"http floor x{threads}"] = {
                 "http": rate,
@@ -348,6 +362,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def _ok(_: object) -> None:
     return None
+
+
+def onceflow_source() -> str:
+    """Where the onceflow this process (and so the server) imports lives, and its commit."""
+    import onceflow
+
+    root = Path(onceflow.__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=False, timeout=10,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return f"{root} ({commit or 'no git commit'})"
 
 
 def machine_info() -> dict[str, Any]:
@@ -387,8 +416,9 @@ def _loadavg() -> str:
 def render(res: dict[str, Any]) -> str:
     m = res["machine"]
     lines = [
-        f"Command: `{res['command']}` — {res['rounds']} round(s) of {res['duration_s']:.0f} s "
-        "per figure, sides alternating; medians.",
+        f"Command: `{res['command']}` — {res['rounds']} round(s) of {res['calls']} calls "
+        "per side and figure, sides alternating; medians. onceflow: "
+        f"{res['onceflow']}.",
         f"Date: {m['date']}. Machine: {m['nproc']} CPUs ({m['cpu']}), {m['os']}; Python "
         f"{m['python']}, FastAPI {m['fastapi']}, uvicorn {m['uvicorn']}, httpx {m['httpx']}. "
         f"Load average {m['loadavg_start']} at the start, {res['loadavg_end']} at the end.",
