@@ -1,10 +1,13 @@
 """HTTP API benchmark: enqueue and apply-op calls/s through uvicorn vs the same calls in-process.
 
-    PYTHONPATH=. .venv/bin/python bench/http_bench.py [--quick] [--json] [--rounds N] [--calls N]
+    PYTHONPATH=. .venv/bin/python bench/http_bench.py [--quick] [--json] [--rounds N]
+        [--calls N] [--baseline DIR]
 
 Results and their reading: docs/benchmarks.md, "HTTP API (FastAPI)". The server runs the
 onceflow this process imports (``PYTHONPATH`` is passed on), so ``PYTHONPATH=<a checkout>``
-measures that checkout's API; the report names it (path and commit).
+measures that checkout's API; the report names it (path and commit). ``--baseline DIR``
+starts a second server on the onceflow of checkout ``DIR`` (say, main) and measures it in
+the same rounds, as a third side: a before/after comparison under the same load.
 
 Postgres comes from ``ONCEFLOW_BENCH_DATABASE_URL`` (default
 ``postgresql+psycopg://root@127.0.0.1:5432/postgres``), used only as the admin
@@ -52,7 +55,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -124,14 +127,18 @@ def free_port() -> int:
 
 
 @contextmanager
-def api_server(url: str, redis_url: str) -> Iterator[tuple[str, int]]:
-    """A real `onceflow api` for this file's flow; its base URL."""
+def api_server(url: str, redis_url: str, code: str | None = None) -> Iterator[tuple[str, int]]:
+    """A real `onceflow api` for this file's flow: its base URL and pid.
+
+    The server imports onceflow from ``code`` (a checkout's root) if given, else the
+    caller's ``PYTHONPATH``: the same onceflow as this process.
+    """
     from onceflow.integrations.fastapi import hash_key
 
     port = free_port()
-    # This file's directory for the flow, then the caller's PYTHONPATH: the server runs
-    # the same onceflow as this process.
-    pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
+    # This file's directory for the flow first.
+    where = code if code is not None else os.environ.get("PYTHONPATH")
+    pythonpath = os.pathsep.join(p for p in (str(HERE), where) if p)
     env = {
         **os.environ,
         "ONCEFLOW_DATABASE_URL": url,
@@ -228,6 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="rounds per figure (5)")
     parser.add_argument("--calls", type=int, default=300, help="calls per round and side (300)")
     parser.add_argument("--json", action="store_true", help="print the raw numbers as JSON")
+    parser.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="also serve the onceflow of checkout DIR (say, main) from a second server, "
+        "measured in the same rounds: a before/after comparison under the same load",
+    )
     args = parser.parse_args(argv)
     rounds, calls = (2, 100) if args.quick else (args.rounds, args.calls)
     admin = os.environ.get("ONCEFLOW_BENCH_DATABASE_URL", ADMIN_DEFAULT)
@@ -245,18 +258,26 @@ def main(argv: list[str] | None = None) -> int:
         "calls": calls,
         "rounds": rounds,
         "onceflow": onceflow_source(),
+        "baseline": source_of(Path(args.baseline)) if args.baseline else None,
         "machine": machine_info(),
         "figures": {},
     }
     broker = redis.Redis.from_url(redis_url)
     import psutil
 
-    with bench_database(admin) as url, api_server(url, redis_url) as (base, server_pid):
-        procs = [psutil.Process(), psutil.Process(server_pid)]
+    with ExitStack() as stack:
+        url = stack.enter_context(bench_database(admin))
+        servers = {"http": stack.enter_context(api_server(url, redis_url))}
+        if args.baseline:
+            code = str(Path(args.baseline).resolve())
+            servers["http_baseline"] = stack.enter_context(api_server(url, redis_url, code))
+        me = psutil.Process()
+        server_procs = {side: psutil.Process(pid) for side, (_, pid) in servers.items()}
 
-        def cpu() -> float:
-            """CPU seconds of this process and the server (not Postgres, not Redis)."""
-            return sum(sum(p.cpu_times()[:2]) for p in procs)
+        def cpu_of(side: str) -> Callable[[], float]:
+            """CPU seconds of this process and the side's server (not Postgres, not Redis)."""
+            procs = [me, *([server_procs[side]] if side in server_procs else [])]
+            return lambda: sum(sum(p.cpu_times()[:2]) for p in procs)
 
         settings = Settings(database_url=url, redis_url=redis_url)
         local_flow = Flow(settings=settings)
@@ -273,7 +294,10 @@ def main(argv: list[str] | None = None) -> int:
             run = fresh("local")
             return lambda i: _ok(local_flow.enqueue("bench", WS, f"{run}-{i}", "", {"n": i}))
 
-        def enqueue_http(t: int) -> Op:
+        def enqueue_http(base: str) -> Callable[[int], Op]:
+            return lambda t: _enqueue_http(base)
+
+        def _enqueue_http(base: str) -> Op:
             client = httpx.Client(base_url=base, headers=headers, timeout=30)
             run = fresh("http")
 
@@ -290,7 +314,10 @@ def main(argv: list[str] | None = None) -> int:
             cell = {"type": "cell.set", "column": "c", "value": 1}
             return lambda i: _ok(oplog.apply_op(WS, doc, cell, new_op_id()))
 
-        def op_http(t: int) -> Op:
+        def op_http(base: str) -> Callable[[int], Op]:
+            return lambda t: _op_http(base)
+
+        def _op_http(base: str) -> Op:
             client = httpx.Client(base_url=base, headers=headers, timeout=30)
             doc = fresh("dh")
             cell = {"type": "cell.set", "column": "c", "value": 1}
@@ -304,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             return op
 
         def floor_http(t: int) -> Op:
-            client = httpx.Client(base_url=base, timeout=30)
+            client = httpx.Client(base_url=servers["http"][0], timeout=30)
 
             def op(i: int) -> None:
                 if client.get("/docs").status_code != 200:
@@ -312,38 +339,43 @@ def main(argv: list[str] | None = None) -> int:
 
             return op
 
-        pairs = {
+        calls_of = {
             "enqueue": (enqueue_local, enqueue_http),
             "apply_op": (op_local, op_http),
         }
-        for name, (local, http) in pairs.items():
+        for name, (local, http) in calls_of.items():
+            makers = {"in_process": local} | {
+                side: http(base) for side, (base, _) in servers.items()
+            }
             for threads in CONCURRENCY:
-                samples: dict[str, list[float]] = {"in_process": [], "http": []}
-                cpu_per_call: dict[str, list[float]] = {"in_process": [], "http": []}
+                samples: dict[str, list[float]] = {side: [] for side in makers}
+                cpu_per_call: dict[str, list[float]] = {side: [] for side in makers}
                 for r in range(rounds):
-                    order = [("in_process", local), ("http", http)]
-                    if r % 2:
-                        order.reverse()
-                    for side, make in order:
-                        rate, per_call = timed(threads, make, calls, cpu)
+                    # Every side once per round; who goes first rotates round by round.
+                    order = list(makers)
+                    order = order[r % len(order) :] + order[: r % len(order)]
+                    for side in order:
+                        rate, per_call = timed(threads, makers[side], calls, cpu_of(side))
                         samples[side].append(rate)
                         cpu_per_call[side].append(per_call)
                         log(f"{name} x{threads} {side}: {rate:,.0f}/s")
                     broker.delete(WC)
-                # Each round's HTTP figure over the in-process one measured next to it.
-                ratios = [
-                    h / i for h, i in zip(samples["http"], samples["in_process"], strict=True)
-                ]
+                # Each round's HTTP figure over the in-process one of the same round.
+                ratios = {
+                    side: [h / i for h, i in zip(v, samples["in_process"], strict=True)]
+                    for side, v in samples.items()
+                    if side != "in_process"
+                }
                 results["figures"][f"{name} x{threads}"] = {
                     side: statistics.median(v) for side, v in samples.items()
                 } | {
                     "samples": samples,
-                    "ratio": statistics.median(ratios),
+                    "ratio": {side: statistics.median(v) for side, v in ratios.items()},
                     "ratios": ratios,
                     "cpu_ms": {k: 1000 * statistics.median(v) for k, v in cpu_per_call.items()},
                 }
         for threads in CONCURRENCY:
-            runs = [timed(threads, floor_http, calls, cpu) for _ in range(rounds)]
+            runs = [timed(threads, floor_http, calls, cpu_of("http")) for _ in range(rounds)]
             rate = statistics.median(r for r, _ in runs)
             results["figures"][f"http floor x{threads}"] = {
                 "http": rate,
@@ -368,7 +400,11 @@ def onceflow_source() -> str:
     """Where the onceflow this process (and so the server) imports lives, and its commit."""
     import onceflow
 
-    root = Path(onceflow.__file__).resolve().parents[1]
+    return source_of(Path(onceflow.__file__).resolve().parents[1])
+
+
+def source_of(root: Path) -> str:
+    """A checkout's root and its commit (if it is a git work tree)."""
     try:
         commit = subprocess.run(
             ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
@@ -417,31 +453,34 @@ def render(res: dict[str, Any]) -> str:
     m = res["machine"]
     lines = [
         f"Command: `{res['command']}` — {res['rounds']} round(s) of {res['calls']} calls "
-        "per side and figure, sides alternating; medians. onceflow: "
-        f"{res['onceflow']}.",
+        "per side and figure, sides alternating; medians.",
+        f"Server: onceflow from {res['onceflow']}"
+        + (f"; baseline server: onceflow from {res['baseline']}" if res.get("baseline") else "")
+        + ".",
         f"Date: {m['date']}. Machine: {m['nproc']} CPUs ({m['cpu']}), {m['os']}; Python "
         f"{m['python']}, FastAPI {m['fastapi']}, uvicorn {m['uvicorn']}, httpx {m['httpx']}. "
         f"Load average {m['loadavg_start']} at the start, {res['loadavg_end']} at the end.",
         "",
-        "| call | client threads | in-process req/s | HTTP req/s "
+        "| call | client threads | server | in-process calls/s | HTTP calls/s "
         "| HTTP / in-process (median of rounds) | per round "
         "| CPU ms per call, in-process | CPU ms per call, HTTP (client + server) |",
-        "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+        "| --- | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: |",
     ]
+    names = {"http": "this", "http_baseline": "baseline"}
     for name, fig in res["figures"].items():
         call, _, threads = name.rpartition(" x")
         local = fig.get("in_process")
-        http = fig["http"]
-        ratio = f"{fig['ratio']:.2f}" if local else "—"
-        rounds = ", ".join(f"{r:.2f}" for r in fig.get("ratios", [])) or "—"
         local_s = f"{local:,.0f}" if local else "—"
         cpu_ms = fig.get("cpu_ms", {})
         cpu_local = f"{cpu_ms['in_process']:.2f}" if "in_process" in cpu_ms else "—"
-        cpu_http = f"{cpu_ms['http']:.2f}" if "http" in cpu_ms else "—"
-        lines.append(
-            f"| {call} | {threads} | {local_s} | {http:,.0f} | {ratio} | {rounds} "
-            f"| {cpu_local} | {cpu_http} |"
-        )
+        for side in [k for k in names if k in fig]:
+            ratio = f"{fig['ratio'][side]:.2f}" if local else "—"
+            rounds = ", ".join(f"{r:.2f}" for r in fig.get("ratios", {}).get(side, [])) or "—"
+            cpu_http = f"{cpu_ms[side]:.2f}" if side in cpu_ms else "—"
+            lines.append(
+                f"| {call} | {threads} | {names[side]} | {local_s} | {fig[side]:,.0f} | {ratio} "
+                f"| {rounds} | {cpu_local} | {cpu_http} |"
+            )
     return "\n".join(lines)
 
 
