@@ -118,11 +118,17 @@ class OnceflowServices:
             strict=strict,
             worker_class=worker_class,
         )
-        if result.created and result.worker_class not in self.flow.pull_worker_classes:
-            # (a pull-worker class gets no wake-up: Flow.dispatch would return at once)
-            item = Dispatch(result.request_id, stage, result.worker_class)
-            await anyio.to_thread.run_sync(self.flow.dispatch, item)
+        await self.wake(result)
         return result
+
+    async def wake(self, result: EnqueueResult) -> None:
+        """Send the wake-up of a committed row if this call created it (``Flow.dispatch``,
+        from a worker thread: kombu publishes blocking). A failed send marks the row
+        unsent for the sweeper; a pull-worker class gets none."""
+        if not result.created or result.worker_class in self.flow.pull_worker_classes:
+            return  # (Flow.dispatch would return at once for a pull-worker class)
+        item = Dispatch(result.request_id, result.stage, result.worker_class)
+        await anyio.to_thread.run_sync(self.flow.dispatch, item)
 
     def event_hub(self) -> EventHub:
         """This event loop's hub of event streams: one Redis pub/sub connection for them all."""
