@@ -1,7 +1,7 @@
 """HTTP API benchmark: enqueue and apply-op calls/s through uvicorn vs the same calls in-process.
 
     PYTHONPATH=. .venv/bin/python bench/http_bench.py [--quick] [--json] [--rounds N]
-        [--calls N] [--baseline DIR]
+        [--calls N] [--baseline DIR] [--only enqueue|apply_op]
 
 Results and their reading: docs/benchmarks.md, "HTTP API (FastAPI)". The server runs the
 onceflow this process imports (``PYTHONPATH`` is passed on), so ``PYTHONPATH=<a checkout>``
@@ -241,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         help="also serve the onceflow of checkout DIR (say, main) from a second server, "
         "measured in the same rounds: a before/after comparison under the same load",
     )
+    parser.add_argument(
+        "--only", choices=["enqueue", "apply_op"], help="measure this call only (no floor)"
+    )
     args = parser.parse_args(argv)
     rounds, calls = (2, 100) if args.quick else (args.rounds, args.calls)
     admin = os.environ.get("ONCEFLOW_BENCH_DATABASE_URL", ADMIN_DEFAULT)
@@ -344,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
             "apply_op": (op_local, op_http),
         }
         for name, (local, http) in calls_of.items():
+            if args.only and name != args.only:
+                continue
             makers = {"in_process": local} | {
                 side: http(base) for side, (base, _) in servers.items()
             }
@@ -374,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                     "ratios": ratios,
                     "cpu_ms": {k: 1000 * statistics.median(v) for k, v in cpu_per_call.items()},
                 }
-        for threads in CONCURRENCY:
+        for threads in CONCURRENCY if not args.only else ():
             runs = [timed(threads, floor_http, calls, cpu_of("http")) for _ in range(rounds)]
             rate = statistics.median(r for r, _ in runs)
             results["figures"][f"http floor x{threads}"] = {
