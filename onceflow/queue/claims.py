@@ -175,21 +175,31 @@ class ClaimOps:
         return claims
 
     @operation
-    def heartbeat(self, claim: Fenced, *, now: datetime | None = None) -> Steps[Heartbeat]:
+    def heartbeat(
+        self,
+        claim: Fenced,
+        *,
+        lease_seconds: float | None = None,
+        now: datetime | None = None,
+    ) -> Steps[Heartbeat]:
         """Extend the lease by the claim's lease; raises :class:`LeaseLost` if it is gone.
 
         Never past the claim's run deadline (``max_runtime``): once there, the lease
         is left to lapse. A :class:`ClaimRef` extends by the lease recorded on the row
         (the claim's, or the latest a heartbeat asked for); a :class:`Claim` by its own
-        ``lease_seconds``, which the row keeps from then on. A lost connection is
-        retried once, on a fresh connection.
+        ``lease_seconds``, which the row keeps from then on; ``lease_seconds`` given here
+        wins over both (and is kept). A lost connection is retried once, on a fresh
+        connection.
         """
         _check_ref(claim)
         full = claim if isinstance(claim, Claim) else None
+        lease = self._lease(lease_seconds) if lease_seconds is not None else None
+        if lease is None and full is not None:
+            lease = full.lease_seconds
         params = {
             "request_id": claim.request_id, "token": claim.token,
             "worker_classes": _scope(claim),
-            "lease_seconds": full.lease_seconds if full else None,
+            "lease_seconds": lease,
             "deadline": full.run_deadline if full else None,
             "default_lease": self.settings.lease_seconds, "now": now,
         }  # fmt: skip

@@ -21,6 +21,7 @@ or, inside your own app::
 
 from onceflow.integrations.fastapi.app import (
     REPLAY_HEADER,
+    AsyncQueueDep,
     FlowDep,
     OnceflowServices,
     OpLogDep,
@@ -28,6 +29,7 @@ from onceflow.integrations.fastapi.app import (
     create_app,
     create_router,
     error_response,
+    get_async_queue,
     get_flow,
     get_oplog,
     get_queue,
@@ -47,6 +49,7 @@ from onceflow.integrations.fastapi.limits import BodyLimitMiddleware
 
 __all__ = [
     "REPLAY_HEADER",
+    "AsyncQueueDep",
     "Authenticator",
     "BodyLimitMiddleware",
     "FlowDep",
@@ -60,6 +63,7 @@ __all__ = [
     "create_app",
     "create_router",
     "error_response",
+    "get_async_queue",
     "get_flow",
     "get_oplog",
     "get_principal",

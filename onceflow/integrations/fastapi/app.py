@@ -14,8 +14,11 @@ Order of checks on every request, each before the next runs:
 3. validation of the body and parameters: 422;
 4. the operation: 404, 409 (lease lost, op id conflict, input mismatch).
 
-Endpoints that touch the database are plain ``def`` functions: FastAPI runs them
-in its thread pool, as blocking calls (psycopg, the Celery send) need.
+The request routes (enqueue, get, list, counts) are ``async def`` on the services'
+:class:`~onceflow.AsyncQueue`: a request waiting on the database holds no thread; the
+Celery wake-up (a blocking kombu publish) goes through a worker thread. The claim and op
+routes are still plain ``def`` functions, run in FastAPI's thread pool, until the claims
+and the op log have their async side (issue 14).
 """
 
 from __future__ import annotations
@@ -41,10 +44,12 @@ from onceflow.integrations.fastapi.routes_ops import REPLAY_HEADER, _op_routes
 from onceflow.integrations.fastapi.routes_requests import _request_routes
 from onceflow.integrations.fastapi.sdk_routes import create_sdk_router
 from onceflow.integrations.fastapi.services import (
+    AsyncQueueDep,
     FlowDep,
     OnceflowServices,
     OpLogDep,
     QueueDep,
+    get_async_queue,
     get_flow,
     get_oplog,
     get_queue,
@@ -57,6 +62,7 @@ from onceflow.tasks import Flow
 __all__ = [
     "REPLAY_HEADER",
     "AsciiJSONResponse",
+    "AsyncQueueDep",
     "FlowDep",
     "OnceflowServices",
     "OpLogDep",
@@ -64,6 +70,7 @@ __all__ = [
     "create_app",
     "create_router",
     "error_response",
+    "get_async_queue",
     "get_flow",
     "get_oplog",
     "get_queue",

@@ -1,14 +1,17 @@
-"""The ``/v1`` request routes: enqueue, read, list, count, and the workspace's event stream."""
+"""The ``/v1`` request routes: enqueue, read, list, count, and the workspace's event stream.
+
+``async def`` on the services' :class:`~onceflow.AsyncQueue`: a request waiting on the
+database holds no thread of the pool; only the Celery wake-up (a blocking kombu publish)
+is sent from a worker thread.
+"""
 
 from __future__ import annotations
 
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
-from sqlalchemy import func, select
-from sqlalchemy.exc import SQLAlchemyError
 
-from onceflow.errors import DatabaseUnavailable, NotFound
+from onceflow.errors import NotFound
 from onceflow.ids import check_id
 from onceflow.integrations.fastapi import schemas as s
 from onceflow.integrations.fastapi.auth import PrincipalDep
@@ -17,7 +20,6 @@ from onceflow.integrations.fastapi.responses import _responses
 from onceflow.integrations.fastapi.services import OnceflowServices
 from onceflow.models import NewRequest, Status
 from onceflow.models import Request as StageRequest
-from onceflow.models import workspace_process_requests as wpr
 from onceflow.tasks import Flow
 
 
@@ -34,7 +36,7 @@ def _request_routes(router: APIRouter, svc: OnceflowServices) -> None:
             **_responses(409, 413, 503),
         },
     )
-    def enqueue(
+    async def enqueue(
         ws: s.WorkspacePath, body: s.EnqueueIn, request: Request, response: Response
     ) -> s.EnqueueOut:
         """Enqueue a stage request: 201 for the one caller that created it, 200 for the others.
@@ -44,7 +46,7 @@ def _request_routes(router: APIRouter, svc: OnceflowServices) -> None:
         over HTTP instead).
         """
         check_id("workspace_id", ws)
-        result = svc.flow.enqueue(
+        result = await svc.enqueue(
             body.stage,
             ws,
             body.job_id,
@@ -74,10 +76,10 @@ def _request_routes(router: APIRouter, svc: OnceflowServices) -> None:
         response_model=s.RequestOut,
         responses=_responses(404, 503),
     )
-    def get_request(ws: s.WorkspacePath, request_id: s.RequestIdPath) -> s.RequestOut:
+    async def get_request(ws: s.WorkspacePath, request_id: s.RequestIdPath) -> s.RequestOut:
         """A request of this workspace (404 also when the id belongs to another workspace)."""
         check_id("workspace_id", ws)
-        found = svc.queue.get(request_id)
+        found = await svc.async_queue.get(request_id)
         if found.workspace_id != ws:
             raise NotFound(request_id)
         return _request_out(found)
@@ -89,7 +91,7 @@ def _request_routes(router: APIRouter, svc: OnceflowServices) -> None:
         response_model=s.RequestList,
         responses=_responses(503),
     )
-    def list_requests(
+    async def list_requests(
         ws: s.WorkspacePath,
         status: Annotated[list[Status] | None, Query()] = None,
         stage: Annotated[str | None, Query(min_length=1, max_length=200)] = None,
@@ -99,7 +101,7 @@ def _request_routes(router: APIRouter, svc: OnceflowServices) -> None:
     ) -> s.RequestList:
         """The workspace's requests, newest first, filtered by every parameter given."""
         check_id("workspace_id", ws)
-        rows = svc.queue.list(
+        rows = await svc.async_queue.list(
             workspace_id=ws,
             status=[st.value for st in status] if status else None,
             stage=stage,
@@ -116,22 +118,10 @@ def _request_routes(router: APIRouter, svc: OnceflowServices) -> None:
         response_model=s.CountsOut,
         responses=_responses(503),
     )
-    def counts(ws: s.WorkspacePath) -> s.CountsOut:
+    async def counts(ws: s.WorkspacePath) -> s.CountsOut:
         """The workspace's requests counted by worker class and status."""
         check_id("workspace_id", ws)
-        query = (
-            select(wpr.c.worker_class, wpr.c.status, func.count().label("n"))
-            .where(wpr.c.workspace_id == ws)
-            .group_by(wpr.c.worker_class, wpr.c.status)
-        )
-        try:
-            with svc.queue.engine.connect() as conn:
-                rows = conn.execute(query).all()
-        except SQLAlchemyError as exc:
-            raise DatabaseUnavailable(f"counts failed: {type(exc).__name__}") from exc
-        out: dict[str, dict[str, int]] = {}
-        for worker_class, status, n in rows:
-            out.setdefault(worker_class, {st.value: 0 for st in Status})[status] = int(n)
+        out = await svc.async_queue.counts(workspace_id=ws)
         total = sum(sum(per.values()) for per in out.values())
         return s.CountsOut(workspace_id=ws, counts=out, total=total)
 

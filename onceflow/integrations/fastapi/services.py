@@ -12,23 +12,28 @@ from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Annotated
 
+import anyio.to_thread
 from fastapi import Depends, FastAPI, Request
 
 from onceflow.integrations.fastapi.auth import Authenticator, KeyAuth
 from onceflow.integrations.fastapi.events import EventHub
 from onceflow.integrations.fastapi.operators import OperatorAuth
 from onceflow.integrations.fastapi.ratelimit import RateLimits
+from onceflow.models.requests import Dispatch, EnqueueResult
 from onceflow.oplog import OpLog
-from onceflow.queue import Queue
+from onceflow.payloads import JSON
+from onceflow.queue import AsyncQueue, Queue
 from onceflow.settings import Settings
 from onceflow.tasks import Flow
 
 
 class OnceflowServices:
-    """What the endpoints use: the flow, its queue, an op log and the event hub.
+    """What the endpoints use: the flow, its queue (sync and async), an op log and the
+    event hub.
 
-    Built per process: the queue and op log are rebuilt after a fork, and nothing
-    connects until first use. :meth:`lifespan` closes the event hub.
+    Built per process: the queues and op log are rebuilt after a fork, and nothing
+    connects until first use. :meth:`lifespan` closes the event hub and this loop's
+    connection pool of the async queue.
     """
 
     def __init__(
@@ -44,6 +49,7 @@ class OnceflowServices:
             auth if auth is not None else KeyAuth.from_settings(self.settings)
         )
         self._oplog: tuple[int, OpLog] | None = None
+        self._async_queue: tuple[int, AsyncQueue] | None = None
         self._lock = threading.Lock()
         self.rate_limits = RateLimits.from_settings(self.settings)
         self.operator_auth = OperatorAuth.from_settings(self.settings)
@@ -68,6 +74,62 @@ class OnceflowServices:
                     current = self._oplog = (pid, OpLog(self.queue.engine, self.settings))
         return current[1]
 
+    @property
+    def async_queue(self) -> AsyncQueue:
+        """This process's :class:`~onceflow.AsyncQueue`: the flow's queue (its database,
+        settings and stage declarations), on a psycopg async pool per event loop."""
+        pid = os.getpid()
+        current = self._async_queue
+        if current is None or current[0] != pid:
+            with self._lock:
+                current = self._async_queue
+                if current is None or current[0] != pid:
+                    current = (pid, AsyncQueue.from_queue(self.queue))
+                    self._async_queue = current
+        return current[1]
+
+    async def enqueue(
+        self,
+        stage: str,
+        workspace_id: str,
+        job_id: str,
+        branch_path: str = "",
+        input: JSON = None,
+        *,
+        priority: int | None = None,
+        strict: bool = False,
+        worker_class: str | None = None,
+    ) -> EnqueueResult:
+        """:meth:`Flow.enqueue <onceflow.tasks.Flow.enqueue>` without blocking the event loop.
+
+        The row is written on the async queue (the Flow's declarations resolve and
+        validate it, as for ``Flow.enqueue``); once it is committed, the wake-up of a
+        row this call created is sent by ``Flow.dispatch`` in a worker thread (kombu
+        publishes blocking). A send that fails leaves the row for the sweeper, as
+        ``Flow.enqueue`` does; a duplicate sends nothing.
+        """
+        result = await self.async_queue.enqueue(
+            stage,
+            workspace_id,
+            job_id,
+            branch_path,
+            input,
+            priority=priority,
+            strict=strict,
+            worker_class=worker_class,
+        )
+        await self.wake(result)
+        return result
+
+    async def wake(self, result: EnqueueResult) -> None:
+        """Send the wake-up of a committed row if this call created it (``Flow.dispatch``,
+        from a worker thread: kombu publishes blocking). A failed send marks the row
+        unsent for the sweeper; a pull-worker class gets none."""
+        if not result.created or result.worker_class in self.flow.pull_worker_classes:
+            return  # (Flow.dispatch would return at once for a pull-worker class)
+        item = Dispatch(result.request_id, result.stage, result.worker_class)
+        await anyio.to_thread.run_sync(self.flow.dispatch, item)
+
     def event_hub(self) -> EventHub:
         """This event loop's hub of event streams: one Redis pub/sub connection for them all."""
         loop = asyncio.get_running_loop()
@@ -84,11 +146,15 @@ class OnceflowServices:
         return hub
 
     async def aclose(self) -> None:
-        """Close this loop's event hub and work listener (the engine stays: shared per process)."""
+        """Close this loop's event hub, work listener and async queue's connection pool
+        (the engine stays: shared per process)."""
         hub = self._hubs.pop(asyncio.get_running_loop(), None)
         if hub is not None:
             await hub.aclose()
         await self.queue.aclose()  # this loop's work listener (long-poll claims)
+        current = self._async_queue
+        if current is not None and current[0] == os.getpid():
+            await current[1].aclose()  # this loop's pool; other loops close their own
 
     def lifespan(self, app: FastAPI) -> AbstractAsyncContextManager[None]:
         """A FastAPI lifespan: ``FastAPI(lifespan=services.lifespan)``."""
@@ -99,7 +165,7 @@ class OnceflowServices:
 async def _lifespan(services: OnceflowServices, app: FastAPI) -> AsyncIterator[None]:
     app.state.onceflow = services
     # Built in the serving process (after any fork of the server); nothing connects yet.
-    _ = services.queue, services.oplog
+    _ = services.queue, services.async_queue, services.oplog
     try:
         yield
     finally:
@@ -127,6 +193,12 @@ def get_queue(services: Annotated[OnceflowServices, Depends(get_services)]) -> Q
     return services.queue
 
 
+def get_async_queue(services: Annotated[OnceflowServices, Depends(get_services)]) -> AsyncQueue:
+    """This process's :class:`~onceflow.AsyncQueue` (``await queue.get(...)`` in ``async def``
+    routes: nothing blocks the event loop)."""
+    return services.async_queue
+
+
 def get_oplog(services: Annotated[OnceflowServices, Depends(get_services)]) -> OpLog:
     """This process's :class:`~onceflow.oplog.OpLog`."""
     return services.oplog
@@ -134,4 +206,5 @@ def get_oplog(services: Annotated[OnceflowServices, Depends(get_services)]) -> O
 
 FlowDep = Annotated[Flow, Depends(get_flow)]
 QueueDep = Annotated[Queue, Depends(get_queue)]
+AsyncQueueDep = Annotated[AsyncQueue, Depends(get_async_queue)]
 OpLogDep = Annotated[OpLog, Depends(get_oplog)]
