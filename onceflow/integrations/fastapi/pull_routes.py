@@ -49,11 +49,14 @@ from onceflow.ids import check_id
 from onceflow.integrations.fastapi import schemas as s
 from onceflow.integrations.fastapi.auth import Principal, PrincipalDep
 from onceflow.integrations.fastapi.events import event_stream
+from onceflow.integrations.fastapi.routes_claims import claim_ref
 from onceflow.keys import lock_key
+from onceflow.locks.aio import AsyncLockHandle, get_async_backend
 from onceflow.locks.base import LockBackend, LockHandle, ttl_to_ms
 from onceflow.locks.counters import COMPUTE_ERRORS, COMPUTES, DOUBLE_CHECK_HITS
 from onceflow.locks.protocol import get_backend
 from onceflow.models import Request as StageRequest
+from onceflow.settings import get_settings
 
 if TYPE_CHECKING:
     from onceflow.integrations.fastapi.services import OnceflowServices
@@ -135,11 +138,43 @@ _COUNTED = {"computed": (COMPUTES,), "double_check": (DOUBLE_CHECK_HITS,),
             "failed": (COMPUTES, COMPUTE_ERRORS), "abandoned": ()}  # fmt: skip
 
 
-def _ttl(be: LockBackend, asked: float | None) -> float:
+def _ttl(be: Any, asked: float | None) -> float:
     """The lock TTL: the one asked for, at most the server's ONCEFLOW_LOCK_TTL_SECONDS (a
     closed tab must not hold a cell past it; a long call extends its lock instead)."""
-    cap = be.settings.lock_ttl_seconds
+    cap: float = be.settings.lock_ttl_seconds
     return cap if asked is None else min(asked, cap)
+
+
+class _InThreads:
+    """A sync lock backend (the SQL one) behind the async backend's awaited calls: each call
+    runs in a worker thread, so the event loop never waits on it."""
+
+    def __init__(self, backend: LockBackend) -> None:
+        self.backend = backend
+        self.settings = backend.settings
+        self.counters = backend.counters
+
+    async def acquire(self, workspace_id: str, job_id: str, task: str, ttl: float) -> Any:
+        return await run_in_threadpool(self.backend.acquire, workspace_id, job_id, task, ttl)
+
+    async def remaining_ms(self, workspace_id: str, job_id: str, task: str) -> int | None:
+        return await run_in_threadpool(self.backend.remaining_ms, workspace_id, job_id, task)
+
+    async def cad_extend(self, handle: Any, ttl_ms: int) -> bool:
+        return await run_in_threadpool(self.backend.cad_extend, handle, ttl_ms)
+
+    async def cad_release(self, handle: Any) -> bool:
+        return await run_in_threadpool(self.backend.cad_release, handle)
+
+    async def announce(self, handle: Any, *, ok: bool) -> None:
+        await run_in_threadpool(lambda: self.backend.announce(handle, ok=ok))
+
+
+def _lock_backend() -> Any:
+    """The running loop's async lock backend (Redis), or the SQL backend in worker threads."""
+    if get_settings().lock_backend == "redis":
+        return get_async_backend()
+    return _InThreads(get_backend())
 
 
 def add_pull_routes(
@@ -147,25 +182,31 @@ def add_pull_routes(
 ) -> None:
     """Add the lock, events and sub-doc read routes for claim holders to the ``/v1`` router."""
 
-    def claim_holder(request_id: str, token: str, principal: Principal, *, live: bool) -> Any:
+    async def claim_holder(
+        request_id: str, token: str, principal: Principal, *, live: bool
+    ) -> StageRequest:
         # One answer (409 lease_lost) for "no such request", "not your worker class", "not
         # running" and "wrong token", as on the other claim routes: nothing leaks about ids.
         check_id("request_id", request_id)
-        if live:
-            found = svc.queue.live_claim(request_id, token)
+        found: StageRequest | None
+        if live:  # one read: the token, the live lease and the key's classes in its WHERE
+            scope = claim_ref(request_id, token, principal).worker_classes
+            found = await svc.async_queue.live_claim(request_id, token, worker_classes=scope)
         else:  # a release needs the cell, not a live claim: the lock token is the proof
             try:
-                found = svc.queue.get(request_id)
+                found = await svc.async_queue.get(request_id)
             except NotFound:
                 found = None
         if found is None or not principal.may_work(found.worker_class):
             raise LeaseLost(request_id)
         return found
 
-    def handle(request: StageRequest, body: _In, token: str, ttl_ms: int) -> LockHandle:
-        be = get_backend()
+    def handle(be: Any, request: StageRequest, body: _In, token: str, ttl_ms: int) -> Any:
         key = lock_key(request.workspace_id, request.job_id, body.task)
-        return LockHandle(be, request.workspace_id, request.job_id, body.task, key, token, ttl_ms)
+        where = (request.workspace_id, request.job_id, body.task, key, token, ttl_ms)
+        if isinstance(be, _InThreads):
+            return LockHandle(be.backend, *where)
+        return AsyncLockHandle(be, *where)
 
     @router.post(
         "/claims/{request_id}/locks",
@@ -175,20 +216,20 @@ def add_pull_routes(
         response_model=LockOut,
         responses={200: {"model": LockOut, "description": "Locked by someone else"}, **responses},
     )
-    def acquire(
+    async def acquire(
         request_id: s.RequestIdPath, body: LockIn, response: Response, principal: PrincipalDep
     ) -> LockOut:
         """Take the compute lock of ``task`` on the claimed request's job (a live claim only)."""
-        request: StageRequest = claim_holder(request_id, body.claim_token, principal, live=True)
+        request = await claim_holder(request_id, body.claim_token, principal, live=True)
         lock_key(request.workspace_id, request.job_id, body.task)  # a bad task: 400 first
-        be = get_backend()
+        be = _lock_backend()
         ttl = _ttl(be, body.ttl_seconds)
-        got = be.acquire(request.workspace_id, request.job_id, body.task, ttl)
+        got = await be.acquire(request.workspace_id, request.job_id, body.task, ttl)
         if got is not None:
             return LockOut(acquired=True, locked=False, job_id=request.job_id, task=body.task,
                            lock_token=got.token, ttl_ms=got.ttl_ms)  # fmt: skip
         response.status_code = 200
-        remaining = be.remaining_ms(request.workspace_id, request.job_id, body.task)
+        remaining = await be.remaining_ms(request.workspace_id, request.job_id, body.task)
         return LockOut(acquired=False, locked=True, job_id=request.job_id, task=body.task,
                        remaining_ms=remaining or 0)  # fmt: skip
 
@@ -199,13 +240,15 @@ def add_pull_routes(
         response_model=ExtendOut,
         responses=responses,
     )
-    def extend(request_id: s.RequestIdPath, body: ExtendIn, principal: PrincipalDep) -> ExtendOut:
+    async def extend(
+        request_id: s.RequestIdPath, body: ExtendIn, principal: PrincipalDep
+    ) -> ExtendOut:
         """Compare and extend: ``held: false`` once the lock expired or was taken."""
-        request: StageRequest = claim_holder(request_id, body.claim_token, principal, live=True)
-        be = get_backend()
+        request = await claim_holder(request_id, body.claim_token, principal, live=True)
+        be = _lock_backend()
         ttl_ms = ttl_to_ms(_ttl(be, body.ttl_seconds))
-        lock = handle(request, body, body.lock_token, ttl_ms)
-        return ExtendOut(held=be.cad_extend(lock, ttl_ms))
+        lock = handle(be, request, body, body.lock_token, ttl_ms)
+        return ExtendOut(held=await be.cad_extend(lock, ttl_ms))
 
     @router.post(
         "/claims/{request_id}/locks/release",
@@ -214,19 +257,19 @@ def add_pull_routes(
         response_model=ReleaseOut,
         responses=responses,
     )
-    def release(
+    async def release(
         request_id: s.RequestIdPath, body: ReleaseIn, principal: PrincipalDep
     ) -> ReleaseOut:
         """Compare and delete, then announce ``lock_released`` on the workspace channel."""
-        request: StageRequest = claim_holder(request_id, body.claim_token, principal, live=False)
-        lock = handle(request, body, body.lock_token, 0)
-        be = get_backend()
-        released = be.cad_release(lock)
+        request = await claim_holder(request_id, body.claim_token, principal, live=False)
+        be = _lock_backend()
+        lock = handle(be, request, body, body.lock_token, 0)
+        released = await be.cad_release(lock)
         if released:  # a wrong token, a repeat or an expired lock: nothing counted or announced
             for name in _COUNTED[body.outcome]:
                 be.counters.incr(request.workspace_id, name)
-            be.announce(lock, ok=body.outcome in ("computed", "double_check"))  # flushes counts
-        return ReleaseOut(released=released)
+            await be.announce(lock, ok=body.outcome in ("computed", "double_check"))
+        return ReleaseOut(released=bool(released))
 
     @router.post(
         "/claims/{request_id}/events",
@@ -246,13 +289,13 @@ def add_pull_routes(
         request_id: s.RequestIdPath, body: EventsIn, principal: PrincipalDep
     ) -> Response:
         """Server-sent events of the claimed request's workspace, for the claim's holder."""
-        request: StageRequest = await run_in_threadpool(
-            claim_holder, request_id, body.claim_token, principal, live=True
-        )
+        request = await claim_holder(request_id, body.claim_token, principal, live=True)
         keepalive = svc.settings.api_sse_keepalive_seconds
+        scope = claim_ref(request_id, body.claim_token, principal).worker_classes
 
         async def claim_live() -> bool:
-            live = await run_in_threadpool(svc.queue.live_claim, request_id, body.claim_token)
+            queue = svc.async_queue
+            live = await queue.live_claim(request_id, body.claim_token, worker_classes=scope)
             return live is not None
 
         return await event_stream(
@@ -267,12 +310,12 @@ def add_pull_routes(
         response_model=s.SubDocOut,
         responses=responses,
     )
-    def read_sub_doc(
+    async def read_sub_doc(
         request_id: s.RequestIdPath, body: SubDocIn, principal: PrincipalDep
     ) -> s.SubDocOut:
         """A sub-doc of the claimed request's workspace: its state and commit clock."""
-        request: StageRequest = claim_holder(request_id, body.claim_token, principal, live=True)
-        doc = svc.oplog.get_sub_doc(request.workspace_id, body.sub_doc)
+        request = await claim_holder(request_id, body.claim_token, principal, live=True)
+        doc = await svc.async_oplog.get_sub_doc(request.workspace_id, body.sub_doc)
         return s.SubDocOut(
             workspace_id=doc.workspace_id, sub_doc=doc.sub_doc, clock=doc.clock, state=doc.state
         )

@@ -7,28 +7,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from starlette.concurrency import run_in_threadpool
 
-from onceflow.errors import (
-    InvalidRequest,
-    LeaseLost,
-    NotFound,
-    OnceflowError,
-)
-from onceflow.ids import ClaimToken, check_id
+from onceflow.errors import InvalidRequest, LeaseLost, OnceflowError
+from onceflow.ids import check_id
 from onceflow.integrations.fastapi import schemas as s
-from onceflow.integrations.fastapi.auth import Principal, PrincipalDep
+from onceflow.integrations.fastapi.auth import WILDCARD, Principal, PrincipalDep
 from onceflow.integrations.fastapi.responses import _responses
 from onceflow.integrations.fastapi.routes_ops import _apply_out
 from onceflow.integrations.fastapi.routes_requests import _follow_up, _request_out
 from onceflow.integrations.fastapi.services import OnceflowServices
-from onceflow.models import Claim, Dispatch, Status
+from onceflow.models import Claim, ClaimRef, NewRequest
 from onceflow.oplog import stage_op_id
-from onceflow.queue import Queue
+from onceflow.queue import AsyncQueue
 
 
 def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
@@ -47,16 +41,18 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         With ``wait`` > 0, a long poll: nothing claimable now waits (no thread held) until
         something may be, and claims again, until ``wait`` is used up or the client leaves.
         """
+        queue = svc.async_queue
 
-        def claim_now() -> list[Claim]:
-            claims = svc.queue.claim_next(wc, body.worker_id, 1, lease_seconds=body.lease_seconds)
+        async def claim_now() -> list[Claim]:
+            claims = await queue.claim_next(wc, body.worker_id, 1, lease_seconds=body.lease_seconds)
             if body.lease_seconds is None:
-                claims = [c for c in (_with_stage_lease(svc, claim) for claim in claims) if c]
+                staged = [await _with_stage_lease(svc, claim) for claim in claims]
+                claims = [c for c in staged if c is not None]
             return claims
 
-        claims = await run_in_threadpool(claim_now)
+        claims = await claim_now()
         if not claims and body.wait > 0:
-            claims = await _long_poll(svc.queue, wc, body.wait, request, claim_now)
+            claims = await _long_poll(queue, wc, body.wait, request, claim_now)
         if not claims:
             return Response(status_code=204)
         claim = claims[0]
@@ -69,23 +65,6 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
             request=_request_out(claim.request),
         )
 
-    def claim_of(request_id: str, token: str, principal: Principal) -> Claim:
-        # One answer for "no such request", "not your worker class", "not running" and
-        # "wrong token": a worker key learns nothing about requests it holds no claim on.
-        check_id("request_id", request_id)
-        try:
-            found = svc.queue.get(request_id)
-        except NotFound:
-            raise LeaseLost(request_id) from None
-        expires, beat = found.lease_expires_at, found.heartbeat_at
-        if not principal.may_work(found.worker_class) or found.status is not Status.RUNNING:
-            raise LeaseLost(request_id)
-        if expires is None or beat is None:
-            raise LeaseLost(request_id)
-        # The SQL fences on the token and the live lease; this only carries them.
-        lease = max((expires - beat).total_seconds(), 0.001)
-        return Claim(found, ClaimToken(token), expires, lease)
-
     @router.post(
         "/claims/{request_id}/heartbeat",
         operation_id="heartbeat",
@@ -93,14 +72,12 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         response_model=s.HeartbeatOut,
         responses=_responses(409, 503),
     )
-    def heartbeat(
+    async def heartbeat(
         request_id: s.RequestIdPath, body: s.HeartbeatIn, principal: PrincipalDep
     ) -> s.HeartbeatOut:
         """Extend the lease; 409 lease_lost once it is gone (stop and write nothing)."""
-        claim = claim_of(request_id, body.claim_token, principal)
-        if body.lease_seconds is not None:
-            claim = Claim(claim.request, claim.token, claim.lease_expires_at, body.lease_seconds)
-        beat = svc.queue.heartbeat(claim)
+        ref = claim_ref(request_id, body.claim_token, principal)
+        beat = await svc.async_queue.heartbeat(ref, lease_seconds=body.lease_seconds)
         return s.HeartbeatOut(
             lease_expires_at=beat.lease_expires_at, cancel_requested=beat.cancel_requested
         )
@@ -112,16 +89,25 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         response_model=s.RequestOut,
         responses=_responses(409, 413, 503),
     )
-    def complete(
+    async def complete(
         request_id: s.RequestIdPath, body: s.CompleteIn, principal: PrincipalDep
     ) -> s.RequestOut:
         """Finish the claimed request (fenced: a zombie's late completion is 409, no change)."""
-        claim = claim_of(request_id, body.claim_token, principal)
-        then = [_follow_up(svc.flow, claim.request, f) for f in body.then]
-        done, followed = svc.queue.hand_off(claim, body.result, then=then)
+        ref = claim_ref(request_id, body.claim_token, principal)
+        queue = svc.async_queue
+        then: list[NewRequest] = []
+        if body.then:
+            # Follow-ups are named after their parent (workspace, job, branch): read it, as
+            # the claim's holder sees it; the hand-off statement fences on the token again.
+            parent = await queue.live_claim(
+                request_id, body.claim_token, worker_classes=ref.worker_classes
+            )
+            if parent is None:
+                raise LeaseLost(request_id)
+            then = [_follow_up(svc.flow, parent, f) for f in body.then]
+        done, followed = await queue.hand_off(ref, body.result, then=then)
         for made in followed:
-            if made.created:  # a hand-off that collapsed onto an existing row has its wake-up
-                svc.flow.dispatch(Dispatch(made.request_id, made.stage, made.worker_class))
+            await svc.wake(made)  # a hand-off that collapsed onto an existing row has its own
         return _request_out(done)
 
     @router.post(
@@ -131,10 +117,14 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         response_model=s.RequestOut,
         responses=_responses(409, 413, 503),
     )
-    def fail(request_id: s.RequestIdPath, body: s.FailIn, principal: PrincipalDep) -> s.RequestOut:
+    async def fail(
+        request_id: s.RequestIdPath, body: s.FailIn, principal: PrincipalDep
+    ) -> s.RequestOut:
         """Report a failed run: queued again after a backoff, or dead past its attempts."""
-        claim = claim_of(request_id, body.claim_token, principal)
-        failed = svc.queue.fail(claim, body.error, retryable=body.retryable, retry_in=body.retry_in)
+        ref = claim_ref(request_id, body.claim_token, principal)
+        failed = await svc.async_queue.fail(
+            ref, body.error, retryable=body.retryable, retry_in=body.retry_in
+        )
         return _request_out(failed)
 
     @router.post(
@@ -149,22 +139,37 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
             **_responses(409, 413, 503),
         },
     )
-    def claim_op(
+    async def claim_op(
         request_id: s.RequestIdPath, body: s.ClaimOpIn, principal: PrincipalDep, response: Response
     ) -> s.ApplyOut:
         """Write to a sub-doc of the claimed request's workspace, fenced by the claim."""
-        claim = claim_of(request_id, body.claim_token, principal)
+        ref = claim_ref(request_id, body.claim_token, principal)
         op_id = body.op_id or (stage_op_id(request_id, body.key) if body.key else None)
         if op_id is None:
             raise InvalidRequest("give key (or op_id), so that a retried write is applied once")
-        result = svc.oplog.apply_op(
-            claim.request.workspace_id, body.sub_doc, body.op, op_id, fence=claim
-        )
+        # No workspace given: the fence's own statement names the claimed request's.
+        result = await svc.async_oplog.apply_op(None, body.sub_doc, body.op, op_id, fence=ref)
         return _apply_out(result, response)
 
 
+def claim_ref(request_id: str, token: str, principal: Principal) -> ClaimRef:
+    """What a pull worker holds, scoped to the worker classes its key may work.
+
+    Nothing is read: the fenced statement itself checks token, live lease and class. One
+    answer (409 lease_lost) for "no such request", "not your worker class", "not running"
+    and "wrong token": a worker key learns nothing about requests it holds no claim on.
+    """
+    check_id("request_id", request_id)
+    scope = None if WILDCARD in principal.worker_classes else tuple(principal.worker_classes)
+    return ClaimRef(request_id, token, scope)
+
+
 async def _long_poll(
-    queue: Queue, wc: str, wait: float, request: Request, claim_now: Callable[[], list[Claim]]
+    queue: AsyncQueue,
+    wc: str,
+    wait: float,
+    request: Request,
+    claim_now: Callable[[], Awaitable[list[Claim]]],
 ) -> list[Claim]:
     """Wait for work of ``wc`` and claim it, for up to ``wait`` s; [] on timeout or disconnect."""
     deadline = time.monotonic() + wait
@@ -176,7 +181,7 @@ async def _long_poll(
     watcher = asyncio.ensure_future(disconnected())
     try:
         while (left := deadline - time.monotonic()) > 0:
-            waiter = asyncio.ensure_future(queue.wait_for_work_async(wc, left))
+            waiter = asyncio.ensure_future(queue.wait_for_work(wc, left))
             await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if watcher.done():
                 waiter.cancel()
@@ -184,11 +189,11 @@ async def _long_poll(
                     await waiter  # retrieved: a failed wait logs no "never retrieved"
                 return []
             if waiter.result():
-                claims = await run_in_threadpool(claim_now)
+                claims = await claim_now()
                 if claims and watcher.done():
                     # The client left while we claimed: hand the claim back (no attempt
                     # counted) instead of letting its lease lapse as a crash.
-                    await run_in_threadpool(queue.release, claims)
+                    await queue.release(claims)
                     return []
                 if claims:
                     return claims
@@ -197,7 +202,7 @@ async def _long_poll(
         watcher.cancel()
 
 
-def _with_stage_lease(svc: OnceflowServices, claim: Claim) -> Claim | None:
+async def _with_stage_lease(svc: OnceflowServices, claim: Claim) -> Claim | None:
     """The claim with the lease its stage declares (a heartbeat sets it on the DB clock).
 
     The claim took the server's default lease (the stage is known only once claimed); a
@@ -210,9 +215,7 @@ def _with_stage_lease(svc: OnceflowServices, claim: Claim) -> Claim | None:
     if declared is None or declared == claim.lease_seconds:
         return claim
     try:
-        beat = svc.queue.heartbeat(
-            Claim(claim.request, claim.token, claim.lease_expires_at, declared, claim.max_runtime)
-        )
+        beat = await svc.async_queue.heartbeat(claim, lease_seconds=declared)
     except LeaseLost:
         return None  # rescued in between (a default lease shorter than a moment): not ours
     return Claim(claim.request, claim.token, beat.lease_expires_at, declared, claim.max_runtime)

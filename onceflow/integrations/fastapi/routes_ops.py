@@ -31,7 +31,7 @@ def _op_routes(router: APIRouter, svc: OnceflowServices) -> None:
             **_responses(409, 413, 503),
         },
     )
-    def apply_op(
+    async def apply_op(
         ws: s.WorkspacePath, sub_doc: s.SubDocPath, body: s.OpIn, response: Response
     ) -> s.ApplyOut:
         """Apply an op once by its op id: 201 when recorded now, 200 for a replay.
@@ -40,7 +40,9 @@ def _op_routes(router: APIRouter, svc: OnceflowServices) -> None:
         cannot take is recorded with its error (``applied=false``), so its retry
         gets the same answer.
         """
-        result = svc.oplog.apply_op(ws, sub_doc, body.op, body.op_id, base_clock=body.base_clock)
+        result = await svc.async_oplog.apply_op(
+            ws, sub_doc, body.op, body.op_id, base_clock=body.base_clock
+        )
         return _apply_out(result, response)
 
     @router.get(
@@ -50,9 +52,9 @@ def _op_routes(router: APIRouter, svc: OnceflowServices) -> None:
         response_model=s.SubDocOut,
         responses=_responses(503),
     )
-    def get_sub_doc(ws: s.WorkspacePath, sub_doc: s.SubDocPath) -> s.SubDocOut:
+    async def get_sub_doc(ws: s.WorkspacePath, sub_doc: s.SubDocPath) -> s.SubDocOut:
         """The sub-doc's state and commit clock."""
-        doc = svc.oplog.get_sub_doc(ws, sub_doc)
+        doc = await svc.async_oplog.get_sub_doc(ws, sub_doc)
         return s.SubDocOut(
             workspace_id=doc.workspace_id, sub_doc=doc.sub_doc, clock=doc.clock, state=doc.state
         )
@@ -64,14 +66,14 @@ def _op_routes(router: APIRouter, svc: OnceflowServices) -> None:
         response_model=s.OpsOut,
         responses=_responses(503),
     )
-    def ops_since(
+    async def ops_since(
         ws: s.WorkspacePath,
         sub_doc: s.SubDocPath,
         since: Annotated[int, Query(ge=0, le=2**63 - 1)] = 0,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
     ) -> s.OpsOut:
         """Applied ops with a clock above ``since``, in clock order (a tab catching up)."""
-        records = svc.oplog.ops_since(ws, sub_doc, since, limit=limit)
+        records = await svc.async_oplog.ops_since(ws, sub_doc, since, limit=limit)
         return s.OpsOut(
             ops=[
                 s.OpOut(

@@ -20,7 +20,7 @@ from onceflow.integrations.fastapi.events import EventHub
 from onceflow.integrations.fastapi.operators import OperatorAuth
 from onceflow.integrations.fastapi.ratelimit import RateLimits
 from onceflow.models.requests import Dispatch, EnqueueResult
-from onceflow.oplog import OpLog
+from onceflow.oplog import AsyncOpLog, OpLog
 from onceflow.payloads import JSON
 from onceflow.queue import AsyncQueue, Queue
 from onceflow.settings import Settings
@@ -50,6 +50,7 @@ class OnceflowServices:
         )
         self._oplog: tuple[int, OpLog] | None = None
         self._async_queue: tuple[int, AsyncQueue] | None = None
+        self._async_oplog: tuple[int, AsyncOpLog] | None = None
         self._lock = threading.Lock()
         self.rate_limits = RateLimits.from_settings(self.settings)
         self.operator_auth = OperatorAuth.from_settings(self.settings)
@@ -86,6 +87,22 @@ class OnceflowServices:
                 if current is None or current[0] != pid:
                     current = (pid, AsyncQueue.from_queue(self.queue))
                     self._async_queue = current
+        return current[1]
+
+    @property
+    def async_oplog(self) -> AsyncOpLog:
+        """This process's :class:`~onceflow.AsyncOpLog`: on the async queue's connection pool
+        (one per event loop) and one ``redis.asyncio`` client per event loop."""
+        pid = os.getpid()
+        current = self._async_oplog
+        if current is None or current[0] != pid:
+            with self._lock:
+                current = self._async_oplog
+                if current is None or current[0] != pid:
+                    pool = self.async_queue.aconnector
+                    log = AsyncOpLog(settings=self.settings, connector=pool)  # type: ignore[arg-type]
+                    current = (pid, log)
+                    self._async_oplog = current
         return current[1]
 
     async def enqueue(
@@ -155,6 +172,9 @@ class OnceflowServices:
         current = self._async_queue
         if current is not None and current[0] == os.getpid():
             await current[1].aclose()  # this loop's pool; other loops close their own
+        op_log = self._async_oplog
+        if op_log is not None and op_log[0] == os.getpid():
+            await op_log[1].aclose()
 
     def lifespan(self, app: FastAPI) -> AbstractAsyncContextManager[None]:
         """A FastAPI lifespan: ``FastAPI(lifespan=services.lifespan)``."""
@@ -165,7 +185,7 @@ class OnceflowServices:
 async def _lifespan(services: OnceflowServices, app: FastAPI) -> AsyncIterator[None]:
     app.state.onceflow = services
     # Built in the serving process (after any fork of the server); nothing connects yet.
-    _ = services.queue, services.async_queue, services.oplog
+    _ = services.queue, services.async_queue, services.oplog, services.async_oplog
     try:
         yield
     finally:
