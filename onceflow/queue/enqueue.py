@@ -12,8 +12,6 @@ from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
-import psycopg
-
 from onceflow.connector import (
     AfterCommit,
     Execute,
@@ -23,9 +21,7 @@ from onceflow.connector import (
     Transaction,
     Using,
     all_rows,
-    on_connection,
     operation,
-    run,
 )
 from onceflow.db import is_disconnect
 from onceflow.errors import DatabaseUnavailable, InputMismatch, InvalidRequest
@@ -273,12 +269,6 @@ class EnqueueOps:
                 )
             )
         return results
-
-    def _enqueue_raw(
-        self, raw: psycopg.Connection[Any], params: dict[str, Any], strict: bool
-    ) -> list[EnqueueResult]:
-        """The rows of ``params`` inserted on ``raw`` (the caller's transaction), not counted."""
-        return run(on_connection(raw), self._insert_rows(params, strict))
 
 
 def _sized(items: Sequence[NewRequest]) -> bool:
