@@ -47,7 +47,9 @@ class AsyncPsycopgConnector:
     ) -> None:
         self.url = str(url) if url is not None else get_settings().database_url
         self._conninfo = conninfo(self.url)
-        self._max_size = max_size if max_size is not None else max(4, get_settings().pool_size)
+        # As many connections as the sync engine may open (pool_size + as many overflow).
+        default = max(4, 2 * get_settings().pool_size)
+        self._max_size = max_size if max_size is not None else default
         self._timeout = timeout
         self._pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[int, Any]] = (
             weakref.WeakKeyDictionary()
