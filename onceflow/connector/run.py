@@ -196,5 +196,8 @@ class operation(Generic[P, R]):
         else:
             raise TypeError(f"{type(obj).__name__} is neither a SyncSide nor an AsyncSide")
         functools.update_wrapper(bound, fn)
-        obj.__dict__[self.name] = bound  # once per instance: later lookups skip __get__
+        if getattr(type(obj), self.name, None) is self:
+            # Once per instance: later lookups skip __get__. Never when a subclass overrides
+            # the name (this is then a ``super()`` call): the override must keep winning.
+            obj.__dict__[self.name] = bound
         return bound

@@ -34,8 +34,12 @@ class _OnOneConnection:
 
     @contextmanager
     def transaction(self) -> Iterator[Connector]:
-        with self.raw.transaction():  # nested: a savepoint
-            yield self
+        # Nested: a savepoint, with its own after-commit list, kept only if it is released
+        # (a rolled-back savepoint's writes are gone: so are their callbacks).
+        inner = _OnOneConnection(self.raw)
+        with self.raw.transaction():
+            yield inner
+        self.callbacks.extend(inner.callbacks)
 
     def after_commit(self, fn: Callable[[], object]) -> None:
         self.callbacks.append(fn)
@@ -111,8 +115,13 @@ class SQLAlchemyConnector:
 
     @contextmanager
     def transaction(self) -> Iterator[Connector]:
+        # A savepoint; what it registers after commit is kept only if it is released (a
+        # rolled-back savepoint fires no "rollback" event, and its rows are gone).
+        inner = _SavepointCallbacks(self)
         with translate_errors(self.connection.engine.url), self.connection.begin_nested():
-            yield self
+            yield inner
+        for fn in inner.callbacks:
+            self.after_commit(fn)
 
     def after_commit(self, fn: Callable[[], object]) -> None:
         conn = self.connection
@@ -130,6 +139,37 @@ class SQLAlchemyConnector:
 
         event.listen(conn, "commit", on_commit, once=True)
         event.listen(conn, "rollback", on_rollback, once=True)
+
+
+class _SavepointCallbacks:
+    """A SQLAlchemy savepoint's view of its connector: statements as the connector runs them,
+    after-commit callbacks held until the savepoint is released."""
+
+    pooled = False
+
+    def __init__(self, outer: SQLAlchemyConnector) -> None:
+        self.outer = outer
+        self.callbacks: list[Callable[[], object]] = []
+
+    def fetch_one(self, query: Query, params: Mapping[str, Any]) -> Any:
+        return self.outer.fetch_one(query, params)
+
+    def fetch_all(self, query: Query, params: Mapping[str, Any]) -> list[Any]:
+        return self.outer.fetch_all(query, params)
+
+    def execute(self, query: Query, params: Mapping[str, Any]) -> int:
+        return self.outer.execute(query, params)
+
+    @contextmanager
+    def transaction(self) -> Iterator[Connector]:
+        inner = _SavepointCallbacks(self.outer)
+        connection = self.outer.connection
+        with translate_errors(connection.engine.url), connection.begin_nested():
+            yield inner
+        self.callbacks.extend(inner.callbacks)
+
+    def after_commit(self, fn: Callable[[], object]) -> None:
+        self.callbacks.append(fn)
 
 
 class ExecutorConnector:

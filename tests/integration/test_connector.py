@@ -8,6 +8,7 @@ callbacks, the async pool through a lost connection, and the refusals.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from onceflow.connector import (
     AfterCommit,
     AsyncPsycopgConnector,
     FetchOne,
+    PsycopgConnector,
     Query,
     SQLAlchemyConnector,
     Steps,
@@ -181,3 +183,54 @@ def test_list_filters_on_both_apis(api_queue: Queue) -> None:
     assert len(api_queue.list(status=["queued", "running"], stage="evaluate")) == 2
     assert api_queue.list(job_id="j1", status="succeeded") == []
     assert len(api_queue.list(limit=1)) == 1
+
+
+def test_an_override_calling_super_stays_the_override(clean_db: Engine) -> None:
+    """``operation`` caches a bound method per instance, but never over a subclass's own
+    method: an override that calls ``super()`` keeps running on every call."""
+    calls: list[str] = []
+
+    class Counting(Queue):
+        def get(self, request_id: str) -> Any:  # type: ignore[override]
+            calls.append(request_id)
+            return super().get(request_id)
+
+    q = Counting(clean_db)
+    rid = q.enqueue("evaluate", "w1", "j1").request_id
+    for _ in range(3):
+        assert q.get(rid).request_id == rid
+    assert calls == [rid] * 3
+
+
+def _savepoint_rolled_back(seen: list[str]) -> Steps[None]:
+    one = Query("test.one", "SELECT 1 AS one")
+
+    def inner() -> Steps[None]:
+        yield AfterCommit(lambda: seen.append("inner"))
+        yield FetchOne(one, {})
+        raise ValueError("the savepoint fails")
+
+    def kept() -> Steps[None]:
+        yield AfterCommit(lambda: seen.append("kept"))
+
+    def outer() -> Steps[None]:
+        with contextlib.suppress(ValueError):
+            yield Transaction(inner())
+        yield Transaction(kept())
+        yield AfterCommit(lambda: seen.append("outer"))
+
+    yield Transaction(outer())
+
+
+def test_after_commit_of_a_rolled_back_savepoint_is_dropped(clean_db: Engine) -> None:
+    """A savepoint rolled back takes its after-commit callbacks with it; a released one's
+    run with the outer commit (pooled connector, and the caller's SQLAlchemy connection)."""
+    seen: list[str] = []
+    run(PsycopgConnector(clean_db), _savepoint_rolled_back(seen))
+    assert seen == ["kept", "outer"]
+    seen.clear()
+    with clean_db.connect() as conn:
+        run(SQLAlchemyConnector(conn), _savepoint_rolled_back(seen))
+        assert seen == []
+        conn.commit()
+    assert seen == ["kept", "outer"]
