@@ -18,6 +18,7 @@ import psycopg.errors
 from onceflow.connector import Execute, FetchAll, FetchOne, Steps, Transaction, operation
 from onceflow.errors import (
     InvalidRequest,
+    LeaseLost,
     OpIdConflict,
     OpRejected,
     PayloadTooDeep,
@@ -30,7 +31,7 @@ from onceflow.models.requests import Fence
 from onceflow.oplog.records import ApplyResult, OpRecord, SubDoc, check_op_id, new_op_id
 from onceflow.oplog.sql import N
 from onceflow.payloads import Unreadable, canonical_json, encode_payload
-from onceflow.queue.claims import fence_steps
+from onceflow.queue.claims import fence_scope, fence_steps
 from onceflow.settings import Settings
 
 
@@ -154,6 +155,14 @@ class OpLogOps:
         )
         try:
             done: ApplyResult = yield Transaction(locked)
+        except LeaseLost:
+            # The fence refused: the claim is over. A client's retry of a write that
+            # committed under it (its answer lost) still gets that answer.
+            replay = yield from self._fenced_replay(key, fence, client_id, payload_hash)
+            if replay is None:
+                metrics.zombie("op")
+                raise
+            return Applied(replay, parsed.type)
         except Exception as exc:
             if not _unique_violation(exc):
                 raise
@@ -164,6 +173,22 @@ class OpLogOps:
                 raise
             return Applied(_replayed(key, found, payload_hash), parsed.type)
         return Applied(done, parsed.type)
+
+    def _fenced_replay(
+        self, key: dict[str, Any], fence: Fence | None, client_id: bool, payload_hash: str
+    ) -> Steps[ApplyResult | None]:
+        """The op this fence's claim wrote under ``key``'s op id, replayed; None if none.
+
+        Looked up by the fence the op row keeps (the request id), in the fenced request's
+        workspace when none was given, within a reference's worker classes.
+        """
+        if fence is None or not client_id:
+            return None
+        params = {**key, "fence": fence.request_id, "worker_classes": fence_scope(fence)}
+        found = yield FetchOne(N.FIND_FENCED_OP, params)
+        if found is None:
+            return None
+        return _replayed({**key, "workspace_id": found["workspace_id"]}, found, payload_hash)
 
     def _apply_locked(
         self,
@@ -177,7 +202,8 @@ class OpLogOps:
     ) -> Steps[ApplyResult]:
         """Inside the transaction: fence, lock the sub-doc, then replay, reject, or apply."""
         if fence is not None:
-            fenced_workspace = yield from fence_steps(fence)
+            # A refusal counts as a zombie write only once it is not a replay (_apply).
+            fenced_workspace = yield from fence_steps(fence, zombie=False)
             if key["workspace_id"] is None:
                 key["workspace_id"] = fenced_workspace  # also for the caller's join below
         workspace_id, sub_doc, op_id = key["workspace_id"], key["sub_doc"], key["op_id"]

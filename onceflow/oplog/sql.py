@@ -45,6 +45,24 @@ WHERE workspace_id = :workspace_id AND sub_doc = :sub_doc AND op_id = :op_id
 """)
 )
 
+# A client's retry whose fence was refused (its claim is over): the op it may have written
+# under that claim, found by the fence the op row keeps — in the fenced request's workspace
+# unless one is given (a by-reference write names none), within the reference's worker
+# classes. Found: the retry is a replay of a committed write; not found: LeaseLost.
+FIND_FENCED_OP = render(
+    text("""
+SELECT o.workspace_id, o.clock, o.op_type, o.payload_hash, o.result, o.error, o.fence,
+       o.committed_at
+FROM workspace_process_requests w
+JOIN workspace_sub_doc_ops o
+  ON o.workspace_id = coalesce(CAST(:workspace_id AS text), w.workspace_id)
+ AND o.sub_doc = :sub_doc AND o.op_id = :op_id AND o.fence = w.request_id
+WHERE w.request_id = :fence
+  AND (CAST(:worker_classes AS text[]) IS NULL
+       OR w.worker_class = ANY(CAST(:worker_classes AS text[])))
+""")
+)
+
 # Applied: advance the clock and record the op in one statement.
 RECORD_APPLIED = render(
     text("""
@@ -150,6 +168,7 @@ class N:
     LOCK_SUB_DOC = Query("oplog.lock_sub_doc", LOCK_SUB_DOC)
     CREATE_SUB_DOC = Query("oplog.create_sub_doc", CREATE_SUB_DOC)
     FIND_OP = Query("oplog.find_op", FIND_OP)
+    FIND_FENCED_OP = Query("oplog.find_fenced_op", FIND_FENCED_OP)
     RECORD_APPLIED = Query("oplog.record_applied", RECORD_APPLIED)
     RECORD_REJECTED = Query("oplog.record_rejected", RECORD_REJECTED)
     GET_SUB_DOC = Query("oplog.get_sub_doc", GET_SUB_DOC)

@@ -198,7 +198,7 @@ class ClaimOps:
             lease = full.lease_seconds
         params = {
             "request_id": claim.request_id, "token": claim.token,
-            "worker_classes": _scope(claim),
+            "worker_classes": fence_scope(claim),
             "lease_seconds": lease,
             "deadline": full.run_deadline if full else None,
             "default_lease": self.settings.lease_seconds, "now": now,
@@ -256,7 +256,7 @@ class ClaimOps:
         follow_params = self._enqueue_params(follow_ups, now) if follow_ups else None
         params = {
             "request_id": claim.request_id, "token": claim.token, "result": text, "now": now,
-            "worker_classes": _scope(claim),
+            "worker_classes": fence_scope(claim),
         }  # fmt: skip
 
         def attempt() -> Steps[tuple[Request, builtins.list[EnqueueResult]]]:
@@ -305,6 +305,25 @@ class ClaimOps:
         metrics.enqueued(done[1])  # once, for the attempt that committed
         return done
 
+    @operation
+    def claim_parent(self, claim: Fenced) -> Steps[Request | None]:
+        """The claimed request, to name a hand-off's follow-ups after; None if not this claim's.
+
+        The row while ``claim`` holds it (token, live lease: database clock), or once
+        ``claim``'s own run completed it: a hand-off repeated after its answer was lost
+        reads its parent as the first attempt did, and :meth:`hand_off` then recognises
+        its landed write. One statement, within the reference's worker classes; a read,
+        not a fence (the hand-off fences in its own statement). A lost connection is
+        retried once.
+        """
+        _check_ref(claim)
+        params = {
+            "request_id": claim.request_id, "token": claim.token, "now": None,
+            "worker_classes": fence_scope(claim),
+        }  # fmt: skip
+        row = yield from retrying(lambda: one_row(N.CLAIM_PARENT, params))
+        return None if row is None else Request.from_row(row)
+
     def _complete_once(
         self, params: dict[str, Any], follow_params: dict[str, Any] | None
     ) -> Steps[tuple[Any, builtins.list[EnqueueResult]]]:
@@ -347,7 +366,7 @@ class ClaimOps:
         delay = None if retry_in is None else _seconds("retry_in", retry_in)
         params = {
             "request_id": claim.request_id, "token": claim.token, "error": text,
-            "worker_classes": _scope(claim),
+            "worker_classes": fence_scope(claim),
             "retryable": bool(retryable), "delay": delay, "now": now,
             "backoff_base": float(self.settings.backoff_base_seconds),
             "backoff_max": float(self.settings.backoff_max_seconds),
@@ -469,7 +488,7 @@ class ClaimOps:
         return lease
 
 
-def fence_steps(claim: Fence, now: datetime | None = None) -> Steps[str]:
+def fence_steps(claim: Fence, now: datetime | None = None, *, zombie: bool = True) -> Steps[str]:
     """The fence check as steps, for a :class:`~onceflow.connector.Transaction` body.
 
     Raises :class:`LeaseLost` unless ``claim`` (a :class:`Claim`, a :class:`ClaimRef`, any
@@ -483,11 +502,12 @@ def fence_steps(claim: Fence, now: datetime | None = None) -> Steps[str]:
     """
     params = {
         "request_id": claim.request_id, "token": claim.token, "now": now,
-        "worker_classes": _scope(claim),
+        "worker_classes": fence_scope(claim),
     }  # fmt: skip
     row = yield FetchOne(N.FENCE_CHECK, params)
     if row is None:
-        metrics.zombie("op")
+        if zombie:  # else the caller counts it (the op log: unless the write was a replay)
+            metrics.zombie("op")
         raise LeaseLost(claim.request_id, "fenced write rejected")
     workspace_id: str = row["workspace_id"]
     return workspace_id
@@ -501,13 +521,13 @@ def _landed(claim: Fenced, statuses: tuple[Status, ...]) -> Steps[Request | None
     """
     params = {
         "request_id": claim.request_id, "token": claim.token,
-        "statuses": [s.value for s in statuses],
+        "statuses": [s.value for s in statuses], "worker_classes": fence_scope(claim),
     }  # fmt: skip
     row = yield FetchOne(N.LANDED, params)
     return None if row is None else Request.from_row(row)
 
 
-def _scope(claim: Any) -> list[str] | None:
+def fence_scope(claim: Any) -> list[str] | None:
     """The worker classes a reference is scoped to (None: any), for the fence's SQL."""
     scope = getattr(claim, "worker_classes", None)
     return None if scope is None else [str(c) for c in scope]

@@ -176,15 +176,17 @@ RETURNING {RETURNING}, picked.rn, picked.took_over
 """
 CLAIM_NEXT: TextClause = text(_CLAIM_NEXT)
 
-# :worker_classes (NULL for none) scopes a fenced write to a principal's worker classes (an
-# HTTP worker key): a token of another class's request is fenced off like a wrong token.
-_FENCE = """
+# :worker_classes (NULL for none) scopes a fenced write (and a read by reference) to a
+# principal's worker classes (an HTTP worker key): a token of another class's request is
+# fenced off like a wrong token.
+_IN_SCOPE = """(CAST(:worker_classes AS text[]) IS NULL
+       OR w.worker_class = ANY(CAST(:worker_classes AS text[])))"""
+_FENCE = f"""
   w.request_id = :request_id
   AND w.claim_token = :token
   AND w.status = 'running'
   AND w.lease_expires_at > n.now
-  AND (CAST(:worker_classes AS text[]) IS NULL
-       OR w.worker_class = ANY(CAST(:worker_classes AS text[])))
+  AND {_IN_SCOPE}
 """
 
 #: A run's public identity: a digest of its claim token (new at every claim, takeovers
@@ -362,12 +364,26 @@ WHERE w.request_id = :request_id AND w.claim_token = :token AND w.status = 'runn
 
 # A fenced write whose answer was lost (LeaseLost on its retry): the row, if the run of
 # :token ended it (ended_run) with one of :statuses. A later claim, a requeue or a rescue
-# of a run that never ended would have left ended_run NULL or another run's.
+# of a run that never ended would have left ended_run NULL or another run's. Within the
+# reference's worker classes: a key of another class holding the token learns nothing.
 LANDED: TextClause = text(f"""
 SELECT {RETURNING} FROM {TABLE} w
 WHERE w.request_id = :request_id
   AND w.ended_run = {_RUN_OF_TOKEN}
   AND w.status = ANY(CAST(:statuses AS text[]))
+  AND {_IN_SCOPE}
+""")
+
+# The request a hand-off's follow-ups are named after: under :token's live claim (the
+# fence), or completed by :token's run (a retried hand-off whose answer was lost, which
+# the hand-off then recognises as landed). One statement: no window between the two reads.
+CLAIM_PARENT: TextClause = text(f"""
+WITH n AS ({_NOW})
+SELECT {RETURNING} FROM {TABLE} w, n
+WHERE w.request_id = :request_id
+  AND {_IN_SCOPE}
+  AND ((w.claim_token = :token AND w.status = 'running' AND w.lease_expires_at > n.now)
+       OR (w.ended_run = {_RUN_OF_TOKEN} AND w.status = 'succeeded'))
 """)
 
 COUNTS: TextClause = text(f"""
@@ -828,6 +844,7 @@ Q_MARK_UNDISPATCHED = render(MARK_UNDISPATCHED)
 Q_MARK_UNDISPATCHED_MANY = render(MARK_UNDISPATCHED_MANY)
 Q_FENCE_CHECK = render(FENCE_CHECK)
 Q_LANDED = render(LANDED)
+Q_CLAIM_PARENT = render(CLAIM_PARENT)
 
 COUNTS_FOR_WORKSPACE: TextClause = text(f"""
 SELECT w.status, w.worker_class, count(*) AS n
@@ -882,6 +899,7 @@ class N:
     FENCE_CHECK = Query("queue.fence_check", Q_FENCE_CHECK)
     # claims and operators (queue/claims.py, queue/operators.py); CLAIM … FENCE_CHECK above
     LANDED = Query("queue.landed", Q_LANDED)
+    CLAIM_PARENT = Query("queue.claim_parent", Q_CLAIM_PARENT)
 
     # batches and sweeps (queue/batch.py, queue/sweep.py, queue/notify.py)
     COMPLETE_MANY = Query("queue.complete_many", Q_COMPLETE_MANY)

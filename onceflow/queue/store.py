@@ -64,7 +64,8 @@ class Queue(SyncSide, EnqueueOps, ClaimOps, OperatorOps, ReadOps, Sweeper, Batch
         self.resolver = resolver
 
     # enqueue, enqueue_many, enqueue_many_with, resolve: see queue/enqueue.py.
-    # claim, claim_next, heartbeat, complete, hand_off, fail, fenced_retry: queue/claims.py.
+    # claim, claim_next, heartbeat, complete, hand_off, claim_parent, fail, fenced_retry:
+    # queue/claims.py.
     # cancel, requeue, mark_undispatched: queue/operators.py.
     # get, live_claim, list, counts: queue/reads.py.
     # rescue_expired, due_for_dispatch, prune, sweep_once, begin_sweep: see queue/sweep.py.

@@ -931,3 +931,47 @@ def test_an_http_claim_gets_the_lease_its_stage_declares(client: httpx.Client) -
     assert answer.json()["lease_seconds"] == 3.0  # the stage's, not the server's 30 s default
     row = client.get(f"/v1/workspaces/w1/requests/{rid}", headers=auth(API_KEY)).json()
     assert row["lease_expires_at"] == answer.json()["lease_expires_at"]
+
+
+def test_a_worker_retrying_writes_whose_answers_were_lost_gets_the_original_answers(
+    client: httpx.Client,
+) -> None:
+    """A pull worker repeats a call whose answer it lost, after that call committed and ended
+    its claim: the completion (with a hand-off) and an earlier op are recognised as its own
+    (200, the original answer), not refused as a lost lease."""
+    rid = enqueue(client, "w1", API_KEY, stage="noop", job_id="jlost", input={"value": 1},
+                  worker_class=PULL).json()["request_id"]  # fmt: skip
+    claimed = client.post(
+        f"/v1/worker-classes/{PULL}/claims", json={"worker_id": "lost"}, headers=auth(WORKER_KEY)
+    )
+    assert claimed.status_code == 201 and claimed.json()["request_id"] == rid, claimed.text
+    token = claimed.json()["claim_token"]
+    _TOKENS_SEEN.append(token)
+    op = {"claim_token": token, "sub_doc": "job:jlost", "key": "c",
+          "op": {"type": "cell.set", "column": "c", "value": 1}}  # fmt: skip
+    first_op = client.post(f"/v1/claims/{rid}/ops", json=op, headers=auth(WORKER_KEY))
+    assert first_op.status_code == 201, first_op.text
+    then = [{"stage": "noop", "input": {"value": 2}, "branch_path": "after-lost"}]
+    body = {"claim_token": token, "result": {"ok": 1}, "then": then}
+    done = client.post(f"/v1/claims/{rid}/complete", json=body, headers=auth(WORKER_KEY))
+    assert done.status_code == 200, done.text
+    # Both answers were lost: the worker sends the same calls again, the claim now over.
+    again = client.post(f"/v1/claims/{rid}/complete", json=body, headers=auth(WORKER_KEY))
+    assert again.status_code == 200, again.text
+    assert again.json()["status"] == "succeeded" and again.json()["result"] == {"ok": 1}
+    replay = client.post(f"/v1/claims/{rid}/ops", json=op, headers=auth(WORKER_KEY))
+    assert replay.status_code == 200, replay.text
+    assert replay.json() == {**first_op.json(), "duplicate": True}
+    follow = client.get("/v1/workspaces/w1/requests?job_id=jlost&stage=noop",
+                        headers=auth(API_KEY)).json()["requests"]  # fmt: skip
+    assert [r["branch_path"] for r in follow if r["request_id"] != rid] == ["after-lost"]
+    # The same op id with another payload is a conflict; a new op under the ended claim and a
+    # forged token are refused as before.
+    other = {**op, "op": {"type": "cell.set", "column": "c", "value": 2}}
+    conflict = client.post(f"/v1/claims/{rid}/ops", json=other, headers=auth(WORKER_KEY))
+    assert conflict.status_code == 409 and conflict.json()["code"] == "op_id_conflict"
+    fresh = client.post(f"/v1/claims/{rid}/ops", json={**op, "key": "d"}, headers=auth(WORKER_KEY))
+    assert fresh.status_code == 409 and fresh.json()["code"] == "lease_lost"
+    forged = client.post(f"/v1/claims/{rid}/complete", json={**body, "claim_token": "f" * 32},
+                         headers=auth(WORKER_KEY))  # fmt: skip
+    assert forged.status_code == 409 and forged.json()["code"] == "lease_lost"

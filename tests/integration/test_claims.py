@@ -282,6 +282,45 @@ def test_a_ref_scoped_to_other_worker_classes_is_fenced_off(
     assert api_queue.complete(mine, {"ok": 1}).status is Status.SUCCEEDED
 
 
+def test_a_retry_by_a_ref_of_another_class_is_not_taken_for_its_landed_write(
+    api_queue: Queue,
+) -> None:
+    """A completion whose answer was lost is recognised by its token (``ended_run``), within
+    the reference's worker classes: a key of another class holding the token learns nothing."""
+    rid = api_queue.enqueue("s", "w", "j", worker_class="llm").request_id
+    claim = api_queue.claim(rid, "a")
+    assert claim is not None
+    api_queue.complete(ClaimRef(rid, claim.token, ("llm",)), {"ok": 1})
+    with pytest.raises(LeaseLost):
+        api_queue.complete(ClaimRef(rid, claim.token, ("tabs",)), {"ok": 1})
+    assert api_queue.complete(ClaimRef(rid, claim.token, ("llm",)), {"ok": 1}).result == {"ok": 1}
+
+
+def test_claim_parent_is_the_live_claim_or_the_run_its_token_completed(api_queue: Queue) -> None:
+    """What names a hand-off's follow-ups: the claimed request while the claim lives, and
+    still after that claim's own completion (a retry whose answer was lost); never after
+    a failure report, nor for another token or another class's reference."""
+    rid = api_queue.enqueue("s", "w", "j", "b", worker_class="llm").request_id
+    claim = api_queue.claim(rid, "a")
+    assert claim is not None
+    ref = ClaimRef(rid, claim.token, ("llm",))
+    refused = (ClaimRef(rid, claim.token, ("tabs",)), ClaimRef(rid, "0" * 32))
+    live = api_queue.claim_parent(ref)
+    assert live is not None and (live.status, live.branch_path) == (Status.RUNNING, "b")
+    assert [api_queue.claim_parent(r) for r in refused] == [None, None]
+    api_queue.complete(ref, {"ok": 1})
+    ended = api_queue.claim_parent(ref)
+    assert ended is not None and ended.status is Status.SUCCEEDED
+    assert [api_queue.claim_parent(r) for r in refused] == [None, None]
+    other = api_queue.enqueue("s", "w", "j2", worker_class="llm").request_id
+    failed = api_queue.claim(other, "a")
+    assert failed is not None
+    api_queue.fail(failed.ref, {"e": 1})
+    assert api_queue.claim_parent(failed.ref) is None
+    with pytest.raises(InvalidRequest):
+        api_queue.claim_parent(ClaimRef(rid, ""))
+
+
 def test_the_fence_check_by_ref_inside_a_transaction(api_queue: Queue, queue: Queue) -> None:
     rid = api_queue.enqueue("s", "w", "j").request_id
     claim = api_queue.claim(rid, "a")

@@ -494,3 +494,38 @@ def test_a_fenced_op_by_reference_needs_no_workspace(oplog: OpLog, clean_db: Eng
     with pytest.raises(InvalidRequest, match="workspace_id is required"):
         oplog.apply_op(None, "cells", op, new_op_id())
     assert table_snapshot_ops(clean_db) == before
+
+
+def test_a_by_reference_retry_of_a_landed_op_after_the_claim_ended_replays(
+    oplog: OpLog, clean_db: Engine
+) -> None:
+    """The HTTP claim-op route passes no workspace: a retry whose answer was lost, made once
+    the claim is over, still learns its answer (as it does with a workspace given) — looked
+    up by the fence the op row keeps; another payload under its op id is a conflict."""
+    queue = Queue(clean_db, settings=oplog.settings)
+    rid = queue.enqueue("evaluate", "w-ref", "j1", "main", worker_class="llm").request_id
+    claim = queue.claim(rid, "worker-a", lease_seconds=600)
+    assert claim is not None
+    ref = ClaimRef(rid, claim.token, ("llm",))
+    op = {"type": "cell.set", "column": "a", "value": 1}
+    op_id = new_op_id()
+    first = oplog.apply_op(None, "cells", op, op_id, fence=ref)
+    queue.claim(rid, "worker-b", now=db_now(clean_db) + timedelta(seconds=601))  # lapsed
+    before = table_snapshot_ops(clean_db)
+    zombies = zombie_ops()
+    late = oplog.apply_op(None, "cells", op, op_id, fence=ref)
+    assert (late.workspace_id, late.clock, late.duplicate, late.committed_at) == (
+        "w-ref", first.clock, True, first.committed_at,
+    )  # fmt: skip
+    assert zombie_ops() == zombies  # a replay, not a refused write
+    with pytest.raises(OpIdConflict):
+        oplog.apply_op(None, "cells", {**op, "value": 2}, op_id, fence=ref)
+    for fence, sub_doc, oid in (
+        (ClaimRef(rid, claim.token, ("tabs",)), "cells", op_id),  # another class's key
+        (ref, "other", op_id),  # another sub-doc
+        (ref, "cells", new_op_id()),  # an op never written
+    ):
+        with pytest.raises(LeaseLost):
+            oplog.apply_op(None, sub_doc, op, oid, fence=fence)
+    assert zombie_ops() == zombies + 3
+    assert table_snapshot_ops(clean_db) == before

@@ -98,10 +98,10 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         then: list[NewRequest] = []
         if body.then:
             # Follow-ups are named after their parent (workspace, job, branch): read it, as
-            # the claim's holder sees it; the hand-off statement fences on the token again.
-            parent = await queue.live_claim(
-                request_id, body.claim_token, worker_classes=ref.worker_classes
-            )
+            # the claim's holder sees it — or as its own completion left it, when this is a
+            # retry whose answer was lost (the hand-off then recognises its landed write);
+            # the hand-off statement fences on the token again.
+            parent = await queue.claim_parent(ref)
             if parent is None:
                 raise LeaseLost(request_id)
             then = [_follow_up(svc.flow, parent, f) for f in body.then]
