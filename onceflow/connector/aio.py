@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
-import os
-import threading
-import weakref
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, asynccontextmanager
 from typing import Any
@@ -19,6 +17,7 @@ from sqlalchemy import URL
 from onceflow.connector.steps import AsyncConnector, Query, _call_safely
 from onceflow.db import check_database_url, translate_errors
 from onceflow.errors import ConnectionLost
+from onceflow.loops import PerLoop
 from onceflow.payloads import load_stored_json
 from onceflow.settings import get_settings
 
@@ -37,7 +36,13 @@ class AsyncPsycopgConnector:
     Nothing connects until the first statement. A statement that meets a dead
     connection raises :class:`~onceflow.errors.ConnectionLost` after asking the pool to
     check its idle connections, so a retry gets a live one (what the sync pool's
-    invalidation does). :meth:`aclose` closes this loop's pool.
+    invalidation does). A server that refuses connections fails the caller at once with
+    :class:`~onceflow.errors.DatabaseUnavailable` naming the cause, as the sync side does;
+    a server that is reachable but slow gets the pool's ``timeout``.
+
+    :meth:`aclose`, awaited on the loop, closes that loop's pool: the clean way. A pool
+    whose loop closed without it (``asyncio.run`` per call) is dropped the next time
+    another loop makes its pool, its idle connections' sockets closed then.
     """
 
     pooled = True
@@ -51,36 +56,87 @@ class AsyncPsycopgConnector:
         default = max(4, 2 * get_settings().pool_size)
         self._max_size = max_size if max_size is not None else default
         self._timeout = timeout
-        self._pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[int, Any]] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._lock = threading.Lock()
+        self._pools: PerLoop[_LoopPool] = PerLoop(_LoopPool.discard)
 
-    async def _pool(self) -> Any:
+    async def _pool(self) -> _LoopPool:
+        entry = self._pools.get()
+        if entry is None:
+            entry = self._pools.setdefault(self._new_pool)
+        if entry.opened is None:
+            entry.opened = asyncio.ensure_future(entry.pool.open(wait=False))
+        if not entry.opened.done():
+            with translate_errors(self.url):
+                await asyncio.shield(entry.opened)
+        return entry
+
+    def _new_pool(self) -> _LoopPool:
         from psycopg_pool import AsyncConnectionPool
 
-        loop = asyncio.get_running_loop()
-        entry = self._pools.get(loop)
-        if entry is not None and entry[0] == os.getpid():
-            return entry[1]
-        pool = AsyncConnectionPool(
+        entry = _LoopPool()
+        entry.pool = AsyncConnectionPool(
             self._conninfo,
+            connection_class=entry.connection_class(),
             min_size=0,
             max_size=self._max_size,
             open=False,
             timeout=self._timeout,
-            kwargs={"autocommit": True, "connect_timeout": 10},
+            kwargs={"autocommit": True, "connect_timeout": _CONNECT_TIMEOUT},
             configure=_configure_async,
             name="onceflow",
         )
-        with self._lock:
-            entry = self._pools.get(loop)
-            if entry is not None and entry[0] == os.getpid():
-                return entry[1]
-            self._pools[loop] = (os.getpid(), pool)
-        with translate_errors(self.url):
-            await pool.open(wait=False)
-        return pool
+        return entry
+
+    @asynccontextmanager
+    async def _connection(self, entry: _LoopPool) -> AsyncIterator[Any]:
+        """A pooled connection (what ``pool.connection()`` does), or the cause of a refusal.
+
+        With an idle connection at hand nothing else happens. Otherwise the wait for
+        one races the pool's connection attempts: one that fails (or a failure already
+        seen, with nothing idle) sends one direct connection attempt to the server, whose
+        error (refused, unknown host, bad password) is raised at once; if it connects,
+        the server is back and the caller uses that connection.
+        """
+        pool = entry.pool
+        conn, direct = await self._getconn(entry)
+        try:
+            async with conn:
+                yield conn
+        finally:
+            if direct:
+                with contextlib.suppress(Exception):
+                    await conn.close()
+            else:
+                await pool.putconn(conn)
+
+    async def _getconn(self, entry: _LoopPool) -> tuple[Any, bool]:
+        pool = entry.pool
+        if pool.get_stats().get("pool_available", 0):
+            return await pool.getconn(), False
+        if entry.failure is not None:
+            return await self._direct(entry), True
+        get = asyncio.ensure_future(pool.getconn())
+        failed = asyncio.ensure_future(entry.failed.wait())
+        try:
+            await asyncio.wait((get, failed), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            _abandon(pool, get)
+            raise
+        finally:
+            failed.cancel()
+        if get.done():
+            return get.result(), False
+        _abandon(pool, get)  # a connection attempt failed: ask the server directly
+        return await self._direct(entry), True
+
+    async def _direct(self, entry: _LoopPool) -> Any:
+        """One connection made here, not by the pool: its error is the outage's cause."""
+        with self._translate():  # refused, unknown host...: DatabaseUnavailable naming it
+            conn = await psycopg.AsyncConnection.connect(
+                self._conninfo, autocommit=True, connect_timeout=_CONNECT_TIMEOUT
+            )
+        entry.connected()  # the server answers again: the pool's next wait is a plain one
+        await _configure_async(conn)
+        return conn
 
     @functools.cached_property
     def _translate(self) -> Callable[[], AbstractContextManager[None]]:
@@ -91,14 +147,14 @@ class AsyncPsycopgConnector:
     ) -> Any:
         if conn is not None:
             return await _on_async(conn, query, params, how, self._translate)
-        pool = await self._pool()
+        entry = await self._pool()
         with self._translate():
-            async with pool.connection() as conn:
+            async with self._connection(entry) as conn:
                 try:
                     return await _on_async(conn, query, params, how, self._translate)
                 except Exception as exc:
                     if conn.broken or conn.closed:
-                        raise await self._lost(pool, exc) from exc
+                        raise await self._lost(entry.pool, exc) from exc
                     raise
 
     async def _lost(self, pool: Any, exc: BaseException) -> BaseException:
@@ -126,16 +182,16 @@ class AsyncPsycopgConnector:
 
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[AsyncConnector]:
-        pool = await self._pool()
+        entry = await self._pool()
         with self._translate():
-            async with pool.connection() as conn:
+            async with self._connection(entry) as conn:
                 bound = _AsyncOnOneConnection(conn, self._translate)
                 try:
                     async with conn.transaction():
                         yield bound
                 except Exception as exc:
                     if conn.broken or conn.closed:
-                        raise await self._lost(pool, exc) from exc
+                        raise await self._lost(entry.pool, exc) from exc
                     raise
         for fn in bound.callbacks:
             _call_safely(fn)
@@ -144,14 +200,78 @@ class AsyncPsycopgConnector:
         _call_safely(fn)
 
     async def aclose(self) -> None:
-        """Close this event loop's pool (others stay open; each is closed by its own loop)."""
+        """Close this event loop's pool: the clean way, awaited on the loop that used it.
+
+        Other loops' pools stay open (each is closed by its own loop); those whose loop
+        has closed are dropped here too, their idle connections' sockets closed.
+        """
         try:
-            loop = asyncio.get_running_loop()
+            asyncio.get_running_loop()
         except RuntimeError:  # pragma: no cover - called outside a loop
             return
-        entry = self._pools.pop(loop, None)
-        if entry is not None and entry[0] == os.getpid():
-            await entry[1].close()
+        entry = self._pools.pop()
+        if entry is not None:
+            await entry.pool.close()
+
+
+#: Seconds a connection attempt may take (the pool's and the direct one's).
+_CONNECT_TIMEOUT = 10
+
+
+class _LoopPool:
+    """One loop's pool, and what its last connection attempt said."""
+
+    pool: Any
+    opened: asyncio.Future[None] | None = None
+
+    def __init__(self) -> None:
+        self.failure: BaseException | None = None
+        self.failed = asyncio.Event()
+
+    def connection_class(self) -> type[psycopg.AsyncConnection[Any]]:
+        """The pool's connection class: psycopg's, telling this entry how each attempt went."""
+        entry = self
+
+        class _Watched(psycopg.AsyncConnection):
+            @classmethod
+            async def connect(cls, *args: Any, **kwargs: Any) -> Any:
+                try:
+                    conn = await super().connect(*args, **kwargs)
+                except Exception as exc:
+                    entry.failure = exc
+                    entry.failed.set()
+                    raise
+                entry.connected()
+                return conn
+
+        return _Watched
+
+    def connected(self) -> None:
+        self.failure = None
+        self.failed.clear()
+
+    def discard(self) -> None:
+        """Close the sockets of a pool whose loop has closed (no loop needed: libpq's own)."""
+        for conn in list(getattr(self.pool, "_pool", ())):
+            conn.pgconn.finish()
+
+
+_returning: set[asyncio.Future[None]] = set()
+
+
+def _abandon(pool: Any, get: asyncio.Future[Any]) -> None:
+    """Give up a pending ``getconn``: a connection it gets anyway goes back to the pool."""
+
+    def give_back(done: asyncio.Future[Any]) -> None:
+        if not done.cancelled() and done.exception() is None:
+            task = asyncio.ensure_future(pool.putconn(done.result()))
+            _returning.add(task)
+            task.add_done_callback(_returning.discard)
+        elif not done.cancelled():
+            done.exception()  # retrieved: a timed-out wait nobody awaits is no error
+
+    get.cancel()
+    get.add_done_callback(give_back)
 
 
 async def _configure_async(conn: psycopg.AsyncConnection[Any]) -> None:

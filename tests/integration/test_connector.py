@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import socket
+import time
 from typing import Any
 
+import psycopg
 import pytest
 from sqlalchemy import Engine
 
@@ -26,8 +30,8 @@ from onceflow.connector import (
     Transaction,
     run,
 )
-from onceflow.errors import ConnectionLost
-from tests.conftest import table_snapshot
+from onceflow.errors import ConnectionLost, DatabaseUnavailable
+from tests.conftest import libpq, table_snapshot
 from tests.integration.test_db_blips import kill_backends
 
 ASYNC_APP = "onceflow-async-blip"
@@ -234,3 +238,75 @@ def test_after_commit_of_a_rolled_back_savepoint_is_dropped(clean_db: Engine) ->
         assert seen == []
         conn.commit()
     assert seen == ["kept", "outer"]
+
+
+def _backends(admin_url: str, app: str) -> int:
+    with psycopg.connect(libpq(admin_url), autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", (app,)
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def test_asyncio_run_per_call_keeps_one_pool_at_most(clean_db: Engine, admin_url: str) -> None:
+    """``asyncio.run`` per call (a Celery task, a script): a closed loop's pool goes, and its
+    connections with it (a loop-keyed weak table kept every pool: the pool holds its loop)."""
+    app = "onceflow-async-loops"
+    url = clean_db.url.set(query={"application_name": app}).render_as_string(hide_password=False)
+    probe = Query("test.probe", "SELECT 1 AS one")
+    connector = AsyncPsycopgConnector(url)
+    for _ in range(4):
+        assert asyncio.run(connector.fetch_one(probe, {})) == {"one": 1}
+    gc.collect()
+    assert len(connector._pools) <= 1, f"{len(connector._pools)} pools kept"
+    deadline = time.monotonic() + 10  # a closed socket's backend exits a moment later
+    while (kept := _backends(admin_url, app)) > 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert kept <= 1, f"{kept} backends kept open"
+    asyncio.run(connector.aclose())  # on a new loop: drops the closed loop's pool too
+    assert len(connector._pools) == 0
+
+
+def test_a_refused_connection_says_so_at_once() -> None:
+    """Nothing listens: the async connector raises DatabaseUnavailable naming the cause
+    (as the sync side does), not the pool's "couldn't get a connection" after its timeout."""
+    probe = Query("test.probe", "SELECT 1 AS one")
+
+    async def go() -> None:
+        connector = AsyncPsycopgConnector(f"postgresql://root@127.0.0.1:{_closed_port()}/x")
+        try:
+            with pytest.raises(DatabaseUnavailable, match="refused"):
+                await connector.fetch_one(probe, {})
+            with pytest.raises(DatabaseUnavailable, match="refused"):  # and again, pool warm
+                await connector.fetch_one(probe, {})
+        finally:
+            await connector.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_silent_server_still_gets_the_pool_timeout() -> None:
+    """A server that accepts the TCP connection and never answers is slow, not refusing:
+    the caller waits the pool's timeout and is told so."""
+    probe = Query("test.probe", "SELECT 1 AS one")
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        port = silent.getsockname()[1]
+
+        async def go() -> None:
+            connector = AsyncPsycopgConnector(f"postgresql://root@127.0.0.1:{port}/x", timeout=1)
+            try:
+                with pytest.raises(DatabaseUnavailable, match="couldn't get a connection"):
+                    await connector.fetch_one(probe, {})
+            finally:
+                silent.close()  # the pool's pending attempt fails now: closing needs no wait
+                await connector.aclose()
+
+        asyncio.run(go())
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # bound, never listening: a connect is refused
