@@ -106,8 +106,13 @@ def drop_redis_sockets(client: Any) -> None:
         *getattr(pool, "_in_use_connections", ()),
     ]
     for conn in conns:
-        writer = getattr(conn, "_writer", None)
-        sock = writer.transport.get_extra_info("socket") if writer is not None else None
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+        shut_redis_connection(conn)
+
+
+def shut_redis_connection(conn: Any) -> None:
+    """Shut down one ``redis.asyncio`` connection's socket (its loop has closed)."""
+    writer = getattr(conn, "_writer", None)
+    sock = writer.transport.get_extra_info("socket") if writer is not None else None
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)

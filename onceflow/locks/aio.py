@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import weakref
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Literal, TypeAlias, TypeVar, overload
@@ -31,6 +29,7 @@ from onceflow.errors import InvalidRequest, LockUnavailable
 from onceflow.locks.base import AsyncLockBackend, HeldLock, ttl_to_ms
 from onceflow.locks.protocol import Locked, Outcome, protocol_steps
 from onceflow.locks.steps import run_async
+from onceflow.loops import PerLoop, drop_redis_sockets
 from onceflow.settings import get_settings
 
 log = logging.getLogger("onceflow.locks")
@@ -191,9 +190,14 @@ async def acompute_once(
     )  # fmt: skip
 
 
-_async_backends: weakref.WeakKeyDictionary[
-    asyncio.AbstractEventLoop, dict[tuple[str, int], AsyncLockBackend]
-] = weakref.WeakKeyDictionary()
+def _drop_backends(backends: dict[str, AsyncLockBackend]) -> None:
+    for backend in backends.values():
+        drop_redis_sockets(getattr(backend, "client", None))
+
+
+# Per loop and Redis URL, pruned of closed loops (their sockets shut): a weak table kept
+# every backend (a redis.asyncio client holds its loop).
+_async_backends: PerLoop[dict[str, AsyncLockBackend]] = PerLoop(_drop_backends)
 
 
 def get_async_backend() -> AsyncLockBackend:
@@ -209,12 +213,13 @@ def get_async_backend() -> AsyncLockBackend:
             f"acompute_once needs lock_backend='redis' (it is {settings.lock_backend!r}); "
             "the SQL lock backend is sync-only: use compute_once"
         )
-    loop = asyncio.get_running_loop()
-    key = (settings.redis_url, os.getpid())
-    mine = _async_backends.setdefault(loop, {})
-    backend = mine.get(key)
+    mine = _async_backends.get()
+    if mine is None:
+        mine = _async_backends.setdefault(dict)
+    backend = mine.get(settings.redis_url)
     if backend is None:
         from onceflow.locks.redis_async import AsyncRedisLockBackend
 
-        backend = mine[key] = AsyncRedisLockBackend(settings.redis_url, settings=settings)
+        backend = AsyncRedisLockBackend(settings.redis_url, settings=settings)
+        backend = mine.setdefault(settings.redis_url, backend)
     return backend

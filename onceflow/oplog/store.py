@@ -16,11 +16,9 @@ the broadcast after a commit differs: the sync Redis client for :class:`OpLog`,
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
-import weakref
 from typing import Any
 
 import redis
@@ -30,6 +28,7 @@ from sqlalchemy import Engine
 from onceflow.connector import AsyncPsycopgConnector, AsyncSide, PsycopgConnector, SyncSide
 from onceflow.db import get_engine
 from onceflow.keys import workspace_channel
+from onceflow.loops import PerLoop, drop_redis_sockets
 from onceflow.models.ops import OpModel
 from onceflow.models.requests import Fence
 from onceflow.oplog.ops import Applied, OpLogOps, commit_message
@@ -137,9 +136,8 @@ class AsyncOpLog(AsyncSide, OpLogOps):
     ):
         self.settings = settings or get_settings()
         self.aconnector = connector or AsyncPsycopgConnector(url or self.settings.database_url)
-        self._redis: weakref.WeakKeyDictionary[
-            asyncio.AbstractEventLoop, tuple[int, aredis.Redis]
-        ] = weakref.WeakKeyDictionary()
+        # Pruned of closed loops (their clients' sockets shut): a weak table kept them all.
+        self._redis: PerLoop[aredis.Redis] = PerLoop(drop_redis_sockets)
 
     @classmethod
     def from_oplog(cls, oplog: OpLog) -> AsyncOpLog:
@@ -167,14 +165,14 @@ class AsyncOpLog(AsyncSide, OpLogOps):
 
     def redis(self) -> aredis.Redis:
         """The running event loop's ``redis.asyncio`` client (made on first use)."""
-        loop = asyncio.get_running_loop()
-        entry = self._redis.get(loop)
-        if entry is None or entry[0] != os.getpid():
-            client = aredis.Redis.from_url(
-                self.settings.redis_url, socket_timeout=2, socket_connect_timeout=2
+        client = self._redis.get()
+        if client is None:
+            client = self._redis.setdefault(
+                lambda: aredis.Redis.from_url(
+                    self.settings.redis_url, socket_timeout=2, socket_connect_timeout=2
+                )
             )
-            entry = self._redis[loop] = (os.getpid(), client)
-        return entry[1]
+        return client
 
     async def _publish(self, applied: ApplyResult, message: str) -> None:
         try:
@@ -184,9 +182,9 @@ class AsyncOpLog(AsyncSide, OpLogOps):
 
     async def aclose(self) -> None:
         """Close this event loop's connection pool and Redis client."""
-        entry = self._redis.pop(asyncio.get_running_loop(), None)
-        if entry is not None and entry[0] == os.getpid():
-            await entry[1].aclose()
+        client = self._redis.pop()
+        if client is not None:
+            await client.aclose()
         connector = self.aconnector
         if isinstance(connector, AsyncPsycopgConnector):
             await connector.aclose()

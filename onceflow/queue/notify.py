@@ -33,7 +33,6 @@ import math
 import os
 import threading
 import time
-import weakref
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -53,6 +52,7 @@ from onceflow.connector import (
 )
 from onceflow.errors import InvalidRequest
 from onceflow.ids import check_worker_class
+from onceflow.loops import PerLoop
 from onceflow.queue.sql import NOTIFY_CHANNEL, N
 from onceflow.settings import Settings
 
@@ -251,28 +251,29 @@ class _Listening:
 
     settings: Settings
 
-    _alisteners: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _AsyncListener]
+    # A plain table pruned of closed loops: a weak one never let go (the task holds its loop).
+    _alisteners: PerLoop[_AsyncListener]
 
     def _listen_source(self) -> Engine | str:
         """The database the listener connects to (an engine or a URL)."""
         raise NotImplementedError
 
     def _async_listener(self) -> _AsyncListener:
-        loop = asyncio.get_running_loop()
         try:
             table = self._alisteners
         except AttributeError:
-            table = self._alisteners = weakref.WeakKeyDictionary()
-        listener = table.get(loop)
+            table = self._alisteners = PerLoop()
+        listener = table.get()
         if listener is None:
-            listener = table[loop] = _AsyncListener(_conninfo(self._listen_source()))
+            conninfo = _conninfo(self._listen_source())
+            listener = table.setdefault(lambda: _AsyncListener(conninfo))
         return listener
 
     async def _close_async_listener(self) -> None:
         """Stop the running event loop's work listener, if one was started."""
         table = getattr(self, "_alisteners", None)
         if table is not None:
-            listener = table.pop(asyncio.get_running_loop(), None)
+            listener = table.pop()
             if listener is not None:
                 await listener.close()
 

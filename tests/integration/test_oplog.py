@@ -529,3 +529,32 @@ def test_a_by_reference_retry_of_a_landed_op_after_the_claim_ended_replays(
             oplog.apply_op(None, sub_doc, op, oid, fence=fence)
     assert zombie_ops() == zombies + 3
     assert table_snapshot_ops(clean_db) == before
+
+
+def test_asyncio_run_per_call_keeps_one_redis_client_at_most(
+    clean_db: Engine, redis_url: str
+) -> None:
+    """``asyncio.run`` per call: a closed loop's ``redis.asyncio`` client goes, and its
+    connection with it (a loop-keyed weak table kept every client: it holds its loop)."""
+    import asyncio
+    import gc
+    import time
+
+    aoplog = AsyncOpLog(clean_db.url.render_as_string(hide_password=False))
+
+    async def my_connection_id() -> int:
+        return int(await aoplog.redis().client_id())
+
+    ids = [asyncio.run(my_connection_id()) for _ in range(4)]
+    gc.collect()
+    assert len(aoplog._redis) <= 1, f"{len(aoplog._redis)} clients kept"
+    r = redis_lib.Redis.from_url(redis_url)
+    deadline = time.monotonic() + 10  # a shut socket's client goes from the list a moment later
+    while True:
+        kept = {int(c["id"]) for c in r.client_list()} & set(ids)
+        if len(kept) <= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert len(kept) <= 1, f"{len(kept)} connections of closed loops still open"
+    asyncio.run(aoplog.aclose())
+    assert len(aoplog._redis) == 0

@@ -41,7 +41,6 @@ import contextlib
 import json
 import logging
 import time
-import weakref
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime
 from pathlib import Path
@@ -58,6 +57,7 @@ from onceflow.integrations.fastapi.events import StreamLimit, too_many_streams
 from onceflow.integrations.fastapi.operators import Operator, operator_route_class
 from onceflow.integrations.fastapi.schemas import RequestIdPath
 from onceflow.locks.savings import read_savings
+from onceflow.loops import PerLoop
 from onceflow.models import Dispatch, Status
 from onceflow.queue.overview import read_tables, stop_already_requested
 
@@ -286,16 +286,15 @@ def _page(name: str, media_type: str) -> Response:
 def create_dashboard_router(services: OnceflowServices) -> APIRouter:
     """``/dashboard`` (the page) and ``/dashboard/api/…`` (operator keys) for ``services``."""
     svc = services
-    hubs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, SnapshotHub] = (
-        weakref.WeakKeyDictionary()
-    )
+    hubs: PerLoop[SnapshotHub] = PerLoop()  # pruned of closed loops (a weak table kept them)
 
     def hub() -> SnapshotHub:
-        loop = asyncio.get_running_loop()
-        found = hubs.get(loop)
+        found = hubs.get()
         if found is None:
             per_key = min(MAX_STREAMS_PER_KEY, svc.settings.api_sse_max_per_key)
-            found = hubs[loop] = SnapshotHub(lambda: compute_snapshot(svc), max_per_key=per_key)
+            found = hubs.setdefault(
+                lambda: SnapshotHub(lambda: compute_snapshot(svc), max_per_key=per_key)
+            )
         return found
 
     router = APIRouter()

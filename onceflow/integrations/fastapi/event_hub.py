@@ -22,6 +22,8 @@ from redis.asyncio.client import PubSub
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from onceflow.loops import drop_redis_sockets, shut_redis_connection
+
 log = logging.getLogger("onceflow.api.events")
 
 SUBSCRIBE_TIMEOUT = 5.0
@@ -182,6 +184,13 @@ class EventHub:
         if link is not None:
             with contextlib.suppress(HubUnavailable):
                 await self._send(link, "unsubscribe", listener.channel, None)
+
+    def drop_sockets(self) -> None:
+        """Shut the Redis sockets of a hub whose event loop has closed (no loop needed)."""
+        link = self._link_now
+        if link is not None:
+            drop_redis_sockets(link.client)
+            shut_redis_connection(getattr(link.pubsub, "connection", None))
 
     async def aclose(self) -> None:
         """End every stream and close the connection (the app's shutdown)."""

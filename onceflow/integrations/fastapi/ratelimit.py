@@ -23,11 +23,9 @@ body ``{"detail": …, "code": "rate_limited"}``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +39,7 @@ from starlette.responses import JSONResponse
 
 from onceflow.errors import AccessDenied, InvalidRequest
 from onceflow.integrations.fastapi.auth import Principal
+from onceflow.loops import PerLoop, drop_redis_sockets
 from onceflow.settings import Settings
 
 log = logging.getLogger("onceflow.api.ratelimit")
@@ -103,6 +102,10 @@ class _Counters:
     storage: Any
     limiter: SlidingWindowCounterRateLimiter
 
+    def drop_sockets(self) -> None:
+        """Shut the Redis sockets of a closed loop's storage (``limits``' redis-py bridge)."""
+        drop_redis_sockets(getattr(getattr(self.storage, "bridge", None), "storage", None))
+
 
 class RateLimits:
     """The API's limits: per key, and per address on failed authentication."""
@@ -116,10 +119,9 @@ class RateLimits:
         self.per_key = per_key
         self.auth_failures = auth_failures
         self.storage = storage_uri(storage)
-        # The async storages bind to an event loop: one set of counters per loop.
-        self._counters: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Counters] = (
-            weakref.WeakKeyDictionary()
-        )
+        # The async storages bind to an event loop: one set of counters per loop, dropped
+        # with a closed loop (a weak table kept them: a storage holds its loop).
+        self._counters: PerLoop[_Counters] = PerLoop(_Counters.drop_sockets)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> RateLimits:
@@ -131,18 +133,19 @@ class RateLimits:
         )
 
     def _limiter(self) -> SlidingWindowCounterRateLimiter:
-        loop = asyncio.get_running_loop()
-        counters = self._counters.get(loop)
+        counters = self._counters.get()
         if counters is None:
-            options: dict[str, Any] = {}
-            if not self.storage.startswith("async+memory"):
-                options = {"implementation": "redispy", "key_prefix": KEY_PREFIX}
-                options["socket_connect_timeout"] = 2
-                options["socket_timeout"] = 2
-            storage = storage_from_string(self.storage, **options)
-            counters = _Counters(storage, SlidingWindowCounterRateLimiter(storage))
-            self._counters[loop] = counters
+            counters = self._counters.setdefault(self._new_counters)
         return counters.limiter
+
+    def _new_counters(self) -> _Counters:
+        options: dict[str, Any] = {}
+        if not self.storage.startswith("async+memory"):
+            options = {"implementation": "redispy", "key_prefix": KEY_PREFIX}
+            options["socket_connect_timeout"] = 2
+            options["socket_timeout"] = 2
+        storage = storage_from_string(self.storage, **options)
+        return _Counters(storage, SlidingWindowCounterRateLimiter(storage))
 
     async def authorize(self, request: Request, authorize: Callable[[], Principal]) -> Principal:
         """Run ``authorize`` (401/403 raise) under the limits; :class:`RateLimited` past one."""

@@ -4,10 +4,8 @@ providers for your own routes.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
-import weakref
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Annotated
@@ -19,6 +17,7 @@ from onceflow.integrations.fastapi.auth import Authenticator, KeyAuth
 from onceflow.integrations.fastapi.events import EventHub
 from onceflow.integrations.fastapi.operators import OperatorAuth
 from onceflow.integrations.fastapi.ratelimit import RateLimits
+from onceflow.loops import PerLoop
 from onceflow.models.requests import Dispatch, EnqueueResult
 from onceflow.oplog import AsyncOpLog, OpLog
 from onceflow.payloads import JSON
@@ -54,9 +53,8 @@ class OnceflowServices:
         self._lock = threading.Lock()
         self.rate_limits = RateLimits.from_settings(self.settings)
         self.operator_auth = OperatorAuth.from_settings(self.settings)
-        self._hubs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, EventHub] = (
-            weakref.WeakKeyDictionary()
-        )
+        # Pruned of closed loops (their Redis sockets shut): a weak table kept every hub.
+        self._hubs: PerLoop[EventHub] = PerLoop(EventHub.drop_sockets)
 
     @property
     def queue(self) -> Queue:
@@ -149,23 +147,24 @@ class OnceflowServices:
 
     def event_hub(self) -> EventHub:
         """This event loop's hub of event streams: one Redis pub/sub connection for them all."""
-        loop = asyncio.get_running_loop()
-        hub = self._hubs.get(loop)
+        hub = self._hubs.get()
         if hub is None:
             st = self.settings
-            hub = self._hubs[loop] = EventHub(
-                st.redis_url,
-                max_streams=st.api_sse_max_streams,
-                max_per_key=st.api_sse_max_per_key,
-                queue_size=st.api_sse_queue_size,
-                ping_seconds=st.api_sse_keepalive_seconds,
+            hub = self._hubs.setdefault(
+                lambda: EventHub(
+                    st.redis_url,
+                    max_streams=st.api_sse_max_streams,
+                    max_per_key=st.api_sse_max_per_key,
+                    queue_size=st.api_sse_queue_size,
+                    ping_seconds=st.api_sse_keepalive_seconds,
+                )
             )
         return hub
 
     async def aclose(self) -> None:
         """Close this loop's event hub, work listener and async queue's connection pool
         (the engine stays: shared per process)."""
-        hub = self._hubs.pop(asyncio.get_running_loop(), None)
+        hub = self._hubs.pop()
         if hub is not None:
             await hub.aclose()
         await self.queue.aclose()  # this loop's work listener (long-poll claims)
