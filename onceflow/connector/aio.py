@@ -325,8 +325,11 @@ class _AsyncOnOneConnection:
 
     @asynccontextmanager
     async def _savepoint(self) -> AsyncIterator[AsyncConnector]:
+        # A savepoint with its own after-commit list, kept only if it is released.
+        inner = _AsyncOnOneConnection(self.conn, self._translate)
         async with self.conn.transaction():
-            yield self
+            yield inner
+        self.callbacks.extend(inner.callbacks)
 
     def after_commit(self, fn: Callable[[], object]) -> None:
         self.callbacks.append(fn)

@@ -28,6 +28,7 @@ from onceflow.connector import (
     SQLAlchemyConnector,
     Steps,
     Transaction,
+    arun,
     run,
 )
 from onceflow.errors import ConnectionLost, DatabaseUnavailable
@@ -237,6 +238,18 @@ def test_after_commit_of_a_rolled_back_savepoint_is_dropped(clean_db: Engine) ->
         run(SQLAlchemyConnector(conn), _savepoint_rolled_back(seen))
         assert seen == []
         conn.commit()
+    assert seen == ["kept", "outer"]
+    seen.clear()
+    url = clean_db.url.render_as_string(hide_password=False)
+
+    async def on_async_pool() -> None:
+        connector = AsyncPsycopgConnector(url)
+        try:
+            await arun(connector, _savepoint_rolled_back(seen))
+        finally:
+            await connector.aclose()
+
+    asyncio.run(on_async_pool())
     assert seen == ["kept", "outer"]
 
 
