@@ -32,6 +32,15 @@ from onceflow.cli.base import (
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
 @click.option("--pool", default="prefork", show_default=True)
 @click.option("--hostname", "-n", default=None, help="Celery node name (default: unique).")
+@click.option(
+    "--events/--no-events",
+    default=True,
+    show_default=True,
+    help="Send task events (Flower shows them; off for a benchmark beside bare Celery).",
+)
+@click.option("--without-gossip", is_flag=True, help="Celery's: no gossip with other workers.")
+@click.option("--without-mingle", is_flag=True, help="Celery's: no synchronisation at start.")
+@click.option("--without-heartbeat", is_flag=True, help="Celery's: no worker heartbeat events.")
 @_APP_OPTION
 @_errors_to_exit
 def worker(
@@ -40,6 +49,10 @@ def worker(
     loglevel: str,
     pool: str,
     hostname: str | None,
+    events: bool,
+    without_gossip: bool,
+    without_mingle: bool,
+    without_heartbeat: bool,
     app_spec: str | None,
 ) -> None:
     """Run a Celery worker for some worker classes (a thin wrapper over `celery worker`)."""
@@ -66,7 +79,15 @@ def worker(
     else:
         queues = ",".join([*(queue_name(wc) for wc in classes), MAINTENANCE_QUEUE])
     name = hostname or f"onceflow-{'-'.join(classes)[:40]}-{os.getpid()}@%h"
-    argv = ["worker", "-Q", queues, "-E", "--loglevel", loglevel, "--pool", pool, "-n", name]
+    argv = ["worker", "-Q", queues, "--loglevel", loglevel, "--pool", pool, "-n", name]
+    if events:
+        argv.append("-E")
+    else:  # Celery's CLI can only turn them on: a Flow's own app has them on in its config
+        app.conf.worker_send_task_events = False
+        app.conf.task_send_sent_event = False
+    flags = {"--without-gossip": without_gossip, "--without-mingle": without_mingle,
+             "--without-heartbeat": without_heartbeat}  # fmt: skip
+    argv += [flag for flag, on in flags.items() if on]
     if concurrency:
         argv += ["--concurrency", str(concurrency)]
     if not user_sets(app.conf, "worker_prefetch_multiplier"):

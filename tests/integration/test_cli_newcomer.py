@@ -140,6 +140,7 @@ def test_worker_started_in_the_project_directory_runs_its_stage(
             return " ready." in text
 
         wait_for(ready, timeout=60, what="the worker to be ready")
+        assert ".> task events: ON" in log.read_text(errors="replace")  # Flower sees it
         enqueued = cli("enqueue", "--app", "myproject.stages:flow", "--stage", "greet",
                        "--workspace", "w", "--job", "j", "--input", '{"name": "ada", "times": 2}',
                        cwd=project)  # fmt: skip
@@ -388,3 +389,41 @@ def test_an_unmigrated_database_says_run_migrate(project: Path, unmigrated_url: 
     status = cli("status", "--json", cwd=project, env=env)
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout) == {"counts": {}}
+
+
+def test_worker_flags_for_a_fair_benchmark_reach_celery(
+    clean_db: Engine, redis_url: str, project: Path, tmp_path: Path
+) -> None:
+    """``onceflow worker`` passes the flags a benchmark beside bare Celery needs: task events
+    off (a Flow's own app has them on in its config, which ``-E`` alone cannot undo), no
+    gossip, mingle or worker heartbeat — read back from Celery's own banner and log."""
+    log = tmp_path / "worker.log"
+    with open(log, "ab") as out:
+        worker = subprocess.Popen(
+            [sys.executable, "-P", "-m", "onceflow.cli", "worker", "--app",
+             "myproject.stages:flow", "--concurrency", "1", "--pool", "solo", "--no-events",
+             "--without-gossip", "--without-mingle", "--without-heartbeat",
+             "-n", f"flags-{os.getpid()}@%h"],
+            cwd=project, env=_env(None), stdout=out, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+    try:
+
+        def ready() -> bool:
+            text = log.read_text(errors="replace")
+            assert worker.poll() is None, text
+            return " ready." in text
+
+        wait_for(ready, timeout=60, what="the worker to be ready")
+        text = log.read_text(errors="replace")
+        assert ".> task events: OFF" in text, text
+        assert "mingle: searching for neighbors" not in text, text
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.pid, signal.SIGTERM)
+        try:
+            worker.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
