@@ -43,6 +43,7 @@ from onceflow.connector.steps import (
     Transaction,
     Using,
     all_rows,
+    drive,
     one_row,
     retrying,
 )
@@ -77,6 +78,7 @@ __all__ = [
     "all_rows",
     "arun",
     "conninfo",
+    "drive",
     "on_connection",
     "one_row",
     "operation",

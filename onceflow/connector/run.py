@@ -27,6 +27,7 @@ from onceflow.connector.steps import (
     Steps,
     Transaction,
     Using,
+    drive,
 )
 from onceflow.connector.sync import SQLAlchemyConnector
 
@@ -39,19 +40,7 @@ R = TypeVar("R")
 
 def run(connector: Connector, steps: Steps[R]) -> R:
     """Drive ``steps`` to their result on a sync connector."""
-    answer: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            step = steps.send(answer) if error is None else steps.throw(error)
-        except StopIteration as stop:
-            result: R = stop.value
-            return result
-        answer, error = None, None
-        try:
-            answer = _do(connector, step)
-        except Exception as exc:
-            error = exc
+    return drive(steps, functools.partial(_do, connector))
 
 
 def _do(c: Connector, step: Step) -> Any:

@@ -131,6 +131,25 @@ Step: TypeAlias = (
 Steps: TypeAlias = Generator[Step, Any, R]
 
 
+def drive(steps: Generator[Any, Any, R], do: Callable[[Any], Any]) -> R:
+    """Run a generator of steps to its return value: ``do(step)``'s answer is sent back in,
+    its error (an ``Exception``) thrown in at the ``yield``, where a direct call would have
+    raised it. The sync driver of the connector (:func:`run`) and of the op-log client."""
+    answer: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = steps.send(answer) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            result: R = stop.value
+            return result
+        answer, error = None, None
+        try:
+            answer = do(step)
+        except Exception as exc:
+            error = exc
+
+
 def one_row(query: Query, params: Mapping[str, Any]) -> Steps[Any]:
     """``row = yield from one_row(q, p)``: the statement's first row, or None."""
     row = yield FetchOne(query, params)

@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable, Generator
 from typing import Any, NoReturn, TypeVar
 
+from onceflow.connector import Sleep  # a store retry's backoff, as the SQL layers' pause
+
 R = TypeVar("R")
 
 
@@ -42,16 +44,9 @@ class Call:
         self.kwargs = kwargs
 
 
-class Sleep:
-    """Pause ``seconds`` (a store retry's backoff)."""
-
-    __slots__ = ("seconds",)
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-
-
 Step = Call | Sleep
+
+__all__ = ["Call", "Sleep", "Step", "Steps", "run_async", "run_sync"]
 #: A protocol run: yields steps, is sent each step's result, returns the run's result.
 Steps = Generator[Step, Any, R]
 

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from onceflow.connector import Sleep
+from onceflow.connector import Sleep, drive
 from onceflow.errors import DatabaseUnavailable
 from onceflow.models.ops import OpModel
 from onceflow.oplog.outbox import ClientSteps, OpsParked, Outbox, Send, TransportError
@@ -162,22 +162,13 @@ class WorkspaceClient:
     def _run(self, steps: ClientSteps[R]) -> R:
         """Drive the rules' steps: the transport sends, ``time.sleep`` waits."""
         with self.outbox.lock:
-            answer: Any = None
-            error: Exception | None = None
-            while True:
-                try:
-                    step = steps.send(answer) if error is None else steps.throw(error)
-                except StopIteration as stop:
-                    result: R = stop.value
-                    return result
-                answer, error = None, None
-                try:
-                    if isinstance(step, Sleep):
-                        time.sleep(step.seconds)
-                    else:
-                        answer = self.transport.apply(*_args(step))
-                except Exception as exc:
-                    error = exc
+            return drive(steps, self._do)
+
+    def _do(self, step: Send | Sleep) -> Any:
+        if isinstance(step, Sleep):
+            time.sleep(step.seconds)
+            return None
+        return self.transport.apply(*_args(step))
 
     # ------------------------------------------------------------------ clocks
 

@@ -87,9 +87,8 @@ class ReadOps:
         if status is not None:
             statuses = [status] if isinstance(status, str) else builtins.list(status)
             params["statuses"] = [parse_status(s).value for s in statuses]
-            params["status"] = True
-        filters = tuple(f for f in sql.LIST_FILTERS if f in params)
-        params.pop("status", None)
+        given = {*params, *(["status"] if status is not None else [])}
+        filters = tuple(f for f in sql.LIST_FILTERS if f in given)
         rows = yield from every(sql.list_query(filters, limit), params)
         return [Request.from_row(r) for r in rows]
 
