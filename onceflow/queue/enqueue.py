@@ -6,6 +6,7 @@ Mixed into :class:`~onceflow.queue.Queue`.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -206,6 +207,7 @@ class EnqueueOps:
         }  # fmt: skip
         limit = self.settings.payload_limit_bytes
         depth = self.settings.max_payload_depth
+        rows: list[str] = []
         for item in items:
             if not isinstance(item, NewRequest):
                 raise InvalidRequest(f"expected NewRequest, got {type(item).__name__}")
@@ -238,7 +240,13 @@ class EnqueueOps:
                 ("max_crash_attempts", max_crash), ("delays", delay),
             ):  # fmt: skip
                 cols[key].append(value)
-        return {**cols, "now": now, "notify": self.settings.notify}
+            rows.append(_row_json(rid, item, digest, max_attempts, max_crash, delay, text))
+        return {
+            **cols,
+            "rows": "[" + ",".join(rows) + "]",
+            "now": now,
+            "notify": self.settings.notify,
+        }
 
     def _insert_rows(self, params: dict[str, Any], strict: bool) -> Steps[list[EnqueueResult]]:
         ids: list[str] = params["request_ids"]
@@ -269,6 +277,26 @@ class EnqueueOps:
                 )
             )
         return results
+
+
+def _row_json(
+    rid: str,
+    item: NewRequest,
+    digest: str,
+    max_attempts: int,
+    max_crash: int,
+    delay: float,
+    text: str,
+) -> str:
+    """One element of ENQUEUE's ``:rows``: the columns, then the input's canonical JSON as is."""
+    head = json.dumps(
+        [
+            rid, item.workspace_id, item.job_id, item.branch_path, item.stage,
+            bool(item.dedupe), digest, item.worker_class, item.priority, max_attempts,
+            max_crash, delay,
+        ]
+    )  # fmt: skip
+    return f"{head[:-1]},{text}]"
 
 
 def _sized(items: Sequence[NewRequest]) -> bool:

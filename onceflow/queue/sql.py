@@ -43,18 +43,21 @@ def _notify(rows: str, where: str = "true") -> str:
 # Always true; makes the final SELECT read the `sig` CTE, so its NOTIFYs are sent.
 _SENT = "(SELECT sent FROM sig) >= 0"
 
+# The rows come as one JSON text (:rows, built by EnqueueOps._enqueue_params): an array of
+# [request_id, workspace_id, job_id, branch_path, stage, dedupe, input_hash, worker_class,
+#  priority, max_attempts, max_crash_attempts, delay, input], the input as its canonical JSON.
+# One parameter instead of thirteen arrays: psycopg dumps a list element by element in
+# Python, which cost more than the statement itself (bench/queue_bench.py, issue 13). `json`,
+# not `jsonb`, for the envelope: parsed, not normalised; each input becomes jsonb on its own.
 ENQUEUE: TextClause = text(f"""
 WITH n AS ({_NOW}),
 items AS (
-    SELECT * FROM unnest(
-        CAST(:request_ids AS text[]), CAST(:workspace_ids AS text[]),
-        CAST(:job_ids AS text[]), CAST(:branch_paths AS text[]), CAST(:stages AS text[]),
-        CAST(:dedupes AS boolean[]), CAST(:inputs AS jsonb[]), CAST(:input_hashes AS text[]),
-        CAST(:worker_classes AS text[]), CAST(:priorities AS integer[]),
-        CAST(:max_attempts AS integer[]), CAST(:max_crash_attempts AS integer[]),
-        CAST(:delays AS float8[])
-    ) AS t(request_id, workspace_id, job_id, branch_path, stage, dedupe, input, input_hash,
-           worker_class, priority, max_attempts, max_crash_attempts, delay)
+    SELECT e->>0 AS request_id, e->>1 AS workspace_id, e->>2 AS job_id, e->>3 AS branch_path,
+           e->>4 AS stage, CAST(e->>5 AS boolean) AS dedupe, e->>6 AS input_hash,
+           e->>7 AS worker_class, CAST(e->>8 AS integer) AS priority,
+           CAST(e->>9 AS integer) AS max_attempts, CAST(e->>10 AS integer) AS max_crash_attempts,
+           CAST(e->>11 AS float8) AS delay, CAST(e->12 AS jsonb) AS input
+    FROM json_array_elements(CAST(:rows AS json)) AS e
 ),
 ins AS (
     INSERT INTO {TABLE} AS w (
@@ -75,7 +78,7 @@ sig AS ({_notify("ins", "r.run_after <= n.now")})
 SELECT request_id, true AS created, status, input_hash FROM ins WHERE {_SENT}
 UNION ALL
 SELECT w.request_id, false AS created, w.status, w.input_hash
-FROM unnest(CAST(:request_ids AS text[])) AS r(request_id)
+FROM items r
 JOIN {TABLE} w USING (request_id)
 """)
 
