@@ -29,6 +29,7 @@ import sqlalchemy.exc as sa_exc
 from psycopg.rows import dict_row
 from sqlalchemy import URL, Connection, Engine, TextClause, create_engine, make_url
 from sqlalchemy.dialects.postgresql import psycopg as pg_psycopg
+from sqlalchemy.pool import PoolProxiedConnection
 
 from onceflow.errors import (
     ConnectionLost,
@@ -174,23 +175,30 @@ def raw_connection(engine: Engine) -> Iterator[psycopg.Connection[Any]]:
 
     SQLAlchemy keeps the pool; the statements go straight to psycopg (its
     automatic prepared statements, no result-metadata work). Each statement
-    commits on its own; wrap several in ``conn.transaction()``.
+    commits on its own; wrap several in ``conn.transaction()``. The checkout is the
+    pool's own (``engine.raw_connection()``), without a SQLAlchemy ``Connection``
+    around it: that wrapper cost a stage's two statements ~10% of a worker child's CPU
+    (issue 13's profile) and nothing here used it.
     """
-    with translate_errors(engine.url), engine.connect() as sa_conn:
-        raw = sa_conn.connection.driver_connection
-        assert raw is not None  # noqa: S101 - a live checkout always has one
-        raw.autocommit = True
+    with translate_errors(engine.url):
+        fairy = engine.raw_connection()
         try:
-            yield raw
-        except BaseException as exc:
-            if raw.broken or raw.closed:
-                lost = _drop_dead_connection(engine, sa_conn, exc)
-                if lost is not None:
-                    raise lost from exc
-            raise
+            raw = fairy.driver_connection
+            assert raw is not None  # noqa: S101 - a live checkout always has one
+            raw.autocommit = True
+            try:
+                yield raw
+            except BaseException as exc:
+                if raw.broken or raw.closed:
+                    lost = _drop_dead_connection(engine, fairy, exc)
+                    if lost is not None:
+                        raise lost from exc
+                raise
+            finally:
+                if not raw.closed:
+                    raw.autocommit = False  # what SQLAlchemy's pool expects back
         finally:
-            if not raw.closed:
-                raw.autocommit = False  # what SQLAlchemy's pool expects back
+            fairy.close()  # back to the pool (an invalidated one is discarded)
 
 
 #: SQLSTATEs of a session ended by its own timeout: the server is fine, so the pool is kept.
@@ -200,7 +208,7 @@ _DISCONNECT_SQLSTATES = frozenset({"57P01", "57P02", "08000", "08003", "08006", 
 
 
 def _drop_dead_connection(
-    engine: Engine, sa_conn: Connection, exc: BaseException
+    engine: Engine, fairy: PoolProxiedConnection, exc: BaseException
 ) -> ConnectionLost | None:
     """The checked-out connection died under ``exc``: never hand it (or its peers) out again.
 
@@ -211,25 +219,31 @@ def _drop_dead_connection(
     """
     database_error = isinstance(exc, psycopg.Error | DatabaseUnavailable)
     if database_error and getattr(exc, "sqlstate", None) not in _SESSION_ONLY_SQLSTATES:
-        invalidate_pool(engine, sa_conn)
-    sa_conn.invalidate()
+        invalidate_pool(engine, fairy)
+    fairy.invalidate()
     if not database_error or isinstance(exc, ConnectionLost):
         return None
     return ConnectionLost(f"Postgres connection lost: {_first_line(exc)}")
 
 
-def invalidate_pool(engine: Engine, sa_conn: Connection | None = None) -> None:
+def invalidate_pool(
+    engine: Engine, seen_by: Connection | PoolProxiedConnection | None = None
+) -> None:
     """Mark every connection the pool opened so far as stale; each is replaced at its checkout.
 
     Nothing is closed now and no round trip is made: a connection checked out
     elsewhere finishes its call, and the pool swaps it for a fresh one the next
     time it is handed out (SQLAlchemy's own disconnect handling, ``Pool._invalidate``,
-    which moves the pool's invalidation time). ``sa_conn`` is the connection
-    that saw the disconnect: if the pool was invalidated after it was opened,
-    the time is not moved again, so newer, live connections are kept.
+    which moves the pool's invalidation time). ``seen_by`` is the connection (a
+    SQLAlchemy one or a pool checkout) that saw the disconnect: if the pool was
+    invalidated after it was opened, the time is not moved again, so newer, live
+    connections are kept.
     """
     pool = engine.pool
-    fairy = sa_conn.connection if sa_conn is not None and not sa_conn.invalidated else None
+    if isinstance(seen_by, Connection):
+        fairy = None if seen_by.invalidated else seen_by.connection
+    else:
+        fairy = seen_by if seen_by is not None and seen_by.is_valid else None
     invalidate = getattr(pool, "_invalidate", None)
     if invalidate is None:  # pragma: no cover - a SQLAlchemy without it: start a new pool
         engine.dispose(close=False)

@@ -52,6 +52,13 @@ class Settings(BaseSettings):
         "sub-doc state; deeper is refused (422 invalid_request), and an HTTP body nested "
         "deeper than this plus 4 is refused before it is parsed.",
     )
+    lazy_claim_commits: bool = Field(
+        default=True,
+        description="Claims and heartbeats commit without waiting for the WAL flush "
+        "(synchronous_commit off for their own transaction only); completions, failures, "
+        "enqueues and op writes stay durable. A claim lost in a Postgres crash is claimed "
+        "again and the first run is fenced off (docs/reliability.md). Off: every commit waits.",
+    )
     pool_size: int = Field(default=5, ge=1, description="SQLAlchemy pool size per process.")
     broker_url: str | None = Field(
         default=None, description="Celery broker URL; the Redis URL when unset."

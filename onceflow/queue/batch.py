@@ -78,6 +78,8 @@ class BatchOps:
 
         def backoff(self, attempt: int) -> float: ...
 
+        def _lazy(self) -> Steps[bool]: ...
+
     # ---------------------------------------------------------------- complete / fail
 
     def _error_text(self, error: Any) -> str:
@@ -198,6 +200,7 @@ class BatchOps:
             "request_ids": ids, "tokens": [c.token for c in checked],
             "lease_seconds": [c.lease_seconds for c in checked],
             "deadlines": [c.run_deadline for c in checked], "now": now,
+            "lazy": (yield from self._lazy()),
         }  # fmt: skip
         answer = yield from retrying(lambda: all_rows(N.HEARTBEAT_MANY, params))
         rows = {r["request_id"]: r for r in answer}

@@ -26,6 +26,7 @@ from onceflow.connector import (
     Execute,
     FetchAll,
     FetchOne,
+    Pooled,
     Sleep,
     Steps,
     Transaction,
@@ -83,6 +84,14 @@ class ClaimOps:
             self, params: dict[str, Any], strict: bool
         ) -> Steps[builtins.list[EnqueueResult]]: ...
 
+    def _lazy(self) -> Steps[bool]:
+        """Whether a claim or heartbeat may commit lazily here (see ``lazy_claim_commits``):
+        only on a pooled connection, whose transaction is the statement's own."""
+        if not self.settings.lazy_claim_commits:
+            return False
+        pooled: bool = yield Pooled()
+        return pooled
+
     @operation
     def claim(
         self,
@@ -109,6 +118,7 @@ class ClaimOps:
         params = {
             "request_id": request_id, "worker_id": worker_id, "token": token,
             "lease_seconds": lease, "max_runtime": runtime, "stage": stage, "now": now,
+            "lazy": (yield from self._lazy()),
         }  # fmt: skip
         try:
             row = yield FetchOne(N.CLAIM, params)
@@ -155,6 +165,7 @@ class ClaimOps:
         lease = self._lease(lease_seconds)
         claims: builtins.list[Claim] = []
         took_over: builtins.list[bool] = []
+        lazy = yield from self._lazy()
         for wc in classes:
             want = limit - len(claims)
             if want <= 0:
@@ -162,7 +173,7 @@ class ClaimOps:
             tokens = [new_claim_token() for _ in range(want)]
             params = {
                 "worker_class": wc, "worker_id": worker_id, "tokens": tokens,
-                "lease_seconds": lease, "max_runtime": runtime, "now": now,
+                "lease_seconds": lease, "max_runtime": runtime, "now": now, "lazy": lazy,
             }  # fmt: skip
             rows = yield FetchAll(sql.claim_next_query(want), params)
             for row in rows:
@@ -202,6 +213,7 @@ class ClaimOps:
             "lease_seconds": lease,
             "deadline": full.run_deadline if full else None,
             "default_lease": self.settings.lease_seconds, "now": now,
+            "lazy": (yield from self._lazy()),
         }  # fmt: skip
         # One immediate retry after a lost connection (extending a lease twice is harmless);
         # nothing longer: one thread beats for every stage of the process, and its next

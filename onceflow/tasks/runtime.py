@@ -59,9 +59,17 @@ class _Heartbeats:
 
     #: How soon a heartbeat skipped for a recording in flight is tried again (at most).
     RETRY_BUSY_SECONDS = 0.05
+    #: How long the thread sleeps with nothing to beat before it has seen a stage.
+    IDLE_SECONDS = 60.0
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
+        # When the thread will wake up by itself (monotonic; 0 while it is not waiting), and
+        # how long it sleeps when idle: the shortest interval registered so far. A stage
+        # whose first beat falls after that wake-up needs no notify — in a prefork child,
+        # where each stage finds the set empty, a notify per stage was a thread switch each.
+        self._wake_at = 0.0
+        self._idle = self.IDLE_SECONDS
         self._due: dict[int, tuple[float, StageContext, Queue, float]] = {}
         self._turns: dict[int, threading.Lock] = {}
         self._thread: threading.Thread | None = None
@@ -77,9 +85,12 @@ class _Heartbeats:
                 )
                 self._pid = os.getpid()
                 self._thread.start()
-            self._due[id(ctx)] = (time.monotonic() + interval, ctx, queue, interval)
+            due = time.monotonic() + interval
+            self._due[id(ctx)] = (due, ctx, queue, interval)
             self._turns[id(ctx)] = threading.Lock()
-            self._cond.notify()
+            self._idle = min(self._idle, interval)
+            if due < self._wake_at:
+                self._cond.notify()
 
     def remove(self, ctx: StageContext) -> None:
         """Stop heartbeating ``ctx`` (always called when its stage ends, also on BaseException)."""
@@ -119,8 +130,12 @@ class _Heartbeats:
             now = time.monotonic()
             ready = [(k, v) for k, v in self._due.items() if v[0] <= now]
             if not ready:
-                wake = min((v[0] for v in self._due.values()), default=now + 60.0)
-                self._cond.wait(timeout=max(0.0, wake - now))
+                wake = min((v[0] for v in self._due.values()), default=now + self._idle)
+                self._wake_at = wake
+                try:
+                    self._cond.wait(timeout=max(0.0, wake - now))
+                finally:
+                    self._wake_at = 0.0
                 return
             for k, (_, ctx, queue, interval) in ready:
                 self._due[k] = (now + interval, ctx, queue, interval)
