@@ -27,6 +27,7 @@ from onceflow.connector import (
     FetchAll,
     FetchOne,
     Pooled,
+    Query,
     Sleep,
     Steps,
     Transaction,
@@ -67,6 +68,10 @@ _T = TypeVar("_T")
 
 #: What every fenced write takes: a claim, or its bare ``(request_id, token)``.
 Fenced = Claim | ClaimRef
+
+
+#: hand_off's marker for a fence that does not hold the request's input (a ClaimRef).
+_NOT_HELD: Any = object()
 
 
 class ClaimOps:
@@ -271,10 +276,16 @@ class ClaimOps:
             "worker_classes": fence_scope(claim),
         }  # fmt: skip
 
+        # A Claim holds the request's input: the completion need not read it back.
+        held = claim.request.input if isinstance(claim, Claim) else _NOT_HELD
+        statement = N.COMPLETE if held is _NOT_HELD else N.COMPLETE_NO_INPUT
+
         def attempt() -> Steps[tuple[Request, builtins.list[EnqueueResult]]]:
-            row, followed = yield from self._complete_once(params, follow_params)
+            row, followed = yield from self._complete_once(statement, params, follow_params)
             if row is None:
                 raise LeaseLost(claim.request_id, "completion rejected")
+            if held is not _NOT_HELD:
+                row = {**row, "input": held}
             return Request.from_row(row), followed
 
         def landed() -> Steps[tuple[Request, builtins.list[EnqueueResult]] | None]:
@@ -337,21 +348,21 @@ class ClaimOps:
         return None if row is None else Request.from_row(row)
 
     def _complete_once(
-        self, params: dict[str, Any], follow_params: dict[str, Any] | None
+        self, statement: Query, params: dict[str, Any], follow_params: dict[str, Any] | None
     ) -> Steps[tuple[Any, builtins.list[EnqueueResult]]]:
         """One attempt at a completion: the updated row (None if fenced off) and follow-ups."""
         if follow_params is None:
-            row = yield FetchOne(N.COMPLETE, params)  # one statement, one round trip
+            row = yield FetchOne(statement, params)  # one statement, one round trip
             return row, []
         out: tuple[Any, builtins.list[EnqueueResult]] = yield Transaction(
-            self._complete_and_enqueue(params, follow_params)
+            self._complete_and_enqueue(statement, params, follow_params)
         )
         return out
 
     def _complete_and_enqueue(
-        self, params: dict[str, Any], follow_params: dict[str, Any]
+        self, statement: Query, params: dict[str, Any], follow_params: dict[str, Any]
     ) -> Steps[tuple[Any, builtins.list[EnqueueResult]]]:
-        row = yield FetchOne(N.COMPLETE, params)
+        row = yield FetchOne(statement, params)
         if row is None:
             return None, []
         followed = yield from self._insert_rows(follow_params, False)

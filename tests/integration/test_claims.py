@@ -524,8 +524,8 @@ class LoseFirstAnswer:
             kill_backends(ADMIN[0], "application_name = %s", LOST_APP)
             yield FetchOne(Query("test.probe", "SELECT 1 AS one"), {})  # raises ConnectionLost
 
-    def _complete_once(self, params: Any, follow_params: Any) -> Steps[Any]:
-        out = yield from super()._complete_once(params, follow_params)  # type: ignore[misc]
+    def _complete_once(self, *args: Any) -> Steps[Any]:
+        out = yield from super()._complete_once(*args)  # type: ignore[misc]
         yield from self._lose()
         return out
 
@@ -634,3 +634,17 @@ def test_database_down_is_a_clear_error() -> None:
     with pytest.raises(DatabaseUnavailable):
         q.get("x")
     assert os.environ.get("ONCEFLOW_DATABASE_URL") != "postgresql+psycopg://127.0.0.1:1/nothing"
+
+
+def test_a_completion_returns_the_whole_request_by_claim_and_by_ref(api_queue: Queue) -> None:
+    """By a Claim the input is not read back (the claim holds it); the request returned is
+    the same as the one a reference gets, which reads it from the row."""
+    for job in ("a", "b"):
+        api_queue.enqueue("s", "w", job, input={"doc": job, "n": [1, 2]})
+    ca, cb = api_queue.claim_next("default", "pw", limit=2)
+    by_claim = api_queue.complete(ca, {"ok": 1})
+    by_ref = api_queue.complete(ClaimRef(cb.request_id, cb.token), {"ok": 1})
+    assert by_claim.input == {"doc": ca.request.input["doc"], "n": [1, 2]}
+    assert by_ref.input == {"doc": cb.request.input["doc"], "n": [1, 2]}
+    assert by_claim == api_queue.get(ca.request_id)
+    assert by_ref == api_queue.get(cb.request_id)
