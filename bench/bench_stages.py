@@ -36,6 +36,9 @@ BARE_QUEUE = QUEUE + "-bare"
 KEYS = os.environ.get("ONCEFLOW_BENCH_KEYS", "onceflow-bench")
 #: How many finishes make a full drain (the last one stores its time).
 TOTAL = int(os.environ.get("ONCEFLOW_BENCH_TOTAL", "0"))
+#: How long each body waits, in ms (both sides): 0 is the no-op drain; a few ms stand for
+#: I/O-bound work (an LLM or Maps call), for scaling runs that are not CPU-bound.
+BODY_SECONDS = float(os.environ.get("ONCEFLOW_BENCH_BODY_MS", "0")) / 1000
 
 flow = Flow()
 app = flow.app
@@ -61,6 +64,8 @@ def r() -> redis.Redis:
 def started(tag: str, pickup: bool) -> None:
     if pickup:
         r().rpush(f"{KEYS}:pickup:{tag}", repr(time.time()))
+    if BODY_SECONDS:
+        time.sleep(BODY_SECONDS)  # the stand-in for an I/O-bound body
 
 
 class NoopInput(BaseModel):
