@@ -2,7 +2,7 @@
 # bottom, sharing its process helpers with bench/runtime_bench.py; not on the runtime path.
 """A fair stage-drain benchmark: onceflow's stage beside a bare Celery task, matched flags.
 
-    PYTHONPATH=. .venv/bin/python bench/drain_bench.py [--quick] [--json]
+    PYTHONPATH=. .venv/bin/python bench/drain_bench.py [--quick] [--json] [--no-peers]
         [--breakdown] [--profile] [--only drain|breakdown|profile]
 
 Results and their reading: docs/benchmarks.md, "Celery stage runtime".
@@ -37,6 +37,22 @@ sides start the same way and are measured the same way:
   drains the CPU time (utime + stime from ``/proc/<pid>/stat``) of the worker
   parents, their pool children, the Postgres backends of the bench database and
   the Redis server is read before and after: who used the two cores.
+* peers (``--peers``, the default; ``--no-peers`` skips them): in the one-process
+  configurations each round also drains the same N no-op jobs through Procrastinate and
+  PgQueuer, after the two Celery sides (onceflow, Celery, Procrastinate, PgQueuer). Their
+  consumers are ``bench/consumer_side.py``'s (``consume``; one process, concurrency c =
+  Procrastinate's ``concurrency``, PgQueuer's ``max_concurrent_tasks`` with ``batch_size``
+  c / 2, as PgQueuer requires ``max_concurrent_tasks >= 2 x batch_size``; stall/heartbeat
+  timeout 30 s), run from the peers' virtualenv that ``bench/consumer_bench.py`` creates
+  (``ONCEFLOW_BENCH_PEERS_VENV``). Each peer has a database of its own beside the bench's
+  (``<bench db>_procrastinate``, ``<bench db>_pgqueuer``), its tables emptied before each
+  drain; no peer process runs during the Celery sides' drains. The N jobs are queued with
+  the peer's batch API before its consumer starts; each job appends its finish
+  ``time.time()`` to a file, and the rate is again (N - 1) / (N-th finish - first finish),
+  so start-up stays outside it. CPU seconds of the consumer process and of the backends on
+  the peer's database are read when the bench sees the first and the N-th finish. Reported:
+  each side's median rate and its median of per-round ratios against bare Celery and
+  against onceflow.
 * pickup: one onceflow and one bare worker (concurrency 2) up and idle; requests
   alternate, each timed from just before ``flow.enqueue`` / ``send_task`` to the
   first line of the body (``time.time()`` pushed to Redis), after the previous one
@@ -65,6 +81,8 @@ Progress goes to stderr; Markdown (or ``--json``) to stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import re
 import shutil
@@ -76,8 +94,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import make_url
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.consumer_bench import PEERS_VENV, Consumers, Side, ensure_peers, read_done
 from bench.runtime_bench import (
     ADMIN_DEFAULT,
     REDIS_DEFAULT,
@@ -86,6 +107,7 @@ from bench.runtime_bench import (
     _lat,
     _loadavg,
     bench_databases,
+    libpq,
     log,
     machine_info,
     raw_connect,
@@ -204,6 +226,155 @@ def drain(
     }
 
 
+# ---------------------------------------------------------------------------- peers
+
+PEERS = ("procrastinate", "pgqueuer")
+#: ``consumer_side.py --stall`` for the peers' drains: Procrastinate's default
+#: ``stalled_worker_timeout`` (heartbeat every STALL/4 s; PgQueuer's ``heartbeat_timeout``).
+PEER_STALL = 30.0
+#: The tables of a peer's schema (all in ``public`` of its own database), emptied per drain.
+PEER_TABLES = {"procrastinate": "procrastinate_%", "pgqueuer": "pgqueuer%"}
+
+
+class Peers:
+    """Procrastinate and PgQueuer consumers of ``bench/consumer_side.py``, run from the peers'
+    virtualenv (``ONCEFLOW_BENCH_PEERS_VENV``, created as ``bench/consumer_bench.py`` does),
+    each on a database of its own beside the bench's: ``<bench db>_<system>``."""
+
+    def __init__(self, admin: str, url: str, logdir: Path) -> None:
+        venv = Path(os.environ.get("ONCEFLOW_BENCH_PEERS_VENV", PEERS_VENV))
+        python = ensure_peers(venv, install=True)
+        if python is None:
+            raise RuntimeError(f"no peers' virtualenv at {venv}")
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        self.sides = {s: Side(s, python, env) for s in PEERS}
+        base = make_url(url)
+        self.urls = {
+            s: base.set(database=f"{base.database}_{s}").render_as_string(hide_password=False)
+            for s in PEERS
+        }
+        self.admin, self.logdir = admin, logdir
+        self.versions: dict[str, str] = {}
+        self.made: list[str] = []
+
+    def __enter__(self) -> Peers:
+        try:
+            for system, url in self.urls.items():
+                with raw_connect(self.admin) as conn:
+                    conn.execute(f'CREATE DATABASE "{make_url(url).database}"')
+                self.made.append(str(make_url(url).database))
+                self.sides[system].run("schema", system, libpq(url))
+                log(f"{system}: schema in {make_url(url).database}")
+            self.versions = json.loads(self.sides[PEERS[0]].run("versions"))
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with raw_connect(self.admin) as conn:
+            for db in self.made:
+                conn.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+                log(f"dropped database {db}")
+        self.made.clear()
+
+    def reset(self, system: str) -> None:
+        """Empty the peer's tables (jobs, events, logs), as ``Bench.reset`` does onceflow's."""
+        with raw_connect(self.urls[system]) as conn:
+            tables = [
+                str(r[0])
+                for r in conn.execute(
+                    "SELECT tablename FROM pg_tables WHERE schemaname = 'public' "
+                    "AND tablename LIKE %s",
+                    (PEER_TABLES[system],),
+                ).fetchall()
+            ]
+            conn.execute(f"TRUNCATE {', '.join(tables)} CASCADE")
+            for table in tables:
+                conn.execute(f"VACUUM ANALYZE {table}")
+
+
+class _Finished:
+    """Lines the jobs appended to their done files so far, read incrementally (the poll
+    costs about what the Celery sides' Redis GET does)."""
+
+    def __init__(self, done: Path) -> None:
+        self.done = done
+        self.seen: dict[Path, tuple[int, int]] = {}
+
+    def __call__(self) -> int:
+        for path in self.done.glob("*.log"):
+            offset, lines = self.seen.get(path, (0, 0))
+            with path.open("rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+            self.seen[path] = (offset + len(chunk), lines + chunk.count(b"\n"))
+        return sum(lines for _, lines in self.seen.values())
+
+
+def drain_peer(
+    peers: Peers, system: str, n: int, concurrency: int, tag: str, timeout: float = 900.0
+) -> dict[str, Any]:
+    """One drain of ``n`` no-op jobs queued (the peer's batch API) before its one consumer
+    process starts. The rate is the Celery sides': (N - 1) / (N-th finish - first finish),
+    from the ``time.time()`` each job records after its body, so the consumer's start-up is
+    outside it."""
+    peers.reset(system)
+    side, dsn = peers.sides[system], libpq(peers.urls[system])
+    out = side.run("preload", system, dsn, "--prefix", f"{tag}-", "--n", str(n))
+    preload = json.loads(out.strip().splitlines()[-1])
+    done = peers.logdir / f"done-{system}-{tag}"
+    finished = _Finished(done)
+    cons = Consumers(side, dsn, done, peers.logdir, concurrency, PEER_STALL)
+    launched = time.time()
+    cons.start(1)
+    cpu: list[tuple[float, float, float]] = []  # (wall, consumer, backends) at first and N-th
+    try:
+        deadline = time.monotonic() + timeout
+        while (count := finished()) < n:
+            cons.supervise()
+            if cons.restarts:
+                raise RuntimeError(f"{system}: the consumer exited: {cons.exits}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{system}: not drained after {timeout}s")
+            if count and not cpu:
+                cpu.append(peer_cpu(peers, system, cons))
+            time.sleep(POLL)
+        cpu.append(peer_cpu(peers, system, cons))
+    finally:
+        cons.stop_all()
+    rows = read_done(done)
+    if len(rows) != n or len({r[0] for r in rows}) != n:
+        raise RuntimeError(f"{system}: {len(rows)} executions of {len({r[0] for r in rows})} jobs")
+    ends = sorted(r[3] for r in rows)
+    (w0, c0, b0), (w1, c1, b1) = cpu[0], cpu[-1]
+    return {
+        "per_s": (n - 1) / (ends[-1] - ends[0]),
+        "from_launch_per_s": n / (ends[-1] - launched),
+        "enqueue_per_s": n / preload["seconds"],
+        # from the poll that saw the first finish to the one that saw the N-th
+        "cpu": {
+            "consumer_cores": (c1 - c0) / (w1 - w0),
+            "backends_cores": (b1 - b0) / (w1 - w0),
+            "consumer_ms_per_job": (c1 - c0) / n * 1e3,
+            "backends_ms_per_job": (b1 - b0) / n * 1e3,
+        },
+    }
+
+
+def peer_cpu(peers: Peers, system: str, cons: Consumers) -> tuple[float, float, float]:
+    """Wall clock, CPU seconds of the consumer process (and any children), and CPU seconds
+    of the Postgres backends on the peer's database (the bench's own connection aside)."""
+    pids = [p.pid for p in cons.procs if p is not None]
+    consumer = sum(_cpu(pid) for pid in pids + [c for pid in pids for c in _children(pid)])
+    with raw_connect(peers.urls[system]) as conn:
+        rows = conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+            "AND pid <> pg_backend_pid()"
+        ).fetchall()
+    return time.time(), consumer, sum(_cpu(int(r[0])) for r in rows)
+
+
 # ---------------------------------------------------------------------------- CPU per process
 
 
@@ -259,18 +430,19 @@ def cpu_use(
 
 
 def bench_drains(
-    b: Drain, n: int, rounds: int, configs: list[tuple[int, int]]
+    b: Drain, n: int, rounds: int, configs: list[tuple[int, int]], peers: Peers | None = None
 ) -> list[dict[str, Any]]:
+    """Per configuration, rounds of onceflow, bare Celery and (one process only, when
+    ``peers``) Procrastinate and PgQueuer, interleaved in that order within each round."""
     results = []
     for processes, concurrency in configs:
         runs: dict[str, list[dict[str, Any]]] = {"onceflow": [], "celery": []}
         multi = processes > 1
         for rnd in range(rounds):
+            tag = f"p{processes}c{concurrency}r{rnd}"
             for kind, side in (("onceflow", "onceflow"), ("bare", "celery")):
                 probe = cpu_probe(b) if multi or processes == 1 else None
-                res = drain(
-                    b, kind, n, processes, concurrency, f"p{processes}c{concurrency}r{rnd}", probe
-                )
+                res = drain(b, kind, n, processes, concurrency, tag, probe)
                 before, after = res.pop("probe")
                 if before is not None:
                     res["cpu"] = cpu_use(before, after, n)
@@ -278,6 +450,14 @@ def bench_drains(
                 log(
                     f"{processes}x c={concurrency} round {rnd + 1} {side}: {res['per_s']:,.0f}/s "
                     f"({res['from_release_per_s']:,.0f}/s from release)"
+                )
+            for system in PEERS if peers is not None and processes == 1 else ():
+                assert peers is not None
+                res = drain_peer(peers, system, n, concurrency, tag)
+                runs.setdefault(system, []).append(res)
+                log(
+                    f"{processes}x c={concurrency} round {rnd + 1} {system}: "
+                    f"{res['per_s']:,.0f}/s ({res['from_launch_per_s']:,.0f}/s from launch)"
                 )
         ratios = [
             o["per_s"] / c["per_s"] for o, c in zip(runs["onceflow"], runs["celery"], strict=True)
@@ -295,10 +475,23 @@ def bench_drains(
                     }
                     for side, rs in runs.items()
                 },
+                "peers": {
+                    system: {
+                        f"vs_{base}": per_round(runs[system], runs[base])
+                        for base in ("celery", "onceflow")
+                    }
+                    for system in PEERS
+                    if system in runs
+                },
             }
         )
         log(f"{processes}x c={concurrency}: median ratio {statistics.median(ratios):.2f} {ratios}")
     return results
+
+
+def per_round(side: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, Any]:
+    ratios = [s["per_s"] / b["per_s"] for s, b in zip(side, base, strict=True)]
+    return {"ratios": ratios, "median": statistics.median(ratios)}
 
 
 # ---------------------------------------------------------------------------- 2. pickup
@@ -552,6 +745,54 @@ def grow(d: dict[str, Any], base: dict[str, Any], side: str) -> float:
     return float(d["sides"][side]["per_s_median"] / base[side]["per_s_median"])
 
 
+def render_peers(res: dict[str, Any]) -> list[str]:
+    """The one-process drains with Procrastinate and PgQueuer beside the Celery sides."""
+    drains = [d for d in res["drains"] if d.get("peers")]
+    if not drains:
+        return []
+    v = res["machine"].get("peers", {})
+    lines = [
+        "",
+        f"Peers, one consumer process each (Procrastinate {v.get('procrastinate', '?')}, "
+        f"PgQueuer {v.get('pgqueuer', '?')}, psycopg {v.get('psycopg', '?')} in their venv): "
+        f"concurrency c = Procrastinate's `concurrency`, PgQueuer's `max_concurrent_tasks` "
+        f"with `batch_size` = c / 2; stall/heartbeat timeout {PEER_STALL:g} s.",
+        "",
+        "| 1 process, c | side | jobs/s (median) | / bare Celery, median of per-round ratios "
+        "| / onceflow, median of per-round ratios | per-round ratios / bare Celery "
+        "| CPU ms per job: worker processes / PG backends |",
+        "| --- | --- | ---: | ---: | ---: | --- | ---: |",
+    ]
+    for d in drains:
+        s = d["sides"]
+        rows = [
+            ("onceflow", d["ratio_median"], None, d["ratios"]),
+            ("bare Celery", None, None, []),
+        ] + [
+            (name, p["vs_celery"]["median"], p["vs_onceflow"]["median"], p["vs_celery"]["ratios"])
+            for name, p in d["peers"].items()
+        ]
+        for name, vs_c, vs_o, ratios in rows:
+            key = "celery" if name == "bare Celery" else name
+            cpus = [r["cpu"] for r in s[key]["runs"] if "cpu" in r]
+            if key in PEERS:
+                worker = statistics.median(c["consumer_ms_per_job"] for c in cpus)
+            else:
+                worker = statistics.median(
+                    c["parents_ms_per_stage"] + c["children_ms_per_stage"] for c in cpus
+                )
+            pg = statistics.median(
+                c.get("backends_ms_per_job", c.get("backends_ms_per_stage", 0.0)) for c in cpus
+            )
+            lines.append(
+                f"| {d['concurrency']} | {name} | {s[key]['per_s_median']:,.0f} "
+                f"| {'—' if vs_c is None else f'**{vs_c:.2f}**'} "
+                f"| {'—' if vs_o is None else f'**{vs_o:.2f}**'} "
+                f"| {', '.join(f'{r:.2f}' for r in ratios)} | {worker:.2f} / {pg:.2f} |"
+            )
+    return lines
+
+
 def render(res: dict[str, Any]) -> str:
     m = res["machine"]
     lines = [
@@ -574,6 +815,7 @@ def render(res: dict[str, Any]) -> str:
             f"| {s['celery']['per_s_median']:,.0f} | **{d['ratio_median']:.2f}** "
             f"| {', '.join(f'{r:.2f}' for r in d['ratios'])} |"
         )
+    lines += render_peers(res)
     scale = [d for d in res["drains"] if d["concurrency"] == 2]
     if len(scale) > 1:
         base = scale[0]["sides"]
@@ -597,7 +839,7 @@ def render(res: dict[str, Any]) -> str:
         for d in scale:
             for side, sd in d["sides"].items():
                 cpus = [r["cpu"] for r in sd["runs"] if "cpu" in r]
-                if not cpus:
+                if not cpus or side in PEERS:
                     continue
                 med = {k: statistics.median(c[k] for c in cpus) for k in cpus[0]}
                 lines.append(
@@ -635,6 +877,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--profile", action="store_true", help="py-spy the pool children")
     parser.add_argument("--only", choices=("drain", "breakdown", "profile"), default=None)
+    parser.add_argument(
+        "--peers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Procrastinate and PgQueuer beside the one-process drains (peers' venv)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         cfg = {"n": 300, "rounds": 2, "pickups": 40, "warm": 5, "m": 200}
@@ -659,7 +907,12 @@ def main(argv: list[str] | None = None) -> int:
                 res["machine"] = machine_info(b)
                 res["machine"]["loadavg_start"] = _loadavg()
                 if args.only in (None, "drain"):
-                    res["drains"] = bench_drains(b, cfg["n"], cfg["rounds"], configs)
+                    with (
+                        Peers(admin, url, Path(tmp)) if args.peers else contextlib.nullcontext()
+                    ) as peers:
+                        if peers is not None:
+                            res["machine"]["peers"] = peers.versions
+                        res["drains"] = bench_drains(b, cfg["n"], cfg["rounds"], configs, peers)
                     res["pickup"] = bench_pickup(b, cfg["pickups"], cfg["warm"])
                 if args.profile or args.only == "profile":
                     spy = pyspy_path()
@@ -676,8 +929,6 @@ def main(argv: list[str] | None = None) -> int:
         res["breakdown"] = bench_breakdown(cfg["m"])
     res["loadavg_end"] = _loadavg()
     res["wall_seconds"] = time.perf_counter() - started
-    import json
-
     if args.json or "drains" not in res:
         print(json.dumps(res, indent=2, default=str))
     else:
