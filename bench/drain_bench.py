@@ -866,6 +866,12 @@ def render(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _config(text: str) -> tuple[int, int]:
+    """``"2x4"`` → 2 processes of concurrency 4."""
+    processes, _, concurrency = text.strip().partition("x")
+    return int(processes), int(concurrency)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n", 1)[0])
     parser.add_argument(
@@ -883,12 +889,27 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="Procrastinate and PgQueuer beside the one-process drains (peers' venv)",
     )
+    parser.add_argument(
+        "--body-ms",
+        type=float,
+        default=0.0,
+        help="each body waits this long (both Celery sides): an I/O-bound stand-in for "
+        "scaling runs; the peers are left out",
+    )
+    parser.add_argument(
+        "--configs",
+        default="1x2,1x4,2x2,4x2",
+        help="the drain configurations, processes x concurrency (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
+    if args.body_ms:
+        os.environ["ONCEFLOW_BENCH_BODY_MS"] = repr(args.body_ms)  # inherited by the workers
+        args.peers = False
     if args.quick:
         cfg = {"n": 300, "rounds": 2, "pickups": 40, "warm": 5, "m": 200}
     else:
         cfg = {"n": 2_000, "rounds": 5, "pickups": 200, "warm": 10, "m": 1_000}
-    configs = [(1, 2), (1, 4), (2, 2), (4, 2)]
+    configs = [_config(c) for c in args.configs.split(",")]
     admin = os.environ.get("ONCEFLOW_BENCH_DATABASE_URL", ADMIN_DEFAULT)
     redis_url = os.environ.get("ONCEFLOW_BENCH_REDIS_URL", REDIS_DEFAULT)
     started = time.perf_counter()
