@@ -143,7 +143,7 @@ def test_claim_uses_its_partial_index_on_a_big_table(clean_db: Engine) -> None:
         conn.execute(text("ANALYZE workspace_process_requests"))
     params = {
         "worker_class": "llm", "worker_id": "w", "tokens": ["t"] * 10,
-        "lease_seconds": 30.0, "max_runtime": None, "now": None,
+        "lease_seconds": 30.0, "max_runtime": None, "now": None, "lazy": True,
     }  # fmt: skip
     # The statement exactly as claim_next sends it (psycopg, literal LIMIT).
     with raw_connection(clean_db) as raw:
