@@ -3,7 +3,7 @@
 """A fair stage-drain benchmark: onceflow's stage beside a bare Celery task, matched flags.
 
     PYTHONPATH=. .venv/bin/python bench/drain_bench.py [--quick] [--json] [--no-peers]
-        [--breakdown] [--profile] [--only drain|breakdown|profile]
+        [--breakdown] [--profile] [--pickup-parts] [--only drain|pickup|breakdown|profile]
 
 Results and their reading: docs/benchmarks.md, "Celery stage runtime".
 
@@ -56,7 +56,12 @@ sides start the same way and are measured the same way:
 * pickup: one onceflow and one bare worker (concurrency 2) up and idle; requests
   alternate, each timed from just before ``flow.enqueue`` / ``send_task`` to the
   first line of the body (``time.time()`` pushed to Redis), after the previous one
-  finished and 50 ms of idle.
+  finished and 50 ms of idle. ``--only pickup`` runs this alone.
+
+``--pickup-parts``: the pickup's workers run ``bench.pickup_probe`` (the same stages with
+timestamp probes) and the enqueuing side is probed too: the p50 of each part (enqueue's
+INSERT and commit, the publish, broker → worker, worker → pool child, Celery's tracing,
+the claim, claim → body) per side, beside the totals. The probes cost a few µs each.
 
 ``--breakdown``: on a private PostgreSQL 16 and Valkey 8 (``onceflow.embedded``:
 ``fsync=off``, ``synchronous_commit=off``), with ``log_statement = 'all'`` set by
@@ -132,16 +137,18 @@ class Drain(Bench):
         self.flow_queue = queue_name(self.queue)
         self.names = 0
         self.polls = 0
+        #: The workers' app module: the bench's stages, or the same with probes (--pickup-parts).
+        self.module = "bench.bench_stages"
 
     def queue_of(self, kind: str) -> str:
         return self.flow_queue if kind == "onceflow" else self.stages.BARE_QUEUE
 
     def worker(self, kind: str, concurrency: int, total: int = 0) -> Proc:
         if kind == "onceflow":
-            app = "bench.bench_stages:app"
+            app = f"{self.module}:app"
             queues = ",".join(self.stages.flow.broker_queues([self.queue]))
         else:
-            app, queues = "bench.bench_stages:bare", self.stages.BARE_QUEUE
+            app, queues = f"{self.module}:bare", self.stages.BARE_QUEUE
         self.names += 1
         argv = [
             sys.executable, "-m", "celery", "-A", app, "worker", "-Q", queues,
@@ -497,8 +504,17 @@ def per_round(side: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[st
 # ---------------------------------------------------------------------------- 2. pickup
 
 
-def bench_pickup(b: Drain, count: int, warm: int) -> dict[str, Any]:
+def bench_pickup(b: Drain, count: int, warm: int, parts: bool = False) -> dict[str, Any]:
+    """Pickup latency; ``parts``: also where it goes (bench/pickup_probe.py)."""
     b.reset()
+    probe: Any = None
+    if parts:
+        log_path = b.logdir / "pickup-probes.log"
+        os.environ["ONCEFLOW_BENCH_PROBE_LOG"] = b.env["ONCEFLOW_BENCH_PROBE_LOG"] = str(log_path)
+        from bench import pickup_probe as probe
+
+        probe.instrument_caller()
+        b.module = "bench.pickup_probe"
     workers = [b.worker("onceflow", 2), b.worker("bare", 2)]
     try:
         b.wait_ready(workers)
@@ -507,6 +523,9 @@ def bench_pickup(b: Drain, count: int, warm: int) -> dict[str, Any]:
         done = {"onceflow": 0, "bare": 0}
         for i in range(2 * (count + warm)):
             tag = "onceflow" if i % 2 == 0 else "bare"
+            if probe is not None:
+                probe.begin(tag, i // 2 >= warm)
+                probe.mark("c0")
             t0 = time.time()
             if tag == "onceflow":
                 b.stages.flow.enqueue(
@@ -532,6 +551,10 @@ def bench_pickup(b: Drain, count: int, warm: int) -> dict[str, Any]:
             b.stop(w)
     out = {tag: _lat(xs) for tag, xs in samples.items()}
     out["ratio_p50"] = {"x": out["onceflow"]["p50_ms"] / out["bare"]["p50_ms"]}
+    if probe is not None:
+        out["parts_p50_ms"] = probe.parts(os.environ["ONCEFLOW_BENCH_PROBE_LOG"])
+        for side, steps in out["parts_p50_ms"].items():
+            log(f"pickup parts, {side}: " + ", ".join(f"{k} {v:.3f}" for k, v in steps.items()))
     log(
         f"pickup p50 onceflow {out['onceflow']['p50_ms']:.2f} ms, "
         f"bare {out['bare']['p50_ms']:.2f} ms"
@@ -886,7 +909,12 @@ def main(argv: list[str] | None = None) -> int:
         "--breakdown", action="store_true", help="statements/commits/Redis per stage"
     )
     parser.add_argument("--profile", action="store_true", help="py-spy the pool children")
-    parser.add_argument("--only", choices=("drain", "breakdown", "profile"), default=None)
+    parser.add_argument("--only", choices=("drain", "pickup", "breakdown", "profile"), default=None)
+    parser.add_argument(
+        "--pickup-parts",
+        action="store_true",
+        help="time the pickup's parts (probes: bench/pickup_probe.py)",
+    )
     parser.add_argument(
         "--peers",
         action=argparse.BooleanOptionalAction,
@@ -938,7 +966,10 @@ def main(argv: list[str] | None = None) -> int:
                         if peers is not None:
                             res["machine"]["peers"] = peers.versions
                         res["drains"] = bench_drains(b, cfg["n"], cfg["rounds"], configs, peers)
-                    res["pickup"] = bench_pickup(b, cfg["pickups"], cfg["warm"])
+                if args.only in (None, "drain", "pickup"):
+                    res["pickup"] = bench_pickup(
+                        b, cfg["pickups"], cfg["warm"], parts=args.pickup_parts
+                    )
                 if args.profile or args.only == "profile":
                     spy = pyspy_path()
                     if spy is None:

@@ -348,7 +348,7 @@ class Flow:
         fails the row stays queued and the sweeper sends it; the caller gets its
         request back either way.
         """
-        item = self.new_request(
+        item = self._unresolved(
             stage,
             workspace_id,
             job_id,
@@ -358,6 +358,8 @@ class Flow:
             worker_class=worker_class,
             dedupe=dedupe,
         )
+        # Resolved (the input validated) once, by the queue's resolver — this Flow's
+        # resolve — before anything is written: not here and there again.
         [result] = self.queue.enqueue_many([item], strict=strict)
         if result.created:
             self.dispatch(Dispatch(result.request_id, stage, result.worker_class))
@@ -377,6 +379,20 @@ class Flow:
         ``options`` are :class:`NewRequest` fields (``worker_class``, ``priority``,
         ``max_attempts``, …); ``None`` means "as declared".
         """
+        return self.resolve(
+            self._unresolved(stage, workspace_id, job_id, branch_path, input, **options)
+        )
+
+    @staticmethod
+    def _unresolved(
+        stage: str,
+        workspace_id: str,
+        job_id: str,
+        branch_path: str = "",
+        input: Any = None,
+        **options: Any,
+    ) -> NewRequest:
+        """The request as the caller gave it, before :meth:`resolve` completes it."""
         try:
             item = NewRequest(
                 workspace_id=workspace_id,
@@ -388,7 +404,7 @@ class Flow:
             )
         except TypeError as exc:  # an unknown option name
             raise InvalidRequest(f"request for stage {stage!r}: {exc}") from None
-        return self.resolve(item)
+        return item
 
     def resolve(self, item: NewRequest) -> NewRequest:
         """The one builder every entry point uses (enqueue, ``ctx.then``, hand-offs over
