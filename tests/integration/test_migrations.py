@@ -152,3 +152,58 @@ def test_claim_uses_its_partial_index_on_a_big_table(clean_db: Engine) -> None:
     assert "ix_wpr_claim" in plan, plan
     assert "ix_wpr_lease" in plan, plan
     assert '"Node Type": "Seq Scan"' not in plan, plan
+
+
+def test_an_enqueue_reads_no_existing_row_under_a_plan_kept_from_a_small_table(
+    empty_database: str,
+) -> None:
+    """psycopg prepares a statement on its 6th run and Postgres keeps one generic plan for
+    it until an ANALYZE: ENQUEUE's probe for rows that already existed must stay a lookup by
+    key under a plan made while the table was small, not a join that hashes the whole table
+    on every enqueue (it did: 2,008 rows read to enqueue one new row, 3.5 ms at 4,000 rows).
+    A new database, its table analyzed while empty (as autovacuum or a VACUUM ANALYZE
+    leaves a new or truncated table): that is where the hashing plan was made."""
+    from onceflow.models.requests import NewRequest
+
+    migrate(empty_database)
+    engine = make_engine(
+        empty_database,
+        pool_size=1,
+        connect_args={"options": "-c plan_cache_mode=force_generic_plan"},
+    )
+    queue = Queue(engine)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("ANALYZE workspace_process_requests"))
+        for i in range(8):  # prepared, planned on a near-empty table
+            queue.enqueue("evaluate", "w1", f"small-{i}", input={"i": i})
+        with engine.begin() as conn:  # the table grows; nothing re-plans the statement
+            conn.execute(
+                text("""
+                INSERT INTO workspace_process_requests
+                    (request_id, workspace_id, job_id, branch_path, stage, dedupe, input,
+                     input_hash, worker_class, max_attempts, max_crash_attempts)
+                SELECT 'grown-' || i, 'w1', 'g' || i, '', 'evaluate', true, '{}', 'h',
+                       'default', 5, 3
+                FROM generate_series(1, 2000) AS i
+            """)
+            )
+        # This backend's counters of rows read from the table (pending, not yet flushed).
+        reads = text(
+            "SELECT seq_tup_read, coalesce(idx_tup_fetch, 0) FROM pg_stat_xact_user_tables"
+            " WHERE relname = 'workspace_process_requests'"
+        )
+        with engine.begin() as conn:
+            before = conn.execute(reads).one()
+            results = queue.enqueue_many(
+                [NewRequest(workspace_id="w1", job_id="new", stage="evaluate", input={})],
+                connection=conn,
+            )
+            after = conn.execute(reads).one()
+        assert [r.created for r in results] == [True]
+        assert (after[0] - before[0], after[1] - before[1]) == (0, 0), (before, after)
+        # A duplicate still finds its row (and says it was not created).
+        again = queue.enqueue("evaluate", "w1", "small-3", input={"i": 3})
+        assert not again.created
+    finally:
+        engine.dispose()
