@@ -20,7 +20,8 @@ class Settings(BaseSettings):
     )
     redis_url: str = Field(
         default="redis://127.0.0.1:6379/0",
-        description="Redis URL: compute locks, broadcasts and the Celery broker.",
+        description="Redis URL: compute locks, broadcasts, and the Celery broker unless "
+        "ONCEFLOW_BROKER_URL names another.",
     )
     lease_seconds: float = Field(
         default=30.0,
@@ -61,7 +62,9 @@ class Settings(BaseSettings):
     )
     pool_size: int = Field(default=5, ge=1, description="SQLAlchemy pool size per process.")
     broker_url: str | None = Field(
-        default=None, description="Celery broker URL; the Redis URL when unset."
+        default=None,
+        description="Celery broker URL (redis://, or amqp:// for RabbitMQ); the Redis URL "
+        "when unset.",
     )
     sweep_interval_seconds: float = Field(
         default=5.0, gt=0, description="How often beat runs the sweeper."
@@ -83,8 +86,8 @@ class Settings(BaseSettings):
         le=86_400,
         description="Default bound on one run of a stage: heartbeats stop extending its lease "
         "past it (the sweeper then rescues the request) and Celery's soft/hard time limits "
-        "interrupt the body. Keep the hard limit below the broker's visibility timeout (and "
-        "RabbitMQ's consumer_timeout, 30 min by default).",
+        "interrupt the body. The hard limit must stay below the broker's visibility timeout "
+        "(Redis) or RabbitMQ's consumer_timeout (AMQP).",
     )
     legacy_queues: bool = Field(
         default=False,
@@ -96,7 +99,15 @@ class Settings(BaseSettings):
         default=3600.0,
         gt=0,
         description="Redis/SQS broker visibility timeout: an unacknowledged wake-up is "
-        "redelivered after it. Every stage's hard time limit must stay below it.",
+        "redelivered after it. Every stage's hard time limit must stay below it. Not used "
+        "with RabbitMQ (see broker_consumer_timeout_seconds).",
+    )
+    broker_consumer_timeout_seconds: float = Field(
+        default=1800.0,
+        gt=0,
+        description="RabbitMQ's consumer_timeout as your server has it (a server setting, "
+        "30 min by default): a delivery left unacknowledged this long closes the worker's "
+        "channel. With an AMQP broker every stage's hard time limit must stay below it.",
     )
     redispatch_after_seconds: float = Field(
         default=60.0,

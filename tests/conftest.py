@@ -5,6 +5,10 @@ The servers come from ``ONCEFLOW_TEST_DATABASE_URL`` / ``ONCEFLOW_TEST_REDIS_URL
 defaults on 127.0.0.1). When they do not answer, the embedded servers of the
 ``embedded`` extra are started instead, saying so in one line. A service that
 can be neither reached nor started fails the run; nothing is skipped.
+
+The RabbitMQ tests' broker (``rabbitmq_url``) comes from ``ONCEFLOW_TEST_AMQP_URL``, else
+guest on 127.0.0.1:5672; there is no embedded RabbitMQ, so one that does not answer fails
+the tests that ask for it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from sqlalchemy.exc import ArgumentError
 # Scrub the environment at import: the suite must not depend on a developer's settings.
 _SERVER_DB = os.environ.get("ONCEFLOW_TEST_DATABASE_URL") or os.environ.get("ONCEFLOW_DATABASE_URL")
 _SERVER_REDIS = os.environ.get("ONCEFLOW_TEST_REDIS_URL") or os.environ.get("ONCEFLOW_REDIS_URL")
+_SERVER_AMQP = os.environ.get("ONCEFLOW_TEST_AMQP_URL")
 #: Where tests save artefacts (screenshots): $ONCEFLOW_TEST_ARTIFACTS, read before the scrub.
 TEST_ARTIFACTS = os.environ.get("ONCEFLOW_TEST_ARTIFACTS")
 for _name in [n for n in os.environ if n.startswith("ONCEFLOW_")]:
@@ -31,6 +36,7 @@ for _name in [n for n in os.environ if n.startswith("ONCEFLOW_")]:
 
 DEFAULT_DB = "postgresql+psycopg://127.0.0.1:5432/postgres"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+DEFAULT_AMQP = "amqp://guest:guest@127.0.0.1:5672//"
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -99,6 +105,81 @@ def service_summary(used: list[tuple[str, str, str]]) -> str:
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """Say which servers the run used: configured, default or embedded."""
     terminalreporter.write_line(service_summary(_USED_SERVICES))
+
+
+@pytest.fixture(scope="session")
+def rabbitmq_url(services: tuple[str, str]) -> Iterator[str]:
+    """The AMQP URL of a RabbitMQ that answers, on a vhost of this run's own.
+
+    The vhost is made with ``rabbitmqctl`` (``add_vhost``, ``set_permissions`` for the URL's
+    user) and deleted at the end, so runs side by side never share a queue. Where
+    ``rabbitmqctl`` cannot (not installed, not allowed, another server), the URL's own vhost
+    is used, said in the summary line: the tests then delete the queues they use. (After
+    ``services``, which names Postgres and Redis in that line first.)
+    """
+    from kombu import Connection
+
+    base = _SERVER_AMQP or DEFAULT_AMQP
+    origin = "configured" if _SERVER_AMQP else "default URL"
+    problem = _amqp_problem(base)
+    if problem is not None:
+        pytest.fail(f"RabbitMQ does not answer at {Connection(base).as_uri()}: {problem}")
+    vhost = f"onceflow_test_{os.getpid()}_{secrets.token_hex(3)}"
+    url = _with_vhost(base, vhost)
+    user = Connection(base).userid or "guest"
+    added = _rabbitmqctl("add_vhost", vhost)
+    usable = (
+        bool(added)
+        and bool(_rabbitmqctl("set_permissions", "-p", vhost, user, ".*", ".*", ".*"))
+        and _amqp_problem(url) is None  # the vhost is on the server the URL names
+    )
+    if not usable:
+        if added:
+            _rabbitmqctl("delete_vhost", vhost)
+        _USED_SERVICES.append(("RabbitMQ", base, f"{origin}, its own vhost"))
+        yield base
+        return
+    _USED_SERVICES.append(("RabbitMQ", url, f"{origin}, vhost {vhost} of this run"))
+    try:
+        yield url
+    finally:
+        _rabbitmqctl("delete_vhost", vhost)
+
+
+def _amqp_problem(url: str) -> str | None:
+    """Why the AMQP broker at ``url`` cannot be used; None when it answers."""
+    from kombu import Connection
+
+    try:
+        with Connection(url, connect_timeout=5) as conn:
+            conn.ensure_connection(max_retries=1)
+    except Exception as exc:  # kombu/amqp errors: the reason is the message
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _with_vhost(url: str, vhost: str) -> str:
+    """``url`` on the virtual host ``vhost`` (an AMQP URL's path)."""
+    from urllib.parse import quote, urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(path="/" + quote(vhost, safe="")))
+
+
+def _rabbitmqctl(*args: str) -> bool | None:
+    """Run ``rabbitmqctl args``: True if it succeeded, False if it failed, None if there
+    is no ``rabbitmqctl`` to run."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("rabbitmqctl")
+    if exe is None:
+        return None
+    try:
+        done = subprocess.run([exe, "-q", *args], capture_output=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ from pydantic import BaseModel, Field
 
 from onceflow.demo.providers import Cascade, MapsClient, llm_from_env, maps_from_env
 from onceflow.tasks import Flow, StageContext
-from onceflow.tasks.config import celery_config
+from onceflow.tasks.config import celery_config, effective_broker_url, is_amqp
 
 #: The run's id, given by the demo to every process it starts: the demo's broker keys
 #: (queues, bindings, unacked wake-ups, pub/sub channels) all carry the run's prefix, so a
@@ -46,10 +46,11 @@ app = flow.app
 
 def _broker_namespace() -> dict[str, Any]:
     run_id = os.environ.get(RUN_ENV, "")
-    if not run_id:
-        return {}
+    if not run_id or is_amqp(effective_broker_url(flow.settings)):
+        return {}  # global_keyprefix is the Redis transport's (the demo runs on Redis)
     options = celery_config(flow.settings, maintenance_queue=flow.maintenance_queue)
-    transport = {**options["broker_transport_options"], "global_keyprefix": broker_prefix(run_id)}
+    transport = {**options.get("broker_transport_options", {}),
+                 "global_keyprefix": broker_prefix(run_id)}  # fmt: skip
     return {"broker_transport_options": transport}
 
 

@@ -5,6 +5,10 @@ naming a request id. So: JSON only (pickle refused), late acks and requeue on
 worker loss (a redelivered wake-up is harmless: the claim decides), one message
 prefetched at a time, task events on for Flower, and no result backend.
 
+The broker is Redis or RabbitMQ (:func:`is_amqp`). What hands a wake-up whose run is
+still going to another worker differs (:func:`redelivery_bound`): Redis's visibility
+timeout, RabbitMQ's ``consumer_timeout``; every stage's hard time limit stays below it.
+
 Two cases (docs/celery.md, "Your own Celery app"):
 
 * a Flow that builds its own app gets all of :func:`celery_config` as the app's
@@ -46,6 +50,44 @@ TASK_OPTIONS: dict[str, Any] = {
 }
 
 log = logging.getLogger("onceflow.celery")
+
+#: URL schemes of kombu's AMQP transports: a broker of one of them is RabbitMQ.
+AMQP_SCHEMES = frozenset({"amqp", "amqps", "pyamqp", "pyamqps", "librabbitmq"})
+
+
+def is_amqp(broker_url: str | None) -> bool:
+    """Whether ``broker_url`` names an AMQP broker (RabbitMQ); of failover URLs
+    (``a;b``), the first decides."""
+    first = (broker_url or "").split(";", 1)[0].strip()
+    scheme, sep, _ = first.partition("://")
+    return bool(sep) and scheme.lower() in AMQP_SCHEMES
+
+
+def effective_broker_url(settings: Settings) -> str:
+    """The broker an app of onceflow's connects to: ``CELERY_BROKER_URL`` (Celery reads it
+    before any configuration), else ``ONCEFLOW_BROKER_URL``, else ``ONCEFLOW_REDIS_URL``."""
+    return os.environ.get("CELERY_BROKER_URL") or settings.celery_broker_url
+
+
+def redelivery_bound(settings: Settings, broker_url: str | None) -> tuple[str, float]:
+    """What hands a wake-up whose run is still going to another worker, and after how many
+    seconds: ``(what, seconds)``. Every stage's hard time limit must stay below it.
+
+    Redis (and SQS): the visibility timeout — kombu restores an unacknowledged message
+    after it. RabbitMQ: its ``consumer_timeout`` (a server setting, 30 min by default) —
+    a delivery unacknowledged that long closes the worker's channel and is requeued. A
+    redelivery is harmless (the claim decides), but the stage would be run for nothing
+    and, on RabbitMQ, every other delivery of the channel requeued with it.
+    """
+    if is_amqp(broker_url):
+        return (
+            "RabbitMQ's consumer_timeout (ONCEFLOW_BROKER_CONSUMER_TIMEOUT_SECONDS)",
+            settings.broker_consumer_timeout_seconds,
+        )
+    return (
+        "the broker's visibility timeout (ONCEFLOW_BROKER_VISIBILITY_TIMEOUT_SECONDS)",
+        settings.broker_visibility_timeout_seconds,
+    )
 
 
 def maintenance_queue_for(flow_name: str) -> str:
@@ -93,14 +135,23 @@ def celery_config(
 
     The defaults of an app a Flow builds itself; never applied to an app you pass in
     (see :func:`guest_config`).
+
+    On RabbitMQ (:func:`is_amqp`) there is no visibility timeout: a wake-up unacknowledged
+    when its worker's connection drops is requeued at once. ``broker_channel_error_retry``
+    is on there: a channel error (``consumer_timeout`` exceeded, a queue deleted under a
+    consumer's feet) restarts the worker's consumer, where Celery would stop the worker
+    ("Unrecoverable error"); the channel's deliveries are requeued and the claim decides.
     """
+    if is_amqp(effective_broker_url(settings)):
+        broker: dict[str, Any] = {"broker_channel_error_retry": True}
+    else:
+        # Explicit, so stage time limits can be checked against it (see Flow.stage).
+        visibility = settings.broker_visibility_timeout_seconds
+        broker = {"broker_transport_options": {"visibility_timeout": visibility}}
     return {
         "broker_url": settings.celery_broker_url,
         "broker_connection_retry_on_startup": True,
-        # Explicit, so stage time limits can be checked against it (see Flow.stage).
-        "broker_transport_options": {
-            "visibility_timeout": settings.broker_visibility_timeout_seconds
-        },
+        **broker,
         "task_serializer": "json",
         "result_serializer": "json",
         "accept_content": ["json"],
@@ -137,7 +188,8 @@ def guest_config(
       (``ONCEFLOW_BROKER_URL``, else ``ONCEFLOW_REDIS_URL``) if your app names none;
     * ``broker_transport_options["visibility_timeout"]`` — every stage's hard time
       limit is checked against ``ONCEFLOW_BROKER_VISIBILITY_TIMEOUT_SECONDS``: set to it
-      if your app leaves it unset (kombu's default, 3600 s, is also onceflow's);
+      if your app leaves it unset (kombu's default, 3600 s, is also onceflow's); not on
+      RabbitMQ, which has no visibility timeout;
     * ``accept_content`` — a worker decodes a message before it knows its task: if
       your list leaves out ``json``, ``json`` is added (onceflow's wake-ups are JSON);
     * ``beat_schedule["onceflow-sweep"]`` — beat's sweep entry, added beside yours.
@@ -151,7 +203,8 @@ def guest_config(
         added["broker_url"] = settings.celery_broker_url
         said.append("broker_url (onceflow's broker)")
     options = conf.get("broker_transport_options") or {}
-    if "visibility_timeout" not in options:
+    broker_url = _env_broker_url() or added.get("broker_url") or conf.get("broker_url")
+    if "visibility_timeout" not in options and not is_amqp(broker_url):
         visibility = settings.broker_visibility_timeout_seconds
         new = {**options, "visibility_timeout": visibility}
         if user_sets(conf, "broker_transport_options"):
@@ -182,8 +235,12 @@ def guest_config(
     return added
 
 
+def _env_broker_url() -> str | None:
+    return os.environ.get("CELERY_BROKER_URL") or None
+
+
 def _env_broker() -> bool:
-    return bool(os.environ.get("CELERY_BROKER_URL"))
+    return bool(_env_broker_url())
 
 
 def guest_defaults(

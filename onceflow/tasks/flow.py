@@ -60,8 +60,10 @@ from onceflow.tasks.config import (
     SWEEP_TASK,
     TASK_OPTIONS,
     celery_config,
+    effective_broker_url,
     guest_defaults,
     maintenance_queue_for,
+    redelivery_bound,
     time_limits,
 )
 from onceflow.tasks.routing import TASK_PREFIX, routed_queue, send_options
@@ -247,6 +249,17 @@ class Flow:
                     self._queue = current
         return current[1]
 
+    @property
+    def broker_url(self) -> str:
+        """The broker this Flow's app publishes to, as far as it is known now: the app's
+        ``broker_url`` once its configuration is loaded, else onceflow's broker
+        (:func:`~onceflow.tasks.config.effective_broker_url`). Reading it loads nothing."""
+        if self.app.configured:
+            url = self.app.conf.broker_url
+            if isinstance(url, str) and url:
+                return url
+        return effective_broker_url(self.settings)
+
     def stage(
         self,
         name: str,
@@ -267,7 +280,8 @@ class Flow:
         ``max_runtime`` (seconds; ``ONCEFLOW_MAX_RUNTIME_SECONDS`` by default) bounds one
         run: heartbeats stop extending the lease past it (database clock), Celery's soft
         time limit raises in the body then and its hard limit kills it a little later;
-        the hard limit must stay below the broker's visibility timeout.
+        the hard limit must stay below the broker's visibility timeout (Redis) or
+        RabbitMQ's ``consumer_timeout`` (``ONCEFLOW_BROKER_CONSUMER_TIMEOUT_SECONDS``).
 
         ``worker_class`` (1 to 100 of ``A-Z a-z 0-9 _ . -``) names the broker queue
         ``onceflow.wc.<worker_class>``. A caller of :meth:`enqueue` (or of the HTTP API)
@@ -289,11 +303,11 @@ class Flow:
         if isinstance(runtime, bool) or not isinstance(runtime, int | float) or runtime <= 0:
             raise InvalidRequest("max_runtime must be a positive number of seconds")
         soft, hard = time_limits(float(runtime))
-        visibility = self.settings.broker_visibility_timeout_seconds
-        if hard >= visibility:
+        what, bound = redelivery_bound(self.settings, self.broker_url)
+        if hard >= bound:
             raise InvalidRequest(
                 f"stage {name!r}: max_runtime {runtime:g} s gives a hard time limit of "
-                f"{hard:g} s, not below the broker's visibility timeout ({visibility:g} s): "
+                f"{hard:g} s, not below {what} ({bound:g} s): "
                 "the broker would redeliver the wake-up of a run still in progress"
             )
 

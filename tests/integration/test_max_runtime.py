@@ -86,6 +86,50 @@ def test_stage_time_limits_stay_below_the_visibility_timeout(clean_db: Engine) -
     assert "too_long" not in flow.stages
 
 
+def test_on_rabbitmq_time_limits_stay_below_its_consumer_timeout() -> None:
+    """On an AMQP broker no visibility timeout applies (kombu's Redis option is not set);
+    RabbitMQ's consumer_timeout bounds the stages, and a channel error restarts the
+    worker's consumer instead of stopping the worker."""
+    from onceflow.settings import get_settings
+
+    settings = get_settings().model_copy(
+        update={"broker_url": "amqp://guest:guest@127.0.0.1:5672//",
+                "broker_consumer_timeout_seconds": 600.0}
+    )  # fmt: skip
+    flow = Flow(name="amqp-limits-test", settings=settings)
+    conf = flow.app.conf
+    assert "visibility_timeout" not in (conf.broker_transport_options or {})
+    assert conf.broker_channel_error_retry is True
+
+    @flow.stage("ok", input=Empty, max_runtime=500)  # hard limit 550 s
+    def ok(ctx: StageContext, data: Empty) -> None:
+        return None
+
+    with pytest.raises(InvalidRequest, match=r"consumer_timeout .*\(600 s\)"):
+        flow.stage("too_long", input=Empty, max_runtime=560)(ok)  # hard limit 616 s
+    assert list(flow.stages) == ["ok"]
+    # The default max_runtime (1500 s, hard limit 1650 s) fits RabbitMQ's default (1800 s).
+    default = Flow(name="amqp-default-test", settings=settings.model_copy(
+        update={"broker_consumer_timeout_seconds": 1800.0}))  # fmt: skip
+    default.stage("fits", input=Empty)(ok)
+    assert default.app.tasks["onceflow.stage.fits"].time_limit == 1650
+    # On Redis the same stage is bounded by the visibility timeout (3600 s) alone.
+    redis_flow = Flow(name="redis-limits-test", settings=settings.model_copy(
+        update={"broker_url": "redis://127.0.0.1:6379/0"}))  # fmt: skip
+    redis_flow.stage("long", input=Empty, max_runtime=2000)(ok)
+    assert redis_flow.app.conf.broker_transport_options == {"visibility_timeout": 3600}
+    assert redis_flow.app.conf.broker_channel_error_retry is False  # Celery's default
+    # Your app on RabbitMQ: no visibility timeout added; its stages are bounded the same way.
+    from celery import Celery
+
+    mine = Celery("amqp-guest-test", broker="amqp://guest:guest@127.0.0.1:5672//",
+                  set_as_current=False)  # fmt: skip
+    guest = Flow(app=mine, settings=settings)
+    assert "visibility_timeout" not in (mine.conf.broker_transport_options or {})
+    with pytest.raises(InvalidRequest, match="consumer_timeout"):
+        guest.stage("too_long", input=Empty, max_runtime=560)(ok)
+
+
 class _Broken(Queue):
     """A queue whose heartbeat fails in a way no code path expects (a bug, not a blip)."""
 
