@@ -19,10 +19,13 @@ the sweeper re-sends what is missing — so such a message is safe to drop:
 
 Installed per Celery app by :func:`harden` (a :class:`~onceflow.tasks.Flow` does
 it for its app): only the app's connections to a ``redis://``/``rediss://``
-broker use it; other transports (RabbitMQ) are untouched. A Flow given your own
-app (``Flow(app=…)``) hardens all of it: a malformed message of one of *your*
-tasks is dropped or rejected too — where kombu would have stopped the worker —
-but no sweeper re-sends it.
+broker use it. On other transports (RabbitMQ) kombu delivers the message itself, and
+the same holds one step later (:class:`TaskMessageGuard`): a task message Celery's
+consumer raises on (a body that is not ``[args, kwargs, embed]``: ``ValueError``, which
+Celery lets stop the worker — and, requeued, every next worker it reaches) is logged and
+rejected without requeue. A Flow given your own app (``Flow(app=…)``) hardens all of
+it: a malformed message of one of *your* tasks is dropped or rejected too — where
+kombu would have stopped the worker — but no sweeper re-sends it.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from queue import Empty  # what kombu's channels raise when nothing was read
 from typing import Any
 
 import redis
-from celery import Celery
+from celery import Celery, bootsteps
 from celery.signals import worker_init
 
 # Typed as Any: kombu's transports are untyped, and these classes extend them.
@@ -262,15 +265,71 @@ class Connection(KombuConnection):
         return Transport if cls is kombu_redis.Transport else cls
 
 
+class TaskMessageGuard(bootsteps.Step):
+    """A worker consumer's bootstep: a task message Celery raises on is rejected, not fatal.
+
+    Celery's consumer turns an undecodable body, an unknown task or a bad ``eta`` into a
+    logged ack or reject, but lets anything else its strategy raises stop the worker
+    ("Unrecoverable error"): a body that is JSON but not ``[args, kwargs, embed]``
+    (``[]``, ``{"a": 1}``) is one. On RabbitMQ the unacknowledged message is then requeued
+    and stops the next worker too. Wraps the handler the consumer makes for its task
+    messages (``create_task_handler``, called on every (re)connection): such a message is
+    logged and rejected without requeue (a wake-up lost so is re-sent by the sweeper).
+    Connection and channel errors still propagate (Celery reconnects). Redis connections
+    of the hardened :class:`Transport` are left to its :class:`Channel`, which does the
+    same one step earlier.
+    """
+
+    label = "onceflow task-message guard"
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        make_handler = parent.create_task_handler
+
+        def create_task_handler(*args: Any, **kw: Any) -> Any:
+            handler = make_handler(*args, **kw)
+            transport = getattr(getattr(parent, "connection", None), "transport", None)
+            if isinstance(transport, Transport):
+                return handler
+            return functools.partial(_take_task_message, parent, handler)
+
+        parent.create_task_handler = create_task_handler
+
+
+def _take_task_message(consumer: Any, handler: Callable[[Any], Any], message: Any) -> Any:
+    """``handler(message)``; a message it raises on (not a broker error) is rejected."""
+    try:
+        return handler(message)
+    except Exception as exc:
+        if isinstance(exc, tuple(consumer.connection_errors) + tuple(consumer.channel_errors)):
+            raise
+        headers = getattr(message, "headers", None)
+        task = headers.get("task") if isinstance(headers, dict) else None
+        log.error(
+            "queue %s: rejected a message Celery could not take (task %r): %s: %s",
+            (getattr(message, "delivery_info", None) or {}).get("routing_key", "?"),
+            task if isinstance(task, str) else None,
+            type(exc).__name__,
+            exc,
+        )
+        if not message.acknowledged:
+            message.reject_log_error(log, consumer.connection_errors, requeue=False)
+        return None
+
+
 def harden(app: Celery) -> None:
-    """Make ``app``'s broker connections use the hardened Redis transport, and its
-    workers reject a task they cannot start instead of losing a pool slot to it.
+    """Make ``app``'s broker connections use the hardened Redis transport, its workers'
+    consumers reject a task message they cannot take (:class:`TaskMessageGuard`, every
+    transport), and its workers reject a task they cannot start instead of losing a pool
+    slot to it.
 
     Leaves the app's connections alone if its ``amqp`` has its own connection class.
     """
     amqp = app.amqp
     if amqp.Connection is KombuConnection:
         amqp.Connection = Connection
+    if not getattr(app, "_onceflow_hardened", False):
+        app.steps["consumer"].add(TaskMessageGuard)
     app._onceflow_hardened = True
 
 
@@ -308,4 +367,12 @@ def _guard_process_task(sender: Any = None, **_: Any) -> None:
     sender._process_task = process_task
 
 
-__all__ = ["Channel", "Connection", "QoS", "Transport", "envelope_problem", "harden"]
+__all__ = [
+    "Channel",
+    "Connection",
+    "QoS",
+    "TaskMessageGuard",
+    "Transport",
+    "envelope_problem",
+    "harden",
+]

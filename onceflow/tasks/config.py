@@ -75,9 +75,10 @@ def redelivery_bound(settings: Settings, broker_url: str | None) -> tuple[str, f
 
     Redis (and SQS): the visibility timeout — kombu restores an unacknowledged message
     after it. RabbitMQ: its ``consumer_timeout`` (a server setting, 30 min by default) —
-    a delivery unacknowledged that long closes the worker's channel and is requeued. A
-    redelivery is harmless (the claim decides), but the stage would be run for nothing
-    and, on RabbitMQ, every other delivery of the channel requeued with it.
+    a delivery unacknowledged that long makes RabbitMQ close the worker's channel
+    (``PRECONDITION_FAILED``), requeueing every delivery of it, and Celery stops the worker
+    unless ``broker_channel_error_retry`` is on. The redelivered wake-ups are harmless (the
+    claim decides); the stopped worker and the interrupted deliveries are not.
     """
     if is_amqp(broker_url):
         return (
@@ -138,8 +139,8 @@ def celery_config(
 
     On RabbitMQ (:func:`is_amqp`) there is no visibility timeout: a wake-up unacknowledged
     when its worker's connection drops is requeued at once. ``broker_channel_error_retry``
-    is on there: a channel error (``consumer_timeout`` exceeded, a queue deleted under a
-    consumer's feet) restarts the worker's consumer, where Celery would stop the worker
+    is on there: a channel error (``consumer_timeout`` exceeded: ``PRECONDITION_FAILED``)
+    restarts the worker's consumer, where Celery would stop the worker
     ("Unrecoverable error"); the channel's deliveries are requeued and the claim decides.
     """
     if is_amqp(effective_broker_url(settings)):

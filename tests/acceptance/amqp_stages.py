@@ -7,9 +7,12 @@ Bodies record their runs in Redis, and workers count every message they processe
 keys of this module's own (:data:`PREFIX`; the Redis tests clear theirs), read back by
 :func:`executions` and :func:`processed`.
 
-``python -m tests.acceptance.amqp_stages WORKSPACE N`` enqueues jobs 0…N-1 of
-``amqp_noop`` in ``WORKSPACE`` and sends a duplicate wake-up for each; it prints how many
-rows it created. The test runs it in several processes at once.
+``python -m tests.acceptance.amqp_stages WORKSPACE N [CLASS]`` enqueues jobs 0…N-1 of
+``amqp_noop`` in ``WORKSPACE`` (for worker class ``CLASS``) and sends a duplicate wake-up
+for each; it prints how many rows it created. The test runs it in several processes at once.
+
+``AMQP_TEST_QUEUE_TYPE=quorum`` in a process's environment sets Celery's
+``task_create_missing_queue_type`` there: the queues it declares are quorum queues.
 """
 
 from __future__ import annotations
@@ -25,16 +28,28 @@ from pydantic import BaseModel
 
 from onceflow.keys import queue_name
 from onceflow.tasks import Flow, StageContext
+from onceflow.tasks.config import maintenance_queue_for
 from onceflow.tasks.routing import task_name
 
-flow = Flow(name="amqp-test")
+QUEUE_TYPE = os.environ.get("AMQP_TEST_QUEUE_TYPE", "")
+# A queue keeps the type it was declared with: the quorum test's Flow has a maintenance
+# queue of its own (onceflow.amqp-test-quorum), as a deployment switching types would.
+flow = Flow(name=f"amqp-test-{QUEUE_TYPE}" if QUEUE_TYPE else "amqp-test")
 app = flow.app
+if QUEUE_TYPE:
+    # What a user of quorum queues sets on the app (read when Celery loads its configuration).
+    app.add_defaults(lambda: {"task_create_missing_queue_type": QUEUE_TYPE})
 
 DEFAULT = "amqp-default"
 BLOCK = "amqp-block"
 PURGE = "amqp-purge"
+QUORUM = "amqp-quorum"
 #: Every queue these stages' wake-ups and sweeps can land in.
-QUEUES = [*(queue_name(wc) for wc in (DEFAULT, BLOCK, PURGE)), flow.maintenance_queue]
+QUEUES = [
+    *(queue_name(wc) for wc in (DEFAULT, BLOCK, PURGE, QUORUM)),
+    flow.maintenance_queue,
+    maintenance_queue_for("amqp-test-quorum"),
+]
 PREFIX = "onceflow-amqp-test:"
 
 
@@ -73,7 +88,9 @@ class NoopInput(BaseModel):
     value: int = 0
 
 
-@flow.stage("amqp_noop", input=NoopInput, worker_class=DEFAULT, alternate_worker_classes=(PURGE,))
+@flow.stage(
+    "amqp_noop", input=NoopInput, worker_class=DEFAULT, alternate_worker_classes=(PURGE, QUORUM)
+)
 def noop(ctx: StageContext, data: NoopInput) -> dict[str, Any]:
     record(ctx)
     return {"value": data.value, "pid": os.getpid()}
@@ -105,12 +122,15 @@ def blocker(ctx: StageContext, data: NoopInput) -> dict[str, Any]:
 def main() -> None:
     """Enqueue jobs 0…N-1 of ``amqp_noop`` in a workspace, each with a duplicate wake-up."""
     workspace, n = sys.argv[1], int(sys.argv[2])
+    worker_class = sys.argv[3] if len(sys.argv) > 3 else DEFAULT
     created = 0
     for i in range(n):
-        result = flow.enqueue("amqp_noop", workspace, f"job-{i}", "", {"value": i})
+        result = flow.enqueue(
+            "amqp_noop", workspace, f"job-{i}", "", {"value": i}, worker_class=worker_class
+        )
         created += result.created
         app.send_task(task_name("amqp_noop"), args=[result.request_id],
-                      queue=queue_name(DEFAULT), serializer="json")  # fmt: skip
+                      queue=queue_name(worker_class), serializer="json")  # fmt: skip
     print(json.dumps({"created": created}), flush=True)
 
 

@@ -86,8 +86,8 @@ def worker_env(rabbitmq_url: str) -> dict[str, str]:
     return {"ONCEFLOW_BROKER_URL": rabbitmq_url, "ONCEFLOW_SWEEP_WATCHDOG": "false"}
 
 
-def start_worker(tmp: Path, rabbitmq_url: str, worker_class: str, name: str) -> Proc:
-    env = {"PYTHONPATH": str(ROOT), **worker_env(rabbitmq_url)}
+def start_worker(tmp: Path, rabbitmq_url: str, worker_class: str, name: str, **extra: str) -> Proc:
+    env = {"PYTHONPATH": str(ROOT), **worker_env(rabbitmq_url), **extra}
     return procs.start_worker(tmp, APP, worker_class, name=name, env=env, cwd=ROOT)
 
 
@@ -208,7 +208,7 @@ def lease_lapsed(engine: Engine, rid: str) -> bool:
 def test_kill_9_mid_stage_the_wakeup_is_redelivered_and_completes_once(
     flow: Any, amqp: Any, ws: str, clean_db: Engine, rabbitmq_url: str, tmp_path: Path
 ) -> None:
-    a = start_worker(tmp_path, rabbitmq_url, amqp.BLOCK, "amqp-a")
+    a = start_worker(tmp_path, rabbitmq_url, amqp.BLOCK, "amqp-kill-a")
     b = None
     try:
         rid = flow.enqueue("amqp_blocker", ws, "kill", "", {}).request_id
@@ -222,7 +222,7 @@ def test_kill_9_mid_stage_the_wakeup_is_redelivered_and_completes_once(
         wait_for(lambda: flow.broker_backlog([amqp.BLOCK]) == {amqp.BLOCK: 1},
                  what="the wake-up back in the queue")  # fmt: skip
         wait_for(lambda: lease_lapsed(clean_db, rid), what="the lease to lapse (DB clock)")
-        b = start_worker(tmp_path, rabbitmq_url, amqp.BLOCK, "amqp-b")
+        b = start_worker(tmp_path, rabbitmq_url, amqp.BLOCK, "amqp-kill-b")
         runs = wait_for(lambda: len(amqp.executions(rid)) == 2 and amqp.executions(rid),
                         what="the second run")  # fmt: skip
         assert runs[1]["attempt"] == 2 and runs[1]["pid"] != first["pid"]
@@ -244,3 +244,84 @@ def test_an_unreachable_broker_reports_no_depth(caplog: pytest.LogCaptureFixture
     with caplog.at_level("WARNING", logger="onceflow.sweeper"):
         assert broker_backlog(app, ["amqp-default"]) is None  # the sweeper's backoff alone
     assert "broker queue lengths unavailable" in caplog.text
+
+
+def test_on_quorum_queues_wakeups_and_depth_work_the_same(
+    flow: Any, amqp: Any, ws: str, rabbitmq_url: str, tmp_path: Path
+) -> None:
+    """Celery's ``task_create_missing_queue_type = "quorum"`` on the app, in the enqueuing
+    process and the worker: the class's queue is a quorum queue, and nothing else changes."""
+    quorum = {"AMQP_TEST_QUEUE_TYPE": "quorum"}
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), "ONCEFLOW_BROKER_URL": rabbitmq_url}
+    n = 10
+    command = [sys.executable, "-m", "tests.acceptance.amqp_stages", ws, str(n), amqp.QUORUM]
+    run = subprocess.run(command, cwd=ROOT, env={**environ, **quorum}, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["created"] == n
+    # The depth of a quorum queue reads the same way: each request and its duplicate wait.
+    assert flow.broker_backlog([amqp.QUORUM]) == {amqp.QUORUM: 2 * n}
+    # A quorum queue: declaring it as a classic queue is refused (inequivalent x-queue-type).
+    with amqp.app.connection_for_write() as conn:
+        channel = conn.channel()
+        with pytest.raises(conn.channel_errors, match="x-queue-type"):
+            channel.queue_declare(queue=queue_name(amqp.QUORUM), durable=True, auto_delete=False)
+    worker = start_worker(tmp_path, rabbitmq_url, amqp.QUORUM, "amqp-quorum", **quorum)
+    try:
+        rids = [request_id_for(ws, f"job-{i}", "", "amqp_noop") for i in range(n)]
+        wait_for(lambda: all(status_of(flow, rid) is Status.SUCCEEDED for rid in rids),
+                 timeout=60, what="every request to succeed")  # fmt: skip
+        wait_for(lambda: flow.broker_backlog([amqp.QUORUM]) == {amqp.QUORUM: 0},
+                 what="the duplicates consumed")  # fmt: skip
+        assert [len(amqp.executions(rid)) for rid in rids] == [1] * n
+    finally:
+        worker.stop()
+
+
+def amqp_hostile_messages() -> Iterator[tuple[str, bytes, str, dict[str, Any]]]:
+    """Messages any client of the vhost could publish: (what, body, content type, headers)."""
+    task = "onceflow.stage.amqp_noop"
+
+    def headers(**extra: Any) -> dict[str, Any]:
+        tid = secrets.token_hex(8)
+        return {"lang": "py", "task": task, "id": tid, "root_id": tid, "retries": 0,
+                "timelimit": [None, None], "ignore_result": True, **extra}  # fmt: skip
+
+    good = json.dumps([["x" * 8], {}, {}]).encode()
+    yield "not JSON", b"garbage{", "application/json", headers()
+    yield "a JSON array", b"[]", "application/json", headers()
+    yield "not [args, kwargs, embed]", b'{"a": 1}', "application/json", headers()
+    yield "nested 100,000 deep", b"[" * 100_000 + b"]" * 100_000, "application/json", headers()
+    yield "timelimit that is not a pair", good, "application/json", headers(timelimit="x")
+    yield "a bad eta", good, "application/json", headers(eta="garbage")
+    yield "an unknown task", good, "application/json", headers(task="nope.unknown")
+    yield "a task name that is a number", good, "application/json", headers(task=5)
+    yield "args that are not a request id", json.dumps([[{"x": 1}, 2], {}, {}]).encode(), \
+        "application/json", headers()  # fmt: skip
+    yield "no headers", b"null", "application/json", {}
+    yield "pickle", b"\x80\x04K\x01.", "application/x-python-serialize", headers()
+
+
+def test_workers_serve_on_after_hostile_messages(
+    flow: Any, amqp: Any, ws: str, default_workers: list[Proc]
+) -> None:
+    """The hardened transport is Redis's: on RabbitMQ, Celery itself must not let one of
+    these stop a worker (it acknowledges or rejects them), and the guard on the pool
+    hand-off gives back the slot of a message it cannot start."""
+    name = queue_name(amqp.DEFAULT)
+    with amqp.app.connection_for_write() as conn:
+        producer = conn.Producer()
+        for _, body, content_type, headers in amqp_hostile_messages():
+            producer.publish(body, exchange="", routing_key=name, content_type=content_type,
+                             content_encoding="utf-8", headers=headers)  # fmt: skip
+    wait_for(lambda: flow.broker_backlog([amqp.DEFAULT]) == {amqp.DEFAULT: 0},
+             what="every hostile message taken")  # fmt: skip
+    rids = [flow.enqueue("amqp_noop", ws, f"after-{i}", "", {}).request_id for i in range(4)]
+    wait_for(lambda: all(status_of(flow, rid) is Status.SUCCEEDED for rid in rids),
+             what="good requests after the hostile messages")  # fmt: skip
+    # Before: the first body that is not [args, kwargs, embed] stopped the worker that took
+    # it ("Unrecoverable error: ValueError"); requeued, it stopped the other one too.
+    assert [w.popen.poll() for w in default_workers] == [None, None]  # both serve on
+    logs = "".join(w.log() for w in default_workers)
+    assert logs.count("rejected a message Celery could not take") == 2, logs
+    assert logs.count("it could not be handed to the pool") == 1, logs  # the bad timelimit
