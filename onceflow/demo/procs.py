@@ -102,13 +102,23 @@ def start_worker(
     for wc in classes:
         args += ["--worker-class", wc]
     proc = Proc(args, log_dir / f"worker-{name}.log", env=env, cwd=cwd)
-    proc.wait_log(" ready.")
+    _wait_ready(proc, " ready.")
     return proc
+
+
+def _wait_ready(proc: Proc, text: str) -> None:
+    """Wait for ``proc``'s ready line; a process that never logs it is stopped, not left
+    running (a worker that cannot connect retries for ever)."""
+    try:
+        proc.wait_log(text)
+    except BaseException:
+        proc.stop()
+        raise
 
 
 def start_beat(log_dir: Path, app: str, env: dict[str, str] | None = None,
                cwd: Path | None = None) -> Proc:  # fmt: skip
     """A real `onceflow beat` sending the sweeper task every sweep interval."""
     proc = Proc(["beat", "--app", app], log_dir / "beat.log", env=env, cwd=cwd)
-    proc.wait_log("beat: Starting")
+    _wait_ready(proc, "beat: Starting")
     return proc
