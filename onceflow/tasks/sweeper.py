@@ -54,6 +54,11 @@ def broker_backlog(
     just the classes (their ``onceflow.wc.<class>`` queue each). A passive
     ``queue_declare`` (Redis and AMQP alike); a queue that does not exist holds nothing.
     Each queue gets its own channel: AMQP closes a channel on a miss.
+
+    On RabbitMQ a missing queue is declared again, as the app declares it: a process that
+    declared it once publishes to it without declaring it again (kombu remembers it per
+    connection), so after the queue was deleted every wake-up it sends — the sweeper's
+    re-sends included — would be dropped by the broker until a worker declares it.
     """
     if not isinstance(queues, Mapping):
         queues = {wc: _own_queue(wc) for wc in queues}
@@ -66,7 +71,7 @@ def broker_backlog(
                 total = 0
                 for name in names:
                     if name not in counted:
-                        counted[name] = _ready(conn, name)
+                        counted[name] = _ready(app, conn, name)
                     total += counted[name]
                 out[wc] = total
             return out
@@ -82,12 +87,28 @@ def _own_queue(worker_class: str) -> list[str]:
         return []  # no queue of onceflow's can hold its wake-ups
 
 
-def _ready(conn: Any, name: str) -> int:
+def _ready(app: Celery, conn: Any, name: str) -> int:
     channel: Any = conn.channel()
     try:
         return int(channel.queue_declare(queue=name, passive=True).message_count)
     except conn.channel_errors:
+        if conn.transport.driver_type == "amqp":
+            _declare(app, conn, name)
         return 0  # no such queue: nothing waits in it
+    finally:
+        with contextlib.suppress(Exception):
+            channel.close()
+
+
+def _declare(app: Celery, conn: Any, name: str) -> None:
+    """Declare queue ``name`` as ``app`` would (its ``task_queues`` entry, else the queue
+    Celery creates for a missing one: type, exchange and binding alike)."""
+    channel: Any = conn.channel()
+    try:
+        app.amqp.queues[name](channel).declare()
+        log.warning("sweep: broker queue %s did not exist; declared it again", name)
+    except Exception as exc:  # e.g. a queue your task_routes name but Celery cannot make
+        log.warning("sweep: could not declare missing broker queue %s: %s", name, exc)
     finally:
         with contextlib.suppress(Exception):
             channel.close()

@@ -178,7 +178,7 @@ def test_a_queue_deleted_under_its_workers_is_declared_again(
     assert all("consumer: Connection to broker lost" in w.log() for w in default_workers)
 
 
-def test_a_purged_queue_is_refilled_by_the_sweeper(
+def test_a_purged_or_deleted_queue_is_refilled_by_the_sweeper(
     flow: Any, amqp: Any, ws: str, rabbitmq_url: str, tmp_path: Path
 ) -> None:
     rid = flow.enqueue("amqp_noop", ws, "purge", "", {}, worker_class=amqp.PURGE)
@@ -186,6 +186,16 @@ def test_a_purged_queue_is_refilled_by_the_sweeper(
     assert flow.broker_backlog([amqp.PURGE, "amqp-nobody"]) == {amqp.PURGE: 1, "amqp-nobody": 0}
     with amqp.app.connection_for_write() as conn:
         assert conn.default_channel.queue_purge(queue_name(amqp.PURGE)) == 1
+    assert flow.broker_backlog([amqp.PURGE]) == {amqp.PURGE: 0}
+    swept = flow.sweep_once(redispatch_after=0)
+    assert [d.request_id for d in swept.to_dispatch] == [rid.request_id]
+    assert flow.broker_backlog([amqp.PURGE]) == {amqp.PURGE: 1}
+    # The queue deleted, with no worker to declare it again: this process declared it once
+    # and kombu would not again, so its sends (the sweeper's too) were dropped by RabbitMQ
+    # (before: the re-send below left the queue missing, the depth at 0). The depth probe
+    # declares a missing queue again.
+    with amqp.app.connection_for_write() as conn:
+        conn.default_channel.queue_delete(queue_name(amqp.PURGE))
     assert flow.broker_backlog([amqp.PURGE]) == {amqp.PURGE: 0}
     swept = flow.sweep_once(redispatch_after=0)
     assert [d.request_id for d in swept.to_dispatch] == [rid.request_id]
