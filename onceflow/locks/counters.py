@@ -115,18 +115,49 @@ class Counters:
                     mine[name] = mine.get(name, 0) + n
 
 
-def queue_increments(pipeline: Any, pending: Pending) -> None:
+#: What a queued counters command carries: (workspace, counter, n) of an ``HINCRBY``, or
+#: (workspace, None, 0) of the ``SADD`` that lists the workspace.
+Increment = tuple[str, str | None, int]
+
+
+def queue_increments(pipeline: Any, pending: Pending) -> list[Increment]:
     """Add one ``HINCRBY`` per pending count to a Redis pipeline (no round trip yet).
 
     Each workspace flushed is also ``SADD``-ed to :func:`~onceflow.keys.counters_workspaces_key`,
-    so the dashboard can list the workspaces that have counters without a ``SCAN``.
+    so the dashboard can list the workspaces that have counters without a ``SCAN``. Returns
+    the queued commands in order, for :meth:`Counters.restore_failed`: on a Redis Cluster
+    the commands go to several nodes, and one node's failure fails only its own commands.
     """
+    queued: list[Increment] = []
     for workspace_id, counts in pending.items():
         key = counters_key(workspace_id)
         for name, n in counts.items():
             if n:
                 pipeline.hincrby(key, name, n)
+                queued.append((workspace_id, name, n))
         pipeline.sadd(counters_workspaces_key(), workspace_id)
+        queued.append((workspace_id, None, 0))
+    return queued
+
+
+def restore_failed(counters: Counters, queued: list[Increment], replies: list[Any]) -> int:
+    """Put back the increments whose command failed (its reply is an exception).
+
+    A failed ``SADD`` puts back an empty entry, so the next flush lists the workspace
+    again. Returns how many commands failed.
+    """
+    back: Pending = {}
+    failed = 0
+    for (workspace_id, name, n), reply in zip(queued, replies, strict=True):
+        if not isinstance(reply, Exception):
+            continue
+        failed += 1
+        mine = back.setdefault(workspace_id, {})
+        if name is not None:
+            mine[name] = mine.get(name, 0) + n
+    if back:
+        counters.restore_pending(back)
+    return failed
 
 
 def parse_hash(raw: Mapping[Any, Any]) -> dict[str, int]:

@@ -7,10 +7,16 @@ crashed holder blocks nobody past the TTL and no client clock is ever compared.
 ``release.lua`` and ``extend.lua`` ship beside this module and are registered
 once per backend (``register_script``: ``EVALSHA``, loading on ``NOSCRIPT``).
 
-Every redis-py error is translated to :class:`LockUnavailable` here; none reaches
-stage code. At first use the backend reads ``maxmemory-policy`` and warns when
-Redis may evict keys with a TTL (an evicted lock is a lock lost); a server that
-refuses ``CONFIG`` is noted at INFO and used anyway.
+``redis_url`` may name a Redis Cluster (``redis+cluster://…``, see
+:mod:`onceflow.redis_clients`): every command of a lock names one key, so it goes to the
+node of the workspace's slot; the ``lock_released`` broadcast is a sharded ``SPUBLISH``
+on that slot, and waiters ``SSUBSCRIBE`` on its primary. A node that is down fails the
+locks of its own workspaces (:class:`LockUnavailable`), no other workspace's.
+
+Every redis-py error (:data:`~onceflow.redis_clients.REDIS_ERRORS`) is translated to
+:class:`LockUnavailable` here; none reaches stage code. At first use the backend reads
+``maxmemory-policy`` and warns when Redis may evict keys with a TTL (an evicted lock is a
+lock lost); a server that refuses ``CONFIG`` is noted at INFO and used anyway.
 """
 
 from __future__ import annotations
@@ -28,14 +34,20 @@ from importlib.resources import files
 from typing import Any
 
 import redis
-from redis.backoff import NoBackoff
 from redis.commands.core import Script
-from redis.retry import Retry
 
 from onceflow.errors import LockUnavailable
 from onceflow.keys import counters_key, lock_key, workspace_channel
 from onceflow.locks.base import LockHandle, Message, parse_message, released_message, ttl_to_ms
-from onceflow.locks.counters import Counters, parse_hash, queue_increments
+from onceflow.locks.counters import Counters, parse_hash, queue_increments, restore_failed
+from onceflow.redis_clients import (
+    REDIS_ERRORS,
+    SyncRedis,
+    channel_pubsub,
+    is_cluster,
+    publish,
+    sync_client,
+)
 from onceflow.settings import Settings, get_settings
 
 log = logging.getLogger("onceflow.locks")
@@ -43,7 +55,7 @@ log = logging.getLogger("onceflow.locks")
 RELEASE_LUA = files("onceflow.locks").joinpath("release.lua").read_text()
 EXTEND_LUA = files("onceflow.locks").joinpath("extend.lua").read_text()
 
-_clients: dict[tuple[str, float, int], redis.Redis] = {}
+_clients: dict[tuple[str, float, int], SyncRedis] = {}
 _clients_lock = threading.Lock()
 
 
@@ -57,11 +69,14 @@ return 0
 """
 
 
-def redis_client(url: str | None = None, *, timeout: float | None = None) -> redis.Redis:
+def redis_client(url: str | None = None, *, timeout: float | None = None) -> SyncRedis:
     """This process's Redis client for ``url`` (made lazily, again after a fork).
 
     Socket timeouts bound every call (``lock_timeout_seconds``); one immediate
     retry lets a pooled connection that died with a restarted server reconnect.
+    A cluster URL gives a ``RedisCluster``, which reads the topology when it is made:
+    a redis-py error here (:data:`~onceflow.redis_clients.REDIS_ERRORS`) leaves nothing
+    cached, and the next call tries again.
     """
     settings = get_settings()
     url = url or settings.redis_url
@@ -72,12 +87,7 @@ def redis_client(url: str | None = None, *, timeout: float | None = None) -> red
         with _clients_lock:
             client = _clients.get(key)
             if client is None:
-                client = redis.Redis.from_url(
-                    url,
-                    socket_timeout=timeout,
-                    socket_connect_timeout=timeout,
-                    retry=Retry(NoBackoff(), 1),
-                )
+                client = sync_client(url, timeout=timeout, retries=1)
                 _clients[key] = client
     return client
 
@@ -87,11 +97,11 @@ def translate_redis_errors(what: str) -> Iterator[None]:
     """Any redis-py error becomes :class:`LockUnavailable` (ours pass through)."""
     try:
         yield
-    except redis.RedisError as exc:
+    except REDIS_ERRORS as exc:
         raise _unavailable(what, exc) from exc
 
 
-def _unavailable(what: str, exc: redis.RedisError) -> LockUnavailable:
+def _unavailable(what: str, exc: Exception) -> LockUnavailable:
     return LockUnavailable(f"Redis unavailable ({what}): {exc}")
 
 
@@ -101,17 +111,44 @@ class RedisLockBackend:
     name = "redis"
 
     def __init__(
-        self, client: redis.Redis | str | None = None, *, settings: Settings | None = None
+        self, client: SyncRedis | str | None = None, *, settings: Settings | None = None
     ) -> None:
         self.settings = settings or get_settings()
-        if client is None or isinstance(client, str):
-            client = redis_client(client or self.settings.redis_url)
-        self.client = client
         self.counters = Counters()
-        self._release = client.register_script(RELEASE_LUA)
-        self._extend = client.register_script(EXTEND_LUA)
-        self._reap = client.register_script(REAP_UNTIMED_LUA)
         self._policy_checked = False
+        self._url = (client if isinstance(client, str) else None) or self.settings.redis_url
+        self._client: SyncRedis | None = None
+        self._client_lock = threading.Lock()
+        self._scripts: dict[str, Script] = {}
+        #: A Redis Cluster: broadcasts are sharded (``SPUBLISH``/``SSUBSCRIBE``).
+        self.sharded = False
+        if client is not None and not isinstance(client, str):
+            self._use(client)
+
+    def _use(self, client: SyncRedis) -> None:
+        self._scripts = {
+            "release": client.register_script(RELEASE_LUA),
+            "extend": client.register_script(EXTEND_LUA),
+            "reap": client.register_script(REAP_UNTIMED_LUA),
+        }
+        self.sharded = is_cluster(client)
+        self._client = client
+
+    @property
+    def client(self) -> SyncRedis:
+        """The Redis client (made at first use: a cluster client connects when it is made).
+
+        :class:`LockUnavailable` when a cluster's startup nodes cannot be reached.
+        """
+        client = self._client
+        if client is None:
+            with self._client_lock:
+                client = self._client
+                if client is None:
+                    with translate_redis_errors("connect"):
+                        client = redis_client(self._url)
+                    self._use(client)
+        return client
 
     def acquire(
         self,
@@ -130,7 +167,7 @@ class RedisLockBackend:
             self._check_eviction_policy()
         try:  # inline rather than a context manager: this is the hot path
             taken = self.client.set(key, token, nx=True, px=ttl_ms)
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise _unavailable("acquire", exc) from exc
         if not taken:
             return None
@@ -142,22 +179,24 @@ class RedisLockBackend:
     def cad_release(self, handle: LockHandle) -> bool:
         """``release.lua``: delete the key only if it still holds the handle's token."""
         try:
-            return bool(self._run(self._release, handle.key, handle.token))
-        except redis.RedisError as exc:
+            return bool(self._run("release", handle.key, handle.token))
+        except REDIS_ERRORS as exc:
             raise _unavailable("release", exc) from exc
 
     def cad_extend(self, handle: LockHandle, ttl_ms: int) -> bool:
         """``extend.lua``: reset the TTL only if the key still holds the handle's token."""
         try:
-            return bool(self._run(self._extend, handle.key, handle.token, ttl_ms))
-        except redis.RedisError as exc:
+            return bool(self._run("extend", handle.key, handle.token, ttl_ms))
+        except REDIS_ERRORS as exc:
             raise _unavailable("extend", exc) from exc
 
-    def _run(self, script: Script, key: str, *args: str | int) -> Any:
+    def _run(self, name: str, key: str, *args: str | int) -> Any:
         # EVALSHA straight away (one round trip, no per-call bookkeeping); on NOSCRIPT (a
         # restarted or failed-over server) the registered Script loads itself and runs.
+        client = self.client
+        script = self._scripts[name]
         try:
-            return self.client.evalsha(script.sha, 1, key, *args)
+            return client.evalsha(script.sha, 1, key, *args)
         except redis.exceptions.NoScriptError:
             return script(keys=[key], args=list(args))
 
@@ -174,7 +213,7 @@ class RedisLockBackend:
             # still has no TTL — and report the cell free, so the caller acquires now.
             key = lock_key(workspace_id, job_id, task)
             with translate_redis_errors("reap"):
-                reaped = self._run(self._reap, key)
+                reaped = self._run("reap", key)
             if reaped:
                 log.error("compute lock %r held a value with no TTL (not a lock): deleted", key)
             return None
@@ -187,23 +226,35 @@ class RedisLockBackend:
         return value.decode() if isinstance(value, bytes) else value
 
     def subscribe(self, workspace_id: str) -> RedisSubscription:
-        """``SUBSCRIBE`` to the workspace's channel; returns once Redis confirmed it."""
+        """``SUBSCRIBE`` (a cluster: ``SSUBSCRIBE``) to the workspace's channel; returns once
+        Redis confirmed it."""
         channel = workspace_channel(workspace_id)
         return RedisSubscription(self.client, channel, self.settings.lock_timeout_seconds)
 
     def announce(self, handle: LockHandle, *, ok: bool) -> None:
-        """One pipelined round trip: ``PUBLISH`` lock_released, plus pending counters."""
+        """One pipelined round trip: ``PUBLISH`` lock_released, plus pending counters.
+
+        On a Redis Cluster the pipeline is split by node (``SPUBLISH`` to the workspace's
+        shard, each counter to its own): a counter whose node failed stays pending, and only
+        a failed broadcast raises :class:`LockUnavailable`.
+        """
         message = json.dumps(released_message(handle.job_id, handle.task, ok=ok))
         pending = self.counters.take_pending()
         try:
-            with translate_redis_errors("publish"):
-                pipe = self.client.pipeline(transaction=False)
-                pipe.publish(workspace_channel(handle.workspace_id), message)
-                queue_increments(pipe, pending)
-                pipe.execute()
-        except LockUnavailable:
+            client = self.client
+            pipe = client.pipeline(transaction=False)
+            publish(pipe, self.sharded, workspace_channel(handle.workspace_id), message)
+            queued = queue_increments(pipe, pending)
+            replies = pipe.execute(raise_on_error=False)
+        except REDIS_ERRORS as exc:
+            self.counters.restore_pending(pending)
+            raise _unavailable("publish", exc) from exc
+        except BaseException:
             self.counters.restore_pending(pending)
             raise
+        restore_failed(self.counters, queued, replies[1:])
+        if isinstance(replies[0], Exception):
+            raise _unavailable("publish", replies[0])
 
     def flush_counters(self) -> None:
         """Send pending increments (``HINCRBY``, one pipelined round trip); kept on failure."""
@@ -211,13 +262,18 @@ class RedisLockBackend:
         if not pending:
             return
         try:
-            with translate_redis_errors("counters"):
-                pipe = self.client.pipeline(transaction=False)
-                queue_increments(pipe, pending)
-                pipe.execute()
-        except LockUnavailable as exc:
+            pipe = self.client.pipeline(transaction=False)
+            queued = queue_increments(pipe, pending)
+            replies = pipe.execute(raise_on_error=False)
+        except (LockUnavailable, *REDIS_ERRORS) as exc:
             self.counters.restore_pending(pending)
             log.debug("compute-lock counters not flushed: %s", exc)
+            return
+        except BaseException:
+            self.counters.restore_pending(pending)
+            raise
+        if restore_failed(self.counters, queued, replies):
+            log.debug("compute-lock counters: some not flushed (their Redis node failed)")
 
     def workspace_counters(self, workspace_id: str) -> dict[str, int]:
         """``HGETALL`` of the workspace's counters: every process's flushed increments."""
@@ -232,7 +288,7 @@ class RedisLockBackend:
             note_config_refused(exc)
             self._policy_checked = True
             return
-        except redis.RedisError:
+        except (LockUnavailable, *REDIS_ERRORS):
             return  # not reachable now; the acquire says so, and we check again next time
         warn_on_eviction_policy(reply)
         self._policy_checked = True
@@ -260,16 +316,20 @@ def warn_on_eviction_policy(reply: Any) -> None:
 
 
 class RedisSubscription:
-    """A confirmed ``SUBSCRIBE`` to one channel on its own connection."""
+    """A confirmed ``SUBSCRIBE`` to one channel on its own connection.
 
-    def __init__(self, client: redis.Redis, channel: str, timeout: float) -> None:
-        # Through a typed name: redis-py < 8.2 leaves pubsub() unannotated, 8.2 annotates it,
-        # and no `type: ignore` is right for both.
-        make_pubsub: Any = client.pubsub
-        self._pubsub = make_pubsub()
+    On a Redis Cluster: ``SSUBSCRIBE`` on a connection to the primary of the channel's slot.
+    """
+
+    def __init__(self, client: SyncRedis, channel: str, timeout: float) -> None:
+        with translate_redis_errors("subscribe"):
+            self._pubsub, self._kinds = channel_pubsub(client, channel)
         try:
             with translate_redis_errors("subscribe"):
-                self._pubsub.subscribe(channel)
+                if self._kinds.subscribe == "ssubscribe":
+                    self._pubsub.ssubscribe(channel)
+                else:
+                    self._pubsub.subscribe(channel)
                 # Only after Redis confirmed is every later publish guaranteed to reach us:
                 # the caller re-checks the store after this returns (subscribe first).
                 deadline = time.monotonic() + timeout
@@ -278,14 +338,18 @@ class RedisSubscription:
                     if remaining <= 0:
                         raise LockUnavailable(f"Redis did not confirm SUBSCRIBE {channel}")
                     reply = self._pubsub.get_message(timeout=remaining)
-                    if reply is not None and reply["type"] == "subscribe":
+                    if reply is not None and reply["type"] == self._kinds.subscribe:
                         break
         except BaseException:
             self.close()
             raise
 
     def wait(self, timeout: float) -> Message | None:
-        """The next published message, or None once ``timeout`` seconds passed."""
+        """The next published message, or None once ``timeout`` seconds passed.
+
+        Also None at once when the server ends the subscription (a cluster slot that
+        moved to another node): the caller runs its protocol again and subscribes anew.
+        """
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
@@ -293,12 +357,16 @@ class RedisSubscription:
                 return None
             with translate_redis_errors("wait"):
                 reply = self._pubsub.get_message(timeout=remaining)
-            if reply is not None and reply["type"] == "message":
+            if reply is None:
+                continue
+            if reply["type"] == self._kinds.message:
                 return parse_message(reply["data"])
+            if reply["type"] == self._kinds.unsubscribe:
+                return None
 
     def close(self) -> None:
         """Unsubscribe by closing the connection (errors ignored: it may be dead already)."""
-        with contextlib.suppress(redis.RedisError, OSError):
+        with contextlib.suppress(*REDIS_ERRORS, OSError):
             self._pubsub.close()
 
 
