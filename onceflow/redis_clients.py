@@ -32,6 +32,7 @@ so for a broker URL.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, NamedTuple, TypeAlias
 
@@ -51,10 +52,9 @@ SyncRedis: TypeAlias = "redis.Redis | redis.cluster.RedisCluster"
 AsyncRedis: TypeAlias = "redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster"
 
 #: Every error redis-py raises: its cluster errors are not ``RedisError``s.
-REDIS_ERRORS: Final[tuple[type[Exception], ...]] = (
-    redis.RedisError,
-    redis.exceptions.RedisClusterException,
-)
+REDIS_ERRORS: Final = (redis.RedisError, redis.exceptions.RedisClusterException)
+#: :data:`REDIS_ERRORS` and the socket errors (``OSError``, ``TimeoutError`` among them).
+REDIS_OR_OS_ERRORS: Final = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
 
 #: A cluster scheme and the scheme of its nodes.
 CLUSTER_SCHEMES: Final = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
@@ -205,7 +205,8 @@ def sync_client(
     if not target.cluster:
         return redis.Redis.from_url(url, **options)
     _check_redis_py(url)
-    others = [redis.cluster.ClusterNode(host, port) for host, port in target.nodes[1:]]
+    node: Any = redis.cluster.ClusterNode  # unannotated in redis-py
+    others = [node(host, port) for host, port in target.nodes[1:]]
     return redis.cluster.RedisCluster.from_url(target.url, startup_nodes=others, **options)
 
 
@@ -249,6 +250,22 @@ def publish(target: Any, sharded: bool, channel: str, message: str) -> Any:
     return target.publish(channel, message)
 
 
+def node_namer(client: Any) -> Callable[[str], str]:
+    """``name(key)``: the name of the node that holds ``key`` (its slot's primary); always
+    ``""`` for one server. The topology must be known: a sync cluster client reads it when
+    it is made, an asyncio one at its first command (``await client.initialize()``)."""
+    if not is_cluster(client):
+        return lambda key: ""
+
+    def name(key: str) -> str:
+        node = client.get_node_from_key(key)
+        if node is None:
+            raise redis.exceptions.SlotNotCoveredError(f"no node serves key {key!r}")
+        return str(node.name)
+
+    return name
+
+
 def channel_pubsub(client: SyncRedis, channel: str) -> tuple[Any, Kinds]:
     """A pub/sub object for ``channel`` (not subscribed yet) and its message types.
 
@@ -256,7 +273,8 @@ def channel_pubsub(client: SyncRedis, channel: str) -> tuple[Any, Kinds]:
     ``ssubscribe``); on one server, ``client.pubsub()``.
     """
     if isinstance(client, redis.cluster.RedisCluster):
-        node = client.get_node_from_key(channel)
+        node_of: Any = client.get_node_from_key  # unannotated in redis-py
+        node = node_of(channel)
         if node is None or node.redis_connection is None:
             raise redis.exceptions.SlotNotCoveredError(f"no node serves channel {channel!r}")
         make: Any = node.redis_connection.pubsub
@@ -298,6 +316,7 @@ __all__ = [
     "CLUSTER_SCHEMES",
     "PLAIN",
     "REDIS_ERRORS",
+    "REDIS_OR_OS_ERRORS",
     "SHARDED",
     "AsyncRedis",
     "Kinds",
@@ -308,6 +327,7 @@ __all__ = [
     "is_cluster",
     "is_cluster_url",
     "node_client",
+    "node_namer",
     "parse_redis_url",
     "publish",
     "require_one_server",

@@ -231,15 +231,15 @@ def _redis_answers(redis_url: str, timeout: float) -> bool:
     # Through onceflow's client factory: a redis+cluster:// URL is asked as a cluster
     # (whose client reads the topology when it is made).
     from onceflow.errors import InvalidRedisUrl
-    from onceflow.redis_clients import REDIS_ERRORS, sync_client
+    from onceflow.redis_clients import REDIS_OR_OS_ERRORS, sync_client
 
     try:
         client = sync_client(redis_url, timeout=timeout)
-    except (ValueError, InvalidRedisUrl, *REDIS_ERRORS, OSError):
+    except (ValueError, InvalidRedisUrl, *REDIS_OR_OS_ERRORS):
         return False
     try:
         return bool(client.ping())
-    except (*REDIS_ERRORS, OSError):
+    except REDIS_OR_OS_ERRORS:
         return False
     finally:
         client.close()

@@ -31,7 +31,15 @@ from onceflow.errors import LockUnavailable
 from onceflow.keys import counters_key, lock_key, workspace_channel
 from onceflow.locks.aio import AsyncLockHandle
 from onceflow.locks.base import HeldLock, Message, parse_message, released_message, ttl_to_ms
-from onceflow.locks.counters import Counters, parse_hash, queue_increments, restore_failed
+from onceflow.locks.counters import (
+    Counters,
+    Increment,
+    by_node,
+    parse_hash,
+    queue_group,
+    restore,
+    restore_failed,
+)
 from onceflow.locks.redis_lock import (
     EXTEND_LUA,
     REAP_UNTIMED_LUA,
@@ -42,12 +50,14 @@ from onceflow.locks.redis_lock import (
 from onceflow.redis_clients import (
     PLAIN,
     REDIS_ERRORS,
+    REDIS_OR_OS_ERRORS,
     SHARDED,
     AsyncRedis,
     Kinds,
     async_client,
     is_cluster,
     node_client,
+    node_namer,
     publish,
     shard_node,
 )
@@ -191,15 +201,23 @@ class AsyncRedisLockBackend:
     async def announce(self, handle: HeldLock[Any], *, ok: bool) -> None:
         """One pipelined round trip: ``PUBLISH`` lock_released, plus pending counters.
 
-        On a Redis Cluster, as :meth:`RedisLockBackend.announce`: split by node, a failed
-        counter stays pending, only a failed broadcast raises.
+        On a Redis Cluster, as :meth:`RedisLockBackend.announce`: the workspace's node first
+        (``SPUBLISH`` and its counters), then one pipeline per other node; a failed counter
+        stays pending, only a failed broadcast raises.
         """
         message = json.dumps(released_message(handle.job_id, handle.task, ok=ok))
+        channel = workspace_channel(handle.workspace_id)
         pending = self.counters.take_pending()
+        client = self.client
         try:
-            pipe = self.client.pipeline(transaction=False)
-            publish(pipe, self.sharded, workspace_channel(handle.workspace_id), message)
-            queued = queue_increments(pipe, pending)
+            if self.sharded:
+                await client.initialize()
+            node_of = node_namer(client)
+            groups = by_node(pending, node_of)
+            first = groups.pop(node_of(channel), [])
+            pipe = client.pipeline(transaction=False)
+            publish(pipe, self.sharded, channel, message)
+            queue_group(pipe, first)
             replies = await pipe.execute(raise_on_error=False)
         except REDIS_ERRORS as exc:
             self.counters.restore_pending(pending)
@@ -207,19 +225,21 @@ class AsyncRedisLockBackend:
         except BaseException:
             self.counters.restore_pending(pending)
             raise
-        restore_failed(self.counters, queued, replies[1:])
+        restore_failed(self.counters, first, replies[1:])
+        await self._send(groups)
         if isinstance(replies[0], Exception):
             raise _unavailable("publish", replies[0])
 
     async def flush_counters(self) -> None:
-        """Send pending increments (``HINCRBY``, one pipelined round trip); kept on failure."""
+        """Send pending increments (``HINCRBY``, one pipelined round trip per Redis node);
+        kept on failure."""
         pending = self.counters.take_pending()
         if not pending:
             return
         try:
-            pipe = self.client.pipeline(transaction=False)
-            queued = queue_increments(pipe, pending)
-            replies = await pipe.execute(raise_on_error=False)
+            if self.sharded:
+                await self.client.initialize()
+            groups = by_node(pending, node_namer(self.client))
         except REDIS_ERRORS as exc:
             self.counters.restore_pending(pending)
             log.debug("compute-lock counters not flushed: %s", exc)
@@ -227,8 +247,24 @@ class AsyncRedisLockBackend:
         except BaseException:
             self.counters.restore_pending(pending)
             raise
-        if restore_failed(self.counters, queued, replies):
-            log.debug("compute-lock counters: some not flushed (their Redis node failed)")
+        await self._send(groups)
+
+    async def _send(self, groups: dict[str, list[Increment]]) -> None:
+        """Each node's counters in a pipeline of its own; a failed one stays pending."""
+        for group in groups.values():
+            try:
+                pipe = self.client.pipeline(transaction=False)
+                queue_group(pipe, group)
+                replies = await pipe.execute(raise_on_error=False)
+            except REDIS_ERRORS as exc:
+                restore(self.counters, group)
+                log.debug("compute-lock counters not flushed: %s", exc)
+                continue
+            except BaseException:
+                restore(self.counters, group)
+                raise
+            if restore_failed(self.counters, group, replies):
+                log.debug("compute-lock counters: some not flushed")
 
     async def workspace_counters(self, workspace_id: str) -> dict[str, int]:
         """``HGETALL`` of the workspace's counters: every process's flushed increments."""
@@ -313,8 +349,8 @@ class AsyncRedisSubscription:
     async def close(self) -> None:
         """Unsubscribe by closing the connection (errors ignored: it may be dead already)."""
         if self._pubsub is not None:
-            with contextlib.suppress(*REDIS_ERRORS, OSError):
+            with contextlib.suppress(*REDIS_OR_OS_ERRORS):
                 await self._pubsub.aclose()
         if self._node_client is not None:
-            with contextlib.suppress(*REDIS_ERRORS, OSError):
+            with contextlib.suppress(*REDIS_OR_OS_ERRORS):
                 await self._node_client.aclose()

@@ -35,16 +35,27 @@ from typing import Any
 
 import redis
 from redis.commands.core import Script
+from redis.exceptions import RedisClusterException
 
 from onceflow.errors import LockUnavailable
 from onceflow.keys import counters_key, lock_key, workspace_channel
 from onceflow.locks.base import LockHandle, Message, parse_message, released_message, ttl_to_ms
-from onceflow.locks.counters import Counters, parse_hash, queue_increments, restore_failed
+from onceflow.locks.counters import (
+    Counters,
+    Increment,
+    by_node,
+    parse_hash,
+    queue_group,
+    restore,
+    restore_failed,
+)
 from onceflow.redis_clients import (
     REDIS_ERRORS,
+    REDIS_OR_OS_ERRORS,
     SyncRedis,
     channel_pubsub,
     is_cluster,
+    node_namer,
     publish,
     sync_client,
 )
@@ -234,17 +245,22 @@ class RedisLockBackend:
     def announce(self, handle: LockHandle, *, ok: bool) -> None:
         """One pipelined round trip: ``PUBLISH`` lock_released, plus pending counters.
 
-        On a Redis Cluster the pipeline is split by node (``SPUBLISH`` to the workspace's
-        shard, each counter to its own): a counter whose node failed stays pending, and only
-        a failed broadcast raises :class:`LockUnavailable`.
+        On a Redis Cluster the round trip goes to the workspace's node: ``SPUBLISH`` and
+        the counters whose keys live there; pending counters of other nodes follow, one
+        pipeline per node. A counter whose node failed stays pending; only a failed
+        broadcast raises :class:`LockUnavailable`.
         """
         message = json.dumps(released_message(handle.job_id, handle.task, ok=ok))
+        channel = workspace_channel(handle.workspace_id)
         pending = self.counters.take_pending()
         try:
             client = self.client
+            node_of = node_namer(client)
+            groups = by_node(pending, node_of)
+            first = groups.pop(node_of(channel), [])
             pipe = client.pipeline(transaction=False)
-            publish(pipe, self.sharded, workspace_channel(handle.workspace_id), message)
-            queued = queue_increments(pipe, pending)
+            publish(pipe, self.sharded, channel, message)
+            queue_group(pipe, first)
             replies = pipe.execute(raise_on_error=False)
         except REDIS_ERRORS as exc:
             self.counters.restore_pending(pending)
@@ -252,28 +268,42 @@ class RedisLockBackend:
         except BaseException:
             self.counters.restore_pending(pending)
             raise
-        restore_failed(self.counters, queued, replies[1:])
+        restore_failed(self.counters, first, replies[1:])
+        self._send(client, groups)
         if isinstance(replies[0], Exception):
             raise _unavailable("publish", replies[0])
 
     def flush_counters(self) -> None:
-        """Send pending increments (``HINCRBY``, one pipelined round trip); kept on failure."""
+        """Send pending increments (``HINCRBY``, one pipelined round trip per Redis node);
+        kept on failure."""
         pending = self.counters.take_pending()
         if not pending:
             return
         try:
-            pipe = self.client.pipeline(transaction=False)
-            queued = queue_increments(pipe, pending)
-            replies = pipe.execute(raise_on_error=False)
-        except (LockUnavailable, *REDIS_ERRORS) as exc:
+            client = self.client
+            groups = by_node(pending, node_namer(client))
+        except (LockUnavailable, redis.RedisError, RedisClusterException) as exc:
             self.counters.restore_pending(pending)
             log.debug("compute-lock counters not flushed: %s", exc)
             return
-        except BaseException:
-            self.counters.restore_pending(pending)
-            raise
-        if restore_failed(self.counters, queued, replies):
-            log.debug("compute-lock counters: some not flushed (their Redis node failed)")
+        self._send(client, groups)
+
+    def _send(self, client: SyncRedis, groups: dict[str, list[Increment]]) -> None:
+        """Each node's counters in a pipeline of its own; a failed one stays pending."""
+        for group in groups.values():
+            try:
+                pipe = client.pipeline(transaction=False)
+                queue_group(pipe, group)
+                replies = pipe.execute(raise_on_error=False)
+            except REDIS_ERRORS as exc:
+                restore(self.counters, group)
+                log.debug("compute-lock counters not flushed: %s", exc)
+                continue
+            except BaseException:
+                restore(self.counters, group)
+                raise
+            if restore_failed(self.counters, group, replies):
+                log.debug("compute-lock counters: some not flushed")
 
     def workspace_counters(self, workspace_id: str) -> dict[str, int]:
         """``HGETALL`` of the workspace's counters: every process's flushed increments."""
@@ -288,7 +318,7 @@ class RedisLockBackend:
             note_config_refused(exc)
             self._policy_checked = True
             return
-        except (LockUnavailable, *REDIS_ERRORS):
+        except (LockUnavailable, redis.RedisError, RedisClusterException):
             return  # not reachable now; the acquire says so, and we check again next time
         warn_on_eviction_policy(reply)
         self._policy_checked = True
@@ -366,7 +396,7 @@ class RedisSubscription:
 
     def close(self) -> None:
         """Unsubscribe by closing the connection (errors ignored: it may be dead already)."""
-        with contextlib.suppress(*REDIS_ERRORS, OSError):
+        with contextlib.suppress(*REDIS_OR_OS_ERRORS):
             self._pubsub.close()
 
 

@@ -44,6 +44,7 @@ from onceflow.oplog.records import (
 from onceflow.queue.claims import fence_steps
 from onceflow.redis_clients import (
     REDIS_ERRORS,
+    REDIS_OR_OS_ERRORS,
     AsyncRedis,
     SyncRedis,
     async_client,
@@ -191,7 +192,7 @@ class AsyncOpLog(AsyncSide, OpLogOps):
             client = self.redis()
             channel = workspace_channel(applied.workspace_id)
             await publish(client, is_cluster(client), channel, message)
-        except (*REDIS_ERRORS, OSError) as exc:
+        except REDIS_OR_OS_ERRORS as exc:
             _broadcast_failed(applied.workspace_id, applied.sub_doc, exc)
 
     async def aclose(self) -> None:

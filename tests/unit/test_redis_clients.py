@@ -107,7 +107,7 @@ def test_the_worker_command_refuses_a_cluster_broker_at_start() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ONCEFLOW_")}
     env["ONCEFLOW_REDIS_URL"] = "redis+cluster://127.0.0.1:1,127.0.0.1:2"
     done = subprocess.run(
-        [sys.executable, "-m", "onceflow.cli", "worker", "-w", "default"],
+        [sys.executable, "-m", "onceflow.cli", "worker", "--worker-class", "default"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -27,7 +27,7 @@ from redis.asyncio.client import PubSub
 from onceflow.loops import drop_redis_sockets, shut_redis_connection
 from onceflow.redis_clients import (
     PLAIN,
-    REDIS_ERRORS,
+    REDIS_OR_OS_ERRORS,
     SHARDED,
     AsyncRedis,
     Kinds,
@@ -124,6 +124,8 @@ class _Link:
     pubsub: PubSub
     kinds: Kinds
     reader: asyncio.Task[None] | None = None
+    # Commands on this connection are sent one at a time (a slow node holds up only its own).
+    send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class EventHub:
@@ -159,7 +161,6 @@ class EventHub:
         self._expected: dict[bytes, deque[asyncio.Future[None] | None]] = {}
         self._per_key: dict[str, int] = {}
         self._open = 0
-        self._send_lock = asyncio.Lock()
         self._connect_lock = asyncio.Lock()
         self._down_until: dict[str, float] = {}
         self._closed = False
@@ -222,7 +223,7 @@ class EventHub:
                 await task
         topology, self._topology = self._topology, None
         if topology is not None:
-            with contextlib.suppress(*REDIS_ERRORS, OSError, RuntimeError):
+            with contextlib.suppress(*REDIS_OR_OS_ERRORS, RuntimeError):
                 await topology.aclose()
 
     # ------------------------------------------------------------ internals
@@ -269,8 +270,10 @@ class EventHub:
         try:
             async with asyncio.timeout(self.subscribe_timeout):
                 node = await shard_node(self._topology, channel.decode())
-        except (*REDIS_ERRORS, OSError, TimeoutError) as exc:
+        except REDIS_OR_OS_ERRORS as exc:
             raise HubUnavailable(f"Redis: {type(exc).__name__}") from exc
+        if node is None:  # not a cluster client after all (cannot happen for a cluster URL)
+            raise HubUnavailable("Redis: no node for the channel")
         return str(node.name), node
 
     async def _link(self, channel: bytes) -> _Link:
@@ -295,7 +298,7 @@ class EventHub:
             try:
                 async with asyncio.timeout(self.subscribe_timeout):
                     await cast(Any, pubsub).connect()  # untyped in redis-py
-            except (*REDIS_ERRORS, OSError, TimeoutError) as exc:
+            except REDIS_OR_OS_ERRORS as exc:
                 self._down_until[name] = loop.time() + RECONNECT_BACKOFF
                 await _quietly_close(pubsub, client)
                 raise HubUnavailable(f"Redis: {type(exc).__name__}") from exc
@@ -335,7 +338,7 @@ class EventHub:
     async def _send_shielded(
         self, link: _Link, verb: str, channel: bytes, confirmed: asyncio.Future[None] | None
     ) -> None:
-        async with self._send_lock:
+        async with link.send_lock:
             if link is not self._links.get(link.name):
                 raise HubUnavailable("the connection to Redis was lost")
             if verb == "unsubscribe" and channel in self._channels:
@@ -352,7 +355,7 @@ class EventHub:
                     await (link.pubsub.sunsubscribe if sharded else link.pubsub.unsubscribe)(
                         channel
                     )
-            except (*REDIS_ERRORS, OSError) as exc:
+            except REDIS_OR_OS_ERRORS as exc:
                 self._reset(link, type(exc).__name__)
                 raise HubUnavailable(f"Redis: {type(exc).__name__}") from exc
 
@@ -367,7 +370,7 @@ class EventHub:
                 if message is None:  # idle: is the connection still alive?
                     if awaiting_pong:
                         raise HubUnavailable("Redis did not answer a PING")
-                    async with self._send_lock:
+                    async with link.send_lock:
                         await pubsub.ping()
                     awaiting_pong = True
                     continue
@@ -394,9 +397,9 @@ class EventHub:
                         self.queue_size,
                     )
                     listener.end("slow")
-                    link = self._release(listener)
-                    if link is not None:
-                        self._spawn(self._send_quietly(link, channel))
+                    owner = self._release(listener)
+                    if owner is not None:
+                        self._spawn(self._send_quietly(owner, channel))
         elif kind in (link.kinds.subscribe, link.kinds.unsubscribe):
             expected = self._expected.get(channel)
             if not expected:
@@ -467,7 +470,7 @@ def _retrieve(future: asyncio.Future[None]) -> None:
 
 async def _quietly_close(pubsub: PubSub | None, client: aioredis.Redis) -> None:
     if pubsub is not None:
-        with contextlib.suppress(*REDIS_ERRORS, OSError, RuntimeError):
+        with contextlib.suppress(*REDIS_OR_OS_ERRORS, RuntimeError):
             await cast(Any, pubsub).aclose()
-    with contextlib.suppress(*REDIS_ERRORS, OSError, RuntimeError):
+    with contextlib.suppress(*REDIS_OR_OS_ERRORS, RuntimeError):
         await client.aclose()
