@@ -25,7 +25,6 @@ from typing import Any
 
 import redis
 import redis.asyncio
-from redis.commands.core import AsyncScript
 
 from onceflow.errors import LockUnavailable
 from onceflow.keys import counters_key, lock_key, workspace_channel
@@ -41,9 +40,10 @@ from onceflow.locks.counters import (
     restore_failed,
 )
 from onceflow.locks.redis_lock import (
-    EXTEND_LUA,
-    REAP_UNTIMED_LUA,
-    RELEASE_LUA,
+    EXTEND,
+    REAP_UNTIMED,
+    RELEASE,
+    Lua,
     note_config_refused,
     warn_on_eviction_policy,
 )
@@ -96,9 +96,6 @@ class AsyncRedisLockBackend:
         #: A Redis Cluster: broadcasts are sharded (``SPUBLISH``/``SSUBSCRIBE``).
         self.sharded = is_cluster(client)
         self.counters = counters if counters is not None else Counters()
-        self._release = client.register_script(RELEASE_LUA)
-        self._extend = client.register_script(EXTEND_LUA)
-        self._reap = client.register_script(REAP_UNTIMED_LUA)
         self._policy_checked = False
 
     async def aclose(self) -> None:
@@ -149,22 +146,24 @@ class AsyncRedisLockBackend:
     async def cad_release(self, handle: HeldLock[Any]) -> bool:
         """``release.lua``: delete the key only if it still holds the handle's token."""
         try:
-            return bool(await self._run(self._release, handle.key, handle.token))
+            return bool(await self._run(RELEASE, handle.key, handle.token))
         except REDIS_ERRORS as exc:
             raise _unavailable("release", exc) from exc
 
     async def cad_extend(self, handle: HeldLock[Any], ttl_ms: int) -> bool:
         """``extend.lua``: reset the TTL only if the key still holds the handle's token."""
         try:
-            return bool(await self._run(self._extend, handle.key, handle.token, ttl_ms))
+            return bool(await self._run(EXTEND, handle.key, handle.token, ttl_ms))
         except REDIS_ERRORS as exc:
             raise _unavailable("extend", exc) from exc
 
-    async def _run(self, script: AsyncScript, key: str, *args: str | int) -> Any:
+    async def _run(self, script: Lua, key: str, *args: str | int) -> Any:
+        # As RedisLockBackend._run: EVALSHA, and EVAL on the key's node on NOSCRIPT.
+        text, sha = script
         try:
-            return await self.client.evalsha(script.sha, 1, key, *args)
+            return await self.client.evalsha(sha, 1, key, *args)
         except redis.exceptions.NoScriptError:
-            return await script(keys=[key], args=list(args))
+            return await self.client.eval(text, 1, key, *args)
 
     async def remaining_ms(self, workspace_id: str, job_id: str, task: str) -> int | None:
         """``PTTL`` of the cell's lock; None when no lock exists (a key with no TTL is reaped)."""
@@ -172,7 +171,7 @@ class AsyncRedisLockBackend:
         try:
             pttl = int(await self.client.pttl(key))
             if pttl == -1:  # not a lock (see RedisLockBackend.remaining_ms): delete it
-                if await self._run(self._reap, key):
+                if await self._run(REAP_UNTIMED, key):
                     log.error("compute lock %r held a value with no TTL (not a lock): deleted", key)
                 return None
         except REDIS_ERRORS as exc:

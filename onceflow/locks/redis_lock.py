@@ -5,7 +5,9 @@ the workspace is a Redis Cluster hash tag, so a workspace's locks, its broadcast
 channel and its counters share a slot. Redis expires the key itself, so a
 crashed holder blocks nobody past the TTL and no client clock is ever compared.
 ``release.lua`` and ``extend.lua`` ship beside this module and are registered
-once per backend (``register_script``: ``EVALSHA``, loading on ``NOSCRIPT``).
+by their SHA1 (``EVALSHA``; on ``NOSCRIPT``, a restarted or new node, ``EVAL`` of the
+text: one round trip to the key's node, which caches it). Not ``SCRIPT LOAD``: on a
+cluster that goes to every primary, and one node down would fail every release.
 
 ``redis_url`` may name a Redis Cluster (``redis+cluster://…``, see
 :mod:`onceflow.redis_clients`): every command of a lock names one key, so it goes to the
@@ -22,6 +24,7 @@ lock lost); a server that refuses ``CONFIG`` is noted at INFO and used anyway.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -34,7 +37,6 @@ from importlib.resources import files
 from typing import Any
 
 import redis
-from redis.commands.core import Script
 from redis.exceptions import RedisClusterException
 
 from onceflow.errors import LockUnavailable
@@ -78,6 +80,19 @@ if redis.call('pttl', KEYS[1]) == -1 then
 end
 return 0
 """
+
+#: A Lua script: (text, SHA1 of the text), run by ``EVALSHA`` with ``EVAL`` on ``NOSCRIPT``.
+Lua = tuple[str, str]
+
+
+def lua(text: str) -> Lua:
+    """A script and its SHA1 (the name ``EVALSHA`` calls it by)."""
+    return text, hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()
+
+
+RELEASE = lua(RELEASE_LUA)
+EXTEND = lua(EXTEND_LUA)
+REAP_UNTIMED = lua(REAP_UNTIMED_LUA)
 
 
 def redis_client(url: str | None = None, *, timeout: float | None = None) -> SyncRedis:
@@ -130,18 +145,12 @@ class RedisLockBackend:
         self._url = (client if isinstance(client, str) else None) or self.settings.redis_url
         self._client: SyncRedis | None = None
         self._client_lock = threading.Lock()
-        self._scripts: dict[str, Script] = {}
         #: A Redis Cluster: broadcasts are sharded (``SPUBLISH``/``SSUBSCRIBE``).
         self.sharded = False
         if client is not None and not isinstance(client, str):
             self._use(client)
 
     def _use(self, client: SyncRedis) -> None:
-        self._scripts = {
-            "release": client.register_script(RELEASE_LUA),
-            "extend": client.register_script(EXTEND_LUA),
-            "reap": client.register_script(REAP_UNTIMED_LUA),
-        }
         self.sharded = is_cluster(client)
         self._client = client
 
@@ -190,26 +199,26 @@ class RedisLockBackend:
     def cad_release(self, handle: LockHandle) -> bool:
         """``release.lua``: delete the key only if it still holds the handle's token."""
         try:
-            return bool(self._run("release", handle.key, handle.token))
+            return bool(self._run(RELEASE, handle.key, handle.token))
         except REDIS_ERRORS as exc:
             raise _unavailable("release", exc) from exc
 
     def cad_extend(self, handle: LockHandle, ttl_ms: int) -> bool:
         """``extend.lua``: reset the TTL only if the key still holds the handle's token."""
         try:
-            return bool(self._run("extend", handle.key, handle.token, ttl_ms))
+            return bool(self._run(EXTEND, handle.key, handle.token, ttl_ms))
         except REDIS_ERRORS as exc:
             raise _unavailable("extend", exc) from exc
 
-    def _run(self, name: str, key: str, *args: str | int) -> Any:
+    def _run(self, script: Lua, key: str, *args: str | int) -> Any:
         # EVALSHA straight away (one round trip, no per-call bookkeeping); on NOSCRIPT (a
-        # restarted or failed-over server) the registered Script loads itself and runs.
+        # restarted, failed-over or new node) EVAL of the text, on the key's node alone.
         client = self.client
-        script = self._scripts[name]
+        text, sha = script
         try:
-            return client.evalsha(script.sha, 1, key, *args)
+            return client.evalsha(sha, 1, key, *args)
         except redis.exceptions.NoScriptError:
-            return script(keys=[key], args=list(args))
+            return client.eval(text, 1, key, *args)
 
     def remaining_ms(self, workspace_id: str, job_id: str, task: str) -> int | None:
         """``PTTL`` of the cell's lock; None when no lock exists."""
@@ -224,7 +233,7 @@ class RedisLockBackend:
             # still has no TTL — and report the cell free, so the caller acquires now.
             key = lock_key(workspace_id, job_id, task)
             with translate_redis_errors("reap"):
-                reaped = self._run("reap", key)
+                reaped = self._run(REAP_UNTIMED, key)
             if reaped:
                 log.error("compute lock %r held a value with no TTL (not a lock): deleted", key)
             return None

@@ -183,7 +183,7 @@ def test_the_op_logs_commit_broadcast_reaches_its_subscriber(
     settings = Settings(redis_url=cluster.url, database_url=database_url)
     spread = workspaces_on(cluster, per_node=1)
     wss = [spread[port][0] for port in cluster.ports]
-    subscriber = RedisLockBackend(sync_client(cluster.url, timeout=5), settings=settings)
+    subscriber = RedisLockBackend(cluster.url, settings=settings)  # its client made lazily
     subs = {ws: subscriber.subscribe(ws) for ws in wss}
     op = {"type": "cell.set", "column": "x", "value": 1}
     try:
@@ -294,6 +294,38 @@ def test_a_stopped_node_fails_only_its_own_workspaces(standin: StandIn) -> None:
         # The live workspaces' counters reached their nodes; the SADD waits for its node.
         for ws in live:
             assert backend.workspace_counters(ws)["computes"] == 3
+    finally:
+        local.stop()
+
+
+def test_a_stopped_node_ends_only_its_own_event_streams() -> None:
+    assert BINARY is not None
+    local = LocalCluster(BINARY).start()
+    try:
+        spread = workspaces_on(local, per_node=1)
+        dead_port = local.ports[0]
+        dead_ws, live_ws = spread[dead_port][0], spread[local.ports[1]][0]
+        backend = RedisLockBackend(sync_client(local.url, timeout=2))
+
+        async def main() -> tuple[str | None, bytes | None]:
+            hub = EventHub(local.url, subscribe_timeout=2)
+            try:
+                dead = await hub.open(workspace_channel(dead_ws), "key")
+                live = await hub.open(workspace_channel(live_ws), "key")
+                local.kill(dead_port)
+                with pytest.raises(EOFError):  # the lost node's stream ends (its client resyncs)
+                    while True:
+                        await dead.next(10)
+                handle = backend.acquire(live_ws, "job-e", "t")
+                assert handle is not None and handle.release()
+                await asyncio.to_thread(backend.announce, handle, ok=True)
+                return dead.ended, await live.next(10)
+            finally:
+                await hub.aclose()
+
+        ended, message = asyncio.run(main())
+        assert ended == "redis"
+        assert message is not None and json.loads(message)["kind"] == "lock_released"
     finally:
         local.stop()
 
