@@ -18,8 +18,9 @@ subscriber holds a connection to that shard's primary (:func:`channel_pubsub`;
 :func:`shard_node` and :func:`node_client` for asyncio). One server keeps plain
 ``PUBLISH``/``SUBSCRIBE``. redis-py's ``ClusterPubSub`` is not used: it re-subscribes
 behind its caller's back after a node fails, so a subscriber could miss messages
-without knowing; onceflow's subscribers want to learn that their connection is gone
-(a lock waiter runs its protocol again, an event stream ends and its client resyncs).
+without knowing; onceflow's subscribers want to learn that their connection is gone (a
+lock waiter gets ``LockUnavailable``, or runs its protocol again when its slot moved; an
+event stream ends and its client resyncs).
 Sharded pub/sub on ``redis.asyncio`` (``PubSub.ssubscribe``) needs redis-py 8.0.
 
 redis-py's cluster errors (``RedisClusterException`` and its subclasses, e.g. "no node
