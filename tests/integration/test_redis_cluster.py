@@ -22,6 +22,7 @@ from multiprocessing.context import BaseContext
 from typing import Any
 
 import pytest
+from redis.crc import key_slot
 from sqlalchemy import Engine
 
 from onceflow.errors import LockUnavailable
@@ -326,6 +327,44 @@ def test_a_stopped_node_ends_only_its_own_event_streams() -> None:
         ended, message = asyncio.run(main())
         assert ended == "redis"
         assert message is not None and json.loads(message)["kind"] == "lock_released"
+    finally:
+        local.stop()
+
+
+def test_a_slot_moved_to_another_node_ends_its_subscriptions_and_they_follow_it() -> None:
+    assert BINARY is not None
+    local = LocalCluster(BINARY).start()
+    try:
+        ws = workspaces_on(local, per_node=1)[local.ports[0]][0]  # nothing written: empty slot
+        channel = workspace_channel(ws)
+        slot = key_slot(channel.encode())
+        backend = RedisLockBackend(sync_client(local.url, timeout=2))
+        sub = backend.subscribe(ws)
+        target = local.node(local.ports[1])
+        target_id = target.execute_command("CLUSTER", "MYID")
+
+        async def main() -> tuple[str | None, bytes | None]:
+            hub = EventHub(local.url, subscribe_timeout=5)
+            try:
+                listener = await hub.open(channel, "key")
+                for port in local.ports:  # the slot now belongs to the second node
+                    local.node(port).execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+                with pytest.raises(EOFError):  # Redis ended the subscription: the stream ends
+                    while True:
+                        await listener.next(600)
+                ended = listener.ended
+                again = await hub.open(channel, "key")  # re-read slots: on the new owner
+                assert _shard_subscribers(target, channel) == 1
+                await asyncio.to_thread(target.spublish, channel, b'{"kind": "x"}')
+                return ended, await again.next(10)
+            finally:
+                await hub.aclose()
+
+        ended, message = _within(lambda: asyncio.run(main()), 60)  # no wait runs to its end
+        assert ended == "redis" and message == b'{"kind": "x"}'
+        # The lock waiter's subscription ends too (and the protocol runs again at once).
+        assert _within(lambda: sub.wait(600), 60) is None
+        sub.close()
     finally:
         local.stop()
 

@@ -421,6 +421,14 @@ class EventHub:
             listener.end("redis")
         ended = len(state.listeners)
         log.warning("event hub: Redis ended a subscription; %d streams resync", ended)
+        self._forget_topology()  # its slot moved: read the cluster's slots again
+
+    def _forget_topology(self) -> None:
+        """A cluster's slot map may be stale (a node lost, a slot moved): the next stream
+        reads it again from the cluster."""
+        topology, self._topology = self._topology, None
+        if topology is not None:
+            self._spawn(_quietly_close(None, topology))
 
     async def _send_quietly(self, link: _Link, channel: bytes) -> None:
         with contextlib.suppress(HubUnavailable):
@@ -447,6 +455,7 @@ class EventHub:
             self._expected.pop(channel, None)
         if reason != "shutdown":
             log.warning("event hub lost Redis (%s): %d streams end and resync", reason, ended)
+            self._forget_topology()
         self._spawn(self._dispose(link))
 
     async def _dispose(self, link: _Link) -> None:
@@ -468,7 +477,7 @@ def _retrieve(future: asyncio.Future[None]) -> None:
         future.exception()  # retrieved: a failed subscription is reported to its waiters
 
 
-async def _quietly_close(pubsub: PubSub | None, client: aioredis.Redis) -> None:
+async def _quietly_close(pubsub: PubSub | None, client: AsyncRedis) -> None:
     if pubsub is not None:
         with contextlib.suppress(*REDIS_OR_OS_ERRORS, RuntimeError):
             await cast(Any, pubsub).aclose()
