@@ -244,7 +244,7 @@ class Settings(BaseSettings):
     api_rate_limit_storage: str = Field(
         default="memory://",
         description="Where rate-limit counters live: memory:// (per API process) or a "
-        "redis:// URL (shared by every API process).",
+        "redis:// or redis+cluster:// URL (shared by every API process).",
     )
 
     @property

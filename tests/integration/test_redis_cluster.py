@@ -369,6 +369,35 @@ def test_a_slot_moved_to_another_node_ends_its_subscriptions_and_they_follow_it(
         local.stop()
 
 
+def test_the_apis_rate_limits_can_count_on_the_cluster(cluster: LocalCluster) -> None:
+    from types import SimpleNamespace
+
+    from limits import parse
+
+    from onceflow.integrations.fastapi.auth import Principal
+    from onceflow.integrations.fastapi.ratelimit import RateLimited, RateLimits
+
+    limits = RateLimits([parse("3/minute")], [], cluster.url)  # ONCEFLOW_REDIS_URL's form
+    assert limits.storage.startswith("async+redis+cluster://")
+    key = f"key-{secrets.token_hex(4)}"
+    principal = Principal(key, frozenset({"*"}), frozenset())
+    request: Any = SimpleNamespace(client=SimpleNamespace(host="192.0.2.1"))
+
+    async def main() -> list[bool]:
+        served = []
+        for _ in range(5):
+            try:
+                await limits.authorize(request, lambda: principal)
+                served.append(True)
+            except RateLimited:
+                served.append(False)
+        return served
+
+    assert asyncio.run(main()) == [True, True, True, False, False]
+    keys = [k.decode() for p in cluster.ports for k in cluster.node(p).keys("onceflow:ratelimit*")]
+    assert any(key in k for k in keys)  # counted on the cluster
+
+
 def test_an_async_backend_on_a_cluster_counts_and_releases(cluster: LocalCluster) -> None:
     ws = workspaces_on(cluster, per_node=1)[cluster.ports[2]][0]
 
