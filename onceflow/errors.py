@@ -24,6 +24,7 @@ stage code. Control-flow signals (retry later) are kept apart from errors.
     │   ├── ConnectionLost        an established connection died (restart, killed backend)
     │   └── NotMigrated           onceflow's tables are missing: run `onceflow migrate`
     ├── InvalidDatabaseUrl        the database URL is malformed or not PostgreSQL/psycopg 3
+    ├── InvalidRedisUrl           a Redis URL is malformed, or a cluster where one server is needed
     ├── StoreError                any other database failure, translated
     ├── LockLost                  a compute lock expired or was taken while held
     ├── LockUnavailable           the compute lock's backend did not answer (retryable)
@@ -251,6 +252,23 @@ class InvalidDatabaseUrl(OnceflowError, ValueError):
             f"cannot use the database URL {url!r}: {problem}; expected the form "
             "postgresql+psycopg://user@host:5432/db (set ONCEFLOW_DATABASE_URL)"
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.url, self.problem))
+
+
+class InvalidRedisUrl(OnceflowError, ValueError):
+    """A Redis URL cannot be used: malformed, or a Redis Cluster where one server is needed.
+
+    A configuration error, not retryable: the Celery broker (kombu has no Redis Cluster
+    transport) must be one Redis server or RabbitMQ. The message shows the URL without
+    its password.
+    """
+
+    def __init__(self, url: str, problem: str) -> None:
+        self.url = url
+        self.problem = problem
+        super().__init__(f"cannot use the Redis URL {url!r}: {problem}")
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.url, self.problem))

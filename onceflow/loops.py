@@ -99,7 +99,11 @@ def drop_redis_sockets(client: Any) -> None:
     ends them on the server now, and the descriptors go with the objects.
     """
     pool = getattr(client, "connection_pool", None)
-    if pool is None:
+    if pool is None:  # a Redis Cluster client: each node holds its own connections
+        nodes = getattr(getattr(client, "nodes_manager", None), "nodes_cache", {})
+        for node in list(nodes.values()):
+            for conn in list(getattr(node, "_connections", ())):
+                shut_redis_connection(conn)
         return
     conns = [
         *getattr(pool, "_available_connections", ()),

@@ -20,8 +20,9 @@ class Settings(BaseSettings):
     )
     redis_url: str = Field(
         default="redis://127.0.0.1:6379/0",
-        description="Redis URL: compute locks, broadcasts, and the Celery broker unless "
-        "ONCEFLOW_BROKER_URL names another.",
+        description="Redis URL: compute locks, broadcasts and (unless broker_url) the Celery "
+        "broker. A Redis Cluster: redis+cluster://[user:password@]host:port[,host:port…] "
+        "(rediss+cluster:// with TLS).",
     )
     lease_seconds: float = Field(
         default=30.0,
@@ -63,8 +64,9 @@ class Settings(BaseSettings):
     pool_size: int = Field(default=5, ge=1, description="SQLAlchemy pool size per process.")
     broker_url: str | None = Field(
         default=None,
-        description="Celery broker URL (redis://, or amqp:// for RabbitMQ); the Redis URL "
-        "when unset.",
+        description="Celery broker URL (redis://, or amqp:// for RabbitMQ); the Redis URL when "
+        "unset. Required when redis_url is a Redis Cluster (kombu has no cluster transport): "
+        "one Redis server or RabbitMQ.",
     )
     sweep_interval_seconds: float = Field(
         default=5.0, gt=0, description="How often beat runs the sweeper."
@@ -251,12 +253,13 @@ class Settings(BaseSettings):
     api_rate_limit_storage: str = Field(
         default="memory://",
         description="Where rate-limit counters live: memory:// (per API process) or a "
-        "redis:// URL (shared by every API process).",
+        "redis:// or redis+cluster:// URL (shared by every API process).",
     )
 
     @property
     def celery_broker_url(self) -> str:
-        """The broker Celery connects to."""
+        """The broker Celery connects to (unchecked: a Flow uses
+        :func:`onceflow.tasks.config.broker_url`, which refuses a Redis Cluster)."""
         return self.broker_url or self.redis_url
 
 

@@ -115,11 +115,17 @@ def main() -> None:
     """onceflow: run each stage once, pay for each call once, apply each write once."""
 
 
-def _load(app_spec: str | None) -> tuple[Any, Any]:
+def _load(app_spec: str | None, *, broker: bool = True) -> tuple[Any, Any]:
+    """The app and Flow of ``app_spec``; with ``broker``, a Redis Cluster as its broker is
+    refused here, at start-up (:class:`~onceflow.errors.InvalidRedisUrl`)."""
     from onceflow.settings import get_settings
+    from onceflow.tasks.config import check_broker
     from onceflow.tasks.loader import load_app
 
-    return load_app(app_spec or get_settings().app)
+    app, flow = load_app(app_spec or get_settings().app)
+    if broker:
+        check_broker(app)
+    return app, flow
 
 
 def _log_onceflow(level: str) -> None:

@@ -111,9 +111,12 @@ class Run:
 def services(announce: Any) -> Iterator[tuple[str, str, bool]]:
     """(server database URL, Redis URL, embedded?): the configured ones, or embedded ones."""
     from onceflow.embedded import embedded_services, service_answers
+    from onceflow.redis_clients import require_one_server
     from onceflow.settings import get_settings
 
     settings = get_settings()
+    # The demo's Redis is also its Celery broker, which cannot be a Redis Cluster.
+    require_one_server(settings.redis_url, "the demo's Redis (also its Celery broker)")
     admin = make_url(settings.database_url).set(database="postgres")
     admin_url = admin.render_as_string(hide_password=False)
     db_ok, redis_ok = service_answers(admin_url, settings.redis_url)
@@ -511,11 +514,11 @@ def namespace_patterns(run: Run) -> list[str]:
 
 def remove_namespace(redis_url: str, run: Run) -> int:
     """Delete every key of this run's namespaces (and nothing else); returns how many."""
-    import redis
-
     from onceflow.keys import counters_workspaces_key
+    from onceflow.redis_clients import require_one_server, sync_client
 
-    client = redis.Redis.from_url(redis_url)
+    # The demo's Redis is also its Celery broker: one server (services() refused a cluster).
+    client = sync_client(require_one_server(redis_url, "the demo's Redis (also its broker)"))
     removed = 0
     try:
         for pattern in namespace_patterns(run):

@@ -228,17 +228,18 @@ def _database_answers(database_url: str, timeout: float) -> bool:
 
 
 def _redis_answers(redis_url: str, timeout: float) -> bool:
-    import redis
+    # Through onceflow's client factory: a redis+cluster:// URL is asked as a cluster
+    # (whose client reads the topology when it is made).
+    from onceflow.errors import InvalidRedisUrl
+    from onceflow.redis_clients import REDIS_OR_OS_ERRORS, sync_client
 
     try:
-        client = redis.Redis.from_url(
-            redis_url, socket_connect_timeout=timeout, socket_timeout=timeout
-        )
-    except ValueError:
+        client = sync_client(redis_url, timeout=timeout)
+    except (ValueError, InvalidRedisUrl, *REDIS_OR_OS_ERRORS):
         return False
     try:
         return bool(client.ping())
-    except (redis.RedisError, OSError):
+    except REDIS_OR_OS_ERRORS:
         return False
     finally:
         client.close()

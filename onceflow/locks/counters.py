@@ -16,7 +16,7 @@ subscribing — each one a third-party call that was not made.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from onceflow.keys import counters_key, counters_workspaces_key
@@ -115,18 +115,88 @@ class Counters:
                     mine[name] = mine.get(name, 0) + n
 
 
-def queue_increments(pipeline: Any, pending: Pending) -> None:
+#: One counters command: (workspace, counter, n) of an ``HINCRBY``, or (workspace, None, 0)
+#: of the ``SADD`` that lists the workspace in :func:`~onceflow.keys.counters_workspaces_key`.
+Increment = tuple[str, str | None, int]
+
+
+def queue_increments(pipeline: Any, pending: Pending) -> list[Increment]:
     """Add one ``HINCRBY`` per pending count to a Redis pipeline (no round trip yet).
 
     Each workspace flushed is also ``SADD``-ed to :func:`~onceflow.keys.counters_workspaces_key`,
-    so the dashboard can list the workspaces that have counters without a ``SCAN``.
+    so the dashboard can list the workspaces that have counters without a ``SCAN``. Returns
+    the queued commands in order (for :func:`restore_failed`).
     """
+    queued = increments(pending)
+    queue_group(pipeline, queued)
+    return queued
+
+
+def increments(pending: Pending) -> list[Increment]:
+    """The commands that send ``pending``: its ``HINCRBY``-s and one ``SADD`` per workspace."""
+    out: list[Increment] = []
     for workspace_id, counts in pending.items():
-        key = counters_key(workspace_id)
-        for name, n in counts.items():
-            if n:
-                pipeline.hincrby(key, name, n)
-        pipeline.sadd(counters_workspaces_key(), workspace_id)
+        out.extend((workspace_id, name, n) for name, n in counts.items() if n)
+        out.append((workspace_id, None, 0))
+    return out
+
+
+def key_of(increment: Increment) -> str:
+    """The Redis key an increment writes."""
+    workspace_id, name, _ = increment
+    return counters_workspaces_key() if name is None else counters_key(workspace_id)
+
+
+def queue_group(pipeline: Any, group: list[Increment]) -> None:
+    """Queue ``group``'s commands on a pipeline, in order."""
+    for increment in group:
+        workspace_id, name, n = increment
+        if name is None:
+            pipeline.sadd(key_of(increment), workspace_id)
+        else:
+            pipeline.hincrby(key_of(increment), name, n)
+
+
+def by_node(pending: Pending, node_of: Callable[[str], str]) -> dict[str, list[Increment]]:
+    """``pending``'s commands grouped by the node of their key (``node_of(key)``).
+
+    On a Redis Cluster one pipeline fails as a whole when one of its nodes is down, so
+    each node gets a pipeline of its own and a dead node holds back only its own counters
+    (and the ``SADD``-s, when it holds the deployment-wide set). On one server there is
+    one group.
+    """
+    groups: dict[str, list[Increment]] = {}
+    for increment in increments(pending):
+        groups.setdefault(node_of(key_of(increment)), []).append(increment)
+    return groups
+
+
+def restore(counters: Counters, group: list[Increment]) -> None:
+    """Put back the increments of ``group`` (its round trip failed)."""
+    restore_failed(counters, group, [_FAILED] * len(group))
+
+
+_FAILED = Exception("not sent")
+
+
+def restore_failed(counters: Counters, queued: list[Increment], replies: list[Any]) -> int:
+    """Put back the increments whose command failed (its reply is an exception).
+
+    A failed ``SADD`` puts back an empty entry, so the next flush lists the workspace
+    again. Returns how many commands failed.
+    """
+    back: Pending = {}
+    failed = 0
+    for (workspace_id, name, n), reply in zip(queued, replies, strict=True):
+        if not isinstance(reply, Exception):
+            continue
+        failed += 1
+        mine = back.setdefault(workspace_id, {})
+        if name is not None:
+            mine[name] = mine.get(name, 0) + n
+    if back:
+        counters.restore_pending(back)
+    return failed
 
 
 def parse_hash(raw: Mapping[Any, Any]) -> dict[str, int]:

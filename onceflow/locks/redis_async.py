@@ -7,7 +7,10 @@ event loop it first connects on: build one backend per loop
 (:func:`onceflow.locks.aio.get_async_backend` does), and close it with
 :meth:`AsyncRedisLockBackend.aclose` (or ``async with``) when it is yours.
 
-Every redis-py error is translated to :class:`LockUnavailable` here.
+``redis_url`` may name a Redis Cluster (``redis.asyncio``'s cluster client; see
+:class:`~onceflow.locks.redis_lock.RedisLockBackend` for what runs where). Every redis-py
+error (:data:`~onceflow.redis_clients.REDIS_ERRORS`) is translated to
+:class:`LockUnavailable` here.
 """
 
 from __future__ import annotations
@@ -22,36 +25,57 @@ from typing import Any
 
 import redis
 import redis.asyncio
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.commands.core import AsyncScript
 
 from onceflow.errors import LockUnavailable
 from onceflow.keys import counters_key, lock_key, workspace_channel
 from onceflow.locks.aio import AsyncLockHandle
 from onceflow.locks.base import HeldLock, Message, parse_message, released_message, ttl_to_ms
-from onceflow.locks.counters import Counters, parse_hash, queue_increments
+from onceflow.locks.counters import (
+    Counters,
+    Increment,
+    by_node,
+    parse_hash,
+    queue_group,
+    restore,
+    restore_failed,
+)
 from onceflow.locks.redis_lock import (
-    EXTEND_LUA,
-    REAP_UNTIMED_LUA,
-    RELEASE_LUA,
+    EXTEND,
+    REAP_UNTIMED,
+    RELEASE,
+    Lua,
     note_config_refused,
     warn_on_eviction_policy,
+)
+from onceflow.redis_clients import (
+    PLAIN,
+    REDIS_ERRORS,
+    REDIS_OR_OS_ERRORS,
+    SHARDED,
+    AsyncRedis,
+    Kinds,
+    async_client,
+    is_cluster,
+    node_client,
+    node_namer,
+    publish,
+    shard_node,
 )
 from onceflow.settings import Settings, get_settings
 
 log = logging.getLogger("onceflow.locks")
 
 
-def _unavailable(what: str, exc: redis.RedisError) -> LockUnavailable:
+def _unavailable(what: str, exc: Exception) -> LockUnavailable:
     return LockUnavailable(f"Redis unavailable ({what}): {exc}")
 
 
 class AsyncRedisLockBackend:
     """Compute locks in Redis, for asyncio. One per event loop.
 
-    ``client`` is a ``redis.asyncio.Redis`` or a URL (default: ``redis_url``),
-    with socket timeouts of ``lock_timeout_seconds``. ``counters`` may be shared
+    ``client`` is a ``redis.asyncio.Redis`` (or its ``RedisCluster``) or a URL (default:
+    ``redis_url``, see :mod:`onceflow.redis_clients`), with socket timeouts of
+    ``lock_timeout_seconds``. ``counters`` may be shared
     with a sync backend of the same process, so both APIs count in one place.
     """
 
@@ -59,7 +83,7 @@ class AsyncRedisLockBackend:
 
     def __init__(
         self,
-        client: redis.asyncio.Redis | str | None = None,
+        client: AsyncRedis | str | None = None,
         *,
         settings: Settings | None = None,
         counters: Counters | None = None,
@@ -67,17 +91,11 @@ class AsyncRedisLockBackend:
         self.settings = settings or get_settings()
         if client is None or isinstance(client, str):
             timeout = self.settings.lock_timeout_seconds
-            client = redis.asyncio.Redis.from_url(
-                client or self.settings.redis_url,
-                socket_timeout=timeout,
-                socket_connect_timeout=timeout,
-                retry=Retry(NoBackoff(), 1),
-            )
+            client = async_client(client or self.settings.redis_url, timeout=timeout, retries=1)
         self.client = client
+        #: A Redis Cluster: broadcasts are sharded (``SPUBLISH``/``SSUBSCRIBE``).
+        self.sharded = is_cluster(client)
         self.counters = counters if counters is not None else Counters()
-        self._release = client.register_script(RELEASE_LUA)
-        self._extend = client.register_script(EXTEND_LUA)
-        self._reap = client.register_script(REAP_UNTIMED_LUA)
         self._policy_checked = False
 
     async def aclose(self) -> None:
@@ -116,7 +134,7 @@ class AsyncRedisLockBackend:
             await self._check_eviction_policy()
         try:
             taken = await self.client.set(key, token, nx=True, px=ttl_ms)
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise _unavailable("acquire", exc) from exc
         if not taken:
             return None
@@ -128,22 +146,24 @@ class AsyncRedisLockBackend:
     async def cad_release(self, handle: HeldLock[Any]) -> bool:
         """``release.lua``: delete the key only if it still holds the handle's token."""
         try:
-            return bool(await self._run(self._release, handle.key, handle.token))
-        except redis.RedisError as exc:
+            return bool(await self._run(RELEASE, handle.key, handle.token))
+        except REDIS_ERRORS as exc:
             raise _unavailable("release", exc) from exc
 
     async def cad_extend(self, handle: HeldLock[Any], ttl_ms: int) -> bool:
         """``extend.lua``: reset the TTL only if the key still holds the handle's token."""
         try:
-            return bool(await self._run(self._extend, handle.key, handle.token, ttl_ms))
-        except redis.RedisError as exc:
+            return bool(await self._run(EXTEND, handle.key, handle.token, ttl_ms))
+        except REDIS_ERRORS as exc:
             raise _unavailable("extend", exc) from exc
 
-    async def _run(self, script: AsyncScript, key: str, *args: str | int) -> Any:
+    async def _run(self, script: Lua, key: str, *args: str | int) -> Any:
+        # As RedisLockBackend._run: EVALSHA, and EVAL on the key's node on NOSCRIPT.
+        text, sha = script
         try:
-            return await self.client.evalsha(script.sha, 1, key, *args)
+            return await self.client.evalsha(sha, 1, key, *args)
         except redis.exceptions.NoScriptError:
-            return await script(keys=[key], args=list(args))
+            return await self.client.eval(text, 1, key, *args)
 
     async def remaining_ms(self, workspace_id: str, job_id: str, task: str) -> int | None:
         """``PTTL`` of the cell's lock; None when no lock exists (a key with no TTL is reaped)."""
@@ -151,10 +171,10 @@ class AsyncRedisLockBackend:
         try:
             pttl = int(await self.client.pttl(key))
             if pttl == -1:  # not a lock (see RedisLockBackend.remaining_ms): delete it
-                if await self._run(self._reap, key):
+                if await self._run(REAP_UNTIMED, key):
                     log.error("compute lock %r held a value with no TTL (not a lock): deleted", key)
                 return None
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise _unavailable("pttl", exc) from exc
         return None if pttl == -2 else pttl
 
@@ -162,12 +182,13 @@ class AsyncRedisLockBackend:
         """The token in the cell's lock key, or None."""
         try:
             value = await self.client.get(lock_key(workspace_id, job_id, task))
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise _unavailable("get", exc) from exc
         return value.decode() if isinstance(value, bytes) else value
 
     async def subscribe(self, workspace_id: str) -> AsyncRedisSubscription:
-        """``SUBSCRIBE`` to the workspace's channel; returns once Redis confirmed it."""
+        """``SUBSCRIBE`` (a cluster: ``SSUBSCRIBE``) to the workspace's channel; returns once
+        Redis confirmed it."""
         sub = AsyncRedisSubscription(self.client, workspace_channel(workspace_id))
         try:
             await sub.confirm(self.settings.lock_timeout_seconds)
@@ -177,42 +198,78 @@ class AsyncRedisLockBackend:
         return sub
 
     async def announce(self, handle: HeldLock[Any], *, ok: bool) -> None:
-        """One pipelined round trip: ``PUBLISH`` lock_released, plus pending counters."""
+        """One pipelined round trip: ``PUBLISH`` lock_released, plus pending counters.
+
+        On a Redis Cluster, as :meth:`RedisLockBackend.announce`: the workspace's node first
+        (``SPUBLISH`` and its counters), then one pipeline per other node; a failed counter
+        stays pending, only a failed broadcast raises.
+        """
         message = json.dumps(released_message(handle.job_id, handle.task, ok=ok))
+        channel = workspace_channel(handle.workspace_id)
         pending = self.counters.take_pending()
+        client = self.client
         try:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.publish(workspace_channel(handle.workspace_id), message)
-            queue_increments(pipe, pending)
-            await pipe.execute()
-        except redis.RedisError as exc:
+            if self.sharded:
+                await client.initialize()
+            node_of = node_namer(client)
+            groups = by_node(pending, node_of)
+            first = groups.pop(node_of(channel), [])
+            pipe = client.pipeline(transaction=False)
+            publish(pipe, self.sharded, channel, message)
+            queue_group(pipe, first)
+            replies = await pipe.execute(raise_on_error=False)
+        except REDIS_ERRORS as exc:
             self.counters.restore_pending(pending)
             raise _unavailable("publish", exc) from exc
         except BaseException:
             self.counters.restore_pending(pending)
             raise
+        restore_failed(self.counters, first, replies[1:])
+        await self._send(groups)
+        if isinstance(replies[0], Exception):
+            raise _unavailable("publish", replies[0])
 
     async def flush_counters(self) -> None:
-        """Send pending increments (``HINCRBY``, one pipelined round trip); kept on failure."""
+        """Send pending increments (``HINCRBY``, one pipelined round trip per Redis node);
+        kept on failure."""
         pending = self.counters.take_pending()
         if not pending:
             return
         try:
-            pipe = self.client.pipeline(transaction=False)
-            queue_increments(pipe, pending)
-            await pipe.execute()
-        except redis.RedisError as exc:
+            if self.sharded:
+                await self.client.initialize()
+            groups = by_node(pending, node_namer(self.client))
+        except REDIS_ERRORS as exc:
             self.counters.restore_pending(pending)
             log.debug("compute-lock counters not flushed: %s", exc)
+            return
         except BaseException:
             self.counters.restore_pending(pending)
             raise
+        await self._send(groups)
+
+    async def _send(self, groups: dict[str, list[Increment]]) -> None:
+        """Each node's counters in a pipeline of its own; a failed one stays pending."""
+        for group in groups.values():
+            try:
+                pipe = self.client.pipeline(transaction=False)
+                queue_group(pipe, group)
+                replies = await pipe.execute(raise_on_error=False)
+            except REDIS_ERRORS as exc:
+                restore(self.counters, group)
+                log.debug("compute-lock counters not flushed: %s", exc)
+                continue
+            except BaseException:
+                restore(self.counters, group)
+                raise
+            if restore_failed(self.counters, group, replies):
+                log.debug("compute-lock counters: some not flushed")
 
     async def workspace_counters(self, workspace_id: str) -> dict[str, int]:
         """``HGETALL`` of the workspace's counters: every process's flushed increments."""
         try:
             raw = await self.client.hgetall(counters_key(workspace_id))
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise _unavailable("counters", exc) from exc
         return parse_hash(raw)
 
@@ -223,32 +280,51 @@ class AsyncRedisLockBackend:
             note_config_refused(exc)
             self._policy_checked = True
             return
-        except redis.RedisError:
+        except REDIS_ERRORS:
             return  # not reachable now; the acquire says so, and we check again next time
         warn_on_eviction_policy(reply)
         self._policy_checked = True
 
 
 class AsyncRedisSubscription:
-    """A confirmed ``SUBSCRIBE`` to one channel on its own connection (redis.asyncio)."""
+    """A confirmed ``SUBSCRIBE`` to one channel on its own connection (redis.asyncio).
 
-    def __init__(self, client: redis.asyncio.Redis, channel: str) -> None:
-        self._pubsub = client.pubsub()
+    On a Redis Cluster: ``SSUBSCRIBE`` on a connection of its own to the primary of the
+    channel's slot (redis-py's ``ClusterPubSub`` would re-subscribe silently after a
+    failure; see :mod:`onceflow.redis_clients`).
+    """
+
+    def __init__(self, client: AsyncRedis, channel: str) -> None:
+        self._client = client
         self._channel = channel
+        self._pubsub: Any = None
+        self._node_client: redis.asyncio.Redis | None = None  # ours to close (a cluster's)
+        self._kinds: Kinds | None = None
 
     async def confirm(self, timeout: float) -> None:
         """``SUBSCRIBE`` and wait for Redis to confirm it (every later publish then reaches us)."""
         try:
-            await self._pubsub.subscribe(self._channel)
+            node = await shard_node(self._client, self._channel)
+            kinds = PLAIN if node is None else SHARDED
+            self._kinds = kinds
+            if node is None:
+                self._pubsub = self._client.pubsub()
+            else:
+                self._node_client = node_client(node)
+                self._pubsub = self._node_client.pubsub()
+            if kinds is SHARDED:
+                await self._pubsub.ssubscribe(self._channel)
+            else:
+                await self._pubsub.subscribe(self._channel)
             deadline = time.monotonic() + timeout
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise LockUnavailable(f"Redis did not confirm SUBSCRIBE {self._channel}")
                 reply = await self._pubsub.get_message(timeout=remaining)
-                if reply is not None and reply["type"] == "subscribe":
+                if reply is not None and reply["type"] == kinds.subscribe:
                     return
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise _unavailable("subscribe", exc) from exc
 
     async def wait(self, timeout: float) -> Message | None:
@@ -260,13 +336,20 @@ class AsyncRedisSubscription:
                 return None
             try:
                 reply = await self._pubsub.get_message(timeout=remaining)
-            except redis.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 raise _unavailable("wait", exc) from exc
-            if reply is not None and reply["type"] == "message":
+            if reply is None or self._kinds is None:
+                continue
+            if reply["type"] == self._kinds.message:
                 return parse_message(reply["data"])
+            if reply["type"] == self._kinds.unsubscribe:
+                return None  # the server ended it (a cluster slot moved): run the protocol again
 
     async def close(self) -> None:
         """Unsubscribe by closing the connection (errors ignored: it may be dead already)."""
-        with contextlib.suppress(redis.RedisError, OSError):
-            aclose: Any = self._pubsub.aclose  # annotated only from redis-py 8.2 (see above)
-            await aclose()
+        if self._pubsub is not None:
+            with contextlib.suppress(*REDIS_OR_OS_ERRORS):
+                await self._pubsub.aclose()
+        if self._node_client is not None:
+            with contextlib.suppress(*REDIS_OR_OS_ERRORS):
+                await self._node_client.aclose()

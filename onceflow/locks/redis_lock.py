@@ -5,17 +5,26 @@ the workspace is a Redis Cluster hash tag, so a workspace's locks, its broadcast
 channel and its counters share a slot. Redis expires the key itself, so a
 crashed holder blocks nobody past the TTL and no client clock is ever compared.
 ``release.lua`` and ``extend.lua`` ship beside this module and are registered
-once per backend (``register_script``: ``EVALSHA``, loading on ``NOSCRIPT``).
+by their SHA1 (``EVALSHA``; on ``NOSCRIPT``, a restarted or new node, ``EVAL`` of the
+text: one round trip to the key's node, which caches it). Not ``SCRIPT LOAD``: on a
+cluster that goes to every primary, and one node down would fail every release.
 
-Every redis-py error is translated to :class:`LockUnavailable` here; none reaches
-stage code. At first use the backend reads ``maxmemory-policy`` and warns when
-Redis may evict keys with a TTL (an evicted lock is a lock lost); a server that
-refuses ``CONFIG`` is noted at INFO and used anyway.
+``redis_url`` may name a Redis Cluster (``redis+cluster://…``, see
+:mod:`onceflow.redis_clients`): every command of a lock names one key, so it goes to the
+node of the workspace's slot; the ``lock_released`` broadcast is a sharded ``SPUBLISH``
+on that slot, and waiters ``SSUBSCRIBE`` on its primary. A node that is down fails the
+locks of its own workspaces (:class:`LockUnavailable`), no other workspace's.
+
+Every redis-py error (:data:`~onceflow.redis_clients.REDIS_ERRORS`) is translated to
+:class:`LockUnavailable` here; none reaches stage code. At first use the backend reads
+``maxmemory-policy`` and warns when Redis may evict keys with a TTL (an evicted lock is a
+lock lost); a server that refuses ``CONFIG`` is noted at INFO and used anyway.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -28,14 +37,30 @@ from importlib.resources import files
 from typing import Any
 
 import redis
-from redis.backoff import NoBackoff
-from redis.commands.core import Script
-from redis.retry import Retry
+from redis.exceptions import RedisClusterException
 
 from onceflow.errors import LockUnavailable
 from onceflow.keys import counters_key, lock_key, workspace_channel
 from onceflow.locks.base import LockHandle, Message, parse_message, released_message, ttl_to_ms
-from onceflow.locks.counters import Counters, parse_hash, queue_increments
+from onceflow.locks.counters import (
+    Counters,
+    Increment,
+    by_node,
+    parse_hash,
+    queue_group,
+    restore,
+    restore_failed,
+)
+from onceflow.redis_clients import (
+    REDIS_ERRORS,
+    REDIS_OR_OS_ERRORS,
+    SyncRedis,
+    channel_pubsub,
+    is_cluster,
+    node_namer,
+    publish,
+    sync_client,
+)
 from onceflow.settings import Settings, get_settings
 
 log = logging.getLogger("onceflow.locks")
@@ -43,7 +68,7 @@ log = logging.getLogger("onceflow.locks")
 RELEASE_LUA = files("onceflow.locks").joinpath("release.lua").read_text()
 EXTEND_LUA = files("onceflow.locks").joinpath("extend.lua").read_text()
 
-_clients: dict[tuple[str, float, int], redis.Redis] = {}
+_clients: dict[tuple[str, float, int], SyncRedis] = {}
 _clients_lock = threading.Lock()
 
 
@@ -56,12 +81,28 @@ end
 return 0
 """
 
+#: A Lua script: (text, SHA1 of the text), run by ``EVALSHA`` with ``EVAL`` on ``NOSCRIPT``.
+Lua = tuple[str, str]
 
-def redis_client(url: str | None = None, *, timeout: float | None = None) -> redis.Redis:
+
+def lua(text: str) -> Lua:
+    """A script and its SHA1 (the name ``EVALSHA`` calls it by)."""
+    return text, hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()
+
+
+RELEASE = lua(RELEASE_LUA)
+EXTEND = lua(EXTEND_LUA)
+REAP_UNTIMED = lua(REAP_UNTIMED_LUA)
+
+
+def redis_client(url: str | None = None, *, timeout: float | None = None) -> SyncRedis:
     """This process's Redis client for ``url`` (made lazily, again after a fork).
 
     Socket timeouts bound every call (``lock_timeout_seconds``); one immediate
     retry lets a pooled connection that died with a restarted server reconnect.
+    A cluster URL gives a ``RedisCluster``, which reads the topology when it is made:
+    a redis-py error here (:data:`~onceflow.redis_clients.REDIS_ERRORS`) leaves nothing
+    cached, and the next call tries again.
     """
     settings = get_settings()
     url = url or settings.redis_url
@@ -72,12 +113,7 @@ def redis_client(url: str | None = None, *, timeout: float | None = None) -> red
         with _clients_lock:
             client = _clients.get(key)
             if client is None:
-                client = redis.Redis.from_url(
-                    url,
-                    socket_timeout=timeout,
-                    socket_connect_timeout=timeout,
-                    retry=Retry(NoBackoff(), 1),
-                )
+                client = sync_client(url, timeout=timeout, retries=1)
                 _clients[key] = client
     return client
 
@@ -87,11 +123,11 @@ def translate_redis_errors(what: str) -> Iterator[None]:
     """Any redis-py error becomes :class:`LockUnavailable` (ours pass through)."""
     try:
         yield
-    except redis.RedisError as exc:
+    except REDIS_ERRORS as exc:
         raise _unavailable(what, exc) from exc
 
 
-def _unavailable(what: str, exc: redis.RedisError) -> LockUnavailable:
+def _unavailable(what: str, exc: Exception) -> LockUnavailable:
     return LockUnavailable(f"Redis unavailable ({what}): {exc}")
 
 
@@ -101,17 +137,38 @@ class RedisLockBackend:
     name = "redis"
 
     def __init__(
-        self, client: redis.Redis | str | None = None, *, settings: Settings | None = None
+        self, client: SyncRedis | str | None = None, *, settings: Settings | None = None
     ) -> None:
         self.settings = settings or get_settings()
-        if client is None or isinstance(client, str):
-            client = redis_client(client or self.settings.redis_url)
-        self.client = client
         self.counters = Counters()
-        self._release = client.register_script(RELEASE_LUA)
-        self._extend = client.register_script(EXTEND_LUA)
-        self._reap = client.register_script(REAP_UNTIMED_LUA)
         self._policy_checked = False
+        self._url = (client if isinstance(client, str) else None) or self.settings.redis_url
+        self._client: SyncRedis | None = None
+        self._client_lock = threading.Lock()
+        #: A Redis Cluster: broadcasts are sharded (``SPUBLISH``/``SSUBSCRIBE``).
+        self.sharded = False
+        if client is not None and not isinstance(client, str):
+            self._use(client)
+
+    def _use(self, client: SyncRedis) -> None:
+        self.sharded = is_cluster(client)
+        self._client = client
+
+    @property
+    def client(self) -> SyncRedis:
+        """The Redis client (made at first use: a cluster client connects when it is made).
+
+        :class:`LockUnavailable` when a cluster's startup nodes cannot be reached.
+        """
+        client = self._client
+        if client is None:
+            with self._client_lock:
+                client = self._client
+                if client is None:
+                    with translate_redis_errors("connect"):
+                        client = redis_client(self._url)
+                    self._use(client)
+        return client
 
     def acquire(
         self,
@@ -130,7 +187,7 @@ class RedisLockBackend:
             self._check_eviction_policy()
         try:  # inline rather than a context manager: this is the hot path
             taken = self.client.set(key, token, nx=True, px=ttl_ms)
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise _unavailable("acquire", exc) from exc
         if not taken:
             return None
@@ -142,24 +199,26 @@ class RedisLockBackend:
     def cad_release(self, handle: LockHandle) -> bool:
         """``release.lua``: delete the key only if it still holds the handle's token."""
         try:
-            return bool(self._run(self._release, handle.key, handle.token))
-        except redis.RedisError as exc:
+            return bool(self._run(RELEASE, handle.key, handle.token))
+        except REDIS_ERRORS as exc:
             raise _unavailable("release", exc) from exc
 
     def cad_extend(self, handle: LockHandle, ttl_ms: int) -> bool:
         """``extend.lua``: reset the TTL only if the key still holds the handle's token."""
         try:
-            return bool(self._run(self._extend, handle.key, handle.token, ttl_ms))
-        except redis.RedisError as exc:
+            return bool(self._run(EXTEND, handle.key, handle.token, ttl_ms))
+        except REDIS_ERRORS as exc:
             raise _unavailable("extend", exc) from exc
 
-    def _run(self, script: Script, key: str, *args: str | int) -> Any:
+    def _run(self, script: Lua, key: str, *args: str | int) -> Any:
         # EVALSHA straight away (one round trip, no per-call bookkeeping); on NOSCRIPT (a
-        # restarted or failed-over server) the registered Script loads itself and runs.
+        # restarted, failed-over or new node) EVAL of the text, on the key's node alone.
+        client = self.client
+        text, sha = script
         try:
-            return self.client.evalsha(script.sha, 1, key, *args)
+            return client.evalsha(sha, 1, key, *args)
         except redis.exceptions.NoScriptError:
-            return script(keys=[key], args=list(args))
+            return client.eval(text, 1, key, *args)
 
     def remaining_ms(self, workspace_id: str, job_id: str, task: str) -> int | None:
         """``PTTL`` of the cell's lock; None when no lock exists."""
@@ -174,7 +233,7 @@ class RedisLockBackend:
             # still has no TTL — and report the cell free, so the caller acquires now.
             key = lock_key(workspace_id, job_id, task)
             with translate_redis_errors("reap"):
-                reaped = self._run(self._reap, key)
+                reaped = self._run(REAP_UNTIMED, key)
             if reaped:
                 log.error("compute lock %r held a value with no TTL (not a lock): deleted", key)
             return None
@@ -187,37 +246,73 @@ class RedisLockBackend:
         return value.decode() if isinstance(value, bytes) else value
 
     def subscribe(self, workspace_id: str) -> RedisSubscription:
-        """``SUBSCRIBE`` to the workspace's channel; returns once Redis confirmed it."""
+        """``SUBSCRIBE`` (a cluster: ``SSUBSCRIBE``) to the workspace's channel; returns once
+        Redis confirmed it."""
         channel = workspace_channel(workspace_id)
         return RedisSubscription(self.client, channel, self.settings.lock_timeout_seconds)
 
     def announce(self, handle: LockHandle, *, ok: bool) -> None:
-        """One pipelined round trip: ``PUBLISH`` lock_released, plus pending counters."""
+        """One pipelined round trip: ``PUBLISH`` lock_released, plus pending counters.
+
+        On a Redis Cluster the round trip goes to the workspace's node: ``SPUBLISH`` and
+        the counters whose keys live there; pending counters of other nodes follow, one
+        pipeline per node. A counter whose node failed stays pending; only a failed
+        broadcast raises :class:`LockUnavailable`.
+        """
         message = json.dumps(released_message(handle.job_id, handle.task, ok=ok))
+        channel = workspace_channel(handle.workspace_id)
         pending = self.counters.take_pending()
         try:
-            with translate_redis_errors("publish"):
-                pipe = self.client.pipeline(transaction=False)
-                pipe.publish(workspace_channel(handle.workspace_id), message)
-                queue_increments(pipe, pending)
-                pipe.execute()
-        except LockUnavailable:
+            client = self.client
+            node_of = node_namer(client)
+            groups = by_node(pending, node_of)
+            first = groups.pop(node_of(channel), [])
+            pipe = client.pipeline(transaction=False)
+            publish(pipe, self.sharded, channel, message)
+            queue_group(pipe, first)
+            replies = pipe.execute(raise_on_error=False)
+        except REDIS_ERRORS as exc:
+            self.counters.restore_pending(pending)
+            raise _unavailable("publish", exc) from exc
+        except BaseException:
             self.counters.restore_pending(pending)
             raise
+        restore_failed(self.counters, first, replies[1:])
+        self._send(client, groups)
+        if isinstance(replies[0], Exception):
+            raise _unavailable("publish", replies[0])
 
     def flush_counters(self) -> None:
-        """Send pending increments (``HINCRBY``, one pipelined round trip); kept on failure."""
+        """Send pending increments (``HINCRBY``, one pipelined round trip per Redis node);
+        kept on failure."""
         pending = self.counters.take_pending()
         if not pending:
             return
         try:
-            with translate_redis_errors("counters"):
-                pipe = self.client.pipeline(transaction=False)
-                queue_increments(pipe, pending)
-                pipe.execute()
-        except LockUnavailable as exc:
+            client = self.client
+            groups = by_node(pending, node_namer(client))
+        except (LockUnavailable, redis.RedisError, RedisClusterException) as exc:
             self.counters.restore_pending(pending)
             log.debug("compute-lock counters not flushed: %s", exc)
+            return
+        self._send(client, groups)
+
+    def _send(self, client: SyncRedis, groups: dict[str, list[Increment]]) -> None:
+        """Each node's counters in a pipeline of its own; a failed one stays pending."""
+        for group in groups.values():
+            try:
+                pipe = client.pipeline(transaction=False)
+                queue_group(pipe, group)
+                replies = pipe.execute(raise_on_error=False)
+            except REDIS_ERRORS as exc:
+                restore(self.counters, group)
+                log.debug("compute-lock counters not flushed: %s", exc)
+                continue
+            except BaseException:
+                restore(self.counters, group)
+                raise
+            if restore_failed(self.counters, group, replies):
+                log.debug("compute-lock counters: some not flushed")
 
     def workspace_counters(self, workspace_id: str) -> dict[str, int]:
         """``HGETALL`` of the workspace's counters: every process's flushed increments."""
@@ -232,7 +327,7 @@ class RedisLockBackend:
             note_config_refused(exc)
             self._policy_checked = True
             return
-        except redis.RedisError:
+        except (LockUnavailable, redis.RedisError, RedisClusterException):
             return  # not reachable now; the acquire says so, and we check again next time
         warn_on_eviction_policy(reply)
         self._policy_checked = True
@@ -260,16 +355,20 @@ def warn_on_eviction_policy(reply: Any) -> None:
 
 
 class RedisSubscription:
-    """A confirmed ``SUBSCRIBE`` to one channel on its own connection."""
+    """A confirmed ``SUBSCRIBE`` to one channel on its own connection.
 
-    def __init__(self, client: redis.Redis, channel: str, timeout: float) -> None:
-        # Through a typed name: redis-py < 8.2 leaves pubsub() unannotated, 8.2 annotates it,
-        # and no `type: ignore` is right for both.
-        make_pubsub: Any = client.pubsub
-        self._pubsub = make_pubsub()
+    On a Redis Cluster: ``SSUBSCRIBE`` on a connection to the primary of the channel's slot.
+    """
+
+    def __init__(self, client: SyncRedis, channel: str, timeout: float) -> None:
+        with translate_redis_errors("subscribe"):
+            self._pubsub, self._kinds = channel_pubsub(client, channel)
         try:
             with translate_redis_errors("subscribe"):
-                self._pubsub.subscribe(channel)
+                if self._kinds.subscribe == "ssubscribe":
+                    self._pubsub.ssubscribe(channel)
+                else:
+                    self._pubsub.subscribe(channel)
                 # Only after Redis confirmed is every later publish guaranteed to reach us:
                 # the caller re-checks the store after this returns (subscribe first).
                 deadline = time.monotonic() + timeout
@@ -278,14 +377,18 @@ class RedisSubscription:
                     if remaining <= 0:
                         raise LockUnavailable(f"Redis did not confirm SUBSCRIBE {channel}")
                     reply = self._pubsub.get_message(timeout=remaining)
-                    if reply is not None and reply["type"] == "subscribe":
+                    if reply is not None and reply["type"] == self._kinds.subscribe:
                         break
         except BaseException:
             self.close()
             raise
 
     def wait(self, timeout: float) -> Message | None:
-        """The next published message, or None once ``timeout`` seconds passed."""
+        """The next published message, or None once ``timeout`` seconds passed.
+
+        Also None at once when the server ends the subscription (a cluster slot that
+        moved to another node): the caller runs its protocol again and subscribes anew.
+        """
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
@@ -293,12 +396,16 @@ class RedisSubscription:
                 return None
             with translate_redis_errors("wait"):
                 reply = self._pubsub.get_message(timeout=remaining)
-            if reply is not None and reply["type"] == "message":
+            if reply is None:
+                continue
+            if reply["type"] == self._kinds.message:
                 return parse_message(reply["data"])
+            if reply["type"] == self._kinds.unsubscribe:
+                return None
 
     def close(self) -> None:
         """Unsubscribe by closing the connection (errors ignored: it may be dead already)."""
-        with contextlib.suppress(redis.RedisError, OSError):
+        with contextlib.suppress(*REDIS_OR_OS_ERRORS):
             self._pubsub.close()
 
 

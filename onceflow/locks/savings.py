@@ -3,14 +3,13 @@
 The workspaces come from the set :func:`onceflow.keys.counters_workspaces_key`, which every
 counters flush ``SADD``-s in the same pipeline as its ``HINCRBY``-s
 (:func:`~onceflow.locks.counters.queue_increments`). A read is bounded: ``SCARD``, ``SSCAN``
-pages until :data:`SAVINGS_WORKSPACES` members are collected, then one pipeline of ``HMGET``.
+pages until :data:`SAVINGS_WORKSPACES` members are collected, then one pipeline of ``HMGET``
+(on a Redis Cluster, split by node).
 """
 
 from __future__ import annotations
 
 from typing import Any, Final
-
-import redis
 
 from onceflow.errors import InvalidRequest
 from onceflow.keys import counters_key, counters_workspaces_key
@@ -22,6 +21,7 @@ from onceflow.locks.counters import (
     WAITS_SERVED_BY_BROADCAST,
     WAITS_SERVED_BY_RECHECK,
 )
+from onceflow.redis_clients import SyncRedis
 
 SAVINGS_WORKSPACES: Final = 200
 
@@ -30,7 +30,7 @@ _SAVED = (PREFLIGHT_HITS, DOUBLE_CHECK_HITS, WAITS_SERVED_BY_BROADCAST, WAITS_SE
 _FIELDS = (*_MADE, *_SAVED)
 
 
-def read_savings(client: redis.Redis) -> dict[str, Any]:
+def read_savings(client: SyncRedis) -> dict[str, Any]:
     """Calls made vs asked per workspace, from at most :data:`SAVINGS_WORKSPACES` workspaces.
 
     ``made`` = computes (with or without the lock); ``saved`` = pre-flight and double-check

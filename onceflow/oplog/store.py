@@ -11,7 +11,9 @@ Each operation is written once as steps (:mod:`onceflow.connector`, statements
 :class:`onceflow.oplog.sql.N`) and served by :class:`OpLog` (sync, pooled
 connections) and :class:`AsyncOpLog` (asyncio, a psycopg async pool) alike. Only
 the broadcast after a commit differs: the sync Redis client for :class:`OpLog`,
-``redis.asyncio`` for :class:`AsyncOpLog` (the event loop is never blocked).
+``redis.asyncio`` for :class:`AsyncOpLog` (the event loop is never blocked), made by
+:mod:`onceflow.redis_clients` from ``redis_url``: on a Redis Cluster the broadcast is a
+sharded ``SPUBLISH`` on the workspace channel's slot.
 """
 
 from __future__ import annotations
@@ -21,8 +23,6 @@ import os
 import threading
 from typing import Any
 
-import redis
-import redis.asyncio as aredis
 from sqlalchemy import Engine
 
 from onceflow.connector import AsyncPsycopgConnector, AsyncSide, PsycopgConnector, SyncSide
@@ -42,6 +42,16 @@ from onceflow.oplog.records import (
     stage_op_id,
 )
 from onceflow.queue.claims import fence_steps
+from onceflow.redis_clients import (
+    REDIS_ERRORS,
+    REDIS_OR_OS_ERRORS,
+    AsyncRedis,
+    SyncRedis,
+    async_client,
+    is_cluster,
+    publish,
+    sync_client,
+)
 from onceflow.settings import Settings, get_settings
 
 log = logging.getLogger("onceflow.oplog")
@@ -61,7 +71,7 @@ class OpLog(SyncSide, OpLogOps):
             engine = get_engine(engine or self.settings.database_url)
         self.engine = engine
         self.connector = PsycopgConnector(engine)
-        self._redis: tuple[int, redis.Redis] | None = None
+        self._redis: tuple[int, SyncRedis] | None = None
         self._lock = threading.Lock()
 
     def apply_op(
@@ -98,22 +108,27 @@ class OpLog(SyncSide, OpLogOps):
             self._publish(done.result, message)  # after commit, never before (O4)
         return done.result
 
-    def redis(self) -> redis.Redis:
-        """This process's Redis client (made after the fork, on first use)."""
+    def redis(self) -> SyncRedis:
+        """This process's Redis client (made after the fork, on first use).
+
+        A cluster client reads the topology when it is made: a redis-py error
+        (:data:`~onceflow.redis_clients.REDIS_ERRORS`) may come from this call.
+        """
         pid = os.getpid()
         current = self._redis
         if current is None or current[0] != pid:
             with self._lock:
-                client = redis.Redis.from_url(
-                    self.settings.redis_url, socket_timeout=2, socket_connect_timeout=2
-                )
-                current = self._redis = (pid, client)
+                current = self._redis
+                if current is None or current[0] != pid:
+                    client = sync_client(self.settings.redis_url, timeout=2)
+                    current = self._redis = (pid, client)
         return current[1]
 
     def _publish(self, applied: ApplyResult, message: str) -> None:
         try:
-            self.redis().publish(workspace_channel(applied.workspace_id), message)
-        except redis.RedisError as exc:
+            client = self.redis()
+            publish(client, is_cluster(client), workspace_channel(applied.workspace_id), message)
+        except REDIS_ERRORS as exc:
             _broadcast_failed(applied.workspace_id, applied.sub_doc, exc)
 
 
@@ -137,7 +152,7 @@ class AsyncOpLog(AsyncSide, OpLogOps):
         self.settings = settings or get_settings()
         self.aconnector = connector or AsyncPsycopgConnector(url or self.settings.database_url)
         # Pruned of closed loops (their clients' sockets shut): a weak table kept them all.
-        self._redis: PerLoop[aredis.Redis] = PerLoop(drop_redis_sockets)
+        self._redis: PerLoop[AsyncRedis] = PerLoop(drop_redis_sockets)
 
     @classmethod
     def from_oplog(cls, oplog: OpLog) -> AsyncOpLog:
@@ -163,21 +178,21 @@ class AsyncOpLog(AsyncSide, OpLogOps):
             await self._publish(done.result, message)  # after commit, never before (O4)
         return done.result
 
-    def redis(self) -> aredis.Redis:
+    def redis(self) -> AsyncRedis:
         """The running event loop's ``redis.asyncio`` client (made on first use)."""
         client = self._redis.get()
         if client is None:
             client = self._redis.setdefault(
-                lambda: aredis.Redis.from_url(
-                    self.settings.redis_url, socket_timeout=2, socket_connect_timeout=2
-                )
+                lambda: async_client(self.settings.redis_url, timeout=2)
             )
         return client
 
     async def _publish(self, applied: ApplyResult, message: str) -> None:
         try:
-            await self.redis().publish(workspace_channel(applied.workspace_id), message)
-        except (redis.RedisError, OSError) as exc:
+            client = self.redis()
+            channel = workspace_channel(applied.workspace_id)
+            await publish(client, is_cluster(client), channel, message)
+        except REDIS_OR_OS_ERRORS as exc:
             _broadcast_failed(applied.workspace_id, applied.sub_doc, exc)
 
     async def aclose(self) -> None:

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from onceflow.errors import InvalidRequest
+from onceflow.redis_clients import require_one_server
 from onceflow.settings import Settings
 
 SWEEP_TASK = "onceflow.sweep"
@@ -128,6 +129,31 @@ def sweep_schedule_entry(settings: Settings, maintenance_queue: str) -> dict[str
     }
 
 
+def broker_url(settings: Settings) -> str:
+    """A Flow's Celery broker: ``ONCEFLOW_BROKER_URL``, else ``ONCEFLOW_REDIS_URL``.
+
+    Kombu has no Redis Cluster transport: a cluster URL here is
+    :class:`~onceflow.errors.InvalidRedisUrl`, raised when Celery first reads its
+    configuration (a worker's or beat's start; :func:`check_broker`).
+    """
+    if settings.broker_url:
+        return require_one_server(settings.broker_url, "ONCEFLOW_BROKER_URL (Celery's broker)")
+    return require_one_server(
+        settings.redis_url,
+        "Celery's broker (ONCEFLOW_BROKER_URL is unset, so it would be ONCEFLOW_REDIS_URL)",
+    )
+
+
+def check_broker(app: Any) -> None:
+    """Refuse, at start-up, a Celery app whose broker is a Redis Cluster (:class:`InvalidRedisUrl`).
+
+    Reads the app's ``broker_url`` (onceflow's default, :func:`broker_url`, or yours).
+    """
+    url = app.conf.broker_url
+    if isinstance(url, str):
+        require_one_server(url, "the Celery app's broker_url")
+
+
 def celery_config(
     settings: Settings, *, maintenance_queue: str = MAINTENANCE_QUEUE
 ) -> dict[str, Any]:
@@ -150,7 +176,7 @@ def celery_config(
         visibility = settings.broker_visibility_timeout_seconds
         broker = {"broker_transport_options": {"visibility_timeout": visibility}}
     return {
-        "broker_url": settings.celery_broker_url,
+        "broker_url": broker_url(settings),
         "broker_connection_retry_on_startup": True,
         **broker,
         "task_serializer": "json",
@@ -201,11 +227,11 @@ def guest_config(
     added: dict[str, Any] = {}
     said: list[str] = []
     if not user_sets(conf, "broker_url") and not _env_broker():
-        added["broker_url"] = settings.celery_broker_url
+        added["broker_url"] = broker_url(settings)
         said.append("broker_url (onceflow's broker)")
     options = conf.get("broker_transport_options") or {}
-    broker_url = _env_broker_url() or added.get("broker_url") or conf.get("broker_url")
-    if "visibility_timeout" not in options and not is_amqp(broker_url):
+    url = _env_broker_url() or added.get("broker_url") or conf.get("broker_url")
+    if "visibility_timeout" not in options and not is_amqp(url):
         visibility = settings.broker_visibility_timeout_seconds
         new = {**options, "visibility_timeout": visibility}
         if user_sets(conf, "broker_transport_options"):

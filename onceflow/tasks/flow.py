@@ -45,7 +45,13 @@ from pydantic import BaseModel, ValidationError
 
 from onceflow.context import StageContext, oplog_for
 from onceflow.db import dispose_engines, size_pools_for
-from onceflow.errors import InvalidRequest, OnceflowError, UnknownStage, validation_summary
+from onceflow.errors import (
+    InvalidRedisUrl,
+    InvalidRequest,
+    OnceflowError,
+    UnknownStage,
+    validation_summary,
+)
 from onceflow.ids import check_id, check_worker_class, random_request_id
 from onceflow.keys import queue_name
 from onceflow.metrics import record as metrics
@@ -509,6 +515,10 @@ class Flow:
                 serializer="json",  # whatever the app's task_serializer
                 **send_options(self.app, item.stage, item.worker_class, args),
             )
+        except InvalidRedisUrl:  # a configuration error (a Redis Cluster as the broker)
+            with contextlib.suppress(OnceflowError):
+                self.queue.mark_undispatched(item.request_id)
+            raise
         except Exception as exc:  # kombu/redis errors: the row is durable, the sweeper resends
             log.warning(
                 "request %s: wake-up not sent (%s); the sweeper will send it", item.request_id, exc

@@ -28,7 +28,6 @@ from collections.abc import Sequence
 from multiprocessing.context import BaseContext
 from typing import Any
 
-import redis
 import redis.asyncio
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -43,6 +42,7 @@ from onceflow.locks import (
     compute_once,
     get_async_backend,
 )
+from onceflow.redis_clients import async_client, is_cluster, sync_client
 from tests.integration.standin import call_provider, mark_waiting, store_get, store_put
 
 Cell = tuple[str, str]  # (job_id, task)
@@ -60,6 +60,12 @@ def async_twin(backend: LockBackend) -> AsyncRedisLockBackend:
     """
     if not isinstance(backend, RedisLockBackend):
         raise TypeError(f"no async twin for the {backend.name} lock backend (sync-only)")
+    if is_cluster(backend.client):  # the same cluster, through onceflow's client factory
+        first = backend.client.get_default_node().redis_connection
+        timeout = first.connection_pool.connection_kwargs.get("socket_timeout")
+        nodes = ",".join(f"{n.host}:{n.port}" for n in backend.client.get_primaries())
+        cluster = async_client(f"redis+cluster://{nodes}", timeout=timeout, retries=1)
+        return AsyncRedisLockBackend(cluster, settings=backend.settings, counters=backend.counters)
     kw = backend.client.connection_pool.connection_kwargs
     client = redis.asyncio.Redis(
         host=kw.get("host", "localhost"),
@@ -124,9 +130,8 @@ def context() -> BaseContext:
 
 def make_backend(kind: str, url: str, pool_size: int = 2) -> LockBackend:
     """A backend of its own for one process (small pool: 64 processes share Postgres)."""
-    if kind == "redis":
-        client = redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=10)
-        return RedisLockBackend(client)
+    if kind == "redis":  # onceflow's client factory: redis+cluster:// URLs too
+        return RedisLockBackend(sync_client(url, timeout=30, connect_timeout=10))
     return SqlLockBackend(make_engine(url, pool_size=pool_size))
 
 

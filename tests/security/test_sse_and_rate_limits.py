@@ -370,7 +370,8 @@ def test_a_stream_joining_as_the_last_slow_one_is_dropped_still_gets_commits(
             # Two messages reach the reader while the stream reads none: it is dropped, the
             # channel left, and its UNSUBSCRIBE spawned — not yet sent.
             for _ in range(2):
-                hub._dispatch({"type": "message", "channel": channel.encode(), "data": b"{}"})
+                link = hub._links[""]  # one server: one link
+                hub._dispatch(link, {"type": "message", "channel": channel.encode(), "data": b"{}"})
             assert slow.ended == "slow"
             fresh = await hub.open(channel, "k2")  # subscribed, confirmed: `ready`
             await asyncio.gather(*list(hub._tasks))  # the spawned UNSUBSCRIBE has run

@@ -46,7 +46,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-import redis
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -60,6 +59,7 @@ from onceflow.locks.savings import read_savings
 from onceflow.loops import PerLoop
 from onceflow.models import Dispatch, Status
 from onceflow.queue.overview import read_tables, stop_already_requested
+from onceflow.redis_clients import REDIS_OR_OS_ERRORS
 
 if TYPE_CHECKING:
     from onceflow.integrations.fastapi.services import OnceflowServices
@@ -94,7 +94,7 @@ def compute_snapshot(services: OnceflowServices) -> dict[str, Any]:
     snapshot = read_tables(services.queue.engine, count_cap=services.settings.metrics_count_cap)
     try:
         snapshot["savings"] = read_savings(services.oplog.redis())
-    except (redis.RedisError, OSError) as exc:
+    except REDIS_OR_OS_ERRORS as exc:
         snapshot["savings"] = {"error": f"Redis: {type(exc).__name__}"}
     return snapshot
 

@@ -3,6 +3,11 @@
 One :class:`EventHub` per event loop holds ONE Redis pub/sub connection, subscribed to the
 channels of the workspaces that have listeners, and fans each message out to the streams'
 own bounded queues (:class:`Listener`).
+
+On a Redis Cluster (``redis_url`` is ``redis+cluster://…``) the hub holds one connection
+per primary that carries a subscribed channel, with sharded pub/sub (``SSUBSCRIBE``) on
+the channel's slot: a workspace's commits never cross the cluster bus, and a node that
+is lost ends only its own channels' streams (their clients resync).
 """
 
 from __future__ import annotations
@@ -16,13 +21,21 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import anyio
-import redis
 import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 
 from onceflow.loops import drop_redis_sockets, shut_redis_connection
+from onceflow.redis_clients import (
+    PLAIN,
+    REDIS_OR_OS_ERRORS,
+    SHARDED,
+    AsyncRedis,
+    Kinds,
+    async_client,
+    is_cluster_url,
+    node_client,
+    shard_node,
+)
 
 log = logging.getLogger("onceflow.api.events")
 
@@ -100,14 +113,19 @@ class Listener:
 @dataclass(eq=False)
 class _Channel:
     confirmed: asyncio.Future[None]
+    link: str  # the name of the link (node) it is subscribed on
     listeners: set[Listener] = field(default_factory=set)
 
 
 @dataclass(eq=False)
 class _Link:
+    name: str  # "" for one server; a cluster node's "host:port"
     client: aioredis.Redis
     pubsub: PubSub
+    kinds: Kinds
     reader: asyncio.Task[None] | None = None
+    # Commands on this connection are sent one at a time (a slow node holds up only its own).
+    send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class EventHub:
@@ -117,6 +135,8 @@ class EventHub:
     reads the connection. Redis answers a connection's commands in order, so each
     ``subscribe`` confirmation is matched to the command that asked for it through a
     FIFO per channel: a stream is ``ready`` only once its own SUBSCRIBE is confirmed.
+    On a Redis Cluster each primary that carries a channel has such a connection (a
+    *link*, with ``SSUBSCRIBE``), its own reader and its own fate.
     """
 
     def __init__(
@@ -135,14 +155,14 @@ class EventHub:
         self.queue_size = queue_size
         self.ping_seconds = ping_seconds
         self.subscribe_timeout = subscribe_timeout
-        self._link_now: _Link | None = None
+        self._links: dict[str, _Link] = {}
+        self._topology: AsyncRedis | None = None  # a cluster's: which node has which slot
         self._channels: dict[bytes, _Channel] = {}
         self._expected: dict[bytes, deque[asyncio.Future[None] | None]] = {}
         self._per_key: dict[str, int] = {}
         self._open = 0
-        self._send_lock = asyncio.Lock()
         self._connect_lock = asyncio.Lock()
-        self._down_until = 0.0
+        self._down_until: dict[str, float] = {}
         self._closed = False
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -187,20 +207,24 @@ class EventHub:
 
     def drop_sockets(self) -> None:
         """Shut the Redis sockets of a hub whose event loop has closed (no loop needed)."""
-        link = self._link_now
-        if link is not None:
+        for link in list(self._links.values()):
             drop_redis_sockets(link.client)
             shut_redis_connection(getattr(link.pubsub, "connection", None))
+        if self._topology is not None:
+            drop_redis_sockets(self._topology)
 
     async def aclose(self) -> None:
-        """End every stream and close the connection (the app's shutdown)."""
+        """End every stream and close the connections (the app's shutdown)."""
         self._closed = True
-        link = self._link_now
-        if link is not None:
+        for link in list(self._links.values()):
             self._reset(link, "shutdown")
         for task in list(self._tasks):
             with contextlib.suppress(Exception):
                 await task
+        topology, self._topology = self._topology, None
+        if topology is not None:
+            with contextlib.suppress(*REDIS_OR_OS_ERRORS, RuntimeError):
+                await topology.aclose()
 
     # ------------------------------------------------------------ internals
 
@@ -219,50 +243,75 @@ class EventHub:
         if state is None:
             return None
         state.listeners.discard(listener)
-        link = self._link_now
+        link = self._links.get(state.link)
         if state.listeners or self._channels.get(listener.channel) is not state or link is None:
             return None
         del self._channels[listener.channel]
         return link
 
-    async def _link(self) -> _Link:
-        link = self._link_now
-        if link is not None:
-            return link
+    def _client(self) -> AsyncRedis:
+        # One server: the link's own client. A cluster: the topology client, whose nodes'
+        # connection options the links copy. No retry: a lost connection ends the streams
+        # (no silent gap).
+        return async_client(
+            self.redis_url,
+            timeout=self.subscribe_timeout,
+            connect_timeout=2,
+            retries=0,
+            client_name=CLIENT_NAME,
+        )
+
+    async def _where(self, channel: bytes) -> tuple[str, Any]:
+        """The link name and cluster node of ``channel``: ``("", None)`` on one server."""
+        if not is_cluster_url(self.redis_url):
+            return "", None
+        if self._topology is None:
+            self._topology = self._client()
+        try:
+            async with asyncio.timeout(self.subscribe_timeout):
+                node = await shard_node(self._topology, channel.decode())
+        except REDIS_OR_OS_ERRORS as exc:
+            raise HubUnavailable(f"Redis: {type(exc).__name__}") from exc
+        if node is None:  # not a cluster client after all (cannot happen for a cluster URL)
+            raise HubUnavailable("Redis: no node for the channel")
+        return str(node.name), node
+
+    async def _link(self, channel: bytes) -> _Link:
         if self._closed:
             raise HubUnavailable("the event hub is closed")
+        name, node = await self._where(channel)
+        link = self._links.get(name)
+        if link is not None:
+            return link
         async with self._connect_lock:
-            link = self._link_now
+            link = self._links.get(name)
             if link is not None:
                 return link
             loop = asyncio.get_running_loop()
-            if loop.time() < self._down_until:
+            if loop.time() < self._down_until.get(name, 0.0):
                 raise HubUnavailable("Redis did not answer a moment ago")
-            client = aioredis.Redis.from_url(
-                self.redis_url,
-                socket_connect_timeout=2,
-                socket_timeout=self.subscribe_timeout,
-                retry=Retry(NoBackoff(), 0),  # a lost connection ends the streams: no silent gap
-                client_name=CLIENT_NAME,
-            )
+            if node is not None:
+                client = node_client(node, client_name=CLIENT_NAME)
+            else:  # one server (a cluster URL always has a node here)
+                client = cast(aioredis.Redis, self._client())
             pubsub = client.pubsub()
             try:
                 async with asyncio.timeout(self.subscribe_timeout):
                     await cast(Any, pubsub).connect()  # untyped in redis-py
-            except (redis.RedisError, OSError, TimeoutError) as exc:
-                self._down_until = loop.time() + RECONNECT_BACKOFF
+            except REDIS_OR_OS_ERRORS as exc:
+                self._down_until[name] = loop.time() + RECONNECT_BACKOFF
                 await _quietly_close(pubsub, client)
                 raise HubUnavailable(f"Redis: {type(exc).__name__}") from exc
-            link = _Link(client, pubsub)
+            link = _Link(name, client, pubsub, PLAIN if node is None else SHARDED)
             link.reader = loop.create_task(self._read(link))
-            self._link_now = link
+            self._links[name] = link
             return link
 
     async def _join(self, listener: Listener) -> None:
-        link = await self._link()
+        link = await self._link(listener.channel)
         state = self._channels.get(listener.channel)
         if state is None:
-            state = _Channel(asyncio.get_running_loop().create_future())
+            state = _Channel(asyncio.get_running_loop().create_future(), link.name)
             state.confirmed.add_done_callback(_retrieve)
             self._channels[listener.channel] = state
             listener.state = state
@@ -289,8 +338,8 @@ class EventHub:
     async def _send_shielded(
         self, link: _Link, verb: str, channel: bytes, confirmed: asyncio.Future[None] | None
     ) -> None:
-        async with self._send_lock:
-            if link is not self._link_now:
+        async with link.send_lock:
+            if link is not self._links.get(link.name):
                 raise HubUnavailable("the connection to Redis was lost")
             if verb == "unsubscribe" and channel in self._channels:
                 # A stream joined the channel again after the last one left (its SUBSCRIBE
@@ -299,11 +348,14 @@ class EventHub:
             # Redis answers in order: this command's confirmation is the next one queued.
             self._expected.setdefault(channel, deque()).append(confirmed)
             try:
+                sharded = link.kinds is SHARDED
                 if verb == "subscribe":
-                    await link.pubsub.subscribe(channel)
+                    await (link.pubsub.ssubscribe if sharded else link.pubsub.subscribe)(channel)
                 else:
-                    await link.pubsub.unsubscribe(channel)
-            except (redis.RedisError, OSError) as exc:
+                    await (link.pubsub.sunsubscribe if sharded else link.pubsub.unsubscribe)(
+                        channel
+                    )
+            except REDIS_OR_OS_ERRORS as exc:
                 self._reset(link, type(exc).__name__)
                 raise HubUnavailable(f"Redis: {type(exc).__name__}") from exc
 
@@ -311,30 +363,30 @@ class EventHub:
         pubsub = link.pubsub
         awaiting_pong = False
         try:
-            while link is self._link_now:
+            while link is self._links.get(link.name):
                 message = await pubsub.get_message(timeout=self.ping_seconds)
-                if link is not self._link_now:
+                if link is not self._links.get(link.name):
                     return
                 if message is None:  # idle: is the connection still alive?
                     if awaiting_pong:
                         raise HubUnavailable("Redis did not answer a PING")
-                    async with self._send_lock:
+                    async with link.send_lock:
                         await pubsub.ping()
                     awaiting_pong = True
                     continue
                 awaiting_pong = False
-                self._dispatch(message)
+                self._dispatch(link, message)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # Redis gone, or anything unexpected: every stream ends
             self._reset(link, type(exc).__name__)
 
-    def _dispatch(self, message: dict[str, Any]) -> None:
+    def _dispatch(self, link: _Link, message: dict[str, Any]) -> None:
         kind = message.get("type")
         channel = message.get("channel")
         if not isinstance(channel, bytes):
             return
-        if kind == "message":
+        if kind == link.kinds.message:
             state = self._channels.get(channel)
             if state is None:
                 return
@@ -345,39 +397,65 @@ class EventHub:
                         self.queue_size,
                     )
                     listener.end("slow")
-                    link = self._release(listener)
-                    if link is not None:
-                        self._spawn(self._send_quietly(link, channel))
-        elif kind in ("subscribe", "unsubscribe"):
+                    owner = self._release(listener)
+                    if owner is not None:
+                        self._spawn(self._send_quietly(owner, channel))
+        elif kind in (link.kinds.subscribe, link.kinds.unsubscribe):
             expected = self._expected.get(channel)
             if not expected:
+                if kind == link.kinds.unsubscribe:
+                    self._lost(channel)  # the server ended it: a cluster slot moved
                 return
             confirmed = expected.popleft()
             if not expected:
                 del self._expected[channel]
-            if kind == "subscribe" and confirmed is not None and not confirmed.done():
+            if kind == link.kinds.subscribe and confirmed is not None and not confirmed.done():
                 confirmed.set_result(None)
+
+    def _lost(self, channel: bytes) -> None:
+        """End the streams of a channel the server unsubscribed (they reconnect and resync)."""
+        state = self._channels.pop(channel, None)
+        if state is None:
+            return
+        for listener in state.listeners:
+            listener.end("redis")
+        ended = len(state.listeners)
+        log.warning("event hub: Redis ended a subscription; %d streams resync", ended)
+        self._forget_topology()  # its slot moved: read the cluster's slots again
+
+    def _forget_topology(self) -> None:
+        """A cluster's slot map may be stale (a node lost, a slot moved): the next stream
+        reads it again from the cluster."""
+        topology, self._topology = self._topology, None
+        if topology is not None:
+            self._spawn(_quietly_close(None, topology))
 
     async def _send_quietly(self, link: _Link, channel: bytes) -> None:
         with contextlib.suppress(HubUnavailable):
             await self._send(link, "unsubscribe", channel, None)
 
     def _reset(self, link: _Link, reason: str) -> None:
-        """The connection is lost: end every stream, close it; the next stream reconnects."""
-        if self._link_now is not link:
+        """The connection is lost: end its streams, close it; the next stream reconnects.
+
+        On a cluster only the streams of that node's channels end.
+        """
+        if self._links.get(link.name) is not link:
             return
-        self._link_now = None
+        del self._links[link.name]
         ended = 0
-        for state in self._channels.values():
+        for channel, state in list(self._channels.items()):
+            if state.link != link.name:
+                continue
             if not state.confirmed.done():
                 state.confirmed.set_exception(HubUnavailable(f"Redis: {reason}"))
             for listener in state.listeners:
                 listener.end("redis")
                 ended += 1
-        self._channels.clear()
-        self._expected.clear()
+            del self._channels[channel]
+            self._expected.pop(channel, None)
         if reason != "shutdown":
             log.warning("event hub lost Redis (%s): %d streams end and resync", reason, ended)
+            self._forget_topology()
         self._spawn(self._dispose(link))
 
     async def _dispose(self, link: _Link) -> None:
@@ -399,8 +477,9 @@ def _retrieve(future: asyncio.Future[None]) -> None:
         future.exception()  # retrieved: a failed subscription is reported to its waiters
 
 
-async def _quietly_close(pubsub: PubSub, client: aioredis.Redis) -> None:
-    with contextlib.suppress(redis.RedisError, OSError, RuntimeError):
-        await cast(Any, pubsub).aclose()
-    with contextlib.suppress(redis.RedisError, OSError, RuntimeError):
+async def _quietly_close(pubsub: PubSub | None, client: AsyncRedis) -> None:
+    if pubsub is not None:
+        with contextlib.suppress(*REDIS_OR_OS_ERRORS, RuntimeError):
+            await cast(Any, pubsub).aclose()
+    with contextlib.suppress(*REDIS_OR_OS_ERRORS, RuntimeError):
         await client.aclose()

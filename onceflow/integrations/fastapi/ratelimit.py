@@ -14,8 +14,10 @@ limits, all must pass; empty turns it off):
 
 Counters live in ``ONCEFLOW_API_RATE_LIMIT_STORAGE``: ``memory://`` (default) is
 per API process — N processes allow N times the rate; a ``redis://`` URL is
-shared by every process. If that Redis does not answer, requests are served
-(the limit fails open, with a warning) rather than the API going down with it.
+shared by every process, and so is a Redis Cluster (``redis+cluster://host:port,…``,
+the form of ``ONCEFLOW_REDIS_URL``; `limits` keeps each counter in one slot). If that
+Redis does not answer, requests are served (the limit fails open, with a warning) rather
+than the API going down with it.
 
 A refused request gets 429, ``Retry-After``, the ``RateLimit-*`` headers and the
 body ``{"detail": …, "code": "rate_limited"}``.
@@ -45,7 +47,7 @@ from onceflow.settings import Settings
 log = logging.getLogger("onceflow.api.ratelimit")
 
 KEY_PREFIX = "onceflow:ratelimit"
-_REDIS_SCHEMES = ("redis", "rediss", "redis+unix")
+_REDIS_SCHEMES = ("redis", "rediss", "redis+unix", "redis+cluster")
 
 
 class RateLimited(Exception):
@@ -94,7 +96,10 @@ def storage_uri(value: str) -> str:
         return "async+" + value
     if scheme.removeprefix("async+") in _REDIS_SCHEMES:
         return value
-    raise InvalidRequest("ONCEFLOW_API_RATE_LIMIT_STORAGE: expected memory:// or a redis:// URL")
+    raise InvalidRequest(
+        "ONCEFLOW_API_RATE_LIMIT_STORAGE: expected memory://, a redis:// URL or a "
+        "redis+cluster:// URL"
+    )
 
 
 @dataclass

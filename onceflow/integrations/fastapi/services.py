@@ -24,6 +24,7 @@ from onceflow.payloads import JSON
 from onceflow.queue import AsyncQueue, Queue
 from onceflow.settings import Settings
 from onceflow.tasks import Flow
+from onceflow.tasks.config import check_broker
 
 
 class OnceflowServices:
@@ -183,6 +184,8 @@ class OnceflowServices:
 @asynccontextmanager
 async def _lifespan(services: OnceflowServices, app: FastAPI) -> AsyncIterator[None]:
     app.state.onceflow = services
+    # A Redis Cluster as the Celery broker is refused now, not at the first wake-up.
+    check_broker(services.flow.app)
     # Built in the serving process (after any fork of the server); nothing connects yet.
     _ = services.queue, services.async_queue, services.oplog, services.async_oplog
     try:

@@ -1,0 +1,142 @@
+"""A real local Redis Cluster of three primaries, started and stopped by the tests.
+
+Each node is a ``redis-server`` (or ``valkey-server``) of the test's own, on a free port
+(its cluster bus port, port + 10000, free too), with ``--cluster-enabled yes``. The slots
+are split in three ranges (``CLUSTER ADDSLOTSRANGE``), the nodes meet (``CLUSTER MEET``),
+and the cluster is ready once every node says ``cluster_state:ok`` and knows the others.
+``cluster-require-full-coverage no``, as docs/locks.md advises: a stopped node stalls its
+own slots only. The shared Redis of the machine is never touched.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+from redis.crc import key_slot
+
+#: The three primaries' slot ranges.
+SLOT_RANGES = ((0, 5460), (5461, 10922), (10923, 16383))
+
+
+def server_binary() -> str | None:
+    """A Redis or Valkey server that can run in cluster mode, or None."""
+    found = shutil.which("redis-server") or shutil.which("valkey-server")
+    if found:
+        return found
+    try:
+        from onceflow.embedded import _valkey_executable
+
+        return str(_valkey_executable())
+    except Exception:  # the embedded extra is absent, or ships no binary
+        return None
+
+
+def _free_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free too."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port > 55000:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+def _wait(condition: object, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if condition():  # type: ignore[operator]
+                return
+        except (redis.RedisError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+class LocalCluster:
+    """Three cluster primaries of this test run's own (no replicas)."""
+
+    def __init__(self, binary: str, nodes: int = 3) -> None:
+        self.binary = binary
+        self.ports = [_free_port() for _ in range(nodes)]
+        self.dir = Path(tempfile.mkdtemp(prefix="onceflow-cluster-"))
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+
+    @property
+    def url(self) -> str:
+        """onceflow's URL of the cluster: every node a startup node."""
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    def node(self, port: int) -> redis.Redis:
+        """A plain client of one node."""
+        return redis.Redis(port=port, socket_timeout=5, socket_connect_timeout=2)
+
+    def _spawn(self, port: int) -> None:
+        argv = [
+            self.binary, "--port", str(port), "--bind", "127.0.0.1",
+            "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
+            "--cluster-node-timeout", "1000", "--cluster-require-full-coverage", "no",
+            "--save", "", "--appendonly", "no", "--dir", str(self.dir),
+        ]  # fmt: skip
+        self.procs[port] = subprocess.Popen(
+            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+
+    def start(self) -> LocalCluster:
+        for port in self.ports:
+            self._spawn(port)
+        for port in self.ports:
+            client = self.node(port)
+            _wait(client.ping, f"cluster node on port {port}")
+        for port, (low, high) in zip(self.ports, SLOT_RANGES, strict=True):
+            self.node(port).execute_command("CLUSTER", "ADDSLOTSRANGE", low, high)
+        first = self.node(self.ports[0])
+        for port in self.ports[1:]:
+            first.execute_command("CLUSTER", "MEET", "127.0.0.1", port)
+        for port in self.ports:
+            _wait(lambda p=port: self._ready(p), f"cluster_state:ok on port {port}")  # type: ignore[misc]
+        return self
+
+    def _ready(self, port: int) -> bool:
+        client = self.node(port)
+        info = client.execute_command("CLUSTER", "INFO")
+        text = info.decode() if isinstance(info, bytes) else str(info)
+        if "cluster_state:ok" not in text:
+            return False
+        nodes = client.execute_command("CLUSTER", "NODES")
+        lines = (nodes.decode() if isinstance(nodes, bytes) else str(nodes)).strip().splitlines()
+        return len(lines) == len(self.ports) and all("connected" in ln for ln in lines)
+
+    def port_of(self, key: str) -> int:
+        """The port of the primary whose slot range holds ``key``."""
+        slot = key_slot(key.encode())
+        for port, (low, high) in zip(self.ports, SLOT_RANGES, strict=True):
+            if low <= slot <= high:
+                return port
+        raise AssertionError(f"slot {slot} in no range")
+
+    def kill(self, port: int) -> None:
+        """Stop one node (SIGKILL): its slots stay assigned to it, and go dark."""
+        proc = self.procs[port]
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        for port in list(self.procs):
+            self.kill(port)
+        shutil.rmtree(self.dir, ignore_errors=True)
