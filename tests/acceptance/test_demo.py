@@ -259,6 +259,11 @@ def _run_keep_open(database_url: str, redis_url: str) -> KeepOpen:
         wait_for(lambda: "press Ctrl-C" in "".join(err) or demo.poll() is not None,
                  timeout=240, what="the report and the keep-open notice")  # fmt: skip
         open_at_notice = demo.poll() is None
+        # The demo flushes its report to stdout before the notice goes to stderr, but the two
+        # are read by separate threads: the pipe's reader may not have appended it yet (seen
+        # in CI: an empty report). Its last row is the wall time.
+        wait_for(lambda: "wall time" in "".join(out) or demo.poll() is not None,
+                 timeout=30, what="the report on stdout")  # fmt: skip
         report = "".join(out)
         found = re.search(r"Flower: (http://127\.0\.0\.1:\d+)", "".join(err))
         url = found.group(1) if found else None
