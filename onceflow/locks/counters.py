@@ -15,12 +15,17 @@ subscribing — each one a third-party call that was not made.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from onceflow.keys import counters_key, counters_workspaces_key
+from onceflow.locks.steps import Call, Steps
 from onceflow.metrics import record as metrics
+from onceflow.redis_clients import REDIS_ERRORS
+
+log = logging.getLogger(__name__)
 
 PREFLIGHT_HITS: Final = "preflight_hits"
 DOUBLE_CHECK_HITS: Final = "double_check_hits"
@@ -206,3 +211,27 @@ def parse_hash(raw: Mapping[Any, Any]) -> dict[str, int]:
         key = name.decode() if isinstance(name, bytes) else str(name)
         snapshot[key] = int(value)
     return snapshot
+
+
+def send_groups(
+    client: Any, counters: Counters, groups: Mapping[str, list[Increment]]
+) -> Steps[None]:
+    """Each node's counters in a pipeline of its own; a failed one stays pending.
+
+    Steps for both APIs: the sync backend drives it with ``run_sync``, the async one with
+    ``run_async`` (which awaits the pipeline's ``execute``).
+    """
+    for group in groups.values():
+        try:
+            pipe = client.pipeline(transaction=False)
+            queue_group(pipe, group)
+            replies = yield Call(pipe.execute, raise_on_error=False)
+        except REDIS_ERRORS as exc:
+            restore(counters, group)
+            log.debug("compute-lock counters not flushed: %s", exc)
+            continue
+        except BaseException:
+            restore(counters, group)
+            raise
+        if restore_failed(counters, group, replies):
+            log.debug("compute-lock counters: some not flushed")

@@ -36,8 +36,8 @@ from onceflow.locks.counters import (
     by_node,
     parse_hash,
     queue_group,
-    restore,
     restore_failed,
+    send_groups,
 )
 from onceflow.locks.redis_lock import (
     EXTEND,
@@ -47,6 +47,7 @@ from onceflow.locks.redis_lock import (
     note_config_refused,
     warn_on_eviction_policy,
 )
+from onceflow.locks.steps import run_async
 from onceflow.redis_clients import (
     PLAIN,
     REDIS_ERRORS,
@@ -249,21 +250,7 @@ class AsyncRedisLockBackend:
         await self._send(groups)
 
     async def _send(self, groups: dict[str, list[Increment]]) -> None:
-        """Each node's counters in a pipeline of its own; a failed one stays pending."""
-        for group in groups.values():
-            try:
-                pipe = self.client.pipeline(transaction=False)
-                queue_group(pipe, group)
-                replies = await pipe.execute(raise_on_error=False)
-            except REDIS_ERRORS as exc:
-                restore(self.counters, group)
-                log.debug("compute-lock counters not flushed: %s", exc)
-                continue
-            except BaseException:
-                restore(self.counters, group)
-                raise
-            if restore_failed(self.counters, group, replies):
-                log.debug("compute-lock counters: some not flushed")
+        await run_async(send_groups(self.client, self.counters, groups))
 
     async def workspace_counters(self, workspace_id: str) -> dict[str, int]:
         """``HGETALL`` of the workspace's counters: every process's flushed increments."""

@@ -48,9 +48,10 @@ from onceflow.locks.counters import (
     by_node,
     parse_hash,
     queue_group,
-    restore,
     restore_failed,
+    send_groups,
 )
+from onceflow.locks.steps import run_sync
 from onceflow.redis_clients import (
     REDIS_ERRORS,
     REDIS_OR_OS_ERRORS,
@@ -298,21 +299,7 @@ class RedisLockBackend:
         self._send(client, groups)
 
     def _send(self, client: SyncRedis, groups: dict[str, list[Increment]]) -> None:
-        """Each node's counters in a pipeline of its own; a failed one stays pending."""
-        for group in groups.values():
-            try:
-                pipe = client.pipeline(transaction=False)
-                queue_group(pipe, group)
-                replies = pipe.execute(raise_on_error=False)
-            except REDIS_ERRORS as exc:
-                restore(self.counters, group)
-                log.debug("compute-lock counters not flushed: %s", exc)
-                continue
-            except BaseException:
-                restore(self.counters, group)
-                raise
-            if restore_failed(self.counters, group, replies):
-                log.debug("compute-lock counters: some not flushed")
+        run_sync(send_groups(client, self.counters, groups))
 
     def workspace_counters(self, workspace_id: str) -> dict[str, int]:
         """``HGETALL`` of the workspace's counters: every process's flushed increments."""
