@@ -49,6 +49,8 @@ class EnqueueResult:
     input_mismatch: bool = False
     stage: str = ""
     worker_class: str = ""
+    #: The request's workspace (with ``request_id``, the row's key).
+    workspace_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +119,16 @@ class Fence(Protocol):
         """The claim token (what fences every write)."""
 
 
+def workspace_of(fence: object) -> str | None:
+    """The workspace of a fence's request, when it carries it (a :class:`Claim` always; a
+    :class:`ClaimRef` or a pull worker's claim if it was given one), else None: the
+    statement then finds the row by its id alone."""
+    if isinstance(fence, Claim):
+        return fence.request.workspace_id
+    ws = getattr(fence, "workspace_id", None)
+    return ws if isinstance(ws, str) and ws else None
+
+
 @dataclass(frozen=True, slots=True)
 class ClaimRef:
     """What a pull worker holds of a claim: the request id and the claim token.
@@ -132,6 +144,10 @@ class ClaimRef:
     #: The worker classes the holder may work (an HTTP worker key's scope), None for any:
     #: a fenced write by this reference changes only a request of one of them.
     worker_classes: tuple[str, ...] | None = None
+    #: The request's workspace (its key is ``(workspace_id, request_id)``). None: found by
+    #: the id alone — one more index lookup, and on a database sharded by workspace a
+    #: look at every shard; pull clients of this release send it.
+    workspace_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,8 +187,8 @@ class Claim:
 
     @property
     def ref(self) -> ClaimRef:
-        """The claim as a pull worker holds it: request id and token."""
-        return ClaimRef(self.request.request_id, self.token)
+        """The claim as a pull worker holds it: request id, token and workspace."""
+        return ClaimRef(self.request.request_id, self.token, workspace_id=self.request.workspace_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +206,9 @@ class Dispatch:
     request_id: RequestId
     stage: str
     worker_class: str
+    #: The request's workspace: the wake-up carries it, so a worker finds the row by its
+    #: key (and, sharded, on its shard). None: a wake-up by id alone.
+    workspace_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,10 +39,11 @@ _STATUSES = ", ".join(f"'{s.value}'" for s in Status)
 workspace_process_requests = Table(
     "workspace_process_requests",
     metadata,
-    # The request id embeds the workspace (it is a hash over it, or random), so the key
-    # is unique across workspaces; see DESIGN.md "Past one machine".
+    # Keyed workspace first (migrations 0007/0008), like every table of a workspace: a
+    # table partitioned or distributed by workspace (Citus) accepts only such keys. The
+    # request id alone is unique too (a hash over the workspace, or random).
+    Column("workspace_id", Text, primary_key=True),
     Column("request_id", Text, primary_key=True),
-    Column("workspace_id", Text, nullable=False),
     Column("job_id", Text, nullable=False),
     Column("branch_path", Text, nullable=False),
     Column("stage", Text, nullable=False),
@@ -112,6 +113,10 @@ workspace_process_requests = Table(
         postgresql_where=text("status = 'dead'"),
         postgresql_include=["worker_class", "stage"],
     ),
+    # A request named by its id alone (an old wake-up, a client that does not send the
+    # workspace): found without knowing its workspace (0007). Not unique: a partitioned or
+    # distributed table accepts it.
+    Index("ix_wpr_request_id", "request_id"),
     # Listing a workspace's requests, newest first; workspace first (DESIGN.md).
     Index("ix_wpr_workspace", "workspace_id", "created_at"),
     # Retention: finished rows by age.

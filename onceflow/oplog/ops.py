@@ -27,7 +27,7 @@ from onceflow.errors import (
 from onceflow.ids import check_id
 from onceflow.metrics import record as metrics
 from onceflow.models.ops import OpModel, apply, parse_op
-from onceflow.models.requests import Fence
+from onceflow.models.requests import Fence, workspace_of
 from onceflow.oplog.records import ApplyResult, OpRecord, SubDoc, check_op_id, new_op_id
 from onceflow.oplog.sql import N
 from onceflow.payloads import Unreadable, canonical_json, encode_payload
@@ -184,7 +184,10 @@ class OpLogOps:
         """
         if fence is None or not client_id:
             return None
-        params = {**key, "fence": fence.request_id, "worker_classes": fence_scope(fence)}
+        params = {
+            **key, "workspace_id": key["workspace_id"] or workspace_of(fence),
+            "fence": fence.request_id, "worker_classes": fence_scope(fence),
+        }  # fmt: skip
         found = yield FetchOne(N.FIND_FENCED_OP, params)
         if found is None:
             return None
@@ -206,6 +209,13 @@ class OpLogOps:
             fenced_workspace = yield from fence_steps(fence, zombie=False)
             if key["workspace_id"] is None:
                 key["workspace_id"] = fenced_workspace  # also for the caller's join below
+            elif key["workspace_id"] != fenced_workspace:
+                # One transaction, one workspace (one shard when split by workspace): a stage
+                # writes to its own workspace's sub-docs only. Raising rolls back the fence.
+                raise InvalidRequest(
+                    f"a fenced op is written to the fence's workspace {fenced_workspace!r}, "
+                    f"not {key['workspace_id']!r}"
+                )
         workspace_id, sub_doc, op_id = key["workspace_id"], key["sub_doc"], key["op_id"]
         doc = yield FetchOne(N.LOCK_SUB_DOC, key)
         if doc is None:

@@ -55,9 +55,14 @@ SELECT o.workspace_id, o.clock, o.op_type, o.payload_hash, o.result, o.error, o.
        o.committed_at
 FROM workspace_process_requests w
 JOIN workspace_sub_doc_ops o
-  ON o.workspace_id = coalesce(CAST(:workspace_id AS text), w.workspace_id)
+  ON o.workspace_id = w.workspace_id
  AND o.sub_doc = :sub_doc AND o.op_id = :op_id AND o.fence = w.request_id
-WHERE w.request_id = :fence
+-- The fence's row by its key: the op's workspace (a fenced op is written in the fence's
+-- workspace only), else the row found by its id.
+WHERE w.workspace_id = coalesce(CAST(:workspace_id AS text),
+        (SELECT r.workspace_id FROM workspace_process_requests r WHERE r.request_id = :fence
+         LIMIT 1))
+  AND w.request_id = :fence
   AND (CAST(:worker_classes AS text[]) IS NULL
        OR w.worker_class = ANY(CAST(:worker_classes AS text[])))
 """)

@@ -126,7 +126,8 @@ class BatchOps:
             return []
         ids = _unique_ids(claims)
         params = {
-            "request_ids": ids, "tokens": [c.token for c in claims],
+            "request_ids": ids, "workspace_ids": _spaces(claims),
+            "tokens": [c.token for c in claims],
             "results": results, "now": now,
         }  # fmt: skip
         done = yield from self._fenced_batch(
@@ -170,7 +171,8 @@ class BatchOps:
             return []
         ids = _unique_ids(claims)
         params = {
-            "request_ids": ids, "tokens": [c.token for c in claims], "errors": errors,
+            "request_ids": ids, "workspace_ids": _spaces(claims),
+            "tokens": [c.token for c in claims], "errors": errors,
             "retryables": retryables, "delays": delays, "notify": self._notify(), "now": now,
         }  # fmt: skip
         targets = (Status.QUEUED, Status.DEAD, Status.CANCELLED)
@@ -197,7 +199,8 @@ class BatchOps:
             return []
         ids = _unique_ids(checked)
         params = {
-            "request_ids": ids, "tokens": [c.token for c in checked],
+            "request_ids": ids, "workspace_ids": _spaces(checked),
+            "tokens": [c.token for c in checked],
             "lease_seconds": [c.lease_seconds for c in checked],
             "deadlines": [c.run_deadline for c in checked], "now": now,
             "lazy": (yield from self._lazy()),
@@ -240,7 +243,8 @@ class BatchOps:
             return []
         ids = _unique_ids(checked)
         params = {
-            "request_ids": ids, "tokens": [c.token for c in checked],
+            "request_ids": ids, "workspace_ids": _spaces(checked),
+            "tokens": [c.token for c in checked],
             "notify": self._notify(), "now": now,
         }  # fmt: skip
         done = yield from self._fenced_batch(checked, N.RELEASE, params, _released, "release")
@@ -311,11 +315,15 @@ class BatchOps:
                 yield Sleep(delay)
                 delay = min(1.0, delay * 2)
         found = {r["request_id"]: Request.from_row(r) for r in rows}
-        missing = [c.request_id for c in claims if c.request_id not in found]
+        missing = [c for c in claims if c.request_id not in found]
         current: dict[str, Request] = {}
         if missing:
             # An earlier attempt (ours, or a caller's whose answer was lost) may have committed.
-            again = yield from retrying(lambda: all_rows(N.GET_MANY, {"request_ids": missing}))
+            keys = {
+                "request_ids": [c.request_id for c in missing],
+                "workspace_ids": _spaces(missing),
+            }
+            again = yield from retrying(lambda: all_rows(N.GET_MANY, keys))
             current = {r["request_id"]: Request.from_row(r) for r in again}
         out: list[Request | LeaseLost] = []
         for claim in claims:
@@ -326,6 +334,11 @@ class BatchOps:
                     row = now_row
             out.append(row if row is not None else LeaseLost(claim.request_id, f"{what} rejected"))
         return out
+
+
+def _spaces(claims: list[Claim]) -> list[str]:
+    """The claims' workspaces, in order (with the ids, the rows' keys)."""
+    return [c.request.workspace_id for c in claims]
 
 
 def _record(claims: list[Claim], done: list[Request | LeaseLost], operation: str) -> None:

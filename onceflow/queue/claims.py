@@ -54,6 +54,7 @@ from onceflow.models.requests import (
     Heartbeat,
     NewRequest,
     Request,
+    workspace_of,
 )
 from onceflow.models.status import Status
 from onceflow.payloads import JSON, encode_payload
@@ -106,6 +107,7 @@ class ClaimOps:
         lease_seconds: float | None = None,
         stage: str | None = None,
         max_runtime: float | None = None,
+        workspace_id: str | None = None,
         now: datetime | None = None,
     ) -> Steps[Claim | None]:
         """Claim one request by id, or None if it is not claimable (running, finished, not due).
@@ -113,16 +115,20 @@ class ClaimOps:
         ``stage`` (optional) claims it only if it is a request of that stage.
         ``max_runtime`` bounds the run: heartbeats never extend the lease past the
         claim time plus ``max_runtime`` (database clock), so a hung body loses its
-        lease and the sweeper rescues the request.
+        lease and the sweeper rescues the request. ``workspace_id``: the request's (its
+        key with the id; what a wake-up carries); without it the row is found by id alone.
         """
         check_id("request_id", request_id)
+        if workspace_id is not None:
+            check_id("workspace_id", workspace_id)
         check_id("worker_id", worker_id)
         lease = self._lease(lease_seconds)
         runtime = _max_runtime(max_runtime)
         token = new_claim_token()
         params = {
-            "request_id": request_id, "worker_id": worker_id, "token": token,
-            "lease_seconds": lease, "max_runtime": runtime, "stage": stage, "now": now,
+            "request_id": request_id, "workspace_id": workspace_id, "worker_id": worker_id,
+            "token": token, "lease_seconds": lease, "max_runtime": runtime, "stage": stage,
+            "now": now,
             "lazy": (yield from self._lazy()),
         }  # fmt: skip
         try:
@@ -132,7 +138,8 @@ class ClaimOps:
                 raise
             # The lost attempt may have committed our claim (same token): take it up, or
             # claim now. Never a second claim: the row can hold only one token.
-            row = yield FetchOne(N.OWN_CLAIM, {"request_id": request_id, "token": token})
+            own = {"request_id": request_id, "workspace_id": workspace_id, "token": token}
+            row = yield FetchOne(N.OWN_CLAIM, own)
             if row is None:
                 row = yield FetchOne(N.CLAIM, params)
         if row is None:
@@ -213,7 +220,7 @@ class ClaimOps:
         if lease is None and full is not None:
             lease = full.lease_seconds
         params = {
-            "request_id": claim.request_id, "token": claim.token,
+            **fence_key(claim), "token": claim.token,
             "worker_classes": fence_scope(claim),
             "lease_seconds": lease,
             "deadline": full.run_deadline if full else None,
@@ -271,8 +278,10 @@ class ClaimOps:
         follow_ups = list(then)
         # Ids (random ones too) are minted once, so every attempt sends the same rows.
         follow_params = self._enqueue_params(follow_ups, now) if follow_ups else None
+        if follow_params is not None:
+            _same_workspace(workspace_of(claim), follow_params["workspace_ids"])
         params = {
-            "request_id": claim.request_id, "token": claim.token, "result": text, "now": now,
+            **fence_key(claim), "token": claim.token, "result": text, "now": now,
             "worker_classes": fence_scope(claim),
         }  # fmt: skip
 
@@ -295,9 +304,10 @@ class ClaimOps:
             if follow_params is None:
                 return current, []
             ids = follow_params["request_ids"]
+            keys = {"request_ids": ids, "workspace_ids": follow_params["workspace_ids"]}
             # Our lost attempt created them, but their wake-ups were never sent.
-            yield Execute(N.MARK_UNDISPATCHED_MANY, {"request_ids": ids})
-            rows = yield FetchAll(N.ENQUEUE_LOOKUP, {"request_ids": ids})
+            yield Execute(N.MARK_UNDISPATCHED_MANY, keys)
+            rows = yield FetchAll(N.ENQUEUE_LOOKUP, keys)
             found = {r["request_id"]: r for r in rows}
             followed = [
                 EnqueueResult(
@@ -307,9 +317,11 @@ class ClaimOps:
                     found[rid]["input_hash"] != digest,
                     stage=stage,
                     worker_class=wc,
+                    workspace_id=ws,
                 )
-                for rid, digest, stage, wc in zip(
+                for rid, ws, digest, stage, wc in zip(
                     ids,
+                    follow_params["workspace_ids"],
                     follow_params["input_hashes"],
                     follow_params["stages"],
                     follow_params["worker_classes"],
@@ -341,7 +353,7 @@ class ClaimOps:
         """
         _check_ref(claim)
         params = {
-            "request_id": claim.request_id, "token": claim.token, "now": None,
+            **fence_key(claim), "token": claim.token, "now": None,
             "worker_classes": fence_scope(claim),
         }  # fmt: skip
         row = yield from retrying(lambda: one_row(N.CLAIM_PARENT, params))
@@ -365,6 +377,8 @@ class ClaimOps:
         row = yield FetchOne(statement, params)
         if row is None:
             return None, []
+        # A reference without its workspace: known only now (raising rolls the completion back).
+        _same_workspace(row["workspace_id"], follow_params["workspace_ids"])
         followed = yield from self._insert_rows(follow_params, False)
         return row, followed
 
@@ -388,7 +402,7 @@ class ClaimOps:
         text = _error_text(self.settings, error)
         delay = None if retry_in is None else _seconds("retry_in", retry_in)
         params = {
-            "request_id": claim.request_id, "token": claim.token, "error": text,
+            **fence_key(claim), "token": claim.token, "error": text,
             "worker_classes": fence_scope(claim),
             "retryable": bool(retryable), "delay": delay, "now": now,
             "backoff_base": float(self.settings.backoff_base_seconds),
@@ -524,7 +538,7 @@ def fence_steps(claim: Fence, now: datetime | None = None, *, zombie: bool = Tru
             ...                                   # writes that must not outlive the claim
     """
     params = {
-        "request_id": claim.request_id, "token": claim.token, "now": now,
+        **fence_key(claim), "token": claim.token, "now": now,
         "worker_classes": fence_scope(claim),
     }  # fmt: skip
     row = yield FetchOne(N.FENCE_CHECK, params)
@@ -543,11 +557,17 @@ def _landed(claim: Fenced, statuses: tuple[Status, ...]) -> Steps[Request | None
     requeue, or the sweeper's rescue of a run that never ended leaves another value.
     """
     params = {
-        "request_id": claim.request_id, "token": claim.token,
+        **fence_key(claim), "token": claim.token,
         "statuses": [s.value for s in statuses], "worker_classes": fence_scope(claim),
     }  # fmt: skip
     row = yield FetchOne(N.LANDED, params)
     return None if row is None else Request.from_row(row)
+
+
+def fence_key(claim: Any) -> dict[str, str | None]:
+    """The fenced request's key for a statement: its id and workspace (None when the fence
+    does not carry it: the statement then finds the row by its id alone)."""
+    return {"request_id": claim.request_id, "workspace_id": workspace_of(claim)}
 
 
 def fence_scope(claim: Any) -> list[str] | None:
@@ -560,8 +580,24 @@ def _check_ref(claim: Any) -> None:
     if not isinstance(claim, Claim | ClaimRef):
         raise InvalidRequest(f"expected a Claim or a ClaimRef, got {type(claim).__name__}")
     check_id("request_id", claim.request_id)
+    if isinstance(claim, ClaimRef) and claim.workspace_id is not None:
+        check_id("workspace_id", claim.workspace_id)
     if not isinstance(claim.token, str) or not claim.token:
         raise InvalidRequest("a claim token is a non-empty string")
+
+
+def _same_workspace(parent: str | None, workspaces: Iterable[str]) -> None:
+    """A hand-off's follow-ups belong to the parent's workspace: the completion and their
+    enqueue are one transaction, which must stay within one workspace (one shard when the
+    database is split by workspace). Another workspace's work is a separate enqueue."""
+    if parent is None:
+        return
+    for ws in workspaces:
+        if ws != parent:
+            raise InvalidRequest(
+                f"a hand-off's follow-ups must be in the request's workspace {parent!r}, "
+                f"not {ws!r}: enqueue work of another workspace separately"
+            )
 
 
 def _as_steps(value: Any) -> Steps[Any]:

@@ -168,9 +168,13 @@ class EnqueueOps:
             # The lost attempt may have committed: then its rows read back as created=False
             # and nobody sends their wake-up. Mark them unsent: the next sweep sends them (a
             # duplicate wake-up for a row that had one is harmless).
-            unsure = [r.request_id for r in results if not r.created and r.status is Status.QUEUED]
+            unsure = [r for r in results if not r.created and r.status is Status.QUEUED]
             if unsure:
-                yield Execute(N.MARK_UNDISPATCHED_MANY, {"request_ids": unsure})
+                keys = {
+                    "request_ids": [r.request_id for r in unsure],
+                    "workspace_ids": [r.workspace_id for r in unsure],
+                }
+                yield Execute(N.MARK_UNDISPATCHED_MANY, keys)
         yield AfterCommit(functools.partial(metrics.enqueued, results))
         return results
 
@@ -250,19 +254,24 @@ class EnqueueOps:
 
     def _insert_rows(self, params: dict[str, Any], strict: bool) -> Steps[list[EnqueueResult]]:
         ids: list[str] = params["request_ids"]
+        spaces: list[str] = params["workspace_ids"]
         hashes: list[str] = params["input_hashes"]
         rows = {r["request_id"]: r for r in (yield from all_rows(N.ENQUEUE, params))}
-        missing = [rid for rid in ids if rid not in rows]
+        missing = [(rid, ws) for rid, ws in zip(ids, spaces, strict=True) if rid not in rows]
         if missing:
             # Inserted by a concurrent enqueue that committed after this statement's snapshot:
             # ON CONFLICT waited for it, so a fresh snapshot (READ COMMITTED) sees it now.
-            found = yield from all_rows(N.ENQUEUE_LOOKUP, {"request_ids": missing})
+            keys = {
+                "request_ids": [k[0] for k in missing],
+                "workspace_ids": [k[1] for k in missing],
+            }
+            found = yield from all_rows(N.ENQUEUE_LOOKUP, keys)
             rows.update({r["request_id"]: r for r in found})
         results: list[EnqueueResult] = []
         seen: set[str] = set()
         stages: list[str] = params["stages"]
         classes: list[str] = params["worker_classes"]
-        for rid, digest, stage, wc in zip(ids, hashes, stages, classes, strict=True):
+        for rid, ws, digest, stage, wc in zip(ids, spaces, hashes, stages, classes, strict=True):
             row = rows[rid]
             # The same id twice in one batch: only its first occurrence can have created it.
             created = bool(row["created"]) and rid not in seen
@@ -273,7 +282,13 @@ class EnqueueOps:
             status = Status(row["status"])
             results.append(
                 EnqueueResult(
-                    RequestId(rid), created, status, mismatch, stage=stage, worker_class=wc
+                    RequestId(rid),
+                    created,
+                    status,
+                    mismatch,
+                    stage=stage,
+                    worker_class=wc,
+                    workspace_id=ws,
                 )
             )
         return results

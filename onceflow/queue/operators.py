@@ -10,11 +10,10 @@ from datetime import datetime
 
 from onceflow.connector import Execute, FetchOne, Steps, operation
 from onceflow.errors import InvalidTransition
-from onceflow.ids import check_id
 from onceflow.metrics import record as metrics
 from onceflow.models.requests import Request
 from onceflow.models.status import Status
-from onceflow.queue.reads import ReadOps
+from onceflow.queue.reads import ReadOps, request_key
 from onceflow.queue.sql import N
 from onceflow.settings import Settings
 
@@ -32,6 +31,7 @@ class OperatorOps:
         now: datetime | None = None,
         expect: datetime | None = None,
         expect_run: str | None = None,
+        workspace_id: str | None = None,
     ) -> Steps[Request]:
         """Cancel a queued request at once, or ask a running one to stop (its heartbeat says so).
 
@@ -42,11 +42,11 @@ class OperatorOps:
         (``sql.RUN_ID``, as the dashboard shows it); when nothing moved,
         :class:`InvalidTransition` is raised (the caller tells a repeat from a change).
         """
-        check_id("request_id", request_id)
-        params = {"request_id": request_id, "now": now, "expect": expect, "expect_run": expect_run}
+        key = request_key(request_id, workspace_id)
+        params = {**key, "now": now, "expect": expect, "expect_run": expect_run}
         row = yield FetchOne(N.CANCEL, params)
         if row is None:
-            current = yield from ReadOps.get.steps(self, request_id)
+            current = yield from ReadOps.get.steps(self, request_id, workspace_id=workspace_id)
             if expect is not None or expect_run is not None:
                 raise InvalidTransition(request_id, current.status.value, "cancel")
             return current
@@ -56,26 +56,31 @@ class OperatorOps:
 
     @operation
     def requeue(
-        self, request_id: str, *, now: datetime | None = None, expect: datetime | None = None
+        self,
+        request_id: str,
+        *,
+        now: datetime | None = None,
+        expect: datetime | None = None,
+        workspace_id: str | None = None,
     ) -> Steps[Request]:
         """Run a finished (succeeded, dead or cancelled) request again; refused while running.
 
         ``expect`` fences it: only a dead or cancelled row last updated at ``expect`` moves;
         any other row is left unchanged and :class:`InvalidTransition` is raised.
         """
-        check_id("request_id", request_id)
-        params = {"request_id": request_id, "now": now, "notify": self.settings.notify}
+        key = request_key(request_id, workspace_id)
+        params = {**key, "now": now, "notify": self.settings.notify}
         row = yield FetchOne(N.REQUEUE, {**params, "expect": expect})
         if row is not None:
             requeued = Request.from_row(row)
             metrics.requeued(requeued)
             return requeued
-        current = yield from ReadOps.get.steps(self, request_id)
+        current = yield from ReadOps.get.steps(self, request_id, workspace_id=workspace_id)
         if current.status is Status.RUNNING or expect is not None:
             raise InvalidTransition(request_id, current.status.value, "requeue")
         return current
 
     @operation
-    def mark_undispatched(self, request_id: str) -> Steps[None]:
+    def mark_undispatched(self, request_id: str, *, workspace_id: str | None = None) -> Steps[None]:
         """Note that a queued request's wake-up was not sent, so the next sweep sends one."""
-        yield Execute(N.MARK_UNDISPATCHED, {"request_id": request_id})
+        yield Execute(N.MARK_UNDISPATCHED, request_key(request_id, workspace_id))

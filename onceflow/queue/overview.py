@@ -73,7 +73,8 @@ SELECT now() AS db_now,
 # Is this run (the dashboard's `run`) running and asked to stop already? (By primary key.)
 STOP_REQUESTED: Final = f"""
 SELECT 1 FROM {_T} w
-WHERE w.request_id = %(request_id)s AND w.status = 'running' AND w.cancel_requested
+WHERE w.request_id = %(request_id)s  -- ix_wpr_request_id: the dashboard's row, by id
+  AND w.status = 'running' AND w.cancel_requested
   AND {RUN_ID} = %(run)s
 """
 

@@ -22,6 +22,15 @@ from onceflow.settings import Settings
 LIST_LIMIT_MAX = 1000
 
 
+def request_key(request_id: str, workspace_id: str | None) -> dict[str, Any]:
+    """A request's key for a statement, checked: its id, and its workspace when the caller
+    knows it (None: the row is found by its id alone)."""
+    check_id("request_id", request_id)
+    if workspace_id is not None:
+        check_id("workspace_id", workspace_id)
+    return {"request_id": request_id, "workspace_id": workspace_id}
+
+
 def one(query: Query, params: dict[str, Any]) -> Steps[Any]:
     """A read's first row (or None), repeated once on a fresh connection after a lost one."""
     return retrying(lambda: one_row(query, params))
@@ -38,17 +47,21 @@ class ReadOps:
     settings: Settings
 
     @operation
-    def get(self, request_id: str) -> Steps[Request]:
-        """The request with this id, or :class:`NotFound`."""
-        check_id("request_id", request_id)
-        row = yield from one(N.GET, {"request_id": request_id})
+    def get(self, request_id: str, *, workspace_id: str | None = None) -> Steps[Request]:
+        """The request with this id (in ``workspace_id``, when given), or :class:`NotFound`."""
+        row = yield from one(N.GET, request_key(request_id, workspace_id))
         if row is None:
             raise NotFound(request_id)
         return Request.from_row(row)
 
     @operation
     def live_claim(
-        self, request_id: str, token: str, *, worker_classes: Sequence[str] | None = None
+        self,
+        request_id: str,
+        token: str,
+        *,
+        worker_classes: Sequence[str] | None = None,
+        workspace_id: str | None = None,
     ) -> Steps[Request | None]:
         """The request if it runs under ``token`` with a live lease (DB clock), else None.
 
@@ -56,9 +69,11 @@ class ReadOps:
         holds nothing, so a write that must not outlive the
         claim still fences in its own statement (``fence_check``, the fenced updates).
         """
-        check_id("request_id", request_id)
         scope = None if worker_classes is None else builtins.list(worker_classes)
-        params = {"request_id": request_id, "token": token, "now": None, "worker_classes": scope}
+        params = {
+            **request_key(request_id, workspace_id), "token": token, "now": None,
+            "worker_classes": scope,
+        }  # fmt: skip
         row = yield from one(N.LIVE_CLAIM, params)
         return None if row is None else Request.from_row(row)
 

@@ -24,6 +24,15 @@ RETURNING = ", ".join(f"w.{name}" for name in _REQUEST_FIELDS)
 
 _NOW = "SELECT coalesce(CAST(:now AS timestamptz), now()) AS now"
 
+# A request is addressed by (workspace_id, request_id), its key (migrations 0007/0008): the
+# form a table partitioned or distributed by workspace can route. A caller that knows only
+# the id (a wake-up sent before the workspace was in it, an HTTP client that does not send
+# it) passes :workspace_id NULL, and the workspace is read from the row by its id
+# (ix_wpr_request_id); coalesce never evaluates that lookup when the workspace is given.
+_WS_OF_ID = f"""coalesce(CAST(:workspace_id AS text),
+    (SELECT o.workspace_id FROM {TABLE} o WHERE o.request_id = :request_id LIMIT 1))"""
+_BY_ID = f"w.workspace_id = {_WS_OF_ID}\n  AND w.request_id = :request_id"
+
 # _NOW for claims and heartbeats: with :lazy true, this statement's own transaction commits
 # without waiting for the WAL flush (synchronous_commit = off, SET LOCAL: it ends with the
 # transaction). Only on a pooled connection in autocommit (the operation asks `Pooled`):
@@ -78,8 +87,8 @@ ins AS (
            i.input_hash, i.worker_class, i.priority, i.max_attempts, i.max_crash_attempts,
            n.now + make_interval(secs => i.delay), n.now, n.now, n.now
     FROM items i, n
-    ON CONFLICT (request_id) DO NOTHING
-    RETURNING w.request_id, w.status, w.input_hash, w.worker_class, w.run_after
+    ON CONFLICT (workspace_id, request_id) DO NOTHING
+    RETURNING w.request_id, w.workspace_id, w.status, w.input_hash, w.worker_class, w.run_after
 ),
 sig AS ({_notify("ins", "r.run_after <= n.now")})
 -- Rows this statement inserted, then rows that already existed. The second SELECT reads
@@ -97,7 +106,7 @@ SELECT w.request_id, false AS created, w.status, w.input_hash
 FROM items r
 CROSS JOIN LATERAL (
     SELECT o.request_id, o.status, o.input_hash FROM {TABLE} o
-    WHERE o.request_id = r.request_id LIMIT 1
+    WHERE o.workspace_id = r.workspace_id AND o.request_id = r.request_id LIMIT 1
 ) w
 WHERE r.request_id NOT IN (SELECT request_id FROM ins)
 """)
@@ -105,7 +114,9 @@ WHERE r.request_id NOT IN (SELECT request_id FROM ins)
 ENQUEUE_LOOKUP: TextClause = text(f"""
 SELECT w.request_id, false AS created, w.status, w.input_hash
 FROM {TABLE} w
-WHERE w.request_id = ANY(CAST(:request_ids AS text[]))
+JOIN unnest(CAST(:workspace_ids AS text[]), CAST(:request_ids AS text[])) AS k(workspace_id,
+                                                                          request_id)
+  ON w.workspace_id = k.workspace_id AND w.request_id = k.request_id
 """)
 
 # What a claim records beside its token, for fenced writes by (request_id, token) alone: its
@@ -132,7 +143,7 @@ UPDATE {TABLE} AS w SET
     {_CLAIM_SETS},
     updated_at = n.now
 FROM n
-WHERE w.request_id = :request_id
+WHERE {_BY_ID}
   AND (CAST(:stage AS text) IS NULL OR w.stage = :stage)
   AND (
         (w.status = 'queued' AND w.run_after <= n.now)
@@ -144,7 +155,8 @@ WHERE w.request_id = :request_id
 -- The row as this statement's snapshot saw it (a statement never sees its own changes):
 -- running means this claim took over a lapsed lease (metrics only).
 RETURNING {RETURNING},
-    (SELECT o.status = 'running' FROM {TABLE} o WHERE o.request_id = w.request_id) AS took_over
+    (SELECT o.status = 'running' FROM {TABLE} o
+     WHERE o.workspace_id = w.workspace_id AND o.request_id = w.request_id) AS took_over
 """)
 
 # Claim up to :limit requests of one worker class. Each candidate set is read through its
@@ -154,7 +166,7 @@ RETURNING {RETURNING},
 _CLAIM_NEXT = f"""
 WITH n AS ({_NOW_LAZY}),
 lapsed AS (
-    SELECT w.request_id
+    SELECT w.workspace_id, w.request_id
     FROM {TABLE} w, n
     WHERE w.status = 'running'
       AND w.worker_class = :worker_class
@@ -167,7 +179,7 @@ lapsed AS (
     FOR UPDATE OF w SKIP LOCKED
 ),
 queued AS (
-    SELECT w.request_id
+    SELECT w.workspace_id, w.request_id
     FROM {TABLE} w, n
     WHERE w.status = 'queued'
       AND w.worker_class = :worker_class
@@ -177,9 +189,9 @@ queued AS (
     FOR UPDATE OF w SKIP LOCKED
 ),
 picked AS (
-    SELECT request_id, took_over, row_number() OVER () AS rn
-    FROM (SELECT request_id, true AS took_over FROM lapsed
-          UNION ALL SELECT request_id, false FROM queued) AS u
+    SELECT workspace_id, request_id, took_over, row_number() OVER () AS rn
+    FROM (SELECT workspace_id, request_id, true AS took_over FROM lapsed
+          UNION ALL SELECT workspace_id, request_id, false FROM queued) AS u
     LIMIT :limit
 )
 UPDATE {TABLE} AS w SET
@@ -194,7 +206,7 @@ UPDATE {TABLE} AS w SET
     {_CLAIM_SETS},
     updated_at = n.now
 FROM picked, n
-WHERE w.request_id = picked.request_id
+WHERE w.workspace_id = picked.workspace_id AND w.request_id = picked.request_id
 RETURNING {RETURNING}, picked.rn, picked.took_over
 """
 CLAIM_NEXT: TextClause = text(_CLAIM_NEXT)
@@ -205,7 +217,7 @@ CLAIM_NEXT: TextClause = text(_CLAIM_NEXT)
 _IN_SCOPE = """(CAST(:worker_classes AS text[]) IS NULL
        OR w.worker_class = ANY(CAST(:worker_classes AS text[])))"""
 _FENCE = f"""
-  w.request_id = :request_id
+  {_BY_ID}
   AND w.claim_token = :token
   AND w.status = 'running'
   AND w.lease_expires_at > n.now
@@ -287,7 +299,7 @@ nxt AS (
     least(CAST(:backoff_max AS float8),
           CAST(:backoff_base AS float8) * power(2, least(greatest(w.attempts - 1, 0), 60)))
         AS backoff
-    FROM {TABLE} w WHERE w.request_id = :request_id
+    FROM {TABLE} w WHERE {_BY_ID}
     FOR UPDATE OF w
 ),
 upd AS (
@@ -320,7 +332,7 @@ UPDATE {TABLE} AS w SET
     finished_at = CASE WHEN w.status = 'queued' THEN n.now ELSE w.finished_at END,
     updated_at = n.now
 FROM n
-WHERE w.request_id = :request_id
+WHERE {_BY_ID}
   -- a running row asked to stop already is no new transition: left as it is
   AND (w.status = 'queued' OR (w.status = 'running' AND NOT w.cancel_requested))
   -- fenced (an operator's cancel): only the row / the run as the operator saw it
@@ -349,7 +361,7 @@ UPDATE {TABLE} AS w SET
     dispatched_at = n.now,
     updated_at = n.now
 FROM n
-WHERE w.request_id = :request_id AND w.status IN ('succeeded', 'dead', 'cancelled')
+WHERE {_BY_ID} AND w.status IN ('succeeded', 'dead', 'cancelled')
   -- fenced (an operator's requeue): only the dead/cancelled row as the operator saw it
   AND (CAST(:expect AS timestamptz) IS NULL
        OR (w.status IN ('dead', 'cancelled') AND w.updated_at = CAST(:expect AS timestamptz)))
@@ -378,7 +390,7 @@ FROM n
 """)
 Q_NEXT_WORK = render(NEXT_WORK)
 
-GET: TextClause = text(f"SELECT {RETURNING} FROM {TABLE} w WHERE w.request_id = :request_id")
+GET: TextClause = text(f"SELECT {RETURNING} FROM {TABLE} w WHERE {_BY_ID}")
 
 # A live claim: the row runs under this token and its lease has not lapsed (DB clock).
 LIVE_CLAIM: TextClause = text(f"""
@@ -390,7 +402,7 @@ WHERE {_FENCE}
 # A claim whose answer was lost: the row already runs under our token.
 OWN_CLAIM: TextClause = text(f"""
 SELECT {RETURNING} FROM {TABLE} w
-WHERE w.request_id = :request_id AND w.claim_token = :token AND w.status = 'running'
+WHERE {_BY_ID} AND w.claim_token = :token AND w.status = 'running'
 """)
 
 # A fenced write whose answer was lost (LeaseLost on its retry): the row, if the run of
@@ -399,7 +411,7 @@ WHERE w.request_id = :request_id AND w.claim_token = :token AND w.status = 'runn
 # reference's worker classes: a key of another class holding the token learns nothing.
 LANDED: TextClause = text(f"""
 SELECT {RETURNING} FROM {TABLE} w
-WHERE w.request_id = :request_id
+WHERE {_BY_ID}
   AND w.ended_run = {_RUN_OF_TOKEN}
   AND w.status = ANY(CAST(:statuses AS text[]))
   AND {_IN_SCOPE}
@@ -411,7 +423,7 @@ WHERE w.request_id = :request_id
 CLAIM_PARENT: TextClause = text(f"""
 WITH n AS ({_NOW})
 SELECT {RETURNING} FROM {TABLE} w, n
-WHERE w.request_id = :request_id
+WHERE {_BY_ID}
   AND {_IN_SCOPE}
   AND ((w.claim_token = :token AND w.status = 'running' AND w.lease_expires_at > n.now)
        OR (w.ended_run = {_RUN_OF_TOKEN} AND w.status = 'succeeded'))
@@ -442,7 +454,7 @@ _STALE = f"""w.dispatched_at <= n.now - make_interval(secs => CAST(:redispatch_a
 RESCUE_EXPIRED: TextClause = text(f"""
 WITH n AS ({_NOW}),
 lapsed AS (
-    SELECT w.request_id
+    SELECT w.workspace_id, w.request_id
     FROM {TABLE} w, n
     WHERE w.status = 'running' AND w.lease_expires_at <= n.now
       AND {_STAGES}
@@ -453,13 +465,13 @@ lapsed AS (
     FOR UPDATE OF w SKIP LOCKED
 ),
 nxt AS (
-    SELECT w.request_id, CASE
+    SELECT w.workspace_id, w.request_id, CASE
         WHEN w.cancel_requested THEN 'cancelled'
         WHEN w.crash_attempts + 1 >= w.max_crash_attempts OR w.attempts >= w.max_attempts
             THEN 'dead'
         ELSE 'queued'
     END AS status
-    FROM {TABLE} w JOIN lapsed USING (request_id)
+    FROM {TABLE} w JOIN lapsed USING (workspace_id, request_id)
 ),
 upd AS (
 UPDATE {TABLE} AS w SET
@@ -479,8 +491,8 @@ UPDATE {TABLE} AS w SET
         'previous', w.error) ELSE w.error END,
     updated_at = n.now
 FROM nxt, n
-WHERE w.request_id = nxt.request_id
-RETURNING w.request_id, w.status, w.stage, w.worker_class
+WHERE w.workspace_id = nxt.workspace_id AND w.request_id = nxt.request_id
+RETURNING w.request_id, w.workspace_id, w.status, w.stage, w.worker_class
 ),
 sig AS ({_notify("upd", "r.status = 'queued'")})
 SELECT * FROM upd WHERE {_SENT}
@@ -491,7 +503,7 @@ SELECT * FROM upd WHERE {_SENT}
 DUE_UNSENT: TextClause = text(f"""
 WITH n AS ({_NOW}),
 due AS (
-    SELECT w.request_id
+    SELECT w.workspace_id, w.request_id
     FROM {TABLE} w, n
     WHERE w.status = 'queued'
       AND w.run_after <= n.now
@@ -504,8 +516,8 @@ due AS (
 upd AS (
 UPDATE {TABLE} AS w SET dispatched_at = n.now, redispatch_count = 0
 FROM due, n
-WHERE w.request_id = due.request_id
-RETURNING w.request_id, w.stage, w.worker_class
+WHERE w.workspace_id = due.workspace_id AND w.request_id = due.request_id
+RETURNING w.request_id, w.workspace_id, w.stage, w.worker_class
 ),
 sig AS ({_notify("upd", "true")})
 SELECT * FROM upd WHERE {_SENT}
@@ -529,7 +541,7 @@ GROUP BY w.worker_class
 DUE_FOR_DISPATCH: TextClause = text(f"""
 WITH n AS ({_NOW}),
 due AS (
-    SELECT w.request_id
+    SELECT w.workspace_id, w.request_id
     FROM {TABLE} w, n
     WHERE w.status = 'queued'
       AND w.run_after <= n.now
@@ -543,8 +555,8 @@ due AS (
 upd AS (
 UPDATE {TABLE} AS w SET dispatched_at = n.now, redispatch_count = w.redispatch_count + 1
 FROM due, n
-WHERE w.request_id = due.request_id
-RETURNING w.request_id, w.stage, w.worker_class
+WHERE w.workspace_id = due.workspace_id AND w.request_id = due.request_id
+RETURNING w.request_id, w.workspace_id, w.stage, w.worker_class
 ),
 sig AS ({_notify("upd", "true")})
 SELECT * FROM upd WHERE {_SENT}
@@ -579,7 +591,7 @@ FROM n
 PRUNE_PAYLOADS: TextClause = text(f"""
 WITH n AS ({_NOW}),
 old AS (
-    SELECT w.request_id
+    SELECT w.workspace_id, w.request_id
     FROM {TABLE} w, n
     WHERE w.finished_at <= n.now - make_interval(secs => :age)
       AND w.status = 'succeeded'
@@ -589,13 +601,13 @@ old AS (
 )
 UPDATE {TABLE} AS w SET input = 'null'::jsonb, result = NULL, updated_at = n.now
 FROM old, n
-WHERE w.request_id = old.request_id
+WHERE w.workspace_id = old.workspace_id AND w.request_id = old.request_id
 """)
 
 DELETE_FINISHED: TextClause = text(f"""
 WITH n AS ({_NOW}),
 old AS (
-    SELECT w.request_id
+    SELECT w.workspace_id, w.request_id
     FROM {TABLE} w, n
     WHERE w.finished_at <= n.now - make_interval(secs => :age)
       AND w.status IN ('succeeded', 'cancelled')
@@ -603,17 +615,19 @@ old AS (
     FOR UPDATE OF w SKIP LOCKED
 )
 DELETE FROM {TABLE} AS w USING old
-WHERE w.request_id = old.request_id
+WHERE w.workspace_id = old.workspace_id AND w.request_id = old.request_id
 """)
 
 MARK_UNDISPATCHED_MANY: TextClause = text(f"""
-UPDATE {TABLE} SET dispatched_at = NULL
-WHERE request_id = ANY(CAST(:request_ids AS text[])) AND status = 'queued'
+UPDATE {TABLE} AS w SET dispatched_at = NULL
+FROM unnest(CAST(:workspace_ids AS text[]), CAST(:request_ids AS text[])) AS k(workspace_id,
+                                                                          request_id)
+WHERE w.workspace_id = k.workspace_id AND w.request_id = k.request_id AND w.status = 'queued'
 """)
 
 MARK_UNDISPATCHED: TextClause = text(f"""
-UPDATE {TABLE} SET dispatched_at = NULL
-WHERE request_id = :request_id AND status = 'queued'
+UPDATE {TABLE} AS w SET dispatched_at = NULL
+WHERE {_BY_ID} AND w.status = 'queued'
 """)
 
 
@@ -626,8 +640,13 @@ WHERE request_id = :request_id AND status = 'queued'
 # rows' live tokens, and without one lock order they could deadlock. The sweeper and
 # claimers lock with SKIP LOCKED.
 
+# A batch row's workspace: the claim's (t.ws), else (a reference by id alone) the row's.
+_WS_OF_ROW = f"""coalesce(t.ws,
+        (SELECT o.workspace_id FROM {TABLE} o WHERE o.request_id = t.request_id LIMIT 1))"""
+
 _BATCH_FENCE = """
-  w.request_id = i.request_id
+  w.workspace_id = i.workspace_id
+  AND w.request_id = i.request_id
   AND w.claim_token = i.token
   AND w.status = 'running'
   AND w.lease_expires_at > n.now
@@ -651,15 +670,15 @@ def _notify_after(rows: str) -> str:
 COMPLETE_MANY: TextClause = text(f"""
 WITH n AS ({_NOW}),
 i AS (
-    SELECT * FROM unnest(CAST(:request_ids AS text[]), CAST(:tokens AS text[]),
-                         CAST(:results AS jsonb[])) AS t(request_id, token, result)
+    SELECT {_WS_OF_ROW} AS workspace_id, t.* FROM unnest(
+        CAST(:request_ids AS text[]), CAST(:tokens AS text[]), CAST(:results AS jsonb[]),
+        CAST(:workspace_ids AS text[])) AS t(request_id, token, result, ws)
 ),
 locked AS (
-    -- Row locks in one order (by id) for every batch: two batches on the same rows (a
+    -- Row locks in one order (by key) for every batch: two batches on the same rows (a
     -- worker's heartbeats and its completions) queue up instead of deadlocking.
-    SELECT w.request_id FROM {TABLE} w
-    WHERE w.request_id = ANY(CAST(:request_ids AS text[]))
-    ORDER BY w.request_id
+    SELECT w.workspace_id, w.request_id FROM {TABLE} w JOIN i USING (workspace_id, request_id)
+    ORDER BY w.workspace_id, w.request_id
     FOR NO KEY UPDATE OF w
 )
 UPDATE {TABLE} AS w SET
@@ -670,7 +689,7 @@ UPDATE {TABLE} AS w SET
     lease_expires_at = NULL,
     finished_at = n.now,
     updated_at = n.now
-FROM i JOIN locked USING (request_id), n
+FROM i JOIN locked USING (workspace_id, request_id), n
 WHERE {_BATCH_FENCE}
 RETURNING {RETURNING}
 """)
@@ -685,16 +704,16 @@ _FAIL_NEXT = """CASE
 FAIL_MANY: TextClause = text(f"""
 WITH n AS ({_NOW}),
 i AS (
-    SELECT * FROM unnest(CAST(:request_ids AS text[]), CAST(:tokens AS text[]),
-                         CAST(:errors AS jsonb[]), CAST(:retryables AS boolean[]),
-                         CAST(:delays AS float8[])) AS t(request_id, token, error, retryable, delay)
+    SELECT {_WS_OF_ROW} AS workspace_id, t.* FROM unnest(
+        CAST(:request_ids AS text[]), CAST(:tokens AS text[]), CAST(:errors AS jsonb[]),
+        CAST(:retryables AS boolean[]), CAST(:delays AS float8[]),
+        CAST(:workspace_ids AS text[])) AS t(request_id, token, error, retryable, delay, ws)
 ),
 locked AS (
-    -- Row locks in one order (by id) for every batch: two batches on the same rows (a
+    -- Row locks in one order (by key) for every batch: two batches on the same rows (a
     -- worker's heartbeats and its completions) queue up instead of deadlocking.
-    SELECT w.request_id FROM {TABLE} w
-    WHERE w.request_id = ANY(CAST(:request_ids AS text[]))
-    ORDER BY w.request_id
+    SELECT w.workspace_id, w.request_id FROM {TABLE} w JOIN i USING (workspace_id, request_id)
+    ORDER BY w.workspace_id, w.request_id
     FOR NO KEY UPDATE OF w
 ),
 upd AS (
@@ -709,7 +728,7 @@ upd AS (
         dispatched_at = NULL,
         finished_at = CASE WHEN {_FAIL_NEXT} = 'queued' THEN NULL ELSE n.now END,
         updated_at = n.now
-    FROM i JOIN locked USING (request_id), n
+    FROM i JOIN locked USING (workspace_id, request_id), n
     WHERE {_BATCH_FENCE}
     RETURNING {RETURNING}
 ),
@@ -721,23 +740,23 @@ SELECT upd.* FROM upd, notified
 HEARTBEAT_MANY: TextClause = text(f"""
 WITH n AS ({_NOW_LAZY}),
 i AS (
-    SELECT * FROM unnest(CAST(:request_ids AS text[]), CAST(:tokens AS text[]),
-                         CAST(:lease_seconds AS float8[]), CAST(:deadlines AS timestamptz[]))
-        AS t(request_id, token, lease_seconds, deadline)
+    SELECT {_WS_OF_ROW} AS workspace_id, t.* FROM unnest(
+        CAST(:request_ids AS text[]), CAST(:tokens AS text[]),
+        CAST(:lease_seconds AS float8[]), CAST(:deadlines AS timestamptz[]),
+        CAST(:workspace_ids AS text[])) AS t(request_id, token, lease_seconds, deadline, ws)
 ),
 locked AS (
-    -- Row locks in one order (by id) for every batch: two batches on the same rows (a
+    -- Row locks in one order (by key) for every batch: two batches on the same rows (a
     -- worker's heartbeats and its completions) queue up instead of deadlocking.
-    SELECT w.request_id FROM {TABLE} w
-    WHERE w.request_id = ANY(CAST(:request_ids AS text[]))
-    ORDER BY w.request_id
+    SELECT w.workspace_id, w.request_id FROM {TABLE} w JOIN i USING (workspace_id, request_id)
+    ORDER BY w.workspace_id, w.request_id
     FOR NO KEY UPDATE OF w
 )
 UPDATE {TABLE} AS w SET
     lease_expires_at = least(n.now + make_interval(secs => i.lease_seconds), i.deadline),
     heartbeat_at = n.now,
     updated_at = n.now
-FROM i JOIN locked USING (request_id), n
+FROM i JOIN locked USING (workspace_id, request_id), n
 WHERE {_BATCH_FENCE}
 RETURNING w.request_id, w.lease_expires_at, w.cancel_requested
 """)
@@ -751,15 +770,15 @@ RETURNING w.request_id, w.lease_expires_at, w.cancel_requested
 RELEASE: TextClause = text(f"""
 WITH n AS ({_NOW}),
 i AS (
-    SELECT * FROM unnest(CAST(:request_ids AS text[]), CAST(:tokens AS text[]))
-        AS t(request_id, token)
+    SELECT {_WS_OF_ROW} AS workspace_id, t.* FROM unnest(
+        CAST(:request_ids AS text[]), CAST(:tokens AS text[]),
+        CAST(:workspace_ids AS text[])) AS t(request_id, token, ws)
 ),
 locked AS (
-    -- Row locks in one order (by id) for every batch: two batches on the same rows (a
+    -- Row locks in one order (by key) for every batch: two batches on the same rows (a
     -- worker's heartbeats and its completions) queue up instead of deadlocking.
-    SELECT w.request_id FROM {TABLE} w
-    WHERE w.request_id = ANY(CAST(:request_ids AS text[]))
-    ORDER BY w.request_id
+    SELECT w.workspace_id, w.request_id FROM {TABLE} w JOIN i USING (workspace_id, request_id)
+    ORDER BY w.workspace_id, w.request_id
     FOR NO KEY UPDATE OF w
 ),
 upd AS (
@@ -776,7 +795,7 @@ upd AS (
         redispatch_count = 0,
         finished_at = CASE WHEN w.cancel_requested THEN n.now ELSE NULL END,
         updated_at = n.now
-    FROM i JOIN locked USING (request_id), n
+    FROM i JOIN locked USING (workspace_id, request_id), n
     WHERE {_BATCH_FENCE}
     RETURNING {RETURNING}
 ),
@@ -786,7 +805,10 @@ SELECT upd.* FROM upd, notified
 
 # Rows by id, for recognising an own write whose answer was lost.
 GET_MANY: TextClause = text(f"""
-SELECT {RETURNING} FROM {TABLE} w WHERE w.request_id = ANY(CAST(:request_ids AS text[]))
+SELECT {RETURNING} FROM {TABLE} w
+JOIN unnest(CAST(:workspace_ids AS text[]), CAST(:request_ids AS text[])) AS k(workspace_id,
+                                                                          request_id)
+  ON w.workspace_id = k.workspace_id AND w.request_id = k.request_id
 """)
 
 # Live depth per worker class, read only through the partial indexes ix_wpr_claim

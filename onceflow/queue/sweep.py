@@ -107,11 +107,7 @@ class Sweeper:
         metrics.reclaimed(rows)
         rescued = [RequestId(r["request_id"]) for r in rows if r["status"] == Status.QUEUED]
         dead = [RequestId(r["request_id"]) for r in rows if r["status"] != Status.QUEUED]
-        dispatch = [
-            Dispatch(RequestId(r["request_id"]), r["stage"], r["worker_class"])
-            for r in rows
-            if r["status"] == Status.QUEUED
-        ]
+        dispatch = [_dispatch(r) for r in rows if r["status"] == Status.QUEUED]
         return SweepResult(rescued=rescued, quarantined=dead, to_dispatch=dispatch)
 
     @operation
@@ -153,9 +149,7 @@ class Sweeper:
 
         def mark(statement: Query, params: dict[str, Any]) -> Steps[int]:
             rows = yield FetchAll(statement, {**base, **params})
-            batch = [
-                Dispatch(RequestId(r["request_id"]), r["stage"], r["worker_class"]) for r in rows
-            ]
+            batch = [_dispatch(r) for r in rows]
             marked.extend(batch)
             if send is None:
                 unpublished.update(d.worker_class for d in batch)
@@ -341,3 +335,10 @@ def _seconds(name: str, value: float) -> float:
 
 
 __all__ = ["Backlog", "Send", "SweepTurn", "Sweeper"]
+
+
+def _dispatch(row: Any) -> Dispatch:
+    """The wake-up of a row a sweep statement returned (it carries the row's key)."""
+    return Dispatch(
+        RequestId(row["request_id"]), row["stage"], row["worker_class"], row["workspace_id"]
+    )

@@ -141,12 +141,21 @@ class StageTask(Task):
             options = {**send_options(app, spec.name, spec.worker_class, args or ()), **options}
         return super().apply_async(args, kwargs, **options)
 
-    def run_stage(self, request_id: str) -> dict[str, Any]:
-        """Claim the request and run the stage (the message is only a wake-up)."""
+    def run_stage(self, request_id: str, workspace_id: str | None = None) -> dict[str, Any]:
+        """Claim the request and run the stage (the message is only a wake-up).
+
+        The wake-up names the request by its key, ``[request_id, workspace_id]``; one sent
+        by a release before the workspace was in it names the id alone, and the claim
+        then finds the row by its id.
+        """
         if not isinstance(request_id, str):
             return {"outcome": "rejected", "reason": "the argument must be a request id string"}
+        if workspace_id is not None and not isinstance(workspace_id, str):
+            return {"outcome": "rejected", "reason": "the workspace must be a string"}
         try:
             check_id("request_id", request_id)
+            if workspace_id is not None:
+                check_id("workspace_id", workspace_id)
         except InvalidRequest as exc:
             return {"outcome": "rejected", "reason": str(exc)}
         return run_request(
@@ -156,6 +165,7 @@ class StageTask(Task):
             worker_id(),
             self.spec_is_retryable,
             self.flow.dispatch,
+            workspace_id=workspace_id,
         )
 
     def spec_is_retryable(self, exc: BaseException) -> bool:
@@ -382,7 +392,9 @@ class Flow:
         # resolve — before anything is written: not here and there again.
         [result] = self.queue.enqueue_many([item], strict=strict)
         if result.created:
-            self.dispatch(Dispatch(result.request_id, stage, result.worker_class))
+            self.dispatch(
+                Dispatch(result.request_id, stage, result.worker_class, result.workspace_id)
+            )
         return result
 
     def new_request(
@@ -506,7 +518,12 @@ class Flow:
             )
             return False
         try:
-            args = [item.request_id]
+            # The request's key: a worker claims by it (and, sharded, finds the row's shard).
+            args = (
+                [item.request_id]
+                if item.workspace_id is None
+                else [item.request_id, item.workspace_id]
+            )
             self.app.send_task(
                 TASK_PREFIX + item.stage,
                 args=args,
@@ -517,14 +534,14 @@ class Flow:
             )
         except InvalidRedisUrl:  # a configuration error (a Redis Cluster as the broker)
             with contextlib.suppress(OnceflowError):
-                self.queue.mark_undispatched(item.request_id)
+                self.queue.mark_undispatched(item.request_id, workspace_id=item.workspace_id)
             raise
         except Exception as exc:  # kombu/redis errors: the row is durable, the sweeper resends
             log.warning(
                 "request %s: wake-up not sent (%s); the sweeper will send it", item.request_id, exc
             )
             with contextlib.suppress(OnceflowError):
-                self.queue.mark_undispatched(item.request_id)
+                self.queue.mark_undispatched(item.request_id, workspace_id=item.workspace_id)
             return False
         metrics.wakeup(item.worker_class, kind)
         return True
@@ -642,9 +659,9 @@ class Flow:
         return out
 
 
-def _task_body(task: StageTask, request_id: str) -> dict[str, Any]:
+def _task_body(task: StageTask, request_id: str, workspace_id: str | None = None) -> dict[str, Any]:
     """The body Celery calls: the lifecycle lives in the base class."""
-    return task.run_stage(request_id)
+    return task.run_stage(request_id, workspace_id)
 
 
 #: Every Flow of this process, for :func:`_renew_locks_after_fork`.

@@ -194,14 +194,17 @@ def run_request(
     worker_id: str,
     is_retryable: Callable[[BaseException], bool],
     dispatch: Callable[[Dispatch], object] | None = None,
+    *,
+    workspace_id: str | None = None,
 ) -> dict[str, Any]:
     """Claim ``request_id`` and run ``spec``'s body under heartbeats; returns the outcome.
 
     ``dispatch`` sends the wake-ups of the hand-offs (``ctx.then``) the completion created.
+    ``workspace_id``: the request's, as its wake-up names it (None: found by id alone).
     """
-    claim = _claim(queue, spec, request_id, worker_id)
+    claim = _claim(queue, spec, request_id, worker_id, workspace_id)
     if claim is None:
-        return _not_claimed(queue, request_id)
+        return _not_claimed(queue, request_id, workspace_id)
     ctx = StageContext(queue, claim, worker_id)
     _heartbeats.add(queue, ctx, interval=claim.lease_seconds / 3)
     outcome: dict[str, Any] = {"request_id": request_id, "attempt": claim.attempt}
@@ -241,7 +244,9 @@ def run_request(
 CLAIM_RETRY_SECONDS = 10.0
 
 
-def _claim(queue: Queue, spec: StageSpec, request_id: str, worker_id: str) -> Claim | None:
+def _claim(
+    queue: Queue, spec: StageSpec, request_id: str, worker_id: str, workspace_id: str | None
+) -> Claim | None:
     """Claim the request, riding out a short database blip (a restart, a failover).
 
     A claim whose answer was lost may have committed: the retry then finds the row
@@ -259,6 +264,7 @@ def _claim(queue: Queue, spec: StageSpec, request_id: str, worker_id: str) -> Cl
                 lease_seconds=spec.lease_seconds,
                 stage=spec.name,
                 max_runtime=spec.max_runtime,
+                workspace_id=workspace_id,
             )
         except DatabaseUnavailable as exc:
             if time.monotonic() + delay > deadline:
@@ -304,7 +310,9 @@ def _complete(
     if dispatch is not None:
         for made in followed:
             if made.created:
-                dispatch(Dispatch(made.request_id, made.stage, made.worker_class))
+                dispatch(
+                    Dispatch(made.request_id, made.stage, made.worker_class, made.workspace_id)
+                )
     return {"outcome": "succeeded"}
 
 
@@ -350,9 +358,9 @@ def _count_zombie(queue: Queue, claim: Claim) -> None:
         log.warning("could not count a zombie write: %s", exc)
 
 
-def _not_claimed(queue: Queue, request_id: str) -> dict[str, Any]:
+def _not_claimed(queue: Queue, request_id: str, workspace_id: str | None) -> dict[str, Any]:
     try:
-        current = queue.get(request_id)
+        current = queue.get(request_id, workspace_id=workspace_id)
     except NotFound:
         return {"request_id": request_id, "outcome": "not_found"}
     reason = {

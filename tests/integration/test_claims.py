@@ -349,9 +349,9 @@ def test_fenced_retry_takes_steps_or_values_and_retries_a_blip(api_queue: Queue)
         tries.append(1)
         if len(tries) < 3:  # a blip: retried (after a Sleep step) while the lease may hold
             raise DatabaseUnavailable("a blip")
+        by_id = {"request_id": rid, "workspace_id": None}  # the row found by its id alone
         row = yield FetchOne(
-            N.LIVE_CLAIM,
-            {"request_id": rid, "token": claim.token, "now": None, "worker_classes": None},
+            N.LIVE_CLAIM, {**by_id, "token": claim.token, "now": None, "worker_classes": None}
         )
         return row["request_id"]
 
@@ -362,7 +362,7 @@ def test_fenced_retry_takes_steps_or_values_and_retries_a_blip(api_queue: Queue)
         raise LeaseLost(rid, "refused")
 
     def landed() -> Steps[str]:
-        row = yield FetchOne(N.GET, {"request_id": rid})
+        row = yield FetchOne(N.GET, {"request_id": rid, "workspace_id": "w"})
         return str(row["status"])
 
     assert api_queue.fenced_retry(claim, refused, landed) == "running"  # asked on LeaseLost only
@@ -595,7 +595,7 @@ def test_rescue_expired_requeues_then_quarantines(
     first = queue.rescue_expired(now=now + timedelta(seconds=6))
     second = queue.rescue_expired(now=now + timedelta(seconds=6))
     assert first.rescued == [rid] and second.rescued == []
-    assert first.to_dispatch == [Dispatch(rid, "s", "default")]
+    assert first.to_dispatch == [Dispatch(rid, "s", "default", "w")]
     assert api_queue.get(rid).crash_attempts == 1
     # Crash again: the budget of 2 lapsed leases is spent, the request is quarantined (dead).
     assert api_queue.claim(rid, "b", lease_seconds=5, now=now + timedelta(seconds=7)) is not None
@@ -625,7 +625,9 @@ def test_due_for_dispatch_resends_only_stale_wakeups(queue: Queue, clean_db: Eng
     now = db_now(clean_db)
     assert queue.due_for_dispatch(redispatch_after=30, now=now) == []
     later = now + timedelta(seconds=31)
-    assert queue.due_for_dispatch(redispatch_after=30, now=later) == [Dispatch(rid, "s", "default")]
+    assert queue.due_for_dispatch(redispatch_after=30, now=later) == [
+        Dispatch(rid, "s", "default", "w")
+    ]
     assert queue.due_for_dispatch(redispatch_after=30, now=later) == []
 
 

@@ -234,7 +234,7 @@ def test_revoke_terminate_kills_a_run_and_the_sweeper_runs_it_again(
         request_id = flow.enqueue("guest_slow", "w-guest", "j4", "main", {}).request_id
         wait_for(lambda: _status(flow, request_id) is Status.RUNNING, what="the body to start")
         [active] = app.control.inspect(destination=[node], timeout=10).active()[node]
-        assert active["args"] == [request_id]
+        assert active["args"] == [request_id, "w-guest"]  # the key: id and workspace
         app.control.revoke(active["id"], terminate=True, destination=[node], reply=True)
         # The body is gone, but the row is still running: nothing told the database.
         log = tmp_path / "guest-term.log"

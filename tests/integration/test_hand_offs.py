@@ -120,3 +120,27 @@ def test_explicit_options_override_the_declaration_within_its_classes(flow: Flow
         flow.new_request("second", "w", "j5", "", {"score": 2}, worker_class="unacked_index")
     with pytest.raises(InvalidRequest, match="unexpected keyword"):
         flow.new_request("second", "w", "j5", "", {"score": 2}, colour="red")
+
+
+def test_a_hand_off_into_another_workspace_is_refused_and_changes_nothing(
+    clean_db: Engine, redis_url: str
+) -> None:
+    """A hand-off completes the parent and enqueues its follow-ups in one transaction, so
+    they stay in the parent's workspace (one shard when the database is split by
+    workspace). Refused before anything is written with a Claim (it knows its workspace),
+    and inside the transaction, rolled back, with a bare reference (it may not)."""
+    from onceflow import ClaimRef, Queue
+
+    queue = Queue(clean_db)
+    rid = queue.enqueue("s", "w1", "j").request_id
+    claim = queue.claim(rid, "worker")
+    assert claim is not None
+    other = NewRequest(workspace_id="w2", job_id="j", stage="t")
+    for fence in (claim, ClaimRef(rid, claim.token)):
+        with pytest.raises(InvalidRequest, match="workspace 'w1', not 'w2'"):
+            queue.hand_off(fence, {"ok": True}, then=[other])
+    assert queue.get(rid).status is Status.RUNNING  # the completion was rolled back
+    assert queue.list(workspace_id="w2") == []
+    same = NewRequest(workspace_id="w1", job_id="j", stage="t")
+    done, followed = queue.hand_off(claim, {"ok": True}, then=[same])
+    assert done.status is Status.SUCCEEDED and followed[0].workspace_id == "w1"

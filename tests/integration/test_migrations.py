@@ -45,7 +45,7 @@ def test_upgrade_head_on_empty_database_then_no_drift(empty_database: str) -> No
             ).scalar_one()
             assert "autovacuum_vacuum_scale_factor=0.01" in options
             version = conn.execute(text("SELECT version_num FROM onceflow_alembic_version"))
-            assert version.scalar_one() == "0006"
+            assert version.scalar_one() == "0008"
     finally:
         engine.dispose()
 
@@ -112,6 +112,90 @@ def test_0006_keeps_existing_rows_and_a_claim_taken_before_it_works_by_ref(
         command.downgrade(alembic_config(empty_database), "0005")
         with engine.connect() as conn:
             assert conn.execute(text(ROWS_AS_0005)).scalars().all() == now_rows
+    finally:
+        engine.dispose()
+
+
+# The primary key's columns, in order.
+PK_COLUMNS = """
+SELECT array_agg(a.attname ORDER BY k.ord) FROM pg_constraint c
+JOIN LATERAL unnest(c.conkey) WITH ORDINALITY AS k(attnum, ord) ON true
+JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = k.attnum
+WHERE c.conrelid = 'workspace_process_requests'::regclass AND c.contype = 'p'
+"""
+
+# The enqueue of the release before 0007: its arbiter is the old key (request_id).
+OLD_ENQUEUE = """
+INSERT INTO workspace_process_requests AS w
+    (request_id, workspace_id, job_id, branch_path, stage, dedupe, input, input_hash,
+     worker_class, max_attempts, max_crash_attempts)
+VALUES (:rid, 'w', 'j9', '', 's', true, '{}', 'h9', 'default', 5, 3)
+ON CONFLICT (request_id) DO NOTHING
+"""
+
+
+def test_0007_0008_key_requests_by_workspace_keeping_rows_ids_and_old_wake_ups(
+    empty_database: str,
+) -> None:
+    migrate(empty_database, "0006")
+    engine = make_engine(empty_database, pool_size=1)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(ROWS_0005))
+            before = conn.execute(text(ROWS_AS_0005)).scalars().all()
+        # 0007: a unique index on the pair beside the old key; old and new enqueues both work.
+        migrate(empty_database, "0007")
+        with engine.begin() as conn:
+            assert conn.execute(text(PK_COLUMNS)).scalar_one() == ["request_id"]
+            assert conn.execute(text(OLD_ENQUEUE), {"rid": "old-1"}).rowcount == 1
+            assert conn.execute(text(OLD_ENQUEUE), {"rid": "old-1"}).rowcount == 0  # collapsed
+        queue = Queue(engine)
+        made = queue.enqueue("s", "w", "j1")  # this release's ON CONFLICT (workspace, id)
+        assert (made.created, made.request_id) == (True, queue.enqueue("s", "w", "j1").request_id)
+        assert not queue.enqueue("s", "w", "j1").created
+        # 0008: the key becomes (workspace_id, request_id), taken over from 0007's index.
+        migrate(empty_database)
+        check(empty_database)
+        with engine.connect() as conn:
+            assert conn.execute(text(PK_COLUMNS)).scalar_one() == ["workspace_id", "request_id"]
+            kept = (
+                conn.execute(
+                    text(
+                        ROWS_AS_0005.replace(
+                            "ORDER BY", "WHERE request_id IN ('queued', 'running', 'done') ORDER BY"
+                        )
+                    )
+                )
+                .scalars()
+                .all()
+            )
+            assert kept == before  # every row, id and value as it was
+            # Why 0007 and 0008 are two revisions: the old arbiter has no index left.
+            with pytest.raises(Exception, match="no unique or exclusion constraint"):
+                conn.execute(text(OLD_ENQUEUE), {"rid": "old-2"})
+        # A wake-up of the release before (the request id alone) still claims and completes;
+        # one naming the wrong workspace finds nothing.
+        assert queue.claim("queued", "w1", workspace_id="other") is None
+        claim = queue.claim("queued", "w1")
+        assert claim is not None and claim.request.workspace_id == "w"
+        assert queue.complete(ClaimRef("queued", claim.token), {"ok": 1}).status is Status.SUCCEEDED
+        # Lookups by id alone read ix_wpr_request_id, not the table.
+        with raw_connection(engine) as raw:
+            raw.execute("SET enable_seqscan = off")
+            plan = json.dumps(
+                fetch_all(
+                    raw,
+                    "EXPLAIN (FORMAT JSON) " + sql.Q_GET,
+                    {"request_id": "done", "workspace_id": None},
+                )
+            )
+        assert "ix_wpr_request_id" in plan
+        # And back to 0006: the old key again, every row kept.
+        engine.dispose()
+        command.downgrade(alembic_config(empty_database), "0006")
+        with engine.connect() as conn:
+            assert conn.execute(text(PK_COLUMNS)).scalar_one() == ["request_id"]
+            assert conn.execute(text(OLD_ENQUEUE), {"rid": "old-3"}).rowcount == 1
     finally:
         engine.dispose()
 

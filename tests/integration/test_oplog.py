@@ -308,6 +308,28 @@ def test_stage_write_with_a_lapsed_fence_changes_nothing(oplog: OpLog, clean_db:
     assert table_snapshot(clean_db)[0] is not None
 
 
+def test_a_fenced_op_in_another_workspace_is_refused_and_writes_nothing(
+    oplog: OpLog, clean_db: Engine
+) -> None:
+    """A stage's fence holds in its own workspace only: an op the caller addresses to
+    another workspace (the Python API takes both) would make one transaction span two
+    workspaces — two shards once the database is split by workspace. Before issue 17 it
+    was applied to the other workspace under this fence."""
+    queue = Queue(clean_db, settings=oplog.settings)
+    rid = queue.enqueue("evaluate", "w1", "j1", "main").request_id
+    claim = queue.claim(rid, "worker-a", lease_seconds=600)
+    assert claim is not None
+    before = table_snapshot_ops(clean_db)
+    op = {"type": "cell.set", "column": "a", "value": 1}
+    for fence in (claim, FenceRef(rid, claim.token)):
+        with pytest.raises(InvalidRequest, match="fence's workspace 'w1', not 'w2'"):
+            oplog.apply_op("w2", "cells", op, new_op_id(), fence=fence)
+    assert table_snapshot_ops(clean_db) == before
+    assert oplog.ops_since("w2", "cells") == []
+    # In its own workspace the same fence writes.
+    assert oplog.apply_op("w1", "cells", op, new_op_id(), fence=claim).clock == 1
+
+
 class FenceRef(NamedTuple):
     """A fence that is not a Claim: the request id and claim token a remote worker holds."""
 

@@ -98,7 +98,7 @@ def enqueue(
     # after-commit is transaction.on_commit. strict: the batch is written under a savepoint.
     [result] = flow.queue.enqueue_many([item], strict=strict, connection=DjangoConnector(using))
     if result.created:
-        wake_up = Dispatch(result.request_id, stage, result.worker_class)
+        wake_up = Dispatch(result.request_id, stage, result.worker_class, result.workspace_id)
         # robust: a failed send after the commit is logged, never raised into the app
         # (Flow.dispatch already logs it and leaves the row for the sweeper).
         transaction.on_commit(functools.partial(flow.dispatch, wake_up), using=using, robust=True)

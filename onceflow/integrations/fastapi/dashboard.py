@@ -352,7 +352,9 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
         except InvalidTransition as exc:
             log.info("dashboard: operator %s: requeue of %s refused (%s)", who, request_id, exc)
             return _changed(request_id, f"it is {exc.status} and changed since it was shown")
-        svc.flow.dispatch(Dispatch(done.request_id, done.stage, done.worker_class))
+        svc.flow.dispatch(
+            Dispatch(done.request_id, done.stage, done.worker_class, done.workspace_id)
+        )
         log.info("dashboard: operator %s requeued request %s", who, request_id)
         return JSONResponse(
             {

@@ -79,7 +79,7 @@ def _request_routes(router: APIRouter, svc: OnceflowServices) -> None:
     async def get_request(ws: s.WorkspacePath, request_id: s.RequestIdPath) -> s.RequestOut:
         """A request of this workspace (404 also when the id belongs to another workspace)."""
         check_id("workspace_id", ws)
-        found = await svc.async_queue.get(request_id)
+        found = await svc.async_queue.get(request_id, workspace_id=ws)
         if found.workspace_id != ws:
             raise NotFound(request_id)
         return _request_out(found)

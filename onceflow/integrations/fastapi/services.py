@@ -143,7 +143,7 @@ class OnceflowServices:
         unsent for the sweeper; a pull-worker class gets none."""
         if not result.created or result.worker_class in self.flow.pull_worker_classes:
             return  # (Flow.dispatch would return at once for a pull-worker class)
-        item = Dispatch(result.request_id, result.stage, result.worker_class)
+        item = Dispatch(result.request_id, result.stage, result.worker_class, result.workspace_id)
         await anyio.to_thread.run_sync(self.flow.dispatch, item)
 
     def event_hub(self) -> EventHub:

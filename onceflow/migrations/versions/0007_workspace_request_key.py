@@ -1,0 +1,76 @@
+"""Requests keyed workspace-first, step 1 of 2: a unique index on ``(workspace_id, request_id)``.
+
+Built ``CONCURRENTLY`` (inserts, claims and completions go on while it builds; 618 ms for
+300,000 rows on the development machine, docs/sharding.md 5.1.1), with a plain index on
+``request_id`` beside it for callers that still name a request by its id alone (an old
+wake-up, an HTTP client that does not send the workspace). Both builds run outside a
+transaction; an ``INVALID`` index left by an interrupted earlier attempt is dropped and
+built again.
+
+Code of this release writes ``ON CONFLICT (workspace_id, request_id)``, which needs the new
+index; code of the release before writes ``ON CONFLICT (request_id)``, which needs the old
+primary key, dropped by 0008. A rolling upgrade therefore runs ``onceflow migrate --to 0007``,
+deploys, then ``onceflow migrate`` once no process of the old release is left (README,
+"Upgrading"). A table created partitioned (``ONCEFLOW_PARTITIONS``) is keyed
+``(workspace_id, request_id)`` from the start: nothing to do here.
+
+Revision ID: 0007
+Revises: 0006
+Create Date: 2026-12-04
+"""
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = "0007"
+down_revision: str | None = "0006"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+TABLE = "workspace_process_requests"
+
+# (name, unique, columns)
+INDEXES = (
+    ("uq_wpr_workspace_request", True, "workspace_id, request_id"),
+    ("ix_wpr_request_id", False, "request_id"),
+)
+
+
+def _partitioned() -> bool:
+    kind = op.get_bind().scalar(
+        sa.text("SELECT relkind FROM pg_class WHERE oid = to_regclass(:t)"), {"t": TABLE}
+    )
+    return bool(kind == "p")
+
+
+def _valid(name: str) -> bool | None:
+    """True for a valid index, False for one an interrupted build left INVALID, None: none."""
+    valid = op.get_bind().scalar(
+        sa.text("SELECT i.indisvalid FROM pg_index i WHERE i.indexrelid = to_regclass(:name)"),
+        {"name": name},
+    )
+    return None if valid is None else bool(valid)
+
+
+def upgrade() -> None:
+    if _partitioned():
+        return
+    with op.get_context().autocommit_block():
+        for name, unique, columns in INDEXES:
+            state = _valid(name)
+            if state:
+                continue
+            if state is False:
+                op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {name}")
+            kind = "UNIQUE INDEX" if unique else "INDEX"
+            op.execute(f"CREATE {kind} CONCURRENTLY {name} ON {TABLE} ({columns})")
+
+
+def downgrade() -> None:
+    if _partitioned():
+        return
+    with op.get_context().autocommit_block():
+        for name, _unique, _columns in reversed(INDEXES):
+            op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {name}")
