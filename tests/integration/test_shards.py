@@ -286,3 +286,29 @@ def test_a_shard_that_cannot_be_reached_stalls_only_its_workspaces(
             assert queue.enqueue("s", ws, "j").created
     counts = queue.counts()["default"]
     assert (counts["succeeded"], counts["queued"]) == (len(spaces) - 1, 1)
+
+
+def test_onceflow_migrate_migrates_every_shard(services: tuple[str, str]) -> None:
+    import subprocess
+    import sys
+
+    admin = services[0]
+    urls = []
+    for k in range(2):
+        name = f"onceflow_shmig_{os.getpid()}_{secrets.token_hex(3)}_s{k}"
+        _admin(libpq(admin), f'CREATE DATABASE "{name}"')
+        urls.append(make_url(admin).set(database=name).render_as_string(hide_password=False))
+    try:
+        env = {**os.environ, "ONCEFLOW_DATABASE_URLS": ",".join(urls)}
+        env.pop("ONCEFLOW_DATABASE_URL", None)
+        cli = [sys.executable, "-m", "onceflow.cli", "migrate"]
+        done = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert "shard 0" in done.stderr and "shard 1" in done.stderr
+        assert "every shard is at the latest migration" in done.stderr
+        for url in urls:
+            with psycopg.connect(libpq(url)) as conn:
+                row = conn.execute("SELECT version_num FROM onceflow_alembic_version").fetchone()
+                assert row == ("0008",)
+    finally:
+        drop_shards(admin, urls)
