@@ -32,7 +32,12 @@ def oplog_for(queue: Queue) -> OpLog:
     """The op log on the same engine and settings as ``queue`` (one per queue, per process)."""
     entry = _oplogs.get(id(queue))
     if entry is None or entry[0] is not queue:  # the queue is kept alive, so ids cannot recur
-        entry = _oplogs[id(queue)] = (queue, OpLog(queue.engine, queue.settings))
+        oplog = (
+            OpLog(queue.engine, queue.settings)
+            if queue.shard_map is None
+            else OpLog(settings=queue.settings, shard_map=queue.shard_map)
+        )
+        entry = _oplogs[id(queue)] = (queue, oplog)
     return entry[1]
 
 

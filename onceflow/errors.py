@@ -24,6 +24,7 @@ stage code. Control-flow signals (retry later) are kept apart from errors.
     │   ├── ConnectionLost        an established connection died (restart, killed backend)
     │   └── NotMigrated           onceflow's tables are missing: run `onceflow migrate`
     ├── InvalidDatabaseUrl        the database URL is malformed or not PostgreSQL/psycopg 3
+    ├── InvalidShardMap           the shard map (ONCEFLOW_DATABASE_URLS / _SHARD_MAP) is unusable
     ├── InvalidRedisUrl           a Redis URL is malformed, or a cluster where one server is needed
     ├── StoreError                any other database failure, translated
     ├── LockLost                  a compute lock expired or was taken while held
@@ -255,6 +256,25 @@ class InvalidDatabaseUrl(OnceflowError, ValueError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.url, self.problem))
+
+
+class InvalidShardMap(OnceflowError, ValueError):
+    """The shard map cannot be used: no shard, a bad or repeated URL, buckets not covered
+    exactly once, an override to no shard, or a map file that does not parse.
+
+    A configuration error, not retryable. ``source`` says where the map came from
+    (``ONCEFLOW_SHARD_MAP=<path>``, ``ONCEFLOW_DATABASE_URLS``), empty when it was built
+    in code. The message never shows a password.
+    """
+
+    def __init__(self, problem: str, source: str = "") -> None:
+        self.problem = problem
+        self.source = source
+        where = f" ({source})" if source else ""
+        super().__init__(f"cannot use the shard map{where}: {problem}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.problem, self.source))
 
 
 class InvalidRedisUrl(OnceflowError, ValueError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from alembic import command
@@ -24,9 +25,32 @@ def alembic_config(database_url: str | None = None) -> Config:
 
 
 def migrate(database_url: str | None = None, revision: str = "head") -> None:
-    """Upgrade the database to ``revision``; running it again changes nothing."""
+    """Upgrade the database to ``revision``; running it again changes nothing.
+
+    Without ``database_url``: every database of the settings — each shard when
+    ``ONCEFLOW_DATABASE_URLS`` / ``ONCEFLOW_SHARD_MAP`` name several (:func:`migrate_all`).
+    """
+    if database_url is None:
+        migrate_all(revision)
+        return
     with translate_errors(database_url):
         command.upgrade(alembic_config(database_url), revision)
+
+
+def migrate_all(revision: str = "head", report: Callable[[int, str], None] | None = None) -> None:
+    """Upgrade each database of the configured shard map, in shard order (one database
+    without one). Each shard has its own migration history: a failure on shard k leaves
+    shards before it migrated and stops there (run it again once k is reachable; every
+    revision is safe to run while other shards are one behind). ``report(k, url)`` is
+    called after each shard (the URL without its password)."""
+    from onceflow.db import redact_url
+    from onceflow.shards import configured_map
+
+    for index, url in enumerate(configured_map().urls):
+        with translate_errors(url):
+            command.upgrade(alembic_config(url), revision)
+        if report is not None:
+            report(index, redact_url(url))
 
 
 def check(database_url: str | None = None) -> None:

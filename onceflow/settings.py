@@ -18,6 +18,17 @@ class Settings(BaseSettings):
         default="postgresql+psycopg://127.0.0.1:5432/onceflow",
         description="SQLAlchemy URL of the Postgres database (psycopg 3 driver).",
     )
+    database_urls: str | None = Field(
+        default=None,
+        description="Postgres shards: comma-separated SQLAlchemy URLs, shard k the k-th; the "
+        "1024 workspace buckets are split into equal ranges over them. Unset: one shard, "
+        "database_url. Not with shard_map.",
+    )
+    shard_map: str | None = Field(
+        default=None,
+        description="Path of a JSON shard map (shard URLs, bucket ranges, per-workspace "
+        "overrides; the format is in onceflow/shards.py). Not with database_urls.",
+    )
     redis_url: str = Field(
         default="redis://127.0.0.1:6379/0",
         description="Redis URL: compute locks, broadcasts and (unless broker_url) the Celery "

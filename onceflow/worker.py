@@ -637,7 +637,8 @@ class Worker:
                 log.warning("worker: abandoned %d running request(s); their leases lapse", left)
         if self._owns_queue:
             self.queue.close()
-            self.queue.engine.dispose()
+            for shard in self.queue.shards():
+                shard.engine.dispose()
 
     def _release(self, unstarted: list[StageContext]) -> None:
         if not unstarted:

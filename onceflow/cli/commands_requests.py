@@ -19,13 +19,30 @@ from onceflow.cli.base import (
 
 
 @main.command()
+@click.option(
+    "--to",
+    "revision",
+    default="head",
+    show_default=True,
+    help="Stop at this revision, e.g. 0007 during a rolling upgrade (README, 'Upgrading').",
+)
 @_errors_to_exit
-def migrate() -> None:
-    """Apply the database migrations (idempotent)."""
-    from onceflow.migrate import migrate as run
+def migrate(revision: str) -> None:
+    """Apply the database migrations (idempotent); every shard's database, in order, when
+    ONCEFLOW_DATABASE_URLS or ONCEFLOW_SHARD_MAP name several."""
+    from onceflow.migrate import migrate_all
+    from onceflow.shards import configured_map
 
-    run()
-    click.echo("onceflow: database is at the latest migration", err=True)
+    several = len(configured_map()) > 1
+
+    def report(index: int, url: str) -> None:
+        if several:
+            click.echo(f"onceflow: shard {index} ({url}) migrated", err=True)
+
+    migrate_all(revision, report)
+    where = "every shard is" if several else "database is"
+    target = "the latest migration" if revision == "head" else f"revision {revision}"
+    click.echo(f"onceflow: {where} at {target}", err=True)
 
 
 @main.command()

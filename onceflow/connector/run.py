@@ -21,7 +21,10 @@ from onceflow.connector.steps import (
     Execute,
     FetchAll,
     FetchOne,
+    OnShard,
     Pooled,
+    ShardCount,
+    ShardGroups,
     Sleep,
     Step,
     Steps,
@@ -66,6 +69,8 @@ def _do(c: Connector, step: Step) -> Any:
         if isinstance(other, Connection):
             other = SQLAlchemyConnector(other)
         return run(other, step.body)
+    if isinstance(step, ShardCount | OnShard | ShardGroups):
+        return _shard_step(c, step, run)
     if isinstance(step, Call):
         answer = step.fn(*step.args)
         if inspect.isawaitable(answer):
@@ -117,12 +122,32 @@ async def _ado(c: AsyncConnector, step: Step) -> Any:
                 f"an async operation needs an async connector, not {type(step.connector).__name__}"
             )
         return await arun(step.connector, step.body)
+    if isinstance(step, ShardCount | OnShard | ShardGroups):
+        return await _shard_step(c, step, arun)
     if isinstance(step, Call):
         if inspect.iscoroutinefunction(step.fn):
             return await step.fn(*step.args)
         answer = await asyncio.to_thread(step.fn, *step.args)
         return (await answer) if inspect.isawaitable(answer) else answer
     raise TypeError(f"not a step: {step!r}")
+
+
+def _shard_step(c: Any, step: ShardCount | OnShard | ShardGroups, runner: Any) -> Any:
+    """A shard step on ``c``: a sharded connector answers for its shards; any other
+    connector is one database (one shard, index 0: itself)."""
+    shards = getattr(c, "shard_connectors", None)
+    if isinstance(step, ShardCount):
+        return 1 if shards is None else len(shards)
+    if isinstance(step, ShardGroups):
+        if shards is None:
+            return [0] * len(step.workspace_ids)
+        return [c.shard_map.shard_of(ws) for ws in step.workspace_ids]
+    if shards is None:
+        if step.index != 0:
+            step.body.close()
+            raise IndexError(f"shard {step.index} of a connector of one database")
+        return runner(c, step.body)
+    return runner(shards[step.index], step.body)
 
 
 # ------------------------------------------------------------------ one body, two APIs

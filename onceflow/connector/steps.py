@@ -124,8 +124,43 @@ class Call:
     args: tuple[Any, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class ShardCount:
+    """Answers how many databases the connector spans: 1, or its shards when the database
+    is split by workspace (:class:`~onceflow.connector.ShardedConnector`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OnShard:
+    """Run ``body``'s steps on shard ``index`` (0 … ShardCount-1) only; answers its return
+    value. On a connector of one database, index 0 is the connector itself. For operations
+    over every workspace (claims by worker class, counts, sweeps), which run per shard."""
+
+    index: int
+    body: Generator[Step, Any, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardGroups:
+    """Answers the shard index of each of ``workspace_ids`` (all 0 on one database): an
+    operation over many workspaces (a batch, an enqueue of many) runs once per shard."""
+
+    workspace_ids: tuple[str, ...]
+
+
 Step: TypeAlias = (
-    FetchOne | FetchAll | Execute | Transaction | Sleep | Pooled | AfterCommit | Using | Call
+    FetchOne
+    | FetchAll
+    | Execute
+    | Transaction
+    | Sleep
+    | Pooled
+    | AfterCommit
+    | Using
+    | Call
+    | ShardCount
+    | OnShard
+    | ShardGroups
 )
 #: What an operation is: a generator of steps whose return value is the operation's result.
 Steps: TypeAlias = Generator[Step, Any, R]
@@ -160,6 +195,18 @@ def all_rows(query: Query, params: Mapping[str, Any]) -> Steps[list[Any]]:
     """``rows = yield from all_rows(q, p)``: every row of the statement."""
     rows: list[Any] = yield FetchAll(query, params)
     return rows
+
+
+def on_every_shard(make: Callable[[], Steps[R]]) -> Steps[list[R]]:
+    """``make()``'s steps run once per shard (once on a database of one), answers in shard
+    order: the reads over every workspace (counts, lists, depth) of a database split by
+    workspace."""
+    count: int = yield ShardCount()
+    out: list[R] = []
+    for index in range(count):
+        answer: R = yield OnShard(index, make())
+        out.append(answer)
+    return out
 
 
 def retrying(make: Callable[[], Steps[R]]) -> Steps[R]:

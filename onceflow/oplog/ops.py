@@ -15,7 +15,16 @@ from typing import Any, NamedTuple
 
 import psycopg.errors
 
-from onceflow.connector import Execute, FetchAll, FetchOne, Steps, Transaction, operation
+from onceflow.connector import (
+    Execute,
+    FetchAll,
+    FetchOne,
+    Steps,
+    Transaction,
+    on_every_shard,
+    one_row,
+    operation,
+)
 from onceflow.errors import (
     InvalidRequest,
     LeaseLost,
@@ -314,8 +323,9 @@ class OpLogOps:
         if not isinstance(limit, int) or limit < 1:
             raise InvalidRequest("limit must be a positive integer")
         params = {"age": float(older_than_seconds), "limit": limit, "now": now}
-        row = yield FetchOne(N.PRUNE_OPS, params)
-        return int(row["deleted"]) if row else 0
+        # On a database split by workspace each shard prunes its own (one pruner per shard).
+        rows = yield from on_every_shard(lambda: one_row(N.PRUNE_OPS, params))
+        return sum(int(row["deleted"]) for row in rows if row)
 
 
 def _check_horizon(op_id: str, base_clock: int | None, pruned: int) -> None:

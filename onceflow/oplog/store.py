@@ -25,7 +25,14 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from onceflow.connector import AsyncPsycopgConnector, AsyncSide, PsycopgConnector, SyncSide
+from onceflow.connector import (
+    AsyncPsycopgConnector,
+    AsyncSide,
+    Connector,
+    PsycopgConnector,
+    SyncSide,
+)
+from onceflow.connector.sharded import ShardedConnector, UnroutedStatement
 from onceflow.db import get_engine
 from onceflow.keys import workspace_channel
 from onceflow.loops import PerLoop, drop_redis_sockets
@@ -53,6 +60,7 @@ from onceflow.redis_clients import (
     sync_client,
 )
 from onceflow.settings import Settings, get_settings
+from onceflow.shards import ShardMap, configured_map
 
 log = logging.getLogger("onceflow.oplog")
 
@@ -65,14 +73,38 @@ def _broadcast_failed(workspace_id: str, sub_doc: str, exc: BaseException) -> No
 class OpLog(SyncSide, OpLogOps):
     """The op log of a database. Thread-safe; build one per process and share it."""
 
-    def __init__(self, engine: Engine | str | None = None, settings: Settings | None = None):
+    def __init__(
+        self,
+        engine: Engine | str | None = None,
+        settings: Settings | None = None,
+        *,
+        shard_map: ShardMap | None = None,
+    ):
         self.settings = settings or get_settings()
-        if engine is None or isinstance(engine, str):
-            engine = get_engine(engine or self.settings.database_url)
-        self.engine = engine
-        self.connector = PsycopgConnector(engine)
         self._redis: tuple[int, SyncRedis] | None = None
+        self._engine: Engine | None = None
+        if engine is None and shard_map is None:
+            shard_map = configured_map(self.settings)  # ONCEFLOW_DATABASE_URLS / _SHARD_MAP
+        if shard_map is not None and len(shard_map) > 1:
+            self.connector: Connector = ShardedConnector.from_map(shard_map)  # by workspace
+        else:
+            if shard_map is not None:
+                engine = shard_map.urls[0]
+            if engine is None or isinstance(engine, str):
+                engine = get_engine(engine or self.settings.database_url)
+            self._engine = engine
+            self.connector = PsycopgConnector(engine)
         self._lock = threading.Lock()
+
+    @property
+    def engine(self) -> Engine:
+        """The engine of this op log's database; an op log over several shards has none."""
+        if self._engine is None:
+            raise UnroutedStatement(
+                "this op log spans several databases (ONCEFLOW_DATABASE_URLS): it has no "
+                "single engine"
+            )
+        return self._engine
 
     def apply_op(
         self,

@@ -23,9 +23,19 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
-from onceflow.connector import FetchAll, Query, Sleep, Steps, all_rows, operation, retrying
+from onceflow.connector import (
+    FetchAll,
+    Query,
+    ShardGroups,
+    Sleep,
+    Steps,
+    all_rows,
+    on_every_shard,
+    operation,
+    retrying,
+)
 from onceflow.errors import DatabaseUnavailable, InvalidRequest, LeaseLost
 from onceflow.ids import check_worker_class
 from onceflow.metrics import record as metrics
@@ -34,6 +44,9 @@ from onceflow.models.status import Status
 from onceflow.payloads import JSON, encode_payload
 from onceflow.queue.sql import N
 from onceflow.settings import Settings
+
+_I = TypeVar("_I")
+_R = TypeVar("_R")
 
 log = logging.getLogger("onceflow.queue")
 
@@ -125,6 +138,11 @@ class BatchOps:
         if not claims:
             return []
         ids = _unique_ids(claims)
+        spread = yield from _per_shard(
+            pairs, claims, lambda part: BatchOps.complete_many.steps(self, part, now=now)
+        )
+        if spread is not None:
+            return spread
         params = {
             "request_ids": ids, "workspace_ids": _spaces(claims),
             "tokens": [c.token for c in claims],
@@ -170,6 +188,11 @@ class BatchOps:
         if not claims:
             return []
         ids = _unique_ids(claims)
+        spread = yield from _per_shard(
+            failures, claims, lambda part: BatchOps.fail_many.steps(self, part, now=now)
+        )
+        if spread is not None:
+            return spread
         params = {
             "request_ids": ids, "workspace_ids": _spaces(claims),
             "tokens": [c.token for c in claims], "errors": errors,
@@ -198,6 +221,11 @@ class BatchOps:
         if not checked:
             return []
         ids = _unique_ids(checked)
+        spread = yield from _per_shard(
+            checked, checked, lambda part: BatchOps.heartbeat_many.steps(self, part, now=now)
+        )
+        if spread is not None:
+            return spread
         params = {
             "request_ids": ids, "workspace_ids": _spaces(checked),
             "tokens": [c.token for c in checked],
@@ -242,6 +270,11 @@ class BatchOps:
         if not checked:
             return []
         ids = _unique_ids(checked)
+        spread = yield from _per_shard(
+            checked, checked, lambda part: BatchOps.release.steps(self, part, now=now)
+        )
+        if spread is not None:
+            return spread
         params = {
             "request_ids": ids, "workspace_ids": _spaces(checked),
             "tokens": [c.token for c in checked],
@@ -276,15 +309,17 @@ class BatchOps:
                 check_worker_class(wc)
             query = N.DEPTH_FOR
             params["worker_classes"] = classes
-        rows = yield from retrying(lambda: all_rows(query, params))
+        parts = yield from on_every_shard(lambda: retrying(lambda: all_rows(query, params)))
         out = {wc: _EMPTY for wc in classes}
-        for row in rows:
+        for row in (r for part in parts for r in part):  # summed over shards
             age = row["oldest_due_age"]
+            was = out.get(row["worker_class"], _EMPTY)
+            ages = [a for a in (was.oldest_due_age_seconds, age) if a is not None]
             out[row["worker_class"]] = Depth(
-                int(row["queued_due"]),
-                int(row["queued_later"]),
-                int(row["running"]),
-                None if age is None else max(0.0, float(age)),
+                was.queued_due + int(row["queued_due"]),
+                was.queued_later + int(row["queued_later"]),
+                was.running + int(row["running"]),
+                max(0.0, float(max(ages))) if ages else None,
             )
         return out
 
@@ -334,6 +369,25 @@ class BatchOps:
                     row = now_row
             out.append(row if row is not None else LeaseLost(claim.request_id, f"{what} rejected"))
         return out
+
+
+def _per_shard(
+    items: Sequence[_I], claims: list[Claim], again: Callable[[list[_I]], Steps[list[_R]]]
+) -> Steps[list[_R] | None]:
+    """A batch whose claims live on several shards (a database split by workspace): run
+    ``again`` once per shard and answer in input order; None when they share one shard.
+    Each shard's part commits on its own (a batch was never one transaction for its
+    caller: each row reports its own outcome)."""
+    shards: list[int] = yield ShardGroups(tuple(c.request.workspace_id for c in claims))
+    if len(set(shards)) <= 1:
+        return None
+    out: list[_R | None] = [None] * len(claims)
+    for shard in sorted(set(shards)):
+        picked = [i for i, s in enumerate(shards) if s == shard]
+        part = yield from again([items[i] for i in picked])
+        for i, answer in zip(picked, part, strict=True):
+            out[i] = answer
+    return [a for a in out if a is not None]
 
 
 def _spaces(claims: list[Claim]) -> list[str]:

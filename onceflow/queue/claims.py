@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import builtins
 import inspect
+import itertools
 import logging
 import random
 import time
@@ -26,11 +27,14 @@ from onceflow.connector import (
     Execute,
     FetchAll,
     FetchOne,
+    OnShard,
     Pooled,
     Query,
+    ShardCount,
     Sleep,
     Steps,
     Transaction,
+    all_rows,
     on_connection,
     one_row,
     operation,
@@ -65,6 +69,9 @@ from onceflow.queue.sql import N
 from onceflow.settings import Settings
 
 log = logging.getLogger("onceflow.queue")
+
+#: Where claim_next starts on a database split by workspace (see claim_next).
+_next_shard = itertools.count()
 _T = TypeVar("_T")
 
 #: What every fenced write takes: a claim, or its bare ``(request_id, token)``.
@@ -178,7 +185,11 @@ class ClaimOps:
         claims: builtins.list[Claim] = []
         took_over: builtins.list[bool] = []
         lazy = yield from self._lazy()
-        for wc in classes:
+        shards: int = yield ShardCount()
+        # A database split by workspace: each shard in turn, from the next one each call,
+        # so no shard's work waits behind another's (priority holds within a shard).
+        start = next(_next_shard) % shards
+        for wc, shard in ((w, (start + k) % shards) for w in classes for k in range(shards)):
             want = limit - len(claims)
             if want <= 0:
                 break
@@ -187,7 +198,7 @@ class ClaimOps:
                 "worker_class": wc, "worker_id": worker_id, "tokens": tokens,
                 "lease_seconds": lease, "max_runtime": runtime, "now": now, "lazy": lazy,
             }  # fmt: skip
-            rows = yield FetchAll(sql.claim_next_query(want), params)
+            rows = yield OnShard(shard, all_rows(sql.claim_next_query(want), params))
             for row in rows:
                 request = Request.from_row(row)
                 assert request.lease_expires_at is not None  # noqa: S101

@@ -18,6 +18,7 @@ from onceflow.connector import (
     Execute,
     ExecutorConnector,
     Pooled,
+    ShardGroups,
     Steps,
     Transaction,
     Using,
@@ -118,11 +119,42 @@ class EnqueueOps:
         """
         if not _sized(items):
             return []
+        if connection is None:
+            spread = yield from self._by_shard(items)
+            if spread is not None:  # a database split by workspace: one statement per shard
+                if strict:
+                    raise InvalidRequest(
+                        "a strict batch is atomic, so it must stay on one shard: its "
+                        "workspaces live on several (enqueue them per workspace)"
+                    )
+                return (yield from self._enqueue_spread(items, spread, now))
         params = self._enqueue_params(items, now)  # ids (random ones too) minted once, here
         if connection is not None:
             results: list[EnqueueResult] = yield Using(connection, self._enqueue(params, strict))
             return results
         return (yield from self._enqueue(params, strict))
+
+    def _by_shard(self, items: Sequence[NewRequest]) -> Steps[list[int] | None]:
+        """Each item's shard, when the items live on more than one (else None)."""
+        for item in items:
+            if not isinstance(item, NewRequest):
+                raise InvalidRequest(f"expected NewRequest, got {type(item).__name__}")
+        shards: list[int] = yield ShardGroups(tuple(item.workspace_id for item in items))
+        return shards if len(set(shards)) > 1 else None
+
+    def _enqueue_spread(
+        self, items: Sequence[NewRequest], shards: list[int], now: datetime | None
+    ) -> Steps[list[EnqueueResult]]:
+        """``items`` of several shards: one enqueue per shard, results in input order. Each
+        shard's rows commit on their own (every row is idempotent: a retry collapses)."""
+        out: list[EnqueueResult | None] = [None] * len(items)
+        for shard in sorted(set(shards)):
+            picked = [i for i, s in enumerate(shards) if s == shard]
+            params = self._enqueue_params([items[i] for i in picked], now)
+            done = yield from self._enqueue(params, False)
+            for i, result in zip(picked, done, strict=True):
+                out[i] = result
+        return [r for r in out if r is not None]
 
     @operation
     def enqueue_many_with(

@@ -35,7 +35,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from sqlalchemy import Engine
@@ -46,6 +46,7 @@ from onceflow.connector import (
     Steps,
     arun,
     conninfo,
+    on_every_shard,
     one_row,
     retrying,
     run,
@@ -82,8 +83,10 @@ def next_work(classes: list[str]) -> Steps[float | None]:
 
     A read: repeated once on a fresh connection after a lost one.
     """
-    row = yield from retrying(lambda: one_row(N.NEXT_WORK, {"worker_classes": classes}))
-    return None if row["next_in"] is None else float(row["next_in"])
+    params = {"worker_classes": classes}
+    rows = yield from on_every_shard(lambda: retrying(lambda: one_row(N.NEXT_WORK, params)))
+    known = [float(r["next_in"]) for r in rows if r["next_in"] is not None]
+    return min(known) if known else None  # the earliest over the shards
 
 
 def _check_wait(worker_classes: str | Sequence[str], timeout: float) -> tuple[list[str], float]:
@@ -322,8 +325,12 @@ class _Listening:
 class Waiter(_Listening):
     """``wait_for_work`` / ``wait_for_work_async`` (a mixin of :class:`~onceflow.queue.Queue`)."""
 
-    engine: Engine
     connector: Connector
+
+    if TYPE_CHECKING:  # the queue's (Queue.engine)
+
+        @property
+        def engine(self) -> Engine: ...
 
     # Built lazily, keyed by pid: a forked child never uses its parent's listener.
     _listener_pid: tuple[int, _Listener] | None = None

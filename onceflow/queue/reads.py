@@ -10,7 +10,15 @@ import builtins
 from collections.abc import Sequence
 from typing import Any
 
-from onceflow.connector import Query, Steps, all_rows, one_row, operation, retrying
+from onceflow.connector import (
+    Query,
+    Steps,
+    all_rows,
+    on_every_shard,
+    one_row,
+    operation,
+    retrying,
+)
 from onceflow.errors import InvalidRequest, NotFound
 from onceflow.ids import check_id
 from onceflow.models.requests import Request
@@ -104,7 +112,15 @@ class ReadOps:
             params["statuses"] = [parse_status(s).value for s in statuses]
         given = {*params, *(["status"] if status is not None else [])}
         filters = tuple(f for f in sql.LIST_FILTERS if f in given)
-        rows = yield from every(sql.list_query(filters, limit), params)
+        query = sql.list_query(filters, limit)
+        if workspace_id is not None:  # one workspace: its shard (routed by the parameter)
+            rows = yield from every(query, params)
+        else:  # every shard's newest, merged as the statement orders them, cut at limit
+            parts = yield from on_every_shard(lambda: every(query, params))
+            rows = sorted(
+                (r for part in parts for r in part),
+                key=lambda r: (-r["created_at"].timestamp(), r["request_id"]),
+            )[:limit]
         return [Request.from_row(r) for r in rows]
 
     @operation
@@ -112,12 +128,13 @@ class ReadOps:
         """Request counts as ``{worker_class: {status: n}}`` (every status present, zeros too);
         of one workspace's requests if ``workspace_id`` is given, else of all."""
         if workspace_id is None:
-            rows = yield from every(N.COUNTS, {})
+            parts = yield from on_every_shard(lambda: every(N.COUNTS, {}))
+            rows = [r for part in parts for r in part]
         else:
             check_id("workspace_id", workspace_id)
             rows = yield from every(N.COUNTS_FOR_WORKSPACE, {"workspace_id": workspace_id})
         out: dict[str, dict[str, int]] = {}
         for row in rows:
             per_class = out.setdefault(row["worker_class"], {s.value: 0 for s in Status})
-            per_class[row["status"]] = int(row["n"])
+            per_class[row["status"]] += int(row["n"])
         return out

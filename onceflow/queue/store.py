@@ -22,9 +22,11 @@ from sqlalchemy import Engine
 from onceflow.connector import (
     AsyncPsycopgConnector,
     AsyncSide,
+    Connector,
     PsycopgConnector,
     SyncSide,
 )
+from onceflow.connector.sharded import ShardedConnector, UnroutedStatement
 from onceflow.db import get_engine
 from onceflow.payloads import canonical_json
 from onceflow.queue.batch import BatchOps
@@ -35,6 +37,7 @@ from onceflow.queue.operators import OperatorOps
 from onceflow.queue.reads import LIST_LIMIT_MAX, ReadOps
 from onceflow.queue.sweep import Sweeper
 from onceflow.settings import Settings, get_settings
+from onceflow.shards import ShardMap, configured_map
 
 log = logging.getLogger("onceflow.queue")
 
@@ -55,13 +58,49 @@ class Queue(SyncSide, EnqueueOps, ClaimOps, OperatorOps, ReadOps, Sweeper, Batch
         settings: Settings | None = None,
         *,
         resolver: Resolver | None = None,
+        shard_map: ShardMap | None = None,
     ):
         self.settings = settings or get_settings()
+        self.resolver = resolver
+        self._engine: Engine | None = None
+        self._shards: list[Queue] | None = None
+        if engine is None and shard_map is None:
+            shard_map = configured_map(self.settings)  # ONCEFLOW_DATABASE_URLS / _SHARD_MAP
+        if shard_map is not None and len(shard_map) > 1:
+            self.shard_map: ShardMap | None = shard_map
+            self.connector: Connector = ShardedConnector.from_map(shard_map)
+            return
+        if shard_map is not None:
+            engine = shard_map.urls[0]
         if engine is None or isinstance(engine, str):
             engine = get_engine(engine or self.settings.database_url)
-        self.engine = engine
+        self.shard_map = None
+        self._engine = engine
         self.connector = PsycopgConnector(engine)
-        self.resolver = resolver
+
+    @property
+    def engine(self) -> Engine:
+        """The engine of this queue's database; a queue over several shards has none (each
+        of :meth:`shards` has its own)."""
+        if self._engine is None:
+            raise UnroutedStatement(
+                "this queue spans several databases (ONCEFLOW_DATABASE_URLS): use its "
+                "shards(), one queue per database"
+            )
+        return self._engine
+
+    def shards(self) -> list[Queue]:
+        """One queue per database: ``[self]`` on one database; on a database split by
+        workspace, a queue on each shard (same settings and resolver), in shard order —
+        for work over every workspace that runs per shard (the sweeper, its election)."""
+        if self.shard_map is None:
+            return [self]
+        if self._shards is None:
+            self._shards = [
+                Queue(get_engine(url), self.settings, resolver=self.resolver)
+                for url in self.shard_map.urls
+            ]
+        return self._shards
 
     # enqueue, enqueue_many, enqueue_many_with, resolve: see queue/enqueue.py.
     # claim, claim_next, heartbeat, complete, hand_off, claim_parent, fail, fenced_retry:
@@ -99,6 +138,11 @@ class AsyncQueue(
         connector: AsyncPsycopgConnector | None = None,
     ):
         self.settings = settings or get_settings()
+        if url is None and connector is None and len(configured_map(self.settings)) > 1:
+            raise UnroutedStatement(
+                "AsyncQueue does not route over several databases yet (ONCEFLOW_DATABASE_URLS):"
+                " use the sync Queue, or an AsyncQueue per shard URL"
+            )
         self.aconnector = connector or AsyncPsycopgConnector(url or self.settings.database_url)
         self.resolver = resolver
 

@@ -561,18 +561,31 @@ class Flow:
         be waiting in the broker (see :meth:`Queue.due_for_dispatch`); prunes per the
         retention settings. ``now`` injects the database time (tests).
         """
-        self.queue.begin_sweep(self.sweep_name, f"call@{worker_id()}", min_gap=0)
-        return self.run_sweep(redispatch_after=redispatch_after, now=now)
+
+        def one(shard: Queue) -> SweepResult:
+            shard.begin_sweep(self.sweep_name, f"call@{worker_id()}", min_gap=0)
+            return self._sweep_shard(shard, redispatch_after=redispatch_after, now=now)
+
+        return self._per_shard(one)
 
     def sweep_if_due(self, min_gap: float, *, by: str) -> SweepResult | None:
         """Sweep unless a sweep of this Flow began less than ``min_gap`` seconds ago.
 
         Decided by a compare-and-set on the database clock, never this process's clock;
-        of several callers at once, one sweeps. None when it did not sweep.
+        of several callers at once, one sweeps. None when it did not sweep. On a
+        database split by workspace each shard holds its own election and is swept on
+        its own (a shard that is down stalls only its own workspaces).
         """
-        if not self.queue.begin_sweep(self.sweep_name, by, min_gap=min_gap).won:
-            return None
-        return self.run_sweep()
+        won: list[bool] = []
+
+        def one(shard: Queue) -> SweepResult:
+            if not shard.begin_sweep(self.sweep_name, by, min_gap=min_gap).won:
+                return SweepResult([], [], [])
+            won.append(True)
+            return self._sweep_shard(shard)
+
+        result = self._per_shard(one)
+        return result if won else None
 
     def run_sweep(
         self, *, redispatch_after: float | None = None, now: datetime | None = None
@@ -583,7 +596,41 @@ class Flow:
         dispatched; the prunes (the queue's, then the op log's) come last and a failing
         one is logged, never allowed to cost a wake-up or fail the sweep.
         """
-        result = self.queue.sweep_once(
+        return self._per_shard(
+            lambda shard: self._sweep_shard(shard, redispatch_after=redispatch_after, now=now)
+        )
+
+    def _per_shard(self, sweep: Callable[[Queue], SweepResult]) -> SweepResult:
+        """``sweep`` of each shard's queue (the queue itself on one database), merged. With
+        several shards, one that fails is logged and left for the next sweep while the
+        others are swept; the error is raised only if every shard failed."""
+        shards = self.queue.shards()
+        if len(shards) == 1:
+            return sweep(shards[0])
+        done: list[SweepResult] = []
+        failed: OnceflowError | None = None
+        for index, shard in enumerate(shards):
+            try:
+                done.append(sweep(shard))
+            except OnceflowError as exc:
+                failed = exc
+                log.warning(
+                    "sweep: shard %d skipped this time: %s: %s", index, type(exc).__name__, exc
+                )
+        if not done and failed is not None:
+            raise failed
+        return SweepResult(
+            rescued=[r for d in done for r in d.rescued],
+            quarantined=[r for d in done for r in d.quarantined],
+            to_dispatch=[r for d in done for r in d.to_dispatch],
+            pruned=sum(d.pruned for d in done),
+        )
+
+    def _sweep_shard(
+        self, queue: Queue, *, redispatch_after: float | None = None, now: datetime | None = None
+    ) -> SweepResult:
+        """One sweep of one database."""
+        result = queue.sweep_once(
             redispatch_after=redispatch_after,
             stages=sorted(self.stages),
             backlog=self.broker_backlog,
@@ -592,7 +639,7 @@ class Flow:
         )
         if self.settings.op_retention_seconds is not None:
             try:
-                oplog_for(self.queue).prune(older_than_seconds=self.settings.op_retention_seconds)
+                oplog_for(queue).prune(older_than_seconds=self.settings.op_retention_seconds)
             except Exception as exc:  # retention waits for the next sweep; nothing else does
                 log.warning(
                     "sweep: op-log prune failed, tried again next sweep: %s: %s",

@@ -147,7 +147,7 @@ class SweepWatchdog(bootsteps.StartStopStep):
         thread only ever reads them. (Both locks are also renewed in every forked child:
         see ``os.register_at_fork`` in ``onceflow.db`` and ``onceflow.tasks.flow``.)
         """
-        _ = self.flow.queue.engine
+        _ = [shard.engine for shard in self.flow.queue.shards()]
         self._stop.clear()
         self._thread = threading.Thread(
             target=self._run, name="onceflow-sweep-watchdog", daemon=True
