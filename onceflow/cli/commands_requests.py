@@ -127,13 +127,23 @@ def enqueue(
     )
 
 
+_WORKSPACE_OF_ID = click.option(
+    "--workspace",
+    "workspace_id",
+    default=None,
+    help="The request's workspace: the request is found by its key (workspace, id) instead "
+    "of by its id alone; not found if the id is another workspace's.",
+)
+
+
 @main.command()
 @click.argument("request_id")
+@_WORKSPACE_OF_ID
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @_errors_to_exit
-def show(request_id: str, as_json: bool) -> None:
+def show(request_id: str, workspace_id: str | None, as_json: bool) -> None:
     """Show one request."""
-    request = _queue().get(request_id).as_json()
+    request = _queue().get(request_id, workspace_id=workspace_id).as_json()
     if as_json:
         _echo_json(request)
         return
@@ -190,15 +200,17 @@ def list_(
 
 @main.command()
 @click.argument("request_id")
+@_WORKSPACE_OF_ID
 @_errors_to_exit
-def cancel(request_id: str) -> None:
+def cancel(request_id: str, workspace_id: str | None) -> None:
     """Cancel a queued request, or ask a running one to stop."""
-    _echo_json(_queue().cancel(request_id).as_json())
+    _echo_json(_queue().cancel(request_id, workspace_id=workspace_id).as_json())
 
 
 @main.command()
 @click.argument("request_id")
+@_WORKSPACE_OF_ID
 @_errors_to_exit
-def requeue(request_id: str) -> None:
+def requeue(request_id: str, workspace_id: str | None) -> None:
     """Run a finished or dead request again (refused while it runs)."""
-    _echo_json(_queue().requeue(request_id).as_json())
+    _echo_json(_queue().requeue(request_id, workspace_id=workspace_id).as_json())

@@ -8,7 +8,8 @@
   request (duplicates collapse onto one row) and send its Celery wake-up, exactly
   as :meth:`onceflow.tasks.Flow.enqueue` does; returns ``{request_id, created,
   status, input_mismatch}``;
-* ``get_request`` — one request (status, attempts, result, error, …);
+* ``get_request`` — one request (status, attempts, result, error, …), by its id and,
+  optionally, its workspace (then found by its key, not by its id alone);
 * ``list_requests`` — a workspace's requests, newest first, optionally by status;
 * ``list_stages`` — the stages the flow declares, with their input JSON schemas.
 
@@ -78,8 +79,8 @@ def build_server(flow: Flow, *, name: str = "onceflow") -> Any:
             "input_mismatch": result.input_mismatch,
         }
 
-    async def get_request(request_id: str) -> dict[str, Any]:
-        return await _run(lambda: flow.queue.get(request_id).as_json())
+    async def get_request(request_id: str, workspace_id: str | None = None) -> dict[str, Any]:
+        return await _run(lambda: flow.queue.get(request_id, workspace_id=workspace_id).as_json())
 
     async def list_requests(
         workspace_id: str,
@@ -111,7 +112,12 @@ def build_server(flow: Flow, *, name: str = "onceflow") -> Any:
             "branch_path, stage): asking again returns the same request_id with created=false. "
             "Returns request_id, created, status.",
         ),
-        (get_request, "One request by id: status, attempts, input, result, error, timestamps."),
+        (
+            get_request,
+            "One request by id: status, attempts, input, result, error, timestamps. Give its "
+            "workspace_id (as enqueue_stage was given) to find it by its key; a request of "
+            "another workspace is then not found.",
+        ),
         (
             list_requests,
             "A workspace's requests, newest first; optionally only some statuses "

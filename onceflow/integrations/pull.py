@@ -67,6 +67,13 @@ class PullClaim:
     attempt: int
     request: dict[str, Any]
 
+    @property
+    def workspace_id(self) -> str | None:
+        """The claimed request's workspace (from the claim's answer), sent on every later
+        call of the claim: the server finds the request by its key, not by its id alone."""
+        ws = self.request.get("workspace_id")
+        return ws if isinstance(ws, str) and ws else None
+
 
 class PullWorker:
     """Claims and runs requests of one worker class over onceflow's HTTP API."""
@@ -204,8 +211,9 @@ class PullWorker:
         """The claimed request's workspace events, once live (see :class:`ClaimEvents`)."""
         url = f"/v1/claims/{path_segment('request_id', claim.request_id)}/events"
         events = pull_locks.ClaimEvents(
-            self._client, url, self._headers, claim.request_id, claim.token
-        )
+            self._client, url, self._headers, claim.request_id, claim.token,
+            workspace_id=claim.workspace_id,
+        )  # fmt: skip
         timeout = self._client.timeout
         return events.open((timeout.connect or 10.0) + (timeout.read or 10.0))
 
@@ -315,7 +323,7 @@ class PullWorker:
 
     def _claim_call(self, claim: PullClaim, action: str, body: dict[str, Any]) -> dict[str, Any]:
         url = f"/v1/claims/{path_segment('request_id', claim.request_id)}/{action}"
-        response = self._send("POST", url, {"claim_token": claim.token, **body}, retry=True)
+        response = self._send("POST", url, {**_claim_body(claim), **body}, retry=True)
         raise_for_api_error(response, request_id=claim.request_id)
         data: dict[str, Any] = response.json()
         return data
@@ -362,6 +370,14 @@ class PullWorker:
             delay = min(2.0, 0.05 * 2 ** (attempt - 1))
             time.sleep(delay / 2 + random.uniform(0, delay / 2))
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _claim_body(claim: PullClaim) -> dict[str, Any]:
+    """What names the claim in a body: its token and, when known, its request's workspace."""
+    body: dict[str, Any] = {"claim_token": claim.token}
+    if claim.workspace_id is not None:
+        body["workspace_id"] = claim.workspace_id
+    return body
 
 
 class _Heartbeat(threading.Thread):

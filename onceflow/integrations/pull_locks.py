@@ -81,13 +81,21 @@ class ClaimEvents:
     """
 
     def __init__(
-        self, client: httpx.Client, url: str, headers: dict[str, str], request_id: str, token: str
+        self,
+        client: httpx.Client,
+        url: str,
+        headers: dict[str, str],
+        request_id: str,
+        token: str,
+        *,
+        workspace_id: str | None = None,
     ) -> None:
         self._client = client
         self._request_id = request_id
         self._url = url
         self._headers = headers
         self._token = token
+        self._workspace_id = workspace_id
         self._messages: queue.Queue[Message | None] = queue.Queue()
         self._ready = threading.Event()
         self._closing = threading.Event()
@@ -137,6 +145,8 @@ class ClaimEvents:
         # A stream: no read timeout (keep-alives say it lives; closing shuts its socket).
         timeout = httpx.Timeout(connect=base.connect, read=None, write=base.write, pool=base.pool)
         body = {"claim_token": self._token}
+        if self._workspace_id is not None:  # the request by its key, not by its id alone
+            body["workspace_id"] = self._workspace_id
         try:
             with self._client.stream(
                 "POST", self._url, json=body, headers=self._headers, timeout=timeout

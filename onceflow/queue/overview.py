@@ -70,10 +70,12 @@ SELECT now() AS db_now,
             LIMIT {OPS_CAP}) AS recent) AS last_minute
 """
 
-# Is this run (the dashboard's `run`) running and asked to stop already? (By primary key.)
+# Is this run (the dashboard's `run`) running and asked to stop already? By its key when the
+# dashboard sent the row's workspace, else by its id alone (ix_wpr_request_id).
 STOP_REQUESTED: Final = f"""
 SELECT 1 FROM {_T} w
-WHERE w.request_id = %(request_id)s  -- ix_wpr_request_id: the dashboard's row, by id
+WHERE w.request_id = %(request_id)s
+  AND (CAST(%(workspace_id)s AS text) IS NULL OR w.workspace_id = %(workspace_id)s)
   AND w.status = 'running' AND w.cancel_requested
   AND {RUN_ID} = %(run)s
 """
@@ -160,13 +162,15 @@ def read_tables(engine: Engine, *, count_cap: int = COUNT_CAP_DEFAULT) -> dict[s
 __all__ = ["DEAD_LIMIT", "REQUEST_QUERIES", "RUNNING_LIMIT", "read_tables"]
 
 
-def stop_already_requested(engine: Engine, request_id: str, run: str) -> bool:
-    """True if run ``run`` of the request is running and was asked to stop already."""
+def stop_already_requested(
+    engine: Engine, request_id: str, run: str, *, workspace_id: str | None = None
+) -> bool:
+    """True if run ``run`` of the request (in ``workspace_id``, when given) is running and
+    was asked to stop already."""
+    params = {"request_id": request_id, "workspace_id": workspace_id, "run": run}
 
     def read() -> bool:
         with raw_connection(engine) as raw:
-            return (
-                fetch_one(raw, STOP_REQUESTED, {"request_id": request_id, "run": run}) is not None
-            )
+            return fetch_one(raw, STOP_REQUESTED, params) is not None
 
     return bool(retry_disconnect(read))

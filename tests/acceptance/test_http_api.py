@@ -527,6 +527,7 @@ def test_no_5xx_for_any_input_over_the_openapi_schema(
         "worker_class": st.just(HYP),
         "op": op_shapes,
         "claim_token": st.just(token) | st.text(max_size=40),
+        "workspace_id": st.sampled_from(["w1", "w2"]) | nasty_text,  # the claim's, another's
         "input": st.fixed_dictionaries({"value": st.integers(-5, 5)}) | any_json,
         "wait": st.sampled_from([0, 0.01]),  # a claim's long poll: short, not up to 60 s
     }
@@ -975,3 +976,113 @@ def test_a_worker_retrying_writes_whose_answers_were_lost_gets_the_original_answ
     forged = client.post(f"/v1/claims/{rid}/complete", json={**body, "claim_token": "f" * 32},
                          headers=auth(WORKER_KEY))  # fmt: skip
     assert forged.status_code == 409 and forged.json()["code"] == "lease_lost"
+
+
+# ----------------------------------------------- the claimed request's workspace in the body
+
+
+def test_every_claim_call_finds_the_request_by_the_workspace_it_names(
+    client: httpx.Client, api: str, engine: Engine
+) -> None:
+    """``workspace_id`` in a claim call's body: the request is found by its key. Another
+    workspace than the request's is the same 409 lease_lost as a forged token, and changes
+    nothing (no row, no lock); the claim's own workspace is served as without it."""
+    (rid, token), (rid_b, token_b) = _claim_two_of_one_job(client)
+    row = client.get(f"/v1/workspaces/w1/requests/{rid}", headers=auth(API_KEY)).json()
+    assert row["workspace_id"] == "w1"
+
+    def post(action: str, ws: Any, **body: Any) -> httpx.Response:
+        sent = {"claim_token": token, "workspace_id": ws, **body}
+        return client.post(f"/v1/claims/{rid}/{action}", json=sent, headers=auth(WORKER_KEY))
+
+    task = {"task": "eval:ws"}
+    op = {"sub_doc": "doc-ws", "key": "k", "op": {"type": "node.insert", "node": "a"}}
+    calls: list[tuple[str, dict[str, Any]]] = [
+        ("heartbeat", {}), ("ops", op), ("sub-docs", {"sub_doc": "doc-ws"}), ("locks", task),
+        ("locks/extend", {**task, "lock_token": "lt"}),
+        ("locks/release", {**task, "lock_token": "lt", "outcome": "computed"}),
+        ("events", {}), ("fail", {"error": "x"}), ("complete", {"result": {"by": "w2"}}),
+    ]  # fmt: skip
+    before = snapshot(engine)
+    for action, body in calls:
+        for ws in ("w2", "ws-unknown"):  # another workspace's, or none's
+            answer = post(action, ws, **body)
+            assert answer.status_code == 409, (action, ws, answer.text)
+            assert answer.json()["code"] == "lease_lost", (action, answer.text)
+        for bad in ("", "a\x00b", 5, "x" * 201):  # checked like any id: 422
+            answer = post(action, bad, **body)
+            assert answer.status_code == 422, (action, bad, answer.text)
+    assert snapshot(engine) == before
+
+    # The claim's own workspace: every call is served.
+    beat = post("heartbeat", "w1")
+    assert beat.status_code == 200 and beat.json()["cancel_requested"] is False, beat.text
+    assert post("ops", "w1", **op).status_code == 201
+    assert post("sub-docs", "w1", sub_doc="doc-ws").json()["clock"] == 1
+    got = post("locks", "w1", **task)
+    assert got.status_code == 201 and got.json()["acquired"] is True, got.text  # none was taken
+    lock_token = got.json()["lock_token"]
+    _TOKENS_SEEN.append(lock_token)
+    assert post("locks/extend", "w1", **task, lock_token=lock_token).json() == {"held": True}
+    released = post("locks/release", "w1", **task, lock_token=lock_token, outcome="computed")
+    assert released.json() == {"released": True}
+    with (
+        httpx.Client(base_url=api, timeout=10) as http,
+        http.stream("POST", f"/v1/claims/{rid}/events", headers=auth(WORKER_KEY),
+                    json={"claim_token": token, "workspace_id": "w1"}) as stream,
+    ):  # fmt: skip
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        assert "event: ready" in [next(lines), next(lines)]
+    done = post("complete", "w1", result={"by": "w1"})
+    assert done.status_code == 200 and done.json()["result"] == {"by": "w1"}, done.text
+    failed = client.post(f"/v1/claims/{rid_b}/fail", headers=auth(WORKER_KEY),
+                         json={"claim_token": token_b, "workspace_id": "w1", "error": "x",
+                               "retryable": False})  # fmt: skip
+    assert failed.status_code == 200 and failed.json()["status"] == "dead", failed.text
+
+
+def test_the_python_pull_worker_sends_the_claims_workspace(client: httpx.Client, api: str) -> None:
+    """Every later call of a claim carries the claim answer's ``request.workspace_id``: the
+    same claim with another workspace in its request is refused on every call (found by
+    the key it names, not by its id), and served with its own."""
+    import dataclasses
+
+    enqueue(client, "w1", API_KEY, stage="noop", job_id="jpy", input={"value": 1},
+            worker_class=PULL)  # fmt: skip
+    with PullWorker(api, WORKER_KEY, PULL, lease_seconds=30) as worker:
+        claim = worker.claim()
+        assert claim is not None and claim.workspace_id == "w1"
+        _TOKENS_SEEN.append(claim.token)
+        moved = dataclasses.replace(claim, request={**claim.request, "workspace_id": "w2"})
+        assert moved.workspace_id == "w2"
+        op = {"type": "cell.set", "column": "c", "value": 1}
+        refused: list[Callable[[], Any]] = [
+            lambda: worker.heartbeat(moved),
+            lambda: worker.apply_op(moved, "job:jpy", op, key="c"),
+            lambda: worker.read_sub_doc(moved, "job:jpy"),
+            lambda: worker.acquire_lock(moved, "eval:py"),
+            lambda: worker.extend_lock(moved, "eval:py", "lt"),
+            lambda: worker.release_lock(moved, "eval:py", "lt", "computed"),
+            lambda: worker.claim_events(moved),
+            lambda: worker.fail(moved, {"type": "Wrong"}),
+            lambda: worker.complete(moved, {"by": "w2"}),
+        ]
+        for call in refused:
+            with pytest.raises(LeaseLost):
+                call()
+        assert worker.heartbeat(claim) is False
+        assert worker.apply_op(claim, "job:jpy", op, key="c").clock == 1
+        assert worker.read_sub_doc(claim, "job:jpy").clock == 1
+        got = worker.acquire_lock(claim, "eval:py")
+        assert got["acquired"] is True  # the refused acquire took nothing
+        _TOKENS_SEEN.append(got["lock_token"])
+        assert worker.extend_lock(claim, "eval:py", got["lock_token"]) is True
+        assert worker.release_lock(claim, "eval:py", got["lock_token"], "computed") is True
+        events = worker.claim_events(claim)
+        try:
+            assert events.ended is None  # live
+        finally:
+            events.close()
+        done = worker.complete(claim, {"by": "w1"})
+    assert done["status"] == "succeeded" and done["result"] == {"by": "w1"}

@@ -79,6 +79,15 @@ def test_agent_lists_tools_enqueues_and_reads_the_request_back(
 
             row = payload(await call(session, "get_request", request_id=first["request_id"]))
             assert (row["stage"], row["input"], row["status"]) == ("noop", {"value": 5}, "queued")
+            # With its workspace, the request is found by its key; another's is not found.
+            rid = first["request_id"]
+            keyed = payload(await call(session, "get_request", request_id=rid,
+                                       workspace_id="w-mcp"))  # fmt: skip
+            assert keyed == row
+            other = await call(session, "get_request", request_id=rid, workspace_id="w-other")
+            assert is_error(other) and "NotFound" in text(other), text(other)
+            bad = await call(session, "get_request", request_id=rid, workspace_id="")
+            assert is_error(bad) and "workspace_id" in text(bad), text(bad)
             listed = payload(await call(session, "list_requests", workspace_id="w-mcp"))
             assert [r["request_id"] for r in listed["requests"]] == [first["request_id"]]
             none = payload(

@@ -13,7 +13,7 @@ import redis as redis_lib
 from sqlalchemy import Engine, text
 
 from onceflow.demo.procs import wait_for
-from onceflow.keys import counters_key
+from onceflow.keys import counters_key, queue_name
 from onceflow.locks.counters import calls_saved, parse_hash
 from onceflow.models import NewRequest
 from onceflow.queue import Queue
@@ -289,3 +289,53 @@ def test_bad_and_unknown_ids(http: httpx.Client, dash: Any, engine: Engine) -> N
         )
         assert unknown.status_code == 404 and unknown.json()["code"] == "not_found"
     assert table_snapshot(engine) == before
+
+
+def test_actions_find_the_row_by_the_workspace_shown(
+    http: httpx.Client, dash: Any, engine: Engine, redis_url: str
+) -> None:
+    """The page sends the row's workspace: the request is found by its key. Another
+    workspace is 404 (as an unknown id) and changes nothing; no workspace still works."""
+    queue = Queue(engine)
+    [rid] = idle_rows(engine, due=1, later=0)
+    other = {"workspace_id": "dash-elsewhere"}
+    cancel, requeue = (f"/dashboard/api/requests/{rid}/{a}" for a in ("cancel", "requeue"))
+    snap = http.get("/dashboard/api/snapshot", headers=auth(VIEWER_KEY)).json()
+    assert snap["running"] == [] and snap["dead"] == []  # queued: not shown, as in the page
+
+    seen = {"version": queue.get(rid).updated_at.isoformat()}
+    before = table_snapshot(engine)
+    for ws, status in (("dash-elsewhere", 404), ("a\x00b", 422), ("", 422), (7, 422)):
+        answer = http.post(cancel, headers=auth(ADMIN_KEY), json={**seen, "workspace_id": ws})
+        assert answer.status_code == status, (ws, answer.text)
+    assert table_snapshot(engine) == before
+    done = http.post(cancel, headers=auth(ADMIN_KEY), json={**seen, "workspace_id": "dash-idle"})
+    assert done.status_code == 200 and done.json()["status"] == "cancelled", done.text
+
+    # Requeue the cancelled row: by another workspace 404, by its own it moves.
+    seen = {"version": done.json()["version"]}
+    before = table_snapshot(engine)
+    refused = http.post(requeue, headers=auth(ADMIN_KEY), json={**seen, **other})
+    assert refused.status_code == 404 and refused.json()["code"] == "not_found", refused.text
+    assert table_snapshot(engine) == before
+    moved = http.post(requeue, headers=auth(ADMIN_KEY), json={**seen, "workspace_id": "dash-idle"})
+    assert moved.status_code == 200 and moved.json()["status"] == "queued", moved.text
+    redis_lib.Redis.from_url(redis_url).delete(queue_name(IDLE))  # its wake-up: nobody serves
+
+    # A running row, cancelled by its run as shown (with its workspace), and a repeat.
+    assert queue.claim(rid, "holder", lease_seconds=300, workspace_id="dash-idle") is not None
+    snap = http.get("/dashboard/api/snapshot", headers=auth(VIEWER_KEY)).json()
+    [shown] = [r for r in snap["running"] if r["request_id"] == rid]
+    assert shown["workspace_id"] == "dash-idle"
+    run = {"run": shown["run"]}
+    before = table_snapshot(engine)
+    refused = http.post(cancel, headers=auth(ADMIN_KEY), json={**run, **other})
+    assert refused.status_code == 404, refused.text
+    assert table_snapshot(engine) == before
+    mine = {**run, "workspace_id": shown["workspace_id"]}  # what the page sends
+    first = http.post(cancel, headers=auth(ADMIN_KEY), json=mine)
+    assert first.status_code == 200 and first.json()["cancel_requested"] is True, first.text
+    again = http.post(cancel, headers=auth(ADMIN_KEY), json=mine)
+    assert again.status_code == 200 and again.json()["already_requested"] is True, again.text
+    refused = http.post(cancel, headers=auth(ADMIN_KEY), json={**run, **other})
+    assert refused.status_code == 404, refused.text

@@ -101,6 +101,11 @@ def test_dashboard_in_chromium(
     page = context.new_page()
     sent: list[str] = []
     page.on("request", lambda r: sent.append(r.url))
+    posted: list[tuple[str, Any]] = []  # the actions' bodies, as the page sent them
+    page.on(
+        "request",
+        lambda r: posted.append((r.url, r.post_data_json)) if r.method == "POST" else None,
+    )
 
     # No key, a wrong key, an API key: no data is shown.
     page.goto(url + "/dashboard")
@@ -184,6 +189,9 @@ def test_dashboard_in_chromium(
     shows(page, table_numbers(engine, redis_url))
     context.close()
 
+    # Each action named the row by its key: the workspace shown with it went in the body.
+    actions = {url.rsplit("/", 1)[1]: body for url, body in posted if "/requests/" in url}
+    assert actions["requeue"]["workspace_id"] == actions["cancel"]["workspace_id"] == "dash-ws1"
     # The key never travelled in a URL; the requeue is audit-logged with the key id only.
     assert not [u for u in sent if any(k in u for k in (VIEWER_KEY, ADMIN_KEY, API_KEY))]
     wait_for(lambda: f"requeued request {dead_id}" in api_proc.log(), what="the audit line")

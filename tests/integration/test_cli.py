@@ -56,6 +56,34 @@ def test_enqueue_show_status(clean_db: Engine) -> None:
     assert "llm" in status_text.stdout
 
 
+def test_workspace_names_the_request_by_its_key(clean_db: Engine) -> None:
+    """``--workspace`` on show, cancel and requeue: the request is found by (workspace, id);
+    another workspace's is "no request", exit 3, and nothing changes."""
+    made = onceflow("enqueue", "--stage", "s", "--workspace", "w1", "--job", "j",
+                    "--worker-class", "llm")  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    rid = json.loads(made.stdout)["request_id"]
+    shown = onceflow("show", rid, "--workspace", "w1", "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["workspace_id"] == "w1"
+    before = table_snapshot(clean_db)
+    for command in ("show", "cancel", "requeue"):
+        other = onceflow(command, rid, "--workspace", "w2")
+        assert (other.returncode, other.stdout) == (3, ""), (command, other.stderr)
+        assert f"no request {rid}" in other.stderr and "Traceback" not in other.stderr
+        bad = onceflow(command, rid, "--workspace", "")
+        assert bad.returncode == 1 and "workspace_id" in bad.stderr, (command, bad.stderr)
+    assert table_snapshot(clean_db) == before
+    cancelled = onceflow("cancel", rid, "--workspace", "w1")
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert json.loads(cancelled.stdout)["status"] == "cancelled"
+    requeued = onceflow("requeue", rid, "--workspace", "w1")
+    assert requeued.returncode == 0, requeued.stderr
+    assert json.loads(requeued.stdout)["status"] == "queued"
+    # Without --workspace, the id alone still finds it.
+    assert json.loads(onceflow("show", rid, "--json").stdout)["status"] == "queued"
+
+
 @pytest.mark.parametrize(
     ("args", "code", "message"),
     [

@@ -54,7 +54,7 @@ from onceflow.errors import InvalidRequest, InvalidTransition, OnceflowError
 from onceflow.ids import check_id
 from onceflow.integrations.fastapi.events import StreamLimit, too_many_streams
 from onceflow.integrations.fastapi.operators import Operator, operator_route_class
-from onceflow.integrations.fastapi.schemas import RequestIdPath
+from onceflow.integrations.fastapi.schemas import RequestIdPath, WorkspaceIdStr
 from onceflow.locks.savings import read_savings
 from onceflow.loops import PerLoop
 from onceflow.models import Dispatch, Status
@@ -253,6 +253,11 @@ class ActionIn(BaseModel):
         description="A running row's `run` as the snapshot showed it (the run's identity): "
         "to cancel it; refused (409) if that run ended or another took its place.",
     )
+    workspace_id: WorkspaceIdStr | None = Field(
+        default=None,
+        description="The row's `workspace_id` as the snapshot showed it: the request is found "
+        "by its key (workspace, id), not by its id alone; another workspace is 404.",
+    )
 
 
 def _operator(request: Request) -> Operator:
@@ -348,7 +353,7 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
         check_id("request_id", request_id)
         expect = _version(body.version)
         try:
-            done = svc.queue.requeue(request_id, expect=expect)
+            done = svc.queue.requeue(request_id, expect=expect, workspace_id=body.workspace_id)
         except InvalidTransition as exc:
             log.info("dashboard: operator %s: requeue of %s refused (%s)", who, request_id, exc)
             return _changed(request_id, f"it is {exc.status} and changed since it was shown")
@@ -373,16 +378,18 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
             raise InvalidRequest("run (a running row's) or version (a queued row's) is required")
         expect = _version(body.version) if body.version is not None else None
         try:
-            done = svc.queue.cancel(request_id, expect=expect, expect_run=body.run)
+            done = svc.queue.cancel(
+                request_id, expect=expect, expect_run=body.run, workspace_id=body.workspace_id
+            )
         except InvalidTransition as exc:
             if body.run is not None and stop_already_requested(
-                svc.queue.engine, request_id, body.run
+                svc.queue.engine, request_id, body.run, workspace_id=body.workspace_id
             ):
                 # Asked to stop already (another click, another operator): nothing new to do
                 # and nothing changed; what the operator wanted holds, so 200, not a conflict.
                 log.info("dashboard: operator %s: cancel of %s: stop already requested", who,
                          request_id)  # fmt: skip
-                current = svc.queue.get(request_id)
+                current = svc.queue.get(request_id, workspace_id=body.workspace_id)
                 return JSONResponse(
                     {
                         "request_id": request_id,

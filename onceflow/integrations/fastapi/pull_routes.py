@@ -30,6 +30,10 @@ interval if shorter) once the claim is over
 claimed request's workspace (``{workspace_id, sub_doc, clock, state}``) for a live claim: the
 pre-flight and double-check reads of a tab's stage, as ``ctx.read_sub_doc`` in Python.
 
+Every body also takes the claimed request's ``workspace_id`` (optional for now): the row is
+then found by its key ``(workspace_id, request_id)``; another workspace than the request's
+is the same 409 lease_lost as a wrong token.
+
 ``ttl_seconds`` is at most ``ONCEFLOW_LOCK_TTL_SECONDS`` (a longer one is cut to it).
 ``outcome`` (``computed``, ``double_check``, ``failed`` or ``abandoned``) feeds the workspace's
 compute-lock counters, so the dashboard's savings include the tabs' calls. The lock
@@ -68,9 +72,15 @@ CLAIM_CHECK_SECONDS = 5.0
 TtlSeconds = Annotated[float, Field(gt=0, le=3600)]
 
 
-class _In(BaseModel):
+class _ClaimIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     claim_token: s.ClaimTokenStr
+    workspace_id: s.WorkspaceIdStr | None = Field(
+        default=None, description=s.CLAIM_WORKSPACE_DESCRIPTION
+    )
+
+
+class _In(_ClaimIn):
     task: Task = Field(description="The expensive call, e.g. `eval:<column>`.")
 
 
@@ -82,18 +92,13 @@ class LockIn(_In):
     )
 
 
-class EventsIn(BaseModel):
+class EventsIn(_ClaimIn):
     """Follow the claimed request's workspace events while the claim is live."""
 
-    model_config = ConfigDict(extra="forbid")
-    claim_token: s.ClaimTokenStr
 
-
-class SubDocIn(BaseModel):
+class SubDocIn(_ClaimIn):
     """Read a sub-doc of the claimed request's workspace."""
 
-    model_config = ConfigDict(extra="forbid")
-    claim_token: s.ClaimTokenStr
     sub_doc: s.Id
 
 
@@ -183,18 +188,23 @@ def add_pull_routes(
     """Add the lock, events and sub-doc read routes for claim holders to the ``/v1`` router."""
 
     async def claim_holder(
-        request_id: str, token: str, principal: Principal, *, live: bool
+        request_id: str, body: _ClaimIn, principal: Principal, *, live: bool
     ) -> StageRequest:
-        # One answer (409 lease_lost) for "no such request", "not your worker class", "not
-        # running" and "wrong token", as on the other claim routes: nothing leaks about ids.
+        # One answer (409 lease_lost) for "no such request", "not in that workspace", "not
+        # your worker class", "not running" and "wrong token", as on the other claim routes:
+        # nothing leaks about ids. The row is found by its key when the body names the
+        # workspace, by its id alone when not.
         check_id("request_id", request_id)
+        ref = claim_ref(request_id, body.claim_token, principal, body.workspace_id)
         found: StageRequest | None
         if live:  # one read: the token, the live lease and the key's classes in its WHERE
-            scope = claim_ref(request_id, token, principal).worker_classes
-            found = await svc.async_queue.live_claim(request_id, token, worker_classes=scope)
+            found = await svc.async_queue.live_claim(
+                request_id, ref.token, worker_classes=ref.worker_classes,
+                workspace_id=ref.workspace_id,
+            )  # fmt: skip
         else:  # a release needs the cell, not a live claim: the lock token is the proof
             try:
-                found = await svc.async_queue.get(request_id)
+                found = await svc.async_queue.get(request_id, workspace_id=ref.workspace_id)
             except NotFound:
                 found = None
         if found is None or not principal.may_work(found.worker_class):
@@ -220,7 +230,7 @@ def add_pull_routes(
         request_id: s.RequestIdPath, body: LockIn, response: Response, principal: PrincipalDep
     ) -> LockOut:
         """Take the compute lock of ``task`` on the claimed request's job (a live claim only)."""
-        request = await claim_holder(request_id, body.claim_token, principal, live=True)
+        request = await claim_holder(request_id, body, principal, live=True)
         lock_key(request.workspace_id, request.job_id, body.task)  # a bad task: 400 first
         be = _lock_backend()
         ttl = _ttl(be, body.ttl_seconds)
@@ -244,7 +254,7 @@ def add_pull_routes(
         request_id: s.RequestIdPath, body: ExtendIn, principal: PrincipalDep
     ) -> ExtendOut:
         """Compare and extend: ``held: false`` once the lock expired or was taken."""
-        request = await claim_holder(request_id, body.claim_token, principal, live=True)
+        request = await claim_holder(request_id, body, principal, live=True)
         be = _lock_backend()
         ttl_ms = ttl_to_ms(_ttl(be, body.ttl_seconds))
         lock = handle(be, request, body, body.lock_token, ttl_ms)
@@ -261,7 +271,7 @@ def add_pull_routes(
         request_id: s.RequestIdPath, body: ReleaseIn, principal: PrincipalDep
     ) -> ReleaseOut:
         """Compare and delete, then announce ``lock_released`` on the workspace channel."""
-        request = await claim_holder(request_id, body.claim_token, principal, live=False)
+        request = await claim_holder(request_id, body, principal, live=False)
         be = _lock_backend()
         lock = handle(be, request, body, body.lock_token, 0)
         released = await be.cad_release(lock)
@@ -289,13 +299,15 @@ def add_pull_routes(
         request_id: s.RequestIdPath, body: EventsIn, principal: PrincipalDep
     ) -> Response:
         """Server-sent events of the claimed request's workspace, for the claim's holder."""
-        request = await claim_holder(request_id, body.claim_token, principal, live=True)
+        request = await claim_holder(request_id, body, principal, live=True)
         keepalive = svc.settings.api_sse_keepalive_seconds
-        scope = claim_ref(request_id, body.claim_token, principal).worker_classes
+        ref = claim_ref(request_id, body.claim_token, principal, body.workspace_id)
 
         async def claim_live() -> bool:
-            queue = svc.async_queue
-            live = await queue.live_claim(request_id, body.claim_token, worker_classes=scope)
+            live = await svc.async_queue.live_claim(
+                request_id, ref.token, worker_classes=ref.worker_classes,
+                workspace_id=ref.workspace_id,
+            )  # fmt: skip
             return live is not None
 
         return await event_stream(
@@ -314,7 +326,7 @@ def add_pull_routes(
         request_id: s.RequestIdPath, body: SubDocIn, principal: PrincipalDep
     ) -> s.SubDocOut:
         """A sub-doc of the claimed request's workspace: its state and commit clock."""
-        request = await claim_holder(request_id, body.claim_token, principal, live=True)
+        request = await claim_holder(request_id, body, principal, live=True)
         doc = await svc.async_oplog.get_sub_doc(request.workspace_id, body.sub_doc)
         return s.SubDocOut(
             workspace_id=doc.workspace_id, sub_doc=doc.sub_doc, clock=doc.clock, state=doc.state

@@ -76,7 +76,7 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         request_id: s.RequestIdPath, body: s.HeartbeatIn, principal: PrincipalDep
     ) -> s.HeartbeatOut:
         """Extend the lease; 409 lease_lost once it is gone (stop and write nothing)."""
-        ref = claim_ref(request_id, body.claim_token, principal)
+        ref = claim_ref(request_id, body.claim_token, principal, body.workspace_id)
         beat = await svc.async_queue.heartbeat(ref, lease_seconds=body.lease_seconds)
         return s.HeartbeatOut(
             lease_expires_at=beat.lease_expires_at, cancel_requested=beat.cancel_requested
@@ -93,7 +93,7 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         request_id: s.RequestIdPath, body: s.CompleteIn, principal: PrincipalDep
     ) -> s.RequestOut:
         """Finish the claimed request (fenced: a zombie's late completion is 409, no change)."""
-        ref = claim_ref(request_id, body.claim_token, principal)
+        ref = claim_ref(request_id, body.claim_token, principal, body.workspace_id)
         queue = svc.async_queue
         then: list[NewRequest] = []
         if body.then:
@@ -121,7 +121,7 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         request_id: s.RequestIdPath, body: s.FailIn, principal: PrincipalDep
     ) -> s.RequestOut:
         """Report a failed run: queued again after a backoff, or dead past its attempts."""
-        ref = claim_ref(request_id, body.claim_token, principal)
+        ref = claim_ref(request_id, body.claim_token, principal, body.workspace_id)
         failed = await svc.async_queue.fail(
             ref, body.error, retryable=body.retryable, retry_in=body.retry_in
         )
@@ -143,7 +143,7 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         request_id: s.RequestIdPath, body: s.ClaimOpIn, principal: PrincipalDep, response: Response
     ) -> s.ApplyOut:
         """Write to a sub-doc of the claimed request's workspace, fenced by the claim."""
-        ref = claim_ref(request_id, body.claim_token, principal)
+        ref = claim_ref(request_id, body.claim_token, principal, body.workspace_id)
         op_id = body.op_id or (stage_op_id(request_id, body.key) if body.key else None)
         if op_id is None:
             raise InvalidRequest("give key (or op_id), so that a retried write is applied once")
@@ -152,16 +152,22 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         return _apply_out(result, response)
 
 
-def claim_ref(request_id: str, token: str, principal: Principal) -> ClaimRef:
+def claim_ref(
+    request_id: str, token: str, principal: Principal, workspace_id: str | None = None
+) -> ClaimRef:
     """What a pull worker holds, scoped to the worker classes its key may work.
 
-    Nothing is read: the fenced statement itself checks token, live lease and class. One
-    answer (409 lease_lost) for "no such request", "not your worker class", "not running"
-    and "wrong token": a worker key learns nothing about requests it holds no claim on.
+    Nothing is read: the fenced statement itself checks token, live lease and class, and
+    finds the row by its key when the client sent the workspace (by its id alone when
+    not). One answer (409 lease_lost) for "no such request", "not in that workspace", "not
+    your worker class", "not running" and "wrong token": a worker key learns nothing about
+    requests it holds no claim on.
     """
     check_id("request_id", request_id)
+    if workspace_id is not None:
+        check_id("workspace_id", workspace_id)
     scope = None if WILDCARD in principal.worker_classes else tuple(principal.worker_classes)
-    return ClaimRef(request_id, token, scope)
+    return ClaimRef(request_id, token, scope, workspace_id)
 
 
 async def _long_poll(

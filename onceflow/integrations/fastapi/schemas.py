@@ -21,6 +21,12 @@ ClaimTokenStr = Annotated[str, StringConstraints(min_length=1, max_length=200)]
 OpIdStr = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{16,64}$")]
 Clock = Annotated[int, Field(ge=0, le=2**63 - 1)]
 LeaseSeconds = Annotated[float, Field(gt=0, le=86_400)]
+#: A workspace id in a body: 1 to 200 printable characters, checked as the server checks ids.
+WorkspaceIdStr = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=ID_MAX),
+    AfterValidator(lambda value: check_id("workspace_id", value)),
+]
 
 
 class _In(BaseModel):
@@ -138,10 +144,22 @@ class ClaimOut(BaseModel):
     request: RequestOut
 
 
+CLAIM_WORKSPACE_DESCRIPTION = (
+    "The claimed request's workspace (`request.workspace_id` of the claim's answer): the "
+    "request is found by its key (workspace, id) instead of by its id alone. Another "
+    "workspace than the request's is 409 lease_lost, as a wrong token is. Optional for now; "
+    "required in a later major version."
+)
+
+
 class TokenIn(_In):
-    """The claim token, sent in the body (never in the URL)."""
+    """The claim token, sent in the body (never in the URL), and the claimed request's
+    workspace."""
 
     claim_token: ClaimTokenStr
+    workspace_id: WorkspaceIdStr | None = Field(
+        default=None, description=CLAIM_WORKSPACE_DESCRIPTION
+    )
 
 
 class HeartbeatIn(TokenIn):

@@ -20,7 +20,9 @@ export class Subscription {
  * waiters. Ends for good at the server's `event: end` (the claim is over).
  */
 export class ClaimEvents {
-  constructor(api: Api, requestId: string, token: string, options?: { signal?: AbortSignal });
+  /** `workspaceId`: the claimed request's workspace, sent with the token (the row's key). */
+  constructor(api: Api, requestId: string, token: string, options?: { signal?: AbortSignal; workspaceId?: string });
+  readonly workspaceId: string | undefined;
   readonly opened: number;
   subscribe(): Promise<Subscription>;
   close(): void;
@@ -38,7 +40,9 @@ export interface AcquireAnswer {
 
 /** The lock calls of one claim (POST /v1/claims/{id}/locks, /extend, /release). */
 export class ClaimLocks {
-  constructor(api: Api, requestId: string, token: string, options?: { signal?: AbortSignal });
+  /** `workspaceId`: the claimed request's workspace, sent with the token (the row's key). */
+  constructor(api: Api, requestId: string, token: string, options?: { signal?: AbortSignal; workspaceId?: string });
+  readonly workspaceId: string | undefined;
   acquire(task: string, ttlSeconds?: number): Promise<AcquireAnswer>;
   extend(task: string, lockToken: string, ttlSeconds?: number): Promise<boolean>;
   release(task: string, lockToken: string, outcome: "computed" | "double_check" | "failed" | "abandoned"): Promise<boolean>;

@@ -40,9 +40,11 @@ export function isReleaseOf(message, jobId, task) {
  * stream that ends otherwise (a server restart) is opened again by the next subscribe().
  */
 export class ClaimEvents {
-  constructor(api, requestId, token, { signal } = {}) {
+  constructor(api, requestId, token, { signal, workspaceId } = {}) {
     this.api = api;
     this.requestId = requestId;
+    /** The claimed request's workspace, sent with the token (the row's key), if known. */
+    this.workspaceId = workspaceId;
     Object.defineProperty(this, "_token", { value: token, enumerable: false });
     this._parent = signal;
     this._subs = new Set();
@@ -98,7 +100,7 @@ export class ClaimEvents {
       let live = false;
       try {
         const response = await this.api.raw("POST", path, {
-          body: { claim_token: this._token },
+          body: claimBody(this._token, this.workspaceId),
           signal: controller.signal,
           timeoutMs: 0, // a stream: the keep-alives say it lives; the claim's end closes it
         });
@@ -210,9 +212,11 @@ export class Subscription {
  * thrown as LeaseLost (the claim is gone: the cell's lock is not ours to take).
  */
 export class ClaimLocks {
-  constructor(api, requestId, token, { signal } = {}) {
+  constructor(api, requestId, token, { signal, workspaceId } = {}) {
     this.api = api;
     this.requestId = requestId;
+    /** The claimed request's workspace, sent with the token (the row's key), if known. */
+    this.workspaceId = workspaceId;
     Object.defineProperty(this, "_token", { value: token, enumerable: false });
     this.signal = signal;
   }
@@ -222,7 +226,7 @@ export class ClaimLocks {
   }
 
   async acquire(task, ttlSeconds) {
-    const body = { claim_token: this._token, task };
+    const body = { ...claimBody(this._token, this.workspaceId), task };
     if (ttlSeconds !== undefined && ttlSeconds !== null) body.ttl_seconds = ttlSeconds;
     // Safe to repeat: a lost answer's lock is ours but unknown, and expires by its TTL.
     const answer = await this.api.callRetrying("POST", this._path(""), body, { signal: this.signal, what: "acquire lock" });
@@ -230,7 +234,7 @@ export class ClaimLocks {
   }
 
   async extend(task, lockToken, ttlSeconds) {
-    const body = { claim_token: this._token, task, lock_token: lockToken };
+    const body = { ...claimBody(this._token, this.workspaceId), task, lock_token: lockToken };
     if (ttlSeconds !== undefined && ttlSeconds !== null) body.ttl_seconds = ttlSeconds;
     const answer = await this.api.callRetrying("POST", this._path("/extend"), body, { signal: this.signal, attempts: 2, what: "extend lock" });
     return !!answer.body?.held;
@@ -238,10 +242,17 @@ export class ClaimLocks {
 
   async release(task, lockToken, outcome) {
     // Not tied to the stage's signal: a stage stopped by a lost lease still frees the cell.
-    const body = { claim_token: this._token, task, lock_token: lockToken, outcome };
+    const body = { ...claimBody(this._token, this.workspaceId), task, lock_token: lockToken, outcome };
     const answer = await this.api.callRetrying("POST", this._path("/release"), body, { what: "release lock" });
     return !!answer.body?.released;
   }
+}
+
+/** A claim call's body: the token and, when known, the claimed request's workspace. */
+function claimBody(token, workspaceId) {
+  const body = { claim_token: token };
+  if (workspaceId !== undefined && workspaceId !== null) body.workspace_id = workspaceId;
+  return body;
 }
 
 function isStored(value) {

@@ -34,6 +34,8 @@ export class PullClaim {
   readonly leaseExpiresAt: string;
   readonly attempt: number;
   readonly request: ClaimedRequest;
+  /** The request's workspace, sent with every later call of the claim (the row's key). */
+  readonly workspaceId: string | undefined;
 }
 
 export interface ApplyAnswer {

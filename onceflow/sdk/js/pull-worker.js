@@ -65,8 +65,17 @@ export class PullClaim {
     this.leaseExpiresAt = data.lease_expires_at;
     this.attempt = Number(data.attempt);
     this.request = data.request;
+    /** The request's workspace: sent with every later call of the claim (the row's key). */
+    this.workspaceId = typeof data.request?.workspace_id === "string" && data.request.workspace_id ? data.request.workspace_id : undefined;
     Object.defineProperty(this, "token", { value: data.claim_token, enumerable: false });
   }
+}
+
+/** What names a claim in a body: its token and, when known, its request's workspace. */
+function claimBody(claim) {
+  const body = { claim_token: claim.token };
+  if (claim.workspaceId !== undefined) body.workspace_id = claim.workspaceId;
+  return body;
 }
 
 /** What the handler gets: the request, the lease's state, fenced writes, hand-offs, locks. */
@@ -79,8 +88,9 @@ export class PullContext {
     this.signal = this._controller.signal;
     this._then = [];
     this._stop = null; // the reason the stage must stop, once known
-    this.events = new ClaimEvents(worker.api, claim.requestId, claim.token, { signal: this.signal });
-    this.locks = new ClaimLocks(worker.api, claim.requestId, claim.token, { signal: this.signal });
+    const named = { signal: this.signal, workspaceId: claim.workspaceId };
+    this.events = new ClaimEvents(worker.api, claim.requestId, claim.token, named);
+    this.locks = new ClaimLocks(worker.api, claim.requestId, claim.token, named);
   }
 
   get request() {
@@ -320,7 +330,7 @@ export class PullWorker {
     const path = `/v1/claims/${seg(ctx.claim.requestId)}/${action}`;
     const stageCall = action === "ops" || action === "sub-docs" || action === "heartbeat";
     try {
-      const answer = await this.api.callRetrying("POST", path, { claim_token: ctx.claim.token, ...body }, {
+      const answer = await this.api.callRetrying("POST", path, { ...claimBody(ctx.claim), ...body }, {
         signal: stageCall ? ctx.signal : undefined,
         what: action,
       });
@@ -367,7 +377,7 @@ export class PullWorker {
         }
         const timeoutMs = Math.max(1, start + (slot + 1) * interval - Date.now());
         try {
-          const answer = await this.api.call("POST", path, { claim_token: ctx.claim.token }, { signal: stopper.signal, timeoutMs });
+          const answer = await this.api.call("POST", path, claimBody(ctx.claim), { signal: stopper.signal, timeoutMs });
           if (answer.status === 200) {
             if (answer.body?.cancel_requested) ctx._halt(new Cancelled(`request ${ctx.claim.requestId}: cancel requested`));
             continue;

@@ -233,8 +233,12 @@ async function act(action, item, button) {
         method: "POST",
         headers: { ...authHeaders(), "Content-Type": "application/json" },
         // What the operator saw: a running row's run (its identity; a heartbeat moves its
-        // version) for cancel, the row's version for requeue. Changed since: 409.
-        body: JSON.stringify(action === "cancel" ? { run: item.run } : { version: item.version }),
+        // version) for cancel, the row's version for requeue. Changed since: 409. And the
+        // row's workspace: the request is found by its key, not by its id alone.
+        body: JSON.stringify({
+          ...(action === "cancel" ? { run: item.run } : { version: item.version }),
+          workspace_id: item.workspace_id,
+        }),
       },
     );
     if (response.ok) {

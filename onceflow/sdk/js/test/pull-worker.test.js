@@ -166,12 +166,60 @@ test("runOnce: a result completes with the hand-offs; the token only in bodies",
   });
   assert.equal(outcome, "succeeded");
   const complete = script.calls.find((c) => c.name.endsWith("/complete"));
-  assert.deepEqual(complete.body, { claim_token: "secret-claim-token", result: { done: 3 }, then: [{ stage: "next", input: { a: 1 }, branch_path: "b" }] });
+  assert.deepEqual(complete.body, { claim_token: "secret-claim-token", workspace_id: "w", result: { done: 3 }, then: [{ stage: "next", input: { a: 1 }, branch_path: "b" }] });
   const read = script.calls.find((c) => c.name.endsWith("/sub-docs"));
-  assert.deepEqual(read.body, { claim_token: "secret-claim-token", sub_doc: "job:j1" });
+  assert.deepEqual(read.body, { claim_token: "secret-claim-token", workspace_id: "w", sub_doc: "job:j1" });
   const op = script.calls.find((c) => c.name.endsWith("/ops"));
   assert.equal(op.body.key, "cell:c");
   assert.ok(script.calls.every((c) => !c.name.includes("secret")));
+});
+
+test("every later call of a claim names its request's workspace (the claim answer's request.workspace_id)", async () => {
+  let beaten;
+  const beat = new Promise((resolve) => (beaten = resolve));
+  const { w, script } = worker({
+    "POST /v1/worker-classes/t-wc/claims": () => claimAnswer({ lease_seconds: 0.06 }),
+    [`POST ${CLAIMS}/heartbeat`]: () => (beaten(), { body: { cancel_requested: false } }),
+    [`POST ${CLAIMS}/ops`]: () => ({ status: 201, body: { op_id: "x", clock: 1 } }),
+    [`POST ${CLAIMS}/sub-docs`]: () => ({ body: { workspace_id: "w", sub_doc: "d", clock: 0, state: {} } }),
+    [`POST ${CLAIMS}/locks`]: () => ({ status: 201, body: { acquired: true, locked: false, lock_token: "lt", ttl_ms: 60_000 } }),
+    [`POST ${CLAIMS}/locks/extend`]: () => ({ body: { held: true } }),
+    [`POST ${CLAIMS}/locks/release`]: () => ({ body: { released: true } }),
+    [`POST ${CLAIMS}/events`]: () => {
+      const sse = sseStream();
+      sse.send("ready", {});
+      return sse.response();
+    },
+    [`POST ${CLAIMS}/fail`]: () => ({ body: { status: "queued" } }),
+  });
+  const outcome = await w.runOnce(async (ctx) => {
+    assert.equal(ctx.claim.workspaceId, "w");
+    await beat;
+    await ctx.applyOp("d", { type: "cell.set", column: "c", value: 1 }, { key: "k" });
+    await ctx.readSubDoc("d");
+    const sub = await ctx.events.subscribe();
+    sub.close();
+    await ctx.locks.acquire("eval:fit");
+    await ctx.locks.extend("eval:fit", "lt");
+    await ctx.locks.release("eval:fit", "lt", "computed");
+    throw new Error("fail too");
+  });
+  assert.equal(outcome, "retry");
+  const onClaim = script.calls.filter((c) => c.name.startsWith(`POST ${CLAIMS}/`));
+  const actions = new Set(onClaim.map((c) => c.name.slice(`POST ${CLAIMS}/`.length)));
+  assert.deepEqual([...actions].sort(), ["events", "fail", "heartbeat", "locks", "locks/extend", "locks/release", "ops", "sub-docs"]);
+  for (const call of onClaim) assert.equal(call.body.workspace_id, "w", call.name);
+  // a claim answer without one (an older server): the calls name the request by its id alone
+  const older = worker({
+    "POST /v1/worker-classes/t-wc/claims": () => {
+      const answer = claimAnswer({ lease_seconds: 30 });
+      delete answer.body.request.workspace_id;
+      return answer;
+    },
+    [`POST ${CLAIMS}/complete`]: () => ({ body: { status: "succeeded" } }),
+  });
+  assert.equal(await older.w.runOnce(async () => 1), "succeeded");
+  assert.deepEqual(older.script.calls.at(-1).body, { claim_token: "secret-claim-token", result: 1, then: [] });
 });
 
 test("runOnce: an error fails retryable (retry) or permanent (dead)", async () => {
