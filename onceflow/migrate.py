@@ -32,7 +32,7 @@ def migrate(
 ) -> None:
     """Upgrade the database to ``revision``; running it again changes nothing.
 
-    ``partitions`` (default: ``ONCEFLOW_PARTITIONS``; 2–256) creates the workspace tables
+    ``partitions`` (default: ``ONCEFLOW_PARTITIONS``; 2 to 256) creates the workspace tables
     hash-partitioned by workspace in that many partitions — on a new database only. Unset,
     tables yet to be created follow the layout of those that exist. Asking for a layout the
     existing tables do not have raises :class:`~onceflow.errors.PartitionLayoutMismatch`

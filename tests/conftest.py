@@ -204,6 +204,8 @@ def database_url(services: tuple[str, str]) -> Iterator[str]:
     _reset_settings()
     try:
         migrate(url, partitions=TEST_PARTITIONS)
+        if TEST_PARTITIONS:
+            _check_partitioned(url, TEST_PARTITIONS)
         yield url
     finally:
         from onceflow.db import dispose_engines
@@ -211,6 +213,21 @@ def database_url(services: tuple[str, str]) -> Iterator[str]:
         dispose_engines()
         with psycopg.connect(libpq(admin_url), autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _check_partitioned(url: str, partitions: int) -> None:
+    """Fail the run unless every workspace table has ``partitions`` partitions."""
+    from onceflow.db import make_engine
+    from onceflow.migrations.partitioning import WORKSPACE_TABLES, layout
+
+    engine = make_engine(url, pool_size=1)
+    try:
+        with engine.connect() as conn:
+            found = layout(conn)
+    finally:
+        engine.dispose()
+    if found != dict.fromkeys(WORKSPACE_TABLES, partitions):
+        pytest.fail(f"ONCEFLOW_TEST_PARTITIONS={partitions}, but the test database has {found}")
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,8 @@ Rules for a revision touching a workspace table, so it works on both layouts:
 
 from __future__ import annotations
 
+from typing import Any
+
 from alembic import context, op
 from sqlalchemy import Connection, text
 
@@ -100,7 +102,7 @@ def is_partitioned(table: str) -> bool:
     return bool(kind == "p")
 
 
-def partition_by(partitions: int | None) -> dict[str, str]:
+def partition_by(partitions: int | None) -> dict[str, Any]:
     """``create_table`` keyword arguments: hash-partitioned by workspace, or none."""
     return {} if partitions is None else {"postgresql_partition_by": "HASH (workspace_id)"}
 
