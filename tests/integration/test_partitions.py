@@ -17,11 +17,12 @@ from typing import Any
 
 import psycopg
 import pytest
+from alembic import command
 from sqlalchemy import Connection, Engine, make_url, text
 
 from onceflow import InvalidRequest, PartitionLayoutMismatch, Queue
 from onceflow.db import fetch_all, make_engine, raw_connection
-from onceflow.migrate import check, migrate
+from onceflow.migrate import alembic_config, check, migrate
 from onceflow.migrations.partitioning import WORKSPACE_TABLES
 from onceflow.oplog import OpLog
 from onceflow.queue import metrics_sql, sql
@@ -173,6 +174,13 @@ def test_a_new_database_migrated_with_8_partitions(new_database: str) -> None:
             assert version.scalar_one() == "0008"
     finally:
         engine.dispose()
+    # Every downgrade works on the partitioned layout too, and the way up again.
+    command.downgrade(alembic_config(new_database), "base")
+    left = {r[0] for r in schema(new_database) if len(r) > 1}
+    assert left == {"onceflow_alembic_version", "onceflow_alembic_version_pkc"}
+    migrate(new_database, partitions=N)
+    check(new_database)
+    assert schema(new_database) == before
 
 
 def test_partitions_asked_for_on_existing_tables_are_refused_and_change_nothing(
