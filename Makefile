@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # Extra flags for `make demo`, e.g. DEMO_ARGS=--browser (see `onceflow demo --help`).
 DEMO_ARGS ?=
 
-.PHONY: help setup test lint typecheck demo bench clean
+.PHONY: help setup test test-partitioned lint typecheck demo bench clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -26,6 +26,15 @@ setup: $(BIN)/onceflow ## Create .venv and install onceflow with its dev, binary
 
 test: setup ## Run the whole test suite (real Postgres/Redis; embedded ones if none answer)
 	$(BIN)/python -m pytest
+
+# The queue and op-log suites again on workspace tables hash-partitioned in 8 (ONCEFLOW_PARTITIONS).
+PARTITIONED_TESTS := tests/integration/test_claims.py tests/integration/test_enqueue.py \
+	tests/integration/test_queue_batches.py tests/integration/test_sweeper.py \
+	tests/integration/test_oplog.py tests/integration/test_op_retention.py \
+	tests/integration/test_hand_offs.py tests/integration/test_locks.py
+
+test-partitioned: setup ## The queue and op-log suites on a hash-partitioned test database
+	ONCEFLOW_TEST_PARTITIONS=8 $(BIN)/python -m pytest $(PARTITIONED_TESTS) -q
 
 lint: setup ## ruff (lint and format check) and lint-imports (the layering contracts in pyproject.toml)
 	$(BIN)/ruff check .

@@ -13,7 +13,8 @@ stage code. Control-flow signals (retry later) are kept apart from errors.
     │   ├── InputMismatch         same request_id, different input (strict mode)
     │   ├── UnknownStage          no stage of that name is registered
     │   ├── OpIdConflict          same op id, different payload
-    │   └── ReplayTooOld          a replay older than the op log's retention
+    │   ├── ReplayTooOld          a replay older than the op log's retention
+    │   └── PartitionLayoutMismatch  migrate asked for a partitioning the tables do not have
     ├── NotFound                  no such request
     ├── InvalidTransition         e.g. requeue of a running request
     ├── LeaseLost                 the claim token no longer holds a live lease
@@ -199,6 +200,40 @@ class ReplayTooOld(InvalidRequest):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.op_id, self.base_clock, self.horizon))
+
+
+class PartitionLayoutMismatch(InvalidRequest):
+    """``onceflow migrate`` was asked for a table layout the existing tables do not have.
+
+    ``ONCEFLOW_PARTITIONS`` (or ``migrate(partitions=…)``) shapes new tables only: tables
+    that exist plain, or hash-partitioned another number of ways, are never converted by a
+    migration (docs/sharding.md 5.2). Raised before anything is written. ``found`` maps each
+    existing workspace table to its partition count (0: not partitioned).
+    """
+
+    def __init__(self, requested: int | None, found: dict[str, int]) -> None:
+        self.requested = requested
+        self.found = dict(found)
+
+        def shape(n: int) -> str:
+            return f"in {n} hash partitions by workspace" if n else "not partitioned"
+
+        groups: dict[int, list[str]] = {}
+        for table, n in found.items():
+            groups.setdefault(n, []).append(table)
+        have = "; ".join(f"{', '.join(tables)} {shape(n)}" for n, tables in groups.items())
+        if requested is None:
+            ask = "the workspace tables must share one layout"
+        else:
+            ask = f"partitions={requested} (ONCEFLOW_PARTITIONS) asks for tables {shape(requested)}"
+        super().__init__(
+            f"{ask}, but the database has {have}. Migrations shape new tables only and never "
+            "convert existing ones: unset ONCEFLOW_PARTITIONS (later migrations follow the "
+            "database's own layout), or convert the tables as docs/sharding.md 5.2 describes"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.requested, self.found))
 
 
 class DatabaseUnavailable(OnceflowError):

@@ -8,10 +8,14 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 
-from onceflow.db import translate_errors
+from onceflow.db import make_engine, translate_errors
+from onceflow.errors import InvalidRequest
+from onceflow.migrations import partitioning
 from onceflow.settings import get_settings
 
 MIGRATIONS = Path(__file__).parent / "migrations"
+#: The partition counts ``ONCEFLOW_PARTITIONS`` / ``migrate(partitions=…)`` accept.
+MIN_PARTITIONS, MAX_PARTITIONS = 2, 256
 
 
 def alembic_config(database_url: str | None = None) -> Config:
@@ -24,20 +28,45 @@ def alembic_config(database_url: str | None = None) -> Config:
     return cfg
 
 
-def migrate(database_url: str | None = None, revision: str = "head") -> None:
+def migrate(
+    database_url: str | None = None, revision: str = "head", partitions: int | None = None
+) -> None:
     """Upgrade the database to ``revision``; running it again changes nothing.
 
     Without ``database_url``: every database of the settings — each shard when
     ``ONCEFLOW_DATABASE_URLS`` / ``ONCEFLOW_SHARD_MAP`` name several (:func:`migrate_all`).
+
+    ``partitions`` (default: ``ONCEFLOW_PARTITIONS``; 2 to 256) creates the workspace tables
+    hash-partitioned by workspace in that many partitions — on a new database only. Unset,
+    tables yet to be created follow the layout of those that exist. Asking for a layout the
+    existing tables do not have raises :class:`~onceflow.errors.PartitionLayoutMismatch`
+    before anything is written: no migration converts tables (docs/sharding.md 5.2).
     """
     if database_url is None:
-        migrate_all(revision)
+        migrate_all(revision, partitions=partitions)
         return
+    requested = partitions if partitions is not None else get_settings().partitions
+    if requested is not None and not MIN_PARTITIONS <= requested <= MAX_PARTITIONS:
+        raise InvalidRequest(
+            f"partitions must be {MIN_PARTITIONS}..{MAX_PARTITIONS} (or unset), not {requested}"
+        )
+    cfg = alembic_config(database_url)
     with translate_errors(database_url):
-        command.upgrade(alembic_config(database_url), revision)
+        engine = make_engine(database_url, pool_size=1)
+        try:
+            with engine.connect() as conn:
+                cfg.attributes[partitioning.ATTRIBUTE] = partitioning.resolve(conn, requested)
+        finally:
+            engine.dispose()
+        command.upgrade(cfg, revision)
 
 
-def migrate_all(revision: str = "head", report: Callable[[int, str], None] | None = None) -> None:
+def migrate_all(
+    revision: str = "head",
+    report: Callable[[int, str], None] | None = None,
+    *,
+    partitions: int | None = None,
+) -> None:
     """Upgrade each database of the configured shard map, in shard order (one database
     without one). Each shard has its own migration history: a failure on shard k leaves
     shards before it migrated and stops there (run it again once k is reachable; every
@@ -47,8 +76,7 @@ def migrate_all(revision: str = "head", report: Callable[[int, str], None] | Non
     from onceflow.shards import configured_map
 
     for index, url in enumerate(configured_map().urls):
-        with translate_errors(url):
-            command.upgrade(alembic_config(url), revision)
+        migrate(url, revision, partitions)
         if report is not None:
             report(index, redact_url(url))
 

@@ -73,6 +73,16 @@ class Settings(BaseSettings):
         "again and the first run is fenced off (docs/reliability.md). Off: every commit waits.",
     )
     pool_size: int = Field(default=5, ge=1, description="SQLAlchemy pool size per process.")
+    partitions: int | None = Field(
+        default=None,
+        ge=2,
+        le=256,
+        description="Read by `onceflow migrate` on a new database only: create the workspace "
+        "tables (requests, compute locks, sub-docs, ops) PARTITION BY HASH (workspace_id) "
+        "in this many partitions; unset: plain tables. Later runs follow the database's "
+        "layout; asking for another one on existing tables is refused (no conversion: "
+        "docs/sharding.md 5.2).",
+    )
     broker_url: str | None = Field(
         default=None,
         description="Celery broker URL (redis://, or amqp:// for RabbitMQ); the Redis URL when "

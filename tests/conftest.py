@@ -31,6 +31,9 @@ _SERVER_REDIS = os.environ.get("ONCEFLOW_TEST_REDIS_URL") or os.environ.get("ONC
 _SERVER_AMQP = os.environ.get("ONCEFLOW_TEST_AMQP_URL")
 #: Where tests save artefacts (screenshots): $ONCEFLOW_TEST_ARTIFACTS, read before the scrub.
 TEST_ARTIFACTS = os.environ.get("ONCEFLOW_TEST_ARTIFACTS")
+#: $ONCEFLOW_TEST_PARTITIONS=N: the run's database is migrated with its workspace tables
+#: hash-partitioned by workspace in N partitions (ONCEFLOW_PARTITIONS); unset: plain tables.
+TEST_PARTITIONS = int(os.environ.get("ONCEFLOW_TEST_PARTITIONS") or 0) or None
 for _name in [n for n in os.environ if n.startswith("ONCEFLOW_")]:
     del os.environ[_name]
 
@@ -184,18 +187,25 @@ def _rabbitmqctl(*args: str) -> bool | None:
 
 @pytest.fixture(scope="session")
 def database_url(services: tuple[str, str]) -> Iterator[str]:
-    """A fresh database for this run (unique name), migrated to head, dropped at the end."""
+    """A fresh database for this run (unique name), migrated to head, dropped at the end.
+
+    With ``ONCEFLOW_TEST_PARTITIONS=N`` its workspace tables are hash-partitioned in N
+    partitions (the name says so: ``onceflow_test_p<N>_…``).
+    """
     from onceflow.migrate import migrate
 
     admin_url, _ = services
-    name = f"onceflow_test_{os.getpid()}_{secrets.token_hex(3)}"
+    layout = f"p{TEST_PARTITIONS}_" if TEST_PARTITIONS else ""
+    name = f"onceflow_test_{layout}{os.getpid()}_{secrets.token_hex(3)}"
     with psycopg.connect(libpq(admin_url), autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
     url = make_url(admin_url).set(database=name).render_as_string(hide_password=False)
     os.environ["ONCEFLOW_DATABASE_URL"] = url  # for subprocesses: CLI, workers
     _reset_settings()
     try:
-        migrate(url)
+        migrate(url, partitions=TEST_PARTITIONS)
+        if TEST_PARTITIONS:
+            _check_partitioned(url, TEST_PARTITIONS)
         yield url
     finally:
         from onceflow.db import dispose_engines
@@ -203,6 +213,21 @@ def database_url(services: tuple[str, str]) -> Iterator[str]:
         dispose_engines()
         with psycopg.connect(libpq(admin_url), autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _check_partitioned(url: str, partitions: int) -> None:
+    """Fail the run unless every workspace table has ``partitions`` partitions."""
+    from onceflow.db import make_engine
+    from onceflow.migrations.partitioning import WORKSPACE_TABLES, layout
+
+    engine = make_engine(url, pool_size=1)
+    try:
+        with engine.connect() as conn:
+            found = layout(conn)
+    finally:
+        engine.dispose()
+    if found != dict.fromkeys(WORKSPACE_TABLES, partitions):
+        pytest.fail(f"ONCEFLOW_TEST_PARTITIONS={partitions}, but the test database has {found}")
 
 
 @pytest.fixture(scope="session")

@@ -77,9 +77,18 @@ def capped_statuses(rows: list[dict[str, object]]) -> list[str]:
     return sorted(out)
 
 
-# The planner's estimate of the table's rows (-1 before its first ANALYZE on PG 14+).
+# The planner's estimate of the table's rows (-1 before its first ANALYZE on PG 14+). A table
+# hash-partitioned by workspace (ONCEFLOW_PARTITIONS): the sum over its partitions, which
+# autovacuum analyzes; the parent's own reltuples is set by a manual ANALYZE only, and goes
+# stale (docs/sharding.md 2.4). Partitions never analyzed count 0; all of them: -1.
 ESTIMATED_ROWS = text(f"""
-SELECT c.reltuples::float8 AS estimate FROM pg_class c WHERE c.oid = '{TABLE}'::regclass
+SELECT CASE WHEN c.relkind = 'p' THEN (
+           SELECT CASE WHEN bool_or(p.reltuples >= 0)
+                       THEN sum(greatest(p.reltuples, 0))::float8 ELSE -1 END
+           FROM pg_inherits i JOIN pg_class p ON p.oid = i.inhrelid
+           WHERE i.inhparent = c.oid)
+       ELSE c.reltuples::float8 END AS estimate
+FROM pg_class c WHERE c.oid = '{TABLE}'::regclass
 """)
 
 Q_LIVE_COUNTS = live_counts()

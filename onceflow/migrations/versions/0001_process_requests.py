@@ -1,5 +1,10 @@
 """workspace_process_requests: the durable stage queue.
 
+With ``ONCEFLOW_PARTITIONS=N`` on a new database the table is created ``PARTITION BY HASH
+(workspace_id)`` in N partitions (onceflow/migrations/partitioning.py), keyed
+``(workspace_id, request_id)`` from the start: a partitioned table accepts no key without
+the partition column, so 0007/0008 find nothing left to do.
+
 Revision ID: 0001
 Revises:
 Create Date: 2026-12-02
@@ -11,6 +16,8 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import postgresql
 
+from onceflow.migrations import partitioning
+
 revision: str = "0001"
 down_revision: str | None = None
 branch_labels: str | Sequence[str] | None = None
@@ -21,6 +28,8 @@ TABLE = "workspace_process_requests"
 
 def upgrade() -> None:
     tz = sa.DateTime(timezone=True)
+    partitions = partitioning.target()
+    key = ["request_id"] if partitions is None else ["workspace_id", "request_id"]
     op.create_table(
         TABLE,
         sa.Column("request_id", sa.Text(), nullable=False),
@@ -68,8 +77,10 @@ def upgrade() -> None:
             "(status = 'running') = (claim_token IS NOT NULL AND lease_expires_at IS NOT NULL)",
             name=op.f("ck_workspace_process_requests_running_has_claim"),
         ),
-        sa.PrimaryKeyConstraint("request_id", name=op.f("pk_workspace_process_requests")),
+        sa.PrimaryKeyConstraint(*key, name=op.f("pk_workspace_process_requests")),
+        **partitioning.partition_by(partitions),
     )
+    partitioning.create_partitions(TABLE, partitions)
     op.create_index(
         "ix_wpr_claim",
         TABLE,
@@ -92,11 +103,12 @@ def upgrade() -> None:
     # A queue table churns: every claim, heartbeat and completion leaves a dead tuple.
     # Vacuum and analyze it far more eagerly than the 20% default so the claim index stays
     # small and plans stay right (Oban's and Hatchet's guidance; River issue #59).
-    op.execute(
-        f"ALTER TABLE {TABLE} SET ("
+    # (Set per partition on a partitioned table: its parent takes no storage parameters.)
+    partitioning.set_storage(
+        TABLE,
         "autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 500, "
         "autovacuum_analyze_scale_factor = 0.02, autovacuum_analyze_threshold = 500, "
-        "autovacuum_vacuum_cost_delay = 1)"
+        "autovacuum_vacuum_cost_delay = 1",
     )
 
 

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from onceflow.migrations import partitioning
+
 revision: str = "0002"
 down_revision: str | None = "0001"
 branch_labels: str | Sequence[str] | None = None
@@ -20,6 +22,7 @@ TABLE = "compute_locks"
 
 def upgrade() -> None:
     tz = sa.DateTime(timezone=True)
+    partitions = partitioning.target()  # ONCEFLOW_PARTITIONS: hash partitions by workspace
     op.create_table(
         TABLE,
         sa.Column("workspace_id", sa.Text(), nullable=False),
@@ -29,14 +32,16 @@ def upgrade() -> None:
         sa.Column("acquired_at", tz, server_default=sa.text("now()"), nullable=False),
         sa.Column("expires_at", tz, nullable=False),
         sa.PrimaryKeyConstraint("workspace_id", "job_id", "task", name=op.f("pk_compute_locks")),
+        **partitioning.partition_by(partitions),
     )
+    partitioning.create_partitions(TABLE, partitions)
     # Every acquisition inserts or updates and every release deletes: a churning table,
     # vacuumed as eagerly as the queue table (0001).
-    op.execute(
-        f"ALTER TABLE {TABLE} SET ("
+    partitioning.set_storage(
+        TABLE,
         "autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 500, "
         "autovacuum_analyze_scale_factor = 0.02, autovacuum_analyze_threshold = 500, "
-        "autovacuum_vacuum_cost_delay = 1)"
+        "autovacuum_vacuum_cost_delay = 1",
     )
 
 

@@ -11,6 +11,8 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import postgresql
 
+from onceflow.migrations import partitioning
+
 revision: str = "0003"
 down_revision: str | None = "0002"
 branch_labels: str | Sequence[str] | None = None
@@ -19,6 +21,7 @@ depends_on: str | Sequence[str] | None = None
 
 def upgrade() -> None:
     tz = sa.DateTime(timezone=True)
+    partitions = partitioning.target()  # ONCEFLOW_PARTITIONS: hash partitions by workspace
     op.create_table(
         "workspace_sub_docs",
         sa.Column("workspace_id", sa.Text(), nullable=False),
@@ -34,7 +37,9 @@ def upgrade() -> None:
             name=op.f("ck_workspace_sub_docs_clocks"),
         ),
         sa.PrimaryKeyConstraint("workspace_id", "sub_doc", name=op.f("pk_workspace_sub_docs")),
+        **partitioning.partition_by(partitions),
     )
+    partitioning.create_partitions("workspace_sub_docs", partitions)
     op.create_table(
         "workspace_sub_doc_ops",
         sa.Column("workspace_id", sa.Text(), nullable=False),
@@ -55,7 +60,9 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint(
             "workspace_id", "sub_doc", "op_id", name=op.f("pk_workspace_sub_doc_ops")
         ),
+        **partitioning.partition_by(partitions),
     )
+    partitioning.create_partitions("workspace_sub_doc_ops", partitions)
     op.create_index(
         "ix_ops_clock",
         "workspace_sub_doc_ops",
@@ -66,9 +73,8 @@ def upgrade() -> None:
     op.create_index("ix_ops_committed", "workspace_sub_doc_ops", ["committed_at"])
     # Both tables take a write per op: vacuum them eagerly, like the queue table.
     for table in ("workspace_sub_docs", "workspace_sub_doc_ops"):
-        op.execute(
-            f"ALTER TABLE {table} SET (autovacuum_vacuum_scale_factor = 0.02, "
-            "autovacuum_analyze_scale_factor = 0.02)"
+        partitioning.set_storage(
+            table, "autovacuum_vacuum_scale_factor = 0.02, autovacuum_analyze_scale_factor = 0.02"
         )
 
 

@@ -12,7 +12,9 @@ index; code of the release before writes ``ON CONFLICT (request_id)``, which nee
 primary key, dropped by 0008. A rolling upgrade therefore runs ``onceflow migrate --to 0007``,
 deploys, then ``onceflow migrate`` once no process of the old release is left (README,
 "Upgrading"). A table created partitioned (``ONCEFLOW_PARTITIONS``) is keyed
-``(workspace_id, request_id)`` from the start: nothing to do here.
+``(workspace_id, request_id)`` from the start: only ``ix_wpr_request_id`` is built there, one
+partition at a time ``CONCURRENTLY`` and attached to the parent's index (a partitioned
+parent refuses ``CREATE INDEX CONCURRENTLY``; onceflow/migrations/partitioning.py).
 
 Revision ID: 0007
 Revises: 0006
@@ -21,8 +23,9 @@ Create Date: 2026-12-04
 
 from collections.abc import Sequence
 
-import sqlalchemy as sa
 from alembic import op
+
+from onceflow.migrations import partitioning
 
 revision: str = "0007"
 down_revision: str | None = "0006"
@@ -38,39 +41,19 @@ INDEXES = (
 )
 
 
-def _partitioned() -> bool:
-    kind = op.get_bind().scalar(
-        sa.text("SELECT relkind FROM pg_class WHERE oid = to_regclass(:t)"), {"t": TABLE}
-    )
-    return bool(kind == "p")
-
-
-def _valid(name: str) -> bool | None:
-    """True for a valid index, False for one an interrupted build left INVALID, None: none."""
-    valid = op.get_bind().scalar(
-        sa.text("SELECT i.indisvalid FROM pg_index i WHERE i.indexrelid = to_regclass(:name)"),
-        {"name": name},
-    )
-    return None if valid is None else bool(valid)
-
-
 def upgrade() -> None:
-    if _partitioned():
-        return
+    partitioned = partitioning.is_partitioned(TABLE)
     with op.get_context().autocommit_block():
         for name, unique, columns in INDEXES:
-            state = _valid(name)
-            if state:
-                continue
-            if state is False:
-                op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {name}")
-            kind = "UNIQUE INDEX" if unique else "INDEX"
-            op.execute(f"CREATE {kind} CONCURRENTLY {name} ON {TABLE} ({columns})")
+            if unique and partitioned:
+                continue  # its primary key is (workspace_id, request_id) already (0001)
+            partitioning.create_index_concurrently(name, TABLE, columns, unique=unique)
 
 
 def downgrade() -> None:
-    if _partitioned():
-        return
+    partitioned = partitioning.is_partitioned(TABLE)
     with op.get_context().autocommit_block():
-        for name, _unique, _columns in reversed(INDEXES):
-            op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {name}")
+        for name, unique, _columns in reversed(INDEXES):
+            if unique and partitioned:
+                continue
+            partitioning.drop_index(name)

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from onceflow.migrations import partitioning
+
 revision: str = "0008"
 down_revision: str | None = "0007"
 branch_labels: str | Sequence[str] | None = None
@@ -55,8 +57,8 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    if _pk_columns() != ["workspace_id", "request_id"]:
-        return
+    if _pk_columns() != ["workspace_id", "request_id"] or partitioning.is_partitioned(TABLE):
+        return  # not migrated; or partitioned, where no key without workspace_id is allowed
     # Back to (request_id): unique by construction (ids embed the workspace or are random).
     op.execute("SET LOCAL lock_timeout = '5s'")
     op.execute(f"ALTER TABLE {TABLE} DROP CONSTRAINT {PK}")
