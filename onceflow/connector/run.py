@@ -123,7 +123,8 @@ async def _ado(c: AsyncConnector, step: Step) -> Any:
             )
         return await arun(step.connector, step.body)
     if isinstance(step, ShardCount | OnShard | ShardGroups):
-        return await _shard_step(c, step, arun)
+        answer = _shard_step(c, step, arun)  # an OnShard body's run is a coroutine
+        return (await answer) if inspect.isawaitable(answer) else answer
     if isinstance(step, Call):
         if inspect.iscoroutinefunction(step.fn):
             return await step.fn(*step.args)
