@@ -54,7 +54,23 @@ class CrossShardTransaction(InvalidRequest):
     """A transaction reached a second shard: one transaction stays within one workspace."""
 
 
-class ShardedConnector:
+class _Routed:
+    """Each statement on the connector :meth:`_on` picks for it."""
+
+    def _on(self, query: Query, params: Mapping[str, Any]) -> Connector:
+        raise NotImplementedError
+
+    def fetch_one(self, query: Query, params: Mapping[str, Any]) -> Any:
+        return self._on(query, params).fetch_one(query, params)
+
+    def fetch_all(self, query: Query, params: Mapping[str, Any]) -> list[Any]:
+        return self._on(query, params).fetch_all(query, params)
+
+    def execute(self, query: Query, params: Mapping[str, Any]) -> int:
+        return self._on(query, params).execute(query, params)
+
+
+class ShardedConnector(_Routed):
     """Statements routed to the shard of the workspace they name (see the module)."""
 
     pooled = True
@@ -128,15 +144,6 @@ class ShardedConnector:
 
     # ------------------------------------------------------------------ Connector
 
-    def fetch_one(self, query: Query, params: Mapping[str, Any]) -> Any:
-        return self._on(query, params).fetch_one(query, params)
-
-    def fetch_all(self, query: Query, params: Mapping[str, Any]) -> list[Any]:
-        return self._on(query, params).fetch_all(query, params)
-
-    def execute(self, query: Query, params: Mapping[str, Any]) -> int:
-        return self._on(query, params).execute(query, params)
-
     @contextmanager
     def transaction(self) -> Iterator[Connector]:
         pinned = _Pinned(self)
@@ -150,7 +157,7 @@ class ShardedConnector:
         _call_safely(fn)  # every statement here commits on its own
 
 
-class _Pinned:
+class _Pinned(_Routed):
     """A transaction of a :class:`ShardedConnector`: opened on the shard of its first
     statement, refusing any other shard after that."""
 
@@ -175,15 +182,6 @@ class _Pinned:
                 "one transaction stays within one workspace"
             )
         return self.inner
-
-    def fetch_one(self, query: Query, params: Mapping[str, Any]) -> Any:
-        return self._on(query, params).fetch_one(query, params)
-
-    def fetch_all(self, query: Query, params: Mapping[str, Any]) -> list[Any]:
-        return self._on(query, params).fetch_all(query, params)
-
-    def execute(self, query: Query, params: Mapping[str, Any]) -> int:
-        return self._on(query, params).execute(query, params)
 
     @contextmanager
     def transaction(self) -> Iterator[Connector]:

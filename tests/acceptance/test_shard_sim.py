@@ -45,4 +45,8 @@ def test_a_shard_restarted_mid_run_loses_nothing_and_stalls_only_its_workspaces(
     _, result = run_round(servers, Options(shards=2, workspaces=8, jobs=2, clients=3, restart=True))
     assert result["shards"][1]["finished_while_0_down"] > 0
     assert result["shards"][0]["not_succeeded"] == 0  # its workspaces resumed and finished
+    # No cell paid twice, on either shard: a value computed while its database was down
+    # is stored once the database is back, within the store's retry window (the lock TTL).
+    assert result["llm_cells_paid_twice"] == 0
+    assert result["llm_cells_paid_twice_on_stopped_shard"] == 0
     assert passes(result), json.dumps(result, default=str)

@@ -18,6 +18,7 @@ from onceflow.db import fetch_all, make_engine, raw_connection
 from onceflow.migrate import alembic_config, check, migrate
 from onceflow.queue import sql
 from tests.conftest import libpq
+from tests.integration.big_table import fill
 
 
 @pytest.fixture()
@@ -203,28 +204,7 @@ def test_0007_0008_key_requests_by_workspace_keeping_rows_ids_and_old_wake_ups(
 @pytest.mark.slow
 def test_claim_uses_its_partial_index_on_a_big_table(clean_db: Engine) -> None:
     with clean_db.begin() as conn:
-        conn.execute(
-            text("""
-            INSERT INTO workspace_process_requests
-                (request_id, workspace_id, job_id, branch_path, stage, dedupe, input, input_hash,
-                 worker_class, status, max_attempts, max_crash_attempts, finished_at, result)
-            SELECT 'done-' || i, 'w' || (i % 50), 'j' || i, '', 'evaluate', true, '{}', 'h',
-                   CASE WHEN i % 3 = 0 THEN 'llm' ELSE 'fallback' END, 'succeeded', 5, 3,
-                   now(), '{}'
-            FROM generate_series(1, 100000) AS i
-        """)
-        )
-        conn.execute(
-            text("""
-            INSERT INTO workspace_process_requests
-                (request_id, workspace_id, job_id, branch_path, stage, dedupe, input, input_hash,
-                 worker_class, max_attempts, max_crash_attempts)
-            SELECT 'todo-' || i, 'w' || (i % 50), 'j' || i, '', 'evaluate', true, '{}', 'h',
-                   CASE WHEN i % 2 = 0 THEN 'llm' ELSE 'fallback' END, 5, 3
-            FROM generate_series(1, 1000) AS i
-        """)
-        )
-        conn.execute(text("ANALYZE workspace_process_requests"))
+        fill(conn, finished=100000)
     params = {
         "worker_class": "llm", "worker_id": "w", "tokens": ["t"] * 10,
         "lease_seconds": 30.0, "max_runtime": None, "now": None, "lazy": True,

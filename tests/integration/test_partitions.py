@@ -28,6 +28,7 @@ from onceflow.oplog import OpLog
 from onceflow.queue import metrics_sql, sql
 from onceflow.settings import get_settings
 from tests.conftest import libpq
+from tests.integration.big_table import fill
 
 N = 8
 
@@ -263,28 +264,7 @@ def test_claim_over_many_workspaces_merges_the_partitions_partial_indexes(
     partitioned: Engine,
 ) -> None:
     with partitioned.begin() as conn:
-        conn.execute(
-            text("""
-            INSERT INTO workspace_process_requests
-                (request_id, workspace_id, job_id, branch_path, stage, dedupe, input, input_hash,
-                 worker_class, status, max_attempts, max_crash_attempts, finished_at, result)
-            SELECT 'done-' || i, 'w' || (i % 50), 'j' || i, '', 'evaluate', true, '{}', 'h',
-                   CASE WHEN i % 3 = 0 THEN 'llm' ELSE 'fallback' END, 'succeeded', 5, 3,
-                   now(), '{}'
-            FROM generate_series(1, 40000) AS i
-        """)
-        )
-        conn.execute(
-            text("""
-            INSERT INTO workspace_process_requests
-                (request_id, workspace_id, job_id, branch_path, stage, dedupe, input, input_hash,
-                 worker_class, max_attempts, max_crash_attempts, priority)
-            SELECT 'todo-' || i, 'w' || (i % 50), 'j' || i, '', 'evaluate', true, '{}', 'h',
-                   CASE WHEN i % 2 = 0 THEN 'llm' ELSE 'fallback' END, 5, 3, i % 7
-            FROM generate_series(1, 1000) AS i
-        """)
-        )
-        conn.execute(text("ANALYZE workspace_process_requests"))
+        fill(conn, finished=40000, priorities=7)
         # Each partition's index → the parent index it is attached to.
         parent_of = dict(
             conn.execute(
