@@ -191,7 +191,7 @@ class AsyncOpLog(AsyncSide, OpLogOps):
         url: str | None = None,
         settings: Settings | None = None,
         *,
-        connector: AsyncPsycopgConnector | AsyncShardedConnector | None = None,
+        connector: AsyncConnector | None = None,
         shard_map: ShardMap | None = None,
     ):
         self.settings = settings or get_settings()

@@ -146,7 +146,7 @@ class AsyncQueue(
         settings: Settings | None = None,
         *,
         resolver: Resolver | None = None,
-        connector: AsyncPsycopgConnector | AsyncShardedConnector | None = None,
+        connector: AsyncConnector | None = None,
         shard_map: ShardMap | None = None,
     ):
         self.settings = settings or get_settings()

@@ -107,7 +107,7 @@ class OnceflowServices:
                 current = self._async_oplog
                 if current is None or current[0] != pid:
                     pool = self.async_queue.aconnector
-                    log = AsyncOpLog(settings=self.settings, connector=pool)  # type: ignore[arg-type]
+                    log = AsyncOpLog(settings=self.settings, connector=pool)
                     current = (pid, log)
                     self._async_oplog = current
         return current[1]
