@@ -26,13 +26,18 @@ from typing import Any
 from sqlalchemy import Engine
 
 from onceflow.connector import (
+    AsyncConnector,
     AsyncPsycopgConnector,
     AsyncSide,
     Connector,
     PsycopgConnector,
     SyncSide,
 )
-from onceflow.connector.sharded import ShardedConnector, UnroutedStatement
+from onceflow.connector.sharded import (
+    AsyncShardedConnector,
+    ShardedConnector,
+    UnroutedStatement,
+)
 from onceflow.db import get_engine
 from onceflow.keys import workspace_channel
 from onceflow.loops import PerLoop, drop_redis_sockets
@@ -85,7 +90,10 @@ class OpLog(SyncSide, OpLogOps):
         self._engine: Engine | None = None
         if engine is None and shard_map is None:
             shard_map = configured_map(self.settings)  # ONCEFLOW_DATABASE_URLS / _SHARD_MAP
+        #: The map of the databases this op log routes over; None on one database.
+        self.shard_map: ShardMap | None = None
         if shard_map is not None and len(shard_map) > 1:
+            self.shard_map = shard_map
             self.connector: Connector = ShardedConnector.from_map(shard_map)  # by workspace
         else:
             if shard_map is not None:
@@ -170,8 +178,12 @@ class AsyncOpLog(AsyncSide, OpLogOps):
     Each operation is the very code :class:`OpLog` runs, on a psycopg async pool
     per event loop (nothing connects until the first call); the commit broadcast
     goes through ``redis.asyncio``, one client per event loop. ``from_oplog(oplog)``
-    shares a sync op log's database and settings. Close a loop's pool and Redis
-    client with :meth:`aclose`.
+    shares a sync op log's database (or shard map) and settings. Close a loop's pools and
+    Redis client with :meth:`aclose`.
+
+    Without ``url`` or ``connector``, the configured map decides, as for :class:`OpLog`:
+    over several databases each operation runs on its workspace's shard
+    (:class:`~onceflow.connector.sharded.AsyncShardedConnector`).
     """
 
     def __init__(
@@ -179,16 +191,36 @@ class AsyncOpLog(AsyncSide, OpLogOps):
         url: str | None = None,
         settings: Settings | None = None,
         *,
-        connector: AsyncPsycopgConnector | None = None,
+        connector: AsyncConnector | None = None,
+        shard_map: ShardMap | None = None,
     ):
         self.settings = settings or get_settings()
-        self.aconnector = connector or AsyncPsycopgConnector(url or self.settings.database_url)
+        self.shard_map: ShardMap | None = None
+        if connector is not None:
+            self.aconnector: AsyncConnector = connector
+            if isinstance(connector, AsyncShardedConnector):
+                self.shard_map = connector.shard_map
+        else:
+            if url is None:
+                if shard_map is None:
+                    shard_map = configured_map(self.settings)  # ONCEFLOW_DATABASE_URLS / ...
+                if len(shard_map) > 1:
+                    self.shard_map = shard_map
+                else:
+                    url = shard_map.urls[0]
+            if self.shard_map is not None:
+                self.aconnector = AsyncShardedConnector.from_map(self.shard_map)
+            else:
+                self.aconnector = AsyncPsycopgConnector(url)
         # Pruned of closed loops (their clients' sockets shut): a weak table kept them all.
         self._redis: PerLoop[AsyncRedis] = PerLoop(drop_redis_sockets)
 
     @classmethod
     def from_oplog(cls, oplog: OpLog) -> AsyncOpLog:
-        """An async op log on ``oplog``'s database, with its settings."""
+        """An async op log on ``oplog``'s database (on each of its shards, by the same
+        map), with its settings."""
+        if oplog.shard_map is not None:
+            return cls(settings=oplog.settings, shard_map=oplog.shard_map)
         return cls(oplog.engine.url.render_as_string(hide_password=False), oplog.settings)
 
     async def apply_op(
@@ -228,12 +260,12 @@ class AsyncOpLog(AsyncSide, OpLogOps):
             _broadcast_failed(applied.workspace_id, applied.sub_doc, exc)
 
     async def aclose(self) -> None:
-        """Close this event loop's connection pool and Redis client."""
+        """Close this event loop's connection pools (one per shard) and Redis client."""
         client = self._redis.pop()
         if client is not None:
             await client.aclose()
         connector = self.aconnector
-        if isinstance(connector, AsyncPsycopgConnector):
+        if isinstance(connector, AsyncPsycopgConnector | AsyncShardedConnector):
             await connector.aclose()
 
 

@@ -20,13 +20,18 @@ import logging
 from sqlalchemy import Engine
 
 from onceflow.connector import (
+    AsyncConnector,
     AsyncPsycopgConnector,
     AsyncSide,
     Connector,
     PsycopgConnector,
     SyncSide,
 )
-from onceflow.connector.sharded import ShardedConnector, UnroutedStatement
+from onceflow.connector.sharded import (
+    AsyncShardedConnector,
+    ShardedConnector,
+    UnroutedStatement,
+)
 from onceflow.db import get_engine
 from onceflow.payloads import canonical_json
 from onceflow.queue.batch import BatchOps
@@ -125,8 +130,14 @@ class AsyncQueue(
 
     Each operation is the very code :class:`Queue` runs (one body, two drivers), on a
     psycopg async pool per event loop (nothing connects until the first call).
-    ``AsyncQueue.from_queue(queue)`` shares a sync queue's settings and resolver
-    (a Flow's stage declarations). Close each loop's pool with :meth:`aclose`.
+    ``AsyncQueue.from_queue(queue)`` shares a sync queue's database (or shard map),
+    settings and resolver (a Flow's stage declarations). Close each loop's pools with
+    :meth:`aclose`.
+
+    Without ``url`` or ``connector``, the configured map decides (``ONCEFLOW_DATABASE_URLS``
+    / ``ONCEFLOW_SHARD_MAP``, else ``ONCEFLOW_DATABASE_URL``), as for :class:`Queue`: over
+    several databases the queue routes each operation to its workspace's shard
+    (:class:`~onceflow.connector.sharded.AsyncShardedConnector`; ``shard_map`` is then set).
     """
 
     def __init__(
@@ -135,28 +146,41 @@ class AsyncQueue(
         settings: Settings | None = None,
         *,
         resolver: Resolver | None = None,
-        connector: AsyncPsycopgConnector | None = None,
+        connector: AsyncConnector | None = None,
+        shard_map: ShardMap | None = None,
     ):
         self.settings = settings or get_settings()
-        if url is None and connector is None and len(configured_map(self.settings)) > 1:
-            raise UnroutedStatement(
-                "AsyncQueue does not route over several databases yet (ONCEFLOW_DATABASE_URLS):"
-                " use the sync Queue, or an AsyncQueue per shard URL"
-            )
-        self.aconnector = connector or AsyncPsycopgConnector(url or self.settings.database_url)
         self.resolver = resolver
+        self.shard_map: ShardMap | None = None
+        if connector is not None:
+            self.aconnector: AsyncConnector = connector
+            if isinstance(connector, AsyncShardedConnector):
+                self.shard_map = connector.shard_map
+            return
+        if url is None:
+            if shard_map is None:
+                shard_map = configured_map(self.settings)  # ONCEFLOW_DATABASE_URLS / _SHARD_MAP
+            if len(shard_map) > 1:
+                self.shard_map = shard_map
+                self.aconnector = AsyncShardedConnector.from_map(shard_map)
+                return
+            url = shard_map.urls[0]
+        self.aconnector = AsyncPsycopgConnector(url)
 
     @classmethod
     def from_queue(cls, queue: Queue) -> AsyncQueue:
-        """An async queue on ``queue``'s database, with its settings and resolver."""
+        """An async queue on ``queue``'s database (on each of its shards, by the same map),
+        with its settings and resolver."""
+        if queue.shard_map is not None:
+            return cls(settings=queue.settings, resolver=queue.resolver, shard_map=queue.shard_map)
         url = queue.engine.url.render_as_string(hide_password=False)
         return cls(url, queue.settings, resolver=queue.resolver)
 
     async def aclose(self) -> None:
-        """Close this event loop's connection pool and work listener."""
+        """Close this event loop's connection pools (one per shard) and work listener."""
         await self._close_async_listener()  # batches and sweeps: wait_for_work's listener
         connector = self.aconnector
-        if isinstance(connector, AsyncPsycopgConnector):
+        if isinstance(connector, AsyncPsycopgConnector | AsyncShardedConnector):
             await connector.aclose()
 
 

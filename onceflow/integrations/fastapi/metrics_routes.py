@@ -23,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 from starlette.routing import compile_path
 
+from onceflow.connector.sharded import UnroutedStatement
 from onceflow.integrations.fastapi.operators import operator_route_class
 from onceflow.metrics import record
 
@@ -132,6 +133,13 @@ def metrics_router(services: OnceflowServices) -> APIRouter:
 
     @router.get("/metrics", include_in_schema=False, operation_id="metrics")
     async def metrics() -> Response:
+        if settings.metrics_database and services.queue.shard_map is not None:
+            # The database collector reads one database: refused rather than one shard's
+            # counts shown as everyone's (ONCEFLOW_METRICS_DATABASE=false serves the rest).
+            raise UnroutedStatement(
+                "/metrics reads one database: with ONCEFLOW_DATABASE_URLS / "
+                "ONCEFLOW_SHARD_MAP set ONCEFLOW_METRICS_DATABASE=false"
+            )
         # The database read and the files' merge block: off the event loop.
         body = await run_in_threadpool(generate_latest, reg)
         return Response(body, media_type=CONTENT_TYPE_LATEST)

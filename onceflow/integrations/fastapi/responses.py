@@ -12,6 +12,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from starlette.responses import JSONResponse
 
+from onceflow.connector.sharded import UnroutedStatement
 from onceflow.errors import (
     AccessDenied,
     DatabaseUnavailable,
@@ -75,6 +76,10 @@ def error_response(exc: Exception) -> JSONResponse:
         status, code = 409, "invalid_transition"
     elif isinstance(exc, PayloadTooLarge):
         status, code = 413, "payload_too_large"
+    elif isinstance(exc, UnroutedStatement):
+        # A read over every workspace not yet taught about shards: say so, never one shard's.
+        status, code = 501, "not_implemented"
+        detail = f"not available on a database split by workspace yet: {exc}"
     elif isinstance(exc, InvalidRequest):
         status, code = 422, "invalid_request"
     elif isinstance(exc, UnicodeError):

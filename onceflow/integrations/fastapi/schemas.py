@@ -291,7 +291,8 @@ class ErrorOut(BaseModel):
     code: str = Field(
         description="bad_request, unauthorized, forbidden, not_found, method_not_allowed, "
         "lease_lost, op_id_conflict, replay_too_old, input_mismatch, invalid_transition, "
-        "request_timeout, payload_too_large, invalid_request, rate_limited, unavailable, internal"
+        "request_timeout, payload_too_large, invalid_request, rate_limited, unavailable, "
+        "not_implemented, internal"
     )
     horizon: int | None = Field(
         default=None, description="With replay_too_old: the op log's pruned clock."

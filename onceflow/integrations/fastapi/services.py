@@ -64,20 +64,28 @@ class OnceflowServices:
 
     @property
     def oplog(self) -> OpLog:
-        """This process's op log, on the queue's engine."""
+        """This process's op log, on the queue's database (on each of its shards when the
+        database is split by workspace)."""
         pid = os.getpid()
         current = self._oplog
         if current is None or current[0] != pid:
             with self._lock:
                 current = self._oplog
                 if current is None or current[0] != pid:
-                    current = self._oplog = (pid, OpLog(self.queue.engine, self.settings))
+                    current = self._oplog = (pid, self._new_oplog())
         return current[1]
+
+    def _new_oplog(self) -> OpLog:
+        queue = self.queue
+        if queue.shard_map is not None:
+            return OpLog(settings=self.settings, shard_map=queue.shard_map)
+        return OpLog(queue.engine, self.settings)
 
     @property
     def async_queue(self) -> AsyncQueue:
-        """This process's :class:`~onceflow.AsyncQueue`: the flow's queue (its database,
-        settings and stage declarations), on a psycopg async pool per event loop."""
+        """This process's :class:`~onceflow.AsyncQueue`: the flow's queue (its database or
+        shard map, settings and stage declarations), on a psycopg async pool per event loop
+        (per shard)."""
         pid = os.getpid()
         current = self._async_queue
         if current is None or current[0] != pid:
@@ -90,8 +98,8 @@ class OnceflowServices:
 
     @property
     def async_oplog(self) -> AsyncOpLog:
-        """This process's :class:`~onceflow.AsyncOpLog`: on the async queue's connection pool
-        (one per event loop) and one ``redis.asyncio`` client per event loop."""
+        """This process's :class:`~onceflow.AsyncOpLog`: on the async queue's connection pools
+        (one per event loop, per shard) and one ``redis.asyncio`` client per event loop."""
         pid = os.getpid()
         current = self._async_oplog
         if current is None or current[0] != pid:
@@ -99,7 +107,7 @@ class OnceflowServices:
                 current = self._async_oplog
                 if current is None or current[0] != pid:
                     pool = self.async_queue.aconnector
-                    log = AsyncOpLog(settings=self.settings, connector=pool)  # type: ignore[arg-type]
+                    log = AsyncOpLog(settings=self.settings, connector=pool)
                     current = (pid, log)
                     self._async_oplog = current
         return current[1]
