@@ -194,7 +194,39 @@ class _Pin:
 # ---------------------------------------------------------------------------- sync
 
 
-class ShardedConnector(_Routing[Connector]):
+class _Statements:
+    """A statement runs on the connector :meth:`_on` picks for it (router, transaction)."""
+
+    def _on(self, query: Query, params: Mapping[str, Any]) -> Connector:
+        raise NotImplementedError
+
+    def fetch_one(self, query: Query, params: Mapping[str, Any]) -> Any:
+        return self._on(query, params).fetch_one(query, params)
+
+    def fetch_all(self, query: Query, params: Mapping[str, Any]) -> list[Any]:
+        return self._on(query, params).fetch_all(query, params)
+
+    def execute(self, query: Query, params: Mapping[str, Any]) -> int:
+        return self._on(query, params).execute(query, params)
+
+
+class _AsyncStatements:
+    """:class:`_Statements` on an event loop."""
+
+    async def _on(self, query: Query, params: Mapping[str, Any]) -> AsyncConnector:
+        raise NotImplementedError
+
+    async def fetch_one(self, query: Query, params: Mapping[str, Any]) -> Any:
+        return await (await self._on(query, params)).fetch_one(query, params)
+
+    async def fetch_all(self, query: Query, params: Mapping[str, Any]) -> list[Any]:
+        return await (await self._on(query, params)).fetch_all(query, params)
+
+    async def execute(self, query: Query, params: Mapping[str, Any]) -> int:
+        return await (await self._on(query, params)).execute(query, params)
+
+
+class ShardedConnector(_Statements, _Routing[Connector]):
     """Statements routed to the shard of the workspace they name (see the module)."""
 
     @classmethod
@@ -211,15 +243,6 @@ class ShardedConnector(_Routing[Connector]):
     def _on(self, query: Query, params: Mapping[str, Any]) -> Connector:
         return self.shard_connectors[self.shard_index(query, params)]
 
-    def fetch_one(self, query: Query, params: Mapping[str, Any]) -> Any:
-        return self._on(query, params).fetch_one(query, params)
-
-    def fetch_all(self, query: Query, params: Mapping[str, Any]) -> list[Any]:
-        return self._on(query, params).fetch_all(query, params)
-
-    def execute(self, query: Query, params: Mapping[str, Any]) -> int:
-        return self._on(query, params).execute(query, params)
-
     @contextmanager
     def transaction(self) -> Iterator[Connector]:
         with ExitStack() as stack:
@@ -229,7 +252,7 @@ class ShardedConnector(_Routing[Connector]):
             _call_safely(fn)
 
 
-class _Pinned(_Pin):
+class _Pinned(_Statements, _Pin):
     """A transaction of a :class:`ShardedConnector` (see :class:`_Pin`)."""
 
     def __init__(self, outer: ShardedConnector, stack: ExitStack) -> None:
@@ -248,15 +271,6 @@ class _Pinned(_Pin):
             self._same(query, index)
         return self.inner
 
-    def fetch_one(self, query: Query, params: Mapping[str, Any]) -> Any:
-        return self._on(query, params).fetch_one(query, params)
-
-    def fetch_all(self, query: Query, params: Mapping[str, Any]) -> list[Any]:
-        return self._on(query, params).fetch_all(query, params)
-
-    def execute(self, query: Query, params: Mapping[str, Any]) -> int:
-        return self._on(query, params).execute(query, params)
-
     @contextmanager
     def transaction(self) -> Iterator[Connector]:
         # A savepoint: only once the shard is known (its first statement ran).
@@ -269,7 +283,7 @@ class _Pinned(_Pin):
 # --------------------------------------------------------------------------- async
 
 
-class AsyncShardedConnector(_Routing[AsyncPsycopgConnector]):
+class AsyncShardedConnector(_AsyncStatements, _Routing[AsyncPsycopgConnector]):
     """:class:`ShardedConnector` for asyncio: one :class:`AsyncPsycopgConnector` per shard
     (a psycopg pool per event loop each, nothing connects until a statement runs there),
     the same routing. Close a loop's pools with :meth:`aclose`."""
@@ -288,15 +302,6 @@ class AsyncShardedConnector(_Routing[AsyncPsycopgConnector]):
 
     async def _on(self, query: Query, params: Mapping[str, Any]) -> AsyncPsycopgConnector:
         return self.shard_connectors[await self.shard_index(query, params)]
-
-    async def fetch_one(self, query: Query, params: Mapping[str, Any]) -> Any:
-        return await (await self._on(query, params)).fetch_one(query, params)
-
-    async def fetch_all(self, query: Query, params: Mapping[str, Any]) -> list[Any]:
-        return await (await self._on(query, params)).fetch_all(query, params)
-
-    async def execute(self, query: Query, params: Mapping[str, Any]) -> int:
-        return await (await self._on(query, params)).execute(query, params)
 
     def transaction(self) -> AbstractAsyncContextManager[AsyncConnector]:
         return self._transaction()
@@ -320,7 +325,7 @@ class AsyncShardedConnector(_Routing[AsyncPsycopgConnector]):
                 raise outcome
 
 
-class _AsyncPinned(_Pin):
+class _AsyncPinned(_AsyncStatements, _Pin):
     """A transaction of an :class:`AsyncShardedConnector` (see :class:`_Pin`)."""
 
     def __init__(self, outer: AsyncShardedConnector, stack: AsyncExitStack) -> None:
@@ -338,15 +343,6 @@ class _AsyncPinned(_Pin):
         else:
             self._same(query, index)
         return self.inner
-
-    async def fetch_one(self, query: Query, params: Mapping[str, Any]) -> Any:
-        return await (await self._on(query, params)).fetch_one(query, params)
-
-    async def fetch_all(self, query: Query, params: Mapping[str, Any]) -> list[Any]:
-        return await (await self._on(query, params)).fetch_all(query, params)
-
-    async def execute(self, query: Query, params: Mapping[str, Any]) -> int:
-        return await (await self._on(query, params)).execute(query, params)
 
     def transaction(self) -> AbstractAsyncContextManager[AsyncConnector]:
         return self._savepoint()
