@@ -56,6 +56,7 @@ from sqlalchemy import make_url
 from onceflow.demo.procs import Proc, wait_for
 from onceflow.demo.scenario import SECTIONS
 from onceflow.demo.standins import StandIn
+from onceflow.migrate import register_shard
 from onceflow.shards import ShardMap
 
 APP = "onceflow.demo.stages:flow"
@@ -324,6 +325,8 @@ def run_round(servers: Servers, opts: Options) -> tuple[Round, dict[str, Any]]:
             private = servers.private_postgres()
             urls = [*stack.enter_context(shard_databases(private.url, 1)), *urls]
         shard_map = ShardMap.from_urls(urls)
+        for index, url in enumerate(urls):  # as `onceflow migrate` does under this map
+            register_shard(url, index, shard_map)
         rnd = Round(opts, urls, shard_map, llm, spread_workspaces(shard_map, opts.workspaces))
         run_id = secrets.token_hex(4)
         env = {

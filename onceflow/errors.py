@@ -312,6 +312,13 @@ class InvalidShardMap(OnceflowError, ValueError):
         return (type(self), (self.problem, self.source))
 
 
+class ShardMismatch(InvalidShardMap):
+    """A database is not the shard this process's map names: it is registered (by
+    ``onceflow migrate``, table ``onceflow_shard``) as another index, under another map, or
+    not at all. A configuration error (URLs in another order, a map changed on one host):
+    nothing is routed to it. The message shows the URL without its password."""
+
+
 class InvalidRedisUrl(OnceflowError, ValueError):
     """A Redis URL cannot be used: malformed, or a Redis Cluster where one server is needed.
 

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from alembic import command
 from alembic.config import Config
 
 from onceflow.db import make_engine, translate_errors
-from onceflow.errors import InvalidRequest
+from onceflow.errors import InvalidRequest, ShardMismatch
 from onceflow.migrations import partitioning
 from onceflow.settings import get_settings
+
+if TYPE_CHECKING:
+    from onceflow.shards import ShardMap
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 #: The partition counts ``ONCEFLOW_PARTITIONS`` / ``migrate(partitions=…)`` accept.
@@ -75,10 +79,36 @@ def migrate_all(
     from onceflow.db import redact_url
     from onceflow.shards import configured_map
 
-    for index, url in enumerate(configured_map().urls):
+    shard_map = configured_map()
+    for index, url in enumerate(shard_map.urls):
         migrate(url, revision, partitions)
+        if len(shard_map) > 1:
+            register_shard(url, index, shard_map)
         if report is not None:
             report(index, redact_url(url))
+
+
+def register_shard(url: str, index: int, shard_map: ShardMap) -> None:
+    """Record in ``url``'s database that it is shard ``index`` of ``shard_map`` (migration
+    0009's ``onceflow_shard``), which every router checks before it routes there. A database
+    registered as another index is refused (:class:`~onceflow.errors.ShardMismatch`), never
+    moved: its rows belong to the workspaces of that index. The same index under a changed
+    map (a shard added at the end, ranges or overrides changed) is updated."""
+    from onceflow.db import redact_url
+    from onceflow.shards import IDENTITY_SQL, REGISTER_SQL, identity_problem
+
+    params = {"index": index, "count": len(shard_map), "digest": shard_map.digest}
+    engine = make_engine(url, pool_size=1)
+    try:
+        with translate_errors(url), engine.begin() as conn:
+            done = conn.exec_driver_sql(REGISTER_SQL, params).first()
+            current = None if done else conn.exec_driver_sql(IDENTITY_SQL).mappings().first()
+    finally:
+        engine.dispose()
+    if done is None:
+        row = None if current is None else dict(current)
+        problem = identity_problem(row, index, shard_map) or "is registered as another shard"
+        raise ShardMismatch(f"database {redact_url(url)} {problem}")
 
 
 def check(database_url: str | None = None) -> None:

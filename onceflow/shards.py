@@ -415,3 +415,39 @@ def _kind(value: object) -> str:
     return {dict: "an object", list: "a list", str: "a string", type(None): "null"}.get(
         type(value), type(value).__name__
     )
+
+
+#: The identity row of a shard's database (migration 0009): which shard it is, of which map.
+IDENTITY_SQL = "SELECT shard_index, shard_count, map_digest FROM onceflow_shard"
+
+#: Written by ``onceflow migrate`` on each shard (never moving a database to another index).
+REGISTER_SQL = """
+INSERT INTO onceflow_shard (one, shard_index, shard_count, map_digest)
+VALUES (true, %(index)s, %(count)s, %(digest)s)
+ON CONFLICT (one) DO UPDATE
+SET shard_count = EXCLUDED.shard_count, map_digest = EXCLUDED.map_digest, updated_at = now()
+WHERE onceflow_shard.shard_index = EXCLUDED.shard_index
+RETURNING shard_index
+"""
+
+
+def identity_problem(row: Mapping[str, Any] | None, index: int, shard_map: ShardMap) -> str | None:
+    """Why a database whose identity row is ``row`` is not shard ``index`` of ``shard_map``;
+    None when it is. (What the router checks at its first statement on each shard.)"""
+    if row is None:
+        return (
+            f"is not registered as shard {index}: run `onceflow migrate` with this shard map "
+            "(it registers every shard)"
+        )
+    if row["shard_index"] != index:
+        return (
+            f"is shard {row['shard_index']} of {row['shard_count']}, but this map names it "
+            f"shard {index} of {len(shard_map)} (are the URLs in another order?)"
+        )
+    if row["shard_count"] != len(shard_map) or row["map_digest"] != shard_map.digest:
+        return (
+            f"was registered under another map ({row['shard_count']} shards, digest "
+            f"{str(row['map_digest'])[:12]}; this process: {len(shard_map)} shards, digest "
+            f"{shard_map.digest[:12]}): run `onceflow migrate` with the map every process uses"
+        )
+    return None

@@ -52,9 +52,9 @@ from onceflow.connector.steps import (
     one_row,
 )
 from onceflow.connector.sync import PsycopgConnector
-from onceflow.db import get_engine
-from onceflow.errors import DatabaseUnavailable, InvalidRequest
-from onceflow.shards import ShardMap
+from onceflow.db import get_engine, redact_url
+from onceflow.errors import DatabaseUnavailable, InvalidRequest, ShardMismatch
+from onceflow.shards import IDENTITY_SQL, ShardMap, identity_problem
 
 log = logging.getLogger("onceflow.db")
 
@@ -191,6 +191,94 @@ class _Pin:
         self.callbacks.append(fn)
 
 
+# ---------------------------------------------------------------------- shard identity
+
+#: The shard's identity row (migration 0009, written by ``onceflow migrate``).
+IDENTITY = Query("shards.identity", IDENTITY_SQL)
+
+
+def _refuse_unless(
+    row: Mapping[str, Any] | None, index: int, shard_map: ShardMap, url: Any
+) -> None:
+    problem = identity_problem(row, index, shard_map)
+    if problem is not None:
+        raise ShardMismatch(f"database {redact_url(url)} {problem}")
+
+
+class _CheckedShard(PsycopgConnector):
+    """Shard ``index``'s pooled connections; before its first statement in this process it
+    checks that the database is that shard of ``shard_map`` (its ``onceflow_shard`` row):
+    a database reached through a map that names it otherwise is refused
+    (:class:`~onceflow.errors.ShardMismatch`), never written to."""
+
+    def __init__(self, engine: Any, index: int, shard_map: ShardMap) -> None:
+        super().__init__(engine)
+        self.index = index
+        self.shard_map = shard_map
+        self.checked = False
+
+    def _check(self) -> None:
+        if not self.checked:
+            _refuse_unless(super().fetch_one(IDENTITY, {}), self.index, self.shard_map,
+                           self.engine.url)  # fmt: skip
+            self.checked = True
+
+    def fetch_one(self, query: Query, params: Mapping[str, Any]) -> Any:
+        self._check()
+        return super().fetch_one(query, params)
+
+    def fetch_all(self, query: Query, params: Mapping[str, Any]) -> list[Any]:
+        self._check()
+        return super().fetch_all(query, params)
+
+    def execute(self, query: Query, params: Mapping[str, Any]) -> int:
+        self._check()
+        return super().execute(query, params)
+
+    @contextmanager
+    def transaction(self) -> Iterator[Connector]:
+        self._check()
+        with super().transaction() as tx:
+            yield tx
+
+
+class _CheckedAsyncShard(AsyncPsycopgConnector):
+    """:class:`_CheckedShard` for the asyncio router."""
+
+    def __init__(self, url: str, index: int, shard_map: ShardMap, **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        self.index = index
+        self.shard_map = shard_map
+        self.checked = False
+
+    async def _check(self) -> None:
+        if not self.checked:
+            row = await super().fetch_one(IDENTITY, {})
+            _refuse_unless(row, self.index, self.shard_map, self.url)
+            self.checked = True
+
+    async def fetch_one(self, query: Query, params: Mapping[str, Any]) -> Any:
+        await self._check()
+        return await super().fetch_one(query, params)
+
+    async def fetch_all(self, query: Query, params: Mapping[str, Any]) -> list[Any]:
+        await self._check()
+        return await super().fetch_all(query, params)
+
+    async def execute(self, query: Query, params: Mapping[str, Any]) -> int:
+        await self._check()
+        return await super().execute(query, params)
+
+    def transaction(self) -> AbstractAsyncContextManager[AsyncConnector]:
+        return self._checked_transaction()
+
+    @asynccontextmanager
+    async def _checked_transaction(self) -> AsyncIterator[AsyncConnector]:
+        await self._check()
+        async with super().transaction() as tx:
+            yield tx
+
+
 # ---------------------------------------------------------------------------- sync
 
 
@@ -232,7 +320,13 @@ class ShardedConnector(_Statements, _Routing[Connector]):
     @classmethod
     def from_map(cls, shard_map: ShardMap) -> ShardedConnector:
         """One :class:`PsycopgConnector` per shard, on this process's engine for its URL."""
-        return cls(shard_map, [PsycopgConnector(get_engine(url)) for url in shard_map.urls])
+        return cls(
+            shard_map,
+            [
+                _CheckedShard(get_engine(url), index, shard_map)
+                for index, url in enumerate(shard_map.urls)
+            ],
+        )
 
     def shard_index(self, query: Query, params: Mapping[str, Any]) -> int:
         """The shard ``query`` runs on, from the workspace its parameters name (or, for a
@@ -292,7 +386,11 @@ class AsyncShardedConnector(_AsyncStatements, _Routing[AsyncPsycopgConnector]):
     def from_map(cls, shard_map: ShardMap, *, max_size: int | None = None) -> AsyncShardedConnector:
         """One :class:`AsyncPsycopgConnector` per shard URL of ``shard_map``."""
         return cls(
-            shard_map, [AsyncPsycopgConnector(url, max_size=max_size) for url in shard_map.urls]
+            shard_map,
+            [
+                _CheckedAsyncShard(url, index, shard_map, max_size=max_size)
+                for index, url in enumerate(shard_map.urls)
+            ],
         )
 
     async def shard_index(self, query: Query, params: Mapping[str, Any]) -> int:

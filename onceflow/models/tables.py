@@ -136,3 +136,18 @@ onceflow_sweeps = Table(
     Column("swept_at", DateTime(timezone=True), nullable=False),
     Column("swept_by", Text, nullable=False),
 )
+
+# Which shard this database is, when workspaces are split over several (migration 0009):
+# written by `onceflow migrate` under a shard map, checked by every process's router at its
+# first statement on the database (onceflow.connector.sharded). At most one row.
+onceflow_shard = Table(
+    "onceflow_shard",
+    metadata,
+    Column("one", Boolean, primary_key=True, server_default=text("true")),
+    Column("shard_index", Integer, nullable=False),
+    Column("shard_count", Integer, nullable=False),
+    Column("map_digest", Text, nullable=False),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    CheckConstraint("one", name="one"),
+    CheckConstraint("shard_index >= 0 AND shard_index < shard_count", name="index"),
+)

@@ -25,7 +25,7 @@ from onceflow.connector import FetchAll, FetchOne, Steps, Transaction, run
 from onceflow.connector.sharded import CrossShardTransaction, ShardedConnector, UnroutedStatement
 from onceflow.db import dispose_engines, fetch_all, fetch_one, get_engine, raw_connection
 from onceflow.errors import DatabaseUnavailable, InvalidRequest
-from onceflow.migrate import migrate
+from onceflow.migrate import migrate, register_shard
 from onceflow.oplog import OpLog, new_op_id
 from onceflow.queue.sql import N
 from onceflow.shards import ShardMap
@@ -58,7 +58,15 @@ def make_shards(admin: str, template: str, n: int) -> list[str]:
         name = f"onceflow_shard_{os.getpid()}_{secrets.token_hex(3)}_s{k}"
         _admin(libpq(admin), f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
         urls.append(make_url(admin).set(database=name).render_as_string(hide_password=False))
+    register(urls)
     return urls
+
+
+def register(urls: list[str]) -> None:
+    """What `onceflow migrate` does under this map: each database learns its shard index."""
+    shard_map = ShardMap.from_urls(urls)
+    for index, url in enumerate(urls):
+        register_shard(url, index, shard_map)
 
 
 def drop_shards(admin: str, urls: list[str]) -> None:
@@ -309,6 +317,59 @@ def test_onceflow_migrate_migrates_every_shard(services: tuple[str, str]) -> Non
         for url in urls:
             with psycopg.connect(libpq(url)) as conn:
                 row = conn.execute("SELECT version_num FROM onceflow_alembic_version").fetchone()
-                assert row == ("0008",)
+                assert row == ("0009",)
+                # ... and registered each database as its shard of the map
+                who = conn.execute("SELECT shard_index, shard_count FROM onceflow_shard").fetchone()
+                assert who == (urls.index(url), 2)
     finally:
         drop_shards(admin, urls)
+
+
+def test_a_database_that_is_not_the_shard_the_map_names_is_refused(
+    services: tuple[str, str], template: str
+) -> None:
+    """Each shard's database knows which shard it is (`onceflow migrate` writes it); a
+    process whose map names the databases in another order, or under another map, or one
+    never registered, is refused at its first statement there — nothing is written to the
+    wrong database (the rows of a workspace would land where no other process looks)."""
+    from onceflow.errors import ShardMismatch
+
+    urls = make_shards(services[0], template, 2)  # registered as shards 0 and 1
+    try:
+        swapped = Queue(shard_map=ShardMap.from_urls(list(reversed(urls))))
+        ws = spread_workspaces(ShardMap.from_urls(urls), 1)[0]
+        with pytest.raises(ShardMismatch, match=r"is shard (0|1) of 2, but this map names it shard (1|0) of 2"):
+            swapped.enqueue("s", ws, "j")
+        with pytest.raises(ShardMismatch):
+            swapped.counts()
+        assert all(rows_of(url) == [] for url in urls)  # nothing written anywhere
+        moved = ShardMap.from_json(
+            {"shards": urls, "overrides": {ws: 1 - ShardMap.from_urls(urls).shard_of(ws)}}
+        )
+        with pytest.raises(ShardMismatch, match="registered under another map"):
+            Queue(shard_map=moved).enqueue("s", ws, "j")
+        # migrate never moves a database to another index; a changed map of the same order
+        # (the override) is recorded, and then routes.
+        with pytest.raises(ShardMismatch, match="is shard 0"):
+            register_shard(urls[0], 1, ShardMap.from_urls(list(reversed(urls))))
+        for index, url in enumerate(urls):
+            register_shard(url, index, moved)
+        made = Queue(shard_map=moved).enqueue("s", ws, "j")
+        assert made.created and [r["workspace_id"] for r in rows_of(urls[moved.shard_of(ws)])] == [
+            ws
+        ]
+    finally:
+        drop_shards(services[0], urls)
+    # A database migrated alone, never registered: refused with the fix in the message.
+    lone = make_shards(services[0], template, 1)
+    extra = make_shards(services[0], template, 1)
+    try:
+        with psycopg.connect(libpq(lone[0]), autocommit=True) as conn:
+            conn.execute("DELETE FROM onceflow_shard")
+        pair = Queue(shard_map=ShardMap.from_urls([lone[0], extra[0]]))
+        with pytest.raises(
+            ShardMismatch, match="not registered as shard 0: run `onceflow migrate`"
+        ):
+            pair.counts()
+    finally:
+        drop_shards(services[0], lone + extra)
