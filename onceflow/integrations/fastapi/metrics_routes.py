@@ -119,12 +119,14 @@ def _template_of(scope: Scope) -> str | None:
 def metrics_router(services: OnceflowServices) -> APIRouter:
     """``GET /metrics`` guarded by an operator key with the viewer role."""
     from onceflow.metrics import registry
+    from onceflow.shards import configured_map
 
     router = APIRouter(route_class=operator_route_class(services))
     settings = services.settings
     # No pruning unless asked: the API may not see the workers' pids (another namespace).
     reg = registry(
-        settings.database_url,
+        # every shard of a database split by workspace
+        list(configured_map(settings).urls) if settings.metrics_database else None,
         database=settings.metrics_database,
         prune_dead=settings.api_metrics_prune_dead_pids,
         count_cap=settings.metrics_count_cap,
