@@ -40,11 +40,20 @@ clock only; this process's monotonic clock schedules heartbeats and retries.
 The connection pool is sized for the worker: ``concurrency`` (bodies writing ops) plus
 one each for the fetcher, completer, heartbeater and sweeper; LISTEN holds one more
 connection of its own.
+
+A database split by workspace (``ONCEFLOW_DATABASE_URLS`` / ``ONCEFLOW_SHARD_MAP``, or a
+sharded :class:`Queue` given): the worker claims from every shard (``claim_next`` visits
+them in turn and skips one that cannot be reached), waits on every shard's LISTEN, and
+runs one completer and one heartbeater per shard, so a shard that is down (whose
+batches retry until their leases would lapse) never holds up another's outcomes or
+leases; the sweeper sweeps each shard in turn, each in its own ``try``. Each shard has
+its own pool of the size above (a thread uses one shard at a time) and its own LISTEN.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -58,7 +67,6 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from onceflow.context import StageContext, error_payload, to_json_result
-from onceflow.db import make_engine
 from onceflow.errors import (
     Cancelled,
     InvalidRequest,
@@ -168,11 +176,12 @@ class Worker:
         if isinstance(queue, Queue):
             self.queue = queue
         else:
-            settings = get_settings()
-            engine = make_engine(
-                queue or settings.database_url, pool_size=concurrency + SERVICE_CONNECTIONS
-            )
-            self.queue = Queue(engine, settings)
+            # None: the settings' database(s) — every shard of a split database, each with
+            # a pool of this size (a thread uses one shard at a time).
+            pool = concurrency + SERVICE_CONNECTIONS
+            self.queue = Queue(queue, get_settings(), pool_size=pool)
+        #: The databases claims come from (1, or the shards of a split database).
+        self.shard_count = len(self.queue.shards())
         self.worker_classes = classes
         self.handler = handler
         self.concurrency = concurrency
@@ -190,12 +199,12 @@ class Worker:
         self._cond = threading.Condition()
         self._ready: deque[StageContext] = deque()  # claimed, not started
         self._held: dict[str, StageContext] = {}  # every claim this worker holds
-        # Held while outcomes are recorded (and dropped from _held) and while a heartbeat
-        # round runs: a heartbeat is never sent for a row whose outcome just committed
-        # (the database would reject it, a false "lease lost").
-        self._write_turn = threading.Lock()
+        # Per shard, held while its outcomes are recorded (and dropped from _held) and
+        # while its heartbeat round runs: a heartbeat is never sent for a row whose outcome
+        # just committed (the database would reject it, a false "lease lost").
+        self._write_turns = [threading.Lock() for _ in range(self.shard_count)]
         self._running = 0
-        self._done: list[_Done] = []
+        self._done: list[list[_Done]] = [[] for _ in range(self.shard_count)]  # per shard
         self._stopping = threading.Event()  # no more claims; finish what runs
         self._abandon = threading.Event()  # a second signal: do not wait for running bodies
         self._stopped = threading.Event()
@@ -277,14 +286,21 @@ class Worker:
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
+    def _shard(self, ctx: StageContext) -> int:
+        """The shard of ``ctx``'s claim (0 on one database)."""
+        shard_map = self.queue.shard_map
+        return 0 if shard_map is None else shard_map.shard_of(ctx.claim.request.workspace_id)
+
     def _start_threads(self) -> None:
         targets: list[tuple[str, Callable[[], None]]] = [
             (f"onceflow-body-{i}", self._body_loop) for i in range(self.concurrency)
         ]
-        targets += [
-            ("onceflow-completer", self._complete_loop),
-            ("onceflow-heartbeats", self._heartbeat_loop),
-        ]
+        for shard in range(self.shard_count):
+            suffix = f"-{shard}" if self.shard_count > 1 else ""
+            targets += [
+                (f"onceflow-completer{suffix}", functools.partial(self._complete_loop, shard)),
+                (f"onceflow-heartbeats{suffix}", functools.partial(self._heartbeat_loop, shard)),
+            ]
         if self.sweep:
             targets.append(("onceflow-sweeper", self._sweep_loop))
         for name, target in targets:
@@ -380,7 +396,7 @@ class Worker:
                 with self._cond:
                     self._running -= 1
                     if done is not None:
-                        self._done.append(done)
+                        self._done[self._shard(ctx)].append(done)
                     else:
                         self._drop(ctx)
                     self._cond.notify_all()
@@ -442,19 +458,20 @@ class Worker:
 
     # ---------------------------------------------------------------- completer
 
-    def _complete_loop(self) -> None:
+    def _complete_loop(self, shard: int) -> None:
+        """Records the outcomes of one shard's claims (one such thread per shard)."""
         delay = 0.05
         while True:
             with self._cond:
-                while not self._done and not self._completer_may_exit():
+                while not self._done[shard] and not self._completer_may_exit():
                     self._cond.wait()
-                if not self._done:
+                if not self._done[shard]:
                     return
-                batch, self._done = self._done, []
-            retry = self._record(batch)
+                batch, self._done[shard] = self._done[shard], []
+            retry = self._record(batch, shard)
             if retry:
                 with self._cond:
-                    self._done[:0] = retry
+                    self._done[shard][:0] = retry
                 time.sleep(delay)  # the database is away; _may_retry bounds how long
                 delay = min(1.0, delay * 2)
             else:
@@ -464,23 +481,26 @@ class Worker:
         """Nothing left to record, ever (caller holds the lock)."""
         return self._stopping.is_set() and (self._abandon.is_set() or self._running == 0)
 
-    def _record(self, batch: list[_Done]) -> list[_Done]:
-        """Record a batch; returns the items to try again (the database did not answer)."""
+    def _record(self, batch: list[_Done], shard: int) -> list[_Done]:
+        """Record a batch of one shard; returns the items to try again (the database did
+        not answer)."""
         plain = [d for d in batch if d.failure is None and not d.ctx._then]
         handing_off = [d for d in batch if d.failure is None and d.ctx._then]
         failed = [d for d in batch if d.failure is not None]
         retry: list[_Done] = []
         if plain:
             retry += self._apply(
-                plain, lambda: self.queue.complete_many([(d.ctx.claim, d.result) for d in plain])
+                plain,
+                lambda: self.queue.complete_many([(d.ctx.claim, d.result) for d in plain]),
+                shard,
             )
         for d in handing_off:  # a hand-off enqueues in the completion's transaction: one by one
-            retry += self._apply([d], self._hand_off_call(d))
+            retry += self._apply([d], self._hand_off_call(d), shard)
         # Minimal failures (after a refused batch) go alone: a refusal of others' cannot
         # take them down with it.
         for group in ([d for d in failed if not d.fallback], [d for d in failed if d.fallback]):
             if group:
-                retry += self._apply(group, self._fail_call(group))
+                retry += self._apply(group, self._fail_call(group), shard)
         return retry
 
     @staticmethod
@@ -495,11 +515,15 @@ class Worker:
     def _hand_off_call(self, d: _Done) -> Callable[[], Sequence[Any]]:
         return lambda: [self.queue.hand_off(d.ctx.claim, d.result, then=d.ctx._then)[0]]
 
-    def _apply(self, items: list[_Done], call: Callable[[], Sequence[Any]]) -> list[_Done]:
-        with self._write_turn:
-            return self._apply_in_turn(items, call)
+    def _apply(
+        self, items: list[_Done], call: Callable[[], Sequence[Any]], shard: int
+    ) -> list[_Done]:
+        with self._write_turns[shard]:
+            return self._apply_in_turn(items, call, shard)
 
-    def _apply_in_turn(self, items: list[_Done], call: Callable[[], Sequence[Any]]) -> list[_Done]:
+    def _apply_in_turn(
+        self, items: list[_Done], call: Callable[[], Sequence[Any]], shard: int
+    ) -> list[_Done]:
         try:
             outcomes: Sequence[Any] = call()
         except LeaseLost as exc:  # hand_off raises it for its one row
@@ -510,7 +534,7 @@ class Worker:
             log.error("worker: a batch was refused (%s); recording minimal failures", exc)
             self._forget([d for d in items if d.fallback], unrecorded=True)
             with self._cond:
-                self._done += [self._refused(d, exc) for d in items if not d.fallback]
+                self._done[shard] += [self._refused(d, exc) for d in items if not d.fallback]
                 self._cond.notify_all()
             return []
         except OnceflowError as exc:
@@ -553,15 +577,17 @@ class Worker:
 
     # ------------------------------------------------------------- heartbeater
 
-    def _heartbeat_loop(self) -> None:
+    def _heartbeat_loop(self, shard: int) -> None:
+        """Extends the leases of one shard's claims (one such thread per shard)."""
         interval = self.lease_seconds / 3
+        turn = self._write_turns[shard]
         while not self._stopped.wait(interval):
             # The completer is recording (the database is slow or away): skip this round.
-            if not self._write_turn.acquire(timeout=interval):
+            if not turn.acquire(timeout=interval):
                 continue
             try:
                 with self._cond:
-                    held = list(self._held.values())
+                    held = [ctx for ctx in self._held.values() if self._shard(ctx) == shard]
                 if not held:
                     continue
                 beats = self.queue.heartbeat_many([ctx.claim for ctx in held])
@@ -572,7 +598,7 @@ class Worker:
                 log.exception("worker: heartbeat raised; carrying on")
                 continue
             finally:
-                self._write_turn.release()
+                turn.release()
             now = time.monotonic()
             with self._cond:
                 for ctx, beat in zip(held, beats, strict=True):
@@ -596,25 +622,31 @@ class Worker:
         settings = self.queue.settings
         interval = settings.sweep_interval_seconds
         while not self._stopping.wait(interval):
-            try:
-                turn = self.queue.begin_sweep(SWEEP_NAME, self.worker_id, min_gap=interval / 2)
-                if not turn.won:
-                    continue
-                rescued = self.queue.rescue_expired(worker_classes=self.worker_classes)
-            except OnceflowError as exc:
-                log.warning("worker: sweep failed: %s", exc)
-                continue
-            except Exception:
-                log.exception("worker: sweep raised; carrying on")
-                continue
-            if rescued.rescued or rescued.quarantined:
-                log.info(
-                    "worker: sweep requeued %d and quarantined %d lapsed request(s)",
-                    len(rescued.rescued),
-                    len(rescued.quarantined),
-                )
-                with self._cond:
-                    self.stats.rescued += len(rescued.rescued) + len(rescued.quarantined)
+            for index, shard in enumerate(self.queue.shards()):  # each elected on its own
+                self._sweep_shard(shard, index, interval)
+
+    def _sweep_shard(self, queue: Queue, index: int, interval: float) -> None:
+        where = f" (shard {index})" if self.shard_count > 1 else ""
+        try:
+            turn = queue.begin_sweep(SWEEP_NAME, self.worker_id, min_gap=interval / 2)
+            if not turn.won:
+                return
+            rescued = queue.rescue_expired(worker_classes=self.worker_classes)
+        except OnceflowError as exc:
+            log.warning("worker: sweep failed%s: %s", where, exc)
+            return
+        except Exception:
+            log.exception("worker: sweep raised%s; carrying on", where)
+            return
+        if rescued.rescued or rescued.quarantined:
+            log.info(
+                "worker: sweep requeued %d and quarantined %d lapsed request(s)%s",
+                len(rescued.rescued),
+                len(rescued.quarantined),
+                where,
+            )
+            with self._cond:
+                self.stats.rescued += len(rescued.rescued) + len(rescued.quarantined)
 
     # ---------------------------------------------------------------- shutdown
 
@@ -626,7 +658,7 @@ class Worker:
             self._cond.notify_all()
         self._release(unstarted)
         for thread in self._threads:
-            if thread.name.startswith("onceflow-body-") or thread.name == "onceflow-completer":
+            if thread.name.startswith(("onceflow-body-", "onceflow-completer")):
                 while thread.is_alive() and not self._abandon.is_set():
                     thread.join(timeout=0.2)
         self._stopped.set()  # the heartbeater stops with the last recorded outcome
@@ -643,7 +675,15 @@ class Worker:
     def _release(self, unstarted: list[StageContext]) -> None:
         if not unstarted:
             return
-        with self._write_turn:
+        released = 0
+        for shard in range(self.shard_count):  # a shard that is down keeps only its own
+            mine = [ctx for ctx in unstarted if self._shard(ctx) == shard]
+            if mine:
+                released += self._release_shard(mine, shard)
+        log.info("worker: handed back %d unstarted claim(s)", released)
+
+    def _release_shard(self, unstarted: list[StageContext], shard: int) -> int:
+        with self._write_turns[shard]:
             try:
                 outcomes = self.queue.release([ctx.claim for ctx in unstarted])
             except OnceflowError as exc:
@@ -654,7 +694,7 @@ class Worker:
                 for ctx in unstarted:
                     self._drop(ctx)
                 self.stats.released += released
-        log.info("worker: handed back %d unstarted claim(s)", released)
+        return released
 
 
 def _positive_seconds(value: object) -> bool:

@@ -40,6 +40,8 @@ from contextlib import (
 )
 from typing import Any, Generic, TypeVar
 
+from sqlalchemy import Engine
+
 from onceflow.connector.aio import AsyncPsycopgConnector
 from onceflow.connector.run import arun, run
 from onceflow.connector.steps import (
@@ -211,7 +213,7 @@ class _CheckedShard(PsycopgConnector):
     a database reached through a map that names it otherwise is refused
     (:class:`~onceflow.errors.ShardMismatch`), never written to."""
 
-    def __init__(self, engine: Any, index: int, shard_map: ShardMap) -> None:
+    def __init__(self, engine: Engine, index: int, shard_map: ShardMap) -> None:
         super().__init__(engine)
         self.index = index
         self.shard_map = shard_map
@@ -314,18 +316,21 @@ class _AsyncStatements:
         return await (await self._on(query, params)).execute(query, params)
 
 
-class ShardedConnector(_Statements, _Routing[Connector]):
+class ShardedConnector(_Statements, _Routing[PsycopgConnector]):
     """Statements routed to the shard of the workspace they name (see the module)."""
 
     @classmethod
-    def from_map(cls, shard_map: ShardMap) -> ShardedConnector:
-        """One :class:`PsycopgConnector` per shard, on this process's engine for its URL."""
+    def from_map(
+        cls, shard_map: ShardMap, engines: Sequence[Engine] | None = None
+    ) -> ShardedConnector:
+        """One pooled connector per shard: on ``engines`` (one per shard, in order), else on
+        this process's engine for each URL; each checks its database is that shard."""
+        pools = engines if engines is not None else [get_engine(url) for url in shard_map.urls]
+        if len(pools) != len(shard_map):
+            raise ValueError("one engine per shard of the map")
         return cls(
             shard_map,
-            [
-                _CheckedShard(get_engine(url), index, shard_map)
-                for index, url in enumerate(shard_map.urls)
-            ],
+            [_CheckedShard(engine, index, shard_map) for index, engine in enumerate(pools)],
         )
 
     def shard_index(self, query: Query, params: Mapping[str, Any]) -> int:

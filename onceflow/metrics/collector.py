@@ -10,6 +10,13 @@ network) is bounded on the client side too, since ``statement_timeout`` is the s
 the connection has ``tcp_user_timeout`` and keepalives, a watchdog shuts its socket down
 when a read outlives the timeout, and a scrape waits for another scrape's read at most
 the timeout (then it answers ``onceflow_database_up 0``).
+
+A database split by workspace (several URLs: ``ONCEFLOW_DATABASE_URLS`` /
+``ONCEFLOW_SHARD_MAP``): each shard is read on a connection of its own, the shards at
+once (a scrape still costs at most about the timeout), and the answers merge as in
+docs/sharding.md 2.4 — counts summed, ``lower_bound`` OR-ed, the oldest age the largest,
+the estimated rows summed. ``onceflow_database_up`` then has a ``shard`` label, one
+sample per shard; the counts are those of the shards that answered.
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psycopg
@@ -44,27 +52,17 @@ def libpq_url(url: str) -> str:
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
-class DatabaseCollector(Collector):
-    """``onceflow_requests``, ``onceflow_oldest_queued_age_seconds``, the table's estimated
-    rows and ``onceflow_database_up``, from the database at each scrape."""
+class _Database:
+    """One database's reads: a connection of its own, bounded on both sides."""
 
-    def __init__(
-        self,
-        database_url: str,
-        *,
-        timeout: float = DB_TIMEOUT_SECONDS,
-        count_cap: int = metrics_sql.COUNT_CAP_DEFAULT,
-    ) -> None:
-        self._url = database_url
-        self._query = metrics_sql.live_counts(count_cap)
+    def __init__(self, database_url: str, query: str, timeout: float) -> None:
+        self.url = database_url
+        self._query = query
         self._conninfo = libpq_url(database_url)
         self._timeout = timeout
         self._lock = threading.Lock()
         self._conn: psycopg.Connection[Any] | None = None
-        self._warned = False
-
-    def describe(self) -> list[Any]:
-        return []  # nothing is read at registration
+        self.warned = False
 
     def _connection(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
@@ -108,24 +106,79 @@ class DatabaseCollector(Collector):
             self._lock.release()
         return rows, float(est["estimate"]) if est else 0.0
 
+    def answer(self) -> tuple[list[dict[str, Any]], float] | None:
+        """:meth:`read`, or None (logged once per outage) when the database does not answer."""
+        try:
+            answer = self.read()
+        except Exception as exc:
+            if not self.warned:
+                self.warned = True
+                log.warning("metrics: database %s not answering: %s", redact_url(self.url), exc)
+            return None
+        self.warned = False
+        return answer
+
+
+class DatabaseCollector(Collector):
+    """``onceflow_requests``, ``onceflow_oldest_queued_age_seconds``, the table's estimated
+    rows and ``onceflow_database_up``, from the database at each scrape.
+
+    ``database_url``: one database, or the URLs of the shards of a database split by
+    workspace (in shard order), read at once and merged (see the module).
+    """
+
+    def __init__(
+        self,
+        database_url: str | Sequence[str],
+        *,
+        timeout: float = DB_TIMEOUT_SECONDS,
+        count_cap: int = metrics_sql.COUNT_CAP_DEFAULT,
+    ) -> None:
+        urls = [database_url] if isinstance(database_url, str) else list(database_url)
+        if not urls:
+            raise ValueError("the database collector needs at least one database URL")
+        query = metrics_sql.live_counts(count_cap)
+        self._databases = [_Database(url, query, timeout) for url in urls]
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    def describe(self) -> list[Any]:
+        return []  # nothing is read at registration
+
+    def read(self) -> tuple[list[dict[str, Any]], float]:
+        """(live count rows, estimated table rows) of the first database; raises if it does
+        not answer."""
+        return self._databases[0].read()
+
+    def _answers(self) -> list[tuple[list[dict[str, Any]], float] | None]:
+        if len(self._databases) == 1:
+            return [self._databases[0].answer()]
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    len(self._databases), thread_name_prefix="onceflow-metrics"
+                )
+            pool = self._pool
+        return list(pool.map(lambda db: db.answer(), self._databases))
+
     def collect(self) -> Iterator[GaugeMetricFamily]:
+        answers = self._answers()
+        sharded = len(self._databases) > 1
         up = GaugeMetricFamily(
             "onceflow_database_up",
-            "1 if the metrics' database query answered at this scrape, else 0.",
+            "1 if the metrics' database query answered at this scrape, else 0"
+            + (" (per shard of a database split by workspace)." if sharded else "."),
+            labels=["shard"] if sharded else None,
         )
-        try:
-            rows, estimate = self.read()
-        except Exception as exc:
-            if not self._warned:
-                self._warned = True
-                log.warning("metrics: database %s not answering: %s", redact_url(self._url), exc)
-            up.add_metric([], 0.0)
-            yield up
-            return
-        self._warned = False
-        up.add_metric([], 1.0)
+        for index, answer in enumerate(answers):
+            up.add_metric([str(index)] if sharded else [], 0.0 if answer is None else 1.0)
         yield up
-        yield from _families(rows, estimate)
+        got = [a for a in answers if a is not None]
+        if not got:
+            return
+        rows = [r for part, _ in got for r in part]
+        estimates = [e for _, e in got if e >= 0]
+        yield from _families(rows, sum(estimates) if estimates else -1.0)
 
 
 def _abort(conn: psycopg.Connection[Any]) -> None:

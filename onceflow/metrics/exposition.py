@@ -6,7 +6,7 @@ import glob
 import logging
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
@@ -112,7 +112,7 @@ class _ThisProcess(Collector):
 
 
 def registry(
-    database_url: str | None = None,
+    database_url: str | Sequence[str] | None = None,
     *,
     database: bool = True,
     prune_dead: bool = True,
@@ -123,8 +123,10 @@ def registry(
     Multiprocess mode: the files of ``PROMETHEUS_MULTIPROC_DIR`` merged (``prune_dead``:
     drop the live gauges of pids no longer running — turn off when the writers run in
     another pid namespace, e.g. another container sharing the directory). Single-process
-    mode: this process's default registry. ``database_url`` and ``count_cap`` (index
-    entries counted per status at most) default to the settings'.
+    mode: this process's default registry. ``database_url`` (one URL, or the shards' URLs
+    of a database split by workspace) and ``count_cap`` (index entries counted per status
+    at most) default to the settings' (every shard of ``ONCEFLOW_DATABASE_URLS`` /
+    ``ONCEFLOW_SHARD_MAP``).
     """
     reg = CollectorRegistry()
     path = multiproc_dir()
@@ -135,9 +137,10 @@ def registry(
     if database:
         if database_url is None or count_cap is None:
             from onceflow.settings import get_settings
+            from onceflow.shards import configured_map
 
             settings = get_settings()
-            database_url = database_url or settings.database_url
+            database_url = database_url or list(configured_map(settings).urls)
             count_cap = count_cap or settings.metrics_count_cap
         reg.register(DatabaseCollector(database_url, count_cap=count_cap))
     return reg

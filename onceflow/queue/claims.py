@@ -170,7 +170,10 @@ class ClaimOps:
     ) -> Steps[builtins.list[Claim]]:
         """Claim up to ``limit`` due requests, reading one worker class at a time, in order.
 
-        ``max_runtime`` as for :meth:`claim`.
+        ``max_runtime`` as for :meth:`claim`. On a database split by workspace, each
+        shard in turn; a shard that cannot be reached (:class:`DatabaseUnavailable`) is
+        logged and skipped for this call while the others are claimed from: the error is
+        raised only when every shard failed (on one database: as it always was).
         """
         runtime = _max_runtime(max_runtime)
         classes = [worker_classes] if isinstance(worker_classes, str) else list(worker_classes)
@@ -189,16 +192,30 @@ class ClaimOps:
         # A database split by workspace: each shard in turn, from the next one each call,
         # so no shard's work waits behind another's (priority holds within a shard).
         start = next(_next_shard) % shards
+        failed: set[int] = set()  # shards that could not be reached this call
+        answered: set[int] = set()
         for wc, shard in ((w, (start + k) % shards) for w in classes for k in range(shards)):
             want = limit - len(claims)
             if want <= 0:
                 break
+            if shard in failed:
+                continue
             tokens = [new_claim_token() for _ in range(want)]
             params = {
                 "worker_class": wc, "worker_id": worker_id, "tokens": tokens,
                 "lease_seconds": lease, "max_runtime": runtime, "now": now, "lazy": lazy,
             }  # fmt: skip
-            rows = yield OnShard(shard, all_rows(sql.claim_next_query(want), params))
+            try:
+                rows = yield OnShard(shard, all_rows(sql.claim_next_query(want), params))
+            except DatabaseUnavailable as exc:
+                # Not retried (a claim whose answer was lost is not safe to repeat: its
+                # rows' leases lapse and the sweeper rescues them); the other shards go on.
+                failed.add(shard)
+                if not answered and len(failed) == shards:
+                    raise  # nothing could be reached: the caller backs off
+                log.warning("claim_next: shard %d skipped this time: %s", shard, exc)
+                continue
+            answered.add(shard)
             for row in rows:
                 request = Request.from_row(row)
                 assert request.lease_expires_at is not None  # noqa: S101

@@ -17,6 +17,16 @@ listener LISTENs before the counters are noted and the query runs after, a commi
 is either seen by the query or counted after the note: no lost wake-up. It never
 claims: the caller's claim decides (a wake-up may be spurious).
 
+A database split by workspace (docs/sharding.md, 5.4): one listener per shard, all
+sharing one condition, and the steps above hold per shard — every listener LISTENs
+and is noted before ``NEXT_WORK`` runs on every shard; the wait ends on a notify of
+any shard, at the earliest next event over the shards. A shard whose listener is
+not connected neither blocks the others nor is forgotten: while its database answers
+``NEXT_WORK`` the wait ends within ``_READY_WAIT`` (a spurious wake-up, so the caller
+looks again, as on one database); while it does not answer either, the wait goes by
+the other shards, its timeout, and ends when that listener connects again (whatever
+committed meanwhile is then claimable). ``NEXT_WORK`` failing on every shard raises.
+
 :class:`~onceflow.Queue` waits in the calling thread (``wait_for_work``, a listener
 thread per process) or on an event loop (``wait_for_work_async``, the query in a worker
 thread: the queue's connections are sync); :class:`~onceflow.AsyncQueue`'s
@@ -35,7 +45,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import psycopg
 from sqlalchemy import Engine
@@ -43,19 +53,23 @@ from sqlalchemy import Engine
 from onceflow.connector import (
     AsyncConnector,
     Connector,
+    OnShard,
+    ShardCount,
     Steps,
     arun,
     conninfo,
-    on_every_shard,
     one_row,
     retrying,
     run,
 )
-from onceflow.errors import InvalidRequest
+from onceflow.errors import DatabaseUnavailable, InvalidRequest
 from onceflow.ids import check_worker_class
 from onceflow.loops import PerLoop
 from onceflow.queue.sql import NOTIFY_CHANNEL, N
 from onceflow.settings import Settings
+
+if TYPE_CHECKING:
+    from onceflow.queue.store import Queue
 
 log = logging.getLogger("onceflow.queue.notify")
 
@@ -78,15 +92,47 @@ def _conninfo(source: Engine | str) -> str:
     return conninfo(source)
 
 
-def next_work(classes: list[str]) -> Steps[float | None]:
-    """Seconds (database clock) until work of ``classes`` may be claimable; None: unknown.
+#: One shard's answer to NEXT_WORK: seconds, None (nothing known), or why it did not answer.
+ShardNext = float | None | DatabaseUnavailable
+
+
+def next_work_by_shard(classes: list[str]) -> Steps[list[ShardNext]]:
+    """Per shard, in shard order: seconds (database clock) until work of ``classes`` may be
+    claimable there, None when nothing is known, or the :class:`DatabaseUnavailable` of a
+    shard that did not answer — raised instead when no shard answered.
 
     A read: repeated once on a fresh connection after a lost one.
     """
     params = {"worker_classes": classes}
-    rows = yield from on_every_shard(lambda: retrying(lambda: one_row(N.NEXT_WORK, params)))
-    known = [float(r["next_in"]) for r in rows if r["next_in"] is not None]
-    return min(known) if known else None  # the earliest over the shards
+    count: int = yield ShardCount()
+    out: list[ShardNext] = []
+    for index in range(count):
+        try:
+            row = yield OnShard(index, retrying(lambda: one_row(N.NEXT_WORK, params)))
+        except DatabaseUnavailable as exc:
+            if count > 1:
+                log.info("wait_for_work: shard %d did not answer: %s", index, exc)
+            out.append(exc)
+            continue
+        out.append(None if row["next_in"] is None else float(row["next_in"]))
+    if all(isinstance(a, DatabaseUnavailable) for a in out):
+        first = out[0]
+        assert isinstance(first, DatabaseUnavailable)  # noqa: S101 - count >= 1
+        raise first
+    return out
+
+
+def _earliest(answers: Sequence[ShardNext]) -> float | None:
+    known = [a for a in answers if isinstance(a, float)]
+    return min(known) if known else None
+
+
+def next_work(classes: list[str]) -> Steps[float | None]:
+    """Seconds (database clock) until work of ``classes`` may be claimable; None: unknown.
+
+    The earliest over the shards that answered (see :func:`next_work_by_shard`).
+    """
+    return _earliest((yield from next_work_by_shard(classes)))
 
 
 def _check_wait(worker_classes: str | Sequence[str], timeout: float) -> tuple[list[str], float]:
@@ -111,28 +157,40 @@ def _check_wait(worker_classes: str | Sequence[str], timeout: float) -> tuple[li
 
 
 class _Listener:
-    """One LISTEN connection in a daemon thread; fans notifies out to waiters."""
+    """One LISTEN connection in a daemon thread; fans notifies out to waiters.
 
-    def __init__(self, conninfo: str) -> None:
+    ``cond`` may be shared by the listeners of several shards: a waiter waits on it once.
+    """
+
+    def __init__(
+        self, conninfo: str, cond: threading.Condition | None = None, name: str = ""
+    ) -> None:
         self._conninfo = conninfo
-        self.cond = threading.Condition()
+        self.cond = cond or threading.Condition()
         self.counts: Counter[str] = Counter()  # notifies seen per worker class
-        self.epoch = 0  # bumped whenever the connection is lost (notifies may be missed)
+        # Bumped whenever the connection is lost (notifies may be missed) or comes up.
+        self.epoch = 0
         self.ready = False  # LISTENing now
+        self.failing = False  # its last attempt to connect failed (it is backing off)
         self._stop = threading.Event()
         self._conn: psycopg.Connection[Any] | None = None
-        self._thread = threading.Thread(target=self._run, name="onceflow-listen", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"onceflow-listen{name}", daemon=True
+        )
         self._thread.start()
 
     def _run(self) -> None:
         backoff = _BACKOFF_MIN
         while not self._stop.is_set():
+            connected = False
             try:
                 with psycopg.connect(self._conninfo, autocommit=True, connect_timeout=10) as conn:
                     self._conn = conn
                     conn.execute(f"LISTEN {CHANNEL}")
+                    connected = True
                     with self.cond:
-                        self.ready = True
+                        self.ready, self.failing = True, False
+                        self.epoch += 1  # a waiter that began while it was down looks again
                         self.cond.notify_all()
                     backoff = _BACKOFF_MIN
                     while not self._stop.is_set():
@@ -143,25 +201,22 @@ class _Listener:
             except (psycopg.Error, OSError) as exc:
                 if self._stop.is_set():
                     break
-                log.warning("work listener lost its connection (%s); reconnecting", exc)
+                if connected or not self.failing:  # once per outage, not per attempt
+                    log.warning("work listener lost its connection (%s); reconnecting", exc)
             finally:
                 self._conn = None
                 with self.cond:
                     if self.ready:
                         self.epoch += 1  # wake every waiter: a notify may have been missed
                     self.ready = False
+                    self.failing = self.failing or not connected
                     self.cond.notify_all()
             self._stop.wait(backoff)
             backoff = min(_BACKOFF_MAX, backoff * 2)
 
-    def wait_ready(self, deadline: float) -> bool:
-        with self.cond:
-            while not self.ready:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._thread.is_alive():
-                    return False
-                self.cond.wait(left)
-            return True
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def close(self) -> None:
         self._stop.set()
@@ -169,28 +224,88 @@ class _Listener:
             self._thread.join(timeout=_TICK * 4)
 
 
+class _Mark(NamedTuple):
+    """A listener's state noted by a waiter before its ``NEXT_WORK`` query."""
+
+    epoch: int
+    counts: dict[str, int]
+    ready: bool
+
+
+def _note(listener: _Listener | _AsyncListener, classes: list[str]) -> _Mark:
+    """(The caller holds the listener's condition.)"""
+    return _Mark(listener.epoch, {c: listener.counts[c] for c in classes}, listener.ready)
+
+
+def _moved(listeners: Sequence[_Listener | _AsyncListener], marks: Sequence[_Mark]) -> bool:
+    """A notify of a noted class, a lost or a new connection since the marks."""
+    return any(
+        lis.epoch != m.epoch or any(lis.counts[c] != n for c, n in m.counts.items())
+        for lis, m in zip(listeners, marks, strict=True)
+    )
+
+
+def _awaited(listener: _Listener | _AsyncListener, alive: bool) -> bool:
+    """Worth waiting for (at the start of a wait): starting, not known to be failing."""
+    return alive and not listener.ready and not listener.failing
+
+
+class _Listeners:
+    """This process's listeners of one queue: one per database (shard), one condition."""
+
+    def __init__(self, conninfos: Sequence[str]) -> None:
+        self.cond = threading.Condition()
+        many = len(conninfos) > 1
+        self.listeners = [
+            _Listener(info, self.cond, f"-{k}" if many else "") for k, info in enumerate(conninfos)
+        ]
+
+    def note(self, classes: list[str], ready_by: float) -> list[_Mark]:
+        """Wait (until ``ready_by`` at most) for listeners still starting, then note each."""
+        with self.cond:
+            while any(_awaited(lis, lis.alive) for lis in self.listeners):
+                left = ready_by - time.monotonic()
+                if left <= 0:
+                    break
+                self.cond.wait(left)
+            return [_note(lis, classes) for lis in self.listeners]
+
+    def moved(self, marks: Sequence[_Mark]) -> bool:
+        return _moved(self.listeners, marks)
+
+    def close(self) -> None:
+        for listener in self.listeners:
+            listener._stop.set()
+        for listener in self.listeners:
+            listener.close()
+
+
 class _AsyncListener:
     """The asyncio twin of :class:`_Listener`: a task on one event loop."""
 
-    def __init__(self, conninfo: str) -> None:
+    def __init__(self, conninfo: str, cond: asyncio.Condition | None = None) -> None:
         self._conninfo = conninfo
-        self.cond = asyncio.Condition()
+        self.cond = cond or asyncio.Condition()
         self.counts: Counter[str] = Counter()
         self.epoch = 0
         self.ready = False
+        self.failing = False
         self._task = asyncio.get_running_loop().create_task(self._run(), name="onceflow-listen")
 
     async def _run(self) -> None:
         backoff = _BACKOFF_MIN
         while True:
+            connected = False
             try:
                 conn = await psycopg.AsyncConnection.connect(
                     self._conninfo, autocommit=True, connect_timeout=10
                 )
                 async with conn:
                     await conn.execute(f"LISTEN {CHANNEL}")
+                    connected = True
                     async with self.cond:
-                        self.ready = True
+                        self.ready, self.failing = True, False
+                        self.epoch += 1
                         self.cond.notify_all()
                     backoff = _BACKOFF_MIN
                     async for note in conn.notifies():
@@ -198,32 +313,51 @@ class _AsyncListener:
                             self.counts[note.payload] += 1
                             self.cond.notify_all()
             except (psycopg.Error, OSError) as exc:
-                log.warning("async work listener lost its connection (%s); reconnecting", exc)
+                if connected or not self.failing:
+                    log.warning("async work listener lost its connection (%s); reconnecting", exc)
             finally:
                 async with self.cond:
                     if self.ready:
                         self.epoch += 1
                     self.ready = False
+                    self.failing = self.failing or not connected
                     self.cond.notify_all()
             await asyncio.sleep(backoff)
             backoff = min(_BACKOFF_MAX, backoff * 2)
 
-    async def wait_ready(self, deadline: float) -> bool:
-        async with self.cond:
-            while not self.ready:
-                left = deadline - time.monotonic()
-                if left <= 0 or self._task.done():
-                    return False
-                try:
-                    await asyncio.wait_for(self.cond.wait(), left)
-                except TimeoutError:
-                    return False
-            return True
+    @property
+    def alive(self) -> bool:
+        return not self._task.done()
 
     async def close(self) -> None:
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
+
+
+class _AsyncListeners:
+    """The asyncio twin of :class:`_Listeners` (on one event loop)."""
+
+    def __init__(self, conninfos: Sequence[str]) -> None:
+        self.cond = asyncio.Condition()
+        self.listeners = [_AsyncListener(info, self.cond) for info in conninfos]
+
+    async def note(self, classes: list[str], ready_by: float) -> list[_Mark]:
+        async with self.cond:
+            while any(_awaited(lis, lis.alive) for lis in self.listeners):
+                left = ready_by - time.monotonic()
+                if left <= 0:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.cond.wait(), left)
+            return [_note(lis, classes) for lis in self.listeners]
+
+    def moved(self, marks: Sequence[_Mark]) -> bool:
+        return _moved(self.listeners, marks)
+
+    async def close(self) -> None:
+        for listener in self.listeners:
+            await listener.close()
 
 
 def _wake_at(
@@ -245,78 +379,85 @@ def _wake_at(
     return wake_at, due
 
 
-def _changed(counts: Counter[str], before: dict[str, int], epoch: int, now_epoch: int) -> bool:
-    return now_epoch != epoch or any(counts[c] != n for c, n in before.items())
+def _plan(
+    start: float, timeout: float, marks: Sequence[_Mark], answers: Sequence[ShardNext]
+) -> tuple[float, bool] | None:
+    """When a wait ends (see :func:`_wake_at`); None: work is due now.
+
+    ``marks``: the listeners' notes, one per shard (none without listeners). A shard whose
+    listener was not LISTENing while its database answered makes the wait degraded.
+    """
+    next_in = _earliest(answers)
+    if next_in is not None and next_in <= 0:
+        return None
+    degraded = any(
+        not m.ready and not isinstance(a, DatabaseUnavailable)
+        for m, a in zip(marks, answers, strict=False)
+    )
+    return _wake_at(start, timeout, next_in, degraded=degraded)
 
 
 class _Listening:
-    """What both queue APIs' asyncio waits share: one listener per event loop, the wait."""
+    """What both queue APIs' asyncio waits share: listeners per event loop, the wait."""
 
     settings: Settings
 
     # A plain table pruned of closed loops: a weak one never let go (the task holds its loop).
-    _alisteners: PerLoop[_AsyncListener]
+    _alisteners: PerLoop[_AsyncListeners]
 
-    def _listen_source(self) -> Engine | str:
-        """The database the listener connects to (an engine or a URL)."""
+    def _listen_sources(self) -> list[Engine | str]:
+        """The databases the listeners connect to (engines or URLs), one per shard in shard
+        order — the order of ``NEXT_WORK``'s answers."""
         raise NotImplementedError
 
-    def _async_listener(self) -> _AsyncListener:
+    def _async_listeners(self) -> _AsyncListeners:
         try:
             table = self._alisteners
         except AttributeError:
             table = self._alisteners = PerLoop()
-        listener = table.get()
-        if listener is None:
-            conninfo = _conninfo(self._listen_source())
-            listener = table.setdefault(lambda: _AsyncListener(conninfo))
-        return listener
+        group = table.get()
+        if group is None:
+            infos = [_conninfo(source) for source in self._listen_sources()]
+            group = table.setdefault(lambda: _AsyncListeners(infos))
+        return group
 
     async def _close_async_listener(self) -> None:
-        """Stop the running event loop's work listener, if one was started."""
+        """Stop the running event loop's work listeners, if they were started."""
         table = getattr(self, "_alisteners", None)
         if table is not None:
-            listener = table.pop()
-            if listener is not None:
-                await listener.close()
+            group = table.pop()
+            if group is not None:
+                await group.close()
 
     async def _await_work(
         self,
         worker_classes: str | Sequence[str],
         timeout: float,
-        next_work_in: Callable[[list[str]], Awaitable[float | None]],
+        next_work_in: Callable[[list[str]], Awaitable[list[ShardNext]]],
     ) -> bool:
-        """The asyncio wait; ``next_work_in`` runs the ``NEXT_WORK`` read without blocking."""
+        """The asyncio wait; ``next_work_in`` runs the ``NEXT_WORK`` reads without blocking."""
         classes, timeout = _check_wait(worker_classes, timeout)
         start = time.monotonic()
-        listener_lost = False
-        listener: _AsyncListener | None = None
+        group: _AsyncListeners | None = None
+        marks: list[_Mark] = []
         if timeout > 0 and self.settings.notify:
-            listener = self._async_listener()
-            if not await listener.wait_ready(start + min(timeout, _READY_WAIT)):
-                listener = None  # not LISTENing (yet): look again within _READY_WAIT
-                listener_lost = True
-        if listener is not None:
-            epoch = listener.epoch
-            before = {c: listener.counts[c] for c in classes}
-        next_in = await next_work_in(classes)  # after LISTEN and the note: no lost wake-up
-        if next_in is not None and next_in <= 0:
+            group = self._async_listeners()
+            marks = await group.note(classes, start + min(timeout, _READY_WAIT))
+        answers = await next_work_in(classes)  # after LISTEN and the note: no lost wake-up
+        plan = _plan(start, timeout, marks, answers)
+        if plan is None:
             return True
-        wake_at, due = _wake_at(start, timeout, next_in, degraded=listener_lost)
+        wake_at, due = plan
         left = wake_at - time.monotonic()
         if left <= 0:
             return due
-        if listener is None:
+        if group is None:
             await asyncio.sleep(left)
             return due
-        cond = listener.cond
-
-        def woken() -> bool:
-            return _changed(listener.counts, before, epoch, listener.epoch)
-
-        async with cond:
+        moved = group.moved
+        async with group.cond:
             try:
-                await asyncio.wait_for(cond.wait_for(woken), left)
+                await asyncio.wait_for(group.cond.wait_for(lambda: moved(marks)), left)
             except TimeoutError:
                 return due
         return True
@@ -327,23 +468,22 @@ class Waiter(_Listening):
 
     connector: Connector
 
-    if TYPE_CHECKING:  # the queue's (Queue.engine)
+    if TYPE_CHECKING:  # the queue's (Queue.shards)
 
-        @property
-        def engine(self) -> Engine: ...
+        def shards(self) -> list[Queue]: ...
 
-    # Built lazily, keyed by pid: a forked child never uses its parent's listener.
-    _listener_pid: tuple[int, _Listener] | None = None
+    # Built lazily, keyed by pid: a forked child never uses its parent's listeners.
+    _listener_pid: tuple[int, _Listeners] | None = None
 
-    def _listen_source(self) -> Engine | str:
-        return self.engine
+    def _listen_sources(self) -> list[Engine | str]:
+        return [shard.engine for shard in self.shards()]
 
-    def _listener(self) -> _Listener:
+    def _listeners(self) -> _Listeners:
         pid = os.getpid()
         current = self._listener_pid
         if current is None or current[0] != pid:
-            # A racing first call in a child may build two; the loser's thread just stops.
-            fresh = (pid, _Listener(_conninfo(self.engine)))
+            # A racing first call in a child may build two; the loser's threads just stop.
+            fresh = (pid, _Listeners([_conninfo(source) for source in self._listen_sources()]))
             current = self._listener_pid
             if current is None or current[0] != pid:
                 self._listener_pid = current = fresh
@@ -351,9 +491,9 @@ class Waiter(_Listening):
                 fresh[1].close()
         return current[1]
 
-    def _next_work(self, classes: list[str]) -> float | None:
-        """Seconds (database clock) until work of ``classes`` may be claimable; None: unknown."""
-        return run(self.connector, next_work(classes))
+    def _next_work(self, classes: list[str]) -> list[ShardNext]:
+        """Per shard: seconds (database clock) until work of ``classes`` may be claimable."""
+        return run(self.connector, next_work_by_shard(classes))
 
     def wait_for_work(
         self,
@@ -369,26 +509,21 @@ class Waiter(_Listening):
         ``run_after``, a running row's lease lapsing) — by the database clock. False
         after ``timeout`` seconds (0..3600), or when ``interrupt`` is set. A True may
         be spurious (another worker claimed first, the listener reconnected): claim
-        and wait again.
+        and wait again. On a database split by workspace, over every shard (see the
+        module): a shard that cannot be reached does not hold up the others.
         """
         classes, timeout = _check_wait(worker_classes, timeout)
         start = time.monotonic()
-        listener_lost = False
-        if timeout == 0 or not self.settings.notify:
-            listener = None
-        else:
-            listener = self._listener()
-            if not listener.wait_ready(start + min(timeout, _READY_WAIT)):
-                listener = None  # not LISTENing (yet): look again within _READY_WAIT
-                listener_lost = True
-        if listener is not None:
-            with listener.cond:
-                epoch = listener.epoch
-                before = {c: listener.counts[c] for c in classes}
-        next_in = self._next_work(classes)  # after LISTEN and the note: no lost wake-up
-        if next_in is not None and next_in <= 0:
+        group: _Listeners | None = None
+        marks: list[_Mark] = []
+        if timeout > 0 and self.settings.notify:
+            group = self._listeners()
+            marks = group.note(classes, start + min(timeout, _READY_WAIT))
+        answers = self._next_work(classes)  # after LISTEN and the note: no lost wake-up
+        plan = _plan(start, timeout, marks, answers)
+        if plan is None:
             return True
-        wake_at, due = _wake_at(start, timeout, next_in, degraded=listener_lost)
+        wake_at, due = plan
         while True:
             if interrupt is not None and interrupt.is_set():
                 return False
@@ -396,42 +531,42 @@ class Waiter(_Listening):
             if left <= 0:
                 return due
             slice_ = left if interrupt is None else min(left, 0.05)
-            if listener is None:
+            if group is None:
                 if interrupt is not None:
                     interrupt.wait(left)
                 else:
                     time.sleep(slice_)
                 continue
-            with listener.cond:
-                if _changed(listener.counts, before, epoch, listener.epoch):
+            with group.cond:
+                if group.moved(marks):
                     return True
-                listener.cond.wait(slice_)
-                if _changed(listener.counts, before, epoch, listener.epoch):
+                group.cond.wait(slice_)
+                if group.moved(marks):
                     return True
 
     async def wait_for_work_async(
         self, worker_classes: str | Sequence[str], timeout: float
     ) -> bool:
-        """:meth:`wait_for_work` for asyncio: one listener per event loop; cancel to stop.
+        """:meth:`wait_for_work` for asyncio: listeners per event loop; cancel to stop.
 
-        This queue's connections are sync: its one query runs in a worker thread.
+        This queue's connections are sync: its query runs in a worker thread.
         :class:`~onceflow.AsyncQueue`'s ``wait_for_work`` runs it on its async pool.
         """
 
-        async def next_work_in(classes: list[str]) -> float | None:
+        async def next_work_in(classes: list[str]) -> list[ShardNext]:
             return await asyncio.to_thread(self._next_work, classes)
 
         return await self._await_work(worker_classes, timeout, next_work_in)
 
     def close(self) -> None:
-        """Stop this process's work listener (started by the first wait_for_work)."""
+        """Stop this process's work listeners (started by the first wait_for_work)."""
         current = self._listener_pid
         if current is not None and current[0] == os.getpid():
             self._listener_pid = None
             current[1].close()
 
     async def aclose(self) -> None:
-        """Stop the running event loop's work listener (started by wait_for_work_async)."""
+        """Stop the running event loop's work listeners (started by wait_for_work_async)."""
         await self._close_async_listener()
 
 
@@ -443,9 +578,12 @@ class AsyncWaiter(_Listening):
 
     aconnector: AsyncConnector
 
-    def _listen_source(self) -> Engine | str:
+    def _listen_sources(self) -> list[Engine | str]:
+        shards = getattr(self.aconnector, "shard_connectors", None)
+        if shards is not None:  # a database split by workspace: one listener per shard
+            return [str(shard.url) for shard in shards]
         url = getattr(self.aconnector, "url", None)
-        return str(url) if url is not None else self.settings.database_url
+        return [str(url) if url is not None else self.settings.database_url]
 
     async def wait_for_work(self, worker_classes: str | Sequence[str], timeout: float) -> bool:
         """Wait until a request of ``worker_classes`` may be claimable; never claims.
@@ -457,7 +595,7 @@ class AsyncWaiter(_Listening):
         claimed first, the listener reconnected): claim and wait again. Cancel to stop.
         """
 
-        async def next_work_in(classes: list[str]) -> float | None:
-            return await arun(self.aconnector, next_work(classes))
+        async def next_work_in(classes: list[str]) -> list[ShardNext]:
+            return await arun(self.aconnector, next_work_by_shard(classes))
 
         return await self._await_work(worker_classes, timeout, next_work_in)

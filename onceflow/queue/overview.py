@@ -12,17 +12,26 @@ finished history, so its cost follows the live backlog, not the table's size:
   :data:`DEAD_LIMIT`;
 * op-log rate: ``ix_ops_committed``, the last minute only, counted up to :data:`OPS_CAP`.
 
+A database split by workspace (docs/sharding.md, 2.4): each statement runs on every
+shard and the answers merge — counts summed, ``capped`` OR-ed, the oldest age the
+largest, running and dead rows merged in their order and cut at their limits, the op
+rate summed. A shard that cannot be read is listed in ``shards_unavailable`` and the
+snapshot is what the others hold; only when no shard answers is the error raised.
+
 Compute-lock savings come from Redis: see :mod:`onceflow.locks.savings`.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from sqlalchemy import Engine
 
 from onceflow.db import fetch_all, fetch_one, raw_connection, retry_disconnect
+from onceflow.errors import OnceflowError
 from onceflow.queue.metrics_sql import COUNT_CAP_DEFAULT, capped_statuses, live_counts
 from onceflow.queue.sql import RUN_ID
 
@@ -33,6 +42,9 @@ ERROR_SUMMARY_CHARS: Final = 200
 STATUSES: Final = ("queued", "scheduled", "running", "dead")
 
 _T = "workspace_process_requests"
+_R = TypeVar("_R")
+
+log = logging.getLogger("onceflow.dashboard")
 
 # queued = due now (run_after <= now), scheduled = run_after in the future (a retry's backoff).
 # Each branch reads at most COUNT_CAP_DEFAULT index entries (see metrics_sql.live_counts).
@@ -88,28 +100,60 @@ def _iso(value: datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
 
 
-def read_tables(engine: Engine, *, count_cap: int = COUNT_CAP_DEFAULT) -> dict[str, Any]:
-    """Depth, oldest queued age, running and dead requests, and the op-log rate (one checkout).
+def per_shard(
+    engines: Engine | Sequence[Engine], read: Callable[[Engine], _R]
+) -> tuple[list[_R], list[int]]:
+    """``read(engine)`` on each shard (one engine: that database alone): the answers of the
+    shards that answered, and the indexes of those that did not (an error is logged and
+    skipped while another shard answers; raised when none did)."""
+    shards = [engines] if isinstance(engines, Engine) else list(engines)
+    answers: list[_R] = []
+    down: list[int] = []
+    failed: OnceflowError | None = None
+    for index, engine in enumerate(shards):
+        try:
+            answers.append(read(engine))
+        except OnceflowError as exc:
+            if len(shards) == 1:
+                raise
+            failed = exc
+            down.append(index)
+            log.warning("shard %d not read: %s: %s", index, type(exc).__name__, exc)
+    if not answers and failed is not None:
+        raise failed
+    return answers, down
 
-    Depth counts at most ``count_cap`` index entries per status: ``depth_lower_bound``
-    lists the statuses whose counts (and, for queued, the oldest age) are lower bounds.
+
+def read_tables(
+    engines: Engine | Sequence[Engine], *, count_cap: int = COUNT_CAP_DEFAULT
+) -> dict[str, Any]:
+    """Depth, oldest queued age, running and dead requests, and the op-log rate (one checkout
+    per database): of one engine's database, or merged over the shards' engines (module).
+
+    Depth counts at most ``count_cap`` index entries per status (per shard):
+    ``depth_lower_bound`` lists the statuses whose counts (and, for queued, the oldest age)
+    are lower bounds. ``shards_unavailable``: the shards that could not be read.
     """
     depth_sql = DEPTH if count_cap == COUNT_CAP_DEFAULT else live_counts(
         count_cap, age_column="oldest_age"
     )  # fmt: skip
 
-    def read() -> dict[str, Any]:
-        with raw_connection(engine) as raw:
-            depth_rows = fetch_all(raw, depth_sql, {})
-            running = fetch_all(raw, RUNNING, {})
-            dead = fetch_all(raw, DEAD, {})
-            ops = fetch_one(raw, OPS_RATE, {})
-        return {"depth": depth_rows, "running": running, "dead": dead, "ops": ops}
+    def read(engine: Engine) -> dict[str, Any]:
+        def once() -> dict[str, Any]:
+            with raw_connection(engine) as raw:
+                depth_rows = fetch_all(raw, depth_sql, {})
+                running = fetch_all(raw, RUNNING, {})
+                dead = fetch_all(raw, DEAD, {})
+                ops = fetch_one(raw, OPS_RATE, {})
+            return {"depth": depth_rows, "running": running, "dead": dead, "ops": ops}
 
-    rows = retry_disconnect(read)
+        return retry_disconnect(once)
+
+    parts, down = per_shard(engines, read)
+    depth_rows = [r for p in parts for r in p["depth"]]
     depth: dict[str, dict[str, dict[str, int]]] = {}
     oldest: dict[str, float] = {}
-    for r in rows["depth"]:
+    for r in depth_rows:
         cell = depth.setdefault(r["worker_class"], {}).setdefault(
             r["stage"], dict.fromkeys(STATUSES, 0)
         )
@@ -118,13 +162,22 @@ def read_tables(engine: Engine, *, count_cap: int = COUNT_CAP_DEFAULT) -> dict[s
         age = r["oldest_age"]
         if age is not None:
             oldest[r["worker_class"]] = max(oldest.get(r["worker_class"], 0.0), float(age))
-    ops = rows["ops"]
-    last_minute = int(ops["last_minute"])
+    # Each shard's rows come in the statement's order: merged in that order, then cut.
+    running = sorted(
+        (r for p in parts for r in p["running"]),
+        key=lambda r: (-r["lease_expires_at"].timestamp(), r["request_id"]),
+    )[:RUNNING_LIMIT]
+    dead = sorted(
+        (r for p in parts for r in p["dead"]),
+        key=lambda r: -r["finished_at"].timestamp() if r["finished_at"] else 0.0,
+    )[:DEAD_LIMIT]
+    minutes = [int(p["ops"]["last_minute"]) for p in parts]
+    last_minute = sum(minutes)
     return {
-        "db_now": _iso(ops["db_now"]),
+        "db_now": _iso(max(p["ops"]["db_now"] for p in parts)),
         "depth": depth,
         "oldest_queued_age_seconds": oldest,
-        "depth_lower_bound": capped_statuses(rows["depth"]),
+        "depth_lower_bound": capped_statuses(depth_rows),
         "depth_cap": count_cap,
         "running": [
             {
@@ -137,7 +190,7 @@ def read_tables(engine: Engine, *, count_cap: int = COUNT_CAP_DEFAULT) -> dict[s
                 "version": _iso(r["updated_at"]),
                 "run": r["run"],
             }
-            for r in rows["running"]
+            for r in running
         ],
         "running_limit": RUNNING_LIMIT,
         "dead": [
@@ -148,29 +201,39 @@ def read_tables(engine: Engine, *, count_cap: int = COUNT_CAP_DEFAULT) -> dict[s
                 "error": r["error"],
                 "version": _iso(r["updated_at"]),
             }
-            for r in rows["dead"]
+            for r in dead
         ],
         "dead_limit": DEAD_LIMIT,
         "ops": {
             "last_minute": last_minute,
             "per_second": round(last_minute / 60, 3),
-            "capped": last_minute >= OPS_CAP,
+            "capped": any(n >= OPS_CAP for n in minutes),
         },
+        "shards_unavailable": down,
     }
 
 
-__all__ = ["DEAD_LIMIT", "REQUEST_QUERIES", "RUNNING_LIMIT", "read_tables"]
+__all__ = ["DEAD_LIMIT", "REQUEST_QUERIES", "RUNNING_LIMIT", "per_shard", "read_tables"]
 
 
 def stop_already_requested(
-    engine: Engine, request_id: str, run: str, *, workspace_id: str | None = None
+    engines: Engine | Sequence[Engine],
+    request_id: str,
+    run: str,
+    *,
+    workspace_id: str | None = None,
 ) -> bool:
     """True if run ``run`` of the request (in ``workspace_id``, when given) is running and
-    was asked to stop already."""
+    was asked to stop already: on the database of ``engines`` (the request's shard, or each
+    shard that can be read when it is not known)."""
     params = {"request_id": request_id, "workspace_id": workspace_id, "run": run}
 
-    def read() -> bool:
-        with raw_connection(engine) as raw:
-            return fetch_one(raw, STOP_REQUESTED, params) is not None
+    def read(engine: Engine) -> bool:
+        def once() -> bool:
+            with raw_connection(engine) as raw:
+                return fetch_one(raw, STOP_REQUESTED, params) is not None
 
-    return bool(retry_disconnect(read))
+        return bool(retry_disconnect(once))
+
+    answers, _ = per_shard(engines, read)
+    return any(answers)

@@ -32,7 +32,7 @@ from onceflow.connector.sharded import (
     ShardedConnector,
     UnroutedStatement,
 )
-from onceflow.db import get_engine
+from onceflow.db import get_engine, make_engine
 from onceflow.payloads import canonical_json
 from onceflow.queue.batch import BatchOps
 from onceflow.queue.claims import ClaimOps
@@ -64,21 +64,33 @@ class Queue(SyncSide, EnqueueOps, ClaimOps, OperatorOps, ReadOps, Sweeper, Batch
         *,
         resolver: Resolver | None = None,
         shard_map: ShardMap | None = None,
+        pool_size: int | None = None,
     ):
+        # pool_size: engines of this queue's own with that pool (one per shard) instead of
+        # the process's shared ones (get_engine): what the standalone worker sizes.
         self.settings = settings or get_settings()
         self.resolver = resolver
         self._engine: Engine | None = None
         self._shards: list[Queue] | None = None
+        self._own_engines: list[Engine] = []
+        self._router: ShardedConnector | None = None
         if engine is None and shard_map is None:
             shard_map = configured_map(self.settings)  # ONCEFLOW_DATABASE_URLS / _SHARD_MAP
+
+        def engine_for(url: str) -> Engine:
+            return get_engine(url) if pool_size is None else make_engine(url, pool_size=pool_size)
+
         if shard_map is not None and len(shard_map) > 1:
             self.shard_map: ShardMap | None = shard_map
-            self.connector: Connector = ShardedConnector.from_map(shard_map)
+            if pool_size is not None:
+                self._own_engines = [engine_for(url) for url in shard_map.urls]
+            self._router = ShardedConnector.from_map(shard_map, self._own_engines or None)
+            self.connector: Connector = self._router
             return
         if shard_map is not None:
             engine = shard_map.urls[0]
         if engine is None or isinstance(engine, str):
-            engine = get_engine(engine or self.settings.database_url)
+            engine = engine_for(engine or self.settings.database_url)
         self.shard_map = None
         self._engine = engine
         self.connector = PsycopgConnector(engine)
@@ -101,10 +113,13 @@ class Queue(SyncSide, EnqueueOps, ClaimOps, OperatorOps, ReadOps, Sweeper, Batch
         if self.shard_map is None:
             return [self]
         if self._shards is None:
-            self._shards = [
-                Queue(get_engine(url), self.settings, resolver=self.resolver)
-                for url in self.shard_map.urls
-            ]
+            assert self._router is not None  # noqa: S101 - made with the shard map
+            shards = []
+            for shard in self._router.shard_connectors:
+                queue = Queue(shard.engine, self.settings, resolver=self.resolver)
+                queue.connector = shard  # the router's: checks it is that shard (0009)
+                shards.append(queue)
+            self._shards = shards
         return self._shards
 
     # enqueue, enqueue_many, enqueue_many_with, resolve: see queue/enqueue.py.

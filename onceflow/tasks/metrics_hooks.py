@@ -29,6 +29,7 @@ def _child_exits(pid: int | None = None, **_: Any) -> None:
 @worker_ready.connect
 def _serve_from_main_process(sender: Any = None, **_: Any) -> None:
     from onceflow.settings import get_settings
+    from onceflow.shards import configured_map
 
     settings = get_settings()
     if settings.metrics_port is None:
@@ -46,7 +47,8 @@ def _serve_from_main_process(sender: Any = None, **_: Any) -> None:
         )
     try:
         reg = registry(
-            settings.database_url,
+            # every shard of a database split by workspace
+            list(configured_map(settings).urls) if settings.metrics_database else None,
             database=settings.metrics_database,
             count_cap=settings.metrics_count_cap,
         )

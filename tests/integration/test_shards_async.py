@@ -453,11 +453,15 @@ def test_http_api_enqueues_claims_and_completes_on_each_shard(
             listed = http.get(f"/v1/workspaces/{ws}/requests", headers=auth(API_KEY)).json()
             assert [r["workspace_id"] for r in listed["requests"]] == [ws]
 
-        # Reads over every workspace that do not run per shard yet refuse, never show one.
-        for path in ("/metrics", "/dashboard/api/snapshot"):
-            refused = http.get(path, headers=auth(OPERATOR_KEY))
-            assert refused.status_code == 501, (path, refused.text)
-            assert refused.json()["code"] == "not_implemented"
+        # Reads over every workspace read every shard: the dashboard's snapshot and the
+        # database metrics (one up/down sample per shard).
+        snapshot = http.get("/dashboard/api/snapshot", headers=auth(OPERATOR_KEY))
+        assert snapshot.status_code == 200, snapshot.text
+        assert snapshot.json()["shards_unavailable"] == []
+        metrics = http.get("/metrics", headers=auth(OPERATOR_KEY))
+        assert metrics.status_code == 200, metrics.text
+        for k in range(len(two_shards)):
+            assert f'onceflow_database_up{{shard="{k}"}} 1.0' in metrics.text
 
     # Each database holds its own workspaces' rows (requests, sub-docs, ops) and no other.
     for k, url in enumerate(two_shards):

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import Engine
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from onceflow.errors import InvalidRequest, InvalidTransition, OnceflowError
@@ -58,6 +59,7 @@ from onceflow.integrations.fastapi.schemas import RequestIdPath, WorkspaceIdStr
 from onceflow.locks.savings import read_savings
 from onceflow.loops import PerLoop
 from onceflow.models import Dispatch, Status
+from onceflow.queue import Queue
 from onceflow.queue.overview import read_tables, stop_already_requested
 from onceflow.redis_clients import REDIS_OR_OS_ERRORS
 
@@ -91,12 +93,21 @@ _VOLATILE: Final = ("db_now", "oldest_queued_age_seconds")
 
 def compute_snapshot(services: OnceflowServices) -> dict[str, Any]:
     """The tables' state, plus the Redis savings (an error there is reported, not raised)."""
-    snapshot = read_tables(services.queue.engine, count_cap=services.settings.metrics_count_cap)
+    engines = [shard.engine for shard in services.queue.shards()]  # every shard, merged
+    snapshot = read_tables(engines, count_cap=services.settings.metrics_count_cap)
     try:
         snapshot["savings"] = read_savings(services.oplog.redis())
     except REDIS_OR_OS_ERRORS as exc:
         snapshot["savings"] = {"error": f"Redis: {type(exc).__name__}"}
     return snapshot
+
+
+def _engines_of(queue: Queue, workspace_id: str | None) -> list[Engine]:
+    """The engine of ``workspace_id``'s shard; every shard's when it is not known."""
+    shards = queue.shards()
+    if workspace_id is not None and queue.shard_map is not None:
+        return [shards[queue.shard_map.shard_of(workspace_id)].engine]
+    return [shard.engine for shard in shards]
 
 
 def _stable(snapshot: dict[str, Any]) -> str:
@@ -383,7 +394,10 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
             )
         except InvalidTransition as exc:
             if body.run is not None and stop_already_requested(
-                svc.queue.engine, request_id, body.run, workspace_id=body.workspace_id
+                _engines_of(svc.queue, body.workspace_id),
+                request_id,
+                body.run,
+                workspace_id=body.workspace_id,
             ):
                 # Asked to stop already (another click, another operator): nothing new to do
                 # and nothing changed; what the operator wanted holds, so 200, not a conflict.

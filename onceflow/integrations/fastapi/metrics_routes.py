@@ -23,7 +23,6 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 from starlette.routing import compile_path
 
-from onceflow.connector.sharded import UnroutedStatement
 from onceflow.integrations.fastapi.operators import operator_route_class
 from onceflow.metrics import record
 
@@ -120,12 +119,14 @@ def _template_of(scope: Scope) -> str | None:
 def metrics_router(services: OnceflowServices) -> APIRouter:
     """``GET /metrics`` guarded by an operator key with the viewer role."""
     from onceflow.metrics import registry
+    from onceflow.shards import configured_map
 
     router = APIRouter(route_class=operator_route_class(services))
     settings = services.settings
     # No pruning unless asked: the API may not see the workers' pids (another namespace).
     reg = registry(
-        settings.database_url,
+        # every shard of a database split by workspace
+        list(configured_map(settings).urls) if settings.metrics_database else None,
         database=settings.metrics_database,
         prune_dead=settings.api_metrics_prune_dead_pids,
         count_cap=settings.metrics_count_cap,
@@ -133,13 +134,6 @@ def metrics_router(services: OnceflowServices) -> APIRouter:
 
     @router.get("/metrics", include_in_schema=False, operation_id="metrics")
     async def metrics() -> Response:
-        if settings.metrics_database and services.queue.shard_map is not None:
-            # The database collector reads one database: refused rather than one shard's
-            # counts shown as everyone's (ONCEFLOW_METRICS_DATABASE=false serves the rest).
-            raise UnroutedStatement(
-                "/metrics reads one database: with ONCEFLOW_DATABASE_URLS / "
-                "ONCEFLOW_SHARD_MAP set ONCEFLOW_METRICS_DATABASE=false"
-            )
         # The database read and the files' merge block: off the event loop.
         body = await run_in_threadpool(generate_latest, reg)
         return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -77,6 +77,12 @@ function render(s) {
   });
   for (const st of STATUSES) document.querySelector(`[data-k="total/${st}"]`).textContent = total[st] + more(st);
 
+  // A database split by workspace: shards that could not be read are left out of every panel.
+  const down = s.shards_unavailable || [];
+  $("#shards-note").textContent = down.length
+    ? `— shard(s) ${down.join(", ")} not answering: their requests are not shown`
+    : "";
+
   const ages = s.oldest_queued_age_seconds;
   fill($("#oldest tbody"), Object.keys(ages).sort(), (tr, wc) => {
     cell(tr, wc);
