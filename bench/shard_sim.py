@@ -16,12 +16,12 @@ Checked per shard at the end (:func:`check`): every row on its workspace's shard
 per request (no request id twice across shards), every request succeeded, one LLM call
 per cell, op clocks gapless per sub-doc. With ``restart``: the other shards finished
 requests while shard 0 was down (their own clocks, read at the stop and at the restart),
-and no cell of theirs was paid twice. A cell of the stopped shard may be: one computed
-while its database was down, whose value could not be stored within the store's retry
-window (the lock's TTL: the default 60 s here, far longer than the outage), is lost and
-paid again by the next run — counted apart
-(``llm_cells_paid_twice_on_stopped_shard``), as the chaos harness counts duplicates its
-fault windows explain.
+and no cell of theirs was paid twice. A cell of the stopped shard may be: the demo's stages
+hold a 4 s lease, and a run whose database was away longer than that has lost its claim —
+its fenced writes, the paid value's store among them, are refused (a zombie never writes),
+and the rescued run pays again. Those are counted apart
+(``llm_cells_paid_twice_on_stopped_shard``), as the chaos harness counts the duplicates
+its fault windows explain.
 
     PYTHONPATH=$PWD .venv/bin/python bench/shard_sim.py --rounds 3 --json
 
@@ -433,6 +433,7 @@ def check(rnd: Round) -> dict[str, Any]:
         not_done = sum(1 for r in rows if r[2] != "succeeded")
         gaps = int(_one(url, GAPS))
         ops = int(_one(url, "SELECT count(*) FROM workspace_sub_doc_ops WHERE clock IS NOT NULL"))
+        reruns = int(_one(url, RERUNS))
         during = None
         if k in rnd.window:
             stop, back = rnd.window[k]
@@ -451,6 +452,7 @@ def check(rnd: Round) -> dict[str, Any]:
                 "not_succeeded": not_done,
                 "ops": ops,
                 "clock_gaps": gaps,
+                "evaluate_reruns": reruns,
                 "finished_while_0_down": during,
             }
         )
@@ -464,9 +466,9 @@ def check(rnd: Round) -> dict[str, Any]:
         cells=cells,
         llm_cells_called=sum(1 for key, n in calls.items() if "/eval:" in key and n >= 1),
         llm_cells_paid_twice=sum(1 for key, n in twice.items() if not _on_stopped(rnd, key)),
-        # Cells of the stopped shard whose computed value could not be stored within the
-        # store's retry window (the lock's TTL) while their database was down: the value is
-        # lost and the next run pays again (onceflow/locks/protocol.py, _store_retrying).
+        # Cells of the stopped shard whose run lost its lease while their database was down
+        # (the demo's stages lease 4 s): the run's fenced store is refused, the rescued run
+        # pays again. Only the stopped shard's cells can be.
         llm_cells_paid_twice_on_stopped_shard=sum(1 for key in twice if _on_stopped(rnd, key)),
         enqueued=rnd.enqueued,
         outage_seconds=rnd.outage,
@@ -475,6 +477,11 @@ def check(rnd: Round) -> dict[str, Any]:
     )
     return out
 
+
+# Runs of evaluate beyond each request's first (each pays at most one call per column).
+RERUNS = """
+SELECT coalesce(sum(attempts - 1), 0) FROM workspace_process_requests WHERE stage = 'evaluate'
+"""
 
 # Per sub-doc: the clocks of its applied ops must be exactly pruned_clock+1 … clock, once each.
 GAPS = """
