@@ -230,6 +230,20 @@ def _check_partitioned(url: str, partitions: int) -> None:
         pytest.fail(f"ONCEFLOW_TEST_PARTITIONS={partitions}, but the test database has {found}")
 
 
+@pytest.fixture()
+def empty_database(services: tuple[str, str]) -> Iterator[str]:
+    """An empty database of the test's own (not migrated), dropped at the end."""
+    admin = services[0]
+    name = f"onceflow_empty_{os.getpid()}_{secrets.token_hex(3)}"
+    with psycopg.connect(libpq(admin), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield make_url(admin).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with psycopg.connect(libpq(admin), autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 @pytest.fixture(scope="session")
 def redis_url(services: tuple[str, str]) -> str:
     """The Redis URL of this run."""

@@ -3,35 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
-import secrets
-from collections.abc import Iterator
 from datetime import timedelta
 
-import psycopg
 import pytest
 from alembic import command
-from sqlalchemy import Engine, make_url, text
+from sqlalchemy import Engine, text
 
 from onceflow import ClaimRef, LeaseLost, Queue, Status
 from onceflow.db import fetch_all, make_engine, raw_connection
 from onceflow.migrate import alembic_config, check, migrate
 from onceflow.queue import sql
-from tests.conftest import libpq
 from tests.integration.big_table import fill
-
-
-@pytest.fixture()
-def empty_database(services: tuple[str, str]) -> Iterator[str]:
-    admin = services[0]
-    name = f"onceflow_mig_{os.getpid()}_{secrets.token_hex(3)}"
-    with psycopg.connect(libpq(admin), autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield make_url(admin).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with psycopg.connect(libpq(admin), autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def test_upgrade_head_on_empty_database_then_no_drift(empty_database: str) -> None:

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import subprocess
 import sys
 from collections.abc import Iterator
 from typing import Any
 
-import psycopg
 import pytest
 from alembic import command
-from sqlalchemy import Connection, Engine, make_url, text
+from sqlalchemy import Connection, Engine, text
 
 from onceflow import InvalidRequest, PartitionLayoutMismatch, Queue
 from onceflow.db import fetch_all, make_engine, raw_connection
@@ -27,31 +25,16 @@ from onceflow.migrations.partitioning import WORKSPACE_TABLES
 from onceflow.oplog import OpLog
 from onceflow.queue import metrics_sql, sql
 from onceflow.settings import get_settings
-from tests.conftest import libpq
 from tests.integration.big_table import fill
 
 N = 8
 
 
 @pytest.fixture()
-def new_database(services: tuple[str, str]) -> Iterator[str]:
-    """An empty database of this test's own, dropped at the end."""
-    admin = services[0]
-    name = f"onceflow_part_{os.getpid()}_{secrets.token_hex(3)}"
-    with psycopg.connect(libpq(admin), autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield make_url(admin).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with psycopg.connect(libpq(admin), autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-@pytest.fixture()
-def partitioned(new_database: str) -> Iterator[Engine]:
+def partitioned(empty_database: str) -> Iterator[Engine]:
     """A new database migrated with ``partitions=8``: an engine on it."""
-    migrate(new_database, partitions=N)
-    engine = make_engine(new_database, pool_size=2)
+    migrate(empty_database, partitions=N)
+    engine = make_engine(empty_database, pool_size=2)
     try:
         yield engine
     finally:
@@ -112,14 +95,14 @@ def primary_key(conn: Connection, table: str) -> list[str]:
     )
 
 
-def test_a_new_database_migrated_with_8_partitions(new_database: str) -> None:
-    migrate(new_database, partitions=N)
-    check(new_database)  # `alembic check`: the models and the parents agree
-    before = schema(new_database)
-    migrate(new_database, partitions=N)  # again: nothing to do
-    migrate(new_database)  # unset: follows the database's layout
-    assert schema(new_database) == before
-    engine = make_engine(new_database, pool_size=1)
+def test_a_new_database_migrated_with_8_partitions(empty_database: str) -> None:
+    migrate(empty_database, partitions=N)
+    check(empty_database)  # `alembic check`: the models and the parents agree
+    before = schema(empty_database)
+    migrate(empty_database, partitions=N)  # again: nothing to do
+    migrate(empty_database)  # unset: follows the database's layout
+    assert schema(empty_database) == before
+    engine = make_engine(empty_database, pool_size=1)
     try:
         with engine.connect() as conn:
             assert layout(conn) == {t: ("h", ["workspace_id"], N) for t in WORKSPACE_TABLES}
@@ -176,30 +159,30 @@ def test_a_new_database_migrated_with_8_partitions(new_database: str) -> None:
     finally:
         engine.dispose()
     # Every downgrade works on the partitioned layout too, and the way up again.
-    command.downgrade(alembic_config(new_database), "base")
-    left = {r[0] for r in schema(new_database) if len(r) > 1}
+    command.downgrade(alembic_config(empty_database), "base")
+    left = {r[0] for r in schema(empty_database) if len(r) > 1}
     assert left == {"onceflow_alembic_version", "onceflow_alembic_version_pkc"}
-    migrate(new_database, partitions=N)
-    check(new_database)
-    assert schema(new_database) == before
+    migrate(empty_database, partitions=N)
+    check(empty_database)
+    assert schema(empty_database) == before
 
 
 def test_partitions_asked_for_on_existing_tables_are_refused_and_change_nothing(
-    new_database: str,
+    empty_database: str,
 ) -> None:
-    migrate(new_database, revision="0002")  # plain: requests and compute locks exist
-    before = schema(new_database)
+    migrate(empty_database, revision="0002")  # plain: requests and compute locks exist
+    before = schema(empty_database)
     with pytest.raises(PartitionLayoutMismatch) as refused:
-        migrate(new_database, partitions=N)
+        migrate(empty_database, partitions=N)
     message = str(refused.value)
     assert "partitions=8" in message and "not partitioned" in message, message
     assert "docs/sharding.md 5.2" in message, message
     assert refused.value.found == {"workspace_process_requests": 0, "compute_locks": 0}
-    assert schema(new_database) == before
-    migrate(new_database)  # unset: the rest is created plain, as the tables that exist
+    assert schema(empty_database) == before
+    migrate(empty_database)  # unset: the rest is created plain, as the tables that exist
     with pytest.raises(PartitionLayoutMismatch):
-        migrate(new_database, partitions=N)
-    engine = make_engine(new_database, pool_size=1)
+        migrate(empty_database, partitions=N)
+    engine = make_engine(empty_database, pool_size=1)
     try:
         with engine.connect() as conn:
             assert layout(conn) == {}
@@ -207,23 +190,23 @@ def test_partitions_asked_for_on_existing_tables_are_refused_and_change_nothing(
         engine.dispose()
 
 
-def test_another_partition_count_is_refused_and_a_bad_count_too(new_database: str) -> None:
+def test_another_partition_count_is_refused_and_a_bad_count_too(empty_database: str) -> None:
     for bad in (0, 1, 257):
         with pytest.raises(InvalidRequest, match=r"partitions must be 2\.\.256"):
-            migrate(new_database, partitions=bad)
-    assert schema(new_database) == [(None,)]  # nothing created
-    migrate(new_database, partitions=N)
-    before = schema(new_database)
+            migrate(empty_database, partitions=bad)
+    assert schema(empty_database) == [(None,)]  # nothing created
+    migrate(empty_database, partitions=N)
+    before = schema(empty_database)
     with pytest.raises(PartitionLayoutMismatch, match="in 8 hash partitions"):
-        migrate(new_database, partitions=4)
-    assert schema(new_database) == before
+        migrate(empty_database, partitions=4)
+    assert schema(empty_database) == before
 
 
-def test_onceflow_migrate_honours_onceflow_partitions(new_database: str) -> None:
+def test_onceflow_migrate_honours_onceflow_partitions(empty_database: str) -> None:
     def cli(partitions: str) -> subprocess.CompletedProcess[str]:
         env = {
             **os.environ,
-            "ONCEFLOW_DATABASE_URL": new_database,
+            "ONCEFLOW_DATABASE_URL": empty_database,
             "ONCEFLOW_PARTITIONS": partitions,
         }
         return subprocess.run(
@@ -233,7 +216,7 @@ def test_onceflow_migrate_honours_onceflow_partitions(new_database: str) -> None
 
     done = cli("4")
     assert done.returncode == 0, done.stderr
-    engine = make_engine(new_database, pool_size=1)
+    engine = make_engine(empty_database, pool_size=1)
     try:
         with engine.connect() as conn:
             assert {n for _s, _c, n in layout(conn).values()} == {4}
@@ -241,11 +224,11 @@ def test_onceflow_migrate_honours_onceflow_partitions(new_database: str) -> None
     finally:
         engine.dispose()
     assert cli("4").returncode == 0  # idempotent
-    before = schema(new_database)
+    before = schema(empty_database)
     refused = cli("16")
     assert refused.returncode != 0
     assert "PartitionLayoutMismatch" in refused.stderr and "5.2" in refused.stderr, refused.stderr
-    assert schema(new_database) == before
+    assert schema(empty_database) == before
 
 
 def _nodes(plan: Any) -> Iterator[dict[str, Any]]:
