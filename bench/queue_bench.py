@@ -80,7 +80,7 @@ INSERT_COLS = (
 FLOOR_INSERT_ONE = f"""
 INSERT INTO {TABLE} ({INSERT_COLS})
 VALUES (%s, %s, %s, %s, %s, %s, %s::jsonb, %s, %s, %s, %s, %s, now(), now(), now(), now())
-ON CONFLICT (request_id) DO NOTHING
+ON CONFLICT (workspace_id, request_id) DO NOTHING
 """
 
 FLOOR_INSERT_MANY = f"""
@@ -89,7 +89,7 @@ SELECT r, w, j, b, s, d, i, h, c, p, ma, mc, now(), now(), now(), now()
 FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::boolean[],
             %s::jsonb[], %s::text[], %s::text[], %s::integer[], %s::integer[], %s::integer[])
      AS t(r, w, j, b, s, d, i, h, c, p, ma, mc)
-ON CONFLICT (request_id) DO NOTHING
+ON CONFLICT (workspace_id, request_id) DO NOTHING
 """
 
 # The hand-written claim: same row writes as onceflow's CLAIM_NEXT (status, token, worker,

@@ -92,6 +92,8 @@ class Round:
     drained: float = 0.0
     #: restart: each other shard's clock when shard 0 stopped and when it answered again.
     window: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    #: restart: each other shard's unfinished requests when shard 0 stopped.
+    left_at_stop: dict[int, int] = field(default_factory=dict)
     #: restart: seconds from shard 0's stop until it answered again.
     outage: float | None = None
 
@@ -210,6 +212,8 @@ class Servers:
         )  # fmt: skip
         self.stack.callback(self._stop_broker)
         self.broker_url = f"redis://127.0.0.1:{port}/0"
+        self.broker_port = port
+        self.run_id = secrets.token_hex(4)
         import redis
 
         wait_for(lambda: _pings(redis.Redis(port=port)), timeout=30, what="the broker")
@@ -224,6 +228,16 @@ class Servers:
             self.private = PrivatePostgres()
             self.stack.callback(self.private.close)
         return self.private
+
+    def flush_broker(self) -> None:
+        """Empty the private broker (what a round left: nothing of another application)."""
+        import redis
+
+        client = redis.Redis(port=self.broker_port)
+        try:
+            client.flushall()
+        finally:
+            client.close()
 
     def _stop_broker(self) -> None:
         self.broker.kill()
@@ -328,7 +342,11 @@ def run_round(servers: Servers, opts: Options) -> tuple[Round, dict[str, Any]]:
         for index, url in enumerate(urls):  # as `onceflow migrate` does under this map
             register_shard(url, index, shard_map)
         rnd = Round(opts, urls, shard_map, llm, spread_workspaces(shard_map, opts.workspaces))
-        run_id = secrets.token_hex(4)
+        # One broker prefix per Servers: this process's Celery app reads it once, when it
+        # first publishes, and keeps it (a new prefix per round would publish the wake-ups
+        # of later rounds where no worker listens). The broker is ours alone: emptied here.
+        run_id = servers.run_id
+        servers.flush_broker()
         env = {
             "ONCEFLOW_DATABASE_URLS": ",".join(urls),
             "ONCEFLOW_DATABASE_URL": urls[-1],
@@ -363,7 +381,7 @@ def run_round(servers: Servers, opts: Options) -> tuple[Round, dict[str, Any]]:
             for proc in procs:
                 proc.stop()
 
-        tag = f"{opts.shards}s-{run_id}"
+        tag = f"{opts.shards}s-{secrets.token_hex(3)}"
         for i in range(opts.workers):
             for wc in ("llm", "fallback"):
                 args = ["worker", "--app", APP, "--worker-class", wc, "--concurrency", "2",
@@ -399,27 +417,42 @@ def _fresh_queue() -> None:
 
 
 def _restart_mid_run(servers: Servers, rnd: Round) -> None:
-    """Stop shard 0 (the private server) once work is under way; wait until another shard
-    finished requests meanwhile; start it again."""
+    """Stop shard 0 (the private server) once work is under way; wait until every other
+    shard that had work left finished some of it meanwhile (by its own clock); start shard 0
+    again."""
     private = servers.private_postgres()
     wait_for(lambda: _finished(rnd.urls) >= rnd.opts.expected() // 8, timeout=rnd.opts.timeout,
              what="some requests finished before the stop")  # fmt: skip
     others = range(1, len(rnd.urls))
     stopped = {k: _one(rnd.urls[k], "SELECT now()") for k in others}
+    rnd.left_at_stop = {k: int(_one(rnd.urls[k], UNFINISHED)) for k in others}
     down = time.monotonic()
     private.stop()
 
     def others_progressed() -> bool:
-        return any(
-            _one(rnd.urls[k], "SELECT count(*) FROM workspace_process_requests"
-                              " WHERE finished_at > %s", (stopped[k],)) > 0
+        return all(
+            _one(rnd.urls[k], FINISHED_SINCE, (stopped[k],)) > 0
             for k in others
-        )  # fmt: skip
+            if rnd.left_at_stop[k] > 0
+        )
 
-    wait_for(others_progressed, timeout=rnd.opts.timeout, what="other shards finishing work")
+    def outage_over() -> bool:  # the fault lasts MIN_OUTAGE at least (3 claim retry windows)
+        return time.monotonic() - down >= MIN_OUTAGE_SECONDS and others_progressed()
+
+    wait_for(outage_over, timeout=rnd.opts.timeout, what="other shards finishing work")
     private.start()
     rnd.outage = round(time.monotonic() - down, 2)
     rnd.window = {k: (stopped[k], _one(rnd.urls[k], "SELECT now()")) for k in others}
+
+
+#: The shortest outage of a restart round: longer than a worker's claim retry on a database
+#: split by workspace (onceflow.tasks.runtime.SHARDED_CLAIM_RETRY_SECONDS), so the other
+#: shards' progress is measured while wake-ups of the stopped one keep arriving.
+MIN_OUTAGE_SECONDS = 3.0
+
+UNFINISHED = """SELECT count(*) FROM workspace_process_requests
+WHERE status NOT IN ('succeeded', 'dead', 'cancelled')"""
+FINISHED_SINCE = "SELECT count(*) FROM workspace_process_requests WHERE finished_at > %s"
 
 
 def check(rnd: Round) -> dict[str, Any]:
@@ -454,6 +487,7 @@ def check(rnd: Round) -> dict[str, Any]:
                 "clock_gaps": gaps,
                 "evaluate_reruns": reruns,
                 "finished_while_0_down": during,
+                "unfinished_when_0_stopped": rnd.left_at_stop.get(k),
             }
         )
     calls: dict[str, int] = rnd.llm.stats()["per_key"]
@@ -512,8 +546,11 @@ def passes(result: dict[str, Any]) -> bool:
         and all(
             s["misplaced"] == 0 and s["not_succeeded"] == 0 and s["clock_gaps"] == 0 for s in shards
         )
-        and all(
-            s["finished_while_0_down"] is None or s["finished_while_0_down"] > 0 for s in shards[1:]
+        and all(  # every other shard that had work left did some while shard 0 was down
+            s["finished_while_0_down"] is None
+            or s["unfinished_when_0_stopped"] == 0
+            or s["finished_while_0_down"] > 0
+            for s in shards[1:]
         )
     )
 
