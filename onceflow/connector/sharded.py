@@ -76,6 +76,21 @@ class UnroutedStatement(InvalidRequest):
     shard (``OnShard``) or name the workspace. A bug in the caller, never a user's input."""
 
 
+class AmbiguousRequestId(InvalidRequest):
+    """A request named by its id alone, and the id names requests of several workspaces
+    (ids callers chose, reused): it must be addressed with its workspace."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        super().__init__(
+            f"request id {request_id!r} names requests of several workspaces: "
+            "address it with its workspace"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.request_id,))
+
+
 class CrossShardTransaction(InvalidRequest):
     """A transaction reached a second shard: one transaction stays within one workspace."""
 
@@ -106,10 +121,12 @@ def route(shard_map: ShardMap, query: Query, params: Mapping[str, Any]) -> int |
 
 
 def locate_steps(shards: int, request_id: str) -> Steps[int | None]:
-    """The shard holding ``request_id``, looked up on each of ``shards`` in turn; None when
-    none has it. A shard that cannot be reached is skipped; its error is raised when no
-    other shard had it (the request may live there)."""
+    """The shard holding ``request_id``, looked up on each of ``shards``; None when none has
+    it. An id found on two shards (ids callers chose, reused across workspaces) names
+    neither: :class:`AmbiguousRequestId`. A shard that cannot be reached is skipped; its
+    error is raised when no other shard had it (the request may live there)."""
     failed: DatabaseUnavailable | None = None
+    found: list[int] = []
     for index in range(shards):
         try:
             row = yield OnShard(index, one_row(LOCATE, {"request_id": request_id}))
@@ -117,7 +134,11 @@ def locate_steps(shards: int, request_id: str) -> Steps[int | None]:
             failed = exc
             continue
         if row is not None:
-            return index
+            found.append(index)
+    if len(found) > 1:
+        raise AmbiguousRequestId(request_id)
+    if found:
+        return found[0]
     if failed is not None:
         raise failed  # not found where we could look: it may be on the shard that failed
     return None

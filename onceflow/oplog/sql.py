@@ -60,8 +60,8 @@ JOIN workspace_sub_doc_ops o
 -- The fence's row by its key: the op's workspace (a fenced op is written in the fence's
 -- workspace only), else the row found by its id.
 WHERE w.workspace_id = coalesce(CAST(:workspace_id AS text),
-        (SELECT r.workspace_id FROM workspace_process_requests r WHERE r.request_id = :fence
-         LIMIT 1))
+        (SELECT min(r.workspace_id) FROM workspace_process_requests r WHERE r.request_id = :fence
+         HAVING count(*) = 1))
   AND w.request_id = :fence
   AND (CAST(:worker_classes AS text[]) IS NULL
        OR w.worker_class = ANY(CAST(:worker_classes AS text[])))

@@ -234,10 +234,10 @@ class BatchOps:
             "lazy": (yield from self._lazy()),
         }  # fmt: skip
         answer = yield from retrying(lambda: all_rows(N.HEARTBEAT_MANY, params))
-        rows = {r["request_id"]: r for r in answer}
+        rows = {(r["workspace_id"], r["request_id"]): r for r in answer}
         out: list[Heartbeat | LeaseLost] = []
-        for rid in ids:
-            row = rows.get(rid)
+        for rid, ws in zip(ids, _spaces(checked), strict=True):
+            row = rows.get((ws, rid))
             if row is None:
                 metrics.zombie("heartbeat")
                 out.append(LeaseLost(rid, "heartbeat rejected"))
@@ -349,9 +349,9 @@ class BatchOps:
                 log.warning("batch %s of %d: database blip (%s); retrying", what, len(claims), exc)
                 yield Sleep(delay)
                 delay = min(1.0, delay * 2)
-        found = {r["request_id"]: Request.from_row(r) for r in rows}
-        missing = [c for c in claims if c.request_id not in found]
-        current: dict[str, Request] = {}
+        found = {_key(r): Request.from_row(r) for r in rows}
+        missing = [c for c in claims if _key(c.request) not in found]
+        current: dict[tuple[str, str], Request] = {}
         if missing:
             # An earlier attempt (ours, or a caller's whose answer was lost) may have committed.
             keys = {
@@ -359,12 +359,12 @@ class BatchOps:
                 "workspace_ids": _spaces(missing),
             }
             again = yield from retrying(lambda: all_rows(N.GET_MANY, keys))
-            current = {r["request_id"]: Request.from_row(r) for r in again}
+            current = {_key(r): Request.from_row(r) for r in again}
         out: list[Request | LeaseLost] = []
         for claim in claims:
-            row = found.get(claim.request_id)
+            row = found.get(_key(claim.request))
             if row is None:
-                now_row = current.get(claim.request_id)
+                now_row = current.get(_key(claim.request))
                 if now_row is not None and landed(claim, now_row):
                     row = now_row
             out.append(row if row is not None else LeaseLost(claim.request_id, f"{what} rejected"))
@@ -441,11 +441,19 @@ def _check_claim(claim: Any) -> Claim:
 
 
 def _unique_ids(claims: list[Claim]) -> list[str]:
-    ids = [str(c.request_id) for c in claims]
-    if len(set(ids)) != len(ids):
-        dup = next(rid for rid in ids if ids.count(rid) > 1)
-        raise InvalidRequest(f"request {dup} appears twice in one batch")
-    return ids
+    """The claims' request ids; the same request (its key) twice is refused."""
+    keys = [_key(c.request) for c in claims]
+    if len(set(keys)) != len(keys):
+        dup = next(k for k in keys if keys.count(k) > 1)
+        raise InvalidRequest(f"request {dup[1]} appears twice in one batch")
+    return [str(c.request_id) for c in claims]
+
+
+def _key(row: Any) -> tuple[str, str]:
+    """A request's key, ``(workspace_id, request_id)``, from a row or a :class:`Request`."""
+    if isinstance(row, Request):
+        return (row.workspace_id, str(row.request_id))
+    return (row["workspace_id"], row["request_id"])
 
 
 def _seconds(name: str, value: Any) -> float:

@@ -63,7 +63,7 @@ from onceflow.models.requests import (
 from onceflow.models.status import Status
 from onceflow.payloads import JSON, encode_payload
 from onceflow.queue import sql
-from onceflow.queue.batch import _seconds
+from onceflow.queue.batch import BatchOps, _seconds
 from onceflow.queue.reads import LIST_LIMIT_MAX
 from onceflow.queue.sql import N
 from onceflow.settings import Settings
@@ -215,6 +215,13 @@ class ClaimOps:
                     raise  # nothing could be reached: the caller backs off
                 log.warning("claim_next: shard %d skipped this time: %s", shard, exc)
                 continue
+            except Exception:
+                # Not one to skip (a database that is not the shard the map names, a bug):
+                # the claims this call already took go back now instead of waiting out
+                # their leases (each lapse would count against the crash budget).
+                if claims:
+                    yield from self._hand_back(claims)
+                raise
             answered.add(shard)
             for row in rows:
                 request = Request.from_row(row)
@@ -224,6 +231,15 @@ class ClaimOps:
                 took_over.append(bool(row["took_over"]))
         metrics.claimed(claims, took_over)
         return claims
+
+    def _hand_back(self, claims: builtins.list[Claim]) -> Steps[None]:
+        """Release ``claims`` (unstarted); a failure is logged: their leases lapse and the
+        sweeper rescues them."""
+        try:
+            yield from BatchOps.release.steps(self, claims)
+        except Exception:
+            log.exception("claim_next: %d claim(s) not handed back; their leases lapse",
+                          len(claims))  # fmt: skip
 
     @operation
     def heartbeat(

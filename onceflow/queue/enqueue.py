@@ -288,26 +288,30 @@ class EnqueueOps:
         ids: list[str] = params["request_ids"]
         spaces: list[str] = params["workspace_ids"]
         hashes: list[str] = params["input_hashes"]
-        rows = {r["request_id"]: r for r in (yield from all_rows(N.ENQUEUE, params))}
-        missing = [(rid, ws) for rid, ws in zip(ids, spaces, strict=True) if rid not in rows]
+        # Rows by their key: an id a caller chose may name rows of two workspaces.
+        rows = {
+            (r["workspace_id"], r["request_id"]): r
+            for r in (yield from all_rows(N.ENQUEUE, params))
+        }
+        missing = [key for key in zip(spaces, ids, strict=True) if key not in rows]
         if missing:
             # Inserted by a concurrent enqueue that committed after this statement's snapshot:
             # ON CONFLICT waited for it, so a fresh snapshot (READ COMMITTED) sees it now.
             keys = {
-                "request_ids": [k[0] for k in missing],
-                "workspace_ids": [k[1] for k in missing],
+                "request_ids": [k[1] for k in missing],
+                "workspace_ids": [k[0] for k in missing],
             }
             found = yield from all_rows(N.ENQUEUE_LOOKUP, keys)
-            rows.update({r["request_id"]: r for r in found})
+            rows.update({(r["workspace_id"], r["request_id"]): r for r in found})
         results: list[EnqueueResult] = []
-        seen: set[str] = set()
+        seen: set[tuple[str, str]] = set()
         stages: list[str] = params["stages"]
         classes: list[str] = params["worker_classes"]
         for rid, ws, digest, stage, wc in zip(ids, spaces, hashes, stages, classes, strict=True):
-            row = rows[rid]
-            # The same id twice in one batch: only its first occurrence can have created it.
-            created = bool(row["created"]) and rid not in seen
-            seen.add(rid)
+            row = rows[(ws, rid)]
+            # The same request twice in one batch: only its first occurrence can have created it.
+            created = bool(row["created"]) and (ws, rid) not in seen
+            seen.add((ws, rid))
             mismatch = row["input_hash"] != digest
             if mismatch and strict:
                 raise InputMismatch(rid, row["input_hash"], digest)

@@ -29,8 +29,13 @@ _NOW = "SELECT coalesce(CAST(:now AS timestamptz), now()) AS now"
 # the id (a wake-up sent before the workspace was in it, an HTTP client that does not send
 # it) passes :workspace_id NULL, and the workspace is read from the row by its id
 # (ix_wpr_request_id); coalesce never evaluates that lookup when the workspace is given.
+# An id that names rows of several workspaces (possible only with ids the callers chose)
+# names none of them: NULL, so the statement matches nothing rather than another
+# workspace's row (`WS_OF_ID_SQL`; the same rule as the router's look-up).
+WS_OF_ID_SQL = """SELECT min(o.workspace_id) FROM workspace_process_requests o
+    WHERE o.request_id = {rid} HAVING count(*) = 1"""
 _WS_OF_ID = f"""coalesce(CAST(:workspace_id AS text),
-    (SELECT o.workspace_id FROM {TABLE} o WHERE o.request_id = :request_id LIMIT 1))"""
+    ({WS_OF_ID_SQL.format(rid=":request_id")}))"""
 _BY_ID = f"w.workspace_id = {_WS_OF_ID}\n  AND w.request_id = :request_id"
 
 # _NOW for claims and heartbeats: with :lazy true, this statement's own transaction commits
@@ -100,19 +105,21 @@ sig AS ({_notify("ins", "r.run_after <= n.now")})
 -- join, the generic plan psycopg's prepared statement keeps from a small table hashed the
 -- whole table on every enqueue, new rows too, until an ANALYZE re-planned it (an enqueue
 -- took 1 ms at 500 rows, 3.5 ms at 4,000; issue 13).
-SELECT request_id, true AS created, status, input_hash FROM ins WHERE {_SENT}
+SELECT request_id, workspace_id, true AS created, status, input_hash FROM ins WHERE {_SENT}
 UNION ALL
-SELECT w.request_id, false AS created, w.status, w.input_hash
+SELECT w.request_id, r.workspace_id, false AS created, w.status, w.input_hash
 FROM items r
 CROSS JOIN LATERAL (
     SELECT o.request_id, o.status, o.input_hash FROM {TABLE} o
     WHERE o.workspace_id = r.workspace_id AND o.request_id = r.request_id LIMIT 1
 ) w
-WHERE r.request_id NOT IN (SELECT request_id FROM ins)
+-- The pair as one text (ids hold no control character): a NOT IN over one column is hashed.
+WHERE r.workspace_id || chr(1) || r.request_id
+      NOT IN (SELECT workspace_id || chr(1) || request_id FROM ins)
 """)
 
 ENQUEUE_LOOKUP: TextClause = text(f"""
-SELECT w.request_id, false AS created, w.status, w.input_hash
+SELECT w.request_id, w.workspace_id, false AS created, w.status, w.input_hash
 FROM {TABLE} w
 JOIN unnest(CAST(:workspace_ids AS text[]), CAST(:request_ids AS text[])) AS k(workspace_id,
                                                                           request_id)
@@ -641,8 +648,7 @@ WHERE {_BY_ID} AND w.status = 'queued'
 # claimers lock with SKIP LOCKED.
 
 # A batch row's workspace: the claim's (t.ws), else (a reference by id alone) the row's.
-_WS_OF_ROW = f"""coalesce(t.ws,
-        (SELECT o.workspace_id FROM {TABLE} o WHERE o.request_id = t.request_id LIMIT 1))"""
+_WS_OF_ROW = f"""coalesce(t.ws, ({WS_OF_ID_SQL.format(rid="t.request_id")}))"""
 
 _BATCH_FENCE = """
   w.workspace_id = i.workspace_id
@@ -758,7 +764,7 @@ UPDATE {TABLE} AS w SET
     updated_at = n.now
 FROM i JOIN locked USING (workspace_id, request_id), n
 WHERE {_BATCH_FENCE}
-RETURNING w.request_id, w.lease_expires_at, w.cancel_requested
+RETURNING w.request_id, w.workspace_id, w.lease_expires_at, w.cancel_requested
 """)
 
 # Hand back claims whose work has not started: the row is as if never claimed — queued, due

@@ -134,3 +134,42 @@ def test_bad_input_clear_error_and_nothing_written(
 def test_unknown_status_filter_is_an_error(api_queue: Queue) -> None:
     with pytest.raises(InvalidRequest, match="unknown status"):
         api_queue.list(status="finished")
+
+
+def test_a_caller_chosen_id_in_two_workspaces_is_two_requests_each_answered_by_its_own(
+    api_queue: Queue, queue: Queue
+) -> None:
+    """Requests are keyed (workspace_id, request_id): an id a caller chose may name a row in
+    each of two workspaces. Each enqueue is answered from its own row, never the other
+    workspace's; a lookup by the id alone is ambiguous and matches nothing (not the other
+    workspace's row); by its key, each is found. (Before: the batch answered both items from
+    one row — one was reported not created, its wake-up never sent — and a write by the id
+    alone could land on, or be refused by, the wrong workspace's row.)"""
+    from onceflow import ClaimRef, LeaseLost, NotFound
+
+    first = NewRequest(workspace_id="wsA", job_id="j", stage="s", request_id="chosen-1",
+                       input={"a": 1})  # fmt: skip
+    other = NewRequest(workspace_id="wsB", job_id="j", stage="s", request_id="chosen-1",
+                       input={"b": 2})  # fmt: skip
+    made = api_queue.enqueue_many([first, other])
+    assert [(r.workspace_id, r.created, r.input_mismatch) for r in made] == [
+        ("wsA", True, False),
+        ("wsB", True, False),
+    ]
+    claim = api_queue.claim("chosen-1", "w", workspace_id="wsB")
+    assert claim is not None and claim.request.input == {"b": 2}
+    again = api_queue.enqueue_many([first, other])  # each answered by its own row's status
+    assert [(r.workspace_id, r.created, r.status) for r in again] == [
+        ("wsA", False, Status.QUEUED),
+        ("wsB", False, Status.RUNNING),
+    ]
+    # By the id alone: ambiguous, so nothing — never the other workspace's row.
+    with pytest.raises(NotFound):
+        api_queue.get("chosen-1")
+    assert api_queue.claim("chosen-1", "w") is None
+    with pytest.raises(LeaseLost):
+        api_queue.heartbeat(ClaimRef("chosen-1", claim.token))
+    # By the key: each found, the live claim untouched by the refused write.
+    assert api_queue.get("chosen-1", workspace_id="wsA").status is Status.QUEUED
+    ref = ClaimRef("chosen-1", claim.token, workspace_id="wsB")
+    assert api_queue.complete(ref, {"ok": 1}).status is Status.SUCCEEDED

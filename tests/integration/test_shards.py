@@ -374,3 +374,42 @@ def test_a_database_that_is_not_the_shard_the_map_names_is_refused(
             pair.counts()
     finally:
         drop_shards(services[0], lone + extra)
+
+
+def test_an_id_on_two_shards_is_ambiguous_and_claims_are_handed_back_on_a_bad_shard(
+    shards: list[str], services: tuple[str, str]
+) -> None:
+    """An id callers chose may name requests of two workspaces on two shards: by the id
+    alone it names neither (`AmbiguousRequestId`), by its key each. And a claim by class
+    that meets a database which is not the shard the map names hands back the claims it
+    already took on the other shards, instead of leaving them to lapse (each lapse would
+    count against the crash budget)."""
+    from onceflow.connector.sharded import AmbiguousRequestId
+    from onceflow.errors import ShardMismatch
+
+    shard_map = ShardMap.from_urls(shards)
+    queue = Queue(shard_map=shard_map)
+    a, b = spread_workspaces(shard_map, 1)[:2]
+    queue.enqueue_many(
+        [NewRequest(workspace_id=ws, job_id="j", stage="s", request_id="chosen-1") for ws in (a, b)]
+    )
+    with pytest.raises(AmbiguousRequestId):
+        queue.get("chosen-1")
+    assert queue.get("chosen-1", workspace_id=b).workspace_id == b
+    # The last shard forgets who it is: claims by class must not strand the others' rows.
+    last = shards[-1]
+    with psycopg.connect(libpq(last), autocommit=True) as conn:
+        conn.execute("DELETE FROM onceflow_shard")
+    fresh = Queue(shard_map=shard_map)
+    for _ in range(len(shards)):  # every starting shard of the rotation
+        with pytest.raises(ShardMismatch):
+            fresh.claim_next("default", "w", limit=10)
+    for url in shards[:-1]:
+        for row in rows_of(url):
+            assert row["status"] == "queued", row
+        with raw_connection(get_engine(url)) as raw:
+            counts = fetch_one(
+                raw, "SELECT max(attempts) AS a, max(crash_attempts) AS c"
+                " FROM workspace_process_requests", {},
+            )  # fmt: skip
+        assert (counts["a"] or 0, counts["c"] or 0) == (0, 0)
