@@ -183,6 +183,11 @@ class PrivatePostgres:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=30)
+        self.start()
+        return time.monotonic() - down
+
+    def start(self) -> None:
+        """Start the stopped server again, on the same port; returns once it answers."""
         port = self.port
         children = self.embedded.children  # where _Child looks _free_port up
         original = children._free_port
@@ -192,7 +197,6 @@ class PrivatePostgres:
         finally:
             children._free_port = original
         self.child.wait_until_answering(self.probe, time.monotonic() + 60)
-        return time.monotonic() - down
 
     def close(self) -> None:
         self.embedded._stop_children([self.child])

@@ -37,7 +37,6 @@ import json
 import os
 import random
 import secrets
-import shutil
 import socket
 import statistics
 import subprocess
@@ -53,6 +52,7 @@ from typing import Any
 import psycopg
 from sqlalchemy import make_url
 
+from bench.consumer_bench import PrivatePostgres as EmbeddedPostgres
 from onceflow.demo.procs import Proc, wait_for
 from onceflow.demo.scenario import SECTIONS
 from onceflow.demo.standins import StandIn
@@ -150,47 +150,14 @@ def shard_databases(server: str, n: int) -> Iterator[list[str]]:
             _admin(server, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-class PrivatePostgres:
-    """An embedded PostgreSQL 16 on a free port, stoppable and startable on the same port."""
-
-    def __init__(self) -> None:
-        from onceflow import embedded
-
-        self.root = Path(tempfile.mkdtemp(prefix="onceflow-sim-pg-"))
-        self.cleanup: list[Path] = [self.root]
-        deadline = time.monotonic() + 120
-        self.child, pg_dir = embedded._prepare_postgres(
-            embedded._postgres_bin_dir(), self.root, deadline, self.cleanup
-        )
-        self.probe = embedded._postgres_probe(pg_dir)
-        self.child.spawn()
-        self.child.wait_until_answering(self.probe, deadline)
-        self.port = self.child.port
-        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+class PrivatePostgres(EmbeddedPostgres):
+    """The consumer benchmark's private PostgreSQL 16, also stopped cleanly (fast shutdown:
+    every session ends) and started again on the same port (:meth:`start`)."""
 
     def stop(self) -> None:
         assert self.child.process is not None
-        self.child.signal_stop()  # fast shutdown: every session ends
+        self.child.signal_stop()
         self.child.process.wait(timeout=30)
-
-    def start(self) -> None:
-        from onceflow.embedded import children
-
-        port = self.port
-        before = children._free_port
-        children._free_port = lambda: port  # type: ignore[assignment]
-        try:
-            self.child.spawn()
-        finally:
-            children._free_port = before  # type: ignore[assignment]
-        self.child.wait_until_answering(self.probe, time.monotonic() + 60)
-
-    def close(self) -> None:
-        from onceflow import embedded
-
-        embedded._stop_children([self.child])
-        for path in self.cleanup:
-            shutil.rmtree(path, ignore_errors=True)
 
 
 class Servers:
@@ -337,7 +304,7 @@ def run_round(servers: Servers, opts: Options) -> tuple[Round, dict[str, Any]]:
         urls = stack.enter_context(shard_databases(server, shared))
         if opts.restart:
             private = servers.private_postgres()
-            urls = [*stack.enter_context(shard_databases(private.url, 1)), *urls]
+            urls = [*stack.enter_context(shard_databases(private.admin_url, 1)), *urls]
         shard_map = ShardMap.from_urls(urls)
         for index, url in enumerate(urls):  # as `onceflow migrate` does under this map
             register_shard(url, index, shard_map)
