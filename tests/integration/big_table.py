@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from sqlalchemy import Connection, text
+from typing import Any
+
+from sqlalchemy import Connection, Engine, text
+
+from onceflow.db import fetch_all, raw_connection
+from onceflow.queue import sql
 
 FINISHED = """
 INSERT INTO workspace_process_requests
@@ -29,3 +34,14 @@ def fill(conn: Connection, *, finished: int, queued: int = 1000, priorities: int
     conn.execute(text(FINISHED), {"finished": finished})
     conn.execute(text(QUEUED), {"queued": queued, "priorities": priorities})
     conn.execute(text("ANALYZE workspace_process_requests"))
+
+
+def claim_plan(engine: Engine) -> list[Any]:
+    """EXPLAIN (FORMAT JSON) of a claim of ten ``llm`` requests, the statement exactly as
+    ``claim_next`` sends it (psycopg, literal LIMIT)."""
+    params = {
+        "worker_class": "llm", "worker_id": "w", "tokens": ["t"] * 10,
+        "lease_seconds": 30.0, "max_runtime": None, "now": None, "lazy": True,
+    }  # fmt: skip
+    with raw_connection(engine) as raw:
+        return fetch_all(raw, "EXPLAIN (FORMAT JSON) " + sql.claim_next_sql(10), params)

@@ -13,7 +13,7 @@ from onceflow import ClaimRef, LeaseLost, Queue, Status
 from onceflow.db import fetch_all, make_engine, raw_connection
 from onceflow.migrate import alembic_config, check, migrate
 from onceflow.queue import sql
-from tests.integration.big_table import fill
+from tests.integration.big_table import claim_plan, fill
 
 
 def test_upgrade_head_on_empty_database_then_no_drift(empty_database: str) -> None:
@@ -187,13 +187,7 @@ def test_0007_0008_key_requests_by_workspace_keeping_rows_ids_and_old_wake_ups(
 def test_claim_uses_its_partial_index_on_a_big_table(clean_db: Engine) -> None:
     with clean_db.begin() as conn:
         fill(conn, finished=100000)
-    params = {
-        "worker_class": "llm", "worker_id": "w", "tokens": ["t"] * 10,
-        "lease_seconds": 30.0, "max_runtime": None, "now": None, "lazy": True,
-    }  # fmt: skip
-    # The statement exactly as claim_next sends it (psycopg, literal LIMIT).
-    with raw_connection(clean_db) as raw:
-        rows = fetch_all(raw, "EXPLAIN (FORMAT JSON) " + sql.claim_next_sql(10), params)
+    rows = claim_plan(clean_db)
     plan = json.dumps(rows)
     assert "ix_wpr_claim" in plan, plan
     assert "ix_wpr_lease" in plan, plan

@@ -19,13 +19,13 @@ from alembic import command
 from sqlalchemy import Connection, Engine, text
 
 from onceflow import InvalidRequest, PartitionLayoutMismatch, Queue
-from onceflow.db import fetch_all, make_engine, raw_connection
+from onceflow.db import make_engine
 from onceflow.migrate import alembic_config, check, migrate
 from onceflow.migrations.partitioning import WORKSPACE_TABLES
 from onceflow.oplog import OpLog
-from onceflow.queue import metrics_sql, sql
+from onceflow.queue import metrics_sql
 from onceflow.settings import get_settings
-from tests.integration.big_table import fill
+from tests.integration.big_table import claim_plan, fill
 
 N = 8
 
@@ -258,13 +258,7 @@ def test_claim_over_many_workspaces_merges_the_partitions_partial_indexes(
             """)
             ).all()
         )
-    params = {
-        "worker_class": "llm", "worker_id": "w", "tokens": ["t"] * 10,
-        "lease_seconds": 30.0, "max_runtime": None, "now": None, "lazy": True,
-    }  # fmt: skip
-    # The statement exactly as claim_next sends it (psycopg, literal LIMIT).
-    with raw_connection(partitioned) as raw:
-        rows = fetch_all(raw, "EXPLAIN (FORMAT JSON) " + sql.claim_next_sql(10), params)
+    rows = claim_plan(partitioned)
     plan = json.dumps(rows)
     nodes = list(_nodes(rows[0]["QUERY PLAN"]))
     types = {n["Node Type"] for n in nodes}
