@@ -4,7 +4,11 @@ Two apps on the same broker with the same shipped settings
 (``onceflow.tasks.config.celery_config``):
 
 * ``flow``: an onceflow Flow with one no-op stage, ``bench_noop``;
-* ``bare``: a plain Celery app with one no-op task, ``bench.noop`` — the floor.
+* ``bare``: a plain Celery app with one no-op task, ``bench.noop`` — the floor;
+* on the same app, ``bench.floor`` (bench/drain_bench.py): the no-op between the two
+  Postgres round trips that "each stage runs once" needs, hand-written — the claim of
+  its row (lazy commit, as onceflow's) before the body and the durable fenced
+  completion after it, on one psycopg connection per process: the design's floor.
 
 Both bodies do nothing but, when asked to (``pickup``), push ``time.time()`` at
 their start to a Redis list, for the pickup latency. Every finished task (either
@@ -17,6 +21,7 @@ the benchmark never share a queue.
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from typing import Any
 
@@ -29,9 +34,13 @@ from onceflow.settings import get_settings
 from onceflow.tasks import Flow, StageContext
 from onceflow.tasks.config import celery_config
 
-#: The onceflow stage's worker class (its queue) and the bare task's queue.
+#: The onceflow stage's worker class (its queue), the bare task's and the floor task's.
 QUEUE = os.environ.get("ONCEFLOW_BENCH_QUEUE", "bench-runtime")
 BARE_QUEUE = QUEUE + "-bare"
+FLOOR_QUEUE = QUEUE + "-floor"
+#: The floor's rows: their workspace and worker class (no onceflow worker consumes it).
+FLOOR_WORKSPACE = "bench"
+FLOOR_CLASS = "bench-floor"
 #: Prefix of every Redis key the bench stages write.
 KEYS = os.environ.get("ONCEFLOW_BENCH_KEYS", "onceflow-bench")
 #: How many finishes make a full drain (the last one stores its time).
@@ -83,7 +92,54 @@ def bare_noop(n: int = 0, pickup: bool = False) -> None:
     started("bare", pickup)
 
 
-_TAGS = {"onceflow.stage.bench_noop": "onceflow", "bench.noop": "bare"}
+# The floor's two statements: the same row writes as onceflow's claim (CLAIM: status, token,
+# worker, attempts, lease, heartbeat; commit lazy, synchronous_commit off for its own
+# transaction) and completion (COMPLETE: result, token cleared, finished, fenced by the
+# token; durable), addressed by the row's key; nothing read back but the input.
+FLOOR_CLAIM = """
+UPDATE workspace_process_requests w SET status = 'running', claim_token = %(token)s,
+    claimed_by = %(worker)s, attempts = w.attempts + 1,
+    lease_expires_at = now() + interval '30 seconds', heartbeat_at = now(), updated_at = now()
+FROM (SELECT set_config('synchronous_commit', 'off', true)) AS lazy
+WHERE w.workspace_id = %(ws)s AND w.request_id = %(rid)s AND w.status = 'queued'
+RETURNING w.input
+"""
+FLOOR_COMPLETE = """
+UPDATE workspace_process_requests SET status = 'succeeded', result = 'null'::jsonb,
+    claim_token = NULL, lease_expires_at = NULL, finished_at = now(), updated_at = now()
+WHERE workspace_id = %(ws)s AND request_id = %(rid)s AND claim_token = %(token)s
+"""
+
+_floor_conn: tuple[int, Any] | None = None
+
+
+def floor_connection() -> Any:
+    """This process's psycopg connection (autocommit) to the bench database."""
+    global _floor_conn
+    if _floor_conn is None or _floor_conn[0] != os.getpid():
+        import psycopg
+        from sqlalchemy import make_url
+
+        url = make_url(get_settings().database_url).set(drivername="postgresql")
+        conn = psycopg.connect(url.render_as_string(hide_password=False), autocommit=True)
+        _floor_conn = (os.getpid(), conn)
+    return _floor_conn[1]
+
+
+@bare.task(name="bench.floor", ignore_result=True)
+def floor_noop(request_id: str, pickup: bool = False) -> None:
+    conn = floor_connection()
+    key = {"ws": FLOOR_WORKSPACE, "rid": request_id, "token": secrets.token_hex(16)}
+    row = conn.execute(FLOOR_CLAIM, {**key, "worker": f"floor-{os.getpid()}"}).fetchone()
+    if row is None:
+        raise RuntimeError(f"floor: {request_id} was not queued")
+    started("floor", pickup)
+    done = conn.execute(FLOOR_COMPLETE, key)
+    if done.rowcount != 1:
+        raise RuntimeError(f"floor: {request_id} not completed")
+
+
+_TAGS = {"onceflow.stage.bench_noop": "onceflow", "bench.noop": "bare", "bench.floor": "floor"}
 
 
 @worker_ready.connect

@@ -125,6 +125,20 @@ IDLE_GAP = 0.05
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
+#: The floor side's rows (bench_stages.floor_noop claims and completes them by key).
+_FLOOR_ROW = """INSERT INTO workspace_process_requests (request_id, workspace_id, job_id,
+    branch_path, stage, dedupe, input, input_hash, worker_class, max_attempts,
+    max_crash_attempts, dispatched_at)"""
+FLOOR_INSERT_MANY = f"""{_FLOOR_ROW}
+SELECT %(tag)s || '-' || (i - 1), 'bench', %(tag)s || '-' || (i - 1), '', 'bench_noop', true,
+       jsonb_build_object('n', i - 1), 'h', 'bench-floor', 5, 3, now()
+FROM generate_series(1, %(n)s) AS i"""
+#: The floor's enqueue at pickup: the one row, committed durably before its message is sent.
+FLOOR_INSERT_ONE = f"""{_FLOOR_ROW}
+VALUES (%(rid)s, 'bench', %(rid)s, '', 'bench_noop', true, %(input)s::jsonb, 'h',
+        'bench-floor', 5, 3, now())"""
+
+
 class Drain(Bench):
     """The runtime bench's run state, with matched worker commands and a start gate."""
 
@@ -141,14 +155,20 @@ class Drain(Bench):
         self.module = "bench.bench_stages"
 
     def queue_of(self, kind: str) -> str:
+        if kind == "floor":
+            return str(self.stages.FLOOR_QUEUE)
         return self.flow_queue if kind == "onceflow" else self.stages.BARE_QUEUE
+
+    def reset(self) -> None:
+        super().reset()
+        self.redis.delete(self.stages.FLOOR_QUEUE)
 
     def worker(self, kind: str, concurrency: int, total: int = 0) -> Proc:
         if kind == "onceflow":
             app = f"{self.module}:app"
             queues = ",".join(self.stages.flow.broker_queues([self.queue]))
         else:
-            app, queues = f"{self.module}:bare", self.stages.BARE_QUEUE
+            app, queues = f"{self.module}:bare", self.queue_of(kind)
         self.names += 1
         argv = [
             sys.executable, "-m", "celery", "-A", app, "worker", "-Q", queues,
@@ -172,10 +192,20 @@ class Drain(Bench):
         if kind == "onceflow":
             for i in range(n):
                 self.stages.flow.enqueue("bench_noop", "bench", f"{tag}-{i}", input={"n": i})
+        elif kind == "floor":  # the rows first (one statement), then a message per row
+            with raw_connect(self.url) as conn:
+                conn.execute(FLOOR_INSERT_MANY, {"tag": tag, "n": n})
+            for i in range(n):
+                self.send_floor(f"{tag}-{i}")
         else:
             for i in range(n):
                 self.stages.bare.send_task("bench.noop", args=[i], queue=self.stages.BARE_QUEUE)
         return time.perf_counter() - t0
+
+    def send_floor(self, request_id: str, pickup: bool = False) -> None:
+        self.stages.bare.send_task(
+            "bench.floor", args=[request_id, pickup], queue=self.stages.FLOOR_QUEUE
+        )
 
     def done(self, kind: str) -> int:
         self.polls += 1  # the bench's own GETs, taken out of the breakdown's Redis counts
@@ -219,10 +249,10 @@ def drain(
     finally:
         for p in procs:
             b.stop(p)
-    if kind == "onceflow":
+    if kind in ("onceflow", "floor"):
         counts = b.onceflow_counts()
         if counts != {"succeeded": n}:
-            raise RuntimeError(f"onceflow drain ended with {counts}")
+            raise RuntimeError(f"{kind} drain ended with {counts}")
     elif b.done(kind) != n:
         raise RuntimeError(f"bare Celery ran {b.done(kind)} tasks for {n} messages")
     return {
@@ -437,17 +467,24 @@ def cpu_use(
 
 
 def bench_drains(
-    b: Drain, n: int, rounds: int, configs: list[tuple[int, int]], peers: Peers | None = None
+    b: Drain,
+    n: int,
+    rounds: int,
+    configs: list[tuple[int, int]],
+    peers: Peers | None = None,
+    floor: bool = True,
 ) -> list[dict[str, Any]]:
-    """Per configuration, rounds of onceflow, bare Celery and (one process only, when
-    ``peers``) Procrastinate and PgQueuer, interleaved in that order within each round."""
+    """Per configuration, rounds of onceflow, bare Celery, (``floor``) the design's floor and
+    (one process only, when ``peers``) Procrastinate and PgQueuer, interleaved in that order
+    within each round."""
     results = []
+    kinds = [("onceflow", "onceflow"), ("bare", "celery")] + [("floor", "floor")] * floor
     for processes, concurrency in configs:
-        runs: dict[str, list[dict[str, Any]]] = {"onceflow": [], "celery": []}
+        runs: dict[str, list[dict[str, Any]]] = {side: [] for _, side in kinds}
         multi = processes > 1
         for rnd in range(rounds):
             tag = f"p{processes}c{concurrency}r{rnd}"
-            for kind, side in (("onceflow", "onceflow"), ("bare", "celery")):
+            for kind, side in kinds:
                 probe = cpu_probe(b) if multi or processes == 1 else None
                 res = drain(b, kind, n, processes, concurrency, tag, probe)
                 before, after = res.pop("probe")
@@ -475,6 +512,9 @@ def bench_drains(
                 "concurrency": concurrency,
                 "ratios": ratios,
                 "ratio_median": statistics.median(ratios),
+                # onceflow beside the design's floor, and the floor beside bare Celery
+                "vs_floor": per_round(runs["onceflow"], runs["floor"]) if floor else None,
+                "floor_vs_celery": per_round(runs["floor"], runs["celery"]) if floor else None,
                 "sides": {
                     side: {
                         "per_s_median": statistics.median(r["per_s"] for r in rs),
@@ -504,8 +544,12 @@ def per_round(side: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[st
 # ---------------------------------------------------------------------------- 2. pickup
 
 
-def bench_pickup(b: Drain, count: int, warm: int, parts: bool = False) -> dict[str, Any]:
-    """Pickup latency; ``parts``: also where it goes (bench/pickup_probe.py)."""
+def bench_pickup(
+    b: Drain, count: int, warm: int, parts: bool = False, floor: bool = True
+) -> dict[str, Any]:
+    """Pickup latency; ``parts``: also where it goes (bench/pickup_probe.py); ``floor``: the
+    design's floor too (its row INSERT committed, then its message; the claim in the body)."""
+    floor = floor and not parts
     b.reset()
     probe: Any = None
     if parts:
@@ -515,22 +559,28 @@ def bench_pickup(b: Drain, count: int, warm: int, parts: bool = False) -> dict[s
 
         probe.instrument_caller()
         b.module = "bench.pickup_probe"
-    workers = [b.worker("onceflow", 2), b.worker("bare", 2)]
+    tags = ["onceflow", "bare"] + ["floor"] * floor
+    workers = [b.worker(tag, 2) for tag in tags]
+    writer = raw_connect(b.url)  # the floor's enqueuing connection (autocommit, durable)
     try:
         b.wait_ready(workers)
         time.sleep(1.0)
-        samples: dict[str, list[float]] = {"onceflow": [], "bare": []}
-        done = {"onceflow": 0, "bare": 0}
-        for i in range(2 * (count + warm)):
-            tag = "onceflow" if i % 2 == 0 else "bare"
+        samples: dict[str, list[float]] = {tag: [] for tag in tags}
+        done = dict.fromkeys(tags, 0)
+        for i in range(len(tags) * (count + warm)):
+            tag = tags[i % len(tags)]
             if probe is not None:
-                probe.begin(tag, i // 2 >= warm)
+                probe.begin(tag, i // len(tags) >= warm)
                 probe.mark("c0")
             t0 = time.time()
             if tag == "onceflow":
                 b.stages.flow.enqueue(
                     "bench_noop", "bench", f"pick-{i}", input={"n": i, "pickup": True}
                 )
+            elif tag == "floor":
+                rid = f"pick-floor-{i}"
+                writer.execute(FLOOR_INSERT_ONE, {"rid": rid, "input": json.dumps({"n": i})})
+                b.send_floor(rid, pickup=True)
             else:
                 b.stages.bare.send_task("bench.noop", args=[i, True], queue=b.stages.BARE_QUEUE)
             got = b.redis.blpop([f"{b.keys}:pickup:{tag}"], timeout=30)
@@ -543,22 +593,22 @@ def bench_pickup(b: Drain, count: int, warm: int, parts: bool = False) -> dict[s
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{tag}: the task did not finish within 30 s")
                 time.sleep(0.002)
-            if i // 2 >= warm:
+            if i // len(tags) >= warm:
                 samples[tag].append(started - t0)
             time.sleep(IDLE_GAP)
     finally:
+        writer.close()
         for w in workers:
             b.stop(w)
     out = {tag: _lat(xs) for tag, xs in samples.items()}
     out["ratio_p50"] = {"x": out["onceflow"]["p50_ms"] / out["bare"]["p50_ms"]}
+    if floor:
+        out["vs_floor_p50"] = {"x": out["onceflow"]["p50_ms"] / out["floor"]["p50_ms"]}
     if probe is not None:
         out["parts_p50_ms"] = probe.parts(os.environ["ONCEFLOW_BENCH_PROBE_LOG"])
         for side, steps in out["parts_p50_ms"].items():
             log(f"pickup parts, {side}: " + ", ".join(f"{k} {v:.3f}" for k, v in steps.items()))
-    log(
-        f"pickup p50 onceflow {out['onceflow']['p50_ms']:.2f} ms, "
-        f"bare {out['bare']['p50_ms']:.2f} ms"
-    )
+    log("pickup p50 " + ", ".join(f"{tag} {out[tag]['p50_ms']:.2f} ms" for tag in tags))
     return out
 
 
@@ -772,6 +822,28 @@ def grow(d: dict[str, Any], base: dict[str, Any], side: str) -> float:
     return float(d["sides"][side]["per_s_median"] / base[side]["per_s_median"])
 
 
+def render_floor(res: dict[str, Any]) -> list[str]:
+    """The drains beside the design's floor (bare Celery + the two hand-written statements)."""
+    drains = [d for d in res["drains"] if d.get("vs_floor")]
+    if not drains:
+        return []
+    lines = [
+        "",
+        "| processes x concurrency | floor/s (median) | onceflow / floor, median of per-round "
+        "ratios | per-round ratios | floor / bare Celery, median of per-round ratios |",
+        "| --- | ---: | ---: | --- | ---: |",
+    ]
+    for d in drains:
+        v = d["vs_floor"]
+        lines.append(
+            f"| {d['processes']} x {d['concurrency']} "
+            f"| {d['sides']['floor']['per_s_median']:,.0f} | **{v['median']:.2f}** "
+            f"| {', '.join(f'{r:.2f}' for r in v['ratios'])} "
+            f"| {d['floor_vs_celery']['median']:.2f} |"
+        )
+    return lines
+
+
 def render_peers(res: dict[str, Any]) -> list[str]:
     """The one-process drains with Procrastinate and PgQueuer beside the Celery sides."""
     drains = [d for d in res["drains"] if d.get("peers")]
@@ -842,6 +914,7 @@ def render(res: dict[str, Any]) -> str:
             f"| {s['celery']['per_s_median']:,.0f} | **{d['ratio_median']:.2f}** "
             f"| {', '.join(f'{r:.2f}' for r in d['ratios'])} |"
         )
+    lines += render_floor(res)
     lines += render_peers(res)
     scale = [d for d in res["drains"] if d["concurrency"] == 2]
     if len(scale) > 1:
@@ -883,13 +956,17 @@ def render(res: dict[str, Any]) -> str:
             "| pickup, enqueue → body start (idle) | p50 | p99 | mean |",
             "| --- | ---: | ---: | ---: |",
         ]
-        for tag in ("onceflow", "bare"):
+        for tag in ("onceflow", "bare", "floor"):
+            if tag not in p:
+                continue
             st = p[tag]
             lines.append(
                 f"| {tag} | {st['p50_ms']:.2f} ms | {st['p99_ms']:.2f} ms "
                 f"| {st['mean_ms']:.2f} ms |"
             )
         lines.append(f"| **onceflow / bare p50** | **{p['ratio_p50']['x']:.2f}x** | | |")
+        if "vs_floor_p50" in p:
+            lines.append(f"| **onceflow / floor p50** | **{p['vs_floor_p50']['x']:.2f}x** | | |")
     return "\n".join(lines)
 
 
@@ -920,6 +997,13 @@ def main(argv: list[str] | None = None) -> int:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="Procrastinate and PgQueuer beside the one-process drains (peers' venv)",
+    )
+    parser.add_argument(
+        "--floor",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the design's floor beside them: bare Celery running the claim and completion "
+        "statements by hand (bench_stages.floor_noop)",
     )
     parser.add_argument(
         "--body-ms",
@@ -965,10 +1049,12 @@ def main(argv: list[str] | None = None) -> int:
                     ) as peers:
                         if peers is not None:
                             res["machine"]["peers"] = peers.versions
-                        res["drains"] = bench_drains(b, cfg["n"], cfg["rounds"], configs, peers)
+                        res["drains"] = bench_drains(
+                            b, cfg["n"], cfg["rounds"], configs, peers, args.floor
+                        )
                 if args.only in (None, "drain", "pickup"):
                     res["pickup"] = bench_pickup(
-                        b, cfg["pickups"], cfg["warm"], parts=args.pickup_parts
+                        b, cfg["pickups"], cfg["warm"], parts=args.pickup_parts, floor=args.floor
                     )
                 if args.profile or args.only == "profile":
                     spy = pyspy_path()
