@@ -122,6 +122,8 @@ POLL = 0.01
 #: ``ONCEFLOW_BENCH_ONCPU=1``: profile on-CPU samples only (py-spy without ``--idle``).
 IDLE = "" if os.environ.get("ONCEFLOW_BENCH_ONCPU") == "1" else "--idle"
 IDLE_GAP = 0.05
+#: py-spy's sampling rate for --profile (``ONCEFLOW_BENCH_PYSPY_RATE``, per second).
+SPY_RATE = os.environ.get("ONCEFLOW_BENCH_PYSPY_RATE", "200")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -736,7 +738,7 @@ def profile(b: Drain, kind: str, n: int, seconds: float, pyspy: str) -> dict[str
                 out = b.logdir / f"pyspy-{kind}-{pid}.txt"
                 argv = [
                     pyspy, "record", "--pid", str(pid), "--duration", str(int(seconds)),
-                    "--rate", "200", IDLE, "--nonblocking", "--format", "raw", "-o", str(out),
+                    "--rate", SPY_RATE, IDLE, "--nonblocking", "--format", "raw", "-o", str(out),
                 ]  # fmt: skip
                 argv = [a for a in argv if a]
                 spies.append(
@@ -748,7 +750,7 @@ def profile(b: Drain, kind: str, n: int, seconds: float, pyspy: str) -> dict[str
             parent_out = b.logdir / f"pyspy-{kind}-parent.txt"
             argv = [
                 pyspy, "record", "--pid", str(procs[0].popen.pid),
-                "--duration", str(int(seconds)), "--rate", "200", IDLE, "--nonblocking",
+                "--duration", str(int(seconds)), "--rate", SPY_RATE, IDLE, "--nonblocking",
                 "--format", "raw", "-o", str(parent_out),
             ]  # fmt: skip
             argv = [a for a in argv if a]
