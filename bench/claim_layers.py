@@ -14,7 +14,11 @@ stage does; the sides differ only in how much of onceflow runs around the two ro
    ``COMPLETE_NO_INPUT``: the whole row returned), dict rows, the same held connection;
 3. ``pooled``: the same, each statement on a pool checkout (``onceflow.db.raw_connection``);
 4. ``queue``: ``Queue.claim`` + ``Queue.hand_off`` (validation, the steps runner,
-   ``Request``/``Claim``, metrics).
+   ``Request``/``Claim``, metrics);
+5. ``runtime``: ``onceflow.tasks.runtime.run_request`` with a no-op stage — what a Celery
+   worker's task body runs: the above plus the heartbeat registration, the stage context,
+   the input model, the in-progress gauge and the outcome (Celery's own tracing is not in
+   it).
 
 The sides are interleaved op by op (each on rows of its own) and the CPU time of this
 process (``time.process_time``) and the wall time are summed per side after a warm-up.
@@ -53,13 +57,25 @@ WARM = 50
 
 def run(url: str, n: int) -> dict[str, Any]:
     from psycopg.rows import dict_row
+    from pydantic import BaseModel
 
     from onceflow.db import fetch_one, raw_connection
     from onceflow.queue.sql import Q_CLAIM, Q_COMPLETE_NO_INPUT
+    from onceflow.tasks.flow import StageSpec
+    from onceflow.tasks.runtime import run_request
+
+    class Doc(BaseModel):
+        doc: int = 0
+
+    spec = StageSpec(
+        name=STAGE, func=lambda ctx, data: None, input_model=Doc, worker_class=WC,
+        dedupe=True, lease_seconds=30.0, max_attempts=None, max_crash_attempts=None,
+        priority=0, retry_on=None,
+    )  # fmt: skip
 
     queue, raw = make_queue(url), raw_connect(url)
     try:
-        raw.execute(SEED_QUEUED, {"prefix": "q-", "wc": WC, "n": 4 * (n + WARM)})
+        raw.execute(SEED_QUEUED, {"prefix": "q-", "wc": WC, "n": 5 * (n + WARM)})
         raw.execute("VACUUM ANALYZE workspace_process_requests")
         keys = raw.execute(
             "SELECT workspace_id, request_id FROM workspace_process_requests ORDER BY request_id"
@@ -109,11 +125,17 @@ def run(url: str, n: int) -> dict[str, Any]:
                 raise RuntimeError(f"queue: {rid} not claimed")
             queue.hand_off(claim, None)
 
+        def runtime(ws: str, rid: str) -> None:
+            out = run_request(queue, spec, rid, "bench", lambda exc: True, workspace_id=ws)
+            if out.get("outcome") != "succeeded":
+                raise RuntimeError(f"runtime: {rid}: {out}")
+
         sides: dict[str, Callable[[str, str], None]] = {
             "floor": floor,
             "statements": statements,
             "pooled": pooled,
             "queue": through_queue,
+            "runtime": runtime,
         }
         rows = {side: keys[i :: len(sides)] for i, side in enumerate(sides)}
         cpu = dict.fromkeys(sides, 0.0)

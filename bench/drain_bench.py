@@ -3,7 +3,8 @@
 """A fair stage-drain benchmark: onceflow's stage beside a bare Celery task, matched flags.
 
     PYTHONPATH=. .venv/bin/python bench/drain_bench.py [--quick] [--json] [--no-peers]
-        [--breakdown] [--profile] [--pickup-parts] [--only drain|pickup|breakdown|profile]
+        [--no-floor] [--breakdown] [--profile] [--pickup-parts]
+        [--only drain|pickup|breakdown|profile]
 
 Results and their reading: docs/benchmarks.md, "Celery stage runtime".
 
@@ -53,10 +54,19 @@ sides start the same way and are measured the same way:
   the peer's database are read when the bench sees the first and the N-th finish. Reported:
   each side's median rate and its median of per-round ratios against bare Celery and
   against onceflow.
-* pickup: one onceflow and one bare worker (concurrency 2) up and idle; requests
-  alternate, each timed from just before ``flow.enqueue`` / ``send_task`` to the
-  first line of the body (``time.time()`` pushed to Redis), after the previous one
-  finished and 50 ms of idle. ``--only pickup`` runs this alone.
+* the design's floor (``--floor``, the default; ``--no-floor`` skips it): a third side in
+  every round, bare Celery's worker running ``bench.floor`` (``bench_stages.floor_noop``),
+  whose body is the no-op between the two round trips "each stage runs once" needs, by
+  hand: the claim of its row by key (lazy commit, as onceflow's) and the durable
+  completion fenced by its token, on one psycopg connection per process. Its N rows are
+  inserted by one statement before the drain; it is started and timed as the Celery sides
+  are. Reported: onceflow / floor and floor / bare Celery, medians of per-round ratios:
+  what the guarantee's round trips cost, apart from what onceflow's code costs.
+* pickup: one onceflow, one bare and (``--floor``) one floor worker (concurrency 2) up and
+  idle; requests rotate between them, each timed from just before ``flow.enqueue`` /
+  ``send_task`` (the floor: its row's INSERT, committed, then ``send_task``) to the first
+  line of the body (``time.time()`` pushed to Redis), after the previous one finished and
+  50 ms of idle. ``--only pickup`` runs this alone.
 
 ``--pickup-parts``: the pickup's workers run ``bench.pickup_probe`` (the same stages with
 timestamp probes) and the enqueuing side is probed too: the p50 of each part (enqueue's
