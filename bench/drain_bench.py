@@ -142,13 +142,13 @@ _FLOOR_ROW = """INSERT INTO workspace_process_requests (request_id, workspace_id
     branch_path, stage, dedupe, input, input_hash, worker_class, max_attempts,
     max_crash_attempts, dispatched_at)"""
 FLOOR_INSERT_MANY = f"""{_FLOOR_ROW}
-SELECT %(tag)s || '-' || (i - 1), 'bench', %(tag)s || '-' || (i - 1), '', 'bench_noop', true,
-       jsonb_build_object('n', i - 1), 'h', 'bench-floor', 5, 3, now()
+SELECT %(tag)s || '-' || (i - 1), %(ws)s, %(tag)s || '-' || (i - 1), '', 'bench_noop', true,
+       jsonb_build_object('n', i - 1), 'h', %(wc)s, 5, 3, now()
 FROM generate_series(1, %(n)s) AS i"""
 #: The floor's enqueue at pickup: the one row, committed durably before its message is sent.
 FLOOR_INSERT_ONE = f"""{_FLOOR_ROW}
-VALUES (%(rid)s, 'bench', %(rid)s, '', 'bench_noop', true, %(input)s::jsonb, 'h',
-        'bench-floor', 5, 3, now())"""
+VALUES (%(rid)s, %(ws)s, %(rid)s, '', 'bench_noop', true, %(input)s::jsonb, 'h', %(wc)s,
+        5, 3, now())"""
 
 
 class Drain(Bench):
@@ -206,13 +206,17 @@ class Drain(Bench):
                 self.stages.flow.enqueue("bench_noop", "bench", f"{tag}-{i}", input={"n": i})
         elif kind == "floor":  # the rows first (one statement), then a message per row
             with raw_connect(self.url) as conn:
-                conn.execute(FLOOR_INSERT_MANY, {"tag": tag, "n": n})
+                conn.execute(FLOOR_INSERT_MANY, {"tag": tag, "n": n, **self.floor_row()})
             for i in range(n):
                 self.send_floor(f"{tag}-{i}")
         else:
             for i in range(n):
                 self.stages.bare.send_task("bench.noop", args=[i], queue=self.stages.BARE_QUEUE)
         return time.perf_counter() - t0
+
+    def floor_row(self) -> dict[str, str]:
+        """The floor rows' workspace and worker class (bench_stages names them)."""
+        return {"ws": self.stages.FLOOR_WORKSPACE, "wc": self.stages.FLOOR_CLASS}
 
     def send_floor(self, request_id: str, pickup: bool = False) -> None:
         self.stages.bare.send_task(
@@ -591,7 +595,8 @@ def bench_pickup(
                 )
             elif tag == "floor":
                 rid = f"pick-floor-{i}"
-                writer.execute(FLOOR_INSERT_ONE, {"rid": rid, "input": json.dumps({"n": i})})
+                row = {"rid": rid, "input": json.dumps({"n": i}), **b.floor_row()}
+                writer.execute(FLOOR_INSERT_ONE, row)
                 b.send_floor(rid, pickup=True)
             else:
                 b.stages.bare.send_task("bench.noop", args=[i, True], queue=b.stages.BARE_QUEUE)
