@@ -13,10 +13,13 @@ the kills the harness made, and the workers' logs.
   the earlier attempt's process was killed by the harness after that end, or — only in scenarios
   whose fault outlasts a lease — when its worker logged the lease as lost; unexplained otherwise.
 * **duplicate paid calls** — provider calls for a cell beyond the first. Explained up to the
-  number of that cell's calls whose value was in flight at a kill or Redis loss, or during a
-  partition/latency window (where a lease may lapse): started by the event's end, and the
-  cell not yet stored when the event began (a value computed but not stored dies with its
-  process, or is fenced out with its lease).
+  number of that cell's calls whose value was lost to a fault: made by a process the harness
+  killed, the cell not yet stored at the kill (the stand-in knows each call's process: its
+  pid is on the prompt); or in flight at a Redis loss, or during a partition/latency window
+  (where a lease may lapse): started by the event's end, and the cell not yet stored when the
+  event began (a value computed but not stored dies with its process, or is fenced out with
+  its lease). A kill is not judged by time: the stand-in notes a call when it starts to
+  answer it, which under load can be later than the moment the caller sent it and died.
 * **zombie writes accepted** — a completion or fenced op write that committed while its claim
   was not live (the triggers re-check status and lease against the database clock at commit), a
   completion whose token no finished body had, or an op write whose writer (ledger) held another
@@ -31,7 +34,7 @@ import re
 from collections import Counter, defaultdict
 from typing import Any
 
-from bench.chaos_run import Run, expected_ids
+from bench.chaos_run import Call, Run, expected_ids
 
 LEASE_LOST = re.compile(r"request ([0-9a-f]{32,64}): lease lost")
 
@@ -54,7 +57,7 @@ def _lease_lost_ids(run: Run) -> set[str]:
     return found
 
 
-def _dump(run: Run, spans: list[tuple[str, float, float]]) -> None:
+def _dump(run: Run, spans: list[Call]) -> None:
     """The raw inputs of the checks, for a post-mortem (``<work>/<scenario>/raw.json``)."""
     raw = {
         "t0": run.t0,
@@ -65,6 +68,55 @@ def _dump(run: Run, spans: list[tuple[str, float, float]]) -> None:
         "samples": run.samples,
     }
     (run.work / "raw.json").write_text(json.dumps(raw))
+
+
+def _lost_to_a_fault(run: Run, call: Call, stored: float) -> bool:
+    """Whether ``call``'s value may have been lost to a fault (the cell first stored at
+    ``stored``): its process was killed before the cell was stored, or it was in flight at
+    a Redis loss or during a partition/latency window."""
+    if any(call.pid in pids and stored > t for t, pids in run.kills):
+        return True
+    return any(call.start <= end and stored > start for start, end in run.explaining)
+
+
+def _post_mortem(
+    run: Run, events: list[dict[str, Any]], key: str, calls: list[Call], stored: float
+) -> dict[str, Any]:
+    """What a cell paid for twice without a fault to explain it went through (seconds from
+    the run's start): its calls and their callers, its stores, the kills."""
+
+    def at(t: float) -> float:
+        return round(t - run.t0, 3)
+
+    rids = {e["rid"] for e in events if e.get("cell") == key}
+    return {
+        "cell": key,
+        "calls": [[at(c.start), at(c.end), c.pid] for c in calls],
+        "stored": at(stored) if stored != float("inf") else None,
+        "ledger": [
+            [at(e["t"]), e["e"], e["pid"], e["rid"][:12], e["att"], e.get("path")]
+            for e in events
+            if e["rid"] in rids and e["e"] in ("start", "call", "op", "end")
+        ],
+        "kills": [[at(t), sorted(pids)] for t, pids in run.kills],
+    }
+
+
+def _provider_lag_ms(events: list[dict[str, Any]], spans: list[Call]) -> dict[str, float]:
+    """How long after a worker sent a cell's call (its ledger ``call`` event) the stand-in
+    began to answer it: p50 and max over the calls matched by process and cell."""
+    sent: dict[tuple[int, str], list[float]] = {}
+    for e in events:
+        if e["e"] == "call":
+            sent.setdefault((e["pid"], e["cell"]), []).append(e["t"])
+    lags = sorted(
+        call.start - max(t for t in sent[(call.pid, call.key)] if t <= call.start)
+        for call in spans
+        if call.pid is not None and any(t <= call.start for t in sent.get((call.pid, call.key), []))
+    )
+    if not lags:
+        return {}
+    return {"p50": round(lags[len(lags) // 2] * 1000, 2), "max": round(lags[-1] * 1000, 2)}
 
 
 def _recovery(run: Run) -> dict[str, float | None]:
@@ -192,20 +244,19 @@ def check(run: Run) -> dict[str, Any]:
     for e in events:
         if e["e"] == "op" and e.get("cell") and not e.get("dup"):
             stored_at[e["cell"]] = min(stored_at.get(e["cell"], e["t"]), e["t"])
-    per_key = Counter(key for key, _, _ in spans)
+    per_key = Counter(call.key for call in spans)
     paid_dup = sum(n - 1 for n in per_key.values() if n > 1)
     explained = 0
+    unexplained: list[dict[str, Any]] = []
     for key, n in per_key.items():
         if n < 2:
             continue
         stored = stored_at.get(key, float("inf"))
-        budget = sum(
-            1
-            for k, s, _ in spans
-            if k == key
-            and any(s <= w_end and stored > w_start for w_start, w_end in run.explaining)
-        )
+        calls = [call for call in spans if call.key == key]
+        budget = sum(1 for call in calls if _lost_to_a_fault(run, call, stored))
         explained += min(n - 1, budget)
+        if budget < n - 1:
+            unexplained.append(_post_mortem(run, events, key, calls, stored))
     _dump(run, spans)
 
     rec = _recovery(run)
@@ -242,6 +293,13 @@ def check(run: Run) -> dict[str, Any]:
             "dup_bodies_killed": dup_killed,
             "dup_bodies_lease_lost": dup_lease,
             "kills": len(run.kills),
+            "paid_twice_unexplained": unexplained,
+            "provider_lag_ms": _provider_lag_ms(events, spans),
+            # Calls of a killed process that the stand-in began to answer after the kill's
+            # instant: a rule by time would have counted them unexplained.
+            "killed_calls_seen_late": sum(
+                1 for c in spans for t, pids in run.kills if c.pid in pids and c.start > t
+            ),
             "supervisor_restarts": run.restarts,
             "notes": run.notes,
             "logs": str(run.work),

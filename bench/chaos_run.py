@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import psutil
 import psycopg
@@ -71,25 +71,36 @@ class Item:
     data: dict[str, Any] = field(default_factory=dict)
 
 
+class Call(NamedTuple):
+    """One paid provider call, as the stand-in saw it."""
+
+    key: str  # the cell (``job/column``)
+    start: float  # monotonic, when the stand-in began answering (after the request arrived)
+    end: float
+    pid: int | None  # the calling worker process (``pid=`` on the prompt's first line)
+
+
 class CountingLLM(StandIn):
-    """The demo's counting LLM stand-in, also keeping each call's key and time span."""
+    """The demo's counting LLM stand-in, also keeping each call's cell, time span and caller."""
 
     def __init__(self, **kw: Any) -> None:
         super().__init__("llm", **kw)
-        self.calls: list[tuple[str, float, float]] = []
+        self.calls: list[Call] = []
 
     @contextlib.contextmanager
     def in_flight(self, key: str) -> Any:
         start = time.monotonic()
-        with super().in_flight(key):
+        cell, _, pid = key.partition(f" {chaos_stages.CALLER}")
+        with super().in_flight(cell):
             try:
                 yield
             finally:
+                call = Call(cell, start, time.monotonic(), int(pid) if pid.isdigit() else None)
                 with self._lock:
-                    self.calls.append((key, start, time.monotonic()))
+                    self.calls.append(call)
 
-    def spans(self) -> list[tuple[str, float, float]]:
-        """(key, start, end) of every call answered or abandoned so far."""
+    def spans(self) -> list[Call]:
+        """Every call answered or abandoned so far."""
         with self._lock:
             return list(self.calls)
 
@@ -160,7 +171,8 @@ class Run:
         self.fault_end_db: datetime | None = None
         #: (monotonic time, pids killed) of every kill -9 of a worker.
         self.kills: list[tuple[float, set[int]]] = []
-        #: Instants (kill, Redis loss) and windows (partition) that may explain a re-paid call.
+        #: Instants (Redis loss) and windows (partition) that may explain a re-paid call; a
+        #: kill explains the calls of the processes it killed (``kills``).
         self.explaining: list[tuple[float, float]] = []
         self.notes: list[str] = []
         self.expected: set[str] = set()
@@ -247,7 +259,6 @@ class Run:
             proc.popen.wait(timeout=10)
         with self.lock:
             self.kills.append((t, pids))
-            self.explaining.append((t, t))
         if self.fault_end is None:
             self.end_fault()  # the fault is the kill; recovery counts from here
         self.note(f"kill -9 of the {wc} worker ({len(pids)} processes), {inflight} calls in flight")

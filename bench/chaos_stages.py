@@ -7,6 +7,7 @@ cells, long heartbeating stages, hand-off targets). Every body records what it d
 
 * ``start`` / ``end`` — the body began / reached its last line (``end`` is written just before
   the body returns, so a completion can only follow an ``end`` of the same claim);
+* ``call`` — a cell's provider call is about to be sent (with the cell's key);
 * ``op`` — an op write returned, with its op id, clock, whether it was a replay, and for a
   cell's stored value the provider key of the cell (``job/column``).
 
@@ -41,6 +42,8 @@ LEASE = float(os.environ.get("CHAOS_LEASE_SECONDS", "3"))
 #: Hand-offs are bare ``ctx.then(stage, input)`` (the target's declaration routes them) unless
 #: this is "1": then they name the worker class, for runs against commits before issue 11.
 EXPLICIT_HANDOFF = os.environ.get("CHAOS_EXPLICIT_HANDOFF", "") == "1"
+#: What follows a cell's key on its prompt's first line: `` pid=<caller's pid>``.
+CALLER = "pid="
 
 
 class ChaosCount(OpModel):
@@ -190,7 +193,11 @@ def _declare(flow: Flow) -> Flow:
             return ctx.read_sub_doc(doc).state.get("cells", {}).get(data.column)
 
         def compute() -> float:
-            prompt = f"cell: {job}/{data.column}\nScore job {job} on {data.column!r}."
+            # The caller's pid after the cell key: the stand-in tells each paid call's
+            # process, so a call is explained by its own process's kill (chaos_checks).
+            cell = f"{job}/{data.column}"
+            prompt = f"cell: {cell} {CALLER}{os.getpid()}\nScore job {job} on {data.column!r}."
+            record("call", ctx, cell=cell)
             return float(json.loads(llm_from_env().complete(prompt))["score"])
 
         def store(value: float) -> None:
