@@ -87,15 +87,24 @@ class CountingLLM(StandIn):
         super().__init__("llm", **kw)
         self.calls: list[Call] = []
 
+    @staticmethod
+    def caller(key: str) -> tuple[str, int | None]:
+        """The cell and the caller's pid of a prompt's key (``job/column pid=N``)."""
+        cell, _, pid = key.partition(f" {chaos_stages.CALLER}")
+        return cell, int(pid) if pid.isdigit() else None
+
+    def count(self, key: str) -> None:
+        super().count(self.caller(key)[0])
+
     @contextlib.contextmanager
     def in_flight(self, key: str) -> Any:
         start = time.monotonic()
-        cell, _, pid = key.partition(f" {chaos_stages.CALLER}")
+        cell, pid = self.caller(key)
         with super().in_flight(cell):
             try:
                 yield
             finally:
-                call = Call(cell, start, time.monotonic(), int(pid) if pid.isdigit() else None)
+                call = Call(cell, start, time.monotonic(), pid)
                 with self._lock:
                     self.calls.append(call)
 
