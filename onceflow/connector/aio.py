@@ -289,7 +289,7 @@ async def _on_async(
 ) -> Any:
     with translate():
         async with conn.cursor(row_factory=dict_row) as cur:
-            await cur.execute(query.sql, dict(params))
+            await cur.execute(query.sql_for(params), dict(params))
             if how == "one":
                 return await cur.fetchone() if cur.description else None
             if how == "all":

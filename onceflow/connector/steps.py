@@ -26,10 +26,20 @@ class Query:
     """A named statement, written for psycopg (``%(name)s`` placeholders; lists bind as arrays).
 
     ``name`` is how logs, traces and benchmarks count it (``queue.claim``, ``oplog.apply``).
+    ``by_id``: the same statement for a caller that names its request by id alone (its
+    ``workspace_id`` parameter None), when that needs another form; connectors run
+    :meth:`sql_for` the parameters.
     """
 
     name: str
     sql: str
+    by_id: str | None = None
+
+    def sql_for(self, params: Mapping[str, Any]) -> str:
+        """The form of this statement that ``params`` run."""
+        if self.by_id is not None and params.get("workspace_id") is None:
+            return self.by_id
+        return self.sql
 
     @classmethod
     def of(cls, name: str, clause: TextClause | str) -> Query:

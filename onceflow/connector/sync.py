@@ -24,13 +24,13 @@ class _OnOneConnection:
         self.callbacks: list[Callable[[], object]] = []
 
     def fetch_one(self, query: Query, params: Mapping[str, Any]) -> Any:
-        return fetch_one(self.raw, query.sql, dict(params))
+        return fetch_one(self.raw, query.sql_for(params), dict(params))
 
     def fetch_all(self, query: Query, params: Mapping[str, Any]) -> list[Any]:
-        return fetch_all(self.raw, query.sql, dict(params))
+        return fetch_all(self.raw, query.sql_for(params), dict(params))
 
     def execute(self, query: Query, params: Mapping[str, Any]) -> int:
-        return self.raw.execute(query.sql, dict(params)).rowcount
+        return self.raw.execute(query.sql_for(params), dict(params)).rowcount
 
     @contextmanager
     def transaction(self) -> Iterator[Connector]:
@@ -62,15 +62,15 @@ class PsycopgConnector:
 
     def fetch_one(self, query: Query, params: Mapping[str, Any]) -> Any:
         with raw_connection(self.engine) as raw:
-            return fetch_one(raw, query.sql, dict(params))
+            return fetch_one(raw, query.sql_for(params), dict(params))
 
     def fetch_all(self, query: Query, params: Mapping[str, Any]) -> list[Any]:
         with raw_connection(self.engine) as raw:
-            return fetch_all(raw, query.sql, dict(params))
+            return fetch_all(raw, query.sql_for(params), dict(params))
 
     def execute(self, query: Query, params: Mapping[str, Any]) -> int:
         with raw_connection(self.engine) as raw:
-            return raw.execute(query.sql, dict(params)).rowcount
+            return raw.execute(query.sql_for(params), dict(params)).rowcount
 
     @contextmanager
     def transaction(self) -> Iterator[Connector]:
@@ -99,7 +99,7 @@ class SQLAlchemyConnector:
 
     def _rows(self, query: Query, params: Mapping[str, Any]) -> list[Any]:
         with translate_errors(self.connection.engine.url):
-            result = self.connection.exec_driver_sql(query.sql, dict(params))
+            result = self.connection.exec_driver_sql(query.sql_for(params), dict(params))
             return [dict(r) for r in result.mappings()] if result.returns_rows else []
 
     def fetch_one(self, query: Query, params: Mapping[str, Any]) -> Any:
@@ -111,7 +111,8 @@ class SQLAlchemyConnector:
 
     def execute(self, query: Query, params: Mapping[str, Any]) -> int:
         with translate_errors(self.connection.engine.url):
-            return int(self.connection.exec_driver_sql(query.sql, dict(params)).rowcount)
+            result = self.connection.exec_driver_sql(query.sql_for(params), dict(params))
+            return int(result.rowcount)
 
     @contextmanager
     def transaction(self) -> Iterator[Connector]:
@@ -184,14 +185,14 @@ class ExecutorConnector:
         self._execute = execute
 
     def fetch_one(self, query: Query, params: Mapping[str, Any]) -> Any:
-        rows = list(self._execute(query.sql, dict(params)))
+        rows = list(self._execute(query.sql_for(params), dict(params)))
         return rows[0] if rows else None
 
     def fetch_all(self, query: Query, params: Mapping[str, Any]) -> list[Any]:
-        return list(self._execute(query.sql, dict(params)))
+        return list(self._execute(query.sql_for(params), dict(params)))
 
     def execute(self, query: Query, params: Mapping[str, Any]) -> int:
-        return len(list(self._execute(query.sql, dict(params)) or ()))
+        return len(list(self._execute(query.sql_for(params), dict(params)) or ()))
 
     @contextmanager
     def transaction(self) -> Iterator[Connector]:

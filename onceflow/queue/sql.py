@@ -37,6 +37,13 @@ WS_OF_ID_SQL = """SELECT min(o.workspace_id) FROM workspace_process_requests o
 _WS_OF_ID = f"""coalesce(CAST(:workspace_id AS text),
     ({WS_OF_ID_SQL.format(rid=":request_id")}))"""
 _BY_ID = f"w.workspace_id = {_WS_OF_ID}\n  AND w.request_id = :request_id"
+# Each statement that finds its row by _BY_ID runs in two forms (`_named`): with the
+# workspace given, `w.workspace_id = :workspace_id`; the coalesce form only for a caller
+# that names the row by id alone. With the coalesce, Postgres costed the generic plan of a
+# prepared statement with the id lookup in it and a custom plan without it (the workspace
+# known, coalesce folds): when the table's statistics were those of an empty table, the
+# custom plan won every time, and every claim and completion was planned again: ~0.5 ms
+# of backend CPU per stage, a drain's Postgres CPU doubled (bench/drain_bench.py, issue 13).
 
 # _NOW for claims and heartbeats: with :lazy true, this statement's own transaction commits
 # without waiting for the WAL flush (synchronous_commit = off, SET LOCAL: it ends with the
@@ -938,43 +945,56 @@ def list_query(filters: tuple[str, ...], limit: int) -> Query:
     )
 
 
+# _WS_OF_ID as it reads once rendered for psycopg, and what replaces it in the keyed form.
+_WS_OF_ID_RENDERED = render(text(f"SELECT {_WS_OF_ID}"))[len("SELECT ") :]
+_WS_KEYED = "CAST(%(workspace_id)s AS text)"
+
+
+def _named(name: str, sql: str) -> Query:
+    """``sql`` as the named statement; one that finds its row by ``_BY_ID`` gets its keyed
+    form as ``sql`` and the coalesce form as ``by_id`` (see ``_BY_ID``)."""
+    if _WS_OF_ID_RENDERED not in sql:
+        return Query(name, sql)
+    return Query(name, sql.replace(_WS_OF_ID_RENDERED, _WS_KEYED), by_id=sql)
+
+
 class N:
     """The queue's statements by name: what its operations yield to a connector."""
 
-    ENQUEUE = Query("queue.enqueue", Q_ENQUEUE)
-    ENQUEUE_LOOKUP = Query("queue.enqueue_lookup", Q_ENQUEUE_LOOKUP)
-    CLAIM = Query("queue.claim", Q_CLAIM)
-    OWN_CLAIM = Query("queue.own_claim", Q_OWN_CLAIM)
-    HEARTBEAT = Query("queue.heartbeat", Q_HEARTBEAT)
-    COMPLETE = Query("queue.complete", Q_COMPLETE)
-    COMPLETE_NO_INPUT = Query("queue.complete_no_input", Q_COMPLETE_NO_INPUT)
-    FAIL = Query("queue.fail", Q_FAIL)
-    CANCEL = Query("queue.cancel", Q_CANCEL)
-    REQUEUE = Query("queue.requeue", Q_REQUEUE)
-    GET = Query("queue.get", Q_GET)
-    LIVE_CLAIM = Query("queue.live_claim", Q_LIVE_CLAIM)
-    COUNTS = Query("queue.counts", Q_COUNTS)
+    ENQUEUE = _named("queue.enqueue", Q_ENQUEUE)
+    ENQUEUE_LOOKUP = _named("queue.enqueue_lookup", Q_ENQUEUE_LOOKUP)
+    CLAIM = _named("queue.claim", Q_CLAIM)
+    OWN_CLAIM = _named("queue.own_claim", Q_OWN_CLAIM)
+    HEARTBEAT = _named("queue.heartbeat", Q_HEARTBEAT)
+    COMPLETE = _named("queue.complete", Q_COMPLETE)
+    COMPLETE_NO_INPUT = _named("queue.complete_no_input", Q_COMPLETE_NO_INPUT)
+    FAIL = _named("queue.fail", Q_FAIL)
+    CANCEL = _named("queue.cancel", Q_CANCEL)
+    REQUEUE = _named("queue.requeue", Q_REQUEUE)
+    GET = _named("queue.get", Q_GET)
+    LIVE_CLAIM = _named("queue.live_claim", Q_LIVE_CLAIM)
+    COUNTS = _named("queue.counts", Q_COUNTS)
     COUNTS_FOR_WORKSPACE = Query.of("queue.counts_for_workspace", COUNTS_FOR_WORKSPACE)
-    MARK_UNDISPATCHED = Query("queue.mark_undispatched", Q_MARK_UNDISPATCHED)
-    MARK_UNDISPATCHED_MANY = Query("queue.mark_undispatched_many", Q_MARK_UNDISPATCHED_MANY)
-    FENCE_CHECK = Query("queue.fence_check", Q_FENCE_CHECK)
+    MARK_UNDISPATCHED = _named("queue.mark_undispatched", Q_MARK_UNDISPATCHED)
+    MARK_UNDISPATCHED_MANY = _named("queue.mark_undispatched_many", Q_MARK_UNDISPATCHED_MANY)
+    FENCE_CHECK = _named("queue.fence_check", Q_FENCE_CHECK)
     # claims and operators (queue/claims.py, queue/operators.py); CLAIM … FENCE_CHECK above
-    LANDED = Query("queue.landed", Q_LANDED)
-    CLAIM_PARENT = Query("queue.claim_parent", Q_CLAIM_PARENT)
+    LANDED = _named("queue.landed", Q_LANDED)
+    CLAIM_PARENT = _named("queue.claim_parent", Q_CLAIM_PARENT)
 
     # batches and sweeps (queue/batch.py, queue/sweep.py, queue/notify.py)
-    COMPLETE_MANY = Query("queue.complete_many", Q_COMPLETE_MANY)
-    FAIL_MANY = Query("queue.fail_many", Q_FAIL_MANY)
-    HEARTBEAT_MANY = Query("queue.heartbeat_many", Q_HEARTBEAT_MANY)
-    RELEASE = Query("queue.release", Q_RELEASE)
-    GET_MANY = Query("queue.get_many", Q_GET_MANY)
-    DEPTH_ALL = Query("queue.depth_all", Q_DEPTH_ALL)
-    DEPTH_FOR = Query("queue.depth_for", Q_DEPTH_FOR)
-    BEGIN_SWEEP = Query("queue.begin_sweep", Q_BEGIN_SWEEP)
-    RESCUE_EXPIRED = Query("queue.rescue_expired", Q_RESCUE_EXPIRED)
-    DUE_UNSENT = Query("queue.due_unsent", Q_DUE_UNSENT)
-    DUE_FOR_DISPATCH = Query("queue.due_for_dispatch", Q_DUE_FOR_DISPATCH)
-    DUE_COUNTS = Query("queue.due_counts", Q_DUE_COUNTS)
-    PRUNE_PAYLOADS = Query("queue.prune_payloads", Q_PRUNE_PAYLOADS)
-    DELETE_FINISHED = Query("queue.delete_finished", Q_DELETE_FINISHED)
-    NEXT_WORK = Query("queue.next_work", Q_NEXT_WORK)
+    COMPLETE_MANY = _named("queue.complete_many", Q_COMPLETE_MANY)
+    FAIL_MANY = _named("queue.fail_many", Q_FAIL_MANY)
+    HEARTBEAT_MANY = _named("queue.heartbeat_many", Q_HEARTBEAT_MANY)
+    RELEASE = _named("queue.release", Q_RELEASE)
+    GET_MANY = _named("queue.get_many", Q_GET_MANY)
+    DEPTH_ALL = _named("queue.depth_all", Q_DEPTH_ALL)
+    DEPTH_FOR = _named("queue.depth_for", Q_DEPTH_FOR)
+    BEGIN_SWEEP = _named("queue.begin_sweep", Q_BEGIN_SWEEP)
+    RESCUE_EXPIRED = _named("queue.rescue_expired", Q_RESCUE_EXPIRED)
+    DUE_UNSENT = _named("queue.due_unsent", Q_DUE_UNSENT)
+    DUE_FOR_DISPATCH = _named("queue.due_for_dispatch", Q_DUE_FOR_DISPATCH)
+    DUE_COUNTS = _named("queue.due_counts", Q_DUE_COUNTS)
+    PRUNE_PAYLOADS = _named("queue.prune_payloads", Q_PRUNE_PAYLOADS)
+    DELETE_FINISHED = _named("queue.delete_finished", Q_DELETE_FINISHED)
+    NEXT_WORK = _named("queue.next_work", Q_NEXT_WORK)

@@ -28,7 +28,7 @@ class Observing(PsycopgConnector):
 
     def _observed(self, query: Query, params: Mapping[str, Any]) -> list[Any]:
         with raw_connection(self.engine) as raw, raw.transaction():
-            rows = fetch_all(raw, query.sql, dict(params))
+            rows = fetch_all(raw, query.sql_for(params), dict(params))
             mode = raw.execute("SELECT current_setting('synchronous_commit')").fetchone()
             assert mode is not None
             self.seen.append((query.name, str(mode[0])))

@@ -40,7 +40,7 @@ class DjangoConnector:
             transaction.mark_for_rollback_on_error(using=self.using),
             connections[self.using].cursor() as cursor,
         ):
-            cursor.execute(query.sql, dict(params))
+            cursor.execute(query.sql_for(params), dict(params))
             if cursor.description is None:
                 return [], cursor.rowcount
             names = [column[0] for column in cursor.description]
