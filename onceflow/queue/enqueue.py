@@ -276,23 +276,23 @@ class EnqueueOps:
                 ("max_crash_attempts", max_crash), ("delays", delay),
             ):  # fmt: skip
                 cols[key].append(value)
-            rows.append(_row_json(rid, item, digest, max_attempts, max_crash, delay, text))
-        return {
-            **cols,
-            "rows": "[" + ",".join(rows) + "]",
-            "now": now,
-            "notify": self.settings.notify,
-        }
+            if len(items) > 1:  # one row is sent as its values (ENQUEUE_ONE)
+                rows.append(_row_json(rid, item, digest, max_attempts, max_crash, delay, text))
+        params: dict[str, Any] = {**cols, "now": now, "notify": self.settings.notify}
+        if rows:
+            params["rows"] = "[" + ",".join(rows) + "]"
+        return params
 
     def _insert_rows(self, params: dict[str, Any], strict: bool) -> Steps[list[EnqueueResult]]:
         ids: list[str] = params["request_ids"]
         spaces: list[str] = params["workspace_ids"]
         hashes: list[str] = params["input_hashes"]
         # Rows by their key: an id a caller chose may name rows of two workspaces.
-        rows = {
-            (r["workspace_id"], r["request_id"]): r
-            for r in (yield from all_rows(N.ENQUEUE, params))
-        }
+        if "rows" in params:
+            inserted = yield from all_rows(N.ENQUEUE, params)
+        else:
+            inserted = yield from all_rows(N.ENQUEUE_ONE, _one_row(params))
+        rows = {(r["workspace_id"], r["request_id"]): r for r in inserted}
         missing = [key for key in zip(spaces, ids, strict=True) if key not in rows]
         if missing:
             # Inserted by a concurrent enqueue that committed after this statement's snapshot:
@@ -348,6 +348,24 @@ def _row_json(
         ]
     )  # fmt: skip
     return f"{head[:-1]},{text}]"
+
+
+#: ENQUEUE_ONE's parameters and the columns of ``_enqueue_params`` they come from.
+_ONE_ROW = (
+    ("request_id", "request_ids"), ("workspace_id", "workspace_ids"), ("job_id", "job_ids"),
+    ("branch_path", "branch_paths"), ("stage", "stages"), ("dedupe", "dedupes"),
+    ("input", "inputs"), ("input_hash", "input_hashes"), ("worker_class", "worker_classes"),
+    ("priority", "priorities"), ("max_attempts", "max_attempts"),
+    ("max_crash_attempts", "max_crash_attempts"), ("delay", "delays"),
+)  # fmt: skip
+
+
+def _one_row(params: dict[str, Any]) -> dict[str, Any]:
+    """ENQUEUE_ONE's parameters from the columns of a one-row ``_enqueue_params``."""
+    one = {name: params[column][0] for name, column in _ONE_ROW}
+    one["now"] = params["now"]
+    one["notify"] = params["notify"]
+    return one
 
 
 def _sized(items: Sequence[NewRequest]) -> bool:

@@ -88,6 +88,36 @@ def test_enqueue_many_one_round_trip_results_in_order(api_queue: Queue) -> None:
     assert sum(api_queue.counts()["default"].values()) == 10
 
 
+def test_one_row_and_a_batch_write_the_same_row(api_queue: Queue, clean_db: Engine) -> None:
+    """One request is sent as its values (ENQUEUE_ONE), a batch as one JSON array (ENQUEUE):
+    every column they write, and what they answer, are the same."""
+    fields: dict[str, Any] = {
+        "branch_path": "b/1", "input": {"doc": [1, {"deep": "é\u2028"}], "n": 1.5},
+        "worker_class": "wc-x", "priority": -7, "max_attempts": 9, "max_crash_attempts": 2,
+        "run_after_seconds": 30.0,
+    }  # fmt: skip
+    one = api_queue.enqueue_many([NewRequest("w1", "alone", "s", **fields)])
+    many = api_queue.enqueue_many([NewRequest("w1", f"pair-{i}", "s", **fields) for i in (0, 1)])
+    again = api_queue.enqueue_many([NewRequest("w1", "alone", "s", **fields)])
+    other = api_queue.enqueue("s", "w1", "alone", "b/1", {"doc": 2}, worker_class="wc-x")
+    assert [(r.created, r.status, r.input_mismatch) for r in one + many] == [
+        (True, Status.QUEUED, False)
+    ] * 3
+    assert (again[0].created, again[0].request_id) == (False, one[0].request_id)
+    assert (other.created, other.input_mismatch) == (False, True)
+    with clean_db.connect() as conn:
+        rows = conn.exec_driver_sql(
+            "SELECT job_id, branch_path, stage, dedupe, input, input_hash, worker_class, "
+            "priority, max_attempts, max_crash_attempts, status, "
+            "round(extract(epoch FROM run_after - created_at)), "
+            "dispatched_at = created_at, updated_at = created_at "
+            "FROM workspace_process_requests ORDER BY job_id"
+        ).fetchall()
+    assert [r[0] for r in rows] == ["alone", "pair-0", "pair-1"]
+    assert rows[0][1:] == rows[1][1:] == rows[2][1:], rows
+    assert rows[0][11] == 30
+
+
 def test_non_dedupe_stages_get_fresh_ids(api_queue: Queue) -> None:
     a = api_queue.enqueue("radar", "w", "j", "", dedupe=False)
     b = api_queue.enqueue("radar", "w", "j", "", dedupe=False)

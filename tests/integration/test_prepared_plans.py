@@ -89,3 +89,54 @@ def test_a_caller_by_id_alone_runs_the_form_that_finds_the_workspace() -> None:
     keyed = [name for name, q in vars(N).items() if getattr(q, "by_id", None) is not None]
     for name in ("CLAIM", "HEARTBEAT", "COMPLETE", "COMPLETE_NO_INPUT", "FAIL", "FENCE_CHECK"):
         assert name in keyed
+
+
+def _generic_plan(raw: Any, sql: str, values: list[Any]) -> str:
+    """The generic plan Postgres keeps for ``sql`` once prepared (PG 15: force it, EXPLAIN)."""
+    raw.execute("DEALLOCATE ALL")
+    raw.execute(f"PREPARE probe AS {_as_prepared(sql)}")
+    raw.execute("SET plan_cache_mode = force_generic_plan")
+    try:
+        args = ", ".join("NULL" if v is None else f"'{v}'" for v in values)
+        lines = raw.execute(f"EXPLAIN EXECUTE probe({args})").fetchall()
+        return "\n".join(str(line[0]) for line in lines)
+    finally:
+        raw.execute("RESET plan_cache_mode")
+        raw.execute("DEALLOCATE probe")
+
+
+def test_a_one_row_enqueue_probes_by_key_in_its_generic_plan(empty_database: str) -> None:
+    """ENQUEUE_ONE (a single enqueue, a batch or hand-off of one) reads an existing row by its
+    key, also in the plan kept from an empty table's statistics (a plan that scanned the
+    table would make every duplicate enqueue O(table) until the next ANALYZE)."""
+    migrate(empty_database)
+    engine = make_engine(empty_database, pool_size=1)
+    queue = Queue(engine)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("ANALYZE workspace_process_requests"))  # the stats of an empty table
+            conn.execute(
+                text("""
+                INSERT INTO workspace_process_requests
+                    (request_id, workspace_id, job_id, branch_path, stage, dedupe, input,
+                     input_hash, worker_class, max_attempts, max_crash_attempts)
+                SELECT 'r-' || i, 'w' || (i % 50), 'j' || i, '', 'evaluate', true, '{}', 'h',
+                       'default', 5, 3
+                FROM generate_series(1, 2000) AS i
+                """)
+            )
+        names = re.findall(r"%\((\w+)\)s", N.ENQUEUE_ONE.sql)
+        values = {"request_id": "r-7", "workspace_id": "w7", "input": "{}", "dedupe": "true",
+                  "priority": 0, "max_attempts": 5, "max_crash_attempts": 3, "delay": 0,
+                  "notify": "false", "now": None}  # fmt: skip
+        ordered = list(dict.fromkeys(names))
+        with raw_connection(engine) as raw:
+            plan = _generic_plan(raw, N.ENQUEUE_ONE.sql, [values.get(n, "x") for n in ordered])
+        assert "Seq Scan" not in plan, plan
+        assert "Index" in plan, plan
+        # And through the queue: a duplicate of an existing row is found, not created.
+        first = queue.enqueue("evaluate", "w1", "fresh-job")
+        again = queue.enqueue("evaluate", "w1", "fresh-job")
+        assert (first.created, again.created, again.request_id) == (True, False, first.request_id)
+    finally:
+        engine.dispose()
