@@ -47,23 +47,28 @@ def _prepared(engine: Any) -> list[tuple[str, int, int]]:
     return [(str(s), int(g), int(c)) for s, g, c in rows]
 
 
+def _grown_after_empty_stats(engine: Any) -> None:
+    """The table analyzed while empty, then 2,000 queued rows ``r-<i>`` in ``w<i % 50>``."""
+    with engine.begin() as conn:
+        conn.execute(text("ANALYZE workspace_process_requests"))  # the stats of an empty table
+        conn.execute(
+            text("""
+            INSERT INTO workspace_process_requests
+                (request_id, workspace_id, job_id, branch_path, stage, dedupe, input,
+                 input_hash, worker_class, max_attempts, max_crash_attempts)
+            SELECT 'r-' || i, 'w' || (i % 50), 'j' || i, '', 'evaluate', true, '{}', 'h',
+                   'default', 5, 3
+            FROM generate_series(1, 2000) AS i
+            """)
+        )
+
+
 def test_claims_and_completions_by_key_are_not_planned_at_every_run(empty_database: str) -> None:
     migrate(empty_database)
     engine = make_engine(empty_database, pool_size=1)  # one connection: one set of statements
     queue = Queue(engine)
     try:
-        with engine.begin() as conn:
-            conn.execute(text("ANALYZE workspace_process_requests"))  # the stats of an empty table
-            conn.execute(
-                text("""
-                INSERT INTO workspace_process_requests
-                    (request_id, workspace_id, job_id, branch_path, stage, dedupe, input,
-                     input_hash, worker_class, max_attempts, max_crash_attempts)
-                SELECT 'r-' || i, 'w' || (i % 50), 'j' || i, '', 'evaluate', true, '{}', 'h',
-                       'default', 5, 3
-                FROM generate_series(1, 2000) AS i
-                """)
-            )
+        _grown_after_empty_stats(engine)
         runs = 30
         for i in range(1, runs + 1):
             claim = queue.claim(f"r-{i}", "w1", workspace_id=f"w{i % 50}")
@@ -113,18 +118,7 @@ def test_a_one_row_enqueue_probes_by_key_in_its_generic_plan(empty_database: str
     engine = make_engine(empty_database, pool_size=1)
     queue = Queue(engine)
     try:
-        with engine.begin() as conn:
-            conn.execute(text("ANALYZE workspace_process_requests"))  # the stats of an empty table
-            conn.execute(
-                text("""
-                INSERT INTO workspace_process_requests
-                    (request_id, workspace_id, job_id, branch_path, stage, dedupe, input,
-                     input_hash, worker_class, max_attempts, max_crash_attempts)
-                SELECT 'r-' || i, 'w' || (i % 50), 'j' || i, '', 'evaluate', true, '{}', 'h',
-                       'default', 5, 3
-                FROM generate_series(1, 2000) AS i
-                """)
-            )
+        _grown_after_empty_stats(engine)
         names = re.findall(r"%\((\w+)\)s", N.ENQUEUE_ONE.sql)
         values = {"request_id": "r-7", "workspace_id": "w7", "input": "{}", "dedupe": "true",
                   "priority": 0, "max_attempts": 5, "max_crash_attempts": 3, "delay": 0,
