@@ -46,7 +46,12 @@ from onceflow.errors import Cancelled, InvalidRequest, LeaseLost, OnceflowError,
 from onceflow.integrations import pull_locks
 from onceflow.integrations.pull_context import PullContext
 from onceflow.oplog import ApplyResult, SubDoc, TransportError
-from onceflow.oplog.http import path_segment, raise_for_api_error
+from onceflow.oplog.http import (
+    RETRYABLE_STATUSES,
+    path_segment,
+    raise_for_api_error,
+    retry_after_seconds,
+)
 from onceflow.payloads import is_unreadable
 
 log = logging.getLogger("onceflow.pull")
@@ -54,6 +59,9 @@ log = logging.getLogger("onceflow.pull")
 JSON = Any
 
 __all__ = ["PullClaim", "PullContext", "PullWorker"]
+
+#: The longest a retried call waits on a server's ``Retry-After`` (seconds) before trying.
+RETRY_AFTER_CAP = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,14 +345,18 @@ class PullWorker:
         retry: bool,
         extra_timeout: float = 0.0,
     ) -> httpx.Response:
-        """One call; with ``retry``, transport errors and 5xx are retried with backoff.
+        """One call; with ``retry``, transport errors, 5xx and 408/425/429 are retried with
+        backoff, the server's ``Retry-After`` as a floor (at most :data:`RETRY_AFTER_CAP`).
 
         Every call with ``retry`` is safe to repeat: a heartbeat extends the same
         lease, and a completion that landed makes its repeat a 409 (lease lost),
-        never a second write.
+        never a second write. A 429 (the key's request rate spent) was not processed:
+        a completion refused so is sent again once the server says, instead of being
+        given up while its claim still holds (the browser SDK does the same).
         """
         attempts = self.retries if retry else 1
         for attempt in range(1, attempts + 1):
+            floor = 0.0
             try:
                 kwargs: dict[str, Any] = {}
                 if extra_timeout:  # a long poll: the server holds the answer that long
@@ -362,13 +374,15 @@ class PullWorker:
                 error: TransportError = TransportError(f"{type(exc).__name__} on {url}")
                 error.__cause__ = exc
             else:
-                if response.status_code < 500:
+                status = response.status_code
+                if status < 500 and status not in RETRYABLE_STATUSES:
                     return response
-                error = TransportError(f"the server answered {response.status_code} on {url}")
+                error = TransportError(f"the server answered {status} on {url}")
+                floor = retry_after_seconds(response, RETRY_AFTER_CAP)
             if attempt == attempts:
                 raise error
             delay = min(2.0, 0.05 * 2 ** (attempt - 1))
-            time.sleep(delay / 2 + random.uniform(0, delay / 2))
+            time.sleep(max(floor, delay / 2 + random.uniform(0, delay / 2)))
         raise AssertionError("unreachable")  # pragma: no cover
 
 

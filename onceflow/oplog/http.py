@@ -24,6 +24,7 @@ imported only when a transport is made.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -46,6 +47,19 @@ if TYPE_CHECKING:
 
 # Statuses that say "try again": the request may not have been processed.
 _RETRYABLE = {408, 425, 429}
+RETRYABLE_STATUSES = frozenset(_RETRYABLE)
+
+
+def retry_after_seconds(response: httpx.Response, cap: float) -> float:
+    """The server's ``Retry-After`` (delay seconds) as a floor for the next try, at most
+    ``cap``; 0 when absent or not a number (an HTTP date is not sent by onceflow's API)."""
+    try:
+        seconds = float(response.headers.get("retry-after", ""))
+    except ValueError:
+        return 0.0
+    if math.isnan(seconds):
+        return 0.0
+    return min(max(seconds, 0.0), cap)
 
 
 def path_segment(name: str, value: str) -> str:

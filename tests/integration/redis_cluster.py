@@ -18,7 +18,9 @@ import time
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
 from redis.crc import key_slot
+from redis.retry import Retry
 
 #: The three primaries' slot ranges.
 SLOT_RANGES = ((0, 5460), (5461, 10922), (10923, 16383))
@@ -92,23 +94,53 @@ class LocalCluster:
             "--cluster-node-timeout", "1000", "--cluster-require-full-coverage", "no",
             "--save", "", "--appendonly", "no", "--dir", str(self.dir),
         ]  # fmt: skip
-        self.procs[port] = subprocess.Popen(
-            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        with open(self.dir / f"node-{port}.log", "wb") as log:
+            self.procs[port] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+
+    def _up(self, index: int) -> None:
+        """Node ``index`` answering. A free port can be taken between its choice and the
+        server's bind (by any process's outgoing connection): a node that exits before it
+        answers is started again on another free pair, a few times."""
+        for _ in range(5):
+            port = self.ports[index]
+            _wait(lambda: self._answers_or_exited(port), f"cluster node on port {port}")  # noqa: B023
+            if self.procs[port].poll() is None:
+                return
+            del self.procs[port]
+            self.ports[index] = _free_port()
+            self._spawn(self.ports[index])
+        log = (self.dir / f"node-{self.ports[index]}.log").read_text(errors="replace")
+        raise AssertionError(f"a cluster node would not start: {log[-2000:]}")
+
+    def _answers_or_exited(self, port: int) -> bool:
+        if self.procs[port].poll() is not None:
+            return True
+        # One short try, no retries: whatever holds a taken port may never answer.
+        quick = redis.Redis(
+            port=port, socket_timeout=0.5, socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0)
         )
+        try:
+            return bool(quick.ping())
+        finally:
+            quick.close()
 
     def start(self) -> LocalCluster:
-        for port in self.ports:
-            self._spawn(port)
-        for port in self.ports:
-            client = self.node(port)
-            _wait(client.ping, f"cluster node on port {port}")
-        for port, (low, high) in zip(self.ports, SLOT_RANGES, strict=True):
-            self.node(port).execute_command("CLUSTER", "ADDSLOTSRANGE", low, high)
-        first = self.node(self.ports[0])
-        for port in self.ports[1:]:
-            first.execute_command("CLUSTER", "MEET", "127.0.0.1", port)
-        for port in self.ports:
-            _wait(lambda p=port: self._ready(p), f"cluster_state:ok on port {port}")  # type: ignore[misc]
+        """The nodes up and met; on any failure every node started is stopped again."""
+        try:
+            for port in self.ports:
+                self._spawn(port)
+            for index in range(len(self.ports)):
+                self._up(index)
+            for port, (low, high) in zip(self.ports, SLOT_RANGES, strict=True):
+                self.node(port).execute_command("CLUSTER", "ADDSLOTSRANGE", low, high)
+            first = self.node(self.ports[0])
+            for port in self.ports[1:]:
+                first.execute_command("CLUSTER", "MEET", "127.0.0.1", port)
+            for port in self.ports:
+                _wait(lambda p=port: self._ready(p), f"cluster_state:ok on port {port}")  # type: ignore[misc]
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def _ready(self, port: int) -> bool:
