@@ -70,6 +70,11 @@ def request_id_for(workspace_id: str, job_id: str, branch_path: str, stage: str)
     check_id("job_id", job_id)
     check_id("branch_path", branch_path, max_len=BRANCH_PATH_MAX, allow_empty=True)
     check_id("stage", stage)
+    return derive_request_id(workspace_id, job_id, branch_path, stage)
+
+
+def derive_request_id(workspace_id: str, job_id: str, branch_path: str, stage: str) -> RequestId:
+    """:func:`request_id_for` of parts already checked (the enqueue path checks them first)."""
     canonical = json.dumps(
         [_REQUEST_ID_TAG, workspace_id, job_id, branch_path, stage],
         ensure_ascii=False,

@@ -32,8 +32,8 @@ from onceflow.ids import (
     RequestId,
     check_id,
     check_worker_class,
+    derive_request_id,
     random_request_id,
-    request_id_for,
 )
 from onceflow.metrics import record as metrics
 from onceflow.models.requests import EnqueueResult, NewRequest
@@ -233,52 +233,65 @@ class EnqueueOps:
         return item
 
     def _enqueue_params(self, items: Sequence[NewRequest], now: datetime | None) -> dict[str, Any]:
-        cols: dict[str, list[Any]] = {
-            k: []
-            for k in (
-                "request_ids", "workspace_ids", "job_ids", "branch_paths", "stages", "dedupes",
-                "inputs", "input_hashes", "worker_classes", "priorities", "max_attempts",
-                "max_crash_attempts", "delays",
-            )
-        }  # fmt: skip
+        """The checked rows of ``items`` as ENQUEUE's parameters (``rows``: one JSON array),
+        or, for one item, ENQUEUE_ONE's (its values by name); both with the columns the
+        results are read by (ids, workspaces, input hashes, stages, worker classes)."""
+        ids: list[str] = []
+        spaces: list[str] = []
+        hashes: list[str] = []
+        stages: list[str] = []
+        classes: list[str] = []
+        rows: list[str] = []
+        single: dict[str, Any] = {}
         limit = self.settings.payload_limit_bytes
         depth = self.settings.max_payload_depth
-        rows: list[str] = []
         for item in items:
             if not isinstance(item, NewRequest):
                 raise InvalidRequest(f"expected NewRequest, got {type(item).__name__}")
-            item = self.resolve(item)
-            check_id("workspace_id", item.workspace_id)
-            check_id("job_id", item.job_id)
-            check_id("stage", item.stage)
-            check_id("branch_path", item.branch_path, max_len=BRANCH_PATH_MAX, allow_empty=True)
-            check_worker_class(item.worker_class)
+            if self.resolver is not None:
+                item = self.resolver(item)
+            # The bare-queue defaults of `resolve`, without building another NewRequest.
+            wc = "default" if item.worker_class is None else item.worker_class
+            dedupe = True if item.dedupe is None else bool(item.dedupe)
+            priority = 0 if item.priority is None else item.priority
+            ws = check_id("workspace_id", item.workspace_id)
+            job = check_id("job_id", item.job_id)
+            stage = check_id("stage", item.stage)
+            branch = check_id(
+                "branch_path", item.branch_path, max_len=BRANCH_PATH_MAX, allow_empty=True
+            )
+            check_worker_class(wc)
             text, digest = encode_payload(item.input, limit, what="input", max_depth=depth)
             if item.request_id is not None:
                 rid = check_id("request_id", item.request_id)
-            elif item.dedupe:
-                rid = request_id_for(item.workspace_id, item.job_id, item.branch_path, item.stage)
+            elif dedupe:
+                rid = derive_request_id(ws, job, branch, stage)  # each part checked above
             else:
                 rid = random_request_id()
             max_attempts = _positive("max_attempts", item.max_attempts, self.settings.max_attempts)
             max_crash = _positive(
                 "max_crash_attempts", item.max_crash_attempts, self.settings.max_crash_attempts
             )
-            if not isinstance(item.priority, int) or not -32768 <= item.priority <= 32767:
+            if not isinstance(priority, int) or not -32768 <= priority <= 32767:
                 raise InvalidRequest("priority must be an integer in [-32768, 32767]")
             delay = _seconds("run_after_seconds", item.run_after_seconds)
-            for key, value in (
-                ("request_ids", rid), ("workspace_ids", item.workspace_id),
-                ("job_ids", item.job_id), ("branch_paths", item.branch_path),
-                ("stages", item.stage), ("dedupes", bool(item.dedupe)), ("inputs", text),
-                ("input_hashes", digest), ("worker_classes", item.worker_class),
-                ("priorities", item.priority), ("max_attempts", max_attempts),
-                ("max_crash_attempts", max_crash), ("delays", delay),
-            ):  # fmt: skip
-                cols[key].append(value)
-            if len(items) > 1:  # one row is sent as its values (ENQUEUE_ONE)
-                rows.append(_row_json(rid, item, digest, max_attempts, max_crash, delay, text))
-        params: dict[str, Any] = {**cols, "now": now, "notify": self.settings.notify}
+            ids.append(rid)
+            spaces.append(ws)
+            hashes.append(digest)
+            stages.append(stage)
+            classes.append(wc)
+            values = (rid, ws, job, branch, stage, dedupe, digest, wc, priority, max_attempts,
+                      max_crash, delay)  # fmt: skip
+            if len(items) == 1:  # one row is sent as its values (ENQUEUE_ONE)
+                single = dict(zip(_ONE_ROW, values, strict=True))
+                single["input"] = text
+            else:
+                rows.append(_row_json(values, text))
+        params: dict[str, Any] = {
+            "request_ids": ids, "workspace_ids": spaces, "input_hashes": hashes,
+            "stages": stages, "worker_classes": classes,
+            "now": now, "notify": self.settings.notify, **single,
+        }  # fmt: skip
         if rows:
             params["rows"] = "[" + ",".join(rows) + "]"
         return params
@@ -288,10 +301,8 @@ class EnqueueOps:
         spaces: list[str] = params["workspace_ids"]
         hashes: list[str] = params["input_hashes"]
         # Rows by their key: an id a caller chose may name rows of two workspaces.
-        if "rows" in params:
-            inserted = yield from all_rows(N.ENQUEUE, params)
-        else:
-            inserted = yield from all_rows(N.ENQUEUE_ONE, _one_row(params))
+        query = N.ENQUEUE if "rows" in params else N.ENQUEUE_ONE
+        inserted = yield from all_rows(query, params)
         rows = {(r["workspace_id"], r["request_id"]): r for r in inserted}
         missing = [key for key in zip(spaces, ids, strict=True) if key not in rows]
         if missing:
@@ -330,42 +341,19 @@ class EnqueueOps:
         return results
 
 
-def _row_json(
-    rid: str,
-    item: NewRequest,
-    digest: str,
-    max_attempts: int,
-    max_crash: int,
-    delay: float,
-    text: str,
-) -> str:
-    """One element of ENQUEUE's ``:rows``: the columns, then the input's canonical JSON as is."""
-    head = json.dumps(
-        [
-            rid, item.workspace_id, item.job_id, item.branch_path, item.stage,
-            bool(item.dedupe), digest, item.worker_class, item.priority, max_attempts,
-            max_crash, delay,
-        ]
-    )  # fmt: skip
+def _row_json(values: tuple[Any, ...], text: str) -> str:
+    """One element of ENQUEUE's ``:rows``: the row's values, then the input's canonical JSON
+    as it is."""
+    head = json.dumps(values)
     return f"{head[:-1]},{text}]"
 
 
-#: ENQUEUE_ONE's parameters and the columns of ``_enqueue_params`` they come from.
+#: ENQUEUE_ONE's parameters, in the order of a row's values (and of ENQUEUE's ``:rows``
+#: elements, whose input comes last).
 _ONE_ROW = (
-    ("request_id", "request_ids"), ("workspace_id", "workspace_ids"), ("job_id", "job_ids"),
-    ("branch_path", "branch_paths"), ("stage", "stages"), ("dedupe", "dedupes"),
-    ("input", "inputs"), ("input_hash", "input_hashes"), ("worker_class", "worker_classes"),
-    ("priority", "priorities"), ("max_attempts", "max_attempts"),
-    ("max_crash_attempts", "max_crash_attempts"), ("delay", "delays"),
+    "request_id", "workspace_id", "job_id", "branch_path", "stage", "dedupe", "input_hash",
+    "worker_class", "priority", "max_attempts", "max_crash_attempts", "delay",
 )  # fmt: skip
-
-
-def _one_row(params: dict[str, Any]) -> dict[str, Any]:
-    """ENQUEUE_ONE's parameters from the columns of a one-row ``_enqueue_params``."""
-    one = {name: params[column][0] for name, column in _ONE_ROW}
-    one["now"] = params["now"]
-    one["notify"] = params["notify"]
-    return one
 
 
 def _sized(items: Sequence[NewRequest]) -> bool:
