@@ -63,6 +63,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+# This tree's onceflow first: run from another worktree, the script must not import the
+# editable install's (a before/after comparison would run one tree twice).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 ROOT = Path(__file__).resolve().parent.parent
 ADMIN_DEFAULT = "postgresql+psycopg://root@127.0.0.1:5432/postgres"
 REDIS_DEFAULT = "redis://127.0.0.1:6379/13"

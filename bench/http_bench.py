@@ -60,6 +60,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+# This tree's onceflow first: run from another worktree, the script must not import the
+# editable install's (a before/after comparison would run one tree twice).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import httpx
 import psycopg
 from pydantic import BaseModel

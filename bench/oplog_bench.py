@@ -73,7 +73,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from datetime import UTC, datetime
 from multiprocessing.connection import Connection as Pipe
+from pathlib import Path
 from typing import Any
+
+# This tree's onceflow first: run from another worktree, the script must not import the
+# editable install's (a before/after comparison would run one tree twice).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import psycopg
 import redis
