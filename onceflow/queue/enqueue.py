@@ -224,12 +224,8 @@ class EnqueueOps:
         if self.resolver is not None:
             item = self.resolver(item)
         if item.worker_class is None or item.dedupe is None or item.priority is None:
-            item = replace(
-                item,
-                worker_class="default" if item.worker_class is None else item.worker_class,
-                dedupe=True if item.dedupe is None else item.dedupe,
-                priority=0 if item.priority is None else item.priority,
-            )
+            wc, dedupe, priority = _bare_defaults(item)
+            item = replace(item, worker_class=wc, dedupe=dedupe, priority=priority)
         return item
 
     def _enqueue_params(self, items: Sequence[NewRequest], now: datetime | None) -> dict[str, Any]:
@@ -250,10 +246,7 @@ class EnqueueOps:
                 raise InvalidRequest(f"expected NewRequest, got {type(item).__name__}")
             if self.resolver is not None:
                 item = self.resolver(item)
-            # The bare-queue defaults of `resolve`, without building another NewRequest.
-            wc = "default" if item.worker_class is None else item.worker_class
-            dedupe = True if item.dedupe is None else bool(item.dedupe)
-            priority = 0 if item.priority is None else item.priority
+            wc, dedupe, priority = _bare_defaults(item)  # as `resolve`, without a new item
             ws = check_id("workspace_id", item.workspace_id)
             job = check_id("job_id", item.job_id)
             stage = check_id("stage", item.stage)
@@ -354,6 +347,16 @@ _ONE_ROW = (
     "request_id", "workspace_id", "job_id", "branch_path", "stage", "dedupe", "input_hash",
     "worker_class", "priority", "max_attempts", "max_crash_attempts", "delay",
 )  # fmt: skip
+
+
+def _bare_defaults(item: NewRequest) -> tuple[Any, bool, Any]:
+    """``item``'s worker class, dedupe and priority, a bare queue's defaults (``"default"``,
+    True, 0) where it leaves them None; checked by the caller."""
+    return (
+        "default" if item.worker_class is None else item.worker_class,
+        True if item.dedupe is None else bool(item.dedupe),
+        0 if item.priority is None else item.priority,
+    )
 
 
 def _sized(items: Sequence[NewRequest]) -> bool:
