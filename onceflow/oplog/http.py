@@ -45,9 +45,8 @@ from onceflow.oplog.store import ApplyResult, OpRecord, SubDoc
 if TYPE_CHECKING:
     import httpx
 
-# Statuses that say "try again": the request may not have been processed.
-_RETRYABLE = {408, 425, 429}
-RETRYABLE_STATUSES = frozenset(_RETRYABLE)
+#: Statuses that say "try again": the request may not have been processed.
+RETRYABLE_STATUSES = frozenset({408, 425, 429})
 
 
 def retry_after_seconds(response: httpx.Response, cap: float) -> float:
@@ -82,7 +81,7 @@ def raise_for_api_error(
     status = response.status_code
     if status < 400:
         return
-    if status >= 500 or status in _RETRYABLE:
+    if status >= 500 or status in RETRYABLE_STATUSES:
         raise TransportError(f"the server answered {status}; the outcome is unknown")
     code, detail, body = "", response.text[:500], None
     with contextlib.suppress(ValueError):
