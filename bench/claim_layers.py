@@ -10,19 +10,23 @@ stage does; the sides differ only in how much of onceflow runs around the two ro
 1. ``floor``: the two hand-written statements of the drain benchmark's floor
    (``bench.bench_stages.FLOOR_CLAIM`` / ``FLOOR_COMPLETE``: the same row writes,
    only the input read back), tuple rows, one held connection;
-2. ``statements``: onceflow's own claim and completion statements (``CLAIM``,
-   ``COMPLETE_NO_INPUT``: the whole row returned), dict rows, the same held connection;
+2. ``statements``: onceflow's own claim and completion statements (``CLAIM``: the
+   claimed row returned; ``COMPLETE_CHANGED``: what a run changes), dict rows, the same
+   held connection;
 3. ``pooled``: the same, each statement on a pool checkout (``onceflow.db.raw_connection``);
 4. ``queue``: ``Queue.claim`` + ``Queue.hand_off`` (validation, the steps runner,
-   ``Request``/``Claim``, metrics);
-5. ``runtime``: ``onceflow.tasks.runtime.run_request`` with a no-op stage — what a Celery
-   worker's task body runs: the above plus the heartbeat registration, the stage context,
-   the input model, the in-progress gauge and the outcome (Celery's own tracing is not in
-   it).
+   ``Request``/``Claim``, metrics), each statement on a pool checkout;
+5. ``queue_held``: the same inside ``onceflow.db.holding_connections()``: the thread keeps
+   its connection between statements (what a Celery prefork child does);
+6. ``runtime``: ``onceflow.tasks.runtime.run_request`` with a no-op stage, holding its
+   connection — what a Celery worker child's task body runs: the above plus the heartbeat
+   registration, the stage context, the input model, the in-progress gauge and the outcome
+   (Celery's own tracing is not in it).
 
-The sides are interleaved op by op (each on rows of its own) and the CPU time of this
-process (``time.process_time``) and the wall time are summed per side after a warm-up.
-CPU is the client's only: the server's share shows in the wall time.
+The sides are interleaved in blocks of ``BLOCK`` ops (each on rows of its own; a block is
+the span a side holds its connection for) and the CPU time of this process
+(``time.process_time``) and the wall time are summed per side after a warm-up. CPU is the
+client's only: the server's share shows in the wall time.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import secrets
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -53,14 +58,16 @@ from bench.queue_bench import (
 )
 
 WARM = 50
+#: Ops a side runs in a row before the next side's turn.
+BLOCK = 10
 
 
 def run(url: str, n: int) -> dict[str, Any]:
     from psycopg.rows import dict_row
     from pydantic import BaseModel
 
-    from onceflow.db import fetch_one, raw_connection
-    from onceflow.queue.sql import Q_CLAIM, Q_COMPLETE_NO_INPUT
+    from onceflow.db import fetch_one, holding_connections, raw_connection
+    from onceflow.queue.sql import Q_CLAIM, Q_COMPLETE_CHANGED
     from onceflow.tasks.flow import StageSpec
     from onceflow.tasks.runtime import run_request
 
@@ -75,7 +82,7 @@ def run(url: str, n: int) -> dict[str, Any]:
 
     queue, raw = make_queue(url), raw_connect(url)
     try:
-        raw.execute(SEED_QUEUED, {"prefix": "q-", "wc": WC, "n": 5 * (n + WARM)})
+        raw.execute(SEED_QUEUED, {"prefix": "q-", "wc": WC, "n": 8 * (n + WARM)})
         raw.execute("VACUUM ANALYZE workspace_process_requests")
         keys = raw.execute(
             "SELECT workspace_id, request_id FROM workspace_process_requests ORDER BY request_id"
@@ -107,7 +114,7 @@ def run(url: str, n: int) -> dict[str, Any]:
                 if cur.execute(Q_CLAIM, claim_params(ws, rid, token)).fetchone() is None:
                     raise RuntimeError(f"statements: {rid} not claimed")
             with raw.cursor(row_factory=dict_row) as cur:
-                if cur.execute(Q_COMPLETE_NO_INPUT, done_params(ws, rid, token)).fetchone() is None:
+                if cur.execute(Q_COMPLETE_CHANGED, done_params(ws, rid, token)).fetchone() is None:
                     raise RuntimeError(f"statements: {rid} not completed")
 
         def pooled(ws: str, rid: str) -> None:
@@ -116,7 +123,7 @@ def run(url: str, n: int) -> dict[str, Any]:
                 if fetch_one(conn, Q_CLAIM, claim_params(ws, rid, token)) is None:
                     raise RuntimeError(f"pooled: {rid} not claimed")
             with raw_connection(queue.engine) as conn:
-                if fetch_one(conn, Q_COMPLETE_NO_INPUT, done_params(ws, rid, token)) is None:
+                if fetch_one(conn, Q_COMPLETE_CHANGED, done_params(ws, rid, token)) is None:
                     raise RuntimeError(f"pooled: {rid} not completed")
 
         def through_queue(ws: str, rid: str) -> None:
@@ -135,20 +142,24 @@ def run(url: str, n: int) -> dict[str, Any]:
             "statements": statements,
             "pooled": pooled,
             "queue": through_queue,
+            "queue_held": through_queue,
             "runtime": runtime,
         }
+        held = {"queue_held", "runtime"}
         rows = {side: keys[i :: len(sides)] for i, side in enumerate(sides)}
         cpu = dict.fromkeys(sides, 0.0)
         wall = dict.fromkeys(sides, 0.0)
-        for i in range(n + WARM):
+        for start in range(0, n + WARM, BLOCK):
             for side, op in sides.items():
-                ws, rid = rows[side][i]
-                c0, w0 = time.process_time(), time.perf_counter()
-                op(ws, rid)
-                c1, w1 = time.process_time(), time.perf_counter()
-                if i >= WARM:
-                    cpu[side] += c1 - c0
-                    wall[side] += w1 - w0
+                with holding_connections() if side in held else nullcontext():
+                    for i in range(start, min(start + BLOCK, n + WARM)):
+                        ws, rid = rows[side][i]
+                        c0, w0 = time.process_time(), time.perf_counter()
+                        op(ws, rid)
+                        c1, w1 = time.process_time(), time.perf_counter()
+                        if i >= WARM:
+                            cpu[side] += c1 - c0
+                            wall[side] += w1 - w0
         left = raw.execute(
             "SELECT count(*) FROM workspace_process_requests WHERE status = 'succeeded'"
         ).fetchone()

@@ -340,7 +340,11 @@ def bench_enqueue(url: str, single_n: int, batches: int, batch: int) -> dict[str
 
 
 def _worker(url: str, pipe: Pipe) -> None:
-    """One benchmark connection in its own process; obeys (command, …) messages on ``pipe``."""
+    """One benchmark connection in its own process; obeys (command, …) messages on ``pipe``.
+
+    The onceflow side holds its connection, as a worker loop should (and as onceflow's
+    Celery children do): ``onceflow.db.holding_connections``.
+    """
     queue = make_queue(url)
     raw = raw_connect(url)
     worker_id = f"bench-{os.getpid()}"
@@ -372,6 +376,17 @@ def _worker(url: str, pipe: Pipe) -> None:
     }
     pipe.send("ready")
     try:
+        _commands(pipe, ops)
+    finally:
+        raw.close()
+        queue.engine.dispose()
+
+
+def _commands(pipe: Pipe, ops: dict[str, Callable[[], bool]]) -> None:
+    """Run the parent's commands until it sends None (the onceflow side holds its connection)."""
+    from onceflow.db import holding_connections
+
+    with holding_connections():
         while True:
             msg = pipe.recv()
             if msg is None:
@@ -394,9 +409,6 @@ def _worker(url: str, pipe: Pipe) -> None:
                         break
                     count += 1
                 pipe.send((count, time.perf_counter() - start_at, exhausted))
-    finally:
-        raw.close()
-        queue.engine.dispose()
 
 
 class Workers:

@@ -92,6 +92,14 @@ class Request:
         values["status"] = Status(values["status"])
         return cls(**values)
 
+    def after_run(self, row: Mapping[str, Any]) -> Request:
+        """This claimed request with ``row``'s columns (what a run changed: the queue's
+        ``RUN_COLUMNS``) put in; every other field is this one's."""
+        values = {name: row[name] if name in row else getattr(self, name)
+                  for name in _REQUEST_FIELDS}  # fmt: skip
+        values["status"] = Status(values["status"])
+        return Request(**values)
+
     def as_json(self) -> dict[str, Any]:
         """A JSON-able dict (timestamps as ISO 8601), for the CLI and HTTP APIs."""
         out: dict[str, Any] = {}

@@ -78,10 +78,6 @@ _T = TypeVar("_T")
 Fenced = Claim | ClaimRef
 
 
-#: hand_off's marker for a fence that does not hold the request's input (a ClaimRef).
-_NOT_HELD: Any = object()
-
-
 class ClaimOps:
     """Claims and fenced writes of the layer-1 store (a mixin of both queue APIs)."""
 
@@ -329,17 +325,16 @@ class ClaimOps:
             "worker_classes": fence_scope(claim),
         }  # fmt: skip
 
-        # A Claim holds the request's input: the completion need not read it back.
-        held = claim.request.input if isinstance(claim, Claim) else _NOT_HELD
-        statement = N.COMPLETE if held is _NOT_HELD else N.COMPLETE_NO_INPUT
+        # A Claim holds the claimed row: the completion reads back only what may differ.
+        held = claim.request if isinstance(claim, Claim) else None
+        statement = N.COMPLETE if held is None else N.COMPLETE_CHANGED
 
         def attempt() -> Steps[tuple[Request, builtins.list[EnqueueResult]]]:
             row, followed = yield from self._complete_once(statement, params, follow_params)
             if row is None:
                 raise LeaseLost(claim.request_id, "completion rejected")
-            if held is not _NOT_HELD:
-                row = {**row, "input": held}
-            return Request.from_row(row), followed
+            done = Request.from_row(row) if held is None else held.after_run(row)
+            return done, followed
 
         def landed() -> Steps[tuple[Request, builtins.list[EnqueueResult]] | None]:
             current = yield from _landed(claim, (Status.SUCCEEDED,))

@@ -40,11 +40,16 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from celery import Celery, Task
-from celery.signals import worker_init, worker_process_init
+from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 from pydantic import BaseModel, ValidationError
 
 from onceflow.context import StageContext, oplog_for
-from onceflow.db import dispose_engines, size_pools_for
+from onceflow.db import (
+    dispose_engines,
+    hold_connections,
+    release_connections,
+    size_pools_for,
+)
 from onceflow.errors import (
     InvalidRedisUrl,
     InvalidRequest,
@@ -737,8 +742,17 @@ def _size_pools(sender: Any = None, **_: Any) -> None:
 
 @worker_process_init.connect
 def _after_fork(**_: Any) -> None:
-    """A prefork child must not reuse its parent's database sockets."""
+    """A prefork child must not reuse its parent's database sockets. It runs one stage at
+    a time on its main thread, statement after statement: it holds its connection
+    (``onceflow.db.holding_connections``) instead of a pool checkout per statement."""
     dispose_engines()
+    hold_connections()
+
+
+@worker_process_shutdown.connect
+def _child_exits(**_: Any) -> None:
+    """The child's held connections back to its pool (closed with it as it exits)."""
+    release_connections()
 
 
 __all__ = ["MAINTENANCE_QUEUE", "Flow", "StageSpec", "StageTask", "worker_id"]

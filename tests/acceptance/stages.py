@@ -16,6 +16,7 @@ import redis
 from celery.signals import task_postrun
 from pydantic import BaseModel
 
+from onceflow import db
 from onceflow.tasks import Flow, StageContext
 
 flow = Flow()
@@ -47,7 +48,8 @@ NOOP_CLASSES = ("t-pull", "t-hyp", "t-purge", "t-pickle", "tabs", "t-hostile")
 )
 def noop(ctx: StageContext, data: NoopInput) -> dict[str, Any]:
     record(ctx)
-    return {"value": data.value, "worker": ctx.worker_id}
+    # holding: whether this process's thread holds its connection (a prefork child does).
+    return {"value": data.value, "worker": ctx.worker_id, "holding": db.holding()}
 
 
 class BlockInput(BaseModel):

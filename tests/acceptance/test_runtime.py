@@ -248,6 +248,7 @@ def test_enqueue_runs_the_stage_to_success(
     wait_for(lambda: status_of(runtime, result.request_id) is Status.SUCCEEDED, what="success")
     row = runtime.flow.queue.get(result.request_id)
     assert row.result["value"] == 7
+    assert row.result["holding"] is True  # a prefork child holds its connection (issue 13)
     assert row.attempts == 1
     assert len(executions(redis_url, result.request_id)) == 1
 

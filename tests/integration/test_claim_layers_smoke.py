@@ -1,7 +1,8 @@
-"""Smoke run of bench/claim_layers.py: its five sides (the drain benchmark's hand-written
-floor statements, onceflow's statements, on pool checkouts, through ``Queue``, through the
-stage runtime) each claim and complete their own rows once; the script checks every row
-ended succeeded and exits non-zero otherwise. Nothing here asserts a duration."""
+"""Smoke run of bench/claim_layers.py: its six sides (the drain benchmark's hand-written
+floor statements, onceflow's statements, on pool checkouts, through ``Queue``, through
+``Queue`` holding its connection, through the stage runtime) each claim and complete
+their own rows once; the script checks every row ended succeeded and exits non-zero
+otherwise. Nothing here asserts a duration."""
 
 from __future__ import annotations
 
@@ -27,5 +28,5 @@ def test_claim_layers_runs_every_side_on_its_own_rows(services: tuple[str, str])
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     sides = json.loads(proc.stdout)["sides"]
-    assert set(sides) == {"floor", "statements", "pooled", "queue", "runtime"}
+    assert set(sides) == {"floor", "statements", "pooled", "queue", "queue_held", "runtime"}
     assert all(v["cpu_us"] > 0 and v["wall_us"] > 0 for v in sides.values()), sides

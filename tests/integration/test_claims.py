@@ -639,12 +639,20 @@ def test_database_down_is_a_clear_error() -> None:
 
 
 def test_a_completion_returns_the_whole_request_by_claim_and_by_ref(api_queue: Queue) -> None:
-    """By a Claim the input is not read back (the claim holds it); the request returned is
-    the same as the one a reference gets, which reads it from the row."""
+    """By a Claim only what a run may change is read back (the claim holds the rest); the
+    request returned is the row as a read gets it, also after a heartbeat and a cancel
+    changed it under the claim, and the same as what a reference gets."""
     for job in ("a", "b"):
         api_queue.enqueue("s", "w", job, input={"doc": job, "n": [1, 2]})
     ca, cb = api_queue.claim_next("default", "pw", limit=2)
+    api_queue.heartbeat(ca)
+    assert api_queue.cancel(ca.request_id).cancel_requested
+    moved = api_queue.get(ca.request_id)
+    assert moved.heartbeat_at != ca.request.heartbeat_at
+    assert moved.updated_at != ca.request.updated_at
     by_claim = api_queue.complete(ca, {"ok": 1})
+    assert by_claim.cancel_requested and by_claim.lease_expires_at is None
+    assert by_claim.heartbeat_at == moved.heartbeat_at and by_claim.result == {"ok": 1}
     by_ref = api_queue.complete(ClaimRef(cb.request_id, cb.token), {"ok": 1})
     assert by_claim.input == {"doc": ca.request.input["doc"], "n": [1, 2]}
     assert by_ref.input == {"doc": cb.request.input["doc"], "n": [1, 2]}

@@ -56,7 +56,7 @@ def test_claims_and_heartbeats_commit_lazily_completions_durably(clean_db: Engin
     claim = queue.claim_next("default", "w-1")[0]
     queue.heartbeat(claim)
     queue.heartbeat_many([claim])
-    queue.complete(claim, {"ok": True})  # by Claim: queue.complete_no_input
+    queue.complete(claim, {"ok": True})  # by Claim: queue.complete_changed
     by_id = queue.list(workspace_id="w1", status="queued")[0].request_id
     other = queue.claim(by_id, "w-1")
     assert other is not None
@@ -67,7 +67,7 @@ def test_claims_and_heartbeats_commit_lazily_completions_durably(clean_db: Engin
     assert modes["queue.heartbeat_many"] == "off"
     assert modes["queue.claim"] == "off"
     # Completions, failures and enqueues keep the server's durable default.
-    assert modes["queue.complete_no_input"] == "on"
+    assert modes["queue.complete_changed"] == "on"
     assert modes["queue.fail"] == "on"
     assert modes["queue.enqueue"] == "on"
 

@@ -76,7 +76,7 @@ def test_claims_and_completions_by_key_are_not_planned_at_every_run(empty_databa
             queue.complete(claim, {"i": i})
         plans = {
             name: next((g, c) for s, g, c in _prepared(engine) if s == _as_prepared(sql))
-            for name, sql in (("claim", N.CLAIM.sql), ("complete", N.COMPLETE_NO_INPUT.sql))
+            for name, sql in (("claim", N.CLAIM.sql), ("complete", N.COMPLETE_CHANGED.sql))
         }
         # Prepared at the 6th run; five custom plans, then the generic one for the rest.
         assert plans == {"claim": (runs - 10, 5), "complete": (runs - 10, 5)}, plans
@@ -92,7 +92,7 @@ def test_a_caller_by_id_alone_runs_the_form_that_finds_the_workspace() -> None:
     assert "coalesce(CAST(%(workspace_id)s" in N.CLAIM.by_id
     assert "coalesce(CAST(%(workspace_id)s" not in N.CLAIM.sql
     keyed = [name for name, q in vars(N).items() if getattr(q, "by_id", None) is not None]
-    for name in ("CLAIM", "HEARTBEAT", "COMPLETE", "COMPLETE_NO_INPUT", "FAIL", "FENCE_CHECK"):
+    for name in ("CLAIM", "HEARTBEAT", "COMPLETE", "COMPLETE_CHANGED", "FAIL", "FENCE_CHECK"):
         assert name in keyed
 
 
