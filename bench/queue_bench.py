@@ -458,10 +458,39 @@ class Workers:
                 proc.join(timeout=5)
 
 
+_HZ = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """utime + stime of ``pids`` (``/proc/<pid>/stat``); a process gone counts nothing."""
+    ticks = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / _HZ
+
+
+def _backends(url: str) -> list[int]:
+    """The pids of the client backends on the bench database (the workers' connections)."""
+    with raw_connect(url) as conn:
+        rows = conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+            "AND backend_type = 'client backend' AND pid <> pg_backend_pid()"
+        ).fetchall()
+    return [r[0] for r in rows]
+
+
 def bench_claims(url: str, duration: float, rounds: int, seed: int, warmup: int) -> dict[str, Any]:
     """Per level: ``rounds`` x (onceflow run, floor run, SELECT 1 run), interleaved so that a
-    burst of outside load hits both sides; each side's figure pools its rounds."""
+    burst of outside load hits both sides. Each side's rate pools its rounds; ``ratio_median``
+    is the median of the per-round ratios. CPU per op: the worker processes' (client) and
+    their backends' (server), from ``/proc`` over each run (warm-up included)."""
     workers = Workers(url, max(CONCURRENCY))
+    clients = [p.pid for p in workers.procs]
     out: dict[str, Any] = {
         "duration_s": duration,
         "rounds": rounds,
@@ -475,7 +504,13 @@ def bench_claims(url: str, duration: float, rounds: int, seed: int, warmup: int)
                 for kind in runs:
                     if kind != "select1":
                         reset_table(url, queued=seed)
-                    runs[kind].append(workers.run(kind, n, duration, warmup))
+                    servers = _backends(url)
+                    c0, s0 = _cpu_seconds(clients), _cpu_seconds(servers)
+                    run = workers.run(kind, n, duration, warmup)
+                    ops = max(1, run["ops"] + n * warmup)
+                    run["client_us"] = (_cpu_seconds(clients) - c0) / ops * 1e6
+                    run["server_us"] = (_cpu_seconds(servers) - s0) / ops * 1e6
+                    runs[kind].append(run)
             level: dict[str, Any] = {}
             for kind, rs in runs.items():
                 ops, secs = sum(r["ops"] for r in rs), sum(r["seconds"] for r in rs)
@@ -484,15 +519,25 @@ def bench_claims(url: str, duration: float, rounds: int, seed: int, warmup: int)
                     "seconds": secs,
                     "ops_per_s": ops / secs,
                     "per_round": [r["ops_per_s"] for r in rs],
+                    "client_us": statistics.median(r["client_us"] for r in rs),
+                    "server_us": statistics.median(r["server_us"] for r in rs),
                     "exhausted": any(r["exhausted"] for r in rs),
                 }
             level["ratio"] = level["onceflow"]["ops_per_s"] / level["floor"]["ops_per_s"]
+            per_round = [
+                a / b
+                for a, b in zip(
+                    level["onceflow"]["per_round"], level["floor"]["per_round"], strict=True
+                )
+            ]
+            level["ratio_per_round"] = per_round
+            level["ratio_median"] = statistics.median(per_round)
             out["levels"][n] = level
             log(
                 f"claim+complete x{n}: onceflow {level['onceflow']['ops_per_s']:,.0f}/s, "
                 f"floor {level['floor']['ops_per_s']:,.0f}/s, "
                 f"2xSELECT 1 {level['select1']['ops_per_s']:,.0f}/s, "
-                f"ratio {level['ratio']:.2f}"
+                f"ratio {level['ratio']:.2f} (median of rounds {level['ratio_median']:.2f})"
             )
     finally:
         workers.close()
@@ -591,9 +636,18 @@ def render(res: dict[str, Any]) -> str:
         f"load average {m['loadavg_start']} at start, {res['loadavg_end']} at end",
         "",
     ]
-    e = res["enqueue"]
+    if "enqueue" in res:
+        lines += _render_enqueue(res["enqueue"])
+    if "claims" in res:
+        lines += _render_claims(res["claims"])
+    if "latency" in res:
+        lines += _render_latency(res["latency"])
+    return "\n".join(lines)
+
+
+def _render_enqueue(e: dict[str, Any]) -> list[str]:
     s, b = e["single"], e["batched"]
-    lines += [
+    return [
         "#### 1. Enqueue (each onceflow call interleaved with its floor call)",
         "",
         "| Figure | onceflow | Floor | onceflow / floor |",
@@ -609,25 +663,37 @@ def render(res: dict[str, Any]) -> str:
         f"| {b['onceflow'] / b['raw_unnest']:.2f} |",
         "",
     ]
-    c = res["claims"]
-    lines += [
+
+
+def _render_claims(c: dict[str, Any]) -> list[str]:
+    lines = [
         f"#### 2. Claim + complete per second (one process per connection; {c['rounds']} x "
         f"{c['duration_s']:g} s per side and level, interleaved, pooled)",
         "",
         "| Connections | onceflow | hand-written floor | onceflow / floor (target ≥ 0.67) "
+        "| median of per-round ratios | CPU µs per op, client · server: onceflow | floor "
         "| 2 x `SELECT 1` | onceflow / 2 x `SELECT 1` |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for n, lv in c["levels"].items():
         once, floor, sel = (lv[k]["ops_per_s"] for k in ("onceflow", "floor", "select1"))
         dry = lv["onceflow"]["exhausted"] or lv["floor"]["exhausted"]
+        cpu = [
+            f"{lv[k].get('client_us', 0):,.0f} · {lv[k].get('server_us', 0):,.0f}"
+            for k in ("onceflow", "floor")
+        ]
         lines.append(
             f"| {n} | {once:,.0f} ops/s | {floor:,.0f} ops/s | {lv['ratio']:.2f} "
             f"{_ok(lv['ratio'] >= TARGET_RATIO)}{' (queue ran dry)' if dry else ''} "
+            f"| {lv.get('ratio_median', lv['ratio']):.2f} | {cpu[0]} | {cpu[1]} "
             f"| {sel:,.0f} ops/s | {once / sel:.2f} |"
         )
     lines.append("")
-    lat = res["latency"]
+    return lines
+
+
+def _render_latency(lat: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
     sizes = list(lat["sizes"])
     r = lat["ratios"]
     lines += [
@@ -654,7 +720,7 @@ def render(res: dict[str, Any]) -> str:
         f"| {r['floor_claim_p99']:.2f}x |",
         "",
     ]
-    return "\n".join(lines)
+    return lines
 
 
 def _loadavg() -> str:
@@ -669,6 +735,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n", 1)[0])
     parser.add_argument("--quick", action="store_true", help="a short run; sizes 10k and 100k")
     parser.add_argument("--json", action="store_true", help="print the raw numbers as JSON")
+    parser.add_argument(
+        "--only", choices=("enqueue", "claims", "latency"), help="run one section only"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="claim + complete rounds per level"
+    )
     args = parser.parse_args(argv)
 
     admin = os.environ.get("ONCEFLOW_BENCH_DATABASE_URL", ADMIN_DEFAULT)
@@ -693,18 +765,18 @@ def main(argv: list[str] | None = None) -> int:
             "lat_ops": 2_000,
         }
     started = time.perf_counter()
-    results: dict[str, Any] = {
-        "command": "bench/queue_bench.py" + " --quick" * args.quick,
-        "config": cfg,
-    }
+    given = sys.argv[1:] if argv is None else argv
+    results: dict[str, Any] = {"command": " ".join(["bench/queue_bench.py", *given]), "config": cfg}
     with bench_database(admin) as url:
         results["machine"] = machine_info(url)
         results["machine"]["loadavg_start"] = _loadavg()
-        results["enqueue"] = bench_enqueue(url, cfg["single"], cfg["batches"], 1000)
-        results["claims"] = bench_claims(
-            url, cfg["duration"], cfg["rounds"], cfg["seed"], warmup=30
-        )
-        results["latency"] = bench_latency(url, cfg["sizes"], cfg["lat_ops"], warmup=100)
+        if args.only in (None, "enqueue"):
+            results["enqueue"] = bench_enqueue(url, cfg["single"], cfg["batches"], 1000)
+        if args.only in (None, "claims"):
+            rounds = args.rounds or cfg["rounds"]
+            results["claims"] = bench_claims(url, cfg["duration"], rounds, cfg["seed"], warmup=30)
+        if args.only in (None, "latency"):
+            results["latency"] = bench_latency(url, cfg["sizes"], cfg["lat_ops"], warmup=100)
     results["loadavg_end"] = _loadavg()
     results["wall_seconds"] = time.perf_counter() - started
     log(f"done in {results['wall_seconds']:.0f}s")
