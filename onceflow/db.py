@@ -226,14 +226,21 @@ class _Held:
     once given back (or inherited by a forked child: never to be touched); ``give_back``
     when its thread stopped holding while a call was using it."""
 
-    __slots__ = ("__weakref__", "busy", "done", "fairy", "give_back", "raw")
+    __slots__ = ("__weakref__", "busy", "done", "fairy", "give_back", "pool", "raw", "started")
 
-    def __init__(self, fairy: PoolProxiedConnection, raw: psycopg.Connection[Any]) -> None:
+    def __init__(
+        self, engine: Engine, fairy: PoolProxiedConnection, raw: psycopg.Connection[Any]
+    ) -> None:
         self.fairy = fairy
         self.raw = raw
         self.busy = False
         self.done = False
         self.give_back = False
+        # The pool it came from and when its connection was opened (what the pool checks
+        # at a checkout; its attributes, read once and defensively: not public API).
+        self.pool = engine.pool
+        record = getattr(fairy, "_connection_record", None)
+        self.started: float | None = getattr(record, "starttime", None)
 
     def __del__(self) -> None:
         # Collected without being given back (its thread ended inside a hold): the pool's
@@ -346,7 +353,7 @@ def _held_for(engine: Engine) -> _Held | None:
         fairy = engine.raw_connection()
         raw = fairy.driver_connection
         assert raw is not None  # noqa: S101 - a live checkout always has one
-        held = _Held(fairy, raw)  # owned (and given back) before autocommit is turned on
+        held = _Held(engine, fairy, raw)  # owned (given back) before autocommit is turned on
         conns[engine] = held
         _live.add(held)
         raw.autocommit = True
@@ -363,13 +370,11 @@ def _usable(engine: Engine, held: _Held) -> bool:
         return False
     # What the pool checks at a checkout: invalidated after it was opened (invalidate_pool:
     # a thread met a dead connection, e.g. after a server restart), or older than
-    # pool_recycle; and a pool the engine replaced (engine.dispose()). The pool's
-    # attributes, read defensively (not public API).
+    # pool_recycle; and a pool the engine replaced (engine.dispose()).
     pool = engine.pool
-    if getattr(held.fairy, "_pool", pool) is not pool:
+    if held.pool is not pool:
         return False
-    record = getattr(held.fairy, "_connection_record", None)
-    started = getattr(record, "starttime", None)
+    started = held.started
     if started is None:
         return True
     if getattr(pool, "_invalidate_time", 0) > started:
@@ -414,7 +419,8 @@ def _forget(engine: Engine, held: _Held) -> None:
 
 def _idle(raw: psycopg.Connection[Any]) -> bool:
     """Open, and outside any transaction (nothing left running or uncommitted)."""
-    return not (raw.closed or raw.broken) and raw.info.transaction_status == _IDLE
+    # pgconn's own status (raw.info would build a ConnectionInfo at every call).
+    return not raw.broken and raw.pgconn.transaction_status == _IDLE
 
 
 def _give_back(held: _Held) -> None:

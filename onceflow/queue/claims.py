@@ -198,7 +198,7 @@ class ClaimOps:
                 continue
             tokens = [new_claim_token() for _ in range(want)]
             params = {
-                "worker_class": wc, "worker_id": worker_id, "tokens": tokens,
+                "worker_class": wc, "worker_id": worker_id, "tokens": " ".join(tokens),
                 "lease_seconds": lease, "max_runtime": runtime, "now": now, "lazy": lazy,
             }  # fmt: skip
             try:

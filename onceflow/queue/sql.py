@@ -205,8 +205,8 @@ RETURNING {RETURNING},
 
 # Claim up to :limit requests of one worker class. Each candidate set is read through its
 # own partial index (no OR across states, which defeats partial indexes); lapsed leases
-# first, since they have waited longest. Tokens are minted by the caller (`secrets`) and
-# handed out by row number.
+# first, since they have waited longest. Tokens are minted by the caller (`secrets`, hex)
+# and handed out by row number from one space-separated text (no array to dump).
 _CLAIM_NEXT = f"""
 WITH n AS ({_NOW_LAZY}),
 lapsed AS (
@@ -240,7 +240,7 @@ picked AS (
 )
 UPDATE {TABLE} AS w SET
     status = 'running',
-    claim_token = (CAST(:tokens AS text[]))[picked.rn],
+    claim_token = split_part(CAST(:tokens AS text), ' ', CAST(picked.rn AS integer)),
     claimed_by = :worker_id,
     attempts = w.attempts + 1,
     crash_attempts = w.crash_attempts + CASE WHEN w.status = 'running' THEN 1 ELSE 0 END,

@@ -40,7 +40,7 @@ def claim_plan(engine: Engine) -> list[Any]:
     """EXPLAIN (FORMAT JSON) of a claim of ten ``llm`` requests, the statement exactly as
     ``claim_next`` sends it (psycopg, literal LIMIT)."""
     params = {
-        "worker_class": "llm", "worker_id": "w", "tokens": ["t"] * 10,
+        "worker_class": "llm", "worker_id": "w", "tokens": " ".join(["t"] * 10),
         "lease_seconds": 30.0, "max_runtime": None, "now": None, "lazy": True,
     }  # fmt: skip
     with raw_connection(engine) as raw:
