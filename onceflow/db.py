@@ -292,13 +292,15 @@ def holding_connections() -> Iterator[None]:
     commits on its own, a transaction is still ``conn.transaction()``.
 
     The held connection is given up and replaced by a fresh checkout when it died (the
-    error is raised as for any connection, :class:`ConnectionLost`), when the pool was
-    invalidated after it was opened (a server restart seen by another thread), or when a
-    call left it inside a transaction. A call nested inside another call on the same
-    thread gets a connection of its own from the pool, as before. A process forked
-    inside the block does not touch the parent's connection: the child checks out its
-    own. Not for a thread of a large pool of threads that each run a statement now and
-    then: each would keep one of the pool's connections for the whole block.
+    error is raised as for any connection, :class:`ConnectionLost`); when a call left it
+    inside a transaction or out of autocommit, or was interrupted mid-statement; and when
+    the pool would not hand it out again (invalidated after it was opened — a server
+    restart seen by another thread —, older than ``pool_recycle``, or of a pool
+    ``engine.dispose()`` replaced). A call nested inside another call on the same thread
+    gets a connection of its own from the pool, as before. A process forked inside the
+    block does not touch the parent's connections: the child checks out its own. Not for
+    a thread of a large pool of threads that each run a statement now and then: each
+    would keep one of the pool's connections for the whole block.
     """
     hold_connections()
     try:
