@@ -83,16 +83,24 @@ def deeper_than(text: str | bytes, limit: int) -> int | None:
     return depth if depth > limit else None
 
 
+def _as_leaf(_: object) -> None:
+    # check_json: an object only the stage's model can convert counts as a leaf here.
+    return None
+
+
+# The two encodings, built once (json.dumps with arguments builds an encoder per call):
+# canonical (sorted keys), and check_json's, where a non-JSON object is a leaf.
+_CANONICAL = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+)
+_LENIENT = json.JSONEncoder(
+    separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=_as_leaf
+)
+
+
 def _dumps(value: JSON, what: str, max_depth: int | None, *, foreign_ok: bool) -> str:
     try:
-        return json.dumps(
-            value,
-            sort_keys=not foreign_ok,
-            separators=(",", ":"),
-            ensure_ascii=False,
-            allow_nan=False,
-            default=_as_leaf if foreign_ok else None,
-        )
+        return (_LENIENT if foreign_ok else _CANONICAL).encode(value)
     except RecursionError:
         # Deeper than Python's own stack allows: far over any depth limit.
         raise PayloadTooDeep(what, max_depth) from None
@@ -105,11 +113,6 @@ def _dumps(value: JSON, what: str, max_depth: int | None, *, foreign_ok: bool) -
         raise InvalidRequest(f"{what} is not JSON: {exc}") from None
     except TypeError as exc:
         raise InvalidRequest(f"{what} is not JSON: {exc}") from None
-
-
-def _as_leaf(_: object) -> None:
-    # check_json: an object only the stage's model can convert counts as a leaf here.
-    return None
 
 
 def _check_text(text: str, what: str, max_depth: int | None) -> None:

@@ -56,10 +56,15 @@ def _seconds(start: datetime | None, end: datetime | None) -> float | None:
 
 @_safe
 def enqueued(results: Iterable[EnqueueResult]) -> None:
-    """Enqueue outcomes: created or duplicate, per worker class and stage."""
+    """Enqueue outcomes: created or duplicate, per worker class and stage (one ``inc``
+    per label set: a batch is mostly one stage)."""
+    counts: dict[tuple[str, str, bool], int] = {}
     for r in results:
-        outcome = "created" if r.created else "duplicate"
-        _child(d.REQUESTS_ENQUEUED, r.worker_class, r.stage, outcome).inc()
+        key = (r.worker_class, r.stage, r.created)
+        counts[key] = counts.get(key, 0) + 1
+    for (worker_class, stage, created), n in counts.items():
+        outcome = "created" if created else "duplicate"
+        _child(d.REQUESTS_ENQUEUED, worker_class, stage, outcome).inc(n)
 
 
 @_safe

@@ -265,7 +265,7 @@ class EnqueueOps:
             max_crash = _positive(
                 "max_crash_attempts", item.max_crash_attempts, self.settings.max_crash_attempts
             )
-            if not isinstance(priority, int) or not -32768 <= priority <= 32767:
+            if type(priority) is not int or not -32768 <= priority <= 32767:
                 raise InvalidRequest("priority must be an integer in [-32768, 32767]")
             delay = _seconds("run_after_seconds", item.run_after_seconds)
             ids.append(rid)
@@ -312,23 +312,23 @@ class EnqueueOps:
         stages: list[str] = params["stages"]
         classes: list[str] = params["worker_classes"]
         for rid, ws, digest, stage, wc in zip(ids, spaces, hashes, stages, classes, strict=True):
-            row = rows[(ws, rid)]
+            key = (ws, rid)
+            row = rows[key]
             # The same request twice in one batch: only its first occurrence can have created it.
-            created = bool(row["created"]) and (ws, rid) not in seen
-            seen.add((ws, rid))
-            mismatch = row["input_hash"] != digest
-            if mismatch and strict:
-                raise InputMismatch(rid, row["input_hash"], digest)
-            status = Status(row["status"])
+            created = bool(row["created"]) and key not in seen
+            seen.add(key)
+            stored = row["input_hash"]
+            if stored != digest and strict:
+                raise InputMismatch(rid, stored, digest)
             results.append(
                 EnqueueResult(
                     RequestId(rid),
                     created,
-                    status,
-                    mismatch,
-                    stage=stage,
-                    worker_class=wc,
-                    workspace_id=ws,
+                    _STATUSES[row["status"]],
+                    stored != digest,
+                    stage,
+                    wc,
+                    ws,
                 )
             )
         return results
@@ -336,9 +336,21 @@ class EnqueueOps:
 
 def _row_json(values: tuple[Any, ...], text: str) -> str:
     """One element of ENQUEUE's ``:rows``: the row's values, then the input's canonical JSON
-    as it is."""
-    head = json.dumps(values)
-    return f"{head[:-1]},{text}]"
+    as it is. Written out (each value's type is checked by then): ``json.dumps`` builds an
+    encoder per call, a third of the time of a row's parameters."""
+    rid, ws, job, branch, stage, dedupe, digest, wc, priority, attempts, crash, delay = values
+    return (
+        f"[{_quote(rid)},{_quote(ws)},{_quote(job)},{_quote(branch)},{_quote(stage)},"
+        f"{'true' if dedupe else 'false'},{_quote(digest)},{_quote(wc)},{int(priority)},"
+        f"{int(attempts)},{int(crash)},{float(delay)!r},{text}]"
+    )
+
+
+#: A status by its value (an enum call per row costs more than the dict).
+_STATUSES = {s.value: s for s in Status}
+
+#: JSON's string escaping (C; as json.dumps with ``ensure_ascii=False``).
+_quote = json.encoder.encode_basestring
 
 
 #: ENQUEUE_ONE's parameters, in the order of a row's values (and of ENQUEUE's ``:rows``

@@ -118,6 +118,50 @@ def test_one_row_and_a_batch_write_the_same_row(api_queue: Queue, clean_db: Engi
     assert rows[0][11] == 30
 
 
+def test_ids_with_json_escapes_are_stored_as_given(api_queue: Queue, clean_db: Engine) -> None:
+    """A batch's rows travel as one JSON text written out by hand: quotes, backslashes and
+    non-ASCII in every text column come back as given, under the ids request_id_for derives
+    (the single-row path, which binds each value, writes the same)."""
+    odd = ['q"uote', "back\\slash", "é 日本 🙂", 'a/b\\"c', "tab-less 'single'"]
+    items = [
+        NewRequest(w, f"{j}-{i}", s, b)
+        for i, (w, j, s, b) in enumerate(
+            zip(odd, odd[1:] + odd[:1], odd[2:] + odd[:2], odd[3:] + odd[:3], strict=True)
+        )
+    ]
+    batch = api_queue.enqueue_many(items)
+    alone = api_queue.enqueue(items[0].stage, items[0].workspace_id, "alone", items[0].branch_path)
+    expected = [
+        request_id_for(it.workspace_id, it.job_id, it.branch_path, it.stage) for it in items
+    ]
+    assert [r.request_id for r in batch] == expected
+    assert all(r.created for r in [*batch, alone])
+    with clean_db.connect() as conn:
+        stored = conn.exec_driver_sql(
+            "SELECT request_id, workspace_id, job_id, stage, branch_path "
+            "FROM workspace_process_requests ORDER BY created_at, job_id"
+        ).fetchall()
+    by_id = {r[0]: tuple(r[1:]) for r in stored}
+    for it, rid in zip(items, expected, strict=True):
+        assert by_id[rid] == (it.workspace_id, it.job_id, it.stage, it.branch_path)
+    assert by_id[alone.request_id] == (
+        items[0].workspace_id,
+        "alone",
+        items[0].stage,
+        items[0].branch_path,
+    )
+
+
+def test_a_bool_priority_is_refused_on_the_single_path_too(
+    api_queue: Queue, clean_db: Engine
+) -> None:
+    """True is an int to Python; bound as a parameter Postgres would have cast it to 1."""
+    before = table_snapshot(clean_db)
+    with pytest.raises(InvalidRequest, match="priority"):
+        api_queue.enqueue("evaluate", "w1", "j1", priority=True)  # type: ignore[arg-type]
+    assert table_snapshot(clean_db) == before
+
+
 def test_non_dedupe_stages_get_fresh_ids(api_queue: Queue) -> None:
     a = api_queue.enqueue("radar", "w", "j", "", dedupe=False)
     b = api_queue.enqueue("radar", "w", "j", "", dedupe=False)
@@ -141,6 +185,8 @@ BAD_ITEMS: list[tuple[dict[str, Any], type[Exception]]] = [
     ({"input": {"x": "y" * (256 * 1024)}}, PayloadTooLarge),
     ({"max_attempts": 0}, InvalidRequest),
     ({"priority": 10**9}, InvalidRequest),
+    ({"priority": True}, InvalidRequest),
+    ({"priority": 1.0}, InvalidRequest),
     ({"run_after_seconds": -1}, InvalidRequest),
     ({"request_id": ""}, InvalidRequest),
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 
 import pytest
 from hypothesis import given
@@ -55,6 +56,25 @@ tuples = st.tuples(part, part, path, part)
 @given(tuples, tuples)
 def test_distinct_tuples_never_share_an_id(a: tuple[str, ...], b: tuple[str, ...]) -> None:
     assert (request_id_for(*a) == request_id_for(*b)) == (a == b)
+
+
+@given(tuples)
+def test_the_id_is_the_sha256_of_the_documented_json_array(a: tuple[str, ...]) -> None:
+    """The encoding is written out by hand (no encoder per call): it must stay byte for byte
+    what ``json.dumps`` makes of the array, for any printable text (quotes, backslashes,
+    non-ASCII)."""
+    canonical = json.dumps(
+        ["onceflow.request.v1", *a], ensure_ascii=False, separators=(",", ":")
+    ).encode("utf-8")
+    assert request_id_for(*a) == hashlib.sha256(canonical).hexdigest()
+
+
+def test_escapes_in_parts_follow_json() -> None:
+    parts = ('q"uote', "back\\slash", "é 日本 🙂", "s/1")
+    canonical = json.dumps(
+        ["onceflow.request.v1", *parts], ensure_ascii=False, separators=(",", ":")
+    )
+    assert request_id_for(*parts) == hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
 @given(tuples)
