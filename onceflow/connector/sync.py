@@ -11,7 +11,7 @@ import psycopg
 from sqlalchemy import Connection, Engine, event
 
 from onceflow.connector.steps import Connector, Query, _call_safely
-from onceflow.db import fetch_all, fetch_one, raw_connection, translate_errors
+from onceflow.db import execute, fetch_all, fetch_one, raw_connection, translate_errors
 
 
 class _OnOneConnection:
@@ -30,7 +30,7 @@ class _OnOneConnection:
         return fetch_all(self.raw, query.sql_for(params), dict(params))
 
     def execute(self, query: Query, params: Mapping[str, Any]) -> int:
-        return self.raw.execute(query.sql_for(params), dict(params)).rowcount
+        return execute(self.raw, query.sql_for(params), dict(params))
 
     @contextmanager
     def transaction(self) -> Iterator[Connector]:
@@ -70,7 +70,7 @@ class PsycopgConnector:
 
     def execute(self, query: Query, params: Mapping[str, Any]) -> int:
         with raw_connection(self.engine) as raw:
-            return raw.execute(query.sql_for(params), dict(params)).rowcount
+            return execute(raw, query.sql_for(params), dict(params))
 
     @contextmanager
     def transaction(self) -> Iterator[Connector]:

@@ -88,17 +88,23 @@ class Request:
     @classmethod
     def from_row(cls, row: Mapping[Any, Any]) -> Request:
         """Build from a mapping of column values (extra keys such as claim_token ignored)."""
-        values = {name: row[name] for name in _REQUEST_FIELDS}
-        values["status"] = Status(values["status"])
-        return cls(**values)
+        # Each field set through its slot: what the frozen dataclass's __init__ does, without
+        # a keyword dict of 27 names (twice per claimed stage; issue 13). The class defines
+        # no __post_init__ and no defaults (test_models pins both).
+        new = object.__new__(cls)
+        for name, put in _SLOT_SETTERS:
+            put(new, row[name])
+        _put_status(new, _STATUSES[row["status"]])
+        return new
 
     def after_run(self, row: Mapping[str, Any]) -> Request:
         """This claimed request with ``row``'s columns (what a run changed: the queue's
         ``RUN_COLUMNS``) put in; every other field is this one's."""
-        values = {name: row[name] if name in row else getattr(self, name)
-                  for name in _REQUEST_FIELDS}  # fmt: skip
-        values["status"] = Status(values["status"])
-        return Request(**values)
+        new = object.__new__(Request)
+        for name, put in _SLOT_SETTERS:
+            put(new, row[name] if name in row else getattr(self, name))
+        _put_status(new, _STATUSES[row["status"]])
+        return new
 
     def as_json(self) -> dict[str, Any]:
         """A JSON-able dict (timestamps as ISO 8601), for the CLI and HTTP APIs."""
@@ -111,6 +117,10 @@ class Request:
 
 
 _REQUEST_FIELDS = tuple(Request.__dataclass_fields__)
+#: (field, its slot's setter): what from_row and after_run fill a new Request with.
+_SLOT_SETTERS = tuple((name, Request.__dict__[name].__set__) for name in _REQUEST_FIELDS)
+_put_status = Request.__dict__["status"].__set__
+_STATUSES = {s.value: s for s in Status}
 
 
 @runtime_checkable
