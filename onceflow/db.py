@@ -587,13 +587,13 @@ def retry_disconnect(fn: Callable[[], T]) -> T:
 # ------------------------------------------------------------------ statements
 #
 # A connection of the pool keeps one dict-row cursor for the statements onceflow runs on
-# it (the attribute _CURSOR, set by raw_connection). A new cursor per statement built a
+# it (the attribute REUSED_CURSOR, set by raw_connection). A new cursor per statement built a
 # fresh adapters map and looked every column's loader up again: ~10 µs of client CPU per
 # statement, 20 of a claim + completion's ~220 (issue 13). Only onceflow's own checkouts
 # get one: a connection a caller hands in (onceflow.connector.on_connection) may be shared
 # between the caller's threads, which psycopg allows for connections and not for cursors.
 
-_CURSOR = "_onceflow_cursor"
+REUSED_CURSOR = "_onceflow_cursor"
 #: A result of more rows than this is not kept by the reused cursor (it would stay in
 #: memory with an idle connection until its next statement).
 KEEP_ROWS = 100
@@ -601,13 +601,13 @@ KEEP_ROWS = 100
 
 def _give_cursor(raw: psycopg.Connection[Any]) -> None:
     """Give a connection onceflow checked out its reusable cursor (once; again if closed)."""
-    cur = getattr(raw, _CURSOR, None)
+    cur = getattr(raw, REUSED_CURSOR, None)
     if cur is None or cur.closed:
-        setattr(raw, _CURSOR, raw.cursor(row_factory=dict_row))
+        setattr(raw, REUSED_CURSOR, raw.cursor(row_factory=dict_row))
 
 
 def _reused(conn: psycopg.Connection[Any]) -> psycopg.Cursor[Any] | None:
-    cur: psycopg.Cursor[Any] | None = getattr(conn, _CURSOR, None)
+    cur: psycopg.Cursor[Any] | None = getattr(conn, REUSED_CURSOR, None)
     return None if cur is None or cur.closed else cur
 
 
@@ -654,7 +654,7 @@ def execute(conn: psycopg.Connection[Any], query: str, params: dict[str, Any]) -
 def _drop_cursor(conn: psycopg.Connection[Any], cur: psycopg.Cursor[Any]) -> None:
     """Free a large result now: the connection gets a fresh cursor at its next checkout."""
     cur.close()
-    setattr(conn, _CURSOR, None)
+    setattr(conn, REUSED_CURSOR, None)
 
 
 @contextmanager

@@ -15,7 +15,7 @@ from psycopg.rows import dict_row
 from sqlalchemy import URL
 
 from onceflow.connector.steps import AsyncConnector, Query, _call_safely
-from onceflow.db import check_database_url, translate_errors
+from onceflow.db import KEEP_ROWS, REUSED_CURSOR, check_database_url, translate_errors
 from onceflow.errors import ConnectionLost
 from onceflow.loops import PerLoop
 from onceflow.payloads import load_stored_json
@@ -278,6 +278,9 @@ async def _configure_async(conn: psycopg.AsyncConnection[Any]) -> None:
     # What SQLAlchemy's dialect does for the sync pool: a stored value too deep to serve
     # comes back as a placeholder instead of failing the read.
     psycopg.types.json.set_json_loads(load_stored_json, conn)
+    # The reusable dict-row cursor of a connection of onceflow's pool (as onceflow.db's for
+    # the sync pool): a caller's own connection never gets one.
+    setattr(conn, REUSED_CURSOR, conn.cursor(row_factory=dict_row))
 
 
 async def _on_async(
@@ -288,13 +291,26 @@ async def _on_async(
     translate: Callable[[], AbstractContextManager[None]],
 ) -> Any:
     with translate():
-        async with conn.cursor(row_factory=dict_row) as cur:
-            await cur.execute(query.sql_for(params), dict(params))
-            if how == "one":
-                return await cur.fetchone() if cur.description else None
-            if how == "all":
-                return await cur.fetchall() if cur.description else []
-            return cur.rowcount
+        kept: psycopg.AsyncCursor[Any] | None = getattr(conn, REUSED_CURSOR, None)
+        if kept is None or kept.closed:
+            async with conn.cursor(row_factory=dict_row) as cur:
+                return await _results(cur, query, params, how)
+        answer = await _results(kept, query, params, how)
+        if kept.pgresult is not None and kept.pgresult.ntuples > KEEP_ROWS:
+            await kept.close()  # a large result is not kept with the idle connection
+            setattr(conn, REUSED_CURSOR, conn.cursor(row_factory=dict_row))
+        return answer
+
+
+async def _results(
+    cur: psycopg.AsyncCursor[Any], query: Query, params: Mapping[str, Any], how: str
+) -> Any:
+    await cur.execute(query.sql_for(params), dict(params))
+    if how == "one":
+        return await cur.fetchone() if cur.description else None
+    if how == "all":
+        return await cur.fetchall() if cur.description else []
+    return cur.rowcount
 
 
 class _AsyncOnOneConnection:

@@ -8,6 +8,7 @@ which psycopg allows, and a cursor, which it does not). Real Postgres.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
@@ -32,7 +33,7 @@ def own(clean_db: Engine) -> Any:
 
 
 def kept(raw: psycopg.Connection[Any]) -> Any:
-    return getattr(raw, db._CURSOR, None)
+    return getattr(raw, db.REUSED_CURSOR, None)
 
 
 def test_statements_of_one_connection_share_its_cursor_pooled_and_held(own: Engine) -> None:
@@ -102,3 +103,42 @@ def test_a_callers_connection_gets_no_cursor_and_may_be_shared_by_threads(
         assert errors == []
         assert sorted(seen) == sorted(i for i in range(4) for _ in range(20))
         assert kept(conn) is None
+
+
+def test_the_async_pool_keeps_one_cursor_per_connection_too(clean_db: Engine) -> None:
+    from onceflow.connector.aio import AsyncPsycopgConnector
+    from onceflow.errors import InvalidRequest
+
+    url = clean_db.url.render_as_string(hide_password=False)
+    one = Query("test.one", "SELECT 1 AS one")
+    many = Query("test.many", "SELECT g FROM generate_series(1, %(n)s) g")
+    broken = Query("test.broken", "SELECT 1 / 0 AS x")
+
+    async def kept_now(connector: AsyncPsycopgConnector) -> Any:
+        async with connector._pools.get().pool.connection() as conn:  # pool of one
+            return kept(conn)
+
+    async def go() -> None:
+        connector = AsyncPsycopgConnector(url, max_size=1)
+        try:
+            assert await connector.fetch_one(one, {}) == {"one": 1}
+            first = await kept_now(connector)
+            assert first is not None
+            assert await connector.execute(one, {}) == 1
+            async with connector.transaction() as tx:
+                assert await tx.fetch_all(one, {}) == [{"one": 1}]
+            assert await kept_now(connector) is first
+            with pytest.raises(InvalidRequest):  # a DataError
+                await connector.fetch_one(broken, {})
+            assert await connector.fetch_one(one, {}) == {"one": 1}
+            assert await kept_now(connector) is first
+            rows = await connector.fetch_all(many, {"n": db.KEEP_ROWS + 1})
+            assert len(rows) == db.KEEP_ROWS + 1
+            assert first.closed  # its large result freed; the connection got a fresh cursor
+            fresh = await kept_now(connector)
+            assert fresh is not None and fresh is not first and not fresh.closed
+            assert await connector.fetch_one(one, {}) == {"one": 1}
+        finally:
+            await connector.aclose()
+
+    asyncio.run(go())
