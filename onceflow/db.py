@@ -613,42 +613,44 @@ def _reused(conn: psycopg.Connection[Any]) -> psycopg.Cursor[Any] | None:
 
 def fetch_one(conn: psycopg.Connection[Any], query: str, params: dict[str, Any]) -> Any:
     """Run ``query``; its first row as a dict, or None."""
-    cur = _reused(conn)
-    if cur is None:
-        with conn.cursor(row_factory=dict_row) as own:
-            own.execute(query, params)
-            return own.fetchone()
-    cur.execute(query, params)
-    row = cur.fetchone()
-    if cur.rowcount > KEEP_ROWS:
-        _drop_cursor(conn, cur)
-    return row
+    return _run(conn, query, params, psycopg.Cursor.fetchone)
 
 
 def fetch_all(conn: psycopg.Connection[Any], query: str, params: dict[str, Any]) -> list[Any]:
     """Run ``query``; every row as a dict."""
-    cur = _reused(conn)
-    if cur is None:
-        with conn.cursor(row_factory=dict_row) as own:
-            own.execute(query, params)
-            return own.fetchall()
-    cur.execute(query, params)
-    rows = cur.fetchall()
-    if len(rows) > KEEP_ROWS:
-        _drop_cursor(conn, cur)
+    rows: list[Any] = _run(conn, query, params, psycopg.Cursor.fetchall)
     return rows
 
 
 def execute(conn: psycopg.Connection[Any], query: str, params: dict[str, Any]) -> int:
     """Run ``query``; the number of rows it touched."""
+    count: int = _run(conn, query, params, _rowcount)
+    return count
+
+
+def _rowcount(cur: psycopg.Cursor[Any]) -> int:
+    return cur.rowcount
+
+
+def _run(
+    conn: psycopg.Connection[Any],
+    query: str,
+    params: dict[str, Any],
+    take: Callable[[psycopg.Cursor[Any]], Any],
+) -> Any:
+    """``take(cursor)`` after running ``query`` on the connection's reused cursor (or on a
+    cursor of its own, for a connection onceflow did not check out)."""
     cur = _reused(conn)
     if cur is None:
-        with conn.cursor() as own:
-            return own.execute(query, params).rowcount
-    count = cur.execute(query, params).rowcount
-    if cur.pgresult is not None and cur.pgresult.ntuples > KEEP_ROWS:
+        with conn.cursor(row_factory=dict_row) as own:
+            own.execute(query, params)
+            return take(own)
+    cur.execute(query, params)
+    answer = take(cur)
+    result = cur.pgresult
+    if result is not None and result.ntuples > KEEP_ROWS:
         _drop_cursor(conn, cur)
-    return count
+    return answer
 
 
 def _drop_cursor(conn: psycopg.Connection[Any], cur: psycopg.Cursor[Any]) -> None:
