@@ -194,7 +194,7 @@ def raw_connection(engine: Engine) -> Iterator[psycopg.Connection[Any]]:
             raw = fairy.driver_connection
             assert raw is not None  # noqa: S101 - a live checkout always has one
             raw.autocommit = True
-            _give_cursor(raw)
+            _lend_cursor(raw)
             try:
                 yield raw
             except BaseException as exc:
@@ -204,6 +204,7 @@ def raw_connection(engine: Engine) -> Iterator[psycopg.Connection[Any]]:
                         raise lost from exc
                 raise
             finally:
+                _take_cursor_back(raw)
                 if not raw.closed:
                     raw.autocommit = False  # what SQLAlchemy's pool expects back
         finally:
@@ -250,6 +251,7 @@ class _Held:
         if self.done:
             return
         with suppress(Exception):
+            _take_cursor_back(self.raw)
             if _idle(self.raw):
                 self.raw.autocommit = False
             else:
@@ -360,7 +362,7 @@ def _held_for(engine: Engine) -> _Held | None:
         conns[engine] = held
         _live.add(held)
         raw.autocommit = True
-        _give_cursor(raw)
+        _lend_cursor(raw)
     while len(conns) > MAX_HELD_ENGINES:
         oldest = next(e for e, h in conns.items() if not h.busy)
         _give_back(conns.pop(oldest))
@@ -431,6 +433,7 @@ def _give_back(held: _Held) -> None:
     """A held connection back to the pool (discarded if it is not clean)."""
     if held.done:
         return
+    _take_cursor_back(held.raw)
     if not _idle(held.raw):
         _discard(held)
         return
@@ -448,6 +451,7 @@ def _discard(held: _Held) -> None:
     if held.done:
         return
     held.done = True
+    _take_cursor_back(held.raw)
     try:
         held.fairy.invalidate()
     finally:
@@ -586,29 +590,60 @@ def retry_disconnect(fn: Callable[[], T]) -> T:
 
 # ------------------------------------------------------------------ statements
 #
-# A connection of the pool keeps one dict-row cursor for the statements onceflow runs on
-# it (the attribute REUSED_CURSOR, set by raw_connection). A new cursor per statement built a
-# fresh adapters map and looked every column's loader up again: ~10 µs of client CPU per
-# statement, 20 of a claim + completion's ~220 (issue 13). Only onceflow's own checkouts
-# get one: a connection a caller hands in (onceflow.connector.on_connection) may be shared
-# between the caller's threads, which psycopg allows for connections and not for cursors.
+# While onceflow has a connection checked out (raw_connection: a pooled call, or a thread's
+# hold), its statements run on one dict-row cursor the connection keeps (REUSED_CURSOR). A
+# new cursor per statement built a fresh adapters map and looked every column's loader up
+# again: ~10 µs of client CPU per statement, 20 of a claim + completion's ~220 (issue 13).
+# The cursor is lent at onceflow's checkout and taken back before the connection returns
+# to the pool (kept aside under _IDLE_CURSOR for onceflow's next checkout): whoever gets
+# the connection from the pool next (a SQLAlchemy Connection, a caller's raw checkout it
+# hands to onceflow.connector.on_connection and may share between its threads, which
+# psycopg allows for connections and not for cursors) sees no cursor and uses its own.
+# A statement whose result is large (more than one row with a JSON column, or more than
+# KEEP_ROWS rows) leaves its cursor closed and a fresh one in its place, so a large result
+# is never kept in memory with an idle connection or across a stage's body.
 
 REUSED_CURSOR = "_onceflow_cursor"
-#: A result of more rows than this is not kept by the reused cursor (it would stay in
-#: memory with an idle connection until its next statement).
+_IDLE_CURSOR = "_onceflow_idle_cursor"
+#: A result of more rows than this is not kept by the reused cursor.
 KEEP_ROWS = 100
+#: Column types that may hold a payload (json, jsonb, bytea): a result of more than one row
+#: with one of them is not kept either.
+_BULKY_TYPES = frozenset({114, 3802, 17})
 
 
-def _give_cursor(raw: psycopg.Connection[Any]) -> None:
-    """Give a connection onceflow checked out its reusable cursor (once; again if closed)."""
-    cur = getattr(raw, REUSED_CURSOR, None)
+def _lend_cursor(raw: psycopg.Connection[Any]) -> None:
+    """At onceflow's checkout: the connection's reusable cursor (kept aside since its last
+    onceflow checkout, or a new one)."""
+    cur = getattr(raw, _IDLE_CURSOR, None)
     if cur is None or cur.closed:
-        setattr(raw, REUSED_CURSOR, raw.cursor(row_factory=dict_row))
+        cur = raw.cursor(row_factory=dict_row)
+    else:
+        setattr(raw, _IDLE_CURSOR, None)
+    setattr(raw, REUSED_CURSOR, cur)
+
+
+def _take_cursor_back(raw: psycopg.Connection[Any]) -> None:
+    """Before the connection goes back to the pool: nobody else may find the cursor."""
+    cur = getattr(raw, REUSED_CURSOR, None)
+    if cur is not None:
+        setattr(raw, REUSED_CURSOR, None)
+        setattr(raw, _IDLE_CURSOR, cur)
 
 
 def _reused(conn: psycopg.Connection[Any]) -> psycopg.Cursor[Any] | None:
     cur: psycopg.Cursor[Any] | None = getattr(conn, REUSED_CURSOR, None)
     return None if cur is None or cur.closed else cur
+
+
+def is_large(result: Any) -> bool:
+    """Whether a result (a psycopg ``PGresult``) is too large to keep with its cursor."""
+    rows = int(result.ntuples)
+    if rows <= 1:
+        return False
+    if rows > KEEP_ROWS:
+        return True
+    return any(result.ftype(i) in _BULKY_TYPES for i in range(result.nfields))
 
 
 def fetch_one(conn: psycopg.Connection[Any], query: str, params: dict[str, Any]) -> Any:
@@ -648,15 +683,10 @@ def _run(
     cur.execute(query, params)
     answer = take(cur)
     result = cur.pgresult
-    if result is not None and result.ntuples > KEEP_ROWS:
-        _drop_cursor(conn, cur)
+    if result is not None and is_large(result):
+        cur.close()  # the result freed now; the next statement gets a fresh cursor
+        setattr(conn, REUSED_CURSOR, conn.cursor(row_factory=dict_row))
     return answer
-
-
-def _drop_cursor(conn: psycopg.Connection[Any], cur: psycopg.Cursor[Any]) -> None:
-    """Free a large result now: the connection gets a fresh cursor at its next checkout."""
-    cur.close()
-    setattr(conn, REUSED_CURSOR, None)
 
 
 @contextmanager

@@ -15,7 +15,7 @@ from psycopg.rows import dict_row
 from sqlalchemy import URL
 
 from onceflow.connector.steps import AsyncConnector, Query, _call_safely
-from onceflow.db import KEEP_ROWS, REUSED_CURSOR, check_database_url, translate_errors
+from onceflow.db import REUSED_CURSOR, check_database_url, is_large, translate_errors
 from onceflow.errors import ConnectionLost
 from onceflow.loops import PerLoop
 from onceflow.payloads import load_stored_json
@@ -151,7 +151,7 @@ class AsyncPsycopgConnector:
         with self._translate():
             async with self._connection(entry) as conn:
                 try:
-                    return await _on_async(conn, query, params, how, self._translate)
+                    return await _on_async(conn, query, params, how, self._translate, reuse=True)
                 except Exception as exc:
                     if conn.broken or conn.closed:
                         raise await self._lost(entry.pool, exc) from exc
@@ -289,14 +289,21 @@ async def _on_async(
     params: Mapping[str, Any],
     how: str,
     translate: Callable[[], AbstractContextManager[None]],
+    *,
+    reuse: bool = False,
 ) -> Any:
+    """One statement. ``reuse``: on the connection's reusable cursor — only for a statement
+    that has the connection to itself (not inside a transaction, whose statements a caller
+    may run concurrently with ``asyncio.gather``: they would share the cursor)."""
     with translate():
-        kept: psycopg.AsyncCursor[Any] | None = getattr(conn, REUSED_CURSOR, None)
+        kept: psycopg.AsyncCursor[Any] | None = (
+            getattr(conn, REUSED_CURSOR, None) if reuse else None
+        )
         if kept is None or kept.closed:
             async with conn.cursor(row_factory=dict_row) as cur:
                 return await _results(cur, query, params, how)
         answer = await _results(kept, query, params, how)
-        if kept.pgresult is not None and kept.pgresult.ntuples > KEEP_ROWS:
+        if kept.pgresult is not None and is_large(kept.pgresult):
             await kept.close()  # a large result is not kept with the idle connection
             setattr(conn, REUSED_CURSOR, conn.cursor(row_factory=dict_row))
         return answer

@@ -94,7 +94,7 @@ class Request:
         new = object.__new__(cls)
         for name, put in _SLOT_SETTERS:
             put(new, row[name])
-        _put_status(new, _STATUSES[row["status"]])
+        _put_status(new, _status(row["status"]))
         return new
 
     def after_run(self, row: Mapping[str, Any]) -> Request:
@@ -103,7 +103,7 @@ class Request:
         new = object.__new__(Request)
         for name, put in _SLOT_SETTERS:
             put(new, row[name] if name in row else getattr(self, name))
-        _put_status(new, _STATUSES[row["status"]])
+        _put_status(new, _status(row["status"]))
         return new
 
     def as_json(self) -> dict[str, Any]:
@@ -121,6 +121,12 @@ _REQUEST_FIELDS = tuple(Request.__dataclass_fields__)
 _SLOT_SETTERS = tuple((name, Request.__dict__[name].__set__) for name in _REQUEST_FIELDS)
 _put_status = Request.__dict__["status"].__set__
 _STATUSES = {s.value: s for s in Status}
+
+
+def _status(value: Any) -> Status:
+    """A row's status (an unknown one raises ValueError, as ``Status(value)`` does)."""
+    found = _STATUSES.get(value)
+    return found if found is not None else Status(value)
 
 
 @runtime_checkable

@@ -265,7 +265,11 @@ class EnqueueOps:
             max_crash = _positive(
                 "max_crash_attempts", item.max_crash_attempts, self.settings.max_crash_attempts
             )
-            if type(priority) is not int or not -32768 <= priority <= 32767:
+            if (
+                isinstance(priority, bool)
+                or not isinstance(priority, int)
+                or not -32768 <= priority <= 32767
+            ):
                 raise InvalidRequest("priority must be an integer in [-32768, 32767]")
             delay = _seconds("run_after_seconds", item.run_after_seconds)
             ids.append(rid)
@@ -273,8 +277,8 @@ class EnqueueOps:
             hashes.append(digest)
             stages.append(stage)
             classes.append(wc)
-            values = (rid, ws, job, branch, stage, dedupe, digest, wc, priority, max_attempts,
-                      max_crash, delay)  # fmt: skip
+            values = (rid, ws, job, branch, stage, dedupe, digest, wc, int(priority),
+                      max_attempts, max_crash, delay)  # fmt: skip
             if len(items) == 1:  # one row is sent as its values (ENQUEUE_ONE)
                 single = dict(zip(_ONE_ROW, values, strict=True))
                 single["input"] = text

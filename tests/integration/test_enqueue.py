@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from enum import IntEnum
 from typing import Any
 
 import pytest
@@ -160,6 +161,27 @@ def test_a_bool_priority_is_refused_on_the_single_path_too(
     with pytest.raises(InvalidRequest, match="priority"):
         api_queue.enqueue("evaluate", "w1", "j1", priority=True)  # type: ignore[arg-type]
     assert table_snapshot(clean_db) == before
+
+
+class Urgency(IntEnum):
+    LOW = -1
+    HIGH = 7
+
+
+def test_an_int_enum_priority_is_stored_as_its_value(api_queue: Queue, clean_db: Engine) -> None:
+    """An int subclass is an int; only bool (and non-ints) are refused."""
+    one = api_queue.enqueue("evaluate", "w1", "j-high", priority=Urgency.HIGH)
+    many = api_queue.enqueue_many(
+        [NewRequest("w1", f"j-low-{i}", "evaluate", priority=Urgency.LOW) for i in range(2)]
+    )
+    assert one.created and all(r.created for r in many)
+    with clean_db.connect() as conn:
+        stored = dict(
+            conn.exec_driver_sql(
+                "SELECT job_id, priority FROM workspace_process_requests"
+            ).fetchall()
+        )
+    assert stored == {"j-high": 7, "j-low-0": -1, "j-low-1": -1}
 
 
 def test_non_dedupe_stages_get_fresh_ids(api_queue: Queue) -> None:

@@ -1,9 +1,12 @@
-"""A connection of onceflow's pool keeps one dict-row cursor (``onceflow.db``, issue 13).
+"""While onceflow has a connection checked out, its statements share one cursor
+(``onceflow.db``, issue 13).
 
-What must hold: statements on one checkout (pooled or held) share it; a statement that
-failed leaves it usable; a large result is not kept with the idle connection; a
-connection a caller hands in never gets one (its threads may share the connection,
-which psycopg allows, and a cursor, which it does not). Real Postgres.
+What must hold: statements of one checkout (pooled or held) share it; a statement that
+failed leaves it usable; a large result is never kept with it (a fresh cursor takes its
+place at once, held connections included); whoever gets the connection from the pool
+after onceflow (a SQLAlchemy connection, a caller's raw checkout that its threads share)
+never sees it; the async pool's single statements share one, and statements a caller runs
+concurrently inside one async transaction do not. Real Postgres.
 """
 
 from __future__ import annotations
@@ -20,42 +23,46 @@ from onceflow import db
 from onceflow.connector import on_connection
 from onceflow.connector.steps import Query
 from onceflow.db import fetch_all, fetch_one, holding_connections, raw_connection
+from onceflow.errors import InvalidRequest
 from tests.integration.test_db_blips import own_engine
 
 APP = "onceflow-cursor-test"
+BIG = "SELECT g, %(doc)s::jsonb AS doc FROM generate_series(1, %(n)s) g"
 
 
 @pytest.fixture()
-def own(clean_db: Engine) -> Any:
+def one_conn(clean_db: Engine) -> Any:
+    """An engine of its own with a pool of one: every checkout is the same connection."""
     eng = own_engine(clean_db, APP, pool_size=1)
     yield eng
     eng.dispose()
 
 
-def kept(raw: psycopg.Connection[Any]) -> Any:
+def kept(raw: Any) -> Any:
     return getattr(raw, db.REUSED_CURSOR, None)
 
 
-def test_statements_of_one_connection_share_its_cursor_pooled_and_held(own: Engine) -> None:
-    with raw_connection(own) as raw:
+def test_statements_of_one_checkout_share_its_cursor_pooled_and_held(one_conn: Engine) -> None:
+    with raw_connection(one_conn) as raw:
         first = kept(raw)
+        assert first is not None
         assert fetch_one(raw, "SELECT 1 AS one", {}) == {"one": 1}
         assert db.execute(raw, "SELECT 2", {}) == 1
         assert fetch_all(raw, "SELECT g AS n FROM generate_series(1, 3) g", {}) == [
             {"n": 1}, {"n": 2}, {"n": 3}
         ]  # fmt: skip
-        assert kept(raw) is first is not None
-    with raw_connection(own) as again:  # pool of one: the same connection, the same cursor
+        assert kept(raw) is first
+    with raw_connection(one_conn) as again:  # the next checkout of onceflow's: the same one
         assert again is raw and kept(again) is first
     with holding_connections():
         for _ in range(3):
-            with raw_connection(own) as held:
+            with raw_connection(one_conn) as held:
                 assert fetch_one(held, "SELECT 3 AS three", {}) == {"three": 3}
                 assert kept(held) is first
 
 
-def test_a_failed_statement_leaves_the_cursor_usable(own: Engine) -> None:
-    with raw_connection(own) as raw:
+def test_a_failed_statement_leaves_the_cursor_usable(one_conn: Engine) -> None:
+    with raw_connection(one_conn) as raw:
         cur = kept(raw)
         with pytest.raises(psycopg.errors.DivisionByZero):
             fetch_one(raw, "SELECT 1 / 0 AS x", {})
@@ -63,34 +70,55 @@ def test_a_failed_statement_leaves_the_cursor_usable(own: Engine) -> None:
         assert kept(raw) is cur
 
 
-def test_a_large_result_is_not_kept_with_the_idle_connection(own: Engine) -> None:
-    many = db.KEEP_ROWS + 1
-    with raw_connection(own) as raw:
-        cur = kept(raw)
-        rows = fetch_all(raw, "SELECT g FROM generate_series(1, %(n)s) g", {"n": many})
-        assert len(rows) == many
-        assert cur.closed and kept(raw) is None  # its result freed now
-        assert fetch_one(raw, "SELECT 5 AS five", {}) == {"five": 5}  # a cursor of its own
-        assert kept(raw) is None
-    with raw_connection(own) as again:  # the next checkout gets a fresh one
-        assert kept(again) is not None and kept(again) is not cur
-        assert db.execute(again, "SELECT g FROM generate_series(1, %(n)s) g", {"n": many}) == many
-        assert kept(again) is None
-
-
-def test_a_callers_connection_gets_no_cursor_and_may_be_shared_by_threads(
-    clean_db: Engine,
+@pytest.mark.parametrize(
+    ("rows", "doc", "large"),
+    [
+        (1, {"pad": "x" * 100_000}, False),  # one row: the claim's own, kept
+        (db.KEEP_ROWS, None, False),  # many small rows (no JSON column filled): kept
+        (2, {"pad": "x"}, True),  # more than one row with a JSON column
+        (db.KEEP_ROWS + 1, None, True),  # too many rows
+    ],
+)
+def test_a_large_result_is_never_kept_with_the_cursor(
+    one_conn: Engine, rows: int, doc: Any, large: bool
 ) -> None:
-    url = clean_db.url.set(drivername="postgresql").render_as_string(hide_password=False)
-    with psycopg.connect(url, autocommit=True) as conn:
+    params = {"n": rows, "doc": None if doc is None else psycopg.types.json.Jsonb(doc)}
+    query = BIG if doc is not None else "SELECT g FROM generate_series(1, %(n)s) g"
+    with holding_connections(), raw_connection(one_conn) as raw:
+        cur = kept(raw)
+        assert len(fetch_all(raw, query, params)) == rows
+        if large:
+            assert cur.closed and cur.pgresult is None  # the result freed now
+            assert kept(raw) is not None and not kept(raw).closed  # a fresh one, still held
+        else:
+            assert kept(raw) is cur
+        assert fetch_one(raw, "SELECT 5 AS five", {}) == {"five": 5}
+        assert kept(raw) is not None
+
+
+def test_the_pool_hands_the_connection_on_without_the_cursor(one_conn: Engine) -> None:
+    """After onceflow's call the same connection, checked out by the caller and shared by
+    its threads through on_connection, runs every statement on cursors of its own."""
+    with raw_connection(one_conn) as raw:
+        mine = kept(raw)
+        assert fetch_one(raw, "SELECT 1 AS one", {}) == {"one": 1}
+    with one_conn.connect() as sa:  # a SQLAlchemy connection: the same psycopg connection
+        assert sa.connection.driver_connection is raw
+        assert kept(raw) is None
+        assert sa.exec_driver_sql("SELECT 6").scalar() == 6
+    fairy = one_conn.raw_connection()
+    try:
+        conn = fairy.driver_connection
+        assert conn is raw and kept(conn) is None
+        conn.autocommit = True
         connector = on_connection(conn)
-        query = Query("test.sleep_then", "SELECT pg_sleep(0.01), %(i)s AS i")
+        query = Query("test.echo", "SELECT pg_sleep(0.001), %(i)s::int AS i")
         errors: list[BaseException] = []
         seen: list[int] = []
 
         def use(i: int) -> None:
             try:
-                for _ in range(20):
+                for _ in range(50):
                     seen.append(connector.fetch_one(query, {"i": i})["i"])
             except BaseException as exc:
                 errors.append(exc)
@@ -101,17 +129,23 @@ def test_a_callers_connection_gets_no_cursor_and_may_be_shared_by_threads(
         for t in threads:
             t.join()
         assert errors == []
-        assert sorted(seen) == sorted(i for i in range(4) for _ in range(20))
+        assert sorted(seen) == sorted(i for i in range(4) for _ in range(50))
         assert kept(conn) is None
+        conn.autocommit = False
+    finally:
+        fairy.close()
+    with raw_connection(one_conn) as again:  # onceflow's next checkout: its cursor again
+        assert kept(again) is mine
 
 
-def test_the_async_pool_keeps_one_cursor_per_connection_too(clean_db: Engine) -> None:
+def test_the_async_pool_shares_a_cursor_only_between_single_statements(
+    clean_db: Engine,
+) -> None:
     from onceflow.connector.aio import AsyncPsycopgConnector
-    from onceflow.errors import InvalidRequest
 
     url = clean_db.url.render_as_string(hide_password=False)
-    one = Query("test.one", "SELECT 1 AS one")
-    many = Query("test.many", "SELECT g FROM generate_series(1, %(n)s) g")
+    one = Query("test.one", "SELECT %(i)s::int AS i")
+    many = Query("test.many", BIG)
     broken = Query("test.broken", "SELECT 1 / 0 AS x")
 
     async def kept_now(connector: AsyncPsycopgConnector) -> Any:
@@ -121,23 +155,29 @@ def test_the_async_pool_keeps_one_cursor_per_connection_too(clean_db: Engine) ->
     async def go() -> None:
         connector = AsyncPsycopgConnector(url, max_size=1)
         try:
-            assert await connector.fetch_one(one, {}) == {"one": 1}
+            assert await connector.fetch_one(one, {"i": 1}) == {"i": 1}
             first = await kept_now(connector)
             assert first is not None
-            assert await connector.execute(one, {}) == 1
-            async with connector.transaction() as tx:
-                assert await tx.fetch_all(one, {}) == [{"one": 1}]
+            assert await connector.execute(one, {"i": 1}) == 1
             assert await kept_now(connector) is first
             with pytest.raises(InvalidRequest):  # a DataError
                 await connector.fetch_one(broken, {})
-            assert await connector.fetch_one(one, {}) == {"one": 1}
+            assert await connector.fetch_one(one, {"i": 2}) == {"i": 2}
             assert await kept_now(connector) is first
-            rows = await connector.fetch_all(many, {"n": db.KEEP_ROWS + 1})
-            assert len(rows) == db.KEEP_ROWS + 1
+            rows = await connector.fetch_all(many, {"n": 3, "doc": '{"a": 1}'})
+            assert len(rows) == 3
             assert first.closed  # its large result freed; the connection got a fresh cursor
             fresh = await kept_now(connector)
             assert fresh is not None and fresh is not first and not fresh.closed
-            assert await connector.fetch_one(one, {}) == {"one": 1}
+            # Inside a transaction a caller may gather statements: each gets its own cursor.
+            async with connector.transaction() as tx:
+                answers = await asyncio.gather(
+                    tx.fetch_all(many, {"n": 200, "doc": '{"a": 1}'}),
+                    *(tx.fetch_one(one, {"i": i}) for i in range(5)),
+                )
+            assert len(answers[0]) == 200
+            assert answers[1:] == [{"i": i} for i in range(5)]
+            assert await kept_now(connector) is fresh
         finally:
             await connector.aclose()
 

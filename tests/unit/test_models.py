@@ -64,6 +64,14 @@ def test_after_run_takes_the_run_columns_and_keeps_the_rest() -> None:
     assert claimed.status is Status.RUNNING  # the claim's own request is unchanged
 
 
+def test_an_unknown_status_is_a_value_error_as_before() -> None:
+    with pytest.raises(ValueError, match="not a valid Status"):
+        Request.from_row(_row(status="exploded"))
+    with pytest.raises(ValueError, match="not a valid Status"):
+        Request.from_row(_row()).after_run({"status": "exploded"})
+    assert Request.from_row(_row(status=Status.QUEUED)).status is Status.QUEUED
+
+
 def test_a_row_without_a_field_is_an_error() -> None:
     row = _row()
     del row["attempts"]
