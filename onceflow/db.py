@@ -680,13 +680,14 @@ def _run(
         with conn.cursor(row_factory=dict_row) as own:
             own.execute(query, params)
             return take(own)
-    cur.execute(query, params)
-    answer = take(cur)
-    result = cur.pgresult
-    if result is not None and is_large(result):
-        cur.close()  # the result freed now; the next statement gets a fresh cursor
-        setattr(conn, REUSED_CURSOR, conn.cursor(row_factory=dict_row))
-    return answer
+    try:
+        cur.execute(query, params)
+        return take(cur)
+    finally:  # also when a row failed to load: a large result is not kept either way
+        result = cur.pgresult
+        if result is not None and is_large(result):
+            cur.close()  # the result freed now; the next statement gets a fresh cursor
+            setattr(conn, REUSED_CURSOR, conn.cursor(row_factory=dict_row))
 
 
 @contextmanager

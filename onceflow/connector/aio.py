@@ -302,11 +302,12 @@ async def _on_async(
         if kept is None or kept.closed:
             async with conn.cursor(row_factory=dict_row) as cur:
                 return await _results(cur, query, params, how)
-        answer = await _results(kept, query, params, how)
-        if kept.pgresult is not None and is_large(kept.pgresult):
-            await kept.close()  # a large result is not kept with the idle connection
-            setattr(conn, REUSED_CURSOR, conn.cursor(row_factory=dict_row))
-        return answer
+        try:
+            return await _results(kept, query, params, how)
+        finally:  # a large result is not kept with the idle connection, whatever happened
+            if kept.pgresult is not None and is_large(kept.pgresult):
+                await kept.close()
+                setattr(conn, REUSED_CURSOR, conn.cursor(row_factory=dict_row))
 
 
 async def _results(

@@ -182,3 +182,17 @@ def test_the_async_pool_shares_a_cursor_only_between_single_statements(
             await connector.aclose()
 
     asyncio.run(go())
+
+
+def test_a_large_result_whose_rows_fail_to_load_is_not_kept_either(one_conn: Engine) -> None:
+    query = (
+        "SELECT g, %(doc)s::jsonb AS doc,"
+        " CASE WHEN g = 2 THEN 'infinity'::date ELSE '2026-12-05'::date END AS d"
+        " FROM generate_series(1, 2) g"
+    )
+    with raw_connection(one_conn) as raw:
+        cur = kept(raw)
+        with pytest.raises(psycopg.DataError):  # psycopg cannot load an infinite date
+            fetch_all(raw, query, {"doc": psycopg.types.json.Jsonb({"pad": "x" * 1000})})
+        assert cur.closed and kept(raw) is not None and not kept(raw).closed
+        assert fetch_one(raw, "SELECT 7 AS seven", {}) == {"seven": 7}
