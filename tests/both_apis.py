@@ -33,6 +33,10 @@ class LoopThread:
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
+        if not self._thread.is_alive():
+            # Closed here, not left to the garbage collector: an unclosed loop collected
+            # later warns ("unclosed event loop") inside whichever test is running then.
+            self.loop.close()
 
 
 async def _wrap(coro: Awaitable[T]) -> T:
