@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 from typing import Any, Protocol, runtime_checkable
 
 from onceflow.ids import ClaimToken, RequestId
-from onceflow.models.status import Status
+from onceflow.models.status import Status, status_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +94,7 @@ class Request:
         new = object.__new__(cls)
         for name, put in _SLOT_SETTERS:
             put(new, row[name])
-        _put_status(new, _status(row["status"]))
+        _put_status(new, status_of(row["status"]))
         return new
 
     def after_run(self, row: Mapping[str, Any]) -> Request:
@@ -103,7 +103,7 @@ class Request:
         new = object.__new__(Request)
         for name, put in _SLOT_SETTERS:
             put(new, row[name] if name in row else getattr(self, name))
-        _put_status(new, _status(row["status"]))
+        _put_status(new, status_of(row["status"]))
         return new
 
     def as_json(self) -> dict[str, Any]:
@@ -120,13 +120,6 @@ _REQUEST_FIELDS = tuple(Request.__dataclass_fields__)
 #: (field, its slot's setter): what from_row and after_run fill a new Request with.
 _SLOT_SETTERS = tuple((name, Request.__dict__[name].__set__) for name in _REQUEST_FIELDS)
 _put_status = Request.__dict__["status"].__set__
-_STATUSES = {s.value: s for s in Status}
-
-
-def _status(value: Any) -> Status:
-    """A row's status (an unknown one raises ValueError, as ``Status(value)`` does)."""
-    found = _STATUSES.get(value)
-    return found if found is not None else Status(value)
 
 
 @runtime_checkable

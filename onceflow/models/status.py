@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Any
 
 
 class Status(StrEnum):
@@ -28,6 +29,16 @@ class Status(StrEnum):
     def finished(self) -> bool:
         """True for the terminal states."""
         return self in (Status.SUCCEEDED, Status.DEAD, Status.CANCELLED)
+
+
+_BY_VALUE = {s.value: s for s in Status}
+
+
+def status_of(value: Any) -> Status:
+    """A stored row's status: a dict lookup on the hot paths (``Status(value)`` is an enum
+    call); an unknown value raises ``ValueError``, as ``Status(value)`` does."""
+    found = _BY_VALUE.get(value)
+    return found if found is not None else Status(value)
 
 
 def parse_status(value: str) -> Status:

@@ -37,7 +37,7 @@ from onceflow.ids import (
 )
 from onceflow.metrics import record as metrics
 from onceflow.models.requests import EnqueueResult, NewRequest
-from onceflow.models.status import Status
+from onceflow.models.status import Status, status_of
 from onceflow.payloads import JSON, encode_payload
 from onceflow.queue.batch import _seconds
 from onceflow.queue.sql import N
@@ -328,7 +328,7 @@ class EnqueueOps:
                 EnqueueResult(
                     RequestId(rid),
                     created,
-                    _STATUSES[row["status"]],
+                    status_of(row["status"]),
                     stored != digest,
                     stage,
                     wc,
@@ -349,9 +349,6 @@ def _row_json(values: tuple[Any, ...], text: str) -> str:
         f"{int(attempts)},{int(crash)},{float(delay)!r},{text}]"
     )
 
-
-#: A status by its value (an enum call per row costs more than the dict).
-_STATUSES = {s.value: s for s in Status}
 
 #: JSON's string escaping (C; as json.dumps with ``ensure_ascii=False``).
 _quote = json.encoder.encode_basestring
