@@ -228,10 +228,12 @@ class HeldLock(Generic[B]):
         with self._state:
             if self._lost:
                 return
+            # Counted before the flag is visible: whoever sees ``lost`` sees it counted
+            # (the watchdog thread marks it while the caller may read both at once).
+            self.backend.counters.incr(self.workspace_id, LOCKS_LOST)
             self._lost_detail = detail
             self._lost = True
         log.warning("compute lock %s lost: %s", self.key, detail)
-        self.backend.counters.incr(self.workspace_id, LOCKS_LOST)
 
 
 class LockHandle(HeldLock[LockBackend]):

@@ -41,6 +41,7 @@ from onceflow.locks import (
     calls_saved,
     redis_client,
 )
+from onceflow.locks.counters import Counters
 from onceflow.settings import Settings
 from tests.acceptance.procs import wait_for
 from tests.integration import lock_callers
@@ -340,6 +341,26 @@ def test_watchdog_flags_a_lock_taken_from_it(backend: LockBackend, ws: str, engi
     assert backend.counters.snapshot(ws)["locks_lost"] == 1
     assert handle.release() is False
     assert backend.counters.snapshot(ws)["locks_lost"] == 1  # counted once
+
+
+def test_a_lost_lock_is_counted_before_anyone_sees_it_lost(backend: LockBackend, ws: str) -> None:
+    """The watchdog thread marks a handle lost while its caller may read ``lost`` and the
+    counters at once: the count must come first (a CI run once read ``lost`` True, 0 counted)."""
+    handle = backend.acquire(ws, "job-s", "eval:order", ttl=5)
+    assert handle is not None
+    seen: list[bool] = []
+
+    class Watching(Counters):
+        def incr(self, workspace_id: str, name: str, n: int = 1) -> None:
+            if name == "locks_lost":
+                seen.append(handle.lost)  # what a reader could see before the count lands
+            super().incr(workspace_id, name, n)
+
+    backend.counters = Watching()
+    handle._mark_lost("taken in a test")
+    handle._mark_lost("taken again")  # counted once
+    assert seen == [False]
+    assert handle.lost and backend.counters.snapshot(ws)["locks_lost"] == 1
 
 
 # ------------------------------------------------------------------ waking on the broadcast
