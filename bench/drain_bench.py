@@ -1079,7 +1079,9 @@ def main(argv: list[str] | None = None) -> int:
                         log("no py-spy: profile skipped")
                     else:
                         res["profile"] = [
-                            profile(b, k, cfg["n"] * 2, 4.0, spy) for k in ("onceflow", "bare")
+                            profile(b, k, cfg["n"] * 2, 4.0, spy)
+                            for k in ("onceflow", "floor", "bare")
+                            if k != "floor" or args.floor
                         ]
             finally:
                 b.stop_all()
