@@ -320,3 +320,7 @@ def test_sdk_over_http_parks_the_409_and_resubmits_with_the_reported_horizon(
         client.close()
         if isinstance(oplog, Blocking):
             oplog.beside(async_http).aclose()
+            # The app served those requests on the test's loop, not on TestClient's: its
+            # lifespan closes TestClient's loop's pools only. This loop's go now (left
+            # open, their pool tasks were destroyed pending at interpreter exit).
+            oplog.beside(app.state.onceflow).aclose()
