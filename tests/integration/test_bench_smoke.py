@@ -1,0 +1,68 @@
+"""Smoke runs of the per-layer benchmarks; each script checks that every row it claimed ended
+succeeded and exits non-zero otherwise. Nothing here asserts a duration.
+
+* ``bench/claim_layers.py``: its six sides (the drain benchmark's hand-written floor
+  statements, onceflow's statements, on pool checkouts, through ``Queue``, through ``Queue``
+  holding its connection, through the stage runtime) each claim and complete their own rows;
+* ``bench/server_cpu.py``: each rung of its ladder (onceflow's claim and completion, parts of
+  them taken away one at a time, the floor's) does the same on a backend of its own. A rung
+  cut from onceflow's SQL that no longer finds the part it removes raises instead of
+  measuring something else.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench.server_cpu import variants
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_bench(script: str, admin_url: str, *args: str) -> Any:
+    """``bench/<script> --json …`` against a database of ``admin_url``'s server: its JSON."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), *args, "--json"],
+        cwd=ROOT,
+        env={**os.environ, "ONCEFLOW_BENCH_DATABASE_URL": admin_url},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+def test_claim_layers_runs_every_side_on_its_own_rows(services: tuple[str, str]) -> None:
+    sides = run_bench("claim_layers.py", services[0], "--n", "20")["sides"]
+    assert set(sides) == {"floor", "statements", "pooled", "queue", "queue_held", "runtime"}
+    assert all(v["cpu_us"] > 0 and v["wall_us"] > 0 for v in sides.values()), sides
+
+
+def test_each_rung_takes_one_more_part_of_the_statements_away() -> None:
+    from onceflow.queue.sql import N
+
+    ladder = variants()
+    names = list(ladder)
+    assert names[0] == "onceflow" and names[-1] == "floor"
+    assert ladder["onceflow"] == (N.CLAIM.sql, N.COMPLETE_CHANGED.sql)
+    rungs = [ladder[n] for n in names[:-1]]
+    for before, after in itertools.pairwise(rungs):
+        assert after != before
+        # each rung only removes: its statements are no longer than the rung above's
+        assert len(after[0]) <= len(before[0]) and len(after[1]) <= len(before[1])
+    assert "took_over" not in ladder["-took_over"][0]
+    assert "ended_run" not in ladder["-completion fence"][1]
+
+
+def test_server_cpu_runs_every_rung_on_its_own_rows(services: tuple[str, str]) -> None:
+    res = run_bench("server_cpu.py", services[0], "--n", "20")["server_cpu_us"]
+    assert list(res) == list(variants())
+    assert all(v >= 0 for v in res.values()), res
