@@ -120,6 +120,28 @@ UPDATE {TABLE} SET status = 'succeeded', result = %s::jsonb, claim_token = NULL,
 WHERE request_id = %s AND claim_token = %s
 """
 
+# The floor of a batched worker loop (``--batch B``): B rows claimed by one statement, each
+# with a token of its own (the batch's random prefix + the id), and completed by one.
+FLOOR_CLAIM_MANY = f"""
+UPDATE {TABLE} SET status = 'running', claim_token = %(prefix)s || request_id,
+    claimed_by = %(worker)s, attempts = attempts + 1,
+    lease_expires_at = now() + interval '30 seconds', heartbeat_at = now(), updated_at = now()
+WHERE request_id IN (
+    SELECT request_id FROM {TABLE}
+    WHERE status = 'queued' AND worker_class = %(wc)s AND run_after <= now()
+    ORDER BY priority DESC, run_after
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED)
+RETURNING request_id, claim_token
+"""
+
+FLOOR_COMPLETE_MANY = f"""
+UPDATE {TABLE} w SET status = 'succeeded', result = %(result)s::jsonb, claim_token = NULL,
+    lease_expires_at = NULL, finished_at = now(), updated_at = now()
+FROM unnest(%(ids)s::text[], %(tokens)s::text[]) AS k(request_id, token)
+WHERE w.request_id = k.request_id AND w.claim_token = k.token
+"""
+
 SEED_QUEUED = f"""
 INSERT INTO {TABLE} (request_id, workspace_id, job_id, branch_path, stage, dedupe, input,
                      input_hash, worker_class, max_attempts, max_crash_attempts, dispatched_at)
@@ -370,7 +392,7 @@ def bench_enqueue(url: str, single_n: int, batches: int, batch: int) -> dict[str
 # ---------------------------------------------------------------------------- 2. claim + complete
 
 
-def _worker(url: str, pipe: Pipe) -> None:
+def _worker(url: str, pipe: Pipe, batch: int) -> None:
     """One benchmark connection in its own process; obeys (command, …) messages on ``pipe``.
 
     The onceflow side holds its connection, as a worker loop should (and as onceflow's
@@ -400,10 +422,32 @@ def _worker(url: str, pipe: Pipe) -> None:
         raw.execute("SELECT 1").fetchone()
         return True
 
-    ops: dict[str, Callable[[], bool]] = {
+    def onceflow_batched_op() -> int:  # what onceflow's Worker does: claims and completions
+        claims = queue.claim_next(WC, worker_id, batch)  # in batches
+        if claims:
+            queue.complete_many([(c, RESULT) for c in claims])
+        return len(claims)
+
+    def floor_batched_op() -> int:
+        prefix = secrets.token_hex(8)
+        rows = raw.execute(
+            FLOOR_CLAIM_MANY, {"prefix": prefix, "worker": worker_id, "wc": WC, "limit": batch}
+        ).fetchall()
+        if rows:
+            ids, tokens = [r[0] for r in rows], [r[1] for r in rows]
+            done = raw.execute(
+                FLOOR_COMPLETE_MANY, {"result": RESULT_TEXT, "ids": ids, "tokens": tokens}
+            ).rowcount
+            if done != len(rows):
+                raise RuntimeError(f"floor_batched: {done} of {len(rows)} completed")
+        return len(rows)
+
+    ops: dict[str, Callable[[], int]] = {
         "onceflow": onceflow_op,
         "floor": floor_op,
         "select1": select1_op,
+        "onceflow_batched": onceflow_batched_op,
+        "floor_batched": floor_batched_op,
     }
     pipe.send("ready")
     try:
@@ -413,7 +457,7 @@ def _worker(url: str, pipe: Pipe) -> None:
         queue.engine.dispose()
 
 
-def _commands(pipe: Pipe, ops: dict[str, Callable[[], bool]]) -> None:
+def _commands(pipe: Pipe, ops: dict[str, Callable[[], int]]) -> None:
     """Run the parent's commands until it sends None (the onceflow side holds its connection)."""
     from onceflow.db import holding_connections
 
@@ -424,9 +468,7 @@ def _commands(pipe: Pipe, ops: dict[str, Callable[[], bool]]) -> None:
                 return
             if msg[0] == "warm":
                 _, kind, n = msg
-                for _ in range(n):
-                    ops[kind]()
-                pipe.send("warm")
+                pipe.send(("warm", sum(ops[kind]() for _ in range(n))))
             elif msg[0] == "go":
                 _, kind, start_at, duration = msg
                 op = ops[kind]
@@ -435,23 +477,24 @@ def _commands(pipe: Pipe, ops: dict[str, Callable[[], bool]]) -> None:
                 deadline = start_at + duration
                 count, exhausted = 0, False
                 while time.perf_counter() < deadline:
-                    if not op():
+                    done = op()  # rows claimed and completed: True (1) or a batch's count
+                    if not done:
                         exhausted = True
                         break
-                    count += 1
+                    count += done
                 pipe.send((count, time.perf_counter() - start_at, exhausted))
 
 
 class Workers:
     """A standing pool of spawned worker processes, one database connection pair each."""
 
-    def __init__(self, url: str, n: int):
+    def __init__(self, url: str, n: int, batch: int = 1):
         ctx = mp.get_context("spawn")
         self.procs: list[Any] = []
         self.pipes: list[Pipe] = []
         for _ in range(n):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(url, child), daemon=True)
+            proc = ctx.Process(target=_worker, args=(url, child, batch), daemon=True)
             proc.start()
             self.procs.append(proc)
             self.pipes.append(parent)
@@ -463,8 +506,7 @@ class Workers:
         pipes = self.pipes[:n]
         for pipe in pipes:
             pipe.send(("warm", kind, warmup))
-        for pipe in pipes:
-            pipe.recv()
+        warmed = sum(pipe.recv()[1] for pipe in pipes)
         start_at = time.perf_counter() + 0.2
         for pipe in pipes:
             pipe.send(("go", kind, start_at, duration))
@@ -476,6 +518,7 @@ class Workers:
             "seconds": elapsed,
             "ops_per_s": ops / elapsed,
             "exhausted": any(r[2] for r in results),
+            "warm_ops": warmed,
         }
 
     def close(self) -> None:
@@ -515,30 +558,43 @@ def _backends(url: str) -> list[int]:
     return [r[0] for r in rows]
 
 
-def bench_claims(url: str, duration: float, rounds: int, seed: int, warmup: int) -> dict[str, Any]:
+def bench_claims(
+    url: str, duration: float, rounds: int, seed: int, warmup: int, batch: int = 0
+) -> dict[str, Any]:
     """Per level: ``rounds`` x (onceflow run, floor run, SELECT 1 run), interleaved so that a
     burst of outside load hits both sides. Each side's rate pools its rounds; ``ratio_median``
     is the median of the per-round ratios. CPU per op: the worker processes' (client) and
-    their backends' (server), from ``/proc`` over each run (warm-up included)."""
-    workers = Workers(url, max(CONCURRENCY))
+    their backends' (server), from ``/proc`` over each run (warm-up included).
+
+    ``batch`` > 0 adds two sides that claim and complete ``batch`` rows per call, as a
+    worker loop does (onceflow: ``claim_next(limit=batch)`` + ``complete_many``, as its
+    ``Worker``; the floor: the same two statements by hand, one token per row); an op is
+    a row there too."""
+    workers = Workers(url, max(CONCURRENCY), max(1, batch))
     clients = [p.pid for p in workers.procs]
     out: dict[str, Any] = {
         "duration_s": duration,
         "rounds": rounds,
         "seeded_rows": seed,
+        "batch": batch,
         "levels": {},
     }
+    kinds = ["onceflow", "floor", "select1"]
+    if batch:
+        kinds += ["onceflow_batched", "floor_batched"]
     try:
         for n in CONCURRENCY:
-            runs: dict[str, list[dict[str, Any]]] = {"onceflow": [], "floor": [], "select1": []}
+            runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
             for _ in range(rounds):
                 for kind in runs:
                     if kind != "select1":
-                        reset_table(url, queued=seed)
+                        # A batched side drains several times faster: rows for its whole run.
+                        rows = max(seed, int(duration * 25_000)) if "batched" in kind else seed
+                        reset_table(url, queued=rows)
                     servers = _backends(url)
                     c0, s0 = _cpu_seconds(clients), _cpu_seconds(servers)
                     run = workers.run(kind, n, duration, warmup)
-                    ops = max(1, run["ops"] + n * warmup)
+                    ops = max(1, run["ops"] + run["warm_ops"])
                     run["client_us"] = (_cpu_seconds(clients) - c0) / ops * 1e6
                     run["server_us"] = (_cpu_seconds(servers) - s0) / ops * 1e6
                     runs[kind].append(run)
@@ -563,6 +619,17 @@ def bench_claims(url: str, duration: float, rounds: int, seed: int, warmup: int)
             ]
             level["ratio_per_round"] = per_round
             level["ratio_median"] = statistics.median(per_round)
+            if batch:
+                for name, (a, b) in {
+                    "batched_ratio": ("onceflow_batched", "floor_batched"),
+                    "batched_vs_floor": ("onceflow_batched", "floor"),
+                }.items():
+                    rs = [
+                        x / y
+                        for x, y in zip(level[a]["per_round"], level[b]["per_round"], strict=True)
+                    ]
+                    level[f"{name}_per_round"] = rs
+                    level[f"{name}_median"] = statistics.median(rs)
             out["levels"][n] = level
             log(
                 f"claim+complete x{n}: onceflow {level['onceflow']['ops_per_s']:,.0f}/s, "
@@ -726,6 +793,27 @@ def _render_claims(c: dict[str, Any]) -> list[str]:
             f"| {sel:,.0f} ops/s | {once / sel:.2f} |"
         )
     lines.append("")
+    if c.get("batch"):
+        lines += [
+            f"Batched (`--batch {c['batch']}`: {c['batch']} rows claimed by one call and completed "
+            "by one, as a worker loop does; rows per second; medians of per-round ratios):",
+            "",
+            "| Connections | onceflow `claim_next` + `complete_many` | floor, batched "
+            "| onceflow / batched floor | onceflow batched / the one-row floor above "
+            "| CPU µs per row, client · server: onceflow | batched floor |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for n, lv in c["levels"].items():
+            ob, fb = lv["onceflow_batched"], lv["floor_batched"]
+            dry = ob["exhausted"] or fb["exhausted"]
+            lines.append(
+                f"| {n} | {ob['ops_per_s']:,.0f} rows/s | {fb['ops_per_s']:,.0f} rows/s "
+                f"| {lv['batched_ratio_median']:.2f}{' (queue ran dry)' if dry else ''} "
+                f"| {lv['batched_vs_floor_median']:.2f} "
+                f"| {ob['client_us']:,.0f} · {ob['server_us']:,.0f} "
+                f"| {fb['client_us']:,.0f} · {fb['server_us']:,.0f} |"
+            )
+        lines.append("")
     return lines
 
 
@@ -778,6 +866,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rounds", type=int, default=None, help="claim + complete rounds per level"
     )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=0,
+        help="also claim + complete B rows per call, onceflow and floor (a worker loop's way)",
+    )
     args = parser.parse_args(argv)
 
     admin = os.environ.get("ONCEFLOW_BENCH_DATABASE_URL", ADMIN_DEFAULT)
@@ -811,7 +905,9 @@ def main(argv: list[str] | None = None) -> int:
             results["enqueue"] = bench_enqueue(url, cfg["single"], cfg["batches"], 1000)
         if args.only in (None, "claims"):
             rounds = args.rounds or cfg["rounds"]
-            results["claims"] = bench_claims(url, cfg["duration"], rounds, cfg["seed"], warmup=30)
+            results["claims"] = bench_claims(
+                url, cfg["duration"], rounds, cfg["seed"], warmup=30, batch=args.batch
+            )
         if args.only in (None, "latency"):
             results["latency"] = bench_latency(url, cfg["sizes"], cfg["lat_ops"], warmup=100)
     results["loadavg_end"] = _loadavg()
