@@ -149,7 +149,12 @@ class BatchOps:
             "results": results, "now": now,
         }  # fmt: skip
         done = yield from self._fenced_batch(
-            claims, N.COMPLETE_MANY, params, _landed_as((Status.SUCCEEDED,)), "completion"
+            claims,
+            N.COMPLETE_MANY,
+            params,
+            _landed_as((Status.SUCCEEDED,)),
+            "completion",
+            changed_only=True,
         )
         _record(claims, done, "complete")
         return done
@@ -335,8 +340,13 @@ class BatchOps:
         params: dict[str, Any],
         landed: Callable[[Claim, Request], bool],
         what: str,
+        *,
+        changed_only: bool = False,
     ) -> Steps[list[Request | LeaseLost]]:
-        """Run one fenced batch statement, retrying blips; rows aligned with ``claims``."""
+        """Run one fenced batch statement, retrying blips; rows aligned with ``claims``.
+
+        ``changed_only``: the statement returns the key and ``RUN_COLUMNS`` only; each
+        request is its claim's with those put in (:meth:`Request.after_run`)."""
         deadline = time.monotonic() + min(c.lease_seconds for c in claims)
         delay = 0.05
         while True:
@@ -349,7 +359,11 @@ class BatchOps:
                 log.warning("batch %s of %d: database blip (%s); retrying", what, len(claims), exc)
                 yield Sleep(delay)
                 delay = min(1.0, delay * 2)
-        found = {_key(r): Request.from_row(r) for r in rows}
+        if changed_only:
+            held = {_key(c.request): c.request for c in claims}
+            found = {_key(r): held[_key(r)].after_run(r) for r in rows}
+        else:
+            found = {_key(r): Request.from_row(r) for r in rows}
         missing = [c for c in claims if _key(c.request) not in found]
         current: dict[tuple[str, str], Request] = {}
         if missing:

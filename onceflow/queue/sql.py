@@ -747,8 +747,10 @@ UPDATE {TABLE} AS w SET
     updated_at = n.now
 FROM i JOIN locked USING (workspace_id, request_id), n
 WHERE {_BATCH_FENCE}
-RETURNING {RETURNING}
+RETURNING w.workspace_id, w.request_id, {", ".join(f"w.{c}" for c in RUN_COLUMNS)}
 """)
+# complete_many takes Claims only, which hold the claimed rows: like COMPLETE_CHANGED, it
+# reads back the key and what a run changes (RUN_COLUMNS), not the input again.
 
 # FAIL's next-status rule, per row (:retryables[i], :delays[i]).
 _FAIL_NEXT = """CASE

@@ -60,6 +60,31 @@ def test_complete_many_lands_every_row_in_input_order(api_queue: Queue, queue: Q
     assert api_queue.complete_many([]) == []
 
 
+def test_complete_many_returns_each_whole_request_as_a_read_gets_it(
+    api_queue: Queue, queue: Queue
+) -> None:
+    """Only what a run may change is read back (each claim holds the rest): the requests
+    returned are the rows as a read gets them, also after a heartbeat and a cancel changed
+    one under its claim."""
+    queue.enqueue_many(
+        [NewRequest("w", f"whole-{i}", "s", input={"doc": i, "n": [1, 2]}) for i in range(3)]
+    )
+    claims = queue.claim_next("default", "a", limit=3)
+    moved = claims[1]
+    queue.heartbeat(moved)
+    assert queue.cancel(moved.request_id).cancel_requested
+    assert queue.get(moved.request_id).updated_at != moved.request.updated_at
+    out = api_queue.complete_many([(c, {"ok": i}) for i, c in enumerate(claims)])
+    for i, (done, claim) in enumerate(zip(out, claims, strict=True)):
+        assert isinstance(done, Request)
+        assert done == queue.get(claim.request_id)
+        assert done.result == {"ok": i} and done.input == {
+            "doc": claim.request.input["doc"],
+            "n": [1, 2],
+        }
+    assert out[1].cancel_requested and out[1].heartbeat_at != claims[1].request.heartbeat_at
+
+
 def test_complete_many_fences_each_row_a_zombie_row_is_lease_lost_and_unchanged(
     api_queue: Queue, queue: Queue, clean_db: Engine
 ) -> None:
