@@ -333,11 +333,11 @@ RUN_COLUMNS = (
     "status", "result", "claimed_by", "lease_expires_at", "heartbeat_at", "claimed_at",
     "attempts", "crash_attempts", "cancel_requested", "updated_at", "finished_at",
 )  # fmt: skip
+_RUN_RETURNING = ", ".join(f"w.{c}" for c in RUN_COLUMNS)
 assert f"RETURNING {RETURNING}" in str(COMPLETE.text)  # noqa: S101 - what is replaced below
 COMPLETE_CHANGED: TextClause = text(
     str(COMPLETE.text).replace(
-        f"RETURNING {RETURNING}",
-        "RETURNING w.workspace_id, " + ", ".join(f"w.{c}" for c in RUN_COLUMNS),
+        f"RETURNING {RETURNING}", f"RETURNING w.workspace_id, {_RUN_RETURNING}"
     )
 )
 
@@ -747,7 +747,7 @@ UPDATE {TABLE} AS w SET
     updated_at = n.now
 FROM i JOIN locked USING (workspace_id, request_id), n
 WHERE {_BATCH_FENCE}
-RETURNING w.workspace_id, w.request_id, {", ".join(f"w.{c}" for c in RUN_COLUMNS)}
+RETURNING w.workspace_id, w.request_id, {_RUN_RETURNING}
 """)
 # complete_many takes Claims only, which hold the claimed rows: like COMPLETE_CHANGED, it
 # reads back the key and what a run changes (RUN_COLUMNS), not the input again.
