@@ -904,7 +904,26 @@ DEPTH_FOR: TextClause = text(
     _DEPTH.format(classes="\n      AND w.worker_class = ANY(CAST(:worker_classes AS text[]))")
 )
 
-Q_COMPLETE_MANY = render(COMPLETE_MANY)
+
+def binary_params(sql: str, names: tuple[str, ...]) -> str:
+    """``sql`` with the parameters ``names`` sent in binary (``%(name)b``).
+
+    For lists of strings: psycopg's text format escapes each element of an array with a
+    regular expression, in Python (67 µs for four lists of 8, against 17 µs in binary;
+    issue 13). Only for parameters that are always lists of one type (a binary array takes
+    its element type from its first element) and never empty.
+    """
+    for name in names:
+        placeholder = f"%({name})s"
+        if placeholder not in sql:
+            raise ValueError(f"no {placeholder} in the statement")
+        sql = sql.replace(placeholder, f"%({name})b")
+    return sql
+
+
+Q_COMPLETE_MANY = binary_params(
+    render(COMPLETE_MANY), ("request_ids", "tokens", "results", "workspace_ids")
+)
 Q_FAIL_MANY = render(FAIL_MANY)
 Q_HEARTBEAT_MANY = render(HEARTBEAT_MANY)
 Q_RELEASE = render(RELEASE)

@@ -85,6 +85,23 @@ def test_complete_many_returns_each_whole_request_as_a_read_gets_it(
     assert out[1].cancel_requested and out[1].heartbeat_at != claims[1].request.heartbeat_at
 
 
+def test_complete_many_stores_every_kind_of_result_as_sent(api_queue: Queue, queue: Queue) -> None:
+    """The results travel as a binary array (no text-array quoting): quotes, backslashes,
+    braces, commas, non-ASCII, JSON null, scalars and nesting land as they were sent."""
+    results = [
+        {"q": 'a"b\\c', "braces": "{x,y}", "u": "é ✓ \u2028"},
+        None,
+        [1, "two", {"three": [None, True]}],
+        "a plain string, with a comma",
+        0.5,
+    ]
+    claims = _claims(queue, len(results), wc="kinds")
+    out = api_queue.complete_many(list(zip(claims, results, strict=True)))
+    for done, claim, sent in zip(out, claims, results, strict=True):
+        assert isinstance(done, Request) and done.result == sent
+        assert queue.get(claim.request_id).result == sent
+
+
 def test_complete_many_fences_each_row_a_zombie_row_is_lease_lost_and_unchanged(
     api_queue: Queue, queue: Queue, clean_db: Engine
 ) -> None:
