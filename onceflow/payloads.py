@@ -150,14 +150,36 @@ def check_json(value: Any, *, what: str = "input", max_depth: int | None = None)
     _check_text(_dumps(value, what, max_depth, foreign_ok=True), what, max_depth)
 
 
+def _encoded(value: JSON, limit: int, what: str, max_depth: int | None) -> tuple[str, bytes]:
+    """:func:`canonical_json`'s text and its UTF-8 bytes, encoded once for all the checks
+    (surrogates, depth, size): a payload near the limit is a quarter of a megabyte."""
+    text = _dumps(value, what, max_depth, foreign_ok=False)
+    if "\\u0000" in text:
+        _check_text(text, what, max_depth)  # raises: the one message for NUL
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"{what} contains a lone surrogate: not valid UTF-8") from None
+    if max_depth is not None and deeper_than(data, max_depth) is not None:
+        raise PayloadTooDeep(what, max_depth)
+    if len(data) > limit:
+        raise PayloadTooLarge(what, len(data), limit)
+    return text, data
+
+
+def encode_json(
+    value: JSON, limit: int, *, what: str = "result", max_depth: int | None = None
+) -> str:
+    """Canonical JSON text, or an error when over ``limit`` bytes or too deep: for what is
+    stored and never compared (a result, an error), with no digest to compute."""
+    return _encoded(value, limit, what, max_depth)[0]
+
+
 def encode_payload(
     value: JSON, limit: int, *, what: str = "input", max_depth: int | None = None
 ) -> tuple[str, str]:
     """Canonical JSON text and its sha256, or an error when over ``limit`` bytes or too deep."""
-    text = canonical_json(value, what=what, max_depth=max_depth)
-    data = text.encode("utf-8")
-    if len(data) > limit:
-        raise PayloadTooLarge(what, len(data), limit)
+    text, data = _encoded(value, limit, what, max_depth)
     return text, hashlib.sha256(data).hexdigest()
 
 

@@ -78,7 +78,7 @@ from onceflow.errors import (
 from onceflow.ids import check_id, check_worker_class
 from onceflow.metrics import record as metrics
 from onceflow.models.requests import Claim
-from onceflow.payloads import Unreadable, encode_payload
+from onceflow.payloads import Unreadable, encode_json
 from onceflow.queue import Failure, Queue
 from onceflow.queue.notify import WAIT_MAX_SECONDS
 from onceflow.settings import get_settings
@@ -414,7 +414,7 @@ class Worker:
             ctx.check()
             # Refused results (too large, too deep, not JSON) fail the request here, per row,
             # rather than failing a whole batch of completions later.
-            encode_payload(
+            encode_json(
                 result,
                 settings.payload_limit_bytes,
                 what="result",

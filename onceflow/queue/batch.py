@@ -41,7 +41,7 @@ from onceflow.ids import check_worker_class
 from onceflow.metrics import record as metrics
 from onceflow.models.requests import Claim, Heartbeat, Request
 from onceflow.models.status import Status
-from onceflow.payloads import JSON, encode_payload
+from onceflow.payloads import JSON, encode_json
 from onceflow.queue.sql import N
 from onceflow.settings import Settings
 
@@ -99,7 +99,7 @@ class BatchOps:
         """A failure's error as stored JSON (an exception becomes its type and message)."""
         if isinstance(error, BaseException):
             error = {"type": type(error).__name__, "message": str(error)}
-        text, _ = encode_payload(
+        text = encode_json(
             error,
             self.settings.payload_limit_bytes,
             what="error",
@@ -128,7 +128,7 @@ class BatchOps:
                 raise InvalidRequest("complete_many takes (claim, result) pairs")
             claim, result = item
             claims.append(_check_claim(claim))
-            text, _ = encode_payload(
+            text = encode_json(
                 result,
                 self.settings.payload_limit_bytes,
                 what="result",

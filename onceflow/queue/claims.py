@@ -61,7 +61,7 @@ from onceflow.models.requests import (
     workspace_of,
 )
 from onceflow.models.status import Status
-from onceflow.payloads import JSON, encode_payload
+from onceflow.payloads import JSON, encode_json
 from onceflow.queue import sql
 from onceflow.queue.batch import BatchOps, _seconds
 from onceflow.queue.reads import LIST_LIMIT_MAX
@@ -309,7 +309,7 @@ class ClaimOps:
         ``LeaseLost`` (its hand-offs are then left for the sweeper's next wake-up).
         """
         _check_ref(claim)
-        text, _ = encode_payload(
+        text = encode_json(
             result,
             self.settings.payload_limit_bytes,
             what="result",
@@ -650,7 +650,7 @@ def _error_text(settings: Settings, error: Any) -> str:
     """A failure's error as stored JSON (an exception becomes its type and message)."""
     if isinstance(error, BaseException):
         error = {"type": type(error).__name__, "message": str(error)}
-    text, _ = encode_payload(
+    text = encode_json(
         error, settings.payload_limit_bytes, what="error", max_depth=settings.max_payload_depth
     )
     return text
