@@ -9,7 +9,6 @@ that uses only the interface's members runs unchanged under any of the three.
 
 from __future__ import annotations
 
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -158,6 +157,22 @@ class WorkContext(Protocol):
         else holds the lock; ``kw``: ``ttl``, ``on_wait``, ``watchdog``…"""
 
 
+class Flag:
+    """Set once by the heartbeat thread, read by the body: a ``threading.Event`` that nobody
+    waits on (an Event builds a Condition and a lock, twice per stage)."""
+
+    __slots__ = ("_set",)
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+
 class StageContext:
     """What a stage body gets besides its input: its request, its lease, its fenced steps.
 
@@ -167,8 +182,8 @@ class StageContext:
     def __init__(self, queue: Queue, claim: Claim, worker_id: str) -> None:
         self._queue = queue
         self._claim = claim
-        self._lost = threading.Event()
-        self._cancel = threading.Event()
+        self._lost = Flag()
+        self._cancel = Flag()
         self._then: list[NewRequest] = []
         self.worker_id = worker_id
         # When the database last confirmed the lease (claim or heartbeat), on this process's

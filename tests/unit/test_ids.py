@@ -105,3 +105,27 @@ def test_random_ids_and_tokens_are_fresh() -> None:
     tokens = {new_claim_token() for _ in range(1000)}
     assert len(tokens) == 1000
     assert all(len(t) == 32 for t in tokens)  # 128 bits, hex
+
+
+def test_a_worker_id_is_made_once_per_process_and_again_after_a_fork() -> None:
+    """``host:pid``, cached: a forked pool child must not claim under its parent's pid."""
+    import os
+    import socket
+
+    from onceflow.tasks.flow import worker_id
+
+    mine = worker_id()
+    assert mine == f"{socket.gethostname()}:{os.getpid()}"
+    assert worker_id() is mine  # made once, not per stage
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report its id and leave at once
+        try:
+            os.write(write, worker_id().encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        child = pipe.read().decode()
+    os.waitpid(pid, 0)
+    assert child == f"{socket.gethostname()}:{pid}"
