@@ -6,6 +6,7 @@ the tests count what really ran, across processes and crashes.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -49,7 +50,14 @@ NOOP_CLASSES = ("t-pull", "t-hyp", "t-purge", "t-pickle", "tabs", "t-hostile")
 def noop(ctx: StageContext, data: NoopInput) -> dict[str, Any]:
     record(ctx)
     # holding: whether this process's thread holds its connection (a prefork child does).
-    return {"value": data.value, "worker": ctx.worker_id, "holding": db.holding()}
+    # gc_frozen: objects of the parent's this process keeps out of its collections (a
+    # prefork child of a Flow's worker: gc.freeze before its fork).
+    return {
+        "value": data.value,
+        "worker": ctx.worker_id,
+        "holding": db.holding(),
+        "gc_frozen": gc.get_freeze_count(),
+    }
 
 
 class BlockInput(BaseModel):

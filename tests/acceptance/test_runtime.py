@@ -249,6 +249,8 @@ def test_enqueue_runs_the_stage_to_success(
     row = runtime.flow.queue.get(result.request_id)
     assert row.result["value"] == 7
     assert row.result["holding"] is True  # a prefork child holds its connection (issue 13)
+    # ... and keeps its parent's objects out of its collections (frozen before the fork)
+    assert row.result["gc_frozen"] > 10_000
     assert row.attempts == 1
     assert len(executions(redis_url, result.request_id)) == 1
 

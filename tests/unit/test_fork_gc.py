@@ -1,0 +1,59 @@
+"""A Flow's prefork worker freezes the collector's view of its objects for each fork only.
+
+The child keeps its parent's objects out of its collections (copy-on-write pages stay
+shared); the parent unfreezes them right after the fork and collects them as before.
+Real ``os.fork`` and Celery's own signal; the worker's start is a real one in
+``tests/acceptance/test_runtime.py`` (the stage reports its ``gc.get_freeze_count()``).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+from celery import Celery
+from celery.signals import worker_before_create_process
+
+from onceflow.tasks import Flow
+from onceflow.tasks import flow as flow_module
+
+
+def _fork_and_report() -> int:
+    """Fork; the child reports its freeze count. Returns it (the parent's own is unchanged)."""
+    worker_before_create_process.send(sender=None)  # what billiard's pool sends first
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(write, str(gc.get_freeze_count()).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        count = int(pipe.read())
+    os.waitpid(pid, 0)
+    return count
+
+
+@pytest.fixture()
+def unfrozen() -> Iterator[None]:
+    assert gc.get_freeze_count() == 0
+    yield
+    flow_module._freeze_forks = False
+    gc.unfreeze()
+
+
+def test_a_flow_workers_children_start_with_the_parents_objects_frozen(unfrozen: None) -> None:
+    flow_module._freeze_before_forks(sender=SimpleNamespace(app=Flow().app))
+    assert _fork_and_report() > 10_000  # the modules, classes, functions … of this process
+    assert gc.get_freeze_count() == 0  # the parent collects as before
+    assert _fork_and_report() > 10_000  # and again for a replacement child
+
+
+def test_another_apps_worker_is_left_as_celery_runs_it(unfrozen: None) -> None:
+    flow_module._freeze_before_forks(sender=SimpleNamespace(app=Celery("not-a-flow")))
+    assert _fork_and_report() == 0
+    assert gc.get_freeze_count() == 0
