@@ -757,11 +757,11 @@ def _size_pools(sender: Any = None, **_: Any) -> None:
 
 # Copy-on-write friendly pool children (gc.freeze, as Instagram, Sentry's and Airflow's Celery
 # workers do): a prefork child shares its parent's memory pages until it writes to them, and
-# the cyclic garbage collector writes to every object it scans. The first full collection in
-# each child (~70-190 ms of CPU on this project's worker, bench/drain_bench.py) copied ~30 MB
-# of the parent's pages into it. The parent freezes what it holds just before each fork (the
-# child keeps it frozen: never scanned, so never copied for the collector) and unfreezes it
-# right after (the parent collects as before).
+# the cyclic garbage collector writes to every object it scans. The first full collections in
+# each child (two of ~60-80 ms of CPU in a drain's first 1,000 stages, bench/stage_parts.py)
+# copied ~15 MB of the parent's pages into it. The parent freezes what it holds just before
+# each fork (the child keeps it frozen: never scanned, so never copied for the collector) and
+# unfreezes it right after (the parent collects as before).
 _freeze_forks = False
 _frozen_for_fork = False
 

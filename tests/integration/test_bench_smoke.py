@@ -7,7 +7,10 @@ succeeded and exits non-zero otherwise. Nothing here asserts a duration.
 * ``bench/server_cpu.py``: each rung of its ladder (onceflow's claim and completion, parts of
   them taken away one at a time, the floor's) does the same on a backend of its own. A rung
   cut from onceflow's SQL that no longer finds the part it removes raises instead of
-  measuring something else.
+  measuring something else;
+* ``bench/stage_parts.py``: a drain of onceflow's stage and of the floor in real Celery
+  workers, each pool child reporting its CPU per part of a stage; the onceflow worker's
+  children start with their parent's objects frozen, the floor's (bare Celery) do not.
 """
 
 from __future__ import annotations
@@ -25,12 +28,12 @@ from bench.server_cpu import variants
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_bench(script: str, admin_url: str, *args: str) -> Any:
+def run_bench(script: str, admin_url: str, *args: str, **env: str) -> Any:
     """``bench/<script> --json …`` against a database of ``admin_url``'s server: its JSON."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / script), *args, "--json"],
         cwd=ROOT,
-        env={**os.environ, "ONCEFLOW_BENCH_DATABASE_URL": admin_url},
+        env={**os.environ, "ONCEFLOW_BENCH_DATABASE_URL": admin_url, **env},
         capture_output=True,
         text=True,
         timeout=120,
@@ -66,3 +69,17 @@ def test_server_cpu_runs_every_rung_on_its_own_rows(services: tuple[str, str]) -
     res = run_bench("server_cpu.py", services[0], "--n", "20")["server_cpu_us"]
     assert list(res) == list(variants())
     assert all(v >= 0 for v in res.values()), res
+
+
+def test_stage_parts_splits_each_sides_child_cpu(services: tuple[str, str]) -> None:
+    redis_url = services[1].rsplit("/", 1)[0] + "/14"  # the drains' queues and counters
+    res = run_bench(
+        "stage_parts.py", services[0], "--n", "200", "--rounds", "1",
+        ONCEFLOW_BENCH_REDIS_URL=redis_url, PYTHONPATH=str(ROOT),
+    )  # fmt: skip
+    once, floor = res["onceflow"], res["floor"]
+    for part in ("stage", "run_request", "claim", "complete", "statements", "request"):
+        assert once[part] > 0, (part, once)
+    assert once["stage"] > once["run_request"] > once["claim"]  # parts nest
+    assert floor["stage"] > floor["statements"] > 0 and "claim" not in floor
+    assert once["gc_frozen"] > 10_000 and floor["gc_frozen"] == 0
