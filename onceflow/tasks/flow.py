@@ -775,8 +775,10 @@ def _freeze_before_forks(sender: Any = None, **_: Any) -> None:
 
 @worker_before_create_process.connect
 def _freeze_for_fork(**_: Any) -> None:
+    """Freeze for this fork; not in a process whose own code froze objects (it manages its
+    collector: unfreezing after the fork would undo what it froze)."""
     global _frozen_for_fork
-    if _freeze_forks and not _frozen_for_fork:
+    if _freeze_forks and not _frozen_for_fork and gc.get_freeze_count() == 0:
         gc.freeze()
         _frozen_for_fork = True
 
