@@ -774,13 +774,26 @@ def _freeze_before_forks(sender: Any = None, **_: Any) -> None:
 
 
 @worker_before_create_process.connect
-def _freeze_for_fork(**_: Any) -> None:
-    """Freeze for this fork; not in a process whose own code froze objects (it manages its
-    collector: unfreezing after the fork would undo what it froze)."""
+def _freeze_for_fork(sender: Any = None, **_: Any) -> None:
+    """Freeze for this fork (``sender``: the pool). Only when its children are forked: a
+    spawned child is a new interpreter, and the unfreeze is an at-fork hook, which a spawn
+    never runs (the parent would stay frozen). Not in a process whose own code froze
+    objects (it manages its collector: the unfreeze would undo what it froze).
+
+    Celery collects garbage right after this signal (its issue 2927); collected first here,
+    so that no cycle of garbage is frozen into the child. If the pool fails between this
+    signal and the fork (no file descriptor left for its pipes), the parent stays frozen
+    until it forks its next child.
+    """
     global _frozen_for_fork
-    if _freeze_forks and not _frozen_for_fork and gc.get_freeze_count() == 0:
-        gc.freeze()
-        _frozen_for_fork = True
+    if not _freeze_forks or _frozen_for_fork or gc.get_freeze_count():
+        return
+    context = getattr(sender, "_ctx", None)  # billiard's: fork, spawn or forkserver
+    if context is None or context.get_start_method() != "fork":
+        return
+    gc.collect()
+    gc.freeze()
+    _frozen_for_fork = True
 
 
 def _unfreeze_after_fork() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -249,8 +250,10 @@ def test_enqueue_runs_the_stage_to_success(
     row = runtime.flow.queue.get(result.request_id)
     assert row.result["value"] == 7
     assert row.result["holding"] is True  # a prefork child holds its connection (issue 13)
-    # ... and keeps its parent's objects out of its collections (frozen before the fork)
-    assert row.result["gc_frozen"] > 10_000
+    # ... and keeps its parent's objects out of its collections (frozen before the fork,
+    # where billiard forks its children: Linux; macOS spawns them)
+    if sys.platform == "linux":
+        assert row.result["gc_frozen"] > 10_000
     assert row.attempts == 1
     assert len(executions(redis_url, result.request_id)) == 1
 

@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterator
 from types import SimpleNamespace
 
+import billiard
 import pytest
 from celery import Celery
 from celery.signals import worker_before_create_process
@@ -21,9 +22,19 @@ from onceflow.tasks import Flow
 from onceflow.tasks import flow as flow_module
 
 
+class Pool:
+    """What the signal's sender (billiard's pool) holds: its start method's context."""
+
+    def __init__(self, method: str) -> None:
+        self._ctx = billiard.get_context(method)
+
+
+FORKING_POOL = Pool("fork")
+
+
 def _fork_and_report() -> int:
     """Fork; the child reports its freeze count. Returns it (the parent's own is unchanged)."""
-    worker_before_create_process.send(sender=None)  # what billiard's pool sends first
+    worker_before_create_process.send(sender=FORKING_POOL)  # what billiard's pool sends first
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -67,3 +78,13 @@ def test_a_process_that_froze_its_own_objects_keeps_them_frozen(unfrozen: None) 
     # (a frozen object freed since counts no more: hence the margin)
     assert _fork_and_report() > frozen - 1_000  # the child inherits what the process froze
     assert gc.get_freeze_count() > frozen - 1_000  # and the parent still has it frozen
+
+
+def test_a_pool_that_spawns_its_children_is_not_frozen_for(unfrozen: None) -> None:
+    """A spawned child is a new interpreter, and a spawn runs no at-fork hook: a freeze
+    would never be undone in the parent."""
+    flow_module._freeze_before_forks(sender=SimpleNamespace(app=Flow().app))
+    for method in ("spawn", "forkserver"):
+        worker_before_create_process.send(sender=Pool(method))
+        assert gc.get_freeze_count() == 0
+        assert not flow_module._frozen_for_fork
