@@ -6,8 +6,8 @@ The drain of ``bench/drain_bench.py`` (one worker process at concurrency 2, matc
 2,000 no-op stages; onceflow and the design's floor taking turns), with this module as the
 workers' app (``bench.stage_parts:app`` / ``:bare``: the same stages). In each pool child
 the thread CPU (``time.thread_time``) of named parts of a stage is summed, and every 100
-stages written to ``ONCEFLOW_BENCH_PARTS_DIR/<pid>.json`` with the child's whole CPU
-(``time.process_time``), its full garbage collections (``gc.callbacks``) and its memory
+stages (and as it ends) written to ``ONCEFLOW_BENCH_PARTS_DIR/<pid>.json`` with the child's
+whole CPU (``time.process_time``), its full garbage collections (``gc.callbacks``) and its memory
 (``/proc/self/smaps_rollup``); the bench reads each child's last write.
 
 Why: a tight loop of the same calls in one process (``bench/claim_layers.py``) measures
@@ -84,7 +84,12 @@ def _memory() -> dict[str, int]:
 
 def _dump() -> None:
     stages[0] += 1
-    if stages[0] % 100 or not OUT:
+    if stages[0] % 100 == 0:
+        _write()
+
+
+def _write(**_: Any) -> None:
+    if not OUT or not stages[0]:
         return
     with open(f"{OUT}/{os.getpid()}.json", "w") as f:
         data = {"stages": stages[0], "parts": acc, "cpu": time.process_time()}
@@ -120,6 +125,7 @@ def _classmethod(owner: Any, attr: str, name: str) -> None:
 if OUT:  # in the bench's workers only (the bench itself imports the stages once it has
     # set their settings: bench/drain_bench.py's Drain)
     import psycopg
+    from celery.signals import worker_process_shutdown
 
     import onceflow.metrics.record as metrics
     import onceflow.queue.claims as claims
@@ -130,6 +136,7 @@ if OUT:  # in the bench's workers only (the bench itself imports the stages once
     from onceflow.models.requests import Request
 
     gc.callbacks.append(_gc)
+    worker_process_shutdown.connect(_write, weak=False)  # the last stages, as the child ends
     flow_module.StageTask.run_stage = _stage_task(flow_module.StageTask.run_stage)
     bench_stages.floor_noop.run = _stage_task(bench_stages.floor_noop.run)
     _wrap(flow_module, "run_request", "run_request")

@@ -75,7 +75,8 @@ def test_stage_parts_splits_each_sides_child_cpu(services: tuple[str, str]) -> N
     redis_url = services[1].rsplit("/", 1)[0] + "/14"  # the drains' queues and counters
     res = run_bench(
         "stage_parts.py", services[0], "--n", "200", "--rounds", "1",
-        ONCEFLOW_BENCH_REDIS_URL=redis_url, PYTHONPATH=str(ROOT),
+        ONCEFLOW_BENCH_REDIS_URL=redis_url,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     )  # fmt: skip
     once, floor = res["onceflow"], res["floor"]
     for part in ("stage", "run_request", "claim", "complete", "statements", "request"):
