@@ -88,3 +88,26 @@ def test_a_pool_that_spawns_its_children_is_not_frozen_for(unfrozen: None) -> No
         worker_before_create_process.send(sender=Pool(method))
         assert gc.get_freeze_count() == 0
         assert not flow_module._frozen_for_fork
+
+
+def test_the_freeze_does_not_collect_first(unfrozen: None) -> None:
+    """A collection before the fork frees memory the child then reuses in shared pages, which
+    it copies (measured: 15 MB more private memory per child): garbage is frozen, not freed."""
+    import weakref
+
+    class Node:
+        cycle: Node
+
+    flow_module._freeze_before_forks(sender=SimpleNamespace(app=Flow().app))
+    gc.disable()  # no automatic collection between here and the check
+    try:
+        node = Node()
+        node.cycle = node
+        ref = weakref.ref(node)
+        del node  # garbage now, freed only by a collection
+        worker_before_create_process.send(sender=FORKING_POOL)
+        assert gc.get_freeze_count() > 0
+        assert ref() is not None
+    finally:
+        flow_module._unfreeze_after_fork()  # no fork happened: undo as the parent would
+        gc.enable()
