@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import psycopg
 import sqlalchemy.exc as sa_exc
-from psycopg.rows import dict_row
+from psycopg.rows import tuple_row
 from sqlalchemy import URL, Connection, Engine, TextClause, create_engine, make_url
 from sqlalchemy.dialects.postgresql import psycopg as pg_psycopg
 from sqlalchemy.pool import PoolProxiedConnection
@@ -617,7 +617,7 @@ def _lend_cursor(raw: psycopg.Connection[Any]) -> None:
     onceflow checkout, or a new one)."""
     cur = getattr(raw, _IDLE_CURSOR, None)
     if cur is None or cur.closed:
-        cur = raw.cursor(row_factory=dict_row)
+        cur = raw.cursor(row_factory=tuple_row)
     else:
         setattr(raw, _IDLE_CURSOR, None)
     setattr(raw, REUSED_CURSOR, cur)
@@ -648,12 +648,12 @@ def is_large(result: Any) -> bool:
 
 def fetch_one(conn: psycopg.Connection[Any], query: str, params: dict[str, Any]) -> Any:
     """Run ``query``; its first row as a dict, or None."""
-    return _run(conn, query, params, psycopg.Cursor.fetchone)
+    return _run(conn, query, params, one_as_dict)
 
 
 def fetch_all(conn: psycopg.Connection[Any], query: str, params: dict[str, Any]) -> list[Any]:
     """Run ``query``; every row as a dict."""
-    rows: list[Any] = _run(conn, query, params, psycopg.Cursor.fetchall)
+    rows: list[Any] = _run(conn, query, params, all_as_dicts)
     return rows
 
 
@@ -663,31 +663,71 @@ def execute(conn: psycopg.Connection[Any], query: str, params: dict[str, Any]) -
     return count
 
 
-def _rowcount(cur: psycopg.Cursor[Any]) -> int:
+def _rowcount(cur: psycopg.Cursor[Any], query: str) -> int:
     return cur.rowcount
+
+
+# The reused cursors make tuple rows, and a row becomes a dict with its statement's column
+# names kept from the statement's first result (issue 13): psycopg's dict_row decodes every
+# column's name from each result again (27 names for a claim), ~7% of a claim + completion's
+# client CPU. A statement's text fixes its column names (onceflow's statements name their
+# columns; no `SELECT *` of a table); the number of columns is checked at every result all
+# the same, and a statement whose result differs in it gets its names read again.
+_NAMES: dict[str, tuple[str, ...]] = {}
+#: Statements whose column names are kept (a process runs a few dozen; cleared past this).
+NAMES_KEPT = 512
+
+
+def column_names(
+    cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any], query: str
+) -> tuple[str, ...]:
+    """The column names of ``cur``'s current result, which ``query`` produced."""
+    names = _NAMES.get(query)
+    result = cur.pgresult
+    if names is None or result is None or len(names) != result.nfields:
+        names = tuple(c.name for c in cur.description or ())
+        if len(_NAMES) >= NAMES_KEPT:
+            _NAMES.clear()
+        _NAMES[query] = names
+    return names
+
+
+def one_as_dict(cur: psycopg.Cursor[Any], query: str) -> dict[str, Any] | None:
+    """The first row of a tuple-row cursor's result, as a dict (None: no row)."""
+    row = cur.fetchone()
+    return None if row is None else dict(zip(column_names(cur, query), row, strict=True))
+
+
+def all_as_dicts(cur: psycopg.Cursor[Any], query: str) -> list[dict[str, Any]]:
+    """Every row of a tuple-row cursor's result, as dicts."""
+    rows = cur.fetchall()
+    if not rows:
+        return []
+    names = column_names(cur, query)
+    return [dict(zip(names, row, strict=True)) for row in rows]
 
 
 def _run(
     conn: psycopg.Connection[Any],
     query: str,
     params: dict[str, Any],
-    take: Callable[[psycopg.Cursor[Any]], Any],
+    take: Callable[[psycopg.Cursor[Any], str], Any],
 ) -> Any:
-    """``take(cursor)`` after running ``query`` on the connection's reused cursor (or on a
-    cursor of its own, for a connection onceflow did not check out)."""
+    """``take(cursor, query)`` after running ``query`` on the connection's reused cursor
+    (or on a cursor of its own, for a connection onceflow did not check out)."""
     cur = _reused(conn)
     if cur is None:
-        with conn.cursor(row_factory=dict_row) as own:
+        with conn.cursor(row_factory=tuple_row) as own:
             own.execute(query, params)
-            return take(own)
+            return take(own, query)
     try:
         cur.execute(query, params)
-        return take(cur)
+        return take(cur, query)
     finally:  # also when a row failed to load: a large result is not kept either way
         result = cur.pgresult
         if result is not None and is_large(result):
             cur.close()  # the result freed now; the next statement gets a fresh cursor
-            setattr(conn, REUSED_CURSOR, conn.cursor(row_factory=dict_row))
+            setattr(conn, REUSED_CURSOR, conn.cursor(row_factory=tuple_row))
 
 
 @contextmanager

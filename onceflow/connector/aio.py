@@ -11,11 +11,17 @@ from contextlib import AbstractAsyncContextManager, AbstractContextManager, asyn
 from typing import Any
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import tuple_row
 from sqlalchemy import URL
 
 from onceflow.connector.steps import AsyncConnector, Query, _call_safely
-from onceflow.db import REUSED_CURSOR, check_database_url, is_large, translate_errors
+from onceflow.db import (
+    REUSED_CURSOR,
+    check_database_url,
+    column_names,
+    is_large,
+    translate_errors,
+)
 from onceflow.errors import ConnectionLost
 from onceflow.loops import PerLoop
 from onceflow.payloads import load_stored_json
@@ -278,9 +284,10 @@ async def _configure_async(conn: psycopg.AsyncConnection[Any]) -> None:
     # What SQLAlchemy's dialect does for the sync pool: a stored value too deep to serve
     # comes back as a placeholder instead of failing the read.
     psycopg.types.json.set_json_loads(load_stored_json, conn)
-    # The reusable dict-row cursor of a connection of onceflow's pool (as onceflow.db's for
-    # the sync pool): a caller's own connection never gets one.
-    setattr(conn, REUSED_CURSOR, conn.cursor(row_factory=dict_row))
+    # The reusable cursor of a connection of onceflow's pool (as onceflow.db's for the sync
+    # pool; tuple rows, made dicts with onceflow.db.column_names): a caller's own connection
+    # never gets one.
+    setattr(conn, REUSED_CURSOR, conn.cursor(row_factory=tuple_row))
 
 
 async def _on_async(
@@ -300,24 +307,30 @@ async def _on_async(
             getattr(conn, REUSED_CURSOR, None) if reuse else None
         )
         if kept is None or kept.closed:
-            async with conn.cursor(row_factory=dict_row) as cur:
+            async with conn.cursor(row_factory=tuple_row) as cur:
                 return await _results(cur, query, params, how)
         try:
             return await _results(kept, query, params, how)
         finally:  # a large result is not kept with the idle connection, whatever happened
             if kept.pgresult is not None and is_large(kept.pgresult):
                 await kept.close()
-                setattr(conn, REUSED_CURSOR, conn.cursor(row_factory=dict_row))
+                setattr(conn, REUSED_CURSOR, conn.cursor(row_factory=tuple_row))
 
 
 async def _results(
     cur: psycopg.AsyncCursor[Any], query: Query, params: Mapping[str, Any], how: str
 ) -> Any:
-    await cur.execute(query.sql_for(params), dict(params))
+    sql = query.sql_for(params)
+    await cur.execute(sql, dict(params))
     if how == "one":
-        return await cur.fetchone() if cur.description else None
+        row = await cur.fetchone() if cur.description else None
+        return None if row is None else dict(zip(column_names(cur, sql), row, strict=True))
     if how == "all":
-        return await cur.fetchall() if cur.description else []
+        rows = await cur.fetchall() if cur.description else []
+        if not rows:
+            return []
+        names = column_names(cur, sql)
+        return [dict(zip(names, row, strict=True)) for row in rows]
     return cur.rowcount
 
 

@@ -196,3 +196,59 @@ def test_a_large_result_whose_rows_fail_to_load_is_not_kept_either(one_conn: Eng
             fetch_all(raw, query, {"doc": psycopg.types.json.Jsonb({"pad": "x" * 1000})})
         assert cur.closed and kept(raw) is not None and not kept(raw).closed
         assert fetch_one(raw, "SELECT 7 AS seven", {}) == {"seven": 7}
+
+
+def test_rows_are_dicts_named_by_their_own_statement_and_follow_a_change_of_columns(
+    one_conn: Engine,
+) -> None:
+    """The reused cursor makes tuple rows and names them with the column names kept per
+    statement text: each statement gets its own names, and a text whose result has another
+    number of columns (a table's ``*`` after ALTER TABLE) has its names read again."""
+    with raw_connection(one_conn) as raw:
+        db.execute(raw, "DROP TABLE IF EXISTS cursor_names_t", {})
+        db.execute(raw, "CREATE TABLE cursor_names_t (a int)", {})
+        db.execute(raw, "INSERT INTO cursor_names_t VALUES (1), (2)", {})
+        star = "SELECT * FROM cursor_names_t ORDER BY a"
+        try:
+            assert fetch_one(raw, star, {}) == {"a": 1}
+            assert fetch_one(raw, "SELECT 5 AS b, 6 AS c", {}) == {"b": 5, "c": 6}
+            assert fetch_all(raw, star, {}) == [{"a": 1}, {"a": 2}]
+            db.execute(raw, "ALTER TABLE cursor_names_t ADD COLUMN z text DEFAULT 'q'", {})
+            assert fetch_one(raw, star, {}) == {"a": 1, "z": "q"}
+            assert fetch_all(raw, star, {}) == [{"a": 1, "z": "q"}, {"a": 2, "z": "q"}]
+            assert fetch_one(raw, "SELECT 1 AS a WHERE false", {}) is None
+            assert fetch_all(raw, "SELECT 1 AS a WHERE false", {}) == []
+            assert fetch_one(raw, "SELECT 1 AS x, 2 AS x", {}) == {"x": 2}  # as dict_row did
+        finally:
+            db.execute(raw, "DROP TABLE cursor_names_t", {})
+        assert fetch_one(raw, "SELECT 5 AS b, 6 AS c", {}) == {"b": 5, "c": 6}
+
+
+def test_the_async_pool_names_rows_by_their_statement_too(clean_db: Engine) -> None:
+    from onceflow.connector.aio import AsyncPsycopgConnector
+
+    url = clean_db.url.render_as_string(hide_password=False)
+    star = Query("test.star", "SELECT * FROM cursor_names_at ORDER BY a")
+
+    async def go() -> None:
+        connector = AsyncPsycopgConnector(url, max_size=1)
+        try:
+            for sql in (
+                "DROP TABLE IF EXISTS cursor_names_at",
+                "CREATE TABLE cursor_names_at (a int)",
+                "INSERT INTO cursor_names_at VALUES (1), (2)",
+            ):
+                await connector.execute(Query("test.ddl", sql), {})
+            assert await connector.fetch_one(star, {}) == {"a": 1}
+            await connector.execute(
+                Query("test.ddl", "ALTER TABLE cursor_names_at ADD COLUMN z int DEFAULT 7"), {}
+            )
+            assert await connector.fetch_all(star, {}) == [{"a": 1, "z": 7}, {"a": 2, "z": 7}]
+            none = Query("test.none", "SELECT 1 AS a WHERE false")
+            assert await connector.fetch_one(none, {}) is None
+            assert await connector.fetch_all(none, {}) == []
+            await connector.execute(Query("test.ddl", "DROP TABLE cursor_names_at"), {})
+        finally:
+            await connector.aclose()
+
+    asyncio.run(go())
