@@ -398,23 +398,62 @@ def _on_held(engine: Engine, held: _Held) -> Iterator[psycopg.Connection[Any]]:
             try:
                 yield raw
             except BaseException as exc:
-                if raw.broken or raw.closed:
-                    _forget(engine, held)
-                    lost = _drop_dead_connection(engine, held.fairy, exc)
-                    held.done = True
-                    held.fairy.close()
-                    if lost is not None:
-                        raise lost from exc
-                elif not _idle(raw):
-                    # Interrupted mid-statement (a signal's exception: Celery's soft time
-                    # limit), or left inside a transaction: not to be kept checked out.
-                    _forget(engine, held)
-                    _discard(held)
+                lost = _held_failed(engine, held, exc)
+                if lost is not None:
+                    raise lost from exc
                 raise
     finally:
-        held.busy = False
-        if held.give_back and not held.done:
-            _give_back(held)
+        _held_done(held)
+
+
+def _held_failed(engine: Engine, held: _Held, exc: BaseException) -> ConnectionLost | None:
+    """A call on ``held`` raised ``exc``: a dead connection is dropped (the error to raise
+    instead is returned), one left busy is discarded; an idle one stays held."""
+    raw = held.raw
+    if raw.broken or raw.closed:
+        _forget(engine, held)
+        lost = _drop_dead_connection(engine, held.fairy, exc)
+        held.done = True
+        held.fairy.close()
+        return lost
+    if not _idle(raw):
+        # Interrupted mid-statement (a signal's exception: Celery's soft time limit), or
+        # left inside a transaction: not to be kept checked out.
+        _forget(engine, held)
+        _discard(held)
+    return None
+
+
+def _held_done(held: _Held) -> None:
+    held.busy = False
+    if held.give_back and not held.done:
+        _give_back(held)
+
+
+def run_statement(
+    engine: Engine,
+    query: str,
+    params: dict[str, Any],
+    take: Callable[[psycopg.Cursor[Any], str], Any],
+) -> Any:
+    """``take(cursor, query)`` after ``query`` ran on a connection of ``engine``'s: what
+    ``with raw_connection(engine) as raw: _run(raw, ...)`` does, without its three context
+    managers on a held connection (a stage's statements; issue 13)."""
+    held = _held_for(engine)
+    if held is None:
+        with raw_connection(engine) as raw:
+            return _run(raw, query, params, take)
+    held.busy = True
+    try:
+        return _run(held.raw, query, params, take)
+    except BaseException as exc:
+        with translate_errors(engine.url):  # as _on_held does, on the error path only
+            lost = _held_failed(engine, held, exc)
+            if lost is not None:
+                raise lost from exc
+            raise
+    finally:
+        _held_done(held)
 
 
 def _forget(engine: Engine, held: _Held) -> None:
@@ -659,11 +698,12 @@ def fetch_all(conn: psycopg.Connection[Any], query: str, params: dict[str, Any])
 
 def execute(conn: psycopg.Connection[Any], query: str, params: dict[str, Any]) -> int:
     """Run ``query``; the number of rows it touched."""
-    count: int = _run(conn, query, params, _rowcount)
+    count: int = _run(conn, query, params, rowcount)
     return count
 
 
-def _rowcount(cur: psycopg.Cursor[Any], query: str) -> int:
+def rowcount(cur: psycopg.Cursor[Any], query: str) -> int:
+    """The number of rows the statement touched (a ``take`` of :func:`run_statement`)."""
     return cur.rowcount
 
 
@@ -735,35 +775,44 @@ def translate_errors(url: str | URL | None = None) -> Iterator[None]:
     """Translate SQLAlchemy / psycopg errors into onceflow's tree; ours pass through.
 
     ``url`` names the database in :class:`NotMigrated` (one of onceflow's tables is
-    missing); the settings' database URL by default.
+    missing); the settings' database URL by default. See :func:`translated`.
     """
     try:
         yield
-    except OnceflowError:
-        raise
-    except psycopg.OperationalError as exc:
-        raise DatabaseUnavailable(f"Postgres unavailable: {_first_line(exc)}") from exc
-    except (psycopg.DataError, psycopg.IntegrityError) as exc:
-        raise InvalidRequest(f"rejected by the database: {_first_line(exc)}") from exc
-    except psycopg.Error as exc:
-        raise _not_migrated(exc, url) or StoreError(_first_line(exc)) from exc
-    except sa_exc.OperationalError as exc:
+    except Exception as exc:
+        new = translated(exc, url)
+        if new is exc:
+            raise
+        raise new from exc
+
+
+def translated(exc: Exception, url: str | URL | None = None) -> Exception:
+    """What :func:`translate_errors` raises for ``exc``: onceflow's error for a psycopg or
+    SQLAlchemy one, ``exc`` itself for any other (onceflow's own included)."""
+    if isinstance(exc, OnceflowError):
+        return exc
+    if isinstance(exc, psycopg.Error):
+        if isinstance(exc, psycopg.OperationalError):
+            return DatabaseUnavailable(f"Postgres unavailable: {_first_line(exc)}")
+        if isinstance(exc, psycopg.DataError | psycopg.IntegrityError):
+            return InvalidRequest(f"rejected by the database: {_first_line(exc)}")
+        return _not_migrated(exc, url) or StoreError(_first_line(exc))
+    if not isinstance(exc, sa_exc.SQLAlchemyError):
+        return exc
+    if isinstance(exc, sa_exc.OperationalError):
         if exc.connection_invalidated:  # SQLAlchemy invalidated the pool already
-            raise ConnectionLost(f"Postgres connection lost: {_first_line(exc)}") from exc
-        raise DatabaseUnavailable(f"Postgres unavailable: {_first_line(exc)}") from exc
-    except sa_exc.DataError as exc:
-        raise InvalidRequest(f"rejected by the database: {_first_line(exc)}") from exc
-    except sa_exc.IntegrityError as exc:
+            return ConnectionLost(f"Postgres connection lost: {_first_line(exc)}")
+        return DatabaseUnavailable(f"Postgres unavailable: {_first_line(exc)}")
+    if isinstance(exc, sa_exc.DataError):
+        return InvalidRequest(f"rejected by the database: {_first_line(exc)}")
+    if isinstance(exc, sa_exc.IntegrityError):
         constraint = getattr(getattr(exc.orig, "diag", None), "constraint_name", None)
-        raise InvalidRequest(
-            f"violates {constraint or 'a constraint'}: {_first_line(exc)}"
-        ) from exc
-    except sa_exc.DBAPIError as exc:
+        return InvalidRequest(f"violates {constraint or 'a constraint'}: {_first_line(exc)}")
+    if isinstance(exc, sa_exc.DBAPIError):
         if exc.connection_invalidated:
-            raise ConnectionLost(f"Postgres connection lost: {_first_line(exc)}") from exc
-        raise _not_migrated(exc, url) or StoreError(_first_line(exc)) from exc
-    except sa_exc.SQLAlchemyError as exc:
-        raise StoreError(_first_line(exc)) from exc
+            return ConnectionLost(f"Postgres connection lost: {_first_line(exc)}")
+        return _not_migrated(exc, url) or StoreError(_first_line(exc))
+    return StoreError(_first_line(exc))
 
 
 def _first_line(exc: BaseException) -> str:

@@ -11,7 +11,17 @@ import psycopg
 from sqlalchemy import Connection, Engine, event
 
 from onceflow.connector.steps import Connector, Query, _call_safely
-from onceflow.db import execute, fetch_all, fetch_one, raw_connection, translate_errors
+from onceflow.db import (
+    all_as_dicts,
+    execute,
+    fetch_all,
+    fetch_one,
+    one_as_dict,
+    raw_connection,
+    rowcount,
+    run_statement,
+    translate_errors,
+)
 
 
 class _OnOneConnection:
@@ -61,16 +71,17 @@ class PsycopgConnector:
         self.engine = engine
 
     def fetch_one(self, query: Query, params: Mapping[str, Any]) -> Any:
-        with raw_connection(self.engine) as raw:
-            return fetch_one(raw, query.sql_for(params), dict(params))
+        return run_statement(self.engine, query.sql_for(params), dict(params), one_as_dict)
 
     def fetch_all(self, query: Query, params: Mapping[str, Any]) -> list[Any]:
-        with raw_connection(self.engine) as raw:
-            return fetch_all(raw, query.sql_for(params), dict(params))
+        rows: list[Any] = run_statement(
+            self.engine, query.sql_for(params), dict(params), all_as_dicts
+        )
+        return rows
 
     def execute(self, query: Query, params: Mapping[str, Any]) -> int:
-        with raw_connection(self.engine) as raw:
-            return execute(raw, query.sql_for(params), dict(params))
+        count: int = run_statement(self.engine, query.sql_for(params), dict(params), rowcount)
+        return count
 
     @contextmanager
     def transaction(self) -> Iterator[Connector]:
