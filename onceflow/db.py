@@ -24,7 +24,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import psycopg
 import sqlalchemy.exc as sa_exc
@@ -391,19 +391,23 @@ def _usable(engine: Engine, held: _Held) -> bool:
 
 @contextmanager
 def _on_held(engine: Engine, held: _Held) -> Iterator[psycopg.Connection[Any]]:
-    raw = held.raw
     held.busy = True
     try:
-        with translate_errors(engine.url):
-            try:
-                yield raw
-            except BaseException as exc:
-                lost = _held_failed(engine, held, exc)
-                if lost is not None:
-                    raise lost from exc
-                raise
+        yield held.raw
+    except BaseException as exc:
+        _reraise_held(engine, held, exc)
     finally:
         _held_done(held)
+
+
+def _reraise_held(engine: Engine, held: _Held, exc: BaseException) -> NoReturn:
+    """Raise what a call on ``held`` that raised ``exc`` raises (from its except block):
+    the connection dealt with (:func:`_held_failed`), the error translated."""
+    with translate_errors(engine.url):
+        lost = _held_failed(engine, held, exc)
+        if lost is not None:
+            raise lost from exc
+        raise exc
 
 
 def _held_failed(engine: Engine, held: _Held, exc: BaseException) -> ConnectionLost | None:
@@ -447,11 +451,7 @@ def run_statement(
     try:
         return _run(held.raw, query, params, take)
     except BaseException as exc:
-        with translate_errors(engine.url):  # as _on_held does, on the error path only
-            lost = _held_failed(engine, held, exc)
-            if lost is not None:
-                raise lost from exc
-            raise
+        _reraise_held(engine, held, exc)
     finally:
         _held_done(held)
 
