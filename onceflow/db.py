@@ -732,19 +732,31 @@ def column_names(
     return names
 
 
-def one_as_dict(cur: psycopg.Cursor[Any], query: str) -> dict[str, Any] | None:
-    """The first row of a tuple-row cursor's result, as a dict (None: no row)."""
-    row = cur.fetchone()
+def named_row(
+    cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any], query: str, row: Any
+) -> dict[str, Any] | None:
+    """A tuple row of ``cur``'s current result as a dict (None stays None)."""
     return None if row is None else dict(zip(column_names(cur, query), row, strict=True))
 
 
-def all_as_dicts(cur: psycopg.Cursor[Any], query: str) -> list[dict[str, Any]]:
-    """Every row of a tuple-row cursor's result, as dicts."""
-    rows = cur.fetchall()
+def named_rows(
+    cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any], query: str, rows: list[Any]
+) -> list[dict[str, Any]]:
+    """The tuple rows of ``cur``'s current result as dicts."""
     if not rows:
         return []
     names = column_names(cur, query)
     return [dict(zip(names, row, strict=True)) for row in rows]
+
+
+def one_as_dict(cur: psycopg.Cursor[Any], query: str) -> dict[str, Any] | None:
+    """The first row of a tuple-row cursor's result, as a dict (None: no row)."""
+    return named_row(cur, query, cur.fetchone())
+
+
+def all_as_dicts(cur: psycopg.Cursor[Any], query: str) -> list[dict[str, Any]]:
+    """Every row of a tuple-row cursor's result, as dicts."""
+    return named_rows(cur, query, cur.fetchall())
 
 
 def _run(

@@ -18,8 +18,9 @@ from onceflow.connector.steps import AsyncConnector, Query, _call_safely
 from onceflow.db import (
     REUSED_CURSOR,
     check_database_url,
-    column_names,
     is_large,
+    named_row,
+    named_rows,
     translate_errors,
 )
 from onceflow.errors import ConnectionLost
@@ -323,14 +324,9 @@ async def _results(
     sql = query.sql_for(params)
     await cur.execute(sql, dict(params))
     if how == "one":
-        row = await cur.fetchone() if cur.description else None
-        return None if row is None else dict(zip(column_names(cur, sql), row, strict=True))
+        return named_row(cur, sql, await cur.fetchone() if cur.description else None)
     if how == "all":
-        rows = await cur.fetchall() if cur.description else []
-        if not rows:
-            return []
-        names = column_names(cur, sql)
-        return [dict(zip(names, row, strict=True)) for row in rows]
+        return named_rows(cur, sql, await cur.fetchall() if cur.description else [])
     return cur.rowcount
 
 
