@@ -513,7 +513,7 @@ class Worker:
         return lambda: self.queue.fail_many([d.failure for d in group if d.failure])
 
     def _hand_off_call(self, d: _Done) -> Callable[[], Sequence[Any]]:
-        return lambda: [self.queue.hand_off(d.ctx.claim, d.result, then=d.ctx._then)[0]]
+        return lambda: [self.queue.finish(d.ctx.claim, d.result, then=d.ctx._then)]
 
     def _apply(
         self, items: list[_Done], call: Callable[[], Sequence[Any]], shard: int
@@ -526,7 +526,7 @@ class Worker:
     ) -> list[_Done]:
         try:
             outcomes: Sequence[Any] = call()
-        except LeaseLost as exc:  # hand_off raises it for its one row
+        except LeaseLost as exc:  # finish raises it for its one row
             outcomes = [exc]
         except InvalidRequest as exc:
             # Refused as a whole (results and delays are checked in the body, so this is

@@ -102,15 +102,28 @@ _OUTCOME = {
 def finished(row: Request) -> None:
     """A run's recorded outcome (``row``: the request after complete/fail)."""
     outcome = _OUTCOME.get(row.status)
-    if outcome is None:
-        return
-    wc, stage = row.worker_class, row.stage
-    _child(d.ATTEMPTS, wc, stage, outcome).inc()
-    # From the row's claimed_at (the claim's own time, kept by complete and fail), never
-    # updated_at: heartbeats and cancels move updated_at.
-    took = _seconds(row.claimed_at, row.updated_at)
+    if outcome is not None:
+        run_ended(row.worker_class, row.stage, outcome, row.claimed_at, row.updated_at)
+
+
+@_safe
+def run_ended(
+    worker_class: str,
+    stage: str,
+    outcome: str,
+    claimed_at: datetime | None,
+    ended_at: datetime | None,
+) -> None:
+    """A run's recorded outcome (``finished``'s, from the columns alone: ``Queue.finish``).
+
+    Its duration from the row's ``claimed_at`` (the claim's own time, kept by complete
+    and fail) to the write that ended it, never from an earlier ``updated_at``: heartbeats
+    and cancels move it.
+    """
+    _child(d.ATTEMPTS, worker_class, stage, outcome).inc()
+    took = _seconds(claimed_at, ended_at)
     if took is not None:
-        _child(d.STAGE_DURATION, wc, stage, outcome).observe(took)
+        _child(d.STAGE_DURATION, worker_class, stage, outcome).observe(took)
 
 
 @_safe

@@ -307,7 +307,55 @@ class ClaimOps:
         (this call's, or a caller's repeating a call whose answer it lost), the
         retry recognises its own completion by the token instead of reporting
         ``LeaseLost`` (its hand-offs are then left for the sweeper's next wake-up).
+        Returns the completed request and the follow-ups' results; :meth:`finish` is
+        the same write for a caller that keeps nothing of the row.
         """
+        # A Claim holds the claimed row: the completion reads back only what may differ.
+        held = claim.request if isinstance(claim, Claim) else None
+        statement = N.COMPLETE if held is None else N.COMPLETE_CHANGED
+        row, followed = yield from self._succeed(claim, result, then, now, statement)
+        if isinstance(row, Request):  # found landed after a lost answer: read whole
+            done = row
+        else:
+            done = Request.from_row(row) if held is None else held.after_run(row)
+        metrics.finished(done)
+        metrics.enqueued(followed)  # once, for the attempt that committed
+        return done, followed
+
+    @operation
+    def finish(
+        self,
+        claim: Fenced,
+        result: JSON = None,
+        *,
+        then: Iterable[NewRequest] = (),
+        now: datetime | None = None,
+    ) -> Steps[builtins.list[EnqueueResult]]:
+        """:meth:`hand_off`, returning only the follow-ups' results: the same fenced write,
+        retries and recognition of a landed attempt, but the completed row is not read
+        back (what a Celery stage and a worker loop keep of it is nothing)."""
+        row, followed = yield from self._succeed(claim, result, then, now, N.FINISH)
+        if isinstance(row, Request):
+            metrics.finished(row)
+        else:
+            metrics.run_ended(
+                row["worker_class"], row["stage"], "succeeded", row["claimed_at"],
+                row["updated_at"],
+            )  # fmt: skip
+        metrics.enqueued(followed)
+        return followed
+
+    def _succeed(
+        self,
+        claim: Fenced,
+        result: JSON,
+        then: Iterable[NewRequest],
+        now: datetime | None,
+        statement: Query,
+    ) -> Steps[tuple[Any, builtins.list[EnqueueResult]]]:
+        """The steps of :meth:`hand_off` and :meth:`finish`: ``statement``'s row (or, when
+        an attempt whose answer was lost is found landed, the whole :class:`Request`) and
+        the follow-ups' results."""
         _check_ref(claim)
         text = encode_json(
             result,
@@ -325,18 +373,13 @@ class ClaimOps:
             "worker_classes": fence_scope(claim),
         }  # fmt: skip
 
-        # A Claim holds the claimed row: the completion reads back only what may differ.
-        held = claim.request if isinstance(claim, Claim) else None
-        statement = N.COMPLETE if held is None else N.COMPLETE_CHANGED
-
-        def attempt() -> Steps[tuple[Request, builtins.list[EnqueueResult]]]:
+        def attempt() -> Steps[tuple[Any, builtins.list[EnqueueResult]]]:
             row, followed = yield from self._complete_once(statement, params, follow_params)
             if row is None:
                 raise LeaseLost(claim.request_id, "completion rejected")
-            done = Request.from_row(row) if held is None else held.after_run(row)
-            return done, followed
+            return row, followed
 
-        def landed() -> Steps[tuple[Request, builtins.list[EnqueueResult]] | None]:
+        def landed() -> Steps[tuple[Any, builtins.list[EnqueueResult]] | None]:
             current = yield from _landed(claim, (Status.SUCCEEDED,))
             if current is None:
                 return None
@@ -371,13 +414,10 @@ class ClaimOps:
             return current, followed
 
         try:
-            done = yield from self._fenced(claim, attempt, landed)
+            return (yield from self._fenced(claim, attempt, landed))
         except LeaseLost:
             metrics.zombie("hand_off" if follow_ups else "complete")
             raise
-        metrics.finished(done[0])
-        metrics.enqueued(done[1])  # once, for the attempt that committed
-        return done
 
     @operation
     def claim_parent(self, claim: Fenced) -> Steps[Request | None]:

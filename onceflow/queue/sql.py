@@ -341,6 +341,17 @@ COMPLETE_CHANGED: TextClause = text(
     )
 )
 
+# COMPLETE for a caller that keeps nothing of the row (Queue.finish: a Celery stage, a
+# Worker's loop): what a run's metrics need (its class, stage, claim time and end time) and
+# the workspace a hand-off's follow-ups are checked against; no result decoded back, no
+# Request built from the row.
+FINISH: TextClause = text(
+    str(COMPLETE.text).replace(
+        f"RETURNING {RETURNING}",
+        "RETURNING w.workspace_id, w.worker_class, w.stage, w.claimed_at, w.updated_at",
+    )
+)
+
 # The next status of a failed run: cancelled if cancel was requested, queued again if
 # retryable with attempts left, else dead. The error is always kept. Queued again after
 # :delay seconds, or (NULL) after the backoff of the row's attempt number: exponential from
@@ -958,6 +969,7 @@ Q_CLAIM = render(CLAIM)
 Q_HEARTBEAT = render(HEARTBEAT)
 Q_COMPLETE = render(COMPLETE)
 Q_COMPLETE_CHANGED = render(COMPLETE_CHANGED)
+Q_FINISH = render(FINISH)
 Q_FAIL = render(FAIL)
 Q_CANCEL = render(CANCEL)
 Q_REQUEUE = render(REQUEUE)
@@ -1034,6 +1046,7 @@ class N:
     HEARTBEAT = _named("queue.heartbeat", Q_HEARTBEAT)
     COMPLETE = _named("queue.complete", Q_COMPLETE)
     COMPLETE_CHANGED = _named("queue.complete_changed", Q_COMPLETE_CHANGED)
+    FINISH = _named("queue.finish", Q_FINISH)
     FAIL = _named("queue.fail", Q_FAIL)
     CANCEL = _named("queue.cancel", Q_CANCEL)
     REQUEUE = _named("queue.requeue", Q_REQUEUE)

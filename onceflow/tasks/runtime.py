@@ -297,7 +297,7 @@ def _complete(
     while True:
         try:
             with _heartbeats.recording(ctx):
-                _, followed = queue.hand_off(claim, result, then=ctx._then)
+                followed = queue.finish(claim, result, then=ctx._then)
             break
         except LeaseLost:
             return _lease_lost(queue, claim)

@@ -563,7 +563,7 @@ def losing_queue(
 
 
 @pytest.mark.parametrize("losing_queue", ["sync", "async"], indirect=True)
-@pytest.mark.parametrize("write", ["hand_off", "fail"])
+@pytest.mark.parametrize("write", ["hand_off", "finish", "fail"])
 def test_a_write_by_ref_whose_answer_was_lost_is_recognised_on_retry(
     losing_queue: Any, write: str
 ) -> None:
@@ -571,9 +571,13 @@ def test_a_write_by_ref_whose_answer_was_lost_is_recognised_on_retry(
     claim = losing_queue.claim(rid, "pw")
     assert claim is not None
     ref = ClaimRef(rid, claim.token)
-    if write == "hand_off":
+    if write in ("hand_off", "finish"):
         then = [NewRequest("w", "lost-next", "next", dedupe=False)]  # a random id, minted once
-        row, [made] = losing_queue.hand_off(ref, {"ok": 1}, then=then)
+        if write == "hand_off":
+            row, [made] = losing_queue.hand_off(ref, {"ok": 1}, then=then)
+        else:
+            [made] = losing_queue.finish(ref, {"ok": 1}, then=then)
+            row = losing_queue.get(rid)
         assert (row.status, row.result) == (Status.SUCCEEDED, {"ok": 1})
         # The lost attempt created it: one row, and left for the sweeper's wake-up.
         [nxt] = losing_queue.list(job_id="lost-next")
@@ -583,6 +587,52 @@ def test_a_write_by_ref_whose_answer_was_lost_is_recognised_on_retry(
         assert (row.status, row.error) == (Status.DEAD, {"type": "Boom"})
     assert losing_queue.lost == ["lost"]  # the first answer really was lost
     assert losing_queue.get(rid) == row
+
+
+def test_finish_writes_what_hand_off_writes_and_returns_only_the_follow_ups(
+    api_queue: Queue,
+) -> None:
+    """finish is hand_off's write without the row read back: by a Claim and by a ref, the
+    rows end as hand_off leaves its twins (all but the clock and the token's digest), the
+    follow-ups are enqueued in its transaction, and a fenced-off finish writes nothing."""
+    nxt = {"input": {"n": 1}, "dedupe": False}
+    for job in ("fin-claim", "fin-ref", "ho-claim", "ho-ref"):
+        api_queue.enqueue("s", "w", job, input={"job": job})
+    claims = {c.request.job_id: c for c in api_queue.claim_next("default", "pw", limit=4)}
+    assert sorted(claims) == ["fin-claim", "fin-ref", "ho-claim", "ho-ref"]
+
+    def ref(job: str) -> ClaimRef:
+        return ClaimRef(claims[job].request_id, claims[job].token)
+
+    def then(job: str) -> list[NewRequest]:
+        return [NewRequest("w", f"{job}-next", "next", **nxt)]  # type: ignore[arg-type]
+
+    done = {
+        "fin-claim": api_queue.finish(claims["fin-claim"], {"ok": 1}, then=then("fin-claim")),
+        "fin-ref": api_queue.finish(ref("fin-ref"), {"ok": 1}, then=then("fin-ref")),
+        "ho-claim": api_queue.hand_off(claims["ho-claim"], {"ok": 1}, then=then("ho-claim"))[1],
+        "ho-ref": api_queue.hand_off(ref("ho-ref"), {"ok": 1}, then=then("ho-ref"))[1],
+    }
+    varies = {"request_id", "job_id", "input", "input_hash", "claimed_at", "heartbeat_at",
+              "run_after", "created_at", "dispatched_at", "updated_at", "finished_at"}  # fmt: skip
+    rows = {job: api_queue.get(claims[job].request_id).as_json() for job in claims}
+    for job, row in rows.items():
+        assert row["status"] == "succeeded" and row["result"] == {"ok": 1}
+        assert row["finished_at"] is not None and row["lease_expires_at"] is None
+        assert {k: v for k, v in row.items() if k not in varies} == {
+            k: v for k, v in rows["ho-claim"].items() if k not in varies
+        }
+        [made] = done[job]
+        assert made.created and made.stage == "next" and made.workspace_id == "w"
+        assert api_queue.get(made.request_id).job_id == f"{job}-next"
+    # Fenced: a finish by a claim that no longer holds the row is refused, writes nothing.
+    api_queue.enqueue("s", "w", "fin-late")
+    [late] = api_queue.claim_next("default", "pw")
+    api_queue.fail(late, {"type": "Boom"}, retryable=True, retry_in=0)
+    with pytest.raises(LeaseLost):
+        api_queue.finish(late, {"ok": 2}, then=then("fin-late"))
+    assert api_queue.get(late.request_id).status is Status.QUEUED
+    assert api_queue.list(job_id="fin-late-next") == []
 
 
 def test_rescue_expired_requeues_then_quarantines(

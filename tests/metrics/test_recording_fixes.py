@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 from prometheus_client import REGISTRY
 from sqlalchemy import Engine, text
 
-from onceflow.models.requests import Claim, NewRequest
+from onceflow.models.requests import Claim, ClaimRef, NewRequest
 from onceflow.queue import Queue
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
@@ -40,6 +40,31 @@ def test_duration_runs_from_the_claim_not_the_last_heartbeat(queue: Queue) -> No
     queue.complete(http_claim, {"ok": 1}, now=T0 + timedelta(seconds=65))
     assert value("onceflow_stage_duration_seconds_sum", **out) - before == 60.0
     assert c.request.claimed_at == found.claimed_at == T0 + timedelta(seconds=5)
+
+
+def test_finish_records_the_run_as_hand_off_does_by_claim_and_by_ref(queue: Queue) -> None:
+    """finish reads back only the columns the run's metrics need: one attempt succeeded
+    per finish, timed from the claim to the finish (database clock), its follow-ups
+    counted once, whether it holds the Claim or a bare ref."""
+    lab = {"worker_class": "wc-fin", "stage": "s1"}
+    out = {**lab, "outcome": "succeeded"}
+    for job in ("j1", "j2"):
+        queue.enqueue("s1", "w1", job, worker_class="wc-fin", now=T0)
+    claims = queue.claim_next("wc-fin", "w", limit=2, lease_seconds=300, now=T0)
+    before = {
+        k: value(f"onceflow_{k}", **out)
+        for k in ("attempts_total", "stage_duration_seconds_count", "stage_duration_seconds_sum")
+    }
+    made_before = enqueued("wc-fin")
+    then = [NewRequest("w1", "j1", "s1", branch_path="next", worker_class="wc-fin")]
+    queue.finish(claims[0], {"ok": 1}, then=then, now=T0 + timedelta(seconds=7))
+    ref = ClaimRef(claims[1].request_id, claims[1].token)
+    queue.finish(ref, {"ok": 1}, now=T0 + timedelta(seconds=9))
+    after = {k: value(f"onceflow_{k}", **out) for k in before}
+    assert after["attempts_total"] - before["attempts_total"] == 2
+    assert after["stage_duration_seconds_count"] - before["stage_duration_seconds_count"] == 2
+    assert after["stage_duration_seconds_sum"] - before["stage_duration_seconds_sum"] == 16.0
+    assert enqueued("wc-fin") - made_before == 1
 
 
 def enqueued(worker_class: str, outcome: str = "created") -> float:
