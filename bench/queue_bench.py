@@ -21,7 +21,8 @@ What is measured, each onceflow figure beside a floor on the same table:
 2. Claim + complete per second with 1, 2, 4 and 8 connections, one *process*
    per connection (multiprocessing spawn): the client side is Python, and with
    threads the GIL would serialise onceflow's Python work and understate it.
-   onceflow: ``claim_next(limit=1)`` then ``complete``, each its own transaction.
+   onceflow: ``claim_next(limit=1)`` then ``complete``, each its own transaction; and
+   the same with ``finish`` (the completion reading nothing back, as the floor's).
    Floor: a hand-written two-statement raw-psycopg loop in autocommit
    (``UPDATE … WHERE request_id = (SELECT … FOR UPDATE SKIP LOCKED) RETURNING``,
    then the fenced ``UPDATE … SET status='succeeded'``), and two ``SELECT 1``
@@ -409,6 +410,13 @@ def _worker(url: str, pipe: Pipe, batch: int) -> None:
         queue.complete(claims[0], RESULT)
         return True
 
+    def onceflow_finish_op() -> bool:  # the completion reading nothing back, as the floor's
+        claims = queue.claim_next(WC, worker_id, 1)
+        if not claims:
+            return False
+        queue.finish(claims[0], RESULT)
+        return True
+
     def floor_op() -> bool:
         token = secrets.token_hex(16)
         row = raw.execute(FLOOR_CLAIM, (token, worker_id, WC)).fetchone()
@@ -444,6 +452,7 @@ def _worker(url: str, pipe: Pipe, batch: int) -> None:
 
     ops: dict[str, Callable[[], int]] = {
         "onceflow": onceflow_op,
+        "onceflow_finish": onceflow_finish_op,
         "floor": floor_op,
         "select1": select1_op,
         "onceflow_batched": onceflow_batched_op,
@@ -579,7 +588,7 @@ def bench_claims(
         "batch": batch,
         "levels": {},
     }
-    kinds = ["onceflow", "floor", "select1"]
+    kinds = ["onceflow", "onceflow_finish", "floor", "select1"]
     if batch:
         kinds += ["onceflow_batched", "floor_batched"]
     try:
@@ -619,6 +628,14 @@ def bench_claims(
             ]
             level["ratio_per_round"] = per_round
             level["ratio_median"] = statistics.median(per_round)
+            finish = [
+                a / b
+                for a, b in zip(
+                    level["onceflow_finish"]["per_round"], level["floor"]["per_round"], strict=True
+                )
+            ]
+            level["finish_ratio_per_round"] = finish
+            level["finish_ratio_median"] = statistics.median(finish)
             if batch:
                 for name, (a, b) in {
                     "batched_ratio": ("onceflow_batched", "floor_batched"),
@@ -635,7 +652,9 @@ def bench_claims(
                 f"claim+complete x{n}: onceflow {level['onceflow']['ops_per_s']:,.0f}/s, "
                 f"floor {level['floor']['ops_per_s']:,.0f}/s, "
                 f"2xSELECT 1 {level['select1']['ops_per_s']:,.0f}/s, "
-                f"ratio {level['ratio']:.2f} (median of rounds {level['ratio_median']:.2f})"
+                f"ratio {level['ratio']:.2f} (median of rounds {level['ratio_median']:.2f}); "
+                f"claim_next + finish {level['onceflow_finish']['ops_per_s']:,.0f}/s, "
+                f"median ratio {level['finish_ratio_median']:.2f}"
             )
     finally:
         workers.close()
@@ -793,6 +812,22 @@ def _render_claims(c: dict[str, Any]) -> list[str]:
             f"| {sel:,.0f} ops/s | {once / sel:.2f} |"
         )
     lines.append("")
+    if any("onceflow_finish" in lv for lv in c["levels"].values()):
+        lines += [
+            "The same with `Queue.finish` for `complete` (the completion reading nothing "
+            "back, as the floor's does):",
+            "",
+            "| Connections | onceflow `claim_next` + `finish` | median of per-round ratios "
+            "to the floor | CPU µs per op, client · server |",
+            "| ---: | ---: | ---: | ---: |",
+        ]
+        for n, lv in c["levels"].items():
+            fin = lv["onceflow_finish"]
+            lines.append(
+                f"| {n} | {fin['ops_per_s']:,.0f} ops/s | {lv['finish_ratio_median']:.2f} "
+                f"| {fin['client_us']:,.0f} · {fin['server_us']:,.0f} |"
+            )
+        lines.append("")
     if c.get("batch"):
         lines += [
             f"Batched (`--batch {c['batch']}`: {c['batch']} rows claimed by one call and completed "
