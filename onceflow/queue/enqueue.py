@@ -17,6 +17,7 @@ from onceflow.connector import (
     AfterCommit,
     Execute,
     ExecutorConnector,
+    FetchOne,
     Pooled,
     ShardGroups,
     Steps,
@@ -294,12 +295,13 @@ class EnqueueOps:
         return params
 
     def _insert_rows(self, params: dict[str, Any], strict: bool) -> Steps[list[EnqueueResult]]:
+        if "rows" not in params:
+            return (yield from self._insert_one(params, strict))
         ids: list[str] = params["request_ids"]
         spaces: list[str] = params["workspace_ids"]
         hashes: list[str] = params["input_hashes"]
         # Rows by their key: an id a caller chose may name rows of two workspaces.
-        query = N.ENQUEUE if "rows" in params else N.ENQUEUE_ONE
-        inserted = yield from all_rows(query, params)
+        inserted = yield from all_rows(N.ENQUEUE, params)
         rows = {(r["workspace_id"], r["request_id"]): r for r in inserted}
         missing = [key for key in zip(spaces, ids, strict=True) if key not in rows]
         if missing:
@@ -336,6 +338,22 @@ class EnqueueOps:
                 )
             )
         return results
+
+    def _insert_one(self, params: dict[str, Any], strict: bool) -> Steps[list[EnqueueResult]]:
+        """``_insert_rows`` for one row (ENQUEUE_ONE's parameters): its one result row."""
+        row = yield FetchOne(N.ENQUEUE_ONE, params)
+        if row is None:
+            # Inserted by a concurrent enqueue that committed after this statement's snapshot
+            # (as in _insert_rows): a fresh snapshot sees it now.
+            keys = {"request_ids": params["request_ids"], "workspace_ids": params["workspace_ids"]}
+            row = yield FetchOne(N.ENQUEUE_LOOKUP, keys)
+        rid, stored, digest = params["request_id"], row["input_hash"], params["input_hash"]
+        if stored != digest and strict:
+            raise InputMismatch(rid, stored, digest)
+        status = status_of(row["status"])
+        ws, stage, wc = params["workspace_id"], params["stage"], params["worker_class"]
+        return [EnqueueResult(RequestId(rid), bool(row["created"]), status, stored != digest,
+                              stage, wc, ws)]  # fmt: skip
 
 
 def _row_json(values: tuple[Any, ...], text: str) -> str:

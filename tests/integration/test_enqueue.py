@@ -7,10 +7,11 @@ from enum import IntEnum
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 
 from onceflow import InputMismatch, InvalidRequest, NewRequest, PayloadTooLarge, Queue, Status
 from onceflow.ids import request_id_for
+from tests.acceptance.procs import wait_for
 from tests.conftest import table_snapshot
 
 
@@ -271,3 +272,53 @@ def test_a_caller_chosen_id_in_two_workspaces_is_two_requests_each_answered_by_i
     assert api_queue.get("chosen-1", workspace_id="wsA").status is Status.QUEUED
     ref = ClaimRef("chosen-1", claim.token, workspace_id="wsB")
     assert api_queue.complete(ref, {"ok": 1}).status is Status.SUCCEEDED
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["one_row", "batch"])
+def test_an_enqueue_that_waited_for_a_concurrent_insert_reads_its_row(
+    api_queue: Queue, clean_db: Engine, batch: bool
+) -> None:
+    """Another transaction inserted the row and commits while this enqueue waits on it (ON
+    CONFLICT waits for the inserter): the row committed after the statement's snapshot, so
+    the statement itself returns nothing for it and the enqueue reads it by its key (one
+    row and a batch alike): a duplicate, not an error, nothing written twice."""
+    other = NewRequest("w1", "j-race", "evaluate", "main", {"n": 1})
+    mine = [other, NewRequest("w1", "j-race-2", "evaluate", "main", {"n": 2})]
+    out: list[Any] = []
+
+    def enqueue() -> None:
+        try:
+            if batch:
+                out.append(api_queue.enqueue_many(mine))
+            else:
+                out.append([api_queue.enqueue("evaluate", "w1", "j-race", "main", {"n": 1})])
+        except BaseException as exc:
+            out.append(exc)
+
+    def waiting_on_a_lock() -> bool:
+        with clean_db.connect() as conn:
+            n = conn.execute(text(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND query LIKE '%workspace_process_requests%'"
+            )).scalar()  # fmt: skip
+        return bool(n)
+
+    with clean_db.connect() as conn:
+        tx = conn.begin()
+        [first] = Queue(clean_db).enqueue_many([other], connection=conn)
+        assert first.created
+        thread = threading.Thread(target=enqueue)
+        thread.start()
+        wait_for(waiting_on_a_lock, what="the enqueue waiting for the uncommitted row")
+        tx.commit()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    [results] = out
+    assert not isinstance(results, BaseException), results
+    assert (results[0].created, results[0].status, results[0].input_mismatch) == (
+        False, Status.QUEUED, False,
+    )  # fmt: skip
+    assert results[0].request_id == request_id_for("w1", "j-race", "main", "evaluate")
+    if batch:
+        assert results[1].created
+    assert len(api_queue.list(workspace_id="w1")) == (2 if batch else 1)
