@@ -41,10 +41,10 @@ PARTS = (
     ("stage", "the stage task's body (onceflow: `run_stage`; floor: its function)"),
     ("run_request", "`run_request` (claim, body, completion)"),
     ("claim", "the claim (`_claim`: `Queue.claim` and its retries)"),
-    ("complete", "the completion (`_complete`: `Queue.hand_off`)"),
+    ("complete", "the completion (`_complete`: `Queue.finish`; before it, `hand_off`)"),
     ("statements", "psycopg: `Cursor.execute` + `fetchone` (both statements)"),
     ("request", "building the request (`Request.from_row`, `after_run`)"),
-    ("metrics", "metrics (`claimed`, `finished`, `enqueued`, `in_progress`)"),
+    ("metrics", "metrics (`claimed`, `finished`/`run_ended`, `enqueued`, `in_progress`)"),
     ("encode", "the result's JSON (`encode_json`)"),
     ("context", "`StageContext` made"),
     ("heartbeats", "heartbeat registration (`add`, `remove`)"),
@@ -161,8 +161,9 @@ if OUT:  # in the bench's workers only (the bench itself imports the stages once
     _wrap(psycopg.Cursor, "fetchone", "statements")
     _classmethod(Request, "from_row", "request")
     _wrap(Request, "after_run", "request")
-    for _name in ("claimed", "finished", "enqueued", "in_progress"):
-        _wrap(metrics, _name, "metrics")
+    for _name in ("claimed", "finished", "run_ended", "enqueued", "in_progress"):
+        if hasattr(metrics, _name):  # run_ended: Queue.finish's (older trees have none)
+            _wrap(metrics, _name, "metrics")
     # encode_payload before encode_json existed: for runs against an older tree
     _wrap(claims, "encode_json" if hasattr(claims, "encode_json") else "encode_payload", "encode")
     _classmethod(bench_stages.NoopInput, "model_validate", "validate")
