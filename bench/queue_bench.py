@@ -620,33 +620,17 @@ def bench_claims(
                     "exhausted": any(r["exhausted"] for r in rs),
                 }
             level["ratio"] = level["onceflow"]["ops_per_s"] / level["floor"]["ops_per_s"]
-            per_round = [
-                a / b
-                for a, b in zip(
-                    level["onceflow"]["per_round"], level["floor"]["per_round"], strict=True
-                )
-            ]
-            level["ratio_per_round"] = per_round
-            level["ratio_median"] = statistics.median(per_round)
-            finish = [
-                a / b
-                for a, b in zip(
-                    level["onceflow_finish"]["per_round"], level["floor"]["per_round"], strict=True
-                )
-            ]
-            level["finish_ratio_per_round"] = finish
-            level["finish_ratio_median"] = statistics.median(finish)
+            # Medians of per-round ratios: "ratio" is onceflow (complete) / the floor.
+            pairs = {"ratio": ("onceflow", "floor"), "finish_ratio": ("onceflow_finish", "floor")}
             if batch:
-                for name, (a, b) in {
-                    "batched_ratio": ("onceflow_batched", "floor_batched"),
-                    "batched_vs_floor": ("onceflow_batched", "floor"),
-                }.items():
-                    rs = [
-                        x / y
-                        for x, y in zip(level[a]["per_round"], level[b]["per_round"], strict=True)
-                    ]
-                    level[f"{name}_per_round"] = rs
-                    level[f"{name}_median"] = statistics.median(rs)
+                pairs["batched_ratio"] = ("onceflow_batched", "floor_batched")
+                pairs["batched_vs_floor"] = ("onceflow_batched", "floor")
+            for name, (a, b) in pairs.items():
+                rs = [
+                    x / y for x, y in zip(level[a]["per_round"], level[b]["per_round"], strict=True)
+                ]
+                level[f"{name}_per_round"] = rs
+                level[f"{name}_median"] = statistics.median(rs)
             out["levels"][n] = level
             log(
                 f"claim+complete x{n}: onceflow {level['onceflow']['ops_per_s']:,.0f}/s, "
