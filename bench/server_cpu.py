@@ -9,14 +9,14 @@ then completes it, as a Celery worker's stage does; the server CPU of each backe
 from ``/proc/<pid>/stat`` (so the server must run on this machine) around blocks of
 ``BLOCK`` pairs, the variants taking turns, after a warm-up that prepares the statements.
 
-The variants are a ladder from onceflow's own statements (``N.CLAIM`` and
-``N.COMPLETE_CHANGED``, keyed form) down to the drain benchmark's floor
+The variants are a ladder from onceflow's own statements (``N.CLAIM`` and ``N.FINISH``,
+the completion a Celery stage runs, keyed form) down to the drain benchmark's floor
 (``bench.bench_stages.FLOOR_CLAIM`` / ``FLOOR_COMPLETE``), each rung taking one more part
 of onceflow's statements away:
 
 1. ``-took_over``: the claim's subselect telling a takeover of a lapsed lease (metrics);
 2. ``-claim columns``: the claim returns 4 columns instead of the request's 27;
-3. ``-completion columns``: the completion returns 1 column instead of 12;
+3. ``-completion columns``: the completion returns 1 column instead of 5;
 4. ``-lapsed, stage``: the claim takes only a queued row (no takeover of a lapsed lease,
    no stage check);
 5. ``-completion fence``: the completion checks neither the lease nor the worker classes
@@ -78,7 +78,7 @@ def variants() -> dict[str, tuple[str, str]]:
     """The ladder: name → (claim, completion) SQL for psycopg, onceflow's first, floor last."""
     from onceflow.queue.sql import N
 
-    claim, done = N.CLAIM.sql, N.COMPLETE_CHANGED.sql
+    claim, done = N.CLAIM.sql, N.FINISH.sql
     c1 = _without(claim, ",\n    (SELECT o.status = 'running'", "AS took_over", "took_over")
     c1 = c1.replace("AS took_over", "", 1)
     c2 = _returning(c1, "w.request_id, w.input, w.attempts, w.lease_expires_at")

@@ -17,7 +17,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -76,6 +76,9 @@ _T = TypeVar("_T")
 
 #: What every fenced write takes: a claim, or its bare ``(request_id, token)``.
 Fenced = Claim | ClaimRef
+#: A completion's outcome (``ClaimOps._succeed``): its statement's row — or, when an attempt
+#: whose answer was lost is found landed, the whole request — and the follow-ups' results.
+_Succeeded = tuple[Mapping[str, Any] | Request, builtins.list[EnqueueResult]]
 
 
 class ClaimOps:
@@ -352,7 +355,7 @@ class ClaimOps:
         then: Iterable[NewRequest],
         now: datetime | None,
         statement: Query,
-    ) -> Steps[tuple[Any, builtins.list[EnqueueResult]]]:
+    ) -> Steps[_Succeeded]:
         """The steps of :meth:`hand_off` and :meth:`finish`: ``statement``'s row (or, when
         an attempt whose answer was lost is found landed, the whole :class:`Request`) and
         the follow-ups' results."""
@@ -373,13 +376,13 @@ class ClaimOps:
             "worker_classes": fence_scope(claim),
         }  # fmt: skip
 
-        def attempt() -> Steps[tuple[Any, builtins.list[EnqueueResult]]]:
+        def attempt() -> Steps[_Succeeded]:
             row, followed = yield from self._complete_once(statement, params, follow_params)
             if row is None:
                 raise LeaseLost(claim.request_id, "completion rejected")
             return row, followed
 
-        def landed() -> Steps[tuple[Any, builtins.list[EnqueueResult]] | None]:
+        def landed() -> Steps[_Succeeded | None]:
             current = yield from _landed(claim, (Status.SUCCEEDED,))
             if current is None:
                 return None

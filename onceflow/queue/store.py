@@ -123,7 +123,7 @@ class Queue(SyncSide, EnqueueOps, ClaimOps, OperatorOps, ReadOps, Sweeper, Batch
         return self._shards
 
     # enqueue, enqueue_many, enqueue_many_with, resolve: see queue/enqueue.py.
-    # claim, claim_next, heartbeat, complete, hand_off, claim_parent, fail, fenced_retry:
+    # claim, claim_next, heartbeat, complete, hand_off, finish, claim_parent, fail, fenced_retry:
     # queue/claims.py.
     # cancel, requeue, mark_undispatched: queue/operators.py.
     # get, live_claim, list, counts: queue/reads.py.

@@ -11,6 +11,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 from sqlalchemy import Engine, text
 
 from onceflow import (
@@ -571,6 +572,8 @@ def test_a_write_by_ref_whose_answer_was_lost_is_recognised_on_retry(
     claim = losing_queue.claim(rid, "pw")
     assert claim is not None
     ref = ClaimRef(rid, claim.token)
+    labels = {"worker_class": "default", "stage": "s", "outcome": "succeeded"}
+    succeeded = REGISTRY.get_sample_value("onceflow_attempts_total", labels) or 0.0
     if write in ("hand_off", "finish"):
         then = [NewRequest("w", "lost-next", "next", dedupe=False)]  # a random id, minted once
         if write == "hand_off":
@@ -582,6 +585,9 @@ def test_a_write_by_ref_whose_answer_was_lost_is_recognised_on_retry(
         # The lost attempt created it: one row, and left for the sweeper's wake-up.
         [nxt] = losing_queue.list(job_id="lost-next")
         assert (nxt.request_id, made.created, nxt.dispatched_at) == (made.request_id, False, None)
+        # The run counted once, from the landed row (the lost attempt counted nothing).
+        after = REGISTRY.get_sample_value("onceflow_attempts_total", labels) or 0.0
+        assert after - succeeded == 1
     else:
         row = losing_queue.fail(ref, {"type": "Boom"}, retryable=False)
         assert (row.status, row.error) == (Status.DEAD, {"type": "Boom"})

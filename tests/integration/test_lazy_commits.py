@@ -52,11 +52,12 @@ def _observed_queue(engine: Engine, *, lazy: bool) -> tuple[Queue, Observing]:
 
 def test_claims_and_heartbeats_commit_lazily_completions_durably(clean_db: Engine) -> None:
     queue, seen = _observed_queue(clean_db, lazy=True)
-    queue.enqueue_many([NewRequest("w1", f"j{i}", "evaluate") for i in range(2)])
+    queue.enqueue_many([NewRequest("w1", f"j{i}", "evaluate") for i in range(3)])
     claim = queue.claim_next("default", "w-1")[0]
     queue.heartbeat(claim)
     queue.heartbeat_many([claim])
     queue.complete(claim, {"ok": True})  # by Claim: queue.complete_changed
+    queue.finish(queue.claim_next("default", "w-1")[0], {"ok": True})  # a Celery stage's
     by_id = queue.list(workspace_id="w1", status="queued")[0].request_id
     other = queue.claim(by_id, "w-1")
     assert other is not None
@@ -68,6 +69,7 @@ def test_claims_and_heartbeats_commit_lazily_completions_durably(clean_db: Engin
     assert modes["queue.claim"] == "off"
     # Completions, failures and enqueues keep the server's durable default.
     assert modes["queue.complete_changed"] == "on"
+    assert modes["queue.finish"] == "on"
     assert modes["queue.fail"] == "on"
     assert modes["queue.enqueue"] == "on"
 

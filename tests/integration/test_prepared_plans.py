@@ -69,17 +69,25 @@ def test_claims_and_completions_by_key_are_not_planned_at_every_run(empty_databa
     queue = Queue(engine)
     try:
         _grown_after_empty_stats(engine)
-        runs = 30
-        for i in range(1, runs + 1):
+        runs = 30  # each completion's: complete (a Claim's), then finish (a Celery stage's)
+        for i in range(1, 2 * runs + 1):
             claim = queue.claim(f"r-{i}", "w1", workspace_id=f"w{i % 50}")
             assert claim is not None
-            queue.complete(claim, {"i": i})
+            if i <= runs:
+                queue.complete(claim, {"i": i})
+            else:
+                queue.finish(claim, {"i": i})
         plans = {
             name: next((g, c) for s, g, c in _prepared(engine) if s == _as_prepared(sql))
-            for name, sql in (("claim", N.CLAIM.sql), ("complete", N.COMPLETE_CHANGED.sql))
+            for name, sql in (
+                ("claim", N.CLAIM.sql),
+                ("complete", N.COMPLETE_CHANGED.sql),
+                ("finish", N.FINISH.sql),
+            )
         }
         # Prepared at the 6th run; five custom plans, then the generic one for the rest.
-        assert plans == {"claim": (runs - 10, 5), "complete": (runs - 10, 5)}, plans
+        want = {"claim": (2 * runs - 10, 5), "complete": (runs - 10, 5), "finish": (runs - 10, 5)}
+        assert plans == want, plans
     finally:
         engine.dispose()
 
@@ -92,7 +100,8 @@ def test_a_caller_by_id_alone_runs_the_form_that_finds_the_workspace() -> None:
     assert "coalesce(CAST(%(workspace_id)s" in N.CLAIM.by_id
     assert "coalesce(CAST(%(workspace_id)s" not in N.CLAIM.sql
     keyed = [name for name, q in vars(N).items() if getattr(q, "by_id", None) is not None]
-    for name in ("CLAIM", "HEARTBEAT", "COMPLETE", "COMPLETE_CHANGED", "FAIL", "FENCE_CHECK"):
+    for name in ("CLAIM", "HEARTBEAT", "COMPLETE", "COMPLETE_CHANGED", "FINISH", "FAIL",
+                 "FENCE_CHECK"):  # fmt: skip
         assert name in keyed
 
 
