@@ -15,6 +15,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import redis
@@ -39,13 +40,20 @@ def server_binary() -> str | None:
         return None
 
 
-def _free_port() -> int:
-    """A free port whose cluster bus port (port + 10000) is free too."""
+def _os_port() -> int:
+    """A port the OS calls free now (released at once: another call may return it again)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _free_port(avoid: Collection[int] = ()) -> int:
+    """A free port whose cluster bus port (port + 10000) is free too, clashing with none of
+    ``avoid`` (the cluster's other ports, which the OS may still call free: a node not
+    started yet, or one that exited) nor with their bus ports."""
     for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port > 55000:
+        port = _os_port()
+        if port > 55000 or {port, port + 10000, port - 10000} & set(avoid):
             continue
         with socket.socket() as bus:
             try:
@@ -74,7 +82,12 @@ class LocalCluster:
 
     def __init__(self, binary: str, nodes: int = 3) -> None:
         self.binary = binary
-        self.ports = [_free_port() for _ in range(nodes)]
+        #: Every port this cluster has used: a node restarted elsewhere never takes the port
+        #: of another (two nodes on one port: one entry in ``procs``, a node never stopped).
+        self.used: list[int] = []
+        for _ in range(nodes):
+            self.used.append(_free_port(self.used))
+        self.ports = list(self.used)
         self.dir = Path(tempfile.mkdtemp(prefix="onceflow-cluster-"))
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
@@ -94,6 +107,7 @@ class LocalCluster:
             "--cluster-node-timeout", "1000", "--cluster-require-full-coverage", "no",
             "--save", "", "--appendonly", "no", "--dir", str(self.dir),
         ]  # fmt: skip
+        assert port not in self.procs, f"port {port} is taken by a node of this cluster"
         with open(self.dir / f"node-{port}.log", "wb") as log:
             self.procs[port] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
 
@@ -106,8 +120,8 @@ class LocalCluster:
             _wait(lambda: self._answers_or_exited(port), f"cluster node on port {port}")  # noqa: B023
             if self.procs[port].poll() is None:
                 return
-            del self.procs[port]
-            self.ports[index] = _free_port()
+            self.ports[index] = _free_port(self.used)
+            self.used.append(self.ports[index])
             self._spawn(self.ports[index])
         log = (self.dir / f"node-{self.ports[index]}.log").read_text(errors="replace")
         raise AssertionError(f"a cluster node would not start: {log[-2000:]}")
