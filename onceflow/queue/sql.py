@@ -341,8 +341,8 @@ COMPLETE_CHANGED: TextClause = text(
     )
 )
 
-# COMPLETE for a caller that keeps nothing of the row (Queue.finish: a Celery stage, a
-# Worker's loop): what a run's metrics need (its class, stage, claim time and end time) and
+# COMPLETE for a caller that keeps nothing of the row (Queue.finish: a Celery stage, the
+# Worker's hand-offs): what a run's metrics need (its class, stage, claim time and end time) and
 # the workspace a hand-off's follow-ups are checked against; no result decoded back, no
 # Request built from the row.
 FINISH: TextClause = text(
