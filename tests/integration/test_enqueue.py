@@ -299,6 +299,7 @@ def test_an_enqueue_that_waited_for_a_concurrent_insert_reads_its_row(
         with clean_db.connect() as conn:
             n = conn.execute(text(
                 "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND datname = current_database() "
                 "AND query LIKE '%workspace_process_requests%'"
             )).scalar()  # fmt: skip
         return bool(n)
