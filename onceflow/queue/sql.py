@@ -129,25 +129,40 @@ WHERE r.workspace_id || chr(1) || r.request_id
 # parameters, no JSON envelope to unpack. The existing row is probed by its key only when
 # nothing was inserted. 0.94x a bare one-row INSERT against ENQUEUE's 0.80x, both with
 # params built ahead (bench/queue_bench.py, issue 13); a duplicate 145 µs against 158.
+# Its one possible NOTIFY is sent by the result row's own filter (`_notify_one`), not by a
+# `sig` CTE: the CTE's aggregate over a DISTINCT cost 30-40 µs of a ~330 µs statement, and
+# the `n` CTE another few (now() is the transaction's start however often it is read).
+_NOW_ONE = "coalesce(CAST(:now AS timestamptz), now())"
+
+
+def _notify_one(row: str, where: str) -> str:
+    """A WHERE condition, always true, that sends ``row``'s NOTIFY when ``where`` holds and
+    ``:notify`` is true: for statements of one row (a CASE evaluates its branches in order,
+    so the notify runs exactly when its condition holds; a duplicate NOTIFY in one
+    transaction is folded by Postgres anyway)."""
+    return f"""CASE WHEN CAST(:notify AS boolean) AND ({where})
+      THEN CAST(pg_notify('{NOTIFY_CHANNEL}', {row}.worker_class) AS text) = ''
+      ELSE true END"""
+
+
 ENQUEUE_ONE: TextClause = text(f"""
-WITH n AS ({_NOW}),
-ins AS (
+WITH ins AS (
     INSERT INTO {TABLE} AS w (
         request_id, workspace_id, job_id, branch_path, stage, dedupe, input, input_hash,
         worker_class, priority, max_attempts, max_crash_attempts,
         run_after, dispatched_at, created_at, updated_at)
-    SELECT CAST(:request_id AS text), CAST(:workspace_id AS text), CAST(:job_id AS text),
-           CAST(:branch_path AS text), CAST(:stage AS text), CAST(:dedupe AS boolean),
-           CAST(:input AS jsonb), CAST(:input_hash AS text), CAST(:worker_class AS text),
-           CAST(:priority AS integer), CAST(:max_attempts AS integer),
-           CAST(:max_crash_attempts AS integer),
-           n.now + make_interval(secs => CAST(:delay AS float8)), n.now, n.now, n.now
-    FROM n
+    VALUES (CAST(:request_id AS text), CAST(:workspace_id AS text), CAST(:job_id AS text),
+            CAST(:branch_path AS text), CAST(:stage AS text), CAST(:dedupe AS boolean),
+            CAST(:input AS jsonb), CAST(:input_hash AS text), CAST(:worker_class AS text),
+            CAST(:priority AS integer), CAST(:max_attempts AS integer),
+            CAST(:max_crash_attempts AS integer),
+            {_NOW_ONE} + make_interval(secs => CAST(:delay AS float8)),
+            {_NOW_ONE}, {_NOW_ONE}, {_NOW_ONE})
     ON CONFLICT (workspace_id, request_id) DO NOTHING
     RETURNING w.request_id, w.workspace_id, w.status, w.input_hash, w.worker_class, w.run_after
-),
-sig AS ({_notify("ins", "r.run_after <= n.now")})
-SELECT request_id, workspace_id, true AS created, status, input_hash FROM ins WHERE {_SENT}
+)
+SELECT request_id, workspace_id, true AS created, status, input_hash FROM ins
+WHERE {_notify_one("ins", f"ins.run_after <= {_NOW_ONE}")}
 UNION ALL
 SELECT o.request_id, o.workspace_id, false AS created, o.status, o.input_hash
 FROM {TABLE} o

@@ -154,6 +154,31 @@ def test_enqueue_notifies_due_rows_once_per_class(q: Queue, database_url: str) -
     assert sorted(notified(database_url, act)) == ["wc-a", "wc-b"]
 
 
+def test_a_single_enqueue_notifies_when_due_and_never_with_the_setting_off(
+    q: Queue, clean_db: Engine, database_url: str
+) -> None:
+    # The one-row statement sends its NOTIFY from its result row's filter: due and new only.
+    def act() -> None:
+        q.enqueue("s", "w1", "n1", worker_class="wc-due")
+        q.enqueue("s", "w1", "n2", worker_class="wc-later", run_after_seconds=60)
+        q.enqueue("s", "w1", "n1", worker_class="wc-due")  # a duplicate: nothing
+        q.enqueue("s", "w1", "n3", worker_class="wc-past", now=db_now(q.engine))
+
+    assert notified(database_url, act) == ["wc-due", "wc-past"]
+
+    quiet = Queue(clean_db, settings=get_settings().model_copy(update={"notify": False}))
+    try:
+
+        def act_quietly() -> None:
+            assert quiet.enqueue("s", "w1", "q1", worker_class="wc-off").created
+            assert quiet.enqueue_many([item("q2", "wc-off"), item("q3", "wc-off2")])[1].created
+
+        assert notified(database_url, act_quietly) == []
+        assert len(quiet.claim_next("wc-off", "w", limit=5)) == 2  # written all the same
+    finally:
+        quiet.close()
+
+
 def test_notify_is_sent_on_commit_only_and_on_every_enqueue_path(
     q: Queue, engine: Engine, database_url: str
 ) -> None:
