@@ -61,7 +61,8 @@ NOTIFY_CHANNEL = "onceflow_work"
 
 
 def _notify(rows: str, where: str = "true") -> str:
-    """A CTE body: one NOTIFY per distinct worker class of ``rows`` matching ``where``.
+    """A CTE body: one NOTIFY per distinct worker class of ``rows`` matching ``where``; for
+    statements of many rows (one row's statement: ``_notify_one``, cheaper).
 
     Sent only when ``:notify`` is true (the ``notify`` setting). A CTE that is not
     referenced is never run: the statement's final SELECT names it (``_SENT``).
@@ -402,9 +403,9 @@ UPDATE {TABLE} AS w SET
 FROM n, nxt
 WHERE {_FENCE}
 RETURNING {RETURNING}
-),
-sig AS ({_notify("upd", "r.status = 'queued' AND r.run_after <= n.now")})
-SELECT * FROM upd WHERE {_SENT}
+)
+SELECT upd.* FROM upd, n
+WHERE {_notify_one("upd", "upd.status = 'queued' AND upd.run_after <= n.now")}
 """)
 
 CANCEL: TextClause = text(f"""
@@ -449,9 +450,8 @@ WHERE {_BY_ID} AND w.status IN ('succeeded', 'dead', 'cancelled')
   AND (CAST(:expect AS timestamptz) IS NULL
        OR (w.status IN ('dead', 'cancelled') AND w.updated_at = CAST(:expect AS timestamptz)))
 RETURNING {RETURNING}
-),
-sig AS ({_notify("upd")})
-SELECT * FROM upd WHERE {_SENT}
+)
+SELECT * FROM upd WHERE {_notify_one("upd", "true")}
 """)
 
 # For Queue.wait_for_work: seconds (database clock) until the next request of these worker
