@@ -133,6 +133,8 @@ WHERE r.workspace_id || chr(1) || r.request_id
 # Its one possible NOTIFY is sent by the result row's own filter (`_notify_one`), not by a
 # `sig` CTE: the CTE's aggregate over a DISTINCT cost 30-40 µs of a ~330 µs statement, and
 # the `n` CTE another few (now() is the transaction's start however often it is read).
+# Its row is what the caller does not know: whether it inserted, the row's status, the stored
+# input hash (its own when it inserted); not the key it sent (-3 to -5% of the statement).
 _NOW_ONE = "coalesce(CAST(:now AS timestamptz), now())"
 
 
@@ -160,12 +162,12 @@ WITH ins AS (
             {_NOW_ONE} + make_interval(secs => CAST(:delay AS float8)),
             {_NOW_ONE}, {_NOW_ONE}, {_NOW_ONE})
     ON CONFLICT (workspace_id, request_id) DO NOTHING
-    RETURNING w.request_id, w.workspace_id, w.status, w.input_hash, w.worker_class, w.run_after
+    RETURNING w.status, w.worker_class, w.run_after
 )
-SELECT request_id, workspace_id, true AS created, status, input_hash FROM ins
+SELECT true AS created, ins.status, CAST(:input_hash AS text) AS input_hash FROM ins
 WHERE {_notify_one("ins", f"ins.run_after <= {_NOW_ONE}")}
 UNION ALL
-SELECT o.request_id, o.workspace_id, false AS created, o.status, o.input_hash
+SELECT false AS created, o.status, o.input_hash
 FROM {TABLE} o
 WHERE o.workspace_id = CAST(:workspace_id AS text) AND o.request_id = CAST(:request_id AS text)
   AND NOT EXISTS (SELECT FROM ins)
