@@ -18,12 +18,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import pytest
 from sqlalchemy import text
 
 from onceflow.db import make_engine, raw_connection
 from onceflow.migrate import migrate
+from onceflow.models.requests import NewRequest
 from onceflow.queue import Queue
-from onceflow.queue.sql import N
+from onceflow.queue.sql import N, claim_next_sql
 
 
 def _as_prepared(sql: str) -> str:
@@ -141,5 +143,65 @@ def test_a_one_row_enqueue_probes_by_key_in_its_generic_plan(empty_database: str
         first = queue.enqueue("evaluate", "w1", "fresh-job")
         again = queue.enqueue("evaluate", "w1", "fresh-job")
         assert (first.created, again.created, again.request_id) == (True, False, first.request_id)
+    finally:
+        engine.dispose()
+
+
+def _removed_rows(node: dict[str, Any]) -> int:
+    """Rows a plan node and its children read and then dropped by a filter or join filter."""
+    here = int(node.get("Rows Removed by Filter", 0)) + int(
+        node.get("Rows Removed by Join Filter", 0)
+    )
+    return here + sum(_removed_rows(child) for child in node.get("Plans", ()))
+
+
+def _index_scans(node: dict[str, Any], index: str) -> list[dict[str, Any]]:
+    found = [node] if node.get("Index Name") == index else []
+    for child in node.get("Plans", ()):
+        found += _index_scans(child, index)
+    return found
+
+
+@pytest.mark.parametrize("plan_mode", ["force_generic_plan", "force_custom_plan"])
+def test_a_claim_does_not_read_the_requests_in_flight(empty_database: str, plan_mode: str) -> None:
+    """claim_next looks for lapsed leases through ix_wpr_lease bounded by the time: with
+    300 requests of its class in flight (live leases), its plan reads none of them. Before,
+    the bound was a join filter against the `n` CTE: every claim read every running row of
+    its class (O(in flight) backend time per claim; a Worker with many slow calls in flight
+    paid it at every claim)."""
+    migrate(empty_database)
+    engine = make_engine(empty_database, pool_size=1)
+    queue = Queue(engine)
+    in_flight = 300
+    try:
+        queue.enqueue_many(
+            [NewRequest("w1", f"j{i}", "s", worker_class="wc-busy") for i in range(in_flight + 5)]
+        )
+        assert len(queue.claim_next("wc-busy", "w", limit=in_flight, lease_seconds=600)) == in_flight
+        with engine.begin() as conn:
+            conn.execute(text("ANALYZE workspace_process_requests"))
+        sql = claim_next_sql(1)
+        names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", sql)))
+        values = {"worker_class": "wc-busy", "worker_id": "w2", "tokens": "t", "now": None,
+                  "lease_seconds": 30, "max_runtime": 60, "lazy": "false"}  # fmt: skip
+        args = ", ".join("NULL" if values[n] is None else f"'{values[n]}'" for n in names)
+        with raw_connection(engine) as raw:
+            raw.execute(f"PREPARE probe AS {_as_prepared(sql)}")
+            raw.execute(f"SET plan_cache_mode = {plan_mode}")
+            try:
+                with raw.transaction(force_rollback=True):
+                    row = raw.execute(
+                        f"EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE probe({args})"
+                    ).fetchone()
+            finally:
+                raw.execute("RESET plan_cache_mode")
+                raw.execute("DEALLOCATE probe")
+        assert row is not None
+        plan = row[0][0]["Plan"]
+        assert plan["Actual Rows"] == 1  # it claimed one of the five queued
+        [lease_scan] = _index_scans(plan, "ix_wpr_lease")
+        assert "lease_expires_at" in lease_scan["Index Cond"], lease_scan
+        assert lease_scan["Actual Rows"] == 0, lease_scan
+        assert _removed_rows(plan) < in_flight, plan
     finally:
         engine.dispose()
