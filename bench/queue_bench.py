@@ -32,6 +32,10 @@ What is measured, each onceflow figure beside a floor on the same table:
    rows with 10k, 100k and 1M finished rows in the table (``--quick``: 10k and
    100k), each after ANALYZE and VACUUM; each onceflow claim is followed by a
    hand-written one on the same table, as a control for the machine.
+4. Claim + complete (``claim_next`` + ``finish``) while 0, 300 and 3,000 other requests
+   of the class are in flight (running under live leases; ``--quick``: 0 and 3,000),
+   each beside the hand-written claim + complete: a claim must not cost more with more
+   work in progress (it did: its lapsed-lease scan read every running row, issue 13).
 
 onceflow and its floor are interleaved (call by call for enqueue and latency,
 run by run for throughput), so a burst of outside load on a shared machine hits
@@ -148,6 +152,18 @@ INSERT INTO {TABLE} (request_id, workspace_id, job_id, branch_path, stage, dedup
                      input_hash, worker_class, max_attempts, max_crash_attempts, dispatched_at)
 SELECT %(prefix)s || i, 'w' || (i %% 50), %(prefix)s || i, '', '{STAGE}', true,
        '{{"doc": 1}}', 'h', %(wc)s, 5, 3, now()
+FROM generate_series(1, %(n)s::int) AS i
+"""
+
+# Requests in flight: running under live leases (an hour), as a worker's claims in progress.
+SEED_RUNNING = f"""
+INSERT INTO {TABLE} (request_id, workspace_id, job_id, branch_path, stage, dedupe, input,
+                     input_hash, worker_class, status, claim_token, claimed_by, attempts,
+                     max_attempts, max_crash_attempts, lease_expires_at, heartbeat_at,
+                     claimed_at, dispatched_at)
+SELECT 'run-' || i, 'w' || (i %% 50), 'run-' || i, '', '{STAGE}', true, '{{"doc": 1}}', 'h',
+       %(wc)s, 'running', 'tok-' || i, 'holder', 1, 5, 3, now() + interval '1 hour', now(),
+       now(), now()
 FROM generate_series(1, %(n)s::int) AS i
 """
 
@@ -712,6 +728,59 @@ def bench_latency(url: str, sizes: list[int], ops: int, warmup: int) -> dict[str
     return out
 
 
+# ---------------------------------------------------------------------------- 4. in flight
+
+
+def bench_in_flight(url: str, levels: list[int], ops: int, warmup: int) -> dict[str, Any]:
+    """onceflow's claim_next + finish beside the hand-written claim + complete while K other
+    requests of the same class are in flight (running under live leases, as a worker with
+    many slow calls has them), one connection each; the in-flight rows must stay as they
+    are (a claim that took one would be a bug of the bench, and raises)."""
+    queue = make_queue(url)
+    raw = raw_connect(url)
+    worker_id = "bench-in-flight"
+    out: dict[str, Any] = {"ops": ops, "levels": {}}
+    try:
+        for level in levels:
+            reset_table(url)
+            raw.execute(SEED_RUNNING, {"wc": WC, "n": level})
+            raw.execute(SEED_QUEUED, {"prefix": f"fl{level}-", "wc": WC, "n": 2 * (ops + warmup)})
+            raw.execute(f"VACUUM ANALYZE {TABLE}")
+            samples: dict[str, list[float]] = {"onceflow": [], "floor": []}
+            for i in range(ops + warmup):
+                t0 = time.perf_counter()
+                claims = queue.claim_next(WC, worker_id, 1)
+                queue.finish(claims[0], RESULT)
+                t1 = time.perf_counter()
+                token = secrets.token_hex(16)
+                row = raw.execute(FLOOR_CLAIM, (token, worker_id, WC)).fetchone()
+                assert row is not None
+                raw.execute(FLOOR_COMPLETE, (RESULT_TEXT, row[0], token))
+                t2 = time.perf_counter()
+                if i >= warmup:
+                    samples["onceflow"].append(t1 - t0)
+                    samples["floor"].append(t2 - t1)
+            still = raw.execute(
+                f"SELECT count(*) FROM {TABLE} WHERE claimed_by = 'holder' AND status = 'running'"
+            ).fetchone()
+            if still is None or still[0] != level:
+                raise RuntimeError(f"in-flight rows touched: {still} of {level} left running")
+            stats = {k: _stats(v) for k, v in samples.items()}
+            out["levels"][level] = stats
+            log(
+                f"in flight {level:,}: claim_next + finish median "
+                f"{stats['onceflow']['median_ms']:.2f} ms (floor {stats['floor']['median_ms']:.2f})"
+            )
+        first, last = out["levels"][levels[0]], out["levels"][levels[-1]]
+        out["growth"] = {
+            k: last[k]["median_ms"] / first[k]["median_ms"] for k in ("onceflow", "floor")
+        }
+    finally:
+        raw.close()
+        queue.engine.dispose()
+    return out
+
+
 # ---------------------------------------------------------------------------- report
 
 
@@ -743,6 +812,8 @@ def render(res: dict[str, Any]) -> str:
         lines += _render_claims(res["claims"])
     if "latency" in res:
         lines += _render_latency(res["latency"])
+    if "in_flight" in res:
+        lines += _render_in_flight(res["in_flight"])
     return "\n".join(lines)
 
 
@@ -867,6 +938,33 @@ def _render_latency(lat: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _render_in_flight(fl: dict[str, Any]) -> list[str]:
+    levels = list(fl["levels"])
+    g = fl["growth"]
+    lines = [
+        f"#### 4. Claim + complete vs requests in flight ({fl['ops']:,} ops per level, one "
+        "connection; each onceflow op followed by a hand-written one as a control)",
+        "",
+        "| Requests in flight | `claim_next` + `finish` median | p99 | floor median | p99 "
+        "| onceflow / floor (medians) |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for level in levels:
+        st = fl["levels"][level]
+        o, f = st["onceflow"], st["floor"]
+        lines.append(
+            f"| {int(level):,} | {o['median_ms']:.2f} ms | {o['p99_ms']:.2f} ms "
+            f"| {f['median_ms']:.2f} ms | {f['p99_ms']:.2f} ms "
+            f"| {f['median_ms'] / o['median_ms']:.2f} |"
+        )
+    lines += [
+        f"| **{int(levels[-1]):,} / {int(levels[0]):,}** (target ≤ 1.5x) "
+        f"| **{g['onceflow']:.2f}x** {_ok(g['onceflow'] <= 1.5)} | | {g['floor']:.2f}x | | |",
+        "",
+    ]
+    return lines
+
+
 def _loadavg() -> str:
     try:
         with open("/proc/loadavg") as f:
@@ -880,7 +978,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a short run; sizes 10k and 100k")
     parser.add_argument("--json", action="store_true", help="print the raw numbers as JSON")
     parser.add_argument(
-        "--only", choices=("enqueue", "claims", "latency"), help="run one section only"
+        "--only",
+        choices=("enqueue", "claims", "latency", "in_flight"),
+        help="run one section only",
     )
     parser.add_argument(
         "--rounds", type=int, default=None, help="claim + complete rounds per level"
@@ -903,6 +1003,8 @@ def main(argv: list[str] | None = None) -> int:
             "seed": 20_000,
             "sizes": [10_000, 100_000],
             "lat_ops": 500,
+            "in_flight": [0, 3_000],
+            "in_flight_ops": 300,
         }
     else:
         cfg = {
@@ -913,6 +1015,8 @@ def main(argv: list[str] | None = None) -> int:
             "seed": 30_000,
             "sizes": [10_000, 100_000, 1_000_000],
             "lat_ops": 2_000,
+            "in_flight": [0, 300, 3_000],
+            "in_flight_ops": 1_000,
         }
     started = time.perf_counter()
     given = sys.argv[1:] if argv is None else argv
@@ -929,6 +1033,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.only in (None, "latency"):
             results["latency"] = bench_latency(url, cfg["sizes"], cfg["lat_ops"], warmup=100)
+        if args.only in (None, "in_flight"):
+            results["in_flight"] = bench_in_flight(
+                url, cfg["in_flight"], cfg["in_flight_ops"], warmup=50
+            )
     results["loadavg_end"] = _loadavg()
     results["wall_seconds"] = time.perf_counter() - started
     log(f"done in {results['wall_seconds']:.0f}s")

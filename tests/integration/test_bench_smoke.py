@@ -10,7 +10,9 @@ succeeded and exits non-zero otherwise. Nothing here asserts a duration.
   measuring something else;
 * ``bench/stage_parts.py``: a drain of onceflow's stage and of the floor in real Celery
   workers, each pool child reporting its CPU per part of a stage; the onceflow worker's
-  children start with their parent's objects frozen, the floor's (bare Celery) do not.
+  children start with their parent's objects frozen, the floor's (bare Celery) do not;
+* ``bench/queue_bench.py --only in_flight``: claims beside requests in flight, which stay
+  running.
 """
 
 from __future__ import annotations
@@ -84,3 +86,13 @@ def test_stage_parts_splits_each_sides_child_cpu(services: tuple[str, str]) -> N
     assert once["stage"] > once["run_request"] > once["claim"]  # parts nest
     assert floor["stage"] > floor["statements"] > 0 and "claim" not in floor
     assert once["gc_frozen"] > 10_000 and floor["gc_frozen"] == 0
+
+
+def test_queue_bench_claims_beside_requests_in_flight(services: tuple[str, str]) -> None:
+    """``bench/queue_bench.py``'s in-flight section: every level measured on both sides, and
+    its requests in flight left running (the script raises if a claim took one)."""
+    res = run_bench("queue_bench.py", services[0], "--quick", "--only", "in_flight")["in_flight"]
+    assert list(res["levels"]) == ["0", "3000"]
+    for level in res["levels"].values():
+        assert level["onceflow"]["median_ms"] > 0 and level["floor"]["median_ms"] > 0, level
+    assert set(res["growth"]) == {"onceflow", "floor"}

@@ -177,7 +177,8 @@ def test_a_claim_does_not_read_the_requests_in_flight(empty_database: str, plan_
         queue.enqueue_many(
             [NewRequest("w1", f"j{i}", "s", worker_class="wc-busy") for i in range(in_flight + 5)]
         )
-        assert len(queue.claim_next("wc-busy", "w", limit=in_flight, lease_seconds=600)) == in_flight
+        claimed = queue.claim_next("wc-busy", "w", limit=in_flight, lease_seconds=600)
+        assert len(claimed) == in_flight
         with engine.begin() as conn:
             conn.execute(text("ANALYZE workspace_process_requests"))
         sql = claim_next_sql(1)
