@@ -206,3 +206,60 @@ def test_a_claim_does_not_read_the_requests_in_flight(empty_database: str, plan_
         assert _removed_rows(plan) < in_flight, plan
     finally:
         engine.dispose()
+
+
+def _rows_read(node: dict[str, Any]) -> int:
+    """Rows the plan's scans of the table returned, over all their loops."""
+    here = 0
+    if node.get("Relation Name") == "workspace_process_requests":
+        here = int(node["Actual Rows"]) * int(node.get("Actual Loops", 1))
+    return here + sum(_rows_read(child) for child in node.get("Plans", ()))
+
+
+@pytest.mark.parametrize("plan_mode", ["force_generic_plan", "force_custom_plan"])
+def test_a_wait_reads_the_front_of_its_indexes_not_the_queue(
+    empty_database: str, plan_mode: str
+) -> None:
+    """NEXT_WORK (each wait_for_work) with 300 delayed requests of a class at three
+    priorities and 300 in flight reads a handful of index entries, not the class's rows
+    (it read all 600 before: O(queued + in flight) per wait)."""
+    migrate(empty_database)
+    engine = make_engine(empty_database, pool_size=1)
+    queue = Queue(engine)
+    try:
+        queue.enqueue_many(
+            [
+                NewRequest(
+                    "w1",
+                    f"d{i}",
+                    "s",
+                    worker_class="wc-w",
+                    priority=i % 3,
+                    run_after_seconds=600 + i,
+                )
+                for i in range(300)
+            ]
+        )
+        queue.enqueue_many(
+            [NewRequest("w1", f"r{i}", "s", worker_class="wc-w") for i in range(300)]
+        )
+        assert len(queue.claim_next("wc-w", "w", limit=300, lease_seconds=900)) == 300
+        sql = N.NEXT_WORK.sql
+        with raw_connection(engine) as raw:
+            raw.execute("VACUUM ANALYZE workspace_process_requests")  # autocommit
+            raw.execute(f"PREPARE probe AS {_as_prepared(sql)}")
+            raw.execute(f"SET plan_cache_mode = {plan_mode}")
+            try:
+                row = raw.execute(
+                    "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE probe('{wc-w}')"
+                ).fetchone()
+                answer = raw.execute("EXECUTE probe('{wc-w}')").fetchone()
+            finally:
+                raw.execute("RESET plan_cache_mode")
+                raw.execute("DEALLOCATE probe")
+        assert row is not None and answer is not None
+        assert 590 < answer[0] <= 600  # the earliest delayed row (i = 0, priority 0)
+        plan = row[0][0]["Plan"]
+        assert _rows_read(plan) <= 10, plan
+    finally:
+        engine.dispose()

@@ -29,6 +29,7 @@ from onceflow.errors import DatabaseUnavailable
 from onceflow.metrics.collector import DatabaseCollector
 from onceflow.queue import Failure
 from onceflow.queue.overview import DEAD_LIMIT, RUNNING_LIMIT, read_tables
+from onceflow.queue.sql import N
 from onceflow.settings import get_settings
 from onceflow.shards import ShardMap
 from onceflow.worker import SERVICE_CONNECTIONS, Worker
@@ -60,6 +61,10 @@ def closed(admin: str, url: str) -> Iterator[None]:
         _admin(libpq(admin), f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
 
 
+#: How the waiter's NEXT_WORK statement begins (pg_stat_activity keeps only its first 1 KiB).
+NEXT_WORK_START = N.NEXT_WORK.sql.split("%(")[0]
+
+
 def on_shard(shard_map: ShardMap, k: int, count: int, prefix: str = "ws") -> list[str]:
     """``count`` workspace ids that live on shard ``k``."""
     out, i = [], 0
@@ -87,9 +92,9 @@ def next_work_ran_since(url: str, since: Any) -> bool:
     with _side(url) as conn:
         row = conn.execute(
             "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = current_database()"
-            " AND query LIKE '%%AS next_in%%' AND state = 'idle' AND query_start >= %s"
+            " AND starts_with(query, %s) AND state = 'idle' AND query_start >= %s"
             " AND pid <> pg_backend_pid())",
-            (since,),
+            (NEXT_WORK_START, since),
         ).fetchone()
     return bool(row and row[0])
 

@@ -22,12 +22,17 @@ import pytest
 from sqlalchemy import Engine, text
 
 from onceflow import AsyncQueue, InvalidRequest, NewRequest, Queue
-from onceflow.queue.notify import CHANNEL
+from onceflow.connector import run
+from onceflow.queue.notify import CHANNEL, next_work
+from onceflow.queue.sql import N
 from onceflow.settings import get_settings
 from tests.acceptance.procs import wait_for
 from tests.conftest import libpq
 
 LONG = 30.0  # a wait that must end by a wake-up long before this
+
+#: How the waiter's NEXT_WORK statement begins (pg_stat_activity keeps only its first 1 KiB).
+NEXT_WORK_START = N.NEXT_WORK.sql.split("%(")[0]
 
 
 def db_now(engine: Engine) -> datetime:
@@ -46,10 +51,10 @@ def checked_since(engine: Engine, since: datetime) -> bool:
     """A waiter ran its 'when is the next work' query after ``since`` (so it is waiting)."""
     with _side(engine) as conn:
         row = conn.execute(
-            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = "
-            "current_database() AND query LIKE '%%AS next_in%%' AND state = 'idle' "
-            "AND query_start >= %s AND pid <> pg_backend_pid())",
-            (since,),
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = current_database()"
+            " AND starts_with(query, %s) AND state = 'idle' AND query_start >= %s"
+            " AND pid <> pg_backend_pid())",
+            (NEXT_WORK_START, since),
         ).fetchone()
         return bool(row and row[0])
 
@@ -121,6 +126,44 @@ class Waiting:
         self.thread.join(LONG + 5)
         assert not self.thread.is_alive()
         return self.result
+
+
+# ------------------------------------------------------------------ when the next work is
+
+
+def test_the_next_work_is_the_earliest_due_time_or_lapse_over_priorities_and_classes(
+    q: Queue,
+) -> None:
+    """NEXT_WORK reads each minimum at the front of its index (a loose scan over the
+    priorities of queued rows, the first claimable lease of running ones): the answer is
+    still the earliest of every priority and class."""
+
+    def req(job: str, wc: str, delay: float, priority: int) -> NewRequest:
+        return NewRequest("w1", job, "s", worker_class=wc, run_after_seconds=delay,
+                          priority=priority)  # fmt: skip
+
+    def next_in(*classes: str) -> float | None:
+        return run(q.connector, next_work(list(classes)))
+
+    q.enqueue_many(
+        [req("a1", "wc-a", 300, 5), req("a2", "wc-a", 100, 0), req("a3", "wc-a", 200, -2)]
+    )
+    q.enqueue_many([req("b1", "wc-b", 500, 9), req("b2", "wc-b", 0, -5)])
+    q.enqueue_many([req(f"c{i}", "wc-c", 0, 0) for i in range(3)])
+    early, late, stopped = q.claim_next("wc-c", "w", limit=3, lease_seconds=50)
+    q.heartbeat(early, lease_seconds=400)
+    q.heartbeat(stopped, lease_seconds=20)
+    q.cancel(stopped.request_id)  # asked to stop: its lapse makes nothing claimable
+    a = next_in("wc-a")
+    assert a is not None and 90 < a <= 100  # the lowest priority's row is the earliest
+    b = next_in("wc-b")
+    assert b is not None and b <= 0  # due now, behind a higher priority delayed row
+    c = next_in("wc-c")
+    assert c is not None and 40 < c <= 50, c  # `late`'s lease; not the cancelled one's
+    both = next_in("wc-a", "wc-c", "wc-a")
+    assert both is not None and abs(both - c) < 5
+    assert next_in("wc-none") is None
+    assert late.request_id not in (early.request_id, stopped.request_id)
 
 
 # ------------------------------------------------------------------ the NOTIFY itself
