@@ -131,8 +131,9 @@ WHERE r.workspace_id || chr(1) || r.request_id
 
 # ENQUEUE for one row (Queue.enqueue, a batch or a hand-off of one): the row's values as
 # parameters, no JSON envelope to unpack. The existing row is probed by its key only when
-# nothing was inserted. 0.94x a bare one-row INSERT against ENQUEUE's 0.80x, both with
-# params built ahead (bench/queue_bench.py, issue 13); a duplicate 145 µs against 158.
+# nothing was inserted. 0.84-0.86x a bare one-row INSERT with params built ahead (0.74-0.76x
+# in its form before the eleventh pass of issue 13, same runs; ENQUEUE's 0.80x in an older
+# run); a duplicate 145 µs against ENQUEUE's 158.
 # Its one possible NOTIFY is sent by the result row's own filter (`_notify_one`), not by a
 # `sig` CTE: the CTE's aggregate over a DISTINCT cost 30-40 µs of a ~330 µs statement, and
 # the `n` CTE another few (now() is the transaction's start however often it is read).
@@ -228,11 +229,15 @@ RETURNING {RETURNING},
 # first, since they have waited longest. Tokens are minted by the caller (`secrets`, hex)
 # and handed out by row number from one space-separated text (no array to dump).
 # The candidates compare with the time as an expression (`_NOW_EXPR`), not the `n` CTE's
-# column: only an expression is an index condition. With `n.now`, the lapsed scan read
-# every running row of the class on its index and dropped the live ones after a join:
-# each claim cost O(requests in flight) (3,000 in flight: 3 ms of backend time per claim,
-# 0.4 ms with the bound in the index; issue 13). now() is the transaction's start, the
-# same value as n.now.
+# column. With `n.now` the planner kept the index's order for ORDER BY … LIMIT and joined
+# `n` inside the loop, so the comparison was a join filter: the lapsed scan read every
+# running row of the class on ix_wpr_lease and dropped the live ones, and each claim cost
+# O(requests in flight) (3,000 in flight: 3 ms of backend time for that scan, 0.01 ms now;
+# issue 13). On ix_wpr_lease (worker_class, lease_expires_at) the expression is now a bound
+# of the scan. On ix_wpr_claim (worker_class, priority DESC, run_after) it can only filter
+# index entries (priority comes between): delayed rows of a higher priority than the first
+# due one are still visited in the index, but not read from the heap. now() is the
+# transaction's start, the same value as n.now.
 _CLAIM_NEXT = f"""
 WITH n AS ({_NOW_LAZY}),
 lapsed AS (
@@ -471,7 +476,8 @@ SELECT * FROM upd WHERE {_notify_one("upd", "true")}
 # O(queued + in flight) before: 3,000 delayed and 3,000 running rows read, 3.8 ms; issue 13):
 # the lease's as the first claimable row of ix_wpr_lease (worker_class, lease_expires_at);
 # the due time's by a loose scan of ix_wpr_claim (worker_class, priority DESC, run_after),
-# the first row of each priority in turn (a few priorities: a few index probes).
+# the first row of each priority in turn: one index probe per distinct priority of the
+# class's queued rows (per partition, on a partitioned table).
 NEXT_WORK: TextClause = text(f"""
 WITH RECURSIVE n AS (SELECT now() AS now),
 c AS (SELECT DISTINCT unnest(CAST(:worker_classes AS text[])) AS wc),
