@@ -31,7 +31,8 @@ test: setup ## Run the whole test suite (real Postgres/Redis; embedded ones if n
 PARTITIONED_TESTS := tests/integration/test_claims.py tests/integration/test_enqueue.py \
 	tests/integration/test_queue_batches.py tests/integration/test_sweeper.py \
 	tests/integration/test_oplog.py tests/integration/test_op_retention.py \
-	tests/integration/test_hand_offs.py tests/integration/test_locks.py
+	tests/integration/test_hand_offs.py tests/integration/test_locks.py \
+	tests/integration/test_wait_for_work.py
 
 test-partitioned: setup ## The queue and op-log suites on a hash-partitioned test database
 	ONCEFLOW_TEST_PARTITIONS=8 $(BIN)/python -m pytest $(PARTITIONED_TESTS) -q
