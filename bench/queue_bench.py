@@ -668,6 +668,16 @@ def _stats(samples: list[float]) -> dict[str, float]:
     return {"median_ms": statistics.median(samples) * 1e3, "p99_ms": pct(samples, 99) * 1e3}
 
 
+def _floor_claim_complete(raw: psycopg.Connection[Any], worker_id: str) -> float:
+    """The hand-written claim + complete of one row; answers when its claim returned."""
+    token = secrets.token_hex(16)
+    row = raw.execute(FLOOR_CLAIM, (token, worker_id, WC)).fetchone()
+    claimed = time.perf_counter()
+    assert row is not None
+    raw.execute(FLOOR_COMPLETE, (RESULT_TEXT, row[0], token))
+    return claimed
+
+
 def bench_latency(url: str, sizes: list[int], ops: int, warmup: int) -> dict[str, Any]:
     """onceflow's claim_next + complete at growing numbers of finished rows, each op followed
     by a hand-written claim + complete on the same table (a control for the machine)."""
@@ -698,11 +708,7 @@ def bench_latency(url: str, sizes: list[int], ops: int, warmup: int) -> dict[str
                 t1 = time.perf_counter()
                 queue.complete(claims[0], RESULT)
                 t2 = time.perf_counter()
-                token = secrets.token_hex(16)
-                row = raw.execute(FLOOR_CLAIM, (token, worker_id, WC)).fetchone()
-                t3 = time.perf_counter()
-                assert row is not None
-                raw.execute(FLOOR_COMPLETE, (RESULT_TEXT, row[0], token))
+                t3 = _floor_claim_complete(raw, worker_id)
                 t4 = time.perf_counter()
                 if i >= warmup:
                     samples["claim"].append(t1 - t0)
@@ -752,10 +758,7 @@ def bench_in_flight(url: str, levels: list[int], ops: int, warmup: int) -> dict[
                 claims = queue.claim_next(WC, worker_id, 1)
                 queue.finish(claims[0], RESULT)
                 t1 = time.perf_counter()
-                token = secrets.token_hex(16)
-                row = raw.execute(FLOOR_CLAIM, (token, worker_id, WC)).fetchone()
-                assert row is not None
-                raw.execute(FLOOR_COMPLETE, (RESULT_TEXT, row[0], token))
+                _floor_claim_complete(raw, worker_id)
                 t2 = time.perf_counter()
                 if i >= warmup:
                     samples["onceflow"].append(t1 - t0)
