@@ -78,6 +78,17 @@ def _notify(rows: str, where: str = "true") -> str:
 # Always true; makes the final SELECT read the `sig` CTE, so its NOTIFYs are sent.
 _SENT = "(SELECT sent FROM sig) >= 0"
 
+
+def _notify_one(row: str, where: str) -> str:
+    """A WHERE condition, always true, that sends ``row``'s NOTIFY when ``where`` holds and
+    ``:notify`` is true: for statements of one row (a CASE evaluates its branches in order,
+    so the notify runs exactly when its condition holds; a duplicate NOTIFY in one
+    transaction is folded by Postgres anyway)."""
+    return f"""CASE WHEN CAST(:notify AS boolean) AND ({where})
+      THEN CAST(pg_notify('{NOTIFY_CHANNEL}', {row}.worker_class) AS text) = ''
+      ELSE true END"""
+
+
 # The rows come as one JSON text (:rows, built by EnqueueOps._enqueue_params): an array of
 # [request_id, workspace_id, job_id, branch_path, stage, dedupe, input_hash, worker_class,
 #  priority, max_attempts, max_crash_attempts, delay, input], the input as its canonical JSON.
@@ -139,16 +150,6 @@ WHERE r.workspace_id || chr(1) || r.request_id
 # the `n` CTE another few (now() is the transaction's start however often it is read).
 # Its row is what the caller does not know: whether it inserted, the row's status, the stored
 # input hash (its own when it inserted); not the key it sent (-3 to -5% of the statement).
-
-
-def _notify_one(row: str, where: str) -> str:
-    """A WHERE condition, always true, that sends ``row``'s NOTIFY when ``where`` holds and
-    ``:notify`` is true: for statements of one row (a CASE evaluates its branches in order,
-    so the notify runs exactly when its condition holds; a duplicate NOTIFY in one
-    transaction is folded by Postgres anyway)."""
-    return f"""CASE WHEN CAST(:notify AS boolean) AND ({where})
-      THEN CAST(pg_notify('{NOTIFY_CHANNEL}', {row}.worker_class) AS text) = ''
-      ELSE true END"""
 
 
 ENQUEUE_ONE: TextClause = text(f"""
