@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
 import secrets
@@ -43,6 +44,7 @@ from onceflow.demo.standins import StandIn
 if TYPE_CHECKING:
     from onceflow.demo.browser import BrowserTab
 
+log = logging.getLogger(__name__)
 APP = "onceflow.demo.stages:flow"
 COLUMNS = ["fit", "pay", "remote", "growth", "stack", "team", "mission", "location"]
 SECTIONS = ["opening", "experience", "motivation", "closing"]
@@ -258,6 +260,9 @@ def inject_kill(opts: Options, run: Run, llm: StandIn, worker: Proc, log_dir: Pa
     run.killed_at = run.elapsed()
     worker.signal_group(9)
     worker.popen.wait(timeout=10)
+    # What the killed worker sent before it died is counted before the count is taken.
+    if not llm.quiesce():
+        log.warning("the LLM stand-in did not settle: the kill's late calls may be undercounted")
     after = llm.stats()["per_key"]
     late = sum(n - before.get(k, 0) for k, n in after.items() if "/eval:" in k)
     # A call already answered whose value was not stored yet died with the worker too: its

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import select
+import socket
 import threading
 import time
 from collections import Counter
@@ -25,6 +27,21 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         """Quiet: the counts are the log."""
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        finally:
+            self.server._settled(self.request)
+
+    def parse_request(self) -> bool:
+        # The request line is in: this connection carries a request (not an idle preconnect).
+        self.server._reading(self.request)
+        return super().parse_request()
+
+    def _count(self, key: str) -> None:
+        self.server.count(key)
+        self.server._settled(self.request)
 
     def _cors(self) -> None:
         # A browser tab may call the stand-in directly (the SDK tests' tabs do); a real
@@ -62,7 +79,7 @@ class _Handler(BaseHTTPRequestHandler):
             origin = query.get("origin", [""])[0]
             destination = query.get("destination", [""])[0]
             key = f"commute:{origin}->{destination}"
-            self.server.count(key)
+            self._count(key)
             with self.server.in_flight(key):
                 time.sleep(self.server.latency)
             minutes = (
@@ -90,7 +107,7 @@ class _Handler(BaseHTTPRequestHandler):
         # what lets the stand-in count calls per cell.
         first = prompt.splitlines()[0] if prompt else ""
         key = first.removeprefix("cell: ") if first.startswith("cell: ") else "other"
-        self.server.count(key)
+        self._count(key)
         with self.server.in_flight(key):
             time.sleep(self.server.latency)
         score = int(hashlib.sha256(prompt.encode()).hexdigest(), 16) % 100 / 100
@@ -116,6 +133,10 @@ class StandIn(ThreadingHTTPServer):
     """A counting stand-in server; ``kind`` is ``"llm"`` or ``"maps"``."""
 
     daemon_threads = True
+    # Many callers connect at once (every worker child, the demo's clients, a benchmark's
+    # 64): the socketserver default of 5 queued connections would make the kernel drop
+    # the rest's SYNs, a second's retransmit each, measured as the provider's latency.
+    request_queue_size = 128
 
     def __init__(self, kind: str, *, latency: float, api_key: str = "") -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
@@ -125,6 +146,9 @@ class StandIn(ThreadingHTTPServer):
         self._counts: Counter[str] = Counter()
         self._timeline: list[float] = []
         self._inflight: Counter[str] = Counter()
+        # Connections accepted whose request is not counted yet (or refused, or gone), with
+        # whether their request line has been read: see quiesce().
+        self._unsettled: dict[socket.socket, bool] = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(
             target=self.serve_forever, name=f"standin-{kind}", daemon=True
@@ -134,6 +158,55 @@ class StandIn(ThreadingHTTPServer):
     def url(self) -> str:
         """Base URL, e.g. ``http://127.0.0.1:PORT``."""
         return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Accepted (in the serving thread, in the order the kernel queued the connections)."""
+        with self._lock:
+            self._unsettled[request] = False
+        super().process_request(request, client_address)
+
+    def _reading(self, conn: socket.socket) -> None:
+        with self._lock:
+            if conn in self._unsettled:
+                self._unsettled[conn] = True
+
+    def _settled(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._unsettled.pop(conn, None)
+
+    def quiesce(self, timeout: float = 10.0) -> bool:
+        """Wait until every request already sent to this server is counted.
+
+        For a count taken right after a caller was killed: a request it wrote just before
+        it died may still be unread in the kernel's buffers, counted only once a handler
+        thread reads it (under load, after the count was taken: the demo's kill fault saw
+        an extra call it could not explain). A probe connection, queued behind every one
+        opened before it (the kernel accepts in order), makes sure all were accepted; then
+        each is waited for until its request is counted (or refused, or its caller closed
+        it). A connection with nothing to read and no request line read is idle (a
+        browser's preconnect): it holds no request and is not waited for. True when
+        settled, False at ``timeout``.
+        """
+        host, port = self.server_address[:2]
+        with socket.create_connection((str(host), int(port)), timeout=timeout) as probe:
+            probe.sendall(b"GET /stats HTTP/1.0\r\n\r\n")
+            while probe.recv(65536):
+                pass
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            earlier = set(self._unsettled)
+        calm = 0
+        while time.monotonic() < deadline:
+            with self._lock:
+                left = {c: self._unsettled[c] for c in earlier if c in self._unsettled}
+            busy = [c for c, reading in left.items() if reading or _readable(c)]
+            # Twice in a row: a handler that has just taken a request line off an idle-looking
+            # socket has marked it read by the next look.
+            calm = calm + 1 if not busy else 0
+            if calm >= 2:
+                return True
+            time.sleep(0.01)
+        return False
 
     def count(self, key: str) -> None:
         """Count one request (for ``key``: a cell, a commute)."""
@@ -181,3 +254,12 @@ class StandIn(ThreadingHTTPServer):
         """Stop serving and close the socket."""
         self.shutdown()
         self.server_close()
+
+
+def _readable(conn: socket.socket) -> bool:
+    """Bytes (or the caller's close) waiting on ``conn``; a closed socket counts as settled."""
+    try:
+        ready, _, _ = select.select([conn], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return bool(ready)
