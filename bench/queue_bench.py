@@ -24,7 +24,8 @@ What is measured, each onceflow figure beside a floor on the same table:
    onceflow: ``claim_next(limit=1)`` then ``complete``, each its own transaction; and
    the same with ``finish`` (the completion reading nothing back, as the floor's);
    and those two statements alone, through ``onceflow.db`` without the ``Queue`` API
-   (what the SQL costs; the rest of the gap is the Python API's). Floor: a hand-written two-statement raw-psycopg loop in autocommit
+   (what the SQL costs; the rest of the gap is the Python API's). Floor: a
+   hand-written two-statement raw-psycopg loop in autocommit
    (``UPDATE … WHERE request_id = (SELECT … FOR UPDATE SKIP LOCKED) RETURNING``,
    then the fenced ``UPDATE … SET status='succeeded'``), and two ``SELECT 1``
    round trips per op. Each run starts from a truncated, freshly seeded,
