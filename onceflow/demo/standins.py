@@ -29,15 +29,14 @@ class _Handler(BaseHTTPRequestHandler):
         """Quiet: the counts are the log."""
 
     def handle(self) -> None:
-        try:
-            super().handle()
-        finally:
-            self.server._settled(self.request)
-
-    def parse_request(self) -> bool:
-        # The request line is in: this connection carries a request (not an idle preconnect).
+        # Marked as carrying a request once its first byte (or its caller's close) is in: a
+        # peek takes nothing off the socket, so up to the mark the socket still reads as
+        # readable, and StandIn.quiesce sees no gap between the two. One request per
+        # connection: HTTP/1.0 (the default protocol_version), no keep-alive.
+        with contextlib.suppress(OSError):
+            self.request.recv(1, socket.MSG_PEEK)
         self.server._reading(self.request)
-        return super().parse_request()
+        super().handle()
 
     def _count(self, key: str) -> None:
         self.server.count(key)
@@ -138,16 +137,19 @@ class StandIn(ThreadingHTTPServer):
     # the rest's SYNs, a second's retransmit each, measured as the provider's latency.
     request_queue_size = 128
 
+    #: The request handler (a subclass may stand in, e.g. a test's that stalls).
+    handler: type[_Handler] = _Handler
+
     def __init__(self, kind: str, *, latency: float, api_key: str = "") -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
+        super().__init__(("127.0.0.1", 0), self.handler)
         self.kind = kind
         self.latency = latency
         self.api_key = api_key
         self._counts: Counter[str] = Counter()
         self._timeline: list[float] = []
         self._inflight: Counter[str] = Counter()
-        # Connections accepted whose request is not counted yet (or refused, or gone), with
-        # whether their request line has been read: see quiesce().
+        # Connections accepted and not yet counted or closed, each with whether its first
+        # byte has come in: see quiesce().
         self._unsettled: dict[socket.socket, bool] = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(
@@ -174,6 +176,11 @@ class StandIn(ThreadingHTTPServer):
         with self._lock:
             self._unsettled.pop(conn, None)
 
+    def shutdown_request(self, request: Any) -> None:
+        """Closed (on every path: answered, refused, failed, or its thread never started)."""
+        self._settled(request)
+        super().shutdown_request(request)
+
     def quiesce(self, timeout: float = 10.0) -> bool:
         """Wait until every request already sent to this server is counted.
 
@@ -182,31 +189,32 @@ class StandIn(ThreadingHTTPServer):
         thread reads it (under load, after the count was taken: the demo's kill fault saw
         an extra call it could not explain). A probe connection, queued behind every one
         opened before it (the kernel accepts in order), makes sure all were accepted; then
-        each is waited for until its request is counted (or refused, or its caller closed
-        it). A connection with nothing to read and no request line read is idle (a
-        browser's preconnect): it holds no request and is not waited for. True when
-        settled, False at ``timeout``.
+        each is waited for until its request is counted or the connection closed. One with
+        no byte come in and none waiting (a browser's preconnect) holds no request and is
+        not waited for. True when settled; False at ``timeout`` or if the server does not
+        answer the probe.
         """
-        host, port = self.server_address[:2]
-        with socket.create_connection((str(host), int(port)), timeout=timeout) as probe:
-            probe.sendall(b"GET /stats HTTP/1.0\r\n\r\n")
-            while probe.recv(65536):
-                pass
         deadline = time.monotonic() + timeout
+        host, port = self.server_address[:2]
+        try:
+            with socket.create_connection((str(host), int(port)), timeout=timeout) as probe:
+                probe.sendall(b"GET /stats HTTP/1.0\r\n\r\n")
+                while True:
+                    probe.settimeout(max(0.001, deadline - time.monotonic()))
+                    if not probe.recv(65536):
+                        break
+        except OSError:
+            return False
         with self._lock:
             earlier = set(self._unsettled)
-        calm = 0
-        while time.monotonic() < deadline:
+        while True:
             with self._lock:
-                left = {c: self._unsettled[c] for c in earlier if c in self._unsettled}
-            busy = [c for c, reading in left.items() if reading or _readable(c)]
-            # Twice in a row: a handler that has just taken a request line off an idle-looking
-            # socket has marked it read by the next look.
-            calm = calm + 1 if not busy else 0
-            if calm >= 2:
+                left = [(c, self._unsettled[c]) for c in earlier if c in self._unsettled]
+            if not any(started or _readable(c) for c, started in left):
                 return True
+            if time.monotonic() >= deadline:
+                return False
             time.sleep(0.01)
-        return False
 
     def count(self, key: str) -> None:
         """Count one request (for ``key``: a cell, a commute)."""
@@ -257,9 +265,13 @@ class StandIn(ThreadingHTTPServer):
 
 
 def _readable(conn: socket.socket) -> bool:
-    """Bytes (or the caller's close) waiting on ``conn``; a closed socket counts as settled."""
-    try:
-        ready, _, _ = select.select([conn], [], [], 0)
-    except (OSError, ValueError):
+    """Bytes (or the caller's close) waiting on ``conn``; a closed socket has none."""
+    fd = conn.fileno()
+    if fd < 0:
         return False
-    return bool(ready)
+    poller = select.poll()  # not select.select: any descriptor number, 1024 and over too
+    poller.register(fd, select.POLLIN)
+    try:
+        return bool(poller.poll(0))
+    except OSError:
+        return False
