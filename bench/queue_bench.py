@@ -38,6 +38,12 @@ What is measured, each onceflow figure beside a floor on the same table:
    of the class are in flight (running under live leases; ``--quick``: 0 and 3,000),
    each beside the hand-written claim + complete: a claim must not cost more with more
    work in progress (it did: its lapsed-lease scan read every running row, issue 13).
+5. Claim + complete (``claim_next`` + ``finish``, each followed by the hand-written pair)
+   as the claims since the claim index was last vacuumed grow, over a history of finished
+   rows (``--quick``: 3 windows of 5,000 over 200k rows; else 5 of 10,000 over 1M), then
+   after ``VACUUM (INDEX_CLEANUP ON)``: the index pages one claim reads, and the per-op
+   medians beside the first window's. Claimed rows leave their index entries at the
+   front of ix_wpr_claim until a vacuum cleans the index; every claim steps over them.
 
 onceflow and its floor are interleaved (call by call for enqueue and latency,
 run by run for throughput), so a burst of outside load on a shared machine hits
@@ -820,6 +826,117 @@ def bench_in_flight(url: str, levels: list[int], ops: int, warmup: int) -> dict[
     return out
 
 
+# ---------------------------------------------------------------------------- 5. the claim front
+
+
+def _front_pages(raw: psycopg.Connection[Any]) -> int:
+    """Index pages of ix_wpr_claim one claim reads (EXPLAIN ANALYZE BUFFERS, rolled back)."""
+    from onceflow.queue.sql import claim_next_sql
+
+    params = {
+        "worker_class": WC, "worker_id": "probe", "tokens": "t", "lease_seconds": 30.0,
+        "max_runtime": None, "now": None, "lazy": False,
+    }  # fmt: skip
+    with raw.transaction(force_rollback=True):
+        row = raw.execute(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + claim_next_sql(1), params
+        ).fetchone()
+    assert row is not None
+
+    def pages(node: dict[str, Any]) -> int:
+        here = 0
+        if node.get("Index Name") == "ix_wpr_claim":
+            here = int(node.get("Shared Hit Blocks", 0)) + int(node.get("Shared Read Blocks", 0))
+        return here + sum(pages(child) for child in node.get("Plans", ()))
+
+    return pages(row[0][0]["Plan"])
+
+
+def _vacuum_stats(raw: psycopg.Connection[Any]) -> tuple[int, int]:
+    row = raw.execute(
+        "SELECT autovacuum_count, vacuum_count FROM pg_stat_user_tables WHERE relid = %s::regclass",
+        (TABLE,),
+    ).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
+def bench_front(url: str, windows: int, step: int, history: int) -> dict[str, Any]:
+    """Claim + complete as the claims since the claim index was last vacuumed grow.
+
+    A claim moves its row out of ix_wpr_claim (status 'queued'), but the row's old index
+    entry stays until a VACUUM removes it; the entries of claimed rows gather at the front
+    of the index, where every claim's scan starts, and each claim steps over them. Each
+    window runs ``step`` onceflow ``claim_next`` + ``finish`` ops, each followed by the
+    hand-written claim + complete (a control on the same table and index), and is preceded
+    by one claim's EXPLAIN (ANALYZE, BUFFERS): the index pages it read. The first window
+    starts right after ``VACUUM (INDEX_CLEANUP ON)``; after the last, the same VACUUM and one
+    more window. Autovacuum runs or not as the server is configured (the count of its
+    runs over the section is reported): on a server where it is on, the growth is cut back
+    at each autovacuum that cleans the indexes.
+    """
+    from onceflow.db import holding_connections
+
+    queue = make_queue(url)
+    raw = raw_connect(url)
+    worker_id = "bench-front"
+    out: dict[str, Any] = {"step": step, "history": history, "windows": []}
+    try:
+        reset_table(url)
+        raw.execute(SEED_QUEUED, {"prefix": "fr-", "wc": WC, "n": 2 * step * (windows + 1) + 100})
+        if history:
+            raw.execute(SEED_FINISHED, {"wc": "history", "lo": 1, "hi": history})
+        raw.execute(f"VACUUM (INDEX_CLEANUP ON, ANALYZE) {TABLE}")
+        shown = raw.execute(
+            "SELECT current_setting('autovacuum'), current_setting('autovacuum_naptime')"
+        ).fetchone()
+        assert shown is not None
+        out["autovacuum"] = f"{shown[0]} (naptime {shown[1]})"
+        runs0 = _vacuum_stats(raw)[0]
+        since = 0
+        with holding_connections():
+            for _ in range(20):  # warm-up: prepared statements, caches (not counted as since)
+                queue.finish(queue.claim_next(WC, worker_id, 1)[0], RESULT)
+                _floor_claim_complete(raw, worker_id)
+            raw.execute(f"VACUUM (INDEX_CLEANUP ON) {TABLE}")
+            for w in range(windows + 1):
+                if w == windows:
+                    raw.execute(f"VACUUM (INDEX_CLEANUP ON) {TABLE}")
+                    since = 0
+                pages = _front_pages(raw)
+                samples: dict[str, list[float]] = {"onceflow": [], "floor": []}
+                for _ in range(step):
+                    t0 = time.perf_counter()
+                    claims = queue.claim_next(WC, worker_id, 1)
+                    queue.finish(claims[0], RESULT)
+                    t1 = time.perf_counter()
+                    _floor_claim_complete(raw, worker_id)
+                    t2 = time.perf_counter()
+                    samples["onceflow"].append(t1 - t0)
+                    samples["floor"].append(t2 - t1)
+                stats = {k: _stats(v) for k, v in samples.items()}
+                out["windows"].append(
+                    {"since": since, "pages": pages, "after_vacuum": w == windows, **stats}
+                )
+                log(
+                    f"front: {since:,} claims since the VACUUM: {pages} pages per claim, "
+                    f"claim_next + finish {stats['onceflow']['median_ms']:.2f} ms "
+                    f"(floor {stats['floor']['median_ms']:.2f})"
+                )
+                since += 2 * step
+        out["autovacuum_runs"] = _vacuum_stats(raw)[0] - runs0
+        left = raw.execute(
+            f"SELECT count(*) FROM {TABLE} WHERE claimed_by = %s AND status <> 'succeeded'",
+            (worker_id,),
+        ).fetchone()
+        if left is None or left[0]:
+            raise RuntimeError(f"front: {left} of onceflow's claimed rows did not succeed")
+    finally:
+        raw.close()
+        queue.engine.dispose()
+    return out
+
+
 # ---------------------------------------------------------------------------- report
 
 
@@ -853,6 +970,8 @@ def render(res: dict[str, Any]) -> str:
         lines += _render_latency(res["latency"])
     if "in_flight" in res:
         lines += _render_in_flight(res["in_flight"])
+    if "front" in res:
+        lines += _render_front(res["front"])
     return "\n".join(lines)
 
 
@@ -1019,6 +1138,32 @@ def _render_in_flight(fl: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _render_front(fr: dict[str, Any]) -> list[str]:
+    first = fr["windows"][0]
+    lines = [
+        f"#### 5. Claim + complete as claims gather at the claim index's front ({fr['step']:,} "
+        f"ops per window, one connection, {fr['history']:,} finished rows of history; "
+        f"autovacuum {fr['autovacuum']}, {fr['autovacuum_runs']} run(s) during the section)",
+        "",
+        "| Claims since the section's `VACUUM (INDEX_CLEANUP ON)` | ix_wpr_claim pages per claim "
+        "| `claim_next` + `finish` median | vs the first window | floor median "
+        "| vs the first window |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for w in fr["windows"]:
+        o, f = w["onceflow"], w["floor"]
+        label = f"{w['since']:,}"
+        if w["after_vacuum"]:
+            label += " (after `VACUUM (INDEX_CLEANUP ON)`)"
+        lines.append(
+            f"| {label} | {w['pages']} | {o['median_ms']:.2f} ms "
+            f"| {o['median_ms'] / first['onceflow']['median_ms']:.2f}x "
+            f"| {f['median_ms']:.2f} ms | {f['median_ms'] / first['floor']['median_ms']:.2f}x |"
+        )
+    lines.append("")
+    return lines
+
+
 def _loadavg() -> str:
     try:
         with open("/proc/loadavg") as f:
@@ -1033,7 +1178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the raw numbers as JSON")
     parser.add_argument(
         "--only",
-        choices=("enqueue", "claims", "latency", "in_flight"),
+        choices=("enqueue", "claims", "latency", "in_flight", "front"),
         help="run one section only",
     )
     parser.add_argument(
@@ -1044,6 +1189,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         help="also claim + complete B rows per call, onceflow and floor (a worker loop's way)",
+    )
+    parser.add_argument(
+        "--front",
+        default=None,
+        help="section 5's WINDOWS,STEP,HISTORY (default 3,5000,200000 with --quick, else "
+        "5,10000,1000000)",
     )
     args = parser.parse_args(argv)
 
@@ -1059,6 +1210,7 @@ def main(argv: list[str] | None = None) -> int:
             "lat_ops": 500,
             "in_flight": [0, 3_000],
             "in_flight_ops": 300,
+            "front": (3, 5_000, 200_000),
         }
     else:
         cfg = {
@@ -1071,6 +1223,7 @@ def main(argv: list[str] | None = None) -> int:
             "lat_ops": 2_000,
             "in_flight": [0, 300, 3_000],
             "in_flight_ops": 1_000,
+            "front": (5, 10_000, 1_000_000),
         }
     started = time.perf_counter()
     given = sys.argv[1:] if argv is None else argv
@@ -1091,6 +1244,11 @@ def main(argv: list[str] | None = None) -> int:
             results["in_flight"] = bench_in_flight(
                 url, cfg["in_flight"], cfg["in_flight_ops"], warmup=50
             )
+        if args.only in (None, "front"):
+            windows, step, history = (
+                tuple(int(x) for x in args.front.split(",")) if args.front else cfg["front"]
+            )
+            results["front"] = bench_front(url, windows, step, history)
     results["loadavg_end"] = _loadavg()
     results["wall_seconds"] = time.perf_counter() - started
     log(f"done in {results['wall_seconds']:.0f}s")

@@ -12,7 +12,9 @@ succeeded and exits non-zero otherwise. Nothing here asserts a duration.
   workers, each pool child reporting its CPU per part of a stage; the onceflow worker's
   children start with their parent's objects frozen, the floor's (bare Celery) do not;
 * ``bench/queue_bench.py --only in_flight``: claims beside requests in flight, which stay
-  running.
+  running;
+* ``bench/queue_bench.py --only front``: claims as the claim index's front of claimed
+  rows' entries grows, and after a vacuum of it.
 """
 
 from __future__ import annotations
@@ -96,3 +98,16 @@ def test_queue_bench_claims_beside_requests_in_flight(services: tuple[str, str])
     for level in res["levels"].values():
         assert level["onceflow"]["median_ms"] > 0 and level["floor"]["median_ms"] > 0, level
     assert set(res["growth"]) == {"onceflow", "floor"}
+
+
+def test_queue_bench_claims_as_the_claim_index_front_grows(services: tuple[str, str]) -> None:
+    """``bench/queue_bench.py``'s front section: a window right after the index vacuum, one
+    more after ``VACUUM (INDEX_CLEANUP ON)``, both sides measured in each, and every row the
+    onceflow side claimed succeeded (the script raises otherwise)."""
+    res = run_bench(
+        "queue_bench.py", services[0], "--quick", "--only", "front", "--front", "1,200,1000"
+    )["front"]
+    assert [(w["since"], w["after_vacuum"]) for w in res["windows"]] == [(0, False), (0, True)]
+    for w in res["windows"]:
+        assert w["pages"] >= 1, w
+        assert w["onceflow"]["median_ms"] > 0 and w["floor"]["median_ms"] > 0, w

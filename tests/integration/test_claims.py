@@ -152,6 +152,31 @@ def test_claim_next_takes_lapsed_leases_too(api_queue: Queue, clean_db: Engine) 
     assert (again.request_id, again.attempt, again.request.crash_attempts) == (rid, 2, 1)
 
 
+def test_claim_next_takes_the_highest_due_priority_past_delayed_higher_ones(
+    api_queue: Queue, clean_db: Engine
+) -> None:
+    """claim_next's order is priority, then due time, among due rows only: delayed rows of a
+    higher priority (which the claim now steps over by priority, not entry by entry) wait,
+    and are first once they are due."""
+    rows = [  # (job, priority, delay in seconds)
+        ("a5-later", 5, 600), ("b3-now", 3, 0), ("c3-later", 3, 600), ("d1-now", 1, 0),
+        ("e-2-later", -2, 600), ("f-2-now", -2, 0),
+    ]  # fmt: skip
+    api_queue.enqueue_many(
+        [NewRequest("w1", job, "s", priority=p, run_after_seconds=d) for job, p, d in rows]
+    )
+
+    def order(now: datetime | None) -> list[str]:
+        taken = []
+        while claims := api_queue.claim_next("default", "w", now=now):
+            taken.append(claims[0].request.job_id)
+            api_queue.complete(claims[0])  # not left to lapse: lapsed leases come first
+        return taken
+
+    assert order(None) == ["b3-now", "d1-now", "f-2-now"]
+    assert order(db_now(clean_db) + timedelta(seconds=601)) == ["a5-later", "c3-later", "e-2-later"]
+
+
 def test_heartbeat_extends_from_database_time_and_reports_cancel(
     api_queue: Queue, clean_db: Engine
 ) -> None:

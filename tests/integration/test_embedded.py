@@ -126,6 +126,10 @@ def test_servers_answer_inside_the_context() -> None:
             row = conn.execute("SELECT version()").fetchone()
             assert row is not None
             assert "PostgreSQL 16" in row[0]
+            settings = conn.execute(
+                "SELECT current_setting('autovacuum'), current_setting('autovacuum_naptime')"
+            ).fetchone()
+            assert settings == ("on", "10s")  # the claim index's front (README, Operations)
             conn.execute("CREATE TABLE t (x int)")
             conn.execute("INSERT INTO t VALUES (1)")
             assert conn.execute("SELECT sum(x) FROM t").fetchone() == (1,)

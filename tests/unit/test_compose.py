@@ -24,6 +24,7 @@ def test_the_expected_services_exist() -> None:
     }  # fmt: skip
     assert "noeviction" in COMPOSE["services"]["redis"]["command"]
     assert "--requirepass" in COMPOSE["services"]["redis"]["command"]
+    assert "autovacuum_naptime=10s" in COMPOSE["services"]["postgres"]["command"]
     for name in ("postgres", "redis", "flower", "api"):
         assert "healthcheck" in COMPOSE["services"][name]
 
