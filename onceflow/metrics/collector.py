@@ -1,4 +1,6 @@
-"""The database collector: live request counts and the oldest due age, read at scrape time.
+"""The database collector: live request counts and the oldest due age, read at scrape time,
+and the request table's vacuum health (dead rows, the last vacuum, the oldest transaction
+holding a snapshot) from the statistics views.
 
 Index-only scans of the partial indexes (``onceflow.queue.metrics_sql``), on one
 connection of its own with a short connect and statement timeout: a database that is
@@ -15,8 +17,9 @@ A database split by workspace (several URLs: ``ONCEFLOW_DATABASE_URLS`` /
 ``ONCEFLOW_SHARD_MAP``): each shard is read on a connection of its own, the shards at
 once (a scrape still costs at most about the timeout), and the answers merge as in
 docs/sharding.md 2.4 — counts summed, ``lower_bound`` OR-ed, the oldest age the largest,
-the estimated rows summed. ``onceflow_database_up`` then has a ``shard`` label, one
-sample per shard; the counts are those of the shards that answered.
+the estimated and dead rows summed, the vacuum and transaction ages the largest.
+``onceflow_database_up`` then has a ``shard`` label, one sample per shard; the counts are
+those of the shards that answered.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import socket
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 from prometheus_client.core import GaugeMetricFamily
@@ -83,8 +86,9 @@ class _Database:
             )
         return self._conn
 
-    def read(self) -> tuple[list[dict[str, Any]], float]:
-        """(live count rows, estimated table rows); raises if the database does not answer."""
+    def read(self) -> Answer:
+        """The live count rows, the estimated table rows and the table's vacuum health;
+        raises if the database does not answer."""
         if not self._lock.acquire(timeout=self._timeout):
             raise TimeoutError("another scrape's database read has not answered")
         try:
@@ -95,6 +99,7 @@ class _Database:
             try:
                 rows = conn.execute(self._query).fetchall()
                 est = conn.execute(metrics_sql.Q_ESTIMATED_ROWS).fetchone()
+                health = conn.execute(metrics_sql.Q_TABLE_HEALTH).fetchone()
             finally:
                 watchdog.cancel()
         except Exception:
@@ -104,9 +109,9 @@ class _Database:
             raise
         finally:
             self._lock.release()
-        return rows, float(est["estimate"]) if est else 0.0
+        return Answer(rows, float(est["estimate"]) if est else 0.0, dict(health or {}))
 
-    def answer(self) -> tuple[list[dict[str, Any]], float] | None:
+    def answer(self) -> Answer | None:
         """:meth:`read`, or None (logged once per outage) when the database does not answer."""
         try:
             answer = self.read()
@@ -117,6 +122,18 @@ class _Database:
             return None
         self.warned = False
         return answer
+
+
+class Answer(NamedTuple):
+    """One database's answer at a scrape."""
+
+    #: The live count rows (``metrics_sql.live_counts``).
+    rows: list[dict[str, Any]]
+    #: The table's estimated rows (``metrics_sql.ESTIMATED_ROWS``; -1 before an ANALYZE).
+    estimate: float
+    #: ``dead_rows``, ``vacuum_age`` (None: never vacuumed), ``oldest_xact_age``
+    #: (``metrics_sql.TABLE_HEALTH``).
+    health: dict[str, Any]
 
 
 class DatabaseCollector(Collector):
@@ -145,12 +162,11 @@ class DatabaseCollector(Collector):
     def describe(self) -> list[Any]:
         return []  # nothing is read at registration
 
-    def read(self) -> tuple[list[dict[str, Any]], float]:
-        """(live count rows, estimated table rows) of the first database; raises if it does
-        not answer."""
+    def read(self) -> Answer:
+        """The first database's :class:`Answer`; raises if it does not answer."""
         return self._databases[0].read()
 
-    def _answers(self) -> list[tuple[list[dict[str, Any]], float] | None]:
+    def _answers(self) -> list[Answer | None]:
         if len(self._databases) == 1:
             return [self._databases[0].answer()]
         with self._pool_lock:
@@ -176,9 +192,10 @@ class DatabaseCollector(Collector):
         got = [a for a in answers if a is not None]
         if not got:
             return
-        rows = [r for part, _ in got for r in part]
-        estimates = [e for _, e in got if e >= 0]
+        rows = [r for a in got for r in a.rows]
+        estimates = [a.estimate for a in got if a.estimate >= 0]
         yield from _families(rows, sum(estimates) if estimates else -1.0)
+        yield from _health_families([a.health for a in got])
 
 
 def _abort(conn: psycopg.Connection[Any]) -> None:
@@ -244,4 +261,30 @@ def _families(rows: list[dict[str, Any]], estimate: float) -> Iterator[GaugeMetr
         "ESTIMATE of the rows of workspace_process_requests (every status, history "
         "included) from pg_class.reltuples, as of the last VACUUM/ANALYZE; 0 before the first.",
         value=max(0.0, estimate),
+    )
+
+
+def _health_families(health: list[dict[str, Any]]) -> Iterator[GaugeMetricFamily]:
+    """The table's vacuum health: dead rows summed over the shards, the ages the largest."""
+    yield GaugeMetricFamily(
+        "onceflow_requests_dead_rows",
+        "ESTIMATE of the dead row versions in workspace_process_requests "
+        "(pg_stat_user_tables.n_dead_tup) that no vacuum has removed yet.",
+        value=sum(float(h.get("dead_rows") or 0.0) for h in health),
+    )
+    ages = [float(h["vacuum_age"]) for h in health if h.get("vacuum_age") is not None]
+    vacuum = GaugeMetricFamily(
+        "onceflow_requests_vacuum_age_seconds",
+        "Seconds since workspace_process_requests (its least recently vacuumed partition) "
+        "was last vacuumed, by hand or by autovacuum; no sample before the first vacuum.",
+    )
+    if ages and len(ages) == len(health):
+        vacuum.add_metric([], max(0.0, max(ages)))
+    yield vacuum
+    yield GaugeMetricFamily(
+        "onceflow_database_oldest_transaction_age_seconds",
+        "Age of the oldest open transaction holding a snapshot in onceflow's database "
+        "(pg_stat_activity; another role's only with pg_read_all_stats); 0 if none. "
+        "While it runs, no vacuum removes what it might see.",
+        value=max([0.0, *(float(h.get("oldest_xact_age") or 0.0) for h in health)]),
     )

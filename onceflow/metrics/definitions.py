@@ -184,6 +184,9 @@ DB_GAUGES: Final = (
     "onceflow_requests_lower_bound",
     "onceflow_oldest_queued_age_seconds",
     "onceflow_requests_estimated_rows",
+    "onceflow_requests_dead_rows",
+    "onceflow_requests_vacuum_age_seconds",
+    "onceflow_database_oldest_transaction_age_seconds",
     "onceflow_database_up",
 )
 

@@ -91,5 +91,38 @@ SELECT CASE WHEN c.relkind = 'p' THEN (
 FROM pg_class c WHERE c.oid = '{TABLE}'::regclass
 """)
 
+# The table's vacuum health, from the statistics views (no read of the table): its dead row
+# versions (pg_stat_user_tables.n_dead_tup; on a partitioned table summed over the
+# partitions, the parent holds none), the seconds since its least recently vacuumed
+# partition was last vacuumed (by hand or by autovacuum; NULL if one never was), and the
+# age of the oldest open transaction of a client holding a snapshot or a transaction id in
+# this database, other than this one (0 if none; a vacuum's own holds no other back): while
+# it runs no vacuum can clean a row it might see, and the claim index's front of claimed
+# rows' entries only grows (README, "Autovacuum and claim_next loops"). pg_stat_activity
+# shows another role's sessions' times only to a superuser or a member of
+# pg_read_all_stats: without it, their transactions are not seen.
+TABLE_HEALTH = text(f"""
+WITH parts AS (
+    SELECT '{TABLE}'::regclass AS relid
+    UNION ALL
+    SELECT i.inhrelid FROM pg_inherits i WHERE i.inhparent = '{TABLE}'::regclass
+),
+s AS (
+    SELECT st.* FROM pg_stat_user_tables st JOIN parts p ON p.relid = st.relid
+    JOIN pg_class c ON c.oid = st.relid
+    WHERE c.relkind <> 'p'  -- a partitioned parent has a row, but no storage to vacuum
+)
+SELECT (SELECT coalesce(sum(n_dead_tup), 0)::float8 FROM s) AS dead_rows,
+       (SELECT EXTRACT(EPOCH FROM now() - min(greatest(last_vacuum, last_autovacuum)))::float8
+        FROM s HAVING bool_and(coalesce(last_vacuum, last_autovacuum) IS NOT NULL))
+           AS vacuum_age,
+       (SELECT coalesce(EXTRACT(EPOCH FROM now() - min(a.xact_start)), 0)::float8
+        FROM pg_stat_activity a
+        WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
+          AND a.backend_type = 'client backend'
+          AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)) AS oldest_xact_age
+""")
+
 Q_LIVE_COUNTS = live_counts()
 Q_ESTIMATED_ROWS = render(ESTIMATED_ROWS)
+Q_TABLE_HEALTH = render(TABLE_HEALTH)
