@@ -829,8 +829,10 @@ def bench_in_flight(url: str, levels: list[int], ops: int, warmup: int) -> dict[
 # ---------------------------------------------------------------------------- 5. the claim front
 
 
-def _front_pages(raw: psycopg.Connection[Any]) -> int:
-    """Index pages of ix_wpr_claim one claim reads (EXPLAIN ANALYZE BUFFERS, rolled back)."""
+def _front_pages(raw: psycopg.Connection[Any]) -> dict[str, int]:
+    """Pages one claim's scan of each of ix_wpr_claim and ix_wpr_lease reads (EXPLAIN
+    ANALYZE BUFFERS of the scan node, rolled back; an index scan's count includes the heap
+    pages it visits, one or two here)."""
     from onceflow.queue.sql import claim_next_sql
 
     params = {
@@ -843,13 +845,14 @@ def _front_pages(raw: psycopg.Connection[Any]) -> int:
         ).fetchone()
     assert row is not None
 
-    def pages(node: dict[str, Any]) -> int:
+    def pages(node: dict[str, Any], index: str) -> int:
         here = 0
-        if node.get("Index Name") == "ix_wpr_claim":
+        if node.get("Index Name") == index:
             here = int(node.get("Shared Hit Blocks", 0)) + int(node.get("Shared Read Blocks", 0))
-        return here + sum(pages(child) for child in node.get("Plans", ()))
+        return here + sum(pages(child, index) for child in node.get("Plans", ()))
 
-    return pages(row[0][0]["Plan"])
+    plan = row[0][0]["Plan"]
+    return {index: pages(plan, index) for index in ("ix_wpr_claim", "ix_wpr_lease")}
 
 
 def _vacuum_stats(raw: psycopg.Connection[Any]) -> tuple[int, int]:
@@ -903,7 +906,7 @@ def bench_front(url: str, windows: int, step: int, history: int) -> dict[str, An
                 if w == windows:
                     raw.execute(f"VACUUM (INDEX_CLEANUP ON) {TABLE}")
                     since = 0
-                pages = _front_pages(raw)
+                start = _front_pages(raw)
                 samples: dict[str, list[float]] = {"onceflow": [], "floor": []}
                 for _ in range(step):
                     t0 = time.perf_counter()
@@ -914,12 +917,21 @@ def bench_front(url: str, windows: int, step: int, history: int) -> dict[str, An
                     t2 = time.perf_counter()
                     samples["onceflow"].append(t1 - t0)
                     samples["floor"].append(t2 - t1)
+                end = _front_pages(raw)
                 stats = {k: _stats(v) for k, v in samples.items()}
+                # The medians cover claims since..until; the pages are read at both ends.
                 out["windows"].append(
-                    {"since": since, "pages": pages, "after_vacuum": w == windows, **stats}
-                )
+                    {
+                        "since": since, "until": since + 2 * step, "after_vacuum": w == windows,
+                        "pages": start["ix_wpr_claim"], "pages_end": end["ix_wpr_claim"],
+                        "lease_pages": start["ix_wpr_lease"],
+                        "lease_pages_end": end["ix_wpr_lease"], **stats,
+                    }
+                )  # fmt: skip
                 log(
-                    f"front: {since:,} claims since the VACUUM: {pages} pages per claim, "
+                    f"front: claims {since:,}-{since + 2 * step:,} since the VACUUM: "
+                    f"{start['ix_wpr_claim']} -> {end['ix_wpr_claim']} pages per claim "
+                    f"(ix_wpr_lease {start['ix_wpr_lease']} -> {end['ix_wpr_lease']}), "
                     f"claim_next + finish {stats['onceflow']['median_ms']:.2f} ms "
                     f"(floor {stats['floor']['median_ms']:.2f})"
                 )
@@ -1145,18 +1157,20 @@ def _render_front(fr: dict[str, Any]) -> list[str]:
         f"ops per window, one connection, {fr['history']:,} finished rows of history; "
         f"autovacuum {fr['autovacuum']}, {fr['autovacuum_runs']} run(s) during the section)",
         "",
-        "| Claims since the section's `VACUUM (INDEX_CLEANUP ON)` | ix_wpr_claim pages per claim "
+        "| Claims since the section's `VACUUM (INDEX_CLEANUP ON)` (the window's medians cover "
+        "them) | ix_wpr_claim pages per claim, at the window's start → end | ix_wpr_lease "
         "| `claim_next` + `finish` median | vs the first window | floor median "
         "| vs the first window |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for w in fr["windows"]:
         o, f = w["onceflow"], w["floor"]
-        label = f"{w['since']:,}"
+        label = f"{w['since']:,} to {w['until']:,}"
         if w["after_vacuum"]:
             label += " (after `VACUUM (INDEX_CLEANUP ON)`)"
         lines.append(
-            f"| {label} | {w['pages']} | {o['median_ms']:.2f} ms "
+            f"| {label} | {w['pages']} → {w['pages_end']} "
+            f"| {w['lease_pages']} → {w['lease_pages_end']} | {o['median_ms']:.2f} ms "
             f"| {o['median_ms'] / first['onceflow']['median_ms']:.2f}x "
             f"| {f['median_ms']:.2f} ms | {f['median_ms'] / first['floor']['median_ms']:.2f}x |"
         )

@@ -172,7 +172,7 @@ def _prepare_postgres(
             "-c",
             "synchronous_commit=off",
             # As docker/compose.yaml: autovacuum every 10 s, so a claim_next loop's claim
-            # index does not gather a minute of claimed rows' entries (README, Operations).
+            # index does not gather a minute of claimed rows' entries (README, "Operating it").
             "-c",
             "autovacuum_naptime=10s",
         ]

@@ -275,8 +275,9 @@ def _health_families(health: list[dict[str, Any]]) -> Iterator[GaugeMetricFamily
     ages = [float(h["vacuum_age"]) for h in health if h.get("vacuum_age") is not None]
     vacuum = GaugeMetricFamily(
         "onceflow_requests_vacuum_age_seconds",
-        "Seconds since workspace_process_requests (its least recently vacuumed partition) "
-        "was last vacuumed, by hand or by autovacuum; no sample before the first vacuum.",
+        "Seconds since the last vacuum (by hand or by autovacuum) of the least recently "
+        "vacuumed part of workspace_process_requests that holds dead rows; 0 when none "
+        "does; no sample while one that does was never vacuumed.",
     )
     if ages and len(ages) == len(health):
         vacuum.add_metric([], max(0.0, max(ages)))

@@ -93,14 +93,16 @@ FROM pg_class c WHERE c.oid = '{TABLE}'::regclass
 
 # The table's vacuum health, from the statistics views (no read of the table): its dead row
 # versions (pg_stat_user_tables.n_dead_tup; on a partitioned table summed over the
-# partitions, the parent holds none), the seconds since its least recently vacuumed
-# partition was last vacuumed (by hand or by autovacuum; NULL if one never was), and the
-# age of the oldest open transaction of a client holding a snapshot or a transaction id in
-# this database, other than this one (0 if none; a vacuum's own holds no other back): while
-# it runs no vacuum can clean a row it might see, and the claim index's front of claimed
-# rows' entries only grows (README, "Autovacuum and claim_next loops"). pg_stat_activity
-# shows another role's sessions' times only to a superuser or a member of
-# pg_read_all_stats: without it, their transactions are not seen.
+# partitions, the parent holds none), the seconds since the last vacuum (by hand or by
+# autovacuum) of the least recently vacuumed partition that holds dead rows (0 when none
+# does, so a quiet partition that needs no vacuum does not count; NULL while one that
+# does was never vacuumed), and the age of the oldest open transaction of a client holding
+# a snapshot or a transaction id in this database, other than this one (0 if none; a
+# vacuum's own holds no other back): while it runs no vacuum can clean a row it might see,
+# and the claim index's front of claimed rows' entries only grows (README, "Autovacuum and
+# claim_next loops"). pg_stat_activity shows another role's sessions' times only to a
+# superuser or a member of pg_read_all_stats: without it, their transactions are not seen.
+# Not seen either: prepared transactions, replication slots, a standby's feedback.
 TABLE_HEALTH = text(f"""
 WITH parts AS (
     SELECT '{TABLE}'::regclass AS relid
@@ -113,8 +115,10 @@ s AS (
     WHERE c.relkind <> 'p'  -- a partitioned parent has a row, but no storage to vacuum
 )
 SELECT (SELECT coalesce(sum(n_dead_tup), 0)::float8 FROM s) AS dead_rows,
-       (SELECT EXTRACT(EPOCH FROM now() - min(greatest(last_vacuum, last_autovacuum)))::float8
-        FROM s HAVING bool_and(coalesce(last_vacuum, last_autovacuum) IS NOT NULL))
+       (SELECT coalesce(EXTRACT(EPOCH FROM now() - min(greatest(last_vacuum, last_autovacuum))
+                                              FILTER (WHERE n_dead_tup > 0)), 0)::float8
+        FROM s HAVING bool_and(n_dead_tup = 0
+                               OR coalesce(last_vacuum, last_autovacuum) IS NOT NULL))
            AS vacuum_age,
        (SELECT coalesce(EXTRACT(EPOCH FROM now() - min(a.xact_start)), 0)::float8
         FROM pg_stat_activity a

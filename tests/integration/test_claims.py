@@ -155,26 +155,31 @@ def test_claim_next_takes_lapsed_leases_too(api_queue: Queue, clean_db: Engine) 
 def test_claim_next_takes_the_highest_due_priority_past_delayed_higher_ones(
     api_queue: Queue, clean_db: Engine
 ) -> None:
-    """claim_next's order is priority, then due time, among due rows only: delayed rows of a
-    higher priority (which the claim now steps over by priority, not entry by entry) wait,
-    and are first once they are due."""
-    rows = [  # (job, priority, delay in seconds)
-        ("a5-later", 5, 600), ("b3-now", 3, 0), ("c3-later", 3, 600), ("d1-now", 1, 0),
-        ("e-2-later", -2, 600), ("f-2-now", -2, 0),
+    """claim_next's order is priority, then due time, among due rows only: rows delayed at a
+    higher priority wait behind due ones of a lower priority, and go first once due. The rows
+    are inserted in an order that is none of the expected ones (the table's physical order
+    must not decide)."""
+    rows = [  # (job, priority, delay in seconds), in insertion order
+        ("e-2-d300", -2, 300), ("c3-d400", 3, 400), ("f-2-now", -2, 0), ("b3-d200", 3, 200),
+        ("a5-d600", 5, 600), ("d1-now", 1, 0), ("g3-now", 3, 0), ("h3-d100", 3, 100),
     ]  # fmt: skip
     api_queue.enqueue_many(
         [NewRequest("w1", job, "s", priority=p, run_after_seconds=d) for job, p, d in rows]
     )
+    t0 = db_now(clean_db)
 
-    def order(now: datetime | None) -> list[str]:
-        taken = []
-        while claims := api_queue.claim_next("default", "w", now=now):
+    def take(now: datetime | None, most: int = 100) -> list[str]:
+        taken: list[str] = []
+        while len(taken) < most and (claims := api_queue.claim_next("default", "w", now=now)):
             taken.append(claims[0].request.job_id)
             api_queue.complete(claims[0])  # not left to lapse: lapsed leases come first
         return taken
 
-    assert order(None) == ["b3-now", "d1-now", "f-2-now"]
-    assert order(db_now(clean_db) + timedelta(seconds=601)) == ["a5-later", "c3-later", "e-2-later"]
+    assert take(None, most=1) == ["g3-now"]  # d1-now and f-2-now stay due
+    # 250 s on: h3 and b3 (priority 3, delayed) are due and go before d1 (1, due all along);
+    # within priority 3, by due time (b3 was inserted first).
+    assert take(t0 + timedelta(seconds=250)) == ["h3-d100", "b3-d200", "d1-now", "f-2-now"]
+    assert take(t0 + timedelta(seconds=700)) == ["a5-d600", "c3-d400", "e-2-d300"]
 
 
 def test_heartbeat_extends_from_database_time_and_reports_cancel(
