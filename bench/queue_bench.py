@@ -779,6 +779,25 @@ def bench_latency(url: str, sizes: list[int], ops: int, warmup: int) -> dict[str
 # ---------------------------------------------------------------------------- 4. in flight
 
 
+def _paired_ops(
+    queue: Any, raw: psycopg.Connection[Any], worker_id: str, ops: int, warmup: int = 0
+) -> dict[str, list[float]]:
+    """``ops`` (after ``warmup`` untimed) onceflow ``claim_next`` + ``finish``, each followed
+    by the hand-written claim + complete on ``raw``: the seconds of each, per side."""
+    samples: dict[str, list[float]] = {"onceflow": [], "floor": []}
+    for i in range(ops + warmup):
+        t0 = time.perf_counter()
+        claims = queue.claim_next(WC, worker_id, 1)
+        queue.finish(claims[0], RESULT)
+        t1 = time.perf_counter()
+        _floor_claim_complete(raw, worker_id)
+        t2 = time.perf_counter()
+        if i >= warmup:
+            samples["onceflow"].append(t1 - t0)
+            samples["floor"].append(t2 - t1)
+    return samples
+
+
 def bench_in_flight(url: str, levels: list[int], ops: int, warmup: int) -> dict[str, Any]:
     """onceflow's claim_next + finish beside the hand-written claim + complete while K other
     requests of the same class are in flight (running under live leases, as a worker with
@@ -794,17 +813,7 @@ def bench_in_flight(url: str, levels: list[int], ops: int, warmup: int) -> dict[
             raw.execute(SEED_RUNNING, {"wc": WC, "n": level})
             raw.execute(SEED_QUEUED, {"prefix": f"fl{level}-", "wc": WC, "n": 2 * (ops + warmup)})
             raw.execute(f"VACUUM ANALYZE {TABLE}")
-            samples: dict[str, list[float]] = {"onceflow": [], "floor": []}
-            for i in range(ops + warmup):
-                t0 = time.perf_counter()
-                claims = queue.claim_next(WC, worker_id, 1)
-                queue.finish(claims[0], RESULT)
-                t1 = time.perf_counter()
-                _floor_claim_complete(raw, worker_id)
-                t2 = time.perf_counter()
-                if i >= warmup:
-                    samples["onceflow"].append(t1 - t0)
-                    samples["floor"].append(t2 - t1)
+            samples = _paired_ops(queue, raw, worker_id, ops, warmup)
             still = raw.execute(
                 f"SELECT count(*) FROM {TABLE} WHERE claimed_by = 'holder' AND status = 'running'"
             ).fetchone()
@@ -898,25 +907,14 @@ def bench_front(url: str, windows: int, step: int, history: int) -> dict[str, An
         runs0 = _vacuum_stats(raw)[0]
         since = 0
         with holding_connections():
-            for _ in range(20):  # warm-up: prepared statements, caches (not counted as since)
-                queue.finish(queue.claim_next(WC, worker_id, 1)[0], RESULT)
-                _floor_claim_complete(raw, worker_id)
+            _paired_ops(queue, raw, worker_id, 0, warmup=20)  # prepared statements, caches
             raw.execute(f"VACUUM (INDEX_CLEANUP ON) {TABLE}")
             for w in range(windows + 1):
                 if w == windows:
                     raw.execute(f"VACUUM (INDEX_CLEANUP ON) {TABLE}")
                     since = 0
                 start = _front_pages(raw)
-                samples: dict[str, list[float]] = {"onceflow": [], "floor": []}
-                for _ in range(step):
-                    t0 = time.perf_counter()
-                    claims = queue.claim_next(WC, worker_id, 1)
-                    queue.finish(claims[0], RESULT)
-                    t1 = time.perf_counter()
-                    _floor_claim_complete(raw, worker_id)
-                    t2 = time.perf_counter()
-                    samples["onceflow"].append(t1 - t0)
-                    samples["floor"].append(t2 - t1)
+                samples = _paired_ops(queue, raw, worker_id, step)
                 end = _front_pages(raw)
                 stats = {k: _stats(v) for k, v in samples.items()}
                 # The medians cover claims since..until; the pages are read at both ends.

@@ -131,14 +131,14 @@ class Answer(NamedTuple):
     rows: list[dict[str, Any]]
     #: The table's estimated rows (``metrics_sql.ESTIMATED_ROWS``; -1 before an ANALYZE).
     estimate: float
-    #: ``dead_rows``, ``vacuum_age`` (None: never vacuumed), ``oldest_xact_age``
-    #: (``metrics_sql.TABLE_HEALTH``).
+    #: ``dead_rows``, ``vacuum_age`` (None while a part holding dead rows was never
+    #: vacuumed), ``oldest_xact_age`` (``metrics_sql.TABLE_HEALTH``).
     health: dict[str, Any]
 
 
 class DatabaseCollector(Collector):
     """``onceflow_requests``, ``onceflow_oldest_queued_age_seconds``, the table's estimated
-    rows and ``onceflow_database_up``, from the database at each scrape.
+    rows, its vacuum health and ``onceflow_database_up``, from the database at each scrape.
 
     ``database_url``: one database, or the URLs of the shards of a database split by
     workspace (in shard order), read at once and merged (see the module).
