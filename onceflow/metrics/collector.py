@@ -111,6 +111,13 @@ class _Database:
             self._lock.release()
         return Answer(rows, float(est["estimate"]) if est else 0.0, dict(health or {}))
 
+    def close(self) -> None:
+        """Close this database's connection (a later read opens a new one)."""
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = None
+
     def answer(self) -> Answer | None:
         """:meth:`read`, or None (logged once per outage) when the database does not answer."""
         try:
@@ -161,6 +168,15 @@ class DatabaseCollector(Collector):
 
     def describe(self) -> list[Any]:
         return []  # nothing is read at registration
+
+    def close(self) -> None:
+        """Close the collector's connections and threads (a later scrape reopens them)."""
+        for db in self._databases:
+            db.close()
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._pool = None
 
     def read(self) -> Answer:
         """The first database's :class:`Answer`; raises if it does not answer."""

@@ -39,9 +39,7 @@ def scrape(database_url: str) -> Iterator[CollectorRegistry]:
     collector = DatabaseCollector(database_url)
     reg.register(collector)
     yield reg
-    for db in collector._databases:
-        if db._conn is not None:
-            db._conn.close()
+    collector.close()
 
 
 def _read(reg: CollectorRegistry) -> Samples:
