@@ -15,7 +15,6 @@ from onceflow.errors import InvalidRequest
 from onceflow.keys import counters_key, counters_workspaces_key
 from onceflow.locks.counters import (
     COMPUTES,
-    COMPUTES_WITHOUT_LOCK,
     DOUBLE_CHECK_HITS,
     PREFLIGHT_HITS,
     WAITS_SERVED_BY_BROADCAST,
@@ -25,7 +24,9 @@ from onceflow.redis_clients import SyncRedis
 
 SAVINGS_WORKSPACES: Final = 200
 
-_MADE = (COMPUTES, COMPUTES_WITHOUT_LOCK)
+#: Provider calls made: ``computes`` counts every one, with the lock or without it
+#: (``computes_without_lock`` is the part of them made without it, not more calls).
+_MADE = (COMPUTES,)
 _SAVED = (PREFLIGHT_HITS, DOUBLE_CHECK_HITS, WAITS_SERVED_BY_BROADCAST, WAITS_SERVED_BY_RECHECK)
 _FIELDS = (*_MADE, *_SAVED)
 
@@ -33,7 +34,7 @@ _FIELDS = (*_MADE, *_SAVED)
 def read_savings(client: SyncRedis) -> dict[str, Any]:
     """Calls made vs asked per workspace, from at most :data:`SAVINGS_WORKSPACES` workspaces.
 
-    ``made`` = computes (with or without the lock); ``saved`` = pre-flight and double-check
+    ``made`` = computes (every provider call, with or without the lock); ``saved`` = pre-flight and double-check
     hits plus waits served; ``asked`` = made + saved. Round trips: ``SCARD``, the ``SSCAN``
     pages, one pipeline of ``HMGET``.
     """

@@ -70,6 +70,11 @@ def test_savings_read_is_bounded(redis_url: str) -> None:
         client.hset(counters_key(names[0]), mapping={"computes": 2, "preflight_hits": 5})
         out = savings.read_savings(client)
         assert out["workspaces"] == [{"workspace_id": names[0], "made": 2, "saved": 5, "asked": 7}]
+        # A call made without the lock is counted in both computes and computes_without_lock
+        # (the protocol's counts, test_locks.py): one call made, not two.
+        client.hset(counters_key(names[0]), mapping={"computes_without_lock": 1})
+        out = savings.read_savings(client)
+        assert out["workspaces"] == [{"workspace_id": names[0], "made": 2, "saved": 5, "asked": 7}]
         client.sadd(key, *names)
         out = savings.read_savings(client)
         assert out["workspaces_total"] == len(names) + 1 and out["truncated"]
