@@ -34,9 +34,9 @@ _FIELDS = (*_MADE, *_SAVED)
 def read_savings(client: SyncRedis) -> dict[str, Any]:
     """Calls made vs asked per workspace, from at most :data:`SAVINGS_WORKSPACES` workspaces.
 
-    ``made`` = computes (every provider call, with or without the lock); ``saved`` = pre-flight and double-check
-    hits plus waits served; ``asked`` = made + saved. Round trips: ``SCARD``, the ``SSCAN``
-    pages, one pipeline of ``HMGET``.
+    ``made`` = computes (every provider call, with or without the lock); ``saved`` =
+    pre-flight and double-check hits plus waits served; ``asked`` = made + saved. Round
+    trips: ``SCARD``, the ``SSCAN`` pages, one pipeline of ``HMGET``.
     """
     key = counters_workspaces_key()
     total = int(client.scard(key))
