@@ -570,8 +570,16 @@ _STALE = f"""w.dispatched_at <= n.now - make_interval(secs => CAST(:redispatch_a
 # fresh wake-up from the sweeper (its re-send count starts again).
 RESCUE_EXPIRED: TextClause = text(f"""
 WITH n AS ({_NOW}),
-lapsed AS (
-    SELECT w.workspace_id, w.request_id
+nxt AS (
+    -- The next status is read from the row as locked (FOR UPDATE re-reads a row changed
+    -- since the statement's snapshot), never from another scan of the table: a cancel
+    -- committed after the statement began, before this row was locked, is seen.
+    SELECT w.workspace_id, w.request_id, CASE
+        WHEN w.cancel_requested THEN 'cancelled'
+        WHEN w.crash_attempts + 1 >= w.max_crash_attempts OR w.attempts >= w.max_attempts
+            THEN 'dead'
+        ELSE 'queued'
+    END AS status
     FROM {TABLE} w, n
     WHERE w.status = 'running' AND w.lease_expires_at <= n.now
       AND {_STAGES}
@@ -580,15 +588,6 @@ lapsed AS (
     ORDER BY w.lease_expires_at
     LIMIT :limit
     FOR UPDATE OF w SKIP LOCKED
-),
-nxt AS (
-    SELECT w.workspace_id, w.request_id, CASE
-        WHEN w.cancel_requested THEN 'cancelled'
-        WHEN w.crash_attempts + 1 >= w.max_crash_attempts OR w.attempts >= w.max_attempts
-            THEN 'dead'
-        ELSE 'queued'
-    END AS status
-    FROM {TABLE} w JOIN lapsed USING (workspace_id, request_id)
 ),
 upd AS (
 UPDATE {TABLE} AS w SET

@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -689,6 +690,53 @@ def test_rescue_expired_requeues_then_quarantines(
     assert swept.quarantined == [rid]
     dead = api_queue.get(rid)
     assert (dead.status, dead.crash_attempts, dead.error["type"]) == (Status.DEAD, 2, "LeaseLapsed")
+
+
+def _sweeping(engine: Engine) -> bool:
+    """Whether a rescue statement is running (pg_stat_activity, read afresh: a new
+    transaction each time; its query text is cut at track_activity_query_size)."""
+    with engine.connect() as conn:
+        return bool(
+            conn.execute(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE state = 'active'"
+                    " AND query LIKE '%w.status = ''running'' AND w.lease_expires_at <= n.now%'"
+                    " AND pid <> pg_backend_pid()"
+                )
+            ).scalar_one()
+        )
+
+
+def test_a_cancel_committed_during_a_sweep_is_not_lost(queue: Queue, clean_db: Engine) -> None:
+    """A cancel that commits after a sweep's statement began, before it locked the row:
+    the sweep's rescue must see it (cancelled), not requeue the row as if it never came."""
+    fillers = 30_000  # lapsed rows swept ahead of the target: the window the cancel lands in
+    with clean_db.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO workspace_process_requests (request_id, workspace_id, job_id,"
+                " branch_path, stage, dedupe, input, input_hash, worker_class, status,"
+                " claim_token, claimed_by, lease_expires_at, attempts, max_attempts,"
+                " max_crash_attempts)"
+                " SELECT 'fill-' || g, 'wf', 'fill-' || g, '', 's', false, '{}', 'h', 'wf',"
+                " 'running', 't' || g, 'x', now() - interval '2 hours' + g * interval '1 ms',"
+                " 1, 5, 3 FROM generate_series(1, :n) g"
+            ),
+            {"n": fillers},
+        )
+    rid = queue.enqueue("s", "w", "cancel-in-sweep").request_id
+    now = db_now(clean_db)
+    assert queue.claim(rid, "a", lease_seconds=5, now=now) is not None
+    with ThreadPoolExecutor(1) as pool:
+        sweep = pool.submit(queue.rescue_expired, limit=fillers + 1, now=now + timedelta(seconds=6))
+        wait_for(lambda: _sweeping(clean_db), timeout=30, interval=0.002)  # its snapshot taken
+        cancelled = queue.cancel(rid)
+        assert not sweep.done(), "the cancel must land while the sweep runs (more fillers)"
+        assert cancelled.status is Status.RUNNING and cancelled.cancel_requested
+        swept = sweep.result(timeout=60)
+    assert rid in swept.quarantined and rid not in swept.rescued
+    assert queue.get(rid).status is Status.CANCELLED
+    assert queue.claim(rid, "b") is None
 
 
 def test_rescue_never_touches_a_live_or_finished_claim(
