@@ -369,10 +369,26 @@ class Worker:
         with self._cond:
             for claim in claims:
                 ctx = StageContext(self.queue, claim, self.worker_id)
+                self._supersede(self._held.get(claim.request_id))
                 self._held[claim.request_id] = ctx
                 self._ready.append(ctx)
             self.stats.claimed += len(claims)
             self._cond.notify_all()
+
+    def _supersede(self, old: StageContext | None) -> None:
+        """This worker took over a request whose earlier claim it still holds (its lease
+        lapsed: a database away past the lease, a hung body past ``max_runtime``). The
+        earlier claim is gone: its body is told (``ctx.check()`` raises — no heartbeat
+        reaches it any more), an unstarted one is dropped, and an outcome it still
+        produces is discarded (``_record``). Caller holds the lock."""
+        if old is None:
+            return
+        log.warning("request %s: taken over by a new claim; the earlier one is gone",
+                    old.claim.request_id)  # fmt: skip
+        old._lost.set()
+        if old in self._ready:
+            self._ready.remove(old)
+            self.stats.lease_lost += 1
 
     # ------------------------------------------------------------------- bodies
 
@@ -484,6 +500,12 @@ class Worker:
     def _record(self, batch: list[_Done], shard: int) -> list[_Done]:
         """Record a batch of one shard; returns the items to try again (the database did
         not answer)."""
+        with self._cond:  # outcomes of claims taken over since (_supersede): never written
+            current = [d for d in batch if self._held.get(d.ctx.claim.request_id, d.ctx) is d.ctx]
+            for _ in range(len(batch) - len(current)):
+                log.warning("worker: a run's claim was taken over; its outcome is discarded")
+                self.stats.lease_lost += 1
+        batch = current
         plain = [d for d in batch if d.failure is None and not d.ctx._then]
         handing_off = [d for d in batch if d.failure is None and d.ctx._then]
         failed = [d for d in batch if d.failure is not None]

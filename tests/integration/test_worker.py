@@ -6,6 +6,7 @@ SIGTERM). Time is the database's: conditions are awaited with deadlines, never s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -23,7 +24,7 @@ from prometheus_client import REGISTRY
 from sqlalchemy import Engine, text
 
 from onceflow.context import StageContext
-from onceflow.errors import InvalidRequest, PermanentError, RetryLater
+from onceflow.errors import InvalidRequest, LeaseLost, PermanentError, RetryLater
 from onceflow.integrations.pull import PullWorker
 from onceflow.models import NewRequest, Status
 from onceflow.queue import Queue
@@ -191,6 +192,61 @@ def test_a_request_this_worker_claims_again_keeps_its_heartbeats(
         wait_for(lambda: fast_queue.get(rid).status is Status.SUCCEEDED, "the completion")
     row = fast_queue.get(rid)
     assert (row.attempts, row.result) == (2, "second")
+
+
+@contextlib.contextmanager
+def _set_on_exit(event: threading.Event) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        event.set()
+
+
+def test_a_takeover_by_this_worker_tells_the_first_run_its_lease_is_gone(
+    fast_queue: Queue, clean_db: Engine
+) -> None:
+    # Attempt 1's lease lapses while its body runs, and this same worker's fetcher takes the
+    # request over (lapsed leases first). Attempt 1 must be told (ctx.check() raises): no
+    # heartbeat will ever reach it again, since the worker now holds attempt 2 under that
+    # request id (before: never told, it ran on beside attempt 2; the two outcomes in one
+    # completion batch had the batch refused and every result in it lost).
+    [rid] = enqueue(fast_queue, 1)
+    runs: dict[int, StageContext] = {}
+    told, finish = threading.Event(), threading.Event()
+
+    def body(ctx: StageContext) -> str:
+        runs[ctx.attempt] = ctx
+        if ctx.attempt == 1:
+            try:
+                while not finish.is_set():  # (finish: the test failed; let the worker stop)
+                    ctx.check()
+                    time.sleep(0.02)
+            except LeaseLost:
+                told.set()
+                raise
+            return "first"
+        assert finish.wait(30)
+        return "second"
+
+    worker = Worker(fast_queue, "w", body, concurrency=2, lease_seconds=30)
+    with worker, _set_on_exit(finish):
+        wait_for(lambda: 1 in runs, "the first run")
+        with clean_db.begin() as conn:  # its lease lapses (database clock); the fetcher wakes
+            conn.execute(
+                text(
+                    "UPDATE workspace_process_requests"
+                    " SET lease_expires_at = now() - interval '1 second' WHERE request_id = :r"
+                ),
+                {"r": rid},
+            )
+            conn.execute(text("SELECT pg_notify('onceflow_work', 'w')"))
+        wait_for(lambda: 2 in runs, "the takeover")
+        wait_for(told.is_set, "the first run told that its lease is gone", timeout=5)
+        finish.set()
+        wait_for(lambda: fast_queue.get(rid).status is Status.SUCCEEDED, "the completion")
+    row = fast_queue.get(rid)
+    assert (row.attempts, row.crash_attempts, row.result) == (2, 1, "second")
+    assert (worker.stats.succeeded, worker.stats.unrecorded) == (1, 0)
 
 
 def test_cancel_reaches_a_running_body(fast_queue: Queue, clean_db: Engine) -> None:
