@@ -40,11 +40,14 @@ from onceflow.locks.counters import (
     send_groups,
 )
 from onceflow.locks.redis_lock import (
+    ACQUIRE,
     EXTEND,
     REAP_UNTIMED,
     RELEASE,
     Lua,
+    mark_ms,
     note_config_refused,
+    release_mark,
     warn_on_eviction_policy,
 )
 from onceflow.locks.steps import run_async
@@ -127,14 +130,15 @@ class AsyncRedisLockBackend:
         *,
         watchdog: bool = False,
     ) -> AsyncLockHandle | None:
-        """``SET key token NX PX ttl``: a handle if taken now, None if someone holds it."""
+        """``acquire.lua`` (``SET key token NX PX ttl``, resend-safe): a handle if taken now,
+        None if someone else holds it."""
         key = lock_key(workspace_id, job_id, task)
         ttl_ms = ttl_to_ms(self.settings.lock_ttl_seconds if ttl is None else ttl)
         token = secrets.token_hex(16)
         if not self._policy_checked:
             await self._check_eviction_policy()
         try:
-            taken = await self.client.set(key, token, nx=True, px=ttl_ms)
+            taken = await self._run(ACQUIRE, key, token, ttl_ms)
         except REDIS_ERRORS as exc:
             raise _unavailable("acquire", exc) from exc
         if not taken:
@@ -147,7 +151,9 @@ class AsyncRedisLockBackend:
     async def cad_release(self, handle: HeldLock[Any]) -> bool:
         """``release.lua``: delete the key only if it still holds the handle's token."""
         try:
-            return bool(await self._run(RELEASE, handle.key, handle.token))
+            lifetime = mark_ms(self.settings.lock_timeout_seconds)
+            mark = release_mark(handle.key)
+            return bool(await self._run(RELEASE, handle.key, handle.token, lifetime, also=mark))
         except REDIS_ERRORS as exc:
             raise _unavailable("release", exc) from exc
 
@@ -158,13 +164,14 @@ class AsyncRedisLockBackend:
         except REDIS_ERRORS as exc:
             raise _unavailable("extend", exc) from exc
 
-    async def _run(self, script: Lua, key: str, *args: str | int) -> Any:
+    async def _run(self, script: Lua, key: str, *args: str | int, also: str | None = None) -> Any:
         # As RedisLockBackend._run: EVALSHA, and EVAL on the key's node on NOSCRIPT.
         text, sha = script
+        keys = (key,) if also is None else (key, also)
         try:
-            return await self.client.evalsha(sha, 1, key, *args)
+            return await self.client.evalsha(sha, len(keys), *keys, *args)
         except redis.exceptions.NoScriptError:
-            return await self.client.eval(text, 1, key, *args)
+            return await self.client.eval(text, len(keys), *keys, *args)
 
     async def remaining_ms(self, workspace_id: str, job_id: str, task: str) -> int | None:
         """``PTTL`` of the cell's lock; None when no lock exists (a key with no TTL is reaped)."""

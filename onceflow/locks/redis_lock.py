@@ -1,4 +1,5 @@
-"""The Redis compute lock: ``SET key token NX PX ttl``, owner-checked Lua release and extend.
+"""The Redis compute lock: ``SET key token NX PX ttl`` (``acquire.lua``: a resend of it answers
+as the first did), owner-checked Lua release and extend.
 
 The key is ``onceflow:{<workspace_id>}:lock:<job_id>:<task>`` (:func:`onceflow.keys.lock_key`):
 the workspace is a Redis Cluster hash tag, so a workspace's locks, its broadcast
@@ -66,6 +67,7 @@ from onceflow.settings import Settings, get_settings
 
 log = logging.getLogger("onceflow.locks")
 
+ACQUIRE_LUA = files("onceflow.locks").joinpath("acquire.lua").read_text()
 RELEASE_LUA = files("onceflow.locks").joinpath("release.lua").read_text()
 EXTEND_LUA = files("onceflow.locks").joinpath("extend.lua").read_text()
 
@@ -91,9 +93,22 @@ def lua(text: str) -> Lua:
     return text, hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()
 
 
+ACQUIRE = lua(ACQUIRE_LUA)
 RELEASE = lua(RELEASE_LUA)
 EXTEND = lua(EXTEND_LUA)
 REAP_UNTIMED = lua(REAP_UNTIMED_LUA)
+
+
+def release_mark(key: str) -> str:
+    """The key ``release.lua`` marks a release with (the lock key's hash slot; no lock key
+    can end so: a key part's colons are escaped)."""
+    return f"{key}:released"
+
+
+def mark_ms(timeout: float) -> int:
+    """How long a release mark lives: well past a resent release (the socket timeout, at
+    most twice, as the client retries once), at least a second."""
+    return max(1000, round(4 * timeout * 1000))
 
 
 def redis_client(url: str | None = None, *, timeout: float | None = None) -> SyncRedis:
@@ -180,14 +195,15 @@ class RedisLockBackend:
         *,
         watchdog: bool = False,
     ) -> LockHandle | None:
-        """``SET key token NX PX ttl``: a handle if taken now, None if someone holds it."""
+        """``acquire.lua`` (``SET key token NX PX ttl``, resend-safe): a handle if taken now,
+        None if someone else holds it."""
         key = lock_key(workspace_id, job_id, task)
         ttl_ms = ttl_to_ms(self.settings.lock_ttl_seconds if ttl is None else ttl)
         token = secrets.token_hex(16)
         if not self._policy_checked:
             self._check_eviction_policy()
         try:  # inline rather than a context manager: this is the hot path
-            taken = self.client.set(key, token, nx=True, px=ttl_ms)
+            taken = self._run(ACQUIRE, key, token, ttl_ms)
         except REDIS_ERRORS as exc:
             raise _unavailable("acquire", exc) from exc
         if not taken:
@@ -200,7 +216,9 @@ class RedisLockBackend:
     def cad_release(self, handle: LockHandle) -> bool:
         """``release.lua``: delete the key only if it still holds the handle's token."""
         try:
-            return bool(self._run(RELEASE, handle.key, handle.token))
+            lifetime = mark_ms(self.settings.lock_timeout_seconds)
+            mark = release_mark(handle.key)
+            return bool(self._run(RELEASE, handle.key, handle.token, lifetime, also=mark))
         except REDIS_ERRORS as exc:
             raise _unavailable("release", exc) from exc
 
@@ -211,15 +229,17 @@ class RedisLockBackend:
         except REDIS_ERRORS as exc:
             raise _unavailable("extend", exc) from exc
 
-    def _run(self, script: Lua, key: str, *args: str | int) -> Any:
+    def _run(self, script: Lua, key: str, *args: str | int, also: str | None = None) -> Any:
         # EVALSHA straight away (one round trip, no per-call bookkeeping); on NOSCRIPT (a
         # restarted, failed-over or new node) EVAL of the text, on the key's node alone.
+        # ``also``: a second key in the same hash slot (release.lua's mark).
         client = self.client
         text, sha = script
+        keys = (key,) if also is None else (key, also)
         try:
-            return client.evalsha(sha, 1, key, *args)
+            return client.evalsha(sha, len(keys), *keys, *args)
         except redis.exceptions.NoScriptError:
-            return client.eval(text, 1, key, *args)
+            return client.eval(text, len(keys), *keys, *args)
 
     def remaining_ms(self, workspace_id: str, job_id: str, task: str) -> int | None:
         """``PTTL`` of the cell's lock; None when no lock exists."""
