@@ -40,11 +40,11 @@ from onceflow.locks.counters import (
     send_groups,
 )
 from onceflow.locks.redis_lock import (
-    ACQUIRE,
     EXTEND,
     REAP_UNTIMED,
     RELEASE,
     Lua,
+    holds_token,
     mark_ms,
     note_config_refused,
     release_mark,
@@ -130,15 +130,16 @@ class AsyncRedisLockBackend:
         *,
         watchdog: bool = False,
     ) -> AsyncLockHandle | None:
-        """``acquire.lua`` (``SET key token NX PX ttl``, resend-safe): a handle if taken now,
-        None if someone else holds it."""
+        """``SET key token NX PX ttl`` (then, if refused, ``GET``: a resend of this call's own
+        SET finds its token): a handle if taken now, None if someone else holds it."""
         key = lock_key(workspace_id, job_id, task)
         ttl_ms = ttl_to_ms(self.settings.lock_ttl_seconds if ttl is None else ttl)
         token = secrets.token_hex(16)
         if not self._policy_checked:
             await self._check_eviction_policy()
         try:
-            taken = await self._run(ACQUIRE, key, token, ttl_ms)
+            taken = await self.client.set(key, token, nx=True, px=ttl_ms)
+            taken = taken or holds_token(await self.client.get(key), token)  # as RedisLockBackend
         except REDIS_ERRORS as exc:
             raise _unavailable("acquire", exc) from exc
         if not taken:

@@ -1,5 +1,5 @@
-"""The Redis compute lock: ``SET key token NX PX ttl`` (``acquire.lua``: a resend of it answers
-as the first did), owner-checked Lua release and extend.
+"""The Redis compute lock: ``SET key token NX PX ttl``, owner-checked Lua release and extend;
+a resent acquire or release (its reply lost, the command resent) answers as the first did.
 
 The key is ``onceflow:{<workspace_id>}:lock:<job_id>:<task>`` (:func:`onceflow.keys.lock_key`):
 the workspace is a Redis Cluster hash tag, so a workspace's locks, its broadcast
@@ -67,7 +67,6 @@ from onceflow.settings import Settings, get_settings
 
 log = logging.getLogger("onceflow.locks")
 
-ACQUIRE_LUA = files("onceflow.locks").joinpath("acquire.lua").read_text()
 RELEASE_LUA = files("onceflow.locks").joinpath("release.lua").read_text()
 EXTEND_LUA = files("onceflow.locks").joinpath("extend.lua").read_text()
 
@@ -93,10 +92,14 @@ def lua(text: str) -> Lua:
     return text, hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()
 
 
-ACQUIRE = lua(ACQUIRE_LUA)
 RELEASE = lua(RELEASE_LUA)
 EXTEND = lua(EXTEND_LUA)
 REAP_UNTIMED = lua(REAP_UNTIMED_LUA)
+
+
+def holds_token(held: bytes | str | None, token: str) -> bool:
+    """Whether a lock key's value is ``token`` (bytes or text, as the client decodes)."""
+    return held is not None and (held.decode() if isinstance(held, bytes) else held) == token
 
 
 def release_mark(key: str) -> str:
@@ -195,15 +198,18 @@ class RedisLockBackend:
         *,
         watchdog: bool = False,
     ) -> LockHandle | None:
-        """``acquire.lua`` (``SET key token NX PX ttl``, resend-safe): a handle if taken now,
-        None if someone else holds it."""
+        """``SET key token NX PX ttl`` (then, if refused, ``GET``: a resend of this call's own
+        SET finds its token): a handle if taken now, None if someone else holds it."""
         key = lock_key(workspace_id, job_id, task)
         ttl_ms = ttl_to_ms(self.settings.lock_ttl_seconds if ttl is None else ttl)
         token = secrets.token_hex(16)
         if not self._policy_checked:
             self._check_eviction_policy()
         try:  # inline rather than a context manager: this is the hot path
-            taken = self._run(ACQUIRE, key, token, ttl_ms)
+            taken = self.client.set(key, token, nx=True, px=ttl_ms)
+            # Refused: taken by someone else — or by this very call, when the client resent
+            # a SET whose reply was lost (redis-py resends once). Our own token: ours.
+            taken = taken or holds_token(self.client.get(key), token)
         except REDIS_ERRORS as exc:
             raise _unavailable("acquire", exc) from exc
         if not taken:
