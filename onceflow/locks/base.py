@@ -24,7 +24,7 @@ import threading
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from onceflow.errors import LockLost, LockUnavailable
+from onceflow.errors import InvalidRequest, LockLost, LockUnavailable
 from onceflow.locks.counters import LOCKS_LOST, Counters
 from onceflow.settings import Settings
 
@@ -336,8 +336,23 @@ class _Watchdog(threading.Thread):
             self.join(timeout=10)
 
 
+#: The longest lock TTL (as the ``lock_ttl_seconds`` setting's bound): a day.
+TTL_MAX_SECONDS = 86_400
+
+
 def ttl_to_ms(ttl: float) -> int:
-    """A TTL in seconds as whole milliseconds (at least 1)."""
-    if not isinstance(ttl, int | float) or ttl <= 0 or ttl != ttl:
-        raise ValueError(f"a lock TTL must be a positive number of seconds, got {ttl!r}")
+    """A TTL in seconds as whole milliseconds (at least 1).
+
+    A caller's mistake is an :class:`InvalidRequest` (never retried), raised before any
+    call to the backend: not a number (``True`` included), not finite, not positive, or
+    over :data:`TTL_MAX_SECONDS` (before: ``1e16`` reached Redis and came back as a
+    retryable "Redis unavailable", and ``True`` was a one-second lock)."""
+    if (
+        isinstance(ttl, bool)
+        or not isinstance(ttl, int | float)
+        or not 0 < ttl <= TTL_MAX_SECONDS  # NaN fails this too
+    ):
+        raise InvalidRequest(
+            f"a lock TTL must be a number of seconds in (0, {TTL_MAX_SECONDS}], got {ttl!r}"
+        )
     return max(1, round(ttl * 1000))

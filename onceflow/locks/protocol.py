@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeAlias, TypeVar, ove
 
 from onceflow.errors import InvalidRequest, LockUnavailable
 from onceflow.keys import lock_key
-from onceflow.locks.base import AsyncLockBackend, LockBackend, LockHandle, is_release_of
+from onceflow.locks.base import AsyncLockBackend, LockBackend, LockHandle, is_release_of, ttl_to_ms
 from onceflow.locks.counters import (
     COMPUTE_ERRORS,
     COMPUTES,
@@ -211,7 +211,9 @@ def protocol_steps(
     :func:`~onceflow.locks.steps.run_async`; the protocol only reads its
     ``counters`` and ``settings`` itself and yields every other call.
     """
-    lock_key(workspace_id, job_id, task)  # bad ids fail before any call is made
+    lock_key(workspace_id, job_id, task)  # bad ids (and a bad ttl) fail before any call
+    if ttl is not None:
+        ttl_to_ms(ttl)
     value = yield Call(check)
     be = backend if backend is not None else default_backend()
     if value is not None:

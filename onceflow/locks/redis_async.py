@@ -139,7 +139,7 @@ class AsyncRedisLockBackend:
             await self._check_eviction_policy()
         try:
             taken = await self.client.set(key, token, nx=True, px=ttl_ms)
-            taken = taken or holds_token(await self.client.get(key), token)  # as RedisLockBackend
+            taken = taken or await self._resent(key, token)
         except REDIS_ERRORS as exc:
             raise _unavailable("acquire", exc) from exc
         if not taken:
@@ -148,6 +148,13 @@ class AsyncRedisLockBackend:
         if watchdog:
             await handle.start_watchdog()
         return handle
+
+    async def _resent(self, key: str, token: str) -> bool:
+        """As :meth:`RedisLockBackend._resent`."""
+        try:
+            return holds_token(await self.client.get(key), token)
+        except redis.exceptions.ResponseError:
+            return False
 
     async def cad_release(self, handle: HeldLock[Any]) -> bool:
         """``release.lua``: delete the key only if it still holds the handle's token."""

@@ -209,7 +209,7 @@ class RedisLockBackend:
             taken = self.client.set(key, token, nx=True, px=ttl_ms)
             # Refused: taken by someone else — or by this very call, when the client resent
             # a SET whose reply was lost (redis-py resends once). Our own token: ours.
-            taken = taken or holds_token(self.client.get(key), token)
+            taken = taken or self._resent(key, token)
         except REDIS_ERRORS as exc:
             raise _unavailable("acquire", exc) from exc
         if not taken:
@@ -218,6 +218,14 @@ class RedisLockBackend:
         if watchdog:
             handle.start_watchdog()
         return handle
+
+    def _resent(self, key: str, token: str) -> bool:
+        """Whether a refused acquire was refused by its own earlier send (``key`` holds
+        ``token``). A value of another type there (``WRONGTYPE``) is nobody's lock."""
+        try:
+            return holds_token(self.client.get(key), token)
+        except redis.exceptions.ResponseError:
+            return False
 
     def cad_release(self, handle: LockHandle) -> bool:
         """``release.lua``: delete the key only if it still holds the handle's token."""

@@ -677,6 +677,25 @@ def test_ids_are_validated_before_anything_runs(backend: LockBackend, api: str) 
     assert lock_key("w{1}", "j:1", "eval:a") == "onceflow:{w%7B1%7D}:lock:j%3A1:eval%3Aa"
 
 
+@pytest.mark.parametrize("ttl", [True, 0, -1, float("nan"), float("inf"), 1e16, "5", 86_401])
+def test_a_bad_ttl_is_refused_before_anything_runs(
+    backend: LockBackend, api: str, ttl: Any, ws: str
+) -> None:
+    # A caller's mistake, not an outage: InvalidRequest (a stage does not retry it), before
+    # check() and before Redis (before: 1e16 reached Redis and came back as a retryable
+    # LockUnavailable blaming Redis; True was taken as a one-second lock).
+    called: list[str] = []
+    with pytest.raises(InvalidRequest, match="lock TTL"):
+        run_compute_once(
+            api, ws, "j", "t", check=lambda: called.append("check"), compute=lambda: "x",
+            store=lambda v: None, backend=backend, ttl=ttl, plain=True,
+        )  # fmt: skip
+    assert called == []
+    with pytest.raises(InvalidRequest, match="lock TTL"):
+        backend.acquire(ws, "j", "t", ttl=ttl)
+    assert backend.remaining_ms(ws, "j", "t") is None  # nothing was taken
+
+
 # ------------------------------------------------------------------ inside a stage
 
 
