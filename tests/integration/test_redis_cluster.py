@@ -387,7 +387,7 @@ def test_the_apis_rate_limits_can_count_on_the_cluster(cluster: LocalCluster) ->
         served = []
         for _ in range(5):
             try:
-                await limits.authorize(request, lambda: principal)
+                await limits.authorize(request, lambda: principal, lambda _: None)
                 served.append(True)
             except RateLimited:
                 served.append(False)

@@ -15,6 +15,7 @@ import asyncio
 import json
 import secrets
 import socket
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -38,11 +39,12 @@ from tests.acceptance.test_http_api import auth
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("runtime")]
 
 RUN = secrets.token_hex(3)  # channels are server-wide (not per Redis db): names of this run
-WS_A, WS_B, WS_C, WS_D = (f"sec-{x}-{RUN}" for x in "abcd")
+WS_A, WS_B, WS_C, WS_D, WS_E = (f"sec-{x}-{RUN}" for x in "abcde")
 KEY_A = "of_test_sec_key_a_0123456789abcdef0123"
 KEY_B = "of_test_sec_key_b_0123456789abcdef0123"
 KEY_C = "of_test_sec_key_c_0123456789abcdef0123"
 KEY_D = "of_test_sec_key_d_0123456789abcdef0123"
+KEY_E = "of_test_sec_key_e_0123456789abcdef0123"
 STREAMS = 150  # more than the 100 connections of redis-py's default pool
 RATE = 250  # per key per minute on this server: room for the 150 streams, cheap to flood
 AUTH_FAILURES = 5  # per address per minute
@@ -62,6 +64,7 @@ def api(
                 hash_key(KEY_B): [WS_B],
                 hash_key(KEY_C): [WS_C],
                 hash_key(KEY_D): [WS_D],
+                hash_key(KEY_E): [WS_E],
             }
         ),
         "ONCEFLOW_API_SSE_KEEPALIVE_SECONDS": "1",
@@ -73,7 +76,7 @@ def api(
     with api_server(tmp_path_factory.mktemp("sec-api"), env) as (url, proc):
         yield url
     log_text = proc.log()
-    for secret in (KEY_A, KEY_B, KEY_C, KEY_D):
+    for secret in (KEY_A, KEY_B, KEY_C, KEY_D, KEY_E):
         assert secret not in log_text
 
 
@@ -297,6 +300,34 @@ def test_a_key_flooding_enqueues_gets_429_while_another_key_is_served(
         assert [tuple(row) for row in rows] == [(WS_C, 1), (WS_D, 1)]
 
 
+def test_requests_outside_a_keys_scope_use_its_budget_and_get_429_past_it(
+    api: str, engine: Engine
+) -> None:
+    """A 403 (another workspace) is charged to the key like any request (review finding:
+    the scope was checked before the charge, so 403s were never limited and cost nothing)."""
+    body = {"stage": "noop", "job_id": "out-of-scope", "input": {"value": 1}}
+    with httpx.Client(base_url=api, timeout=10) as http:
+        statuses = []
+        for _ in range(2 * RATE):  # bounded: the limit is RATE per minute
+            r = http.get(f"/v1/workspaces/{WS_A}/counts", headers=auth(KEY_E))
+            statuses.append(r.status_code)
+            if r.status_code == 429:
+                break
+        assert statuses[-1] == 429, f"out-of-scope requests never limited: {Counter(statuses)}"
+        assert set(statuses[:-1]) == {403} and len(statuses) - 1 <= RATE
+        assert r.json()["code"] == "rate_limited" and int(r.headers["retry-after"]) >= 1
+        # The budget is spent: in scope too, and an out-of-scope body is not read.
+        assert http.get(f"/v1/workspaces/{WS_E}/counts", headers=auth(KEY_E)).status_code == 429
+        posted = http.post(f"/v1/workspaces/{WS_A}/requests", json=body, headers=auth(KEY_E))
+        assert posted.status_code == 429
+        # The 403s were the key's, not failed authentications of this address: another
+        # key from here is served.
+        assert http.get(f"/v1/workspaces/{WS_D}/counts", headers=auth(KEY_D)).status_code == 200
+    with engine.connect() as conn:
+        count = conn.execute(text("SELECT count(*) FROM workspace_process_requests")).scalar()
+    assert count == 0
+
+
 def test_failed_authentications_lock_out_that_address_only(api: str) -> None:
     # uvicorn trusts X-Forwarded-For from 127.0.0.1 (its default): two client addresses.
     guesser = {"X-Forwarded-For": "203.0.113.7"}
@@ -433,7 +464,7 @@ def test_shared_rate_limit_storage_counts_across_processes(redis_url: str) -> No
         served = []
         for limiter in (one, two, one, two):
             try:
-                await limiter.authorize(request, lambda: principal)
+                await limiter.authorize(request, lambda: principal, lambda _: None)
                 served.append(True)
             except RateLimited as exc:
                 assert exc.response().status_code == 429
@@ -468,7 +499,7 @@ def test_concurrent_requests_on_a_shared_storage_get_no_more_than_the_limit(
 
     async def one() -> bool:
         try:
-            await limits.authorize(request, lambda: principal)
+            await limits.authorize(request, lambda: principal, lambda _: None)
             return True
         except RateLimited:
             return False

@@ -28,10 +28,12 @@ class _Services:  # what the operator routes use of OnceflowServices
     rate_limits: RateLimits
 
 
-def _client(keys: dict[str, list[str]]) -> TestClient:
+def _client(keys: dict[str, list[str]], per_key: str = "") -> TestClient:
     services = _Services(
         OperatorAuth(keys),
-        RateLimits([], parse_limits("x", "1000/minute"), storage="memory://"),
+        RateLimits(
+            parse_limits("x", per_key), parse_limits("x", "1000/minute"), storage="memory://"
+        ),
     )
     router = APIRouter(route_class=operator_route_class(services))  # type: ignore[arg-type]
 
@@ -60,6 +62,17 @@ def test_roles_decide_what_a_key_may_do() -> None:
     assert refused.status_code == 403
     assert "admin" in refused.json()["detail"]
     assert client.post("/op/requeue", headers=_h(ADMIN_KEY)).json() == {"ok": "acted"}
+
+
+def test_requests_refused_for_their_role_use_the_keys_budget() -> None:
+    """A 403 (viewer asking to act) is charged to the key: before, the role was checked
+    before the charge, so such requests were never limited (review finding)."""
+    keys = {hash_key(VIEW_KEY): [VIEWER], hash_key(ADMIN_KEY): [ADMIN]}
+    with _client(keys, "3/minute") as client:  # one event loop: one set of counters
+        statuses = [client.post("/op/requeue", headers=_h(VIEW_KEY)).status_code for _ in "abcd"]
+        assert statuses == [403, 403, 403, 429]
+        assert client.get("/op/state", headers=_h(VIEW_KEY)).status_code == 429  # budget spent
+        assert client.get("/op/state", headers=_h(ADMIN_KEY)).status_code == 200  # another key
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
-"""The route class of the ``/v1`` routes: the key and its scope are checked (and the rate
-limit applied) before FastAPI parses the body; every refusal in the API's error shape.
+"""The route class of the ``/v1`` routes: the key is authenticated, its rate limit charged
+and its scope checked, in that order, before FastAPI parses the body; every refusal in the
+API's error shape.
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ def _route_class(services: OnceflowServices) -> type[APIRoute]:
             async def guarded(request: Request) -> Response:
                 async def authorize() -> None:
                     request.state.onceflow_principal = await services.rate_limits.authorize(
-                        request, lambda: _authorize(services.auth, request, kind)
+                        request,
+                        lambda: _authenticate(services.auth, request),
+                        lambda principal: _permit(principal, request, kind),
                     )
 
                 return await guarded_call(request, authorize, handler)
@@ -61,10 +64,16 @@ def _route_class(services: OnceflowServices) -> type[APIRoute]:
     return OnceflowRoute
 
 
-def _authorize(auth: Authenticator, request: Request, kind: str) -> Principal:
+def _authenticate(auth: Authenticator, request: Request) -> Principal:
     principal = auth.authenticate(bearer_key(request))
     if principal is None:
         raise AccessDenied(401, "unknown key")
+    return principal
+
+
+def _permit(principal: Principal, request: Request, kind: str) -> None:
+    """403 unless the key may use the path's workspace / worker class (checked after the
+    key's rate limit is charged: a refused request uses its budget too)."""
     params = request.path_params
     if kind == "workspace" and not principal.may_use_workspace(params["ws"]):
         raise AccessDenied(403, "this key is not scoped to that workspace")
@@ -72,4 +81,3 @@ def _authorize(auth: Authenticator, request: Request, kind: str) -> Principal:
         raise AccessDenied(403, "this key is not a worker key of that worker class")
     if kind == "claim" and not principal.is_worker:
         raise AccessDenied(403, "claims need a worker key")
-    return principal

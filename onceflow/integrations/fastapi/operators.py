@@ -118,20 +118,23 @@ async def authorize_operator(services: OnceflowServices, request: Request, role:
     """The request's operator if its key has ``role``; AccessDenied (401/403) or RateLimited.
 
     Failed authentications count against ``ONCEFLOW_API_AUTH_FAILURE_LIMIT`` per address,
-    and an operator's requests against ``ONCEFLOW_API_RATE_LIMIT`` per key.
+    and an operator's requests against ``ONCEFLOW_API_RATE_LIMIT`` per key — those refused
+    for their role (403) too: the role is checked after the key's limit is charged.
     """
     found: list[Operator] = []
 
-    def authorize() -> Principal:
+    def authenticate() -> Principal:
         operator = services.operator_auth.authenticate(bearer_key(request))
         if operator is None:
             raise AccessDenied(401, "unknown operator key")
-        if not operator.may(role):
-            raise AccessDenied(403, f"this operator key does not have the {role!r} role")
         found.append(operator)
         return operator.as_principal()
 
-    await services.rate_limits.authorize(request, authorize)
+    def permit(_: Principal) -> None:
+        if not found[0].may(role):
+            raise AccessDenied(403, f"this operator key does not have the {role!r} role")
+
+    await services.rate_limits.authorize(request, authenticate, permit)
     request.state.onceflow_operator = found[0]
     return found[0]
 

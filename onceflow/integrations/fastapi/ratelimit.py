@@ -4,8 +4,9 @@ Two limits, each a `limits` string (``"100/second;3000/minute"``; ``;`` between
 limits, all must pass; empty turns it off):
 
 * per key (``ONCEFLOW_API_RATE_LIMIT``), counted right after the key is
-  authenticated and before the body is parsed: one tenant's flood gets 429
-  while every other key is served;
+  authenticated, before its scope is checked and before the body is parsed: one
+  tenant's flood gets 429 while every other key is served, and requests the key
+  may not make (403) use its budget too;
 * per client address on failed authentication (``ONCEFLOW_API_AUTH_FAILURE_LIMIT``):
   each 401 counts; past the limit every request from that address gets 429
   before its key is even looked at, so guessing keys is slowed. Behind a proxy
@@ -152,8 +153,20 @@ class RateLimits:
         storage = storage_from_string(self.storage, **options)
         return _Counters(storage, SlidingWindowCounterRateLimiter(storage))
 
-    async def authorize(self, request: Request, authorize: Callable[[], Principal]) -> Principal:
-        """Run ``authorize`` (401/403 raise) under the limits; :class:`RateLimited` past one."""
+    async def authorize(
+        self,
+        request: Request,
+        authenticate: Callable[[], Principal],
+        permit: Callable[[Principal], None],
+    ) -> Principal:
+        """Authenticate, charge the key, then check what it may do; :class:`RateLimited` past
+        a limit.
+
+        In that order: ``authenticate()`` (401 raises, and counts against the client's
+        address), then the key's limit is charged, then ``permit(principal)`` (403 raises).
+        A request its key may not make (another workspace, worker class or role) uses the
+        key's budget like any other, so a key cannot send such requests without limit.
+        """
         address = request.client.host if request.client else "unknown"
         if self.auth_failures:
             await self._check(
@@ -161,7 +174,7 @@ class RateLimits:
                 detail="too many failed authentications from this address",
             )  # fmt: skip
         try:
-            principal = authorize()
+            principal = authenticate()
         except AccessDenied as exc:
             if exc.status == 401 and self.auth_failures:
                 await self._check(self.auth_failures, ("auth-failures", address), hit=True)
@@ -171,6 +184,7 @@ class RateLimits:
                 self.per_key, ("key", principal.key_id), hit=True,
                 detail="too many requests for this key",
             )  # fmt: skip
+        permit(principal)
         return principal
 
     async def _check(
