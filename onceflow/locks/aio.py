@@ -26,11 +26,17 @@ from types import TracebackType
 from typing import Literal, TypeAlias, TypeVar, overload
 
 from onceflow.errors import InvalidRequest, LockUnavailable
-from onceflow.locks.base import AsyncLockBackend, HeldLock, ttl_to_ms
+from onceflow.locks.base import (
+    AsyncLockBackend,
+    BackendOptions,
+    HeldLock,
+    backend_options,
+    ttl_to_ms,
+)
 from onceflow.locks.protocol import Locked, Outcome, protocol_steps
 from onceflow.locks.steps import run_async
 from onceflow.loops import PerLoop, drop_redis_sockets
-from onceflow.settings import get_settings
+from onceflow.settings import Settings, get_settings
 
 log = logging.getLogger("onceflow.locks")
 
@@ -190,24 +196,29 @@ async def acompute_once(
     )  # fmt: skip
 
 
-def _drop_backends(backends: dict[str, AsyncLockBackend]) -> None:
+_ByUrl: TypeAlias = dict[tuple[str, BackendOptions], AsyncLockBackend]
+
+
+def _drop_backends(backends: _ByUrl) -> None:
     for backend in backends.values():
         drop_redis_sockets(getattr(backend, "client", None))
 
 
-# Per loop and Redis URL, pruned of closed loops (their sockets shut): a weak table kept
-# every backend (a redis.asyncio client holds its loop).
-_async_backends: PerLoop[dict[str, AsyncLockBackend]] = PerLoop(_drop_backends)
+# Per loop, Redis URL and lock options, pruned of closed loops (their sockets shut): a weak
+# table kept every backend (a redis.asyncio client holds its loop).
+_async_backends: PerLoop[_ByUrl] = PerLoop(_drop_backends)
 
 
-def get_async_backend() -> AsyncLockBackend:
-    """The running loop's async backend for ``redis_url`` (made lazily; one per loop).
+def get_async_backend(settings: Settings | None = None) -> AsyncLockBackend:
+    """The running loop's async backend for ``redis_url`` of ``settings`` (the environment's
+    if None): made lazily, one per loop, shared by every caller whose settings name the same
+    URL and lock options.
 
     A redis.asyncio connection belongs to the loop that opened it, so each loop
     gets its own backend; it goes with the loop. Only ``lock_backend="redis"``
     has an async backend: with ``"sql"`` this raises :class:`InvalidRequest`.
     """
-    settings = get_settings()
+    settings = settings or get_settings()
     if settings.lock_backend != "redis":
         raise InvalidRequest(
             f"acompute_once needs lock_backend='redis' (it is {settings.lock_backend!r}); "
@@ -216,10 +227,11 @@ def get_async_backend() -> AsyncLockBackend:
     mine = _async_backends.get()
     if mine is None:
         mine = _async_backends.setdefault(dict)
-    backend = mine.get(settings.redis_url)
+    key = (settings.redis_url, backend_options(settings))
+    backend = mine.get(key)
     if backend is None:
         from onceflow.locks.redis_async import AsyncRedisLockBackend
 
         backend = AsyncRedisLockBackend(settings.redis_url, settings=settings)
-        backend = mine.setdefault(settings.redis_url, backend)
+        backend = mine.setdefault(key, backend)
     return backend

@@ -39,6 +39,21 @@ Message = dict[str, Any]
 LOCK_RELEASED = "lock_released"
 
 
+#: What :func:`backend_options` returns.
+BackendOptions = tuple[float, float, str, bool]
+
+
+def backend_options(settings: Settings) -> BackendOptions:
+    """The settings a lock backend reads besides its URL: backends of the same URL are
+    shared by the settings that agree on these (the getters' caches key on them)."""
+    return (
+        settings.lock_ttl_seconds,
+        settings.lock_timeout_seconds,
+        settings.lock_unavailable,
+        settings.lock_watchdog,
+    )
+
+
 class Subscription(Protocol):
     """A live subscription to a workspace's broadcasts (confirmed before it is returned)."""
 

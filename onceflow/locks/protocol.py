@@ -54,7 +54,15 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeAlias, TypeVar, ove
 
 from onceflow.errors import InvalidRequest, LockUnavailable
 from onceflow.keys import lock_key
-from onceflow.locks.base import AsyncLockBackend, LockBackend, LockHandle, is_release_of, ttl_to_ms
+from onceflow.locks.base import (
+    AsyncLockBackend,
+    BackendOptions,
+    LockBackend,
+    LockHandle,
+    backend_options,
+    is_release_of,
+    ttl_to_ms,
+)
 from onceflow.locks.counters import (
     COMPUTE_ERRORS,
     COMPUTES,
@@ -69,7 +77,7 @@ from onceflow.locks.counters import (
 )
 from onceflow.locks.steps import Call, Sleep, Steps, run_sync
 from onceflow.metrics import record as metrics
-from onceflow.settings import get_settings
+from onceflow.settings import Settings, get_settings
 
 if TYPE_CHECKING:
     from onceflow.locks.aio import AsyncLockHandle
@@ -458,16 +466,18 @@ def _compute_unlocked(
     return Outcome(value, Path.COMPUTED, with_lock=False, duplicate=duplicate)
 
 
-_backends: dict[tuple[str, str, int], LockBackend] = {}
+_backends: dict[tuple[str, str, BackendOptions, int], LockBackend] = {}
 _backends_lock = threading.Lock()
 
 
-def get_backend() -> LockBackend:
-    """This process's backend chosen by ``lock_backend`` (made lazily, again after a fork)."""
-    settings = get_settings()
+def get_backend(settings: Settings | None = None) -> LockBackend:
+    """This process's backend chosen by ``lock_backend`` of ``settings`` (the environment's
+    if None), on its ``redis_url`` or ``database_url``: made lazily, again after a fork, and
+    shared by every caller whose settings name the same backend, URL and lock options."""
+    settings = settings or get_settings()
     kind = settings.lock_backend
     url = settings.redis_url if kind == "redis" else settings.database_url
-    key = (kind, url, os.getpid())
+    key = (kind, url, backend_options(settings), os.getpid())
     with _backends_lock:
         backend = _backends.get(key)
         if backend is None:

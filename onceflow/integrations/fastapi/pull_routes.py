@@ -34,7 +34,9 @@ Every body also takes the claimed request's ``workspace_id`` (optional for now):
 then found by its key ``(workspace_id, request_id)``; another workspace than the request's
 is the same 409 lease_lost as a wrong token.
 
-``ttl_seconds`` is at most ``ONCEFLOW_LOCK_TTL_SECONDS`` (a longer one is cut to it).
+``ttl_seconds`` is at most ``ONCEFLOW_LOCK_TTL_SECONDS`` (a longer one is cut to it). The
+locks, their TTL cap and the choice of Redis or SQL come from the app's settings
+(``create_app(settings=…)``), as do its event streams: a waiter hears the release.
 ``outcome`` (``computed``, ``double_check``, ``failed`` or ``abandoned``) feeds the workspace's
 compute-lock counters, so the dashboard's savings include the tabs' calls. The lock
 token is a secret of its holder: never logged, only compared in Redis.
@@ -60,7 +62,7 @@ from onceflow.locks.base import LockBackend, LockHandle, ttl_to_ms
 from onceflow.locks.counters import COMPUTE_ERRORS, COMPUTES, DOUBLE_CHECK_HITS
 from onceflow.locks.protocol import get_backend
 from onceflow.models import Request as StageRequest
-from onceflow.settings import get_settings
+from onceflow.settings import Settings
 
 if TYPE_CHECKING:
     from onceflow.integrations.fastapi.services import OnceflowServices
@@ -143,10 +145,10 @@ _COUNTED = {"computed": (COMPUTES,), "double_check": (DOUBLE_CHECK_HITS,),
             "failed": (COMPUTES, COMPUTE_ERRORS), "abandoned": ()}  # fmt: skip
 
 
-def _ttl(be: Any, asked: float | None) -> float:
-    """The lock TTL: the one asked for, at most the server's ONCEFLOW_LOCK_TTL_SECONDS (a
+def _ttl(settings: Settings, asked: float | None) -> float:
+    """The lock TTL: the one asked for, at most the app's ONCEFLOW_LOCK_TTL_SECONDS (a
     closed tab must not hold a cell past it; a long call extends its lock instead)."""
-    cap: float = be.settings.lock_ttl_seconds
+    cap = settings.lock_ttl_seconds
     return cap if asked is None else min(asked, cap)
 
 
@@ -175,11 +177,12 @@ class _InThreads:
         await run_in_threadpool(lambda: self.backend.announce(handle, ok=ok))
 
 
-def _lock_backend() -> Any:
-    """The running loop's async lock backend (Redis), or the SQL backend in worker threads."""
-    if get_settings().lock_backend == "redis":
-        return get_async_backend()
-    return _InThreads(get_backend())
+def _lock_backend(settings: Settings) -> Any:
+    """The app's lock backend: the running loop's async one on its Redis (where its event
+    streams listen), or its SQL one in worker threads."""
+    if settings.lock_backend == "redis":
+        return get_async_backend(settings)
+    return _InThreads(get_backend(settings))
 
 
 def add_pull_routes(
@@ -232,8 +235,8 @@ def add_pull_routes(
         """Take the compute lock of ``task`` on the claimed request's job (a live claim only)."""
         request = await claim_holder(request_id, body, principal, live=True)
         lock_key(request.workspace_id, request.job_id, body.task)  # a bad task: 400 first
-        be = _lock_backend()
-        ttl = _ttl(be, body.ttl_seconds)
+        be = _lock_backend(svc.settings)
+        ttl = _ttl(svc.settings, body.ttl_seconds)
         got = await be.acquire(request.workspace_id, request.job_id, body.task, ttl)
         if got is not None:
             return LockOut(acquired=True, locked=False, job_id=request.job_id, task=body.task,
@@ -255,8 +258,8 @@ def add_pull_routes(
     ) -> ExtendOut:
         """Compare and extend: ``held: false`` once the lock expired or was taken."""
         request = await claim_holder(request_id, body, principal, live=True)
-        be = _lock_backend()
-        ttl_ms = ttl_to_ms(_ttl(be, body.ttl_seconds))
+        be = _lock_backend(svc.settings)
+        ttl_ms = ttl_to_ms(_ttl(svc.settings, body.ttl_seconds))
         lock = handle(be, request, body, body.lock_token, ttl_ms)
         return ExtendOut(held=await be.cad_extend(lock, ttl_ms))
 
@@ -272,7 +275,7 @@ def add_pull_routes(
     ) -> ReleaseOut:
         """Compare and delete, then announce ``lock_released`` on the workspace channel."""
         request = await claim_holder(request_id, body, principal, live=False)
-        be = _lock_backend()
+        be = _lock_backend(svc.settings)
         lock = handle(be, request, body, body.lock_token, 0)
         released = await be.cad_release(lock)
         if released:  # a wrong token, a repeat or an expired lock: nothing counted or announced
