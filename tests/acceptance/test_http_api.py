@@ -29,7 +29,7 @@ from onceflow.demo import procs
 from onceflow.errors import AccessDenied, OpIdConflict
 from onceflow.integrations.fastapi import hash_key
 from onceflow.integrations.pull import PullContext, PullWorker
-from onceflow.keys import counters_key, queue_name, workspace_channel
+from onceflow.keys import counters_key, lock_key, queue_name, workspace_channel
 from onceflow.models.ops import NodeInsert
 from onceflow.oplog import OpLog, TransportError, WorkspaceClient, new_op_id
 from onceflow.oplog.http import HttpTransport
@@ -908,6 +908,39 @@ def test_http_compute_lock_needs_a_live_claim_and_a_good_task(client: httpx.Clie
     assert done.status_code == 200, done.text
     late = client.post(url, json={"claim_token": token, "task": "t"}, headers=auth(WORKER_KEY))
     assert late.status_code == 409  # the claim ended: no new lock for it
+
+
+@pytest.mark.security
+@pytest.mark.parametrize("ttl", ["5", True, "1e1"], ids=["string", "bool", "string-float"])
+def test_lock_bodies_are_strict_and_a_coerced_ttl_changes_nothing(
+    client: httpx.Client, redis_url: str, ttl: Any
+) -> None:
+    """No type coercion, as every other body (review finding: ``"5"`` was a 5 s lock and
+    ``true`` a 1 s one)."""
+    (rid, token), _ = _claim_two_of_one_job(client)
+    job = client.get(f"/v1/workspaces/w1/requests/{rid}", headers=auth(API_KEY)).json()["job_id"]
+    r = redis_lib.Redis.from_url(redis_url)
+    url = f"/v1/claims/{rid}/locks"
+
+    def post(path: str, **body: Any) -> httpx.Response:
+        return client.post(path, json={"claim_token": token, **body}, headers=auth(WORKER_KEY))
+
+    counters = r.hgetall(counters_key("w1"))
+    refused = post(url, task="t-coerced", ttl_seconds=ttl)
+    assert refused.status_code == 422, refused.text
+    assert refused.json()["code"] == "invalid_request"
+    assert not r.exists(lock_key("w1", job, "t-coerced"))  # no lock taken
+    # A number is a number (an integer too); extending with a coerced TTL changes nothing.
+    held = post(url, task="t-held", ttl_seconds=30)
+    assert held.status_code == 201, held.text
+    lock_token = held.json()["lock_token"]
+    _TOKENS_SEEN.append(lock_token)
+    extend = post(f"{url}/extend", task="t-held", lock_token=lock_token, ttl_seconds=ttl)
+    assert extend.status_code == 422, extend.text
+    assert 0 < r.pttl(lock_key("w1", job, "t-held")) <= 30_000  # not extended
+    assert r.hgetall(counters_key("w1")) == counters
+    released = post(f"{url}/release", task="t-held", lock_token=lock_token, outcome="abandoned")
+    assert released.json() == {"released": True}
 
 
 def test_the_sdk_is_served_as_es_modules_with_an_etag(client: httpx.Client) -> None:

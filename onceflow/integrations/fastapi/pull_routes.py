@@ -75,7 +75,8 @@ TtlSeconds = Annotated[float, Field(gt=0, le=3600)]
 
 
 class _ClaimIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Strict like every /v1 body (schemas._In): "5" is not a TTL, nor is true.
+    model_config = ConfigDict(extra="forbid", strict=True)
     claim_token: s.ClaimTokenStr
     workspace_id: s.WorkspaceIdStr | None = Field(
         default=None, description=s.CLAIM_WORKSPACE_DESCRIPTION
