@@ -9,26 +9,30 @@ A sub-doc's state is a JSON object. The built-in ops cover the seed's domain:
 * ``merge`` — an RFC 7386 JSON merge patch of the whole state.
 
 Users register their own with :func:`register_op`. An op that is well-formed but
-cannot apply to the current state (moving a node that is not there) raises
-:class:`OpRejected`; the op log records that answer so a retry gets it again.
+cannot apply to the current state (moving a node that is not there, or a ``merge`` made
+``cells`` / ``order`` something the built-ins cannot work on) raises :class:`OpRejected`;
+the op log records that answer so a retry gets it again.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from onceflow.errors import InvalidRequest, OpRejected, validation_summary
+from onceflow.errors import InvalidRequest, OnceflowError, OpRejected, validation_summary
 from onceflow.payloads import check_json
 
 State = dict[str, Any]
 ApplyFn = Callable[[State, Any], tuple[State, Any]]
 
 ID = Annotated[str, Field(min_length=1, max_length=200)]
+
+log = logging.getLogger("onceflow.oplog")
 
 
 class OpModel(BaseModel):
@@ -102,7 +106,12 @@ _REGISTRY: dict[str, OpType] = {}
 
 
 def register_op(name: str, model: type[OpModel], apply: ApplyFn) -> None:
-    """Register an op type; ``apply(state, op) -> (new_state, result)`` must be pure."""
+    """Register an op type; ``apply(state, op) -> (new_state, result)`` must be pure.
+
+    It raises :class:`OpRejected` for an op the state cannot take. A ``TypeError``,
+    ``AttributeError``, ``LookupError`` or ``ValueError`` it raises is taken as such a
+    rejection too (see :func:`apply`).
+    """
     if name in _REGISTRY and _REGISTRY[name].model is not model:
         raise InvalidRequest(f"op type {name!r} is already registered")
     _REGISTRY[name] = OpType(name, model, apply)
@@ -134,22 +143,65 @@ def parse_op(op: OpModel | dict[str, Any], *, max_depth: int | None = None) -> O
         raise InvalidRequest(f"invalid {name} op: {validation_summary(exc)}") from None
 
 
+#: What a pure apply function raises when the state is not what it expects: a rejection.
+_STATE_ERRORS = (TypeError, AttributeError, LookupError, ValueError)
+
+
 def apply(state: State, op: OpModel) -> tuple[State, Any]:
-    """Apply a parsed op to a copy of ``state``; raises :class:`OpRejected`."""
-    return _REGISTRY[op.type].apply(copy.deepcopy(state), op)
+    """Apply a parsed op to a copy of ``state``; raises :class:`OpRejected`.
+
+    A registered function's ``TypeError`` / ``AttributeError`` / ``LookupError`` /
+    ``ValueError`` (not an :class:`~onceflow.errors.OnceflowError`) becomes
+    :class:`OpRejected`: the function is pure, so the same state and op fail the same way
+    every time, and the op log records the answer like any rejection — rather than roll
+    back with a raw error (an HTTP 500, which a client retries forever as "outcome
+    unknown").
+    """
+    fn, own = _REGISTRY[op.type].apply, copy.deepcopy(state)
+    try:
+        return fn(own, op)
+    except OnceflowError:
+        raise
+    except _STATE_ERRORS as exc:
+        log.warning("op %s failed on the sub-doc's state: rejected", op.type, exc_info=True)
+        reason = f"cannot apply to the sub-doc's state ({type(exc).__name__}: {exc})"
+        raise OpRejected(op.type, reason) from exc
 
 
 # ----------------------------------------------------------------------- built-ins
 
 
+def _cells(state: State, op_type: str, *, create: bool) -> dict[str, Any]:
+    """``state["cells"]`` (made empty if absent and ``create``); rejected unless an object."""
+    cells = state.setdefault("cells", {}) if create else state.get("cells", {})
+    if not isinstance(cells, dict):
+        raise OpRejected(op_type, f"the sub-doc's 'cells' is {_kind(cells)}, not an object")
+    return cells
+
+
+def _order(state: State, op_type: str) -> list[str]:
+    """``state["order"]`` (made empty if absent); rejected unless a list of node ids."""
+    order = state.setdefault("order", [])
+    if not isinstance(order, list):
+        raise OpRejected(op_type, f"the sub-doc's 'order' is {_kind(order)}, not a list")
+    if not all(isinstance(node, str) for node in order):
+        raise OpRejected(op_type, "the sub-doc's 'order' holds something other than node ids")
+    return order
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else f"a {type(value).__name__}"
+
+
 def _cell_set(state: State, op: CellSet) -> tuple[State, Any]:
-    state.setdefault("cells", {})[op.column] = op.value
+    _cells(state, op.type, create=True)[op.column] = op.value
     return state, None
 
 
 def _cell_clear(state: State, op: CellClear) -> tuple[State, Any]:
-    existed = op.column in state.get("cells", {})
-    state.get("cells", {}).pop(op.column, None)
+    cells = _cells(state, op.type, create=False)
+    existed = op.column in cells
+    cells.pop(op.column, None)
     return state, {"existed": existed}
 
 
@@ -163,7 +215,7 @@ def _position_after(order: list[str], after: str | None, op_type: str) -> int:
 
 
 def _node_insert(state: State, op: NodeInsert) -> tuple[State, Any]:
-    order: list[str] = state.setdefault("order", [])
+    order = _order(state, op.type)
     if op.node in order:
         raise OpRejected(op.type, f"node {op.node!r} is already in the order")
     index = _position_after(order, op.after, op.type)
@@ -172,7 +224,7 @@ def _node_insert(state: State, op: NodeInsert) -> tuple[State, Any]:
 
 
 def _node_move(state: State, op: NodeMove) -> tuple[State, Any]:
-    order: list[str] = state.setdefault("order", [])
+    order = _order(state, op.type)
     if op.node not in order:
         raise OpRejected(op.type, f"node {op.node!r} is not in the order")
     if op.after == op.node:
@@ -184,7 +236,7 @@ def _node_move(state: State, op: NodeMove) -> tuple[State, Any]:
 
 
 def _node_delete(state: State, op: NodeDelete) -> tuple[State, Any]:
-    order: list[str] = state.setdefault("order", [])
+    order = _order(state, op.type)
     if op.node not in order:
         raise OpRejected(op.type, f"node {op.node!r} is not in the order")
     order.remove(op.node)

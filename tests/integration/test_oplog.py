@@ -13,7 +13,7 @@ import multiprocessing as mp
 import threading
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, cast
 
 import pytest
 import redis as redis_lib
@@ -22,7 +22,7 @@ from sqlalchemy import Engine
 from onceflow import ClaimRef, LeaseLost, Queue
 from onceflow.errors import InvalidRequest, OpIdConflict, ReplayTooOld
 from onceflow.keys import workspace_channel
-from onceflow.models.ops import NodeInsert, NodeMove, apply, parse_op
+from onceflow.models.ops import NodeInsert, NodeMove, OpModel, apply, parse_op, register_op
 from onceflow.oplog import (
     ApplyResult,
     AsyncInProcessTransport,
@@ -261,6 +261,106 @@ def test_rejected_op_is_recorded_and_its_retry_gets_the_same_answer(oplog: OpLog
     again = oplog.apply_op("w1", "board", bad, op_id)
     assert (again.duplicate, again.applied, again.error) == (True, False, first.error)  # ...but no
     assert oplog.get_sub_doc("w1", "board").clock == 2  # the rejection took no clock
+
+
+# A merge op may give the state any shape: the built-ins' "cells" / "order" included.
+BAD_SHAPES = [{"cells": "x", "order": "abc"}, {"cells": [1], "order": {"a": 1, "b": 2}}]
+SHAPE_OPS: list[dict[str, Any]] = [
+    {"type": "cell.set", "column": "fit", "value": 1},
+    {"type": "cell.clear", "column": "x"},
+    {"type": "node.insert", "node": "b", "after": "a"},
+    {"type": "node.move", "node": "a"},
+    {"type": "node.delete", "node": "a"},
+]
+
+
+@pytest.mark.parametrize("shape", BAD_SHAPES, ids=["strings", "list-and-object"])
+@pytest.mark.parametrize("op", SHAPE_OPS, ids=[o["type"] for o in SHAPE_OPS])
+def test_a_builtin_op_on_a_shape_a_merge_made_is_rejected_and_recorded(
+    oplog: OpLog, shape: dict[str, Any], op: dict[str, Any]
+) -> None:
+    """Was: a raw TypeError / AttributeError (a rolled-back transaction, an HTTP 500), or for
+    ``node.insert`` into the string "abc" a wrong answer ("'b' is already in the order")."""
+    assert oplog.apply_op("w1", "doc", {"type": "merge", "patch": shape}, new_op_id()).clock == 1
+    op_id = new_op_id()
+    first = oplog.apply_op("w1", "doc", op, op_id)
+    assert (first.applied, first.clock, first.error["type"]) == (False, None, "OpRejected")
+    field = "cells" if op["type"].startswith("cell.") else "order"
+    assert f"'{field}'" in first.error["message"], first.error
+    again = oplog.apply_op("w1", "doc", op, op_id)  # its retry gets the same answer
+    assert (again.duplicate, again.applied, again.error) == (True, False, first.error)
+    assert oplog.get_sub_doc("w1", "doc").clock == 1  # the rejection took no clock
+    repair = {"type": "merge", "patch": {"cells": {"x": 1}, "order": ["a"]}}
+    assert oplog.apply_op("w1", "doc", repair, new_op_id()).clock == 2
+    fresh = oplog.apply_op("w1", "doc", op, new_op_id())  # the same op, repaired state
+    assert (fresh.applied, fresh.clock, fresh.error) == (True, 3, None)
+
+
+class Buggy(OpModel):
+    """A user's op whose apply function fails on some states (a pure function's bug)."""
+
+    type: Literal["test.buggy"] = "test.buggy"
+    key: str
+
+
+def _buggy(state: dict[str, Any], op: Buggy) -> tuple[dict[str, Any], Any]:
+    state["picked"] = state["table"][op.key]  # KeyError / TypeError on some states
+    return state, None
+
+
+register_op("test.buggy", Buggy, _buggy)
+
+
+def test_a_registered_ops_error_on_the_state_is_a_recorded_rejection(oplog: OpLog) -> None:
+    op_id = new_op_id()
+    first = oplog.apply_op("w1", "doc", Buggy(key="k"), op_id)  # no "table": KeyError
+    assert (first.applied, first.clock, first.error["type"]) == (False, None, "OpRejected")
+    assert "KeyError" in first.error["message"]
+    again = oplog.apply_op("w1", "doc", Buggy(key="k"), op_id)
+    assert (again.duplicate, again.error) == (True, first.error)
+    oplog.apply_op("w1", "doc", {"type": "merge", "patch": {"table": {"k": 7}}}, new_op_id())
+    done = oplog.apply_op("w1", "doc", Buggy(key="k"), new_op_id())
+    assert (done.applied, done.clock) == (True, 2)
+    assert oplog.get_sub_doc("w1", "doc").state == {"table": {"k": 7}, "picked": 7}
+
+
+def test_over_http_a_shape_rejection_is_an_answer_and_the_sdk_goes_on(clean_db: Engine) -> None:
+    """Was: HTTP 500, which the SDK takes for "outcome unknown": its outbox stuck at that op."""
+    import httpx
+    from fastapi.testclient import TestClient
+
+    from onceflow.integrations.fastapi import KeyAuth, create_app, hash_key
+    from onceflow.oplog.http import HttpTransport
+    from onceflow.tasks import Flow
+
+    oplog = OpLog(clean_db, get_settings())
+    oplog.apply_op("w1", "doc", {"type": "merge", "patch": {"cells": "x"}}, new_op_id())
+    key = "of_test_shape_key_0123456789abcdef"
+    app = create_app(
+        Flow(settings=oplog.settings),
+        auth=KeyAuth({hash_key(key): ["w1"]}),
+        settings=oplog.settings,
+    )
+    set_fit = {"type": "cell.set", "column": "fit", "value": 1}
+    with TestClient(app, raise_server_exceptions=False) as http:
+        answer = http.post("/v1/workspaces/w1/sub-docs/doc/ops", json={"op_id": new_op_id(),
+                           "op": set_fit}, headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+        assert answer.status_code == 201, answer.text
+        body = answer.json()
+        assert (body["applied"], body["clock"], body["error"]["type"]) == (
+            False,
+            None,
+            "OpRejected",
+        )
+        transport = HttpTransport("http://testserver", key, client=cast(httpx.Client, http))
+        client = WorkspaceClient(transport, "w1", max_attempts=2, backoff_base=0.01)
+        rejected = client.apply("doc", set_fit)
+        assert rejected is not None and rejected.error is not None
+        repair = client.apply("doc", {"type": "merge", "patch": {"cells": {}}})
+        assert repair is not None and repair.clock == 2
+        again = client.apply("doc", set_fit)
+        assert again is not None and again.clock == 3 and client.pending() == []
+    assert oplog.get_sub_doc("w1", "doc").state == {"cells": {"fit": 1}}
 
 
 @pytest.mark.parametrize(
