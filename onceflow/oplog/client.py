@@ -9,14 +9,15 @@ when the server answered for it. Pending ops are replayed in order before any
 new op is sent.
 
 Retention: the client records, per sub-doc, the last commit clock it saw (every
-answer, and :meth:`WorkspaceClient.observe` for reads) and sends it with each
-op as ``base_clock``. The server refuses an op it no longer knows whose
-``base_clock`` is below the op log's horizon (:class:`ReplayTooOld`): it may be
-a pruned op coming back. Such an op is *parked* in the same file, never
-dropped; the application lists it (:meth:`~WorkspaceClient.parked`), and
-discards or resubmits it. An op this client minted and never sent with an
-unknown outcome cannot be a replay: refused on its first sends, it is re-based
-on the horizon the server reported and sent again, not parked.
+answer, and :meth:`WorkspaceClient.observe` for reads) and sends it with each op
+as ``base_clock`` (0 on a sub-doc it never saw). The server refuses an op it no
+longer knows whose ``base_clock`` is below the op log's horizon
+(:class:`ReplayTooOld`): it may be a pruned op coming back. Such an op is
+*parked* in the same file, never dropped; the application lists it
+(:meth:`~WorkspaceClient.parked`), and discards or resubmits it. An op this
+client minted and never sent with an unknown outcome cannot be a replay: refused
+on its first sends, it is re-based on the horizon the server reported and sent
+again, not parked.
 
 :class:`AsyncWorkspaceClient` is the same client for asyncio: both drive the one
 set of rules in :class:`~onceflow.oplog.outbox.Outbox` (generators of "send this
@@ -198,8 +199,10 @@ class WorkspaceClient:
         """Mint an op id, persist the op, then send it (after any pending ones).
 
         ``base_clock`` defaults to the clock this client last saw of ``sub_doc``
-        (:meth:`seen_clock`; none before it saw the sub-doc, and the server then
-        takes the op as new). ``send=False`` only queues it (offline);
+        (:meth:`seen_clock`; 0 before it saw the sub-doc, so that a replay of even a
+        first op whose log row was pruned is refused, never applied twice; an op this
+        process has not sent yet that is refused as too old is re-based on the
+        reported horizon and sent again). ``send=False`` only queues it (offline);
         :meth:`replay` sends it later. Raises :class:`TransportError` when
         retries are exhausted: the op stays in the outbox and a later
         :meth:`replay` sends it with the same op id. Returns this op's answer;

@@ -193,6 +193,14 @@ class Outbox:
             ).fetchone()
         return None if row is None else int(row[0])
 
+    def _base_clock(self, sub_doc: str) -> int:
+        # The base_clock of an op minted now: the clock seen, 0 on a sub-doc never seen. Never
+        # None: the server takes an op without one as new, so a replay of it whose log row was
+        # pruned would be applied a second time. An op based on 0 that this process has not
+        # sent yet is refused only as too old, and then re-based on the horizon (_send).
+        seen = self.seen_clock(sub_doc)
+        return 0 if seen is None else seen
+
     # ------------------------------------------------------------------- rules
 
     def apply(
@@ -211,7 +219,7 @@ class Outbox:
         ):
             raise InvalidRequest("base_clock must be a non-negative integer")
         if base_clock is None:
-            base_clock = self.seen_clock(sub_doc)
+            base_clock = self._base_clock(sub_doc)
         op_id = self._add(sub_doc, json.dumps(parsed.model_dump(mode="json")), base_clock)
         return (yield from self._send_own(op_id, send))
 
@@ -384,7 +392,7 @@ class Outbox:
             raise InvalidRequest(f"no parked op {op_id!r} in workspace {self.workspace_id!r}")
         with self._txn():
             self._db.execute("DELETE FROM parked WHERE op_id = ?", (op_id,))
-            new_id = self._add(row[0], row[1], self.seen_clock(row[0]))
+            new_id = self._add(row[0], row[1], self._base_clock(row[0]))
         return (yield from self._send_own(new_id, send))
 
     def close(self) -> None:

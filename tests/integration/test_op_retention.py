@@ -22,10 +22,18 @@ from onceflow import Queue
 from onceflow.demo.procs import wait_for
 from onceflow.errors import InvalidRequest, ReplayTooOld
 from onceflow.models.ops import NodeInsert
-from onceflow.oplog import AsyncWorkspaceClient, OpLog, WorkspaceClient, new_op_id, stage_op_id
+from onceflow.oplog import (
+    AsyncWorkspaceClient,
+    OpLog,
+    OpsParked,
+    TransportError,
+    WorkspaceClient,
+    new_op_id,
+    stage_op_id,
+)
 from tests.both_apis import Blocking
 from tests.integration.test_claims import db_now
-from tests.integration.test_oplog import table_snapshot_ops, workspace_client
+from tests.integration.test_oplog import DropResponses, table_snapshot_ops, workspace_client
 
 WS = "w-ret"
 
@@ -62,7 +70,7 @@ def prune_all(oplog: OpLog, engine: Engine) -> int:
 
 
 def test_after_a_prune_a_new_client_op_without_base_clock_applies(
-    oplog: OpLog, clean_db: Engine, tmp_path: Path
+    oplog: OpLog, clean_db: Engine
 ) -> None:
     for i in range(3):
         oplog.apply_op(WS, "cells", cell("a", i), new_op_id())
@@ -73,12 +81,71 @@ def test_after_a_prune_a_new_client_op_without_base_clock_applies(
     assert (fresh.clock, fresh.duplicate, fresh.error) == (4, False, None)
     again = oplog.apply_op(WS, "cells", cell("b", 1), fresh.op_id)  # its retry dedups
     assert (again.clock, again.duplicate) == (4, True)
-    # The SDK of a client that never saw the sub-doc: its op goes without base_clock.
-    client = workspace_client(oplog, WS, outbox=tmp_path / "o.sqlite")
+    assert oplog.get_sub_doc(WS, "cells").state["cells"] == {"a": 2, "b": 1}
+
+
+class RecordSends:
+    """Wraps a sync or an async transport: records each send's (op id, base_clock)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.sent: list[tuple[str, int | None]] = []
+
+    def apply(self, *args: Any) -> Any:
+        self.sent.append((args[3], args[4]))
+        return self.inner.apply(*args)
+
+
+def test_a_new_clients_first_op_on_a_pruned_sub_doc_is_rebased_once_and_applies(
+    oplog: OpLog, clean_db: Engine, tmp_path: Path
+) -> None:
+    for i in range(3):
+        oplog.apply_op(WS, "cells", cell("a", i), new_op_id())
+    assert prune_all(oplog, clean_db) == 3
+    recorder: list[RecordSends] = []
+
+    def record(transport: Any) -> RecordSends:
+        recorder.append(RecordSends(transport))
+        return recorder[-1]
+
+    # A client that never saw the sub-doc bases its op on clock 0: below the horizon (3),
+    # so refused once; this process never sent it, so it is re-based on 3 and sent again.
+    client = workspace_client(oplog, WS, record, outbox=tmp_path / "o.sqlite")
     sent = client.apply("cells", cell("c", 1))
-    assert sent is not None and (sent.clock, sent.duplicate) == (5, False)
-    assert client.pending() == []
-    assert oplog.get_sub_doc(WS, "cells").state["cells"] == {"a": 2, "b": 1, "c": 1}
+    assert sent is not None and (sent.clock, sent.duplicate) == (4, False)
+    assert recorder[0].sent == [(sent.op_id, 0), (sent.op_id, 3)]
+    assert client.pending() == [] and client.parked() == []
+    assert client.seen_clock("cells") == 4
+    assert oplog.get_sub_doc(WS, "cells").state["cells"] == {"a": 2, "c": 1}
+
+
+def test_sdk_first_op_on_an_unseen_sub_doc_lost_answer_pruned_is_parked_not_applied_twice(
+    oplog: OpLog, clean_db: Engine, tmp_path: Path
+) -> None:
+    """Was: the SDK minted its first op on a sub-doc it never saw without base_clock, so
+    once the op's row was pruned its replay was taken as new and applied a second time (a
+    node another user had deleted came back)."""
+    for i in range(3):  # another client has been writing to the sub-doc: clock 3
+        oplog.apply_op(WS, "board", NodeInsert(node=f"n{i}", after=f"n{i - 1}" if i else None))
+    client = workspace_client(
+        oplog, WS, lambda t: DropResponses(t, drops=1), outbox=tmp_path / "o.sqlite",
+        max_attempts=1,
+    )  # fmt: skip
+    with pytest.raises(TransportError):  # committed, then the answer was lost
+        client.apply("board", NodeInsert(node="mine", after="n2"))
+    [queued] = client.pending()
+    assert queued["base_clock"] == 0  # minted on a sub-doc never seen: clock 0, not None
+    assert oplog.get_sub_doc(WS, "board").state["order"] == ["n0", "n1", "n2", "mine"]
+
+    assert prune_all(oplog, clean_db) == 4  # offline past the window: its row is pruned
+    oplog.apply_op(WS, "board", {"type": "node.delete", "node": "mine"})  # another user
+    with pytest.raises(OpsParked) as parked:  # the replay: refused as too old, parked
+        client.replay()
+    assert [p["op_id"] for p in parked.value.parked] == [queued["op_id"]]
+    assert [p["op_id"] for p in client.parked()] == [queued["op_id"]]
+    doc = oplog.get_sub_doc(WS, "board")
+    assert (doc.clock, doc.state["order"]) == (5, ["n0", "n1", "n2"])  # not applied again
+    client.close()
 
 
 def test_a_fenced_stage_write_applies_after_a_prune(oplog: OpLog, clean_db: Engine) -> None:
@@ -208,7 +275,7 @@ def test_sdk_parks_a_too_old_op_sends_the_others_and_resubmits_or_discards(
     client.apply("cells", cell("y", 1), send=False)
     client.apply("board", NodeInsert(node="z"), base_clock=4, send=False)
     queued = client.pending()
-    assert [p["base_clock"] for p in queued] == [1, 1, None, 4]
+    assert [p["base_clock"] for p in queued] == [1, 1, 0, 4]  # never seen: 0
     client.close()  # the process is gone: whether x and w were ever sent is unknown
 
     assert prune_all(oplog, clean_db) == 4

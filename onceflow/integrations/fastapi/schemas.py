@@ -228,10 +228,10 @@ class OpIn(_In):
     op: dict[str, Any] = Field(description='A typed op, e.g. {"type": "cell.set", …}.')
     base_clock: Clock | None = Field(
         default=None,
-        description="The sub-doc clock the client had seen when it minted the op. An op id the "
-        "log no longer knows with base_clock below the op log's horizon may be a pruned op "
-        "coming back: 409 replay_too_old. Without it the op is taken as new, so a client that "
-        "may replay past the retention window must send it.",
+        description="The sub-doc clock the client had seen when it minted the op (0 if it "
+        "never saw the sub-doc). An op id the log no longer knows with base_clock below the op "
+        "log's horizon may be a pruned op coming back: 409 replay_too_old. Without it the op "
+        "is taken as new, so a client that may replay past the retention window must send it.",
     )
 
 

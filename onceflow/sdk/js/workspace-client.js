@@ -12,6 +12,7 @@ import { IndexedDbOutbox, MemoryOutbox, OutboxError } from "./outbox.js";
 export { IndexedDbOutbox, MemoryOutbox, OutboxError };
 
 const PAGE = 500; // catch-up page size
+const REBASES = 3; // times an op known never to have been applied is re-based and sent again
 
 /**
  * One workspace's op client. Events (it is an EventTarget; `on(name, cb)` is a shorthand):
@@ -60,6 +61,12 @@ export class WorkspaceClient extends EventTarget {
     this._backoff = backoff;
     this._clocks = new Map(); // sub-doc -> the highest clock seen
     this._waiting = new Map(); // op id -> {resolve, reject}
+    // Op ids minted here of which no attempt may have been applied (none made yet, or every one
+    // refused as too old). In memory only: an op left by an earlier page load may be a replay.
+    // Kept only while this client is its outbox's one sender (`_sole`: an outbox no other tab
+    // sees, or the drain's Web Lock held), so that no other tab can have sent one of them.
+    this._unsent = new Set();
+    this._sole = false;
     this._subs = new Set();
     this._stop = new AbortController();
     this._poked = false;
@@ -97,8 +104,12 @@ export class WorkspaceClient extends EventTarget {
       }
       globalThis.addEventListener?.("online", this._onOnline);
       const locks = this.outbox.shared ? globalThis.navigator?.locks : null;
+      this._sole = !this.outbox.shared;
       const drain = locks
-        ? locks.request(`onceflow-outbox:${this.namespace}`, { signal: this._stop.signal }, () => this._drain())
+        ? locks.request(`onceflow-outbox:${this.namespace}`, { signal: this._stop.signal }, () => {
+          this._sole = true;
+          return this._drain();
+        })
         : this._drain();
       drain.catch((error) => { if (!this._stop.signal.aborted) this._emit("error", error); });
       this._emitPending();
@@ -127,7 +138,9 @@ export class WorkspaceClient extends EventTarget {
    * on 408/425/429/5xx (Retry-After honoured), until the server answers. Resolves with the
    * answer (also for an op the state rejected: `applied: false`, `error` set); rejects with
    * HttpError on a refusal (any other 4xx, e.g. 400/403/404/413/422, 409 op_id_conflict or
-   * replay_too_old: the op is dropped), with Aborted on `close()` (the op stays for the next
+   * replay_too_old: the op is dropped; an op this client minted and has not sent yet, while
+   * the one sender of its outbox, is no replay: refused as too old, it is re-based on the
+   * reported horizon and sent again), with Aborted on `close()` (the op stays for the next
    * start), with TypeError on bad input (nothing stored), with OutboxError when the outbox
    * cannot store the op (quota, storage refused: nothing is sent). A 401 is no answer about the op:
    * it stays in the outbox (and blocks the ones after it), an `unauthorized` event is sent
@@ -135,8 +148,8 @@ export class WorkspaceClient extends EventTarget {
    * @param {string} subDoc
    * @param {{type: string, [field: string]: unknown}} op
    * @param {{baseClock?: number|null}} [options] default: the last clock this client saw for
-   *   `subDoc` (answers, commits, `read`, `subscribe`); none if it never saw the sub-doc (read
-   *   or subscribe first: the server takes an op without a base clock as new)
+   *   `subDoc` (answers, commits, `read`, `subscribe`); 0 if it never saw the sub-doc, so that a
+   *   replay of even a first op whose log row was pruned is refused, never applied twice
    * @returns {Promise<{opId: string, seq: number, subDoc: string, clock: number|null,
    *   duplicate: boolean, applied: boolean, result: unknown, error: unknown}>}
    */
@@ -152,13 +165,15 @@ export class WorkspaceClient extends EventTarget {
     if (this._stop.signal.aborted) throw new Aborted("the client is closed");
     await this.start();
     // No read here: the op is stored before anything can lose it, and calls keep their order.
-    if (baseClock == null) baseClock = this._clocks.get(subDoc) ?? null;
+    if (baseClock == null) baseClock = this._clocks.get(subDoc) ?? 0;
     const opId = newOpId();
     const answer = new Promise((resolve, reject) => this._waiting.set(opId, { resolve, reject }));
+    if (this._sole) this._unsent.add(opId);
     try {
       await this.outbox.add(this.namespace, { opId, subDoc, op: body, baseClock, mintedAt: Date.now() });
     } catch (error) {
       this._waiting.delete(opId);
+      this._unsent.delete(opId);
       throw new OutboxError(`the op was not stored in the outbox, so it was not sent: ${describe(error)}`, { cause: error });
     }
     this._emitPending();
@@ -276,17 +291,31 @@ export class WorkspaceClient extends EventTarget {
     }
   }
 
-  /** Send until the server answers: `{answer}` or `{error}` (a refusal). Throws only Aborted. */
+  /**
+   * Send until the server answers: `{answer}` or `{error}` (a refusal). Throws only Aborted.
+   * An op no attempt of which may have been applied, refused as too old, is no replay: it is
+   * re-based on the horizon the server reported and sent again (in memory: after a reload the
+   * stored entry is a possible replay).
+   */
   async _send(entry) {
     const path = `${this._docPath(entry.subDoc)}/ops`;
     const body = { op_id: entry.opId, op: entry.op, base_clock: entry.baseClock ?? null };
-    for (let attempt = 0; ; attempt++) {
+    for (let attempt = 0, rebases = 0; ; attempt++) {
       let error;
+      const knownNew = this._unsent.delete(entry.opId); // from here on, this attempt may apply it
       try {
         const got = await this._api.call("POST", path, body, { signal: this._stop.signal });
         if (got.status < 300) return { answer: got.body || {} };
         error = errorFor(got.status, got.body, `op ${entry.opId}`);
         error.retryAfterMs = retryAfterMs(got.headers);
+        const horizon = got.body?.horizon;
+        if (knownNew && error.code === "replay_too_old" && Number.isSafeInteger(horizon) && rebases < REBASES) {
+          rebases++;
+          this._seen(entry.subDoc, horizon);
+          body.base_clock = Math.max(horizon, body.base_clock ?? 0, this._clocks.get(entry.subDoc) ?? 0);
+          this._unsent.add(entry.opId); // a refusal records nothing
+          continue;
+        }
         if (got.status === 401) this._emit("unauthorized", { opId: entry.opId, error });
         else if (!isRetryable(error)) return { error };
       } catch (caught) {

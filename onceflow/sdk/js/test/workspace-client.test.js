@@ -159,15 +159,54 @@ test("MemoryOutbox keeps seq order per namespace and returns copies", async () =
   assert.equal((await box.list("n", 1))[0].opId, "2");
 });
 
-test("ops on a sub-doc never seen keep their call order and carry no base clock", async () => {
+test("ops on a sub-doc never seen keep their call order and carry base clock 0", async () => {
   const { fetch, calls } = scripted([ok, ok, ok].map((f) => (call) => f(call)));
   const c = client(fetch);
   const answers = await Promise.all([1, 2, 3].map((v) => c.applyOp("fresh", { type: "cell.set", column: "c", value: v })));
   const posts = calls.filter((call) => call.method === "POST");
   assert.deepEqual(posts.map((p) => p.body.op.value), [1, 2, 3]);
-  assert.deepEqual(posts.map((p) => p.body.base_clock), [null, null, null]); // minted unseen
+  assert.deepEqual(posts.map((p) => p.body.base_clock), [0, 0, 0]); // minted unseen: 0, not null
   assert.equal(calls.filter((call) => call.method === "GET").length, 0); // stored at once, no read first
   assert.equal(answers.length, 3);
+  c.close();
+});
+
+const TOO_OLD = { status: 409, body: { detail: "older than the horizon", code: "replay_too_old", horizon: 7 } };
+
+test("a first op never sent, refused as too old, is re-based on the horizon and sent again", async () => {
+  const { fetch, calls } = scripted([TOO_OLD, (call) => ok(call, { clock: 8 })]);
+  const c = client(fetch);
+  const got = await c.applyOp("pruned", { type: "cell.set", column: "c", value: 1 });
+  const posts = calls.filter((call) => call.method === "POST");
+  assert.deepEqual(posts.map((p) => [p.body.op_id, p.body.base_clock]), [[got.opId, 0], [got.opId, 7]]);
+  assert.equal(got.clock, 8);
+  assert.equal(c.clockOf("pruned"), 8);
+  assert.deepEqual(await c.pending(), []);
+  c.close();
+});
+
+test("a first op whose answer was lost, refused as too old on its retry, is refused: never applied twice", async () => {
+  const { fetch, calls } = scripted(["offline", TOO_OLD]);
+  const c = client(fetch);
+  const refused = [];
+  c.on("refused", (d) => refused.push(d.error.code));
+  const sent = c.applyOp("pruned", { type: "cell.set", column: "c", value: 1 });
+  await assert.rejects(sent, (e) => e instanceof HttpError && e.status === 409 && e.code === "replay_too_old");
+  const posts = calls.filter((call) => call.method === "POST");
+  assert.deepEqual(posts.map((p) => p.body.base_clock), [0, 0]); // the same op, not re-based
+  assert.deepEqual(refused, ["replay_too_old"]);
+  c.close();
+});
+
+test("an op left by an earlier page load, refused as too old, is refused, not re-based", async () => {
+  const outbox = new MemoryOutbox();
+  await outbox.add("default@w1", { opId: "left_by_earlier_load_1", subDoc: "d", op: { type: "cell.clear", column: "x" }, baseClock: 0 });
+  const { fetch, calls } = scripted([TOO_OLD]);
+  const c = client(fetch, outbox);
+  const refused = new Promise((resolve) => c.on("refused", resolve));
+  await c.start();
+  assert.equal((await refused).error.code, "replay_too_old");
+  assert.deepEqual(calls.map((call) => call.body.base_clock), [0]);
   c.close();
 });
 
