@@ -81,7 +81,7 @@ class AsyncLockHandle(HeldLock[AsyncLockBackend]):
         await self.stop_watchdog()
         if self._released:
             return False
-        held = await self.backend.cad_release(self)
+        held = bool(await self.backend.cad_release(self))  # 2: an earlier send released it
         self._released = True
         if not held:
             self._mark_lost("released after it expired or was taken")

@@ -82,8 +82,9 @@ class LockBackend(Protocol):
     ) -> LockHandle | None:
         """Take the lock (one atomic step), or None if someone else holds it."""
 
-    def cad_release(self, handle: LockHandle) -> bool:
-        """Compare-and-delete: True if the lock still held the handle's token and is gone."""
+    def cad_release(self, handle: LockHandle) -> int:
+        """Compare-and-delete: 1 if the lock still held the handle's token and is gone now,
+        2 if an earlier send of this release deleted it (a resend; Redis only), else 0."""
 
     def cad_extend(self, handle: LockHandle, ttl_ms: int) -> bool:
         """Compare-and-extend: True if the lock still held the handle's token."""
@@ -135,8 +136,8 @@ class AsyncLockBackend(Protocol):
     ) -> AsyncLockHandle | None:
         """Take the lock (one atomic step), or None if someone else holds it."""
 
-    async def cad_release(self, handle: HeldLock[Any]) -> bool:
-        """Compare-and-delete: True if the lock still held the handle's token and is gone."""
+    async def cad_release(self, handle: HeldLock[Any]) -> int:
+        """As :meth:`LockBackend.cad_release`."""
 
     async def cad_extend(self, handle: HeldLock[Any], ttl_ms: int) -> bool:
         """Compare-and-extend: True if the lock still held the handle's token."""
@@ -291,7 +292,7 @@ class LockHandle(HeldLock[LockBackend]):
         with self._state:
             if self._released:
                 return False
-        held = self.backend.cad_release(self)
+        held = bool(self.backend.cad_release(self))  # 2: an earlier send of it released it
         with self._state:
             self._released = True
         if not held:

@@ -156,12 +156,12 @@ class AsyncRedisLockBackend:
         except redis.exceptions.ResponseError:
             return False
 
-    async def cad_release(self, handle: HeldLock[Any]) -> bool:
+    async def cad_release(self, handle: HeldLock[Any]) -> int:
         """``release.lua``: delete the key only if it still holds the handle's token."""
         try:
             lifetime = mark_ms(self.settings.lock_timeout_seconds)
             mark = release_mark(handle.key)
-            return bool(await self._run(RELEASE, handle.key, handle.token, lifetime, also=mark))
+            return int(await self._run(RELEASE, handle.key, handle.token, lifetime, also=mark))
         except REDIS_ERRORS as exc:
             raise _unavailable("release", exc) from exc
 

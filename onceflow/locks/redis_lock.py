@@ -227,12 +227,12 @@ class RedisLockBackend:
         except redis.exceptions.ResponseError:
             return False
 
-    def cad_release(self, handle: LockHandle) -> bool:
+    def cad_release(self, handle: LockHandle) -> int:
         """``release.lua``: delete the key only if it still holds the handle's token."""
         try:
             lifetime = mark_ms(self.settings.lock_timeout_seconds)
             mark = release_mark(handle.key)
-            return bool(self._run(RELEASE, handle.key, handle.token, lifetime, also=mark))
+            return int(self._run(RELEASE, handle.key, handle.token, lifetime, also=mark))
         except REDIS_ERRORS as exc:
             raise _unavailable("release", exc) from exc
 

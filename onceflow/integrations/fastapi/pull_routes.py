@@ -171,7 +171,7 @@ class _InThreads:
     async def cad_extend(self, handle: Any, ttl_ms: int) -> bool:
         return await run_in_threadpool(self.backend.cad_extend, handle, ttl_ms)
 
-    async def cad_release(self, handle: Any) -> bool:
+    async def cad_release(self, handle: Any) -> int:
         return await run_in_threadpool(self.backend.cad_release, handle)
 
     async def announce(self, handle: Any, *, ok: bool) -> None:
@@ -278,8 +278,10 @@ def add_pull_routes(
         request = await claim_holder(request_id, body, principal, live=False)
         be = _lock_backend(svc.settings)
         lock = handle(be, request, body, body.lock_token, 0)
-        released = await be.cad_release(lock)
-        if released:  # a wrong token, a repeat or an expired lock: nothing counted or announced
+        # Only 1 released now: a wrong token, an expired lock or a repeat (0, or 2 when the
+        # mark of this token's earlier release is still there) counts and announces nothing.
+        released = await be.cad_release(lock) == 1
+        if released:
             for name in _COUNTED[body.outcome]:
                 be.counters.incr(request.workspace_id, name)
             await be.announce(lock, ok=body.outcome in ("computed", "double_check"))
