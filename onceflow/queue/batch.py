@@ -12,7 +12,7 @@ Blips: a fenced batch is retried on :class:`~onceflow.errors.DatabaseUnavailable
 while the shortest lease of the batch may hold (like ``Queue.fenced_retry``), waiting
 between attempts with :class:`~onceflow.connector.Sleep` (``asyncio.sleep`` on AsyncQueue). A row
 missing from the answer is checked, in one batch read, for being our own write whose
-answer was lost (same claimant, same attempts and crash count, target status) before
+answer was lost (its claim's token ended the run: ``ended_run``, target status) before
 it is reported as ``LeaseLost``.
 """
 
@@ -152,7 +152,8 @@ class BatchOps:
             claims,
             N.COMPLETE_MANY,
             params,
-            _landed_as((Status.SUCCEEDED,)),
+            N.LANDED_MANY,
+            (Status.SUCCEEDED,),
             "completion",
             changed_only=True,
         )
@@ -205,7 +206,7 @@ class BatchOps:
         }  # fmt: skip
         targets = (Status.QUEUED, Status.DEAD, Status.CANCELLED)
         done = yield from self._fenced_batch(
-            claims, N.FAIL_MANY, params, _landed_as(targets), "failure report"
+            claims, N.FAIL_MANY, params, N.LANDED_MANY, targets, "failure report"
         )
         _record(claims, done, "fail")
         return done
@@ -285,7 +286,10 @@ class BatchOps:
             "tokens": [c.token for c in checked],
             "notify": self._notify(), "now": now,
         }  # fmt: skip
-        done = yield from self._fenced_batch(checked, N.RELEASE, params, _released, "release")
+        released = (Status.QUEUED, Status.CANCELLED)
+        done = yield from self._fenced_batch(
+            checked, N.RELEASE, params, N.RELEASED_MANY, released, "release"
+        )
         metrics.released(done)
         metrics.zombie("release", sum(1 for r in done if isinstance(r, LeaseLost)))
         return done
@@ -338,12 +342,17 @@ class BatchOps:
         claims: list[Claim],
         query: Query,
         params: dict[str, Any],
-        landed: Callable[[Claim, Request], bool],
+        landed: Query,
+        statuses: tuple[Status, ...],
         what: str,
         *,
         changed_only: bool = False,
     ) -> Steps[list[Request | LeaseLost]]:
         """Run one fenced batch statement, retrying blips; rows aligned with ``claims``.
+
+        A row the statement refused is this claim's own landed write if ``landed`` (a batch
+        read by each claim's token: ``LANDED_MANY``, ``RELEASED_MANY``) finds it ended by
+        that token in one of ``statuses``; else it is a ``LeaseLost``.
 
         ``changed_only``: the statement returns the key and ``RUN_COLUMNS`` only; each
         request is its claim's with those put in (:meth:`Request.after_run`)."""
@@ -371,16 +380,15 @@ class BatchOps:
             keys = {
                 "request_ids": [c.request_id for c in missing],
                 "workspace_ids": _spaces(missing),
+                "tokens": [c.token for c in missing],
+                "statuses": [s.value for s in statuses],
             }
-            again = yield from retrying(lambda: all_rows(N.GET_MANY, keys))
+            again = yield from retrying(lambda: all_rows(landed, keys))
             current = {_key(r): Request.from_row(r) for r in again}
         out: list[Request | LeaseLost] = []
         for claim in claims:
-            row = found.get(_key(claim.request))
-            if row is None:
-                now_row = current.get(_key(claim.request))
-                if now_row is not None and landed(claim, now_row):
-                    row = now_row
+            key = _key(claim.request)
+            row = found[key] if key in found else current.get(key)
             out.append(row if row is not None else LeaseLost(claim.request_id, f"{what} rejected"))
         return out
 
@@ -413,31 +421,6 @@ def _record(claims: list[Claim], done: list[Request | LeaseLost], operation: str
     """Metrics of a fenced batch: each landed row's outcome, each refused row a zombie write."""
     metrics.finished_many(claims, done)
     metrics.zombie(operation, sum(1 for r in done if isinstance(r, LeaseLost)))
-
-
-def _landed_as(statuses: tuple[Status, ...]) -> Callable[[Claim, Request], bool]:
-    """Whether ``row`` is this claim's own write: a later claim bumps ``attempts``, a rescue
-    of the lapsed lease bumps ``crash_attempts``; neither changes them otherwise."""
-
-    def landed(claim: Claim, row: Request) -> bool:
-        return (
-            row.status in statuses
-            and row.claimed_by == claim.request.claimed_by
-            and row.attempts == claim.attempt
-            and row.crash_attempts == claim.request.crash_attempts
-        )
-
-    return landed
-
-
-def _released(claim: Claim, row: Request) -> bool:
-    """Whether ``row`` is this claim's own release (claimant cleared, its attempt taken back)."""
-    return (
-        row.status in (Status.QUEUED, Status.CANCELLED)
-        and row.claimed_by is None
-        and row.attempts == max(claim.attempt - 1, 0)
-        and row.crash_attempts == claim.request.crash_attempts
-    )
 
 
 def _as_list(items: Any, what: str) -> list[Any]:

@@ -300,13 +300,28 @@ _FENCE = f"""
   AND {_IN_SCOPE}
 """
 
+
+def _run_of(token: str) -> str:
+    """The run id (RUN_ID) of the claim token ``token``, an SQL text expression."""
+    return f"left(encode(sha256(convert_to({token}, 'UTF8')), 'hex'), 32)"
+
+
 #: A run's public identity: a digest of its claim token (new at every claim, takeovers
 #: included; the token itself never leaves the workers). The dashboard shows it and fences
 #: its cancel on it (a running row's updated_at moves with every heartbeat).
-RUN_ID = "left(encode(sha256(convert_to(w.claim_token, 'UTF8')), 'hex'), 32)"
+RUN_ID = _run_of("w.claim_token")
 
 # RUN_ID of the :token parameter (what a fenced write's retry compares with ended_run).
-_RUN_OF_TOKEN = "left(encode(sha256(convert_to(CAST(:token AS text), 'UTF8')), 'hex'), 32)"  # noqa: S105
+_RUN_OF_TOKEN = _run_of("CAST(:token AS text)")
+
+
+def _released_run_of(token: str) -> str:
+    """What a release records as ``ended_run`` for the claim token ``token``: a digest of the
+    token under another name than its run id. A hand-back and a failure both leave the row
+    queued (or cancelled): a retry of one must not take the other, by the same claim, for its
+    own landed write. Tokens are hex (``new_claim_token``): no token starts with the prefix."""
+    return _run_of(f"'release-' || {token}")
+
 
 # Extends the lease by :lease_seconds when given (a Claim's; kept as the row's lease for
 # later heartbeats), else by the row's own (a ClaimRef's heartbeat), else by
@@ -883,7 +898,8 @@ RETURNING w.request_id, w.workspace_id, w.lease_expires_at, w.cancel_requested
 # claimant, lease or heartbeat, and no wake-up recorded (dispatched_at NULL, re-send count 0:
 # a Celery deployment's sweeper sends a fresh one). crash_attempts is kept: a claim taken
 # from a lapsed lease counted the *previous* holder's crash, which did happen (see
-# BatchOps.release). Cancelled instead if cancel was requested.
+# BatchOps.release). Cancelled instead if cancel was requested. The release is recorded in
+# ended_run (_released_run_of its token): a retry whose answer was lost recognises it there.
 RELEASE: TextClause = text(f"""
 WITH n AS ({_NOW}),
 i AS (
@@ -903,6 +919,7 @@ upd AS (
         status = CASE WHEN w.cancel_requested THEN 'cancelled' ELSE 'queued' END,
         run_after = least(w.run_after, n.now),
         attempts = greatest(w.attempts - 1, 0),
+        ended_run = {_released_run_of("w.claim_token")},
         claim_token = NULL,
         lease_expires_at = NULL,
         claimed_by = NULL,
@@ -920,13 +937,21 @@ upd AS (
 SELECT upd.* FROM upd, notified
 """)
 
-# Rows by id, for recognising an own write whose answer was lost.
-GET_MANY: TextClause = text(f"""
+# A batch form of LANDED: of the rows of the batch refused by their fence, those that each
+# claim's own write ended (its token's ended_run) with one of :statuses — the batch's lost
+# answer, or a caller's repeat of a batch whose answer it lost. Never by claimant and counts:
+# an operator's requeue resets the counts and a worker id is stable, so a later run can end
+# the row with the same ones. RELEASED_MANY: the same for a release (see _released_run_of).
+_LANDED_MANY = f"""
 SELECT {RETURNING} FROM {TABLE} w
-JOIN unnest(CAST(:workspace_ids AS text[]), CAST(:request_ids AS text[])) AS k(workspace_id,
-                                                                          request_id)
+JOIN unnest(CAST(:workspace_ids AS text[]), CAST(:request_ids AS text[]),
+            CAST(:tokens AS text[])) AS k(workspace_id, request_id, token)
   ON w.workspace_id = k.workspace_id AND w.request_id = k.request_id
-""")
+WHERE w.ended_run = {{ended}}
+  AND w.status = ANY(CAST(:statuses AS text[]))
+"""
+LANDED_MANY: TextClause = text(_LANDED_MANY.format(ended=_run_of("k.token")))
+RELEASED_MANY: TextClause = text(_LANDED_MANY.format(ended=_released_run_of("k.token")))
 
 # Live depth per worker class, read only through the partial indexes ix_wpr_claim
 # (status = 'queued': worker_class, priority, run_after) and ix_wpr_lease (status =
@@ -986,7 +1011,8 @@ Q_COMPLETE_MANY = binary_params(
 Q_FAIL_MANY = render(FAIL_MANY)
 Q_HEARTBEAT_MANY = render(HEARTBEAT_MANY)
 Q_RELEASE = render(RELEASE)
-Q_GET_MANY = render(GET_MANY)
+Q_LANDED_MANY = render(LANDED_MANY)
+Q_RELEASED_MANY = render(RELEASED_MANY)
 Q_DEPTH_ALL = render(DEPTH_ALL)
 Q_DEPTH_FOR = render(DEPTH_FOR)
 # ================================================================== end of batches (BatchOps)
@@ -1114,7 +1140,8 @@ class N:
     FAIL_MANY = _named("queue.fail_many", Q_FAIL_MANY)
     HEARTBEAT_MANY = _named("queue.heartbeat_many", Q_HEARTBEAT_MANY)
     RELEASE = _named("queue.release", Q_RELEASE)
-    GET_MANY = _named("queue.get_many", Q_GET_MANY)
+    LANDED_MANY = _named("queue.landed_many", Q_LANDED_MANY)
+    RELEASED_MANY = _named("queue.released_many", Q_RELEASED_MANY)
     DEPTH_ALL = _named("queue.depth_all", Q_DEPTH_ALL)
     DEPTH_FOR = _named("queue.depth_for", Q_DEPTH_FOR)
     BEGIN_SWEEP = _named("queue.begin_sweep", Q_BEGIN_SWEEP)

@@ -424,3 +424,53 @@ def test_a_repeated_batch_whose_answer_was_lost_recognises_its_own_writes(
     queue.claim(claims[2].request_id, "c", lease_seconds=30, now=t0 + timedelta(seconds=1))
     assert isinstance(api_queue.release([retry])[0], LeaseLost)
     assert isinstance(api_queue.fail_many([Failure(claims[2], "x")])[0], LeaseLost)
+
+
+@pytest.mark.parametrize("write", ["complete_many", "fail_many", "release"])
+def test_a_lapsed_claims_batch_write_is_not_taken_for_another_runs(
+    api_queue: Queue, queue: Queue, clean_db: Engine, write: str
+) -> None:
+    """A batch row refused by its fence is recognised as the claim's own landed write by its
+    token alone (``ended_run``), never by claimant and counts: an operator's requeue resets
+    the counts and a worker id is stable, so a later run of the same worker can end the row
+    with exactly the claimant, attempts and crash count the lapsed claim had."""
+    rid = queue.enqueue("s", "w", "lapsed-batch", max_attempts=1).request_id
+    t0 = db_now(clean_db)
+    old = queue.claim(rid, "worker-1", lease_seconds=5, now=t0)
+    assert old is not None
+    later = t0 + timedelta(seconds=6)
+    assert queue.rescue_expired(now=later).quarantined == [rid]  # hung past its lease: dead
+    queue.requeue(rid, now=later)  # an operator runs it again
+    new = queue.claim(rid, "worker-1", lease_seconds=60, now=later)  # same worker id
+    assert new is not None
+    assert (new.attempt, new.request.crash_attempts) == (old.attempt, old.request.crash_attempts)
+
+    def batch(claim: Claim, what: str) -> Request | LeaseLost:
+        if write == "complete_many":
+            return api_queue.complete_many([(claim, {"by": what})], now=later)[0]
+        if write == "fail_many":
+            failure = Failure(claim, {"by": what}, retryable=False)
+            return api_queue.fail_many([failure], now=later)[0]
+        return api_queue.release([claim], now=later)[0]
+
+    ended = batch(new, "new")  # the new run's write lands
+    assert isinstance(ended, Request)
+    assert ended.claimed_by == ("worker-1" if write != "release" else None)
+    before = queue.get(rid)
+    late = batch(old, "old")  # the lapsed claim's write comes back at last
+    assert isinstance(late, LeaseLost) and late.request_id == rid
+    assert queue.get(rid) == before  # and wrote nothing
+    assert batch(new, "new") == ended  # the new run's own repeat is still recognised
+
+
+def test_a_release_and_a_failure_of_one_claim_are_not_taken_for_each_other(
+    api_queue: Queue, queue: Queue
+) -> None:
+    """Both leave a row queued (or cancelled); a retry recognises only its own kind of write."""
+    released, failed = _claims(queue, 2)
+    assert isinstance(api_queue.release([released])[0], Request)
+    assert isinstance(api_queue.fail_many([Failure(released, "x", retry_in=0)])[0], LeaseLost)
+    with pytest.raises(LeaseLost):
+        api_queue.fail(released, "x", retry_in=0)
+    assert isinstance(api_queue.fail_many([Failure(failed, "x", retry_in=0)])[0], Request)
+    assert isinstance(api_queue.release([failed])[0], LeaseLost)
