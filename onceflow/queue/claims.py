@@ -138,7 +138,7 @@ class ClaimOps:
             "lazy": (yield from self._lazy()),
         }  # fmt: skip
         try:
-            row = yield FetchOne(N.CLAIM, params)
+            row = yield from self._claim_once(params)
         except DatabaseUnavailable as exc:
             if not is_disconnect(exc):
                 raise
@@ -147,7 +147,12 @@ class ClaimOps:
             own = {"request_id": request_id, "workspace_id": workspace_id, "token": token}
             row = yield FetchOne(N.OWN_CLAIM, own)
             if row is None:
-                row = yield FetchOne(N.CLAIM, params)
+                row = yield from self._claim_once(params)
+            if row is None:
+                # The lost attempt's commit may still have been in flight when OWN_CLAIM read:
+                # the claim again then waited on the row lock that attempt held and, once it
+                # committed, matched nothing. That wait means it has ended now: read again.
+                row = yield FetchOne(N.OWN_CLAIM, own)
         if row is None:
             return None
         request = Request.from_row(row)
@@ -155,6 +160,11 @@ class ClaimOps:
         claim = Claim(request, token, request.lease_expires_at, lease, runtime)
         metrics.claimed([claim], [bool(row.get("took_over"))])
         return claim
+
+    def _claim_once(self, params: dict[str, Any]) -> Steps[Any]:
+        """One attempt at a claim by id: the claimed row, None if it is not claimable."""
+        row = yield FetchOne(N.CLAIM, params)
+        return row
 
     @operation
     def claim_next(

@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
 from typing import Any
 
+import psycopg
 import pytest
 from prometheus_client import REGISTRY
 from sqlalchemy import Engine, text
@@ -36,7 +38,7 @@ from onceflow.queue.claims import fence_steps
 from onceflow.queue.sql import N
 from tests.acceptance.procs import wait_for
 from tests.both_apis import both
-from tests.conftest import table_snapshot
+from tests.conftest import libpq, table_snapshot
 from tests.integration.test_db_blips import kill_backends, own_engine
 
 
@@ -624,6 +626,94 @@ def test_a_write_by_ref_whose_answer_was_lost_is_recognised_on_retry(
         assert (row.status, row.error) == (Status.DEAD, {"type": "Boom"})
     assert losing_queue.lost == ["lost"]  # the first answer really was lost
     assert losing_queue.get(rid) == row
+
+
+class LoseClaimInFlight:
+    """A queue whose first claim's answer is lost while its commit is still in flight: that
+    attempt runs on a backend of its own, whose transaction commits only once another
+    statement waits on the row lock it holds; meanwhile every backend of the queue is killed
+    (LOST_APP) and a real dead connection says so."""
+
+    url: str  # the test database, for the in-flight attempt (not LOST_APP: not killed)
+    lost: list[str]  # the token of the attempt whose answer was lost
+    waited: list[bool]  # whether a statement waited on its row lock before it committed
+    committer: list[threading.Thread]
+
+    def _claim_once(self, params: dict[str, Any]) -> Steps[Any]:
+        if self.lost:
+            return (yield from super()._claim_once(params))  # type: ignore[misc]
+        self.lost.append(params["token"])
+        probe = FetchOne(Query("test.probe", "SELECT 1 AS one"), {})
+        yield probe  # this call's connection, as the claim would have used it
+        first = psycopg.connect(self.url)
+        first.execute(N.CLAIM.sql_for(params), params)  # the claim made, its commit not yet
+        committer = threading.Thread(target=self._commit_once_waited_on, args=(first,))
+        committer.start()
+        self.committer.append(committer)
+        kill_backends(ADMIN[0], "application_name = %s", LOST_APP)
+        yield probe  # raises ConnectionLost
+        raise AssertionError("the probe on a killed backend answered")
+
+    def _commit_once_waited_on(self, first: psycopg.Connection[Any]) -> None:
+        pid = first.info.backend_pid
+        sql = "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))"
+        try:
+            with psycopg.connect(self.url, autocommit=True) as watch:
+                wait_for(lambda: watch.execute(sql, (pid,)).fetchone()[0], timeout=30)  # type: ignore[index]
+            self.waited.append(True)
+        except AssertionError:
+            self.waited.append(False)
+        finally:
+            first.commit()
+            first.close()
+
+
+class LostClaimSync(LoseClaimInFlight, Queue):
+    pass
+
+
+class LostClaimAsync(LoseClaimInFlight, AsyncQueue):
+    pass
+
+
+@pytest.fixture()
+def losing_claimer(
+    request: pytest.FixtureRequest, clean_db: Engine, services: tuple[str, str]
+) -> Iterator[Any]:
+    """A LoseClaimInFlight queue of each API, its connections named LOST_APP."""
+    ADMIN[:] = [services[0]]
+    url = clean_db.url.update_query_dict({"application_name": LOST_APP})
+    engine = own_engine(clean_db, LOST_APP, pool_size=2)
+    sync, asyn = LostClaimSync(engine), LostClaimAsync(url.render_as_string(hide_password=False))
+    for q in (sync, asyn):
+        q.url = libpq(clean_db.url.render_as_string(hide_password=False))
+        q.lost, q.waited, q.committer = [], [], []
+    try:
+        yield from both(lambda: sync, lambda: asyn, request.param)
+    finally:
+        for thread in sync.committer + asyn.committer:
+            thread.join(timeout=60)
+        engine.dispose()
+
+
+@pytest.mark.parametrize("losing_claimer", ["sync", "async"], indirect=True)
+def test_a_claim_whose_answer_was_lost_while_it_committed_is_taken_up(
+    losing_claimer: Any, queue: Queue
+) -> None:
+    """The retry reads its own claim (nothing yet: the lost attempt has not committed), claims
+    again, waits on the lost attempt's row lock and, once that committed, matches nothing: the
+    row runs under this call's token, which claim() must return, not None."""
+    rid = queue.enqueue("s", "w", "in-flight").request_id
+    claim = losing_claimer.claim(rid, "pw", lease_seconds=60)
+    assert losing_claimer.waited == [True]  # the retried claim waited on the lost one's lock
+    assert claim is not None and claim.token == losing_claimer.lost[0]
+    row = queue.get(rid)
+    assert (row.status, row.claimed_by, row.attempts, row.crash_attempts) == (
+        Status.RUNNING, "pw", 1, 0,
+    )  # fmt: skip
+    assert claim.request == row
+    queue.heartbeat(claim)  # the claim holds the live lease
+    assert queue.complete(claim, {"ok": 1}).status is Status.SUCCEEDED
 
 
 def test_finish_writes_what_hand_off_writes_and_returns_only_the_follow_ups(
