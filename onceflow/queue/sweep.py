@@ -208,14 +208,21 @@ class Sweeper:
     ) -> Steps[int]:
         """Apply the retention policy; returns rows deleted or turned into tombstones.
 
-        ``None`` for either age disables that step: nothing is pruned unless asked.
+        ``None`` for either age disables that step: nothing is pruned unless asked. An age is
+        a positive, finite number of seconds (as the settings take it), ``limit`` as for
+        :meth:`rescue_expired`: anything else raises :class:`InvalidRequest` before any step
+        runs. (A negative or zero age would delete a row finished just now: the tombstone
+        that keeps a repeated enqueue from running its stage again.)
         """
+        limit = _limit(limit)
+        payload_age = _age("payload_retention_seconds", payload_retention_seconds)
+        age = _age("retention_seconds", retention_seconds)
         touched = 0
-        if payload_retention_seconds is not None:
-            params = {"age": payload_retention_seconds, "limit": limit, "now": now}
+        if payload_age is not None:
+            params = {"age": payload_age, "limit": limit, "now": now}
             touched += yield Execute(N.PRUNE_PAYLOADS, params)
-        if retention_seconds is not None:
-            params = {"age": retention_seconds, "limit": limit, "now": now}
+        if age is not None:
+            params = {"age": age, "limit": limit, "now": now}
             touched += yield Execute(N.DELETE_FINISHED, params)
         return touched
 
@@ -326,12 +333,29 @@ def _limit(limit: int) -> int:
     return limit
 
 
-def _seconds(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
-        raise InvalidRequest(f"{name} must be a number of seconds")
-    if not 0 <= value <= 366 * 86_400:
+#: The longest gap or wait a sweep takes, in seconds (one year).
+_YEAR = 366 * 86_400
+#: The longest retention age, in seconds: a century, past any policy (the settings take any
+#: positive age, and a year is too short a cap for a dedup window) and far inside the
+#: database's timestamps, so the age can never overflow its statement.
+_AGE_MAX = 100 * _YEAR
+
+
+def _seconds(name: str, value: float, *, positive: bool = False, most: int = _YEAR) -> float:
+    """``value`` as seconds in [0, ``most``] — (0, ``most``] if ``positive`` —, or
+    :class:`InvalidRequest`: a finite int or float, never a bool."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidRequest(f"{name} must be a finite number of seconds")
+    if positive and not 0 < value <= most:
+        raise InvalidRequest(f"{name} must be positive and at most {most // _YEAR} years")
+    if not 0 <= value <= most:
         raise InvalidRequest(f"{name} must be between 0 and one year")
     return float(value)
+
+
+def _age(name: str, value: float | None) -> float | None:
+    """A retention age (None: that step is off), checked as :func:`_seconds`, positive."""
+    return None if value is None else _seconds(name, value, positive=True, most=_AGE_MAX)
 
 
 __all__ = ["Backlog", "Send", "SweepTurn", "Sweeper"]

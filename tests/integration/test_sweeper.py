@@ -15,9 +15,10 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import Engine, text
 
-from onceflow import NewRequest, Queue, Settings, Status
+from onceflow import InvalidRequest, NewRequest, Queue, Settings, Status
 from onceflow.models import Dispatch
 from tests.both_apis import Blocking
+from tests.conftest import table_snapshot
 from tests.integration.test_claims import db_now
 
 
@@ -172,3 +173,38 @@ def test_an_async_send_is_awaited_by_asyncqueue_and_refused_by_queue(
         with pytest.raises(TypeError, match="async"):
             api_queue.sweep_once(send=send)
         assert sent == []
+
+
+#: Ages a retention step must refuse: each would prune what the policy keeps (a negative or
+#: zero age takes a row finished just now: the dedup tombstone), or is no age at all.
+BAD_AGES: list[object] = [
+    -3600, -0.5, 0, 0.0, float("nan"), float("inf"), float("-inf"), True, False, "3600", [60],
+]  # fmt: skip
+BAD_LIMITS: list[object] = [0, -1, True, 1.5, "10", 100_001, None]
+
+
+def test_prune_refuses_bad_ages_and_limits_and_changes_nothing(
+    api_queue: Queue, queue: Queue, clean_db: Engine
+) -> None:
+    done = queue.enqueue("s", "w", "done", input={"big": 1}).request_id
+    claim = queue.claim(done, "a")
+    assert claim is not None
+    queue.complete(claim, {"ok": 1})  # finished just now: its row is the dedup tombstone
+    queue.cancel(queue.enqueue("s", "w", "cancelled").request_id)
+    later = db_now(clean_db) + timedelta(seconds=5)
+    snapshot = table_snapshot(clean_db)
+    calls: list[dict[str, object]] = []
+    for bad in BAD_AGES:
+        # The other age is valid and due: nothing may run before the bad one is refused.
+        calls.append({"retention_seconds": bad, "payload_retention_seconds": 1})
+        calls.append({"retention_seconds": 1, "payload_retention_seconds": bad})
+    for bad in BAD_LIMITS:
+        calls.append({"retention_seconds": 1, "payload_retention_seconds": 1, "limit": bad})
+    for kwargs in calls:
+        with pytest.raises(InvalidRequest):
+            api_queue.prune(**kwargs, now=later)
+        assert table_snapshot(clean_db) == snapshot, kwargs
+    # The same prune with sound values does apply (what the refusals held back).
+    assert api_queue.prune(retention_seconds=None, payload_retention_seconds=1, now=later) == 1
+    assert api_queue.prune(retention_seconds=1, payload_retention_seconds=None, now=later) == 2
+    assert queue.list(workspace_id="w") == []
