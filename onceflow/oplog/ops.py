@@ -320,12 +320,24 @@ class OpLogOps:
         move the horizon. ``now`` (default: the database clock) is for tests.
         One pruner runs at a time; a concurrent call returns 0.
         """
-        if not isinstance(limit, int) or limit < 1:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise InvalidRequest("limit must be a positive integer")
-        params = {"age": float(older_than_seconds), "limit": limit, "now": now}
+        age = older_than_seconds
+        # A zero or negative age would delete ops applied just now: their retries without a
+        # base clock would then be applied a second time.
+        if isinstance(age, bool) or not isinstance(age, int | float) or not 0 < age <= _AGE_MAX:
+            raise InvalidRequest(
+                "older_than_seconds must be a positive, finite number of seconds"
+                " (a century at most)"
+            )
+        params = {"age": float(age), "limit": limit, "now": now}
         # On a database split by workspace each shard prunes its own (one pruner per shard).
         rows = yield from on_every_shard(lambda: one_row(N.PRUNE_OPS, params))
         return sum(int(row["deleted"]) for row in rows if row)
+
+
+#: The longest retention age prune takes (seconds): a century, past any policy.
+_AGE_MAX = 100 * 366 * 86_400
 
 
 def _check_horizon(op_id: str, base_clock: int | None, pruned: int) -> None:

@@ -259,6 +259,31 @@ def test_pruning_only_rejected_ops_leaves_the_horizon(oplog: OpLog, clean_db: En
     assert (offline.clock, offline.duplicate) == (4, False)
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"older_than_seconds": -3600},
+        {"older_than_seconds": 0},
+        {"older_than_seconds": float("nan")},
+        {"older_than_seconds": float("inf")},
+        {"older_than_seconds": True},
+        {"older_than_seconds": "60"},
+        {"older_than_seconds": 60, "limit": True},
+        {"older_than_seconds": 60, "limit": 0},
+    ],
+)
+def test_prune_refuses_bad_ages_and_limits_and_deletes_nothing(
+    oplog: OpLog, clean_db: Engine, bad: dict[str, Any]
+) -> None:
+    # Before: older_than_seconds=-3600 deleted the op applied just now (its retry without
+    # a base clock would then apply it again); "60" and True were taken as numbers.
+    oplog.apply_op(WS, "board", NodeInsert(node="a"), new_op_id())
+    with pytest.raises(InvalidRequest):
+        oplog.prune(now=db_now(clean_db) + timedelta(seconds=1), **bad)
+    assert logged_clocks(oplog, "board") == [1]
+    assert pruned_clock(clean_db, "board") == 0
+
+
 def test_sdk_parks_a_too_old_op_sends_the_others_and_resubmits_or_discards(
     oplog: OpLog, clean_db: Engine, tmp_path: Path
 ) -> None:
