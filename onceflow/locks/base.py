@@ -37,6 +37,9 @@ Message = dict[str, Any]
 
 #: ``kind`` of the message a leader publishes after releasing (wakes the waiters).
 LOCK_RELEASED = "lock_released"
+#: What a subscription's ``wait`` answers when the server ended the subscription (a Redis
+#: Cluster slot that moved to another node): never published, the waiter subscribes anew.
+SUBSCRIPTION_ENDED: Message = {"kind": "subscription_ended"}
 
 
 #: What :func:`backend_options` returns.

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeAlias, TypeVar, ove
 from onceflow.errors import InvalidRequest, LockUnavailable
 from onceflow.keys import lock_key
 from onceflow.locks.base import (
+    SUBSCRIPTION_ENDED,
     AsyncLockBackend,
     BackendOptions,
     LockBackend,
@@ -263,7 +264,7 @@ def _acquire_or_wait(
             if not wait:
                 return Locked(workspace_id, job_id, task)
             if sub is None:
-                waiting_since = time.monotonic()
+                waiting_since = waiting_since or time.monotonic()  # (kept over a new subscription)
                 sub = yield Call(be.subscribe, workspace_id)  # subscribe first, then re-check
                 value = yield Call(check)
                 if value is not None:
@@ -280,6 +281,10 @@ def _acquire_or_wait(
             if value is not None:
                 served = _served(be, workspace_id, value, "broadcast", waiting_since, rounds)
                 return (yield from served)
+            if verdict == "ended":  # the server ended the subscription: a new one, re-checked
+                yield Call(sub.close)
+                sub = None
+                continue
             if verdict == "timeout":
                 be.counters.incr(workspace_id, WAIT_TIMEOUTS)
             # Timed out (the holder may have died) or released without a value: run again.
@@ -290,13 +295,15 @@ def _acquire_or_wait(
 
 def _await(
     sub: Any, timeout: float, check: Callable[[], Any], job_id: str, task: str
-) -> Steps[tuple[Literal["served", "released", "timeout"], Any]]:
+) -> Steps[tuple[Literal["served", "released", "timeout", "ended"], Any]]:
     deadline = time.monotonic() + timeout
     while True:
         remaining = deadline - time.monotonic()
         message = (yield Call(sub.wait, remaining)) if remaining > 0 else None
         if message is None:
             return "timeout", None
+        if message is SUBSCRIPTION_ENDED:
+            return "ended", None
         value = yield Call(check)  # any message may be the store's commit broadcast (layer 3)
         if value is not None:
             return "served", value

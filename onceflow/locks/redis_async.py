@@ -29,7 +29,14 @@ import redis.asyncio
 from onceflow.errors import LockUnavailable
 from onceflow.keys import counters_key, lock_key, workspace_channel
 from onceflow.locks.aio import AsyncLockHandle
-from onceflow.locks.base import HeldLock, Message, parse_message, released_message, ttl_to_ms
+from onceflow.locks.base import (
+    SUBSCRIPTION_ENDED,
+    HeldLock,
+    Message,
+    parse_message,
+    released_message,
+    ttl_to_ms,
+)
 from onceflow.locks.counters import (
     Counters,
     Increment,
@@ -330,7 +337,7 @@ class AsyncRedisSubscription:
             raise _unavailable("subscribe", exc) from exc
 
     async def wait(self, timeout: float) -> Message | None:
-        """The next published message, or None once ``timeout`` seconds passed."""
+        """As :meth:`RedisSubscription.wait` (``SUBSCRIPTION_ENDED`` when the server ended it)."""
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
@@ -345,7 +352,7 @@ class AsyncRedisSubscription:
             if reply["type"] == self._kinds.message:
                 return parse_message(reply["data"])
             if reply["type"] == self._kinds.unsubscribe:
-                return None  # the server ended it (a cluster slot moved): run the protocol again
+                return SUBSCRIPTION_ENDED  # the server ended it (a cluster slot moved)
 
     async def close(self) -> None:
         """Unsubscribe by closing the connection (errors ignored: it may be dead already)."""

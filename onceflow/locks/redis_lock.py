@@ -42,7 +42,14 @@ from redis.exceptions import RedisClusterException
 
 from onceflow.errors import LockUnavailable
 from onceflow.keys import counters_key, lock_key, workspace_channel
-from onceflow.locks.base import LockHandle, Message, parse_message, released_message, ttl_to_ms
+from onceflow.locks.base import (
+    SUBSCRIPTION_ENDED,
+    LockHandle,
+    Message,
+    parse_message,
+    released_message,
+    ttl_to_ms,
+)
 from onceflow.locks.counters import (
     Counters,
     Increment,
@@ -407,8 +414,9 @@ class RedisSubscription:
     def wait(self, timeout: float) -> Message | None:
         """The next published message, or None once ``timeout`` seconds passed.
 
-        Also None at once when the server ends the subscription (a cluster slot that
-        moved to another node): the caller runs its protocol again and subscribes anew.
+        :data:`~onceflow.locks.base.SUBSCRIPTION_ENDED` at once when the server ends the
+        subscription (a cluster slot that moved to another node): the caller subscribes
+        anew (this one will never deliver again).
         """
         deadline = time.monotonic() + timeout
         while True:
@@ -422,7 +430,7 @@ class RedisSubscription:
             if reply["type"] == self._kinds.message:
                 return parse_message(reply["data"])
             if reply["type"] == self._kinds.unsubscribe:
-                return None
+                return SUBSCRIPTION_ENDED
 
     def close(self) -> None:
         """Unsubscribe by closing the connection (errors ignored: it may be dead already)."""
