@@ -491,12 +491,14 @@ class ClaimOps:
         database blip, like :meth:`hand_off`.
         """
         _check_ref(claim)
+        if not isinstance(retryable, bool):  # as fail_many: "no" is not a False
+            raise InvalidRequest("retryable must be a bool")
         text = _error_text(self.settings, error)
         delay = None if retry_in is None else _seconds("retry_in", retry_in)
         params = {
             **fence_key(claim), "token": claim.token, "error": text,
             "worker_classes": fence_scope(claim),
-            "retryable": bool(retryable), "delay": delay, "now": now,
+            "retryable": retryable, "delay": delay, "now": now,
             "backoff_base": float(self.settings.backoff_base_seconds),
             "backoff_max": float(self.settings.backoff_max_seconds),
             "notify": self.settings.notify,

@@ -782,6 +782,17 @@ def test_rescue_expired_requeues_then_quarantines(
     assert (dead.status, dead.crash_attempts, dead.error["type"]) == (Status.DEAD, 2, "LeaseLapsed")
 
 
+def test_fail_refuses_a_retryable_that_is_not_a_bool(api_queue: Queue) -> None:
+    # Before: bool("no") is True: a caller's "no" retried the request.
+    api_queue.enqueue("s", "w", "retryable-str")
+    [claim] = api_queue.claim_next("default", "a")
+    for bad in ("no", 0, None, "false"):
+        with pytest.raises(InvalidRequest, match="retryable"):
+            api_queue.fail(claim, {"type": "E"}, retryable=bad)  # type: ignore[arg-type]
+    row = api_queue.get(claim.request_id)
+    assert (row.status, row.error, row.attempts) == (Status.RUNNING, None, 1)
+
+
 def _sweeping(engine: Engine) -> bool:
     """Whether a rescue statement is running (pg_stat_activity, read afresh: a new
     transaction each time; its query text is cut at track_activity_query_size)."""
