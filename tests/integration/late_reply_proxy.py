@@ -4,7 +4,8 @@
 forwarded to the server, and when the server's reply comes the connection is cut instead
 of delivering it. The client sees its connection fail after the server acted — as after a
 socket timeout or a network cut — and redis-py resends the command once on a new
-connection: the case a retried command must survive.
+connection: the case a retried command must survive. (The listener, the sockets and their
+closing are :class:`~tests.metrics.stall_proxy.StallProxy`'s; only the pumps differ.)
 """
 
 from __future__ import annotations
@@ -12,43 +13,21 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-from types import TracebackType
+
+from tests.metrics.stall_proxy import StallProxy
 
 
-class LateReplyProxy:
+class LateReplyProxy(StallProxy):
     def __init__(self, target_host: str, target_port: int) -> None:
-        self._target = (target_host, target_port)
         self._lock = threading.Lock()
         self._pattern: bytes | None = None
         self.lost = threading.Event()  # set once a reply was held back and dropped
-        self._closed = False
-        self._socks: list[socket.socket] = []
-        self._listener = socket.socket()
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind(("127.0.0.1", 0))
-        self._listener.listen()
-        self.port: int = self._listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(target_host, target_port)  # starts accepting: fields first
 
     def lose_reply_to(self, pattern: bytes) -> None:
         with self._lock:
             self._pattern = pattern
             self.lost.clear()
-
-    def close(self) -> None:
-        self._closed = True
-        self._listener.close()
-        for s in self._socks:
-            with contextlib.suppress(OSError):
-                s.close()
-
-    def __enter__(self) -> LateReplyProxy:
-        return self
-
-    def __exit__(
-        self, t: type[BaseException] | None, v: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     def _accept(self) -> None:
         while not self._closed:

@@ -10,6 +10,7 @@ import contextlib
 import socket
 import threading
 from types import TracebackType
+from typing import Self
 
 from sqlalchemy import make_url
 
@@ -50,7 +51,7 @@ class StallProxy:
             with contextlib.suppress(OSError):
                 s.close()
 
-    def __enter__(self) -> StallProxy:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
