@@ -29,6 +29,7 @@ from collections.abc import Callable, Generator
 from typing import Any, NoReturn, TypeVar
 
 from onceflow.connector import Sleep  # a store retry's backoff, as the SQL layers' pause
+from onceflow.errors import InvalidRequest
 
 R = TypeVar("R")
 
@@ -74,10 +75,25 @@ def run_sync(steps: Steps[R]) -> R:
         try:
             if isinstance(step, Call):
                 send = step.fn(*step.args, **step.kwargs)
+                if inspect.isawaitable(send):
+                    send = _refuse_awaitable(step.fn, send)
             else:
                 time.sleep(step.seconds)
         except BaseException as exc:
             error = exc
+
+
+def _refuse_awaitable(fn: Callable[..., Any], result: Any) -> NoReturn:
+    """A sync run met a callback that returned an awaitable (an ``async def`` passed to
+    ``compute_once``): its value would be a coroutine object — a cell "stored" that never
+    ran, a pre-flight "hit" on nothing. Refused, the coroutine closed (never awaited)."""
+    if inspect.iscoroutine(result):
+        result.close()
+    name = getattr(fn, "__qualname__", repr(fn))
+    raise InvalidRequest(
+        f"{name} returned an awaitable: compute_once calls plain functions"
+        " (use acompute_once for coroutine functions)"
+    )
 
 
 async def run_async(steps: Steps[R]) -> R:

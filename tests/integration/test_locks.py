@@ -39,6 +39,7 @@ from onceflow.locks import (
     RedisLockBackend,
     SqlLockBackend,
     calls_saved,
+    compute_once,
     redis_client,
 )
 from onceflow.locks.counters import Counters
@@ -694,6 +695,28 @@ def test_a_bad_ttl_is_refused_before_anything_runs(
     with pytest.raises(InvalidRequest, match="lock TTL"):
         backend.acquire(ws, "j", "t", ttl=ttl)
     assert backend.remaining_ms(ws, "j", "t") is None  # nothing was taken
+
+
+def test_coroutine_callbacks_are_refused_by_the_sync_call(backend: LockBackend, ws: str) -> None:
+    # Before: an async def check's coroutine object was a pre-flight "hit" (the caller got
+    # a coroutine as the cell's value), and an async compute's was stored as the value.
+    stored: list[Any] = []
+
+    async def check() -> Any:
+        return None
+
+    async def compute() -> str:
+        return "x"
+
+    with pytest.raises(InvalidRequest, match="acompute_once"):
+        compute_once(ws, "j", "t", check=check, compute=lambda: "x",
+                     store=stored.append, backend=backend)  # fmt: skip
+    with pytest.raises(InvalidRequest, match="acompute_once"):
+        compute_once(ws, "j", "t", check=lambda: None, compute=compute,
+                     store=stored.append, backend=backend)  # fmt: skip
+    assert stored == []
+    assert backend.remaining_ms(ws, "j", "t") is None  # the lock taken for compute: released
+    assert backend.counters.snapshot(ws).get("preflight_hits", 0) == 0
 
 
 # ------------------------------------------------------------------ inside a stage
