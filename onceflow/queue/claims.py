@@ -404,10 +404,14 @@ class ClaimOps:
             yield Execute(N.MARK_UNDISPATCHED_MANY, keys)
             rows = yield FetchAll(N.ENQUEUE_LOOKUP, keys)
             found = {r["request_id"]: r for r in rows}
+            # Created by the lost attempt: in its transaction, whose time (now(): the
+            # transaction's start) is both the completion's finished_at and their created_at.
+            # A follow-up that existed before (another path enqueued it) was not created here.
+            ours = {rid for rid, r in found.items() if r["created_at"] == current.finished_at}
             followed = [
                 EnqueueResult(
                     RequestId(rid),
-                    False,
+                    rid in ours,
                     Status(found[rid]["status"]),
                     found[rid]["input_hash"] != digest,
                     stage=stage,

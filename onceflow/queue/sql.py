@@ -178,7 +178,7 @@ WHERE o.workspace_id = CAST(:workspace_id AS text) AND o.request_id = CAST(:requ
 """)
 
 ENQUEUE_LOOKUP: TextClause = text(f"""
-SELECT w.request_id, w.workspace_id, false AS created, w.status, w.input_hash
+SELECT w.request_id, w.workspace_id, false AS created, w.status, w.input_hash, w.created_at
 FROM {TABLE} w
 JOIN unnest(CAST(:workspace_ids AS text[]), CAST(:request_ids AS text[])) AS k(workspace_id,
                                                                           request_id)

@@ -615,9 +615,10 @@ def test_a_write_by_ref_whose_answer_was_lost_is_recognised_on_retry(
             [made] = losing_queue.finish(ref, {"ok": 1}, then=then)
             row = losing_queue.get(rid)
         assert (row.status, row.result) == (Status.SUCCEEDED, {"ok": 1})
-        # The lost attempt created it: one row, and left for the sweeper's wake-up.
+        # The lost attempt created it: one row, reported created (before: False, so a caller
+        # acting only on what it created skipped it), left for the sweeper's wake-up.
         [nxt] = losing_queue.list(job_id="lost-next")
-        assert (nxt.request_id, made.created, nxt.dispatched_at) == (made.request_id, False, None)
+        assert (nxt.request_id, made.created, nxt.dispatched_at) == (made.request_id, True, None)
         # The run counted once, from the landed row (the lost attempt counted nothing).
         after = REGISTRY.get_sample_value("onceflow_attempts_total", labels) or 0.0
         assert after - succeeded == 1
@@ -626,6 +627,24 @@ def test_a_write_by_ref_whose_answer_was_lost_is_recognised_on_retry(
         assert (row.status, row.error) == (Status.DEAD, {"type": "Boom"})
     assert losing_queue.lost == ["lost"]  # the first answer really was lost
     assert losing_queue.get(rid) == row
+
+
+@pytest.mark.parametrize("losing_queue", ["sync", "async"], indirect=True)
+def test_a_follow_up_that_existed_before_a_lost_hand_off_is_not_reported_created(
+    losing_queue: Any,
+) -> None:
+    # The follow-up was enqueued by another path first: the lost attempt's insert was a
+    # no-op, so the retry that finds the landed hand-off must not claim it was created there.
+    then = [NewRequest("w", "pre-next", "next")]  # deterministic id: the same row
+    [early] = losing_queue.enqueue_many(then)
+    assert early.created
+    rid = losing_queue.enqueue("s", "w", "pre").request_id
+    claim = losing_queue.claim(rid, "pw")
+    assert claim is not None
+    row, [made] = losing_queue.hand_off(ClaimRef(rid, claim.token), {"ok": 1}, then=then)
+    assert losing_queue.lost == ["lost"]
+    assert row.status is Status.SUCCEEDED
+    assert (made.request_id, made.created) == (early.request_id, False)
 
 
 class LoseClaimInFlight:
