@@ -194,6 +194,34 @@ def test_deep_or_non_finite_payload_is_refused_and_writes_nothing(
     assert snapshot(engine) == before
 
 
+def test_a_body_the_scan_cannot_read_is_refused_and_one_typed_oddly_is_scanned(
+    client: httpx.Client, engine: Engine
+) -> None:
+    # Python's json (so FastAPI) reads UTF-16 and UTF-32 bodies, which the byte scan cannot;
+    # and FastAPI reads a content type as email.message does ("application/json\xa0" is
+    # JSON to it). Before: both went to the parser unscanned (NaN reached the payload
+    # checks, a 5,000-deep body the parser's recursion).
+    _enqueue(client, "j0", {"a": 1})
+    before = snapshot(engine)
+    headers = {**auth(API_KEY), **JSON_CT}
+    for body in (
+        _request_body('{"x": NaN}').decode().encode("utf-16"),
+        (b"[" * 5000 + b"]" * 5000).decode().encode("utf-32"),
+        _request_body('{"x": 1}').decode().encode("utf-16-le"),  # no byte-order mark
+    ):
+        answer = client.post(ENQUEUE, content=body, headers=headers)
+        assert answer.status_code == 400, answer.text
+        assert answer.json() == {
+            "detail": "the request body is not UTF-8 JSON",
+            "code": "bad_request",
+        }
+    odd = {**auth(API_KEY), "content-type": b"application/json\xa0"}  # type: ignore[dict-item]
+    answer = client.post(ENQUEUE, content=b"[" * 5000 + b"]" * 5000, headers=odd)
+    assert answer.status_code == 422, answer.text
+    assert "levels deep" in answer.json()["detail"]
+    assert snapshot(engine) == before
+
+
 def _claim_cases(rid: str, token: str) -> list[tuple[str, str, bytes, str]]:
     deep = nested_text(LIMIT + 1)  # one level over the limit
     tok = f'"claim_token": "{token}"'

@@ -18,6 +18,7 @@ reads them as floats that no store can hold.
 
 from __future__ import annotations
 
+import email.message
 import json
 import math
 import re
@@ -102,6 +103,11 @@ class BodyLimitMiddleware:
             return
         buffered = b"".join(chunks)
         if buffered and _is_json(scope):
+            if json.detect_encoding(buffered) not in _UTF8:
+                # UTF-16 or UTF-32, which Python's json reads but this scan cannot: refused
+                # (RFC 8259: JSON between systems is UTF-8), never parsed unscanned.
+                await _reply(send, 400, "bad_request", "the request body is not UTF-8 JSON")
+                return
             problem = json_body_problem(buffered, self.max_json_depth)
             if problem is not None:
                 await _reply(send, 422, "invalid_request", problem)
@@ -150,14 +156,25 @@ def _maybe_huge(data: bytes) -> bool:
     return b"0" * 309 in zeros or any(e in zeros for e in _BIG_EXPONENTS)
 
 
+#: What ``json.detect_encoding`` calls a UTF-8 body (with or without a byte-order mark).
+_UTF8 = ("utf-8", "utf-8-sig")
+
+
 def _is_json(scope: Scope) -> bool:
-    """Whether FastAPI would parse this body as JSON (no content type, or a JSON one)."""
+    """Whether FastAPI would parse this body as JSON: no (or an empty) content type, or a
+    JSON one — read as FastAPI reads it (``email.message``, the header as latin-1), so that
+    no spelling it parses as JSON (``application/json\xa0``) escapes the scan."""
     for name, value in scope.get("headers", []):
         if name == b"content-type":
-            kind: bytes = value.split(b";", 1)[0].strip().lower()
-            return kind == b"application/json" or (
-                kind.startswith(b"application/") and kind.endswith(b"+json")
-            )
+            text = value.decode("latin-1")
+            if not text:
+                return True
+            message = email.message.Message()
+            message["content-type"] = text
+            if message.get_content_maintype() != "application":
+                return False
+            subtype = message.get_content_subtype()
+            return subtype == "json" or subtype.endswith("+json")
     return True
 
 

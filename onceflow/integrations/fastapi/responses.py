@@ -97,7 +97,7 @@ def error_response(exc: Exception) -> JSONResponse:
 
 def _responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     text = {
-        400: "The body is not parseable, or Content-Length is malformed",
+        400: "The body is not parseable or not UTF-8, or Content-Length is malformed",
         401: "No key, or an unknown key",
         403: "The key is not scoped to this workspace or worker class",
         404: "No such request in this workspace",
