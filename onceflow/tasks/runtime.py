@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from onceflow.context import StageContext, error_payload, oplog_for, to_json_result
+from onceflow.context import (
+    MESSAGE_CHARS,
+    StageContext,
+    error_payload,
+    oplog_for,
+    storable_text,
+    to_json_result,
+)
 from onceflow.errors import (
     Cancelled,
     DatabaseUnavailable,
@@ -225,7 +232,8 @@ def run_request(
         except Cancelled:
             return {**outcome, **_fail(queue, ctx, {"type": "Cancelled"}, retryable=False)}
         except RetryLater as exc:
-            error = {"type": "RetryLater", "message": exc.reason, "delay": exc.delay}
+            reason = storable_text(str(exc.reason), MESSAGE_CHARS)
+            error = {"type": "RetryLater", "message": reason, "delay": exc.delay}
             return {**outcome, **_fail(queue, ctx, error, retryable=True, retry_in=exc.delay)}
         except (PermanentError, InvalidRequest) as exc:
             return {**outcome, **_fail(queue, ctx, error_payload(exc), retryable=False)}
@@ -337,6 +345,7 @@ def _fail(
     *,
     retryable: bool,
     retry_in: float | None = None,
+    minimal: bool = False,
 ) -> dict[str, Any]:
     claim = ctx.claim
     try:
@@ -344,6 +353,16 @@ def _fail(
             row = queue.fail(claim, error, retryable=retryable, retry_in=retry_in)
     except LeaseLost:
         return {"outcome": "lease_lost"}
+    except InvalidRequest as exc:
+        if minimal:
+            raise
+        # The error itself cannot be stored (over a payload limit set low): the failure is
+        # recorded all the same, with what can be — never left for the lease to lapse, which
+        # would run the body again.
+        log.error("request %s: the stage's error cannot be stored (%s)", claim.request_id, exc)
+        kind = storable_text(str(error.get("type", "Error")), 200)
+        brief = {"type": kind, "message": storable_text(f"not storable: {exc}", 200)}
+        return _fail(queue, ctx, brief, retryable=retryable, retry_in=retry_in, minimal=True)
     except DatabaseUnavailable as exc:
         # Retried for as long as the lease could hold; the sweeper rescues the row.
         log.error("request %s: failure not recorded: %s", claim.request_id, exc)

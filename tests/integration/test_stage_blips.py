@@ -101,7 +101,9 @@ def test_a_completion_whose_answer_was_lost_is_recognised(clean_db: Engine, redi
     assert made.created
     again, [same] = queue.hand_off(claim, {"v": 1}, then=follow)  # the "retry"
     assert again.status is Status.SUCCEEDED and again.result == {"v": 1}
-    assert same.request_id == made.request_id and not same.created
+    # The repeat gets the original answer: created by this claim's completion (as an op's
+    # retry gets its original commit clock), so a caller whose first answer was lost learns it.
+    assert same.request_id == made.request_id and same.created
     [nxt] = queue.list(stage="next")
     assert nxt.dispatched_at is None  # the next sweep sends its wake-up
     # Another claimant (a zombie) is still refused.
@@ -166,3 +168,72 @@ def test_a_completion_error_that_is_not_a_disconnect_is_retried_while_the_lease_
     row = flow.queue.get(rid)
     assert (row.status, row.attempts, row.result) == (Status.SUCCEEDED, 1, {"ok": True})
     assert runs == [1]
+
+
+class Kind(BaseModel):
+    kind: str
+
+
+@pytest.mark.parametrize("kind", ["nul", "surrogate", "huge", "retry-later-nul"])
+def test_an_error_the_store_cannot_take_is_recorded_not_run_again(
+    clean_db: Engine, redis_url: str, kind: str
+) -> None:
+    """A stage raises an error whose text jsonb cannot store (a NUL from a provider's bytes,
+    a lone surrogate from a bad decode) or that outgrows the payload limit: the failure is
+    recorded, with its type and a storable message. Before: the store refused it, nothing
+    was recorded, the row stayed running until its lease lapsed, and the sweeper ran the
+    body again — a permanent error included."""
+    from onceflow.errors import PermanentError, RetryLater
+
+    runs: list[int] = []
+    flow = Flow(name="unstorable-test")
+
+    @flow.stage("boom", input=Kind, worker_class="wc", max_attempts=5)
+    def boom(ctx: StageContext, data: Kind) -> None:
+        runs.append(ctx.attempt)
+        if data.kind == "nul":
+            raise PermanentError("bad bytes from the provider: b'\x00\x01'")
+        if data.kind == "surrogate":
+            raise PermanentError("undecodable: \udcff")
+        if data.kind == "huge":
+            raise PermanentError("x" * 300_000)
+        raise RetryLater(60, reason="provider said \x00")
+
+    rid = flow.enqueue("boom", "w", f"j-{kind}", "main", {"kind": kind}).request_id
+    outcome = run_request(flow.queue, flow.spec("boom"), rid, "host:1", lambda _: True)
+    row = flow.queue.get(rid)
+    assert runs == [1]
+    assert row.lease_expires_at is None and row.error is not None
+    if kind == "retry-later-nul":
+        assert (outcome["outcome"], row.status) == ("retry", Status.QUEUED)
+        assert row.error["message"] == "provider said \\x00"
+    else:
+        assert (outcome["outcome"], row.status) == ("dead", Status.DEAD)  # permanent: no retry
+        assert row.error["type"] == "PermanentError"
+        assert len(row.error["message"]) <= 2000
+        assert (
+            "\\x00" in row.error["message"] or "\\udcff" in row.error["message"] or (kind == "huge")
+        )
+
+
+def test_an_error_over_a_low_payload_limit_is_recorded_briefly(
+    clean_db: Engine, redis_url: str
+) -> None:
+    """The payload limit set lower than an error's traceback: the failure is recorded with
+    its type and a brief message (the retry decision kept), never left running."""
+    from onceflow.errors import PermanentError
+    from onceflow.settings import get_settings
+
+    settings = get_settings().model_copy(update={"payload_limit_bytes": 1024})
+    flow = Flow(name="low-limit-test", settings=settings)
+
+    @flow.stage("boom", input=Empty, worker_class="wc")
+    def boom(ctx: StageContext, data: Empty) -> None:
+        raise PermanentError("y" * 1500)
+
+    rid = flow.enqueue("boom", "w", "j-low", "main", {}).request_id
+    outcome = run_request(flow.queue, flow.spec("boom"), rid, "host:1", lambda _: True)
+    row = flow.queue.get(rid)
+    assert (outcome["outcome"], row.status, row.lease_expires_at) == ("dead", Status.DEAD, None)
+    assert row.error["type"] == "PermanentError"
+    assert row.error["message"].startswith("not storable: ")
