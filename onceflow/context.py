@@ -10,7 +10,6 @@ that uses only the interface's members runs unchanged under any of the three.
 from __future__ import annotations
 
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any, Literal, Protocol, TypeVar, overload, runtime_checkable
 
@@ -23,10 +22,6 @@ from onceflow.models.requests import Claim, Fence, NewRequest, Request
 from onceflow.oplog import ApplyResult, OpLog, SubDoc, new_op_id, stage_op_id
 from onceflow.queue import Queue
 
-TRACEBACK_LINES = 30
-#: The most characters kept of an error's message, and of each of its traceback lines.
-MESSAGE_CHARS = 2000
-TRACEBACK_LINE_CHARS = 500
 _oplogs: dict[int, tuple[Queue, OpLog]] = {}
 
 
@@ -381,37 +376,6 @@ class StageContext:
 
 def _implements_the_interface(ctx: StageContext) -> WorkContext:
     return ctx  # mypy checks that every member of WorkContext is here, with its type
-
-
-def error_payload(exc: BaseException) -> dict[str, Any]:
-    """A JSON description of an exception, kept on the row (never raises).
-
-    Always storable: NUL characters and lone surrogates (bytes from a provider, a bad
-    decode) are written out as escapes, and the message and every traceback line are
-    capped (the last line repeats the message). Before, such an error was refused by the
-    store, nothing was recorded, and the request ran again once its lease lapsed.
-    """
-    name = storable_text(type(exc).__name__, 200)
-    try:
-        message = storable_text(str(exc), MESSAGE_CHARS)
-    except Exception:  # an exception whose __str__ raises must still be recorded
-        message = f"<{name}: str() failed>"
-    try:
-        lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
-        tail = [
-            storable_text(line, TRACEBACK_LINE_CHARS)
-            for line in "".join(lines).splitlines()[-TRACEBACK_LINES:]
-        ]
-    except Exception:
-        tail = []
-    return {"type": name, "message": message, "traceback": tail}
-
-
-def storable_text(text: str, limit: int) -> str:
-    """``text`` as a JSON string jsonb can store: at most ``limit`` characters, NUL written
-    as ``\\x00`` and a lone surrogate as its ``\\udcff`` escape."""
-    text = text[:limit].replace("\x00", "\\x00")
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def to_json_result(value: Any) -> Any:

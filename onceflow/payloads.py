@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import traceback
 from itertools import accumulate
 from typing import Any
 
@@ -232,3 +233,43 @@ def load_stored_json(data: str | bytes) -> Any:
         return json.loads(data)
     except RecursionError:  # pragma: no cover - the scan above rules it out
         return Unreadable(json_depth(data))
+
+
+# ------------------------------------------------------------------ a failure's error
+
+#: The traceback lines kept of a failed stage's error (the last ones).
+TRACEBACK_LINES = 30
+#: The most characters kept of an error's message, and of each of its traceback lines.
+MESSAGE_CHARS = 2000
+TRACEBACK_LINE_CHARS = 500
+
+
+def error_payload(exc: BaseException) -> dict[str, Any]:
+    """A JSON description of an exception, kept on the row (never raises).
+
+    Always storable: NUL characters and lone surrogates (bytes from a provider, a bad
+    decode) are written out as escapes, and the message and every traceback line are
+    capped (the last line repeats the message). Before, such an error was refused by the
+    store, nothing was recorded, and the request ran again once its lease lapsed.
+    """
+    name = storable_text(type(exc).__name__, 200)
+    try:
+        message = storable_text(str(exc), MESSAGE_CHARS)
+    except Exception:  # an exception whose __str__ raises must still be recorded
+        message = f"<{name}: str() failed>"
+    try:
+        lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
+        tail = [
+            storable_text(line, TRACEBACK_LINE_CHARS)
+            for line in "".join(lines).splitlines()[-TRACEBACK_LINES:]
+        ]
+    except Exception:
+        tail = []
+    return {"type": name, "message": message, "traceback": tail}
+
+
+def storable_text(text: str, limit: int) -> str:
+    """``text`` as a JSON string jsonb can store: at most ``limit`` characters, NUL written
+    as ``\\x00`` and a lone surrogate as its ``\\udcff`` escape."""
+    text = text[:limit].replace("\x00", "\\x00")
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")

@@ -66,7 +66,7 @@ from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any
 
-from onceflow.context import StageContext, error_payload, to_json_result
+from onceflow.context import StageContext, to_json_result
 from onceflow.errors import (
     Cancelled,
     InvalidRequest,
@@ -78,7 +78,7 @@ from onceflow.errors import (
 from onceflow.ids import check_id, check_worker_class
 from onceflow.metrics import record as metrics
 from onceflow.models.requests import Claim
-from onceflow.payloads import Unreadable, encode_json
+from onceflow.payloads import Unreadable, encode_json, error_payload
 from onceflow.queue import Failure, Queue
 from onceflow.queue.notify import WAIT_MAX_SECONDS
 from onceflow.settings import get_settings

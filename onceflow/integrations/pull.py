@@ -33,7 +33,6 @@ import secrets
 import socket
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -52,7 +51,7 @@ from onceflow.oplog.http import (
     raise_for_api_error,
     retry_after_seconds,
 )
-from onceflow.payloads import is_unreadable
+from onceflow.payloads import error_payload, is_unreadable
 
 log = logging.getLogger("onceflow.pull")
 
@@ -258,11 +257,7 @@ class PullWorker:
             return self._fail(claim, {"type": "Cancelled"}, retryable=False)
         except Exception as exc:
             log.warning("request %s: the work raised %s", claim.request_id, type(exc).__name__)
-            error = {
-                "type": type(exc).__name__,
-                "message": str(exc)[:2000],
-                "traceback": traceback.format_exc().splitlines()[-30:],
-            }
+            error = error_payload(exc)  # storable: NUL and surrogates escaped, lines capped
             permanent = isinstance(exc, PermanentError | InvalidRequest)
             return self._fail(claim, error, retryable=not permanent)
         finally:

@@ -18,14 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from onceflow.context import (
-    MESSAGE_CHARS,
-    StageContext,
-    error_payload,
-    oplog_for,
-    storable_text,
-    to_json_result,
-)
+from onceflow.context import StageContext, oplog_for, to_json_result
 from onceflow.errors import (
     Cancelled,
     DatabaseUnavailable,
@@ -40,7 +33,7 @@ from onceflow.keys import counters_key
 from onceflow.metrics import record as metrics
 from onceflow.models.requests import Claim, Dispatch
 from onceflow.models.status import Status
-from onceflow.payloads import Unreadable
+from onceflow.payloads import MESSAGE_CHARS, Unreadable, error_payload, storable_text
 from onceflow.queue import Queue
 
 if TYPE_CHECKING:

@@ -19,6 +19,7 @@ import pytest
 
 from onceflow import LeaseLost
 from onceflow.context import WorkContext
+from onceflow.errors import PermanentError
 from onceflow.integrations.fastapi import hash_key
 from onceflow.integrations.pull import PullContext, PullWorker
 from onceflow.locks import Locked
@@ -269,3 +270,22 @@ def test_a_waiter_woken_by_a_failed_release_leads_and_its_stream_is_closed(
     assert (outcome.value, str(outcome.path), outcome.rounds) == ("second", "computed", 2)
     wait_for(lambda: not [t for t in threading.enumerate() if t.name == "onceflow-pull-events"],
              what="the claim's event stream reader to end")  # fmt: skip
+
+
+def test_a_pull_worker_records_an_error_the_store_could_not_take(
+    client: httpx.Client, api: str
+) -> None:
+    # A body's error with a NUL (a provider's bytes) and a lone surrogate: before, the
+    # server refused the report (422), nothing was recorded, and the request ran again
+    # once its lease lapsed; now the error is sent storable and the request dies once.
+    rid = enqueue(client, stage="ctx_body", job_id="jb-unstorable", worker_class=PULL,
+                  input={"value": 1, "provider": "http://127.0.0.1:1"})  # fmt: skip
+    with PullWorker(api, WORKER_KEY, PULL, lease_seconds=10) as worker:
+
+        def body(ctx: PullContext) -> dict[str, Any]:
+            raise PermanentError("bad bytes: b'\x00' and \udcff")
+
+        assert worker.run_once(body, wait=5) == "dead"
+    stored = row(client, rid)
+    assert stored["status"] == "dead"
+    assert stored["error"]["message"] == "bad bytes: b'\\x00' and \\udcff"
