@@ -72,9 +72,11 @@ def api(
         "ONCEFLOW_API_MAX_BODY_BYTES": str(BODY_LIMIT),
         "ONCEFLOW_API_SSE_KEEPALIVE_SECONDS": "0.5",
         "ONCEFLOW_API_BODY_TIMEOUT_SECONDS": "2",
-        # The Hypothesis pass sends many 401s from one address: no lock-out here (see
-        # tests/security/test_sse_and_rate_limits.py for the limits).
+        # The Hypothesis pass sends many 401s from one address, and many requests a key may
+        # not make (403s, which use the key's budget): no lock-out and no per-key limit here
+        # (tests/security/test_sse_and_rate_limits.py and test_pull_rate_limit.py test them).
         "ONCEFLOW_API_AUTH_FAILURE_LIMIT": "",
+        "ONCEFLOW_API_RATE_LIMIT": "",
     }
     with api_server(tmp_path_factory.mktemp("api"), env) as (url, proc):
         yield url
@@ -1115,8 +1117,7 @@ def test_the_python_pull_worker_sends_the_claims_workspace(client: httpx.Client,
 
         def live_events() -> Any:
             # Served for the claim's own workspace (a refused one raised LeaseLost above).
-            # A stream the server could not start yet (429 past the key's request rate,
-            # which this module's fuzzing spends; 503 while Redis confirms the
+            # A stream the server could not start yet (503 while Redis confirms the
             # subscription) is "unavailable" with a Retry-After: open it again, as a client
             # does.
             events = worker.claim_events(claim)
