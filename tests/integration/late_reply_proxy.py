@@ -29,20 +29,10 @@ class LateReplyProxy(StallProxy):
             self._pattern = pattern
             self.lost.clear()
 
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self._target)
-            self._socks += [client, server]
-            held = threading.Event()  # this connection's next reply is to be lost
-            for pump, ends in (
-                (self._requests, (client, server)),
-                (self._replies, (server, client)),
-            ):
-                threading.Thread(target=pump, args=(*ends, held), daemon=True).start()
+    def _start_pumps(self, client: socket.socket, server: socket.socket) -> None:
+        held = threading.Event()  # this connection's next reply is to be lost
+        threading.Thread(target=self._requests, args=(client, server, held), daemon=True).start()
+        threading.Thread(target=self._replies, args=(server, client, held), daemon=True).start()
 
     def _requests(self, src: socket.socket, dst: socket.socket, held: threading.Event) -> None:
         try:

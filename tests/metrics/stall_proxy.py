@@ -68,8 +68,12 @@ class StallProxy:
             self._forwarding.wait()  # a stalled server does not answer new connections either
             server = socket.create_connection(self._target)
             self._socks += [client, server]
-            threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client), daemon=True).start()
+            self._start_pumps(client, server)
+
+    def _start_pumps(self, client: socket.socket, server: socket.socket) -> None:
+        """Forward both ways (a subclass may pump otherwise)."""
+        threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
+        threading.Thread(target=self._pump, args=(server, client), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
