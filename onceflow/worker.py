@@ -30,6 +30,16 @@ One process, ``concurrency`` threads running bodies, and four threads around the
   on the database clock (one sweep per interval among every worker), and never sends a
   Celery wake-up — the rescue-only sweep a consumer without Celery needs.
 
+Work in flight is bounded, so a slow database delays results but never runs a finished
+body again. The worker holds at most ``max_held`` claims — waiting for a thread, running,
+or finished and not yet recorded — and stops claiming while its finished bodies wait for
+the completer (backpressure), so every claim it holds fits one heartbeat and one
+completion batch (:data:`~onceflow.queue.batch.BATCH_MAX`). Heartbeats never wait for a
+completion: a heartbeat round skips only the rows whose outcome is being written at that
+moment (fenced when their write began), and a write waits for a heartbeat in flight, so
+no heartbeat ever reaches a row just recorded. A finished body whose outcome cannot be
+recorded yet keeps its lease alive through those heartbeats while the completer retries.
+
 Shutdown (:meth:`stop`, SIGTERM or SIGINT): claiming stops, claims not yet started are
 handed back (:meth:`Queue.release`: queued again, no attempt counted), running bodies
 finish and are recorded, then :meth:`run` returns. A second signal stops at once: bodies
@@ -80,6 +90,7 @@ from onceflow.metrics import record as metrics
 from onceflow.models.requests import Claim
 from onceflow.payloads import Unreadable, encode_json, error_payload
 from onceflow.queue import Failure, Queue
+from onceflow.queue.batch import BATCH_MAX
 from onceflow.queue.notify import WAIT_MAX_SECONDS
 from onceflow.settings import get_settings
 
@@ -129,14 +140,17 @@ class Worker:
     threads (heartbeated meanwhile; handed back at shutdown), to hide the claim round
     trip at saturation. ``retry_on(exc)`` decides whether an exception is worth a retry
     (default: every exception except :class:`PermanentError` and
-    :class:`InvalidRequest`). ``max_runtime`` bounds a run as on Celery — heartbeats
-    stop extending the lease past claim time + ``max_runtime`` (time a prefetched claim
-    waits counts too) — but a thread cannot be interrupted: a body still running then
-    loses its lease, its later writes are fenced off, and the request runs again
-    elsewhere. Default: no bound (a hung body holds its lease until the process
-    stops). ``max_wait`` bounds one sleep in
-    :meth:`Queue.wait_for_work` — a safety net only, since the wait already ends at
-    the first notification, due time or lease expiry.
+    :class:`InvalidRequest`). ``max_held``: the most claims held at once — waiting,
+    running, or finished and not yet recorded (default twice ``concurrency + prefetch``,
+    at most :data:`~onceflow.queue.batch.BATCH_MAX`); claiming pauses at it, so a slow
+    database holds results back instead of piling up claims. ``max_runtime`` bounds a run
+    as on Celery — heartbeats stop extending the lease past claim time + ``max_runtime``
+    (time a prefetched claim waits counts too) — but a thread cannot be interrupted: a
+    body still running then loses its lease, its later writes are fenced off, and the
+    request runs again elsewhere. Default: no bound (a hung body holds its lease until
+    the process stops). ``max_wait`` bounds one sleep in :meth:`Queue.wait_for_work` — a
+    safety net only, since the wait already ends at the first notification, due time or
+    lease expiry.
     """
 
     def __init__(
@@ -153,6 +167,7 @@ class Worker:
         retry_on: Callable[[BaseException], bool] | None = None,
         sweep: bool = True,
         max_wait: float = 30.0,
+        max_held: int | None = None,
     ) -> None:
         classes = [worker_classes] if isinstance(worker_classes, str) else list(worker_classes)
         if not classes:
@@ -166,6 +181,16 @@ class Worker:
             raise InvalidRequest("handler must be callable")
         if concurrency + prefetch > CLAIM_LIMIT:
             raise InvalidRequest(f"concurrency + prefetch must be at most {CLAIM_LIMIT}")
+        if max_held is None:
+            max_held = 2 * (concurrency + prefetch)
+        if (
+            not isinstance(max_held, int)
+            or isinstance(max_held, bool)
+            or not concurrency + prefetch <= max_held <= BATCH_MAX
+        ):
+            raise InvalidRequest(
+                f"max_held must be an integer in [concurrency + prefetch, {BATCH_MAX}]"
+            )
         if not _positive_seconds(max_wait) or max_wait > WAIT_MAX_SECONDS:
             raise InvalidRequest(
                 f"max_wait must be a number of seconds in (0, {WAIT_MAX_SECONDS:g}]"
@@ -186,6 +211,7 @@ class Worker:
         self.handler = handler
         self.concurrency = concurrency
         self.prefetch = prefetch
+        self.max_held = max_held
         self.worker_id = check_id(
             "worker_id", worker_id or f"{socket.gethostname()[:60]}:{os.getpid()}:worker"
         )
@@ -199,11 +225,14 @@ class Worker:
         self._cond = threading.Condition()
         self._ready: deque[StageContext] = deque()  # claimed, not started
         self._held: dict[str, StageContext] = {}  # every claim this worker holds
-        # Per shard, held while its outcomes are recorded (and dropped from _held) and
-        # while its heartbeat round runs: a heartbeat is never sent for a row whose outcome
-        # just committed (the database would reject it, a false "lease lost").
-        self._write_turns = [threading.Lock() for _ in range(self.shard_count)]
+        # Claims whose outcome (or hand-back) is being written now: left out of heartbeat
+        # rounds, which would reach a row just recorded (a false "lease lost"). A write
+        # waits while its shard's heartbeat round is in flight (_beating); a round never
+        # waits for a write.
+        self._in_write: set[StageContext] = set()
+        self._beating = [False] * self.shard_count
         self._running = 0
+        self._finished = 0  # bodies finished whose outcome is not recorded yet
         self._done: list[list[_Done]] = [[] for _ in range(self.shard_count)]  # per shard
         self._stopping = threading.Event()  # no more claims; finish what runs
         self._abandon = threading.Event()  # a second signal: do not wait for running bodies
@@ -311,8 +340,12 @@ class Worker:
     # ------------------------------------------------------------------ fetcher
 
     def _capacity(self) -> int:
-        """How many more claims to take now (caller holds the lock)."""
-        return self.concurrency + self.prefetch - self._running - len(self._ready)
+        """How many more claims to take now (caller holds the lock): free threads (plus
+        ``prefetch``), within ``max_held`` claims in all — finished bodies waiting to be
+        recorded count, so claiming pauses while the completer is behind."""
+        waiting_or_running = self._running + len(self._ready)
+        slots = self.concurrency + self.prefetch - waiting_or_running
+        return min(slots, self.max_held - waiting_or_running - self._finished)
 
     def _should_claim(self) -> bool:
         """Claim now: a slot is free and no claim waits for it, or a batch's worth is free.
@@ -413,6 +446,7 @@ class Worker:
                     self._running -= 1
                     if done is not None:
                         self._done[self._shard(ctx)].append(done)
+                        self._finished += 1
                     else:
                         self._drop(ctx)
                     self._cond.notify_all()
@@ -483,7 +517,8 @@ class Worker:
                     self._cond.wait()
                 if not self._done[shard]:
                     return
-                batch, self._done[shard] = self._done[shard], []
+                waiting = self._done[shard]
+                batch, self._done[shard] = waiting[:BATCH_MAX], waiting[BATCH_MAX:]
             retry = self._record(batch, shard)
             if retry:
                 with self._cond:
@@ -505,6 +540,7 @@ class Worker:
             for _ in range(len(batch) - len(current)):
                 log.warning("worker: a run's claim was taken over; its outcome is discarded")
                 self.stats.lease_lost += 1
+                self._finished -= 1
         batch = current
         plain = [d for d in batch if d.failure is None and not d.ctx._then]
         handing_off = [d for d in batch if d.failure is None and d.ctx._then]
@@ -540,8 +576,22 @@ class Worker:
     def _apply(
         self, items: list[_Done], call: Callable[[], Sequence[Any]], shard: int
     ) -> list[_Done]:
-        with self._write_turns[shard]:
+        with self._writing(shard, [d.ctx for d in items]):
             return self._apply_in_turn(items, call, shard)
+
+    @contextlib.contextmanager
+    def _writing(self, shard: int, ctxs: list[StageContext]) -> Iterator[None]:
+        """Write the outcomes of ``ctxs`` (one shard's): after the heartbeat round in flight,
+        if any, and with ``ctxs`` left out of the rounds that start meanwhile."""
+        with self._cond:
+            while self._beating[shard]:
+                self._cond.wait()
+            self._in_write.update(ctxs)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._in_write.difference_update(ctxs)
 
     def _apply_in_turn(
         self, items: list[_Done], call: Callable[[], Sequence[Any]], shard: int
@@ -589,6 +639,7 @@ class Worker:
         with self._cond:
             for d in items:
                 self._drop(d.ctx)
+                self._finished -= 1
                 if unrecorded:
                     log.error(
                         "request %s: outcome not recorded; its lease will lapse",
@@ -600,19 +651,25 @@ class Worker:
     # ------------------------------------------------------------- heartbeater
 
     def _heartbeat_loop(self, shard: int) -> None:
-        """Extends the leases of one shard's claims (one such thread per shard)."""
+        """Extends the leases of one shard's claims (one such thread per shard).
+
+        Every held claim but those whose outcome is being written right now (their write
+        was fenced when it began): running bodies, prefetched claims, and finished bodies
+        whose outcome waits to be recorded — a slow database keeps their leases.
+        """
         interval = self.lease_seconds / 3
-        turn = self._write_turns[shard]
         while not self._stopped.wait(interval):
-            # The completer is recording (the database is slow or away): skip this round.
-            if not turn.acquire(timeout=interval):
-                continue
-            try:
-                with self._cond:
-                    held = [ctx for ctx in self._held.values() if self._shard(ctx) == shard]
+            with self._cond:
+                held = [
+                    ctx
+                    for ctx in self._held.values()
+                    if self._shard(ctx) == shard and ctx not in self._in_write
+                ]
                 if not held:
                     continue
-                beats = self.queue.heartbeat_many([ctx.claim for ctx in held])
+                self._beating[shard] = True
+            try:
+                beats = self._beat(held)
             except OnceflowError as exc:  # the database may be back before the leases lapse
                 log.warning("worker: heartbeat failed: %s", exc)
                 continue
@@ -620,7 +677,9 @@ class Worker:
                 log.exception("worker: heartbeat raised; carrying on")
                 continue
             finally:
-                turn.release()
+                with self._cond:
+                    self._beating[shard] = False
+                    self._cond.notify_all()
             now = time.monotonic()
             with self._cond:
                 for ctx, beat in zip(held, beats, strict=True):
@@ -637,6 +696,14 @@ class Worker:
                     if beat.cancel_requested:
                         ctx._cancel.set()
                 self._cond.notify_all()
+
+    def _beat(self, held: list[StageContext]) -> list[Any]:
+        """One heartbeat round, in batches the queue takes (``max_held`` keeps it to one)."""
+        beats: list[Any] = []
+        for start in range(0, len(held), BATCH_MAX):
+            part = held[start : start + BATCH_MAX]
+            beats += self.queue.heartbeat_many([ctx.claim for ctx in part])
+        return beats
 
     # ----------------------------------------------------------------- sweeper
 
@@ -705,7 +772,7 @@ class Worker:
         log.info("worker: handed back %d unstarted claim(s)", released)
 
     def _release_shard(self, unstarted: list[StageContext], shard: int) -> int:
-        with self._write_turns[shard]:
+        with self._writing(shard, unstarted):
             try:
                 outcomes = self.queue.release([ctx.claim for ctx in unstarted])
             except OnceflowError as exc:

@@ -115,6 +115,14 @@ def worker(
     show_default=True,
     help="Claims held ready beyond the free threads (handed back at shutdown).",
 )
+@click.option(
+    "--max-held",
+    type=click.IntRange(1, 10_000),
+    default=None,
+    help="Claims held at most: waiting, running, or finished and not yet recorded "
+    "(claiming pauses there while the database is slow). Default: twice "
+    "concurrency + prefetch.",
+)
 @click.option("--lease-seconds", type=float, default=None, help="Default: ONCEFLOW_LEASE_SECONDS.")
 @click.option("--max-runtime", type=float, default=None, help="Seconds a body may run at most.")
 @click.option("--no-sweep", is_flag=True, help="Leave rescuing lapsed leases to someone else.")
@@ -133,6 +141,7 @@ def work(
     worker_classes: tuple[str, ...],
     concurrency: int,
     prefetch: int,
+    max_held: int | None,
     lease_seconds: float | None,
     max_runtime: float | None,
     no_sweep: bool,
@@ -167,7 +176,8 @@ def work(
         raise click.UsageError(f"cannot load {handler_spec!r}: {exc}") from None
     worker = Worker(
         None, list(worker_classes), handler, concurrency=concurrency, prefetch=prefetch,
-        lease_seconds=lease_seconds, max_runtime=max_runtime, sweep=not no_sweep,
+        max_held=max_held, lease_seconds=lease_seconds, max_runtime=max_runtime,
+        sweep=not no_sweep,
     )  # fmt: skip
     if metrics_port is not None:
         from onceflow.metrics import multiproc_dir_problem, serve

@@ -318,6 +318,8 @@ def test_bad_arguments_are_refused(fast_queue: Queue) -> None:
         {"concurrency": 600, "prefetch": 600},  # more than one claim may take
         {"max_runtime": -5.0}, {"max_runtime": float("nan")},
         {"max_wait": 7200},  # longer than one wait_for_work may take
+        {"concurrency": 8, "prefetch": 2, "max_held": 9},  # fewer than the threads take
+        {"max_held": 10_001}, {"max_held": 8.0}, {"max_held": True},  # past one batch
     ):  # fmt: skip
         with pytest.raises(InvalidRequest):
             Worker(fast_queue, "w", body, **kwargs)
@@ -453,3 +455,85 @@ def test_heartbeats_never_race_the_completions_of_the_same_rows(
     assert w.stats.succeeded == 1500
     assert [r.getMessage() for r in caplog.records if "lease lost" in r.getMessage()] == []
     assert rejected_heartbeats() == before
+
+
+@contextlib.contextmanager
+def slow_completions(engine: Engine, seconds: float) -> Iterator[Callable[[], None]]:
+    """Every statement that marks rows succeeded takes ``seconds`` longer, in the database
+    (an AFTER trigger that sleeps while it holds the rows): the completion path of a
+    database under a held snapshot or a loaded machine. Claims and heartbeats stay fast.
+    Yields a callable that ends the slowness (the database recovers) by updating the
+    trigger's own setting row: dropping the trigger would lock the whole table meanwhile."""
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE onceflow_test_slowness (seconds float8 NOT NULL)"))
+        conn.execute(text("INSERT INTO onceflow_test_slowness VALUES (:s)"), {"s": seconds})
+        conn.execute(
+            text("""
+            CREATE FUNCTION onceflow_test_slow_completions() RETURNS trigger
+            LANGUAGE plpgsql AS $$
+            BEGIN
+                IF EXISTS (SELECT 1 FROM done WHERE status = 'succeeded') THEN
+                    PERFORM pg_sleep(seconds) FROM onceflow_test_slowness;
+                END IF;
+                RETURN NULL;
+            END $$""")
+        )
+        conn.execute(
+            text("""
+            CREATE TRIGGER onceflow_test_slow_completions
+            AFTER UPDATE ON workspace_process_requests REFERENCING NEW TABLE AS done
+            FOR EACH STATEMENT EXECUTE FUNCTION onceflow_test_slow_completions()""")
+        )
+
+    def recover() -> None:
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE onceflow_test_slowness SET seconds = 0"))
+
+    try:
+        yield recover
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(
+                "DROP TRIGGER onceflow_test_slow_completions ON workspace_process_requests"
+            ))  # fmt: skip
+            conn.execute(text("DROP FUNCTION onceflow_test_slow_completions()"))
+            conn.execute(text("DROP TABLE onceflow_test_slowness"))
+
+
+def test_slow_completions_never_run_a_finished_body_twice(
+    fast_queue: Queue, clean_db: Engine
+) -> None:
+    # Many instant bodies, and a completion path slower than the whole 2 s lease: the worker
+    # must stop claiming while its finished bodies wait to be recorded, and keep every other
+    # held lease alive meanwhile, so nothing finished is handed out again. Once the database
+    # recovers, the backlog drains.
+    n = 2000
+    ids = enqueue(fast_queue, n)
+    seen: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def body(ctx: StageContext) -> None:
+        with lock:
+            seen[ctx.request.request_id] += 1
+
+    most_running = 0
+    with (
+        slow_completions(clean_db, 3.0) as recover,
+        Worker(fast_queue, "w", body, concurrency=64, lease_seconds=2.0) as worker,
+    ):
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:  # the pressure: watched, not slept through
+            most_running = max(most_running, statuses(clean_db)["running"])
+            time.sleep(0.1)
+        recover()
+        wait_for(lambda: statuses(clean_db) == {"succeeded": n}, "the drain", timeout=120)
+    twice = sorted(rid for rid, count in seen.items() if count > 1)
+    assert len(twice) == 0, f"{len(twice)} bodies ran more than once, e.g. {twice[:3]}"
+    assert set(seen) == set(ids)
+    assert most_running <= worker.max_held, most_running
+    with clean_db.connect() as conn:
+        crashes = conn.execute(
+            text("SELECT coalesce(sum(crash_attempts), 0) FROM workspace_process_requests")
+        ).scalar()
+    assert crashes == 0
+    assert worker.stats.succeeded == n and worker.stats.lease_lost == 0
