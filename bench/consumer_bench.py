@@ -4,7 +4,9 @@
     .venv/bin/python bench/consumer_bench.py --quick    # smoke run: small N, 1 round, short phases
     .venv/bin/python bench/consumer_bench.py --json     # the raw numbers
     options: --n 20000 --rounds 3 --concurrency 8 --rate 150 --seconds 20 --stall 2
-             --only onceflow,procrastinate --phases saturation,fixed,kill,restart,backend,graceful
+             --only onceflow,procrastinate --window 10
+             --phases saturation,fixed,kill,restart,backend,graceful,no_pressure,
+                      idle_in_tx,active_readers,high_load,event_burst
              --fallback (onceflow consumer on the pre-issue-18 API) --no-docs
 
 Postgres: a PRIVATE server this script starts itself (onceflow's embedded PostgreSQL 16,
@@ -50,7 +52,14 @@ Phases, each system in turn (order rotated per round):
 * backend: two consumers, fixed rate, ``pg_terminate_backend`` of every consumer backend of
   the system's database three times, 1.5 s apart, from 40 %;
 * graceful: 3 x C jobs of 1 s each pre-loaded, one consumer, SIGTERM once C have started;
-  afterwards the rows each system leaves in its running state.
+  afterwards the rows each system leaves in its running state;
+* pressure cells (``bench/pressure.py``): no_pressure (the control), idle_in_tx,
+  active_readers, high_load, event_burst.
+  Two consumers drain a standing backlog (offered load above capacity: loaded first, for
+  the three windows at 2.5 times one consumer's measured drain rate) through three
+  windows of WINDOW s (quick: 4 s) — clean, under the pressure, after — then the rest;
+  jobs/s per window, the ratios to the clean window, lost, duplicates and rows left
+  running.
 
 For the chaos phases: lost = acknowledged enqueues never executed to the end (after waiting
 30 s past the producer's end, longer while jobs still finish, up to 180 s); duplicates =
@@ -64,6 +73,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import platform
@@ -73,6 +83,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -88,6 +99,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import psycopg
 from sqlalchemy import make_url
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pressure  # the bench folder's own module
+
 ROOT = Path(__file__).resolve().parent.parent
 SIDE = ROOT / "bench" / "consumer_side.py"
 PEERS_VENV = "/tmp/onceflow-bench-peers"  # noqa: S108 - a virtualenv of our own
@@ -100,6 +114,8 @@ RUNNING_SQL = {
     "procrastinate": "SELECT count(*) FROM procrastinate_jobs WHERE status = 'doing'",
     "pgqueuer": "SELECT count(*) FROM pgqueuer WHERE status = 'picked'",
 }
+#: onceflow's count of runs that ended with a lapsed lease (a crash, a pause past the lease).
+RECLAIMED_SQL = "SELECT coalesce(sum(crash_attempts), 0) FROM workspace_process_requests"
 QUEUED_SQL = {
     "onceflow": "SELECT count(*) FROM workspace_process_requests WHERE status = 'queued'",
     "procrastinate": "SELECT count(*) FROM procrastinate_jobs WHERE status = 'todo'",
@@ -354,6 +370,7 @@ class Bench:
         self.logdir.mkdir()
         self.seq = 0
         self.live_producer: subprocess.Popen[bytes] | None = None
+        self.rates: dict[str, float] = {}
 
     def make_templates(self) -> None:
         for system, side in self.sides.items():
@@ -566,6 +583,102 @@ class Bench:
             return times, notes
         raise ValueError(fault)
 
+    def drain_rate(self, system: str) -> float:
+        """Jobs/s one consumer of ``system`` drains from a preloaded queue (measured once)."""
+        if system not in self.rates:
+            self.rates[system] = self.saturation(system, 3000)["jobs_per_s"]
+            log(f"{system} drains {self.rates[system]:,.0f} jobs/s with one consumer")
+        return self.rates[system]
+
+    def pressure(self, system: str, kind: str) -> dict[str, Any]:
+        """A pressure cell (``bench/pressure.py``): a standing backlog drained by two
+        consumers through a clean window, a window under ``kind``, and one after."""
+        a = self.args
+        w = a.window
+        # Loaded before the consumers start, for the three windows at 2.5 times what one
+        # consumer of this system drains (so two never wait for work, and what is left to
+        # drain after the windows stays small for a slower system); a feeder tops it up
+        # should they outrun even that. Loading meanwhile would be a pressure of its own.
+        rate = self.drain_rate(system)
+        backlog = int(3 * w * 2.5 * rate)
+        chunk = max(1000, int(w * rate))
+        keys: set[str] = set()
+        seq = itertools.count()
+        keys_lock = threading.Lock()
+        with self.fresh(system, f"pr_{kind}") as (name, dsn, done):
+
+            def feed(n: int) -> None:
+                prefix = f"p{next(seq)}_"
+                self.preload(system, dsn, prefix, n)
+                with keys_lock:
+                    keys.update(f"{prefix}{i}" for i in range(n))
+
+            def ends() -> list[float]:
+                return [r[3] for r in read_done(done)]
+
+            def burst() -> None:
+                clean = len([e for e in ends() if t0 <= e < t0 + w]) / w
+                feed(max(5000, int(2 * clean * w)))
+
+            stop_feed = threading.Event()
+
+            def feeder() -> None:  # keeps the backlog standing: the consumers never idle
+                with self.pg.connect(name) as conn:
+                    while not stop_feed.is_set():
+                        queued = conn.execute(QUEUED_SQL[system]).fetchone()[0]  # type: ignore[index]
+                        if queued < chunk:
+                            feed(chunk)
+                        else:
+                            stop_feed.wait(0.2)
+
+            feed(backlog)
+            cons = self.consumers(system, dsn, done)
+            cons.start(2)
+            feeding = threading.Thread(target=feeder, daemon=True)
+            feeding.start()
+            try:
+                if not wait_until(lambda: len(ends()) >= 200, 60, 0.1):
+                    raise RuntimeError(f"{system}: consumers did not start ({cons.exits})")
+                t0 = time.time()
+                wait_until(lambda: time.time() >= t0 + w, w + 1, 0.05)
+                with pressure.applied(kind, system, lambda: self.pg.connect(name), burst) as notes:
+                    wait_until(lambda: time.time() >= t0 + 2 * w, w + 1, 0.05)
+                wait_until(lambda: time.time() >= t0 + 3 * w, w + 1, 0.05)
+                stop_feed.set()
+                feeding.join()
+                t_fed = time.time()
+                ok = self.wait_done(cons, done, set(keys), 60.0, cap=600.0)
+                t_drained = time.time()
+                with self.pg.connect(name) as conn:
+
+                    def running() -> int:
+                        return int(conn.execute(RUNNING_SQL[system]).fetchone()[0])  # type: ignore[index]
+
+                    wait_until(lambda: running() == 0, a.stall + 3, 0.2)
+                    left_running = running()
+                    reclaimed = (
+                        int(conn.execute(RECLAIMED_SQL).fetchone()[0])  # type: ignore[index]
+                        if system == "onceflow"
+                        else None
+                    )
+            finally:
+                stop_feed.set()
+                cons.stop_all()
+            rows = read_done(done)
+        execs = Counter(r[0] for r in rows)
+        first_ends = sorted({r[0]: r[3] for r in sorted(rows, key=lambda r: -r[3])}.values())
+        clean, during, after = pressure.window_rates(first_ends, t0, w)
+        return {
+            "enqueued": len(keys), "lost": len(keys - set(execs)), "complete": ok,
+            "duplicates": sum(c - 1 for c in execs.values()), "left_running": left_running,
+            "reclaimed": reclaimed,
+            "clean_per_s": clean, "during_per_s": during, "after_per_s": after,
+            "during_ratio": during / clean if clean else None,
+            "after_ratio": after / clean if clean else None,
+            "drained_s": t_drained - t_fed, "restarts": cons.restarts, "exits": cons.exits,
+            "notes": notes,
+        }  # fmt: skip
+
     def graceful(self, system: str) -> dict[str, Any]:
         c = self.args.concurrency
         with self.fresh(system, "grace") as (name, dsn, done):
@@ -685,6 +798,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 log(f"  {json.dumps({k: v for k, v in out[system].items() if k != 'exits'})}")
                 del i
             res["phases"][phase] = out
+        for kind in pressure.KINDS:
+            if kind not in phases:
+                continue
+            out = {}
+            for system in rotate(only, len(res["phases"])):
+                log(f"pressure {kind}: {system} (load {loadavg()})")
+                out[system] = bench.pressure(system, kind)
+                log(f"  {json.dumps({k: v for k, v in out[system].items() if k != 'exits'})}")
+            res["phases"][kind] = out
         if "graceful" in phases:
             out = {}
             for system in only:
@@ -782,6 +904,19 @@ def render(res: dict[str, Any]) -> str:
             "consumer restarts / left running",
             [f"{p[s]['restarts']} / {p[s]['left_running']}" for s in systems],
         )
+    for kind in pressure.KINDS:
+        if kind not in ph:
+            continue
+        p = ph[kind]
+        row(kind, "lost / duplicates / left running",
+            [f"{p[s]['lost']} / {p[s]['duplicates']} / {p[s]['left_running']}"
+             for s in systems])  # fmt: skip
+        row(kind, "jobs/s clean / during / after",
+            [f"{p[s]['clean_per_s']:,.0f} / {p[s]['during_per_s']:,.0f} / "
+             f"{p[s]['after_per_s']:,.0f}" for s in systems])  # fmt: skip
+        row(kind, "during / clean, after / clean",
+            [f"{fmt(p[s]['during_ratio'], '.0%')}, {fmt(p[s]['after_ratio'], '.0%')}"
+             for s in systems])  # fmt: skip
     if "graceful" in ph:
         g = ph["graceful"]
         row("graceful shutdown", "rows left running", [str(g[s]["left_running"]) for s in systems])
@@ -820,8 +955,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float)
     p.add_argument("--stall", type=float, default=2.0)
     p.add_argument("--chaos-job-ms", type=float, default=50.0)
+    p.add_argument("--window", type=float, help="seconds of each pressure-cell window")
     p.add_argument("--only", default=",".join(SYSTEMS))
-    p.add_argument("--phases", default="saturation,fixed,kill,restart,backend,graceful")
+    p.add_argument(
+        "--phases",
+        default="saturation,fixed,kill,restart,backend,graceful," + ",".join(pressure.KINDS),
+    )
     p.add_argument("--fallback", action="store_true")
     p.add_argument("--no-install", action="store_true")
     p.add_argument("--no-docs", action="store_true")
@@ -837,6 +976,7 @@ def main(argv: list[str] | None = None) -> int:
     args.n = args.n or (1000 if args.quick else 20_000)
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.seconds = args.seconds or (6.0 if args.quick else 20.0)
+    args.window = args.window or (4.0 if args.quick else 10.0)
     res = run(args)
     if args.json:
         print(json.dumps(res, indent=2, default=str))
