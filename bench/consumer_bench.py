@@ -838,12 +838,43 @@ def ratio_median(rounds: list[dict[str, Any]], a: str, b: str) -> float | None:
     return statistics.median(ratios) if ratios else None
 
 
+DEFAULT_PHASES = ("saturation", "fixed", "kill", "restart", "backend", "graceful", *pressure.KINDS)
+
+
+def settings_line(a: dict[str, Any], ph: dict[str, Any]) -> str:
+    """The run's settings, naming only those of the phases it ran."""
+    parts = [
+        f"concurrency {a['concurrency']} per consumer, stall/lease detection {a['stall']:g} s "
+        "for all three"
+    ]
+    if "fixed" in ph or any(k in ph for k in ("kill", "restart", "backend")):
+        parts.append(f"fixed rate {a['rate']:g} jobs/s for {a['seconds']:g} s")
+    if "saturation" in ph:
+        parts.append(
+            f"saturation N = {a['n']:,} x {a['rounds']} round(s), {a['procs']} consumer process(es)"
+        )
+    if any(k in ph for k in ("kill", "restart", "backend")):
+        parts.append(f"chaos phases: 2 consumer processes, jobs of {a['chaos_job_ms']:g} ms")
+    if any(k in ph for k in pressure.KINDS):
+        parts.append(
+            "pressure cells: 2 consumer processes draining a standing backlog, one round, "
+            f"windows of {a.get('window') or 0:g} s (clean / during / after)"
+        )
+    return "; ".join(parts) + "."
+
+
 def render(res: dict[str, Any]) -> str:
     m, a, systems = res["machine"], res["args"], res["systems"]
     ph = res["phases"]
     cmd = "bench/consumer_bench.py" + (" --quick" if a["quick"] else "")
     if a["fallback"]:
         cmd += " --fallback"
+    if a["concurrency"] != 8:
+        cmd += f" --concurrency {a['concurrency']}"
+    if a.get("window") and not a["quick"] and a["window"] != 10.0:
+        cmd += f" --window {a['window']:g}"
+    if a["phases"] != ",".join(DEFAULT_PHASES):
+        cmd += f" --phases {a['phases']}"
     lines = [
         f"Command: `.venv/bin/python {cmd}` · {m['date']} · {m['cpus']} CPUs ({m['cpu']}), "
         f"Linux {m['kernel']}, Python {m['python']}, private PostgreSQL {m['postgres']} "
@@ -851,10 +882,7 @@ def render(res: dict[str, Any]) -> str:
         f"{', '.join(f'{k} {v}' for k, v in res['versions'].items())} · load "
         f"{m['load_start']} at the start, {m.get('load_end', 'n/a')} at the end.",
         "",
-        f"Settings: concurrency {a['concurrency']} per consumer, stall/lease detection "
-        f"{a['stall']:g} s for all three, fixed rate {a['rate']:g} jobs/s for {a['seconds']:g} s, "
-        f"saturation N = {a['n']:,} x {a['rounds']} round(s), {a['procs']} consumer process(es); "
-        f"chaos phases: 2 consumer processes, jobs of {a['chaos_job_ms']:g} ms.",
+        "Settings: " + settings_line(a, ph),
         "",
     ]
     head = "| Phase | figure | " + " | ".join(systems) + " |"
