@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/chaos.py [SCENARIO ...] [--quick] [--requests N] [--json PATH]
 
-Starts PRIVATE servers it may break — the embedded PostgreSQL 16 and Valkey 8
+Starts PRIVATE servers it may break — the embedded PostgreSQL 18 and Valkey 8
 (``onceflow.embedded``) on free loopback ports — and the fault proxy
 (``bench/faultproxy.py``) in front of PostgreSQL. Per scenario: a fresh migrated database with
 audit triggers, an empty Valkey, real ``onceflow worker`` processes for two worker classes

@@ -1,6 +1,6 @@
 """The private servers of a chaos run, and the handles that break them.
 
-* :class:`Cluster` starts the embedded PostgreSQL 16 and Valkey 8 (``onceflow.embedded``) on free
+* :class:`Cluster` starts the embedded PostgreSQL 18 and Valkey 8 (``onceflow.embedded``) on free
   loopback ports, and the fault proxy (``bench/faultproxy.py``) in front of PostgreSQL. Workers
   and clients use the proxy; the harness's own checks connect directly.
 * ``restart_postgres`` is a crash restart (SIGQUIT: PostgreSQL's immediate shutdown, then the

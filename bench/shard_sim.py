@@ -5,7 +5,7 @@ workspaces, on 1, 2 or 4 Postgres shards and a 3-node local Redis Cluster.
 
 Each round starts its own shards (databases on the Postgres server named by
 ``ONCEFLOW_SIM_POSTGRES_URL``, default this machine's; with ``restart``, shard 0 is a
-private embedded PostgreSQL 16 instead, stopped mid-run and started again), real
+private embedded PostgreSQL 18 instead, stopped mid-run and started again), real
 ``onceflow worker`` processes (Celery prefork, classes ``llm`` and ``fallback``) and
 ``onceflow beat`` with ``ONCEFLOW_DATABASE_URLS`` naming the shards, the compute locks,
 broadcasts and counters on the Redis Cluster, the broker on a private Redis, and the
@@ -155,7 +155,7 @@ def shard_databases(server: str, n: int) -> Iterator[list[str]]:
 
 
 class PrivatePostgres(EmbeddedPostgres):
-    """The consumer benchmark's private PostgreSQL 16, also stopped cleanly (fast shutdown:
+    """The consumer benchmark's private PostgreSQL 18, also stopped cleanly (fast shutdown:
     every session ends) and started again on the same port (:meth:`start`)."""
 
     def stop(self) -> None:

