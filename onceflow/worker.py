@@ -77,6 +77,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from onceflow.context import StageContext, to_json_result
+from onceflow.db import redact_url
 from onceflow.errors import (
     Cancelled,
     InvalidRequest,
@@ -246,6 +247,7 @@ class Worker:
         """Work until :meth:`stop` (or SIGTERM/SIGINT in the main thread); then shut down."""
         with self._signals():
             self._start_threads()
+            self._log_start()
             try:
                 self._fetch_loop()
             finally:
@@ -285,6 +287,18 @@ class Worker:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+    def _log_start(self) -> None:
+        shards = self.queue.shards()
+        where = redact_url(shards[0].engine.url)
+        if len(shards) > 1:
+            where += f" and {len(shards) - 1} more shard(s)"
+        log.info(
+            "worker %s: classes %s, concurrency %d (+%d prefetch, at most %d held), lease %gs, "
+            "database %s",
+            self.worker_id, ", ".join(self.worker_classes), self.concurrency, self.prefetch,
+            self.max_held, self.lease_seconds, where,
+        )  # fmt: skip
 
     @property
     def held(self) -> int:
@@ -623,6 +637,7 @@ class Worker:
                     self.stats.succeeded += 1
                 else:
                     self.stats.failed += 1
+            _log_outcome(d, outcome)
         self._forget(items)
         return []
 
@@ -784,6 +799,20 @@ class Worker:
                     self._drop(ctx)
                 self.stats.released += released
         return released
+
+
+def _log_outcome(d: _Done, outcome: object) -> None:
+    """One INFO line per recorded request, as Celery's worker logs each task."""
+    request = d.ctx.claim.request
+    if isinstance(outcome, LeaseLost):
+        return
+    if d.failure is None:
+        ended = "succeeded"
+    else:
+        status = getattr(getattr(outcome, "status", None), "value", "failed")
+        ended = {"queued": "failed, retried later"}.get(status, status)
+    log.info("request %s (stage %s, class %s): %s",
+             request.request_id, request.stage, request.worker_class, ended)  # fmt: skip
 
 
 def _positive_seconds(value: object) -> bool:

@@ -537,3 +537,24 @@ def test_slow_completions_never_run_a_finished_body_twice(
         ).scalar()
     assert crashes == 0
     assert worker.stats.succeeded == n and worker.stats.lease_lost == 0
+
+
+def test_the_worker_logs_its_start_and_each_recorded_request(
+    fast_queue: Queue, clean_db: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    [good] = enqueue(fast_queue, 1)
+    [bad] = fast_queue.enqueue_many([NewRequest("ws", "bad", "s", worker_class="w")])
+
+    def body(ctx: StageContext) -> None:
+        if ctx.request.request_id == bad.request_id:
+            raise PermanentError("no")
+
+    caplog.set_level(logging.INFO, logger="onceflow.worker")
+    with Worker(fast_queue, "w", body, concurrency=2, worker_id="logged"):
+        wait_for(lambda: statuses(clean_db) == {"succeeded": 1, "dead": 1}, "both outcomes")
+    lines = [r.getMessage() for r in caplog.records if r.name == "onceflow.worker"]
+    [start] = [line for line in lines if line.startswith("worker logged:")]
+    assert "classes w, concurrency 2 (+0 prefetch, at most 4 held)" in start
+    assert f"database {clean_db.url.render_as_string(hide_password=True)}" in start
+    assert f"request {good} (stage s, class w): succeeded" in lines
+    assert f"request {bad.request_id} (stage s, class w): dead" in lines
