@@ -228,6 +228,13 @@ class Settings(BaseSettings):
         "sharing the directory) every worker looks dead. `onceflow metrics` prunes unless "
         "--keep-dead-pids.",
     )
+    probe_timeout_seconds: float = Field(
+        default=2.0,
+        gt=0,
+        le=30,
+        description="Deadline of each readiness check (/readyz: database, migrations, "
+        "Redis); a server that does not answer within it fails its check.",
+    )
     api_max_body_bytes: int = Field(
         default=1024 * 1024,
         ge=1024,

@@ -1,18 +1,29 @@
-"""Exposition: the registry to serve (every process + the database) and its HTTP server."""
+"""Exposition: the registry to serve (every process + the database) and its HTTP server.
+
+The server answers ``/metrics`` (any other path too, as prometheus_client always has) and
+the probes ``/healthz`` and ``/readyz`` (:mod:`onceflow.health`: the same answers as
+``onceflow api``'s).
+"""
 
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 import re
-from collections.abc import Iterable, Sequence
+import socket
+import threading
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.registry import Collector
 
+from onceflow.health import Readiness, liveness, settings_readiness
 from onceflow.metrics.collector import DatabaseCollector
 
 log = logging.getLogger("onceflow.metrics")
@@ -25,6 +36,7 @@ __all__ = [
     "prune_dead_pids",
     "registry",
     "serve",
+    "with_probes",
 ]
 
 
@@ -146,12 +158,62 @@ def registry(
     return reg
 
 
-def serve(port: int, bind: str = "127.0.0.1", *, reg: CollectorRegistry | None = None) -> Any:
-    """Serve ``reg`` (default: :func:`registry`) over HTTP, unauthenticated, in a thread.
+#: A WSGI application: ``app(environ, start_response) -> body parts``.
+WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+
+def with_probes(metrics: WsgiApp, readiness: Callable[[], Readiness]) -> WsgiApp:
+    """``metrics`` with ``GET /healthz`` (200 while the server runs) and ``GET /readyz``
+    (``readiness()``: 200, or 503 naming the failing checks) in front of it."""
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path not in ("/healthz", "/readyz"):
+            return metrics(environ, start_response)
+        if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):
+            start_response("405 Method Not Allowed", [("Allow", "GET, HEAD")])
+            return [b""]
+        if path == "/healthz":
+            status, body = "200 OK", liveness()
+        else:
+            ready = readiness()
+            status = "200 OK" if ready.ready else "503 Service Unavailable"
+            body = ready.body()
+        data = json.dumps(body).encode()
+        headers = [("Content-Type", "application/json"), ("Cache-Control", "no-store")]
+        start_response(status, [*headers, ("Content-Length", str(len(data)))])
+        return [data]
+
+    return app
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No line on stderr per request (a probe every few seconds would fill the log)."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def serve(
+    port: int,
+    bind: str = "127.0.0.1",
+    *,
+    reg: CollectorRegistry | None = None,
+    readiness: Callable[[], Readiness] | None = None,
+) -> Any:
+    """Serve ``reg`` (default: :func:`registry`) over HTTP, unauthenticated, in a thread,
+    with the probes ``/healthz`` and ``/readyz`` (``readiness`` defaults to the checks of
+    the settings: :func:`onceflow.health.settings_readiness`).
 
     Returns the server. A process forked afterwards closes its copy of the listening socket.
     """
-    server, _thread = start_http_server(port, bind, registry=reg or registry())
+
+    class Server(ThreadingWSGIServer):
+        address_family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+
+    app = with_probes(make_wsgi_app(reg or registry()), readiness or settings_readiness)
+    server = make_server(bind, port, app, Server, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="onceflow-metrics", daemon=True).start()
     os.register_at_fork(after_in_child=server.socket.close)
     log.info("metrics: serving on http://%s:%d/metrics", bind, port)
     return server

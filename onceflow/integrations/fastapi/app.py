@@ -32,6 +32,7 @@ from onceflow.integrations.fastapi.guard import _route_class, guarded_call
 from onceflow.integrations.fastapi.http_errors import add_error_handlers
 from onceflow.integrations.fastapi.limits import BODY_ENVELOPE_DEPTH, BodyLimitMiddleware
 from onceflow.integrations.fastapi.metrics_routes import install_metrics
+from onceflow.integrations.fastapi.probes import probes_router
 from onceflow.integrations.fastapi.pull_routes import add_pull_routes
 from onceflow.integrations.fastapi.responses import (
     AsciiJSONResponse,
@@ -149,7 +150,8 @@ def create_app(
         version="1",
         lifespan=services.lifespan,
         description="Enqueue stages, claim them from pull workers, write ops once, follow "
-        "commits. Every route takes `Authorization: Bearer <key>`.",
+        "commits. Every route but the probes (`/healthz`, `/readyz`) takes "
+        "`Authorization: Bearer <key>`.",
     )
     app.add_middleware(
         BodyLimitMiddleware,
@@ -158,6 +160,7 @@ def create_app(
         max_json_depth=services.settings.max_payload_depth + BODY_ENVELOPE_DEPTH,
     )
     app.include_router(create_router(services=services))
+    app.include_router(probes_router(services))  # /healthz, /readyz: no key, no rate limit
     install_metrics(app, services)
     from onceflow.integrations.fastapi.dashboard import create_dashboard_router
 
