@@ -1,12 +1,23 @@
-"""Settings from the environment (prefix ``ONCEFLOW_``); nothing connects at import."""
+"""Settings from the environment (prefix ``ONCEFLOW_``); nothing connects at import.
+
+A framework's own configuration may add values beneath the environment
+(:func:`use_defaults`; Django's ``ONCEFLOW = {...}``): a variable that is set wins over
+them, so one image configured in code still takes its deployment's environment.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import lru_cache
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 
 class Settings(BaseSettings):
@@ -284,6 +295,25 @@ class Settings(BaseSettings):
         "redis:// or redis+cluster:// URL (shared by every API process).",
     )
 
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Arguments, then the environment, then :func:`use_defaults`' values, then the
+        fields' defaults."""
+        return (
+            init_settings,
+            env_settings,
+            dotenv_settings,
+            file_secret_settings,
+            _DefaultsSource(settings_cls),
+        )
+
     @property
     def celery_broker_url(self) -> str:
         """The broker Celery connects to (unchecked: a Flow uses
@@ -291,7 +321,39 @@ class Settings(BaseSettings):
         return self.broker_url or self.redis_url
 
 
+#: The values of :func:`use_defaults`, beneath the environment.
+_defaults: dict[str, Any] = {}
+
+
+class _DefaultsSource(PydanticBaseSettingsSource):
+    """The values given to :func:`use_defaults` (validated with the others)."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return _defaults.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_defaults)
+
+
+def use_defaults(values: Mapping[str, Any]) -> None:
+    """Use ``values`` (field names, e.g. ``{"lease_seconds": 30}``) where the environment
+    sets nothing, in every :class:`Settings` made from now on (:func:`get_settings`
+    included). They replace the previous call's; an unknown name raises ``ValueError``
+    and a value the field refuses raises pydantic's ``ValidationError`` (a ``ValueError``);
+    either way nothing changes. ``use_defaults({})`` drops them.
+    """
+    names = {str(name).lower() for name in values}
+    unknown = sorted(names - set(Settings.model_fields))
+    if unknown:
+        raise ValueError(f"unknown onceflow setting(s): {', '.join(unknown)}")
+    given = {str(name).lower(): value for name, value in values.items()}
+    Settings.model_validate(given)  # a bad value raises here (pydantic's ValidationError)
+    _defaults.clear()
+    _defaults.update(given)
+    get_settings.cache_clear()
+
+
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
-    """The process's settings, read from the environment once."""
+    """The process's settings, read from the environment (and :func:`use_defaults`) once."""
     return Settings()

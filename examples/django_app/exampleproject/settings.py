@@ -13,7 +13,7 @@ DEBUG = os.environ.get("DJANGO_DEBUG", "") == "1"
 ALLOWED_HOSTS = os.environ.get("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost").split(",")
 
 INSTALLED_APPS = [
-    "onceflow.integrations.django",  # optional: `manage.py onceflow_migrate` + a system check
+    "onceflow.integrations.django",  # optional: onceflow's tables in `migrate`, ONCEFLOW, a check
     "orders",
 ]
 MIDDLEWARE = ["django.middleware.common.CommonMiddleware"]

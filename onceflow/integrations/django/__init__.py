@@ -18,11 +18,12 @@ outage) is sent later by the sweeper, because the row is the source of truth —
 the pattern of Procrastinate's ``contrib/django``.
 
 Django's ``DATABASES`` entry must name the Postgres database onceflow uses
-(``ONCEFLOW_DATABASE_URL``, migrated with ``onceflow migrate`` or
-``manage.py onceflow_migrate``): :func:`database_settings` builds that entry
-from the URL, and the app config ``"onceflow.integrations.django"`` (optional in
-``INSTALLED_APPS``) adds the management command and a system check that warns
-when the two differ.
+(``ONCEFLOW_DATABASE_URL``, migrated with ``onceflow migrate``, ``manage.py
+onceflow_migrate`` or, with the app installed, ``manage.py migrate``):
+:func:`database_settings` builds that entry from the URL, and the app config
+``"onceflow.integrations.django"`` (optional in ``INSTALLED_APPS``) adds onceflow's
+tables to ``manage.py migrate``, onceflow's settings from ``settings.ONCEFLOW``, the
+management command and a system check that warns when the two databases differ.
 """
 
 from __future__ import annotations

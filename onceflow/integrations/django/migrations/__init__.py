@@ -1,0 +1,1 @@
+"""Django migrations of the onceflow app: one, which applies onceflow's own (Alembic)."""
