@@ -306,13 +306,8 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         """Arguments, then the environment, then :func:`use_defaults`' values, then the
         fields' defaults."""
-        return (
-            init_settings,
-            env_settings,
-            dotenv_settings,
-            file_secret_settings,
-            _DefaultsSource(settings_cls),
-        )
+        above = (init_settings, env_settings, dotenv_settings, file_secret_settings)
+        return (*above, _DefaultsSource(settings_cls, above))
 
     @property
     def celery_broker_url(self) -> str:
@@ -326,13 +321,28 @@ _defaults: dict[str, Any] = {}
 
 
 class _DefaultsSource(PydanticBaseSettingsSource):
-    """The values given to :func:`use_defaults` (validated with the others)."""
+    """The values given to :func:`use_defaults`, for the fields no source ``above`` sets.
+
+    pydantic-settings merges dict values across sources; a setting the environment (or an
+    argument) gives wins whole: its ``api_keys`` replace those of the defaults.
+    """
+
+    def __init__(
+        self, settings_cls: type[BaseSettings], above: tuple[PydanticBaseSettingsSource, ...]
+    ) -> None:
+        super().__init__(settings_cls)
+        self._above = above
 
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
         return _defaults.get(field_name), field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        return dict(_defaults)
+        if not _defaults:
+            return {}
+        given: set[str] = set()
+        for source in self._above:
+            given.update(source())
+        return {name: value for name, value in _defaults.items() if name not in given}
 
 
 def use_defaults(values: Mapping[str, Any]) -> None:
