@@ -250,11 +250,26 @@ def _redis_check(outcome: tuple[bool, Any], timeout: float) -> Check:
     return Check("redis", True)
 
 
-def settings_readiness(settings: Settings | None = None) -> Readiness:
-    """:func:`readiness` on the databases (every shard) and Redis of ``settings``."""
+def readiness_probe(settings: Settings | None = None) -> Callable[[], Readiness]:
+    """:func:`readiness` on the databases (every shard) and the Redis of ``settings``.
+
+    The shard map is read at the first probe and kept. A configuration that cannot be
+    read (a malformed URL, a missing map file) fails the ``database`` check, never the
+    process that serves the probe.
+    """
     settings = settings or get_settings()
-    return readiness(
-        list(configured_map(settings).urls),
-        settings.redis_url,
-        timeout=settings.probe_timeout_seconds,
-    )
+    resolved: list[list[str]] = []
+
+    def probe() -> Readiness:
+        if not resolved:
+            try:
+                resolved.append(list(configured_map(settings).urls))
+            except Exception as exc:  # an OnceflowError naming the setting: no URL shown
+                database = Check("database", False, f"not configured ({type(exc).__name__})")
+                rest = readiness([], settings.redis_url, timeout=settings.probe_timeout_seconds)
+                redis_check = [c for c in rest.checks if c.name == "redis"]
+                migrations = Check("migrations", False, _NOT_CHECKED)
+                return Readiness((database, migrations, *redis_check))
+        return readiness(resolved[0], settings.redis_url, timeout=settings.probe_timeout_seconds)
+
+    return probe

@@ -23,7 +23,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.registry import Collector
 
-from onceflow.health import Readiness, liveness, settings_readiness
+from onceflow.health import Readiness, liveness, readiness_probe
 from onceflow.metrics.collector import DatabaseCollector
 
 log = logging.getLogger("onceflow.metrics")
@@ -182,7 +182,7 @@ def with_probes(metrics: WsgiApp, readiness: Callable[[], Readiness]) -> WsgiApp
         data = json.dumps(body).encode()
         headers = [("Content-Type", "application/json"), ("Cache-Control", "no-store")]
         start_response(status, [*headers, ("Content-Length", str(len(data)))])
-        return [data]
+        return [b""] if environ.get("REQUEST_METHOD") == "HEAD" else [data]
 
     return app
 
@@ -203,7 +203,7 @@ def serve(
 ) -> Any:
     """Serve ``reg`` (default: :func:`registry`) over HTTP, unauthenticated, in a thread,
     with the probes ``/healthz`` and ``/readyz`` (``readiness`` defaults to the checks of
-    the settings: :func:`onceflow.health.settings_readiness`).
+    the settings: :func:`onceflow.health.readiness_probe`).
 
     Returns the server. A process forked afterwards closes its copy of the listening socket.
     """
@@ -211,7 +211,7 @@ def serve(
     class Server(ThreadingWSGIServer):
         address_family = socket.AF_INET6 if ":" in bind else socket.AF_INET
 
-    app = with_probes(make_wsgi_app(reg or registry()), readiness or settings_readiness)
+    app = with_probes(make_wsgi_app(reg or registry()), readiness or readiness_probe())
     server = make_server(bind, port, app, Server, handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name="onceflow-metrics", daemon=True).start()
     os.register_at_fork(after_in_child=server.socket.close)

@@ -16,6 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
+from onceflow.health import readiness_probe
+from onceflow.settings import Settings
 from tests.acceptance.procs import ROOT, Proc, api_server, free_port
 
 pytestmark = pytest.mark.slow
@@ -141,6 +143,7 @@ def test_exporter_probes_when_everything_answers(
         ready = _probe(base, "/readyz")
         metrics = _probe(base, "/metrics")
         posted = httpx.post(f"{base}/readyz", timeout=15)
+        head = httpx.head(f"{base}/readyz", timeout=15)
     finally:
         proc.stop()
     assert alive.status_code == 200 and alive.json() == {"status": "alive"}
@@ -148,6 +151,7 @@ def test_exporter_probes_when_everything_answers(
     assert _checks(ready)["status"] == "ready"
     assert metrics.status_code == 200 and "onceflow_database_up 1.0" in metrics.text
     assert posted.status_code == 405
+    assert head.status_code == 200 and head.content == b""
 
 
 def test_exporter_readyz_answers_503_with_the_database_down(
@@ -174,3 +178,16 @@ def test_exporter_readyz_answers_503_with_the_database_down(
     assert checks["database"]["detail"].startswith("unreachable"), checks
     assert checks["migrations"]["ok"] is False and checks["redis"]["ok"] is True, checks
     assert PASSWORD not in ready.text and PASSWORD not in proc.log()
+
+
+# ------------------------------------------------------------------------ in-process
+
+
+def test_a_database_url_that_cannot_be_read_fails_the_database_check(redis_url: str) -> None:
+    settings = Settings(database_url=f"mysql://probe:{PASSWORD}@db/x", redis_url=redis_url)
+    ready = readiness_probe(settings)()
+    assert not ready.ready and ready.failing == ["database", "migrations"]
+    body = ready.body()
+    assert body["checks"]["database"]["detail"] == "not configured (InvalidDatabaseUrl)"
+    assert body["checks"]["redis"] == {"ok": True, "detail": "ok"}
+    assert PASSWORD not in str(body)

@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse
 
-from onceflow.health import liveness, settings_readiness
+from onceflow.health import liveness, readiness_probe
 
 if TYPE_CHECKING:
     from onceflow.integrations.fastapi.services import OnceflowServices
@@ -47,7 +47,7 @@ class ReadinessOut(BaseModel):
 def probes_router(services: OnceflowServices) -> APIRouter:
     """``GET /healthz`` and ``GET /readyz`` on the databases and Redis of ``services``."""
     router = APIRouter(tags=["probes"])
-    settings = services.settings
+    probe = readiness_probe(services.settings)
 
     @router.get(
         "/healthz",
@@ -67,7 +67,7 @@ def probes_router(services: OnceflowServices) -> APIRouter:
     )
     async def readyz() -> JSONResponse:
         # The checks block (each in its own thread, within the probe timeout): off the loop.
-        readiness = await run_in_threadpool(settings_readiness, settings)
+        readiness = await run_in_threadpool(probe)
         return JSONResponse(readiness.body(), status_code=200 if readiness.ready else 503)
 
     return router
