@@ -175,12 +175,10 @@ class _Deadlines:
             return False, None
         return True, outcome[0]
 
-    def _call(
-        self, key: str, fn: Callable[[], Any], slot: tuple[threading.Event, list[Any]]
-    ) -> None:
+    def _call(self, key: str, fn: Callable[[], Any], slot: _Slot) -> None:
         try:
             result: Any = fn()
-        except BaseException as exc:  # reported as the check's failure
+        except Exception as exc:  # reported as the check's failure
             result = exc
         with self._lock:
             slot[1].append(result)
@@ -229,7 +227,7 @@ def _database_checks(outcomes: list[tuple[bool, Any]], timeout: float) -> tuple[
         where = f"shard {index}: " if many else ""
         if not finished:
             unreachable.append(f"{where}timed out after {timeout:g}s")
-        elif isinstance(result, BaseException):
+        elif isinstance(result, Exception):
             unreachable.append(f"{where}unreachable ({type(result).__name__})")
         else:
             problem = migrations_problem(result)
@@ -245,7 +243,7 @@ def _redis_check(outcome: tuple[bool, Any], timeout: float) -> Check:
     finished, result = outcome
     if not finished:
         return Check("redis", False, f"timed out after {timeout:g}s")
-    if isinstance(result, BaseException):  # REDIS_OR_OS_ERRORS, or a malformed URL
+    if isinstance(result, Exception):  # REDIS_OR_OS_ERRORS, or a malformed URL
         return Check("redis", False, f"unreachable ({type(result).__name__})")
     return Check("redis", True)
 
