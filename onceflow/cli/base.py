@@ -96,6 +96,28 @@ def _check_database_url() -> None:
     check_database_url(get_settings().database_url)
 
 
+def _require_migrated() -> None:
+    """Refuse to start a long-running process on a database (any shard) that answers but is
+    not at the package's head: it would log a missing table every few seconds forever.
+
+    A database that does not answer is left to the process, which waits for it as it
+    waits through any outage (a container started before its database, say).
+    """
+    from onceflow.db import redact_url
+    from onceflow.health import database_revisions, migrations_problem
+    from onceflow.settings import get_settings
+    from onceflow.shards import configured_map
+
+    for url in configured_map(get_settings()).urls:
+        try:
+            found = database_revisions(url, timeout=5.0)
+        except Exception:  # noqa: S112 - unreachable now: the process waits for it
+            continue
+        problem = migrations_problem(found)
+        if problem is not None:
+            raise click.ClickException(f"database {redact_url(url)} is {problem}")
+
+
 _APP_OPTION = click.option(
     "--app",
     "app_spec",

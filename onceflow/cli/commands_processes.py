@@ -17,6 +17,7 @@ from onceflow.cli.base import (
     _errors_to_exit,
     _load,
     _log_onceflow,
+    _require_migrated,
     main,
 )
 
@@ -65,6 +66,7 @@ def worker(
 
     _check_database_url()
     app, flow = _load(app_spec)
+    _require_migrated()
     # The pool's processes fork from this one (sys.path and all); a process that starts
     # afresh finds the app's directory through PYTHONPATH.
     path = os.environ.get("PYTHONPATH", "")
@@ -175,6 +177,7 @@ def work(
         handler = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise click.UsageError(f"cannot load {handler_spec!r}: {exc}") from None
+    _require_migrated()
     worker = Worker(
         None, list(worker_classes), handler, concurrency=concurrency, prefetch=prefetch,
         max_held=max_held, lease_seconds=lease_seconds, max_runtime=max_runtime,
@@ -242,6 +245,7 @@ def metrics(port: int, bind: str, keep_dead_pids: bool, no_database: bool) -> No
 def beat(loglevel: str, app_spec: str | None) -> None:
     """Run Celery beat, which sends the sweeper task every ONCEFLOW_SWEEP_INTERVAL_SECONDS."""
     app, _ = _load(app_spec)
+    _require_migrated()
     # The in-memory scheduler: an interval schedule needs no state file (and shelve is pickle).
     app.start(argv=["beat", "--loglevel", loglevel, "--scheduler", "celery.beat:Scheduler"])
 
