@@ -332,11 +332,12 @@ class _Watchdog(threading.Thread):
 
     def __init__(self, handle: LockHandle) -> None:
         super().__init__(name=f"onceflow-lock-watchdog-{handle.task[:20]}", daemon=True)
-        self._handle = handle
+        # Not `_handle`: threading.Thread keeps its own `_handle` since Python 3.13.
+        self._lock_handle = handle
         self._stop_event = threading.Event()
 
     def run(self) -> None:
-        handle = self._handle
+        handle = self._lock_handle
         interval = handle.ttl_ms / 3000.0
         while not self._stop_event.wait(interval):
             try:
