@@ -27,6 +27,7 @@ from onceflow.errors import (
     PayloadTooLarge,
     RetryLater,
     StoreError,
+    WaitTimeout,
 )
 from onceflow.ids import request_id_for
 from onceflow.locks import acompute_once, compute_once
@@ -70,6 +71,7 @@ __all__ = [
     "Settings",
     "Status",
     "StoreError",
+    "WaitTimeout",
     "WorkspaceClient",
     "acompute_once",
     "compute_once",

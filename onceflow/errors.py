@@ -16,6 +16,7 @@ stage code. Control-flow signals (retry later) are kept apart from errors.
     │   ├── ReplayTooOld          a replay older than the op log's retention
     │   └── PartitionLayoutMismatch  migrate asked for a partitioning the tables do not have
     ├── NotFound                  no such request
+    ├── WaitTimeout               a request did not end within the wait's timeout
     ├── InvalidTransition         e.g. requeue of a running request
     ├── LeaseLost                 the claim token no longer holds a live lease
     ├── Cancelled                 cancel was requested for the running request
@@ -108,6 +109,20 @@ class NotFound(OnceflowError, LookupError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.request_id,))
+
+
+class WaitTimeout(OnceflowError, TimeoutError):
+    """The request did not reach a terminal status (succeeded, dead, cancelled) within the
+    wait's timeout. ``request`` is the request as last read (None if it was not read)."""
+
+    def __init__(self, request_id: str, timeout: float, request: Any = None) -> None:
+        self.request_id = request_id
+        self.timeout = timeout
+        self.request = request
+        super().__init__(f"request {request_id} did not finish within {timeout:g} s")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.request_id, self.timeout, self.request))
 
 
 class InvalidTransition(OnceflowError):

@@ -10,7 +10,8 @@ operation is written once as steps (:mod:`onceflow.connector`) and served by
 :class:`Queue` is built here from one mixin per thing it owns: enqueue
 (``queue/enqueue.py``), claims and fenced writes (``queue/claims.py``), operator actions
 (``queue/operators.py``), reads (``queue/reads.py``), the sweeper (``queue/sweep.py``),
-batches (``queue/batch.py``) and waiting for work (``queue/notify.py``).
+batches (``queue/batch.py``), waiting for work (``queue/notify.py``) and waiting for a
+request to end (``queue/done.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from onceflow.db import get_engine, make_engine
 from onceflow.payloads import canonical_json
 from onceflow.queue.batch import BatchOps
 from onceflow.queue.claims import ClaimOps
+from onceflow.queue.done import AsyncDoneWaiter, DoneWaiter
 from onceflow.queue.enqueue import BATCH_MAX, EnqueueOps, Resolver
 from onceflow.queue.notify import AsyncWaiter, Waiter
 from onceflow.queue.operators import OperatorOps
@@ -47,7 +49,17 @@ from onceflow.shards import ShardMap, configured_map
 log = logging.getLogger("onceflow.queue")
 
 
-class Queue(SyncSide, EnqueueOps, ClaimOps, OperatorOps, ReadOps, Sweeper, BatchOps, Waiter):
+class Queue(
+    SyncSide,
+    EnqueueOps,
+    ClaimOps,
+    OperatorOps,
+    ReadOps,
+    Sweeper,
+    BatchOps,
+    Waiter,
+    DoneWaiter,
+):
     """The durable stage queue. Thread-safe; build one per process and share it.
 
     ``resolver`` (set by the :class:`~onceflow.tasks.Flow` that owns the queue)
@@ -129,6 +141,7 @@ class Queue(SyncSide, EnqueueOps, ClaimOps, OperatorOps, ReadOps, Sweeper, Batch
     # get, live_claim, list, counts: queue/reads.py.
     # rescue_expired, due_for_dispatch, prune, sweep_once, begin_sweep: see queue/sweep.py.
     # complete_many, fail_many, heartbeat_many, release, depth: see queue/batch.py.
+    # wait: see queue/done.py.
 
 
 class AsyncQueue(
@@ -140,6 +153,7 @@ class AsyncQueue(
     Sweeper,
     BatchOps,
     AsyncWaiter,
+    AsyncDoneWaiter,
 ):
     """The durable stage queue for asyncio: the same operations as :class:`Queue`, awaited.
 
