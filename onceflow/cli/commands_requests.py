@@ -1,15 +1,17 @@
-"""Commands on requests: ``migrate``, ``enqueue``, ``show``, ``status``, ``list``,
+"""Commands on requests: ``migrate``, ``enqueue``, ``show``, ``wait``, ``status``, ``list``,
 ``cancel``, ``requeue``.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 
 import click
 
 from onceflow.cli.base import (
     _APP_OPTION,
+    EXIT_ERROR,
     _echo_json,
     _enqueue_flow,
     _errors_to_exit,
@@ -151,6 +153,48 @@ def show(request_id: str, workspace_id: str | None, as_json: bool) -> None:
     for key, value in request.items():
         shown = json.dumps(value) if isinstance(value, dict | list) else value
         click.echo(f"{key:<{width}}  {shown}")
+
+
+#: ``onceflow wait``'s exit status when its timeout passes first (as timeout(1)'s).
+EXIT_WAIT_TIMEOUT = 124
+
+
+@main.command()
+@click.argument("request_id")
+@_WORKSPACE_OF_ID
+@click.option(
+    "--timeout",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="Seconds to wait at most (up to 3600).",
+)
+@_errors_to_exit
+def wait(request_id: str, workspace_id: str | None, timeout: float) -> None:
+    """Wait for a request to end; print it as one JSON object.
+
+    Woken by the database when the request ends, not by polling. Exit status: 0 if it
+    succeeded, 1 if it is dead or cancelled, 124 if the timeout passed first (the request
+    is printed as it is then), 3 if there is no such request.
+    """
+    from onceflow.errors import InvalidRequest, WaitTimeout
+    from onceflow.models.status import Status
+    from onceflow.queue.done import check_wait_timeout
+
+    try:
+        check_wait_timeout(timeout)
+    except InvalidRequest as exc:
+        raise click.BadParameter(str(exc), param_hint="--timeout") from None
+    try:
+        request = _queue().wait(request_id, timeout=timeout, workspace_id=workspace_id)
+    except WaitTimeout as exc:
+        if exc.request is not None:
+            _echo_json(exc.request.as_json())
+        click.echo(f"onceflow: {exc}", err=True)
+        sys.exit(EXIT_WAIT_TIMEOUT)
+    _echo_json(request.as_json())
+    if request.status is not Status.SUCCEEDED:
+        sys.exit(EXIT_ERROR)
 
 
 @main.command()

@@ -66,7 +66,7 @@ from onceflow.errors import (
 from onceflow.ids import check_id, check_worker_class, random_request_id
 from onceflow.keys import queue_name
 from onceflow.metrics import record as metrics
-from onceflow.models.requests import Dispatch, EnqueueResult, NewRequest, SweepResult
+from onceflow.models.requests import Dispatch, EnqueueResult, NewRequest, Request, SweepResult
 from onceflow.payloads import check_json
 from onceflow.queue import Queue
 from onceflow.settings import Settings, get_settings
@@ -416,6 +416,16 @@ class Flow:
                 Dispatch(result.request_id, stage, result.worker_class, result.workspace_id)
             )
         return result
+
+    def wait(self, request_id: str, *, timeout: float, workspace_id: str | None = None) -> Request:
+        """The request once it has ended (succeeded, dead or cancelled): :meth:`Queue.wait
+        <onceflow.queue.done.DoneWaiter.wait>` on this Flow's queue — what Celery's
+        ``AsyncResult.get()`` is to a task, woken by the database rather than by polling.
+
+        Raises :class:`~onceflow.errors.WaitTimeout` when ``timeout`` seconds pass first,
+        :class:`~onceflow.errors.NotFound` for no such request.
+        """
+        return self.queue.wait(request_id, timeout=timeout, workspace_id=workspace_id)
 
     def new_request(
         self,

@@ -413,3 +413,61 @@ def test_an_id_on_two_shards_is_ambiguous_and_claims_are_handed_back_on_a_bad_sh
                 " FROM workspace_process_requests", {},
             )  # fmt: skip
         assert (counts["a"] or 0, counts["c"] or 0) == (0, 0)
+
+
+def _listening_on(url: str) -> int:
+    """How many backends of ``url``'s database last ran LISTEN onceflow_done (waiters)."""
+    with psycopg.connect(libpq(url), autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND query = 'LISTEN onceflow_done' AND pid <> pg_backend_pid()"
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+@pytest.mark.parametrize("api", ["sync", "async"])
+def test_a_wait_listens_on_its_workspaces_shard(shards: list[str], api: str) -> None:
+    import asyncio
+    import threading
+    import time
+
+    from onceflow import AsyncQueue, Request
+
+    shard_map = ShardMap.from_urls(shards)
+    queue = Queue(shard_map=shard_map)
+    last = spread_workspaces(shard_map, per_shard=1)[-1]  # on the last shard
+    rid = queue.enqueue("s", last, "j").request_id
+    claim = queue.claim(rid, "w1", workspace_id=last)
+    assert claim is not None
+    answer: list[Request] = []
+
+    def wait(workspace_id: str | None) -> None:
+        if api == "sync":
+            answer.append(queue.wait(rid, timeout=60, workspace_id=workspace_id))
+            return
+
+        async def go() -> Request:
+            aq = AsyncQueue(shard_map=shard_map)
+            try:
+                return await aq.wait(rid, timeout=60, workspace_id=workspace_id)
+            finally:
+                await aq.aclose()
+
+        answer.append(asyncio.run(go()))
+
+    # Found by its id alone (looked up on the shards), then waited for on its own shard.
+    waiter = threading.Thread(target=wait, args=(None,), daemon=True)
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while _listening_on(shards[-1]) == 0:
+        assert waiter.is_alive() and time.monotonic() < deadline, "the waiter never listened"
+        time.sleep(0.02)
+    assert all(_listening_on(url) == 0 for url in shards[:-1])
+    queue.complete(claim, {"ok": 1})
+    waiter.join(70)
+    assert not waiter.is_alive()
+    assert [(r.request_id, r.status, r.result) for r in answer] == [
+        (rid, Status.SUCCEEDED, {"ok": 1})
+    ]
+    # By its key: it has ended, so the answer is at once.
+    assert queue.wait(rid, timeout=60, workspace_id=last).status is Status.SUCCEEDED

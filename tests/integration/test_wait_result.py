@@ -242,3 +242,33 @@ def test_a_lost_listen_connection_falls_back_to_reading_the_row(
     q.complete(claim, "late")
     done = waiter.result()
     assert (done.status, done.result) == (Status.SUCCEEDED, "late")
+
+
+def test_flow_wait_delegates_to_its_queue(clean_db: Engine) -> None:
+    from pydantic import BaseModel
+
+    from onceflow.context import StageContext
+    from onceflow.tasks import Flow
+
+    class In(BaseModel):
+        value: int = 0
+
+    flow = Flow(settings=get_settings())
+
+    @flow.stage("double", input=In)
+    def double(ctx: StageContext, data: In) -> dict[str, int]:
+        return {"value": 2 * data.value}
+
+    # Enqueued without a wake-up: this test plays the worker.
+    [made] = flow.queue.enqueue_many([flow.new_request("double", "w", "j", "", {"value": 2})])
+    claim = flow.queue.claim(made.request_id, "worker")
+    assert claim is not None
+    waiter = started(
+        flow.queue, clean_db, lambda _q, rid, **kw: flow.wait(rid, **kw), made.request_id
+    )
+    assert waiter.thread.is_alive()
+    flow.queue.complete(claim, {"value": 4})
+    assert waiter.result().result == {"value": 4}
+    assert flow.wait(made.request_id, timeout=LONG, workspace_id="w").status == Status.SUCCEEDED
+    with pytest.raises(WaitTimeout):
+        flow.wait(flow.queue.enqueue("double", "w", "j2").request_id, timeout=0.1)
