@@ -325,6 +325,59 @@ def test_long_poll_claim_returns_a_request_enqueued_during_the_wait(
     assert bad.status_code == 422
 
 
+def test_a_read_with_wait_answers_as_soon_as_the_request_ends(
+    client: httpx.Client, engine: Engine
+) -> None:
+    """``GET …/requests/{id}?wait=S``: a long poll woken by the database (LISTEN), not polling;
+    a wait used up answers the request as it is, 200."""
+    from onceflow import ClaimRef, Queue
+    from tests.integration.test_wait_result import done_listeners
+
+    rid = enqueue(
+        client, "w1", API_KEY, stage="noop", job_id="lw", input={"value": 1}, worker_class=PULL
+    ).json()["request_id"]
+    claimed = client.post(
+        f"/v1/worker-classes/{PULL}/claims", json={"worker_id": "lw"}, headers=auth(WORKER_KEY)
+    )
+    assert claimed.status_code == 201 and claimed.json()["request_id"] == rid
+    token = claimed.json()["claim_token"]
+    _TOKENS_SEEN.append(token)
+    # Used up: the request as it is now, 200.
+    now = client.get(f"/v1/workspaces/w1/requests/{rid}?wait=0.3", headers=auth(API_KEY))
+    assert now.status_code == 200 and now.json()["status"] == "running", now.text
+    answers: list[httpx.Response] = []
+    poll = threading.Thread(
+        target=lambda: answers.append(
+            client.get(
+                f"/v1/workspaces/w1/requests/{rid}",
+                params={"wait": 30},
+                headers=auth(API_KEY),
+                timeout=60,
+            )
+        )
+    )
+    poll.start()
+    wait_for(lambda: bool(done_listeners(engine)), what="the server's read to LISTEN")
+    assert poll.is_alive()
+    Queue(engine).complete(ClaimRef(rid, token), {"value": 1})
+    poll.join(60)
+    assert not poll.is_alive()
+    (answer,) = answers
+    assert answer.status_code == 200, answer.text
+    assert (answer.json()["status"], answer.json()["result"]) == ("succeeded", {"value": 1})
+    # An ended request is answered at once; bounds and a missing request as without wait.
+    again = client.get(f"/v1/workspaces/w1/requests/{rid}?wait=60", headers=auth(API_KEY))
+    assert again.status_code == 200 and again.json()["status"] == "succeeded"
+    for bad in ("61", "-1", "nan", "soon"):
+        refused = client.get(f"/v1/workspaces/w1/requests/{rid}?wait={bad}", headers=auth(API_KEY))
+        assert refused.status_code == 422, (bad, refused.text)
+    missing = client.get(f"/v1/workspaces/w1/requests/{'0' * 64}?wait=5", headers=auth(API_KEY))
+    assert missing.status_code == 404
+    # Another workspace's request: 404 at once, as a read without wait.
+    other = client.get(f"/v1/workspaces/w-sse/requests/{rid}?wait=5", headers=auth(API_KEY))
+    assert other.status_code == 404
+
+
 # ----------------------------------------------------------------- security
 
 
@@ -537,7 +590,7 @@ def test_no_5xx_for_any_input_over_the_openapi_schema(
         "claim_token": st.just(token) | st.text(max_size=40),
         "workspace_id": st.sampled_from(["w1", "w2"]) | nasty_text,  # the claim's, another's
         "input": st.fixed_dictionaries({"value": st.integers(-5, 5)}) | any_json,
-        "wait": st.sampled_from([0, 0.01]),  # a claim's long poll: short, not up to 60 s
+        "wait": st.sampled_from([0, 0.01]),  # a long poll (claim, read): short, not up to 60 s
     }
     schemas = SchemaStrategies(openapi_doc, hints)
     ops = operations(openapi_doc)
@@ -570,7 +623,9 @@ def test_no_5xx_for_any_input_over_the_openapi_schema(
                 raw = data.draw(path_values.get(name, nasty_text), label=name)
                 path = path.replace("{" + name + "}", path_value(raw))
             elif where == "query" and data.draw(st.booleans()):
-                value = data.draw(schemas.value(param["schema"]) | nasty_text, label=name)
+                # A read's long poll (?wait=): short, not up to 60 s.
+                drawn = hints["wait"] if name == "wait" else schemas.value(param["schema"])
+                value = data.draw(drawn | nasty_text, label=name)
                 values = value if isinstance(value, list) else [value]
                 for v in values:
                     encoded = json.dumps(v) if not isinstance(v, str) else v

@@ -7,11 +7,13 @@ is sent from a worker thread.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
 
-from onceflow.errors import NotFound
+from onceflow.errors import NotFound, WaitTimeout
 from onceflow.ids import check_id
 from onceflow.integrations.fastapi import schemas as s
 from onceflow.integrations.fastapi.auth import PrincipalDep
@@ -76,10 +78,31 @@ def _request_routes(router: APIRouter, svc: OnceflowServices) -> None:
         response_model=s.RequestOut,
         responses=_responses(404, 503),
     )
-    async def get_request(ws: s.WorkspacePath, request_id: s.RequestIdPath) -> s.RequestOut:
-        """A request of this workspace (404 also when the id belongs to another workspace)."""
+    async def get_request(
+        ws: s.WorkspacePath,
+        request_id: s.RequestIdPath,
+        request: Request,
+        wait: Annotated[
+            float,
+            Query(
+                ge=0,
+                le=60,
+                description="Long poll: while the request has not ended (succeeded, dead, "
+                "cancelled), wait up to this many seconds for it to end, woken by the "
+                "database; then answer it as it is (200 either way). 0: answer at once.",
+            ),
+        ] = 0,
+    ) -> s.RequestOut:
+        """A request of this workspace (404 also when the id belongs to another workspace).
+
+        With ``wait`` > 0, a long poll that holds no thread: the answer comes as soon as the
+        request ends, or as it is when ``wait`` seconds have passed.
+        """
         check_id("workspace_id", ws)
-        found = await svc.async_queue.get(request_id, workspace_id=ws)
+        if wait > 0:
+            found = await _wait_or_leave(svc, request_id, ws, wait, request)
+        else:
+            found = await svc.async_queue.get(request_id, workspace_id=ws)
         if found.workspace_id != ws:
             raise NotFound(request_id)
         return _request_out(found)
@@ -144,6 +167,35 @@ def _request_routes(router: APIRouter, svc: OnceflowServices) -> None:
         check_id("workspace_id", ws)
         keepalive = svc.settings.api_sse_keepalive_seconds
         return await event_stream(svc.event_hub(), ws, principal.key_id, keepalive)
+
+
+async def _wait_or_leave(
+    svc: OnceflowServices, request_id: str, ws: str, wait: float, request: Request
+) -> StageRequest:
+    """The request once it has ended, or as it is after ``wait`` s; a client that leaves
+    meanwhile stops the wait (its LISTEN connection closed) and is answered as it is now."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    waiter = asyncio.ensure_future(svc.async_queue.wait(request_id, timeout=wait, workspace_id=ws))
+    try:
+        await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not waiter.done():  # the client left: nobody reads the answer
+            waiter.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await waiter
+            return await svc.async_queue.get(request_id, workspace_id=ws)
+        try:
+            return waiter.result()
+        except WaitTimeout as exc:
+            if isinstance(exc.request, StageRequest):
+                return exc.request
+            return await svc.async_queue.get(request_id, workspace_id=ws)
+    finally:
+        watcher.cancel()
 
 
 def _request_out(request: StageRequest) -> s.RequestOut:

@@ -23,6 +23,20 @@ export class LeaseLost extends HttpError {}
 export class Cancelled extends OnceflowError {}
 /** Stopped by an AbortSignal. */
 export class Aborted extends OnceflowError {}
+/** `waitFor`'s timeout passed first; `request`: the request as last read. */
+export class WaitTimeout extends OnceflowError {
+  constructor(message: string, options?: ErrorOptions & { request?: StageRequest | null });
+  readonly request: StageRequest | null;
+}
+/** A request as the API reads it (`GET /v1/workspaces/{ws}/requests/{id}`). */
+export interface StageRequest {
+  request_id: string;
+  workspace_id: string;
+  status: "queued" | "running" | "succeeded" | "dead" | "cancelled";
+  result: unknown;
+  error: unknown;
+  [field: string]: unknown;
+}
 
 export const RETRYABLE_STATUS: ReadonlySet<number>;
 export function isRetryable(error: unknown): boolean;

@@ -28,6 +28,14 @@ export class Cancelled extends OnceflowError {}
 /** The stage (or the client) was stopped by its AbortSignal. */
 export class Aborted extends OnceflowError {}
 
+/** `waitFor`'s timeout passed before the request ended; `request`: the request as last read. */
+export class WaitTimeout extends OnceflowError {
+  constructor(message, { request = null, ...rest } = {}) {
+    super(message, rest);
+    this.request = request;
+  }
+}
+
 /** Statuses worth retrying with the same request (the request must be safe to repeat). */
 export const RETRYABLE_STATUS = new Set([408, 425, 429, 500, 502, 503, 504]);
 

@@ -1,4 +1,4 @@
-import type { BackoffOptions, HttpError } from "./transport.js";
+import type { BackoffOptions, HttpError, StageRequest } from "./transport.js";
 import type { Outbox, OutboxEntry } from "./outbox.js";
 export { IndexedDbOutbox, MemoryOutbox, OutboxError } from "./outbox.js";
 export type { Outbox, OutboxEntry, NewOutboxEntry } from "./outbox.js";
@@ -96,6 +96,12 @@ export class WorkspaceClient extends EventTarget {
   applyOp(subDoc: string, op: Op, options?: { baseClock?: number | null }): Promise<OpAnswer>;
   pending(): Promise<OutboxEntry[]>;
   read(subDoc: string): Promise<{ state: Record<string, unknown>; clock: number }>;
+  /**
+   * The request once it has ended (succeeded, dead or cancelled): long polls of its read
+   * (`?wait=`, answered as soon as it ends) until then or `timeout` seconds (default 60, at most
+   * 3600). Rejects with WaitTimeout, HttpError (404: no such request), Aborted, TypeError.
+   */
+  waitFor(requestId: string, options?: { timeout?: number; signal?: AbortSignal }): Promise<StageRequest>;
   clockOf(subDoc: string): number | undefined;
   setApiKey(apiKey: string): void;
   retryNow(): void;

@@ -4,7 +4,7 @@
 // Live commits come over the workspace's event stream, with catch-up from the op log.
 
 import {
-  Aborted, Api, HttpError, NetworkError, backoffDelay, errorFor, isRetryable,
+  Aborted, Api, HttpError, NetworkError, WaitTimeout, backoffDelay, errorFor, isRetryable,
   newOpId, retryAfterMs, seg, sleep, sseEvents,
 } from "./transport.js";
 import { IndexedDbOutbox, MemoryOutbox, OutboxError } from "./outbox.js";
@@ -13,6 +13,9 @@ export { IndexedDbOutbox, MemoryOutbox, OutboxError };
 
 const PAGE = 500; // catch-up page size
 const REBASES = 3; // times an op known never to have been applied is re-based and sent again
+const LONG_POLL_MAX = 60; // seconds: the most one read's `?wait=` may ask for (the API's bound)
+const WAIT_MAX = 3600; // seconds: the longest timeout waitFor takes
+const ENDED = new Set(["succeeded", "dead", "cancelled"]);
 
 /**
  * One workspace's op client. Events (it is an EventTarget; `on(name, cb)` is a shorthand):
@@ -193,6 +196,41 @@ export class WorkspaceClient extends EventTarget {
     const { body } = await this._api.callRetrying("GET", this._docPath(subDoc), undefined, { signal: this._stop.signal });
     this._seen(subDoc, body.clock);
     return { state: body.state, clock: body.clock };
+  }
+
+  /**
+   * The request `requestId` of this workspace once it has ended (`succeeded`, `dead` or
+   * `cancelled`), as the API reads it (`GET /v1/workspaces/{ws}/requests/{id}`). Each read is a
+   * long poll (`?wait=`, up to 60 s) that the server answers as soon as the request ends, woken
+   * by the database; reads repeat until it has ended or `timeout` seconds have passed, then
+   * rejects with WaitTimeout (its `request`: the request as last read). No such request: HttpError
+   * (status 404). A read without an answer is retried with backoff, as `read` is.
+   * @param {string} requestId
+   * @param {{timeout?: number, signal?: AbortSignal}} [options] `timeout` in seconds, in (0, 3600]
+   *   (default 60); `signal` stops the wait (Aborted), as `close()` does
+   * @returns {Promise<object>} the request (`request_id`, `status`, `result`, `error`, …)
+   */
+  async waitFor(requestId, { timeout = 60, signal } = {}) {
+    checkId("requestId", requestId);
+    if (typeof timeout !== "number" || !Number.isFinite(timeout) || timeout <= 0 || timeout > WAIT_MAX) {
+      throw new TypeError(`timeout must be a number of seconds in (0, ${WAIT_MAX}]`);
+    }
+    const stop = signal ? AbortSignal.any([signal, this._stop.signal]) : this._stop.signal;
+    const path = `/v1/workspaces/${seg(this.workspaceId)}/requests/${seg(requestId)}`;
+    const deadline = Date.now() + timeout * 1000;
+    for (;;) {
+      const wait = Math.max(0, Math.min(LONG_POLL_MAX, (deadline - Date.now()) / 1000));
+      const { body } = await this._api.callRetrying("GET", `${path}?wait=${wait.toFixed(3)}`, undefined, {
+        signal: stop,
+        backoff: this._backoff,
+        what: `wait for request ${requestId}`,
+        timeoutMs: wait * 1000 + this._api.timeoutMs, // the server holds the read up to `wait`
+      });
+      if (ENDED.has(body?.status)) return body;
+      if (Date.now() >= deadline) {
+        throw new WaitTimeout(`request ${requestId} did not end within ${timeout} s`, { request: body });
+      }
+    }
   }
 
   /** The highest clock this client has seen for `subDoc` (undefined if none). */
