@@ -2,26 +2,31 @@
 
 A request that reaches a terminal status — succeeded, dead or cancelled — sends
 ``NOTIFY onceflow_done, '<request id>'`` from the statement that ended it (a trigger,
-migration 0010): delivered when that transaction commits, never when it rolls back. A wait:
+migration 0010): delivered when that transaction commits, never when it rolls back. A wait
+checks its arguments before any SQL, then:
 
-1. checks its arguments (before any SQL) and reads the row: :class:`NotFound` if there is
-   none, the row itself if it has ended already;
-2. LISTENs on ``onceflow_done`` on the database that holds the row (its workspace's shard),
-   then reads the row again — an end committed between the first read and the LISTEN is
-   seen by this read, one committed after it by a notify: no lost wake-up;
-3. sleeps until a notify names its request (then reads the row again), at most
-   ``_RECHECK`` seconds, and never past its deadline: :class:`WaitTimeout` then.
+1. LISTENs on ``onceflow_done`` on the database that holds the row (its workspace's shard;
+   a sharded queue given no workspace reads the row first to learn it),
+2. reads the row — :class:`NotFound` if there is none, the row if it has ended — after the
+   LISTEN, so an end committed before the read is seen by it and one committed after it
+   by a notify: no lost wake-up;
+3. sleeps until a notify names its request, then reads the row again; at most ``_RECHECK``
+   seconds at a time, and never past its deadline: :class:`WaitTimeout` then.
 
-The LISTEN connection is the wait's own, closed when it returns. A connection that cannot
-be made or is lost makes the wait read the row every ``_POLL`` seconds instead (trying to
-LISTEN again each time), so it still ends by its deadline. :class:`~onceflow.Queue` waits in
-the calling thread; :class:`~onceflow.AsyncQueue`'s ``wait`` is a coroutine that holds no
-thread (its reads on the async pool, its LISTEN on an async connection).
+Without a LISTEN connection (it cannot be made, or was lost) a wait reads the row every
+``_POLL`` seconds instead, so it still ends by its deadline.
+
+:class:`~onceflow.Queue` waits in the calling thread on a LISTEN connection of its own,
+closed when it returns. :class:`~onceflow.AsyncQueue`'s ``wait`` is a coroutine that holds
+no thread, and its waits share one LISTEN connection per database and event loop
+(:class:`_DoneHub`, reconnecting with backoff), so many waiting HTTP reads cost one
+connection, not one each.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -31,6 +36,7 @@ import psycopg
 
 from onceflow.connector import AsyncConnector, Connector, arun, conninfo, run
 from onceflow.errors import InvalidRequest, WaitTimeout
+from onceflow.loops import PerLoop
 from onceflow.models.requests import Request
 from onceflow.models.status import Status
 from onceflow.queue.reads import ReadOps, request_key
@@ -49,6 +55,8 @@ TERMINAL = frozenset({Status.SUCCEEDED, Status.DEAD, Status.CANCELLED})
 _POLL = 1.0
 #: The longest a wait trusts its LISTEN connection alone before it reads the row again.
 _RECHECK = 30.0
+#: Reconnect backoff of an async wait's lost LISTEN connection.
+_BACKOFF_MIN, _BACKOFF_MAX = 0.05, 2.0
 
 
 def check_wait_timeout(timeout: object) -> float:
@@ -92,11 +100,15 @@ class DoneWaiter:
     def _read(self, request_id: str, workspace_id: str | None) -> Request:
         return run(self.connector, ReadOps.get.steps(self, request_id, workspace_id=workspace_id))
 
-    def _done_conninfo(self, workspace_id: str) -> str:
+    def _done_conninfo(self, workspace_id: str | None) -> str | None:
+        """The database holding ``workspace_id``'s rows; None: unknown (sharded, no workspace)."""
         if self.shard_map is None:
             engine = getattr(self, "engine", None)
             if engine is not None:
                 return conninfo(engine.url.render_as_string(hide_password=False))
+            return conninfo(self.settings.database_url)
+        if workspace_id is None:
+            return None
         return _listen_info(self.settings, self.shard_map, workspace_id)
 
     def _listen(self, info: str) -> psycopg.Connection[Any] | None:
@@ -122,16 +134,21 @@ class DoneWaiter:
         seconds = check_wait_timeout(timeout)
         request_key(request_id, workspace_id)
         deadline = time.monotonic() + seconds
-        request = self._read(request_id, workspace_id)
-        if ended(request):
-            return request
-        info = self._done_conninfo(request.workspace_id)
+        info = self._done_conninfo(workspace_id)
+        if info is None:  # a sharded queue without the workspace: its row says which shard
+            first = self._read(request_id, None)
+            if ended(first):
+                return first
+            workspace_id = first.workspace_id
+            info = self._done_conninfo(workspace_id)
+            assert info is not None  # noqa: S101 - the workspace is known now
         conn = self._listen(info)
         try:
             while True:
-                request = self._read(request_id, request.workspace_id)  # after LISTEN
+                request = self._read(request_id, workspace_id)  # after LISTEN
                 if ended(request):
                     return request
+                workspace_id = request.workspace_id
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise WaitTimeout(request_id, seconds, request)
@@ -159,37 +176,121 @@ class DoneWaiter:
                 return
 
 
+class _DoneHub:
+    """One LISTEN connection on one database, shared by every async wait of an event loop.
+
+    A wait watches its request id (:meth:`watch`: an :class:`asyncio.Event`, set by each notify
+    naming it) before it reads the row. The connection coming up or going down sets every
+    watcher's event (a notify may have been missed): their waits read the row again.
+    """
+
+    def __init__(self, info: str) -> None:
+        self._info = info
+        self.ready = False  # LISTENing now
+        self._up = asyncio.Event()
+        self._watchers: dict[str, set[asyncio.Event]] = {}
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="onceflow-done")
+
+    def watch(self, request_id: str) -> asyncio.Event:
+        event = asyncio.Event()
+        self._watchers.setdefault(request_id, set()).add(event)
+        return event
+
+    def unwatch(self, request_id: str, event: asyncio.Event) -> None:
+        events = self._watchers.get(request_id)
+        if events is not None:
+            events.discard(event)
+            if not events:
+                del self._watchers[request_id]
+
+    async def until_ready(self, seconds: float) -> bool:
+        """Whether it LISTENs, waiting up to ``seconds`` for a connection being made."""
+        if not self.ready and seconds > 0 and not self._task.done():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._up.wait(), seconds)
+        return self.ready
+
+    def _wake_all(self) -> None:
+        for events in self._watchers.values():
+            for event in events:
+                event.set()
+
+    async def _run(self) -> None:
+        backoff = _BACKOFF_MIN
+        while True:
+            try:
+                conn = await psycopg.AsyncConnection.connect(
+                    self._info, autocommit=True, connect_timeout=10
+                )
+                async with conn:
+                    await conn.execute(f"LISTEN {DONE_CHANNEL}")
+                    self.ready = True
+                    self._up.set()
+                    self._wake_all()  # ends committed while it was down: read again
+                    backoff = _BACKOFF_MIN
+                    async for note in conn.notifies():
+                        for event in self._watchers.get(note.payload, ()):
+                            event.set()
+            except (psycopg.Error, OSError) as exc:
+                log.info(
+                    "wait: LISTEN %s lost or refused (%s); waits read their rows", DONE_CHANNEL, exc
+                )
+            finally:
+                if self.ready:
+                    self._wake_all()
+                self.ready = False
+                self._up.clear()
+            await asyncio.sleep(backoff)
+            backoff = min(_BACKOFF_MAX, backoff * 2)
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
 class AsyncDoneWaiter:
-    """``wait`` as a coroutine (a mixin of :class:`~onceflow.AsyncQueue`): holds no thread."""
+    """``wait`` as a coroutine (a mixin of :class:`~onceflow.AsyncQueue`): holds no thread.
+
+    Its waits share one LISTEN connection per database (shard) and event loop, started by
+    the first wait; ``AsyncQueue.aclose`` stops the running loop's.
+    """
 
     settings: Settings
     aconnector: AsyncConnector
     shard_map: ShardMap | None
+    _done_hubs: PerLoop[dict[str, _DoneHub]]
 
     async def _aread(self, request_id: str, workspace_id: str | None) -> Request:
         steps = ReadOps.get.steps(self, request_id, workspace_id=workspace_id)
         return await arun(self.aconnector, steps)
 
-    def _done_conninfo(self, workspace_id: str) -> str:
+    def _done_conninfo(self, workspace_id: str | None) -> str | None:
+        """The database holding ``workspace_id``'s rows; None: unknown (sharded, no workspace)."""
         if self.shard_map is None:
             url = getattr(self.aconnector, "url", None)
-            if url is not None:
-                return conninfo(str(url))
+            return conninfo(str(url) if url is not None else self.settings.database_url)
+        if workspace_id is None:
+            return None
         return _listen_info(self.settings, self.shard_map, workspace_id)
 
-    async def _alisten(self, info: str) -> psycopg.AsyncConnection[Any] | None:
+    def _done_hub(self, info: str) -> _DoneHub:
         try:
-            conn = await psycopg.AsyncConnection.connect(info, autocommit=True, connect_timeout=10)
-        except (psycopg.Error, OSError) as exc:
-            log.info("wait: cannot LISTEN (%s); reading the row every %gs", exc, _POLL)
-            return None
-        try:
-            await conn.execute(f"LISTEN {DONE_CHANNEL}")
-        except (psycopg.Error, OSError) as exc:
-            await conn.close()
-            log.info("wait: cannot LISTEN (%s); reading the row every %gs", exc, _POLL)
-            return None
-        return conn
+            table = self._done_hubs
+        except AttributeError:
+            table = self._done_hubs = PerLoop()
+        hubs = table.setdefault(dict)
+        hub = hubs.get(info)
+        if hub is None:
+            hub = hubs[info] = _DoneHub(info)
+        return hub
+
+    async def _close_done_hubs(self) -> None:
+        """Stop the running event loop's LISTEN connections of waits, if any were started."""
+        table = getattr(self, "_done_hubs", None)
+        hubs = table.pop() if table is not None else None
+        for hub in (hubs or {}).values():
+            await hub.close()
 
     async def wait(
         self, request_id: str, *, timeout: float, workspace_id: str | None = None
@@ -199,39 +300,29 @@ class AsyncDoneWaiter:
         seconds = check_wait_timeout(timeout)
         request_key(request_id, workspace_id)
         deadline = time.monotonic() + seconds
-        request = await self._aread(request_id, workspace_id)
-        if ended(request):
-            return request
-        info = self._done_conninfo(request.workspace_id)
-        conn = await self._alisten(info)
+        info = self._done_conninfo(workspace_id)
+        if info is None:  # a sharded queue without the workspace: its row says which shard
+            first = await self._aread(request_id, None)
+            if ended(first):
+                return first
+            workspace_id = first.workspace_id
+            info = self._done_conninfo(workspace_id)
+            assert info is not None  # noqa: S101 - the workspace is known now
+        hub = self._done_hub(info)
+        woken = hub.watch(request_id)
         try:
+            await hub.until_ready(min(seconds, _POLL))
             while True:
-                request = await self._aread(request_id, request.workspace_id)  # after LISTEN
+                woken.clear()
+                request = await self._aread(request_id, workspace_id)  # after LISTEN
                 if ended(request):
                     return request
+                workspace_id = request.workspace_id
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise WaitTimeout(request_id, seconds, request)
-                if conn is None:
-                    await asyncio.sleep(min(left, _POLL))
-                    conn = await self._alisten(info)
-                    continue
-                try:
-                    await self._auntil_named(conn, request_id, min(left, _RECHECK))
-                except (psycopg.Error, OSError) as exc:
-                    log.info("wait: LISTEN connection lost (%s); reading the row", exc)
-                    await conn.close()
-                    conn = None
+                slice_ = min(left, _RECHECK if hub.ready else _POLL)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(woken.wait(), slice_)
         finally:
-            if conn is not None:
-                await conn.close()
-
-    @staticmethod
-    async def _auntil_named(
-        conn: psycopg.AsyncConnection[Any], request_id: str, seconds: float
-    ) -> None:
-        until = time.monotonic() + seconds
-        while (left := until - time.monotonic()) > 0:
-            payloads = [n.payload async for n in conn.notifies(timeout=left, stop_after=1)]
-            if _names(payloads, request_id):
-                return
+            hub.unwatch(request_id, woken)

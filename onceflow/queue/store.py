@@ -206,8 +206,9 @@ class AsyncQueue(
         return cls(url, queue.settings, resolver=queue.resolver)
 
     async def aclose(self) -> None:
-        """Close this event loop's connection pools (one per shard) and work listener."""
+        """Close this event loop's connection pools (one per shard) and listeners."""
         await self._close_async_listener()  # batches and sweeps: wait_for_work's listener
+        await self._close_done_hubs()  # wait's LISTEN connections
         connector = self.aconnector
         if isinstance(connector, AsyncPsycopgConnector | AsyncShardedConnector):
             await connector.aclose()

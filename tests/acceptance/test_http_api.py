@@ -330,8 +330,27 @@ def test_a_read_with_wait_answers_as_soon_as_the_request_ends(
 ) -> None:
     """``GET …/requests/{id}?wait=S``: a long poll woken by the database (LISTEN), not polling;
     a wait used up answers the request as it is, 200."""
+    import psycopg
+
     from onceflow import ClaimRef, Queue
-    from tests.integration.test_wait_result import done_listeners
+    from onceflow.queue.sql import N
+    from tests.conftest import libpq
+    from tests.integration.test_wait_for_work import db_now
+
+    get_start = N.GET.sql.split("%(")[0]
+
+    def read_since(since: Any) -> bool:
+        """The server read the request after ``since`` and is idle: its wait LISTENs (it
+        LISTENs before it reads) and sleeps."""
+        url = libpq(engine.url.render_as_string(hide_password=False))
+        with psycopg.connect(url, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = current_database()"
+                " AND starts_with(query, %s) AND state = 'idle' AND query_start >= %s"
+                " AND pid <> pg_backend_pid())",
+                (get_start, since),
+            ).fetchone()
+        return bool(row and row[0])
 
     rid = enqueue(
         client, "w1", API_KEY, stage="noop", job_id="lw", input={"value": 1}, worker_class=PULL
@@ -346,6 +365,7 @@ def test_a_read_with_wait_answers_as_soon_as_the_request_ends(
     now = client.get(f"/v1/workspaces/w1/requests/{rid}?wait=0.3", headers=auth(API_KEY))
     assert now.status_code == 200 and now.json()["status"] == "running", now.text
     answers: list[httpx.Response] = []
+    since = db_now(engine)
     poll = threading.Thread(
         target=lambda: answers.append(
             client.get(
@@ -357,7 +377,7 @@ def test_a_read_with_wait_answers_as_soon_as_the_request_ends(
         )
     )
     poll.start()
-    wait_for(lambda: bool(done_listeners(engine)), what="the server's read to LISTEN")
+    wait_for(lambda: read_since(since), what="the server's read to wait")
     assert poll.is_alive()
     Queue(engine).complete(ClaimRef(rid, token), {"value": 1})
     poll.join(60)

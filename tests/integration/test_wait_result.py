@@ -134,7 +134,7 @@ def test_a_waiter_is_woken_by_the_completion(
     q.complete(claim, {"answer": 42})
     done = waiter.result()
     assert (done.request_id, done.status, done.result) == (rid, Status.SUCCEEDED, {"answer": 42})
-    assert done_listeners(clean_db) == []  # its LISTEN connection is closed
+    until(lambda: done_listeners(clean_db) == [], "its LISTEN connection to close")
 
 
 def test_dead_and_cancelled_wake_it_too(
@@ -235,10 +235,11 @@ def test_a_lost_listen_connection_falls_back_to_reading_the_row(
     claim = q.claim(rid, "worker")
     assert claim is not None
     waiter = started(q, clean_db, wait, rid)
+    killed = set(done_listeners(clean_db))
     with _side(clean_db) as admin:
-        for pid in done_listeners(clean_db):
+        for pid in killed:
             admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
-    until(lambda: not done_listeners(clean_db) or not waiter.thread.is_alive(), "the kill")
+    until(lambda: not killed & set(done_listeners(clean_db)), "the kill")
     q.complete(claim, "late")
     done = waiter.result()
     assert (done.status, done.result) == (Status.SUCCEEDED, "late")
@@ -272,3 +273,27 @@ def test_flow_wait_delegates_to_its_queue(clean_db: Engine) -> None:
     assert flow.wait(made.request_id, timeout=LONG, workspace_id="w").status == Status.SUCCEEDED
     with pytest.raises(WaitTimeout):
         flow.wait(flow.queue.enqueue("double", "w", "j2").request_id, timeout=0.1)
+
+
+def test_async_waits_on_one_loop_share_one_listen_connection(q: Queue, clean_db: Engine) -> None:
+    ids = [q.enqueue("s", "w", f"j{i}").request_id for i in range(5)]
+    claims = [q.claim(rid, "worker") for rid in ids]
+
+    async def go() -> tuple[list[Request], int]:
+        aq = AsyncQueue.from_queue(q)
+        try:
+            waits = [asyncio.ensure_future(aq.wait(rid, timeout=LONG)) for rid in ids]
+            await asyncio.to_thread(until, lambda: bool(done_listeners(clean_db)), "LISTEN")
+            await asyncio.to_thread(q.complete_many, [(c, i) for i, c in enumerate(claims)])
+            done = await asyncio.gather(*waits)
+            # Every wait has returned: the loop's one LISTEN connection stays for the next.
+            return done, len(done_listeners(clean_db))
+        finally:
+            await aq.aclose()
+
+    done, listening = asyncio.run(go())
+    assert [(r.request_id, r.status, r.result) for r in done] == [
+        (rid, Status.SUCCEEDED, i) for i, rid in enumerate(ids)
+    ]
+    assert listening == 1
+    until(lambda: done_listeners(clean_db) == [], "aclose to close it")
