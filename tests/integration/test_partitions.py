@@ -339,3 +339,24 @@ def test_rows_land_in_their_workspaces_partition_the_same_in_every_table(
         assert parent == -1
         estimate = conn.execute(metrics_sql.ESTIMATED_ROWS).scalar_one()
         assert estimate == len(workspaces)
+
+
+def test_a_request_ending_in_a_partition_wakes_its_waiter(partitioned: Engine) -> None:
+    """The trigger that sends ``onceflow_done`` sits on the parent, so on every partition."""
+    import psycopg
+
+    from tests.conftest import libpq
+
+    queue = Queue(partitioned, settings=get_settings())
+    made = [queue.enqueue("s", f"ws-{i}", "j") for i in range(N)]  # over the partitions
+    url = libpq(partitioned.url.render_as_string(hide_password=False))
+    with psycopg.connect(url, autocommit=True) as listen:
+        listen.execute("LISTEN onceflow_done")
+        for r in made:
+            claim = queue.claim(r.request_id, "w", workspace_id=r.workspace_id)
+            assert claim is not None
+            queue.complete(claim, None)
+        seen = [n.payload for n in listen.notifies(timeout=10, stop_after=N)]
+    assert sorted(seen) == sorted(r.request_id for r in made)
+    assert len({r.workspace_id for r in made}) == N
+    assert queue.wait(made[0].request_id, timeout=5).status.value == "succeeded"
