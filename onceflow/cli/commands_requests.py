@@ -175,7 +175,8 @@ def wait(request_id: str, workspace_id: str | None, timeout: float) -> None:
 
     Woken by the database when the request ends, not by polling. Exit status: 0 if it
     succeeded, 1 if it is dead or cancelled, 124 if the timeout passed first (the request
-    is printed as it is then), 3 if there is no such request.
+    is printed as it is then), 3 if there is no such request. Any other error exits 1 too,
+    with one line on stderr and nothing on stdout.
     """
     from onceflow.errors import InvalidRequest, WaitTimeout
     from onceflow.models.status import Status

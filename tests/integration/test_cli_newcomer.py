@@ -305,6 +305,7 @@ DB_COMMANDS = [
     ["show", "r1"],
     ["cancel", "r1"],
     ["requeue", "r1"],
+    ["wait", "r1"],
     ["enqueue", "--stage", "greet", "--workspace", "w", "--job", "j", "--input", '{"name": "a"}'],
     ["enqueue", "--stage", "raw", "--workspace", "w", "--job", "j", "--worker-class", "x"],
     ["sweep"],
@@ -380,7 +381,7 @@ def unmigrated_url(services: tuple[str, str]) -> Iterator[str]:
 def test_an_unmigrated_database_says_run_migrate(project: Path, unmigrated_url: str) -> None:
     env = {"ONCEFLOW_DATABASE_URL": unmigrated_url, "ONCEFLOW_APP": "myproject.stages:flow"}
     shown = make_url(unmigrated_url)._replace(password=None).render_as_string(hide_password=False)
-    for command, line in each_line(DB_COMMANDS[1:9], project, env):
+    for command, line in each_line(DB_COMMANDS[1:10], project, env):
         assert line.startswith("onceflow: NotMigrated: "), (command, line)
         assert f"the database at {shown} is not migrated: run `onceflow migrate`" in line
         assert "s3cret-pw" not in line
