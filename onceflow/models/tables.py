@@ -76,6 +76,8 @@ workspace_process_requests = Table(
     # Wake-ups the sweeper re-sent since the row's first one: the exponent of their backoff.
     # No CHECK: see migration 0004 (it would scan the table under an exclusive lock).
     Column("redispatch_count", Integer, nullable=False, server_default=text("0")),
+    # Someone waits for the row's end (Queue.wait): its end sends NOTIFY onceflow_done (0010).
+    Column("waited", Boolean, nullable=False, server_default=text("false")),
     Column("result", JSONB),
     Column("error", JSONB),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),

@@ -1,15 +1,17 @@
 """Waiting for a request to end, woken by the database (mixins of both queue APIs).
 
-A request that reaches a terminal status — succeeded, dead or cancelled — sends
-``NOTIFY onceflow_done, '<request id>'`` from the statement that ended it (a trigger,
-migration 0010): delivered when that transaction commits, never when it rolls back. A wait
-checks its arguments before any SQL, then:
+A request someone waits for sends ``NOTIFY onceflow_done, '<request id>'`` from the
+statement that ends it — succeeded, dead or cancelled (a trigger, migration 0010, on rows
+marked ``waited``): delivered when that transaction commits, never when it rolls back. A
+request nobody waits for sends nothing, so completions pay no notification. A wait checks
+its arguments before any SQL, then:
 
 1. LISTENs on ``onceflow_done`` on the database that holds the row (its workspace's shard;
    a sharded queue given no workspace reads the row first to learn it),
-2. reads the row — :class:`NotFound` if there is none, the row if it has ended — after the
-   LISTEN, so an end committed before the read is seen by it and one committed after it
-   by a notify: no lost wake-up;
+2. marks the row ``waited`` and reads it in one statement — :class:`NotFound` if there is
+   none, the row if it has ended — after the LISTEN, so an end committed before the mark
+   is read by it and one committed after it sees the mark and sends the notify: no lost
+   wake-up;
 3. sleeps until a notify names its request, then reads the row again; at most ``_RECHECK``
    seconds at a time, and never past its deadline: :class:`WaitTimeout` then.
 
@@ -34,12 +36,13 @@ from typing import Any
 
 import psycopg
 
-from onceflow.connector import AsyncConnector, Connector, arun, conninfo, run
+from onceflow.connector import AsyncConnector, Connector, Steps, arun, conninfo, run
 from onceflow.errors import InvalidRequest, WaitTimeout
 from onceflow.loops import PerLoop
 from onceflow.models.requests import Request
 from onceflow.models.status import Status
-from onceflow.queue.reads import ReadOps, request_key
+from onceflow.queue.reads import ReadOps, one, request_key
+from onceflow.queue.sql import N
 from onceflow.settings import Settings
 from onceflow.shards import ShardMap
 
@@ -85,6 +88,15 @@ def _listen_info(settings: Settings, shard_map: ShardMap | None, workspace_id: s
     return conninfo(settings.database_url)
 
 
+def _marked_read(queue: ReadOps, request_id: str, workspace_id: str | None) -> Steps[Request]:
+    """Mark the row waited for (its end then sends the notify) and read it, in one statement;
+    a row ended already, or marked by another wait, is read as it is."""
+    row = yield from one(N.WAIT_MARK, request_key(request_id, workspace_id))
+    if row is not None:
+        return Request.from_row(row)
+    return (yield from ReadOps.get.steps(queue, request_id, workspace_id=workspace_id))
+
+
 def _names(payloads: list[str], request_id: str) -> bool:
     return request_id in payloads
 
@@ -98,7 +110,7 @@ class DoneWaiter:
     shard_map: ShardMap | None
 
     def _read(self, request_id: str, workspace_id: str | None) -> Request:
-        return run(self.connector, ReadOps.get.steps(self, request_id, workspace_id=workspace_id))
+        return run(self.connector, _marked_read(self, request_id, workspace_id))  # type: ignore[arg-type]
 
     def _done_conninfo(self, workspace_id: str | None) -> str | None:
         """The database holding ``workspace_id``'s rows; None: unknown (sharded, no workspace)."""
@@ -262,7 +274,7 @@ class AsyncDoneWaiter:
     _done_hubs: PerLoop[dict[str, _DoneHub]]
 
     async def _aread(self, request_id: str, workspace_id: str | None) -> Request:
-        steps = ReadOps.get.steps(self, request_id, workspace_id=workspace_id)
+        steps = _marked_read(self, request_id, workspace_id)  # type: ignore[arg-type]
         return await arun(self.aconnector, steps)
 
     def _done_conninfo(self, workspace_id: str | None) -> str | None:

@@ -524,6 +524,15 @@ Q_NEXT_WORK = render(NEXT_WORK)
 
 GET: TextClause = text(f"SELECT {RETURNING} FROM {TABLE} w WHERE {_BY_ID}")
 
+# A wait marks the row it waits for (its end then sends NOTIFY onceflow_done, migration
+# 0010) and reads it in the same statement: RETURNING shows the row as locked, so an end
+# committed before the mark is read here and one committed after it sees the mark.
+WAIT_MARK: TextClause = text(f"""
+UPDATE {TABLE} w SET waited = true
+WHERE {_BY_ID} AND NOT w.waited AND w.status NOT IN ('succeeded', 'dead', 'cancelled')
+RETURNING {RETURNING}
+""")
+
 # A live claim: the row runs under this token and its lease has not lapsed (DB clock).
 LIVE_CLAIM: TextClause = text(f"""
 WITH n AS ({_NOW})
@@ -1125,6 +1134,7 @@ class N:
     CANCEL = _named("queue.cancel", Q_CANCEL)
     REQUEUE = _named("queue.requeue", Q_REQUEUE)
     GET = _named("queue.get", Q_GET)
+    WAIT_MARK = _named("queue.wait_mark", render(WAIT_MARK))
     LIVE_CLAIM = _named("queue.live_claim", Q_LIVE_CLAIM)
     COUNTS = _named("queue.counts", Q_COUNTS)
     COUNTS_FOR_WORKSPACE = Query.of("queue.counts_for_workspace", COUNTS_FOR_WORKSPACE)

@@ -49,7 +49,7 @@ VALUES
 
 # Every row as JSON, without the columns 0006 adds.
 ROWS_AS_0005 = """
-SELECT to_jsonb(w) - 'lease_seconds' - 'run_deadline' - 'ended_run' AS row
+SELECT to_jsonb(w) - 'lease_seconds' - 'run_deadline' - 'ended_run' - 'waited' AS row
 FROM workspace_process_requests w ORDER BY request_id
 """
 

@@ -351,6 +351,7 @@ def test_a_request_ending_in_a_partition_wakes_its_waiter(partitioned: Engine) -
     made = [queue.enqueue("s", f"ws-{i}", "j") for i in range(N)]  # over the partitions
     url = libpq(partitioned.url.render_as_string(hide_password=False))
     with psycopg.connect(url, autocommit=True) as listen:
+        listen.execute("UPDATE workspace_process_requests SET waited = true")  # as waits do
         listen.execute("LISTEN onceflow_done")
         for r in made:
             claim = queue.claim(r.request_id, "w", workspace_id=r.workspace_id)

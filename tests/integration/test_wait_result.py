@@ -17,7 +17,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 
 from onceflow import (
     AsyncQueue,
@@ -168,13 +168,20 @@ def test_a_retry_does_not_end_the_wait_the_last_failure_does(q: Queue, clean_db:
 
 
 def test_batched_ends_and_the_sweeper_send_the_wake_up(q: Queue, clean_db: Engine) -> None:
-    """Every statement that ends a request notifies, once per request, at its commit."""
+    """Every statement that ends a request waited for notifies, once per request, at its
+    commit; one nobody waits for sends nothing."""
     # Each row has one attempt: a lapsed lease is its last.
-    ids = [q.enqueue("s", "w", f"j{i}", max_attempts=1).request_id for i in range(5)]
+    ids = [q.enqueue("s", "w", f"j{i}", max_attempts=1).request_id for i in range(6)]
     claims = [q.claim(rid, "worker", lease_seconds=30) for rid in ids]
     assert all(c is not None for c in claims)
+    with clean_db.begin() as conn:  # as a wait marks its row (the sixth: nobody waits)
+        conn.execute(
+            text("UPDATE workspace_process_requests SET waited = true WHERE request_id <> :r"),
+            {"r": ids[5]},
+        )
     with _side(clean_db) as listen:
         listen.execute(DONE_LISTEN)
+        q.complete_many([(claims[5], 0)])  # type: ignore[list-item]
         q.complete_many([(claims[0], 1), (claims[1], 2)])  # type: ignore[list-item]
         q.fail_many([Failure(claims[2], "x", retryable=False)])  # type: ignore[arg-type]
         q.finish(claims[3], None)  # type: ignore[arg-type]
@@ -183,7 +190,8 @@ def test_batched_ends_and_the_sweeper_send_the_wake_up(q: Queue, clean_db: Engin
         q.rescue_expired(now=later)
         assert q.get(ids[4]).status == Status.DEAD
         seen = [n.payload for n in listen.notifies(timeout=10, stop_after=5)]
-    assert sorted(seen) == sorted(ids)
+        seen += [n.payload for n in listen.notifies(timeout=1)]  # and nothing more
+    assert sorted(seen) == sorted(ids[:5])
 
 
 def test_a_request_already_ended_is_returned_at_once(

@@ -1,13 +1,16 @@
-"""A request reaching a terminal status sends ``NOTIFY onceflow_done, '<request id>'``.
+"""A request someone waits for sends ``NOTIFY onceflow_done, '<request id>'`` when it ends.
 
 ``Queue.wait`` / ``AsyncQueue.wait`` (and what is built on them: ``Flow.wait``, ``onceflow
 wait``, the HTTP ``?wait=``) are woken by it instead of polling. A trigger, so that every
 statement that ends a request — a completion, a hand-off, a failure without retries left,
 a cancel, the sweeper giving up on a lapsed lease, their batched forms — sends it in its own
 transaction: delivered exactly when that commits, never when it rolls back. It fires only
-on the transition into ``succeeded``, ``dead`` or ``cancelled``; every other update (claims,
-heartbeats) tests the ``WHEN`` condition and nothing more. On a table partitioned by
-workspace the trigger is made on the parent, and so on every partition.
+on the transition into ``succeeded``, ``dead`` or ``cancelled`` of a row marked ``waited``
+(a wait sets it before it reads the row): a request nobody waits for sends nothing, so a
+completion's commit takes no notification lock, and every other update (claims,
+heartbeats) tests the ``WHEN`` condition and nothing more. The column has a constant
+default: adding it rewrites nothing. On a table partitioned by workspace the trigger is
+made on the parent, and so on every partition.
 
 Revision ID: 0010
 Revises: 0009
@@ -26,6 +29,9 @@ depends_on: str | Sequence[str] | None = None
 
 def upgrade() -> None:
     op.execute(
+        "ALTER TABLE workspace_process_requests ADD COLUMN waited boolean NOT NULL DEFAULT false"
+    )
+    op.execute(
         """
         CREATE OR REPLACE FUNCTION onceflow_notify_done() RETURNS trigger
         LANGUAGE plpgsql AS $$
@@ -40,7 +46,7 @@ def upgrade() -> None:
         """
         CREATE TRIGGER onceflow_done AFTER UPDATE OF status ON workspace_process_requests
         FOR EACH ROW
-        WHEN (NEW.status IN ('succeeded', 'dead', 'cancelled')
+        WHEN (NEW.waited AND NEW.status IN ('succeeded', 'dead', 'cancelled')
               AND OLD.status IS DISTINCT FROM NEW.status)
         EXECUTE FUNCTION onceflow_notify_done()
         """
@@ -50,3 +56,4 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.execute("DROP TRIGGER IF EXISTS onceflow_done ON workspace_process_requests")
     op.execute("DROP FUNCTION IF EXISTS onceflow_notify_done()")
+    op.execute("ALTER TABLE workspace_process_requests DROP COLUMN IF EXISTS waited")
