@@ -44,6 +44,20 @@ DEFAULT_AMQP = "amqp://guest:guest@127.0.0.1:5672//"
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def project_copy(dest: Path) -> Path:
+    """What a build of the package reads (pyproject.toml, README, LICENSE, the package),
+    copied to ``dest``: a build's scratch files (egg-info, build/) never land in the tree."""
+    import shutil
+
+    dest.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, dest / name)
+    shutil.copytree(
+        ROOT / "onceflow", dest / "onceflow", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    return dest
+
+
 def libpq(url: str) -> str:
     """A SQLAlchemy URL as a libpq connection string."""
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)

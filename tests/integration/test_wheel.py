@@ -10,19 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import shutil
 import subprocess
 import sys
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
-import psycopg
 import pytest
-from sqlalchemy import make_url
 
-from tests.conftest import ROOT, libpq
+from tests.conftest import project_copy
 
 pytestmark = pytest.mark.slow
 
@@ -70,31 +65,11 @@ print(json.dumps({"status": row.status.value, "result": row.result,
 """
 
 
-@pytest.fixture()
-def fresh_database(services: tuple[str, str]) -> Iterator[str]:
-    admin, _ = services
-    name = f"onceflow_wheel_{os.getpid()}_{secrets.token_hex(3)}"
-    with psycopg.connect(libpq(admin), autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield make_url(admin).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with psycopg.connect(libpq(admin), autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
 @pytest.mark.timeout(900)
 def test_the_wheel_runs_a_request_from_outside_the_tree(
-    tmp_path: Path, fresh_database: str
+    tmp_path: Path, empty_database: str
 ) -> None:
-    # Built from a copy, so the build's scratch files never land in the work tree.
-    src = tmp_path / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
-        shutil.copy(ROOT / name, src / name)
-    shutil.copytree(
-        ROOT / "onceflow", src / "onceflow", ignore=shutil.ignore_patterns("__pycache__")
-    )
+    src = project_copy(tmp_path / "src")
     dist = tmp_path / "dist"
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
@@ -121,7 +96,7 @@ def test_the_wheel_runs_a_request_from_outside_the_tree(
     empty.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ONCEFLOW_", "PYTHON"))}
     run = subprocess.run(
-        [python, "-c", SCRIPT, fresh_database, json.dumps(NEEDS_AN_EXTRA)],
+        [python, "-c", SCRIPT, empty_database, json.dumps(NEEDS_AN_EXTRA)],
         cwd=empty, env=env, capture_output=True, text=True, timeout=180, check=False,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]

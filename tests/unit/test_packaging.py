@@ -3,12 +3,11 @@ setuptools' license-table deprecation per install)."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import ROOT
+from tests.conftest import project_copy
 
 PREPARE = (
     "import sys; from setuptools import build_meta; "
@@ -17,14 +16,7 @@ PREPARE = (
 
 
 def test_the_build_backend_reads_the_project_without_a_warning(tmp_path: Path) -> None:
-    # A copy, so the build's egg-info scratch files never land in the work tree.
-    src = tmp_path / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
-        shutil.copy(ROOT / name, src / name)
-    shutil.copytree(
-        ROOT / "onceflow", src / "onceflow", ignore=shutil.ignore_patterns("__pycache__")
-    )
+    src = project_copy(tmp_path / "src")
     out = tmp_path / "out"
     out.mkdir()
     proc = subprocess.run(
