@@ -66,6 +66,11 @@ def worker(
 
     _check_database_url()
     app, flow = _load(app_spec)
+    if flow is not None and not flow.queues():
+        raise click.UsageError(
+            "the Flow declares no stage a Celery worker runs (none, or only pull-worker "
+            "stages): this worker would have nothing to do"
+        )
     _require_migrated()
     # The pool's processes fork from this one (sys.path and all); a process that starts
     # afresh finds the app's directory through PYTHONPATH.
@@ -244,7 +249,9 @@ def metrics(port: int, bind: str, keep_dead_pids: bool, no_database: bool) -> No
 @_errors_to_exit
 def beat(loglevel: str, app_spec: str | None) -> None:
     """Run Celery beat, which sends the sweeper task every ONCEFLOW_SWEEP_INTERVAL_SECONDS."""
-    app, _ = _load(app_spec)
+    app, flow = _load(app_spec)
+    if flow is not None and not flow.stages:
+        raise click.UsageError("the Flow declares no stages: beat would have nothing to sweep")
     _require_migrated()
     # The in-memory scheduler: an interval schedule needs no state file (and shelve is pickle).
     app.start(argv=["beat", "--loglevel", loglevel, "--scheduler", "celery.beat:Scheduler"])

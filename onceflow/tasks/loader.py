@@ -38,6 +38,8 @@ def load_app(spec: str) -> tuple[Celery, Flow | None]:
     cwd = cwd_on_path()
     try:
         module = importlib.import_module(module_name)
+    except SyntaxError as exc:
+        raise InvalidRequest(f"the app module {module_name!r} does not compile: {exc}") from None
     except ImportError as exc:
         missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
         if missing is None or not _is_parent_or_self(missing, module_name):
@@ -49,6 +51,10 @@ def load_app(spec: str) -> tuple[Celery, Flow | None]:
             f"cannot import the app module {module_name!r} ({exc}) from the current directory "
             f"{cwd}: run from the directory that holds it, or add that directory to PYTHONPATH, "
             "and pass --app module:attribute (or set ONCEFLOW_APP)"
+        ) from None
+    except Exception as exc:  # the module's own code raised while it was imported
+        raise InvalidRequest(
+            f"importing the app module {module_name!r} raised {type(exc).__name__}: {exc}"
         ) from None
     target: Any = getattr(module, attr or "flow", None)
     if target is None and not attr:

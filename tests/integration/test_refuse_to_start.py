@@ -1,5 +1,6 @@
-"""Long-running processes refuse, in one line and at once, a database that answers but is not
-migrated to the package's head (they used to log a missing table every few seconds)."""
+"""Long-running processes refuse to start wrong, in one line and at once: a database that
+answers but is not migrated to the package's head (they used to log a missing table every
+few seconds), a Flow with no stage to run, an app module that raises when imported."""
 
 from __future__ import annotations
 
@@ -31,3 +32,26 @@ def test_a_database_not_migrated_is_refused_at_start(empty_database: str, argv: 
     lines = [line for line in proc.stderr.splitlines() if "not migrated" in line]
     assert len(lines) == 1 and "onceflow migrate" in lines[0], proc.stderr[-2000:]
     assert "NotMigrated" not in proc.stderr  # refused up front, not met in a loop
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["worker", "--app", "tests.integration.empty_flow:flow"], "no stage a Celery worker runs"),
+        (["beat", "--app", "tests.integration.empty_flow:flow"], "declares no stages"),
+        (["worker", "--app", "tests.integration.broken_app:flow"], "raised RuntimeError"),
+        (["beat", "--app", "tests.integration.broken_app:flow"], "raised RuntimeError"),
+    ],
+    ids=["worker-no-stages", "beat-no-stages", "worker-broken-app", "beat-broken-app"],
+)
+def test_nothing_to_run_or_an_app_that_raises_is_refused_in_one_line(
+    database_url: str, argv: list[str], says: str
+) -> None:
+    env = {**os.environ, "ONCEFLOW_DATABASE_URL": database_url}
+    proc = subprocess.run(
+        [sys.executable, "-m", "onceflow.cli", *argv],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert says in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
