@@ -13,6 +13,15 @@ import pytest
 from tests.conftest import ROOT
 
 
+def _cli(argv: list[str], database_url: str) -> subprocess.CompletedProcess[str]:
+    """``onceflow <argv>`` on ``database_url``, as a process of its own (60 s at most)."""
+    env = {**os.environ, "ONCEFLOW_DATABASE_URL": database_url}
+    return subprocess.run(
+        [sys.executable, "-m", "onceflow.cli", *argv],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -23,11 +32,7 @@ from tests.conftest import ROOT
     ids=["work", "beat", "worker"],
 )
 def test_a_database_not_migrated_is_refused_at_start(empty_database: str, argv: list[str]) -> None:
-    env = {**os.environ, "ONCEFLOW_DATABASE_URL": empty_database}
-    proc = subprocess.run(
-        [sys.executable, "-m", "onceflow.cli", *argv],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+    proc = _cli(argv, empty_database)
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if "not migrated" in line]
     assert len(lines) == 1 and "onceflow migrate" in lines[0], proc.stderr[-2000:]
@@ -47,11 +52,7 @@ def test_a_database_not_migrated_is_refused_at_start(empty_database: str, argv: 
 def test_nothing_to_run_or_an_app_that_raises_is_refused_in_one_line(
     database_url: str, argv: list[str], says: str
 ) -> None:
-    env = {**os.environ, "ONCEFLOW_DATABASE_URL": database_url}
-    proc = subprocess.run(
-        [sys.executable, "-m", "onceflow.cli", *argv],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+    proc = _cli(argv, database_url)
     assert proc.returncode != 0
     assert says in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
