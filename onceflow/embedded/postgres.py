@@ -165,12 +165,13 @@ def _prepare_postgres(
             str(socket_dir),
             # Dev/test server: trading crash safety for speed is the point. Never use these
             # settings for data you want to keep across a power cut or an OS crash.
+            # synchronous_commit keeps the server's default (on), as in production: claims
+            # and heartbeats turn it off for their own transactions and completions rely on
+            # the default, so a server-wide "off" would hide that difference.
             "-c",
             "fsync=off",
             "-c",
             "full_page_writes=off",
-            "-c",
-            "synchronous_commit=off",
             # As docker/compose.yaml: autovacuum every 10 s, so a claim_next loop's claim
             # index does not gather a minute of claimed rows' entries (README, "Operating it").
             "-c",
