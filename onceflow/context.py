@@ -15,10 +15,11 @@ from typing import Any, Literal, Protocol, TypeVar, overload, runtime_checkable
 
 from pydantic import BaseModel
 
-from onceflow.errors import Cancelled, InvalidRequest, LeaseLost
+from onceflow.errors import Cancelled, InvalidRequest, LeaseLost, OutOfScope
 from onceflow.locks import Locked, Outcome, compute_once
 from onceflow.models.ops import OpModel
 from onceflow.models.requests import Claim, Fence, NewRequest, Request
+from onceflow.models.sub_doc_scope import SubDocScope, request_fields
 from onceflow.oplog import ApplyResult, OpLog, SubDoc, new_op_id, stage_op_id
 from onceflow.queue import Queue
 
@@ -175,11 +176,25 @@ class StageContext:
     """What a stage body gets besides its input: its request, its lease, its fenced steps.
 
     Implements :class:`WorkContext` in-process (the queue and the op log directly).
+
+    ``sub_docs`` and ``hands_off_to``, when the stage declares them, bound what the body
+    reads, writes and hands off to (:class:`~onceflow.errors.OutOfScope` past them); None:
+    not declared, the body is trusted code of this process and reaches anything.
     """
 
-    def __init__(self, queue: Queue, claim: Claim, worker_id: str) -> None:
+    def __init__(
+        self,
+        queue: Queue,
+        claim: Claim,
+        worker_id: str,
+        *,
+        sub_docs: SubDocScope | None = None,
+        hands_off_to: tuple[str, ...] | None = None,
+    ) -> None:
         self._queue = queue
         self._claim = claim
+        self._sub_docs = sub_docs
+        self._hands_off_to = hands_off_to
         self._lost = Flag()
         self._cancel = Flag()
         self._then: list[NewRequest] = []
@@ -265,9 +280,15 @@ class StageContext:
         priority, attempts; input validated); ``options`` override declared fields.
         An undeclared stage or an input that does not fit raises here —
         :class:`~onceflow.errors.UnknownStage` / :class:`~onceflow.InvalidRequest` —
-        which fails this stage (not retried) and hands off nothing.
+        which fails this stage (not retried) and hands off nothing; so does a stage this
+        one's declared ``hands_off_to`` does not name (:class:`~onceflow.errors.OutOfScope`).
         """
         req = self.request
+        if self._hands_off_to is not None and stage not in self._hands_off_to:
+            permitted = ", ".join(self._hands_off_to) or "none"
+            raise OutOfScope(
+                f"stage {req.stage!r} may not hand off to {stage!r} (hands_off_to: {permitted})"
+            )
         try:
             item = NewRequest(
                 workspace_id=req.workspace_id,
@@ -293,7 +314,13 @@ class StageContext:
         """
         if self._lost.is_set():
             raise LeaseLost(self._claim.request_id, "a heartbeat was rejected")
+        self._in_scope(sub_doc)
         return oplog_for(self._queue).get_sub_doc(self.request.workspace_id, sub_doc)
+
+    def _in_scope(self, sub_doc: str) -> None:
+        """Raise :class:`~onceflow.errors.OutOfScope` past the stage's declared sub-docs."""
+        if self._sub_docs is not None:
+            self._sub_docs.check(sub_doc, request_fields(self.request))
 
     def apply_op(
         self,
@@ -311,6 +338,7 @@ class StageContext:
         of the stage joins the first attempt's write instead of repeating it.
         """
         self.check()
+        self._in_scope(sub_doc)
         if op_id is None:
             # Minted once, before the first send: a retry after a database blip joins it.
             op_id = new_op_id() if key is None else stage_op_id(self.request.request_id, key)

@@ -407,6 +407,18 @@ class AccessDenied(OnceflowError):
         return (type(self), (self.status, self.detail))
 
 
+class OutOfScope(AccessDenied, PermanentError):
+    """A claim reached past what its stage declares: a sub-doc outside its ``sub_docs``, a
+    hand-off to a stage not in its ``hands_off_to``. Nothing was read or written (403 over
+    HTTP; in a stage body, the request fails at once, without retries)."""
+
+    def __init__(self, detail: str) -> None:
+        AccessDenied.__init__(self, 403, detail)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.detail,))
+
+
 def validation_summary(exc: Any, *, limit: int = 5) -> str:
     """A pydantic ``ValidationError`` on one line: ``value: Input should be …; …``."""
     errors = exc.errors(include_url=False, include_input=False)

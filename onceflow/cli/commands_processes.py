@@ -20,6 +20,7 @@ from onceflow.cli.base import (
     _require_migrated,
     main,
 )
+from onceflow.errors import InvalidRequest
 
 
 @main.command()
@@ -71,6 +72,11 @@ def worker(
             "the Flow declares no stage a Celery worker runs (none, or only pull-worker "
             "stages): this worker would have nothing to do"
         )
+    if flow is not None:
+        try:
+            flow.check_declarations()
+        except InvalidRequest as exc:
+            raise click.UsageError(str(exc)) from None
     _require_migrated()
     # The pool's processes fork from this one (sys.path and all); a process that starts
     # afresh finds the app's directory through PYTHONPATH.

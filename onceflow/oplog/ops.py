@@ -2,14 +2,16 @@
 :class:`~onceflow.oplog.AsyncOpLog` (see :mod:`onceflow.connector`).
 
 ``apply_quietly`` is the apply path: a fast replay lookup, then ONE transaction
-(fence the stage's claim, lock the sub-doc, find the op id, record it applied or
-rejected, check the retention horizon). It answers the commit message it owes;
-each API publishes it after the commit with its own Redis client.
+(fence the stage's claim and check its stage's sub-doc scope when given one, lock the
+sub-doc, find the op id, record it applied or rejected, check the retention horizon).
+It answers the commit message it owes; each API publishes it after the commit with its
+own Redis client.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any, NamedTuple
 
@@ -37,11 +39,15 @@ from onceflow.ids import check_id
 from onceflow.metrics import record as metrics
 from onceflow.models.ops import OpModel, apply, parse_op
 from onceflow.models.requests import Fence, workspace_of
+from onceflow.models.sub_doc_scope import SubDocScope
 from onceflow.oplog.records import ApplyResult, OpRecord, SubDoc, check_op_id, new_op_id
 from onceflow.oplog.sql import N
 from onceflow.payloads import Unreadable, canonical_json, encode_payload
-from onceflow.queue.claims import fence_scope, fence_steps
+from onceflow.queue.claims import fence_scope, fenced_row_steps
 from onceflow.settings import Settings
+
+#: A stage's sub-doc scope by the stage's name (``Flow.sub_doc_scope``), for a fenced write.
+ScopeOf = Callable[[str], SubDocScope]
 
 
 class Applied(NamedTuple):
@@ -99,6 +105,7 @@ class OpLogOps:
         *,
         fence: Fence | None = None,
         base_clock: int | None = None,
+        sub_docs: ScopeOf | None = None,
     ) -> Steps[Applied]:
         """``apply_op`` without its broadcast: the result and the commit message it owes.
 
@@ -107,8 +114,9 @@ class OpLogOps:
         """
         try:
             done = yield from self._apply(
-                workspace_id, sub_doc, op, op_id, fence=fence, base_clock=base_clock
-            )
+                workspace_id, sub_doc, op, op_id, fence=fence, base_clock=base_clock,
+                sub_docs=sub_docs,
+            )  # fmt: skip
         except OpIdConflict:
             metrics.op("conflict")
             raise
@@ -130,6 +138,7 @@ class OpLogOps:
         *,
         fence: Fence | None,
         base_clock: int | None,
+        sub_docs: ScopeOf | None = None,
     ) -> Steps[Applied]:
         """The body of :meth:`apply_quietly`: validation first, then the statements.
 
@@ -154,13 +163,16 @@ class OpLogOps:
         if base_clock is not None and (not isinstance(base_clock, int) or base_clock < 0):
             raise InvalidRequest("base_clock must be a non-negative integer")
         key: dict[str, Any] = {"workspace_id": workspace_id, "sub_doc": sub_doc, "op_id": op_id}
-        if client_id and workspace_id is not None:
-            # A replay of a committed op costs this one round trip.
+        if sub_docs is not None and fence is None:
+            raise InvalidRequest("a sub-doc scope is checked on a fenced write only")
+        if client_id and workspace_id is not None and sub_docs is None:
+            # A replay of a committed op costs this one round trip (a scoped write is
+            # replayed only once the fenced row's scope allowed its sub-doc).
             found = yield FetchOne(N.FIND_OP, key)
             if found is not None:
                 return Applied(_replayed(key, found, payload_hash), parsed.type)
         locked = self._apply_locked(
-            key, parsed, payload_json, payload_hash, fence, client_id, base_clock
+            key, parsed, payload_json, payload_hash, fence, client_id, base_clock, sub_docs
         )
         try:
             done: ApplyResult = yield Transaction(locked)
@@ -211,11 +223,17 @@ class OpLogOps:
         fence: Fence | None,
         client_id: bool,
         base_clock: int | None,
+        sub_docs: ScopeOf | None = None,
     ) -> Steps[ApplyResult]:
-        """Inside the transaction: fence, lock the sub-doc, then replay, reject, or apply."""
+        """Inside the transaction: fence (and the fenced stage's sub-doc scope), lock the
+        sub-doc, then replay, reject, or apply."""
         if fence is not None:
             # A refusal counts as a zombie write only once it is not a replay (_apply).
-            fenced_workspace = yield from fence_steps(fence, zombie=False)
+            fenced = yield from fenced_row_steps(fence, zombie=False)
+            if sub_docs is not None:
+                # Raising rolls back the fence: nothing written, the claim untouched.
+                sub_docs(fenced["stage"]).check(key["sub_doc"], fenced)
+            fenced_workspace = fenced["workspace_id"]
             if key["workspace_id"] is None:
                 key["workspace_id"] = fenced_workspace  # also for the caller's join below
             elif key["workspace_id"] != fenced_workspace:

@@ -43,7 +43,7 @@ from onceflow.keys import workspace_channel
 from onceflow.loops import PerLoop, drop_redis_sockets
 from onceflow.models.ops import OpModel
 from onceflow.models.requests import Fence
-from onceflow.oplog.ops import Applied, OpLogOps, commit_message
+from onceflow.oplog.ops import Applied, OpLogOps, ScopeOf, commit_message
 from onceflow.oplog.records import (
     OP_ID_RE,
     ApplyResult,
@@ -123,6 +123,7 @@ class OpLog(SyncSide, OpLogOps):
         *,
         fence: Fence | None = None,
         base_clock: int | None = None,
+        sub_docs: ScopeOf | None = None,
     ) -> ApplyResult:
         """Apply ``op`` once; a known ``op_id`` returns the original clock and result.
 
@@ -136,12 +137,21 @@ class OpLog(SyncSide, OpLogOps):
         the log no longer knows with ``base_clock`` below the sub-doc's pruned
         horizon may be a replay of a pruned op, so it is refused
         (:class:`ReplayTooOld`). Without ``base_clock`` the op is taken as new;
-        a fenced write (a live claim) is never a stale replay. Each outcome is
+        a fenced write (a live claim) is never a stale replay. ``sub_docs`` (with a
+        ``fence``) gives a stage's sub-doc scope by its name: the fenced request's stage
+        must allow ``sub_doc``, checked on the fenced row in the same transaction
+        (:class:`~onceflow.errors.OutOfScope`, nothing written). Each outcome is
         counted in ``onceflow_ops_total``. A new commit is broadcast on the
         workspace's Redis channel after it commits, never before.
         """
         done = self.apply_quietly(
-            workspace_id, sub_doc, op, op_id, fence=fence, base_clock=base_clock
+            workspace_id,
+            sub_doc,
+            op,
+            op_id,
+            fence=fence,
+            base_clock=base_clock,
+            sub_docs=sub_docs,
         )
         message = done.broadcast
         if message is not None:
@@ -232,10 +242,17 @@ class AsyncOpLog(AsyncSide, OpLogOps):
         *,
         fence: Fence | None = None,
         base_clock: int | None = None,
+        sub_docs: ScopeOf | None = None,
     ) -> ApplyResult:
         """:meth:`OpLog.apply_op`, awaited: the same transaction, then the broadcast."""
         done = await self.apply_quietly(
-            workspace_id, sub_doc, op, op_id, fence=fence, base_clock=base_clock
+            workspace_id,
+            sub_doc,
+            op,
+            op_id,
+            fence=fence,
+            base_clock=base_clock,
+            sub_docs=sub_docs,
         )
         message = done.broadcast
         if message is not None:

@@ -634,7 +634,18 @@ def fence_steps(claim: Fence, now: datetime | None = None, *, zombie: bool = Tru
         def _apply(self, ...):                    # the body of a Transaction
             yield from fence_steps(fence)
             ...                                   # writes that must not outlive the claim
+
+    Answers the fenced request's workspace.
     """
+    row = yield from fenced_row_steps(claim, now, zombie=zombie)
+    return row["workspace_id"]
+
+
+def fenced_row_steps(
+    claim: Fence, now: datetime | None = None, *, zombie: bool = True
+) -> Steps[dict[str, str]]:
+    """:func:`fence_steps`, answering the fenced request's ids: ``request_id``,
+    ``workspace_id``, ``job_id`` and ``stage`` (what a stage's sub-doc scope names)."""
     params = {
         **fence_key(claim), "token": claim.token, "now": now,
         "worker_classes": fence_scope(claim),
@@ -644,8 +655,8 @@ def fence_steps(claim: Fence, now: datetime | None = None, *, zombie: bool = Tru
         if zombie:  # else the caller counts it (the op log: unless the write was a replay)
             metrics.zombie("op")
         raise LeaseLost(claim.request_id, "fenced write rejected")
-    workspace_id: str = row["workspace_id"]
-    return workspace_id
+    # The fenced request's ids (what a sub-doc scope is rendered from).
+    return {name: str(row[name]) for name in ("request_id", "workspace_id", "job_id", "stage")}
 
 
 def _landed(claim: Fenced, statuses: tuple[Status, ...]) -> Steps[Request | None]:

@@ -347,7 +347,7 @@ RETURNING w.lease_expires_at, w.cancel_requested
 # lock (FOR SHARE) holds off a concurrent rescue until that transaction commits.
 FENCE_CHECK: TextClause = text(f"""
 WITH n AS ({_NOW})
-SELECT w.request_id, w.workspace_id FROM {TABLE} w, n
+SELECT w.request_id, w.workspace_id, w.job_id, w.stage FROM {TABLE} w, n
 WHERE {_FENCE}
 FOR SHARE OF w
 """)

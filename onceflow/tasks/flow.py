@@ -60,6 +60,7 @@ from onceflow.errors import (
     InvalidRedisUrl,
     InvalidRequest,
     OnceflowError,
+    OutOfScope,
     UnknownStage,
     validation_summary,
 )
@@ -67,6 +68,7 @@ from onceflow.ids import check_id, check_worker_class, random_request_id
 from onceflow.keys import queue_name
 from onceflow.metrics import record as metrics
 from onceflow.models.requests import Dispatch, EnqueueResult, NewRequest, Request, SweepResult
+from onceflow.models.sub_doc_scope import SubDocScope
 from onceflow.payloads import check_json
 from onceflow.queue import Queue
 from onceflow.settings import Settings, get_settings
@@ -118,6 +120,13 @@ class StageSpec:
     max_runtime: float | None = None  # seconds; None: no bound on the lease
     #: Other worker classes a caller may name for this stage (e.g. a pull-worker class).
     alternate_worker_classes: tuple[str, ...] = ()
+    #: The sub-docs its claims may read and write (declared, or the job's by default).
+    sub_docs: SubDocScope | None = None
+    #: Whether ``sub_docs`` was declared (a stage body in this process is then held to it).
+    sub_docs_declared: bool = False
+    #: The stages it may hand off to; None: not declared (a pull worker may hand off to
+    #: none, a stage body in this process to any).
+    hands_off_to: tuple[str, ...] | None = None
 
     @property
     def worker_classes(self) -> tuple[str, ...]:
@@ -310,6 +319,8 @@ class Flow:
         priority: int = 0,
         retry_on: tuple[type[BaseException], ...] | None = None,
         alternate_worker_classes: tuple[str, ...] = (),
+        sub_docs: tuple[str, ...] | None = None,
+        hands_off_to: tuple[str, ...] | None = None,
     ) -> Callable[[F], F]:
         """Declare a stage; the decorated function is its body: ``body(ctx, input) -> JSON``.
 
@@ -323,6 +334,14 @@ class Flow:
         ``onceflow.wc.<worker_class>``. A caller of :meth:`enqueue` (or of the HTTP API)
         may route a request elsewhere only to one of ``alternate_worker_classes`` (say,
         a pull-worker class of browser tabs); any other class is refused.
+
+        ``sub_docs`` (templates over the claimed request: ``{workspace_id}``,
+        ``{job_id}``, ``{request_id}``, ``{stage}``, and a trailing ``*`` for a prefix)
+        are the sub-docs a claim of this stage may read and write; undeclared, the job's
+        own, ``job:{job_id}`` and ``job:{job_id}:*``. ``hands_off_to`` names the stages a
+        completion of this stage may hand off to; undeclared, a pull worker's completion
+        (HTTP) may hand off to none. The HTTP claim routes hold every pull worker to both;
+        a stage body run here (``ctx``) is held to what is declared.
         """
         check_id("stage", name)
         check_worker_class(worker_class)
@@ -333,6 +352,8 @@ class Flow:
         )
         if name in self.stages:
             raise InvalidRequest(f"stage {name!r} is declared twice")
+        scope = SubDocScope.of(name, sub_docs)
+        targets = _hand_off_targets(name, hands_off_to)
         if not (isinstance(input, type) and issubclass(input, BaseModel)):
             raise InvalidRequest("input= must be a pydantic model class")
         runtime = self.settings.max_runtime_seconds if max_runtime is None else max_runtime
@@ -361,6 +382,9 @@ class Flow:
                 priority=priority,
                 retry_on=retry_on,
                 alternate_worker_classes=alternates,
+                sub_docs=scope,
+                sub_docs_declared=sub_docs is not None,
+                hands_off_to=targets,
             )
             self.stages[name] = spec
             self.app.task(
@@ -515,6 +539,44 @@ class Flow:
             return self.stages[stage]
         except (KeyError, TypeError):
             raise UnknownStage(str(stage)) from None
+
+    def sub_doc_scope(self, stage: str) -> SubDocScope:
+        """The sub-docs a claim of ``stage`` may read and write (its declaration's, or its
+        job's by default); none for a stage this Flow does not declare."""
+        found = self.stages.get(stage)
+        if found is None:
+            return SubDocScope.nothing(stage)
+        return found.sub_docs or SubDocScope.of(stage, None)
+
+    def check_hand_offs(self, stage: str, targets: Sequence[str], *, declared_only: bool) -> None:
+        """Raise :class:`OutOfScope` unless ``stage`` may hand off to every one of ``targets``.
+
+        A stage's ``hands_off_to`` permits; undeclared, ``declared_only`` (a pull worker's
+        completion) permits none, else (a stage body in this process) any.
+        """
+        found = self.stages.get(stage)
+        allowed = None if found is None else found.hands_off_to
+        if allowed is None and not declared_only:
+            return
+        for target in targets:
+            if allowed is None or target not in allowed:
+                permitted = ", ".join(allowed) if allowed else "none"
+                raise OutOfScope(
+                    f"stage {stage!r} may not hand off to {target!r} (hands_off_to: "
+                    f"{permitted}); a stage declares its targets with "
+                    "Flow.stage(..., hands_off_to=...)"
+                )
+
+    def check_declarations(self) -> None:
+        """Raise :class:`InvalidRequest` if a stage's ``hands_off_to`` names a stage this Flow
+        does not declare (a typo): run when an app or worker starts, with every stage known."""
+        for spec in self.stages.values():
+            for target in spec.hands_off_to or ():
+                if target not in self.stages:
+                    raise InvalidRequest(
+                        f"stage {spec.name!r}: hands_off_to names {target!r}, which is not a "
+                        f"declared stage (declared: {', '.join(sorted(self.stages))})"
+                    )
 
     @staticmethod
     def validate_input(spec: StageSpec, value: Any) -> Any:
@@ -840,3 +902,13 @@ def _child_exits(**_: Any) -> None:
 
 
 __all__ = ["MAINTENANCE_QUEUE", "Flow", "StageSpec", "StageTask", "worker_id"]
+
+
+def _hand_off_targets(stage: str, targets: Sequence[str] | None) -> tuple[str, ...] | None:
+    """``hands_off_to`` checked: a tuple of stage names (their existence is checked once
+    every stage is declared: :meth:`Flow.check_declarations`)."""
+    if targets is None:
+        return None
+    if isinstance(targets, str):
+        raise InvalidRequest(f"stage {stage!r}: hands_off_to must be a tuple of stage names")
+    return tuple(check_id("hands_off_to stage", t) for t in targets)

@@ -205,7 +205,10 @@ def run_request(
     claim = _claim(queue, spec, request_id, worker_id, workspace_id)
     if claim is None:
         return _not_claimed(queue, request_id, workspace_id)
-    ctx = StageContext(queue, claim, worker_id)
+    ctx = StageContext(
+        queue, claim, worker_id, hands_off_to=spec.hands_off_to,
+        sub_docs=spec.sub_docs if spec.sub_docs_declared else None,
+    )  # fmt: skip
     _heartbeats.add(queue, ctx, interval=claim.lease_seconds / 3)
     outcome: dict[str, Any] = {"request_id": request_id, "attempt": claim.attempt}
     try:

@@ -43,6 +43,7 @@ class OnceflowServices:
         auth: Authenticator | None = None,
         settings: Settings | None = None,
     ) -> None:
+        flow.check_declarations()  # a hand-off target that is no stage: refused at start-up
         self.flow = flow
         self.settings = settings or flow.settings
         self.auth: Authenticator = (
