@@ -75,7 +75,10 @@ def shared_body(ctx: WorkContext) -> dict[str, Any]:
     }
 
 
-@flow.stage("ctx_body", input=BodyInput, worker_class=CELERY, alternate_worker_classes=(PULL,))
+@flow.stage(
+    "ctx_body", input=BodyInput, worker_class=CELERY, alternate_worker_classes=(PULL,),
+    hands_off_to=("ctx_next",),
+)  # fmt: skip
 def ctx_body(ctx: StageContext, data: BodyInput) -> dict[str, Any]:
     return shared_body(ctx)
 

@@ -44,9 +44,12 @@ class NoopInput(BaseModel):
 NOOP_CLASSES = ("t-pull", "t-hyp", "t-purge", "t-pickle", "tabs", "t-hostile")
 
 
+# Pull workers of the HTTP tests write their job's sub-docs and `doc-…` ones under a noop
+# claim, and hand off to another noop.
 @flow.stage(
-    "noop", input=NoopInput, worker_class="t-default", alternate_worker_classes=NOOP_CLASSES
-)
+    "noop", input=NoopInput, worker_class="t-default", alternate_worker_classes=NOOP_CLASSES,
+    sub_docs=("job:{job_id}", "job:{job_id}:*", "doc-*"), hands_off_to=("noop",),
+)  # fmt: skip
 def noop(ctx: StageContext, data: NoopInput) -> dict[str, Any]:
     record(ctx)
     # holding: whether this process's thread holds its connection (a prefork child does).

@@ -419,7 +419,7 @@ def test_http_api_enqueues_claims_and_completes_on_each_shard(
             assert beat.status_code == 200, beat.text
             op = {"op_id": new_op_id(), "op": {"type": "cell.set", "column": "a", "value": i}}
             applied = http.post(
-                f"/v1/claims/{rid}/ops", json={**keyed, "sub_doc": "cells", **op},
+                f"/v1/claims/{rid}/ops", json={**keyed, "sub_doc": "doc-cells", **op},
                 headers=auth(WORKER_KEY),
             )  # fmt: skip
             assert applied.status_code == 201, applied.text
@@ -443,10 +443,10 @@ def test_http_api_enqueues_claims_and_completes_on_each_shard(
         for ws in spaces:
             op = {"op_id": new_op_id(), "op": {"type": "cell.set", "column": "b", "value": ws}}
             put = http.post(
-                f"/v1/workspaces/{ws}/sub-docs/cells/ops", json=op, headers=auth(API_KEY)
+                f"/v1/workspaces/{ws}/sub-docs/doc-cells/ops", json=op, headers=auth(API_KEY)
             )
             assert put.status_code == 201, put.text
-            doc = http.get(f"/v1/workspaces/{ws}/sub-docs/cells", headers=auth(API_KEY)).json()
+            doc = http.get(f"/v1/workspaces/{ws}/sub-docs/doc-cells", headers=auth(API_KEY)).json()
             assert doc["workspace_id"] == ws and doc["clock"] == put.json()["clock"] == 2
             counts = http.get(f"/v1/workspaces/{ws}/counts", headers=auth(API_KEY)).json()
             assert counts["total"] == 1

@@ -73,10 +73,16 @@ class Listener:
     ended: str | None = None  # why the hub ended the stream: "slow" or "redis"
     dropped: asyncio.Event = field(default_factory=asyncio.Event)  # set for a slow consumer
     on_drop: Callable[[], Any] | None = None  # the response's cancel, for a slow consumer
+    #: Which messages this stream carries (None: all of its channel's): a claim's stream
+    #: carries only its own request's news. A message it refuses is never queued.
+    accept: Callable[[bytes], bool] | None = None
 
     def deliver(self, data: bytes) -> bool:
-        """Queue ``data``; False when the queue is full (a slow consumer)."""
+        """Queue ``data`` if the stream carries it; False when the queue is full (a slow
+        consumer)."""
         if self.ended is not None:
+            return True
+        if self.accept is not None and not self.accept(data):
             return True
         try:
             self.queue.put_nowait(data)
@@ -177,8 +183,11 @@ class EventHub:
         """Streams open now for ``key_id``."""
         return self._per_key.get(key_id, 0)
 
-    async def open(self, channel: str, key_id: str) -> Listener:
-        """A listener on ``channel`` whose subscription is confirmed live.
+    async def open(
+        self, channel: str, key_id: str, accept: Callable[[bytes], bool] | None = None
+    ) -> Listener:
+        """A listener on ``channel`` whose subscription is confirmed live; with ``accept``,
+        it is given only the messages ``accept`` says yes to.
 
         Raises :class:`StreamLimit` past a bound, :class:`HubUnavailable` when Redis
         does not answer. Give the listener back with :meth:`close`.
@@ -189,7 +198,9 @@ class EventHub:
             raise StreamLimit("too many event streams for this key", self.max_per_key)
         self._open += 1
         self._per_key[key_id] = self._per_key.get(key_id, 0) + 1
-        listener = Listener(channel.encode(), key_id, asyncio.Queue(maxsize=self.queue_size))
+        listener = Listener(
+            channel.encode(), key_id, asyncio.Queue(maxsize=self.queue_size), accept=accept
+        )
         try:
             await self._join(listener)
         except BaseException:

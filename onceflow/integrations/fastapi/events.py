@@ -101,15 +101,17 @@ async def event_stream(
     keepalive_seconds: float,
     still_valid: Callable[[], Awaitable[bool]] | None = None,
     check_seconds: float = 5.0,
+    accept: Callable[[bytes], bool] | None = None,
 ) -> Response:
     """Join the hub, wait until the subscription is live, then stream; 429 / 503 if not.
 
     With ``still_valid``, the stream asks it every ``check_seconds`` (idle or not) and
     ends with ``event: end`` the first time it says False (a claim's stream, once the
-    claim is over).
+    claim is over). With ``accept``, the stream carries only the workspace's messages it
+    says yes to (a claim's stream: its own request's news).
     """
     try:
-        listener = await hub.open(workspace_channel(workspace_id), key_id)
+        listener = await hub.open(workspace_channel(workspace_id), key_id, accept)
     except StreamLimit as exc:
         return too_many_streams(exc)
     except HubUnavailable as exc:

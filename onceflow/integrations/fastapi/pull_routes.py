@@ -19,16 +19,19 @@ worker asking for the same cell share one lock):
   is released by its own token whatever happened to the claim meanwhile. Only a release
   that released something is counted and announced (a wrong token or a repeat is not).
 
-``POST /v1/claims/{request_id}/events`` ``{claim_token}`` streams the claimed request's
-workspace events (the ``GET /v1/workspaces/{ws}/events`` stream: ``ready``, ``commit``,
-``lock_released``) to a worker key, which holds no workspace scope: opened for a live
-claim only, and ended (``event: end``) within ``CLAIM_CHECK_SECONDS`` (or the keep-alive
-interval if shorter) once the claim is over
-(completed, failed, lapsed). It is what a waiting tab listens to.
+``POST /v1/claims/{request_id}/events`` ``{claim_token}`` streams the claimed request's own
+news from its workspace's channel (events as on ``GET /v1/workspaces/{ws}/events``:
+``ready``, then ``commit`` of the sub-docs its stage may read — its ``sub_docs`` — and
+``lock_released`` of its own job's cells; never another job's or sub-doc's) to a worker
+key, which holds no workspace scope: opened for a live claim only, and ended
+(``event: end``) within ``CLAIM_CHECK_SECONDS`` (or the keep-alive interval if shorter)
+once the claim is over (completed, failed, lapsed). It is what a waiting tab listens to.
 
 ``POST /v1/claims/{request_id}/sub-docs`` ``{claim_token, sub_doc}`` reads a sub-doc of the
 claimed request's workspace (``{workspace_id, sub_doc, clock, state}``) for a live claim: the
-pre-flight and double-check reads of a tab's stage, as ``ctx.read_sub_doc`` in Python.
+pre-flight and double-check reads of a tab's stage, as ``ctx.read_sub_doc`` in Python. Only
+a sub-doc the claimed stage declares (``Flow.stage(..., sub_docs=...)``; its job's,
+``job:{job_id}`` and ``job:{job_id}:*``, by default): another is 403, nothing read.
 
 Every body also takes the claimed request's ``workspace_id`` (optional for now): the row is
 then found by its key ``(workspace_id, request_id)``; another workspace than the request's
@@ -44,6 +47,8 @@ token is a secret of its holder: never logged, only compared in Redis.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import APIRouter, Response
@@ -55,13 +60,14 @@ from onceflow.ids import check_id
 from onceflow.integrations.fastapi import schemas as s
 from onceflow.integrations.fastapi.auth import Principal, PrincipalDep
 from onceflow.integrations.fastapi.events import event_stream
-from onceflow.integrations.fastapi.routes_claims import claim_ref
+from onceflow.integrations.fastapi.routes_claims import claim_ref, out_of_scope
 from onceflow.keys import lock_key
 from onceflow.locks.aio import AsyncLockHandle, get_async_backend
 from onceflow.locks.base import LockBackend, LockHandle, ttl_to_ms
 from onceflow.locks.counters import COMPUTE_ERRORS, COMPUTES, DOUBLE_CHECK_HITS
 from onceflow.locks.protocol import get_backend
 from onceflow.models import Request as StageRequest
+from onceflow.models.sub_doc_scope import SubDocScope, request_fields
 from onceflow.settings import Settings
 
 if TYPE_CHECKING:
@@ -100,9 +106,29 @@ class EventsIn(_ClaimIn):
 
 
 class SubDocIn(_ClaimIn):
-    """Read a sub-doc of the claimed request's workspace."""
+    """Read a sub-doc of the claimed request's workspace (one its stage declares)."""
 
     sub_doc: s.Id
+
+
+def claims_news(scope: SubDocScope, where: dict[str, str]) -> Callable[[bytes], bool]:
+    """Which of its workspace's messages a claim's stream carries: a ``commit`` of a
+    sub-doc its stage may read, a ``lock_released`` of a cell of its own job; nothing else
+    (another job's or sub-doc's news, a message of a kind it does not know)."""
+
+    def accept(data: bytes) -> bool:
+        try:
+            message = json.loads(data)
+        except ValueError:
+            return False
+        if not isinstance(message, dict):
+            return False
+        kind, sub_doc = message.get("kind"), message.get("sub_doc")
+        if kind == "commit":
+            return isinstance(sub_doc, str) and scope.allows(sub_doc, where)
+        return kind == "lock_released" and message.get("job_id") == where["job_id"]
+
+    return accept
 
 
 class LockOut(BaseModel):
@@ -294,8 +320,9 @@ def add_pull_routes(
         response_class=Response,
         responses={
             200: {
-                "description": "The claimed request's workspace event stream (as "
-                "`GET /v1/workspaces/{ws}/events`): `ready`, `commit`, `lock_released`",
+                "description": "The claimed request's own news from its workspace's event "
+                "stream (as `GET /v1/workspaces/{ws}/events`): `ready`, `commit` of the "
+                "sub-docs its stage may read, `lock_released` of its job's cells",
                 "content": {"text/event-stream": {"schema": {"type": "string"}}},
             },
             **responses,
@@ -304,7 +331,8 @@ def add_pull_routes(
     async def claim_events(
         request_id: s.RequestIdPath, body: EventsIn, principal: PrincipalDep
     ) -> Response:
-        """Server-sent events of the claimed request's workspace, for the claim's holder."""
+        """Server-sent events about the claimed request, for the claim's holder: commits of
+        the sub-docs its stage may read, lock news of its job's cells."""
         request = await claim_holder(request_id, body, principal, live=True)
         keepalive = svc.settings.api_sse_keepalive_seconds
         ref = claim_ref(request_id, body.claim_token, principal, body.workspace_id)
@@ -316,9 +344,11 @@ def add_pull_routes(
             )  # fmt: skip
             return live is not None
 
+        news = claims_news(svc.flow.sub_doc_scope(request.stage), request_fields(request))
         return await event_stream(
             svc.event_hub(), request.workspace_id, principal.key_id, keepalive,
             still_valid=claim_live, check_seconds=min(CLAIM_CHECK_SECONDS, keepalive),
+            accept=news,
         )  # fmt: skip
 
     @router.post(
@@ -326,13 +356,18 @@ def add_pull_routes(
         operation_id="claim_read_sub_doc",
         tags=["pull workers"],
         response_model=s.SubDocOut,
-        responses=responses,
+        responses={**responses, **out_of_scope("the sub-doc")},
     )
     async def read_sub_doc(
         request_id: s.RequestIdPath, body: SubDocIn, principal: PrincipalDep
     ) -> s.SubDocOut:
-        """A sub-doc of the claimed request's workspace: its state and commit clock."""
+        """A sub-doc of the claimed request's workspace: its state and commit clock.
+
+        Only a sub-doc the claimed stage declares (``sub_docs``; its job's, ``job:{job_id}``
+        and ``job:{job_id}:*``, by default): another is 403.
+        """
         request = await claim_holder(request_id, body, principal, live=True)
+        svc.flow.sub_doc_scope(request.stage).check(body.sub_doc, request_fields(request))
         doc = await svc.async_oplog.get_sub_doc(request.workspace_id, body.sub_doc)
         return s.SubDocOut(
             workspace_id=doc.workspace_id, sub_doc=doc.sub_doc, clock=doc.clock, state=doc.state

@@ -187,6 +187,15 @@ class RateLimits:
         permit(principal)
         return principal
 
+    async def charge(self, principal: Principal, units: int) -> None:
+        """Charge ``principal``'s key ``units`` more than the call itself (a completion's
+        follow-ups, one each); :class:`RateLimited`, with nothing charged, past its limit."""
+        if self.per_key and units > 0:
+            await self._check(
+                self.per_key, ("key", principal.key_id), hit=True, cost=units,
+                detail="too many requests for this key (each follow-up counts as one)",
+            )  # fmt: skip
+
     async def _check(
         self,
         items: list[RateLimitItem],
@@ -194,20 +203,21 @@ class RateLimits:
         *,
         hit: bool,
         detail: str | None = None,
+        cost: int = 1,
     ) -> None:
         try:
             limiter = self._limiter()
             # Every limit is tested before any is charged: a request refused by the minute
             # limit does not use up the second's budget too.
             for item in items:
-                if detail is None or await limiter.test(item, *identifiers):
+                if detail is None or await limiter.test(item, *identifiers, cost=cost):
                     continue
                 raise await self._refusal(limiter, item, identifiers, detail)
             if hit:
                 for item in items:
                     # hit() is the atomic check-and-count: a concurrent request may have
                     # taken the last slot since test() (a shared storage is a round trip away).
-                    if not await limiter.hit(item, *identifiers) and detail is not None:
+                    if not await limiter.hit(item, *identifiers, cost=cost) and detail is not None:
                         raise await self._refusal(limiter, item, identifiers, detail)
         except RateLimited:
             raise

@@ -87,12 +87,17 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         operation_id="complete",
         tags=["pull workers"],
         response_model=s.RequestOut,
-        responses=_responses(409, 413, 503),
+        responses={**_responses(409, 413, 503), **out_of_scope("a hand-off target")},
     )
     async def complete(
         request_id: s.RequestIdPath, body: s.CompleteIn, principal: PrincipalDep
     ) -> s.RequestOut:
-        """Finish the claimed request (fenced: a zombie's late completion is 409, no change)."""
+        """Finish the claimed request (fenced: a zombie's late completion is 409, no change).
+
+        ``then`` hands off only to the stages the claimed stage declares (``hands_off_to``;
+        none when it declares none): another is 403 and nothing changes. Each follow-up
+        counts as one request against the key's rate limit (429 before anything is written).
+        """
         ref = claim_ref(request_id, body.claim_token, principal, body.workspace_id)
         queue = svc.async_queue
         then: list[NewRequest] = []
@@ -104,7 +109,12 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
             parent = await queue.claim_parent(ref)
             if parent is None:
                 raise LeaseLost(request_id)
+            # Only to the stages the claimed stage declares (hands_off_to): 403, nothing
+            # written; then each follow-up is one more unit of the key's rate limit (429).
+            targets = [f.stage for f in body.then]
+            svc.flow.check_hand_offs(parent.stage, targets, declared_only=True)
             then = [_follow_up(svc.flow, parent, f) for f in body.then]
+            await svc.rate_limits.charge(principal, len(then))
         done, followed = await queue.hand_off(ref, body.result, then=then)
         for made in followed:
             await svc.wake(made)  # a hand-off that collapsed onto an existing row has its own
@@ -137,19 +147,36 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         responses={
             200: {"model": s.ApplyOut, "description": "A replay: the original answer"},
             **_responses(409, 413, 503),
+            **out_of_scope("the sub-doc"),
         },
     )
     async def claim_op(
         request_id: s.RequestIdPath, body: s.ClaimOpIn, principal: PrincipalDep, response: Response
     ) -> s.ApplyOut:
-        """Write to a sub-doc of the claimed request's workspace, fenced by the claim."""
+        """Write to a sub-doc of the claimed request's workspace, fenced by the claim.
+
+        Only to a sub-doc the claimed stage declares (``sub_docs``; its job's, ``job:{job_id}``
+        and ``job:{job_id}:*``, by default): another is 403 and nothing is written.
+        """
         ref = claim_ref(request_id, body.claim_token, principal, body.workspace_id)
         op_id = body.op_id or (stage_op_id(request_id, body.key) if body.key else None)
         if op_id is None:
             raise InvalidRequest("give key (or op_id), so that a retried write is applied once")
         # No workspace given: the fence's own statement names the claimed request's.
-        result = await svc.async_oplog.apply_op(None, body.sub_doc, body.op, op_id, fence=ref)
+        # The scope is checked on the fenced row, in the write's own transaction.
+        result = await svc.async_oplog.apply_op(
+            None, body.sub_doc, body.op, op_id, fence=ref, sub_docs=svc.flow.sub_doc_scope
+        )
         return _apply_out(result, response)
+
+
+def out_of_scope(what: str) -> dict[int | str, dict[str, Any]]:
+    """The 403 of a claim route that reaches past what the claimed stage declares."""
+    text = (
+        f"The key is not a worker key of this worker class, or {what} is outside what the "
+        "claimed stage declares (`sub_docs`, `hands_off_to`; code forbidden)"
+    )
+    return {403: {"model": s.ErrorOut, "description": text}}
 
 
 def claim_ref(
