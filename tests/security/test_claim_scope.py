@@ -168,7 +168,7 @@ def test_a_claim_writes_no_sub_doc_outside_its_stages_scope(
     before, redis_before = snapshot(engine), redis_state(redis_url)
     pubsub = redis_lib.Redis.from_url(redis_url).pubsub()
     pubsub.subscribe(workspace_channel(WS))
-    assert pubsub.get_message(timeout=5)["type"] == "subscribe"  # type: ignore[index]
+    assert pubsub.get_message(timeout=5)["type"] == "subscribe"
     url = f"/v1/claims/{rid}/ops"
     for n, other in enumerate(("billing", "job:j2", "job:j10:x")):
         for ident in ({"key": f"k{n}"}, {"op_id": new_op_id()}):
