@@ -98,7 +98,7 @@ def run(url: str, n: int) -> dict[str, Any]:
         def done_params(ws: str, rid: str, token: str) -> dict[str, Any]:
             return {
                 "request_id": rid, "workspace_id": ws, "token": token, "result": "null",
-                "now": None, "worker_classes": None,
+                "now": None, "worker_classes": None, "ws_exact": None, "ws_prefixes": None,
             }  # fmt: skip
 
         def floor(ws: str, rid: str) -> None:

@@ -463,7 +463,8 @@ def _worker(url: str, pipe: Pipe, batch: int) -> None:
         if not rows:
             return False
         key = {"workspace_id": rows[0]["workspace_id"], "request_id": rows[0]["request_id"]}
-        done = {**key, "token": token, "result": RESULT_TEXT, "now": None, "worker_classes": None}
+        unscoped = {"worker_classes": None, "ws_exact": None, "ws_prefixes": None}
+        done = {**key, "token": token, "result": RESULT_TEXT, "now": None, **unscoped}
         if run_statement(queue.engine, N.FINISH.sql, done, one_as_dict) is None:
             raise RuntimeError(f"statements: {key} not completed")
         return True

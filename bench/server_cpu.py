@@ -153,6 +153,7 @@ def run(url: str, n: int) -> dict[str, float]:
                     finished = conn.execute(done, {
                         "request_id": rid, "workspace_id": ws, "token": token,
                         "result": "null", "now": None, "worker_classes": None,
+                        "ws_exact": None, "ws_prefixes": None,
                     }).fetchone() is not None  # fmt: skip
                 if claimed is None or not finished:
                     raise RuntimeError(f"{name}: {rid} not claimed and completed")

@@ -35,6 +35,7 @@ from onceflow.models import Claim, ClaimRef, EnqueueResult, Heartbeat, NewReques
 from onceflow.oplog import AsyncOpLog, AsyncWorkspaceClient, OpLog, WorkspaceClient
 from onceflow.queue import AsyncQueue, Queue
 from onceflow.settings import Settings, get_settings
+from onceflow.worker_tokens import mint_worker_token
 
 __version__ = "0.1.0"
 
@@ -76,5 +77,6 @@ __all__ = [
     "acompute_once",
     "compute_once",
     "get_settings",
+    "mint_worker_token",
     "request_id_for",
 ]

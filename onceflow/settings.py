@@ -11,13 +11,23 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
+
+
+class WorkerKeyScopes(BaseModel):
+    """A worker key's scopes in ``ONCEFLOW_WORKER_KEYS``: the worker classes it may claim
+    and the workspaces it may claim in (ids, ``"prefix*"`` patterns, or ``"*"``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    worker_classes: list[str]
+    workspaces: list[str]
 
 
 class Settings(BaseSettings):
@@ -195,10 +205,27 @@ class Settings(BaseSettings):
         description='API keys as JSON {"<sha256 hex of the key>": ["<workspace>", …]} '
         '("*" = every workspace): enqueue, ops and reads in those workspaces.',
     )
-    worker_keys: dict[str, list[str]] = Field(
+    worker_keys: dict[str, WorkerKeyScopes | list[str]] = Field(
         default_factory=dict,
-        description='Worker keys as JSON {"<sha256 hex of the key>": ["<worker class>", …]} '
-        '("*" = every class): claims of those worker classes over HTTP.',
+        description='Worker keys as JSON {"<sha256 hex of the key>": {"worker_classes": '
+        '["<worker class>", …], "workspaces": ["<workspace>", "<prefix>*", …]}} ("*" = every '
+        "class / every workspace): claims of those worker classes, in those workspaces only, "
+        'over HTTP. The older form {"<sha256 hex>": ["<worker class>", …]} still works and '
+        "means every workspace (a trusted back end's key; logged at start-up).",
+    )
+    worker_token_secrets: SecretStr | None = Field(
+        default=None,
+        description="Secrets (comma-separated, each at least 32 characters) that worker tokens "
+        "are signed with (HS256 JWTs, onceflow.mint_worker_token): the first one mints, every "
+        "one verifies, so a new secret goes first and the old one stays until its tokens "
+        "expire. Unset: worker tokens are refused (401).",
+    )
+    worker_token_max_lifetime_seconds: float = Field(
+        default=86_400.0,
+        gt=0,
+        le=30 * 86_400,
+        description="Longest lifetime (exp - iat) of a worker token; a token minted for "
+        "longer is refused (401) and onceflow.mint_worker_token refuses to mint it.",
     )
     operator_keys: dict[str, list[str]] = Field(
         default_factory=dict,
@@ -308,6 +335,14 @@ class Settings(BaseSettings):
         fields' defaults."""
         above = (init_settings, env_settings, dotenv_settings, file_secret_settings)
         return (*above, _DefaultsSource(settings_cls, above))
+
+    @property
+    def worker_token_secret_list(self) -> list[str]:
+        """The worker-token secrets, in order (the first mints); [] when unset."""
+        if self.worker_token_secrets is None:
+            return []
+        raw = self.worker_token_secrets.get_secret_value()
+        return [part.strip() for part in raw.split(",") if part.strip()]
 
     @property
     def celery_broker_url(self) -> str:

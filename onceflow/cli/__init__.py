@@ -4,8 +4,8 @@ Every command reads the database from ``ONCEFLOW_DATABASE_URL``; results go to
 stdout (one JSON object with ``--json`` or where scripts parse it), errors to
 stderr with a non-zero exit status.
 
-The commands live in ``commands_requests``, ``commands_processes`` and ``commands_dev``;
-``base`` holds the ``main`` group they register on.
+The commands live in ``commands_requests``, ``commands_processes``, ``commands_keys`` and
+``commands_dev``; ``base`` holds the ``main`` group they register on.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from onceflow.cli.commands_dev import (
     demo,
     dev_services,
 )
+from onceflow.cli.commands_keys import mint_worker_token
 from onceflow.cli.commands_processes import (
     api,
     beat,
@@ -86,6 +87,7 @@ __all__ = [
     "mcp_",
     "metrics",
     "migrate",
+    "mint_worker_token",
     "requeue",
     "show",
     "status",

@@ -12,6 +12,7 @@ from onceflow.models.requests import (
     Request,
     SweepResult,
 )
+from onceflow.models.scopes import WorkspaceScope
 from onceflow.models.status import Status, parse_status
 from onceflow.models.subdocs import workspace_sub_doc_ops, workspace_sub_docs
 from onceflow.models.tables import metadata, workspace_process_requests
@@ -27,6 +28,7 @@ __all__ = [
     "Request",
     "Status",
     "SweepResult",
+    "WorkspaceScope",
     "metadata",
     "parse_status",
     "workspace_process_requests",

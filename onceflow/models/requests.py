@@ -8,6 +8,7 @@ from datetime import datetime, timedelta
 from typing import Any, Protocol, runtime_checkable
 
 from onceflow.ids import ClaimToken, RequestId
+from onceflow.models.scopes import WorkspaceScope
 from onceflow.models.status import Status, status_of
 
 
@@ -165,6 +166,9 @@ class ClaimRef:
     #: the id alone — one more index lookup, and on a database sharded by workspace a
     #: look at every shard; pull clients of this release send it.
     workspace_id: str | None = None
+    #: The workspaces the holder may claim in (a scoped worker key's or token's), None for
+    #: any: a fenced write by this reference changes only a request of one of them.
+    workspaces: WorkspaceScope | None = None
 
 
 @dataclass(frozen=True, slots=True)

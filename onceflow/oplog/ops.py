@@ -43,7 +43,7 @@ from onceflow.models.sub_doc_scope import SubDocScope
 from onceflow.oplog.records import ApplyResult, OpRecord, SubDoc, check_op_id, new_op_id
 from onceflow.oplog.sql import N
 from onceflow.payloads import Unreadable, canonical_json, encode_payload
-from onceflow.queue.claims import fence_scope, fenced_row_steps
+from onceflow.queue.claims import fence_scopes, fenced_row_steps
 from onceflow.settings import Settings
 
 #: A stage's sub-doc scope by the stage's name (``Flow.sub_doc_scope``), for a fenced write.
@@ -207,7 +207,7 @@ class OpLogOps:
             return None
         params = {
             **key, "workspace_id": key["workspace_id"] or workspace_of(fence),
-            "fence": fence.request_id, "worker_classes": fence_scope(fence),
+            "fence": fence.request_id, **fence_scopes(fence),
         }  # fmt: skip
         found = yield FetchOne(N.FIND_FENCED_OP, params)
         if found is None:

@@ -10,6 +10,7 @@ from sqlalchemy import text
 
 from onceflow.connector import Query
 from onceflow.db import render
+from onceflow.queue.sql import IN_WORKSPACES
 
 # Lock the sub-doc row: every writer of one sub-doc queues here, which is what makes its
 # clock gapless and lets a retry that arrives mid-flight wait for the first attempt.
@@ -48,9 +49,10 @@ WHERE workspace_id = :workspace_id AND sub_doc = :sub_doc AND op_id = :op_id
 # A client's retry whose fence was refused (its claim is over): the op it may have written
 # under that claim, found by the fence the op row keeps — in the fenced request's workspace
 # unless one is given (a by-reference write names none), within the reference's worker
-# classes. Found: the retry is a replay of a committed write; not found: LeaseLost.
+# classes and workspaces. Found: the retry is a replay of a committed write; not found:
+# LeaseLost.
 FIND_FENCED_OP = render(
-    text("""
+    text(f"""
 SELECT o.workspace_id, o.clock, o.op_type, o.payload_hash, o.result, o.error, o.fence,
        o.committed_at
 FROM workspace_process_requests w
@@ -65,6 +67,7 @@ WHERE w.workspace_id = coalesce(CAST(:workspace_id AS text),
   AND w.request_id = :fence
   AND (CAST(:worker_classes AS text[]) IS NULL
        OR w.worker_class = ANY(CAST(:worker_classes AS text[])))
+  AND (CAST(:ws_exact AS text[]) IS NULL OR {IN_WORKSPACES})
 """)
 )
 

@@ -60,6 +60,7 @@ from onceflow.models.requests import (
     Request,
     workspace_of,
 )
+from onceflow.models.scopes import WorkspaceScope, scope_params
 from onceflow.models.status import Status
 from onceflow.payloads import JSON, encode_json
 from onceflow.queue import sql
@@ -175,11 +176,15 @@ class ClaimOps:
         *,
         lease_seconds: float | None = None,
         max_runtime: float | None = None,
+        workspaces: WorkspaceScope | Iterable[str] | None = None,
         now: datetime | None = None,
     ) -> Steps[builtins.list[Claim]]:
         """Claim up to ``limit`` due requests, reading one worker class at a time, in order.
 
-        ``max_runtime`` as for :meth:`claim`. On a database split by workspace, each
+        ``max_runtime`` as for :meth:`claim`. ``workspaces`` (a :class:`WorkspaceScope`,
+        or patterns: ids, ``"prefix*"``; None or ``"*"``: every workspace) claims only
+        requests of those workspaces: the filter is inside the claim's ``SKIP LOCKED``
+        select, so another workspace's row is never locked. On a database split by workspace, each
         shard in turn; a shard that cannot be reached (:class:`DatabaseUnavailable`) is
         logged and skipped for this call while the others are claimed from: the error is
         raised only when every shard failed (on one database: as it always was).
@@ -194,6 +199,7 @@ class ClaimOps:
         if not isinstance(limit, int) or not 1 <= limit <= LIST_LIMIT_MAX:
             raise InvalidRequest(f"limit must be an integer in [1, {LIST_LIMIT_MAX}]")
         lease = self._lease(lease_seconds)
+        scope = _workspace_scope(workspaces)
         claims: builtins.list[Claim] = []
         took_over: builtins.list[bool] = []
         lazy = yield from self._lazy()
@@ -214,8 +220,11 @@ class ClaimOps:
                 "worker_class": wc, "worker_id": worker_id, "tokens": " ".join(tokens),
                 "lease_seconds": lease, "max_runtime": runtime, "now": now, "lazy": lazy,
             }  # fmt: skip
+            if scope is not None:
+                params.update(scope_params(scope))
+            query = sql.claim_next_query(want, scope is not None)
             try:
-                rows = yield OnShard(shard, all_rows(sql.claim_next_query(want), params))
+                rows = yield OnShard(shard, all_rows(query, params))
             except DatabaseUnavailable as exc:
                 # Not retried (a claim whose answer was lost is not safe to repeat: its
                 # rows' leases lapse and the sweeper rescues them); the other shards go on.
@@ -274,7 +283,7 @@ class ClaimOps:
             lease = full.lease_seconds
         params = {
             **fence_key(claim), "token": claim.token,
-            "worker_classes": fence_scope(claim),
+            **fence_scopes(claim),
             "lease_seconds": lease,
             "deadline": full.run_deadline if full else None,
             "default_lease": self.settings.lease_seconds, "now": now,
@@ -383,7 +392,7 @@ class ClaimOps:
             _same_workspace(workspace_of(claim), follow_params["workspace_ids"])
         params = {
             **fence_key(claim), "token": claim.token, "result": text, "now": now,
-            "worker_classes": fence_scope(claim),
+            **fence_scopes(claim),
         }  # fmt: skip
 
         def attempt() -> Steps[_Succeeded]:
@@ -450,7 +459,7 @@ class ClaimOps:
         _check_ref(claim)
         params = {
             **fence_key(claim), "token": claim.token, "now": None,
-            "worker_classes": fence_scope(claim),
+            **fence_scopes(claim),
         }  # fmt: skip
         row = yield from retrying(lambda: one_row(N.CLAIM_PARENT, params))
         return None if row is None else Request.from_row(row)
@@ -501,7 +510,7 @@ class ClaimOps:
         delay = None if retry_in is None else _seconds("retry_in", retry_in)
         params = {
             **fence_key(claim), "token": claim.token, "error": text,
-            "worker_classes": fence_scope(claim),
+            **fence_scopes(claim),
             "retryable": retryable, "delay": delay, "now": now,
             "backoff_base": float(self.settings.backoff_base_seconds),
             "backoff_max": float(self.settings.backoff_max_seconds),
@@ -648,7 +657,7 @@ def fenced_row_steps(
     ``workspace_id``, ``job_id`` and ``stage`` (what a stage's sub-doc scope names)."""
     params = {
         **fence_key(claim), "token": claim.token, "now": now,
-        "worker_classes": fence_scope(claim),
+        **fence_scopes(claim),
     }  # fmt: skip
     row = yield FetchOne(N.FENCE_CHECK, params)
     if row is None:
@@ -667,7 +676,7 @@ def _landed(claim: Fenced, statuses: tuple[Status, ...]) -> Steps[Request | None
     """
     params = {
         **fence_key(claim), "token": claim.token,
-        "statuses": [s.value for s in statuses], "worker_classes": fence_scope(claim),
+        "statuses": [s.value for s in statuses], **fence_scopes(claim),
     }  # fmt: skip
     row = yield FetchOne(N.LANDED, params)
     return None if row is None else Request.from_row(row)
@@ -683,6 +692,22 @@ def fence_scope(claim: Any) -> list[str] | None:
     """The worker classes a reference is scoped to (None: any), for the fence's SQL."""
     scope = getattr(claim, "worker_classes", None)
     return None if scope is None else [str(c) for c in scope]
+
+
+def fence_scopes(claim: Any) -> dict[str, list[str] | None]:
+    """A reference's scope for the fence's SQL: its worker classes (``worker_classes``)
+    and workspaces (``ws_exact``, ``ws_prefixes``); None for any."""
+    workspaces = getattr(claim, "workspaces", None)
+    if workspaces is not None and not isinstance(workspaces, WorkspaceScope):
+        raise InvalidRequest("a reference's workspaces are a WorkspaceScope (or None)")
+    return {"worker_classes": fence_scope(claim), **scope_params(workspaces)}
+
+
+def _workspace_scope(workspaces: WorkspaceScope | Iterable[str] | None) -> WorkspaceScope | None:
+    """``workspaces`` as a scope (None: every workspace); patterns are parsed and checked."""
+    if workspaces is None or isinstance(workspaces, WorkspaceScope):
+        return workspaces
+    return WorkspaceScope.parse(workspaces)
 
 
 def _check_ref(claim: Any) -> None:

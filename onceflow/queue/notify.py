@@ -65,6 +65,7 @@ from onceflow.connector import (
 from onceflow.errors import DatabaseUnavailable, InvalidRequest
 from onceflow.ids import check_worker_class
 from onceflow.loops import PerLoop
+from onceflow.models.scopes import WorkspaceScope, scope_params
 from onceflow.queue.sql import NOTIFY_CHANNEL, N
 from onceflow.settings import Settings
 
@@ -96,19 +97,26 @@ def _conninfo(source: Engine | str) -> str:
 ShardNext = float | None | DatabaseUnavailable
 
 
-def next_work_by_shard(classes: list[str]) -> Steps[list[ShardNext]]:
-    """Per shard, in shard order: seconds (database clock) until work of ``classes`` may be
-    claimable there, None when nothing is known, or the :class:`DatabaseUnavailable` of a
-    shard that did not answer — raised instead when no shard answered.
+def next_work_by_shard(
+    classes: list[str], workspaces: WorkspaceScope | None = None
+) -> Steps[list[ShardNext]]:
+    """Per shard, in shard order: seconds (database clock) until work of ``classes`` (in
+    ``workspaces``; None: any) may be claimable there, None when nothing is known, or the
+    :class:`DatabaseUnavailable` of a shard that did not answer — raised instead when no
+    shard answered.
 
     A read: repeated once on a fresh connection after a lost one.
     """
-    params = {"worker_classes": classes}
+    params: dict[str, Any] = {"worker_classes": classes}
+    query = N.NEXT_WORK
+    if workspaces is not None:
+        params.update(scope_params(workspaces))
+        query = N.NEXT_WORK_SCOPED
     count: int = yield ShardCount()
     out: list[ShardNext] = []
     for index in range(count):
         try:
-            row = yield OnShard(index, retrying(lambda: one_row(N.NEXT_WORK, params)))
+            row = yield OnShard(index, retrying(lambda: one_row(query, params)))
         except DatabaseUnavailable as exc:
             if count > 1:
                 log.info("wait_for_work: shard %d did not answer: %s", index, exc)
@@ -491,9 +499,12 @@ class Waiter(_Listening):
                 fresh[1].close()
         return current[1]
 
-    def _next_work(self, classes: list[str]) -> list[ShardNext]:
-        """Per shard: seconds (database clock) until work of ``classes`` may be claimable."""
-        return run(self.connector, next_work_by_shard(classes))
+    def _next_work(
+        self, classes: list[str], workspaces: WorkspaceScope | None = None
+    ) -> list[ShardNext]:
+        """Per shard: seconds (database clock) until work of ``classes`` (in ``workspaces``)
+        may be claimable."""
+        return run(self.connector, next_work_by_shard(classes, workspaces))
 
     def wait_for_work(
         self,
@@ -501,6 +512,7 @@ class Waiter(_Listening):
         timeout: float,
         *,
         interrupt: threading.Event | None = None,
+        workspaces: WorkspaceScope | None = None,
     ) -> bool:
         """Wait until a request of ``worker_classes`` may be claimable; never claims.
 
@@ -511,6 +523,8 @@ class Waiter(_Listening):
         be spurious (another worker claimed first, the listener reconnected): claim
         and wait again. On a database split by workspace, over every shard (see the
         module): a shard that cannot be reached does not hold up the others.
+        ``workspaces`` (a scoped worker's; None: any): work due in other workspaces is not
+        due for this wait (a NOTIFY of the class still wakes it: claim and wait again).
         """
         classes, timeout = _check_wait(worker_classes, timeout)
         start = time.monotonic()
@@ -519,7 +533,7 @@ class Waiter(_Listening):
         if timeout > 0 and self.settings.notify:
             group = self._listeners()
             marks = group.note(classes, start + min(timeout, _READY_WAIT))
-        answers = self._next_work(classes)  # after LISTEN and the note: no lost wake-up
+        answers = self._next_work(classes, workspaces)  # after LISTEN and the note
         plan = _plan(start, timeout, marks, answers)
         if plan is None:
             return True
@@ -545,7 +559,11 @@ class Waiter(_Listening):
                     return True
 
     async def wait_for_work_async(
-        self, worker_classes: str | Sequence[str], timeout: float
+        self,
+        worker_classes: str | Sequence[str],
+        timeout: float,
+        *,
+        workspaces: WorkspaceScope | None = None,
     ) -> bool:
         """:meth:`wait_for_work` for asyncio: listeners per event loop; cancel to stop.
 
@@ -554,7 +572,7 @@ class Waiter(_Listening):
         """
 
         async def next_work_in(classes: list[str]) -> list[ShardNext]:
-            return await asyncio.to_thread(self._next_work, classes)
+            return await asyncio.to_thread(self._next_work, classes, workspaces)
 
         return await self._await_work(worker_classes, timeout, next_work_in)
 
@@ -585,7 +603,13 @@ class AsyncWaiter(_Listening):
         url = getattr(self.aconnector, "url", None)
         return [str(url) if url is not None else self.settings.database_url]
 
-    async def wait_for_work(self, worker_classes: str | Sequence[str], timeout: float) -> bool:
+    async def wait_for_work(
+        self,
+        worker_classes: str | Sequence[str],
+        timeout: float,
+        *,
+        workspaces: WorkspaceScope | None = None,
+    ) -> bool:
         """Wait until a request of ``worker_classes`` may be claimable; never claims.
 
         True as soon as a NOTIFY for one of the classes arrives, work is due when
@@ -593,9 +617,11 @@ class AsyncWaiter(_Listening):
         ``run_after``, a running row's lease lapsing) — by the database clock. False
         after ``timeout`` seconds (0..3600). A True may be spurious (another worker
         claimed first, the listener reconnected): claim and wait again. Cancel to stop.
+        ``workspaces`` (a scoped worker's; None: any): work due in other workspaces is
+        not due for this wait (a NOTIFY of the class still wakes it: claim and wait again).
         """
 
         async def next_work_in(classes: list[str]) -> list[ShardNext]:
-            return await arun(self.aconnector, next_work_by_shard(classes))
+            return await arun(self.aconnector, next_work_by_shard(classes, workspaces))
 
         return await self._await_work(worker_classes, timeout, next_work_in)

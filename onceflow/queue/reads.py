@@ -22,6 +22,7 @@ from onceflow.connector import (
 from onceflow.errors import InvalidRequest, NotFound
 from onceflow.ids import check_id
 from onceflow.models.requests import Request
+from onceflow.models.scopes import WorkspaceScope, scope_params
 from onceflow.models.status import Status, parse_status
 from onceflow.queue import sql
 from onceflow.queue.sql import N
@@ -70,17 +71,19 @@ class ReadOps:
         *,
         worker_classes: Sequence[str] | None = None,
         workspace_id: str | None = None,
+        workspaces: WorkspaceScope | None = None,
     ) -> Steps[Request | None]:
         """The request if it runs under ``token`` with a live lease (DB clock), else None.
 
-        ``worker_classes`` scopes it (an HTTP worker key's classes). A read, not a fence: it
+        ``worker_classes`` and ``workspaces`` scope it (an HTTP worker key's classes and
+        workspaces; None: any). A read, not a fence: it
         holds nothing, so a write that must not outlive the
         claim still fences in its own statement (``fence_check``, the fenced updates).
         """
         scope = None if worker_classes is None else builtins.list(worker_classes)
         params = {
             **request_key(request_id, workspace_id), "token": token, "now": None,
-            "worker_classes": scope,
+            "worker_classes": scope, **scope_params(workspaces),
         }  # fmt: skip
         row = yield from one(N.LIVE_CLAIM, params)
         return None if row is None else Request.from_row(row)

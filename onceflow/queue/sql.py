@@ -239,7 +239,15 @@ RETURNING {RETURNING},
 # index entries (priority comes between): delayed rows of a higher priority than the first
 # due one are still visited in the index, but not read from the heap. now() is the
 # transaction's start, the same value as n.now.
-_CLAIM_NEXT = f"""
+# A worker scoped to some workspaces (a tenant's worker key or minted token) claims with
+# IN_WORKSPACES added to both candidate sets, inside the SKIP LOCKED select: a row of
+# another workspace is never locked, let alone claimed. The unscoped statement is the
+# template with nothing added.
+#: A row's workspace is one of :ws_exact or starts with one of :ws_prefixes (both lists).
+IN_WORKSPACES = """(w.workspace_id = ANY(CAST(:ws_exact AS text[]))
+           OR EXISTS (SELECT FROM unnest(CAST(:ws_prefixes AS text[])) AS p(prefix)
+                      WHERE starts_with(w.workspace_id, p.prefix)))"""
+_CLAIM_NEXT_TEMPLATE = f"""
 WITH n AS ({_NOW_LAZY}),
 lapsed AS (
     SELECT w.workspace_id, w.request_id
@@ -249,7 +257,7 @@ lapsed AS (
       AND w.lease_expires_at <= {_NOW_EXPR}
       AND NOT w.cancel_requested
       AND w.attempts < w.max_attempts
-      AND w.crash_attempts + 1 < w.max_crash_attempts
+      AND w.crash_attempts + 1 < w.max_crash_attempts{{scope}}
     ORDER BY w.lease_expires_at
     LIMIT :limit
     FOR UPDATE OF w SKIP LOCKED
@@ -259,7 +267,7 @@ queued AS (
     FROM {TABLE} w
     WHERE w.status = 'queued'
       AND w.worker_class = :worker_class
-      AND w.run_after <= {_NOW_EXPR}
+      AND w.run_after <= {_NOW_EXPR}{{scope}}
     ORDER BY w.priority DESC, w.run_after
     LIMIT :limit
     FOR UPDATE OF w SKIP LOCKED
@@ -285,13 +293,18 @@ FROM picked, n
 WHERE w.workspace_id = picked.workspace_id AND w.request_id = picked.request_id
 RETURNING {RETURNING}, picked.rn, picked.took_over
 """
+_CLAIM_NEXT = _CLAIM_NEXT_TEMPLATE.format(scope="")
+_CLAIM_NEXT_SCOPED = _CLAIM_NEXT_TEMPLATE.format(scope=f"\n      AND {IN_WORKSPACES}")
 CLAIM_NEXT: TextClause = text(_CLAIM_NEXT)
 
 # :worker_classes (NULL for none) scopes a fenced write (and a read by reference) to a
-# principal's worker classes (an HTTP worker key): a token of another class's request is
+# principal's worker classes (an HTTP worker key), and :ws_exact / :ws_prefixes (NULL for
+# none) to its workspaces: a token of another class's or another workspace's request is
 # fenced off like a wrong token.
-_IN_SCOPE = """(CAST(:worker_classes AS text[]) IS NULL
-       OR w.worker_class = ANY(CAST(:worker_classes AS text[])))"""
+_IN_SCOPE = f"""(CAST(:worker_classes AS text[]) IS NULL
+       OR w.worker_class = ANY(CAST(:worker_classes AS text[])))
+  AND (CAST(:ws_exact AS text[]) IS NULL
+       OR {IN_WORKSPACES})"""
 _FENCE = f"""
   {_BY_ID}
   AND w.claim_token = :token
@@ -494,18 +507,20 @@ SELECT * FROM upd WHERE {_notify_one("upd", "true")}
 # the due time's by a loose scan of ix_wpr_claim (worker_class, priority DESC, run_after),
 # the first row of each priority in turn: one index probe per distinct priority of the
 # class's queued rows (per partition, on a partitioned table).
-NEXT_WORK: TextClause = text(f"""
+# NEXT_WORK_SCOPED: the same for a waiter scoped to some workspaces (IN_WORKSPACES in each
+# probe): work of other workspaces neither wakes it nor counts as due for it.
+_NEXT_WORK_TEMPLATE = f"""
 WITH RECURSIVE n AS (SELECT now() AS now),
 c AS (SELECT DISTINCT unnest(CAST(:worker_classes AS text[])) AS wc),
 due AS (
     SELECT c.wc, f.priority, f.run_after FROM c, LATERAL (
         SELECT w.priority, w.run_after FROM {TABLE} w
-        WHERE w.status = 'queued' AND w.worker_class = c.wc
+        WHERE w.status = 'queued' AND w.worker_class = c.wc{{scope}}
         ORDER BY w.priority DESC, w.run_after LIMIT 1) f
     UNION ALL
     SELECT due.wc, f.priority, f.run_after FROM due, LATERAL (
         SELECT w.priority, w.run_after FROM {TABLE} w
-        WHERE w.status = 'queued' AND w.worker_class = due.wc AND w.priority < due.priority
+        WHERE w.status = 'queued' AND w.worker_class = due.wc AND w.priority < due.priority{{scope}}
         ORDER BY w.priority DESC, w.run_after LIMIT 1) f
 )
 SELECT CAST(EXTRACT(EPOCH FROM least(
@@ -515,11 +530,15 @@ SELECT CAST(EXTRACT(EPOCH FROM least(
         WHERE w.status = 'running' AND w.worker_class = c.wc
           AND NOT w.cancel_requested
           AND w.attempts < w.max_attempts
-          AND w.crash_attempts + 1 < w.max_crash_attempts
+          AND w.crash_attempts + 1 < w.max_crash_attempts{{scope}}
         ORDER BY w.lease_expires_at LIMIT 1) l)
 ) - n.now) AS float8) AS next_in
 FROM n
-""")
+"""
+NEXT_WORK: TextClause = text(_NEXT_WORK_TEMPLATE.format(scope=""))
+NEXT_WORK_SCOPED: TextClause = text(
+    _NEXT_WORK_TEMPLATE.format(scope=f"\n          AND {IN_WORKSPACES}")
+)
 Q_NEXT_WORK = render(NEXT_WORK)
 
 GET: TextClause = text(f"SELECT {RETURNING} FROM {TABLE} w WHERE {_BY_ID}")
@@ -1028,20 +1047,24 @@ Q_DEPTH_FOR = render(DEPTH_FOR)
 
 
 @lru_cache(maxsize=64)
-def claim_next_sql(limit: int) -> str:
-    """CLAIM_NEXT for psycopg with ``limit`` as a literal.
+def claim_next_sql(limit: int, scoped: bool = False) -> str:
+    """CLAIM_NEXT for psycopg with ``limit`` as a literal (``scoped``: the form filtered by
+    workspace, with :ws_exact and :ws_prefixes).
 
     A bound LIMIT makes Postgres cost every generic plan at 10% of the rows, so it
     re-plans the claim on each call (about as long as running it); a literal lets the
     prepared statement keep one generic plan. ``limit`` is an int, checked by the caller.
     """
-    return render(text(_CLAIM_NEXT.replace(":limit", str(int(limit)))))
+    statement = _CLAIM_NEXT_SCOPED if scoped else _CLAIM_NEXT
+    return render(text(statement.replace(":limit", str(int(limit)))))
 
 
 @lru_cache(maxsize=64)
-def claim_next_query(limit: int) -> Query:
-    """:func:`claim_next_sql` as the named statement ``queue.claim_next``."""
-    return Query("queue.claim_next", claim_next_sql(limit))
+def claim_next_query(limit: int, scoped: bool = False) -> Query:
+    """:func:`claim_next_sql` as the named statement ``queue.claim_next`` (scoped:
+    ``queue.claim_next_scoped``)."""
+    name = "queue.claim_next_scoped" if scoped else "queue.claim_next"
+    return Query(name, claim_next_sql(limit, scoped))
 
 
 # Rendered once for psycopg (the hot paths bypass SQLAlchemy's result machinery).
@@ -1162,3 +1185,4 @@ class N:
     PRUNE_PAYLOADS = _named("queue.prune_payloads", Q_PRUNE_PAYLOADS)
     DELETE_FINISHED = _named("queue.delete_finished", Q_DELETE_FINISHED)
     NEXT_WORK = _named("queue.next_work", Q_NEXT_WORK)
+    NEXT_WORK_SCOPED = _named("queue.next_work_scoped", render(NEXT_WORK_SCOPED))

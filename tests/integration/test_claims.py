@@ -384,9 +384,8 @@ def test_fenced_retry_takes_steps_or_values_and_retries_a_blip(api_queue: Queue)
         if len(tries) < 3:  # a blip: retried (after a Sleep step) while the lease may hold
             raise DatabaseUnavailable("a blip")
         by_id = {"request_id": rid, "workspace_id": None}  # the row found by its id alone
-        row = yield FetchOne(
-            N.LIVE_CLAIM, {**by_id, "token": claim.token, "now": None, "worker_classes": None}
-        )
+        unscoped = {"worker_classes": None, "ws_exact": None, "ws_prefixes": None}
+        row = yield FetchOne(N.LIVE_CLAIM, {**by_id, "token": claim.token, "now": None, **unscoped})
         return row["request_id"]
 
     assert api_queue.fenced_retry(claim.ref, attempt) == rid

@@ -46,6 +46,7 @@ from onceflow.integrations.fastapi.auth import (
 )
 from onceflow.integrations.fastapi.http_errors import add_error_handlers
 from onceflow.integrations.fastapi.limits import BodyLimitMiddleware
+from onceflow.worker_tokens import mint_worker_token
 
 __all__ = [
     "REPLAY_HEADER",
@@ -70,5 +71,6 @@ __all__ = [
     "get_queue",
     "get_services",
     "hash_key",
+    "mint_worker_token",
     "new_key",
 ]

@@ -230,14 +230,18 @@ def add_pull_routes(
         if live:  # one read: the token, the live lease and the key's classes in its WHERE
             found = await svc.async_queue.live_claim(
                 request_id, ref.token, worker_classes=ref.worker_classes,
-                workspace_id=ref.workspace_id,
+                workspace_id=ref.workspace_id, workspaces=ref.workspaces,
             )  # fmt: skip
         else:  # a release needs the cell, not a live claim: the lock token is the proof
             try:
                 found = await svc.async_queue.get(request_id, workspace_id=ref.workspace_id)
             except NotFound:
                 found = None
-        if found is None or not principal.may_work(found.worker_class):
+        if (
+            found is None
+            or not principal.may_work(found.worker_class)
+            or not principal.may_claim_in(found.workspace_id)
+        ):
             raise LeaseLost(request_id)
         return found
 
@@ -340,7 +344,7 @@ def add_pull_routes(
         async def claim_live() -> bool:
             live = await svc.async_queue.live_claim(
                 request_id, ref.token, worker_classes=ref.worker_classes,
-                workspace_id=ref.workspace_id,
+                workspace_id=ref.workspace_id, workspaces=ref.workspaces,
             )  # fmt: skip
             return live is not None
 

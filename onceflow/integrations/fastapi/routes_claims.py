@@ -15,12 +15,12 @@ from fastapi import APIRouter, Request, Response
 from onceflow.errors import InvalidRequest, LeaseLost, OnceflowError
 from onceflow.ids import check_id
 from onceflow.integrations.fastapi import schemas as s
-from onceflow.integrations.fastapi.auth import WILDCARD, Principal, PrincipalDep
+from onceflow.integrations.fastapi.auth import WILDCARD, Principal, PrincipalDep, get_principal
 from onceflow.integrations.fastapi.responses import _responses
 from onceflow.integrations.fastapi.routes_ops import _apply_out
 from onceflow.integrations.fastapi.routes_requests import _follow_up, _request_out
 from onceflow.integrations.fastapi.services import OnceflowServices
-from onceflow.models import Claim, ClaimRef, NewRequest
+from onceflow.models import Claim, ClaimRef, NewRequest, WorkspaceScope
 from onceflow.oplog import stage_op_id
 from onceflow.queue import AsyncQueue
 
@@ -43,8 +43,12 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         """
         queue = svc.async_queue
 
+        scope = get_principal(request).claim_workspaces  # None: every workspace
+
         async def claim_now() -> list[Claim]:
-            claims = await queue.claim_next(wc, body.worker_id, 1, lease_seconds=body.lease_seconds)
+            claims = await queue.claim_next(
+                wc, body.worker_id, 1, lease_seconds=body.lease_seconds, workspaces=scope
+            )
             if body.lease_seconds is None:
                 staged = [await _with_stage_lease(svc, claim) for claim in claims]
                 claims = [c for c in staged if c is not None]
@@ -52,7 +56,7 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
 
         claims = await claim_now()
         if not claims and body.wait > 0:
-            claims = await _long_poll(queue, wc, body.wait, request, claim_now)
+            claims = await _long_poll(queue, wc, body.wait, request, claim_now, scope)
         if not claims:
             return Response(status_code=204)
         claim = claims[0]
@@ -182,19 +186,22 @@ def out_of_scope(what: str) -> dict[int | str, dict[str, Any]]:
 def claim_ref(
     request_id: str, token: str, principal: Principal, workspace_id: str | None = None
 ) -> ClaimRef:
-    """What a pull worker holds, scoped to the worker classes its key may work.
+    """What a pull worker holds, scoped to the worker classes its key may work and the
+    workspaces it may claim in.
 
-    Nothing is read: the fenced statement itself checks token, live lease and class, and
-    finds the row by its key when the client sent the workspace (by its id alone when
-    not). One answer (409 lease_lost) for "no such request", "not in that workspace", "not
-    your worker class", "not running" and "wrong token": a worker key learns nothing about
-    requests it holds no claim on.
+    Nothing is read: the fenced statement itself checks token, live lease, class and
+    workspace, and finds the row by its key when the client sent the workspace (by its id
+    alone when not). One answer (409 lease_lost) for "no such request", "not in that
+    workspace", "not your worker class", "not one of your workspaces", "not running" and
+    "wrong token": a worker key learns nothing about requests it holds no claim on.
     """
     check_id("request_id", request_id)
     if workspace_id is not None:
         check_id("workspace_id", workspace_id)
+        if not principal.may_claim_in(workspace_id):
+            raise LeaseLost(request_id)  # the statement would refuse it too
     scope = None if WILDCARD in principal.worker_classes else tuple(principal.worker_classes)
-    return ClaimRef(request_id, token, scope, workspace_id)
+    return ClaimRef(request_id, token, scope, workspace_id, principal.claim_workspaces)
 
 
 async def _long_poll(
@@ -203,8 +210,10 @@ async def _long_poll(
     wait: float,
     request: Request,
     claim_now: Callable[[], Awaitable[list[Claim]]],
+    workspaces: WorkspaceScope | None = None,
 ) -> list[Claim]:
-    """Wait for work of ``wc`` and claim it, for up to ``wait`` s; [] on timeout or disconnect."""
+    """Wait for work of ``wc`` (in ``workspaces``; None: any) and claim it, for up to
+    ``wait`` s; [] on timeout or disconnect."""
     deadline = time.monotonic() + wait
 
     async def disconnected() -> None:
@@ -214,7 +223,7 @@ async def _long_poll(
     watcher = asyncio.ensure_future(disconnected())
     try:
         while (left := deadline - time.monotonic()) > 0:
-            waiter = asyncio.ensure_future(queue.wait_for_work(wc, left))
+            waiter = asyncio.ensure_future(queue.wait_for_work(wc, left, workspaces=workspaces))
             await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if watcher.done():
                 waiter.cancel()
