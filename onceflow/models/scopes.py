@@ -67,6 +67,13 @@ class WorkspaceScope:
         return sorted(self.exact) + [p + "*" for p in self.prefixes]
 
 
+def as_scope(workspaces: WorkspaceScope | Iterable[str] | None) -> WorkspaceScope | None:
+    """``workspaces`` as a scope (None: every workspace): a scope as is, patterns parsed."""
+    if workspaces is None or isinstance(workspaces, WorkspaceScope):
+        return workspaces
+    return WorkspaceScope.parse(workspaces)
+
+
 def allows(scope: WorkspaceScope | None, workspace_id: str) -> bool:
     """True if ``scope`` (None: every workspace) allows ``workspace_id``."""
     return scope is None or scope.allows(workspace_id)

@@ -60,7 +60,7 @@ from onceflow.models.requests import (
     Request,
     workspace_of,
 )
-from onceflow.models.scopes import WorkspaceScope, scope_params
+from onceflow.models.scopes import WorkspaceScope, as_scope, scope_params
 from onceflow.models.status import Status
 from onceflow.payloads import JSON, encode_json
 from onceflow.queue import sql
@@ -199,7 +199,7 @@ class ClaimOps:
         if not isinstance(limit, int) or not 1 <= limit <= LIST_LIMIT_MAX:
             raise InvalidRequest(f"limit must be an integer in [1, {LIST_LIMIT_MAX}]")
         lease = self._lease(lease_seconds)
-        scope = _workspace_scope(workspaces)
+        scope = as_scope(workspaces)
         claims: builtins.list[Claim] = []
         took_over: builtins.list[bool] = []
         lazy = yield from self._lazy()
@@ -701,13 +701,6 @@ def fence_scopes(claim: Any) -> dict[str, list[str] | None]:
     if workspaces is not None and not isinstance(workspaces, WorkspaceScope):
         raise InvalidRequest("a reference's workspaces are a WorkspaceScope (or None)")
     return {"worker_classes": fence_scope(claim), **scope_params(workspaces)}
-
-
-def _workspace_scope(workspaces: WorkspaceScope | Iterable[str] | None) -> WorkspaceScope | None:
-    """``workspaces`` as a scope (None: every workspace); patterns are parsed and checked."""
-    if workspaces is None or isinstance(workspaces, WorkspaceScope):
-        return workspaces
-    return WorkspaceScope.parse(workspaces)
 
 
 def _check_ref(claim: Any) -> None:

@@ -44,7 +44,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import psycopg
@@ -65,7 +65,7 @@ from onceflow.connector import (
 from onceflow.errors import DatabaseUnavailable, InvalidRequest
 from onceflow.ids import check_worker_class
 from onceflow.loops import PerLoop
-from onceflow.models.scopes import WorkspaceScope, scope_params
+from onceflow.models.scopes import WorkspaceScope, as_scope, scope_params
 from onceflow.queue.sql import NOTIFY_CHANNEL, N
 from onceflow.settings import Settings
 
@@ -98,7 +98,7 @@ ShardNext = float | None | DatabaseUnavailable
 
 
 def next_work_by_shard(
-    classes: list[str], workspaces: WorkspaceScope | None = None
+    classes: list[str], workspaces: WorkspaceScope | Iterable[str] | None = None
 ) -> Steps[list[ShardNext]]:
     """Per shard, in shard order: seconds (database clock) until work of ``classes`` (in
     ``workspaces``; None: any) may be claimable there, None when nothing is known, or the
@@ -109,8 +109,9 @@ def next_work_by_shard(
     """
     params: dict[str, Any] = {"worker_classes": classes}
     query = N.NEXT_WORK
-    if workspaces is not None:
-        params.update(scope_params(workspaces))
+    scope = as_scope(workspaces)
+    if scope is not None:
+        params.update(scope_params(scope))
         query = N.NEXT_WORK_SCOPED
     count: int = yield ShardCount()
     out: list[ShardNext] = []
@@ -500,7 +501,7 @@ class Waiter(_Listening):
         return current[1]
 
     def _next_work(
-        self, classes: list[str], workspaces: WorkspaceScope | None = None
+        self, classes: list[str], workspaces: WorkspaceScope | Iterable[str] | None = None
     ) -> list[ShardNext]:
         """Per shard: seconds (database clock) until work of ``classes`` (in ``workspaces``)
         may be claimable."""
@@ -512,7 +513,7 @@ class Waiter(_Listening):
         timeout: float,
         *,
         interrupt: threading.Event | None = None,
-        workspaces: WorkspaceScope | None = None,
+        workspaces: WorkspaceScope | Iterable[str] | None = None,
     ) -> bool:
         """Wait until a request of ``worker_classes`` may be claimable; never claims.
 
@@ -563,7 +564,7 @@ class Waiter(_Listening):
         worker_classes: str | Sequence[str],
         timeout: float,
         *,
-        workspaces: WorkspaceScope | None = None,
+        workspaces: WorkspaceScope | Iterable[str] | None = None,
     ) -> bool:
         """:meth:`wait_for_work` for asyncio: listeners per event loop; cancel to stop.
 
@@ -608,7 +609,7 @@ class AsyncWaiter(_Listening):
         worker_classes: str | Sequence[str],
         timeout: float,
         *,
-        workspaces: WorkspaceScope | None = None,
+        workspaces: WorkspaceScope | Iterable[str] | None = None,
     ) -> bool:
         """Wait until a request of ``worker_classes`` may be claimable; never claims.
 
