@@ -68,9 +68,7 @@ def test_a_scoped_claim_takes_only_its_workspaces(api_queue: Any, clean_db: Engi
     assert taken.request.workspace_id == "globex"
 
 
-def test_a_scoped_claim_never_locks_another_workspaces_row(
-    queue: Queue, clean_db: Engine
-) -> None:
+def test_a_scoped_claim_never_locks_another_workspaces_row(queue: Queue, clean_db: Engine) -> None:
     enqueue(queue, "globex", priority=10)
     enqueue(queue, "acme-1")
     params = {
@@ -79,21 +77,24 @@ def test_a_scoped_claim_never_locks_another_workspaces_row(
         "ws_exact": [], "ws_prefixes": ["acme-"],
     }  # fmt: skip
     url = libpq(clean_db.url.render_as_string(hide_password=False))
-    with psycopg.connect(url) as claimer, psycopg.connect(url, autocommit=True) as other:
-        with claimer.transaction():
-            claimed = claimer.execute(claim_next_sql(1, True), params).fetchall()
-            assert len(claimed) == 1  # acme-1, its lock held until this transaction ends
-            # The globex row, scanned first (higher priority), was filtered before locking.
-            free = other.execute(
-                "SELECT workspace_id FROM workspace_process_requests"
-                " WHERE workspace_id = 'globex' FOR UPDATE NOWAIT"
-            ).fetchall()
-            assert free == [("globex",)]
-            with pytest.raises(psycopg.errors.LockNotAvailable):
-                other.execute(
-                    "SELECT 1 FROM workspace_process_requests"
-                    " WHERE workspace_id = 'acme-1' FOR UPDATE NOWAIT"
-                )
+    with (
+        psycopg.connect(url) as claimer,
+        psycopg.connect(url, autocommit=True) as other,
+        claimer.transaction(),
+    ):
+        claimed = claimer.execute(claim_next_sql(1, True), params).fetchall()
+        assert len(claimed) == 1  # acme-1, its lock held until this transaction ends
+        # The globex row, scanned first (higher priority), was filtered before locking.
+        free = other.execute(
+            "SELECT workspace_id FROM workspace_process_requests"
+            " WHERE workspace_id = 'globex' FOR UPDATE NOWAIT"
+        ).fetchall()
+        assert free == [("globex",)]
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            other.execute(
+                "SELECT 1 FROM workspace_process_requests"
+                " WHERE workspace_id = 'acme-1' FOR UPDATE NOWAIT"
+            )
 
 
 def test_fenced_writes_refuse_a_reference_outside_its_workspaces(
