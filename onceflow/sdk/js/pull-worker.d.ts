@@ -1,4 +1,4 @@
-import type { Api } from "./transport.js";
+import type { Api, ApiKey } from "./transport.js";
 import type { ClaimEvents, ClaimLocks } from "./compute.js";
 
 export * from "./compute.js";
@@ -99,7 +99,8 @@ export type Handler = (ctx: PullContext) => unknown | Promise<unknown>;
 export interface PullWorkerOptions {
   baseUrl?: string;
   /** A worker key (it may claim the worker class). */
-  apiKey: string;
+  /** A key, or a function returning a short-lived worker token (refreshed on 401). */
+  apiKey: ApiKey;
   workerClass: string;
   workerId?: string;
   leaseSeconds?: number;

@@ -59,8 +59,13 @@ export interface Answer<T = any> {
   body: T | null;
   headers: Headers;
 }
+/**
+ * A key, or a function returning a short-lived token (or a promise of one): called for the
+ * first call and again when a call is answered 401, which is then sent once more.
+ */
+export type ApiKey = string | (() => string | Promise<string>);
 export interface ApiOptions {
-  apiKey: string;
+  apiKey: ApiKey;
   fetch?: typeof fetch;
   timeoutMs?: number;
 }

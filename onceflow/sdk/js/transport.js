@@ -109,26 +109,78 @@ export function errorFor(status, body, what = "request") {
  * The API's client: base URL, key, JSON in and out. `call` returns `{status, body, headers}`
  * for every HTTP answer (the caller decides what a status means) and throws NetworkError
  * when there is none (offline, refused, reset, timed out).
+ *
+ * `apiKey` is a key (a string), or a function returning a short-lived token (or a promise
+ * of one) — a worker token the app's back end mints. The function is called for the first
+ * call, and again when a call is answered 401 (the token expired): that call is then sent
+ * once more with the new token. The server checks the key before it does anything, so
+ * a 401 changed nothing and repeating the call is safe; a claim held under the old token
+ * is kept (its claim token does not depend on the key). Calls answered 401 together share
+ * one refresh.
  */
 export class Api {
   constructor(baseUrl, { apiKey, fetch: fetchImpl = globalThis.fetch, timeoutMs = 30_000 } = {}) {
-    if (!apiKey || typeof apiKey !== "string") throw new TypeError("apiKey is required");
+    const refreshes = typeof apiKey === "function";
+    if (!refreshes && (!apiKey || typeof apiKey !== "string")) {
+      throw new TypeError("apiKey is required: a key, or a function returning a token");
+    }
     this.baseUrl = String(baseUrl || "").replace(/\/+$/, "");
     this.timeoutMs = timeoutMs;
     this._fetch = fetchImpl.bind(globalThis);
     // The key lives in this object only: never in a URL, never logged, never stored.
-    Object.defineProperty(this, "_auth", { value: `Bearer ${apiKey}`, enumerable: false });
+    const key = { fetchToken: refreshes ? apiKey : null, auth: refreshes ? null : `Bearer ${apiKey}`, pending: null };
+    Object.defineProperty(this, "_key", { value: key, enumerable: false });
   }
 
-  /** `fetch` with the key, a timeout, and an optional caller signal. */
-  async raw(method, path, { body, signal, timeoutMs = this.timeoutMs, headers = {} } = {}) {
+  /** The Authorization header: the key, or the current token (fetched first if none). */
+  async _authorization() {
+    const key = this._key;
+    return key.auth ?? (await this._refresh(null));
+  }
+
+  /** A new token unless one newer than `stale` is already there (one refresh at a time). */
+  async _refresh(stale) {
+    const key = this._key;
+    if (key.auth !== null && key.auth !== stale) return key.auth;
+    if (key.pending === null) {
+      key.pending = (async () => {
+        try {
+          const token = await key.fetchToken();
+          if (!token || typeof token !== "string") throw new TypeError("apiKey() must return a token (a string)");
+          key.auth = `Bearer ${token}`;
+          return key.auth;
+        } finally {
+          key.pending = null;
+        }
+      })();
+    }
+    return key.pending;
+  }
+
+  /** `fetch` with the key, a timeout, and an optional caller signal; with a token function,
+   * a 401 gets a fresh token and one more try. */
+  async raw(method, path, options = {}) {
+    const auth = await this._authorization();
+    const response = await this._send(method, path, auth, options);
+    if (response.status !== 401 || this._key.fetchToken === null) return response;
+    let fresh;
+    try {
+      fresh = await this._refresh(auth);
+    } catch (error) {
+      throw new HttpError(`${method} ${path}: 401 and no new token (${error?.message || error})`, { status: 401, code: "unauthorized", cause: error });
+    }
+    await response.body?.cancel?.().catch(() => {});
+    return this._send(method, path, fresh, options);
+  }
+
+  async _send(method, path, auth, { body, signal, timeoutMs = this.timeoutMs, headers = {} } = {}) {
     const controller = new AbortController();
     const onAbort = () => controller.abort(signal.reason);
     if (signal?.aborted) throw new Aborted("aborted");
     signal?.addEventListener("abort", onAbort, { once: true });
     const timer = timeoutMs > 0 ? setTimeout(() => controller.abort(new Error("timeout")), timeoutMs) : null;
     try {
-      const init = { method, headers: { Authorization: this._auth, ...headers }, signal: controller.signal, cache: "no-store" };
+      const init = { method, headers: { Authorization: auth, ...headers }, signal: controller.signal, cache: "no-store" };
       if (body !== undefined) {
         init.body = JSON.stringify(body);
         init.headers["Content-Type"] = "application/json";

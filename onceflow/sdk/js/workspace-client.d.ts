@@ -1,4 +1,4 @@
-import type { BackoffOptions, HttpError, StageRequest } from "./transport.js";
+import type { ApiKey, BackoffOptions, HttpError, StageRequest } from "./transport.js";
 import type { Outbox, OutboxEntry } from "./outbox.js";
 export { IndexedDbOutbox, MemoryOutbox, OutboxError } from "./outbox.js";
 export type { Outbox, OutboxEntry, NewOutboxEntry } from "./outbox.js";
@@ -67,7 +67,7 @@ export interface WorkspaceClientEvents {
 export interface WorkspaceClientOptions {
   /** The API's origin; "" (default) = this page's. */
   baseUrl?: string;
-  apiKey: string;
+  apiKey: ApiKey;
   workspaceId: string;
   /**
    * Default: an IndexedDbOutbox where IndexedDB exists (a MemoryOutbox, with a `warning` event,
@@ -103,7 +103,7 @@ export class WorkspaceClient extends EventTarget {
    */
   waitFor(requestId: string, options?: { timeout?: number; signal?: AbortSignal }): Promise<StageRequest>;
   clockOf(subDoc: string): number | undefined;
-  setApiKey(apiKey: string): void;
+  setApiKey(apiKey: ApiKey): void;
   retryNow(): void;
   subscribe(subDoc: string, onCommit: (commit: Commit) => void, options?: { since?: number }): () => void;
   close(): void;

@@ -1,7 +1,7 @@
 // The transport's pure parts under Node's test runner: SSE parsing, backoff, Retry-After, op ids.
 import { test } from "node:test";
 import assert from "node:assert/strict";
-import { backoffDelay, newOpId, retryAfterMs, sseEvents } from "../transport.js";
+import { Api, backoffDelay, newOpId, retryAfterMs, sseEvents } from "../transport.js";
 
 const enc = new TextEncoder();
 async function parse(...chunks) {
@@ -73,4 +73,71 @@ test("newOpId: 21 URL-safe symbols by default, the API's pattern, unique", () =>
   // every symbol of the 64-letter alphabet is reachable
   const letters = new Set([...Array.from({ length: 200 }, () => newOpId()).join("")]);
   assert.equal(letters.size, 64);
+});
+
+// ------------------------------------------------------------ a token function as apiKey
+
+function fakeServer({ valid }) {
+  const seen = [];
+  const fetchImpl = async (url, init) => {
+    seen.push({ url, auth: init.headers.Authorization, body: init.body });
+    const ok = valid.has(init.headers.Authorization);
+    return new Response(ok ? '{"ok":true}' : '{"detail":"unknown key","code":"unauthorized"}', { status: ok ? 200 : 401 });
+  };
+  return { seen, fetchImpl };
+}
+
+test("Api: a token function is called once, then again on a 401; the call is sent once more", async () => {
+  const valid = new Set(["Bearer t1"]);
+  const { seen, fetchImpl } = fakeServer({ valid });
+  const minted = [];
+  const api = new Api("http://x", {
+    fetch: fetchImpl,
+    apiKey: async () => { minted.push(`t${minted.length + 1}`); return minted.at(-1); },
+  });
+  assert.equal((await api.call("POST", "/v1/claims/r/heartbeat", { claim_token: "c" })).status, 200);
+  assert.deepEqual(minted, ["t1"]);
+  valid.clear();
+  valid.add("Bearer t2"); // t1 expired; the back end mints t2
+  const answer = await api.call("POST", "/v1/claims/r/heartbeat", { claim_token: "c" });
+  assert.equal(answer.status, 200);
+  assert.deepEqual(minted, ["t1", "t2"]);
+  assert.deepEqual(seen.map((s) => s.auth), ["Bearer t1", "Bearer t1", "Bearer t2"]);
+  assert.equal(seen[2].body, seen[1].body); // the same call, the claim token kept
+  assert.ok(!JSON.stringify(api).includes("t2")); // the token is not an enumerable field
+});
+
+test("Api: calls answered 401 together share one refresh; a still-refused token is the 401", async () => {
+  const valid = new Set();
+  const { fetchImpl } = fakeServer({ valid });
+  let calls = 0;
+  let release;
+  let asked;
+  const gate = new Promise((resolve) => { release = resolve; });
+  const refreshing = new Promise((resolve) => { asked = resolve; });
+  const apiKey = () => {
+    calls += 1;
+    if (calls === 1) return "t1";
+    asked();
+    return gate;
+  };
+  const api = new Api("http://x", { fetch: fetchImpl, apiKey });
+  const both = Promise.all([api.call("GET", "/a"), api.call("GET", "/b")]); // t1 refused twice
+  await refreshing;
+  valid.add("Bearer t2");
+  release("t2");
+  const answers = await both;
+  assert.deepEqual(answers.map((a) => a.status), [200, 200]);
+  assert.equal(calls, 2); // one token for the start, one refresh for both 401s
+  const refused = await new Api("http://x", { fetch: fetchImpl, apiKey: () => "never" }).call("GET", "/a");
+  assert.equal(refused.status, 401);
+});
+
+test("Api: a plain key is never refreshed; a bad apiKey is refused at once", async () => {
+  const { seen, fetchImpl } = fakeServer({ valid: new Set() });
+  assert.equal((await new Api("http://x", { fetch: fetchImpl, apiKey: "k" }).call("GET", "/a")).status, 401);
+  assert.equal(seen.length, 1);
+  assert.throws(() => new Api("http://x", { apiKey: 42 }), TypeError);
+  const broken = new Api("http://x", { fetch: fetchImpl, apiKey: () => "" });
+  await assert.rejects(broken.call("GET", "/a"), TypeError);
 });
