@@ -358,21 +358,26 @@ class _Watchdog(threading.Thread):
 
 #: The longest lock TTL (as the ``lock_ttl_seconds`` setting's bound): a day.
 TTL_MAX_SECONDS = 86_400
+#: The shortest lock TTL: one millisecond, the unit Redis keeps it in.
+TTL_MIN_SECONDS = 0.001
 
 
 def ttl_to_ms(ttl: float) -> int:
-    """A TTL in seconds as whole milliseconds (at least 1).
+    """A TTL in seconds as whole milliseconds.
 
     A caller's mistake is an :class:`InvalidRequest` (never retried), raised before any
-    call to the backend: not a number (``True`` included), not finite, not positive, or
-    over :data:`TTL_MAX_SECONDS` (before: ``1e16`` reached Redis and came back as a
-    retryable "Redis unavailable", and ``True`` was a one-second lock)."""
+    call to the backend: not a number (``True`` included), not finite, under
+    :data:`TTL_MIN_SECONDS` or over :data:`TTL_MAX_SECONDS` (before: ``1e16`` reached
+    Redis and came back as a retryable "Redis unavailable", ``True`` was a one-second
+    lock, and ``1e-9`` was taken as a 1 ms lock: an extend that "held" it let the next
+    acquire in at once)."""
     if (
         isinstance(ttl, bool)
         or not isinstance(ttl, int | float)
-        or not 0 < ttl <= TTL_MAX_SECONDS  # NaN fails this too
+        or not TTL_MIN_SECONDS <= ttl <= TTL_MAX_SECONDS  # NaN fails this too
     ):
         raise InvalidRequest(
-            f"a lock TTL must be a number of seconds in (0, {TTL_MAX_SECONDS}], got {ttl!r}"
+            f"a lock TTL must be a number of seconds in [{TTL_MIN_SECONDS:g}, "
+            f"{TTL_MAX_SECONDS}], got {ttl!r}"
         )
     return max(1, round(ttl * 1000))

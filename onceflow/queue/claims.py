@@ -14,10 +14,12 @@ from __future__ import annotations
 import builtins
 import inspect
 import itertools
+import json
 import logging
 import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -135,7 +137,7 @@ class ClaimOps:
         params = {
             "request_id": request_id, "workspace_id": workspace_id, "worker_id": worker_id,
             "token": token, "lease_seconds": lease, "max_runtime": runtime, "stage": stage,
-            "now": now,
+            "terms": None, "now": now,
             "lazy": (yield from self._lazy()),
         }  # fmt: skip
         try:
@@ -177,6 +179,7 @@ class ClaimOps:
         lease_seconds: float | None = None,
         max_runtime: float | None = None,
         workspaces: WorkspaceScope | Iterable[str] | None = None,
+        stage_terms: Mapping[str, StageTerms] | None = None,
         now: datetime | None = None,
     ) -> Steps[builtins.list[Claim]]:
         """Claim up to ``limit`` due requests, reading one worker class at a time, in order.
@@ -184,7 +187,11 @@ class ClaimOps:
         ``max_runtime`` as for :meth:`claim`. ``workspaces`` (a :class:`WorkspaceScope`,
         or patterns: ids, ``"prefix*"``; None or ``"*"``: every workspace) claims only
         requests of those workspaces: the filter is inside the claim's ``SKIP LOCKED``
-        select, so another workspace's row is never locked. On a database split by workspace, each
+        select, so another workspace's row is never locked. ``stage_terms`` gives the lease
+        and run bound of each stage it names: a row of such a stage is claimed on its
+        stage's terms, in the claim's own statement (the stage is known only once the row
+        is picked); any other row on ``lease_seconds`` and ``max_runtime``. On a database
+        split by workspace, each
         shard in turn; a shard that cannot be reached (:class:`DatabaseUnavailable`) is
         logged and skipped for this call while the others are claimed from: the error is
         raised only when every shard failed (on one database: as it always was).
@@ -200,6 +207,7 @@ class ClaimOps:
             raise InvalidRequest(f"limit must be an integer in [1, {LIST_LIMIT_MAX}]")
         lease = self._lease(lease_seconds)
         scope = as_scope(workspaces)
+        terms = _checked_terms(stage_terms)
         claims: builtins.list[Claim] = []
         took_over: builtins.list[bool] = []
         lazy = yield from self._lazy()
@@ -219,6 +227,7 @@ class ClaimOps:
             params = {
                 "worker_class": wc, "worker_id": worker_id, "tokens": " ".join(tokens),
                 "lease_seconds": lease, "max_runtime": runtime, "now": now, "lazy": lazy,
+                "terms": _terms_json(terms),
             }  # fmt: skip
             if scope is not None:
                 params.update(scope_params(scope))
@@ -245,7 +254,9 @@ class ClaimOps:
                 request = Request.from_row(row)
                 assert request.lease_expires_at is not None  # noqa: S101
                 token = tokens[row["rn"] - 1]
-                claims.append(Claim(request, token, request.lease_expires_at, lease, runtime))
+                own = terms.get(request.stage)
+                took = (lease, runtime) if own is None else (own.lease_seconds, own.max_runtime)
+                claims.append(Claim(request, token, request.lease_expires_at, *took))
                 took_over.append(bool(row["took_over"]))
         metrics.claimed(claims, took_over)
         return claims
@@ -742,6 +753,34 @@ def _error_text(settings: Settings, error: Any) -> str:
         error, settings.payload_limit_bytes, what="error", max_depth=settings.max_payload_depth
     )
     return text
+
+
+@dataclass(frozen=True, slots=True)
+class StageTerms:
+    """The terms a claim of one stage's rows gets: its lease and run bound (None: none)."""
+
+    lease_seconds: float
+    max_runtime: float | None = None
+
+
+def _checked_terms(terms: Mapping[str, StageTerms] | None) -> dict[str, StageTerms]:
+    """``terms`` checked as the claim's own lease and run bound are."""
+    out: dict[str, StageTerms] = {}
+    for stage, term in (terms or {}).items():
+        if not isinstance(stage, str) or not isinstance(term, StageTerms):
+            raise InvalidRequest("stage_terms maps stage names to StageTerms")
+        lease = _seconds("lease_seconds", term.lease_seconds)
+        if lease <= 0:
+            raise InvalidRequest("lease_seconds must be positive")
+        out[stage] = StageTerms(lease, _max_runtime(term.max_runtime))
+    return out
+
+
+def _terms_json(terms: Mapping[str, StageTerms]) -> str | None:
+    """The ``:terms`` parameter of CLAIM_NEXT: ``{stage: [lease, max_runtime]}``, or NULL."""
+    if not terms:
+        return None
+    return json.dumps({name: [t.lease_seconds, t.max_runtime] for name, t in terms.items()})
 
 
 def _max_runtime(value: float | None) -> float | None:

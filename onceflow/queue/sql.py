@@ -185,11 +185,24 @@ JOIN unnest(CAST(:workspace_ids AS text[]), CAST(:request_ids AS text[])) AS k(w
   ON w.workspace_id = k.workspace_id AND w.request_id = k.request_id
 """)
 
+# A claim's terms per stage: :terms is NULL or a JSON object {stage: [lease, max_runtime]}
+# (max_runtime null for none). A row of a stage it names takes that stage's lease and run
+# bound; any other row :lease_seconds and :max_runtime. (What an HTTP pull worker's claim
+# of a worker class gets: the stage is known only once the row is picked.)
+_STAGE_TERMS = "CAST(:terms AS jsonb) -> w.stage"
+_LEASE = f"""(CASE WHEN {_STAGE_TERMS} IS NULL THEN CAST(:lease_seconds AS float8)
+         ELSE CAST({_STAGE_TERMS} ->> 0 AS float8) END)"""
+_RUNTIME = f"""(CASE WHEN {_STAGE_TERMS} IS NULL THEN CAST(:max_runtime AS float8)
+         ELSE CAST({_STAGE_TERMS} ->> 1 AS float8) END)"""
+
 # What a claim records beside its token, for fenced writes by (request_id, token) alone: its
-# lease length and run deadline (claim time + :max_runtime; NULL for none), and no run ended
-# yet (ended_run: see COMPLETE).
-_CLAIM_SETS = """lease_seconds = :lease_seconds,
-    run_deadline = n.now + make_interval(secs => CAST(:max_runtime AS float8)),
+# lease length and run deadline (claim time + the run bound; NULL for none), and no run
+# ended yet (ended_run: see COMPLETE). The first lease already ends at the run deadline if
+# that comes first (least() ignores a NULL deadline), as every heartbeat's does.
+_CLAIM_SETS = f"""lease_seconds = {_LEASE},
+    lease_expires_at = least(n.now + make_interval(secs => {_LEASE}),
+                             n.now + make_interval(secs => {_RUNTIME})),
+    run_deadline = n.now + make_interval(secs => {_RUNTIME}),
     ended_run = NULL"""
 
 # Claim one request by id: queued and due, or running under a lease that lapsed (a crash,
@@ -203,7 +216,6 @@ UPDATE {TABLE} AS w SET
     claimed_by = :worker_id,
     attempts = w.attempts + 1,
     crash_attempts = w.crash_attempts + CASE WHEN w.status = 'running' THEN 1 ELSE 0 END,
-    lease_expires_at = n.now + make_interval(secs => :lease_seconds),
     heartbeat_at = n.now,
     claimed_at = n.now,
     {_CLAIM_SETS},
@@ -284,7 +296,6 @@ UPDATE {TABLE} AS w SET
     claimed_by = :worker_id,
     attempts = w.attempts + 1,
     crash_attempts = w.crash_attempts + CASE WHEN w.status = 'running' THEN 1 ELSE 0 END,
-    lease_expires_at = n.now + make_interval(secs => :lease_seconds),
     heartbeat_at = n.now,
     claimed_at = n.now,
     {_CLAIM_SETS},

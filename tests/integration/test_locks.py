@@ -678,7 +678,9 @@ def test_ids_are_validated_before_anything_runs(backend: LockBackend, api: str) 
     assert lock_key("w{1}", "j:1", "eval:a") == "onceflow:{w%7B1%7D}:lock:j%3A1:eval%3Aa"
 
 
-@pytest.mark.parametrize("ttl", [True, 0, -1, float("nan"), float("inf"), 1e16, "5", 86_401])
+@pytest.mark.parametrize(
+    "ttl", [True, 0, -1, 1e-9, 0.0004, float("nan"), float("inf"), 1e16, "5", 86_401]
+)
 def test_a_bad_ttl_is_refused_before_anything_runs(
     backend: LockBackend, api: str, ttl: Any, ws: str
 ) -> None:

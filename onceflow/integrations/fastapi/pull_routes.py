@@ -37,7 +37,8 @@ Every body also takes the claimed request's ``workspace_id`` (optional for now):
 then found by its key ``(workspace_id, request_id)``; another workspace than the request's
 is the same 409 lease_lost as a wrong token.
 
-``ttl_seconds`` is at most ``ONCEFLOW_LOCK_TTL_SECONDS`` (a longer one is cut to it). The
+``ttl_seconds`` is at least 1 s (shorter: 422, the lock untouched) and at most
+``ONCEFLOW_LOCK_TTL_SECONDS`` (a longer one is cut to it). The
 locks, their TTL cap and the choice of Redis or SQL come from the app's settings
 (``create_app(settings=…)``), as do its event streams: a waiter hears the release.
 ``outcome`` (``computed``, ``double_check``, ``failed`` or ``abandoned``) feeds the workspace's
@@ -77,7 +78,11 @@ Task = Annotated[str, StringConstraints(min_length=1, max_length=200)]
 LockToken = Annotated[str, StringConstraints(min_length=1, max_length=200)]
 #: How often a claim's event stream checks that the claim is still live (then ends if not).
 CLAIM_CHECK_SECONDS = 5.0
-TtlSeconds = Annotated[float, Field(gt=0, le=3600)]
+#: A lock TTL a client may ask for: at least a second (a shorter lock would lapse before the
+#: holder's call got anywhere, and let the next acquire in: a second paid call), at most an
+#: hour (and at most ONCEFLOW_LOCK_TTL_SECONDS: a longer one is cut to it).
+TTL_MIN_SECONDS = 1.0
+TtlSeconds = Annotated[float, Field(ge=TTL_MIN_SECONDS, le=3600)]
 
 
 class _ClaimIn(BaseModel):
@@ -97,7 +102,9 @@ class LockIn(_In):
     """Take the cell's compute lock."""
 
     ttl_seconds: TtlSeconds | None = Field(
-        default=None, description="The lock's TTL; ONCEFLOW_LOCK_TTL_SECONDS by default."
+        default=None,
+        description="The lock's TTL: 1 s to an hour, cut to ONCEFLOW_LOCK_TTL_SECONDS (the "
+        "default).",
     )
 
 
@@ -147,7 +154,11 @@ class ExtendIn(_In):
     """Extend a lock you hold."""
 
     lock_token: LockToken
-    ttl_seconds: TtlSeconds | None = None
+    ttl_seconds: TtlSeconds | None = Field(
+        default=None,
+        description="The new TTL from now: 1 s to an hour, cut to ONCEFLOW_LOCK_TTL_SECONDS "
+        "(the default).",
+    )
 
 
 class ExtendOut(BaseModel):

@@ -12,10 +12,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from onceflow.errors import InvalidRequest, LeaseLost, OnceflowError
+from onceflow.errors import InvalidRequest, LeaseLost
 from onceflow.ids import check_id
 from onceflow.integrations.fastapi import schemas as s
 from onceflow.integrations.fastapi.auth import WILDCARD, Principal, PrincipalDep, get_principal
+from onceflow.integrations.fastapi.claim_terms import ClaimTerms
 from onceflow.integrations.fastapi.responses import _responses
 from onceflow.integrations.fastapi.routes_ops import _apply_out
 from onceflow.integrations.fastapi.routes_requests import _follow_up, _request_out
@@ -26,6 +27,8 @@ from onceflow.queue import AsyncQueue
 
 
 def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
+    terms = ClaimTerms(svc.flow, svc.settings)  # what a claim may ask for: claim_terms.py
+
     @router.post(
         "/worker-classes/{wc}/claims",
         operation_id="claim_next",
@@ -42,17 +45,18 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         something may be, and claims again, until ``wait`` is used up or the client leaves.
         """
         queue = svc.async_queue
+        # Each stage's lease (the client's as a ceiling) and run deadline, set by the
+        # claim's own statement on the database clock, as a Celery worker's claim gets them.
+        lease, runtime, stage_terms = terms.claim(wc, body.lease_seconds)
 
         scope = get_principal(request).claim_workspaces  # None: every workspace
 
         async def claim_now() -> list[Claim]:
-            claims = await queue.claim_next(
-                wc, body.worker_id, 1, lease_seconds=body.lease_seconds, workspaces=scope
-            )
-            if body.lease_seconds is None:
-                staged = [await _with_stage_lease(svc, claim) for claim in claims]
-                claims = [c for c in staged if c is not None]
-            return claims
+            return await queue.claim_next(
+                wc, body.worker_id, 1,
+                lease_seconds=lease, max_runtime=runtime, stage_terms=stage_terms,
+                workspaces=scope,
+            )  # fmt: skip
 
         claims = await claim_now()
         if not claims and body.wait > 0:
@@ -79,8 +83,20 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
     async def heartbeat(
         request_id: s.RequestIdPath, body: s.HeartbeatIn, principal: PrincipalDep
     ) -> s.HeartbeatOut:
-        """Extend the lease; 409 lease_lost once it is gone (stop and write nothing)."""
+        """Extend the lease; 409 lease_lost once it is gone (stop and write nothing).
+
+        Never past the run deadline (the stage's ``max_runtime`` from the claim); a
+        ``lease_seconds`` longer than the stage's lease is 422, the lease unchanged.
+        """
         ref = claim_ref(request_id, body.claim_token, principal, body.workspace_id)
+        if body.lease_seconds is not None:
+            held = await svc.async_queue.live_claim(
+                ref.request_id, ref.token, worker_classes=ref.worker_classes,
+                workspace_id=ref.workspace_id,
+            )  # fmt: skip
+            if held is None:
+                raise LeaseLost(request_id)
+            terms.check_heartbeat(held.stage, body.lease_seconds)
         beat = await svc.async_queue.heartbeat(ref, lease_seconds=body.lease_seconds)
         return s.HeartbeatOut(
             lease_expires_at=beat.lease_expires_at, cancel_requested=beat.cancel_requested
@@ -136,6 +152,8 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
     ) -> s.RequestOut:
         """Report a failed run: queued again after a backoff, or dead past its attempts."""
         ref = claim_ref(request_id, body.claim_token, principal, body.workspace_id)
+        if body.retry_in is not None:
+            terms.check_retry_in(body.retry_in)
         failed = await svc.async_queue.fail(
             ref, body.error, retryable=body.retryable, retry_in=body.retry_in
         )
@@ -242,22 +260,3 @@ async def _long_poll(
         return []
     finally:
         watcher.cancel()
-
-
-async def _with_stage_lease(svc: OnceflowServices, claim: Claim) -> Claim | None:
-    """The claim with the lease its stage declares (a heartbeat sets it on the DB clock).
-
-    The claim took the server's default lease (the stage is known only once claimed); a
-    stage that declares another one gets it at once, as a Celery worker's claim would.
-    """
-    try:
-        declared = svc.flow.spec(claim.request.stage).lease_seconds
-    except OnceflowError:
-        return claim  # a stage this API does not declare: the default lease
-    if declared is None or declared == claim.lease_seconds:
-        return claim
-    try:
-        beat = await svc.async_queue.heartbeat(claim, lease_seconds=declared)
-    except LeaseLost:
-        return None  # rescued in between (a default lease shorter than a moment): not ours
-    return Claim(claim.request, claim.token, beat.lease_expires_at, declared, claim.max_runtime)

@@ -121,8 +121,10 @@ class ClaimIn(_In):
     worker_id: Id = Field(description="A name for this worker (shown as claimed_by).")
     lease_seconds: LeaseSeconds | None = Field(
         default=None,
-        description="The lease without a heartbeat; if unset, the lease the claimed stage "
-        "declares, else the server's default.",
+        description="The longest lease to take without a heartbeat: the claim gets the shorter "
+        "of this and the claimed stage's lease (the answer's `lease_seconds`); unset, the "
+        "stage's lease (declared, else the server's default). Longer than every stage of the "
+        "worker class allows: 422, nothing claimed.",
     )
     wait: float = Field(
         default=0,
@@ -166,7 +168,10 @@ class HeartbeatIn(TokenIn):
     """Extend the lease of a claim."""
 
     lease_seconds: LeaseSeconds | None = Field(
-        default=None, description="New lease length; the claim's own by default."
+        default=None,
+        description="New lease length, at most the claimed stage's lease (longer: 422, the "
+        "lease unchanged); the claim's own by default. The lease never runs past the run "
+        "deadline (the stage's max_runtime from the claim).",
     )
 
 
@@ -201,7 +206,10 @@ class FailIn(TokenIn):
     error: Any = Field(description="A JSON description of the failure, kept on the row.")
     retryable: bool = True
     retry_in: Annotated[float, Field(ge=0, le=366 * 86_400)] | None = Field(
-        default=None, description="Seconds before the retry; exponential backoff if unset."
+        default=None,
+        description="Seconds before the retry, at most the server's longest backoff "
+        "(ONCEFLOW_BACKOFF_MAX_SECONDS; longer: 422, nothing changed); exponential backoff "
+        "if unset.",
     )
 
 
