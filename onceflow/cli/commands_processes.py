@@ -370,10 +370,12 @@ def flower(
 @click.option(
     "--forwarded-allow-ips",
     default=None,
-    help="Proxies (comma-separated IPs, or *) whose X-Forwarded-For is trusted as the client "
-    "address (uvicorn's option; default: 127.0.0.1,::1, or $FORWARDED_ALLOW_IPS). Behind another "
-    "proxy, set it: the per-address limit on failed authentication would otherwise count "
-    "every client as the proxy.",
+    envvar="FORWARDED_ALLOW_IPS",
+    help="The reverse proxies (comma-separated IPs or networks, or *) whose X-Forwarded-For "
+    "and X-Forwarded-Proto are trusted (uvicorn's option; also $FORWARDED_ALLOW_IPS). "
+    "Default: none — the client address is the connection's, from loopback too. Behind a "
+    "proxy, name it: the per-address limit on failed authentication otherwise counts every "
+    "client as the proxy.",
 )
 @_APP_OPTION
 @_errors_to_exit
@@ -422,8 +424,10 @@ def api(
         host=host,
         port=port,
         log_level=log_level,
-        proxy_headers=True,
-        forwarded_allow_ips=forwarded_allow_ips,
+        # Forwarded headers only from the proxies the operator named: uvicorn's own default
+        # trusts them from 127.0.0.1, where any local client could name any address.
+        proxy_headers=bool(forwarded_allow_ips),
+        forwarded_allow_ips=forwarded_allow_ips or None,
     )
 
 

@@ -8,10 +8,12 @@ limits, all must pass; empty turns it off):
   tenant's flood gets 429 while every other key is served, and requests the key
   may not make (403) use its budget too;
 * per client address on failed authentication (``ONCEFLOW_API_AUTH_FAILURE_LIMIT``):
-  each 401 counts; past the limit every request from that address gets 429
-  before its key is even looked at, so guessing keys is slowed. Behind a proxy
-  the address is the proxy's unless the server trusts its forwarded headers
-  (uvicorn ``--forwarded-allow-ips``).
+  each 401 counts; past the limit an unknown key from that address gets 429
+  instead of 401, so guessing keys is slowed. A valid key is never refused by it
+  (only by its own per-key limit): failed guesses from an address, or from a
+  proxy every tenant shares, cannot lock the tenants' keys out. The address is
+  the connection's, or the ``X-Forwarded-For`` of a proxy the operator listed
+  (``onceflow api --forwarded-allow-ips``); nothing else is trusted.
 
 Counters live in ``ONCEFLOW_API_RATE_LIMIT_STORAGE``: ``memory://`` (default) is
 per API process — N processes allow N times the rate; a ``redis://`` URL is
@@ -162,22 +164,22 @@ class RateLimits:
         """Authenticate, charge the key, then check what it may do; :class:`RateLimited` past
         a limit.
 
-        In that order: ``authenticate()`` (401 raises, and counts against the client's
-        address), then the key's limit is charged, then ``permit(principal)`` (403 raises).
-        A request its key may not make (another workspace, worker class or role) uses the
-        key's budget like any other, so a key cannot send such requests without limit.
+        In that order: ``authenticate()`` (a 401 counts against the client's address, and
+        is a 429 once the address is past its limit), then the key's limit is charged, then
+        ``permit(principal)`` (403 raises). A valid key is limited by its own budget only,
+        whatever its address did. A request its key may not make (another workspace,
+        worker class or role) uses the key's budget like any other, so a key cannot send
+        such requests without limit.
         """
-        address = request.client.host if request.client else "unknown"
-        if self.auth_failures:
-            await self._check(
-                self.auth_failures, ("auth-failures", address), hit=False,
-                detail="too many failed authentications from this address",
-            )  # fmt: skip
         try:
             principal = authenticate()
         except AccessDenied as exc:
             if exc.status == 401 and self.auth_failures:
-                await self._check(self.auth_failures, ("auth-failures", address), hit=True)
+                address = request.client.host if request.client else "unknown"
+                await self._check(
+                    self.auth_failures, ("auth-failures", address), hit=True,
+                    detail="too many failed authentications from this address",
+                )  # fmt: skip
             raise
         if self.per_key:
             await self._check(
