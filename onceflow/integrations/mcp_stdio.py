@@ -10,7 +10,10 @@ is not JSON, or one that is JSON but not a JSON-RPC object all went unanswered.
 it reads stdin line by line, up to :data:`MAX_LINE_BYTES` a line, passes on every
 line the SDK's own validation accepts, and answers the others itself:
 
-* not JSON (or over the line limit): ``-32700`` parse error / ``-32600``, id null;
+* not JSON: ``-32700`` parse error, id null;
+* over the line limit: ``-32600``, with the request's ``id`` when it is a member of
+  the top-level object within the line's first :data:`MAX_LINE_BYTES` (read by
+  :func:`leading_id`, without parsing the rest), else id null;
 * JSON but not one JSON-RPC request object (an array, a number; a bad ``id`` or
   ``method``): ``-32600`` invalid request;
 * a ``tools/call`` whose arguments cannot be read (a lone surrogate, too deep):
@@ -29,8 +32,10 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import re
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import anyio
@@ -106,6 +111,56 @@ def _problem(value: Any, sdk_error: str) -> str:
     if "recursion limit" in sdk_error:
         return f"JSON nested {depth} levels deep, deeper than the server reads"
     return sdk_error or "not a valid message"
+
+
+# The tokens that matter to find a top-level member of a JSON object: strings (escapes
+# included) and brackets; numbers, literals, commas and spaces are skipped by the engine.
+# A string cut by the end of the head is one token to the end (never scanned again from
+# each quote inside it: that would be quadratic).
+_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*(?:"|\\?\Z)|[{}\[\]]', re.DOTALL)
+_COLON = re.compile(rb"[ \t\r\n]*:[ \t\r\n]*")
+_SCALAR = re.compile(rb'"(?:[^"\\]|\\.)*"|-?[0-9][0-9.eE+-]*')
+
+
+def leading_id(head: bytes) -> str | int | None:
+    """The ``id`` member of the JSON object ``head`` starts (the first bytes of a line too
+    long to read), or None if it is not there or not a usable id.
+
+    One pass over ``head`` with a regular expression for strings and brackets (no value is
+    built but the id's): the first top-level ``"id"`` key's value, if it is an integer or
+    a string and comes before ``head`` ends. A top-level member after the cut cannot be
+    seen: its id is None.
+    """
+    start = len(head) - len(head.lstrip())
+    if head[start : start + 1] != b"{":
+        return None
+    depth = 0
+    for token in _TOKENS.finditer(head, start):
+        text = token.group()
+        if text in (b"{", b"["):
+            depth += 1
+        elif text in (b"}", b"]"):
+            depth -= 1
+            if depth <= 0:
+                return None  # the object ended without an id (or the brackets do not match)
+        elif not text.endswith(b'"') or text == b'"':
+            return None  # a string cut by the end of the head: nothing after it to read
+        elif depth == 1 and (colon := _COLON.match(head, token.end())) is not None:
+            try:
+                key = json.loads(text)
+            except ValueError:
+                return None
+            if key != "id":
+                continue
+            value = _SCALAR.match(head, colon.end())
+            if value is None:
+                return None  # an object, an array, a literal: not an id
+            try:
+                request_id = json.loads(value.group())
+            except ValueError:
+                return None
+            return request_id if _usable_id(request_id) else None
+    return None
 
 
 def _error(request_id: Any, code: int, message: str) -> dict[str, Any]:
@@ -216,12 +271,20 @@ def _sdk_message(answer: dict[str, Any]) -> Any:
     return session_message(message)
 
 
+@dataclass(frozen=True, slots=True)
+class _Oversized:
+    """A line over the limit, read to its end and thrown away; its request's id if read."""
+
+    request_id: str | int | None
+
+
 class GuardedStdin:
     """An async iterator of the stdin lines the SDK can read; it answers the others itself.
 
     Pass it as ``stdio_server(stdin=…)``, then :meth:`attach` the write stream the
     server yields. Lines are read up to ``max_line_bytes``; a longer one is read to
-    its end, thrown away and answered with ``-32600``.
+    its end, thrown away and answered with ``-32600`` and the id :func:`leading_id`
+    finds in its first ``max_line_bytes``.
     """
 
     def __init__(
@@ -250,9 +313,9 @@ class GuardedStdin:
             raw = await anyio.to_thread.run_sync(self._read_line)
             if raw is None:
                 raise StopAsyncIteration
-            if not isinstance(raw, bytes):
+            if isinstance(raw, _Oversized):
                 answer: Any = _error(
-                    None,
+                    raw.request_id,
                     INVALID_REQUEST,
                     f"Invalid request: a message is over {self.max_line_bytes} bytes",
                 )
@@ -268,16 +331,22 @@ class GuardedStdin:
             if isinstance(answer, dict):
                 await self._answer(answer)
 
-    def _read_line(self) -> bytes | bool | None:
-        """The next line; None at the end of the stream; False for a line over the limit."""
+    def _read_line(self) -> bytes | _Oversized | None:
+        """The next line; None at the end of the stream; :class:`_Oversized` for a line
+        over the limit (with the id read from its first ``max_line_bytes``)."""
         line = self._stream.readline(self.max_line_bytes + 1)
         if not line:
             return None
         if len(line) <= self.max_line_bytes or line.endswith(b"\n"):
             return line
+        try:
+            found = _Oversized(leading_id(line[: self.max_line_bytes]))
+        except Exception:  # a bug here must not stop the server: answer without the id
+            log.exception("could not read the id of an oversized line")
+            found = _Oversized(None)
         while line and not line.endswith(b"\n"):  # read the oversized line to its end
             line = self._stream.readline(self.max_line_bytes + 1)
-        return False
+        return found
 
     async def _answer(self, answer: dict[str, Any]) -> None:
         await self._attached.wait()

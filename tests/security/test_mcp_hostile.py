@@ -159,7 +159,26 @@ HOSTILE: list[tuple[str, str | bytes, tuple[str, Any]]] = [
     ("an oversized line",
      _tool_call(20, "enqueue_stage", ENQUEUE % json.dumps({"pad": "x" * MAX_LINE_BYTES})),
      ("error", -32600)),
+    ("an oversized line, a string id after the params",
+     '{"method": "tools/call", "params": {"name": "enqueue_stage", "arguments": {}}, '
+     '"jsonrpc": "2.0", "id": "call-21", "pad": "' + "x" * MAX_LINE_BYTES + '"}',
+     ("error", -32600)),
+    ("an oversized line, its id past the limit",
+     '{"jsonrpc": "2.0", "method": "tools/call", "params": {"name": "enqueue_stage", '
+     '"arguments": {"pad": "' + "\\\"[{" * MAX_LINE_BYTES + '"}}, "id": 22}',
+     ("error", -32600)),
+    ("an oversized line, an id inside its params only",
+     '{"jsonrpc": "2.0", "method": "tools/call", "params": {"id": 23, "x": ['
+     + "[1]," * MAX_LINE_BYTES + "[1]]}}",
+     ("error", -32600)),
 ]  # fmt: skip
+#: The id an oversized line is answered with: the request's, when it is a top-level member
+#: within the first MAX_LINE_BYTES (before: null for every one, so a caller could not tell
+#: which of its requests was refused).
+OVERSIZED_IDS = {
+    "an oversized line": 20,
+    "an oversized line, a string id after the params": "call-21",
+}
 
 
 def test_every_hostile_request_gets_an_answer_and_the_server_keeps_serving(
@@ -180,7 +199,7 @@ def test_every_hostile_request_gets_an_answer_and_the_server_keeps_serving(
             result = answer["result"]
             assert result["isError"] is True, (case, answer)
             assert expected in result["content"][0]["text"], (case, answer)
-        sent_id = None if len(line) > MAX_LINE_BYTES else _sent_id(line)
+        sent_id = OVERSIZED_IDS.get(case) if len(line) > MAX_LINE_BYTES else _sent_id(line)
         assert answer["id"] == sent_id, (case, answer, sent_id)
         session.ping(1000 + n)
     # Nothing was written: no row, no wake-up.
