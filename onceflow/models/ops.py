@@ -117,6 +117,11 @@ def register_op(name: str, model: type[OpModel], apply: ApplyFn) -> None:
     _REGISTRY[name] = OpType(name, model, apply)
 
 
+def op_types() -> list[str]:
+    """The registered op type names, sorted (what an op's ``type`` may be)."""
+    return sorted(_REGISTRY)
+
+
 def parse_op(op: OpModel | dict[str, Any], *, max_depth: int | None = None) -> OpModel:
     """Validate an op (a model or a dict with ``type``); a clear error for anything else.
 

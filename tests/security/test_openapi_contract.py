@@ -30,7 +30,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from onceflow.integrations.fastapi.schemas import ID_PATTERN
+from onceflow.integrations.fastapi.schemas import ID_PATTERN, WORKER_CLASS_PATTERN
+from onceflow.models.ops import op_types
 from tests.acceptance.conftest import runtime  # noqa: F401 - the fixture
 from tests.acceptance.test_http_api import (
     API_KEY,
@@ -41,6 +42,7 @@ from tests.acceptance.test_http_api import (
     api,  # noqa: F401 - the fixture: a real `onceflow api` process
     auth,
     client,  # noqa: F401 - the fixture
+    snapshot,
 )
 
 pytestmark = pytest.mark.slow
@@ -276,3 +278,45 @@ def test_path_ids_are_checked_as_the_schema_says(client: httpx.Client) -> None: 
                                headers=auth(WORKER_KEY))  # fmt: skip
         assert response.status_code == 409, (segment, response.text)
         assert assert_error_shape(response)["code"] == "lease_lost"
+
+
+def test_the_schema_names_the_stages_op_types_and_worker_classes_the_server_takes(
+    client: httpx.Client,  # noqa: F811 - the fixture
+    runtime: Any,  # noqa: F811 - the fixture
+) -> None:
+    # Before: `stage` and an op's `type` were free strings and the worker_class filter had
+    # no pattern, yet the server answers 422 for a name it does not know: the schema now
+    # says which names pass.
+    doc = client.get("/openapi.json").json()
+    models = doc["components"]["schemas"]
+    stages = sorted(runtime.flow.stages)
+    for model in ("EnqueueIn", "FollowUp"):
+        assert models[model]["properties"]["stage"]["enum"] == stages, model
+    for model in ("OpIn", "ClaimOpIn"):
+        op = models[model]["properties"]["op"]
+        assert op["properties"]["type"]["enum"] == op_types() and op["required"] == ["type"]
+    [param] = [p for p in doc["paths"]["/v1/workspaces/{ws}/requests"]["get"]["parameters"]
+               if p["name"] == "worker_class"]  # fmt: skip
+    [rules] = [r for r in param["schema"]["anyOf"] if r.get("type") == "string"]
+    assert rules["pattern"] == WORKER_CLASS_PATTERN and rules["maxLength"] == 100
+    # Every route taking one of them lists the 422 a name outside the enum gets …
+    for path, method in [("/v1/workspaces/{ws}/requests", "post"),
+                         ("/v1/claims/{request_id}/complete", "post"),
+                         ("/v1/workspaces/{ws}/sub-docs/{sub_doc}/ops", "post"),
+                         ("/v1/claims/{request_id}/ops", "post"),
+                         ("/v1/workspaces/{ws}/requests", "get")]:  # fmt: skip
+        assert "422" in doc["paths"][path][method]["responses"], (path, method)
+    # … and gets it: nothing written.
+    before = snapshot(runtime.flow.queue.engine)
+    outside = [
+        ("POST", "/v1/workspaces/w1/requests", {**NOOP, "stage": "not-a-stage"}, None),
+        ("POST", "/v1/workspaces/w1/sub-docs/d/ops",
+         {"op_id": "b" * 16, "op": {"type": "cell.explode"}}, None),
+        ("GET", "/v1/workspaces/w1/requests", None, {"worker_class": "-bad/class"}),
+    ]  # fmt: skip
+    for method, path, body, query in outside:
+        response = client.request(method, path, json=body, params=query, headers=auth(API_KEY))
+        assert response.status_code == 422, (path, response.text)
+        assert assert_error_shape(response)["code"] == "invalid_request"
+    assert snapshot(runtime.flow.queue.engine) == before
+    assert re.fullmatch(WORKER_CLASS_PATTERN.strip("^$"), PULL)

@@ -32,6 +32,7 @@ from onceflow.integrations.fastapi.guard import _route_class, guarded_call
 from onceflow.integrations.fastapi.http_errors import add_error_handlers
 from onceflow.integrations.fastapi.limits import BODY_ENVELOPE_DEPTH, BodyLimitMiddleware
 from onceflow.integrations.fastapi.metrics_routes import install_metrics
+from onceflow.integrations.fastapi.openapi_choices import name_choices
 from onceflow.integrations.fastapi.probes import probes_router
 from onceflow.integrations.fastapi.pull_routes import add_pull_routes
 from onceflow.integrations.fastapi.responses import (
@@ -167,4 +168,5 @@ def create_app(
     app.include_router(create_dashboard_router(services))  # /dashboard: docs/dashboard.md
     app.include_router(create_sdk_router())  # /sdk/index.js: the browser SDK (docs/browser.md)
     add_error_handlers(app)
+    name_choices(app, flow)  # the stages and op types as enums in /openapi.json
     return app

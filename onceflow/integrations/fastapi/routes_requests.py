@@ -14,7 +14,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 
 from onceflow.errors import NotFound, WaitTimeout
-from onceflow.ids import check_id
+from onceflow.ids import WORKER_CLASS_MAX, check_id
 from onceflow.integrations.fastapi import schemas as s
 from onceflow.integrations.fastapi.auth import PrincipalDep
 from onceflow.integrations.fastapi.events import event_stream
@@ -119,7 +119,15 @@ def _request_routes(router: APIRouter, svc: OnceflowServices) -> None:
         status: Annotated[list[Status] | None, Query()] = None,
         stage: Annotated[str | None, Query(min_length=1, max_length=200)] = None,
         job_id: Annotated[str | None, Query(min_length=1, max_length=200)] = None,
-        worker_class: Annotated[str | None, Query(min_length=1, max_length=200)] = None,
+        worker_class: Annotated[
+            str | None,
+            Query(
+                min_length=1,
+                max_length=WORKER_CLASS_MAX,
+                pattern=s.WORKER_CLASS_PATTERN,
+                description=f"Only requests of this worker class: {s.WORKER_CLASS_RULES}",
+            ),
+        ] = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> s.RequestList:
         """The workspace's requests, newest first, filtered by every parameter given."""

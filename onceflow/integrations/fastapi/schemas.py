@@ -335,13 +335,15 @@ def _path_id(name: str, description: str) -> tuple[Any, AfterValidator]:
 
 
 _WS = _path_id("workspace_id", "The workspace id.")
+#: A worker class (it names a broker queue): what ``check_worker_class`` accepts.
+WORKER_CLASS_PATTERN = rf"^[A-Za-z0-9][A-Za-z0-9_.-]{{0,{WORKER_CLASS_MAX - 1}}}$"
+WORKER_CLASS_RULES = "1 to 100 characters of A-Z a-z 0-9 _ . -, starting with a letter or digit."
 _WC = (
     Path(
         min_length=1,
         max_length=WORKER_CLASS_MAX,
-        pattern=rf"^[A-Za-z0-9][A-Za-z0-9_.-]{{0,{WORKER_CLASS_MAX - 1}}}$",
-        description="The worker class: 1 to 100 characters of A-Z a-z 0-9 _ . -, starting "
-        "with a letter or digit.",
+        pattern=WORKER_CLASS_PATTERN,
+        description=f"The worker class: {WORKER_CLASS_RULES}",
     ),
     AfterValidator(check_worker_class),
 )
