@@ -41,7 +41,7 @@ def claim_plan(engine: Engine) -> list[Any]:
     ``claim_next`` sends it (psycopg, literal LIMIT)."""
     params = {
         "worker_class": "llm", "worker_id": "w", "tokens": " ".join(["t"] * 10),
-        "lease_seconds": 30.0, "max_runtime": None, "now": None, "lazy": True,
+        "lease_seconds": 30.0, "max_runtime": None, "now": None, "lazy": True, "terms": None,
     }  # fmt: skip
     with raw_connection(engine) as raw:
         return fetch_all(raw, "EXPLAIN (FORMAT JSON) " + sql.claim_next_sql(10), params)

@@ -184,7 +184,8 @@ def test_a_claim_does_not_read_the_requests_in_flight(empty_database: str, plan_
         sql = claim_next_sql(1)
         names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", sql)))
         values = {"worker_class": "wc-busy", "worker_id": "w2", "tokens": "t", "now": None,
-                  "lease_seconds": 30, "max_runtime": 60, "lazy": "false"}  # fmt: skip
+                  "lease_seconds": 30, "max_runtime": 60, "lazy": "false",
+                  "terms": None}  # fmt: skip
         args = ", ".join("NULL" if values[n] is None else f"'{values[n]}'" for n in names)
         with raw_connection(engine) as raw:
             raw.execute(f"PREPARE probe AS {_as_prepared(sql)}")
