@@ -197,11 +197,9 @@ _RUNTIME = f"""(CASE WHEN {_STAGE_TERMS} IS NULL THEN CAST(:max_runtime AS float
 
 # What a claim records beside its token, for fenced writes by (request_id, token) alone: its
 # lease length and run deadline (claim time + the run bound; NULL for none), and no run
-# ended yet (ended_run: see COMPLETE). The first lease already ends at the run deadline if
-# that comes first (least() ignores a NULL deadline), as every heartbeat's does.
+# ended yet (ended_run: see COMPLETE). Heartbeats never extend the lease past the deadline.
 _CLAIM_SETS = f"""lease_seconds = {_LEASE},
-    lease_expires_at = least(n.now + make_interval(secs => {_LEASE}),
-                             n.now + make_interval(secs => {_RUNTIME})),
+    lease_expires_at = n.now + make_interval(secs => {_LEASE}),
     run_deadline = n.now + make_interval(secs => {_RUNTIME}),
     ended_run = NULL"""
 
