@@ -12,6 +12,7 @@ changes nothing, and every HTTP claim ends at its stage's ``max_runtime`` (datab
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -185,15 +186,17 @@ def test_a_failure_cannot_postpone_its_retry_past_the_backoff_cap(
 def test_a_lock_ttl_too_short_to_hold_is_refused_and_the_lock_kept(
     http: httpx.Client, clean_db: Engine, redis_url: str
 ) -> None:
-    # Two requests of one job: their claims' compute locks are the same cell.
-    first, second = enqueue(http, "leased", branch="a"), enqueue(http, "leased", branch="b")
+    # Two requests of one job: their claims' compute locks are the same cell. (Locks live in
+    # Redis, which no fixture empties: a job of this run only.)
+    job = f"j-{secrets.token_hex(4)}"
+    first, second = enqueue(http, "leased", job, "a"), enqueue(http, "leased", job, "b")
     claims = {c["request_id"]: c["claim_token"] for c in (claim(http, LEASED).json(),
                                                            claim(http, LEASED).json())}  # fmt: skip
     held = post(http, f"{first}/locks", claim_token=claims[first], task="eval:c", ttl_seconds=30)
     assert held.status_code == 201, held.text
     lock_token = held.json()["lock_token"]
     store = redis_lib.Redis.from_url(redis_url)
-    key = lock_key(WS, "j", "eval:c")
+    key = lock_key(WS, job, "eval:c")
     value = store.get(key)
     before = table_snapshot(clean_db)
     for ttl in (1e-9, 0.5):  # before: {"held": true} with 1 ms left
@@ -209,5 +212,8 @@ def test_a_lock_ttl_too_short_to_hold_is_refused_and_the_lock_kept(
     brief = post(http, f"{second}/locks", claim_token=claims[second], task="eval:d",
                  ttl_seconds=0.01)  # fmt: skip
     refused(brief)
-    assert store.exists(lock_key(WS, "j", "eval:d")) == 0
+    assert store.exists(lock_key(WS, job, "eval:d")) == 0
     assert table_snapshot(clean_db) == before
+    done = post(http, f"{first}/locks/release", claim_token=claims[first], task="eval:c",
+                lock_token=lock_token, outcome="abandoned")  # fmt: skip
+    assert done.status_code == 200 and done.json()["released"] is True, done.text
