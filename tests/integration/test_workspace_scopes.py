@@ -73,7 +73,7 @@ def test_a_scoped_claim_never_locks_another_workspaces_row(queue: Queue, clean_d
     enqueue(queue, "acme-1")
     params = {
         "worker_class": "default", "worker_id": "w", "tokens": "t" * 32, "lease_seconds": 30.0,
-        "max_runtime": None, "now": None, "lazy": False,
+        "max_runtime": None, "now": None, "lazy": False, "terms": None,
         "ws_exact": [], "ws_prefixes": ["acme-"],
     }  # fmt: skip
     url = libpq(clean_db.url.render_as_string(hide_password=False))

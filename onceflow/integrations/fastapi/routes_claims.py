@@ -92,7 +92,7 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         if body.lease_seconds is not None:
             held = await svc.async_queue.live_claim(
                 ref.request_id, ref.token, worker_classes=ref.worker_classes,
-                workspace_id=ref.workspace_id,
+                workspace_id=ref.workspace_id, workspaces=ref.workspaces,
             )  # fmt: skip
             if held is None:
                 raise LeaseLost(request_id)
