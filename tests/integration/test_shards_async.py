@@ -403,7 +403,7 @@ def test_http_api_enqueues_claims_and_completes_on_each_shard(
             f"/v1/worker-classes/{PULL}/claims", json={"worker_id": "pw"}, headers=auth(WORKER_KEY)
         )
         assert none_left.status_code == 204
-        # A long poll over the shards ends (its LISTEN is not per shard yet: see CHANGELOG).
+        # A long poll over the shards ends with 204 once its wait is used up.
         polled = http.post(
             f"/v1/worker-classes/{PULL}/claims",
             json={"worker_id": "pw", "wait": 0.5},
