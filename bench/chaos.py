@@ -15,7 +15,7 @@ has succeeded, stops everything and checks the invariants (``bench.chaos_checks`
 Scenarios (default: all): baseline, pg_restart, backend_kills, redis_restart, partition,
 latency, conn_exhaustion, idle_in_tx, beat_stopped_kill, clock_ahead, two_sweepers,
 foreign_sweeper. ``--explicit-handoff``: hand-offs name their worker class (for runs against
-commits before issue 11 item 1, where a bare ``ctx.then`` went to class ``default``).
+older commits, where a bare ``ctx.then`` went to class ``default``).
 ``--quick``: 300 requests enqueued over 10 s, fault at 3 s (the CI size);
 the full run: 3,000 over 40 s, fault at 10 s.
 
@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--explicit-handoff",
         action="store_true",
-        help="hand off naming the worker class (for commits before issue 11 item 1)",
+        help="hand off naming the worker class (for older commits, where a bare hand-off "
+        "went to class default)",
     )
     args = parser.parse_args(argv)
     names = args.scenarios or list(SCENARIOS)

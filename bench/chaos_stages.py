@@ -40,7 +40,8 @@ WORKSPACE = "chaos"
 #: The stage lease (seconds); the latency scenario shortens it.
 LEASE = float(os.environ.get("CHAOS_LEASE_SECONDS", "3"))
 #: Hand-offs are bare ``ctx.then(stage, input)`` (the target's declaration routes them) unless
-#: this is "1": then they name the worker class, for runs against commits before issue 11.
+#: this is "1": then they name the worker class, for runs against older commits, where a
+#: bare hand-off went to class "default".
 EXPLICIT_HANDOFF = os.environ.get("CHAOS_EXPLICIT_HANDOFF", "") == "1"
 #: What follows a cell's key on its prompt's first line: `` pid=<caller's pid>``.
 CALLER = "pid="
@@ -170,7 +171,7 @@ def _declare(flow: Flow) -> Flow:
     def handoff(ctx: StageContext, data: HandoffInput) -> dict[str, Any]:
         record("start", ctx)
         target = HandoffInput(origin=ctx.request.request_id).model_dump()
-        if EXPLICIT_HANDOFF:  # before issue 11 a bare hand-off went to class "default"
+        if EXPLICIT_HANDOFF:  # older commits sent a bare hand-off to class "default"
             ctx.then("handoff_target", target, worker_class=LLM)
         else:
             ctx.then("handoff_target", target)

@@ -1,4 +1,4 @@
-"""Where a claim + completion's client CPU goes, layer by layer (issue 13).
+"""Where a claim + completion's client CPU goes, layer by layer.
 
     PYTHONPATH=. .venv/bin/python bench/claim_layers.py [--n 3000] [--json]
 

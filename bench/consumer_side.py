@@ -112,9 +112,9 @@ def onceflow_consume(args: argparse.Namespace) -> None:
 def _onceflow_fallback(
     queue_cls: Any, args: argparse.Namespace, run_job: Callable[[dict[str, Any]], None]
 ) -> None:
-    """A consumer on the pre-issue-18 API: claim_next batches, one complete per row, polling
-    every 50 ms when the queue is empty; SIGTERM stops claiming and finishes what it holds
-    (nothing can be handed back)."""
+    """A plain consumer loop instead of the Worker: claim_next batches, one complete per
+    row, polling every 50 ms when the queue is empty; SIGTERM stops claiming and finishes
+    what it holds (nothing can be handed back)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from onceflow.db import make_engine

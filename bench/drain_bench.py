@@ -719,7 +719,7 @@ BUCKETS = (
     ("ClaimOps.claim (", "claim (UPDATE … RETURNING, commit)"),  # after the store's split
     ("Queue.hand_off (", "completion (hand_off: UPDATE, commit)"),
     ("ClaimOps.hand_off (", "completion (hand_off: UPDATE, commit)"),
-    # Since the connector seam (issue 14) an operation's generator is suspended while the
+    # An operation runs as a generator driven by its connector, suspended while the
     # connector waits: the frames on the stack are runtime.py's _claim/_complete.
     ("_claim (", "claim (UPDATE … RETURNING, commit)"),
     ("_complete (", "completion (hand_off: UPDATE, commit)"),

@@ -3,7 +3,7 @@
     PYTHONPATH=. .venv/bin/python bench/http_bench.py [--quick] [--json] [--rounds N]
         [--calls N] [--baseline DIR] [--only enqueue|apply_op]
 
-Results and their reading: docs/benchmarks.md, "HTTP API (FastAPI)". The server runs the
+Results and their reading: docs/benchmarks.md, "HTTP API". The server runs the
 onceflow this process imports (``PYTHONPATH`` is passed on), so ``PYTHONPATH=<a checkout>``
 measures that checkout's API; the report names it (path and commit). ``--baseline DIR``
 starts a second server on the onceflow of checkout ``DIR`` (say, main) and measures it in

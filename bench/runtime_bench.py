@@ -1,7 +1,8 @@
 """Celery stage-runtime benchmark: onceflow's stage beside a bare Celery task and Procrastinate.
 
-Superseded for the onceflow/Celery ratio by ``bench/drain_bench.py`` (issue 13): this script
-runs bare Celery with onceflow's shipped flags, pools rounds and polls the sides differently.
+Superseded for the onceflow/Celery ratio by ``bench/drain_bench.py``: this script runs bare
+Celery with onceflow's shipped flags, pools rounds and polls the sides differently. Kept for
+its Procrastinate side and as the record of the earlier figures (docs/benchmarks.md, History).
 
     .venv/bin/python bench/runtime_bench.py [--quick] [--json] [--profile]
 

@@ -1,4 +1,4 @@
-"""What each part of onceflow's claim and completion costs the Postgres backend (issue 13).
+"""What each part of onceflow's claim and completion costs the Postgres backend.
 
     PYTHONPATH=. .venv/bin/python bench/server_cpu.py [--n 3000] [--json]
 

@@ -1,6 +1,6 @@
 # Over ~300 lines on purpose: one simulation harness (servers, workload, checks, report),
 # shared by the benchmark (main) and the acceptance test (tests/acceptance/test_shard_sim.py).
-"""Past one machine, simulated on this one (issue 17): the demo's workload over many
+"""Past one machine, simulated on this one: the demo's workload over many
 workspaces, on 1, 2 or 4 Postgres shards and a 3-node local Redis Cluster.
 
 Each round starts its own shards (databases on the Postgres server named by

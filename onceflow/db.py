@@ -179,8 +179,8 @@ def raw_connection(engine: Engine) -> Iterator[psycopg.Connection[Any]]:
     automatic prepared statements, no result-metadata work). Each statement
     commits on its own; wrap several in ``conn.transaction()``. The checkout is the
     pool's own (``engine.raw_connection()``), without a SQLAlchemy ``Connection``
-    around it: that wrapper cost a stage's two statements ~10% of a worker child's CPU
-    (issue 13's profile) and nothing here used it. A thread inside
+    around it: that wrapper costs a stage's two statements a noticeable share of a worker
+    child's CPU, and nothing here uses it. A thread inside
     :func:`holding_connections` keeps its checkout between calls instead.
     """
     held = _held_for(engine)
@@ -217,8 +217,8 @@ def raw_connection(engine: Engine) -> Iterator[psycopg.Connection[Any]]:
 # statement now and then (a web request's enqueue): the connection goes back for the
 # other threads at once. A thread that does nothing but run statements (a prefork
 # worker child running stages, a worker loop around claim_next) pays it twice per
-# stage for nothing: with eight such processes on two cores it was ~13% of their CPU
-# (issue 13, bench/claim_layers.py). Such a thread may *hold* its connection: inside
+# stage for nothing, and with several such processes per core that is a good part of their
+# CPU (bench/claim_layers.py shows it). Such a thread may *hold* its connection: inside
 # holding_connections(), raw_connection() hands the thread the connection it held last
 # (one per engine), checked out at its first use and back in the pool at the end.
 
@@ -442,7 +442,7 @@ def run_statement(
 ) -> Any:
     """``take(cursor, query)`` after ``query`` ran on a connection of ``engine``'s: what
     ``with raw_connection(engine) as raw: _run(raw, ...)`` does, without its three context
-    managers on a held connection (a stage's statements; issue 13)."""
+    managers on a held connection (a stage's statements, the hottest path)."""
     held = _held_for(engine)
     if held is None:
         with raw_connection(engine) as raw:
@@ -632,7 +632,7 @@ def retry_disconnect(fn: Callable[[], T]) -> T:
 # While onceflow has a connection checked out (raw_connection: a pooled call, or a thread's
 # hold), its statements run on one dict-row cursor the connection keeps (REUSED_CURSOR). A
 # new cursor per statement built a fresh adapters map and looked every column's loader up
-# again: ~10 µs of client CPU per statement, 20 of a claim + completion's ~220 (issue 13).
+# again, about a tenth of the client CPU of a claim + completion.
 # The cursor is lent at onceflow's checkout and taken back before the connection returns
 # to the pool (kept aside under _IDLE_CURSOR for onceflow's next checkout): whoever gets
 # the connection from the pool next (a SQLAlchemy Connection, a caller's raw checkout it
@@ -708,11 +708,11 @@ def rowcount(cur: psycopg.Cursor[Any], query: str) -> int:
 
 
 # The reused cursors make tuple rows, and a row becomes a dict with its statement's column
-# names kept from the statement's first result (issue 13): psycopg's dict_row decodes every
-# column's name from each result again (27 names for a claim), ~7% of a claim + completion's
-# client CPU. A statement's text fixes its column names (onceflow's statements name their
-# columns; no `SELECT *` of a table); the number of columns is checked at every result all
-# the same, and a statement whose result differs in it gets its names read again.
+# names kept from the statement's first result: psycopg's dict_row decodes every column's
+# name from each result again (27 names for a claim), a measurable share of a claim +
+# completion's client CPU. A statement's text fixes its column names (onceflow's statements
+# name their columns; no `SELECT *` of a table); the number of columns is checked at every
+# result all the same, and a statement whose result differs in it gets its names read again.
 _NAMES: dict[str, tuple[str, ...]] = {}
 #: Statements whose column names are kept (a process runs a few dozen; cleared past this).
 NAMES_KEPT = 512

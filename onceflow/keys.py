@@ -4,7 +4,7 @@
 Each key of a workspace carries the workspace as a Redis Cluster hash tag
 (``onceflow:{<workspace_id>}:…``), so a workspace's compute locks, its commit
 broadcast channel and its counters live in one slot: Redis Cluster is then a
-configuration change, not a code change (DESIGN.md, "Past one machine").
+configuration change, not a code change (docs/sharding.md).
 Parts are validated ids; ``{``, ``}`` and ``:`` inside a part are percent-escaped
 so that no part can forge another key or move the hash tag.
 """

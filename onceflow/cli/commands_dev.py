@@ -44,7 +44,10 @@ def demo(
     jobs: int, columns: int, clients: int, workers: int, no_faults: bool, flower: bool,
     keep_open: bool, plot: str | None, timeout: float | None, as_json: bool, browser: bool,
 ) -> None:  # fmt: skip
-    """Run the seed's whole flow for real and check its invariants (exit 1 if broken)."""
+    """Run a whole flow for real (clients, workers, faults) and check its invariants.
+
+    Exits 1 if an invariant is broken.
+    """
     from onceflow.demo.report import plot as draw
     from onceflow.demo.report import print_report
     from onceflow.demo.scenario import Options, run_scenario

@@ -39,7 +39,7 @@ from onceflow.errors import InvalidRequest
     "--events/--no-events",
     default=True,
     show_default=True,
-    help="Send task events (Flower shows them; off for a benchmark beside bare Celery).",
+    help="Send task events (Flower shows them; --no-events saves their broker messages).",
 )
 @click.option("--without-gossip", is_flag=True, help="Celery's: no gossip with other workers.")
 @click.option("--without-mingle", is_flag=True, help="Celery's: no synchronisation at start.")

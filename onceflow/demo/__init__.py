@@ -1,4 +1,4 @@
-"""``onceflow demo``: the seed's whole flow, run for real, with figures that prove it.
+"""``onceflow demo``: a whole flow run for real (clients, workers, faults), with figures.
 
 See :mod:`onceflow.demo.scenario` (the run), :mod:`onceflow.demo.stages` (the stages),
 :mod:`onceflow.demo.standins` (the counting LLM and Maps servers) and

@@ -1,6 +1,6 @@
-# Over ~400 lines on purpose: one scripted run of the seed's flow, read top to bottom as
+# Over ~400 lines on purpose: one scripted run of the demo's flow, read top to bottom as
 # the demo's story (start, load, faults, checks); not on the runtime path.
-"""The seed's "When each layer applies" flow, run for real, with figures that prove it.
+"""The demo's flow, where each of the three layers applies, run for real, with figures.
 
 Real Postgres and Redis (configured, or embedded ones), real Celery worker processes
 for two worker classes, beat with the sweeper, stand-in LLM and Maps servers that
@@ -159,7 +159,7 @@ def fresh_database(server_url: str) -> Iterator[str]:
 
 
 class DroppingTransport:
-    """The flaky network of the seed: every third op's response is lost once, after commit."""
+    """A flaky network: every third op's response is lost once, after its commit."""
 
     def __init__(self, inner: Any, run: Run, enabled: bool) -> None:
         self.inner = inner

@@ -1,4 +1,6 @@
-"""The demo's stages, modelled on the seed's domain (``ONCEFLOW_APP=onceflow.demo.stages:flow``).
+"""The demo's stages: jobs filled in by LLM and Maps calls.
+
+``ONCEFLOW_APP=onceflow.demo.stages:flow``.
 
 * ``evaluate`` — one LLM call per custom column, each under compute_lock ``eval:<column>``;
   results written as ``cell.set`` ops (layers 2 and 3). Its alternate worker class

@@ -1,6 +1,6 @@
 """Layer 2: the compute lock — N callers racing one expensive call pay for it once.
 
-The seed's protocol per call (pre-flight, acquire, double-check, compute,
+The protocol per call (pre-flight, acquire, double-check, compute,
 store, release) is :func:`compute_once` (for asyncio: :func:`acompute_once`, on
 :class:`AsyncRedisLockBackend`); its waiters are woken by a broadcast on
 the workspace's channel, never by polling. Locks live in Redis

@@ -1,6 +1,6 @@
 # Over ~400 lines on purpose: compute_once's five steps as one protocol, with its
-# documentation of every branch (the seed's protocol), kept together to be read as one.
-"""``compute_once``: the seed's five steps for one expensive call, as one protocol.
+# documentation of every branch, kept together to be read as one.
+"""``compute_once``: the five steps for one expensive call, as one protocol.
 
 The protocol is :func:`protocol_steps`, a generator of steps (:mod:`onceflow.locks.steps`)
 that both APIs drive: :func:`compute_once` with sync calls, and
@@ -130,7 +130,7 @@ class Outcome(Generic[T]):
 
 @dataclass(frozen=True)
 class Locked:
-    """``wait=False`` found the lock taken: someone else is on it (the seed's ``locked: true``)."""
+    """``wait=False`` found the lock taken: someone else is on it (HTTP: ``locked: true``)."""
 
     workspace_id: str
     job_id: str

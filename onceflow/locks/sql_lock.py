@@ -1,4 +1,4 @@
-"""The SQL compute lock: the seed's original design, for deployments without Redis.
+"""The SQL compute lock, for deployments without Redis.
 
 One row of ``compute_locks`` per held lock, keyed ``(workspace_id, job_id, task)``.
 Acquire is one statement: ``INSERT … ON CONFLICT DO UPDATE … WHERE

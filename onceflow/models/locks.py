@@ -1,7 +1,8 @@
-"""The ``compute_locks`` table: layer 2's SQL backend (the seed's original design).
+"""The ``compute_locks`` table: layer 2's SQL backend, for deployments without Redis.
 
 One row per held compute lock, keyed ``(workspace_id, job_id, task)`` with the
-workspace first (DESIGN.md "Past one machine"). ``expires_at`` is set from the
+workspace first, so a workspace's rows stay together when the database is split by
+workspace (docs/sharding.md). ``expires_at`` is set from the
 database clock at acquisition; an expired row is replaced by the next
 acquisition in the same statement, so a crashed holder blocks nobody past its
 TTL and no sweeper is needed.

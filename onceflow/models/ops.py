@@ -1,6 +1,7 @@
 """Ops: typed writes to a sub-doc, each a pure function from state to state.
 
-A sub-doc's state is a JSON object. The built-in ops cover the seed's domain:
+A sub-doc's state is a JSON object. The built-in ops cover a table-like document (the
+demo's jobs with their custom columns):
 
 * ``cell.set`` / ``cell.clear`` — custom-column values, in ``state["cells"]``;
 * ``node.insert`` / ``node.move`` / ``node.delete`` — an ordered list of node ids in

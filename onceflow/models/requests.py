@@ -90,7 +90,7 @@ class Request:
     def from_row(cls, row: Mapping[Any, Any]) -> Request:
         """Build from a mapping of column values (extra keys such as claim_token ignored)."""
         # Each field set through its slot: what the frozen dataclass's __init__ does, without
-        # a keyword dict of 27 names (twice per claimed stage; issue 13). The class defines
+        # a keyword dict of 27 names (twice per claimed stage, on the hot path). The class defines
         # no __post_init__ and no defaults (test_models pins both).
         new = object.__new__(cls)
         for name, put in _SLOT_SETTERS:

@@ -119,7 +119,7 @@ workspace_process_requests = Table(
     # workspace): found without knowing its workspace (0007). Not unique: a partitioned or
     # distributed table accepts it.
     Index("ix_wpr_request_id", "request_id"),
-    # Listing a workspace's requests, newest first; workspace first (DESIGN.md).
+    # Listing a workspace's requests, newest first; workspace first, as every key of a workspace.
     Index("ix_wpr_workspace", "workspace_id", "created_at"),
     # Retention: finished rows by age.
     Index(

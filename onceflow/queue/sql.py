@@ -44,9 +44,9 @@ _BY_ID = f"w.workspace_id = {_WS_OF_ID}\n  AND w.request_id = :request_id"
 # workspace given, `w.workspace_id = :workspace_id`; the coalesce form only for a caller
 # that names the row by id alone. With the coalesce, Postgres costed the generic plan of a
 # prepared statement with the id lookup in it and a custom plan without it (the workspace
-# known, coalesce folds): when the table's statistics were those of an empty table, the
-# custom plan won every time, and every claim and completion was planned again: ~0.5 ms
-# of backend CPU per stage, a drain's Postgres CPU doubled (bench/drain_bench.py, issue 13).
+# known, coalesce folds): when the table's statistics were those of an empty table (a new
+# install), the custom plan won every time, and every claim and completion was planned
+# again, which roughly doubled the backend's CPU per stage.
 
 # _NOW for claims and heartbeats: with :lazy true, this statement's own transaction commits
 # without waiting for the WAL flush (synchronous_commit = off, SET LOCAL: it ends with the
@@ -93,7 +93,7 @@ def _notify_one(row: str, where: str) -> str:
 # [request_id, workspace_id, job_id, branch_path, stage, dedupe, input_hash, worker_class,
 #  priority, max_attempts, max_crash_attempts, delay, input], the input as its canonical JSON.
 # One parameter instead of thirteen arrays: psycopg dumps a list element by element in
-# Python, which cost more than the statement itself (bench/queue_bench.py, issue 13). `json`,
+# Python, which costs more than the statement itself. `json`,
 # not `jsonb`, for the envelope: parsed, not normalised; each input becomes jsonb on its own.
 ENQUEUE: TextClause = text(f"""
 WITH n AS ({_NOW}),
@@ -122,11 +122,11 @@ sig AS ({_notify("ins", "r.run_after <= n.now")})
 -- the statement's snapshot, so it never sees the rows of `ins`; a row committed by a
 -- concurrent enqueue after the snapshot is found by ENQUEUE_LOOKUP in the caller. It probes
 -- the table only for ids `ins` did not insert (a hashed NOT IN): a batch of new rows costs
--- no index lookups (-22% of the statement's time for 1,000 new rows). The probe is a LATERAL
+-- no index lookups. The probe is a LATERAL
 -- lookup by primary key with a LIMIT, which the planner cannot turn into a join: as a plain
 -- join, the generic plan psycopg's prepared statement keeps from a small table hashed the
--- whole table on every enqueue, new rows too, until an ANALYZE re-planned it (an enqueue
--- took 1 ms at 500 rows, 3.5 ms at 4,000; issue 13).
+-- whole table on every enqueue, new rows too, until an ANALYZE re-planned it, so an
+-- enqueue grew slower with the table.
 SELECT request_id, workspace_id, true AS created, status, input_hash FROM ins WHERE {_SENT}
 UNION ALL
 SELECT w.request_id, r.workspace_id, false AS created, w.status, w.input_hash
@@ -142,14 +142,12 @@ WHERE r.workspace_id || chr(1) || r.request_id
 
 # ENQUEUE for one row (Queue.enqueue, a batch or a hand-off of one): the row's values as
 # parameters, no JSON envelope to unpack. The existing row is probed by its key only when
-# nothing was inserted. 0.84-0.86x a bare one-row INSERT with params built ahead (0.74-0.76x
-# in its form before the eleventh pass of issue 13, same runs; ENQUEUE's 0.80x in an older
-# run); a duplicate 145 µs against ENQUEUE's 158.
+# nothing was inserted, so a new row never pays for the probe, under any plan.
 # Its one possible NOTIFY is sent by the result row's own filter (`_notify_one`), not by a
-# `sig` CTE: the CTE's aggregate over a DISTINCT cost 30-40 µs of a ~330 µs statement, and
-# the `n` CTE another few (now() is the transaction's start however often it is read).
-# Its row is what the caller does not know: whether it inserted, the row's status, the stored
-# input hash (its own when it inserted); not the key it sent (-3 to -5% of the statement).
+# `sig` CTE: the CTE's aggregate over a DISTINCT cost about a tenth of the statement, and
+# an `n` CTE is not needed either (now() is the transaction's start however often it is
+# read). Its row is what the caller does not know: whether it inserted, the row's status,
+# the stored input hash (its own when it inserted); not the key it sent.
 
 
 ENQUEUE_ONE: TextClause = text(f"""
@@ -243,8 +241,7 @@ RETURNING {RETURNING},
 # column. With `n.now` the planner kept the index's order for ORDER BY … LIMIT and joined
 # `n` inside the loop, so the comparison was a join filter: the lapsed scan read every
 # running row of the class on ix_wpr_lease and dropped the live ones, and each claim cost
-# O(requests in flight) (3,000 in flight: 3 ms of backend time for that scan, 0.01 ms now;
-# issue 13). On ix_wpr_lease (worker_class, lease_expires_at) the expression is now a bound
+# O(requests in flight). On ix_wpr_lease (worker_class, lease_expires_at) the expression is a bound
 # of the scan. On ix_wpr_claim (worker_class, priority DESC, run_after) it can only filter
 # index entries (priority comes between): delayed rows of a higher priority than the first
 # due one are still visited in the index, but not read from the heap. now() is the
@@ -393,8 +390,7 @@ RETURNING {RETURNING}
 # claim may not have seen come back (RUN_COLUMNS, with the workspace); the caller takes
 # the rest from its Claim. The input alone can be 256 KiB of JSON, and decoding the 15
 # columns that cannot change under a live claim (set at enqueue, or by a statement that
-# ends the claim) again at every completion was a fifth of a completion's client CPU
-# (issue 13).
+# ends the claim) again at every completion was a fifth of a completion's client CPU.
 #: The columns of a claimed row that may differ from what its claim returned once it is
 #: completed: the completion's own writes, a heartbeat's and a cancel's (which keep the
 #: claim), and what the claim set (read back, not trusted to the caller's Claim).
@@ -511,7 +507,7 @@ SELECT * FROM upd WHERE {_notify_one("upd", "true")}
 # classes may be claimable — the earliest run_after of a queued row (<= 0: due now), or the
 # earliest lapse of a claimable running row's lease; NULL when none is known. Per class, each
 # minimum is read at the front of its partial index, not over the class's rows (a wait cost
-# O(queued + in flight) before: 3,000 delayed and 3,000 running rows read, 3.8 ms; issue 13):
+# O(queued + in flight) otherwise):
 # the lease's as the first claimable row of ix_wpr_lease (worker_class, lease_expires_at);
 # the due time's by a loose scan of ix_wpr_claim (worker_class, priority DESC, run_after),
 # the first row of each priority in turn: one index probe per distinct priority of the
@@ -993,7 +989,7 @@ RELEASED_MANY: TextClause = text(_LANDED_MANY.format(ended=_released_run_of("k.t
 # Live depth per worker class, read only through the partial indexes ix_wpr_claim
 # (status = 'queued': worker_class, priority, run_after) and ix_wpr_lease (status =
 # 'running': worker_class, lease_expires_at): both hold every column used, so Postgres reads
-# them with index-only scans (EXPLAIN in bench/depth_bench.py) and the cost is proportional
+# them with index-only scans (EXPLAIN in bench/batch_bench.py) and the cost is proportional
 # to the live backlog, never to the finished rows of the table's history. No OR across
 # states (it defeats partial indexes): one branch per index. {classes} is "" for every class,
 # or a filter on :worker_classes.
@@ -1030,8 +1026,8 @@ def binary_params(sql: str, names: tuple[str, ...]) -> str:
     """``sql`` with the parameters ``names`` sent in binary (``%(name)b``).
 
     For lists of strings: psycopg's text format escapes each element of an array with a
-    regular expression, in Python (67 µs for four lists of 8, against 17 µs in binary;
-    issue 13). Only for parameters that are always lists of one type (a binary array takes
+    regular expression, in Python (several times the cost of the binary format). Only for
+    parameters that are always lists of one type (a binary array takes
     its element type from its first element) and never empty.
     """
     for name in names:

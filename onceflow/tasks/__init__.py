@@ -1,7 +1,8 @@
 """The Celery side: stages as tasks, leases held by heartbeats, fenced completion, the sweeper.
 
 The Postgres table stays the source of truth; a Celery message carries only a
-request id and is a wake-up (DESIGN.md L5).
+request id and is a wake-up: a duplicated, redelivered, late or lost message never
+forks or loses work.
 """
 
 from onceflow.context import StageContext, WorkContext

@@ -830,8 +830,8 @@ def _size_pools(sender: Any = None, **_: Any) -> None:
 # Copy-on-write friendly pool children (gc.freeze, as Instagram, Sentry's and Airflow's Celery
 # workers do): a prefork child shares its parent's memory pages until it writes to them, and
 # the cyclic garbage collector writes to every object it scans. The first full collections in
-# each child (two of ~60-80 ms of CPU in a drain's first 1,000 stages, bench/stage_parts.py)
-# copied ~15 MB of the parent's pages into it. The parent freezes what it holds just before
+# each child cost it tens of milliseconds of CPU each and copied much of the parent's memory
+# into it (docs/benchmarks.md, "Celery stage runtime"). The parent freezes what it holds just before
 # each fork (the child keeps it frozen: never scanned, so never copied for the collector) and
 # unfreezes it right after (the parent collects as before).
 _freeze_forks = False
@@ -853,9 +853,9 @@ def _freeze_for_fork(sender: Any = None, **_: Any) -> None:
     objects (it manages its collector: the unfreeze would undo what it froze).
 
     Not collected first: Python's documentation advises against a collection before a fork
-    (the memory it frees is reused by the child, in pages it then copies), and measured so
-    (``bench/stage_parts.py``): with ``gc.collect()`` before the freeze each child had
-    15 MB more private memory (36 against 21) and paid its full collections again. Celery's
+    (the memory it frees is reused by the child, in pages it then copies), and
+    ``bench/stage_parts.py`` shows it: with ``gc.collect()`` before the freeze each child
+    kept more private memory and paid its full collections again. Celery's
     own collection right after this signal (its issue 2927) then finds nothing to scan; a
     cycle of garbage alive at the fork stays in the child, frozen: a bounded amount, once per
     child. If the pool fails between this signal and the fork (no file descriptor left for

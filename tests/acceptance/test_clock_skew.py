@@ -1,4 +1,4 @@
-"""Issue 11 item 5: a worker's wall clock decides nothing — not even through Celery options.
+"""A worker's wall clock decides nothing — not even through Celery options.
 
 Beat's sweep task used to carry Celery's ``expires``, which each worker checks against
 its own wall clock: a worker more than two sweep intervals ahead discarded every sweep,

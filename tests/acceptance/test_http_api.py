@@ -998,8 +998,8 @@ def test_http_compute_lock_needs_a_live_claim_and_a_good_task(client: httpx.Clie
 def test_lock_bodies_are_strict_and_a_coerced_ttl_changes_nothing(
     client: httpx.Client, redis_url: str, ttl: Any
 ) -> None:
-    """No type coercion, as every other body (review finding: ``"5"`` was a 5 s lock and
-    ``true`` a 1 s one)."""
+    """No type coercion, as every other body (``"5"`` was once a 5 s lock and ``true`` a
+    1 s one)."""
     (rid, token), _ = _claim_two_of_one_job(client)
     job = client.get(f"/v1/workspaces/w1/requests/{rid}", headers=auth(API_KEY)).json()["job_id"]
     r = redis_lib.Redis.from_url(redis_url)

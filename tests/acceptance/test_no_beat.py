@@ -1,4 +1,4 @@
-"""Issue 11 item 6: beat is not a single point of failure.
+"""Beat is not a single point of failure.
 
 Beat is never started here. Every ``onceflow worker`` runs a watchdog that sweeps when
 no sweep began for 1.5 sweep intervals (a compare-and-set on the database clock), so a
@@ -23,7 +23,7 @@ from tests.acceptance.procs import pool_children, start_worker, wait_for
 pytestmark = pytest.mark.slow
 
 INTERVAL = float(TEST_ENV["ONCEFLOW_SWEEP_INTERVAL_SECONDS"])
-#: Thread wake-up and statement latency on a busy test machine, beyond the issue's bound.
+#: Thread wake-up and statement latency on a busy test machine, beyond two sweep intervals.
 SCHEDULING_ALLOWANCE = 0.5
 
 

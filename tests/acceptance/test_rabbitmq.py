@@ -1,4 +1,4 @@
-"""onceflow on RabbitMQ: the broker is ``amqp://`` (issue 17), Redis keeps locks and broadcasts.
+"""onceflow on RabbitMQ: the broker is ``amqp://``, Redis keeps locks and broadcasts.
 
 Real Celery worker processes (``onceflow worker``) on the machine's RabbitMQ, in a vhost of
 the run's own (``rabbitmq_url``). Every worker runs with its sweep watchdog off, so a

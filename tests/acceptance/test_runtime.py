@@ -249,7 +249,7 @@ def test_enqueue_runs_the_stage_to_success(
     wait_for(lambda: status_of(runtime, result.request_id) is Status.SUCCEEDED, what="success")
     row = runtime.flow.queue.get(result.request_id)
     assert row.result["value"] == 7
-    assert row.result["holding"] is True  # a prefork child holds its connection (issue 13)
+    assert row.result["holding"] is True  # a prefork child holds its connection
     # ... and keeps its parent's objects out of its collections (frozen before the fork,
     # where billiard forks its children: Linux; macOS spawns them)
     if sys.platform == "linux":
@@ -293,7 +293,7 @@ def test_hand_off_is_dispatched_with_the_completion(
 def test_a_hung_body_is_interrupted_at_max_runtime(
     runtime: Any, redis_url: str, t_default_worker: Proc
 ) -> None:
-    """Issue 11, item 9: Celery's soft time limit (= max_runtime) stops a hung body."""
+    """Celery's soft time limit (= max_runtime) stops a hung body."""
     rid = runtime.flow.enqueue("sleeper", "w1", "j-hang", "main", {}).request_id
     wait_for(lambda: status_of(runtime, rid) is Status.DEAD, timeout=60, what="dead")
     row = runtime.flow.queue.get(rid)

@@ -1,4 +1,4 @@
-"""Issue 17's simulation, as a test: the demo's workload over many workspaces on several
+"""The shard simulation, as a test: the demo's workload over many workspaces on several
 Postgres shards (``ONCEFLOW_DATABASE_URLS``) and a 3-node Redis Cluster, with real Celery
 workers and beat; the invariants checked per shard (bench/shard_sim.py ``check``).
 

@@ -1,4 +1,4 @@
-"""Issue 11 item 7: a backlog is not a loss — no wake-up storm while rows merely wait.
+"""A backlog is not a loss — no wake-up storm while rows merely wait.
 
 Rows wait in the broker longer than the redispatch interval (0.5 s here) while one
 worker drains them and beat sweeps every 0.5 s. The old sweeper re-sent every waiting

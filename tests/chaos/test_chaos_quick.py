@@ -25,7 +25,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: Scenarios that hold their invariants once issue 11's fixes are in (docs/reliability.md has
+#: The scenarios CI runs at the quick size (docs/reliability.md has
 #: the full table): no fault; backend kills every 2 s (stale pools, blips at completion);
 #: beat stopped + kill -9 (rescue without beat); a foreign Flow's sweeper + lost wake-ups.
 CI_SCENARIOS = ["baseline", "backend_kills", "beat_stopped_kill", "foreign_sweeper"]

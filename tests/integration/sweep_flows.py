@@ -1,4 +1,4 @@
-"""Two Flows on one broker, with different names and worker classes (issue 11 item 5)."""
+"""Two Flows on one broker, with different names and worker classes."""
 
 from __future__ import annotations
 

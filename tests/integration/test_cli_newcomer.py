@@ -1,4 +1,4 @@
-"""A newcomer's first commands (issue 12, items 1, 2 and 4): real CLI subprocesses.
+"""A newcomer's first commands: real CLI subprocesses.
 
 The CLI runs as an installed console script would: ``python -P`` (the current
 directory is *not* put on ``sys.path`` by Python itself) with ``PYTHONPATH``

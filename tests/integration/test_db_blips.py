@@ -1,4 +1,4 @@
-"""Stale pooled connections after a Postgres restart or killed backends (issue 11, item 4).
+"""Stale pooled connections after a Postgres restart or killed backends.
 
 The pool does not ping a connection before handing it out. After every backend was
 killed, or the server restarted, each pooled connection is dead: the first call that

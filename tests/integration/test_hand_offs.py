@@ -1,6 +1,6 @@
 """Hand-offs take the target stage's declaration — one builder for every entry point.
 
-Issue 11, item 1: ``ctx.then("tailor", …)`` used to build a bare request (worker class
+``ctx.then("tailor", …)`` used to build a bare request (worker class
 ``default``, input unchecked, dedupe/priority/attempts dropped), so with workers started
 for their classes every hand-off stayed queued forever.
 """

@@ -1,4 +1,4 @@
-"""A thread that holds its connection (``onceflow.db.holding_connections``, issue 13).
+"""A thread that holds its connection (``onceflow.db.holding_connections``).
 
 Inside the block a thread's statements run on one pooled connection per engine instead of
 a checkout and a check-in each; it goes back to the pool at the end. What must still hold:

@@ -1,5 +1,5 @@
 """Claims and heartbeats commit lazily (``synchronous_commit = off`` for their own
-transaction only); completions and a caller's transaction never do (issue 13).
+transaction only); completions and a caller's transaction never do.
 
 Whether a commit waited for the WAL flush cannot be seen after it; what the statement set
 can: the observing connector below is the pooled connector with each statement run in an

@@ -1,4 +1,4 @@
-"""A stage's runtime is bounded (issue 11, item 9).
+"""A stage's runtime is bounded (``max_runtime``).
 
 Before the fix a hung body kept its lease forever: the heartbeat thread renewed it every
 lease/3, so nothing was ever rescued. Now heartbeats never extend the lease past the claim

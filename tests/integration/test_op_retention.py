@@ -1,4 +1,4 @@
-"""The op log's retention horizon on a real Postgres and Redis (issue 11, item 2).
+"""The op log's retention horizon on a real Postgres and Redis.
 
 Pruning must never refuse a new write: a client op without ``base_clock``, a
 stage's fenced write and an SDK op minted on a stale clock all apply after a

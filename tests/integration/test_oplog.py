@@ -57,7 +57,7 @@ def workspace_client(
 
 
 class DropResponses:
-    """The seed's flaky network: the server commits, then the response is lost.
+    """A flaky network: the server commits, then the response is lost.
 
     Wraps a sync or an async transport (an awaitable answer is awaited, then dropped)."""
 
@@ -413,8 +413,8 @@ def test_a_fenced_op_in_another_workspace_is_refused_and_writes_nothing(
 ) -> None:
     """A stage's fence holds in its own workspace only: an op the caller addresses to
     another workspace (the Python API takes both) would make one transaction span two
-    workspaces — two shards once the database is split by workspace. Before issue 17 it
-    was applied to the other workspace under this fence."""
+    workspaces — two shards once the database is split by workspace. It is refused, not
+    applied to the other workspace under this fence."""
     queue = Queue(clean_db, settings=oplog.settings)
     rid = queue.enqueue("evaluate", "w1", "j1", "main").request_id
     claim = queue.claim(rid, "worker-a", lease_seconds=600)

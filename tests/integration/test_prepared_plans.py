@@ -1,4 +1,4 @@
-"""A claim and a completion by key keep one generic plan (issue 13).
+"""A claim and a completion by key keep one generic plan.
 
 psycopg prepares a statement on its 6th run; Postgres then plans the first five executions
 with their values (custom plans) and afterwards keeps one generic plan, unless the generic

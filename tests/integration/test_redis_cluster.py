@@ -1,4 +1,4 @@
-"""Locks, broadcasts and counters on a real local Redis Cluster (issue 17, Redis Cluster).
+"""Locks, broadcasts and counters on a real local Redis Cluster (``redis+cluster://``).
 
 A fixture starts three cluster primaries of this run's own on free ports
 (:mod:`tests.integration.redis_cluster`) and stops them at the end; ``ONCEFLOW_REDIS_URL``

@@ -1,5 +1,5 @@
 """While onceflow has a connection checked out, its statements share one cursor
-(``onceflow.db``, issue 13).
+(``onceflow.db``).
 
 What must hold: statements of one checkout (pooled or held) share it; a statement that
 failed leaves it usable; a large result is never kept with it (a fresh cursor takes its

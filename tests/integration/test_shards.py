@@ -1,4 +1,4 @@
-"""Postgres split by workspace (issue 17): the router over N databases of this server.
+"""Postgres split by workspace: the router over N databases of this server.
 
 Each test gets N fresh databases (one migrated, the others cloned from it), a shard map over
 them, and a :class:`~onceflow.Queue` routing by workspace. What is checked: every row lives
@@ -184,8 +184,8 @@ def test_nothing_spans_two_shards_in_one_transaction(shards: list[str]) -> None:
     with pytest.raises(InvalidRequest, match="strict batch"):
         queue.enqueue_many(items, strict=True)
     assert all(rows_of(url) == [] for url in shards)  # refused before anything was written
-    # A hand-off into another workspace is refused (issue 17: one workspace per
-    # transaction); the pinned transaction is the router's own guard against the rest.
+    # A hand-off into another workspace is refused (one workspace per transaction); the
+    # pinned transaction is the router's own guard against the rest.
     rid = queue.enqueue("s", a, "j").request_id
     claim = queue.claim(rid, "w", workspace_id=a)
     assert claim is not None

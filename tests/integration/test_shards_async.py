@@ -1,4 +1,4 @@
-"""Postgres split by workspace (issue 17), asyncio side: :class:`~onceflow.AsyncQueue` and
+"""Postgres split by workspace, asyncio side: :class:`~onceflow.AsyncQueue` and
 :class:`~onceflow.AsyncOpLog` over N databases of this server, and the HTTP API (``onceflow
 api``, which serves every request and claim route on them) over 2.
 
@@ -268,7 +268,7 @@ def test_from_queue_env_op_log_and_aclose_of_every_shard(
         assert queue.shard_map == shard_map
 
         async def go() -> None:
-            # The configured map: no longer refused (it was before issue 17's async router).
+            # The configured map: an AsyncQueue routes over it.
             for aq in (AsyncQueue(), AsyncQueue.from_queue(queue)):
                 assert isinstance(aq.aconnector, AsyncShardedConnector)
                 assert aq.shard_map == shard_map

@@ -1,4 +1,4 @@
-"""Postgres split by workspace (issue 17), the sync runtime around the router: waiting for
+"""Postgres split by workspace, the sync runtime around the router: waiting for
 work on every shard's LISTEN, the standalone worker, the dashboard's tables and the
 database metrics — each over 2 and 4 databases cloned from a migrated template (the
 fixtures of ``test_shards``), and each with one shard's database closed to connections

@@ -1,4 +1,4 @@
-"""A database blip after a stage's body succeeded never undoes it (issue 11, item 3).
+"""A database blip after a stage's body succeeded never undoes it.
 
 The body kills every backend of the test database (its pooled connections included) just
 before it returns, as a Postgres restart or a failover would: the completion meets a dead

@@ -1,4 +1,4 @@
-"""The sweeper's guarantees (issue 11, items 6-8) on a real Postgres and a real Redis broker.
+"""The sweeper's guarantees on a real Postgres and a real Redis broker.
 
 - Sweeps begin with a compare-and-set on the database clock (beat and worker watchdogs).
 - A wake-up waiting in the broker behind a backlog is not sent again; a lost one is.

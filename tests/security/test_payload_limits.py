@@ -1,4 +1,4 @@
-"""Issue 19, items 2 and 4: deep and non-finite JSON, as an attacker with one key sends it.
+"""Deep and non-finite JSON, as an attacker with one key sends it.
 
 Against a real `onceflow api` (uvicorn), the real pull-worker client, the real stdio MCP
 server and CLI, and the Python API: a payload nested deeper than

@@ -277,8 +277,8 @@ def test_upgrading_from_unprefixed_queues_loses_no_wake_up(
 def test_a_row_stored_with_a_class_that_names_a_foreign_key_gets_no_wake_up(
     clean_db: Engine, redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A row written before worker classes were checked (the issue's attacker's) is never
-    sent to its foreign name, and does not make the sweep's backlog check give up."""
+    """A row written before worker classes were checked (an attacker's) is never sent to its
+    foreign name, and does not make the sweep's backlog check give up."""
     from pydantic import BaseModel
 
     from onceflow.tasks import Flow

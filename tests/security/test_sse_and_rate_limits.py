@@ -305,7 +305,7 @@ def test_a_key_flooding_enqueues_gets_429_while_another_key_is_served(
 def test_requests_outside_a_keys_scope_use_its_budget_and_get_429_past_it(
     api: str, engine: Engine
 ) -> None:
-    """A 403 (another workspace) is charged to the key like any request (review finding:
+    """A 403 (another workspace) is charged to the key like any request (once
     the scope was checked before the charge, so 403s were never limited and cost nothing)."""
     body = {"stage": "noop", "job_id": "out-of-scope", "input": {"value": 1}}
     with httpx.Client(base_url=api, timeout=10) as http:
@@ -375,7 +375,7 @@ def test_a_stream_joining_as_the_last_slow_one_is_dropped_still_gets_commits(
     redis_url: str,
 ) -> None:
     """The dropped stream's UNSUBSCRIBE runs in a task: a stream that subscribed before it
-    ran was `ready` and then silenced (review finding)."""
+    ran was `ready` and then silenced."""
     ws = f"sec-race-{RUN}"
     channel = workspace_channel(ws)
     publisher = redis_lib.Redis.from_url(redis_url)
@@ -469,7 +469,7 @@ def test_concurrent_requests_on_a_shared_storage_get_no_more_than_the_limit(
     redis_url: str,
 ) -> None:
     """50 requests of one key at once, counted in Redis: exactly the limit is served (a
-    test-then-hit across round trips once served all 50: review finding)."""
+    test-then-hit across round trips once served all 50)."""
     from starlette.requests import Request
 
     from onceflow.integrations.fastapi.auth import Principal

@@ -2,8 +2,8 @@
 
 A kill explains the calls of the processes it killed, whenever the stand-in saw them: it
 begins answering a call a few ms after the caller sent it, so a call sent just before
-``kill -9`` can be seen after the kill's instant (the foreign_sweeper failures of the
-issue-11/12 and issue-13 stops). A rule by time counted that call unexplained.
+``kill -9`` can be seen after the kill's instant (the rare foreign_sweeper failures). A
+rule by time counted that call unexplained.
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ def test_roles_decide_what_a_key_may_do() -> None:
 
 def test_requests_refused_for_their_role_use_the_keys_budget() -> None:
     """A 403 (viewer asking to act) is charged to the key: before, the role was checked
-    before the charge, so such requests were never limited (review finding)."""
+    before the charge, so such requests were never limited."""
     keys = {hash_key(VIEW_KEY): [VIEWER], hash_key(ADMIN_KEY): [ADMIN]}
     with _client(keys, "3/minute") as client:  # one event loop: one set of counters
         statuses = [client.post("/op/requeue", headers=_h(VIEW_KEY)).status_code for _ in "abcd"]

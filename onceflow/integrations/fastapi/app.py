@@ -14,11 +14,10 @@ Order of checks on every request, each before the next runs:
 3. validation of the body and parameters: 422;
 4. the operation: 404, 409 (lease lost, op id conflict, input mismatch).
 
-The request routes (enqueue, get, list, counts) are ``async def`` on the services'
-:class:`~onceflow.AsyncQueue`: a request waiting on the database holds no thread; the
-Celery wake-up (a blocking kombu publish) goes through a worker thread. The claim and op
-routes are still plain ``def`` functions, run in FastAPI's thread pool, until the claims
-and the op log have their async side (issue 14).
+Every request, claim and op route is ``async def`` on the services'
+:class:`~onceflow.AsyncQueue` and :class:`~onceflow.AsyncOpLog`: a request waiting on the
+database holds no thread; the Celery wake-up (a blocking kombu publish) goes through a
+worker thread.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Routes for pull workers that are not Python (browser tabs): compute locks, events, reads.
 
-The seed's protocol per expensive call, with the client doing steps 1, 3 and 4 and
-these routes the lock itself (the same Redis ``SET NX PX`` lock, keys and broadcasts
-as :func:`onceflow.locks.compute_once`, so a tab, a Celery stage and a Python pull
-worker asking for the same cell share one lock):
+The compute lock's protocol per expensive call (docs/locks.md), with the client doing
+steps 1, 3 and 4 and these routes the lock itself (the same Redis ``SET NX PX`` lock, keys
+and broadcasts as :func:`onceflow.locks.compute_once`, so a tab, a Celery stage and a
+Python pull worker asking for the same cell share one lock):
 
 * ``POST /v1/claims/{request_id}/locks`` ``{claim_token, task, ttl_seconds?}`` — for the
   holder of a live claim (DB clock), on the cell ``(claim's workspace, claim's job, task)``:

@@ -1,7 +1,7 @@
 """Requests keyed workspace-first, step 1 of 2: a unique index on ``(workspace_id, request_id)``.
 
-Built ``CONCURRENTLY`` (inserts, claims and completions go on while it builds; 618 ms for
-300,000 rows on the development machine, docs/sharding.md 5.1.1), with a plain index on
+Built ``CONCURRENTLY`` (inserts, claims and completions go on while it builds; its
+duration: docs/sharding.md 5.1.1), with a plain index on
 ``request_id`` beside it for callers that still name a request by its id alone (an old
 wake-up, an HTTP client that does not send the workspace). Both builds run outside a
 transaction; an ``INVALID`` index left by an interrupted earlier attempt is dropped and

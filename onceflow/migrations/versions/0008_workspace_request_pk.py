@@ -3,9 +3,9 @@ request_id)``, taken over from 0007's unique index.
 
 ``ADD CONSTRAINT … PRIMARY KEY USING INDEX`` scans nothing (both columns are ``NOT NULL``
 already) and renames the index to ``pk_workspace_process_requests``; the ``ACCESS
-EXCLUSIVE`` lock is held for catalog changes only (0.95 ms on 300,000 rows,
-docs/sharding.md 5.1.1). ``lock_timeout`` keeps it from queueing behind a long transaction
-(and every statement behind it): on a timeout the migration fails and can simply be run
+EXCLUSIVE`` lock is held for catalog changes only (about a millisecond, whatever the
+table's size: docs/sharding.md 5.1.1). ``lock_timeout`` keeps it from queueing behind a long
+transaction (and every statement behind it): on a timeout the migration fails and can simply be run
 again. Request ids are unchanged; the old key's index on ``request_id`` alone goes with
 it, and 0007's ``ix_wpr_request_id`` serves lookups by id from then on.
 

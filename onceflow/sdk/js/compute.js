@@ -1,4 +1,4 @@
-// onceflow SDK — layer 2 for a pull worker: the seed's compute-lock protocol over HTTP, so a
+// onceflow SDK — layer 2 for a pull worker: the compute-lock protocol over HTTP, so a
 // tab, a Celery stage and a Python pull worker asking for the same cell pay for it once.
 //
 //   1. pre-flight check(): a stored value returns at once, no lock round trip;
