@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # Extra flags for `make demo`, e.g. DEMO_ARGS=--browser (see `onceflow demo --help`).
 DEMO_ARGS ?=
 
-.PHONY: help setup test test-partitioned lint typecheck demo bench clean
+.PHONY: help setup test test-partitioned lint typecheck docs demo bench clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -45,6 +45,10 @@ lint: setup ## ruff (lint and format check) and lint-imports (the layering contr
 typecheck: setup ## mypy --strict on the package
 	$(BIN)/mypy
 
+# mkdocs-material prints a notice about its own future at every build; the variable silences it.
+docs: setup ## Build the documentation site into site/ (mkdocs build --strict: any warning fails it)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 demo: setup ## Run the main job end to end (embedded Postgres if none answers); DEMO_ARGS=--browser adds a headless Chromium tab
 	$(BIN)/onceflow demo $(DEMO_ARGS)
 
@@ -52,4 +56,4 @@ bench: setup ## Benchmarks, each beside its baseline; results go to docs/benchma
 	$(BIN)/python bench/queue_bench.py
 
 clean: ## Remove the virtualenv and caches
-	rm -rf $(VENV) .mypy_cache .ruff_cache .hypothesis *.egg-info
+	rm -rf $(VENV) .mypy_cache .ruff_cache .hypothesis *.egg-info site
