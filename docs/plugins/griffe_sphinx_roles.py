@@ -5,13 +5,15 @@ onceflow's docstrings are reStructuredText-flavoured: ``:class:`Queue```,
 ``::`` before an indented example. mkdocstrings renders docstrings as Markdown, where a
 role would show as ``:class:Queue``. This extension rewrites each role into a code span,
 linked to the named object when the site documents it (an *optional* cross-reference: no
-warning when it does not), and ``::`` before a literal block into ``:``. The source
-docstrings are left alone.
+warning when it does not), and ``::`` before a literal block into ``:``. An attribute
+documented by ``#:`` comment lines above it (Sphinx's convention) gets them as its
+docstring. The sources are left alone.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import griffe
@@ -56,6 +58,20 @@ def rewrite(obj: griffe.Object, value: str) -> str:
     return LONE_LITERAL.sub("", value)
 
 
+def _comment_above(obj: griffe.Object) -> str:
+    """The ``#:`` comment lines right above an attribute's assignment (Sphinx's attribute
+    documentation), joined; empty if there are none."""
+    if obj.lineno is None or not isinstance(obj.filepath, Path) or not obj.filepath.is_file():
+        return ""
+    lines = obj.filepath.read_text().splitlines()
+    found: list[str] = []
+    i = obj.lineno - 2
+    while i >= 0 and lines[i].lstrip().startswith("#:"):
+        found.insert(0, lines[i].lstrip()[2:].strip())
+        i -= 1
+    return " ".join(found)
+
+
 class SphinxRoles(griffe.Extension):
     """Rewrite every docstring of a loaded package (see the module)."""
 
@@ -67,6 +83,10 @@ class SphinxRoles(griffe.Extension):
         if obj.path in seen:
             return
         seen.add(obj.path)
+        if obj.docstring is None and obj.is_attribute:
+            comment = _comment_above(obj)
+            if comment:
+                obj.docstring = griffe.Docstring(comment, parent=obj)
         if obj.docstring is not None:
             obj.docstring.value = rewrite(obj, obj.docstring.value)
         for member in obj.members.values():

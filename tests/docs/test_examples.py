@@ -1,4 +1,4 @@
-"""Every fenced code block of README.md and docs/*.md runs as written, on the real services.
+"""Every fenced code block of README.md and docs/**/*.md runs as written, on the real services.
 
 How a block is run is decided by its language tag and, optionally, an HTML comment on the
 line(s) right before its fence (invisible on GitHub):
@@ -54,7 +54,7 @@ from sqlalchemy import Engine, text
 from onceflow.demo.procs import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^(?P<fence>```+)(?P<lang>[\w+-]*)\s*$")
 MARKER = re.compile(r"^<!--\s*example:\s*(?P<body>.*?)\s*-->$", re.S)
 SETUP = re.compile(r"^<!--\s*example-setup\s*\n(?P<code>.*?)-->$", re.S)
