@@ -206,3 +206,28 @@ def test_python_reference_documents_every_public_name(built_site: Path) -> None:
         built = (built_site / f"reference/python/{page}/index.html").read_text()
         for name in module.__all__:
             assert f'id="{module_name}.{name}"' in built, f"{module_name}.{name}"
+
+
+def test_every_test_a_page_names_exists() -> None:
+    """``tests/….py::test_name`` on a page (the guarantees, the failure model) names a test
+    function of that file, so a renamed or removed test cannot leave a page pointing at
+    nothing."""
+    import ast
+
+    named = re.compile(r"(tests/[\w/]+\.py)::(\w+)")
+    missing = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for path, name in named.findall(page.read_text()):
+            source = ROOT / path
+            functions = (
+                {
+                    node.name
+                    for node in ast.walk(ast.parse(source.read_text()))
+                    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                }
+                if source.is_file()
+                else set()
+            )
+            if name not in functions:
+                missing.append(f"{page.relative_to(ROOT)}: {path}::{name}")
+    assert not missing, "\n".join(missing)
