@@ -27,8 +27,13 @@ Markers:
   and every request must have succeeded.
 * ``<!-- example: output -->`` marks a sample of output: not run.
 * ``<!-- example: skip (reason) -->`` — not run; the reason is required.
-* ``<!-- example-setup … -->`` — hidden Python run before the next block, in its
-  namespace (for names a fragment takes as given, e.g. ``workspace_id``).
+
+Blocks stand alone, as a reader pastes them: there is no hidden set-up, a page's modules
+are its own (a block defining ``# myproject/stages.py`` serves the later blocks of that page
+only), and no two groups of any page use the same request or sub-doc — a reader who follows
+the pages in order on one database would otherwise see a second enqueue collapse onto the
+first one's row and nothing run. Pages that a test of their own runs from top to bottom
+(``OWN_TEST``) are left to it.
 """
 
 from __future__ import annotations
@@ -52,14 +57,15 @@ import yaml  # type: ignore[import-untyped]
 from sqlalchemy import Engine, text
 
 from onceflow.demo.procs import wait_for
+from tests.docs.blocks import PYTHON, ROOT, Block, extract
 
-ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-FENCE = re.compile(r"^(?P<fence>```+)(?P<lang>[\w+-]*)\s*$")
-MARKER = re.compile(r"^<!--\s*example:\s*(?P<body>.*?)\s*-->$", re.S)
-SETUP = re.compile(r"^<!--\s*example-setup\s*\n(?P<code>.*?)-->$", re.S)
-MODULE = re.compile(r"^#\s*(?P<path>[\w/]+\.py)\b")
-PYTHON, SHELL = {"python", "py"}, {"sh", "bash", "console", "shell"}
+#: Pages run, block by block in order, by a test of their own (on their own services).
+OWN_TEST = {ROOT / "docs" / "tutorial" / "first-stage.md": "tests/docs/test_tutorial.py"}
+DOCS = [
+    ROOT / "README.md",
+    *(p for p in sorted((ROOT / "docs").rglob("*.md")) if p not in OWN_TEST),
+]
+SHELL = {"sh", "bash", "console", "shell"}
 COMMAND = r"(\$ |onceflow |celery |python3? |\.venv/bin/|make |pip |curl |docker )"
 LONG_RUNNING = {
     "worker",
@@ -83,82 +89,11 @@ FAST = {
 
 
 @dataclass
-class Block:
-    """One fenced code block and its marker."""
-
-    path: Path
-    line: int
-    lang: str
-    code: str
-    marker: str = ""
-    setup: str = ""
-
-    @property
-    def where(self) -> str:
-        """``file:line`` of the opening fence."""
-        return f"{self.path.relative_to(ROOT)}:{self.line}"
-
-    @property
-    def module(self) -> str | None:
-        """The module path a Python block defines (``myproject/stages.py``), if any."""
-        m = MODULE.match(self.code)
-        return m["path"] if self.lang in PYTHON and m else None
-
-
-@dataclass
 class Group:
     """Blocks run together (one test)."""
 
     name: str
     blocks: list[Block] = field(default_factory=list)
-
-
-def _comments_before(lines: list[str], index: int) -> list[str]:
-    """The HTML comments right above line ``index`` (blank lines allowed), nearest last."""
-    found: list[str] = []
-    i = index - 1
-    while i >= 0:
-        if not lines[i].strip():
-            i -= 1
-            continue
-        if not lines[i].rstrip().endswith("-->"):
-            break
-        end = i
-        while i >= 0 and not lines[i].lstrip().startswith("<!--"):
-            i -= 1
-        if i < 0:
-            break
-        found.insert(0, "\n".join(s.strip() if n == i else s for n, s in
-                                  enumerate(lines[i : end + 1], start=i)))  # fmt: skip
-        i -= 1
-    return found
-
-
-def extract(path: Path) -> list[Block]:
-    """Every fenced block of a Markdown file, with its marker and hidden setup."""
-    lines = path.read_text().splitlines()
-    blocks: list[Block] = []
-    i = 0
-    while i < len(lines):
-        m = FENCE.match(lines[i].strip())
-        if not m or lines[i].startswith("    "):
-            i += 1
-            continue
-        start, fence = i, m["fence"]
-        i += 1
-        body: list[str] = []
-        while i < len(lines) and lines[i].strip() != fence:
-            body.append(lines[i])
-            i += 1
-        block = Block(path, start + 1, m["lang"].lower(), "\n".join(body) + "\n")
-        for comment in _comments_before(lines, start):
-            if mm := MARKER.match(comment):
-                block.marker = mm["body"]
-            elif ms := SETUP.match(comment):
-                block.setup = ms["code"]
-        blocks.append(block)
-        i += 1
-    return blocks
 
 
 def groups() -> list[Group]:
@@ -205,6 +140,33 @@ def test_untagged_blocks_are_not_commands() -> None:
                 )
 
 
+def test_no_block_hides_its_set_up() -> None:
+    """What a block needs is in the block: a reader never sees code in an HTML comment."""
+    for path in [*DOCS, *OWN_TEST]:
+        assert "example-setup" not in path.read_text(), f"{path.relative_to(ROOT)}: hidden set-up"
+
+
+#: Which group made each request and sub-doc, over the groups run in this session.
+MADE_BY: dict[tuple[str, str, str], str] = {}
+
+
+def _assert_own_ids(group: Group, engine: Engine) -> None:
+    """The requests and sub-docs the group made are made by no other group: followed in
+    order on one database, two examples would otherwise share a row."""
+    with engine.connect() as conn:
+        requests = conn.execute(
+            text("SELECT workspace_id, request_id FROM workspace_process_requests")
+        )
+        sub_docs = conn.execute(text("SELECT workspace_id, sub_doc FROM workspace_sub_docs"))
+        made = {("request", *r) for r in requests} | {("sub-doc", *r) for r in sub_docs}
+    for kind, workspace, name in sorted(made):
+        other = MADE_BY.setdefault((kind, workspace, name), group.name)
+        assert other == group.name, (
+            f"{group.name}: {kind} {name!r} of workspace {workspace!r} is also made by "
+            f"{other}; give each example its own workspace or job ids"
+        )
+
+
 class Runner:
     """Runs one group's blocks: Python in-process, commands as subprocesses."""
 
@@ -233,8 +195,6 @@ class Runner:
     def run_python(self, block: Block) -> None:
         """Execute a Python block in the group's namespace."""
         self._apply_env()
-        if block.setup:
-            exec(compile(block.setup, f"{block.where} (setup)", "exec"), self.namespace)  # noqa: S102
         exec(compile(block.code, block.where, "exec"), self.namespace)  # noqa: S102 - the point
 
     def _apply_env(self) -> None:
@@ -425,13 +385,12 @@ def _forget_modules(tmp: Path) -> None:
 
 
 def _earlier_modules(group: Group) -> list[Block]:
-    """Module blocks before the group: the README's (docs/ pages build on them), then the
-    document's own up to the group; a later version of a module replaces an earlier one."""
+    """Module blocks of the group's own page before it; a later version of a module
+    replaces an earlier one."""
     first = group.blocks[0]
-    readme = [] if first.path == DOCS[0] else extract(DOCS[0])
     return [
-        b for b in [*readme, *(b for b in extract(first.path) if b.line < first.line)]
-        if b.module and not b.marker.startswith("skip")
+        b for b in extract(first.path)
+        if b.line < first.line and b.module and not b.marker.startswith("skip")
     ]  # fmt: skip
 
 
@@ -490,3 +449,4 @@ def test_example_runs_as_written(group: Group, runner: Runner, clean_db: Engine)
         else:
             assert block.lang in ("", "text"), f"{block.where}: no runner for ```{block.lang}"
     runner.finish(clean_db)
+    _assert_own_ids(group, clean_db)
