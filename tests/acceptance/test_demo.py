@@ -1,4 +1,4 @@
-"""The README's main command, as a newcomer runs it: on real services, and on none."""
+"""The README's `make demo`, as a newcomer runs it: on real services, and on none."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import redis as redis_lib
 from tests.acceptance.procs import wait_for
 
 pytestmark = pytest.mark.slow
-README = Path(__file__).resolve().parents[2] / "README.md"
+DEMO_PAGE = Path(__file__).resolve().parents[2] / "docs" / "how-to" / "run-the-demo.md"
 
 
 def run_demo(env: dict[str, str], *args: str) -> tuple[dict[str, Any], str]:
@@ -301,7 +301,7 @@ def test_keep_open_keeps_flower_until_ctrl_c_then_cleans_up_everything(
     demo started (the kill's replacement worker too) and leaves Redis as it was (the shared
     :func:`redis_left_as_found` window of :func:`configured_demos`). On a terminal the run
     draws a progress bar, and the report it prints (faults on, as in `make demo`) has the
-    README sample's lines."""
+    sample's lines on docs/how-to/run-the-demo.md."""
     run: KeepOpen = configured_demos[3]
     assert run.open_at_notice, run.err[-3000:]
     assert run.flower_url is not None, run.err[-3000:]
@@ -312,7 +312,7 @@ def test_keep_open_keeps_flower_until_ctrl_c_then_cleans_up_everything(
     assert re.search(r"\r  \[#+-*\] +\d+/15 requests", run.err), run.err[-2000:]
     assert run.flower_after is None  # Flower is gone
     assert run.leftovers == []
-    assert report_labels(readme_sample()) == report_labels(run.report)
+    assert report_labels(page_sample()) == report_labels(run.report)
 
 
 def _read_pty(fd: int, into: list[str]) -> None:
@@ -341,10 +341,10 @@ def _http_status(url: str) -> int | None:
         return None
 
 
-def readme_sample() -> str:
-    """The README's sample demo report (the fenced block that starts with its title)."""
-    blocks = re.findall(r"```\n(onceflow demo — .*?)```", README.read_text(), re.S)
-    assert len(blocks) == 1, "the README has one sample demo report"
+def page_sample() -> str:
+    """The demo page's sample report (the fenced block that starts with its title)."""
+    blocks = re.findall(r"```\n(onceflow demo — .*?)```", DEMO_PAGE.read_text(), re.S)
+    assert len(blocks) == 1, "the demo page has one sample demo report"
     return str(blocks[0])
 
 
