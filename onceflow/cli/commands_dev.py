@@ -44,9 +44,15 @@ def demo(
     jobs: int, columns: int, clients: int, workers: int, no_faults: bool, flower: bool,
     keep_open: bool, plot: str | None, timeout: float | None, as_json: bool, browser: bool,
 ) -> None:  # fmt: skip
-    """Run a whole flow for real (clients, workers, faults) and check its invariants.
+    """Run the demo application end to end and check its invariants (exit 1 if broken).
 
-    Exits 1 if an invariant is broken.
+    The application is a job hunter's table: each row a job posting, each custom column a
+    cell that an LLM fills (one call per cell, under a compute lock), plus a commute from a
+    Maps service, a cover letter and a scrape of the company's page per job. Several clients
+    ask for overlapping work at once through real Celery workers, against local stand-in
+    LLM and Maps servers that count every call; with faults on, a worker is killed mid-stage
+    and some write responses are dropped. The report gives the calls per cell, the requests
+    collapsed and the ops applied, and checks that each layer held.
     """
     from onceflow.demo.report import plot as draw
     from onceflow.demo.report import print_report

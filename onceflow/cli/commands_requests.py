@@ -26,7 +26,8 @@ from onceflow.cli.base import (
     "revision",
     default="head",
     show_default=True,
-    help="Stop at this revision, e.g. 0007 during a rolling upgrade (README, 'Upgrading').",
+    help="Stop at this revision, e.g. 0007 during a rolling upgrade "
+    "(docs/how-to/operate.md, 'Upgrading').",
 )
 @_errors_to_exit
 def migrate(revision: str) -> None:

@@ -173,7 +173,7 @@ def _prepare_postgres(
             "-c",
             "full_page_writes=off",
             # As docker/compose.yaml: autovacuum every 10 s, so a claim_next loop's claim
-            # index does not gather a minute of claimed rows' entries (README, "Operating it").
+            # index does not gather a minute of claimed rows' entries (docs/how-to/operate.md).
             "-c",
             "autovacuum_naptime=10s",
         ]

@@ -99,10 +99,10 @@ FROM pg_class c WHERE c.oid = '{TABLE}'::regclass
 # does was never vacuumed), and the age of the oldest open transaction of a client holding
 # a snapshot or a transaction id in this database, other than this one (0 if none; a
 # vacuum's own holds no other back): while it runs no vacuum can clean a row it might see,
-# and the claim index's front of claimed rows' entries only grows (README, "Autovacuum and
-# claim_next loops"). pg_stat_activity shows another role's sessions' times only to a
-# superuser or a member of pg_read_all_stats: without it, their transactions are not seen.
-# Not seen either: prepared transactions, replication slots, a standby's feedback.
+# and the claim index's front of claimed rows' entries only grows (docs/how-to/operate.md,
+# "Autovacuum and claim_next loops"). pg_stat_activity shows another role's sessions' times
+# only to a superuser or a member of pg_read_all_stats: without it, their transactions are
+# not seen. Not seen either: prepared transactions, replication slots, a standby's feedback.
 TABLE_HEALTH = text(f"""
 WITH parts AS (
     SELECT '{TABLE}'::regclass AS relid

@@ -129,7 +129,7 @@ def test_servers_answer_inside_the_context() -> None:
             settings = conn.execute(
                 "SELECT current_setting('autovacuum'), current_setting('autovacuum_naptime')"
             ).fetchone()
-            assert settings == ("on", "10s")  # the claim index's front (README, "Operating it")
+            assert settings == ("on", "10s")  # the claim index's front (docs/how-to/operate.md)
             conn.execute("CREATE TABLE t (x int)")
             conn.execute("INSERT INTO t VALUES (1)")
             assert conn.execute("SELECT sum(x) FROM t").fetchone() == (1,)

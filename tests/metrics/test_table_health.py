@@ -1,6 +1,6 @@
 """The database collector's table-health gauges, read from a real Postgres's statistics
 views: dead row versions, seconds since the last vacuum, and the oldest open transaction
-(what stops a vacuum; README, "Autovacuum and claim_next loops")."""
+(what stops a vacuum; docs/how-to/operate.md, "Autovacuum and claim_next loops")."""
 
 from __future__ import annotations
 

@@ -10,11 +10,11 @@ built again.
 Code of this release writes ``ON CONFLICT (workspace_id, request_id)``, which needs the new
 index; code of the release before writes ``ON CONFLICT (request_id)``, which needs the old
 primary key, dropped by 0008. A rolling upgrade therefore runs ``onceflow migrate --to 0007``,
-deploys, then ``onceflow migrate`` once no process of the old release is left (README,
-"Upgrading"). A table created partitioned (``ONCEFLOW_PARTITIONS``) is keyed
-``(workspace_id, request_id)`` from the start: only ``ix_wpr_request_id`` is built there, one
-partition at a time ``CONCURRENTLY`` and attached to the parent's index (a partitioned
-parent refuses ``CREATE INDEX CONCURRENTLY``; onceflow/migrations/partitioning.py).
+deploys, then ``onceflow migrate`` once no process of the old release is left
+(docs/how-to/operate.md, "Upgrading"). A table created partitioned (``ONCEFLOW_PARTITIONS``)
+is keyed ``(workspace_id, request_id)`` from the start: only ``ix_wpr_request_id`` is built
+there, one partition at a time ``CONCURRENTLY`` and attached to the parent's index (a
+partitioned parent refuses ``CREATE INDEX CONCURRENTLY``; onceflow/migrations/partitioning.py).
 
 Revision ID: 0007
 Revises: 0006
