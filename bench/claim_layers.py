@@ -92,7 +92,7 @@ def run(url: str, n: int) -> dict[str, Any]:
             return {
                 "request_id": rid, "workspace_id": ws, "worker_id": "bench", "token": token,
                 "lease_seconds": 30.0, "max_runtime": None, "stage": STAGE, "now": None,
-                "lazy": True,
+                "lazy": True, "terms": None,
             }  # fmt: skip
 
         def done_params(ws: str, rid: str, token: str) -> dict[str, Any]:

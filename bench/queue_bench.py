@@ -457,7 +457,7 @@ def _worker(url: str, pipe: Pipe, batch: int) -> None:
         token = new_claim_token()
         claim = {
             "worker_class": WC, "worker_id": worker_id, "tokens": token, "lease_seconds": 30.0,
-            "max_runtime": None, "now": None, "lazy": True,
+            "max_runtime": None, "now": None, "lazy": True, "terms": None,
         }  # fmt: skip
         rows = run_statement(queue.engine, claim_sql, claim, all_as_dicts)
         if not rows:
@@ -847,7 +847,7 @@ def _front_pages(raw: psycopg.Connection[Any]) -> dict[str, int]:
 
     params = {
         "worker_class": WC, "worker_id": "probe", "tokens": "t", "lease_seconds": 30.0,
-        "max_runtime": None, "now": None, "lazy": False,
+        "max_runtime": None, "now": None, "lazy": False, "terms": None,
     }  # fmt: skip
     with raw.transaction(force_rollback=True):
         row = raw.execute(

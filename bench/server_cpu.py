@@ -148,7 +148,7 @@ def run(url: str, n: int) -> dict[str, float]:
                     claimed = conn.execute(claim, {
                         "request_id": rid, "workspace_id": ws, "worker_id": "bench",
                         "token": token, "lease_seconds": 30.0, "max_runtime": None,
-                        "stage": STAGE, "now": None, "lazy": True,
+                        "stage": STAGE, "now": None, "lazy": True, "terms": None,
                     }).fetchone()  # fmt: skip
                     finished = conn.execute(done, {
                         "request_id": rid, "workspace_id": ws, "token": token,
