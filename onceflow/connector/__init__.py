@@ -30,7 +30,6 @@ from onceflow.connector.run import AsyncSide, SyncSide, arun, operation, run
 from onceflow.connector.steps import (
     AfterCommit,
     AsyncConnector,
-    Call,
     Connector,
     Execute,
     FetchAll,
@@ -40,13 +39,11 @@ from onceflow.connector.steps import (
     Query,
     ShardCount,
     ShardGroups,
-    Sleep,
     Step,
     Steps,
     Transaction,
     Using,
     all_rows,
-    drive,
     on_every_shard,
     one_row,
     retrying,
@@ -57,6 +54,7 @@ from onceflow.connector.sync import (
     SQLAlchemyConnector,
     on_connection,
 )
+from onceflow.connector.trampoline import Call, Sleep, adrive, drive
 
 __all__ = [
     "AfterCommit",
@@ -82,6 +80,7 @@ __all__ = [
     "SyncSide",
     "Transaction",
     "Using",
+    "adrive",
     "all_rows",
     "arun",
     "conninfo",

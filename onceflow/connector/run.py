@@ -1,13 +1,12 @@
-"""The runners (sync and async) that drive an operation's steps, and :class:`operation`,
-which makes one generator a plain method on a :class:`SyncSide` and a coroutine method on
-an :class:`AsyncSide`."""
+"""The runners (sync and async) that drive an operation's steps on a connector, and
+:class:`operation`, which makes one generator a plain method on a :class:`SyncSide` and a
+coroutine method on an :class:`AsyncSide`. The loop itself, and the steps every generator of
+steps shares (:class:`Call`, :class:`Sleep`), are :mod:`onceflow.connector.trampoline`'s."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import inspect
-import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
@@ -16,7 +15,6 @@ from sqlalchemy import Connection
 from onceflow.connector.steps import (
     AfterCommit,
     AsyncConnector,
-    Call,
     Connector,
     Execute,
     FetchAll,
@@ -25,14 +23,13 @@ from onceflow.connector.steps import (
     Pooled,
     ShardCount,
     ShardGroups,
-    Sleep,
     Step,
     Steps,
     Transaction,
     Using,
-    drive,
 )
 from onceflow.connector.sync import SQLAlchemyConnector
+from onceflow.connector.trampoline import ado_step, adrive, do_step, drive
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -56,9 +53,6 @@ def _do(c: Connector, step: Step) -> Any:
     if isinstance(step, Transaction):
         with c.transaction() as tx:
             return run(tx, step.body)
-    if isinstance(step, Sleep):
-        time.sleep(step.seconds)
-        return None
     if isinstance(step, Pooled):
         return c.pooled
     if isinstance(step, AfterCommit):
@@ -71,31 +65,12 @@ def _do(c: Connector, step: Step) -> Any:
         return run(other, step.body)
     if isinstance(step, ShardCount | OnShard | ShardGroups):
         return _shard_step(c, step, run)
-    if isinstance(step, Call):
-        answer = step.fn(*step.args)
-        if inspect.isawaitable(answer):
-            if inspect.iscoroutine(answer):
-                answer.close()
-            raise TypeError(f"{step.fn!r} is async: call it through the asyncio API")
-        return answer
-    raise TypeError(f"not a step: {step!r}")
+    return do_step(step)  # a Call, a Sleep
 
 
 async def arun(connector: AsyncConnector, steps: Steps[R]) -> R:
     """Drive ``steps`` to their result on an async connector."""
-    answer: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            step = steps.send(answer) if error is None else steps.throw(error)
-        except StopIteration as stop:
-            result: R = stop.value
-            return result
-        answer, error = None, None
-        try:
-            answer = await _ado(connector, step)
-        except Exception as exc:
-            error = exc
+    return await adrive(steps, functools.partial(_ado, connector))
 
 
 async def _ado(c: AsyncConnector, step: Step) -> Any:
@@ -108,9 +83,6 @@ async def _ado(c: AsyncConnector, step: Step) -> Any:
     if isinstance(step, Transaction):
         async with c.transaction() as tx:
             return await arun(tx, step.body)
-    if isinstance(step, Sleep):
-        await asyncio.sleep(step.seconds)
-        return None
     if isinstance(step, Pooled):
         return c.pooled
     if isinstance(step, AfterCommit):
@@ -125,12 +97,7 @@ async def _ado(c: AsyncConnector, step: Step) -> Any:
     if isinstance(step, ShardCount | OnShard | ShardGroups):
         answer = _shard_step(c, step, arun)  # an OnShard body's run is a coroutine
         return (await answer) if inspect.isawaitable(answer) else answer
-    if isinstance(step, Call):
-        if inspect.iscoroutinefunction(step.fn):
-            return await step.fn(*step.args)
-        answer = await asyncio.to_thread(step.fn, *step.args)
-        return (await answer) if inspect.isawaitable(answer) else answer
-    raise TypeError(f"not a step: {step!r}")
+    return await ado_step(step)  # a Call, a Sleep
 
 
 def _shard_step(c: Any, step: ShardCount | OnShard | ShardGroups, runner: Any) -> Any:

@@ -1,5 +1,9 @@
 """Steps: what an operation yields (named statements, a transaction, a sleep …), the
-connector protocols that run them, and small helpers for writing operations."""
+connector protocols that run them, and small helpers for writing operations.
+
+:class:`Call` and :class:`Sleep` are the steps every generator of steps shares (the
+compute lock's, the op-log client's): they and the loop that runs them are
+:mod:`onceflow.connector.trampoline`'s."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from typing import Any, Protocol, TypeAlias, TypeVar
 
 from sqlalchemy import TextClause
 
+from onceflow.connector.trampoline import Call, Sleep
 from onceflow.db import is_disconnect, render
 
 log = logging.getLogger("onceflow.db")
@@ -84,13 +89,6 @@ class Transaction:
 
 
 @dataclass(frozen=True, slots=True)
-class Sleep:
-    """Wait ``seconds`` (``time.sleep`` or ``asyncio.sleep``); answers None."""
-
-    seconds: float
-
-
-@dataclass(frozen=True, slots=True)
 class Pooled:
     """Answers whether each statement runs on a pooled connection of its own (autocommit).
 
@@ -116,22 +114,6 @@ class Using:
 
     connector: Any
     body: Generator[Step, Any, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class Call:
-    """Call a caller's callback ``fn(*args)`` that may do I/O (a broker publish); answers
-    its return value, and its error is thrown into the generator like a statement's.
-
-    A sync runner calls it at once (an awaitable answer is refused: nothing could await
-    it). An async runner awaits it when it is a coroutine function (or answers an
-    awaitable), else runs it in a worker thread (``asyncio.to_thread``), so a blocking
-    callback never stalls the event loop; either way the operation goes on only once
-    it has returned.
-    """
-
-    fn: Callable[..., Any]
-    args: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,25 +156,6 @@ Step: TypeAlias = (
 )
 #: What an operation is: a generator of steps whose return value is the operation's result.
 Steps: TypeAlias = Generator[Step, Any, R]
-
-
-def drive(steps: Generator[Any, Any, R], do: Callable[[Any], Any]) -> R:
-    """Run a generator of steps to its return value: ``do(step)``'s answer is sent back in,
-    its error (an ``Exception``) thrown in at the ``yield``, where a direct call would have
-    raised it. The sync driver of the connector (:func:`run`) and of the op-log client."""
-    answer: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            step = steps.send(answer) if error is None else steps.throw(error)
-        except StopIteration as stop:
-            result: R = stop.value
-            return result
-        answer, error = None, None
-        try:
-            answer = do(step)
-        except Exception as exc:
-            error = exc
 
 
 def one_row(query: Query, params: Mapping[str, Any]) -> Steps[Any]:

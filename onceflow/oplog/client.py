@@ -27,13 +27,13 @@ op" / "wait" steps), through a :class:`Transport` or an :class:`AsyncTransport`.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from onceflow.connector import Sleep, drive
+from onceflow.connector import Sleep
+from onceflow.connector.trampoline import ado_step, adrive, do_step, drive
 from onceflow.errors import DatabaseUnavailable
 from onceflow.models.ops import OpModel
 from onceflow.oplog.outbox import ClientSteps, OpsParked, Outbox, Send, TransportError
@@ -166,10 +166,9 @@ class WorkspaceClient:
             return drive(steps, self._do)
 
     def _do(self, step: Send | Sleep) -> Any:
-        if isinstance(step, Sleep):
-            time.sleep(step.seconds)
-            return None
-        return self.transport.apply(*_args(step))
+        if isinstance(step, Send):
+            return self.transport.apply(*_args(step))
+        return do_step(step)
 
     # ------------------------------------------------------------------ clocks
 
@@ -299,31 +298,12 @@ class AsyncWorkspaceClient:
         if self._turn is None:
             self._turn = asyncio.Lock()
         async with self._turn:
-            answer: Any = None
-            error: Exception | None = None
-            while True:
-                done, step = await asyncio.to_thread(self._advance, steps, answer, error)
-                if done:
-                    result: R = step
-                    return result
-                answer, error = None, None
-                try:
-                    if isinstance(step, Sleep):
-                        await asyncio.sleep(step.seconds)
-                    else:
-                        answer = await self.transport.apply(*_args(step))
-                except Exception as exc:
-                    error = exc
+            return await adrive(steps, self._ado, off_loop=self.outbox.lock)
 
-    def _advance(
-        self, steps: ClientSteps[Any], answer: Any, error: Exception | None
-    ) -> tuple[bool, Any]:
-        # StopIteration cannot cross a future: the result comes back as (True, value).
-        with self.outbox.lock:
-            try:
-                return False, steps.send(answer) if error is None else steps.throw(error)
-            except StopIteration as stop:
-                return True, stop.value
+    async def _ado(self, step: Send | Sleep) -> Any:
+        if isinstance(step, Send):
+            return await self.transport.apply(*_args(step))
+        return await ado_step(step)
 
     async def observe(self, sub_doc: str, clock: int) -> None:
         """:meth:`WorkspaceClient.observe`."""

@@ -154,7 +154,7 @@ class Sweeper:
             if send is None:
                 unpublished.update(d.worker_class for d in batch)
             elif batch:
-                yield Call(send, (batch,))
+                yield Call.in_thread(send, batch)
             return len(batch)
 
         share = (limit + 1) // 2  # the never-sent rows' share; the rest is the stale rows'
@@ -186,7 +186,7 @@ class Sweeper:
         stale = {r["worker_class"]: r for r in counts if r["stale"]}
         if not stale:
             return {}  # nothing stale: the broker is not asked at all
-        waiting: Mapping[str, int] | None = yield Call(backlog, (sorted(stale),))
+        waiting: Mapping[str, int] | None = yield Call.in_thread(backlog, sorted(stale))
         if waiting is None:
             return {None: cap}  # the broker cannot be asked: the backoff alone limits re-sends
         budgets: dict[str | None, int] = {}
@@ -258,7 +258,7 @@ class Sweeper:
         after = s.redispatch_after_seconds if redispatch_after is None else redispatch_after
         rescued = yield from Sweeper.rescue_expired.steps(self, limit=limit, stages=stages, now=now)
         if send is not None and rescued.to_dispatch:
-            yield Call(send, (rescued.to_dispatch,))
+            yield Call.in_thread(send, rescued.to_dispatch)
         due = yield from Sweeper.due_for_dispatch.steps(
             self,
             redispatch_after=after,

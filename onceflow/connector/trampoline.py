@@ -1,0 +1,222 @@
+"""The trampoline: the one loop that runs every generator of steps, sync or async.
+
+The queue's and the op log's operations (:mod:`onceflow.connector`), the op-log client's
+rules (:mod:`onceflow.oplog.outbox`) and the compute-lock protocol
+(:mod:`onceflow.locks.protocol`) are each written once, as a generator that does no I/O
+of its own: it yields a *step*, and a runner performs the step and resumes the generator
+with its answer. :func:`drive` is that loop for sync callers and :func:`adrive` for
+asyncio; each family of steps brings only its ``do``, which performs one step. Two steps
+are common to every family: :class:`Call` (call a function) and :class:`Sleep` (wait),
+performed by :func:`do_step` and :func:`ado_step`.
+
+The rules, the same in both loops:
+
+- a step's answer is sent in; its exception, whatever it is (``BaseException``
+  included), is thrown in at the ``yield``, where a direct call would have raised it, so
+  ``try``/``except``/``finally`` around a ``yield`` behave as around the call itself: the
+  ``finally`` of a cancelled or interrupted run still runs its steps (a lock's release);
+- a step's own ``StopIteration`` that leaves the generator (as a ``RuntimeError``: PEP
+  479) leaves the runner as itself, as the direct call would have raised it;
+- (:func:`adrive`) a cancellation of the running task that a step swallowed (a library
+  that answers a task cancelled during the call, as redis-py 8.1 can) is thrown in after
+  that step all the same, so a cancelled caller does not go on to its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable, Generator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, NoReturn, TypeVar
+
+from onceflow.errors import InvalidRequest
+
+R = TypeVar("R")
+
+
+class Call:
+    """Call ``fn(*args, **kwargs)``, a backend's or a caller's function that may do I/O;
+    answers its return value, and its exception is thrown in like any step's.
+
+    A sync runner calls it and refuses an awaitable answer (:class:`InvalidRequest`; a
+    coroutine is closed, never run). An async runner awaits an awaitable answer (a
+    coroutine function's) and calls a plain function in place, on the event loop; a call
+    made with :meth:`in_thread` runs a plain function in a worker thread instead
+    (``asyncio.to_thread``), so that a blocking callback (a broker publish) never stalls
+    the loop. Either way the run goes on only once the call has returned.
+    """
+
+    __slots__ = ("args", "fn", "kwargs", "thread")
+
+    def __init__(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
+        self.fn = fn
+        self.args = args
+        self.kwargs = kwargs
+        self.thread = False
+
+    @classmethod
+    def in_thread(cls, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Call:
+        """The call, run by an async runner in a worker thread when ``fn`` is a plain
+        function (a coroutine function is awaited on the loop all the same)."""
+        call = cls(fn, *args, **kwargs)
+        call.thread = True
+        return call
+
+    def __repr__(self) -> str:
+        where = ", in a thread" if self.thread else ""
+        return f"Call({self.fn!r}, args={self.args!r}, kwargs={self.kwargs!r}{where})"
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """Wait ``seconds`` (``time.sleep`` or ``asyncio.sleep``); answers None."""
+
+    seconds: float
+
+
+# ------------------------------------------------------------------ the loops
+
+
+def advance(
+    steps: Generator[Any, Any, Any], answer: Any, error: BaseException | None
+) -> tuple[bool, Any]:
+    """Resume ``steps`` at its ``yield``: ``error`` thrown in when there is one, else
+    ``answer`` sent in. Answers ``(False, its next step)`` or ``(True, its return value)``.
+
+    A step's own ``StopIteration`` (``error``) that left the generator comes out as a
+    ``RuntimeError`` (PEP 479): it is raised as itself, as the direct call raised it.
+    """
+    try:
+        return False, (steps.send(answer) if error is None else steps.throw(error))
+    except StopIteration as done:
+        return True, done.value
+    except RuntimeError as exc:
+        if isinstance(error, StopIteration) and exc.__cause__ is error:
+            raise error.with_traceback(error.__traceback__) from None
+        raise
+
+
+def drive(steps: Generator[Any, Any, R], do: Callable[[Any], Any]) -> R:
+    """Run ``steps`` to their return value, performing each step with ``do(step)``."""
+    answer: Any = None
+    error: BaseException | None = None
+    while True:
+        done, step = advance(steps, answer, error)
+        if done:
+            result: R = step
+            return result
+        answer, error = None, None
+        try:
+            answer = do(step)
+        except BaseException as exc:
+            error = exc
+
+
+async def adrive(
+    steps: Generator[Any, Any, R],
+    ado: Callable[[Any], Awaitable[Any]],
+    *,
+    off_loop: AbstractContextManager[Any] | None = None,
+) -> R:
+    """Run ``steps`` to their return value, performing each step with ``await ado(step)``.
+
+    ``off_loop``: a lock (a ``threading.Lock``) for a generator whose own code between
+    steps blocks (the op-log client's rules read and write a file): it is then resumed in
+    a worker thread, holding the lock, so the event loop never waits on that code.
+    """
+    task = asyncio.current_task()
+    cancels = task.cancelling() if task is not None else 0
+    answer: Any = None
+    error: BaseException | None = None
+    while True:
+        if off_loop is None:
+            done, step = advance(steps, answer, error)
+        else:
+            done, step = await _advance_off_loop(off_loop, steps, answer, error)
+        if done:
+            result: R = step
+            return result
+        answer, error = None, None
+        try:
+            answer = await ado(step)
+        except BaseException as exc:
+            error = exc
+        if task is not None and task.cancelling() != cancels:
+            if task.cancelling() > cancels and not isinstance(error, asyncio.CancelledError):
+                answer, error = None, asyncio.CancelledError()  # the step swallowed it
+            cancels = task.cancelling()  # one CancelledError per request to cancel
+
+
+async def _advance_off_loop(
+    lock: AbstractContextManager[Any],
+    steps: Generator[Any, Any, Any],
+    answer: Any,
+    error: BaseException | None,
+) -> tuple[bool, Any]:
+    moved, own = await asyncio.to_thread(_advance_holding, lock, steps, answer, error)
+    if own is not None:
+        raise own
+    done: tuple[bool, Any] = moved
+    return done
+
+
+def _advance_holding(
+    lock: AbstractContextManager[Any],
+    steps: Generator[Any, Any, Any],
+    answer: Any,
+    error: BaseException | None,
+) -> tuple[Any, StopIteration | None]:
+    with lock:
+        try:
+            return advance(steps, answer, error), None
+        except StopIteration as own:  # a step's own: it cannot cross a future, so it is
+            return None, own  # handed back and raised on the loop
+
+
+# ------------------------------------------------------------------ the common steps
+
+
+def do_step(step: Call | Sleep) -> Any:
+    """Perform a :class:`Call` or a :class:`Sleep` in a sync run."""
+    if isinstance(step, Call):
+        answer = step.fn(*step.args, **step.kwargs)
+        if inspect.isawaitable(answer):
+            _refuse_awaitable(step.fn, answer)
+        return answer
+    if isinstance(step, Sleep):
+        time.sleep(step.seconds)
+        return None
+    raise TypeError(f"not a step: {step!r}")
+
+
+async def ado_step(step: Call | Sleep) -> Any:
+    """Perform a :class:`Call` or a :class:`Sleep` in an async run."""
+    if isinstance(step, Call):
+        if step.thread and not inspect.iscoroutinefunction(step.fn):
+            answer = await asyncio.to_thread(step.fn, *step.args, **step.kwargs)
+        else:
+            answer = step.fn(*step.args, **step.kwargs)
+        return (await answer) if inspect.isawaitable(answer) else answer
+    if isinstance(step, Sleep):
+        await asyncio.sleep(step.seconds)
+        return None
+    raise TypeError(f"not a step: {step!r}")
+
+
+def _refuse_awaitable(fn: Callable[..., Any], answer: Any) -> NoReturn:
+    """A sync run met a function that answered an awaitable (an ``async def`` passed to
+    the sync API): its value would be a coroutine object — a cell "stored" that never ran,
+    a message "published" that never was. Refused, the coroutine closed (never run)."""
+    if inspect.iscoroutine(answer):
+        answer.close()
+    name = getattr(fn, "__qualname__", repr(fn))
+    raise InvalidRequest(
+        f"{name} returned an awaitable: the sync API calls plain functions"
+        " (pass coroutine functions to the asyncio API, e.g. acompute_once, AsyncQueue)"
+    )
+
+
+__all__ = ["Call", "Sleep", "ado_step", "adrive", "advance", "do_step", "drive"]
