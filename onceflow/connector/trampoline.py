@@ -142,6 +142,8 @@ async def adrive(
         answer, error = None, None
         try:
             answer = await ado(step)
+        except _Stopped as box:
+            error = box.stop  # a step's own StopIteration, thrown in as itself
         except BaseException as exc:
             error = exc
         if task is not None and task.cancelling() != cancels:
@@ -156,11 +158,13 @@ async def _advance_off_loop(
     answer: Any,
     error: BaseException | None,
 ) -> tuple[bool, Any]:
-    moved, own = await asyncio.to_thread(_advance_holding, lock, steps, answer, error)
-    if own is not None:
-        raise own
-    done: tuple[bool, Any] = moved
-    return done
+    try:
+        moved: tuple[bool, Any] = await asyncio.to_thread(
+            _advance_holding, lock, steps, answer, error
+        )
+    except _Stopped as box:
+        raise box.stop from None
+    return moved
 
 
 def _advance_holding(
@@ -168,12 +172,26 @@ def _advance_holding(
     steps: Generator[Any, Any, Any],
     answer: Any,
     error: BaseException | None,
-) -> tuple[Any, StopIteration | None]:
+) -> tuple[bool, Any]:
     with lock:
-        try:
-            return advance(steps, answer, error), None
-        except StopIteration as own:  # a step's own: it cannot cross a future, so it is
-            return None, own  # handed back and raised on the loop
+        return _boxed(advance, steps, answer, error)
+
+
+class _Stopped(Exception):
+    """A ``StopIteration`` carried out of the coroutine or the worker thread it was raised
+    in: neither lets one through as itself (PEP 479; a future refuses it)."""
+
+    def __init__(self, stop: StopIteration) -> None:
+        super().__init__(stop)
+        self.stop = stop
+
+
+def _boxed(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, its ``StopIteration`` raised as :class:`_Stopped`."""
+    try:
+        return fn(*args, **kwargs)
+    except StopIteration as stop:
+        raise _Stopped(stop) from None
 
 
 # ------------------------------------------------------------------ the common steps
@@ -196,9 +214,9 @@ async def ado_step(step: Call | Sleep) -> Any:
     """Perform a :class:`Call` or a :class:`Sleep` in an async run."""
     if isinstance(step, Call):
         if step.thread and not inspect.iscoroutinefunction(step.fn):
-            answer = await asyncio.to_thread(step.fn, *step.args, **step.kwargs)
+            answer = await asyncio.to_thread(_boxed, step.fn, *step.args, **step.kwargs)
         else:
-            answer = step.fn(*step.args, **step.kwargs)
+            answer = _boxed(step.fn, *step.args, **step.kwargs)
         return (await answer) if inspect.isawaitable(answer) else answer
     if isinstance(step, Sleep):
         await asyncio.sleep(step.seconds)
