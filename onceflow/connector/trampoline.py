@@ -125,7 +125,9 @@ async def adrive(
 
     ``off_loop``: a lock (a ``threading.Lock``) for a generator whose own code between
     steps blocks (the op-log client's rules read and write a file): it is then resumed in
-    a worker thread, holding the lock, so the event loop never waits on that code.
+    a worker thread, holding the lock, so the event loop never waits on that code. A
+    cancellation that comes while it is being resumed is raised at once; the thread
+    finishes its part, and the generator is not resumed again.
     """
     task = asyncio.current_task()
     cancels = task.cancelling() if task is not None else 0
@@ -174,7 +176,8 @@ def _advance_holding(
     error: BaseException | None,
 ) -> tuple[bool, Any]:
     with lock:
-        return _boxed(advance, steps, answer, error)
+        moved: tuple[bool, Any] = _boxed(advance, steps, answer, error)
+        return moved
 
 
 class _Stopped(Exception):
