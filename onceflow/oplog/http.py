@@ -10,7 +10,7 @@
 
 :class:`AsyncHttpTransport` is the same on ``httpx.AsyncClient``, for
 :class:`~onceflow.oplog.AsyncWorkspaceClient`. Both build each request and read
-each answer with the same functions (:class:`Call` and the ``*_answer`` readers):
+each answer with the same functions (:class:`ApiRequest` and the ``*_answer`` readers):
 only the sending differs.
 
 When the outcome is unknown — a connection error, a timeout, a 5xx answer, a
@@ -104,7 +104,7 @@ def raise_for_api_error(
 
 
 @dataclass(frozen=True, slots=True)
-class Call:
+class ApiRequest:
     """One request of the HTTP API: what a transport sends (sync or async)."""
 
     method: str
@@ -120,12 +120,12 @@ def _sub_doc_url(workspace_id: str, sub_doc: str) -> str:
     )
 
 
-def apply_call(
+def apply_request(
     workspace_id: str, sub_doc: str, op: dict[str, Any], op_id: str, base_clock: int | None
-) -> Call:
+) -> ApiRequest:
     """``POST …/ops`` with the op, its id and its base clock."""
     body = {"op_id": op_id, "op": op, "base_clock": base_clock}
-    return Call("POST", _sub_doc_url(workspace_id, sub_doc) + "/ops", json=body)
+    return ApiRequest("POST", _sub_doc_url(workspace_id, sub_doc) + "/ops", json=body)
 
 
 def apply_answer(
@@ -191,10 +191,10 @@ class HttpTransport:
         self._owns_client = client is None
         self._headers = {"Authorization": f"Bearer {key}"}
 
-    def _send(self, call: Call) -> httpx.Response:
+    def _send(self, req: ApiRequest) -> httpx.Response:
         try:
             return self._client.request(
-                call.method, call.url, headers=self._headers, json=call.json, params=call.params
+                req.method, req.url, headers=self._headers, json=req.json, params=req.params
             )
         except self._httpx.TransportError as exc:
             raise TransportError(f"{type(exc).__name__}: the outcome is unknown") from exc
@@ -208,18 +208,18 @@ class HttpTransport:
         base_clock: int | None,
     ) -> ApplyResult:
         """Send one op; a replay answers with the original clock (``duplicate=True``)."""
-        response = self._send(apply_call(workspace_id, sub_doc, op, op_id, base_clock))
+        response = self._send(apply_request(workspace_id, sub_doc, op, op_id, base_clock))
         return apply_answer(response, sub_doc, op_id, base_clock)
 
     def get_sub_doc(self, workspace_id: str, sub_doc: str) -> SubDoc:
         """The sub-doc's state and clock, read over HTTP."""
-        response = self._send(Call("GET", _sub_doc_url(workspace_id, sub_doc)))
+        response = self._send(ApiRequest("GET", _sub_doc_url(workspace_id, sub_doc)))
         return sub_doc_answer(response, sub_doc)
 
     def ops_since(self, workspace_id: str, sub_doc: str, clock: int = 0) -> list[OpRecord]:
         """Applied ops after ``clock``, over HTTP (a reconnecting client catches up)."""
         url = _sub_doc_url(workspace_id, sub_doc) + "/ops"
-        response = self._send(Call("GET", url, params={"since": clock}))
+        response = self._send(ApiRequest("GET", url, params={"since": clock}))
         return ops_since_answer(response, sub_doc)
 
     def close(self) -> None:
@@ -246,10 +246,10 @@ class AsyncHttpTransport:
         self._owns_client = client is None
         self._headers = {"Authorization": f"Bearer {key}"}
 
-    async def _send(self, call: Call) -> httpx.Response:
+    async def _send(self, req: ApiRequest) -> httpx.Response:
         try:
             return await self._client.request(
-                call.method, call.url, headers=self._headers, json=call.json, params=call.params
+                req.method, req.url, headers=self._headers, json=req.json, params=req.params
             )
         except self._httpx.TransportError as exc:
             raise TransportError(f"{type(exc).__name__}: the outcome is unknown") from exc
@@ -263,18 +263,18 @@ class AsyncHttpTransport:
         base_clock: int | None,
     ) -> ApplyResult:
         """:meth:`HttpTransport.apply`, awaited."""
-        response = await self._send(apply_call(workspace_id, sub_doc, op, op_id, base_clock))
+        response = await self._send(apply_request(workspace_id, sub_doc, op, op_id, base_clock))
         return apply_answer(response, sub_doc, op_id, base_clock)
 
     async def get_sub_doc(self, workspace_id: str, sub_doc: str) -> SubDoc:
         """:meth:`HttpTransport.get_sub_doc`, awaited."""
-        response = await self._send(Call("GET", _sub_doc_url(workspace_id, sub_doc)))
+        response = await self._send(ApiRequest("GET", _sub_doc_url(workspace_id, sub_doc)))
         return sub_doc_answer(response, sub_doc)
 
     async def ops_since(self, workspace_id: str, sub_doc: str, clock: int = 0) -> list[OpRecord]:
         """:meth:`HttpTransport.ops_since`, awaited."""
         url = _sub_doc_url(workspace_id, sub_doc) + "/ops"
-        response = await self._send(Call("GET", url, params={"since": clock}))
+        response = await self._send(ApiRequest("GET", url, params={"since": clock}))
         return ops_since_answer(response, sub_doc)
 
     async def aclose(self) -> None:
