@@ -41,7 +41,7 @@ class Call:
     """Call ``fn(*args, **kwargs)``, a backend's or a caller's function that may do I/O;
     answers its return value, and its exception is thrown in like any step's.
 
-    A sync runner calls it and refuses an awaitable answer (:class:`InvalidRequest`; a
+    A sync runner calls it and refuses an awaitable answer (:class:`AwaitableRefused`; a
     coroutine is closed, never run). An async runner awaits an awaitable answer (a
     coroutine function's) and calls a plain function in place, on the event loop; a call
     made with :meth:`in_thread` runs a plain function in a worker thread instead
@@ -227,17 +227,22 @@ async def ado_step(step: Call | Sleep) -> Any:
     raise TypeError(f"not a step: {step!r}")
 
 
-def _refuse_awaitable(fn: Callable[..., Any], answer: Any) -> NoReturn:
+class AwaitableRefused(InvalidRequest, TypeError):
     """A sync run met a function that answered an awaitable (an ``async def`` passed to
     the sync API): its value would be a coroutine object — a cell "stored" that never ran,
-    a message "published" that never was. Refused, the coroutine closed (never run)."""
+    a message "published" that never was. A caller's mistake (:class:`InvalidRequest`)
+    and the wrong kind of function (``TypeError``)."""
+
+
+def _refuse_awaitable(fn: Callable[..., Any], answer: Any) -> NoReturn:
+    """Refuse ``fn``'s awaitable answer, the coroutine closed (never run)."""
     if inspect.iscoroutine(answer):
         answer.close()
     name = getattr(fn, "__qualname__", repr(fn))
-    raise InvalidRequest(
+    raise AwaitableRefused(
         f"{name} returned an awaitable: the sync API calls plain functions"
-        " (pass coroutine functions to the asyncio API, e.g. acompute_once, AsyncQueue)"
+        " (pass async functions to the asyncio API: acompute_once, AsyncQueue)"
     )
 
 
-__all__ = ["Call", "Sleep", "ado_step", "adrive", "advance", "do_step", "drive"]
+__all__ = ["AwaitableRefused", "Call", "Sleep", "ado_step", "adrive", "advance", "do_step", "drive"]

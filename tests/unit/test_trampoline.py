@@ -306,8 +306,9 @@ def test_a_sync_run_refuses_an_awaitable_answer_and_closes_it() -> None:
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "coroutine ... was never awaited" would fail here
-        with pytest.raises(InvalidRequest, match="returned an awaitable"):
+        with pytest.raises(InvalidRequest, match="returned an awaitable") as refused:
             drive(steps(), do_step)
+    assert isinstance(refused.value, TypeError)  # the wrong kind of function, too
 
 
 def test_what_is_not_a_step_is_refused() -> None:
