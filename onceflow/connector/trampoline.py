@@ -30,11 +30,13 @@ import time
 from collections.abc import Awaitable, Callable, Generator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, ParamSpec, TypeVar
 
 from onceflow.errors import InvalidRequest
 
 R = TypeVar("R")
+T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class Call:
@@ -80,7 +82,7 @@ class Sleep:
 # ------------------------------------------------------------------ the loops
 
 
-def advance(
+def _advance(
     steps: Generator[Any, Any, Any], answer: Any, error: BaseException | None
 ) -> tuple[bool, Any]:
     """Resume ``steps`` at its ``yield``: ``error`` thrown in when there is one, else
@@ -104,7 +106,7 @@ def drive(steps: Generator[Any, Any, R], do: Callable[[Any], Any]) -> R:
     answer: Any = None
     error: BaseException | None = None
     while True:
-        done, step = advance(steps, answer, error)
+        done, step = _advance(steps, answer, error)
         if done:
             result: R = step
             return result
@@ -135,7 +137,7 @@ async def adrive(
     error: BaseException | None = None
     while True:
         if off_loop is None:
-            done, step = advance(steps, answer, error)
+            done, step = _advance(steps, answer, error)
         else:
             done, step = await _advance_off_loop(off_loop, steps, answer, error)
         if done:
@@ -160,24 +162,14 @@ async def _advance_off_loop(
     answer: Any,
     error: BaseException | None,
 ) -> tuple[bool, Any]:
+    def holding() -> tuple[bool, Any]:
+        with lock:
+            return _boxed(_advance, steps, answer, error)
+
     try:
-        moved: tuple[bool, Any] = await asyncio.to_thread(
-            _advance_holding, lock, steps, answer, error
-        )
+        return await asyncio.to_thread(holding)
     except _Stopped as box:
         raise box.stop from None
-    return moved
-
-
-def _advance_holding(
-    lock: AbstractContextManager[Any],
-    steps: Generator[Any, Any, Any],
-    answer: Any,
-    error: BaseException | None,
-) -> tuple[bool, Any]:
-    with lock:
-        moved: tuple[bool, Any] = _boxed(advance, steps, answer, error)
-        return moved
 
 
 class _Stopped(Exception):
@@ -189,7 +181,7 @@ class _Stopped(Exception):
         self.stop = stop
 
 
-def _boxed(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+def _boxed(fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
     """``fn(*args, **kwargs)``, its ``StopIteration`` raised as :class:`_Stopped`."""
     try:
         return fn(*args, **kwargs)
@@ -245,4 +237,4 @@ def _refuse_awaitable(fn: Callable[..., Any], answer: Any) -> NoReturn:
     )
 
 
-__all__ = ["AwaitableRefused", "Call", "Sleep", "ado_step", "adrive", "advance", "do_step", "drive"]
+__all__ = ["AwaitableRefused", "Call", "Sleep", "ado_step", "adrive", "do_step", "drive"]
