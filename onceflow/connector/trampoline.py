@@ -86,19 +86,22 @@ def _advance(
     steps: Generator[Any, Any, Any], answer: Any, error: BaseException | None
 ) -> tuple[bool, Any]:
     """Resume ``steps`` at its ``yield``: ``error`` thrown in when there is one, else
-    ``answer`` sent in. Answers ``(False, its next step)`` or ``(True, its return value)``.
-
-    A step's own ``StopIteration`` (``error``) that left the generator comes out as a
-    ``RuntimeError`` (PEP 479): it is raised as itself, as the direct call raised it.
-    """
+    ``answer`` sent in. Answers ``(False, its next step)`` or ``(True, its return value)``."""
     try:
         return False, (steps.send(answer) if error is None else steps.throw(error))
     except StopIteration as done:
         return True, done.value
     except RuntimeError as exc:
-        if isinstance(error, StopIteration) and exc.__cause__ is error:
-            raise error.with_traceback(error.__traceback__) from None
+        _raise_own_stop(exc, error)
         raise
+
+
+def _raise_own_stop(exc: RuntimeError, error: BaseException | None) -> None:
+    """``exc`` left a generator into which ``error`` was thrown: when it is that step's
+    own ``StopIteration`` turned into a ``RuntimeError`` (PEP 479), raise it as itself,
+    as the direct call raised it."""
+    if isinstance(error, StopIteration) and exc.__cause__ is error:
+        raise error.with_traceback(error.__traceback__) from None
 
 
 def drive(steps: Generator[Any, Any, R], do: Callable[[Any], Any]) -> R:
@@ -106,10 +109,14 @@ def drive(steps: Generator[Any, Any, R], do: Callable[[Any], Any]) -> R:
     answer: Any = None
     error: BaseException | None = None
     while True:
-        done, step = _advance(steps, answer, error)
-        if done:
-            result: R = step
+        try:  # _advance, written out: this loop runs every statement of the sync API
+            step = steps.send(answer) if error is None else steps.throw(error)
+        except StopIteration as done:
+            result: R = done.value
             return result
+        except RuntimeError as exc:
+            _raise_own_stop(exc, error)
+            raise
         answer, error = None, None
         try:
             answer = do(step)
@@ -132,7 +139,8 @@ async def adrive(
     finishes its part, and the generator is not resumed again.
     """
     task = asyncio.current_task()
-    cancels = task.cancelling() if task is not None else 0
+    cancelling = task.cancelling if task is not None else _never_cancelled
+    cancels = cancelling()
     answer: Any = None
     error: BaseException | None = None
     while True:
@@ -150,10 +158,14 @@ async def adrive(
             error = box.stop  # a step's own StopIteration, thrown in as itself
         except BaseException as exc:
             error = exc
-        if task is not None and task.cancelling() != cancels:
-            if task.cancelling() > cancels and not isinstance(error, asyncio.CancelledError):
+        if (now := cancelling()) != cancels:
+            if now > cancels and not isinstance(error, asyncio.CancelledError):
                 answer, error = None, asyncio.CancelledError()  # the step swallowed it
-            cancels = task.cancelling()  # one CancelledError per request to cancel
+            cancels = now  # one CancelledError per request to cancel
+
+
+def _never_cancelled() -> int:
+    return 0  # outside a task: nothing to cancel
 
 
 async def _advance_off_loop(
