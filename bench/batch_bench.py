@@ -72,13 +72,13 @@ def bench_depth(url: str, finished: int, rounds: int) -> dict[str, float]:
         conn.execute(f"VACUUM ANALYZE {TABLE}")
     log(f"depth: {finished:,} finished rows, 1,500 queued ({len(claimed)} running)")
     for name, query, params in (
-        ("every class", sql.Q_DEPTH_ALL, {"now": None}),
-        ("one class", sql.Q_DEPTH_FOR, {"now": None, "worker_classes": [WC]}),
+        ("every class", sql.DEPTH_ALL.sql, {"now": None}),
+        ("one class", sql.DEPTH_FOR.sql, {"now": None, "worker_classes": [WC]}),
     ):
         plan = plan_of(url, query, params)
         check_plan(plan)
         print(f"EXPLAIN depth ({name}):\n{plan}\n")
-    print("EXPLAIN counts():\n" + plan_of(url, sql.Q_COUNTS, {}) + "\n")
+    print("EXPLAIN counts():\n" + plan_of(url, sql.COUNTS.sql, {}) + "\n")
     depth = q.depth()
     assert depth[WC].queued_due == 1000 and depth[WC].running == 500, depth
     for _ in range(3):  # warm up

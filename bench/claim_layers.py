@@ -67,7 +67,7 @@ def run(url: str, n: int) -> dict[str, Any]:
     from pydantic import BaseModel
 
     from onceflow.db import fetch_one, holding_connections, raw_connection
-    from onceflow.queue.sql import Q_CLAIM, Q_COMPLETE_CHANGED
+    from onceflow.queue import sql as queue_sql
     from onceflow.tasks.flow import StageSpec
     from onceflow.tasks.runtime import run_request
 
@@ -111,19 +111,30 @@ def run(url: str, n: int) -> dict[str, Any]:
         def statements(ws: str, rid: str) -> None:
             token = secrets.token_hex(16)
             with raw.cursor(row_factory=dict_row) as cur:
-                if cur.execute(Q_CLAIM, claim_params(ws, rid, token)).fetchone() is None:
+                if (
+                    cur.execute(queue_sql.CLAIM.sql, claim_params(ws, rid, token)).fetchone()
+                    is None
+                ):
                     raise RuntimeError(f"statements: {rid} not claimed")
             with raw.cursor(row_factory=dict_row) as cur:
-                if cur.execute(Q_COMPLETE_CHANGED, done_params(ws, rid, token)).fetchone() is None:
+                if (
+                    cur.execute(
+                        queue_sql.COMPLETE_CHANGED.sql, done_params(ws, rid, token)
+                    ).fetchone()
+                    is None
+                ):
                     raise RuntimeError(f"statements: {rid} not completed")
 
         def pooled(ws: str, rid: str) -> None:
             token = secrets.token_hex(16)
             with raw_connection(queue.engine) as conn:
-                if fetch_one(conn, Q_CLAIM, claim_params(ws, rid, token)) is None:
+                if fetch_one(conn, queue_sql.CLAIM.sql, claim_params(ws, rid, token)) is None:
                     raise RuntimeError(f"pooled: {rid} not claimed")
             with raw_connection(queue.engine) as conn:
-                if fetch_one(conn, Q_COMPLETE_CHANGED, done_params(ws, rid, token)) is None:
+                if (
+                    fetch_one(conn, queue_sql.COMPLETE_CHANGED.sql, done_params(ws, rid, token))
+                    is None
+                ):
                     raise RuntimeError(f"pooled: {rid} not completed")
 
         def through_queue(ws: str, rid: str) -> None:

@@ -445,7 +445,8 @@ def _worker(url: str, pipe: Pipe, batch: int) -> None:
 
     from onceflow.db import all_as_dicts, one_as_dict, run_statement
     from onceflow.ids import new_claim_token
-    from onceflow.queue.sql import N, claim_next_sql
+    from onceflow.queue import sql as queue_sql
+    from onceflow.queue.sql import claim_next_sql
 
     claim_sql = claim_next_sql(1)
 
@@ -465,7 +466,7 @@ def _worker(url: str, pipe: Pipe, batch: int) -> None:
         key = {"workspace_id": rows[0]["workspace_id"], "request_id": rows[0]["request_id"]}
         unscoped = {"worker_classes": None, "ws_exact": None, "ws_prefixes": None}
         done = {**key, "token": token, "result": RESULT_TEXT, "now": None, **unscoped}
-        if run_statement(queue.engine, N.FINISH.sql, done, one_as_dict) is None:
+        if run_statement(queue.engine, queue_sql.FINISH.sql, done, one_as_dict) is None:
             raise RuntimeError(f"statements: {key} not completed")
         return True
 

@@ -9,7 +9,7 @@ then completes it, as a Celery worker's stage does; the server CPU of each backe
 from ``/proc/<pid>/stat`` (so the server must run on this machine) around blocks of
 ``BLOCK`` pairs, the variants taking turns, after a warm-up that prepares the statements.
 
-The variants are a ladder from onceflow's own statements (``N.CLAIM`` and ``N.FINISH``,
+The variants are a ladder from onceflow's own statements (``sql.CLAIM`` and ``sql.FINISH``,
 the completion a Celery stage runs, keyed form) down to the drain benchmark's floor
 (``bench.bench_stages.FLOOR_CLAIM`` / ``FLOOR_COMPLETE``), each rung taking one more part
 of onceflow's statements away:
@@ -76,9 +76,9 @@ def _without(sql: str, start: str, end: str, what: str, instead: str = "") -> st
 
 def variants() -> dict[str, tuple[str, str]]:
     """The ladder: name → (claim, completion) SQL for psycopg, onceflow's first, floor last."""
-    from onceflow.queue.sql import N
+    from onceflow.queue import sql as queue_sql
 
-    claim, done = N.CLAIM.sql, N.FINISH.sql
+    claim, done = queue_sql.CLAIM.sql, queue_sql.FINISH.sql
     c1 = _without(claim, ",\n    (SELECT o.status = 'running'", "AS took_over", "took_over")
     c1 = c1.replace("AS took_over", "", 1)
     c2 = _returning(c1, "w.request_id, w.input, w.attempts, w.lease_expires_at")

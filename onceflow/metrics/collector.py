@@ -98,8 +98,8 @@ class _Database:
             watchdog.start()
             try:
                 rows = conn.execute(self._query).fetchall()
-                est = conn.execute(metrics_sql.Q_ESTIMATED_ROWS).fetchone()
-                health = conn.execute(metrics_sql.Q_TABLE_HEALTH).fetchone()
+                est = conn.execute(metrics_sql.ESTIMATED_ROWS.sql).fetchone()
+                health = conn.execute(metrics_sql.TABLE_HEALTH.sql).fetchone()
             finally:
                 watchdog.cancel()
         except Exception:

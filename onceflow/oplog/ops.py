@@ -40,8 +40,8 @@ from onceflow.metrics import record as metrics
 from onceflow.models.ops import OpModel, apply, parse_op
 from onceflow.models.requests import Fence, workspace_of
 from onceflow.models.sub_doc_scope import SubDocScope
+from onceflow.oplog import sql
 from onceflow.oplog.records import ApplyResult, OpRecord, SubDoc, check_op_id, new_op_id
-from onceflow.oplog.sql import N
 from onceflow.payloads import Unreadable, canonical_json, encode_payload
 from onceflow.queue.claims import fence_scopes, fenced_row_steps
 from onceflow.settings import Settings
@@ -168,7 +168,7 @@ class OpLogOps:
         if client_id and workspace_id is not None and sub_docs is None:
             # A replay of a committed op costs this one round trip (a scoped write is
             # replayed only once the fenced row's scope allowed its sub-doc).
-            found = yield FetchOne(N.FIND_OP, key)
+            found = yield FetchOne(sql.FIND_OP, key)
             if found is not None:
                 return Applied(_replayed(key, found, payload_hash), parsed.type)
         locked = self._apply_locked(
@@ -189,7 +189,7 @@ class OpLogOps:
                 raise
             # Another attempt with this op id committed while we waited for the row lock:
             # join it, never apply twice.
-            found = yield FetchOne(N.FIND_OP, key)
+            found = yield FetchOne(sql.FIND_OP, key)
             if found is None:
                 raise
             return Applied(_replayed(key, found, payload_hash), parsed.type)
@@ -209,7 +209,7 @@ class OpLogOps:
             **key, "workspace_id": key["workspace_id"] or workspace_of(fence),
             "fence": fence.request_id, **fence_scopes(fence),
         }  # fmt: skip
-        found = yield FetchOne(N.FIND_FENCED_OP, params)
+        found = yield FetchOne(sql.FIND_FENCED_OP, params)
         if found is None:
             return None
         return _replayed({**key, "workspace_id": found["workspace_id"]}, found, payload_hash)
@@ -244,10 +244,10 @@ class OpLogOps:
                     f"not {key['workspace_id']!r}"
                 )
         workspace_id, sub_doc, op_id = key["workspace_id"], key["sub_doc"], key["op_id"]
-        doc = yield FetchOne(N.LOCK_SUB_DOC, key)
+        doc = yield FetchOne(sql.LOCK_SUB_DOC, key)
         if doc is None:
-            yield Execute(N.CREATE_SUB_DOC, key)
-            doc = yield FetchOne(N.LOCK_SUB_DOC, key)
+            yield Execute(sql.CREATE_SUB_DOC, key)
+            doc = yield FetchOne(sql.LOCK_SUB_DOC, key)
         if doc["op_found"]:
             return _replayed(key, {**doc, "clock": doc["op_clock"]}, payload_hash)
         if client_id and fence is None:
@@ -277,7 +277,7 @@ class OpLogOps:
                 ) from None
         except OpRejected as exc:
             error = {"type": "OpRejected", "message": exc.reason}
-            row = yield FetchOne(N.RECORD_REJECTED, {**record, "error": json.dumps(error)})
+            row = yield FetchOne(sql.RECORD_REJECTED, {**record, "error": json.dumps(error)})
             return ApplyResult(
                 workspace_id, sub_doc, op_id, None, False, None, error, row["committed_at"]
             )
@@ -288,7 +288,7 @@ class OpLogOps:
             "state": state_json,
             "result": canonical_json(result, what="result", max_depth=depth),
         }
-        row = yield FetchOne(N.RECORD_APPLIED, values)
+        row = yield FetchOne(sql.RECORD_APPLIED, values)
         return ApplyResult(
             workspace_id, sub_doc, op_id, clock, False, result, None, row["committed_at"]
         )
@@ -302,7 +302,7 @@ class OpLogOps:
             "workspace_id": check_id("workspace_id", workspace_id),
             "sub_doc": check_id("sub_doc", sub_doc),
         }
-        row = yield FetchOne(N.GET_SUB_DOC, key)
+        row = yield FetchOne(sql.GET_SUB_DOC, key)
         if row is None:
             return SubDoc(workspace_id, sub_doc, 0, {})
         return SubDoc(workspace_id, sub_doc, row["clock"], row["state"])
@@ -322,7 +322,7 @@ class OpLogOps:
             "clock": clock,
             "limit": limit,
         }
-        rows = yield FetchAll(N.OPS_SINCE, params)
+        rows = yield FetchAll(sql.OPS_SINCE, params)
         return [OpRecord(**row) for row in rows]
 
     @operation
@@ -350,7 +350,7 @@ class OpLogOps:
             )
         params = {"age": float(age), "limit": limit, "now": now}
         # On a database split by workspace each shard prunes its own (one pruner per shard).
-        rows = yield from on_every_shard(lambda: one_row(N.PRUNE_OPS, params))
+        rows = yield from on_every_shard(lambda: one_row(sql.PRUNE_OPS, params))
         return sum(int(row["deleted"]) for row in rows if row)
 
 

@@ -1,15 +1,12 @@
-"""All SQL of the op log, one named statement each (rendered once for psycopg).
+"""All SQL of the op log, one named statement each (``oplog.<name>``).
 
-What the op log's operations yield to a connector are the :class:`N` queries
-(``oplog.<name>``); the module-level strings are the same statements' psycopg SQL.
+Each is a :class:`~onceflow.connector.statement.Statement`: what the op log's operations
+yield to a connector, rendered once for psycopg.
 """
 
 from __future__ import annotations
 
-from sqlalchemy import text
-
-from onceflow.connector import Query
-from onceflow.db import render
+from onceflow.connector.statement import Statement
 from onceflow.queue.sql import IN_WORKSPACES
 
 # Lock the sub-doc row: every writer of one sub-doc queues here, which is what makes its
@@ -17,8 +14,9 @@ from onceflow.queue.sql import IN_WORKSPACES
 # The op id's row comes with it. Its snapshot is taken before the lock wait, so an attempt
 # that commits this op id while we wait is not seen here: our INSERT then meets the primary
 # key, and the caller reads the committed op instead (one round trip saved per apply).
-LOCK_SUB_DOC = render(
-    text("""
+LOCK_SUB_DOC = Statement.write(
+    "oplog.lock_sub_doc",
+    """
 SELECT d.clock, d.state, d.pruned_clock,
        o.op_id IS NOT NULL AS op_found, o.clock AS op_clock, o.payload_hash,
        o.result, o.error, o.committed_at
@@ -27,23 +25,25 @@ LEFT JOIN workspace_sub_doc_ops o
        ON o.workspace_id = d.workspace_id AND o.sub_doc = d.sub_doc AND o.op_id = :op_id
 WHERE d.workspace_id = :workspace_id AND d.sub_doc = :sub_doc
 FOR UPDATE OF d
-""")
+""",
 )
 
-CREATE_SUB_DOC = render(
-    text("""
+CREATE_SUB_DOC = Statement.write(
+    "oplog.create_sub_doc",
+    """
 INSERT INTO workspace_sub_docs (workspace_id, sub_doc) VALUES (:workspace_id, :sub_doc)
 ON CONFLICT (workspace_id, sub_doc) DO NOTHING
-""")
+""",
 )
 
 # A replay's fast path (before any lock), and the re-read after a primary-key collision.
-FIND_OP = render(
-    text("""
+FIND_OP = Statement.write(
+    "oplog.find_op",
+    """
 SELECT clock, op_type, payload_hash, result, error, fence, committed_at
 FROM workspace_sub_doc_ops
 WHERE workspace_id = :workspace_id AND sub_doc = :sub_doc AND op_id = :op_id
-""")
+""",
 )
 
 # A client's retry whose fence was refused (its claim is over): the op it may have written
@@ -51,8 +51,9 @@ WHERE workspace_id = :workspace_id AND sub_doc = :sub_doc AND op_id = :op_id
 # unless one is given (a by-reference write names none), within the reference's worker
 # classes and workspaces. Found: the retry is a replay of a committed write; not found:
 # LeaseLost.
-FIND_FENCED_OP = render(
-    text(f"""
+FIND_FENCED_OP = Statement.write(
+    "oplog.find_fenced_op",
+    f"""
 SELECT o.workspace_id, o.clock, o.op_type, o.payload_hash, o.result, o.error, o.fence,
        o.committed_at
 FROM workspace_process_requests w
@@ -68,12 +69,13 @@ WHERE w.workspace_id = coalesce(CAST(:workspace_id AS text),
   AND (CAST(:worker_classes AS text[]) IS NULL
        OR w.worker_class = ANY(CAST(:worker_classes AS text[])))
   AND (CAST(:ws_exact AS text[]) IS NULL OR {IN_WORKSPACES})
-""")
+""",
 )
 
 # Applied: advance the clock and record the op in one statement.
-RECORD_APPLIED = render(
-    text("""
+RECORD_APPLIED = Statement.write(
+    "oplog.record_applied",
+    """
 WITH doc AS (
     UPDATE workspace_sub_docs
     SET clock = :clock, state = CAST(:state AS jsonb), updated_at = now()
@@ -84,36 +86,39 @@ INSERT INTO workspace_sub_doc_ops
 VALUES (:workspace_id, :sub_doc, :op_id, :clock, :op_type, CAST(:payload AS jsonb),
         :payload_hash, CAST(:result AS jsonb), :fence)
 RETURNING committed_at
-""")
+""",
 )
 
 # Rejected against the state: recorded with its error and no clock, so a retry gets the
 # same answer; the sub-doc is unchanged.
-RECORD_REJECTED = render(
-    text("""
+RECORD_REJECTED = Statement.write(
+    "oplog.record_rejected",
+    """
 INSERT INTO workspace_sub_doc_ops
     (workspace_id, sub_doc, op_id, clock, op_type, payload, payload_hash, error, fence)
 VALUES (:workspace_id, :sub_doc, :op_id, NULL, :op_type, CAST(:payload AS jsonb),
         :payload_hash, CAST(:error AS jsonb), :fence)
 RETURNING committed_at
-""")
+""",
 )
 
-GET_SUB_DOC = render(
-    text("""
+GET_SUB_DOC = Statement.write(
+    "oplog.get_sub_doc",
+    """
 SELECT clock, state, pruned_clock FROM workspace_sub_docs
 WHERE workspace_id = :workspace_id AND sub_doc = :sub_doc
-""")
+""",
 )
 
-OPS_SINCE = render(
-    text("""
+OPS_SINCE = Statement.write(
+    "oplog.ops_since",
+    """
 SELECT op_id, clock, op_type, payload, result, fence, committed_at
 FROM workspace_sub_doc_ops
 WHERE workspace_id = :workspace_id AND sub_doc = :sub_doc AND clock > :clock
 ORDER BY clock
 LIMIT :limit
-""")
+""",
 )
 
 # Retention, bounded by :limit and one pruner at a time (a second one finds the gate shut).
@@ -124,8 +129,9 @@ LIMIT :limit
 # every applied op above pruned_clock, which is what lets apply_op tell a new op based at
 # or after the horizon from a pruned one. Rejected ops (clock NULL) go by age and leave
 # pruned_clock where it is.
-PRUNE_OPS = render(
-    text("""
+PRUNE_OPS = Statement.write(
+    "oplog.prune",
+    """
 WITH gate AS (
     SELECT pg_try_advisory_xact_lock(hashtext('onceflow'), hashtext('oplog.prune')) AS ok
 ),
@@ -166,19 +172,5 @@ upd AS (
     RETURNING 1
 )
 SELECT (SELECT count(*) FROM gone) AS deleted, (SELECT count(*) FROM upd) AS sub_docs
-""")
+""",
 )
-
-
-class N:
-    """The op log's statements by name: what its operations yield to a connector."""
-
-    LOCK_SUB_DOC = Query("oplog.lock_sub_doc", LOCK_SUB_DOC)
-    CREATE_SUB_DOC = Query("oplog.create_sub_doc", CREATE_SUB_DOC)
-    FIND_OP = Query("oplog.find_op", FIND_OP)
-    FIND_FENCED_OP = Query("oplog.find_fenced_op", FIND_FENCED_OP)
-    RECORD_APPLIED = Query("oplog.record_applied", RECORD_APPLIED)
-    RECORD_REJECTED = Query("oplog.record_rejected", RECORD_REJECTED)
-    GET_SUB_DOC = Query("oplog.get_sub_doc", GET_SUB_DOC)
-    OPS_SINCE = Query("oplog.ops_since", OPS_SINCE)
-    PRUNE_OPS = Query("oplog.prune", PRUNE_OPS)

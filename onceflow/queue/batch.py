@@ -42,7 +42,7 @@ from onceflow.metrics import record as metrics
 from onceflow.models.requests import Claim, Heartbeat, Request
 from onceflow.models.status import Status
 from onceflow.payloads import JSON, encode_json
-from onceflow.queue.sql import N
+from onceflow.queue import sql
 from onceflow.settings import Settings
 
 _I = TypeVar("_I")
@@ -150,9 +150,9 @@ class BatchOps:
         }  # fmt: skip
         done = yield from self._fenced_batch(
             claims,
-            N.COMPLETE_MANY,
+            sql.COMPLETE_MANY,
             params,
-            N.LANDED_MANY,
+            sql.LANDED_MANY,
             (Status.SUCCEEDED,),
             "completion",
             changed_only=True,
@@ -206,7 +206,7 @@ class BatchOps:
         }  # fmt: skip
         targets = (Status.QUEUED, Status.DEAD, Status.CANCELLED)
         done = yield from self._fenced_batch(
-            claims, N.FAIL_MANY, params, N.LANDED_MANY, targets, "failure report"
+            claims, sql.FAIL_MANY, params, sql.LANDED_MANY, targets, "failure report"
         )
         _record(claims, done, "fail")
         return done
@@ -239,7 +239,7 @@ class BatchOps:
             "deadlines": [c.run_deadline for c in checked], "now": now,
             "lazy": (yield from self._lazy()),
         }  # fmt: skip
-        answer = yield from retrying(lambda: all_rows(N.HEARTBEAT_MANY, params))
+        answer = yield from retrying(lambda: all_rows(sql.HEARTBEAT_MANY, params))
         rows = {(r["workspace_id"], r["request_id"]): r for r in answer}
         out: list[Heartbeat | LeaseLost] = []
         for rid, ws in zip(ids, _spaces(checked), strict=True):
@@ -288,7 +288,7 @@ class BatchOps:
         }  # fmt: skip
         released = (Status.QUEUED, Status.CANCELLED)
         done = yield from self._fenced_batch(
-            checked, N.RELEASE, params, N.RELEASED_MANY, released, "release"
+            checked, sql.RELEASE, params, sql.RELEASED_MANY, released, "release"
         )
         metrics.released(done)
         metrics.zombie("release", sum(1 for r in done if isinstance(r, LeaseLost)))
@@ -311,12 +311,12 @@ class BatchOps:
         params: dict[str, Any] = {"now": now}
         classes: list[str] = []
         if worker_classes is None:
-            query = N.DEPTH_ALL
+            query = sql.DEPTH_ALL
         else:
             classes = [worker_classes] if isinstance(worker_classes, str) else list(worker_classes)
             for wc in classes:
                 check_worker_class(wc)
-            query = N.DEPTH_FOR
+            query = sql.DEPTH_FOR
             params["worker_classes"] = classes
         parts = yield from on_every_shard(lambda: retrying(lambda: all_rows(query, params)))
         out = {wc: _EMPTY for wc in classes}

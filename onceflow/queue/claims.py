@@ -68,7 +68,6 @@ from onceflow.payloads import JSON, encode_json
 from onceflow.queue import sql
 from onceflow.queue.batch import BatchOps, _seconds
 from onceflow.queue.reads import LIST_LIMIT_MAX
-from onceflow.queue.sql import N
 from onceflow.settings import Settings
 
 log = logging.getLogger("onceflow.queue")
@@ -148,14 +147,14 @@ class ClaimOps:
             # The lost attempt may have committed our claim (same token): take it up, or
             # claim now. Never a second claim: the row can hold only one token.
             own = {"request_id": request_id, "workspace_id": workspace_id, "token": token}
-            row = yield FetchOne(N.OWN_CLAIM, own)
+            row = yield FetchOne(sql.OWN_CLAIM, own)
             if row is None:
                 row = yield from self._claim_once(params)
             if row is None:
                 # The lost attempt's commit may still have been in flight when OWN_CLAIM read:
                 # the claim again then waited on the row lock that attempt held and, once it
                 # committed, matched nothing. That wait means it has ended now: read again.
-                row = yield FetchOne(N.OWN_CLAIM, own)
+                row = yield FetchOne(sql.OWN_CLAIM, own)
         if row is None:
             return None
         request = Request.from_row(row)
@@ -166,7 +165,7 @@ class ClaimOps:
 
     def _claim_once(self, params: dict[str, Any]) -> Steps[Any]:
         """One attempt at a claim by id: the claimed row, None if it is not claimable."""
-        row = yield FetchOne(N.CLAIM, params)
+        row = yield FetchOne(sql.CLAIM, params)
         return row
 
     @operation
@@ -303,7 +302,7 @@ class ClaimOps:
         # One immediate retry after a lost connection (extending a lease twice is harmless);
         # nothing longer: one thread beats for every stage of the process, and its next
         # tick is the next retry.
-        row = yield from retrying(lambda: one_row(N.HEARTBEAT, params))
+        row = yield from retrying(lambda: one_row(sql.HEARTBEAT, params))
         if row is None:
             metrics.zombie("heartbeat")
             raise LeaseLost(claim.request_id, "heartbeat rejected")
@@ -345,7 +344,7 @@ class ClaimOps:
         """
         # A Claim holds the claimed row: the completion reads back only what may differ.
         held = claim.request if isinstance(claim, Claim) else None
-        statement = N.COMPLETE if held is None else N.COMPLETE_CHANGED
+        statement = sql.COMPLETE if held is None else sql.COMPLETE_CHANGED
         row, followed = yield from self._succeed(claim, result, then, now, statement)
         if isinstance(row, Request):  # found landed after a lost answer: read whole
             done = row
@@ -367,7 +366,7 @@ class ClaimOps:
         """:meth:`hand_off`, returning only the follow-ups' results: the same fenced write,
         retries and recognition of a landed attempt, but the completed row is not read
         back (what a Celery stage and a worker loop keep of it is nothing)."""
-        row, followed = yield from self._succeed(claim, result, then, now, N.FINISH)
+        row, followed = yield from self._succeed(claim, result, then, now, sql.FINISH)
         if isinstance(row, Request):
             metrics.finished(row)
         else:
@@ -421,8 +420,8 @@ class ClaimOps:
             ids = follow_params["request_ids"]
             keys = {"request_ids": ids, "workspace_ids": follow_params["workspace_ids"]}
             # Our lost attempt created them, but their wake-ups were never sent.
-            yield Execute(N.MARK_UNDISPATCHED_MANY, keys)
-            rows = yield FetchAll(N.ENQUEUE_LOOKUP, keys)
+            yield Execute(sql.MARK_UNDISPATCHED_MANY, keys)
+            rows = yield FetchAll(sql.ENQUEUE_LOOKUP, keys)
             found = {r["request_id"]: r for r in rows}
             # Created by the lost attempt: in its transaction, whose time (now(): the
             # transaction's start) is both the completion's finished_at and their created_at.
@@ -472,7 +471,7 @@ class ClaimOps:
             **fence_key(claim), "token": claim.token, "now": None,
             **fence_scopes(claim),
         }  # fmt: skip
-        row = yield from retrying(lambda: one_row(N.CLAIM_PARENT, params))
+        row = yield from retrying(lambda: one_row(sql.CLAIM_PARENT, params))
         return None if row is None else Request.from_row(row)
 
     def _complete_once(
@@ -547,7 +546,7 @@ class ClaimOps:
 
     def _fail_once(self, params: dict[str, Any]) -> Steps[Any]:
         """One attempt at a failure report: the updated row, None if fenced off."""
-        row = yield FetchOne(N.FAIL, params)
+        row = yield FetchOne(sql.FAIL, params)
         return row
 
     @operation
@@ -670,7 +669,7 @@ def fenced_row_steps(
         **fence_key(claim), "token": claim.token, "now": now,
         **fence_scopes(claim),
     }  # fmt: skip
-    row = yield FetchOne(N.FENCE_CHECK, params)
+    row = yield FetchOne(sql.FENCE_CHECK, params)
     if row is None:
         if zombie:  # else the caller counts it (the op log: unless the write was a replay)
             metrics.zombie("op")
@@ -689,7 +688,7 @@ def _landed(claim: Fenced, statuses: tuple[Status, ...]) -> Steps[Request | None
         **fence_key(claim), "token": claim.token,
         "statuses": [s.value for s in statuses], **fence_scopes(claim),
     }  # fmt: skip
-    row = yield FetchOne(N.LANDED, params)
+    row = yield FetchOne(sql.LANDED, params)
     return None if row is None else Request.from_row(row)
 
 

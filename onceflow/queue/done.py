@@ -41,8 +41,8 @@ from onceflow.errors import InvalidRequest, WaitTimeout
 from onceflow.loops import PerLoop
 from onceflow.models.requests import Request
 from onceflow.models.status import Status
+from onceflow.queue import sql
 from onceflow.queue.reads import ReadOps, one, request_key
-from onceflow.queue.sql import N
 from onceflow.settings import Settings
 from onceflow.shards import ShardMap
 
@@ -91,7 +91,7 @@ def _listen_info(settings: Settings, shard_map: ShardMap | None, workspace_id: s
 def _marked_read(queue: ReadOps, request_id: str, workspace_id: str | None) -> Steps[Request]:
     """Mark the row waited for (its end then sends the notify) and read it, in one statement;
     a row ended already, or marked by another wait, is read as it is."""
-    row = yield from one(N.WAIT_MARK, request_key(request_id, workspace_id))
+    row = yield from one(sql.WAIT_MARK, request_key(request_id, workspace_id))
     if row is not None:
         return Request.from_row(row)
     return (yield from ReadOps.get.steps(queue, request_id, workspace_id=workspace_id))

@@ -40,8 +40,8 @@ from onceflow.metrics import record as metrics
 from onceflow.models.requests import EnqueueResult, NewRequest
 from onceflow.models.status import Status, status_of
 from onceflow.payloads import JSON, encode_payload
+from onceflow.queue import sql
 from onceflow.queue.batch import _seconds
-from onceflow.queue.sql import N
 from onceflow.settings import Settings
 
 log = logging.getLogger("onceflow.queue")
@@ -207,7 +207,7 @@ class EnqueueOps:
                     "request_ids": [r.request_id for r in unsure],
                     "workspace_ids": [r.workspace_id for r in unsure],
                 }
-                yield Execute(N.MARK_UNDISPATCHED_MANY, keys)
+                yield Execute(sql.MARK_UNDISPATCHED_MANY, keys)
         yield AfterCommit(functools.partial(metrics.enqueued, results))
         return results
 
@@ -301,7 +301,7 @@ class EnqueueOps:
         spaces: list[str] = params["workspace_ids"]
         hashes: list[str] = params["input_hashes"]
         # Rows by their key: an id a caller chose may name rows of two workspaces.
-        inserted = yield from all_rows(N.ENQUEUE, params)
+        inserted = yield from all_rows(sql.ENQUEUE, params)
         rows = {(r["workspace_id"], r["request_id"]): r for r in inserted}
         missing = [key for key in zip(spaces, ids, strict=True) if key not in rows]
         if missing:
@@ -311,7 +311,7 @@ class EnqueueOps:
                 "request_ids": [k[1] for k in missing],
                 "workspace_ids": [k[0] for k in missing],
             }
-            found = yield from all_rows(N.ENQUEUE_LOOKUP, keys)
+            found = yield from all_rows(sql.ENQUEUE_LOOKUP, keys)
             rows.update({(r["workspace_id"], r["request_id"]): r for r in found})
         results: list[EnqueueResult] = []
         seen: set[tuple[str, str]] = set()
@@ -341,12 +341,12 @@ class EnqueueOps:
 
     def _insert_one(self, params: dict[str, Any], strict: bool) -> Steps[list[EnqueueResult]]:
         """``_insert_rows`` for one row (ENQUEUE_ONE's parameters): its one result row."""
-        row = yield FetchOne(N.ENQUEUE_ONE, params)
+        row = yield FetchOne(sql.ENQUEUE_ONE, params)
         if row is None:
             # Inserted by a concurrent enqueue that committed after this statement's snapshot
             # (as in _insert_rows): a fresh snapshot sees it now.
             keys = {"request_ids": params["request_ids"], "workspace_ids": params["workspace_ids"]}
-            row = yield FetchOne(N.ENQUEUE_LOOKUP, keys)
+            row = yield FetchOne(sql.ENQUEUE_LOOKUP, keys)
         rid, stored, digest = params["request_id"], row["input_hash"], params["input_hash"]
         if stored != digest and strict:
             raise InputMismatch(rid, stored, digest)

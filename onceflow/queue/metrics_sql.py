@@ -14,9 +14,7 @@ lower bound (flagged ``capped``) at it, so a huge backlog cannot make the read s
 
 from __future__ import annotations
 
-from sqlalchemy import text
-
-from onceflow.db import render
+from onceflow.connector.statement import Statement
 from onceflow.queue.sql import TABLE
 
 #: Rows each branch (index) counts at most: past it the counts are lower bounds.
@@ -81,7 +79,9 @@ def capped_statuses(rows: list[dict[str, object]]) -> list[str]:
 # hash-partitioned by workspace (ONCEFLOW_PARTITIONS): the sum over its partitions, which
 # autovacuum analyzes; the parent's own reltuples is set by a manual ANALYZE only, and goes
 # stale (docs/sharding.md 2.4). Partitions never analyzed count 0; all of them: -1.
-ESTIMATED_ROWS = text(f"""
+ESTIMATED_ROWS = Statement.write(
+    "metrics.estimated_rows",
+    f"""
 SELECT CASE WHEN c.relkind = 'p' THEN (
            SELECT CASE WHEN bool_or(p.reltuples >= 0)
                        THEN sum(greatest(p.reltuples, 0))::float8 ELSE -1 END
@@ -89,7 +89,8 @@ SELECT CASE WHEN c.relkind = 'p' THEN (
            WHERE i.inhparent = c.oid)
        ELSE c.reltuples::float8 END AS estimate
 FROM pg_class c WHERE c.oid = '{TABLE}'::regclass
-""")
+""",
+)
 
 # The table's vacuum health, from the statistics views (no read of the table): its dead row
 # versions (pg_stat_user_tables.n_dead_tup; on a partitioned table summed over the
@@ -103,7 +104,9 @@ FROM pg_class c WHERE c.oid = '{TABLE}'::regclass
 # "Autovacuum and claim_next loops"). pg_stat_activity shows another role's sessions' times
 # only to a superuser or a member of pg_read_all_stats: without it, their transactions are
 # not seen. Not seen either: prepared transactions, replication slots, a standby's feedback.
-TABLE_HEALTH = text(f"""
+TABLE_HEALTH = Statement.write(
+    "metrics.table_health",
+    f"""
 WITH parts AS (
     SELECT '{TABLE}'::regclass AS relid
     UNION ALL
@@ -125,8 +128,7 @@ SELECT (SELECT coalesce(sum(n_dead_tup), 0)::float8 FROM s) AS dead_rows,
         WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
           AND a.backend_type = 'client backend'
           AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)) AS oldest_xact_age
-""")
+""",
+)
 
 Q_LIVE_COUNTS = live_counts()
-Q_ESTIMATED_ROWS = render(ESTIMATED_ROWS)
-Q_TABLE_HEALTH = render(TABLE_HEALTH)

@@ -66,7 +66,8 @@ from onceflow.errors import DatabaseUnavailable, InvalidRequest
 from onceflow.ids import check_worker_class
 from onceflow.loops import PerLoop
 from onceflow.models.scopes import WorkspaceScope, as_scope, scope_params
-from onceflow.queue.sql import NOTIFY_CHANNEL, N
+from onceflow.queue import sql
+from onceflow.queue.sql import NOTIFY_CHANNEL
 from onceflow.settings import Settings
 
 if TYPE_CHECKING:
@@ -108,11 +109,11 @@ def next_work_by_shard(
     A read: repeated once on a fresh connection after a lost one.
     """
     params: dict[str, Any] = {"worker_classes": classes}
-    query = N.NEXT_WORK
+    query = sql.NEXT_WORK
     scope = as_scope(workspaces)
     if scope is not None:
         params.update(scope_params(scope))
-        query = N.NEXT_WORK_SCOPED
+        query = sql.NEXT_WORK_SCOPED
     count: int = yield ShardCount()
     out: list[ShardNext] = []
     for index in range(count):

@@ -13,8 +13,8 @@ from onceflow.errors import InvalidTransition
 from onceflow.metrics import record as metrics
 from onceflow.models.requests import Request
 from onceflow.models.status import Status
+from onceflow.queue import sql
 from onceflow.queue.reads import ReadOps, request_key
-from onceflow.queue.sql import N
 from onceflow.settings import Settings
 
 
@@ -44,7 +44,7 @@ class OperatorOps:
         """
         key = request_key(request_id, workspace_id)
         params = {**key, "now": now, "expect": expect, "expect_run": expect_run}
-        row = yield FetchOne(N.CANCEL, params)
+        row = yield FetchOne(sql.CANCEL, params)
         if row is None:
             current = yield from ReadOps.get.steps(self, request_id, workspace_id=workspace_id)
             if expect is not None or expect_run is not None:
@@ -70,7 +70,7 @@ class OperatorOps:
         """
         key = request_key(request_id, workspace_id)
         params = {**key, "now": now, "notify": self.settings.notify}
-        row = yield FetchOne(N.REQUEUE, {**params, "expect": expect})
+        row = yield FetchOne(sql.REQUEUE, {**params, "expect": expect})
         if row is not None:
             requeued = Request.from_row(row)
             metrics.requeued(requeued)
@@ -83,4 +83,4 @@ class OperatorOps:
     @operation
     def mark_undispatched(self, request_id: str, *, workspace_id: str | None = None) -> Steps[None]:
         """Note that a queued request's wake-up was not sent, so the next sweep sends one."""
-        yield Execute(N.MARK_UNDISPATCHED, request_key(request_id, workspace_id))
+        yield Execute(sql.MARK_UNDISPATCHED, request_key(request_id, workspace_id))

@@ -25,7 +25,6 @@ from onceflow.models.requests import Request
 from onceflow.models.scopes import WorkspaceScope, scope_params
 from onceflow.models.status import Status, parse_status
 from onceflow.queue import sql
-from onceflow.queue.sql import N
 from onceflow.settings import Settings
 
 LIST_LIMIT_MAX = 1000
@@ -58,7 +57,7 @@ class ReadOps:
     @operation
     def get(self, request_id: str, *, workspace_id: str | None = None) -> Steps[Request]:
         """The request with this id (in ``workspace_id``, when given), or :class:`NotFound`."""
-        row = yield from one(N.GET, request_key(request_id, workspace_id))
+        row = yield from one(sql.GET, request_key(request_id, workspace_id))
         if row is None:
             raise NotFound(request_id)
         return Request.from_row(row)
@@ -85,7 +84,7 @@ class ReadOps:
             **request_key(request_id, workspace_id), "token": token, "now": None,
             "worker_classes": scope, **scope_params(workspaces),
         }  # fmt: skip
-        row = yield from one(N.LIVE_CLAIM, params)
+        row = yield from one(sql.LIVE_CLAIM, params)
         return None if row is None else Request.from_row(row)
 
     @operation
@@ -131,11 +130,11 @@ class ReadOps:
         """Request counts as ``{worker_class: {status: n}}`` (every status present, zeros too);
         of one workspace's requests if ``workspace_id`` is given, else of all."""
         if workspace_id is None:
-            parts = yield from on_every_shard(lambda: every(N.COUNTS, {}))
+            parts = yield from on_every_shard(lambda: every(sql.COUNTS, {}))
             rows = [r for part in parts for r in part]
         else:
             check_id("workspace_id", workspace_id)
-            rows = yield from every(N.COUNTS_FOR_WORKSPACE, {"workspace_id": workspace_id})
+            rows = yield from every(sql.COUNTS_FOR_WORKSPACE, {"workspace_id": workspace_id})
         out: dict[str, dict[str, int]] = {}
         for row in rows:
             per_class = out.setdefault(row["worker_class"], {s.value: 0 for s in Status})

@@ -9,12 +9,11 @@ live lease (``lease_expires_at > now``); zero rows means the lease is lost.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 
-from sqlalchemy import TextClause, text
-
-from onceflow.connector import Query
-from onceflow.db import render
+from onceflow.connector.statement import Statement
+from onceflow.connector.steps import Query
 from onceflow.models.requests import _REQUEST_FIELDS
 
 TABLE = "workspace_process_requests"
@@ -34,13 +33,33 @@ _NOW = f"SELECT {_NOW_EXPR} AS now"
 # (ix_wpr_request_id); coalesce never evaluates that lookup when the workspace is given.
 # An id that names rows of several workspaces (possible only with ids the callers chose)
 # names none of them: NULL, so the statement matches nothing rather than another
-# workspace's row (`WS_OF_ID_SQL`; the same rule as the router's look-up).
-WS_OF_ID_SQL = """SELECT min(o.workspace_id) FROM workspace_process_requests o
+# workspace's row (`_ws_of_id`; the same rule as the router's look-up).
+
+
+def _ws_of_id(rid: str) -> str:
+    """The workspace of the one row whose id is the SQL expression ``rid`` (else NULL)."""
+    return f"""SELECT min(o.workspace_id) FROM workspace_process_requests o
     WHERE o.request_id = {rid} HAVING count(*) = 1"""
+
+
+# The row's workspace in a statement's two forms: given, or read from the row by its id.
+_WS_GIVEN = "CAST(:workspace_id AS text)"
 _WS_OF_ID = f"""coalesce(CAST(:workspace_id AS text),
-    ({WS_OF_ID_SQL.format(rid=":request_id")}))"""
-_BY_ID = f"w.workspace_id = {_WS_OF_ID}\n  AND w.request_id = :request_id"
-# Each statement that finds its row by _BY_ID runs in two forms (`_named`): with the
+    ({_ws_of_id(":request_id")}))"""
+
+
+def _by_id(ws: str) -> str:
+    """The row of :request_id in the workspace ``ws`` (``_WS_GIVEN`` or ``_WS_OF_ID``)."""
+    return f"w.workspace_id = {ws}\n  AND w.request_id = :request_id"
+
+
+def _by_key(name: str, build: Callable[[str], str]) -> Statement:
+    """The statement ``name`` that finds its row by ``_by_id``: ``build`` of the workspace
+    expression, keyed (``_WS_GIVEN``) as its SQL and by id (``_WS_OF_ID``) as ``by_id``."""
+    return Statement.write(name, build(_WS_GIVEN), by_id=build(_WS_OF_ID))
+
+
+# Each statement that finds its row by _by_id runs in two forms (`_by_key`): with the
 # workspace given, `w.workspace_id = :workspace_id`; the coalesce form only for a caller
 # that names the row by id alone. With the coalesce, Postgres costed the generic plan of a
 # prepared statement with the id lookup in it and a custom plan without it (the workspace
@@ -95,7 +114,9 @@ def _notify_one(row: str, where: str) -> str:
 # One parameter instead of thirteen arrays: psycopg dumps a list element by element in
 # Python, which costs more than the statement itself. `json`,
 # not `jsonb`, for the envelope: parsed, not normalised; each input becomes jsonb on its own.
-ENQUEUE: TextClause = text(f"""
+ENQUEUE = Statement.write(
+    "queue.enqueue",
+    f"""
 WITH n AS ({_NOW}),
 items AS (
     SELECT e->>0 AS request_id, e->>1 AS workspace_id, e->>2 AS job_id, e->>3 AS branch_path,
@@ -138,7 +159,8 @@ CROSS JOIN LATERAL (
 -- The pair as one text (ids hold no control character): a NOT IN over one column is hashed.
 WHERE r.workspace_id || chr(1) || r.request_id
       NOT IN (SELECT workspace_id || chr(1) || request_id FROM ins)
-""")
+""",
+)
 
 # ENQUEUE for one row (Queue.enqueue, a batch or a hand-off of one): the row's values as
 # parameters, no JSON envelope to unpack. The existing row is probed by its key only when
@@ -150,7 +172,9 @@ WHERE r.workspace_id || chr(1) || r.request_id
 # the stored input hash (its own when it inserted); not the key it sent.
 
 
-ENQUEUE_ONE: TextClause = text(f"""
+ENQUEUE_ONE = Statement.write(
+    "queue.enqueue_one",
+    f"""
 WITH ins AS (
     INSERT INTO {TABLE} AS w (
         request_id, workspace_id, job_id, branch_path, stage, dedupe, input, input_hash,
@@ -173,15 +197,19 @@ SELECT false AS created, o.status, o.input_hash
 FROM {TABLE} o
 WHERE o.workspace_id = CAST(:workspace_id AS text) AND o.request_id = CAST(:request_id AS text)
   AND NOT EXISTS (SELECT FROM ins)
-""")
+""",
+)
 
-ENQUEUE_LOOKUP: TextClause = text(f"""
+ENQUEUE_LOOKUP = Statement.write(
+    "queue.enqueue_lookup",
+    f"""
 SELECT w.request_id, w.workspace_id, false AS created, w.status, w.input_hash, w.created_at
 FROM {TABLE} w
 JOIN unnest(CAST(:workspace_ids AS text[]), CAST(:request_ids AS text[])) AS k(workspace_id,
                                                                           request_id)
   ON w.workspace_id = k.workspace_id AND w.request_id = k.request_id
-""")
+""",
+)
 
 # A claim's terms per stage: :terms is NULL or a JSON object {stage: [lease, max_runtime]}
 # (max_runtime null for none). A row of a stage it names takes that stage's lease and run
@@ -204,7 +232,10 @@ _CLAIM_SETS = f"""lease_seconds = {_LEASE},
 # Claim one request by id: queued and due, or running under a lease that lapsed (a crash,
 # counted in crash_attempts) while attempts and the crash budget remain. One statement:
 # a concurrent claimer blocks on the row lock, re-checks the WHERE and gets nothing.
-CLAIM: TextClause = text(f"""
+CLAIM = _by_key(
+    "queue.claim",
+    lambda ws: (
+        f"""
 WITH n AS ({_NOW_LAZY})
 UPDATE {TABLE} AS w SET
     status = 'running',
@@ -217,7 +248,7 @@ UPDATE {TABLE} AS w SET
     {_CLAIM_SETS},
     updated_at = n.now
 FROM n
-WHERE {_BY_ID}
+WHERE {_by_id(ws)}
   AND (CAST(:stage AS text) IS NULL OR w.stage = :stage)
   AND (
         (w.status = 'queued' AND w.run_after <= n.now)
@@ -231,7 +262,9 @@ WHERE {_BY_ID}
 RETURNING {RETURNING},
     (SELECT o.status = 'running' FROM {TABLE} o
      WHERE o.workspace_id = w.workspace_id AND o.request_id = w.request_id) AS took_over
-""")
+"""
+    ),
+)
 
 # Claim up to :limit requests of one worker class. Each candidate set is read through its
 # own partial index (no OR across states, which defeats partial indexes); lapsed leases
@@ -248,13 +281,17 @@ RETURNING {RETURNING},
 # transaction's start, the same value as n.now.
 # A worker scoped to some workspaces (a tenant's worker key or minted token) claims with
 # IN_WORKSPACES added to both candidate sets, inside the SKIP LOCKED select: a row of
-# another workspace is never locked, let alone claimed. The unscoped statement is the
-# template with nothing added.
+# another workspace is never locked, let alone claimed. The unscoped statement has nothing
+# added. The limit is a literal (`claim_next_query`).
 #: A row's workspace is one of :ws_exact or starts with one of :ws_prefixes (both lists).
 IN_WORKSPACES = """(w.workspace_id = ANY(CAST(:ws_exact AS text[]))
            OR EXISTS (SELECT FROM unnest(CAST(:ws_prefixes AS text[])) AS p(prefix)
                       WHERE starts_with(w.workspace_id, p.prefix)))"""
-_CLAIM_NEXT_TEMPLATE = f"""
+
+
+def _claim_next(limit: int, scope: str) -> str:
+    """CLAIM_NEXT of at most ``limit`` rows, ``scope`` added to both candidate sets."""
+    return f"""
 WITH n AS ({_NOW_LAZY}),
 lapsed AS (
     SELECT w.workspace_id, w.request_id
@@ -264,9 +301,9 @@ lapsed AS (
       AND w.lease_expires_at <= {_NOW_EXPR}
       AND NOT w.cancel_requested
       AND w.attempts < w.max_attempts
-      AND w.crash_attempts + 1 < w.max_crash_attempts{{scope}}
+      AND w.crash_attempts + 1 < w.max_crash_attempts{scope}
     ORDER BY w.lease_expires_at
-    LIMIT :limit
+    LIMIT {limit}
     FOR UPDATE OF w SKIP LOCKED
 ),
 queued AS (
@@ -274,16 +311,16 @@ queued AS (
     FROM {TABLE} w
     WHERE w.status = 'queued'
       AND w.worker_class = :worker_class
-      AND w.run_after <= {_NOW_EXPR}{{scope}}
+      AND w.run_after <= {_NOW_EXPR}{scope}
     ORDER BY w.priority DESC, w.run_after
-    LIMIT :limit
+    LIMIT {limit}
     FOR UPDATE OF w SKIP LOCKED
 ),
 picked AS (
     SELECT workspace_id, request_id, took_over, row_number() OVER () AS rn
     FROM (SELECT workspace_id, request_id, true AS took_over FROM lapsed
           UNION ALL SELECT workspace_id, request_id, false FROM queued) AS u
-    LIMIT :limit
+    LIMIT {limit}
 )
 UPDATE {TABLE} AS w SET
     status = 'running',
@@ -299,9 +336,29 @@ FROM picked, n
 WHERE w.workspace_id = picked.workspace_id AND w.request_id = picked.request_id
 RETURNING {RETURNING}, picked.rn, picked.took_over
 """
-_CLAIM_NEXT = _CLAIM_NEXT_TEMPLATE.format(scope="")
-_CLAIM_NEXT_SCOPED = _CLAIM_NEXT_TEMPLATE.format(scope=f"\n      AND {IN_WORKSPACES}")
-CLAIM_NEXT: TextClause = text(_CLAIM_NEXT)
+
+
+@lru_cache(maxsize=64)
+def claim_next_query(limit: int, scoped: bool = False) -> Statement:
+    """CLAIM_NEXT of at most ``limit`` rows, as the statement ``queue.claim_next`` (``scoped``:
+    ``queue.claim_next_scoped``, filtered by workspace, with :ws_exact and :ws_prefixes).
+
+    ``limit`` is a literal: a bound LIMIT makes Postgres cost every generic plan at 10% of
+    the rows, so it re-plans the claim on each call (about as long as running it); a literal
+    lets the prepared statement keep one generic plan. ``limit`` is an int, checked by the
+    caller.
+    """
+    if scoped:
+        return Statement.write(
+            "queue.claim_next_scoped", _claim_next(int(limit), f"\n      AND {IN_WORKSPACES}")
+        )
+    return Statement.write("queue.claim_next", _claim_next(int(limit), ""))
+
+
+def claim_next_sql(limit: int, scoped: bool = False) -> str:
+    """The psycopg SQL of :func:`claim_next_query`."""
+    return claim_next_query(limit, scoped).sql
+
 
 # :worker_classes (NULL for none) scopes a fenced write (and a read by reference) to a
 # principal's worker classes (an HTTP worker key), and :ws_exact / :ws_prefixes (NULL for
@@ -311,8 +368,12 @@ _IN_SCOPE = f"""(CAST(:worker_classes AS text[]) IS NULL
        OR w.worker_class = ANY(CAST(:worker_classes AS text[])))
   AND (CAST(:ws_exact AS text[]) IS NULL
        OR {IN_WORKSPACES})"""
-_FENCE = f"""
-  {_BY_ID}
+
+
+def _fence(ws: str) -> str:
+    """A fenced write's condition: the row (``_by_id(ws)``) runs under :token's live lease."""
+    return f"""
+  {_by_id(ws)}
   AND w.claim_token = :token
   AND w.status = 'running'
   AND w.lease_expires_at > n.now
@@ -347,7 +408,10 @@ def _released_run_of(token: str) -> str:
 # :default_lease (a row claimed before migration 0006). Never past the run's deadline (the
 # row's, else :deadline; NULL for none: least() ignores NULL): a hung body's heartbeats
 # stop extending its lease, and the sweeper rescues it.
-HEARTBEAT: TextClause = text(f"""
+HEARTBEAT = _by_key(
+    "queue.heartbeat",
+    lambda ws: (
+        f"""
 WITH n AS ({_NOW_LAZY})
 UPDATE {TABLE} AS w SET
     lease_expires_at = least(
@@ -358,20 +422,30 @@ UPDATE {TABLE} AS w SET
     heartbeat_at = n.now,
     updated_at = n.now
 FROM n
-WHERE {_FENCE}
+WHERE {_fence(ws)}
 RETURNING w.lease_expires_at, w.cancel_requested
-""")
+"""
+    ),
+)
 
 # Used by fenced writes of other layers (the op log) inside their own transaction: the row
 # lock (FOR SHARE) holds off a concurrent rescue until that transaction commits.
-FENCE_CHECK: TextClause = text(f"""
+FENCE_CHECK = _by_key(
+    "queue.fence_check",
+    lambda ws: (
+        f"""
 WITH n AS ({_NOW})
 SELECT w.request_id, w.workspace_id, w.job_id, w.stage FROM {TABLE} w, n
-WHERE {_FENCE}
+WHERE {_fence(ws)}
 FOR SHARE OF w
-""")
+"""
+    ),
+)
 
-COMPLETE: TextClause = text(f"""
+
+def _complete(ws: str, returning: str) -> str:
+    """COMPLETE of the row ``_by_id(ws)``, returning the columns ``returning``."""
+    return f"""
 WITH n AS ({_NOW})
 UPDATE {TABLE} AS w SET
     status = 'succeeded',
@@ -382,9 +456,12 @@ UPDATE {TABLE} AS w SET
     finished_at = n.now,
     updated_at = n.now
 FROM n
-WHERE {_FENCE}
-RETURNING {RETURNING}
-""")
+WHERE {_fence(ws)}
+RETURNING {returning}
+"""
+
+
+COMPLETE = _by_key("queue.complete", lambda ws: _complete(ws, RETURNING))
 
 # COMPLETE for a caller that holds the claimed request (a Claim): only the columns its
 # claim may not have seen come back (RUN_COLUMNS, with the workspace); the caller takes
@@ -399,29 +476,27 @@ RUN_COLUMNS = (
     "attempts", "crash_attempts", "cancel_requested", "updated_at", "finished_at",
 )  # fmt: skip
 _RUN_RETURNING = ", ".join(f"w.{c}" for c in RUN_COLUMNS)
-assert f"RETURNING {RETURNING}" in str(COMPLETE.text)  # noqa: S101 - what is replaced below
-COMPLETE_CHANGED: TextClause = text(
-    str(COMPLETE.text).replace(
-        f"RETURNING {RETURNING}", f"RETURNING w.workspace_id, {_RUN_RETURNING}"
-    )
+COMPLETE_CHANGED = _by_key(
+    "queue.complete_changed", lambda ws: _complete(ws, f"w.workspace_id, {_RUN_RETURNING}")
 )
 
 # COMPLETE for a caller that keeps nothing of the row (Queue.finish: a Celery stage, the
 # Worker's hand-offs): what a run's metrics need (its class, stage, claim time and end time) and
 # the workspace a hand-off's follow-ups are checked against; no result decoded back, no
 # Request built from the row.
-FINISH: TextClause = text(
-    str(COMPLETE.text).replace(
-        f"RETURNING {RETURNING}",
-        "RETURNING w.workspace_id, w.worker_class, w.stage, w.claimed_at, w.updated_at",
-    )
+FINISH = _by_key(
+    "queue.finish",
+    lambda ws: _complete(ws, "w.workspace_id, w.worker_class, w.stage, w.claimed_at, w.updated_at"),
 )
 
 # The next status of a failed run: cancelled if cancel was requested, queued again if
 # retryable with attempts left, else dead. The error is always kept. Queued again after
 # :delay seconds, or (NULL) after the backoff of the row's attempt number: exponential from
 # :backoff_base, capped at :backoff_max, with equal jitter (as Queue.backoff).
-FAIL: TextClause = text(f"""
+FAIL = _by_key(
+    "queue.fail",
+    lambda ws: (
+        f"""
 WITH n AS ({_NOW}),
 nxt AS (
     SELECT CASE
@@ -432,7 +507,7 @@ nxt AS (
     least(CAST(:backoff_max AS float8),
           CAST(:backoff_base AS float8) * power(2, least(greatest(w.attempts - 1, 0), 60)))
         AS backoff
-    FROM {TABLE} w WHERE {_BY_ID}
+    FROM {TABLE} w WHERE {_by_id(ws)}
     FOR UPDATE OF w
 ),
 upd AS (
@@ -450,14 +525,19 @@ UPDATE {TABLE} AS w SET
     finished_at = CASE WHEN nxt.status = 'queued' THEN NULL ELSE n.now END,
     updated_at = n.now
 FROM n, nxt
-WHERE {_FENCE}
+WHERE {_fence(ws)}
 RETURNING {RETURNING}
 )
 SELECT upd.* FROM upd, n
 WHERE {_notify_one("upd", "upd.status = 'queued' AND upd.run_after <= n.now")}
-""")
+"""
+    ),
+)
 
-CANCEL: TextClause = text(f"""
+CANCEL = _by_key(
+    "queue.cancel",
+    lambda ws: (
+        f"""
 WITH n AS ({_NOW})
 UPDATE {TABLE} AS w SET
     cancel_requested = true,
@@ -465,7 +545,7 @@ UPDATE {TABLE} AS w SET
     finished_at = CASE WHEN w.status = 'queued' THEN n.now ELSE w.finished_at END,
     updated_at = n.now
 FROM n
-WHERE {_BY_ID}
+WHERE {_by_id(ws)}
   -- a running row asked to stop already is no new transition: left as it is
   AND (w.status = 'queued' OR (w.status = 'running' AND NOT w.cancel_requested))
   -- fenced (an operator's cancel): only the row / the run as the operator saw it
@@ -473,9 +553,14 @@ WHERE {_BY_ID}
   AND (CAST(:expect_run AS text) IS NULL
        OR (w.status = 'running' AND {RUN_ID} = CAST(:expect_run AS text)))
 RETURNING {RETURNING}
-""")
+"""
+    ),
+)
 
-REQUEUE: TextClause = text(f"""
+REQUEUE = _by_key(
+    "queue.requeue",
+    lambda ws: (
+        f"""
 WITH n AS ({_NOW}),
 upd AS (
 UPDATE {TABLE} AS w SET
@@ -494,14 +579,16 @@ UPDATE {TABLE} AS w SET
     dispatched_at = n.now,
     updated_at = n.now
 FROM n
-WHERE {_BY_ID} AND w.status IN ('succeeded', 'dead', 'cancelled')
+WHERE {_by_id(ws)} AND w.status IN ('succeeded', 'dead', 'cancelled')
   -- fenced (an operator's requeue): only the dead/cancelled row as the operator saw it
   AND (CAST(:expect AS timestamptz) IS NULL
        OR (w.status IN ('dead', 'cancelled') AND w.updated_at = CAST(:expect AS timestamptz)))
 RETURNING {RETURNING}
 )
 SELECT * FROM upd WHERE {_notify_one("upd", "true")}
-""")
+"""
+    ),
+)
 
 # For Queue.wait_for_work: seconds (database clock) until the next request of these worker
 # classes may be claimable — the earliest run_after of a queued row (<= 0: due now), or the
@@ -514,18 +601,22 @@ SELECT * FROM upd WHERE {_notify_one("upd", "true")}
 # class's queued rows (per partition, on a partitioned table).
 # NEXT_WORK_SCOPED: the same for a waiter scoped to some workspaces (IN_WORKSPACES in each
 # probe): work of other workspaces neither wakes it nor counts as due for it.
-_NEXT_WORK_TEMPLATE = f"""
+
+
+def _next_work(scope: str) -> str:
+    """NEXT_WORK, ``scope`` added to each probe."""
+    return f"""
 WITH RECURSIVE n AS (SELECT now() AS now),
 c AS (SELECT DISTINCT unnest(CAST(:worker_classes AS text[])) AS wc),
 due AS (
     SELECT c.wc, f.priority, f.run_after FROM c, LATERAL (
         SELECT w.priority, w.run_after FROM {TABLE} w
-        WHERE w.status = 'queued' AND w.worker_class = c.wc{{scope}}
+        WHERE w.status = 'queued' AND w.worker_class = c.wc{scope}
         ORDER BY w.priority DESC, w.run_after LIMIT 1) f
     UNION ALL
     SELECT due.wc, f.priority, f.run_after FROM due, LATERAL (
         SELECT w.priority, w.run_after FROM {TABLE} w
-        WHERE w.status = 'queued' AND w.worker_class = due.wc AND w.priority < due.priority{{scope}}
+        WHERE w.status = 'queued' AND w.worker_class = due.wc AND w.priority < due.priority{scope}
         ORDER BY w.priority DESC, w.run_after LIMIT 1) f
 )
 SELECT CAST(EXTRACT(EPOCH FROM least(
@@ -535,71 +626,100 @@ SELECT CAST(EXTRACT(EPOCH FROM least(
         WHERE w.status = 'running' AND w.worker_class = c.wc
           AND NOT w.cancel_requested
           AND w.attempts < w.max_attempts
-          AND w.crash_attempts + 1 < w.max_crash_attempts{{scope}}
+          AND w.crash_attempts + 1 < w.max_crash_attempts{scope}
         ORDER BY w.lease_expires_at LIMIT 1) l)
 ) - n.now) AS float8) AS next_in
 FROM n
 """
-NEXT_WORK: TextClause = text(_NEXT_WORK_TEMPLATE.format(scope=""))
-NEXT_WORK_SCOPED: TextClause = text(
-    _NEXT_WORK_TEMPLATE.format(scope=f"\n          AND {IN_WORKSPACES}")
-)
-Q_NEXT_WORK = render(NEXT_WORK)
 
-GET: TextClause = text(f"SELECT {RETURNING} FROM {TABLE} w WHERE {_BY_ID}")
+
+NEXT_WORK = Statement.write("queue.next_work", _next_work(""))
+NEXT_WORK_SCOPED = Statement.write(
+    "queue.next_work_scoped", _next_work(f"\n          AND {IN_WORKSPACES}")
+)
+
+GET = _by_key("queue.get", lambda ws: f"SELECT {RETURNING} FROM {TABLE} w WHERE {_by_id(ws)}")
 
 # A wait marks the row it waits for (its end then sends NOTIFY onceflow_done, migration
 # 0010) and reads it in the same statement: RETURNING shows the row as locked, so an end
 # committed before the mark is read here and one committed after it sees the mark.
-WAIT_MARK: TextClause = text(f"""
+WAIT_MARK = _by_key(
+    "queue.wait_mark",
+    lambda ws: (
+        f"""
 UPDATE {TABLE} w SET waited = true
-WHERE {_BY_ID} AND NOT w.waited AND w.status NOT IN ('succeeded', 'dead', 'cancelled')
+WHERE {_by_id(ws)} AND NOT w.waited AND w.status NOT IN ('succeeded', 'dead', 'cancelled')
 RETURNING {RETURNING}
-""")
+"""
+    ),
+)
 
 # A live claim: the row runs under this token and its lease has not lapsed (DB clock).
-LIVE_CLAIM: TextClause = text(f"""
+LIVE_CLAIM = _by_key(
+    "queue.live_claim",
+    lambda ws: (
+        f"""
 WITH n AS ({_NOW})
 SELECT {RETURNING} FROM {TABLE} w, n
-WHERE {_FENCE}
-""")
+WHERE {_fence(ws)}
+"""
+    ),
+)
 
 # A claim whose answer was lost: the row already runs under our token.
-OWN_CLAIM: TextClause = text(f"""
+OWN_CLAIM = _by_key(
+    "queue.own_claim",
+    lambda ws: (
+        f"""
 SELECT {RETURNING} FROM {TABLE} w
-WHERE {_BY_ID} AND w.claim_token = :token AND w.status = 'running'
-""")
+WHERE {_by_id(ws)} AND w.claim_token = :token AND w.status = 'running'
+"""
+    ),
+)
 
 # A fenced write whose answer was lost (LeaseLost on its retry): the row, if the run of
 # :token ended it (ended_run) with one of :statuses. A later claim, a requeue or a rescue
 # of a run that never ended would have left ended_run NULL or another run's. Within the
 # reference's worker classes: a key of another class holding the token learns nothing.
-LANDED: TextClause = text(f"""
+LANDED = _by_key(
+    "queue.landed",
+    lambda ws: (
+        f"""
 SELECT {RETURNING} FROM {TABLE} w
-WHERE {_BY_ID}
+WHERE {_by_id(ws)}
   AND w.ended_run = {_RUN_OF_TOKEN}
   AND w.status = ANY(CAST(:statuses AS text[]))
   AND {_IN_SCOPE}
-""")
+"""
+    ),
+)
 
 # The request a hand-off's follow-ups are named after: under :token's live claim (the
 # fence), or completed by :token's run (a retried hand-off whose answer was lost, which
 # the hand-off then recognises as landed). One statement: no window between the two reads.
-CLAIM_PARENT: TextClause = text(f"""
+CLAIM_PARENT = _by_key(
+    "queue.claim_parent",
+    lambda ws: (
+        f"""
 WITH n AS ({_NOW})
 SELECT {RETURNING} FROM {TABLE} w, n
-WHERE {_BY_ID}
+WHERE {_by_id(ws)}
   AND {_IN_SCOPE}
   AND ((w.claim_token = :token AND w.status = 'running' AND w.lease_expires_at > n.now)
        OR (w.ended_run = {_RUN_OF_TOKEN} AND w.status = 'succeeded'))
-""")
+"""
+    ),
+)
 
-COUNTS: TextClause = text(f"""
+COUNTS = Statement.write(
+    "queue.counts",
+    f"""
 SELECT w.status, w.worker_class, count(*) AS n
 FROM {TABLE} w
 GROUP BY w.status, w.worker_class
 ORDER BY w.worker_class, w.status
-""")
+""",
+)
 
 # Rows of the sweeping Flow's stages only (a Flow can send wake-ups for no others);
 # NULL (a bare Queue's sweep) means every stage.
@@ -616,7 +736,9 @@ _STALE = f"""w.dispatched_at <= n.now - make_interval(secs => CAST(:redispatch_a
 # requeued, or quarantined as dead past its attempts or crash budget, or cancelled if that
 # was requested. Only rows whose *current* lease lapsed are touched. A requeued row gets a
 # fresh wake-up from the sweeper (its re-send count starts again).
-RESCUE_EXPIRED: TextClause = text(f"""
+RESCUE_EXPIRED = Statement.write(
+    "queue.rescue_expired",
+    f"""
 WITH n AS ({_NOW}),
 nxt AS (
     -- The next status is read from the row as locked (FOR UPDATE re-reads a row changed
@@ -660,11 +782,14 @@ RETURNING w.request_id, w.workspace_id, w.status, w.stage, w.worker_class
 ),
 sig AS ({_notify("upd", "r.status = 'queued'")})
 SELECT * FROM upd WHERE {_SENT}
-""")
+""",
+)
 
 # Queued, due rows that never had a wake-up (a send that failed, a retry that became due):
 # always sent. Marked dispatched in the same statement, so two sweepers never both send one.
-DUE_UNSENT: TextClause = text(f"""
+DUE_UNSENT = Statement.write(
+    "queue.due_unsent",
+    f"""
 WITH n AS ({_NOW}),
 due AS (
     SELECT w.workspace_id, w.request_id
@@ -685,24 +810,30 @@ RETURNING w.request_id, w.workspace_id, w.stage, w.worker_class
 ),
 sig AS ({_notify("upd", "true")})
 SELECT * FROM upd WHERE {_SENT}
-""")
+""",
+)
 
 # Per worker class: queued, due rows, those of them whose wake-up is stale (past its
 # backoff), and those never sent. The sweeper compares the first with the broker's queue
 # length: a row merely waiting behind a backlog still has its message in the queue, and a
 # never-sent row has none without any having been lost.
-DUE_COUNTS: TextClause = text(f"""
+DUE_COUNTS = Statement.write(
+    "queue.due_counts",
+    f"""
 WITH n AS ({_NOW})
 SELECT w.worker_class, count(*) AS due, count(*) FILTER (WHERE {_STALE}) AS stale,
        count(*) FILTER (WHERE w.dispatched_at IS NULL) AS unsent
 FROM {TABLE} w, n
 WHERE w.status = 'queued' AND w.run_after <= n.now AND {_STAGES}
 GROUP BY w.worker_class
-""")
+""",
+)
 
 # Up to :limit rows (of one worker class, or of all with NULL) whose wake-up is stale, the
 # longest-waiting first, re-sent: marked dispatched again with one more re-send counted.
-DUE_FOR_DISPATCH: TextClause = text(f"""
+DUE_FOR_DISPATCH = Statement.write(
+    "queue.due_for_dispatch",
+    f"""
 WITH n AS ({_NOW}),
 due AS (
     SELECT w.workspace_id, w.request_id
@@ -724,13 +855,16 @@ RETURNING w.request_id, w.workspace_id, w.stage, w.worker_class
 ),
 sig AS ({_notify("upd", "true")})
 SELECT * FROM upd WHERE {_SENT}
-""")
+""",
+)
 
 # A sweep begins with a compare-and-set on its Flow's row, by the database clock only: it
 # wins if the last sweep began at least :min_gap seconds ago (or the row is missing, or
 # stamped implausibly far in the future). A concurrent contender waits on the row lock and
 # re-checks, so one wins. `next_in`: seconds until a contender with this gap could win.
-BEGIN_SWEEP: TextClause = text("""
+BEGIN_SWEEP = Statement.write(
+    "queue.begin_sweep",
+    """
 WITH n AS (SELECT now() AS now),
 won AS (
     INSERT INTO onceflow_sweeps AS s (name, swept_at, swept_by)
@@ -746,13 +880,16 @@ SELECT EXISTS (SELECT 1 FROM won) AS won,
            (SELECT swept_at FROM onceflow_sweeps WHERE name = :name), n.now)
          + make_interval(secs => CAST(:min_gap AS float8)) - n.now) AS next_in
 FROM n
-""")
+""",
+)
 
 # Retention, in two steps. Succeeded rows first lose their payloads but keep their key,
 # status and input_hash: a tombstone that still collapses duplicates (and still detects an
 # input mismatch). After the dedup window, succeeded and cancelled rows are deleted. Dead
 # rows are never deleted: their error is what an operator needs.
-PRUNE_PAYLOADS: TextClause = text(f"""
+PRUNE_PAYLOADS = Statement.write(
+    "queue.prune_payloads",
+    f"""
 WITH n AS ({_NOW}),
 old AS (
     SELECT w.workspace_id, w.request_id
@@ -766,9 +903,12 @@ old AS (
 UPDATE {TABLE} AS w SET input = 'null'::jsonb, result = NULL, updated_at = n.now
 FROM old, n
 WHERE w.workspace_id = old.workspace_id AND w.request_id = old.request_id
-""")
+""",
+)
 
-DELETE_FINISHED: TextClause = text(f"""
+DELETE_FINISHED = Statement.write(
+    "queue.delete_finished",
+    f"""
 WITH n AS ({_NOW}),
 old AS (
     SELECT w.workspace_id, w.request_id
@@ -780,19 +920,28 @@ old AS (
 )
 DELETE FROM {TABLE} AS w USING old
 WHERE w.workspace_id = old.workspace_id AND w.request_id = old.request_id
-""")
+""",
+)
 
-MARK_UNDISPATCHED_MANY: TextClause = text(f"""
+MARK_UNDISPATCHED_MANY = Statement.write(
+    "queue.mark_undispatched_many",
+    f"""
 UPDATE {TABLE} AS w SET dispatched_at = NULL
 FROM unnest(CAST(:workspace_ids AS text[]), CAST(:request_ids AS text[])) AS k(workspace_id,
                                                                           request_id)
 WHERE w.workspace_id = k.workspace_id AND w.request_id = k.request_id AND w.status = 'queued'
-""")
+""",
+)
 
-MARK_UNDISPATCHED: TextClause = text(f"""
+MARK_UNDISPATCHED = _by_key(
+    "queue.mark_undispatched",
+    lambda ws: (
+        f"""
 UPDATE {TABLE} AS w SET dispatched_at = NULL
-WHERE {_BY_ID} AND w.status = 'queued'
-""")
+WHERE {_by_id(ws)} AND w.status = 'queued'
+"""
+    ),
+)
 
 
 # ======================================================================= batches (BatchOps)
@@ -805,7 +954,25 @@ WHERE {_BY_ID} AND w.status = 'queued'
 # claimers lock with SKIP LOCKED.
 
 # A batch row's workspace: the claim's (t.ws), else (a reference by id alone) the row's.
-_WS_OF_ROW = f"""coalesce(t.ws, ({WS_OF_ID_SQL.format(rid="t.request_id")}))"""
+_WS_OF_ROW = f"""coalesce(t.ws, ({_ws_of_id("t.request_id")}))"""
+
+
+def _batch_rows(arrays: str = "", columns: str = "") -> str:
+    """The CTEs of a fenced batch: ``i``, its rows (ids, tokens, the arrays ``arrays`` as
+    ``columns``, each row with its workspace), and ``locked``, their rows locked in order."""
+    return f"""i AS (
+    SELECT {_WS_OF_ROW} AS workspace_id, t.* FROM unnest(
+        CAST(:request_ids AS text[]), CAST(:tokens AS text[]),{arrays}
+        CAST(:workspace_ids AS text[])) AS t(request_id, token, {columns}ws)
+),
+locked AS (
+    -- Row locks in one order (by key) for every batch: two batches on the same rows (a
+    -- worker's heartbeats and its completions) queue up instead of deadlocking.
+    SELECT w.workspace_id, w.request_id FROM {TABLE} w JOIN i USING (workspace_id, request_id)
+    ORDER BY w.workspace_id, w.request_id
+    FOR NO KEY UPDATE OF w
+)"""
+
 
 _BATCH_FENCE = """
   w.workspace_id = i.workspace_id
@@ -830,20 +997,12 @@ def _notify_after(rows: str) -> str:
 )"""
 
 
-COMPLETE_MANY: TextClause = text(f"""
+_COMPLETE_ROWS = _batch_rows(" CAST(:results AS jsonb[]),", "result, ")
+COMPLETE_MANY = Statement.write(
+    "queue.complete_many",
+    f"""
 WITH n AS ({_NOW}),
-i AS (
-    SELECT {_WS_OF_ROW} AS workspace_id, t.* FROM unnest(
-        CAST(:request_ids AS text[]), CAST(:tokens AS text[]), CAST(:results AS jsonb[]),
-        CAST(:workspace_ids AS text[])) AS t(request_id, token, result, ws)
-),
-locked AS (
-    -- Row locks in one order (by key) for every batch: two batches on the same rows (a
-    -- worker's heartbeats and its completions) queue up instead of deadlocking.
-    SELECT w.workspace_id, w.request_id FROM {TABLE} w JOIN i USING (workspace_id, request_id)
-    ORDER BY w.workspace_id, w.request_id
-    FOR NO KEY UPDATE OF w
-)
+{_COMPLETE_ROWS}
 UPDATE {TABLE} AS w SET
     status = 'succeeded',
     result = i.result,
@@ -855,7 +1014,9 @@ UPDATE {TABLE} AS w SET
 FROM i JOIN locked USING (workspace_id, request_id), n
 WHERE {_BATCH_FENCE}
 RETURNING w.workspace_id, w.request_id, {_RUN_RETURNING}
-""")
+""",
+    binary=("request_ids", "tokens", "results", "workspace_ids"),
+)
 # complete_many takes Claims only, which hold the claimed rows: like COMPLETE_CHANGED, it
 # reads back the key and what a run changes (RUN_COLUMNS), not the input again.
 
@@ -866,21 +1027,16 @@ _FAIL_NEXT = """CASE
         ELSE 'dead'
     END"""
 
-FAIL_MANY: TextClause = text(f"""
+_FAIL_ROWS = _batch_rows(
+    " CAST(:errors AS jsonb[]),"
+    "\n        CAST(:retryables AS boolean[]), CAST(:delays AS float8[]),",
+    "error, retryable, delay, ",
+)
+FAIL_MANY = Statement.write(
+    "queue.fail_many",
+    f"""
 WITH n AS ({_NOW}),
-i AS (
-    SELECT {_WS_OF_ROW} AS workspace_id, t.* FROM unnest(
-        CAST(:request_ids AS text[]), CAST(:tokens AS text[]), CAST(:errors AS jsonb[]),
-        CAST(:retryables AS boolean[]), CAST(:delays AS float8[]),
-        CAST(:workspace_ids AS text[])) AS t(request_id, token, error, retryable, delay, ws)
-),
-locked AS (
-    -- Row locks in one order (by key) for every batch: two batches on the same rows (a
-    -- worker's heartbeats and its completions) queue up instead of deadlocking.
-    SELECT w.workspace_id, w.request_id FROM {TABLE} w JOIN i USING (workspace_id, request_id)
-    ORDER BY w.workspace_id, w.request_id
-    FOR NO KEY UPDATE OF w
-),
+{_FAIL_ROWS},
 upd AS (
     UPDATE {TABLE} AS w SET
         status = {_FAIL_NEXT},
@@ -899,24 +1055,19 @@ upd AS (
 ),
 {_notify_after("upd")}
 SELECT upd.* FROM upd, notified
-""")
+""",
+)
 
 # Never past each claim's run deadline (as HEARTBEAT).
-HEARTBEAT_MANY: TextClause = text(f"""
-WITH n AS ({_NOW_LAZY}),
-i AS (
-    SELECT {_WS_OF_ROW} AS workspace_id, t.* FROM unnest(
-        CAST(:request_ids AS text[]), CAST(:tokens AS text[]),
-        CAST(:lease_seconds AS float8[]), CAST(:deadlines AS timestamptz[]),
-        CAST(:workspace_ids AS text[])) AS t(request_id, token, lease_seconds, deadline, ws)
-),
-locked AS (
-    -- Row locks in one order (by key) for every batch: two batches on the same rows (a
-    -- worker's heartbeats and its completions) queue up instead of deadlocking.
-    SELECT w.workspace_id, w.request_id FROM {TABLE} w JOIN i USING (workspace_id, request_id)
-    ORDER BY w.workspace_id, w.request_id
-    FOR NO KEY UPDATE OF w
+_HEARTBEAT_ROWS = _batch_rows(
+    "\n        CAST(:lease_seconds AS float8[]), CAST(:deadlines AS timestamptz[]),",
+    "lease_seconds, deadline, ",
 )
+HEARTBEAT_MANY = Statement.write(
+    "queue.heartbeat_many",
+    f"""
+WITH n AS ({_NOW_LAZY}),
+{_HEARTBEAT_ROWS}
 UPDATE {TABLE} AS w SET
     lease_expires_at = least(n.now + make_interval(secs => i.lease_seconds), i.deadline),
     heartbeat_at = n.now,
@@ -924,7 +1075,8 @@ UPDATE {TABLE} AS w SET
 FROM i JOIN locked USING (workspace_id, request_id), n
 WHERE {_BATCH_FENCE}
 RETURNING w.request_id, w.workspace_id, w.lease_expires_at, w.cancel_requested
-""")
+""",
+)
 
 # Hand back claims whose work has not started: the row is as if never claimed — queued, due
 # at once (run_after kept, so it keeps its place in line), the claim's attempt uncounted, no
@@ -933,20 +1085,11 @@ RETURNING w.request_id, w.workspace_id, w.lease_expires_at, w.cancel_requested
 # from a lapsed lease counted the *previous* holder's crash, which did happen (see
 # BatchOps.release). Cancelled instead if cancel was requested. The release is recorded in
 # ended_run (_released_run_of its token): a retry whose answer was lost recognises it there.
-RELEASE: TextClause = text(f"""
+RELEASE = Statement.write(
+    "queue.release",
+    f"""
 WITH n AS ({_NOW}),
-i AS (
-    SELECT {_WS_OF_ROW} AS workspace_id, t.* FROM unnest(
-        CAST(:request_ids AS text[]), CAST(:tokens AS text[]),
-        CAST(:workspace_ids AS text[])) AS t(request_id, token, ws)
-),
-locked AS (
-    -- Row locks in one order (by key) for every batch: two batches on the same rows (a
-    -- worker's heartbeats and its completions) queue up instead of deadlocking.
-    SELECT w.workspace_id, w.request_id FROM {TABLE} w JOIN i USING (workspace_id, request_id)
-    ORDER BY w.workspace_id, w.request_id
-    FOR NO KEY UPDATE OF w
-),
+{_batch_rows()},
 upd AS (
     UPDATE {TABLE} AS w SET
         status = CASE WHEN w.cancel_requested THEN 'cancelled' ELSE 'queued' END,
@@ -968,32 +1111,48 @@ upd AS (
 ),
 {_notify_after("upd")}
 SELECT upd.* FROM upd, notified
-""")
+""",
+)
 
 # A batch form of LANDED: of the rows of the batch refused by their fence, those that each
 # claim's own write ended (its token's ended_run) with one of :statuses — the batch's lost
 # answer, or a caller's repeat of a batch whose answer it lost. Never by claimant and counts:
 # an operator's requeue resets the counts and a worker id is stable, so a later run can end
 # the row with the same ones. RELEASED_MANY: the same for a release (see _released_run_of).
-_LANDED_MANY = f"""
+
+
+def _landed_many(name: str, ended: str) -> Statement:
+    """LANDED_MANY of the rows whose ``ended_run`` is ``ended`` of each claim's token."""
+    return Statement.write(
+        name,
+        f"""
 SELECT {RETURNING} FROM {TABLE} w
 JOIN unnest(CAST(:workspace_ids AS text[]), CAST(:request_ids AS text[]),
             CAST(:tokens AS text[])) AS k(workspace_id, request_id, token)
   ON w.workspace_id = k.workspace_id AND w.request_id = k.request_id
-WHERE w.ended_run = {{ended}}
+WHERE w.ended_run = {ended}
   AND w.status = ANY(CAST(:statuses AS text[]))
-"""
-LANDED_MANY: TextClause = text(_LANDED_MANY.format(ended=_run_of("k.token")))
-RELEASED_MANY: TextClause = text(_LANDED_MANY.format(ended=_released_run_of("k.token")))
+""",
+    )
+
+
+LANDED_MANY = _landed_many("queue.landed_many", _run_of("k.token"))
+RELEASED_MANY = _landed_many("queue.released_many", _released_run_of("k.token"))
 
 # Live depth per worker class, read only through the partial indexes ix_wpr_claim
 # (status = 'queued': worker_class, priority, run_after) and ix_wpr_lease (status =
 # 'running': worker_class, lease_expires_at): both hold every column used, so Postgres reads
 # them with index-only scans (EXPLAIN in bench/batch_bench.py) and the cost is proportional
 # to the live backlog, never to the finished rows of the table's history. No OR across
-# states (it defeats partial indexes): one branch per index. {classes} is "" for every class,
-# or a filter on :worker_classes.
-_DEPTH = f"""
+# states (it defeats partial indexes): one branch per index. ``classes`` is "" for every
+# class, or a filter on :worker_classes.
+
+
+def _depth(name: str, classes: str) -> Statement:
+    """The live depth per worker class, ``classes`` added to each branch."""
+    return Statement.write(
+        name,
+        f"""
 WITH n AS ({_NOW}),
 live AS (
     SELECT w.worker_class,
@@ -1002,12 +1161,12 @@ live AS (
            0::bigint AS running,
            min(w.run_after) FILTER (WHERE w.run_after <= n.now) AS oldest_due
     FROM {TABLE} w, n
-    WHERE w.status = 'queued'{{classes}}
+    WHERE w.status = 'queued'{classes}
     GROUP BY w.worker_class
     UNION ALL
     SELECT w.worker_class, 0, 0, count(*), NULL
     FROM {TABLE} w
-    WHERE w.status = 'running'{{classes}}
+    WHERE w.status = 'running'{classes}
     GROUP BY w.worker_class
 )
 SELECT l.worker_class, sum(l.queued_due)::bigint AS queued_due,
@@ -1015,99 +1174,28 @@ SELECT l.worker_class, sum(l.queued_due)::bigint AS queued_due,
        EXTRACT(EPOCH FROM n.now - min(l.oldest_due))::float8 AS oldest_due_age
 FROM live l, n
 GROUP BY l.worker_class, n.now
-"""
-DEPTH_ALL: TextClause = text(_DEPTH.format(classes=""))
-DEPTH_FOR: TextClause = text(
-    _DEPTH.format(classes="\n      AND w.worker_class = ANY(CAST(:worker_classes AS text[]))")
+""",
+    )
+
+
+DEPTH_ALL = _depth("queue.depth_all", "")
+DEPTH_FOR = _depth(
+    "queue.depth_for", "\n      AND w.worker_class = ANY(CAST(:worker_classes AS text[]))"
 )
 
 
-def binary_params(sql: str, names: tuple[str, ...]) -> str:
-    """``sql`` with the parameters ``names`` sent in binary (``%(name)b``).
-
-    For lists of strings: psycopg's text format escapes each element of an array with a
-    regular expression, in Python (several times the cost of the binary format). Only for
-    parameters that are always lists of one type (a binary array takes
-    its element type from its first element) and never empty.
-    """
-    for name in names:
-        placeholder = f"%({name})s"
-        if placeholder not in sql:
-            raise ValueError(f"no {placeholder} in the statement")
-        sql = sql.replace(placeholder, f"%({name})b")
-    return sql
-
-
-Q_COMPLETE_MANY = binary_params(
-    render(COMPLETE_MANY), ("request_ids", "tokens", "results", "workspace_ids")
-)
-Q_FAIL_MANY = render(FAIL_MANY)
-Q_HEARTBEAT_MANY = render(HEARTBEAT_MANY)
-Q_RELEASE = render(RELEASE)
-Q_LANDED_MANY = render(LANDED_MANY)
-Q_RELEASED_MANY = render(RELEASED_MANY)
-Q_DEPTH_ALL = render(DEPTH_ALL)
-Q_DEPTH_FOR = render(DEPTH_FOR)
 # ================================================================== end of batches (BatchOps)
 
-
-@lru_cache(maxsize=64)
-def claim_next_sql(limit: int, scoped: bool = False) -> str:
-    """CLAIM_NEXT for psycopg with ``limit`` as a literal (``scoped``: the form filtered by
-    workspace, with :ws_exact and :ws_prefixes).
-
-    A bound LIMIT makes Postgres cost every generic plan at 10% of the rows, so it
-    re-plans the claim on each call (about as long as running it); a literal lets the
-    prepared statement keep one generic plan. ``limit`` is an int, checked by the caller.
-    """
-    statement = _CLAIM_NEXT_SCOPED if scoped else _CLAIM_NEXT
-    return render(text(statement.replace(":limit", str(int(limit)))))
-
-
-@lru_cache(maxsize=64)
-def claim_next_query(limit: int, scoped: bool = False) -> Query:
-    """:func:`claim_next_sql` as the named statement ``queue.claim_next`` (scoped:
-    ``queue.claim_next_scoped``)."""
-    name = "queue.claim_next_scoped" if scoped else "queue.claim_next"
-    return Query(name, claim_next_sql(limit, scoped))
-
-
-# Rendered once for psycopg (the hot paths bypass SQLAlchemy's result machinery).
-Q_ENQUEUE = render(ENQUEUE)
-Q_ENQUEUE_ONE = render(ENQUEUE_ONE)
-Q_ENQUEUE_LOOKUP = render(ENQUEUE_LOOKUP)
-Q_CLAIM = render(CLAIM)
-Q_HEARTBEAT = render(HEARTBEAT)
-Q_COMPLETE = render(COMPLETE)
-Q_COMPLETE_CHANGED = render(COMPLETE_CHANGED)
-Q_FINISH = render(FINISH)
-Q_FAIL = render(FAIL)
-Q_CANCEL = render(CANCEL)
-Q_REQUEUE = render(REQUEUE)
-Q_GET = render(GET)
-Q_LIVE_CLAIM = render(LIVE_CLAIM)
-Q_OWN_CLAIM = render(OWN_CLAIM)
-Q_COUNTS = render(COUNTS)
-Q_RESCUE_EXPIRED = render(RESCUE_EXPIRED)
-Q_DUE_FOR_DISPATCH = render(DUE_FOR_DISPATCH)
-Q_DUE_UNSENT = render(DUE_UNSENT)
-Q_DUE_COUNTS = render(DUE_COUNTS)
-Q_BEGIN_SWEEP = render(BEGIN_SWEEP)
-Q_PRUNE_PAYLOADS = render(PRUNE_PAYLOADS)
-Q_DELETE_FINISHED = render(DELETE_FINISHED)
-Q_MARK_UNDISPATCHED = render(MARK_UNDISPATCHED)
-Q_MARK_UNDISPATCHED_MANY = render(MARK_UNDISPATCHED_MANY)
-Q_FENCE_CHECK = render(FENCE_CHECK)
-Q_LANDED = render(LANDED)
-Q_CLAIM_PARENT = render(CLAIM_PARENT)
-
-COUNTS_FOR_WORKSPACE: TextClause = text(f"""
+COUNTS_FOR_WORKSPACE = Statement.write(
+    "queue.counts_for_workspace",
+    f"""
 SELECT w.status, w.worker_class, count(*) AS n
 FROM {TABLE} w
 WHERE w.workspace_id = :workspace_id
 GROUP BY w.status, w.worker_class
 ORDER BY w.worker_class, w.status
-""")
+""",
+)
 
 #: The filters ``Queue.list`` takes, each an equality on its column (``status``: any of a list).
 LIST_FILTERS = ("workspace_id", "worker_class", "stage", "job_id", "status")
@@ -1131,63 +1219,3 @@ def list_query(filters: tuple[str, ...], limit: int) -> Query:
         f"SELECT {RETURNING} FROM {TABLE} w WHERE {clause}"
         f" ORDER BY w.created_at DESC, w.request_id LIMIT {int(limit)}",
     )
-
-
-# _WS_OF_ID as it reads once rendered for psycopg, and what replaces it in the keyed form.
-_WS_OF_ID_RENDERED = render(text(f"SELECT {_WS_OF_ID}"))[len("SELECT ") :]
-_WS_KEYED = "CAST(%(workspace_id)s AS text)"
-
-
-def _named(name: str, sql: str) -> Query:
-    """``sql`` as the named statement; one that finds its row by ``_BY_ID`` gets its keyed
-    form as ``sql`` and the coalesce form as ``by_id`` (see ``_BY_ID``)."""
-    if _WS_OF_ID_RENDERED not in sql:
-        return Query(name, sql)
-    return Query(name, sql.replace(_WS_OF_ID_RENDERED, _WS_KEYED), by_id=sql)
-
-
-class N:
-    """The queue's statements by name: what its operations yield to a connector."""
-
-    ENQUEUE = _named("queue.enqueue", Q_ENQUEUE)
-    ENQUEUE_ONE = _named("queue.enqueue_one", Q_ENQUEUE_ONE)
-    ENQUEUE_LOOKUP = _named("queue.enqueue_lookup", Q_ENQUEUE_LOOKUP)
-    CLAIM = _named("queue.claim", Q_CLAIM)
-    OWN_CLAIM = _named("queue.own_claim", Q_OWN_CLAIM)
-    HEARTBEAT = _named("queue.heartbeat", Q_HEARTBEAT)
-    COMPLETE = _named("queue.complete", Q_COMPLETE)
-    COMPLETE_CHANGED = _named("queue.complete_changed", Q_COMPLETE_CHANGED)
-    FINISH = _named("queue.finish", Q_FINISH)
-    FAIL = _named("queue.fail", Q_FAIL)
-    CANCEL = _named("queue.cancel", Q_CANCEL)
-    REQUEUE = _named("queue.requeue", Q_REQUEUE)
-    GET = _named("queue.get", Q_GET)
-    WAIT_MARK = _named("queue.wait_mark", render(WAIT_MARK))
-    LIVE_CLAIM = _named("queue.live_claim", Q_LIVE_CLAIM)
-    COUNTS = _named("queue.counts", Q_COUNTS)
-    COUNTS_FOR_WORKSPACE = Query.of("queue.counts_for_workspace", COUNTS_FOR_WORKSPACE)
-    MARK_UNDISPATCHED = _named("queue.mark_undispatched", Q_MARK_UNDISPATCHED)
-    MARK_UNDISPATCHED_MANY = _named("queue.mark_undispatched_many", Q_MARK_UNDISPATCHED_MANY)
-    FENCE_CHECK = _named("queue.fence_check", Q_FENCE_CHECK)
-    # claims and operators (queue/claims.py, queue/operators.py); CLAIM … FENCE_CHECK above
-    LANDED = _named("queue.landed", Q_LANDED)
-    CLAIM_PARENT = _named("queue.claim_parent", Q_CLAIM_PARENT)
-
-    # batches and sweeps (queue/batch.py, queue/sweep.py, queue/notify.py)
-    COMPLETE_MANY = _named("queue.complete_many", Q_COMPLETE_MANY)
-    FAIL_MANY = _named("queue.fail_many", Q_FAIL_MANY)
-    HEARTBEAT_MANY = _named("queue.heartbeat_many", Q_HEARTBEAT_MANY)
-    RELEASE = _named("queue.release", Q_RELEASE)
-    LANDED_MANY = _named("queue.landed_many", Q_LANDED_MANY)
-    RELEASED_MANY = _named("queue.released_many", Q_RELEASED_MANY)
-    DEPTH_ALL = _named("queue.depth_all", Q_DEPTH_ALL)
-    DEPTH_FOR = _named("queue.depth_for", Q_DEPTH_FOR)
-    BEGIN_SWEEP = _named("queue.begin_sweep", Q_BEGIN_SWEEP)
-    RESCUE_EXPIRED = _named("queue.rescue_expired", Q_RESCUE_EXPIRED)
-    DUE_UNSENT = _named("queue.due_unsent", Q_DUE_UNSENT)
-    DUE_FOR_DISPATCH = _named("queue.due_for_dispatch", Q_DUE_FOR_DISPATCH)
-    DUE_COUNTS = _named("queue.due_counts", Q_DUE_COUNTS)
-    PRUNE_PAYLOADS = _named("queue.prune_payloads", Q_PRUNE_PAYLOADS)
-    DELETE_FINISHED = _named("queue.delete_finished", Q_DELETE_FINISHED)
-    NEXT_WORK = _named("queue.next_work", Q_NEXT_WORK)
-    NEXT_WORK_SCOPED = _named("queue.next_work_scoped", render(NEXT_WORK_SCOPED))

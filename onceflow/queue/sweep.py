@@ -39,7 +39,7 @@ from onceflow.ids import RequestId, check_id, check_worker_class
 from onceflow.metrics import record as metrics
 from onceflow.models.requests import Dispatch, SweepResult
 from onceflow.models.status import Status
-from onceflow.queue.sql import N
+from onceflow.queue import sql
 from onceflow.settings import Settings
 
 log = logging.getLogger("onceflow.sweep")
@@ -82,7 +82,7 @@ class Sweeper:
         check_id("sweep name", name)
         gap = _seconds("min_gap", min_gap)
         params = {"name": name, "swept_by": str(swept_by)[:200], "min_gap": gap}
-        row = yield FetchOne(N.BEGIN_SWEEP, params)
+        row = yield FetchOne(sql.BEGIN_SWEEP, params)
         return SweepTurn(bool(row["won"]), max(0.0, float(row["next_in"])))
 
     @operation
@@ -103,7 +103,7 @@ class Sweeper:
             "limit": _limit(limit), "stages": _stages(stages), "now": now,
             "worker_classes": _classes(worker_classes), "notify": self.settings.notify,
         }  # fmt: skip
-        rows = yield FetchAll(N.RESCUE_EXPIRED, params)
+        rows = yield FetchAll(sql.RESCUE_EXPIRED, params)
         metrics.reclaimed(rows)
         rescued = [RequestId(r["request_id"]) for r in rows if r["status"] == Status.QUEUED]
         dead = [RequestId(r["request_id"]) for r in rows if r["status"] != Status.QUEUED]
@@ -158,7 +158,7 @@ class Sweeper:
             return len(batch)
 
         share = (limit + 1) // 2  # the never-sent rows' share; the rest is the stale rows'
-        unsent = yield from mark(N.DUE_UNSENT, {"limit": share})
+        unsent = yield from mark(sql.DUE_UNSENT, {"limit": share})
         room = limit - unsent
         stale = 0
         budgets = yield from self._resend_budgets(after, base, backlog, unpublished, room)
@@ -166,9 +166,9 @@ class Sweeper:
             take = min(budget, room - stale)
             if take > 0:
                 params = {"redispatch_after": after, "worker_class": worker_class, "limit": take}
-                stale += yield from mark(N.DUE_FOR_DISPATCH, params)
+                stale += yield from mark(sql.DUE_FOR_DISPATCH, params)
         if unsent == share and unsent + stale < limit:  # more may wait: the stale rows' spare
-            yield from mark(N.DUE_UNSENT, {"limit": limit - unsent - stale})
+            yield from mark(sql.DUE_UNSENT, {"limit": limit - unsent - stale})
         return marked
 
     def _resend_budgets(
@@ -182,7 +182,7 @@ class Sweeper:
         """How many stale wake-ups to re-send per worker class (None: any class)."""
         if backlog is None:
             return {None: cap}
-        counts = yield FetchAll(N.DUE_COUNTS, {**base, "redispatch_after": after})
+        counts = yield FetchAll(sql.DUE_COUNTS, {**base, "redispatch_after": after})
         stale = {r["worker_class"]: r for r in counts if r["stale"]}
         if not stale:
             return {}  # nothing stale: the broker is not asked at all
@@ -220,10 +220,10 @@ class Sweeper:
         touched = 0
         if payload_age is not None:
             params = {"age": payload_age, "limit": limit, "now": now}
-            touched += yield Execute(N.PRUNE_PAYLOADS, params)
+            touched += yield Execute(sql.PRUNE_PAYLOADS, params)
         if age is not None:
             params = {"age": age, "limit": limit, "now": now}
-            touched += yield Execute(N.DELETE_FINISHED, params)
+            touched += yield Execute(sql.DELETE_FINISHED, params)
         return touched
 
     @operation

@@ -333,11 +333,11 @@ def test_a_read_with_wait_answers_as_soon_as_the_request_ends(
     import psycopg
 
     from onceflow import ClaimRef, Queue
-    from onceflow.queue.sql import N
+    from onceflow.queue import sql
     from tests.conftest import libpq
     from tests.integration.test_wait_for_work import db_now
 
-    get_start = N.GET.sql.split("%(")[0]
+    get_start = sql.GET.sql.split("%(")[0]
 
     def read_since(since: Any) -> bool:
         """The server read the request after ``since`` and is idle: its wait LISTENs (it

@@ -54,12 +54,12 @@ def test_claim_layers_runs_every_side_on_its_own_rows(services: tuple[str, str])
 
 
 def test_each_rung_takes_one_more_part_of_the_statements_away() -> None:
-    from onceflow.queue.sql import N
+    from onceflow.queue import sql
 
     ladder = variants()
     names = list(ladder)
     assert names[0] == "onceflow" and names[-1] == "floor"
-    assert ladder["onceflow"] == (N.CLAIM.sql, N.FINISH.sql)  # what a Celery stage runs
+    assert ladder["onceflow"] == (sql.CLAIM.sql, sql.FINISH.sql)  # what a Celery stage runs
     rungs = [ladder[n] for n in names[:-1]]
     for before, after in itertools.pairwise(rungs):
         assert after != before

@@ -34,8 +34,8 @@ from onceflow.connector import FetchOne, Query, Steps, Transaction, run
 from onceflow.db import raw_connection
 from onceflow.ids import request_id_for
 from onceflow.models import Dispatch
+from onceflow.queue import sql
 from onceflow.queue.claims import fence_steps
-from onceflow.queue.sql import N
 from tests.acceptance.procs import wait_for
 from tests.both_apis import both
 from tests.conftest import libpq, table_snapshot
@@ -385,7 +385,9 @@ def test_fenced_retry_takes_steps_or_values_and_retries_a_blip(api_queue: Queue)
             raise DatabaseUnavailable("a blip")
         by_id = {"request_id": rid, "workspace_id": None}  # the row found by its id alone
         unscoped = {"worker_classes": None, "ws_exact": None, "ws_prefixes": None}
-        row = yield FetchOne(N.LIVE_CLAIM, {**by_id, "token": claim.token, "now": None, **unscoped})
+        row = yield FetchOne(
+            sql.LIVE_CLAIM, {**by_id, "token": claim.token, "now": None, **unscoped}
+        )
         return row["request_id"]
 
     assert api_queue.fenced_retry(claim.ref, attempt) == rid
@@ -395,7 +397,7 @@ def test_fenced_retry_takes_steps_or_values_and_retries_a_blip(api_queue: Queue)
         raise LeaseLost(rid, "refused")
 
     def landed() -> Steps[str]:
-        row = yield FetchOne(N.GET, {"request_id": rid, "workspace_id": "w"})
+        row = yield FetchOne(sql.GET, {"request_id": rid, "workspace_id": "w"})
         return str(row["status"])
 
     assert api_queue.fenced_retry(claim, refused, landed) == "running"  # asked on LeaseLost only
@@ -664,7 +666,7 @@ class LoseClaimInFlight:
         probe = FetchOne(Query("test.probe", "SELECT 1 AS one"), {})
         yield probe  # this call's connection, as the claim would have used it
         first = psycopg.connect(self.url)
-        first.execute(N.CLAIM.sql_for(params), params)  # the claim made, its commit not yet
+        first.execute(sql.CLAIM.sql_for(params), params)  # the claim made, its commit not yet
         committer = threading.Thread(target=self._commit_once_waited_on, args=(first,))
         committer.start()
         self.committer.append(committer)

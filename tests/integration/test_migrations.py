@@ -165,12 +165,9 @@ def test_0007_0008_key_requests_by_workspace_keeping_rows_ids_and_old_wake_ups(
         # Lookups by id alone read ix_wpr_request_id, not the table.
         with raw_connection(engine) as raw:
             raw.execute("SET enable_seqscan = off")
+            by_id = {"request_id": "done", "workspace_id": None}
             plan = json.dumps(
-                fetch_all(
-                    raw,
-                    "EXPLAIN (FORMAT JSON) " + sql.Q_GET,
-                    {"request_id": "done", "workspace_id": None},
-                )
+                fetch_all(raw, "EXPLAIN (FORMAT JSON) " + sql.GET.sql_for(by_id), by_id)
             )
         assert "ix_wpr_request_id" in plan
         # And back to 0006: the old key again, every row kept.

@@ -337,7 +337,7 @@ def test_rows_land_in_their_workspaces_partition_the_same_in_every_table(
             text("SELECT reltuples FROM pg_class WHERE relname = 'workspace_process_requests'")
         ).scalar_one()
         assert parent == -1
-        estimate = conn.execute(metrics_sql.ESTIMATED_ROWS).scalar_one()
+        estimate = conn.execute(metrics_sql.ESTIMATED_ROWS.clause).scalar_one()
         assert estimate == len(workspaces)
 
 

@@ -25,7 +25,8 @@ from onceflow.db import make_engine, raw_connection
 from onceflow.migrate import migrate
 from onceflow.models.requests import NewRequest
 from onceflow.queue import Queue
-from onceflow.queue.sql import N, claim_next_sql
+from onceflow.queue import sql as queue_sql
+from onceflow.queue.sql import claim_next_sql
 
 
 def _as_prepared(sql: str) -> str:
@@ -82,9 +83,9 @@ def test_claims_and_completions_by_key_are_not_planned_at_every_run(empty_databa
         plans = {
             name: next((g, c) for s, g, c in _prepared(engine) if s == _as_prepared(sql))
             for name, sql in (
-                ("claim", N.CLAIM.sql),
-                ("complete", N.COMPLETE_CHANGED.sql),
-                ("finish", N.FINISH.sql),
+                ("claim", queue_sql.CLAIM.sql),
+                ("complete", queue_sql.COMPLETE_CHANGED.sql),
+                ("finish", queue_sql.FINISH.sql),
             )
         }
         # Prepared at the 6th run; five custom plans, then the generic one for the rest.
@@ -96,12 +97,14 @@ def test_claims_and_completions_by_key_are_not_planned_at_every_run(empty_databa
 
 def test_a_caller_by_id_alone_runs_the_form_that_finds_the_workspace() -> None:
     """The keyed form names the workspace parameter; the other finds it from the id."""
-    assert N.CLAIM.by_id is not None
-    assert N.CLAIM.sql_for({"workspace_id": "w1", "request_id": "r"}) == N.CLAIM.sql
-    assert N.CLAIM.sql_for({"workspace_id": None, "request_id": "r"}) == N.CLAIM.by_id
-    assert "coalesce(CAST(%(workspace_id)s" in N.CLAIM.by_id
-    assert "coalesce(CAST(%(workspace_id)s" not in N.CLAIM.sql
-    keyed = [name for name, q in vars(N).items() if getattr(q, "by_id", None) is not None]
+    assert queue_sql.CLAIM.by_id is not None
+    assert queue_sql.CLAIM.sql_for({"workspace_id": "w1", "request_id": "r"}) == queue_sql.CLAIM.sql
+    assert (
+        queue_sql.CLAIM.sql_for({"workspace_id": None, "request_id": "r"}) == queue_sql.CLAIM.by_id
+    )
+    assert "coalesce(CAST(%(workspace_id)s" in queue_sql.CLAIM.by_id
+    assert "coalesce(CAST(%(workspace_id)s" not in queue_sql.CLAIM.sql
+    keyed = [name for name, q in vars(queue_sql).items() if getattr(q, "by_id", None) is not None]
     for name in ("CLAIM", "HEARTBEAT", "COMPLETE", "COMPLETE_CHANGED", "FINISH", "FAIL",
                  "FENCE_CHECK"):  # fmt: skip
         assert name in keyed
@@ -130,13 +133,15 @@ def test_a_one_row_enqueue_probes_by_key_in_its_generic_plan(empty_database: str
     queue = Queue(engine)
     try:
         _grown_after_empty_stats(engine)
-        names = re.findall(r"%\((\w+)\)s", N.ENQUEUE_ONE.sql)
+        names = re.findall(r"%\((\w+)\)s", queue_sql.ENQUEUE_ONE.sql)
         values = {"request_id": "r-7", "workspace_id": "w7", "input": "{}", "dedupe": "true",
                   "priority": 0, "max_attempts": 5, "max_crash_attempts": 3, "delay": 0,
                   "notify": "false", "now": None}  # fmt: skip
         ordered = list(dict.fromkeys(names))
         with raw_connection(engine) as raw:
-            plan = _generic_plan(raw, N.ENQUEUE_ONE.sql, [values.get(n, "x") for n in ordered])
+            plan = _generic_plan(
+                raw, queue_sql.ENQUEUE_ONE.sql, [values.get(n, "x") for n in ordered]
+            )
         assert "Seq Scan" not in plan, plan
         assert "Index" in plan, plan
         # And through the queue: a duplicate of an existing row is found, not created.
@@ -245,7 +250,7 @@ def test_a_wait_reads_the_front_of_its_indexes_not_the_queue(
             [NewRequest("w1", f"r{i}", "s", worker_class="wc-w") for i in range(300)]
         )
         assert len(queue.claim_next("wc-w", "w", limit=300, lease_seconds=900)) == 300
-        sql = N.NEXT_WORK.sql
+        sql = queue_sql.NEXT_WORK.sql
         with raw_connection(engine) as raw:
             raw.execute("VACUUM ANALYZE workspace_process_requests")  # autocommit
             raw.execute(f"PREPARE probe AS {_as_prepared(sql)}")

@@ -27,7 +27,7 @@ from onceflow.db import dispose_engines, fetch_all, fetch_one, get_engine, raw_c
 from onceflow.errors import DatabaseUnavailable, InvalidRequest
 from onceflow.migrate import migrate, register_shard
 from onceflow.oplog import OpLog, new_op_id
-from onceflow.queue.sql import N
+from onceflow.queue import sql
 from onceflow.shards import ShardMap
 from tests.conftest import libpq
 
@@ -194,8 +194,8 @@ def test_nothing_spans_two_shards_in_one_transaction(shards: list[str]) -> None:
     assert queue.get(rid, workspace_id=a).status is Status.RUNNING
 
     def both() -> Steps[Any]:  # one transaction reading a row of each shard
-        yield FetchOne(N.GET, {"request_id": rid, "workspace_id": a})
-        yield FetchOne(N.GET, {"request_id": rid, "workspace_id": b})
+        yield FetchOne(sql.GET, {"request_id": rid, "workspace_id": a})
+        yield FetchOne(sql.GET, {"request_id": rid, "workspace_id": b})
 
     def in_transaction() -> Steps[Any]:
         return (yield Transaction(both()))
@@ -204,7 +204,7 @@ def test_nothing_spans_two_shards_in_one_transaction(shards: list[str]) -> None:
         run(queue.connector, in_transaction())
 
     def unrouted() -> Steps[Any]:  # a read over every workspace, not told which shard
-        return (yield FetchAll(N.COUNTS, {}))
+        return (yield FetchAll(sql.COUNTS, {}))
 
     with pytest.raises(UnroutedStatement):
         run(queue.connector, unrouted())

@@ -46,7 +46,7 @@ from onceflow.errors import InvalidRequest, LeaseLost
 from onceflow.integrations.fastapi import hash_key
 from onceflow.keys import queue_name
 from onceflow.oplog import OpLog, new_op_id
-from onceflow.queue.sql import N
+from onceflow.queue import sql
 from onceflow.settings import get_settings
 from onceflow.shards import ShardMap
 from tests.conftest import libpq
@@ -202,13 +202,13 @@ def test_a_transaction_stays_on_one_shard(shards: list[str]) -> None:  # noqa: F
             def both() -> Steps[Any]:  # a write on a's shard, then a statement on b's
                 yield Execute(PRIORITY, on(a, ra, 7))
                 yield AfterCommit(lambda: called.append("both"))
-                yield FetchOne(N.GET, {"request_id": rb, "workspace_id": b})
+                yield FetchOne(sql.GET, {"request_id": rb, "workspace_id": b})
 
             def one() -> Steps[Any]:  # two statements of a's shard, a savepoint among them
                 yield Execute(PRIORITY, on(a, ra, 5))
                 yield Transaction(savepoint())
                 yield AfterCommit(lambda: called.append("one"))
-                return (yield FetchOne(N.GET, {"request_id": ra, "workspace_id": a}))
+                return (yield FetchOne(sql.GET, {"request_id": ra, "workspace_id": a}))
 
             def savepoint() -> Steps[Any]:
                 return (yield Execute(PRIORITY, on(a, ra, 6)))
@@ -229,7 +229,7 @@ def test_a_transaction_stays_on_one_shard(shards: list[str]) -> None:  # noqa: F
                 await arun(aq.aconnector, in_transaction(nested_first()))
 
             def unrouted() -> Steps[Any]:  # a read over every workspace, not told which shard
-                return (yield FetchAll(N.COUNTS, {}))
+                return (yield FetchAll(sql.COUNTS, {}))
 
             with pytest.raises(UnroutedStatement):
                 await arun(aq.aconnector, unrouted())

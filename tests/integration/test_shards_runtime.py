@@ -27,9 +27,8 @@ from onceflow.context import StageContext
 from onceflow.db import fetch_all, get_engine, raw_connection
 from onceflow.errors import DatabaseUnavailable
 from onceflow.metrics.collector import DatabaseCollector
-from onceflow.queue import Failure
+from onceflow.queue import Failure, sql
 from onceflow.queue.overview import DEAD_LIMIT, RUNNING_LIMIT, read_tables
-from onceflow.queue.sql import N
 from onceflow.settings import get_settings
 from onceflow.shards import ShardMap
 from onceflow.worker import SERVICE_CONNECTIONS, Worker
@@ -62,7 +61,7 @@ def closed(admin: str, url: str) -> Iterator[None]:
 
 
 #: How the waiter's NEXT_WORK statement begins (pg_stat_activity keeps only its first 1 KiB).
-NEXT_WORK_START = N.NEXT_WORK.sql.split("%(")[0]
+NEXT_WORK_START = sql.NEXT_WORK.sql.split("%(")[0]
 
 
 def on_shard(shard_map: ShardMap, k: int, count: int, prefix: str = "ws") -> list[str]:

@@ -23,8 +23,8 @@ from sqlalchemy import Engine, text
 
 from onceflow import AsyncQueue, InvalidRequest, NewRequest, Queue
 from onceflow.connector import run
+from onceflow.queue import sql
 from onceflow.queue.notify import CHANNEL, next_work
-from onceflow.queue.sql import N
 from onceflow.settings import get_settings
 from tests.acceptance.procs import wait_for
 from tests.conftest import libpq
@@ -32,7 +32,7 @@ from tests.conftest import libpq
 LONG = 30.0  # a wait that must end by a wake-up long before this
 
 #: How the waiter's NEXT_WORK statement begins (pg_stat_activity keeps only its first 1 KiB).
-NEXT_WORK_START = N.NEXT_WORK.sql.split("%(")[0]
+NEXT_WORK_START = sql.NEXT_WORK.sql.split("%(")[0]
 
 
 def db_now(engine: Engine) -> datetime:

@@ -1,0 +1,141 @@
+"""The SQL each named statement sends to Postgres, pinned by digest.
+
+A statement is written once (its name, its text) and its psycopg forms are derived from
+parts (``onceflow.connector.statement``). The text Postgres receives is what the
+statements' plans and their measured cost were judged on (the claim, the enqueue, the
+heartbeat, the completion above all): a change to it must be deliberate, and is made
+here too, with the reason in its commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from onceflow.connector.steps import Query
+from onceflow.oplog import sql as oplog_sql
+from onceflow.queue import metrics_sql
+from onceflow.queue import sql as queue_sql
+
+#: sha256 (first 16 hex digits) of each statement's SQL; ``#by_id``: its form for a caller
+#: that names the request by id alone; ``[n]``: CLAIM_NEXT with the literal limit n.
+PINNED = {
+    "metrics.estimated_rows": "bee345ee8cab3c39",
+    "metrics.live_counts": "ed1745a2bbb4ef54",
+    "metrics.table_health": "c55a1c571b800836",
+    "oplog.create_sub_doc": "908a8e04ac588e6f",
+    "oplog.find_fenced_op": "a9caadcb68951e28",
+    "oplog.find_op": "0acfa27fd60b846f",
+    "oplog.get_sub_doc": "64029200a139a373",
+    "oplog.lock_sub_doc": "1e24fc1b8b42b603",
+    "oplog.ops_since": "cfccabaf2bc782ee",
+    "oplog.prune": "19ec90a2eb7b8340",
+    "oplog.record_applied": "25eccd5c129d1187",
+    "oplog.record_rejected": "8f7c889044a08482",
+    "queue.begin_sweep": "e7ac0cdf7819cd60",
+    "queue.cancel": "b2dfd6574c58f760",
+    "queue.cancel#by_id": "72c48e0787d0563e",
+    "queue.claim": "8240e5023f8332ce",
+    "queue.claim#by_id": "ea2666521bc1c4be",
+    "queue.claim_next[10]": "ff68dc7ce49c69cd",
+    "queue.claim_next[1]": "0d6402f42d5fbfff",
+    "queue.claim_next_scoped[10]": "012bebdf24b47971",
+    "queue.claim_next_scoped[1]": "928d3fa1593ba8e6",
+    "queue.claim_parent": "88b4b8c184051c9d",
+    "queue.claim_parent#by_id": "471a0af8677be73a",
+    "queue.complete": "a5c7801dd9404be4",
+    "queue.complete#by_id": "3a561df1b0effe14",
+    "queue.complete_changed": "d8ace815543b6ef1",
+    "queue.complete_changed#by_id": "e3005deec6aa72f1",
+    "queue.complete_many": "7926bf6a21a69607",
+    "queue.counts": "d6a7c4376ad6e65a",
+    "queue.counts_for_workspace": "4271026006f7d9c5",
+    "queue.delete_finished": "bbe830c41af61f59",
+    "queue.depth_all": "5c3d3046fdf30bfa",
+    "queue.depth_for": "2336014be5f02f1b",
+    "queue.due_counts": "36d0450deba30274",
+    "queue.due_for_dispatch": "81b35321456250b0",
+    "queue.due_unsent": "ee38a7d25e0f8e83",
+    "queue.enqueue": "655cf5cce038a2f0",
+    "queue.enqueue_lookup": "690529119e64dc24",
+    "queue.enqueue_one": "13c16eaf86322eff",
+    "queue.fail": "f543ee9fda4706f1",
+    "queue.fail#by_id": "1f8d1b3fdfbb7082",
+    "queue.fail_many": "a8e25843e6d41d1f",
+    "queue.fence_check": "4c21bf25fd0cfdcb",
+    "queue.fence_check#by_id": "8de28bf5c9743696",
+    "queue.finish": "f26cb002e29ed488",
+    "queue.finish#by_id": "f84208d4d48d9565",
+    "queue.get": "4fe0bb18f79cba3a",
+    "queue.get#by_id": "4924a147f9790a69",
+    "queue.heartbeat": "cfbf80d743c69841",
+    "queue.heartbeat#by_id": "426514e7c09f2541",
+    "queue.heartbeat_many": "a47dc107752f3e1e",
+    "queue.landed": "587e6a4de1949754",
+    "queue.landed#by_id": "3d400533bda5df9c",
+    "queue.landed_many": "e90c64e2aa03b164",
+    "queue.list[workspace_id,status]": "624249a2f382aa2a",
+    "queue.live_claim": "ff3d08455e7d327e",
+    "queue.live_claim#by_id": "38ab8e7224ac8580",
+    "queue.mark_undispatched": "752b48ae78cc6d52",
+    "queue.mark_undispatched#by_id": "a34bf4d1b75516de",
+    "queue.mark_undispatched_many": "3c8cec10ea60d86a",
+    "queue.next_work": "25c3cae72f4a47bd",
+    "queue.next_work_scoped": "430a29bb67196411",
+    "queue.own_claim": "823caa6d585d6ba2",
+    "queue.own_claim#by_id": "82168247ba24d027",
+    "queue.prune_payloads": "aa3b57325df9481d",
+    "queue.release": "5511a54ab47d2196",
+    "queue.released_many": "6afe8f52a847b531",
+    "queue.requeue": "96f128de9ad3c996",
+    "queue.requeue#by_id": "534a2618cc02fbf4",
+    "queue.rescue_expired": "03e320c6647044e0",
+    "queue.wait_mark": "0022846c23865706",
+    "queue.wait_mark#by_id": "143f41ff16a42db5",
+}
+
+
+def _digest(sql: str) -> str:
+    return hashlib.sha256(sql.encode()).hexdigest()[:16]
+
+
+def _rendered() -> dict[str, str]:
+    out: dict[str, str] = {}
+    for module in (queue_sql, oplog_sql):
+        for value in vars(module).values():
+            if isinstance(value, Query):
+                out[value.name] = _digest(value.sql)
+                if value.by_id is not None:
+                    out[f"{value.name}#by_id"] = _digest(value.by_id)
+    for limit in (1, 10):
+        for scoped in (False, True):
+            query = queue_sql.claim_next_query(limit, scoped)
+            out[f"{query.name}[{limit}]"] = _digest(query.sql)
+    listed = queue_sql.list_query(("workspace_id", "status"), 50)
+    out[listed.name] = _digest(listed.sql)
+    out["metrics.live_counts"] = _digest(metrics_sql.Q_LIVE_COUNTS)
+    out["metrics.estimated_rows"] = _digest(metrics_sql.ESTIMATED_ROWS.sql)
+    out["metrics.table_health"] = _digest(metrics_sql.TABLE_HEALTH.sql)
+    return out
+
+
+def test_every_statement_sends_the_sql_it_was_judged_on() -> None:
+    assert _rendered() == PINNED
+
+
+def test_the_hot_statements_are_pinned() -> None:
+    """The statements whose speed was measured are among the pinned, in both forms."""
+    for name in ("queue.claim", "queue.heartbeat", "queue.complete", "queue.complete_changed",
+                 "queue.finish"):  # fmt: skip
+        assert name in PINNED and f"{name}#by_id" in PINNED
+    for name in ("queue.enqueue", "queue.enqueue_one", "queue.claim_next[1]",
+                 "queue.complete_many", "queue.heartbeat_many"):  # fmt: skip
+        assert name in PINNED
+
+
+def test_a_statement_is_one_object_with_its_name_text_and_forms() -> None:
+    claim = queue_sql.CLAIM
+    assert claim.name == "queue.claim"
+    assert ":token" in claim.text and "%(token)s" in claim.sql
+    assert str(claim.clause) == claim.text
+    assert claim.by_id is not None and claim.by_id != claim.sql
+    assert "%(request_ids)b" in queue_sql.COMPLETE_MANY.sql  # sent in binary
