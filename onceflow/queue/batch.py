@@ -135,19 +135,12 @@ class BatchOps:
                 max_depth=self.settings.max_payload_depth,
             )
             results.append(text)
-        if not claims:
-            return []
-        ids = _unique_ids(claims)
-        spread = yield from _per_shard(
+        keys = yield from _prologue(
             pairs, claims, lambda part: BatchOps.complete_many.steps(self, part, now=now)
         )
-        if spread is not None:
-            return spread
-        params = {
-            "request_ids": ids, "workspace_ids": _spaces(claims),
-            "tokens": [c.token for c in claims],
-            "results": results, "now": now,
-        }  # fmt: skip
+        if isinstance(keys, list):
+            return keys
+        params = {**keys, "results": results, "now": now}
         done = yield from self._fenced_batch(
             claims,
             sql.COMPLETE_MANY,
@@ -191,18 +184,14 @@ class BatchOps:
             errors.append(text)
             retryables.append(item.retryable)
             delays.append(delay)
-        if not claims:
-            return []
-        ids = _unique_ids(claims)
-        spread = yield from _per_shard(
+        keys = yield from _prologue(
             failures, claims, lambda part: BatchOps.fail_many.steps(self, part, now=now)
         )
-        if spread is not None:
-            return spread
+        if isinstance(keys, list):
+            return keys
         params = {
-            "request_ids": ids, "workspace_ids": _spaces(claims),
-            "tokens": [c.token for c in claims], "errors": errors,
-            "retryables": retryables, "delays": delays, "notify": self._notify(), "now": now,
+            **keys, "errors": errors, "retryables": retryables, "delays": delays,
+            "notify": self._notify(), "now": now,
         }  # fmt: skip
         targets = (Status.QUEUED, Status.DEAD, Status.CANCELLED)
         done = yield from self._fenced_batch(
@@ -224,25 +213,20 @@ class BatchOps:
         connection is retried once, on a fresh connection (as ``heartbeat``).
         """
         checked = [_check_claim(c) for c in _as_list(claims, "heartbeat_many")]
-        if not checked:
-            return []
-        ids = _unique_ids(checked)
-        spread = yield from _per_shard(
+        keys = yield from _prologue(
             checked, checked, lambda part: BatchOps.heartbeat_many.steps(self, part, now=now)
         )
-        if spread is not None:
-            return spread
+        if isinstance(keys, list):
+            return keys
         params = {
-            "request_ids": ids, "workspace_ids": _spaces(checked),
-            "tokens": [c.token for c in checked],
-            "lease_seconds": [c.lease_seconds for c in checked],
+            **keys, "lease_seconds": [c.lease_seconds for c in checked],
             "deadlines": [c.run_deadline for c in checked], "now": now,
             "lazy": (yield from self._lazy()),
         }  # fmt: skip
         answer = yield from retrying(lambda: all_rows(sql.HEARTBEAT_MANY, params))
         rows = {(r["workspace_id"], r["request_id"]): r for r in answer}
         out: list[Heartbeat | LeaseLost] = []
-        for rid, ws in zip(ids, _spaces(checked), strict=True):
+        for rid, ws in zip(keys["request_ids"], keys["workspace_ids"], strict=True):
             row = rows.get((ws, rid))
             if row is None:
                 metrics.zombie("heartbeat")
@@ -273,19 +257,12 @@ class BatchOps:
         only this claim's own attempt, which never ran, is taken back.
         """
         checked = [_check_claim(c) for c in _as_list(claims, "release")]
-        if not checked:
-            return []
-        ids = _unique_ids(checked)
-        spread = yield from _per_shard(
+        keys = yield from _prologue(
             checked, checked, lambda part: BatchOps.release.steps(self, part, now=now)
         )
-        if spread is not None:
-            return spread
-        params = {
-            "request_ids": ids, "workspace_ids": _spaces(checked),
-            "tokens": [c.token for c in checked],
-            "notify": self._notify(), "now": now,
-        }  # fmt: skip
+        if isinstance(keys, list):
+            return keys
+        params = {**keys, "notify": self._notify(), "now": now}
         released = (Status.QUEUED, Status.CANCELLED)
         done = yield from self._fenced_batch(
             checked, sql.RELEASE, params, sql.RELEASED_MANY, released, "release"
@@ -377,12 +354,7 @@ class BatchOps:
         current: dict[tuple[str, str], Request] = {}
         if missing:
             # An earlier attempt (ours, or a caller's whose answer was lost) may have committed.
-            keys = {
-                "request_ids": [c.request_id for c in missing],
-                "workspace_ids": _spaces(missing),
-                "tokens": [c.token for c in missing],
-                "statuses": [s.value for s in statuses],
-            }
+            keys = {**_keys(missing), "statuses": [s.value for s in statuses]}
             again = yield from retrying(lambda: all_rows(landed, keys))
             current = {_key(r): Request.from_row(r) for r in again}
         out: list[Request | LeaseLost] = []
@@ -391,6 +363,31 @@ class BatchOps:
             row = found[key] if key in found else current.get(key)
             out.append(row if row is not None else LeaseLost(claim.request_id, f"{what} rejected"))
         return out
+
+
+def _prologue(
+    items: Sequence[_I], claims: list[Claim], again: Callable[[list[_I]], Steps[list[_R]]]
+) -> Steps[list[_R] | dict[str, Any]]:
+    """What every batch does first: the same request twice is refused (before any SQL);
+    then the answer when there is nothing more to run here (a list: none for no claims,
+    the batch run per shard by ``again`` for claims on several shards), else the claims'
+    keys and tokens as the statement's parameters (a dict)."""
+    if not claims:
+        return []
+    _refuse_duplicates(claims)
+    spread = yield from _per_shard(items, claims, again)
+    if spread is not None:
+        return spread
+    return _keys(claims)
+
+
+def _keys(claims: list[Claim]) -> dict[str, Any]:
+    """The claims' keys (ids and workspaces) and tokens, in order, as batch parameters."""
+    return {
+        "request_ids": [str(c.request_id) for c in claims],
+        "workspace_ids": _spaces(claims),
+        "tokens": [c.token for c in claims],
+    }
 
 
 def _per_shard(
@@ -437,13 +434,12 @@ def _check_claim(claim: Any) -> Claim:
     return claim
 
 
-def _unique_ids(claims: list[Claim]) -> list[str]:
-    """The claims' request ids; the same request (its key) twice is refused."""
+def _refuse_duplicates(claims: list[Claim]) -> None:
+    """Refuse the same request (its key) twice in one batch."""
     keys = [_key(c.request) for c in claims]
     if len(set(keys)) != len(keys):
         dup = next(k for k in keys if keys.count(k) > 1)
         raise InvalidRequest(f"request {dup[1]} appears twice in one batch")
-    return [str(c.request_id) for c in claims]
 
 
 def _key(row: Any) -> tuple[str, str]:
