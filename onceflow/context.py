@@ -153,7 +153,26 @@ class WorkContext(Protocol):
     ) -> Outcome[T] | Locked:
         """The compute-lock protocol on the cell (workspace, job, ``task``): ``compute()``
         is paid for once across every caller. ``wait=False``: :class:`Locked` when someone
-        else holds the lock; ``kw``: ``ttl``, ``on_wait``, ``watchdog``…"""
+        else holds the lock; ``kw``: ``ttl``, ``on_wait``, ``watchdog``, ``backend``….
+
+        The lease is checked before ``compute()`` and before ``store()``, so a stage that
+        lost its claim stops there. This body is a :class:`StageContext`'s, which subclasses
+        the interface: :func:`onceflow.locks.compute_once` in-process (layer 2). ``PullContext``
+        runs the same lock over the claim's lock routes.
+        """
+
+        def fenced_compute() -> T:
+            self.check()
+            return compute()
+
+        def fenced_store(value: T) -> object:
+            self.check()
+            return store(value)
+
+        return compute_once(
+            self.workspace_id, self.job_id, task,
+            check=check, compute=fenced_compute, store=fenced_store, wait=wait, **kw,
+        )  # fmt: skip
 
 
 class Flag:
@@ -172,10 +191,11 @@ class Flag:
         return self._set
 
 
-class StageContext:
+class StageContext(WorkContext):
     """What a stage body gets besides its input: its request, its lease, its fenced steps.
 
-    Implements :class:`WorkContext` in-process (the queue and the op log directly).
+    Implements :class:`WorkContext` in-process (the queue and the op log directly); its
+    ``compute_once`` is the interface's own body.
 
     ``sub_docs`` and ``hands_off_to``, when the stage declares them, bound what the body
     reads, writes and hands off to (:class:`~onceflow.errors.OutOfScope` past them); None:
@@ -198,7 +218,7 @@ class StageContext:
         self._lost = Flag()
         self._cancel = Flag()
         self._then: list[NewRequest] = []
-        self.worker_id = worker_id
+        self._worker_id = worker_id
         # When the database last confirmed the lease (claim or heartbeat), on this process's
         # monotonic clock: it only bounds how long a completion keeps retrying.
         self._confirmed_at = time.monotonic()
@@ -212,6 +232,11 @@ class StageContext:
     def request_id(self) -> str:
         """The claimed request's id."""
         return self._claim.request.request_id
+
+    @property
+    def worker_id(self) -> str:
+        """The worker running it (the row's ``claimed_by``)."""
+        return self._worker_id
 
     @property
     def workspace_id(self) -> str:
@@ -348,58 +373,6 @@ class StageContext:
             self._claim,
             lambda: oplog.apply_op(workspace, sub_doc, op, op_id, fence=self._claim),
         )
-
-    @overload
-    def compute_once(
-        self,
-        task: str,
-        check: Callable[[], T | None],
-        compute: Callable[[], T],
-        store: Callable[[T], object],
-        *,
-        wait: Literal[True] = True,
-        **kw: Any,
-    ) -> Outcome[T]: ...
-    @overload
-    def compute_once(
-        self,
-        task: str,
-        check: Callable[[], T | None],
-        compute: Callable[[], T],
-        store: Callable[[T], object],
-        *,
-        wait: bool,
-        **kw: Any,
-    ) -> Outcome[T] | Locked: ...
-    def compute_once(
-        self,
-        task: str,
-        check: Callable[[], T | None],
-        compute: Callable[[], T],
-        store: Callable[[T], object],
-        *,
-        wait: bool = True,
-        **kw: Any,
-    ) -> Outcome[T] | Locked:
-        """:func:`onceflow.locks.compute_once` on this request's workspace and job (layer 2).
-
-        The lease is checked before ``compute()`` and before ``store()``, so a stage
-        that lost its claim stops there; ``kw`` passes ``wait``, ``ttl``, ``backend``….
-        """
-        req = self.request
-
-        def fenced_compute() -> T:
-            self.check()
-            return compute()
-
-        def fenced_store(value: T) -> object:
-            self.check()
-            return store(value)
-
-        return compute_once(
-            req.workspace_id, req.job_id, task,
-            check=check, compute=fenced_compute, store=fenced_store, wait=wait, **kw,
-        )  # fmt: skip
 
 
 def _implements_the_interface(ctx: StageContext) -> WorkContext:
