@@ -53,10 +53,15 @@ def _by_id(ws: str) -> str:
     return f"w.workspace_id = {ws}\n  AND w.request_id = :request_id"
 
 
-def _by_key(name: str, build: Callable[[str], str]) -> Statement:
-    """The statement ``name`` that finds its row by ``_by_id``: ``build`` of the workspace
-    expression, keyed (``_WS_GIVEN``) as its SQL and by id (``_WS_OF_ID``) as ``by_id``."""
-    return Statement.write(name, build(_WS_GIVEN), by_id=build(_WS_OF_ID))
+def _by_key(name: str) -> Callable[[Callable[[str], str]], Statement]:
+    """Makes the function below it the statement ``name`` that finds its row by ``_by_id``:
+    the function writes the SQL for a workspace expression, and the statement is its SQL
+    keyed (``_WS_GIVEN``), with its form by id (``_WS_OF_ID``) as ``by_id``."""
+
+    def statement(build: Callable[[str], str]) -> Statement:
+        return Statement.write(name, build(_WS_GIVEN), by_id=build(_WS_OF_ID))
+
+    return statement
 
 
 # Each statement that finds its row by _by_id runs in two forms (`_by_key`): with the
@@ -229,13 +234,13 @@ _CLAIM_SETS = f"""lease_seconds = {_LEASE},
     run_deadline = n.now + make_interval(secs => {_RUNTIME}),
     ended_run = NULL"""
 
+
 # Claim one request by id: queued and due, or running under a lease that lapsed (a crash,
 # counted in crash_attempts) while attempts and the crash budget remain. One statement:
 # a concurrent claimer blocks on the row lock, re-checks the WHERE and gets nothing.
-CLAIM = _by_key(
-    "queue.claim",
-    lambda ws: (
-        f"""
+@_by_key("queue.claim")
+def CLAIM(ws: str) -> str:
+    return f"""
 WITH n AS ({_NOW_LAZY})
 UPDATE {TABLE} AS w SET
     status = 'running',
@@ -263,8 +268,7 @@ RETURNING {RETURNING},
     (SELECT o.status = 'running' FROM {TABLE} o
      WHERE o.workspace_id = w.workspace_id AND o.request_id = w.request_id) AS took_over
 """
-    ),
-)
+
 
 # Claim up to :limit requests of one worker class. Each candidate set is read through its
 # own partial index (no OR across states, which defeats partial indexes); lapsed leases
@@ -408,10 +412,9 @@ def _released_run_of(token: str) -> str:
 # :default_lease (a row claimed before migration 0006). Never past the run's deadline (the
 # row's, else :deadline; NULL for none: least() ignores NULL): a hung body's heartbeats
 # stop extending its lease, and the sweeper rescues it.
-HEARTBEAT = _by_key(
-    "queue.heartbeat",
-    lambda ws: (
-        f"""
+@_by_key("queue.heartbeat")
+def HEARTBEAT(ws: str) -> str:
+    return f"""
 WITH n AS ({_NOW_LAZY})
 UPDATE {TABLE} AS w SET
     lease_expires_at = least(
@@ -425,22 +428,18 @@ FROM n
 WHERE {_fence(ws)}
 RETURNING w.lease_expires_at, w.cancel_requested
 """
-    ),
-)
+
 
 # Used by fenced writes of other layers (the op log) inside their own transaction: the row
 # lock (FOR SHARE) holds off a concurrent rescue until that transaction commits.
-FENCE_CHECK = _by_key(
-    "queue.fence_check",
-    lambda ws: (
-        f"""
+@_by_key("queue.fence_check")
+def FENCE_CHECK(ws: str) -> str:
+    return f"""
 WITH n AS ({_NOW})
 SELECT w.request_id, w.workspace_id, w.job_id, w.stage FROM {TABLE} w, n
 WHERE {_fence(ws)}
 FOR SHARE OF w
 """
-    ),
-)
 
 
 def _complete(ws: str, returning: str) -> str:
@@ -461,7 +460,7 @@ RETURNING {returning}
 """
 
 
-COMPLETE = _by_key("queue.complete", lambda ws: _complete(ws, RETURNING))
+COMPLETE = _by_key("queue.complete")(lambda ws: _complete(ws, RETURNING))
 
 # COMPLETE for a caller that holds the claimed request (a Claim): only the columns its
 # claim may not have seen come back (RUN_COLUMNS, with the workspace); the caller takes
@@ -476,27 +475,25 @@ RUN_COLUMNS = (
     "attempts", "crash_attempts", "cancel_requested", "updated_at", "finished_at",
 )  # fmt: skip
 _RUN_RETURNING = ", ".join(f"w.{c}" for c in RUN_COLUMNS)
-COMPLETE_CHANGED = _by_key(
-    "queue.complete_changed", lambda ws: _complete(ws, f"w.workspace_id, {_RUN_RETURNING}")
+COMPLETE_CHANGED = _by_key("queue.complete_changed")(
+    lambda ws: _complete(ws, f"w.workspace_id, {_RUN_RETURNING}")
 )
 
 # COMPLETE for a caller that keeps nothing of the row (Queue.finish: a Celery stage, the
 # Worker's hand-offs): what a run's metrics need (its class, stage, claim time and end time) and
 # the workspace a hand-off's follow-ups are checked against; no result decoded back, no
 # Request built from the row.
-FINISH = _by_key(
-    "queue.finish",
-    lambda ws: _complete(ws, "w.workspace_id, w.worker_class, w.stage, w.claimed_at, w.updated_at"),
-)
+_FINISH_RETURNING = "w.workspace_id, w.worker_class, w.stage, w.claimed_at, w.updated_at"
+FINISH = _by_key("queue.finish")(lambda ws: _complete(ws, _FINISH_RETURNING))
+
 
 # The next status of a failed run: cancelled if cancel was requested, queued again if
 # retryable with attempts left, else dead. The error is always kept. Queued again after
 # :delay seconds, or (NULL) after the backoff of the row's attempt number: exponential from
 # :backoff_base, capped at :backoff_max, with equal jitter (as Queue.backoff).
-FAIL = _by_key(
-    "queue.fail",
-    lambda ws: (
-        f"""
+@_by_key("queue.fail")
+def FAIL(ws: str) -> str:
+    return f"""
 WITH n AS ({_NOW}),
 nxt AS (
     SELECT CASE
@@ -531,13 +528,11 @@ RETURNING {RETURNING}
 SELECT upd.* FROM upd, n
 WHERE {_notify_one("upd", "upd.status = 'queued' AND upd.run_after <= n.now")}
 """
-    ),
-)
 
-CANCEL = _by_key(
-    "queue.cancel",
-    lambda ws: (
-        f"""
+
+@_by_key("queue.cancel")
+def CANCEL(ws: str) -> str:
+    return f"""
 WITH n AS ({_NOW})
 UPDATE {TABLE} AS w SET
     cancel_requested = true,
@@ -554,13 +549,11 @@ WHERE {_by_id(ws)}
        OR (w.status = 'running' AND {RUN_ID} = CAST(:expect_run AS text)))
 RETURNING {RETURNING}
 """
-    ),
-)
 
-REQUEUE = _by_key(
-    "queue.requeue",
-    lambda ws: (
-        f"""
+
+@_by_key("queue.requeue")
+def REQUEUE(ws: str) -> str:
+    return f"""
 WITH n AS ({_NOW}),
 upd AS (
 UPDATE {TABLE} AS w SET
@@ -587,8 +580,7 @@ RETURNING {RETURNING}
 )
 SELECT * FROM upd WHERE {_notify_one("upd", "true")}
 """
-    ),
-)
+
 
 # For Queue.wait_for_work: seconds (database clock) until the next request of these worker
 # classes may be claimable — the earliest run_after of a queued row (<= 0: due now), or the
@@ -638,69 +630,61 @@ NEXT_WORK_SCOPED = Statement.write(
     "queue.next_work_scoped", _next_work(f"\n          AND {IN_WORKSPACES}")
 )
 
-GET = _by_key("queue.get", lambda ws: f"SELECT {RETURNING} FROM {TABLE} w WHERE {_by_id(ws)}")
+GET = _by_key("queue.get")(lambda ws: f"SELECT {RETURNING} FROM {TABLE} w WHERE {_by_id(ws)}")
+
 
 # A wait marks the row it waits for (its end then sends NOTIFY onceflow_done, migration
 # 0010) and reads it in the same statement: RETURNING shows the row as locked, so an end
 # committed before the mark is read here and one committed after it sees the mark.
-WAIT_MARK = _by_key(
-    "queue.wait_mark",
-    lambda ws: (
-        f"""
+@_by_key("queue.wait_mark")
+def WAIT_MARK(ws: str) -> str:
+    return f"""
 UPDATE {TABLE} w SET waited = true
 WHERE {_by_id(ws)} AND NOT w.waited AND w.status NOT IN ('succeeded', 'dead', 'cancelled')
 RETURNING {RETURNING}
 """
-    ),
-)
+
 
 # A live claim: the row runs under this token and its lease has not lapsed (DB clock).
-LIVE_CLAIM = _by_key(
-    "queue.live_claim",
-    lambda ws: (
-        f"""
+@_by_key("queue.live_claim")
+def LIVE_CLAIM(ws: str) -> str:
+    return f"""
 WITH n AS ({_NOW})
 SELECT {RETURNING} FROM {TABLE} w, n
 WHERE {_fence(ws)}
 """
-    ),
-)
+
 
 # A claim whose answer was lost: the row already runs under our token.
-OWN_CLAIM = _by_key(
-    "queue.own_claim",
-    lambda ws: (
-        f"""
+@_by_key("queue.own_claim")
+def OWN_CLAIM(ws: str) -> str:
+    return f"""
 SELECT {RETURNING} FROM {TABLE} w
 WHERE {_by_id(ws)} AND w.claim_token = :token AND w.status = 'running'
 """
-    ),
-)
+
 
 # A fenced write whose answer was lost (LeaseLost on its retry): the row, if the run of
 # :token ended it (ended_run) with one of :statuses. A later claim, a requeue or a rescue
 # of a run that never ended would have left ended_run NULL or another run's. Within the
 # reference's worker classes: a key of another class holding the token learns nothing.
-LANDED = _by_key(
-    "queue.landed",
-    lambda ws: (
-        f"""
+@_by_key("queue.landed")
+def LANDED(ws: str) -> str:
+    return f"""
 SELECT {RETURNING} FROM {TABLE} w
 WHERE {_by_id(ws)}
   AND w.ended_run = {_RUN_OF_TOKEN}
   AND w.status = ANY(CAST(:statuses AS text[]))
   AND {_IN_SCOPE}
 """
-    ),
-)
+
 
 # The request a hand-off's follow-ups are named after: under :token's live claim (the
 # fence), or completed by :token's run (a retried hand-off whose answer was lost, which
 # the hand-off then recognises as landed). One statement: no window between the two reads.
-CLAIM_PARENT = _by_key(
-    "queue.claim_parent",
-    lambda ws: (
-        f"""
+@_by_key("queue.claim_parent")
+def CLAIM_PARENT(ws: str) -> str:
+    return f"""
 WITH n AS ({_NOW})
 SELECT {RETURNING} FROM {TABLE} w, n
 WHERE {_by_id(ws)}
@@ -708,8 +692,7 @@ WHERE {_by_id(ws)}
   AND ((w.claim_token = :token AND w.status = 'running' AND w.lease_expires_at > n.now)
        OR (w.ended_run = {_RUN_OF_TOKEN} AND w.status = 'succeeded'))
 """
-    ),
-)
+
 
 COUNTS = Statement.write(
     "queue.counts",
@@ -785,25 +768,28 @@ SELECT * FROM upd WHERE {_SENT}
 """,
 )
 
-# Queued, due rows that never had a wake-up (a send that failed, a retry that became due):
-# always sent. Marked dispatched in the same statement, so two sweepers never both send one.
-DUE_UNSENT = Statement.write(
-    "queue.due_unsent",
-    f"""
+
+def _wake_ups(name: str, which: str, order: str, count: str) -> Statement:
+    """A statement of wake-ups: up to :limit queued, due rows of the sweeping Flow's stages
+    that match ``which``, in ``order``, marked dispatched now with the re-send count
+    ``count`` and returned; their classes' NOTIFYs are sent."""
+    return Statement.write(
+        name,
+        f"""
 WITH n AS ({_NOW}),
 due AS (
     SELECT w.workspace_id, w.request_id
     FROM {TABLE} w, n
     WHERE w.status = 'queued'
       AND w.run_after <= n.now
-      AND w.dispatched_at IS NULL
+      AND {which}
       AND {_STAGES}
-    ORDER BY w.run_after
+    ORDER BY {order}
     LIMIT :limit
     FOR UPDATE OF w SKIP LOCKED
 ),
 upd AS (
-UPDATE {TABLE} AS w SET dispatched_at = n.now, redispatch_count = 0
+UPDATE {TABLE} AS w SET dispatched_at = n.now, redispatch_count = {count}
 FROM due, n
 WHERE w.workspace_id = due.workspace_id AND w.request_id = due.request_id
 RETURNING w.request_id, w.workspace_id, w.stage, w.worker_class
@@ -811,7 +797,12 @@ RETURNING w.request_id, w.workspace_id, w.stage, w.worker_class
 sig AS ({_notify("upd", "true")})
 SELECT * FROM upd WHERE {_SENT}
 """,
-)
+    )
+
+
+# Queued, due rows that never had a wake-up (a send that failed, a retry that became due):
+# always sent. Marked dispatched in the same statement, so two sweepers never both send one.
+DUE_UNSENT = _wake_ups("queue.due_unsent", "w.dispatched_at IS NULL", "w.run_after", "0")
 
 # Per worker class: queued, due rows, those of them whose wake-up is stale (past its
 # backoff), and those never sent. The sweeper compares the first with the broker's queue
@@ -831,31 +822,12 @@ GROUP BY w.worker_class
 
 # Up to :limit rows (of one worker class, or of all with NULL) whose wake-up is stale, the
 # longest-waiting first, re-sent: marked dispatched again with one more re-send counted.
-DUE_FOR_DISPATCH = Statement.write(
+DUE_FOR_DISPATCH = _wake_ups(
     "queue.due_for_dispatch",
-    f"""
-WITH n AS ({_NOW}),
-due AS (
-    SELECT w.workspace_id, w.request_id
-    FROM {TABLE} w, n
-    WHERE w.status = 'queued'
-      AND w.run_after <= n.now
-      AND {_STALE}
-      AND (CAST(:worker_class AS text) IS NULL OR w.worker_class = :worker_class)
-      AND {_STAGES}
-    ORDER BY w.dispatched_at
-    LIMIT :limit
-    FOR UPDATE OF w SKIP LOCKED
-),
-upd AS (
-UPDATE {TABLE} AS w SET dispatched_at = n.now, redispatch_count = w.redispatch_count + 1
-FROM due, n
-WHERE w.workspace_id = due.workspace_id AND w.request_id = due.request_id
-RETURNING w.request_id, w.workspace_id, w.stage, w.worker_class
-),
-sig AS ({_notify("upd", "true")})
-SELECT * FROM upd WHERE {_SENT}
-""",
+    f"""{_STALE}
+      AND (CAST(:worker_class AS text) IS NULL OR w.worker_class = :worker_class)""",
+    "w.dispatched_at",
+    "w.redispatch_count + 1",
 )
 
 # A sweep begins with a compare-and-set on its Flow's row, by the database clock only: it
@@ -933,15 +905,13 @@ WHERE w.workspace_id = k.workspace_id AND w.request_id = k.request_id AND w.stat
 """,
 )
 
-MARK_UNDISPATCHED = _by_key(
-    "queue.mark_undispatched",
-    lambda ws: (
-        f"""
+
+@_by_key("queue.mark_undispatched")
+def MARK_UNDISPATCHED(ws: str) -> str:
+    return f"""
 UPDATE {TABLE} AS w SET dispatched_at = NULL
 WHERE {_by_id(ws)} AND w.status = 'queued'
 """
-    ),
-)
 
 
 # ======================================================================= batches (BatchOps)
