@@ -1,4 +1,5 @@
-"""Objects kept per asyncio event loop, dropped when their loop has closed.
+"""Objects kept per asyncio event loop, dropped when their loop has closed (and per
+process: :class:`PerProcess`).
 
 A table keyed by the loop in a ``weakref.WeakKeyDictionary`` never lets go: the
 object it holds (a psycopg pool, a ``redis.asyncio`` client, a listener) refers to its
@@ -24,6 +25,33 @@ from typing import Any, Generic, TypeVar
 T = TypeVar("T")
 
 log = logging.getLogger("onceflow.loops")
+
+
+class PerProcess(Generic[T]):
+    """One ``T`` per process, made by ``make()`` on first use: a forked child makes its own
+    (a parent's client holds the parent's sockets). Thread-safe: made once however many
+    threads ask at the same time."""
+
+    def __init__(self, make: Callable[[], T]) -> None:
+        self._make = make
+        self._entry: tuple[int, T] | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> T:
+        """This process's object (made now if it has none)."""
+        pid = os.getpid()
+        entry = self._entry
+        if entry is None or entry[0] != pid:
+            with self._lock:
+                entry = self._entry
+                if entry is None or entry[0] != pid:
+                    entry = self._entry = (pid, self._make())
+        return entry[1]
+
+    def made(self) -> T | None:
+        """This process's object if it was made, else None (nothing is made)."""
+        entry = self._entry
+        return entry[1] if entry is not None and entry[0] == os.getpid() else None
 
 
 class PerLoop(Generic[T]):

@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import psycopg.errors
 
 from onceflow.connector import (
+    Call,
     Execute,
     FetchAll,
     FetchOne,
@@ -93,7 +94,52 @@ class OpLogOps:
 
     settings: Settings
 
+    if TYPE_CHECKING:  # provided by OpLog (sync Redis) and AsyncOpLog (redis.asyncio)
+
+        def _publish(self, applied: ApplyResult, message: str) -> object: ...
+
     # ------------------------------------------------------------------- writes
+
+    @operation
+    def apply_op(
+        self,
+        workspace_id: str | None,
+        sub_doc: str,
+        op: OpModel | dict[str, Any],
+        op_id: str | None = None,
+        *,
+        fence: Fence | None = None,
+        base_clock: int | None = None,
+        sub_docs: ScopeOf | None = None,
+    ) -> Steps[ApplyResult]:
+        """Apply ``op`` once; a known ``op_id`` returns the original clock and result.
+
+        ``op_id`` is mandatory for callers that may retry (the SDK mints it);
+        server-internal one-shot callers may omit it. ``fence`` (a stage's claim,
+        or any object with its ``request_id`` and ``token``) is checked in the same
+        transaction: a worker whose lease is gone gets
+        :class:`~onceflow.errors.LeaseLost` and changes nothing; with a fence,
+        ``workspace_id`` may be None: the fenced request's own. ``base_clock``
+        is the sub-doc clock the client had seen when it minted the op: an op id
+        the log no longer knows with ``base_clock`` below the sub-doc's pruned
+        horizon may be a replay of a pruned op, so it is refused
+        (:class:`ReplayTooOld`). Without ``base_clock`` the op is taken as new;
+        a fenced write (a live claim) is never a stale replay. ``sub_docs`` (with a
+        ``fence``) gives a stage's sub-doc scope by its name: the fenced request's stage
+        must allow ``sub_doc``, checked on the fenced row in the same transaction
+        (:class:`~onceflow.errors.OutOfScope`, nothing written). Each outcome is
+        counted in ``onceflow_ops_total``. A new commit is broadcast on the
+        workspace's Redis channel after it commits, never before.
+        """
+        done = yield from OpLogOps.apply_quietly.steps(
+            self, workspace_id, sub_doc, op, op_id, fence=fence, base_clock=base_clock,
+            sub_docs=sub_docs,
+        )  # fmt: skip
+        if done.broadcast is not None:
+            # After the commit, never before (O4): the sync client on OpLog, redis.asyncio
+            # awaited on AsyncOpLog (a Call of a coroutine function is awaited).
+            yield Call(self._publish, (done.result, done.broadcast))
+        return done.result
 
     @operation
     def apply_quietly(

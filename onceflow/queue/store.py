@@ -20,20 +20,9 @@ import logging
 
 from sqlalchemy import Engine
 
-from onceflow.connector import (
-    AsyncConnector,
-    AsyncPsycopgConnector,
-    AsyncSide,
-    Connector,
-    PsycopgConnector,
-    SyncSide,
-)
-from onceflow.connector.sharded import (
-    AsyncShardedConnector,
-    ShardedConnector,
-    UnroutedStatement,
-)
-from onceflow.db import get_engine, make_engine
+from onceflow.connector import AsyncConnector, AsyncSide, Connector, SyncSide
+from onceflow.connector.placement import close_pools, place, place_async
+from onceflow.connector.sharded import UnroutedStatement
 from onceflow.payloads import canonical_json
 from onceflow.queue.batch import BatchOps
 from onceflow.queue.claims import ClaimOps
@@ -44,7 +33,7 @@ from onceflow.queue.operators import OperatorOps
 from onceflow.queue.reads import LIST_LIMIT_MAX, ReadOps
 from onceflow.queue.sweep import Sweeper
 from onceflow.settings import Settings, get_settings
-from onceflow.shards import ShardMap, configured_map
+from onceflow.shards import ShardMap
 
 log = logging.getLogger("onceflow.queue")
 
@@ -82,30 +71,13 @@ class Queue(
         # the process's shared ones (get_engine): what the standalone worker sizes.
         self.settings = settings or get_settings()
         self.resolver = resolver
-        self._engine: Engine | None = None
         self._shards: list[Queue] | None = None
-        self._own_engines: list[Engine] = []
-        self._router: ShardedConnector | None = None
-        if engine is None and shard_map is None:
-            shard_map = configured_map(self.settings)  # ONCEFLOW_DATABASE_URLS / _SHARD_MAP
-
-        def engine_for(url: str) -> Engine:
-            return get_engine(url) if pool_size is None else make_engine(url, pool_size=pool_size)
-
-        if shard_map is not None and len(shard_map) > 1:
-            self.shard_map: ShardMap | None = shard_map
-            if pool_size is not None:
-                self._own_engines = [engine_for(url) for url in shard_map.urls]
-            self._router = ShardedConnector.from_map(shard_map, self._own_engines or None)
-            self.connector: Connector = self._router
-            return
-        if shard_map is not None:
-            engine = shard_map.urls[0]
-        if engine is None or isinstance(engine, str):
-            engine = engine_for(engine or self.settings.database_url)
-        self.shard_map = None
-        self._engine = engine
-        self.connector = PsycopgConnector(engine)
+        placed = place(engine, self.settings, shard_map, pool_size=pool_size)
+        self.connector: Connector = placed.connector
+        self.shard_map: ShardMap | None = placed.shard_map
+        self._engine = placed.engine
+        self._router = placed.router
+        self._own_engines = placed.own_engines
 
     @property
     def engine(self) -> Engine:
@@ -180,21 +152,9 @@ class AsyncQueue(
     ):
         self.settings = settings or get_settings()
         self.resolver = resolver
-        self.shard_map: ShardMap | None = None
-        if connector is not None:
-            self.aconnector: AsyncConnector = connector
-            if isinstance(connector, AsyncShardedConnector):
-                self.shard_map = connector.shard_map
-            return
-        if url is None:
-            if shard_map is None:
-                shard_map = configured_map(self.settings)  # ONCEFLOW_DATABASE_URLS / _SHARD_MAP
-            if len(shard_map) > 1:
-                self.shard_map = shard_map
-                self.aconnector = AsyncShardedConnector.from_map(shard_map)
-                return
-            url = shard_map.urls[0]
-        self.aconnector = AsyncPsycopgConnector(url)
+        self.aconnector: AsyncConnector
+        self.shard_map: ShardMap | None
+        self.aconnector, self.shard_map = place_async(url, self.settings, shard_map, connector)
 
     @classmethod
     def from_queue(cls, queue: Queue) -> AsyncQueue:
@@ -209,9 +169,7 @@ class AsyncQueue(
         """Close this event loop's connection pools (one per shard) and listeners."""
         await self._close_async_listener()  # batches and sweeps: wait_for_work's listener
         await self._close_done_hubs()  # wait's LISTEN connections
-        connector = self.aconnector
-        if isinstance(connector, AsyncPsycopgConnector | AsyncShardedConnector):
-            await connector.aclose()
+        await close_pools(self.aconnector)
 
 
 __all__ = [

@@ -4,8 +4,6 @@ providers for your own routes.
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Annotated
@@ -17,7 +15,7 @@ from onceflow.integrations.fastapi.auth import Authenticator, KeyAuth
 from onceflow.integrations.fastapi.events import EventHub
 from onceflow.integrations.fastapi.operators import OperatorAuth
 from onceflow.integrations.fastapi.ratelimit import RateLimits
-from onceflow.loops import PerLoop
+from onceflow.loops import PerLoop, PerProcess
 from onceflow.models.requests import Dispatch, EnqueueResult
 from onceflow.oplog import AsyncOpLog, OpLog
 from onceflow.payloads import JSON
@@ -49,10 +47,13 @@ class OnceflowServices:
         self.auth: Authenticator = (
             auth if auth is not None else KeyAuth.from_settings(self.settings)
         )
-        self._oplog: tuple[int, OpLog] | None = None
-        self._async_queue: tuple[int, AsyncQueue] | None = None
-        self._async_oplog: tuple[int, AsyncOpLog] | None = None
-        self._lock = threading.Lock()
+        self._oplog: PerProcess[OpLog] = PerProcess(self._new_oplog)
+        self._async_queue: PerProcess[AsyncQueue] = PerProcess(
+            lambda: AsyncQueue.from_queue(self.queue)
+        )
+        self._async_oplog: PerProcess[AsyncOpLog] = PerProcess(
+            lambda: AsyncOpLog(settings=self.settings, connector=self.async_queue.aconnector)
+        )
         self.rate_limits = RateLimits.from_settings(self.settings)
         self.operator_auth = OperatorAuth.from_settings(self.settings)
         # Pruned of closed loops (their Redis sockets shut): a weak table kept every hub.
@@ -67,14 +68,7 @@ class OnceflowServices:
     def oplog(self) -> OpLog:
         """This process's op log, on the queue's database (on each of its shards when the
         database is split by workspace)."""
-        pid = os.getpid()
-        current = self._oplog
-        if current is None or current[0] != pid:
-            with self._lock:
-                current = self._oplog
-                if current is None or current[0] != pid:
-                    current = self._oplog = (pid, self._new_oplog())
-        return current[1]
+        return self._oplog.get()
 
     def _new_oplog(self) -> OpLog:
         queue = self.queue
@@ -87,31 +81,13 @@ class OnceflowServices:
         """This process's :class:`~onceflow.AsyncQueue`: the flow's queue (its database or
         shard map, settings and stage declarations), on a psycopg async pool per event loop
         (per shard)."""
-        pid = os.getpid()
-        current = self._async_queue
-        if current is None or current[0] != pid:
-            with self._lock:
-                current = self._async_queue
-                if current is None or current[0] != pid:
-                    current = (pid, AsyncQueue.from_queue(self.queue))
-                    self._async_queue = current
-        return current[1]
+        return self._async_queue.get()
 
     @property
     def async_oplog(self) -> AsyncOpLog:
         """This process's :class:`~onceflow.AsyncOpLog`: on the async queue's connection pools
         (one per event loop, per shard) and one ``redis.asyncio`` client per event loop."""
-        pid = os.getpid()
-        current = self._async_oplog
-        if current is None or current[0] != pid:
-            with self._lock:
-                current = self._async_oplog
-                if current is None or current[0] != pid:
-                    pool = self.async_queue.aconnector
-                    log = AsyncOpLog(settings=self.settings, connector=pool)
-                    current = (pid, log)
-                    self._async_oplog = current
-        return current[1]
+        return self._async_oplog.get()
 
     async def enqueue(
         self,
@@ -178,12 +154,12 @@ class OnceflowServices:
         if hub is not None:
             await hub.aclose()
         await self.queue.aclose()  # this loop's work listener (long-poll claims)
-        current = self._async_queue
-        if current is not None and current[0] == os.getpid():
-            await current[1].aclose()  # this loop's pool; other loops close their own
-        op_log = self._async_oplog
-        if op_log is not None and op_log[0] == os.getpid():
-            await op_log[1].aclose()
+        queue = self._async_queue.made()
+        if queue is not None:
+            await queue.aclose()  # this loop's pool; other loops close their own
+        op_log = self._async_oplog.made()
+        if op_log is not None:
+            await op_log.aclose()
 
     def lifespan(self, app: FastAPI) -> AbstractAsyncContextManager[None]:
         """A FastAPI lifespan: ``FastAPI(lifespan=services.lifespan)``."""
