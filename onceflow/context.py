@@ -52,6 +52,7 @@ class WorkContext(Protocol):
     ``docs/integration-fastapi.md`` for the table.
     """
 
+    # One read-only property per field (alike by shape): what every implementation exposes.
     @property
     def request_id(self) -> str:
         """The claimed request's id."""

@@ -141,6 +141,7 @@ class OpLogOps:
             yield Call(self._publish, (done.result, done.broadcast))
         return done.result
 
+    # apply_op's arguments again (a twin by shape): the same apply, the broadcast left out.
     @operation
     def apply_quietly(
         self,

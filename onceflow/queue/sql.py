@@ -633,6 +633,7 @@ NEXT_WORK_SCOPED = Statement.write(
 GET = _by_key("queue.get")(lambda ws: f"SELECT {RETURNING} FROM {TABLE} w WHERE {_by_id(ws)}")
 
 
+# (The statements by key below are alike by shape; each is its own, with its own plan.)
 # A wait marks the row it waits for (its end then sends NOTIFY onceflow_done, migration
 # 0010) and reads it in the same statement: RETURNING shows the row as locked, so an end
 # committed before the mark is read here and one committed after it sees the mark.

@@ -150,6 +150,7 @@ class AsyncQueue(
         connector: AsyncConnector | None = None,
         shard_map: ShardMap | None = None,
     ):
+        # Queue's arguments the asyncio way (a URL or a connector): the choice is place_async's.
         self.settings = settings or get_settings()
         self.resolver = resolver
         self.aconnector: AsyncConnector
