@@ -138,7 +138,7 @@ class OpLogOps:
         if done.broadcast is not None:
             # After the commit, never before (O4): the sync client on OpLog, redis.asyncio
             # awaited on AsyncOpLog (a Call of a coroutine function is awaited).
-            yield Call(self._publish, (done.result, done.broadcast))
+            yield Call(self._publish, done.result, done.broadcast)
         return done.result
 
     # apply_op's arguments again (a twin by shape): the same apply, the broadcast left out.
