@@ -195,7 +195,7 @@ def test_a_fork_leaves_another_threads_open_transaction_alone(own: Engine) -> No
     """Were the other thread's held connection collected in the child, the pool's reset
     would send ROLLBACK on the parent's socket. CPython 3.11 keeps the other threads'
     state alive in the child (so this passed without the fork snapshot too); the snapshot
-    (``db._before_fork``) keeps it so on an interpreter that frees it."""
+    (``onceflow.db.forks``) keeps it so on an interpreter that frees it."""
     in_tx, go_on = threading.Event(), threading.Event()
     outcome: dict[str, Any] = {}
 

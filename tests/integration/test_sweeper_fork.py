@@ -2,7 +2,7 @@
 
 The watchdog runs in a prefork worker's main process, which forks replacement pool
 children at any time. A child forked while another thread holds ``Flow._lock`` or
-``onceflow.db._lock`` must still get its queue and engine (real fork, real Postgres).
+``onceflow.db.engines._lock`` must still get its queue and engine (real fork, real Postgres).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel
 from sqlalchemy import text
 
-import onceflow.db
+import onceflow.db.engines
 from onceflow.demo.procs import wait_for
 from onceflow.tasks import Flow
 from onceflow.tasks.flow import _after_fork
@@ -35,7 +35,7 @@ def test_a_child_forked_while_a_thread_holds_the_locks_gets_its_queue(database_u
     held, release = threading.Event(), threading.Event()
 
     def watchdog_like() -> None:  # holds both locks, as a first-use build would
-        with flow._lock, onceflow.db._lock:
+        with flow._lock, onceflow.db.engines._lock:
             held.set()
             release.wait(60)
 
@@ -46,7 +46,7 @@ def test_a_child_forked_while_a_thread_holds_the_locks_gets_its_queue(database_u
     if pid == 0:  # the child: what a new pool process does first
         code = 1
         try:
-            _after_fork()  # dispose_engines: takes onceflow.db._lock
+            _after_fork()  # dispose_engines: takes onceflow.db.engines._lock
             with flow.queue.engine.connect() as conn:  # Flow.queue: takes Flow._lock
                 code = 0 if conn.execute(text("SELECT 1")).scalar_one() == 1 else 1
         finally:

@@ -8,14 +8,15 @@ from types import SimpleNamespace
 import pytest
 
 import onceflow.db as db
+from onceflow.db import engines
 from onceflow.tasks.flow import _size_pools
 
 
 @pytest.fixture(autouse=True)
 def _restore() -> Iterator[None]:
-    before = db._min_pool_size
+    before = engines._min_pool_size
     yield
-    db._min_pool_size = before
+    engines._min_pool_size = before
 
 
 @pytest.mark.parametrize("pool_cls", ["threads", "gevent", "celery.concurrency.thread"])
@@ -26,8 +27,8 @@ def test_a_threads_pool_gets_a_connection_per_task_plus_two(pool_cls: str) -> No
 
 
 def test_prefork_keeps_the_configured_size() -> None:
-    db._min_pool_size = 0
+    engines._min_pool_size = 0
     _size_pools(sender=SimpleNamespace(pool_cls="prefork", concurrency=16))
     engine = db.make_engine("postgresql+psycopg://u@127.0.0.1:1/x", pool_size=5)
     assert engine.pool.size() == 5  # type: ignore[attr-defined]
-    assert db._min_pool_size == 0
+    assert engines._min_pool_size == 0
