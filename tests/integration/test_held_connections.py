@@ -19,7 +19,7 @@ import pytest
 from sqlalchemy import Engine
 
 from onceflow import db
-from onceflow.db import fetch_one, holding_connections, raw_connection
+from onceflow.db import fetch_one, holding_connections, make_engine, raw_connection
 from onceflow.errors import ConnectionLost
 from onceflow.queue import Queue
 from onceflow.settings import get_settings
@@ -282,6 +282,22 @@ def test_a_disposed_engines_held_connection_is_closed_and_replaced(
         assert second != first
         with psycopg.connect(admin_url.replace("+psycopg", ""), autocommit=True) as admin:
             assert not _still_there(admin, first)  # closed, not left open in the old pool
+
+
+def test_a_held_connection_older_than_pool_recycle_is_replaced(clean_db: Engine) -> None:
+    """The pool recycles a connection older than ``pool_recycle`` at its checkout; a held
+    one (never checked out again) is replaced as it would be, its age read from the time
+    the pool opened it. ``pool_recycle=0``: every connection is too old at its next call."""
+    url = clean_db.url.render_as_string(hide_password=False)
+    args = {"application_name": APP, "connect_timeout": 10}
+    eng = make_engine(url, pool_size=2, pool_recycle=0, connect_args=args)
+    try:
+        with holding_connections():
+            first = backend(eng)
+            assert backend(eng) != first
+            assert checked_out(eng) == 1  # the old one went back; the new one is held
+    finally:
+        eng.dispose()
 
 
 def _still_there(admin: psycopg.Connection[Any], pid: int) -> bool:
