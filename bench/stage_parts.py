@@ -140,8 +140,8 @@ if OUT:  # in the bench's workers only (the bench itself imports the stages once
 
     import onceflow.metrics.record as metrics
     import onceflow.queue.claims as claims
-    import onceflow.tasks.flow as flow_module
     import onceflow.tasks.runtime as runtime
+    import onceflow.tasks.stage_task as flow_module
     from bench import bench_stages
     from bench.bench_stages import app, bare, flow  # noqa: F401 - the workers' apps
     from onceflow.models.requests import Request

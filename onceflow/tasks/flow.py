@@ -29,33 +29,18 @@ leaves your app's settings to your tasks (:mod:`onceflow.tasks.config`).
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
-import socket
 import threading
-import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import datetime
 from typing import Any, TypeVar
 
-from celery import Celery, Task
-from celery.signals import (
-    worker_before_create_process,
-    worker_init,
-    worker_process_init,
-    worker_process_shutdown,
-)
+from celery import Celery
 from pydantic import BaseModel, ValidationError
 
-from onceflow.context import StageContext, oplog_for
-from onceflow.db import (
-    dispose_engines,
-    hold_connections,
-    release_connections,
-    size_pools_for,
-)
+from onceflow.context import oplog_for
 from onceflow.errors import (
     InvalidRedisUrl,
     InvalidRequest,
@@ -73,6 +58,7 @@ from onceflow.payloads import check_json
 from onceflow.queue import Queue
 from onceflow.settings import Settings, get_settings
 from onceflow.tasks import metrics_hooks as _metrics_hooks  # noqa: F401 - connects signals
+from onceflow.tasks import worker_process as _worker_process  # noqa: F401 - connects signals
 from onceflow.tasks.broker import harden
 from onceflow.tasks.config import (
     MAINTENANCE_QUEUE,
@@ -85,8 +71,10 @@ from onceflow.tasks.config import (
     redelivery_bound,
     time_limits,
 )
+from onceflow.tasks.identity import worker_id
 from onceflow.tasks.routing import TASK_PREFIX, routed_queue, send_options
-from onceflow.tasks.runtime import run_request
+from onceflow.tasks.spec import StageFunc, StageSpec
+from onceflow.tasks.stage_task import StageTask, task_body
 from onceflow.tasks.sweeper import (
     BEAT_GAP_INTERVALS,
     broker_backlog,
@@ -99,115 +87,7 @@ log = logging.getLogger("onceflow.flow")
 # A wake-up that cannot be published quickly is left to the sweeper, not retried for long.
 PUBLISH_RETRY = {"max_retries": 2, "interval_start": 0.1, "interval_step": 0.2, "interval_max": 0.5}
 
-StageFunc = Callable[[StageContext, Any], Any]
 F = TypeVar("F", bound=StageFunc)
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    """A declared stage: its body, input model and queue options."""
-
-    name: str
-    func: StageFunc
-    input_model: type[BaseModel]
-    worker_class: str
-    dedupe: bool
-    lease_seconds: float | None
-    max_attempts: int | None
-    max_crash_attempts: int | None
-    priority: int
-    retry_on: tuple[type[BaseException], ...] | None
-    max_runtime: float | None = None  # seconds; None: no bound on the lease
-    #: Other worker classes a caller may name for this stage (e.g. a pull-worker class).
-    alternate_worker_classes: tuple[str, ...] = ()
-    #: The sub-docs its claims may read and write (declared, or the job's by default).
-    sub_docs: SubDocScope | None = None
-    #: Whether ``sub_docs`` was declared (a stage body in this process is then held to it).
-    sub_docs_declared: bool = False
-    #: The stages it may hand off to; None: not declared (a pull worker may hand off to
-    #: none, a stage body in this process to any).
-    hands_off_to: tuple[str, ...] | None = None
-
-    @property
-    def worker_classes(self) -> tuple[str, ...]:
-        """Every worker class that may serve this stage: the declared one first."""
-        return (self.worker_class, *self.alternate_worker_classes)
-
-    @property
-    def task_name(self) -> str:
-        """The Celery task name (what Flower shows)."""
-        return TASK_PREFIX + self.name
-
-
-class StageTask(Task):
-    """The one base task of every stage: the lifecycle lives in :func:`run_request`."""
-
-    flow: Flow
-    spec: StageSpec
-    # TASK_OPTIONS (onceflow.tasks.config), as class attributes: they hold on any app.
-    acks_late = True
-    reject_on_worker_lost = True
-    ignore_result = True
-    serializer = "json"
-    typing = False  # the single argument is checked by the claim, not by call signature
-
-    def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
-        """Celery's, with the queue chosen as :meth:`Flow.dispatch` chooses it (your
-        ``task_routes`` entry for this task, else ``onceflow.wc.<declared class>``) when
-        the caller names none. :meth:`Flow.enqueue` is the way to start a stage: a
-        message alone names a request that must exist already."""
-        if not any(options.get(k) for k in ("queue", "exchange", "routing_key")):
-            app, spec = self._get_app(), self.spec
-            options = {**send_options(app, spec.name, spec.worker_class, args or ()), **options}
-        return super().apply_async(args, kwargs, **options)
-
-    def run_stage(self, request_id: str, workspace_id: str | None = None) -> dict[str, Any]:
-        """Claim the request and run the stage (the message is only a wake-up).
-
-        The wake-up names the request by its key, ``[request_id, workspace_id]``; one sent
-        by a release before the workspace was in it names the id alone, and the claim
-        then finds the row by its id.
-        """
-        if not isinstance(request_id, str):
-            return {"outcome": "rejected", "reason": "the argument must be a request id string"}
-        if workspace_id is not None and not isinstance(workspace_id, str):
-            return {"outcome": "rejected", "reason": "the workspace must be a string"}
-        try:
-            check_id("request_id", request_id)
-            if workspace_id is not None:
-                check_id("workspace_id", workspace_id)
-        except InvalidRequest as exc:
-            return {"outcome": "rejected", "reason": str(exc)}
-        return run_request(
-            self.flow.queue,
-            self.spec,
-            request_id,
-            worker_id(),
-            self.spec_is_retryable,
-            self.flow.dispatch,
-            workspace_id=workspace_id,
-        )
-
-    def spec_is_retryable(self, exc: BaseException) -> bool:
-        """Retry on the stage's ``retry_on`` types, or on any exception when unset."""
-        if getattr(exc, "retryable", False):  # e.g. LockUnavailable: always worth a retry
-            return True
-        retry_on = self.spec.retry_on
-        return retry_on is None or isinstance(exc, retry_on)
-
-
-_worker_id: list[str] = []
-
-
-def worker_id() -> str:
-    """This process as a claimant: ``host:pid`` (made once per process: a stage asked for it
-    every time, a ``uname`` system call each; forgotten in a forked child)."""
-    if not _worker_id:
-        _worker_id.append(f"{socket.gethostname()}:{os.getpid()}")
-    return _worker_id[0]
-
-
-os.register_at_fork(after_in_child=_worker_id.clear)
 
 
 class Flow:
@@ -251,8 +131,8 @@ class Flow:
                 lambda: celery_config(self.settings, maintenance_queue=self.maintenance_queue)
             )
         self._queue: tuple[int, Queue] | None = None
-        self._lock = threading.Lock()  # renewed in a forked child: see _renew_locks_after_fork
-        _flows.add(self)
+        #: pid -> the lock that builds that process's queue (see :meth:`_queue_lock`).
+        self._locks: dict[int, threading.Lock] = {}
         flow = self
 
         # shared=False here and for stages: Celery would otherwise add this Flow's tasks to
@@ -287,12 +167,23 @@ class Flow:
         pid = os.getpid()
         current = self._queue
         if current is None or current[0] != pid:
-            with self._lock:
+            with self._queue_lock():
                 current = self._queue
                 if current is None or current[0] != pid:
                     current = (pid, Queue(settings=self.settings, resolver=self.resolve))
                     self._queue = current
         return current[1]
+
+    def _queue_lock(self) -> threading.Lock:
+        """This process's lock for building its queue. A forked child gets a lock of its
+        own: one held at the fork by another thread of the parent (the sweep watchdog of a
+        prefork worker's main process) would never be released in the child, and its
+        first :attr:`queue` would wait forever."""
+        pid = os.getpid()
+        lock = self._locks.get(pid)
+        if lock is None:
+            lock = self._locks.setdefault(pid, threading.Lock())
+        return lock
 
     @property
     def broker_url(self) -> str:
@@ -398,7 +289,7 @@ class Flow:
                 # queue is chosen per wake-up (onceflow.tasks.routing).
                 soft_time_limit=soft,
                 time_limit=hard,
-            )(_task_body)
+            )(task_body)
             return func
 
         return register
@@ -796,109 +687,6 @@ class Flow:
                     if routed is not None and routed not in out:
                         out.append(routed)
         return out
-
-
-def _task_body(task: StageTask, request_id: str, workspace_id: str | None = None) -> dict[str, Any]:
-    """The body Celery calls: the lifecycle lives in the base class."""
-    return task.run_stage(request_id, workspace_id)
-
-
-#: Every Flow of this process, for :func:`_renew_locks_after_fork`.
-_flows: weakref.WeakSet[Flow] = weakref.WeakSet()
-
-
-def _renew_locks_after_fork() -> None:
-    # A forked child has only the forking thread: a Flow._lock held at that instant by
-    # another thread (the sweep watchdog of a prefork worker's main process) would never be
-    # released, and the child's first Flow.queue would wait forever.
-    for flow in list(_flows):
-        flow._lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_renew_locks_after_fork)
-
-
-@worker_init.connect
-def _size_pools(sender: Any = None, **_: Any) -> None:
-    """Size the database pool to the worker's concurrency when tasks share one process."""
-    pool_cls = getattr(sender, "pool_cls", None)
-    name = pool_cls if isinstance(pool_cls, str) else getattr(pool_cls, "__module__", "")
-    if any(kind in str(name) for kind in ("thread", "gevent", "eventlet")):
-        size_pools_for(int(getattr(sender, "concurrency", 1) or 1))
-
-
-# Copy-on-write friendly pool children (gc.freeze, as Instagram, Sentry's and Airflow's Celery
-# workers do): a prefork child shares its parent's memory pages until it writes to them, and
-# the cyclic garbage collector writes to every object it scans. The first full collections in
-# each child cost it tens of milliseconds of CPU each and copied much of the parent's memory
-# into it (docs/benchmarks.md, "Celery stage runtime"). The parent freezes what it holds just before
-# each fork (the child keeps it frozen: never scanned, so never copied for the collector) and
-# unfreezes it right after (the parent collects as before).
-_freeze_forks = False
-_frozen_for_fork = False
-
-
-@worker_init.connect
-def _freeze_before_forks(sender: Any = None, **_: Any) -> None:
-    """Only for the workers of a Flow's app (a Flow hardens its app)."""
-    global _freeze_forks
-    _freeze_forks = bool(getattr(getattr(sender, "app", None), "_onceflow_hardened", False))
-
-
-@worker_before_create_process.connect
-def _freeze_for_fork(sender: Any = None, **_: Any) -> None:
-    """Freeze for this fork (``sender``: the pool). Only when its children are forked: a
-    spawned child is a new interpreter, and the unfreeze is an at-fork hook, which a spawn
-    never runs (the parent would stay frozen). Not in a process whose own code froze
-    objects (it manages its collector: the unfreeze would undo what it froze).
-
-    Not collected first: Python's documentation advises against a collection before a fork
-    (the memory it frees is reused by the child, in pages it then copies), and
-    ``bench/stage_parts.py`` shows it: with ``gc.collect()`` before the freeze each child
-    kept more private memory and paid its full collections again. Celery's
-    own collection right after this signal (its issue 2927) then finds nothing to scan; a
-    cycle of garbage alive at the fork stays in the child, frozen: a bounded amount, once per
-    child. If the pool fails between this signal and the fork (no file descriptor left for
-    its pipes), the parent stays frozen until it forks its next child.
-    """
-    global _frozen_for_fork
-    if not _freeze_forks or _frozen_for_fork or gc.get_freeze_count():
-        return
-    context = getattr(sender, "_ctx", None)  # billiard's: fork, spawn or forkserver
-    if context is None or context.get_start_method() != "fork":
-        return
-    gc.freeze()
-    _frozen_for_fork = True
-
-
-def _unfreeze_after_fork() -> None:
-    global _frozen_for_fork
-    if _frozen_for_fork:
-        _frozen_for_fork = False
-        gc.unfreeze()
-
-
-def _child_keeps_frozen() -> None:
-    global _frozen_for_fork
-    _frozen_for_fork = False
-
-
-os.register_at_fork(after_in_parent=_unfreeze_after_fork, after_in_child=_child_keeps_frozen)
-
-
-@worker_process_init.connect
-def _after_fork(**_: Any) -> None:
-    """A prefork child must not reuse its parent's database sockets. It runs one stage at
-    a time on its main thread, statement after statement: it holds its connection
-    (``onceflow.db.holding_connections``) instead of a pool checkout per statement."""
-    dispose_engines()
-    hold_connections()
-
-
-@worker_process_shutdown.connect
-def _child_exits(**_: Any) -> None:
-    """The child's held connections back to its pool (closed with it as it exits)."""
-    release_connections()
 
 
 __all__ = ["MAINTENANCE_QUEUE", "Flow", "StageSpec", "StageTask", "worker_id"]

@@ -37,7 +37,7 @@ from onceflow.payloads import MESSAGE_CHARS, Unreadable, error_payload, storable
 from onceflow.queue import Queue
 
 if TYPE_CHECKING:
-    from onceflow.tasks.flow import StageSpec
+    from onceflow.tasks.spec import StageSpec
 
 log = logging.getLogger("onceflow.runtime")
 

@@ -16,15 +16,16 @@ import hashlib
 import logging
 import threading
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from celery import Celery, bootsteps
 
 from onceflow.errors import InvalidRequest
 from onceflow.keys import queue_name
-
-if TYPE_CHECKING:
-    from onceflow.tasks.flow import Flow
+from onceflow.models.requests import SweepResult
+from onceflow.queue import Queue
+from onceflow.settings import Settings
+from onceflow.tasks.identity import worker_id
 
 log = logging.getLogger("onceflow.sweeper")
 
@@ -114,6 +115,34 @@ def _declare(app: Celery, conn: Any, name: str) -> None:
             channel.close()
 
 
+class SweptFlow(Protocol):
+    """What the watchdog needs of the Flow it keeps swept (:class:`~onceflow.tasks.Flow`)."""
+
+    @property
+    def app(self) -> Celery:
+        """The Flow's Celery app (its workers run the watchdog)."""
+        ...
+
+    @property
+    def settings(self) -> Settings:
+        """The Flow's settings."""
+        ...
+
+    @property
+    def queue(self) -> Queue:
+        """This process's queue."""
+        ...
+
+    @property
+    def sweep_name(self) -> str:
+        """The Flow's row in ``onceflow_sweeps``."""
+        ...
+
+    def run_sweep(self) -> SweepResult:
+        """One sweep, not recorded."""
+        ...
+
+
 class SweepWatchdog(bootsteps.StartStopStep):
     """A worker bootstep: the thread that sweeps when nobody else did (beat is down).
 
@@ -125,7 +154,7 @@ class SweepWatchdog(bootsteps.StartStopStep):
     label = "onceflow sweep watchdog"
     # After the pool forked its children: they start without this thread's sockets.
     requires = ("celery.worker.components:Pool",)
-    flow: Flow  # set on the subclass install_watchdog makes
+    flow: SweptFlow  # set on the subclass install_watchdog makes
 
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
@@ -141,11 +170,11 @@ class SweepWatchdog(bootsteps.StartStopStep):
 
         The pool forks replacement children from this process at any time (a child
         killed by a time limit, ``max_tasks_per_child``). Were the thread to build them
-        on first use, it could hold ``Flow._lock`` or ``onceflow.db._lock`` at the
-        instant of a fork, and the child — which takes both in ``_after_fork`` and
-        ``Flow.queue`` — would wait forever. Built now, before the thread exists, the
-        thread only ever reads them. (Both locks are also renewed in every forked child:
-        see ``os.register_at_fork`` in ``onceflow.db`` and ``onceflow.tasks.flow``.)
+        on first use, it could hold the Flow's queue lock or the engine cache's lock at
+        the instant of a fork, and the child — which takes both in its
+        ``worker_process_init`` hook and ``Flow.queue`` — would wait forever. Built now,
+        before the thread exists, the thread only ever reads them. (A forked child also
+        gets fresh locks: see :mod:`onceflow.db.forks` and ``Flow._queue_lock``.)
         """
         _ = [shard.engine for shard in self.flow.queue.shards()]
         self._stop.clear()
@@ -166,8 +195,6 @@ class SweepWatchdog(bootsteps.StartStopStep):
         self.stop(parent)
 
     def _run(self) -> None:
-        from onceflow.tasks.flow import worker_id
-
         interval = self.flow.settings.sweep_interval_seconds
         gap = WATCHDOG_GAP_INTERVALS * interval
         wait = 0.0
@@ -193,7 +220,7 @@ class SweepWatchdog(bootsteps.StartStopStep):
                 log.warning("sweep watchdog: %s: %s", type(exc).__name__, exc)
 
 
-def install_watchdog(flow: Flow) -> None:
+def install_watchdog(flow: SweptFlow) -> None:
     """Add the watchdog bootstep for ``flow`` to its Celery app's workers."""
     step = type("SweepWatchdog", (SweepWatchdog,), {"flow": flow, "__module__": __name__})
     flow.app.steps["worker"].add(step)

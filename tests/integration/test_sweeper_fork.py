@@ -1,7 +1,7 @@
 """A prefork child never inherits a lock held by the sweep watchdog's thread.
 
 The watchdog runs in a prefork worker's main process, which forks replacement pool
-children at any time. A child forked while another thread holds ``Flow._lock`` or
+children at any time. A child forked while another thread holds the Flow's queue lock or
 ``onceflow.db.engines._lock`` must still get its queue and engine (real fork, real Postgres).
 """
 
@@ -18,7 +18,7 @@ from sqlalchemy import text
 import onceflow.db.engines
 from onceflow.demo.procs import wait_for
 from onceflow.tasks import Flow
-from onceflow.tasks.flow import _after_fork
+from onceflow.tasks.worker_process import _after_fork
 
 
 class Empty(BaseModel):
@@ -35,7 +35,7 @@ def test_a_child_forked_while_a_thread_holds_the_locks_gets_its_queue(database_u
     held, release = threading.Event(), threading.Event()
 
     def watchdog_like() -> None:  # holds both locks, as a first-use build would
-        with flow._lock, onceflow.db.engines._lock:
+        with flow._queue_lock(), onceflow.db.engines._lock:
             held.set()
             release.wait(60)
 

@@ -18,8 +18,7 @@ import pytest
 from celery import Celery
 from celery.signals import worker_before_create_process
 
-from onceflow.tasks import Flow
-from onceflow.tasks import flow as flow_module
+from onceflow.tasks import Flow, worker_process
 
 
 class Pool:
@@ -53,26 +52,26 @@ def _fork_and_report() -> int:
 def unfrozen() -> Iterator[None]:
     assert gc.get_freeze_count() == 0
     yield
-    flow_module._freeze_forks = False
+    worker_process._freeze_forks = False
     gc.unfreeze()
 
 
 def test_a_flow_workers_children_start_with_the_parents_objects_frozen(unfrozen: None) -> None:
-    flow_module._freeze_before_forks(sender=SimpleNamespace(app=Flow().app))
+    worker_process._freeze_before_forks(sender=SimpleNamespace(app=Flow().app))
     assert _fork_and_report() > 10_000  # the modules, classes, functions … of this process
     assert gc.get_freeze_count() == 0  # the parent collects as before
     assert _fork_and_report() > 10_000  # and again for a replacement child
 
 
 def test_another_apps_worker_is_left_as_celery_runs_it(unfrozen: None) -> None:
-    flow_module._freeze_before_forks(sender=SimpleNamespace(app=Celery("not-a-flow")))
+    worker_process._freeze_before_forks(sender=SimpleNamespace(app=Celery("not-a-flow")))
     assert _fork_and_report() == 0
     assert gc.get_freeze_count() == 0
 
 
 def test_a_process_that_froze_its_own_objects_keeps_them_frozen(unfrozen: None) -> None:
     """Its code manages the collector (e.g. froze after warming up): the worker leaves that."""
-    flow_module._freeze_before_forks(sender=SimpleNamespace(app=Flow().app))
+    worker_process._freeze_before_forks(sender=SimpleNamespace(app=Flow().app))
     gc.freeze()
     frozen = gc.get_freeze_count()
     # (a frozen object freed since counts no more: hence the margin)
@@ -83,11 +82,11 @@ def test_a_process_that_froze_its_own_objects_keeps_them_frozen(unfrozen: None) 
 def test_a_pool_that_spawns_its_children_is_not_frozen_for(unfrozen: None) -> None:
     """A spawned child is a new interpreter, and a spawn runs no at-fork hook: a freeze
     would never be undone in the parent."""
-    flow_module._freeze_before_forks(sender=SimpleNamespace(app=Flow().app))
+    worker_process._freeze_before_forks(sender=SimpleNamespace(app=Flow().app))
     for method in ("spawn", "forkserver"):
         worker_before_create_process.send(sender=Pool(method))
         assert gc.get_freeze_count() == 0
-        assert not flow_module._frozen_for_fork
+        assert not worker_process._frozen_for_fork
 
 
 def test_the_freeze_does_not_collect_first(unfrozen: None) -> None:
@@ -98,7 +97,7 @@ def test_the_freeze_does_not_collect_first(unfrozen: None) -> None:
     class Node:
         cycle: Node
 
-    flow_module._freeze_before_forks(sender=SimpleNamespace(app=Flow().app))
+    worker_process._freeze_before_forks(sender=SimpleNamespace(app=Flow().app))
     gc.disable()  # no automatic collection between here and the check
     try:
         node = Node()
@@ -109,5 +108,5 @@ def test_the_freeze_does_not_collect_first(unfrozen: None) -> None:
         assert gc.get_freeze_count() > 0
         assert ref() is not None
     finally:
-        flow_module._unfreeze_after_fork()  # no fork happened: undo as the parent would
+        worker_process._unfreeze_after_fork()  # no fork happened: undo as the parent would
         gc.enable()

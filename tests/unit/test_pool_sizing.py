@@ -9,7 +9,7 @@ import pytest
 
 import onceflow.db as db
 from onceflow.db import engines
-from onceflow.tasks.flow import _size_pools
+from onceflow.tasks.worker_process import _size_pools
 
 
 @pytest.fixture(autouse=True)
