@@ -12,9 +12,10 @@ a stored result is layer 3's job. See ``docs/locks.md``.
 """
 
 from onceflow.errors import LockLost, LockUnavailable
-from onceflow.locks.aio import AsyncLockHandle, acompute_once, get_async_backend
+from onceflow.locks.aio import acompute_once, get_async_backend
 from onceflow.locks.base import (
     AsyncLockBackend,
+    AsyncLockHandle,
     AsyncSubscription,
     LockBackend,
     LockHandle,

@@ -12,27 +12,19 @@ Plain callables are called in place, on the event loop: one that blocks (a
 sync HTTP call, a sync database query) blocks the loop, and the watchdog with
 it, for as long as it runs. Give blocking work to ``asyncio.to_thread``.
 
-The watchdog of an :class:`AsyncLockHandle` is a task on the caller's loop. A
+The watchdog of an :class:`~onceflow.locks.base.AsyncLockHandle` is a task on the caller's loop. A
 sync holder and an async waiter (or the reverse) share a cell's lock: the keys,
 tokens and broadcasts are the same.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from types import TracebackType
 from typing import Literal, TypeAlias, TypeVar, overload
 
-from onceflow.errors import InvalidRequest, LockUnavailable
-from onceflow.locks.base import (
-    AsyncLockBackend,
-    BackendOptions,
-    HeldLock,
-    backend_options,
-    ttl_to_ms,
-)
+from onceflow.errors import InvalidRequest
+from onceflow.locks.base import AsyncLockBackend, AsyncLockHandle, BackendOptions, backend_options
 from onceflow.locks.protocol import Locked, Outcome, protocol_steps
 from onceflow.locks.steps import run_async
 from onceflow.loops import PerLoop, drop_redis_sockets
@@ -41,97 +33,6 @@ from onceflow.settings import Settings, get_settings
 log = logging.getLogger("onceflow.locks")
 
 T = TypeVar("T")
-
-
-class AsyncLockHandle(HeldLock[AsyncLockBackend]):
-    """:class:`~onceflow.locks.base.LockHandle` for asyncio: the calls are awaited.
-
-    Use it as ``async with handle:`` or ``await handle.release()`` in a
-    ``finally``. Its watchdog is a task on the loop that acquired it.
-    """
-
-    def __init__(
-        self,
-        backend: AsyncLockBackend,
-        workspace_id: str,
-        job_id: str,
-        task: str,
-        key: str,
-        token: str,
-        ttl_ms: int,
-    ) -> None:
-        super().__init__(backend, workspace_id, job_id, task, key, token, ttl_ms)
-        self._watchdog: asyncio.Task[None] | None = None
-        self._stopping = False
-
-    async def extend(self, ttl: float | None = None) -> bool:
-        """Reset the TTL to ``ttl`` seconds (the handle's TTL by default); False if lost."""
-        ttl_ms = self.ttl_ms if ttl is None else ttl_to_ms(ttl)
-        if await self.backend.cad_extend(self, ttl_ms):
-            return True
-        self._mark_lost("extend refused: the lock expired or was taken")
-        return False
-
-    async def release(self) -> bool:
-        """Release if still ours (compare-and-delete); False if it was lost or released already.
-
-        The token is kept until the server answered, so a release that raised
-        :class:`LockUnavailable` can be retried.
-        """
-        await self.stop_watchdog()
-        if self._released:
-            return False
-        held = bool(await self.backend.cad_release(self))  # 2: an earlier send released it
-        self._released = True
-        if not held:
-            self._mark_lost("released after it expired or was taken")
-        return held
-
-    async def start_watchdog(self) -> None:
-        """Extend the lock every ttl/3 in a task until released or lost."""
-        if self._watchdog is None:
-            self._watchdog = asyncio.get_running_loop().create_task(
-                self._watch(), name=f"onceflow-lock-watchdog-{self.task[:20]}"
-            )
-
-    async def stop_watchdog(self) -> None:
-        """Stop extending (idempotent); returns once no extend is in flight."""
-        self._stopping = True
-        task = self._watchdog
-        if task is not None and not task.done():
-            task.cancel()
-            await asyncio.wait([task])  # never raises: our own cancellation stays ours
-
-    async def _watch(self) -> None:
-        # The flag, not only the cancellation, ends the loop: redis-py (8.1) can swallow a
-        # cancellation that lands during a command and return its reply instead.
-        interval = self.ttl_ms / 3000.0
-        while not self._stopping:
-            await asyncio.sleep(interval)
-            if self._stopping:
-                return
-            try:
-                held = await self.backend.cad_extend(self, self.ttl_ms)
-            except LockUnavailable as exc:
-                # The backend may answer again before the TTL runs out: keep trying.
-                log.warning("compute lock %s: extend failed: %s", self.key, exc)
-                continue
-            if not held:
-                self._mark_lost("watchdog extend refused: the lock expired or was taken")
-                return
-
-    async def __aenter__(self) -> AsyncLockHandle:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.release()
-        if exc_type is None:
-            self.ensure_held()  # lost while the block ran: say so
 
 
 MaybeAwaitable: TypeAlias = T | Awaitable[T]
@@ -235,3 +136,6 @@ def get_async_backend(settings: Settings | None = None) -> AsyncLockBackend:
         backend = AsyncRedisLockBackend(settings.redis_url, settings=settings)
         backend = mine.setdefault(key, backend)
     return backend
+
+
+__all__ = ["AsyncLockHandle", "MaybeAwaitable", "acompute_once", "get_async_backend"]

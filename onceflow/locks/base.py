@@ -13,23 +13,22 @@ A backend (:class:`LockBackend`) is the seam: the Redis backend
 (:mod:`onceflow.locks.sql_lock`) implement it, and :func:`onceflow.locks.compute_once`
 runs the protocol on either. :class:`AsyncLockBackend` is the same seam for asyncio
 (:class:`onceflow.locks.redis_async.AsyncRedisLockBackend`), run by
-:func:`onceflow.locks.acompute_once`; :class:`HeldLock` is what the handles of both share.
+:func:`onceflow.locks.acompute_once`, whose handle is :class:`AsyncLockHandle`;
+:class:`HeldLock` is what the handles of both share.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from onceflow.errors import InvalidRequest, LockLost, LockUnavailable
 from onceflow.locks.counters import LOCKS_LOST, Counters
 from onceflow.settings import Settings
-
-if TYPE_CHECKING:
-    from onceflow.locks.aio import AsyncLockHandle
 
 log = logging.getLogger("onceflow.locks")
 
@@ -197,7 +196,7 @@ class _HasCounters(Protocol):
 class HeldLock(Generic[B]):
     """What a held lock knows of itself, for either API: key, token, TTL and ``lost`` flag.
 
-    :class:`LockHandle` (sync) and :class:`onceflow.locks.aio.AsyncLockHandle`
+    :class:`LockHandle` (sync) and :class:`AsyncLockHandle`
     add the calls. A lock found lost (an extend or the release refused by the
     server) sets :attr:`lost`, is counted once as ``locks_lost``, and makes
     :meth:`ensure_held` raise :class:`LockLost`.
@@ -325,6 +324,97 @@ class LockHandle(HeldLock[LockBackend]):
         self.release()
         if exc_type is None:
             self.ensure_held()  # lost while the block ran: say so (portalocker's model)
+
+
+class AsyncLockHandle(HeldLock[AsyncLockBackend]):
+    """:class:`LockHandle` for asyncio: the calls are awaited.
+
+    Use it as ``async with handle:`` or ``await handle.release()`` in a
+    ``finally``. Its watchdog is a task on the loop that acquired it.
+    """
+
+    def __init__(
+        self,
+        backend: AsyncLockBackend,
+        workspace_id: str,
+        job_id: str,
+        task: str,
+        key: str,
+        token: str,
+        ttl_ms: int,
+    ) -> None:
+        super().__init__(backend, workspace_id, job_id, task, key, token, ttl_ms)
+        self._watchdog: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    async def extend(self, ttl: float | None = None) -> bool:
+        """Reset the TTL to ``ttl`` seconds (the handle's TTL by default); False if lost."""
+        ttl_ms = self.ttl_ms if ttl is None else ttl_to_ms(ttl)
+        if await self.backend.cad_extend(self, ttl_ms):
+            return True
+        self._mark_lost("extend refused: the lock expired or was taken")
+        return False
+
+    async def release(self) -> bool:
+        """Release if still ours (compare-and-delete); False if it was lost or released already.
+
+        The token is kept until the server answered, so a release that raised
+        :class:`LockUnavailable` can be retried.
+        """
+        await self.stop_watchdog()
+        if self._released:
+            return False
+        held = bool(await self.backend.cad_release(self))  # 2: an earlier send released it
+        self._released = True
+        if not held:
+            self._mark_lost("released after it expired or was taken")
+        return held
+
+    async def start_watchdog(self) -> None:
+        """Extend the lock every ttl/3 in a task until released or lost."""
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().create_task(
+                self._watch(), name=f"onceflow-lock-watchdog-{self.task[:20]}"
+            )
+
+    async def stop_watchdog(self) -> None:
+        """Stop extending (idempotent); returns once no extend is in flight."""
+        self._stopping = True
+        task = self._watchdog
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait([task])  # never raises: our own cancellation stays ours
+
+    async def _watch(self) -> None:
+        # The flag, not only the cancellation, ends the loop: redis-py (8.1) can swallow a
+        # cancellation that lands during a command and return its reply instead.
+        interval = self.ttl_ms / 3000.0
+        while not self._stopping:
+            await asyncio.sleep(interval)
+            if self._stopping:
+                return
+            try:
+                held = await self.backend.cad_extend(self, self.ttl_ms)
+            except LockUnavailable as exc:
+                # The backend may answer again before the TTL runs out: keep trying.
+                log.warning("compute lock %s: extend failed: %s", self.key, exc)
+                continue
+            if not held:
+                self._mark_lost("watchdog extend refused: the lock expired or was taken")
+                return
+
+    async def __aenter__(self) -> AsyncLockHandle:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.release()
+        if exc_type is None:
+            self.ensure_held()  # lost while the block ran: say so
 
 
 class _Watchdog(threading.Thread):

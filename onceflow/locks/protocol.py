@@ -50,13 +50,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeAlias, TypeVar, overload
+from typing import Any, Generic, Literal, TypeAlias, TypeVar, overload
 
 from onceflow.errors import InvalidRequest, LockUnavailable
 from onceflow.keys import lock_key
 from onceflow.locks.base import (
     SUBSCRIPTION_ENDED,
     AsyncLockBackend,
+    AsyncLockHandle,
     BackendOptions,
     LockBackend,
     LockHandle,
@@ -80,9 +81,6 @@ from onceflow.locks.steps import Call, Sleep, Steps, run_sync
 from onceflow.metrics import record as metrics
 from onceflow.settings import Settings, get_settings
 
-if TYPE_CHECKING:
-    from onceflow.locks.aio import AsyncLockHandle
-
 log = logging.getLogger("onceflow.locks")
 
 T = TypeVar("T")
@@ -96,7 +94,7 @@ STORE_RETRY_MAX_DELAY = 1.0
 
 #: The backend and handle of either API: the protocol yields their calls to its driver.
 AnyBackend: TypeAlias = LockBackend | AsyncLockBackend
-AnyHandle: TypeAlias = "LockHandle | AsyncLockHandle"
+AnyHandle: TypeAlias = LockHandle | AsyncLockHandle
 
 
 class Path(StrEnum):

@@ -28,9 +28,9 @@ import redis.asyncio
 
 from onceflow.errors import LockUnavailable
 from onceflow.keys import counters_key, lock_key, workspace_channel
-from onceflow.locks.aio import AsyncLockHandle
 from onceflow.locks.base import (
     SUBSCRIPTION_ENDED,
+    AsyncLockHandle,
     HeldLock,
     Message,
     parse_message,
