@@ -45,7 +45,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import psycopg
 from sqlalchemy import Engine
@@ -69,9 +69,6 @@ from onceflow.models.scopes import WorkspaceScope, as_scope, scope_params
 from onceflow.queue import sql
 from onceflow.queue.sql import NOTIFY_CHANNEL
 from onceflow.settings import Settings
-
-if TYPE_CHECKING:
-    from onceflow.queue.store import Queue
 
 log = logging.getLogger("onceflow.queue.notify")
 
@@ -473,6 +470,13 @@ class _Listening:
         return True
 
 
+class _Shard(Protocol):
+    """What a waiter listens on, per shard: the shard's engine (a :class:`Queue`'s)."""
+
+    @property
+    def engine(self) -> Engine: ...
+
+
 class Waiter(_Listening):
     """``wait_for_work`` / ``wait_for_work_async`` (a mixin of :class:`~onceflow.queue.Queue`)."""
 
@@ -480,7 +484,7 @@ class Waiter(_Listening):
 
     if TYPE_CHECKING:  # the queue's (Queue.shards)
 
-        def shards(self) -> list[Queue]: ...
+        def shards(self) -> Sequence[_Shard]: ...
 
     # Built lazily, keyed by pid: a forked child never uses its parent's listeners.
     _listener_pid: tuple[int, _Listeners] | None = None

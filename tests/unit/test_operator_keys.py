@@ -10,12 +10,8 @@ from fastapi.testclient import TestClient
 
 from onceflow.errors import InvalidRequest
 from onceflow.integrations.fastapi.auth import hash_key
-from onceflow.integrations.fastapi.operators import (
-    ADMIN,
-    VIEWER,
-    OperatorAuth,
-    operator_route_class,
-)
+from onceflow.integrations.fastapi.guard import operator_route_class
+from onceflow.integrations.fastapi.operators import ADMIN, VIEWER, OperatorAuth
 from onceflow.integrations.fastapi.ratelimit import RateLimits, parse_limits
 from onceflow.settings import Settings
 

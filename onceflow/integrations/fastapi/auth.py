@@ -238,3 +238,15 @@ def get_principal(request: Request) -> Principal:
 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
+
+
+def bearer_key(request: Request) -> str:
+    """The key of ``Authorization: Bearer <key>``; 401 if missing or malformed."""
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    key = key.strip()
+    if not header:
+        raise AccessDenied(401, "missing key: send Authorization: Bearer <key>")
+    if scheme.lower() != "bearer" or not key:
+        raise AccessDenied(401, "malformed Authorization header: expected Bearer <key>")
+    return key

@@ -4,7 +4,7 @@
 The page (``dashboard_static/``: HTML, JS, CSS, no build) holds no data and needs no key: it
 asks the operator for one, keeps it in ``sessionStorage`` and sends it as
 ``Authorization: Bearer`` (never in a URL). The data routes, guarded by
-:func:`~onceflow.integrations.fastapi.operators.operator_route_class` (GET: viewer, POST:
+:func:`~onceflow.integrations.fastapi.guard.operator_route_class` (GET: viewer, POST:
 admin; no login-less mode):
 
 * ``GET /dashboard/api/snapshot`` — one snapshot (see :mod:`onceflow.queue.overview`),
@@ -54,7 +54,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from onceflow.errors import InvalidRequest, InvalidTransition, OnceflowError
 from onceflow.ids import check_id
 from onceflow.integrations.fastapi.events import StreamLimit, too_many_streams
-from onceflow.integrations.fastapi.operators import Operator, operator_route_class
+from onceflow.integrations.fastapi.guard import operator_route_class
+from onceflow.integrations.fastapi.operators import Operator
 from onceflow.integrations.fastapi.schemas import RequestIdPath, WorkspaceIdStr
 from onceflow.locks.savings import read_savings
 from onceflow.loops import PerLoop

@@ -1,6 +1,10 @@
-"""The route class of the ``/v1`` routes: the key is authenticated, its rate limit charged
-and its scope checked, in that order, before FastAPI parses the body; every refusal in the
-API's error shape.
+"""The route classes that guard onceflow's routes before FastAPI parses the body.
+
+The ``/v1`` routes: the key is authenticated, its rate limit charged and its scope
+checked, in that order. The operator routes (dashboard, ``/metrics``,
+:func:`operator_route_class`): the operator key is authenticated, its rate limit charged
+and its role checked (:mod:`~onceflow.integrations.fastapi.operators`). Every refusal is
+in the API's error shape.
 """
 
 from __future__ import annotations
@@ -14,9 +18,9 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from onceflow.errors import AccessDenied, OnceflowError
-from onceflow.integrations.fastapi.auth import Authenticator, Principal
+from onceflow.integrations.fastapi.auth import Authenticator, Principal, bearer_key
 from onceflow.integrations.fastapi.http_errors import http_error_response
-from onceflow.integrations.fastapi.operators import bearer_key
+from onceflow.integrations.fastapi.operators import Operator, role_for
 from onceflow.integrations.fastapi.ratelimit import RateLimited
 from onceflow.integrations.fastapi.responses import error_response, validation_response
 from onceflow.integrations.fastapi.services import OnceflowServices
@@ -81,3 +85,46 @@ def _permit(principal: Principal, request: Request, kind: str) -> None:
         raise AccessDenied(403, "this key is not a worker key of that worker class")
     if kind == "claim" and not principal.is_worker:
         raise AccessDenied(403, "claims need a worker key")
+
+
+async def authorize_operator(services: OnceflowServices, request: Request, role: str) -> Operator:
+    """The request's operator if its key has ``role``; AccessDenied (401/403) or RateLimited.
+
+    Failed authentications count against ``ONCEFLOW_API_AUTH_FAILURE_LIMIT`` per address,
+    and an operator's requests against ``ONCEFLOW_API_RATE_LIMIT`` per key — those refused
+    for their role (403) too: the role is checked after the key's limit is charged.
+    """
+    found: list[Operator] = []
+
+    def authenticate() -> Principal:
+        operator = services.operator_auth.authenticate(bearer_key(request))
+        if operator is None:
+            raise AccessDenied(401, "unknown operator key")
+        found.append(operator)
+        return operator.as_principal()
+
+    def permit(_: Principal) -> None:
+        if not found[0].may(role):
+            raise AccessDenied(403, f"this operator key does not have the {role!r} role")
+
+    await services.rate_limits.authorize(request, authenticate, permit)
+    request.state.onceflow_operator = found[0]
+    return found[0]
+
+
+def operator_route_class(services: OnceflowServices) -> type[APIRoute]:
+    """Routes that check the operator key and role before the handler (or body parsing) runs."""
+
+    class OperatorRoute(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            handler = super().get_route_handler()
+
+            async def guarded(request: Request) -> Response:
+                async def authorize() -> None:
+                    await authorize_operator(services, request, role_for(request.method))
+
+                return await guarded_call(request, authorize, handler)
+
+            return guarded
+
+    return OperatorRoute

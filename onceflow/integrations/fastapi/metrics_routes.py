@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 from starlette.routing import compile_path
 
-from onceflow.integrations.fastapi.operators import operator_route_class
+from onceflow.integrations.fastapi.guard import operator_route_class
 from onceflow.metrics import record
 
 if TYPE_CHECKING:

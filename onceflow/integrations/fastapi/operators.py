@@ -10,29 +10,23 @@ constant time. Roles:
 * ``admin`` reads and acts: requeue or cancel a request from the dashboard.
 
 There is no login-less mode: with no operator key configured every operator route answers
-401. :func:`operator_route_class` guards a router's routes: safe methods (GET, HEAD) need
-``viewer``, every other method needs ``admin``; refusals answer in the API's error shape and
-failed authentications count against the per-address limit like the API's.
+401. :func:`~onceflow.integrations.fastapi.guard.operator_route_class` guards a router's
+routes: safe methods (GET, HEAD) need ``viewer`` (:func:`role_for`), every other method
+needs ``admin``; refusals answer in the API's error shape and failed authentications count
+against the per-address limit like the API's.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Callable, Coroutine, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Final
 
-from fastapi.routing import APIRoute
-from starlette.requests import Request
-from starlette.responses import Response
-
-from onceflow.errors import AccessDenied, InvalidRequest
+from onceflow.errors import InvalidRequest
 from onceflow.integrations.fastapi.auth import Principal
 from onceflow.settings import Settings
-
-if TYPE_CHECKING:
-    from onceflow.integrations.fastapi.services import OnceflowServices
 
 VIEWER: Final = "viewer"
 ADMIN: Final = "admin"
@@ -97,62 +91,6 @@ class OperatorAuth:
         return found
 
 
-def bearer_key(request: Request) -> str:
-    """The key of ``Authorization: Bearer <key>``; 401 if missing or malformed."""
-    header = request.headers.get("authorization", "")
-    scheme, _, key = header.partition(" ")
-    key = key.strip()
-    if not header:
-        raise AccessDenied(401, "missing key: send Authorization: Bearer <key>")
-    if scheme.lower() != "bearer" or not key:
-        raise AccessDenied(401, "malformed Authorization header: expected Bearer <key>")
-    return key
-
-
 def role_for(method: str) -> str:
     """The role a request method needs: ``viewer`` to read, ``admin`` for anything else."""
     return VIEWER if method.upper() in SAFE_METHODS else ADMIN
-
-
-async def authorize_operator(services: OnceflowServices, request: Request, role: str) -> Operator:
-    """The request's operator if its key has ``role``; AccessDenied (401/403) or RateLimited.
-
-    Failed authentications count against ``ONCEFLOW_API_AUTH_FAILURE_LIMIT`` per address,
-    and an operator's requests against ``ONCEFLOW_API_RATE_LIMIT`` per key — those refused
-    for their role (403) too: the role is checked after the key's limit is charged.
-    """
-    found: list[Operator] = []
-
-    def authenticate() -> Principal:
-        operator = services.operator_auth.authenticate(bearer_key(request))
-        if operator is None:
-            raise AccessDenied(401, "unknown operator key")
-        found.append(operator)
-        return operator.as_principal()
-
-    def permit(_: Principal) -> None:
-        if not found[0].may(role):
-            raise AccessDenied(403, f"this operator key does not have the {role!r} role")
-
-    await services.rate_limits.authorize(request, authenticate, permit)
-    request.state.onceflow_operator = found[0]
-    return found[0]
-
-
-def operator_route_class(services: OnceflowServices) -> type[APIRoute]:
-    """Routes that check the operator key and role before the handler (or body parsing) runs."""
-    from onceflow.integrations.fastapi.guard import guarded_call
-
-    class OperatorRoute(APIRoute):
-        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-            handler = super().get_route_handler()
-
-            async def guarded(request: Request) -> Response:
-                async def authorize() -> None:
-                    await authorize_operator(services, request, role_for(request.method))
-
-                return await guarded_call(request, authorize, handler)
-
-            return guarded
-
-    return OperatorRoute
