@@ -6,12 +6,12 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from onceflow.demo.plan import COLUMNS, Options, Run
 from onceflow.keys import counters_key
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from onceflow.demo.scenario import Options, Run
     from onceflow.demo.standins import StandIn
 
 
@@ -20,7 +20,6 @@ def build_report(
 ) -> dict[str, Any]:
     """Gather every figure and check every invariant; ``invariants_ok`` is the verdict."""
     from onceflow.demo.browser import TAB_BRANCH
-    from onceflow.demo.scenario import COLUMNS
     from onceflow.demo.stages import flow, job_doc
     from onceflow.oplog import OpLog
 
