@@ -54,9 +54,10 @@ def demo(
     and some write responses are dropped. The report gives the calls per cell, the requests
     collapsed and the ops applied, and checks that each layer held.
     """
+    from onceflow.demo.plan import Options
     from onceflow.demo.report import plot as draw
     from onceflow.demo.report import print_report
-    from onceflow.demo.scenario import Options, run_scenario
+    from onceflow.demo.scenario import run_scenario
 
     def announce(message: str) -> None:
         click.echo(f"onceflow demo: {message}", err=True)

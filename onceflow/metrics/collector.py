@@ -2,7 +2,7 @@
 and the request table's vacuum health (dead rows, the last vacuum, the oldest transaction
 holding a snapshot) from the statistics views.
 
-Index-only scans of the partial indexes (``onceflow.queue.metrics_sql``), on one
+Index-only scans of the partial indexes (``onceflow.metrics.sql``), on one
 connection of its own with a short connect and statement timeout: a database that is
 down or slow costs the scrape at most a couple of seconds and answers
 ``onceflow_database_up 0``, while every process-recorded metric still answers.
@@ -40,7 +40,7 @@ from psycopg.rows import dict_row
 from sqlalchemy import make_url
 
 from onceflow.db import redact_url
-from onceflow.queue import metrics_sql
+from onceflow.metrics import sql as metrics_sql
 
 log = logging.getLogger("onceflow.metrics")
 

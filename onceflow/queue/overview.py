@@ -32,7 +32,7 @@ from sqlalchemy import Engine
 
 from onceflow.db import fetch_all, fetch_one, raw_connection, retry_disconnect
 from onceflow.errors import OnceflowError
-from onceflow.queue.metrics_sql import COUNT_CAP_DEFAULT, capped_statuses, live_counts
+from onceflow.metrics.sql import COUNT_CAP_DEFAULT, capped_statuses, live_counts
 from onceflow.queue.sql import RUN_ID
 
 RUNNING_LIMIT: Final = 100
@@ -47,7 +47,7 @@ _R = TypeVar("_R")
 log = logging.getLogger("onceflow.dashboard")
 
 # queued = due now (run_after <= now), scheduled = run_after in the future (a retry's backoff).
-# Each branch reads at most COUNT_CAP_DEFAULT index entries (see metrics_sql.live_counts).
+# Each branch reads at most COUNT_CAP_DEFAULT index entries (see onceflow.metrics.sql.live_counts).
 DEPTH: Final = live_counts(age_column="oldest_age")
 
 RUNNING: Final = f"""

@@ -20,10 +20,10 @@ from sqlalchemy import Connection, Engine, text
 
 from onceflow import InvalidRequest, PartitionLayoutMismatch, Queue
 from onceflow.db import make_engine
+from onceflow.metrics import sql as metrics_sql
 from onceflow.migrate import alembic_config, check, migrate
 from onceflow.migrations.partitioning import WORKSPACE_TABLES
 from onceflow.oplog import OpLog
-from onceflow.queue import metrics_sql
 from onceflow.settings import get_settings
 from tests.integration.big_table import claim_plan, fill
 

@@ -13,9 +13,10 @@ from onceflow.db import fetch_all, raw_connection
 from onceflow.errors import LeaseLost
 from onceflow.locks.counters import COUNTER_NAMES
 from onceflow.metrics import METRIC_NAMES, definitions, registry
+from onceflow.metrics import sql as metrics_sql
 from onceflow.models.requests import NewRequest
 from onceflow.oplog import OpLog
-from onceflow.queue import Queue, metrics_sql
+from onceflow.queue import Queue
 from onceflow.queue.batch import Failure
 from tests.acceptance.procs import wait_for
 

@@ -1,4 +1,5 @@
-"""The SQL of the metrics' database collector (``onceflow.metrics.collector``).
+"""The SQL of the metrics' database collector (``onceflow.metrics.collector``) and of the
+queue's overview (``onceflow.queue.overview``).
 
 Counts of live requests by worker class, stage and status read only the partial
 indexes (index-only scans): ix_wpr_claim (queued: worker_class, priority, run_after
@@ -15,7 +16,9 @@ lower bound (flagged ``capped``) at it, so a huge backlog cannot make the read s
 from __future__ import annotations
 
 from onceflow.connector.statement import Statement
-from onceflow.queue.sql import TABLE
+from onceflow.models.tables import workspace_process_requests
+
+TABLE = workspace_process_requests.name
 
 #: Rows each branch (index) counts at most: past it the counts are lower bounds.
 COUNT_CAP_DEFAULT = 100_000
