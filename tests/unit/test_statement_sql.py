@@ -12,8 +12,8 @@ from __future__ import annotations
 import hashlib
 
 from onceflow.connector.steps import Query
+from onceflow.metrics import sql as metrics_sql
 from onceflow.oplog import sql as oplog_sql
-from onceflow.queue import metrics_sql
 from onceflow.queue import sql as queue_sql
 
 #: sha256 (first 16 hex digits) of each statement's SQL; ``#by_id``: its form for a caller
