@@ -31,15 +31,12 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `bench.*` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.harness import admin_url, bench_database, log, raw_connect
 from bench.queue_bench import (
-    ADMIN_DEFAULT,
     SEED_FINISHED,
     SEED_QUEUED,
     TABLE,
     WC,
-    bench_database,
-    log,
-    raw_connect,
 )
 from onceflow.queue import Queue, sql
 
@@ -143,7 +140,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--batch", type=int, default=100)
     args = ap.parse_args()
-    admin = os.environ.get("ONCEFLOW_BENCH_DATABASE_URL", ADMIN_DEFAULT)
+    admin = admin_url()
     with bench_database(admin) as url:
         d = bench_depth(url, args.finished, args.rounds * 2)
         c = bench_complete(url, args.batch, args.rounds)

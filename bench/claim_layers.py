@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import secrets
 import sys
 import time
@@ -45,16 +44,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import bench_stages as stages
+from bench.harness import admin_url, bench_database, database_machine, log, raw_connect
 from bench.queue_bench import (
-    ADMIN_DEFAULT,
     SEED_QUEUED,
     STAGE,
     WC,
-    bench_database,
-    log,
-    machine_info,
     make_queue,
-    raw_connect,
 )
 
 WARM = 50
@@ -189,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=3000, help="ops per side after the warm-up")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    with bench_database(os.environ.get("ONCEFLOW_BENCH_DATABASE_URL", ADMIN_DEFAULT)) as url:
-        info = machine_info(url)
+    with bench_database(admin_url()) as url:
+        info = database_machine(url)
         res = run(url, args.n)
     if args.json:
         print(json.dumps({"machine": info, "sides": res}, indent=2))

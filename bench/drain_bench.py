@@ -114,18 +114,22 @@ from sqlalchemy import make_url
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.consumer_bench import PEERS_VENV, Consumers, Side, ensure_peers, read_done
+from bench.harness import (
+    Proc,
+    admin_url,
+    cpu_seconds,
+    libpq,
+    loadavg,
+    log,
+    per_round_ratios,
+    raw_connect,
+)
 from bench.runtime_bench import (
-    ADMIN_DEFAULT,
     REDIS_DEFAULT,
     Bench,
-    Proc,
     _lat,
-    _loadavg,
     bench_databases,
-    libpq,
-    log,
-    machine_info,
-    raw_connect,
+    runtime_machine,
 )
 
 POLL = 0.01
@@ -134,7 +138,6 @@ IDLE = "" if os.environ.get("ONCEFLOW_BENCH_ONCPU") == "1" else "--idle"
 IDLE_GAP = 0.05
 #: py-spy's sampling rate for --profile (``ONCEFLOW_BENCH_PYSPY_RATE``, per second).
 SPY_RATE = os.environ.get("ONCEFLOW_BENCH_PYSPY_RATE", "200")
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 #: The floor side's rows (bench_stages.floor_noop claims and completes them by key).
@@ -419,25 +422,16 @@ def peer_cpu(peers: Peers, system: str, cons: Consumers) -> tuple[float, float, 
     """Wall clock, CPU seconds of the consumer process (and any children), and CPU seconds
     of the Postgres backends on the peer's database (the bench's own connection aside)."""
     pids = [p.pid for p in cons.procs if p is not None]
-    consumer = sum(_cpu(pid) for pid in pids + [c for pid in pids for c in _children(pid)])
+    consumer = sum(cpu_seconds([pid]) for pid in pids + [c for pid in pids for c in _children(pid)])
     with raw_connect(peers.urls[system]) as conn:
         rows = conn.execute(
             "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
             "AND pid <> pg_backend_pid()"
         ).fetchall()
-    return time.time(), consumer, sum(_cpu(int(r[0])) for r in rows)
+    return time.time(), consumer, cpu_seconds(int(r[0]) for r in rows)
 
 
 # ---------------------------------------------------------------------------- CPU per process
-
-
-def _cpu(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK
-    except (OSError, IndexError):
-        return 0.0
 
 
 def _children(pid: int) -> list[int]:
@@ -459,8 +453,8 @@ def cpu_probe(b: Drain) -> Any:
             ).fetchall()
         backends = [int(r[0]) for r in rows]
         roles = {"parents": parents, "children": children, "backends": backends}
-        out = {role: {pid: _cpu(pid) for pid in pids} for role, pids in roles.items()}
-        out["redis"] = {redis_pid: _cpu(redis_pid)}
+        out = {role: {pid: cpu_seconds([pid]) for pid in pids} for role, pids in roles.items()}
+        out["redis"] = {redis_pid: cpu_seconds([redis_pid])}
         out["wall"] = {0: time.time()}
         return out
 
@@ -553,8 +547,7 @@ def bench_drains(
 
 
 def per_round(side: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, Any]:
-    ratios = [s["per_s"] / b["per_s"] for s, b in zip(side, base, strict=True)]
-    return {"ratios": ratios, "median": statistics.median(ratios)}
+    return per_round_ratios([s["per_s"] for s in side], [b["per_s"] for b in base])
 
 
 # ---------------------------------------------------------------------------- 2. pickup
@@ -1043,7 +1036,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cfg = {"n": 2_000, "rounds": 5, "pickups": 200, "warm": 10, "m": 1_000}
     configs = [_config(c) for c in args.configs.split(",")]
-    admin = os.environ.get("ONCEFLOW_BENCH_DATABASE_URL", ADMIN_DEFAULT)
+    admin = admin_url()
     redis_url = os.environ.get("ONCEFLOW_BENCH_REDIS_URL", REDIS_DEFAULT)
     started = time.perf_counter()
 
@@ -1058,8 +1051,8 @@ def main(argv: list[str] | None = None) -> int:
         ):
             b = Drain(url, None, redis_url, Path("/nonexistent"), Path(tmp))
             try:
-                res["machine"] = machine_info(b)
-                res["machine"]["loadavg_start"] = _loadavg()
+                res["machine"] = runtime_machine(b)
+                res["machine"]["loadavg_start"] = loadavg()
                 if args.only in (None, "drain"):
                     with (
                         Peers(admin, url, Path(tmp)) if args.peers else contextlib.nullcontext()
@@ -1088,7 +1081,7 @@ def main(argv: list[str] | None = None) -> int:
                 b.cleanup()
     if args.breakdown or args.only == "breakdown":
         res["breakdown"] = bench_breakdown(cfg["m"])
-    res["loadavg_end"] = _loadavg()
+    res["loadavg_end"] = loadavg()
     res["wall_seconds"] = time.perf_counter() - started
     if args.json or "drains" not in res:
         print(json.dumps(res, indent=2, default=str))

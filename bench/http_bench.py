@@ -46,9 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,7 +54,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -65,13 +62,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx
-import psycopg
 from pydantic import BaseModel
-from sqlalchemy import make_url
 
+from bench.harness import admin_url, bench_database, emit, free_port, loadavg, log, machine_info
 from onceflow.tasks import Flow, StageContext
 
-ADMIN_DEFAULT = "postgresql+psycopg://root@127.0.0.1:5432/postgres"
 REDIS_DEFAULT = "redis://127.0.0.1:6379/0"
 WC = "bench-http"
 WS = "wb"
@@ -94,40 +89,6 @@ class BenchInput(BaseModel):
 def bench_stage(ctx: StageContext, data: BenchInput) -> dict[str, int]:
     """Never run here: the benchmark measures enqueues only."""
     return {"n": data.n}
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def libpq(url: str) -> str:
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-
-
-@contextmanager
-def bench_database(admin_url: str) -> Iterator[str]:
-    """A fresh, migrated database; dropped WITH (FORCE) on the way out."""
-    from onceflow.migrate import migrate
-
-    name = f"onceflow_bench_{secrets.token_hex(4)}"
-    with psycopg.connect(libpq(admin_url), autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = make_url(admin_url).set(database=name).render_as_string(hide_password=False)
-    log(f"created database {name}")
-    try:
-        migrate(url)
-        yield url
-    finally:
-        with psycopg.connect(libpq(admin_url), autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        log(f"dropped database {name}")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @contextmanager
@@ -250,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     rounds, calls = (2, 100) if args.quick else (args.rounds, args.calls)
-    admin = os.environ.get("ONCEFLOW_BENCH_DATABASE_URL", ADMIN_DEFAULT)
+    admin = admin_url()
     redis_url = os.environ.get("ONCEFLOW_BENCH_REDIS_URL", REDIS_DEFAULT)
 
     import redis
@@ -266,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": rounds,
         "onceflow": onceflow_source(),
         "baseline": source_of(Path(args.baseline)) if args.baseline else None,
-        "machine": machine_info(),
+        "machine": _machine(),
         "figures": {},
     }
     broker = redis.Redis.from_url(redis_url)
@@ -392,13 +353,22 @@ def main(argv: list[str] | None = None) -> int:
             }
             log(f"floor x{threads}: {rate:,.0f}/s")
     broker.delete(WC)
-    results["loadavg_end"] = _loadavg()
+    results["loadavg_end"] = loadavg()
     results["wall_seconds"] = time.perf_counter() - started
-    if args.json:
-        print(json.dumps(results, indent=2, default=str))
-    else:
-        print(render(results))
+    emit(results, args.json, render)
     return 0
+
+
+def _machine() -> dict[str, Any]:
+    import fastapi
+    import uvicorn
+
+    return machine_info(
+        fastapi=fastapi.__version__,
+        uvicorn=uvicorn.__version__,
+        httpx=httpx.__version__,
+        loadavg_start=loadavg(),
+    )
 
 
 def _ok(_: object) -> None:
@@ -422,40 +392,6 @@ def source_of(root: Path) -> str:
     except (OSError, subprocess.SubprocessError):
         commit = ""
     return f"{root} ({commit or 'no git commit'})"
-
-
-def machine_info() -> dict[str, Any]:
-    cpu = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    import fastapi
-    import uvicorn
-
-    return {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "nproc": len(os.sched_getaffinity(0)),
-        "cpu": cpu,
-        "os": f"{platform.system()} {platform.release()} {platform.machine()}",
-        "python": platform.python_version(),
-        "fastapi": fastapi.__version__,
-        "uvicorn": uvicorn.__version__,
-        "httpx": httpx.__version__,
-        "loadavg_start": _loadavg(),
-    }
-
-
-def _loadavg() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "n/a"
 
 
 def render(res: dict[str, Any]) -> str:

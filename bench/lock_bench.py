@@ -40,17 +40,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import secrets
-import shutil
-import socket
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from datetime import UTC, datetime
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +52,17 @@ sys.path.insert(0, str(ROOT))
 
 import psycopg  # noqa: E402
 import redis  # noqa: E402
+
+from bench.harness import (  # noqa: E402
+    admin_url,
+    bench_database,
+    interleaved,
+    loadavg,
+    log,
+    machine_info,
+    private_redis,
+    redis_version,
+)
 
 try:
     import redis_lock  # python-redis-lock: a benchmark-only install
@@ -69,64 +73,11 @@ from sqlalchemy import make_url  # noqa: E402
 from onceflow.db import make_engine  # noqa: E402
 from onceflow.locks import RedisLockBackend, SqlLockBackend, compute_once  # noqa: E402
 from onceflow.locks.sql_lock import ACQUIRE, RELEASE  # noqa: E402
-from onceflow.migrate import migrate  # noqa: E402
 
-ADMIN_URL = os.environ.get(
-    "ONCEFLOW_BENCH_DATABASE_URL", "postgresql+psycopg://root@127.0.0.1:5432/postgres"
-)
 PROVIDER_LATENCY = 0.2
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 # ---------------------------------------------------------------- servers
-
-
-@contextmanager
-def private_redis() -> Iterator[str]:
-    binary = shutil.which("redis-server") or shutil.which("valkey-server")
-    if binary is None:
-        from onceflow.embedded import _valkey_executable
-
-        binary = str(_valkey_executable())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    try:
-        probe = redis.Redis.from_url(url, socket_connect_timeout=1)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                probe.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        yield url
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
-
-
-@contextmanager
-def bench_database() -> Iterator[str]:
-    name = f"onceflow_lockbench_{secrets.token_hex(3)}"
-    admin = make_url(ADMIN_URL).set(drivername="postgresql").render_as_string(hide_password=False)
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = make_url(ADMIN_URL).set(database=name).render_as_string(hide_password=False)
-    try:
-        migrate(url)
-        yield url
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 # ---------------------------------------------------------------- 1. pairs/s
@@ -199,25 +150,6 @@ def sql_contenders(db_url: str) -> dict[str, Callable[[], None]]:
         "SQL floor: the same two statements, raw psycopg": floor,
         "onceflow SqlLockBackend": ours,
     }
-
-
-def interleaved(
-    contenders: dict[str, Callable[[], None]], pairs: int, rounds: int
-) -> dict[str, Any]:
-    for fn in contenders.values():  # warm up: connections, scripts, caches
-        for _ in range(200):
-            fn()
-    spent = dict.fromkeys(contenders, 0.0)
-    names = list(contenders)
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            fn = contenders[name]
-            start = time.perf_counter()
-            for _ in range(pairs):
-                fn()
-            spent[name] += time.perf_counter() - start
-    total = pairs * rounds
-    return {name: {"pairs": total, "seconds": s, "per_s": total / s} for name, s in spent.items()}
 
 
 # ---------------------------------------------------------------- 2. round trips per path
@@ -325,27 +257,6 @@ def provider_calls(redis_url: str, per_cell: list[int], cells: int) -> list[dict
 # ---------------------------------------------------------------- report
 
 
-def machine_info(redis_url: str) -> dict[str, Any]:
-    cpu = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    server = redis.Redis.from_url(redis_url).info("server")
-    return {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "nproc": len(os.sched_getaffinity(0)),
-        "cpu": cpu,
-        "os": f"{platform.system()} {platform.release()} {platform.machine()}",
-        "redis_server": f"{server.get('redis_version')}",
-        "python": platform.python_version(),
-        "redis_py": redis.__version__,
-        "python_redis_lock": redis_lock.__version__,
-        "loadavg": " / ".join(f"{x:.2f}" for x in os.getloadavg()),
-    }
-
-
 def render(res: dict[str, Any]) -> str:
     m = res["machine"]
     out = [
@@ -413,8 +324,16 @@ def main(argv: list[str] | None = None) -> int:
     rounds = 4 if args.quick else 10
     n = 2000 if args.quick else 10_000
     res: dict[str, Any] = {"cells": 4, "n_round_trips": n}
-    with private_redis() as url, bench_database() as db_url:
-        res["machine"] = machine_info(url)
+    with (
+        private_redis() as url,
+        bench_database(admin_url(), prefix="onceflow_lockbench", quiet=True) as db_url,
+    ):
+        res["machine"] = machine_info(
+            redis_server=redis_version(url),
+            redis_py=redis.__version__,
+            python_redis_lock=redis_lock.__version__,
+            loadavg=loadavg(" / "),
+        )
         log(f"1. pairs/s: {rounds} rounds x {pairs} pairs per contender")
         res["pairs"] = interleaved(redis_contenders(url), pairs, rounds)
         res["sql_pairs"] = interleaved(sql_contenders(db_url), max(100, pairs // 4), rounds)
@@ -422,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         res["round_trips"] = round_trips(url, n)
         log("3. provider calls per cell")
         res["provider"] = provider_calls(url, [1, 4, 16, 64], res["cells"])
-        res["loadavg_end"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+        res["loadavg_end"] = loadavg(" / ")
     print(json.dumps(res, indent=2) if args.json else render(res))
     return 0
 

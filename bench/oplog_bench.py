@@ -63,15 +63,13 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
-import platform
 import re
-import secrets
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from datetime import UTC, datetime
+from datetime import datetime
 from multiprocessing.connection import Connection as Pipe
 from pathlib import Path
 from typing import Any
@@ -82,10 +80,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import psycopg
 import redis
-import sqlalchemy
-from sqlalchemy import make_url
 
-ADMIN_DEFAULT = "postgresql+psycopg://root@127.0.0.1:5432/postgres"
+from bench.harness import (
+    admin_url,
+    bench_database,
+    database_machine,
+    emit,
+    loadavg,
+    log,
+    ok,
+    raw_connect,
+)
+
 REDIS_DEFAULT = "redis://127.0.0.1:6379/0"
 CONCURRENCY = (1, 4)
 SUB_DOCS_PER_PROCESS = 8
@@ -124,39 +130,7 @@ WHERE workspace_id = %s AND sub_doc = %s AND op_id = %s
 """
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def libpq(url: str) -> str:
-    """A SQLAlchemy URL as a libpq connection string."""
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-
-
-def raw_connect(url: str) -> psycopg.Connection[Any]:
-    return psycopg.connect(libpq(url), autocommit=True)
-
-
 # ---------------------------------------------------------------------------- the database
-
-
-@contextmanager
-def bench_database(admin_url: str) -> Iterator[str]:
-    """A fresh, migrated database; dropped WITH (FORCE) on the way out, whatever happens."""
-    from onceflow.migrate import migrate
-
-    name = f"onceflow_bench_{secrets.token_hex(4)}"
-    with raw_connect(admin_url) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = make_url(admin_url).set(database=name).render_as_string(hide_password=False)
-    log(f"created database {name}")
-    try:
-        migrate(url)
-        yield url
-    finally:
-        with raw_connect(admin_url) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        log(f"dropped database {name}")
 
 
 def reset_tables(url: str) -> None:
@@ -164,42 +138,6 @@ def reset_tables(url: str) -> None:
         conn.execute("TRUNCATE workspace_sub_doc_ops, workspace_sub_docs")
         conn.execute("VACUUM ANALYZE workspace_sub_docs")
         conn.execute("VACUUM ANALYZE workspace_sub_doc_ops")
-
-
-def machine_info(url: str, redis_url: str) -> dict[str, Any]:
-    with raw_connect(url) as conn:
-        settings = {
-            name: conn.execute(f"SHOW {name}").fetchone()[0]  # type: ignore[index]
-            for name in ("server_version", "fsync", "synchronous_commit", "shared_buffers")
-        }
-    cpu = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    server = redis.Redis.from_url(redis_url, socket_connect_timeout=2).info("server")
-    return {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "nproc": len(os.sched_getaffinity(0)),
-        "cpu": cpu,
-        "os": f"{platform.system()} {platform.release()} {platform.machine()}",
-        "postgres": settings["server_version"],
-        "postgres_settings": settings,
-        "redis_server": server.get("redis_version"),
-        "python": platform.python_version(),
-        "psycopg": f"{psycopg.__version__} ({psycopg.pq.__impl__})",
-        "sqlalchemy": sqlalchemy.__version__,
-        "redis_py": redis.__version__,
-    }
-
-
-def _loadavg() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "n/a"
 
 
 def make_oplog(url: str, redis_url: str, *, broadcast: bool = True) -> Any:
@@ -734,10 +672,6 @@ def bench_time_split(
 # ---------------------------------------------------------------------------- report
 
 
-def _ok(met: bool) -> str:
-    return "met" if met else "**missed**"
-
-
 def render(res: dict[str, Any]) -> str:
     m = res["machine"]
     ps = m["postgres_settings"]
@@ -768,7 +702,7 @@ def render(res: dict[str, Any]) -> str:
         once, nobc, floor = (lv[k]["ops_per_s"] for k in ("onceflow", "onceflow_nobc", "floor"))
         lines.append(
             f"| {n} | {once:,.0f} ops/s | {nobc:,.0f} ops/s | {floor:,.0f} ops/s "
-            f"| {once / floor:.2f} {_ok(once / floor >= TARGET_RATIO)} "
+            f"| {once / floor:.2f} {ok(once / floor >= TARGET_RATIO)} "
             f"| {_spread(lv, 'onceflow', 'floor')} | {nobc / floor:.2f} |"
         )
     lines += [
@@ -783,7 +717,7 @@ def render(res: dict[str, Any]) -> str:
         once, floor = lv["onceflow"]["ops_per_s"], lv["floor"]["ops_per_s"]
         lines.append(
             f"| {n} | {once:,.0f} ops/s | {floor:,.0f} ops/s "
-            f"| {once / floor:.2f} {_ok(once / floor >= TARGET_RATIO)} "
+            f"| {once / floor:.2f} {ok(once / floor >= TARGET_RATIO)} "
             f"| {_spread(lv, 'onceflow', 'floor')} |"
         )
     lines += [
@@ -819,7 +753,7 @@ def render(res: dict[str, Any]) -> str:
         f"| {c['apply']['redis']:g} ({', '.join(lab['apply']['redis']) or 'none'}) "
         f"| {seq('apply')} |",
         f"| onceflow duplicate retry (target: 1 round trip) | {c['duplicate']['pg']:g} "
-        f"{_ok(dup_ok)} | {c['duplicate']['redis']:g} | {seq('duplicate')} |",
+        f"{ok(dup_ok)} | {c['duplicate']['redis']:g} | {seq('duplicate')} |",
         f"| onceflow first write to a new sub-doc | {c['first_write']['pg']:g} "
         f"| {c['first_write']['redis']:g} | {seq('first_write')} |",
         f"| hand-written floor apply | {c['floor']['pg']:g} | 0 | {seq('floor')} |",
@@ -875,7 +809,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the raw numbers as JSON")
     args = parser.parse_args(argv)
 
-    admin = os.environ.get("ONCEFLOW_BENCH_DATABASE_URL", ADMIN_DEFAULT)
+    admin = admin_url()
     redis_url = os.environ.setdefault("ONCEFLOW_REDIS_URL", REDIS_DEFAULT)
     if args.quick:
         cfg = {"duration": 1.0, "rounds": 2, "dup_prep": 100, "split_ops": 100, "split_rounds": 1}
@@ -888,20 +822,23 @@ def main(argv: list[str] | None = None) -> int:
         "redis_url": redis_url,
     }
     with bench_database(admin) as url:
-        results["machine"] = machine_info(url, redis_url)
-        results["machine"]["loadavg_start"] = _loadavg()
+        results["machine"] = database_machine(
+            url,
+            redis_server=redis.Redis.from_url(redis_url, socket_connect_timeout=2)
+            .info("server")
+            .get("redis_version"),
+            redis_py=redis.__version__,
+        )
+        results["machine"]["loadavg_start"] = loadavg()
         results["round_trips"] = bench_round_trips(url, redis_url)
         results["time_split"] = bench_time_split(
             url, redis_url, cfg["split_ops"], cfg["split_rounds"]
         )
         results["throughput"] = bench_throughput(url, redis_url, cfg)
-    results["loadavg_end"] = _loadavg()
+    results["loadavg_end"] = loadavg()
     results["wall_seconds"] = time.perf_counter() - started
     log(f"done in {results['wall_seconds']:.0f}s")
-    if args.json:
-        print(json.dumps(results, indent=2, default=str))
-    else:
-        print(render(results))
+    emit(results, args.json, render)
     return 0
 
 

@@ -57,17 +57,14 @@ clock across the worker processes); every timed loop is warmed up first.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
-import platform
 import secrets
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext, suppress
-from datetime import UTC, datetime
+from collections.abc import Callable
+from contextlib import nullcontext, suppress
 from multiprocessing.connection import Connection as Pipe
 from pathlib import Path
 from typing import Any
@@ -77,10 +74,20 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import psycopg
-import sqlalchemy
-from sqlalchemy import make_url
 
-ADMIN_DEFAULT = "postgresql+psycopg://root@127.0.0.1:5432/postgres"
+from bench.harness import (
+    admin_url,
+    bench_database,
+    cpu_seconds,
+    database_machine,
+    emit,
+    loadavg,
+    log,
+    ok,
+    pct,
+    raw_connect,
+)
+
 TABLE = "workspace_process_requests"
 WC = "bench"  # the worker class of every benchmark row
 STAGE = "evaluate"
@@ -188,46 +195,7 @@ FROM generate_series(%(lo)s::int, %(hi)s::int) AS i
 """
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def libpq(url: str) -> str:
-    """A SQLAlchemy URL as a libpq connection string."""
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-
-
-def raw_connect(url: str) -> psycopg.Connection[Any]:
-    return psycopg.connect(libpq(url), autocommit=True)
-
-
-def pct(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100])."""
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
-
-
 # ---------------------------------------------------------------------------- the database
-
-
-@contextmanager
-def bench_database(admin_url: str) -> Iterator[str]:
-    """A fresh, migrated database; dropped WITH (FORCE) on the way out, whatever happens."""
-    from onceflow.migrate import migrate
-
-    name = f"onceflow_bench_{secrets.token_hex(4)}"
-    with raw_connect(admin_url) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = make_url(admin_url).set(database=name).render_as_string(hide_password=False)
-    log(f"created database {name}")
-    try:
-        migrate(url)
-        yield url
-    finally:
-        with raw_connect(admin_url) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        log(f"dropped database {name}")
 
 
 def reset_table(url: str, *, queued: int = 0, prefix: str = "q-") -> None:
@@ -237,34 +205,6 @@ def reset_table(url: str, *, queued: int = 0, prefix: str = "q-") -> None:
         if queued:
             conn.execute(SEED_QUEUED, {"prefix": prefix, "wc": WC, "n": queued})
         conn.execute(f"VACUUM ANALYZE {TABLE}")
-
-
-def machine_info(url: str) -> dict[str, Any]:
-    with raw_connect(url) as conn:
-        settings = {
-            name: conn.execute(f"SHOW {name}").fetchone()[0]  # type: ignore[index]
-            for name in ("server_version", "fsync", "synchronous_commit", "shared_buffers")
-        }
-    cpu = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "nproc": len(os.sched_getaffinity(0)),
-        "cpu": cpu,
-        "os": f"{platform.system()} {platform.release()} {platform.machine()}",
-        "postgres": settings["server_version"],
-        "postgres_settings": settings,
-        "python": platform.python_version(),
-        "psycopg": f"{psycopg.__version__} ({psycopg.pq.__impl__})",
-        "sqlalchemy": sqlalchemy.__version__,
-    }
 
 
 def make_queue(url: str) -> Any:
@@ -595,22 +535,6 @@ class Workers:
                 proc.join(timeout=5)
 
 
-_HZ = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_seconds(pids: list[int]) -> float:
-    """utime + stime of ``pids`` (``/proc/<pid>/stat``); a process gone counts nothing."""
-    ticks = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        ticks += int(fields[11]) + int(fields[12])
-    return ticks / _HZ
-
-
 def _backends(url: str) -> list[int]:
     """The pids of the client backends on the bench database (the workers' connections)."""
     with raw_connect(url) as conn:
@@ -655,11 +579,11 @@ def bench_claims(
                         rows = max(seed, int(duration * 25_000)) if "batched" in kind else seed
                         reset_table(url, queued=rows)
                     servers = _backends(url)
-                    c0, s0 = _cpu_seconds(clients), _cpu_seconds(servers)
+                    c0, s0 = cpu_seconds(clients), cpu_seconds(servers)
                     run = workers.run(kind, n, duration, warmup)
                     ops = max(1, run["ops"] + run["warm_ops"])
-                    run["client_us"] = (_cpu_seconds(clients) - c0) / ops * 1e6
-                    run["server_us"] = (_cpu_seconds(servers) - s0) / ops * 1e6
+                    run["client_us"] = (cpu_seconds(clients) - c0) / ops * 1e6
+                    run["server_us"] = (cpu_seconds(servers) - s0) / ops * 1e6
                     runs[kind].append(run)
             level: dict[str, Any] = {}
             for kind, rs in runs.items():
@@ -956,10 +880,6 @@ def _n(size: int) -> str:
     return f"{size // 1_000_000}M" if size >= 1_000_000 else f"{size // 1000}k"
 
 
-def _ok(met: bool) -> str:
-    return "met" if met else "**missed**"
-
-
 def render(res: dict[str, Any]) -> str:
     m = res["machine"]
     ps = m["postgres_settings"]
@@ -1035,7 +955,7 @@ def _render_claims(c: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {n} | {once:,.0f} ops/s | {floor:,.0f} ops/s | {lv['ratio']:.2f}"
             f"{' (queue ran dry)' if dry else ''} "
-            f"| {median:.2f} {_ok(median >= TARGET_RATIO)} | {cpu[0]} | {cpu[1]} "
+            f"| {median:.2f} {ok(median >= TARGET_RATIO)} | {cpu[0]} | {cpu[1]} "
             f"| {sel:,.0f} ops/s | {once / sel:.2f} |"
         )
     lines.append("")
@@ -1115,7 +1035,7 @@ def _render_latency(lat: dict[str, Any]) -> list[str]:
     big, small = _n(int(sizes[-1])), _n(int(sizes[0]))
     lines += [
         f"| **{big} / {small}** (target ≤ 1.5x) | **{r['claim_median']:.2f}x** "
-        f"{_ok(r['claim_median'] <= 1.5)} | **{r['claim_p99']:.2f}x** {_ok(r['claim_p99'] <= 1.5)} "
+        f"{ok(r['claim_median'] <= 1.5)} | **{r['claim_p99']:.2f}x** {ok(r['claim_p99'] <= 1.5)} "
         f"| {r['total_median']:.2f}x | {r['total_p99']:.2f}x | {r['floor_claim_median']:.2f}x "
         f"| {r['floor_claim_p99']:.2f}x |",
         "",
@@ -1144,7 +1064,7 @@ def _render_in_flight(fl: dict[str, Any]) -> list[str]:
         )
     lines += [
         f"| **{int(levels[-1]):,} / {int(levels[0]):,}** (target ≤ 1.5x) "
-        f"| **{g['onceflow']:.2f}x** {_ok(g['onceflow'] <= 1.5)} | | {g['floor']:.2f}x | | |",
+        f"| **{g['onceflow']:.2f}x** {ok(g['onceflow'] <= 1.5)} | | {g['floor']:.2f}x | | |",
         "",
     ]
     return lines
@@ -1178,14 +1098,6 @@ def _render_front(fr: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _loadavg() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "n/a"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n", 1)[0])
     parser.add_argument("--quick", action="store_true", help="a short run; sizes 10k and 100k")
@@ -1212,7 +1124,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    admin = os.environ.get("ONCEFLOW_BENCH_DATABASE_URL", ADMIN_DEFAULT)
+    admin = admin_url()
     if args.quick:
         cfg = {
             "single": 500,
@@ -1243,8 +1155,8 @@ def main(argv: list[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else argv
     results: dict[str, Any] = {"command": " ".join(["bench/queue_bench.py", *given]), "config": cfg}
     with bench_database(admin) as url:
-        results["machine"] = machine_info(url)
-        results["machine"]["loadavg_start"] = _loadavg()
+        results["machine"] = database_machine(url)
+        results["machine"]["loadavg_start"] = loadavg()
         if args.only in (None, "enqueue"):
             results["enqueue"] = bench_enqueue(url, cfg["single"], cfg["batches"], 1000)
         if args.only in (None, "claims"):
@@ -1263,13 +1175,10 @@ def main(argv: list[str] | None = None) -> int:
                 tuple(int(x) for x in args.front.split(",")) if args.front else cfg["front"]
             )
             results["front"] = bench_front(url, windows, step, history)
-    results["loadavg_end"] = _loadavg()
+    results["loadavg_end"] = loadavg()
     results["wall_seconds"] = time.perf_counter() - started
     log(f"done in {results['wall_seconds']:.0f}s")
-    if args.json:
-        print(json.dumps(results, indent=2, default=str))
-    else:
-        print(render(results))
+    emit(results, args.json, render)
     return 0
 
 

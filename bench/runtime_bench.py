@@ -82,10 +82,8 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import re
 import secrets
-import signal
 import statistics
 import subprocess
 import sys
@@ -93,16 +91,30 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import redis
-from sqlalchemy import make_url
+
+from bench.harness import (
+    Proc,
+    admin_url,
+    emit,
+    fresh_databases,
+    libpq,
+    loadavg,
+    log,
+    machine_info,
+    median_or_none,
+    ok,
+    pct,
+    psycopg_version,
+    raw_connect,
+    redis_version,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
-ADMIN_DEFAULT = "postgresql+psycopg://root@127.0.0.1:5432/postgres"
 REDIS_DEFAULT = "redis://127.0.0.1:6379/15"
 VENV_DEFAULT = "/tmp/procrastinate-venv"  # noqa: S108 - a virtualenv we only read
 HELPER = "import bench_procrastinate as b; b.main()"
@@ -151,111 +163,23 @@ def main() -> None:
 '''
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def libpq(url: str) -> str:
-    """A SQLAlchemy URL as a libpq connection string."""
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-
-
-def raw_connect(url: str) -> psycopg.Connection[Any]:
-    return psycopg.connect(libpq(url), autocommit=True)
-
-
-def pct(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100])."""
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
-
-
-def _loadavg() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "n/a"
-
-
 # ---------------------------------------------------------------------------- databases
 
 
 @contextmanager
-def bench_databases(admin_url: str, with_procrastinate: bool) -> Iterator[tuple[str, str | None]]:
+def bench_databases(admin: str, with_procrastinate: bool) -> Iterator[tuple[str, str | None]]:
     """A fresh migrated onceflow database (and an empty one for Procrastinate); both
     dropped WITH (FORCE) on the way out, whatever happens."""
     from onceflow.migrate import migrate
 
     name = f"onceflow_bench_{secrets.token_hex(4)}"
     names = [name] + ([f"{name}_procrastinate"] if with_procrastinate else [])
-    try:
-        with raw_connect(admin_url) as conn:
-            for db in names:
-                conn.execute(f'CREATE DATABASE "{db}"')
-                log(f"created database {db}")
-        url = make_url(admin_url).set(database=name).render_as_string(hide_password=False)
-        purl = None
-        if with_procrastinate:
-            purl = make_url(admin_url).set(database=names[1]).render_as_string(hide_password=False)
-        migrate(url)
-        yield url, purl
-    finally:
-        with raw_connect(admin_url) as conn:
-            for db in names:
-                conn.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
-                log(f"dropped database {db}")
+    with fresh_databases(admin, names) as urls:
+        migrate(urls[0])
+        yield urls[0], (urls[1] if with_procrastinate else None)
 
 
 # ---------------------------------------------------------------------------- processes
-
-
-class Proc:
-    """A worker subprocess in its own process group, logging to a file; stop() ends it all."""
-
-    def __init__(self, name: str, argv: list[str], logdir: Path, env: dict[str, str]):
-        self.name = name
-        self.log_path = logdir / f"{name}.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop(); one run each
-        self.launched = time.time()
-        self.popen = subprocess.Popen(
-            argv,
-            cwd=ROOT,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def check_alive(self) -> None:
-        if self.popen.poll() is not None:
-            tail = "\n".join(self.log().splitlines()[-20:])
-            raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{tail}")
-
-    def wait_log(self, text: str, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while text not in self.log():
-            self.check_alive()
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name}: no {text!r} in its log after {timeout}s")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            try:
-                os.killpg(self.popen.pid, signal.SIGTERM)
-                self.popen.wait(timeout=20)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                pass
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.popen.pid, signal.SIGKILL)  # any pool child left behind
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(timeout=10)
-        self._log.close()
 
 
 class Bench:
@@ -525,15 +449,10 @@ def bench_drain(b: Bench, n: int, rounds: int, timeout: float) -> dict[str, Any]
             "per_s": sum(r["n"] - 1 for r in rs) / sum(r["window_s"] for r in rs),
             "from_launch_per_s": sum(r["n"] for r in rs) / sum(r["from_launch_s"] for r in rs),
             "enqueue_per_s": sum(r["n"] for r in rs) / sum(r["n"] / r["enqueue_per_s"] for r in rs),
-            "task_ms_median": _median_or_none([r["task_ms_median"] for r in rs]),
+            "task_ms_median": median_or_none([r["task_ms_median"] for r in rs]),
             "runs": rs,
         }
     return out
-
-
-def _median_or_none(xs: list[float | None]) -> float | None:
-    vals = [x for x in xs if x is not None]
-    return statistics.median(vals) if vals else None
 
 
 # ---------------------------------------------------------------------------- 2. pickup
@@ -713,37 +632,23 @@ def profile_drain(b: Bench, kind: str, n: int, seconds: float) -> dict[str, Any]
 # ---------------------------------------------------------------------------- report
 
 
-def machine_info(b: Bench) -> dict[str, Any]:
+def runtime_machine(b: Bench) -> dict[str, Any]:
+    """The report's header: the machine, the servers, Celery's and the peers' versions."""
     import celery
     import kombu
 
     with raw_connect(b.url) as conn:
         pg = conn.execute("SHOW server_version").fetchone()[0]  # type: ignore[index]
-    cpu = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "nproc": len(os.sched_getaffinity(0)),
-        "cpu": cpu,
-        "os": f"{platform.system()} {platform.release()} {platform.machine()}",
-        "postgres": pg,
-        "redis_server": b.redis.info("server").get("redis_version"),
-        "python": platform.python_version(),
-        "celery": celery.__version__,
-        "kombu": kombu.__version__,
-        "redis_py": redis.__version__,
-        "psycopg": f"{psycopg.__version__} ({psycopg.pq.__impl__})",
-        "procrastinate": b.procrastinate("version") if b.purl else None,
-        "commit_probe": commit_probe(b.url),
-    }
-
-
-def _ok(met: bool) -> str:
-    return "met" if met else "**missed**"
+    return machine_info(
+        postgres=pg,
+        redis_server=redis_version(b.redis_url),
+        celery=celery.__version__,
+        kombu=kombu.__version__,
+        redis_py=redis.__version__,
+        psycopg=psycopg_version(),
+        procrastinate=b.procrastinate("version") if b.purl else None,
+        commit_probe=commit_probe(b.url),
+    )
 
 
 def render(res: dict[str, Any]) -> str:
@@ -778,7 +683,7 @@ def render(res: dict[str, Any]) -> str:
     once = s["onceflow"]["per_s"]
     for name, side in s.items():
         ratio = once / side["per_s"]
-        verdict = f" {_ok(ratio >= DRAIN_TARGET)}" if name == "celery" else ""
+        verdict = f" {ok(ratio >= DRAIN_TARGET)}" if name == "celery" else ""
         task = side["task_ms_median"]
         task_text = f"{task:.2f} ms" if task is not None else "n/a"
         rounds = [
@@ -803,7 +708,7 @@ def render(res: dict[str, Any]) -> str:
         "| Side | p50 | p99 | mean | max |",
         "| --- | ---: | ---: | ---: | ---: |",
         f"| onceflow (`flow.enqueue` -> body; target p50 ≤ {PICKUP_TARGET_MS:g} ms) "
-        f"| {once_p['p50_ms']:.2f} ms {_ok(once_p['p50_ms'] <= PICKUP_TARGET_MS)} "
+        f"| {once_p['p50_ms']:.2f} ms {ok(once_p['p50_ms'] <= PICKUP_TARGET_MS)} "
         f"| {once_p['p99_ms']:.2f} ms | {once_p['mean_ms']:.2f} ms | {once_p['max_ms']:.2f} ms |",
         _lat_row(
             "of which the `flow.enqueue` call (INSERT + commit, then `send_task`)",
@@ -856,7 +761,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    admin = os.environ.get("ONCEFLOW_BENCH_DATABASE_URL", ADMIN_DEFAULT)
+    admin = admin_url()
     redis_url = os.environ.get("ONCEFLOW_BENCH_REDIS_URL", REDIS_DEFAULT)
     venv = Path(os.environ.get("ONCEFLOW_BENCH_PROCRASTINATE_VENV", VENV_DEFAULT))
     have_procrastinate = (venv / "bin" / "procrastinate").exists()
@@ -881,8 +786,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if purl is not None:
                 b.procrastinate("schema")
-            results["machine"] = machine_info(b)
-            results["machine"]["loadavg_start"] = _loadavg()
+            results["machine"] = runtime_machine(b)
+            results["machine"]["loadavg_start"] = loadavg()
             timeout = 900.0
             results["drain"] = bench_drain(b, cfg["n"], cfg["rounds"], timeout)
             results["pickup"] = bench_pickup(b, cfg["pickups"], cfg["pickup_warm"])
@@ -899,13 +804,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             b.stop_all()
             b.cleanup()
-    results["loadavg_end"] = _loadavg()
+    results["loadavg_end"] = loadavg()
     results["wall_seconds"] = time.perf_counter() - started
     log(f"done in {results['wall_seconds']:.0f}s")
-    if args.json:
-        print(json.dumps(results, indent=2, default=str))
-    else:
-        print(render(results))
+    emit(results, args.json, render)
     return 0
 
 

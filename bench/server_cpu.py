@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import secrets
 import sys
 from collections.abc import Callable
@@ -43,21 +42,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import bench_stages as stages
+from bench.harness import CLK_TCK, admin_url, bench_database, database_machine, log, raw_connect
 from bench.queue_bench import (
-    ADMIN_DEFAULT,
     SEED_QUEUED,
     STAGE,
     WC,
-    bench_database,
-    log,
-    machine_info,
-    raw_connect,
 )
 
 WARM = 200
 #: Pairs a variant runs in a row before the next variant's turn.
 BLOCK = 100
-_HZ = os.sysconf("SC_CLK_TCK")
 
 
 def _cut(sql: str, start: str, end: str, what: str) -> tuple[str, str]:
@@ -116,7 +110,7 @@ def _cpu(pid: int) -> float:
             f"server_cpu: cannot read the backend's /proc/{pid}/stat ({exc}): "
             "the database server must run on this machine"
         ) from exc
-    return (int(fields[11]) + int(fields[12])) / _HZ
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def run(url: str, n: int) -> dict[str, float]:
@@ -189,15 +183,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=3000, help="pairs per variant after warm-up")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    with bench_database(os.environ.get("ONCEFLOW_BENCH_DATABASE_URL", ADMIN_DEFAULT)) as url:
-        info = machine_info(url)
+    with bench_database(admin_url()) as url:
+        info = database_machine(url)
         res = run(url, args.n)
     if args.json:
         print(json.dumps({"machine": info, "server_cpu_us": res}, indent=2))
         return 0
     print(f"{info['date']} · nproc {info['nproc']} · PostgreSQL {info['postgres']} · "
           f"{args.n:,} claim + completion pairs per variant; /proc ticks of "
-          f"{1000 / _HZ:.0f} ms")  # fmt: skip
+          f"{1000 / CLK_TCK:.0f} ms")  # fmt: skip
     print()
     print("| variant | server CPU µs per pair | x floor |")
     print("| --- | ---: | ---: |")
