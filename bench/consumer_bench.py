@@ -99,7 +99,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import psycopg
-from sqlalchemy import make_url
+
+from bench.harness import HARNESS_APP, PrivatePostgres, cpu_model, loadavg, log, pct, wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pressure  # the bench folder's own module
@@ -110,7 +111,6 @@ PEERS_VENV = "/tmp/onceflow-bench-peers"  # noqa: S108 - a virtualenv of our own
 PEERS_PACKAGES = ["procrastinate", "pgqueuer", "psycopg[binary]"]
 SYSTEMS = ("onceflow", "procrastinate", "pgqueuer")
 PRODUCER_APP = "bench-producer"
-HARNESS_APP = "bench-harness"
 RUNNING_SQL = {
     "onceflow": "SELECT count(*) FROM workspace_process_requests WHERE status = 'running'",
     "procrastinate": "SELECT count(*) FROM procrastinate_jobs WHERE status = 'doing'",
@@ -125,105 +125,7 @@ QUEUED_SQL = {
 }
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def pct(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100])."""
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
-
-
-def loadavg() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " / ".join(f.read().split()[:3])
-    except OSError:
-        return "n/a"
-
-
-def wait_until(cond: Any, timeout: float, interval: float = 0.1) -> bool:
-    """Poll ``cond`` until truthy or ``timeout``; returns whether it held."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if cond():
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval)
-
-
 # ------------------------------------------------------------------------------ private server
-
-
-class PrivatePostgres:
-    """onceflow's embedded PostgreSQL 18 on a free port, in a temporary directory."""
-
-    def __init__(self) -> None:
-        from onceflow import embedded
-
-        self.embedded = embedded
-        self.root = Path(tempfile.mkdtemp(prefix="onceflow-cbench-"))
-        self.cleanup: list[Path] = [self.root]
-        deadline = time.monotonic() + 120
-        self.child, pg_dir = embedded._prepare_postgres(
-            embedded._postgres_bin_dir(), self.root, deadline, self.cleanup
-        )
-        self.probe = embedded._postgres_probe(pg_dir)
-        self.child.spawn()
-        self.child.wait_until_answering(self.probe, deadline)
-        self.port = self.child.port
-        self.admin_url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
-        with self.connect() as conn:
-            self.version = str(conn.execute("SHOW server_version").fetchone()[0])  # type: ignore[index]
-
-    def url(self, database: str) -> str:
-        return make_url(self.admin_url).set(database=database).render_as_string(False)
-
-    def dsn(self, database: str) -> str:
-        return f"host=127.0.0.1 port={self.port} user=postgres dbname={database}"
-
-    def connect(self, database: str = "postgres") -> psycopg.Connection[Any]:
-        return psycopg.connect(
-            self.dsn(database), autocommit=True, application_name=HARNESS_APP, connect_timeout=5
-        )
-
-    def restart(self) -> float:
-        """Crash-restart (SIGQUIT: immediate shutdown), same port; seconds until it answers."""
-        process = self.child.process
-        assert process is not None
-        down = time.monotonic()
-        process.send_signal(signal.SIGQUIT)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            # Seen once under load: the postmaster outlived its immediate shutdown. Kill its
-            # group (postmaster and backends: same session) so the data directory is free.
-            log(f"PostgreSQL did not stop on SIGQUIT within 30 s:\n{self.child.log_tail()}")
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
-        self.start()
-        return time.monotonic() - down
-
-    def start(self) -> None:
-        """Start the stopped server again, on the same port; returns once it answers."""
-        port = self.port
-        children = self.embedded.children  # where _Child looks _free_port up
-        original = children._free_port
-        children._free_port = lambda: port  # respawn on the same port
-        try:
-            self.child.spawn()
-        finally:
-            children._free_port = original
-        self.child.wait_until_answering(self.probe, time.monotonic() + 60)
-
-    def close(self) -> None:
-        self.embedded._stop_children([self.child])
-        for path in self.cleanup:
-            shutil.rmtree(path, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------ processes
@@ -722,17 +624,11 @@ def ensure_peers(venv: Path, install: bool) -> str | None:
 
 
 def machine(pg: PrivatePostgres) -> dict[str, Any]:
-    cpu = "unknown"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
     return {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "cpus": os.cpu_count(), "cpu": cpu, "kernel": platform.release(),
+        "cpus": os.cpu_count(), "cpu": cpu_model(), "kernel": platform.release(),
         "python": platform.python_version(), "postgres": pg.version,
-        "load_start": loadavg(),
+        "load_start": loadavg(" / "),
     }  # fmt: skip
 
 
@@ -795,7 +691,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 continue
             out = {}
             for i, system in enumerate(rotate(only, len(res["phases"]))):
-                log(f"{phase}: {system} (load {loadavg()})")
+                log(f"{phase}: {system} (load {loadavg(' / ')})")
                 out[system] = bench.run_fixed(system, phase, procs, fault)
                 log(f"  {json.dumps({k: v for k, v in out[system].items() if k != 'exits'})}")
                 del i
@@ -805,7 +701,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 continue
             out = {}
             for system in rotate(only, len(res["phases"])):
-                log(f"pressure {kind}: {system} (load {loadavg()})")
+                log(f"pressure {kind}: {system} (load {loadavg(' / ')})")
                 out[system] = bench.pressure(system, kind)
                 log(f"  {json.dumps({k: v for k, v in out[system].items() if k != 'exits'})}")
             res["phases"][kind] = out
@@ -815,7 +711,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 out[system] = bench.graceful(system)
                 log(f"graceful: {system}: {out[system]}")
             res["phases"]["graceful"] = out
-        res["machine"]["load_end"] = loadavg()
+        res["machine"]["load_end"] = loadavg(" / ")
     finally:
         pg.close()
         work = res.get("workdir")

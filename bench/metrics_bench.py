@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import platform
-import secrets
 import shutil
 import signal
 import statistics
@@ -57,12 +56,18 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import psycopg
-from sqlalchemy import make_url
+
+from bench.harness import (
+    admin_url,
+    bench_database,
+    cpu_seconds,
+    free_port,
+    libpq,
+    log,
+    per_round_ratios,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
-ADMIN_URL = os.environ.get(
-    "ONCEFLOW_BENCH_DATABASE_URL", "postgresql+psycopg://root@127.0.0.1:5432/postgres"
-)
 WC = "mbench"
 SIDES = ("metrics", "scraped", "exporter", "in-memory")
 
@@ -70,22 +75,6 @@ SIDES = ("metrics", "scraped", "exporter", "in-memory")
 def noop(ctx: Any) -> dict[str, Any]:
     """The benchmark's handler: nothing, so the queue's own work is all that is timed."""
     return {}
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def libpq(url: str) -> str:
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Scraper(threading.Thread):
@@ -107,12 +96,6 @@ class Scraper(threading.Thread):
                 self.times.append(time.perf_counter() - start)
             except OSError:
                 self.errors += 1  # the server is not up yet (start-up) or going down
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (/proc, Linux)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def one_drain(url: str, side: str, n: int, concurrency: int) -> dict[str, Any]:
@@ -156,9 +139,9 @@ def one_drain(url: str, side: str, n: int, concurrency: int) -> dict[str, Any]:
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise RuntimeError(f"{side}: the drain did not finish")
                 if cpu_start is None and done > 0:  # start-up (imports, connects) excluded
-                    cpu_start, done_start = cpu_seconds(proc.pid), done
+                    cpu_start, done_start = cpu_seconds([proc.pid]), done
                 time.sleep(0.02)
-            cpu = cpu_seconds(proc.pid) - (cpu_start or 0.0)
+            cpu = cpu_seconds([proc.pid]) - (cpu_start or 0.0)
             row = conn.execute(
                 "SELECT EXTRACT(EPOCH FROM max(finished_at) - min(finished_at)) "
                 "FROM workspace_process_requests"
@@ -228,15 +211,8 @@ def scrape_cost(url: str, backlogs: tuple[int, ...] = (0, 4000, 40000)) -> list[
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from onceflow.migrate import migrate
-
-    name = f"onceflow_bench_metrics_{secrets.token_hex(3)}"
-    with psycopg.connect(libpq(ADMIN_URL), autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = make_url(ADMIN_URL).set(database=name).render_as_string(hide_password=False)
     rounds: list[dict[str, dict[str, Any]]] = []
-    try:
-        migrate(url)
+    with bench_database(admin_url(), prefix="onceflow_bench_metrics", quiet=True) as url:
         for r in range(args.rounds):
             order = SIDES if r % 2 == 0 else tuple(reversed(SIDES))
             result = {}
@@ -246,9 +222,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     f"{result[side].get('scrapes', '')}")  # fmt: skip
             rounds.append(result)
         costs = scrape_cost(url)
-    finally:
-        with psycopg.connect(libpq(ADMIN_URL), autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     summary: dict[str, Any] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
@@ -261,11 +234,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         per_request = [r[side]["cpu_us_per_request"] for r in rounds]
         summary[f"{side}_cpu_us_median"] = statistics.median(per_request)
     for side in ("scraped", "exporter", "in-memory"):
-        ratios = [r[side]["rate"] / r["metrics"]["rate"] for r in rounds]
-        summary[f"{side}_vs_metrics_ratio_median"] = statistics.median(ratios)
-        summary[f"{side}_vs_metrics_ratios"] = ratios
-        cpu = [r[side]["cpu_us_per_request"] / r["metrics"]["cpu_us_per_request"] for r in rounds]
-        summary[f"{side}_vs_metrics_cpu_ratio_median"] = statistics.median(cpu)
+        base = [r["metrics"]["rate"] for r in rounds]
+        rate = per_round_ratios([r[side]["rate"] for r in rounds], base)
+        summary[f"{side}_vs_metrics_ratio_median"] = rate["median"]
+        summary[f"{side}_vs_metrics_ratios"] = rate["ratios"]
+        cpu = per_round_ratios(
+            [r[side]["cpu_us_per_request"] for r in rounds],
+            [r["metrics"]["cpu_us_per_request"] for r in rounds],
+        )
+        summary[f"{side}_vs_metrics_cpu_ratio_median"] = cpu["median"]
     summary["scrapes_per_drain"] = [r["scraped"]["scrapes"] for r in rounds]
     summary["exporter_scrapes_per_drain"] = [r["exporter"]["scrapes"] for r in rounds]
     summary["scrape_ms_median"] = statistics.median(

@@ -35,9 +35,9 @@ import threading
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from queue_bench import bench_database, log, machine_info, pct, raw_connect
+from bench.harness import admin_url, bench_database, database_machine, log, pct, raw_connect
 
 WC = "lat"
 
@@ -186,11 +186,8 @@ def main() -> None:
     parser.add_argument("--procs", type=int, default=4)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    admin = os.environ.get(
-        "ONCEFLOW_BENCH_DATABASE_URL", "postgresql+psycopg://root@127.0.0.1:5432/postgres"
-    )
-    with bench_database(admin) as url:
-        info = machine_info(url)
+    with bench_database(admin_url()) as url:
+        info = database_machine(url)
         log("latency: enqueue commit -> waiter (another process) wakes")
         latency = bench_latency(url, args.wakeups)
         log("enqueue rate, notify on vs off (interleaved rounds)")

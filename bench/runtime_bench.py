@@ -94,6 +94,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import psycopg
 import redis
 

@@ -37,9 +37,7 @@ import json
 import os
 import random
 import secrets
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -54,9 +52,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import psycopg
-from sqlalchemy import make_url
 
-from bench.consumer_bench import PrivatePostgres as EmbeddedPostgres
+from bench.harness import (
+    PrivatePostgres,
+    free_port,
+    fresh_databases,
+    libpq,
+    redis_answers,
+    start_redis,
+)
 from onceflow.demo.procs import Proc, wait_for
 from onceflow.demo.scenario import SECTIONS
 from onceflow.demo.standins import StandIn
@@ -106,29 +110,14 @@ class Round:
         return self.drained - self.started
 
 
-def _libpq(url: str) -> str:
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _admin(url: str, sql: str) -> None:
-    with psycopg.connect(_libpq(url), autocommit=True) as conn:
-        conn.execute(sql)
-
-
 def _one(url: str, sql: str, params: tuple[Any, ...] = ()) -> Any:
-    with psycopg.connect(_libpq(url), connect_timeout=5) as conn:
+    with psycopg.connect(libpq(url), connect_timeout=5) as conn:
         row = conn.execute(sql, params).fetchone()
         return None if row is None else row[0]
 
 
 def _rows(url: str, sql: str) -> list[tuple[Any, ...]]:
-    with psycopg.connect(_libpq(url), connect_timeout=5) as conn:
+    with psycopg.connect(libpq(url), connect_timeout=5) as conn:
         return list(conn.execute(sql).fetchall())
 
 
@@ -138,30 +127,14 @@ def shard_databases(server: str, n: int) -> Iterator[list[str]]:
     from onceflow.db import dispose_engines
     from onceflow.migrate import migrate
 
-    urls = []
-    try:
-        for k in range(n):
-            name = f"onceflow_sim_{os.getpid()}_{secrets.token_hex(3)}_s{k}"
-            _admin(server, f'CREATE DATABASE "{name}"')
-            url = make_url(server).set(database=name).render_as_string(hide_password=False)
-            urls.append(url)
-            migrate(url)
-        yield urls
-    finally:
-        dispose_engines()
-        for url in urls:
-            name = make_url(url).database
-            _admin(server, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-class PrivatePostgres(EmbeddedPostgres):
-    """The consumer benchmark's private PostgreSQL 18, also stopped cleanly (fast shutdown:
-    every session ends) and started again on the same port (:meth:`start`)."""
-
-    def stop(self) -> None:
-        assert self.child.process is not None
-        self.child.signal_stop()
-        self.child.process.wait(timeout=30)
+    tag = f"onceflow_sim_{os.getpid()}_{secrets.token_hex(3)}"
+    with fresh_databases(server, [f"{tag}_s{k}" for k in range(n)], quiet=True) as urls:
+        try:
+            for url in urls:
+                migrate(url)
+            yield urls
+        finally:
+            dispose_engines()
 
 
 class Servers:
@@ -176,18 +149,14 @@ class Servers:
             raise RuntimeError("no redis-server or valkey-server to run the cluster with")
         self.cluster = LocalCluster(binary).start()
         self.stack.callback(self.cluster.stop)
-        port = _free_port()
-        self.broker = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-             "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        port = free_port()
+        self.broker = start_redis(binary, port)
         self.stack.callback(self._stop_broker)
         self.broker_url = f"redis://127.0.0.1:{port}/0"
         self.broker_port = port
         self.run_id = secrets.token_hex(4)
-        import redis
 
-        wait_for(lambda: _pings(redis.Redis(port=port)), timeout=30, what="the broker")
+        wait_for(lambda: redis_answers(self.broker_url), timeout=30, what="the broker")
         self.api_key = secrets.token_urlsafe(24)
         self.maps = StandIn("maps", latency=0.02).start()
         self.stack.callback(self.maps.stop)
@@ -216,13 +185,6 @@ class Servers:
 
     def close(self) -> None:
         self.stack.close()
-
-
-def _pings(client: Any) -> bool:
-    try:
-        return bool(client.ping())
-    except Exception:  # not up yet
-        return False
 
 
 def spread_workspaces(shard_map: ShardMap, count: int) -> list[str]:
