@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing as mp
 import os
 import platform
 import secrets
@@ -35,6 +36,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from multiprocessing.connection import Connection as Pipe
 from pathlib import Path
 from typing import Any
 
@@ -300,6 +302,78 @@ class Proc:
     def stop(self) -> None:
         stop_group(self.popen)
         self._log.close()
+
+
+class ProcessPool:
+    """A standing pool of spawned benchmark processes (``multiprocessing`` spawn: the client
+    side is Python, and threads would serialise its work on the GIL), each driven by its
+    parent over a pipe. ``target(*args_of(i), pipe)`` runs in process ``i``; it sends
+    ``"ready"`` once set up, then answers each message, until it receives ``None``."""
+
+    def __init__(self, target: Callable[..., None], args_of: Callable[[int], tuple[Any, ...]],
+                 n: int) -> None:  # fmt: skip
+        ctx = mp.get_context("spawn")
+        self.procs: list[Any] = []
+        self.pipes: list[Pipe] = []
+        try:
+            for i in range(n):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=target, args=(*args_of(i), child), daemon=True)
+                proc.start()
+                self.procs.append(proc)
+                self.pipes.append(parent)
+            for pipe in self.pipes:
+                if pipe.recv() != "ready":
+                    raise RuntimeError("a benchmark process failed to start")
+        except BaseException:
+            self.close()
+            raise
+
+    def ask(self, n: int, msg: Any) -> list[Any]:
+        """``msg`` to the first ``n`` processes at once, then their answers."""
+        for pipe in self.pipes[:n]:
+            pipe.send(msg)
+        return [pipe.recv() for pipe in self.pipes[:n]]
+
+    def together(
+        self, n: int, warm: Any, go: Callable[[float], Any]
+    ) -> tuple[list[Any], list[Any]]:
+        """The warm-up message to ``n`` processes, then ``go(start_at)``: they all start
+        at ``start_at`` (``time.perf_counter``, one clock across processes), 0.2 s on.
+        The answers to both."""
+        warmed = self.ask(n, warm)
+        return warmed, self.ask(n, go(time.perf_counter() + 0.2))
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            with contextlib.suppress(OSError):
+                pipe.send(None)
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+
+
+def run_until(
+    op: Callable[[], int | None], start_at: float, duration: float
+) -> tuple[int, float, bool]:
+    """In a pool's process: wait for ``start_at``, then call ``op`` for ``duration`` seconds.
+    ``op`` returns the ops it did (``None``: one), ``0`` when there is nothing left to do.
+    The ops done, the seconds since ``start_at``, and whether the work ran out."""
+    while time.perf_counter() < start_at:
+        time.sleep(0.001)
+    deadline = start_at + duration
+    count, exhausted = 0, False
+    while time.perf_counter() < deadline:
+        done = op()
+        if done is None:
+            done = 1
+        if not done:
+            exhausted = True
+            break
+        count += done
+    return count, time.perf_counter() - start_at, exhausted
 
 
 def stop_group(popen: subprocess.Popen[Any], grace: float = 20) -> None:

@@ -59,16 +59,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import json
-import multiprocessing as mp
 import os
 import re
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from datetime import datetime
 from multiprocessing.connection import Connection as Pipe
 from pathlib import Path
@@ -82,6 +82,7 @@ import psycopg
 import redis
 
 from bench.harness import (
+    ProcessPool,
     admin_url,
     bench_database,
     database_machine,
@@ -90,6 +91,7 @@ from bench.harness import (
     log,
     ok,
     raw_connect,
+    run_until,
 )
 
 REDIS_DEFAULT = "redis://127.0.0.1:6379/0"
@@ -249,72 +251,34 @@ def _worker(url: str, redis_url: str, idx: int, pipe: Pipe) -> None:
                 pipe.send("warm")
             elif msg[0] == "go":
                 _, kind, scenario, start_at, duration = msg
-                op_fn = ops[kind]
-                while time.perf_counter() < start_at:
-                    time.sleep(0.001)
-                deadline = start_at + duration
-                count = 0
-                while time.perf_counter() < deadline:
-                    op_fn(scenario)
-                    count += 1
-                pipe.send((count, time.perf_counter() - start_at))
+                op = functools.partial(ops[kind], scenario)
+                count, elapsed, _ = run_until(op, start_at, duration)
+                pipe.send((count, elapsed))
     finally:
         raw.close()
         oplog.engine.dispose()
         nobc.engine.dispose()
 
 
-class Workers:
+class Workers(ProcessPool):
     """A standing pool of spawned benchmark processes."""
 
     def __init__(self, url: str, redis_url: str, n: int):
-        ctx = mp.get_context("spawn")
-        self.procs: list[Any] = []
-        self.pipes: list[Pipe] = []
-        try:
-            for idx in range(n):
-                parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_worker, args=(url, redis_url, idx, child), daemon=True)
-                proc.start()
-                self.procs.append(proc)
-                self.pipes.append(parent)
-            for pipe in self.pipes:
-                if pipe.recv() != "ready":
-                    raise RuntimeError("a benchmark process failed to start")
-        except BaseException:
-            self.close()
-            raise
+        super().__init__(_worker, lambda idx: (url, redis_url, idx), n)
 
     def prep_dup(self, n_procs: int, per_proc: int) -> None:
-        for pipe in self.pipes[:n_procs]:
-            pipe.send(("prep_dup", per_proc))
-        for pipe in self.pipes[:n_procs]:
-            if pipe.recv() != "prepped":
-                raise RuntimeError("a benchmark process failed to prepare duplicates")
+        if any(a != "prepped" for a in self.ask(n_procs, ("prep_dup", per_proc))):
+            raise RuntimeError("a benchmark process failed to prepare duplicates")
 
     def run(self, kind: str, scenario: str, n: int, duration: float, warmup: int) -> dict[str, Any]:
-        pipes = self.pipes[:n]
-        for pipe in pipes:
-            pipe.send(("warm", kind, scenario, warmup))
-        for pipe in pipes:
-            pipe.recv()
-        start_at = time.perf_counter() + 0.2
-        for pipe in pipes:
-            pipe.send(("go", kind, scenario, start_at, duration))
-        results = [pipe.recv() for pipe in pipes]
+        _, results = self.together(
+            n,
+            ("warm", kind, scenario, warmup),
+            lambda start_at: ("go", kind, scenario, start_at, duration),
+        )
         ops = sum(r[0] for r in results)
         elapsed = max(r[1] for r in results)
         return {"ops": ops, "seconds": elapsed, "ops_per_s": ops / elapsed}
-
-    def close(self) -> None:
-        for pipe in self.pipes:
-            with suppress(OSError):
-                pipe.send(None)
-        for proc in self.procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=5)
 
 
 def _pool(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -57,14 +57,13 @@ clock across the worker processes); every timed loop is warmed up first.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import secrets
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from contextlib import nullcontext, suppress
+from contextlib import nullcontext
 from multiprocessing.connection import Connection as Pipe
 from pathlib import Path
 from typing import Any
@@ -76,6 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import psycopg
 
 from bench.harness import (
+    ProcessPool,
     admin_url,
     bench_database,
     cpu_seconds,
@@ -86,6 +86,7 @@ from bench.harness import (
     ok,
     pct,
     raw_connect,
+    run_until,
 )
 
 TABLE = "workspace_process_requests"
@@ -359,7 +360,7 @@ def bench_enqueue(url: str, single_n: int, batches: int, batch: int) -> dict[str
 # ---------------------------------------------------------------------------- 2. claim + complete
 
 
-def _worker(url: str, pipe: Pipe, batch: int) -> None:
+def _worker(url: str, batch: int, pipe: Pipe) -> None:
     """One benchmark connection in its own process; obeys (command, …) messages on ``pipe``.
 
     The onceflow side holds its connection, as a worker loop should (and as onceflow's
@@ -473,47 +474,21 @@ def _commands(pipe: Pipe, ops: dict[str, Callable[[], int]]) -> None:
                 _, kind, n = msg
                 pipe.send(("warm", sum(ops[kind]() for _ in range(n))))
             elif msg[0] == "go":
+                # an op returns the rows it claimed and completed: True (1) or a batch's count
                 _, kind, start_at, duration = msg
-                op = ops[kind]
-                while time.perf_counter() < start_at:
-                    time.sleep(0.001)
-                deadline = start_at + duration
-                count, exhausted = 0, False
-                while time.perf_counter() < deadline:
-                    done = op()  # rows claimed and completed: True (1) or a batch's count
-                    if not done:
-                        exhausted = True
-                        break
-                    count += done
-                pipe.send((count, time.perf_counter() - start_at, exhausted))
+                pipe.send(run_until(ops[kind], start_at, duration))
 
 
-class Workers:
+class Workers(ProcessPool):
     """A standing pool of spawned worker processes, one database connection pair each."""
 
     def __init__(self, url: str, n: int, batch: int = 1):
-        ctx = mp.get_context("spawn")
-        self.procs: list[Any] = []
-        self.pipes: list[Pipe] = []
-        for _ in range(n):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(url, child, batch), daemon=True)
-            proc.start()
-            self.procs.append(proc)
-            self.pipes.append(parent)
-        for pipe in self.pipes:
-            if pipe.recv() != "ready":
-                raise RuntimeError("a benchmark worker failed to start")
+        super().__init__(_worker, lambda _: (url, batch), n)
 
     def run(self, kind: str, n: int, duration: float, warmup: int) -> dict[str, Any]:
-        pipes = self.pipes[:n]
-        for pipe in pipes:
-            pipe.send(("warm", kind, warmup))
-        warmed = sum(pipe.recv()[1] for pipe in pipes)
-        start_at = time.perf_counter() + 0.2
-        for pipe in pipes:
-            pipe.send(("go", kind, start_at, duration))
-        results = [pipe.recv() for pipe in pipes]
+        warmed, results = self.together(
+            n, ("warm", kind, warmup), lambda start_at: ("go", kind, start_at, duration)
+        )
         ops = sum(r[0] for r in results)
         elapsed = max(r[1] for r in results)
         return {
@@ -521,18 +496,8 @@ class Workers:
             "seconds": elapsed,
             "ops_per_s": ops / elapsed,
             "exhausted": any(r[2] for r in results),
-            "warm_ops": warmed,
+            "warm_ops": sum(w[1] for w in warmed),
         }
-
-    def close(self) -> None:
-        for pipe in self.pipes:
-            with suppress(OSError):
-                pipe.send(None)
-        for proc in self.procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=5)
 
 
 def _backends(url: str) -> list[int]:
