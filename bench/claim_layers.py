@@ -31,7 +31,6 @@ client's only: the server's share shows in the wall time.
 
 from __future__ import annotations
 
-import argparse
 import json
 import secrets
 import sys
@@ -44,7 +43,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import bench_stages as stages
-from bench.harness import admin_url, bench_database, database_machine, log, raw_connect
+from bench.harness import (
+    admin_url,
+    bench_database,
+    database_machine,
+    header,
+    log,
+    parser,
+    raw_connect,
+    table,
+)
 from bench.queue_bench import (
     SEED_QUEUED,
     STAGE,
@@ -180,10 +188,9 @@ def run(url: str, n: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n", 1)[0])
-    parser.add_argument("--n", type=int, default=3000, help="ops per side after the warm-up")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
+    p = parser(__doc__)
+    p.add_argument("--n", type=int, default=3000, help="ops per side after the warm-up")
+    args = p.parse_args(argv)
     with bench_database(admin_url()) as url:
         info = database_machine(url)
         res = run(url, args.n)
@@ -191,16 +198,20 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"machine": info, "sides": res}, indent=2))
         return 0
     base = res["floor"]
-    print(f"{info['date']} · nproc {info['nproc']} · PostgreSQL {info['postgres']} · "
-          f"psycopg {info['psycopg']} · {args.n:,} claim + completion per side")  # fmt: skip
+    print(header(info, f"psycopg {info['psycopg']}", f"{args.n:,} claim + completion per side"))
     print()
-    print("| side | client CPU µs per op | x floor | wall µs per op | x floor |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    for side, v in res.items():
-        print(
-            f"| {side} | {v['cpu_us']:,.0f} | {v['cpu_us'] / base['cpu_us']:.2f} "
-            f"| {v['wall_us']:,.0f} | {v['wall_us'] / base['wall_us']:.2f} |"
-        )
+    rows = [
+        [
+            side,
+            f"{v['cpu_us']:,.0f}",
+            f"{v['cpu_us'] / base['cpu_us']:.2f}",
+            f"{v['wall_us']:,.0f}",
+            f"{v['wall_us'] / base['wall_us']:.2f}",
+        ]
+        for side, v in res.items()
+    ]
+    cols = ["side", "client CPU µs per op", "x floor", "wall µs per op", "x floor"]
+    print("\n".join(table(cols, rows)))
     log("done")
     return 0
 

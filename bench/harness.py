@@ -19,6 +19,7 @@ run from another worktree measures that tree's onceflow, not the editable instal
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import multiprocessing as mp
@@ -531,6 +532,35 @@ def table(header: Sequence[str], rows: Iterable[Sequence[Any]], align: str = "")
         "| " + " | ".join(rule) + " |",
         *("| " + " | ".join(str(c) for c in row) + " |" for row in rows),
     ]
+
+
+def parser(
+    doc: str | None, json_help: str = "print the raw numbers as JSON"
+) -> argparse.ArgumentParser:
+    """A benchmark's command line: described by its docstring's first paragraph, with
+    ``--json`` (the raw numbers on stdout instead of the Markdown report)."""
+    p = argparse.ArgumentParser(description=(doc or "").split("\n\n", 1)[0])
+    p.add_argument("--json", action="store_true", help=json_help)
+    return p
+
+
+def header(info: dict[str, Any], *more: str) -> str:
+    """A report's first line: the date, the CPUs, the PostgreSQL server, then ``more``."""
+    return " · ".join(
+        [info["date"], f"nproc {info['nproc']}", f"PostgreSQL {info['postgres']}", *more]
+    )
+
+
+def finish(
+    results: dict[str, Any], started: float, as_json: bool, render: Callable[[Any], str]
+) -> int:
+    """The end of a run: the load average and the wall time into ``results``, then the
+    report (:func:`emit`); the exit status."""
+    results["loadavg_end"] = loadavg()
+    results["wall_seconds"] = time.perf_counter() - started
+    log(f"done in {results['wall_seconds']:.0f}s")
+    emit(results, as_json, render)
+    return 0
 
 
 def emit(results: Any, as_json: bool, render: Callable[[Any], str]) -> None:

@@ -86,11 +86,12 @@ from bench.harness import (
     admin_url,
     bench_database,
     database_machine,
-    emit,
+    finish,
     loadavg,
     log,
     ok,
     raw_connect,
+    redis_version,
     run_until,
 )
 
@@ -788,9 +789,7 @@ def main(argv: list[str] | None = None) -> int:
     with bench_database(admin) as url:
         results["machine"] = database_machine(
             url,
-            redis_server=redis.Redis.from_url(redis_url, socket_connect_timeout=2)
-            .info("server")
-            .get("redis_version"),
+            redis_server=redis_version(redis_url),
             redis_py=redis.__version__,
         )
         results["machine"]["loadavg_start"] = loadavg()
@@ -799,11 +798,7 @@ def main(argv: list[str] | None = None) -> int:
             url, redis_url, cfg["split_ops"], cfg["split_rounds"]
         )
         results["throughput"] = bench_throughput(url, redis_url, cfg)
-    results["loadavg_end"] = loadavg()
-    results["wall_seconds"] = time.perf_counter() - started
-    log(f"done in {results['wall_seconds']:.0f}s")
-    emit(results, args.json, render)
-    return 0
+    return finish(results, started, args.json, render)
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ from bench.harness import (
     bench_database,
     cpu_seconds,
     database_machine,
-    emit,
+    finish,
     loadavg,
     log,
     ok,
@@ -1140,11 +1140,7 @@ def main(argv: list[str] | None = None) -> int:
                 tuple(int(x) for x in args.front.split(",")) if args.front else cfg["front"]
             )
             results["front"] = bench_front(url, windows, step, history)
-    results["loadavg_end"] = loadavg()
-    results["wall_seconds"] = time.perf_counter() - started
-    log(f"done in {results['wall_seconds']:.0f}s")
-    emit(results, args.json, render)
-    return 0
+    return finish(results, started, args.json, render)
 
 
 if __name__ == "__main__":

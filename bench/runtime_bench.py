@@ -102,7 +102,7 @@ import redis
 from bench.harness import (
     Proc,
     admin_url,
-    emit,
+    finish,
     fresh_databases,
     libpq,
     loadavg,
@@ -806,11 +806,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             b.stop_all()
             b.cleanup()
-    results["loadavg_end"] = loadavg()
-    results["wall_seconds"] = time.perf_counter() - started
-    log(f"done in {results['wall_seconds']:.0f}s")
-    emit(results, args.json, render)
-    return 0
+    return finish(results, started, args.json, render)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ something else.
 
 from __future__ import annotations
 
-import argparse
 import json
 import secrets
 import sys
@@ -42,7 +41,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import bench_stages as stages
-from bench.harness import CLK_TCK, admin_url, bench_database, database_machine, log, raw_connect
+from bench.harness import (
+    CLK_TCK,
+    admin_url,
+    bench_database,
+    database_machine,
+    header,
+    log,
+    parser,
+    raw_connect,
+    table,
+)
 from bench.queue_bench import (
     SEED_QUEUED,
     STAGE,
@@ -179,24 +188,20 @@ def run(url: str, n: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n", 1)[0])
-    parser.add_argument("--n", type=int, default=3000, help="pairs per variant after warm-up")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
+    p = parser(__doc__)
+    p.add_argument("--n", type=int, default=3000, help="pairs per variant after warm-up")
+    args = p.parse_args(argv)
     with bench_database(admin_url()) as url:
         info = database_machine(url)
         res = run(url, args.n)
     if args.json:
         print(json.dumps({"machine": info, "server_cpu_us": res}, indent=2))
         return 0
-    print(f"{info['date']} · nproc {info['nproc']} · PostgreSQL {info['postgres']} · "
-          f"{args.n:,} claim + completion pairs per variant; /proc ticks of "
-          f"{1000 / CLK_TCK:.0f} ms")  # fmt: skip
+    print(header(info, f"{args.n:,} claim + completion pairs per variant; /proc ticks of "
+                       f"{1000 / CLK_TCK:.0f} ms"))  # fmt: skip
     print()
-    print("| variant | server CPU µs per pair | x floor |")
-    print("| --- | ---: | ---: |")
-    for name, us in res.items():
-        print(f"| {name} | {us:,.0f} | {us / res['floor']:.2f} |")
+    rows = [[name, f"{us:,.0f}", f"{us / res['floor']:.2f}"] for name, us in res.items()]
+    print("\n".join(table(["variant", "server CPU µs per pair", "x floor"], rows)))
     log("done")
     return 0
 
