@@ -35,10 +35,9 @@ import redis as redis_lib
 from sqlalchemy import make_url
 
 from bench.faultproxy import ProxyControl
+from bench.harness import ROOT, database_url, libpq, redis_answers
 from onceflow.demo.procs import Proc, wait_for
 from onceflow.embedded import PG_SYSTEM_USER, embedded_services
-
-ROOT = Path(__file__).resolve().parents[1]
 
 AUDIT_SQL = """
 CREATE TABLE chaos_claims (
@@ -91,11 +90,6 @@ CREATE TRIGGER chaos_op_audit AFTER INSERT ON workspace_sub_doc_ops FOR EACH ROW
 """
 
 
-def libpq(url: str) -> str:
-    """A SQLAlchemy URL as a libpq one."""
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-
-
 class Cluster:
     """Private PostgreSQL + Valkey + fault proxy, and every process started against them."""
 
@@ -131,7 +125,7 @@ class Cluster:
 
     def direct_url(self, database: str) -> str:
         """The harness's own URL to ``database`` (never faulted by the proxy)."""
-        return make_url(self.admin_url).set(database=database).render_as_string(hide_password=False)
+        return database_url(self.admin_url, database)
 
     def fresh_database(self, name: str) -> None:
         """Create ``name`` (dropping a leftover), migrate it, install the audit triggers."""
@@ -253,15 +247,7 @@ class Cluster:
 
     def redis_answers(self) -> bool:
         """Whether Valkey answers PING."""
-        client = redis_lib.Redis.from_url(
-            self.redis_url, socket_timeout=1, socket_connect_timeout=1
-        )
-        try:
-            return bool(client.ping())
-        except (redis_lib.RedisError, OSError):
-            return False
-        finally:
-            client.close()
+        return redis_answers(self.redis_url)
 
     def _stop_own_servers(self) -> None:
         for popen in self._own_servers:

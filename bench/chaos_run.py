@@ -26,7 +26,8 @@ import psycopg
 import redis as redis_lib
 
 from bench import chaos_stages
-from bench.chaos_cluster import ROOT, Cluster, libpq
+from bench.chaos_cluster import Cluster
+from bench.harness import ROOT, libpq
 from onceflow.demo.procs import Proc, wait_for
 from onceflow.demo.standins import StandIn
 from onceflow.errors import InvalidRequest, OnceflowError

@@ -14,8 +14,8 @@ from typing import Any
 import psycopg
 
 from bench import chaos_stages
-from bench.chaos_cluster import ROOT, libpq
 from bench.chaos_run import Run, Scenario, lose_wakeups
+from bench.harness import ROOT, libpq
 
 #: One sitecustomize shifts a process's wall clock, for the tests and for the chaos suite.
 SKEW_DIR = ROOT / "tests" / "acceptance" / "skewed_clock"

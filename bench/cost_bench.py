@@ -67,8 +67,9 @@ from typing import Any
 # editable install's (a before/after comparison would run one tree twice).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.harness import Proc, admin_url, log, wait_for
+
 ROOT = Path(__file__).resolve().parent.parent
-ADMIN_DEFAULT = "postgresql+psycopg://root@127.0.0.1:5432/postgres"
 REDIS_DEFAULT = "redis://127.0.0.1:6379/13"
 PEER_VENV_DEFAULT = "/tmp/onceflow-bench-cost"  # noqa: S108 - a scratch virtualenv
 VISIBILITY = 10.0
@@ -77,10 +78,6 @@ KILL_AT = 0.3
 COLUMNS = ["fit", "pay", "remote", "growth", "stack", "team", "mission", "location"]
 SIDES = ["naive", "celery-once", "celery-singleton", "onceflow", "onceflow-branches"]
 CELERY_SIDE = {"naive": "naive", "celery-once": "once", "celery-singleton": "singleton"}
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------- peer venv
@@ -118,49 +115,21 @@ def peer_site(venv: Path) -> tuple[str | None, str]:
 # ------------------------------------------------------------------------------ workers
 
 
-class Worker:
+class Worker(Proc):
     """One `celery worker` process (its own process group), logging to a file."""
 
     def __init__(self, app: str, queues: list[str], tag: str, env: dict[str, str],
                  log_dir: Path) -> None:  # fmt: skip
         self.tag = tag
-        self.log_path = log_dir / f"worker-{tag}.log"
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         args = [sys.executable, "-m", "celery", "-A", app, "worker", "-Q", ",".join(queues),
                 "-c", str(CONCURRENCY), "-P", "prefork", "-l", "WARNING", "--without-gossip",
                 "--without-mingle", "--without-heartbeat", "-n", f"{tag}@%h"]  # fmt: skip
-        self.popen = subprocess.Popen(
-            args, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, env={**os.environ, **env, "COST_WORKER_TAG": tag},
-            start_new_session=True,
-        )  # fmt: skip
+        env = {**os.environ, **env, "COST_WORKER_TAG": tag}
+        super().__init__(f"worker-{tag}", args, log_dir, env)
 
     def kill9(self) -> None:
         os.killpg(self.popen.pid, signal.SIGKILL)
         self.popen.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.popen.wait(timeout=15)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(timeout=10)
-        self._log.close()
-
-
-def wait_for(cond: Any, timeout: float, what: str, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 # ---------------------------------------------------------------------------------- runs
@@ -212,7 +181,7 @@ class Bench:
         self.llm = StandIn("llm", latency=self.args.latency, api_key=self.api_key).start()
         self.stack.callback(self.llm.stop)
         self.redis_url = os.environ.get("ONCEFLOW_BENCH_REDIS_URL", REDIS_DEFAULT)
-        admin = os.environ.get("ONCEFLOW_BENCH_DATABASE_URL", ADMIN_DEFAULT)
+        admin = admin_url()
         # Settings every process reads (the driver too: it enqueues).
         self.env = {
             "ONCEFLOW_REDIS_URL": self.redis_url,

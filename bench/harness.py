@@ -227,12 +227,13 @@ def start_redis(binary: str, port: int) -> subprocess.Popen[bytes]:
 
 
 def redis_answers(url: str) -> bool:
+    """Whether the Redis server at ``url`` answers PING (within a second)."""
     import redis
 
-    client = redis.Redis.from_url(url, socket_connect_timeout=1)
+    client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
     try:
         return bool(client.ping())
-    except redis.ConnectionError:
+    except (redis.RedisError, OSError):
         return False
     finally:
         client.close()
@@ -280,6 +281,7 @@ class Proc:
             cwd=ROOT,
             stdout=self._log,
             stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
             env=env,
             start_new_session=True,
         )
@@ -412,6 +414,19 @@ def wait_until(cond: Callable[[], Any], timeout: float, interval: float = 0.1) -
             return True
         if time.monotonic() > deadline:
             return False
+        time.sleep(interval)
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll ``cond`` until it returns something truthy, and return that; ``TimeoutError``
+    naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
 
 
