@@ -4,7 +4,7 @@
 
 Postgres comes from ``ONCEFLOW_BENCH_DATABASE_URL`` (default
 ``postgresql+psycopg://root@127.0.0.1:5432/postgres``), the admin URL only: the run
-creates its own database and drops it at the end (``bench.queue_bench.bench_database``).
+creates its own database and drops it at the end (``bench.harness.bench_database``).
 
 1. Depth. A table with ``--finished`` succeeded rows (the history) and about 2,000
    live ones (1,500 queued, 500 of them claimed: running). First the plans:

@@ -46,10 +46,10 @@ from bench import bench_stages as stages
 from bench.harness import (
     admin_url,
     bench_database,
+    command_line,
     database_machine,
     header,
     log,
-    parser,
     raw_connect,
     table,
 )
@@ -188,7 +188,7 @@ def run(url: str, n: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = parser(__doc__)
+    p = command_line(__doc__)
     p.add_argument("--n", type=int, default=3000, help="ops per side after the warm-up")
     args = p.parse_args(argv)
     with bench_database(admin_url()) as url:

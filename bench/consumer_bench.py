@@ -100,7 +100,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import psycopg
 
-from bench.harness import HARNESS_APP, PrivatePostgres, cpu_model, loadavg, log, pct, wait_until
+from bench.harness import (
+    HARNESS_APP,
+    PrivatePostgres,
+    command_line,
+    cpu_model,
+    loadavg,
+    log,
+    pct,
+    wait_until,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pressure  # the bench folder's own module
@@ -870,9 +879,8 @@ def render(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = command_line(__doc__, full=True)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--json", action="store_true")
     p.add_argument("--n", type=int)
     p.add_argument("--rounds", type=int)
     p.add_argument("--concurrency", type=int, default=8)

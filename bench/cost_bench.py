@@ -67,7 +67,7 @@ from typing import Any
 # editable install's (a before/after comparison would run one tree twice).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import Proc, admin_url, log, wait_for
+from bench.harness import Proc, admin_url, command_line, log, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 REDIS_DEFAULT = "redis://127.0.0.1:6379/13"
@@ -420,7 +420,7 @@ class Bench:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = command_line(__doc__)
     parser.add_argument("--quick", action="store_true", help="K = 1, 4 only; J=2, C=3")
     parser.add_argument("--jobs", type=int, default=4)
     parser.add_argument("--columns", type=int, default=5)
@@ -430,7 +430,6 @@ def main() -> None:
     parser.add_argument("--latency", type=float, default=0.05)
     parser.add_argument("--deadline", type=float, default=30.0)
     parser.add_argument("--plot", type=Path, default=None)
-    parser.add_argument("--json", action="store_true")
     parser.add_argument("--log-dir", type=Path, default=None, help="keep the workers' logs here")
     args = parser.parse_args()
     if args.quick:

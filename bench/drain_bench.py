@@ -117,6 +117,7 @@ from bench.consumer_bench import PEERS_VENV, Consumers, Side, ensure_peers, read
 from bench.harness import (
     Proc,
     admin_url,
+    command_line,
     cpu_seconds,
     libpq,
     loadavg,
@@ -987,11 +988,10 @@ def _config(text: str) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n", 1)[0])
+    parser = command_line(__doc__)
     parser.add_argument(
         "--quick", action="store_true", help="300 requests, 2 rounds, fewer pickups"
     )
-    parser.add_argument("--json", action="store_true")
     parser.add_argument(
         "--breakdown", action="store_true", help="statements/commits/Redis per stage"
     )

@@ -549,12 +549,16 @@ def table(header: Sequence[str], rows: Iterable[Sequence[Any]], align: str = "")
     ]
 
 
-def parser(
-    doc: str | None, json_help: str = "print the raw numbers as JSON"
+def command_line(
+    doc: str | None, json_help: str = "print the raw numbers as JSON", *, full: bool = False
 ) -> argparse.ArgumentParser:
-    """A benchmark's command line: described by its docstring's first paragraph, with
-    ``--json`` (the raw numbers on stdout instead of the Markdown report)."""
-    p = argparse.ArgumentParser(description=(doc or "").split("\n\n", 1)[0])
+    """A benchmark's command line, with ``--json`` (the raw numbers on stdout instead of the
+    Markdown report): described by its docstring's first paragraph, or all of it
+    (``full``, as written)."""
+    if full:
+        p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    else:
+        p = argparse.ArgumentParser(description=(doc or "").split("\n\n", 1)[0])
     p.add_argument("--json", action="store_true", help=json_help)
     return p
 

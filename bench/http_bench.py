@@ -43,7 +43,6 @@ hits both sides alike.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import secrets
@@ -64,7 +63,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx
 from pydantic import BaseModel
 
-from bench.harness import admin_url, bench_database, emit, free_port, loadavg, log, machine_info
+from bench.harness import (
+    admin_url,
+    bench_database,
+    command_line,
+    emit,
+    free_port,
+    loadavg,
+    log,
+    machine_info,
+)
 from onceflow.tasks import Flow, StageContext
 
 REDIS_DEFAULT = "redis://127.0.0.1:6379/0"
@@ -195,11 +203,10 @@ def timed(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n", 1)[0])
+    parser = command_line(__doc__)
     parser.add_argument("--quick", action="store_true", help="2 rounds of 100 calls")
     parser.add_argument("--rounds", type=int, default=5, help="rounds per figure (5)")
     parser.add_argument("--calls", type=int, default=300, help="calls per round and side (300)")
-    parser.add_argument("--json", action="store_true", help="print the raw numbers as JSON")
     parser.add_argument(
         "--baseline",
         metavar="DIR",

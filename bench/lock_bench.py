@@ -38,7 +38,6 @@ Progress goes to stderr; the Markdown report (or ``--json``) to stdout.
 
 from __future__ import annotations
 
-import argparse
 import json
 import secrets
 import sys
@@ -56,6 +55,7 @@ import redis  # noqa: E402
 from bench.harness import (  # noqa: E402
     admin_url,
     bench_database,
+    command_line,
     interleaved,
     loadavg,
     log,
@@ -315,9 +315,8 @@ def render(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = command_line(__doc__, "print the raw numbers")
     parser.add_argument("--quick", action="store_true", help="fewer pairs and calls")
-    parser.add_argument("--json", action="store_true", help="print the raw numbers")
     parser.add_argument("--pairs", type=int, default=None, help="pairs per block")
     args = parser.parse_args(argv)
     pairs = args.pairs or (500 if args.quick else 2000)

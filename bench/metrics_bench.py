@@ -60,6 +60,7 @@ import psycopg
 from bench.harness import (
     admin_url,
     bench_database,
+    command_line,
     cpu_seconds,
     free_port,
     libpq,
@@ -255,11 +256,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = command_line(__doc__, "print the summary as JSON", full=True)
     p.add_argument("--n", type=int, default=4000, help="requests per drain")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = p.parse_args(argv)
     summary = run(args)
     if args.json:

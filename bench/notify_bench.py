@@ -25,7 +25,6 @@ run creates its own database (see bench/queue_bench.py) and drops it at the end.
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing as mp
 import os
@@ -37,7 +36,15 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.harness import admin_url, bench_database, database_machine, log, pct, raw_connect
+from bench.harness import (
+    admin_url,
+    bench_database,
+    command_line,
+    database_machine,
+    log,
+    pct,
+    raw_connect,
+)
 
 WC = "lat"
 
@@ -179,12 +186,11 @@ def bench_concurrent(url: str, procs: int, rounds: int, n: int) -> dict[str, Any
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = command_line(__doc__)
     parser.add_argument("--wakeups", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--n", type=int, default=400)
     parser.add_argument("--procs", type=int, default=4)
-    parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with bench_database(admin_url()) as url:
         info = database_machine(url)

@@ -57,7 +57,6 @@ to stdout.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import hashlib
@@ -85,6 +84,7 @@ from bench.harness import (
     ProcessPool,
     admin_url,
     bench_database,
+    command_line,
     database_machine,
     finish,
     loadavg,
@@ -769,9 +769,8 @@ def _stmt_share(label: str, v: dict[str, float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n", 1)[0])
+    parser = command_line(__doc__)
     parser.add_argument("--quick", action="store_true", help="a short run: 2 x 1 s per side")
-    parser.add_argument("--json", action="store_true", help="print the raw numbers as JSON")
     args = parser.parse_args(argv)
 
     admin = admin_url()

@@ -56,7 +56,6 @@ clock across the worker processes); every timed loop is warmed up first.
 
 from __future__ import annotations
 
-import argparse
 import os
 import secrets
 import statistics
@@ -78,6 +77,7 @@ from bench.harness import (
     ProcessPool,
     admin_url,
     bench_database,
+    command_line,
     cpu_seconds,
     database_machine,
     finish,
@@ -1064,9 +1064,8 @@ def _render_front(fr: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n", 1)[0])
+    parser = command_line(__doc__)
     parser.add_argument("--quick", action="store_true", help="a short run; sizes 10k and 100k")
-    parser.add_argument("--json", action="store_true", help="print the raw numbers as JSON")
     parser.add_argument(
         "--only",
         choices=("enqueue", "claims", "latency", "in_flight", "front"),

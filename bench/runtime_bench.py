@@ -78,7 +78,6 @@ to stdout.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -102,6 +101,7 @@ import redis
 from bench.harness import (
     Proc,
     admin_url,
+    command_line,
     finish,
     fresh_databases,
     libpq,
@@ -753,9 +753,8 @@ def _lat_row(name: str, st: dict[str, float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n", 1)[0])
+    parser = command_line(__doc__)
     parser.add_argument("--quick", action="store_true", help="a short run: 300 requests, 1 round")
-    parser.add_argument("--json", action="store_true", help="print the raw numbers as JSON")
     parser.add_argument(
         "--profile",
         action="store_true",

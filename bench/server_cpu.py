@@ -45,10 +45,10 @@ from bench.harness import (
     CLK_TCK,
     admin_url,
     bench_database,
+    command_line,
     database_machine,
     header,
     log,
-    parser,
     raw_connect,
     table,
 )
@@ -188,7 +188,7 @@ def run(url: str, n: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = parser(__doc__)
+    p = command_line(__doc__)
     p.add_argument("--n", type=int, default=3000, help="pairs per variant after warm-up")
     args = p.parse_args(argv)
     with bench_database(admin_url()) as url:

@@ -31,7 +31,6 @@ ratios to one shard (docs/benchmarks.md).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -55,6 +54,7 @@ import psycopg
 
 from bench.harness import (
     PrivatePostgres,
+    command_line,
     free_port,
     fresh_databases,
     libpq,
@@ -489,7 +489,7 @@ def passes(result: dict[str, Any]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = command_line(__doc__)
     parser.add_argument("--shards", default="1,2,4", help="shard counts, interleaved per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workspaces", type=int, default=24)
@@ -497,7 +497,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--workers", type=int, default=1, help="worker processes per class")
     parser.add_argument("--restart", action="store_true", help="also one round with a restart")
-    parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     counts = [int(c) for c in args.shards.split(",")]
     servers = Servers()

@@ -23,7 +23,6 @@ by onceflow.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -174,9 +173,10 @@ if OUT:  # in the bench's workers only (the bench itself imports the stages once
 
 def run_sides(n: int, rounds: int) -> dict[str, list[dict[str, Any]]]:
     from bench import drain_bench as db
+    from bench.harness import admin_url, log
     from bench.runtime_bench import bench_databases
 
-    admin = os.environ.get("ONCEFLOW_BENCH_DATABASE_URL", db.ADMIN_DEFAULT)
+    admin = admin_url()
     redis_url = os.environ.get("ONCEFLOW_BENCH_REDIS_URL", db.REDIS_DEFAULT)
     out: dict[str, list[dict[str, Any]]] = {"onceflow": [], "floor": []}
     with tempfile.TemporaryDirectory() as tmp, bench_databases(admin, False) as (url, _):
@@ -191,7 +191,7 @@ def run_sides(n: int, rounds: int) -> dict[str, list[dict[str, Any]]]:
                     res = db.drain(b, kind, n, 1, 2, f"parts{i}-{kind}")
                     children = [json.loads(p.read_text()) for p in Path(tmp).glob("*.json")]
                     out[kind].append({"per_s": res["per_s"], "children": children})
-                    db.log(f"round {i + 1} {kind}: {res['per_s']:,.0f}/s")
+                    log(f"round {i + 1} {kind}: {res['per_s']:,.0f}/s")
         finally:
             b.stop_all()
             b.cleanup()
@@ -239,10 +239,12 @@ def render(res: dict[str, dict[str, float]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.harness import command_line
+
+    parser = command_line(__doc__)
     parser.add_argument("--n", type=int, default=2000, help="stages per drain")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     runs = run_sides(args.n, args.rounds)
     res = {kind: summarize(r) for kind, r in runs.items()}
