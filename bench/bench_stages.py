@@ -25,11 +25,11 @@ import secrets
 import time
 from typing import Any
 
-import redis
 from celery import Celery
 from celery.signals import task_postrun, worker_ready
 from pydantic import BaseModel
 
+from bench.harness import process_redis as r
 from onceflow.settings import get_settings
 from onceflow.tasks import Flow, StageContext
 from onceflow.tasks.config import celery_config, time_limits
@@ -58,16 +58,6 @@ bare.add_defaults(lambda: celery_config(get_settings()))
 if os.environ.get("ONCEFLOW_BENCH_EVENTS") == "0":
     for _app in (app, bare):
         _app.conf.update(worker_send_task_events=False, task_send_sent_event=False)
-
-_redis: tuple[int, redis.Redis] | None = None
-
-
-def r() -> redis.Redis:
-    """This process's Redis client (made after the fork)."""
-    global _redis
-    if _redis is None or _redis[0] != os.getpid():
-        _redis = (os.getpid(), redis.Redis.from_url(get_settings().redis_url))
-    return _redis[1]
 
 
 def started(tag: str, pickup: bool) -> None:

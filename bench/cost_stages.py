@@ -20,10 +20,10 @@ import json
 import os
 from typing import Any
 
-import redis
 from celery import Celery
 from celery.signals import task_postrun, worker_ready
 
+from bench.harness import process_redis as r
 from onceflow.demo.providers import llm_from_env
 from onceflow.demo.stages import app as flow_app
 from onceflow.demo.stages import flow
@@ -80,16 +80,6 @@ def _capp_config() -> dict[str, Any]:
 
 capp = Celery("onceflow-cost", set_as_current=False)
 capp.add_defaults(_capp_config)
-
-_redis: tuple[int, redis.Redis] | None = None
-
-
-def r() -> redis.Redis:
-    """This process's Redis client (made after the fork)."""
-    global _redis
-    if _redis is None or _redis[0] != os.getpid():
-        _redis = (os.getpid(), redis.Redis.from_url(get_settings().redis_url))
-    return _redis[1]
 
 
 def call_llm(job: str, column: str) -> float:

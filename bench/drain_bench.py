@@ -124,6 +124,7 @@ from bench.harness import (
     log,
     per_round_ratios,
     raw_connect,
+    stack_samples,
 )
 from bench.runtime_bench import (
     REDIS_DEFAULT,
@@ -773,24 +774,7 @@ def profile(b: Drain, kind: str, n: int, seconds: float, pyspy: str) -> dict[str
     res = drain(b, kind, n, 1, 2, f"prof-{kind}", probe)
     for _, spy in spies:
         spy.wait(timeout=seconds + 60)
-    buckets: dict[str, int] = {}
-    db_wait: dict[str, int] = {}
-    total = 0
-    for out, _ in spies:
-        for line in out.read_text(errors="replace").splitlines():
-            stack, _, count = line.rpartition(" ")
-            if "workloop" not in stack or not count.isdigit():
-                continue
-            frames = stack.split(";")
-            name = "other"
-            for marker, bucket in BUCKETS:
-                if any(marker in f for f in frames):
-                    name = bucket
-                    break
-            buckets[name] = buckets.get(name, 0) + int(count)
-            if any("psycopg" in f and "wait" in f for f in frames):
-                db_wait[name] = db_wait.get(name, 0) + int(count)
-            total += int(count)
+    buckets, db_wait, total = stack_samples([out for out, _ in spies], "workloop", BUCKETS)
     for _, spy in parent:
         spy.wait(timeout=seconds + 60)
     rate = res["per_s"]

@@ -250,6 +250,22 @@ def redis_version(url: str) -> str | None:
         client.close()
 
 
+_redis: tuple[int, Any] | None = None
+
+
+def process_redis() -> Any:
+    """This process's Redis client at the settings' URL, made again in a forked child (a
+    worker's pool children each get their own)."""
+    global _redis
+    if _redis is None or _redis[0] != os.getpid():
+        import redis
+
+        from onceflow.settings import get_settings
+
+        _redis = (os.getpid(), redis.Redis.from_url(get_settings().redis_url))
+    return _redis[1]
+
+
 @contextmanager
 def private_redis() -> Iterator[str]:
     """A Redis of this run's own on a free port (nothing on disk): its URL, once it answers."""
@@ -428,6 +444,29 @@ def wait_for(cond: Callable[[], Any], timeout: float, what: str, interval: float
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def stack_samples(
+    paths: Iterable[Path], thread: str, buckets: Sequence[tuple[str, str]]
+) -> tuple[dict[str, int], dict[str, int], int]:
+    """py-spy's raw (folded) stacks in ``paths``, of the threads whose stack holds
+    ``thread``: the samples per bucket (the first of ``buckets``' ``(marker, bucket)`` whose
+    marker a frame holds, else ``other``), those of them waiting in psycopg, and all."""
+    counts: dict[str, int] = {}
+    db_wait: dict[str, int] = {}
+    total = 0
+    for path in paths:
+        for line in path.read_text(errors="replace").splitlines():
+            stack, _, count = line.rpartition(" ")
+            if thread not in stack or not count.isdigit():
+                continue
+            frames = stack.split(";")
+            name = next((b for m, b in buckets if any(m in f for f in frames)), "other")
+            counts[name] = counts.get(name, 0) + int(count)
+            if any("psycopg" in f and "wait" in f for f in frames):
+                db_wait[name] = db_wait.get(name, 0) + int(count)
+            total += int(count)
+    return counts, db_wait, total
 
 
 # ---------------------------------------------------------------------------- rounds, ratios

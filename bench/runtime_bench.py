@@ -114,6 +114,7 @@ from bench.harness import (
     psycopg_version,
     raw_connect,
     redis_version,
+    stack_samples,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -599,21 +600,9 @@ def profile_drain(b: Bench, kind: str, n: int, seconds: float) -> dict[str, Any]
         _wait(proc, lambda: int(b.redis.get(key) or 0) >= n, 900, f"{kind} (profile)")
     finally:
         b.stop(proc)
-    buckets: dict[str, int] = {}
-    total = 0
-    for out, _ in spies:
-        for line in out.read_text(errors="replace").splitlines():
-            stack, _, count = line.rpartition(" ")
-            if "Worker.workloop" not in stack or not count.isdigit():
-                continue  # not a pool child's main thread
-            frames = stack.split(";")
-            name = "other"
-            for marker, bucket in PROFILE_BUCKETS:
-                if any(marker in f for f in frames):
-                    name = bucket
-                    break
-            buckets[name] = buckets.get(name, 0) + int(count)
-            total += int(count)
+    # a pool child's main thread only
+    paths = [out for out, _ in spies]
+    buckets, _, total = stack_samples(paths, "Worker.workloop", PROFILE_BUCKETS)
     wall_per_task = len(spies) * seconds / max(done_in_window, 1)
     shares = {k: v / total for k, v in sorted(buckets.items(), key=lambda kv: -kv[1])}
     log(
