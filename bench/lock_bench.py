@@ -62,6 +62,7 @@ from bench.harness import (  # noqa: E402
     machine_info,
     private_redis,
     redis_version,
+    table,
 )
 
 try:
@@ -267,50 +268,51 @@ def render(res: dict[str, Any]) -> str:
         "",
         "#### 1. Uncontended acquire + release, one client, one connection",
         "",
-        "| Contender | pairs/s | / raw floor |",
-        "| --- | ---: | ---: |",
     ]
     pairs = res["pairs"]
     floor = pairs["raw floor: SET NX PX + EVALSHA release"]["per_s"]
-    for name, r in pairs.items():
-        out.append(f"| {name} | {r['per_s']:,.0f} | {r['per_s'] / floor:.2f} |")
     sql = res["sql_pairs"]
     sql_floor = sql["SQL floor: the same two statements, raw psycopg"]["per_s"]
-    for name, r in sql.items():
-        out.append(
-            f"| {name} | {r['per_s']:,.0f} | {r['per_s'] / sql_floor:.2f} of the SQL floor |"
-        )
+    out += table(
+        ["Contender", "pairs/s", "/ raw floor"],
+        [[name, f"{r['per_s']:,.0f}", f"{r['per_s'] / floor:.2f}"] for name, r in pairs.items()]
+        + [
+            [name, f"{r['per_s']:,.0f}", f"{r['per_s'] / sql_floor:.2f} of the SQL floor"]
+            for name, r in sql.items()
+        ],
+    )
     rt = res["round_trips"]
     out += [
         "",
         f"#### 2. Redis cost per `compute_once` call ({res['n_round_trips']:,} calls per path)",
         "",
-        "| Path | Redis round trips / call | Redis commands / call | µs / call |",
-        "| --- | ---: | ---: | ---: |",
     ]
-    for path in ("preflight", "double_check", "computed"):
-        r = rt[path]
-        out.append(
-            f"| {path} | {r['round_trips']:.3f} | {r['commands']:.3f} | {r['us_per_call']:.1f} |"
-        )
-    out.append(f"| (calling `check()` alone) | 0 | 0 | {rt['bare_check_us']:.2f} |")
+    out += table(
+        ["Path", "Redis round trips / call", "Redis commands / call", "µs / call"],
+        [
+            [path, f"{r['round_trips']:.3f}", f"{r['commands']:.3f}", f"{r['us_per_call']:.1f}"]
+            for path, r in ((p, rt[p]) for p in ("preflight", "double_check", "computed"))
+        ]
+        + [["(calling `check()` alone)", "0", "0", f"{rt['bare_check_us']:.2f}"]],
+    )
     out += [
         "",
         f"#### 3. Provider calls per cell ({res['cells']} cells, {PROVIDER_LATENCY * 1000:.0f} ms "
         "provider latency, callers released together by a barrier)",
         "",
-        "| Callers per cell | Processes | Without lock: calls / cell (max) | "
-        "compute_once: calls / cell (max) | Wall s without / with |",
-        "| ---: | ---: | ---: | ---: | ---: |",
     ]
     by = {(r["callers_per_cell"], r["lock"]): r for r in res["provider"]}
+    rows = []
     for c in sorted({r["callers_per_cell"] for r in res["provider"]}):
         a, b = by[(c, False)], by[(c, True)]
-        out.append(
-            f"| {c} | {a['processes']} | {a['calls_per_cell']:.2f} ({a['max_calls_per_cell']}) "
-            f"| {b['calls_per_cell']:.2f} ({b['max_calls_per_cell']}) "
-            f"| {a['wall_s']:.2f} / {b['wall_s']:.2f} |"
-        )
+        rows.append([
+            c, a["processes"], f"{a['calls_per_cell']:.2f} ({a['max_calls_per_cell']})",
+            f"{b['calls_per_cell']:.2f} ({b['max_calls_per_cell']})",
+            f"{a['wall_s']:.2f} / {b['wall_s']:.2f}",
+        ])  # fmt: skip
+    header = ["Callers per cell", "Processes", "Without lock: calls / cell (max)",
+              "compute_once: calls / cell (max)", "Wall s without / with"]  # fmt: skip
+    out += table(header, rows, align="rrrrr")
     return "\n".join(out)
 
 

@@ -216,26 +216,31 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def render(res: dict[str, dict[str, float]]) -> str:
+    from bench.harness import table
+
     o, f = res["onceflow"], res["floor"]
-    lines = [
-        "| per stage, a pool child's thread CPU (µs) | onceflow | floor |",
-        "| --- | ---: | ---: |",
-        f"| the child's whole CPU (all threads, Celery's part too) | {o['cpu']:.0f} "
-        f"| {f['cpu']:.0f} |",
-    ]
+    rows = [["the child's whole CPU (all threads, Celery's part too)", f"{o['cpu']:.0f}",
+             f"{f['cpu']:.0f}"]]  # fmt: skip
     for name, label in PARTS:
         if name in o or name in f:
-            lines.append(f"| {label} | {o.get(name, 0):.1f} | {f.get(name, 0):.1f} |")
-    lines += [
-        f"| full collections in the child (µs per stage; collections per child) "
-        f"| {o.get('gc_full', 0):.1f}; {o.get('gc_full_n', 0):.0f} "
-        f"| {f.get('gc_full', 0):.1f}; {f.get('gc_full_n', 0):.0f} |",
-        f"| the child's memory: private dirty · PSS (MB) | {o['mem_Private_Dirty']:.1f} · "
-        f"{o['mem_Pss']:.1f} | {f['mem_Private_Dirty']:.1f} · {f['mem_Pss']:.1f} |",
-        f"| objects frozen before the fork | {o['gc_frozen']:,.0f} | {f['gc_frozen']:,.0f} |",
-        f"| drain, stages/s (median) | {o['per_s']:,.0f} | {f['per_s']:,.0f} |",
+            rows.append([label, f"{o.get(name, 0):.1f}", f"{f.get(name, 0):.1f}"])
+    rows += [
+        [
+            "full collections in the child (µs per stage; collections per child)",
+            f"{o.get('gc_full', 0):.1f}; {o.get('gc_full_n', 0):.0f}",
+            f"{f.get('gc_full', 0):.1f}; {f.get('gc_full_n', 0):.0f}",
+        ],
+        [
+            "the child's memory: private dirty · PSS (MB)",
+            f"{o['mem_Private_Dirty']:.1f} · {o['mem_Pss']:.1f}",
+            f"{f['mem_Private_Dirty']:.1f} · {f['mem_Pss']:.1f}",
+        ],
+        ["objects frozen before the fork", f"{o['gc_frozen']:,.0f}", f"{f['gc_frozen']:,.0f}"],
+        ["drain, stages/s (median)", f"{o['per_s']:,.0f}", f"{f['per_s']:,.0f}"],
     ]
-    return "\n".join(lines)
+    return "\n".join(
+        table(["per stage, a pool child's thread CPU (µs)", "onceflow", "floor"], rows)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
