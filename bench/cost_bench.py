@@ -67,7 +67,7 @@ from typing import Any
 # editable install's (a before/after comparison would run one tree twice).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import Proc, admin_url, command_line, log, wait_for
+from bench.harness import Proc, admin_url, bench_redis_url, command_line, log, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 REDIS_DEFAULT = "redis://127.0.0.1:6379/13"
@@ -180,7 +180,7 @@ class Bench:
         self.api_key = secrets.token_urlsafe(16)
         self.llm = StandIn("llm", latency=self.args.latency, api_key=self.api_key).start()
         self.stack.callback(self.llm.stop)
-        self.redis_url = os.environ.get("ONCEFLOW_BENCH_REDIS_URL", REDIS_DEFAULT)
+        self.redis_url = bench_redis_url(REDIS_DEFAULT)
         admin = admin_url()
         # Settings every process reads (the driver too: it enqueues).
         self.env = {

@@ -117,6 +117,7 @@ from bench.consumer_bench import PEERS_VENV, Consumers, Side, ensure_peers, read
 from bench.harness import (
     Proc,
     admin_url,
+    bench_redis_url,
     command_line,
     cpu_seconds,
     libpq,
@@ -1021,7 +1022,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = {"n": 2_000, "rounds": 5, "pickups": 200, "warm": 10, "m": 1_000}
     configs = [_config(c) for c in args.configs.split(",")]
     admin = admin_url()
-    redis_url = os.environ.get("ONCEFLOW_BENCH_REDIS_URL", REDIS_DEFAULT)
+    redis_url = bench_redis_url(REDIS_DEFAULT)
     started = time.perf_counter()
 
     res: dict[str, Any] = {

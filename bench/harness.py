@@ -57,6 +57,12 @@ def admin_url() -> str:
     return os.environ.get("ONCEFLOW_BENCH_DATABASE_URL", ADMIN_DEFAULT)
 
 
+def bench_redis_url(default: str) -> str:
+    """``ONCEFLOW_BENCH_REDIS_URL``, else ``default`` (each benchmark its own database
+    number, so that two never share keys)."""
+    return os.environ.get("ONCEFLOW_BENCH_REDIS_URL", default)
+
+
 def log(msg: str) -> None:
     """A progress line on stderr, stamped with the time of day."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)

@@ -66,6 +66,7 @@ from pydantic import BaseModel
 from bench.harness import (
     admin_url,
     bench_database,
+    bench_redis_url,
     command_line,
     emit,
     free_port,
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rounds, calls = (2, 100) if args.quick else (args.rounds, args.calls)
     admin = admin_url()
-    redis_url = os.environ.get("ONCEFLOW_BENCH_REDIS_URL", REDIS_DEFAULT)
+    redis_url = bench_redis_url(REDIS_DEFAULT)
 
     import redis
 

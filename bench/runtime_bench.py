@@ -101,6 +101,7 @@ import redis
 from bench.harness import (
     Proc,
     admin_url,
+    bench_redis_url,
     command_line,
     finish,
     fresh_databases,
@@ -752,7 +753,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     admin = admin_url()
-    redis_url = os.environ.get("ONCEFLOW_BENCH_REDIS_URL", REDIS_DEFAULT)
+    redis_url = bench_redis_url(REDIS_DEFAULT)
     venv = Path(os.environ.get("ONCEFLOW_BENCH_PROCRASTINATE_VENV", VENV_DEFAULT))
     have_procrastinate = (venv / "bin" / "procrastinate").exists()
     if not have_procrastinate:

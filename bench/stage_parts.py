@@ -173,11 +173,11 @@ if OUT:  # in the bench's workers only (the bench itself imports the stages once
 
 def run_sides(n: int, rounds: int) -> dict[str, list[dict[str, Any]]]:
     from bench import drain_bench as db
-    from bench.harness import admin_url, log
+    from bench.harness import admin_url, bench_redis_url, log
     from bench.runtime_bench import bench_databases
 
     admin = admin_url()
-    redis_url = os.environ.get("ONCEFLOW_BENCH_REDIS_URL", db.REDIS_DEFAULT)
+    redis_url = bench_redis_url(db.REDIS_DEFAULT)
     out: dict[str, list[dict[str, Any]]] = {"onceflow": [], "floor": []}
     with tempfile.TemporaryDirectory() as tmp, bench_databases(admin, False) as (url, _):
         os.environ["ONCEFLOW_BENCH_PARTS_DIR"] = tmp  # inherited by the workers
