@@ -582,15 +582,19 @@ def ok(met: bool) -> str:
     return "met" if met else "**missed**"
 
 
+def row(cells: Iterable[Any]) -> str:
+    """One Markdown table row (an empty cell as ``| |``)."""
+    return "|" + "".join(f" {c} |" if str(c) else " |" for c in cells)
+
+
 def table(header: Sequence[str], rows: Iterable[Sequence[Any]], align: str = "") -> list[str]:
     """A Markdown table's lines: ``align`` has one letter a column (``l`` or ``r``; every
     column right-aligned but the first when empty)."""
     align = align or "l" + "r" * (len(header) - 1)
-    rule = ["---:" if a == "r" else "---" for a in align]
     return [
-        "| " + " | ".join(header) + " |",
-        "| " + " | ".join(rule) + " |",
-        *("| " + " | ".join(str(c) for c in row) + " |" for row in rows),
+        row(header),
+        row("---:" if a == "r" else "---" for a in align),
+        *(row(r) for r in rows),
     ]
 
 

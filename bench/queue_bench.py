@@ -87,6 +87,7 @@ from bench.harness import (
     pct,
     raw_connect,
     run_until,
+    table,
 )
 
 TABLE = "workspace_process_requests"
@@ -874,26 +875,40 @@ def render(res: dict[str, Any]) -> str:
 
 def _render_enqueue(e: dict[str, Any]) -> list[str]:
     s, h, b = e["single"], e["single_held"], e["batched"]
+    rows = [
+        [
+            f"`enqueue`, {s['rows']:,} rows one at a time (pooled: a checkout per call)",
+            f"{s['onceflow']:,.0f} rows/s",
+            f"{s['select1']:,.0f} `SELECT 1`/s",
+            f"{s['onceflow'] / s['select1']:.2f}",
+        ],
+        [
+            "`enqueue`, same rows, vs raw one-row `INSERT … ON CONFLICT DO NOTHING` (autocommit)",
+            f"{s['onceflow']:,.0f} rows/s",
+            f"{s['raw_insert']:,.0f} rows/s",
+            f"{s['onceflow'] / s['raw_insert']:.2f} (median of blocks "
+            f"{s['block_ratio_median']:.2f})",
+        ],
+        [
+            f"`enqueue` holding its connection ({h['rows']:,} rows, the blocks between), "
+            "vs the same `INSERT`",
+            f"{h['onceflow']:,.0f} rows/s",
+            f"{h['raw_insert']:,.0f} rows/s",
+            f"{h['onceflow'] / h['raw_insert']:.2f} (median of blocks "
+            f"{h['block_ratio_median']:.2f})",
+        ],
+        [
+            f"`enqueue_many`, {e['batched_rows']:,} rows in batches of {e['batch_size']:,} "
+            "vs raw `INSERT … SELECT FROM unnest(…) ON CONFLICT DO NOTHING` (not COPY)",
+            f"{b['onceflow']:,.0f} rows/s",
+            f"{b['raw_unnest']:,.0f} rows/s",
+            f"{b['onceflow'] / b['raw_unnest']:.2f}",
+        ],
+    ]
     return [
         "#### 1. Enqueue (each onceflow call interleaved with its floor call)",
         "",
-        "| Figure | onceflow | Floor | onceflow / floor |",
-        "| --- | ---: | ---: | ---: |",
-        f"| `enqueue`, {s['rows']:,} rows one at a time (pooled: a checkout per call) "
-        f"| {s['onceflow']:,.0f} rows/s | {s['select1']:,.0f} `SELECT 1`/s "
-        f"| {s['onceflow'] / s['select1']:.2f} |",
-        f"| `enqueue`, same rows, vs raw one-row `INSERT … ON CONFLICT DO NOTHING` "
-        f"(autocommit) | {s['onceflow']:,.0f} rows/s | {s['raw_insert']:,.0f} rows/s "
-        f"| {s['onceflow'] / s['raw_insert']:.2f} (median of blocks "
-        f"{s['block_ratio_median']:.2f}) |",
-        f"| `enqueue` holding its connection ({h['rows']:,} rows, the blocks between), "
-        f"vs the same `INSERT` | {h['onceflow']:,.0f} rows/s | {h['raw_insert']:,.0f} rows/s "
-        f"| {h['onceflow'] / h['raw_insert']:.2f} (median of blocks "
-        f"{h['block_ratio_median']:.2f}) |",
-        f"| `enqueue_many`, {e['batched_rows']:,} rows in batches of {e['batch_size']:,} "
-        f"vs raw `INSERT … SELECT FROM unnest(…) ON CONFLICT DO NOTHING` (not COPY) "
-        f"| {b['onceflow']:,.0f} rows/s | {b['raw_unnest']:,.0f} rows/s "
-        f"| {b['onceflow'] / b['raw_unnest']:.2f} |",
+        *table(["Figure", "onceflow", "Floor", "onceflow / floor"], rows),
         "",
     ]
 
@@ -903,12 +918,8 @@ def _render_claims(c: dict[str, Any]) -> list[str]:
         f"#### 2. Claim + complete per second (one process per connection; {c['rounds']} x "
         f"{c['duration_s']:g} s per side and level, interleaved, pooled)",
         "",
-        "| Connections | onceflow | hand-written floor | onceflow / floor, pooled rounds "
-        f"| median of per-round ratios (goal ≥ {TARGET_RATIO:g}) "
-        "| CPU µs per op, client · server: onceflow | floor "
-        "| 2 x `SELECT 1` | onceflow / 2 x `SELECT 1` |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    rows = []
     for n, lv in c["levels"].items():
         once, floor, sel = (lv[k]["ops_per_s"] for k in ("onceflow", "floor", "select1"))
         dry = lv["onceflow"]["exhausted"] or lv["floor"]["exhausted"]
@@ -917,13 +928,19 @@ def _render_claims(c: dict[str, Any]) -> list[str]:
             f"{lv[k].get('client_us', 0):,.0f} · {lv[k].get('server_us', 0):,.0f}"
             for k in ("onceflow", "floor")
         ]
-        lines.append(
-            f"| {n} | {once:,.0f} ops/s | {floor:,.0f} ops/s | {lv['ratio']:.2f}"
-            f"{' (queue ran dry)' if dry else ''} "
-            f"| {median:.2f} {ok(median >= TARGET_RATIO)} | {cpu[0]} | {cpu[1]} "
-            f"| {sel:,.0f} ops/s | {once / sel:.2f} |"
-        )
-    lines.append("")
+        rows.append([
+            n, f"{once:,.0f} ops/s", f"{floor:,.0f} ops/s",
+            f"{lv['ratio']:.2f}{' (queue ran dry)' if dry else ''}",
+            f"{median:.2f} {ok(median >= TARGET_RATIO)}", cpu[0], cpu[1], f"{sel:,.0f} ops/s",
+            f"{once / sel:.2f}",
+        ])  # fmt: skip
+    header = [
+        "Connections", "onceflow", "hand-written floor", "onceflow / floor, pooled rounds",
+        f"median of per-round ratios (goal ≥ {TARGET_RATIO:g})",
+        "CPU µs per op, client · server: onceflow", "floor", "2 x `SELECT 1`",
+        "onceflow / 2 x `SELECT 1`",
+    ]  # fmt: skip
+    lines += [*table(header, rows, "r" * len(header)), ""]
     if any("onceflow_finish" in lv for lv in c["levels"].values()):
         lines += [
             "The same with `Queue.finish` for `complete` (the completion reading nothing "
@@ -933,134 +950,143 @@ def _render_claims(c: dict[str, Any]) -> list[str]:
             "what the SQL costs beside the floor's; the gap between it and `finish` is the "
             "Python API's:",
             "",
-            "| Connections | onceflow `claim_next` + `finish` | median of per-round ratios "
-            "to the floor | CPU µs per op, client · server | its statements alone "
-            "| median of per-round ratios to the floor | CPU µs per op, client · server |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
+        rows = []
         for n, lv in c["levels"].items():
             fin, sql_only = lv["onceflow_finish"], lv.get("statements")
-            row = (
-                f"| {n} | {fin['ops_per_s']:,.0f} ops/s | {lv['finish_ratio_median']:.2f} "
-                f"| {fin['client_us']:,.0f} · {fin['server_us']:,.0f} |"
-            )
+            cells = [
+                n, f"{fin['ops_per_s']:,.0f} ops/s", f"{lv['finish_ratio_median']:.2f}",
+                f"{fin['client_us']:,.0f} · {fin['server_us']:,.0f}",
+            ]  # fmt: skip
             if sql_only is not None:
-                row += (
-                    f" {sql_only['ops_per_s']:,.0f} ops/s | {lv['statements_ratio_median']:.2f} "
-                    f"| {sql_only['client_us']:,.0f} · {sql_only['server_us']:,.0f} |"
-                )
+                cells += [
+                    f"{sql_only['ops_per_s']:,.0f} ops/s",
+                    f"{lv['statements_ratio_median']:.2f}",
+                    f"{sql_only['client_us']:,.0f} · {sql_only['server_us']:,.0f}",
+                ]
             else:
-                row += " | | |"
-            lines.append(row)
-        lines.append("")
+                cells += ["", "", ""]
+            rows.append(cells)
+        header = [
+            "Connections", "onceflow `claim_next` + `finish`",
+            "median of per-round ratios to the floor", "CPU µs per op, client · server",
+            "its statements alone", "median of per-round ratios to the floor",
+            "CPU µs per op, client · server",
+        ]  # fmt: skip
+        lines += [*table(header, rows, "r" * len(header)), ""]
     if c.get("batch"):
         lines += [
             f"Batched (`--batch {c['batch']}`: {c['batch']} rows claimed by one call and completed "
             "by one, as a worker loop does; rows per second; medians of per-round ratios):",
             "",
-            "| Connections | onceflow `claim_next` + `complete_many` | floor, batched "
-            "| onceflow / batched floor | onceflow batched / the one-row floor above "
-            "| CPU µs per row, client · server: onceflow | batched floor |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
+        rows = []
         for n, lv in c["levels"].items():
             ob, fb = lv["onceflow_batched"], lv["floor_batched"]
             dry = ob["exhausted"] or fb["exhausted"]
-            lines.append(
-                f"| {n} | {ob['ops_per_s']:,.0f} rows/s | {fb['ops_per_s']:,.0f} rows/s "
-                f"| {lv['batched_ratio_median']:.2f}{' (queue ran dry)' if dry else ''} "
-                f"| {lv['batched_vs_floor_median']:.2f} "
-                f"| {ob['client_us']:,.0f} · {ob['server_us']:,.0f} "
-                f"| {fb['client_us']:,.0f} · {fb['server_us']:,.0f} |"
-            )
-        lines.append("")
+            rows.append([
+                n, f"{ob['ops_per_s']:,.0f} rows/s", f"{fb['ops_per_s']:,.0f} rows/s",
+                f"{lv['batched_ratio_median']:.2f}{' (queue ran dry)' if dry else ''}",
+                f"{lv['batched_vs_floor_median']:.2f}",
+                f"{ob['client_us']:,.0f} · {ob['server_us']:,.0f}",
+                f"{fb['client_us']:,.0f} · {fb['server_us']:,.0f}",
+            ])  # fmt: skip
+        header = [
+            "Connections", "onceflow `claim_next` + `complete_many`", "floor, batched",
+            "onceflow / batched floor", "onceflow batched / the one-row floor above",
+            "CPU µs per row, client · server: onceflow", "batched floor",
+        ]  # fmt: skip
+        lines += [*table(header, rows, "r" * len(header)), ""]
     return lines
 
 
 def _render_latency(lat: dict[str, Any]) -> list[str]:
-    lines: list[str] = []
     sizes = list(lat["sizes"])
     r = lat["ratios"]
-    lines += [
+    rows: list[list[str]] = []
+    for size in sizes:
+        st = lat["sizes"][size]
+        rows.append([_n(int(size))] + [
+            f"{st[k][q]:.2f} ms" for k in ("claim", "total", "floor_claim")
+            for q in ("median_ms", "p99_ms")
+        ])  # fmt: skip
+    big, small = _n(int(sizes[-1])), _n(int(sizes[0]))
+    rows.append([
+        f"**{big} / {small}** (target ≤ 1.5x)",
+        f"**{r['claim_median']:.2f}x** {ok(r['claim_median'] <= 1.5)}",
+        f"**{r['claim_p99']:.2f}x** {ok(r['claim_p99'] <= 1.5)}",
+        f"{r['total_median']:.2f}x", f"{r['total_p99']:.2f}x",
+        f"{r['floor_claim_median']:.2f}x", f"{r['floor_claim_p99']:.2f}x",
+    ])  # fmt: skip
+    header = [
+        "Finished rows", "`claim_next` median", "`claim_next` p99", "claim + complete median",
+        "claim + complete p99", "floor claim median", "floor claim p99",
+    ]  # fmt: skip
+    return [
         f"#### 3. Claim latency vs finished rows ({lat['ops']:,} claims per size, one "
         "connection; each onceflow op followed by a hand-written one as a control)",
         "",
-        "| Finished rows | `claim_next` median | `claim_next` p99 | claim + complete median "
-        "| claim + complete p99 | floor claim median | floor claim p99 |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for size in sizes:
-        st = lat["sizes"][size]
-        lines.append(
-            f"| {_n(int(size))} | {st['claim']['median_ms']:.2f} ms "
-            f"| {st['claim']['p99_ms']:.2f} ms "
-            f"| {st['total']['median_ms']:.2f} ms | {st['total']['p99_ms']:.2f} ms "
-            f"| {st['floor_claim']['median_ms']:.2f} ms | {st['floor_claim']['p99_ms']:.2f} ms |"
-        )
-    big, small = _n(int(sizes[-1])), _n(int(sizes[0]))
-    lines += [
-        f"| **{big} / {small}** (target ≤ 1.5x) | **{r['claim_median']:.2f}x** "
-        f"{ok(r['claim_median'] <= 1.5)} | **{r['claim_p99']:.2f}x** {ok(r['claim_p99'] <= 1.5)} "
-        f"| {r['total_median']:.2f}x | {r['total_p99']:.2f}x | {r['floor_claim_median']:.2f}x "
-        f"| {r['floor_claim_p99']:.2f}x |",
+        *table(header, rows, "r" * len(header)),
         "",
     ]
-    return lines
 
 
 def _render_in_flight(fl: dict[str, Any]) -> list[str]:
     levels = list(fl["levels"])
     g = fl["growth"]
-    lines = [
+    rows: list[list[str]] = []
+    for level in levels:
+        o, f = fl["levels"][level]["onceflow"], fl["levels"][level]["floor"]
+        rows.append([
+            f"{int(level):,}", f"{o['median_ms']:.2f} ms", f"{o['p99_ms']:.2f} ms",
+            f"{f['median_ms']:.2f} ms", f"{f['p99_ms']:.2f} ms",
+            f"{f['median_ms'] / o['median_ms']:.2f}",
+        ])  # fmt: skip
+    rows.append([
+        f"**{int(levels[-1]):,} / {int(levels[0]):,}** (target ≤ 1.5x)",
+        f"**{g['onceflow']:.2f}x** {ok(g['onceflow'] <= 1.5)}", "", f"{g['floor']:.2f}x", "", "",
+    ])  # fmt: skip
+    header = [
+        "Requests in flight", "`claim_next` + `finish` median", "p99", "floor median", "p99",
+        "onceflow / floor (medians)",
+    ]  # fmt: skip
+    return [
         f"#### 4. Claim + complete vs requests in flight ({fl['ops']:,} ops per level, one "
         "connection; each onceflow op followed by a hand-written one as a control)",
         "",
-        "| Requests in flight | `claim_next` + `finish` median | p99 | floor median | p99 "
-        "| onceflow / floor (medians) |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for level in levels:
-        st = fl["levels"][level]
-        o, f = st["onceflow"], st["floor"]
-        lines.append(
-            f"| {int(level):,} | {o['median_ms']:.2f} ms | {o['p99_ms']:.2f} ms "
-            f"| {f['median_ms']:.2f} ms | {f['p99_ms']:.2f} ms "
-            f"| {f['median_ms'] / o['median_ms']:.2f} |"
-        )
-    lines += [
-        f"| **{int(levels[-1]):,} / {int(levels[0]):,}** (target ≤ 1.5x) "
-        f"| **{g['onceflow']:.2f}x** {ok(g['onceflow'] <= 1.5)} | | {g['floor']:.2f}x | | |",
+        *table(header, rows, "r" * len(header)),
         "",
     ]
-    return lines
 
 
 def _render_front(fr: dict[str, Any]) -> list[str]:
     first = fr["windows"][0]
-    lines = [
-        f"#### 5. Claim + complete as claims gather at the claim index's front ({fr['step']:,} "
-        f"ops per window, one connection, {fr['history']:,} finished rows of history; "
-        f"autovacuum {fr['autovacuum']}, {fr['autovacuum_runs']} run(s) during the section)",
-        "",
-        "| Claims since the section's `VACUUM (INDEX_CLEANUP ON)` (the window's medians cover "
-        "them) | ix_wpr_claim pages per claim, at the window's start → end | ix_wpr_lease "
-        "| `claim_next` + `finish` median | vs the first window | floor median "
-        "| vs the first window |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+    rows: list[list[str]] = []
     for w in fr["windows"]:
         o, f = w["onceflow"], w["floor"]
         label = f"{w['since']:,} to {w['until']:,}"
         if w["after_vacuum"]:
             label += " (after `VACUUM (INDEX_CLEANUP ON)`)"
-        lines.append(
-            f"| {label} | {w['pages']} → {w['pages_end']} "
-            f"| {w['lease_pages']} → {w['lease_pages_end']} | {o['median_ms']:.2f} ms "
-            f"| {o['median_ms'] / first['onceflow']['median_ms']:.2f}x "
-            f"| {f['median_ms']:.2f} ms | {f['median_ms'] / first['floor']['median_ms']:.2f}x |"
-        )
-    lines.append("")
-    return lines
+        rows.append([
+            label, f"{w['pages']} → {w['pages_end']}",
+            f"{w['lease_pages']} → {w['lease_pages_end']}", f"{o['median_ms']:.2f} ms",
+            f"{o['median_ms'] / first['onceflow']['median_ms']:.2f}x", f"{f['median_ms']:.2f} ms",
+            f"{f['median_ms'] / first['floor']['median_ms']:.2f}x",
+        ])  # fmt: skip
+    header = [
+        "Claims since the section's `VACUUM (INDEX_CLEANUP ON)` (the window's medians cover "
+        "them)", "ix_wpr_claim pages per claim, at the window's start → end", "ix_wpr_lease",
+        "`claim_next` + `finish` median", "vs the first window", "floor median",
+        "vs the first window",
+    ]  # fmt: skip
+    return [
+        f"#### 5. Claim + complete as claims gather at the claim index's front ({fr['step']:,} "
+        f"ops per window, one connection, {fr['history']:,} finished rows of history; "
+        f"autovacuum {fr['autovacuum']}, {fr['autovacuum_runs']} run(s) during the section)",
+        "",
+        *table(header, rows, "r" * len(header)),
+        "",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
