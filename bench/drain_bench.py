@@ -120,6 +120,7 @@ from bench.harness import (
     bench_redis_url,
     command_line,
     cpu_seconds,
+    latency_ms,
     libpq,
     loadavg,
     log,
@@ -130,7 +131,6 @@ from bench.harness import (
 from bench.runtime_bench import (
     REDIS_DEFAULT,
     Bench,
-    _lat,
     bench_databases,
     runtime_machine,
 )
@@ -613,7 +613,7 @@ def bench_pickup(
         writer.close()
         for w in workers:
             b.stop(w)
-    out = {tag: _lat(xs) for tag, xs in samples.items()}
+    out = {tag: latency_ms(xs) for tag, xs in samples.items()}
     out["ratio_p50"] = {"x": out["onceflow"]["p50_ms"] / out["bare"]["p50_ms"]}
     if floor:
         out["vs_floor_p50"] = {"x": out["onceflow"]["p50_ms"] / out["floor"]["p50_ms"]}

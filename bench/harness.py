@@ -524,6 +524,16 @@ def pct(values: Sequence[float], q: float) -> float:
     return ordered[rank - 1]
 
 
+def latency_ms(xs: Sequence[float]) -> dict[str, float]:
+    """Seconds as a latency summary in milliseconds: p50, p99, mean, max."""
+    return {
+        "p50_ms": pct(xs, 50) * 1e3,
+        "p99_ms": pct(xs, 99) * 1e3,
+        "mean_ms": statistics.fmean(xs) * 1e3,
+        "max_ms": max(xs) * 1e3,
+    }
+
+
 # ---------------------------------------------------------------------------- the report
 
 

@@ -90,9 +90,11 @@ from bench.harness import (
     loadavg,
     log,
     ok,
+    per_round_ratios,
     raw_connect,
     redis_version,
     run_until,
+    table,
 )
 
 REDIS_DEFAULT = "redis://127.0.0.1:6379/0"
@@ -658,48 +660,55 @@ def render(res: dict[str, Any]) -> str:
         "",
         "#### 1. Applied ops/s, distinct sub-docs (each process writes to 8 sub-docs of its own)",
         "",
-        "| Processes | onceflow `apply_op` | onceflow, broadcast off (reference) "
-        "| hand-written floor | onceflow / floor (target ≥ 0.7) | rounds "
-        "| broadcast off / floor |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    rows: list[list[Any]] = []
     for n, lv in t["distinct"].items():
         once, nobc, floor = (lv[k]["ops_per_s"] for k in ("onceflow", "onceflow_nobc", "floor"))
-        lines.append(
-            f"| {n} | {once:,.0f} ops/s | {nobc:,.0f} ops/s | {floor:,.0f} ops/s "
-            f"| {once / floor:.2f} {ok(once / floor >= TARGET_RATIO)} "
-            f"| {_spread(lv, 'onceflow', 'floor')} | {nobc / floor:.2f} |"
-        )
+        rows.append([
+            n, f"{once:,.0f} ops/s", f"{nobc:,.0f} ops/s", f"{floor:,.0f} ops/s",
+            f"{once / floor:.2f} {ok(once / floor >= TARGET_RATIO)}",
+            _spread(lv, "onceflow", "floor"), f"{nobc / floor:.2f}",
+        ])  # fmt: skip
+    header = [
+        "Processes", "onceflow `apply_op`", "onceflow, broadcast off (reference)",
+        "hand-written floor", "onceflow / floor (target ≥ 0.7)", "rounds",
+        "broadcast off / floor",
+    ]  # fmt: skip
+    lines += table(header, rows, "r" * len(header))
     lines += [
         "",
         "#### 2. Applied ops/s, one hot sub-doc (every writer on the same row)",
         "",
-        "| Writers | onceflow `apply_op` | hand-written floor | onceflow / floor (target ≥ 0.7) "
-        "| rounds |",
-        "| ---: | ---: | ---: | ---: | ---: |",
     ]
+    rows = []
     for n, lv in t["hot"].items():
         once, floor = lv["onceflow"]["ops_per_s"], lv["floor"]["ops_per_s"]
-        lines.append(
-            f"| {n} | {once:,.0f} ops/s | {floor:,.0f} ops/s "
-            f"| {once / floor:.2f} {ok(once / floor >= TARGET_RATIO)} "
-            f"| {_spread(lv, 'onceflow', 'floor')} |"
-        )
+        rows.append([
+            n, f"{once:,.0f} ops/s", f"{floor:,.0f} ops/s",
+            f"{once / floor:.2f} {ok(once / floor >= TARGET_RATIO)}",
+            _spread(lv, "onceflow", "floor"),
+        ])  # fmt: skip
+    header = ["Writers", "onceflow `apply_op`", "hand-written floor",
+              "onceflow / floor (target ≥ 0.7)", "rounds"]  # fmt: skip
+    lines += table(header, rows, "r" * len(header))
     lines += [
         "",
         "#### 3. Duplicate retries/s (re-sending committed op ids with the same payload)",
         "",
-        "| Processes | onceflow duplicates | floor apply transaction | duplicate / floor apply "
-        "| rounds | raw PK lookup of the op row | duplicate / PK lookup | rounds |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    rows = []
     for n, lv in t["dup"].items():
         dup, floor, look = (lv[k]["ops_per_s"] for k in ("onceflow_dup", "floor", "floor_lookup"))
-        lines.append(
-            f"| {n} | {dup:,.0f} /s | {floor:,.0f} /s | {dup / floor:.2f} "
-            f"| {_spread(lv, 'onceflow_dup', 'floor')} | {look:,.0f} /s | {dup / look:.2f} "
-            f"| {_spread(lv, 'onceflow_dup', 'floor_lookup')} |"
-        )
+        rows.append([
+            n, f"{dup:,.0f} /s", f"{floor:,.0f} /s", f"{dup / floor:.2f}",
+            _spread(lv, "onceflow_dup", "floor"), f"{look:,.0f} /s", f"{dup / look:.2f}",
+            _spread(lv, "onceflow_dup", "floor_lookup"),
+        ])  # fmt: skip
+    header = [
+        "Processes", "onceflow duplicates", "floor apply transaction", "duplicate / floor apply",
+        "rounds", "raw PK lookup of the op row", "duplicate / PK lookup", "rounds",
+    ]  # fmt: skip
+    lines += table(header, rows, "r" * len(header))
     rt = res["round_trips"]
     c, lab = rt["counts"], rt["labels"]
     dup_ok = c["duplicate"]["pg"] == 1 and c["duplicate"]["redis"] == 0
@@ -737,17 +746,18 @@ def render(res: dict[str, Any]) -> str:
         f"{ts['ops']} ops per side, the three sides interleaved op by op; Postgres time from "
         "libpq trace timestamps, first message sent to `ReadyForQuery`)",
         "",
-        "| Side | per op | Postgres round trips | time in them | of which `COMMIT` "
-        "| Redis `PUBLISH` | rest of the client (Python) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for name, sd in ts["sides"].items():
-        lines.append(
-            f"| {side_names[name]} | {sd['ms_per_op']:.2f} ms | {sd['trips_per_op']:g} "
-            f"| {sd['pg_ms']:.2f} ms | {sd['commit_ms']:.2f} ms | {sd['redis_ms']:.2f} ms "
-            f"| {sd['client_ms']:.2f} ms |"
-        )
-    lines.append("")
+    rows = [
+        [
+            side_names[name], f"{sd['ms_per_op']:.2f} ms", f"{sd['trips_per_op']:g}",
+            f"{sd['pg_ms']:.2f} ms", f"{sd['commit_ms']:.2f} ms", f"{sd['redis_ms']:.2f} ms",
+            f"{sd['client_ms']:.2f} ms",
+        ]
+        for name, sd in ts["sides"].items()
+    ]  # fmt: skip
+    header = ["Side", "per op", "Postgres round trips", "time in them", "of which `COMMIT`",
+              "Redis `PUBLISH`", "rest of the client (Python)"]  # fmt: skip
+    lines += [*table(header, rows), ""]
     for name in ("onceflow", "floor"):
         stmts = ts["sides"][name]["statements"]
         lines.append(
@@ -759,7 +769,7 @@ def render(res: dict[str, Any]) -> str:
 
 
 def _spread(level: dict[str, Any], a: str, b: str) -> str:
-    ratios = [x / y for x, y in zip(level[a]["per_round"], level[b]["per_round"], strict=True)]
+    ratios = per_round_ratios(level[a]["per_round"], level[b]["per_round"])["ratios"]
     return f"{min(ratios):.2f} to {max(ratios):.2f}"
 
 

@@ -105,6 +105,7 @@ from bench.harness import (
     command_line,
     finish,
     fresh_databases,
+    latency_ms,
     libpq,
     loadavg,
     log,
@@ -112,10 +113,12 @@ from bench.harness import (
     median_or_none,
     ok,
     pct,
+    per_round_ratios,
     psycopg_version,
     raw_connect,
     redis_version,
     stack_samples,
+    table,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -505,23 +508,14 @@ def bench_pickup(b: Bench, count: int, warm: int) -> dict[str, Any]:
             b.stop(w)
     out: dict[str, Any] = {"count": count, "warmup": warm}
     for tag, xs in samples.items():
-        out[tag] = _lat(xs)
-        out[f"{tag}_enqueue_call"] = _lat(enqueue_calls[tag])
+        out[tag] = latency_ms(xs)
+        out[f"{tag}_enqueue_call"] = latency_ms(enqueue_calls[tag])
     log(
         f"pickup onceflow p50 {out['onceflow']['p50_ms']:.2f} ms p99 "
         f"{out['onceflow']['p99_ms']:.2f} ms; bare Celery p50 {out['bare']['p50_ms']:.2f} ms "
         f"p99 {out['bare']['p99_ms']:.2f} ms"
     )
     return out
-
-
-def _lat(xs: list[float]) -> dict[str, float]:
-    return {
-        "p50_ms": pct(xs, 50) * 1e3,
-        "p99_ms": pct(xs, 99) * 1e3,
-        "mean_ms": statistics.fmean(xs) * 1e3,
-        "max_ms": max(xs) * 1e3,
-    }
 
 
 # ---------------------------------------------------------------------------- 3. probes
@@ -667,29 +661,29 @@ def render(res: dict[str, Any]) -> str:
         f"#### 1. Drain rate: {d['n']:,} no-op requests queued with the worker stopped, one "
         f"worker with concurrency {CONCURRENCY}; {d['rounds']} rounds, interleaved, pooled",
         "",
-        "| Side | drained/s, first -> last finish | onceflow / side (target ≥ 0.5 vs Celery) "
-        "| per-round ratios | drained/s, from worker launch "
-        "| enqueue/s (one call each, worker stopped) | task run time, median (Celery's log) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     once = s["onceflow"]["per_s"]
+    rows: list[list[str]] = []
     for name, side in s.items():
         ratio = once / side["per_s"]
         verdict = f" {ok(ratio >= DRAIN_TARGET)}" if name == "celery" else ""
         task = side["task_ms_median"]
-        task_text = f"{task:.2f} ms" if task is not None else "n/a"
-        rounds = [
-            o["per_s"] / x["per_s"]
-            for o, x in zip(s["onceflow"]["runs"], side["runs"], strict=True)
-        ]
-        lines.append(
-            f"| {names[name]} | {side['per_s']:,.0f}/s "
-            f"| {ratio:.2f}{verdict} | {', '.join(f'{r:.2f}' for r in rounds)} "
-            f"| {side['from_launch_per_s']:,.0f}/s "
-            f"| {side['enqueue_per_s']:,.0f}/s | {task_text} |"
-        )
+        rounds = per_round_ratios(
+            [o["per_s"] for o in s["onceflow"]["runs"]], [x["per_s"] for x in side["runs"]]
+        )["ratios"]
+        rows.append([
+            names[name], f"{side['per_s']:,.0f}/s", f"{ratio:.2f}{verdict}",
+            ", ".join(f"{r:.2f}" for r in rounds), f"{side['from_launch_per_s']:,.0f}/s",
+            f"{side['enqueue_per_s']:,.0f}/s", f"{task:.2f} ms" if task is not None else "n/a",
+        ])  # fmt: skip
     if "procrastinate" not in s:
-        lines.append("| Procrastinate | skipped: no virtualenv (see the docstring) | | | | | |")
+        rows.append(["Procrastinate", "skipped: no virtualenv (see the docstring)", *[""] * 5])
+    header = [
+        "Side", "drained/s, first -> last finish", "onceflow / side (target ≥ 0.5 vs Celery)",
+        "per-round ratios", "drained/s, from worker launch",
+        "enqueue/s (one call each, worker stopped)", "task run time, median (Celery's log)",
+    ]  # fmt: skip
+    lines += table(header, rows)
     p = res["pickup"]
     once_p = p["onceflow"]
     lines += [
@@ -697,20 +691,27 @@ def render(res: dict[str, Any]) -> str:
         f"#### 2. Pickup latency, enqueue -> stage body start, idle workers ({p['count']} "
         f"requests per side after {p['warmup']} of warm-up, sides alternating)",
         "",
-        "| Side | p50 | p99 | mean | max |",
-        "| --- | ---: | ---: | ---: | ---: |",
-        f"| onceflow (`flow.enqueue` -> body; target p50 ≤ {PICKUP_TARGET_MS:g} ms) "
-        f"| {once_p['p50_ms']:.2f} ms {ok(once_p['p50_ms'] <= PICKUP_TARGET_MS)} "
-        f"| {once_p['p99_ms']:.2f} ms | {once_p['mean_ms']:.2f} ms | {once_p['max_ms']:.2f} ms |",
-        _lat_row(
-            "of which the `flow.enqueue` call (INSERT + commit, then `send_task`)",
-            p["onceflow_enqueue_call"],
+        *table(
+            ["Side", "p50", "p99", "mean", "max"],
+            [
+                [
+                    f"onceflow (`flow.enqueue` -> body; target p50 ≤ {PICKUP_TARGET_MS:g} ms)",
+                    f"{once_p['p50_ms']:.2f} ms {ok(once_p['p50_ms'] <= PICKUP_TARGET_MS)}",
+                    *(f"{once_p[k]:.2f} ms" for k in ("p99_ms", "mean_ms", "max_ms")),
+                ],
+                _lat_row(
+                    "of which the `flow.enqueue` call (INSERT + commit, then `send_task`)",
+                    p["onceflow_enqueue_call"],
+                ),
+                _lat_row("bare Celery (`send_task` -> body)", p["bare"]),
+                _lat_row("of which the `send_task` call", p["bare_enqueue_call"]),
+                [
+                    "**onceflow / bare Celery**",
+                    *(f"{once_p[k] / p['bare'][k]:.2f}x" for k in ("p50_ms", "p99_ms", "mean_ms")),
+                    "",
+                ],
+            ],
         ),
-        _lat_row("bare Celery (`send_task` -> body)", p["bare"]),
-        _lat_row("of which the `send_task` call", p["bare_enqueue_call"]),
-        f"| **onceflow / bare Celery** | {once_p['p50_ms'] / p['bare']['p50_ms']:.2f}x "
-        f"| {once_p['p99_ms'] / p['bare']['p99_ms']:.2f}x | "
-        f"{once_p['mean_ms'] / p['bare']['mean_ms']:.2f}x | |",
         "",
     ]
     for prof in res.get("profile", []):
@@ -726,20 +727,20 @@ def render(res: dict[str, Any]) -> str:
                 else ""
             ),
             "",
-            "| Where the child's main thread was | share | ms per task |",
-            "| --- | ---: | ---: |",
+            *table(
+                ["Where the child's main thread was", "share", "ms per task"],
+                [
+                    [name, f"{share:.0%}", f"{share * prof['child_ms_per_task']:.1f}"]
+                    for name, share in prof["shares"].items()
+                ],
+            ),
+            "",
         ]
-        for name, share in prof["shares"].items():
-            lines.append(f"| {name} | {share:.0%} | {share * prof['child_ms_per_task']:.1f} |")
-        lines.append("")
     return "\n".join(lines)
 
 
-def _lat_row(name: str, st: dict[str, float]) -> str:
-    return (
-        f"| {name} | {st['p50_ms']:.2f} ms | {st['p99_ms']:.2f} ms | {st['mean_ms']:.2f} ms "
-        f"| {st['max_ms']:.2f} ms |"
-    )
+def _lat_row(name: str, st: dict[str, float]) -> list[str]:
+    return [name, *(f"{st[k]:.2f} ms" for k in ("p50_ms", "p99_ms", "mean_ms", "max_ms"))]
 
 
 def main(argv: list[str] | None = None) -> int:
