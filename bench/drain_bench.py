@@ -127,6 +127,7 @@ from bench.harness import (
     per_round_ratios,
     raw_connect,
     stack_samples,
+    table,
 )
 from bench.runtime_bench import (
     REDIS_DEFAULT,
@@ -823,21 +824,22 @@ def render_floor(res: dict[str, Any]) -> list[str]:
     drains = [d for d in res["drains"] if d.get("vs_floor")]
     if not drains:
         return []
-    lines = [
-        "",
-        "| processes x concurrency | floor/s (median) | onceflow / floor, median of per-round "
-        "ratios | per-round ratios | floor / bare Celery, median of per-round ratios |",
-        "| --- | ---: | ---: | --- | ---: |",
+    rows = [
+        [
+            f"{d['processes']} x {d['concurrency']}",
+            f"{d['sides']['floor']['per_s_median']:,.0f}",
+            f"**{d['vs_floor']['median']:.2f}**",
+            ", ".join(f"{r:.2f}" for r in d["vs_floor"]["ratios"]),
+            f"{d['floor_vs_celery']['median']:.2f}",
+        ]
+        for d in drains
     ]
-    for d in drains:
-        v = d["vs_floor"]
-        lines.append(
-            f"| {d['processes']} x {d['concurrency']} "
-            f"| {d['sides']['floor']['per_s_median']:,.0f} | **{v['median']:.2f}** "
-            f"| {', '.join(f'{r:.2f}' for r in v['ratios'])} "
-            f"| {d['floor_vs_celery']['median']:.2f} |"
-        )
-    return lines
+    header = [
+        "processes x concurrency", "floor/s (median)",
+        "onceflow / floor, median of per-round ratios", "per-round ratios",
+        "floor / bare Celery, median of per-round ratios",
+    ]  # fmt: skip
+    return ["", *table(header, rows, "lrrlr")]
 
 
 def render_peers(res: dict[str, Any]) -> list[str]:
@@ -853,11 +855,8 @@ def render_peers(res: dict[str, Any]) -> list[str]:
         f"concurrency c = Procrastinate's `concurrency`, PgQueuer's `max_concurrent_tasks` "
         f"with `batch_size` = c / 2; stall/heartbeat timeout {PEER_STALL:g} s.",
         "",
-        "| 1 process, c | side | jobs/s (median) | / bare Celery, median of per-round ratios "
-        "| / onceflow, median of per-round ratios | per-round ratios / bare Celery "
-        "| CPU ms per job: worker processes / PG backends |",
-        "| --- | --- | ---: | ---: | ---: | --- | ---: |",
     ]
+    cells: list[list[str]] = []
     for d in drains:
         s = d["sides"]
         rows = [
@@ -879,13 +878,18 @@ def render_peers(res: dict[str, Any]) -> list[str]:
             pg = statistics.median(
                 c.get("backends_ms_per_job", c.get("backends_ms_per_stage", 0.0)) for c in cpus
             )
-            lines.append(
-                f"| {d['concurrency']} | {name} | {s[key]['per_s_median']:,.0f} "
-                f"| {'—' if vs_c is None else f'**{vs_c:.2f}**'} "
-                f"| {'—' if vs_o is None else f'**{vs_o:.2f}**'} "
-                f"| {', '.join(f'{r:.2f}' for r in ratios)} | {worker:.2f} / {pg:.2f} |"
-            )
-    return lines
+            cells.append([
+                str(d["concurrency"]), name, f"{s[key]['per_s_median']:,.0f}",
+                "—" if vs_c is None else f"**{vs_c:.2f}**",
+                "—" if vs_o is None else f"**{vs_o:.2f}**",
+                ", ".join(f"{r:.2f}" for r in ratios), f"{worker:.2f} / {pg:.2f}",
+            ])  # fmt: skip
+    header = [
+        "1 process, c", "side", "jobs/s (median)", "/ bare Celery, median of per-round ratios",
+        "/ onceflow, median of per-round ratios", "per-round ratios / bare Celery",
+        "CPU ms per job: worker processes / PG backends",
+    ]  # fmt: skip
+    return lines + table(header, cells, "llrrrlr")
 
 
 def render(res: dict[str, Any]) -> str:
@@ -899,70 +903,60 @@ def render(res: dict[str, Any]) -> str:
         f"Drain: {res['config']['n']:,} no-op requests, "
         f"{res['config']['rounds']} interleaved rounds.",
         "",
-        "| processes x concurrency | onceflow/s (median) | bare Celery/s (median) "
-        "| onceflow / Celery, median of per-round ratios | per-round ratios |",
-        "| --- | ---: | ---: | ---: | --- |",
     ]
-    for d in res["drains"]:
-        s = d["sides"]
-        lines.append(
-            f"| {d['processes']} x {d['concurrency']} | {s['onceflow']['per_s_median']:,.0f} "
-            f"| {s['celery']['per_s_median']:,.0f} | **{d['ratio_median']:.2f}** "
-            f"| {', '.join(f'{r:.2f}' for r in d['ratios'])} |"
-        )
+    header = [
+        "processes x concurrency", "onceflow/s (median)", "bare Celery/s (median)",
+        "onceflow / Celery, median of per-round ratios", "per-round ratios",
+    ]  # fmt: skip
+    lines += table(header, [
+        [
+            f"{d['processes']} x {d['concurrency']}",
+            f"{d['sides']['onceflow']['per_s_median']:,.0f}",
+            f"{d['sides']['celery']['per_s_median']:,.0f}", f"**{d['ratio_median']:.2f}**",
+            ", ".join(f"{r:.2f}" for r in d["ratios"]),
+        ]
+        for d in res["drains"]
+    ], "lrrrl")  # fmt: skip
     lines += render_floor(res)
     lines += render_peers(res)
     scale = [d for d in res["drains"] if d["concurrency"] == 2]
     if len(scale) > 1:
         base = scale[0]["sides"]
-        lines += [
-            "",
-            "| processes (c=2) | onceflow growth | bare Celery growth |",
-            "| --- | ---: | ---: |",
-        ]
-        for d in scale:
-            lines.append(
-                f"| {d['processes']} "
-                f"| {grow(d, base, 'onceflow'):.2f}x "
-                f"| {d['sides']['celery']['per_s_median'] / base['celery']['per_s_median']:.2f}x |"
-            )
-        lines += [
-            "",
-            "| processes (c=2), side | cores: worker parents | pool children | PG backends "
-            "| Redis | CPU ms per stage: parents | children | backends | Redis |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        ]
+        lines += ["", *table(["processes (c=2)", "onceflow growth", "bare Celery growth"], [
+            [
+                d["processes"], f"{grow(d, base, 'onceflow'):.2f}x",
+                f"{d['sides']['celery']['per_s_median'] / base['celery']['per_s_median']:.2f}x",
+            ]
+            for d in scale
+        ])]  # fmt: skip
+        rows: list[list[str]] = []
         for d in scale:
             for side, sd in d["sides"].items():
                 cpus = [r["cpu"] for r in sd["runs"] if "cpu" in r]
                 if not cpus or side in PEERS:
                     continue
                 med = {k: statistics.median(c[k] for c in cpus) for k in cpus[0]}
-                lines.append(
-                    f"| {d['processes']}, {side} | {med['parents_cores']:.2f} "
-                    f"| {med['children_cores']:.2f} "
-                    f"| {med['backends_cores']:.2f} | {med['redis_cores']:.2f} "
-                    f"| {med['parents_ms_per_stage']:.3f} | {med['children_ms_per_stage']:.3f} "
-                    f"| {med['backends_ms_per_stage']:.3f} | {med['redis_ms_per_stage']:.3f} |"
-                )
+                roles = ("parents", "children", "backends", "redis")
+                rows.append([
+                    f"{d['processes']}, {side}", *(f"{med[f'{r}_cores']:.2f}" for r in roles),
+                    *(f"{med[f'{r}_ms_per_stage']:.3f}" for r in roles),
+                ])  # fmt: skip
+        header = [
+            "processes (c=2), side", "cores: worker parents", "pool children", "PG backends",
+            "Redis", "CPU ms per stage: parents", "children", "backends", "Redis",
+        ]  # fmt: skip
+        lines += ["", *table(header, rows)]
     p = res.get("pickup")
     if p:
-        lines += [
-            "",
-            "| pickup, enqueue → body start (idle) | p50 | p99 | mean |",
-            "| --- | ---: | ---: | ---: |",
+        rows = [
+            [tag, *(f"{p[tag][k]:.2f} ms" for k in ("p50_ms", "p99_ms", "mean_ms"))]
+            for tag in ("onceflow", "bare", "floor")
+            if tag in p
         ]
-        for tag in ("onceflow", "bare", "floor"):
-            if tag not in p:
-                continue
-            st = p[tag]
-            lines.append(
-                f"| {tag} | {st['p50_ms']:.2f} ms | {st['p99_ms']:.2f} ms "
-                f"| {st['mean_ms']:.2f} ms |"
-            )
-        lines.append(f"| **onceflow / bare p50** | **{p['ratio_p50']['x']:.2f}x** | | |")
+        rows.append(["**onceflow / bare p50**", f"**{p['ratio_p50']['x']:.2f}x**", "", ""])
         if "vs_floor_p50" in p:
-            lines.append(f"| **onceflow / floor p50** | **{p['vs_floor_p50']['x']:.2f}x** | | |")
+            rows.append(["**onceflow / floor p50**", f"**{p['vs_floor_p50']['x']:.2f}x**", "", ""])
+        lines += ["", *table(["pickup, enqueue → body start (idle)", "p50", "p99", "mean"], rows)]
     return "\n".join(lines)
 
 
