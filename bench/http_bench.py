@@ -73,6 +73,7 @@ from bench.harness import (
     loadavg,
     log,
     machine_info,
+    table,
 )
 from onceflow.tasks import Flow, StageContext
 
@@ -414,11 +415,8 @@ def render(res: dict[str, Any]) -> str:
         f"{m['python']}, FastAPI {m['fastapi']}, uvicorn {m['uvicorn']}, httpx {m['httpx']}. "
         f"Load average {m['loadavg_start']} at the start, {res['loadavg_end']} at the end.",
         "",
-        "| call | client threads | server | in-process calls/s | HTTP calls/s "
-        "| HTTP / in-process (median of rounds) | per round "
-        "| CPU ms per call, in-process | CPU ms per call, HTTP (client + server) |",
-        "| --- | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: |",
     ]
+    rows: list[list[str]] = []
     names = {"http": "this", "http_baseline": "baseline"}
     for name, fig in res["figures"].items():
         call, _, threads = name.rpartition(" x")
@@ -430,11 +428,16 @@ def render(res: dict[str, Any]) -> str:
             ratio = f"{fig['ratio'][side]:.2f}" if local else "—"
             rounds = ", ".join(f"{r:.2f}" for r in fig.get("ratios", {}).get(side, [])) or "—"
             cpu_http = f"{cpu_ms[side]:.2f}" if side in cpu_ms else "—"
-            lines.append(
-                f"| {call} | {threads} | {names[side]} | {local_s} | {fig[side]:,.0f} | {ratio} "
-                f"| {rounds} | {cpu_local} | {cpu_http} |"
-            )
-    return "\n".join(lines)
+            rows.append([
+                call, threads, names[side], local_s, f"{fig[side]:,.0f}", ratio, rounds,
+                cpu_local, cpu_http,
+            ])  # fmt: skip
+    header = [
+        "call", "client threads", "server", "in-process calls/s", "HTTP calls/s",
+        "HTTP / in-process (median of rounds)", "per round", "CPU ms per call, in-process",
+        "CPU ms per call, HTTP (client + server)",
+    ]  # fmt: skip
+    return "\n".join(lines + table(header, rows, "lrlrrrlrr"))
 
 
 if __name__ == "__main__":
