@@ -517,15 +517,14 @@ def bench_drains(
                     f"{processes}x c={concurrency} round {rnd + 1} {system}: "
                     f"{res['per_s']:,.0f}/s ({res['from_launch_per_s']:,.0f}/s from launch)"
                 )
-        ratios = [
-            o["per_s"] / c["per_s"] for o, c in zip(runs["onceflow"], runs["celery"], strict=True)
-        ]
+        vs_celery = per_round(runs["onceflow"], runs["celery"])
+        ratios = vs_celery["ratios"]
         results.append(
             {
                 "processes": processes,
                 "concurrency": concurrency,
                 "ratios": ratios,
-                "ratio_median": statistics.median(ratios),
+                "ratio_median": vs_celery["median"],
                 # onceflow beside the design's floor, and the floor beside bare Celery
                 "vs_floor": per_round(runs["onceflow"], runs["floor"]) if floor else None,
                 "floor_vs_celery": per_round(runs["floor"], runs["celery"]) if floor else None,
@@ -546,7 +545,7 @@ def bench_drains(
                 },
             }
         )
-        log(f"{processes}x c={concurrency}: median ratio {statistics.median(ratios):.2f} {ratios}")
+        log(f"{processes}x c={concurrency}: median ratio {vs_celery['median']:.2f} {ratios}")
     return results
 
 

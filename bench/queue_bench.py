@@ -85,6 +85,7 @@ from bench.harness import (
     log,
     ok,
     pct,
+    per_round_ratios,
     raw_connect,
     run_until,
     table,
@@ -574,11 +575,9 @@ def bench_claims(
                 pairs["batched_ratio"] = ("onceflow_batched", "floor_batched")
                 pairs["batched_vs_floor"] = ("onceflow_batched", "floor")
             for name, (a, b) in pairs.items():
-                rs = [
-                    x / y for x, y in zip(level[a]["per_round"], level[b]["per_round"], strict=True)
-                ]
-                level[f"{name}_per_round"] = rs
-                level[f"{name}_median"] = statistics.median(rs)
+                rs = per_round_ratios(level[a]["per_round"], level[b]["per_round"])
+                level[f"{name}_per_round"] = rs["ratios"]
+                level[f"{name}_median"] = rs["median"]
             out["levels"][n] = level
             log(
                 f"claim+complete x{n}: onceflow {level['onceflow']['ops_per_s']:,.0f}/s, "
