@@ -100,6 +100,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import psycopg
 
+from bench import pressure
 from bench.harness import (
     HARNESS_APP,
     PrivatePostgres,
@@ -110,9 +111,6 @@ from bench.harness import (
     pct,
     wait_until,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import pressure  # the bench folder's own module
 
 ROOT = Path(__file__).resolve().parent.parent
 SIDE = ROOT / "bench" / "consumer_side.py"

@@ -32,6 +32,8 @@ from typing import Any
 
 import psycopg
 
+from bench.harness import loadavg
+
 KINDS = ("no_pressure", "idle_in_tx", "active_readers", "high_load", "event_burst")
 #: The queue table of each system (what the readers read).
 TABLES = {
@@ -113,8 +115,7 @@ def applied(
                 h.join(timeout=10)
                 if h.is_alive():
                     h.kill()
-            with open("/proc/loadavg") as f:
-                notes.append(f"{n} busy processes; load {f.read().split()[0]} at the end")
+            notes.append(f"{n} busy processes; load {loadavg().split()[0]} at the end")
         return
     if kind == "event_burst":
         t0 = time.monotonic()
