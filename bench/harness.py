@@ -622,6 +622,14 @@ def command_line(
     return p
 
 
+def command_header(res: dict[str, Any]) -> str:
+    """A report's first line: the command that made it, its date and its wall time."""
+    return (
+        f"Command: `.venv/bin/python {res['command']}` · {res['machine']['date']} · wall time "
+        f"{res['wall_seconds']:.0f} s"
+    )
+
+
 def header(info: dict[str, Any], *more: str) -> str:
     """A report's first line: the date, the CPUs, the PostgreSQL server, then ``more``."""
     return " · ".join(

@@ -84,6 +84,7 @@ from bench.harness import (
     ProcessPool,
     admin_url,
     bench_database,
+    command_header,
     command_line,
     database_machine,
     finish,
@@ -644,8 +645,7 @@ def render(res: dict[str, Any]) -> str:
     ps = m["postgres_settings"]
     t = res["throughput"]
     lines = [
-        f"Command: `.venv/bin/python {res['command']}` · {m['date']} · wall time "
-        f"{res['wall_seconds']:.0f} s",
+        command_header(res),
         "",
         f"Machine: nproc {m['nproc']} ({m['cpu']}), {m['os']}; PostgreSQL {m['postgres']} "
         f"(fsync={ps['fsync']}, synchronous_commit={ps['synchronous_commit']}, "

@@ -77,6 +77,7 @@ from bench.harness import (
     ProcessPool,
     admin_url,
     bench_database,
+    command_header,
     command_line,
     cpu_seconds,
     database_machine,
@@ -849,8 +850,7 @@ def render(res: dict[str, Any]) -> str:
     m = res["machine"]
     ps = m["postgres_settings"]
     lines = [
-        f"Command: `.venv/bin/python {res['command']}` · {m['date']} · wall time "
-        f"{res['wall_seconds']:.0f} s",
+        command_header(res),
         "",
         f"Machine: {m['nproc']} CPUs ({m['cpu']}), {m['os']}; PostgreSQL {m['postgres']} "
         f"(fsync={ps['fsync']}, synchronous_commit={ps['synchronous_commit']}, "

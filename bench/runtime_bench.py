@@ -102,6 +102,7 @@ from bench.harness import (
     Proc,
     admin_url,
     bench_redis_url,
+    command_header,
     command_line,
     finish,
     fresh_databases,
@@ -648,8 +649,7 @@ def render(res: dict[str, Any]) -> str:
         "procrastinate": f"Procrastinate {m['procrastinate']} (`defer`, async no-op)",
     }
     lines = [
-        f"Command: `.venv/bin/python {res['command']}` · {m['date']} · wall time "
-        f"{res['wall_seconds']:.0f} s",
+        command_header(res),
         "",
         f"Machine: nproc {m['nproc']} ({m['cpu']}), {m['os']}; PostgreSQL {m['postgres']}; "
         f"Redis {m['redis_server']}; Python {m['python']}; Celery {m['celery']}, "
