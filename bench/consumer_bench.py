@@ -103,6 +103,7 @@ import psycopg
 from bench import pressure
 from bench.harness import (
     HARNESS_APP,
+    ROOT,
     PrivatePostgres,
     command_line,
     cpu_model,
@@ -112,7 +113,6 @@ from bench.harness import (
     wait_until,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
 SIDE = ROOT / "bench" / "consumer_side.py"
 PEERS_VENV = "/tmp/onceflow-bench-peers"  # noqa: S108 - a virtualenv of our own
 PEERS_PACKAGES = ["procrastinate", "pgqueuer", "psycopg[binary]"]

@@ -67,9 +67,8 @@ from typing import Any
 # editable install's (a before/after comparison would run one tree twice).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import Proc, admin_url, bench_redis_url, command_line, log, wait_for
+from bench.harness import ROOT, Proc, admin_url, bench_redis_url, command_line, log, wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
 REDIS_DEFAULT = "redis://127.0.0.1:6379/13"
 PEER_VENV_DEFAULT = "/tmp/onceflow-bench-cost"  # noqa: S108 - a scratch virtualenv
 VISIBILITY = 10.0

@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import psycopg
 
 from bench.harness import (
+    ROOT,
     admin_url,
     bench_database,
     command_line,
@@ -68,7 +69,6 @@ from bench.harness import (
     per_round_ratios,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
 WC = "mbench"
 SIDES = ("metrics", "scraped", "exporter", "in-memory")
 

@@ -99,6 +99,7 @@ import psycopg
 import redis
 
 from bench.harness import (
+    ROOT,
     Proc,
     admin_url,
     bench_redis_url,
@@ -122,7 +123,6 @@ from bench.harness import (
     table,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
 REDIS_DEFAULT = "redis://127.0.0.1:6379/15"
 VENV_DEFAULT = "/tmp/procrastinate-venv"  # noqa: S108 - a virtualenv we only read
 HELPER = "import bench_procrastinate as b; b.main()"
