@@ -220,8 +220,12 @@ class Bench:
         get_settings.cache_clear()
         sys.path.insert(0, str(ROOT))
         from bench import bench_stages
+        from onceflow.keys import queue_name
 
         self.stages = bench_stages
+        #: Where bare Celery tasks go: the broker queue of the worker class the bare side's
+        #: ``onceflow worker --worker-class`` consumes (``onceflow.wc.<class>``).
+        self.bare_queue = queue_name(bench_stages.BARE_QUEUE)
         self.redis = redis.Redis.from_url(redis_url, socket_timeout=60)
         self._poll: psycopg.Connection[Any] | None = None
 
@@ -271,7 +275,7 @@ class Bench:
         with raw_connect(self.url) as conn:
             conn.execute("TRUNCATE workspace_process_requests")
             conn.execute("VACUUM ANALYZE workspace_process_requests")
-        self.redis.delete(self.queue, self.stages.BARE_QUEUE)
+        self.redis.delete(self.queue, self.stages.BARE_QUEUE, self.bare_queue)
         for key in self.redis.scan_iter(f"{self.keys}:*"):
             self.redis.delete(key)
 
@@ -282,7 +286,7 @@ class Bench:
         if self._poll is not None:
             self._poll.close()
         with contextlib.suppress(redis.RedisError):
-            queues = [self.queue, self.stages.BARE_QUEUE]
+            queues = [self.queue, self.stages.BARE_QUEUE, self.bare_queue]
             bindings = [f"_kombu.{kind}.{q}" for q in queues for kind in BINDING_KEYS]
             self.redis.delete(*queues, *bindings)
             for key in self.redis.scan_iter(f"{self.keys}:*"):
@@ -356,9 +360,9 @@ def drain_celery(b: Bench, n: int, rnd: int, timeout: float) -> dict[str, Any]:
     bare = b.stages.bare
     t0 = time.perf_counter()
     for i in range(n):
-        bare.send_task("bench.noop", args=[i], queue=b.stages.BARE_QUEUE)
+        bare.send_task("bench.noop", args=[i], queue=b.bare_queue)
     enqueue_s = time.perf_counter() - t0
-    assert b.redis.llen(b.stages.BARE_QUEUE) == n
+    assert b.redis.llen(b.bare_queue) == n
     proc = b.celery_worker("bare", total=n)
     key = f"{b.keys}:done:bare"
     try:
@@ -485,7 +489,7 @@ def bench_pickup(b: Bench, count: int, warm: int) -> dict[str, Any]:
                 flow.enqueue("bench_noop", "bench", f"pick-{i}", input={"n": i, "pickup": True})
                 t_enq = time.time() - t0
             else:
-                bare.send_task("bench.noop", args=[i, True], queue=b.stages.BARE_QUEUE)
+                bare.send_task("bench.noop", args=[i, True], queue=b.bare_queue)
                 t_enq = time.time() - t0
             got = b.redis.blpop([f"{b.keys}:pickup:{tag}"], timeout=30)
             if got is None:
@@ -570,7 +574,7 @@ def profile_drain(b: Bench, kind: str, n: int, seconds: float) -> dict[str, Any]
             b.stages.flow.enqueue("bench_noop", "bench", f"prof-{i}", input={"n": i})
     else:
         for i in range(n):
-            b.stages.bare.send_task("bench.noop", args=[i], queue=b.stages.BARE_QUEUE)
+            b.stages.bare.send_task("bench.noop", args=[i], queue=b.bare_queue)
     proc = b.celery_worker(kind, total=n)
     key = f"{b.keys}:done:{kind}"
     try:
