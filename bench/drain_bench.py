@@ -952,9 +952,11 @@ def render(res: dict[str, Any]) -> str:
             for tag in ("onceflow", "bare", "floor")
             if tag in p
         ]
-        rows.append(["**onceflow / bare p50**", f"**{p['ratio_p50']['x']:.2f}x**", "", ""])
+        rows.append(["**onceflow / bare p50**", f"**{p['ratio_p50']['x']:.2f}x**", None, None])
         if "vs_floor_p50" in p:
-            rows.append(["**onceflow / floor p50**", f"**{p['vs_floor_p50']['x']:.2f}x**", "", ""])
+            rows.append(
+                ["**onceflow / floor p50**", f"**{p['vs_floor_p50']['x']:.2f}x**", None, None]
+            )
         lines += ["", *table(["pickup, enqueue → body start (idle)", "p50", "p99", "mean"], rows)]
     return "\n".join(lines)
 

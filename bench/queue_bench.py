@@ -964,7 +964,7 @@ def _render_claims(c: dict[str, Any]) -> list[str]:
                     f"{sql_only['client_us']:,.0f} · {sql_only['server_us']:,.0f}",
                 ]
             else:
-                cells += ["", "", ""]
+                cells += [None, None, None]
             rows.append(cells)
         header = [
             "Connections", "onceflow `claim_next` + `finish`",
@@ -1043,7 +1043,8 @@ def _render_in_flight(fl: dict[str, Any]) -> list[str]:
         ])  # fmt: skip
     rows.append([
         f"**{int(levels[-1]):,} / {int(levels[0]):,}** (target ≤ 1.5x)",
-        f"**{g['onceflow']:.2f}x** {ok(g['onceflow'] <= 1.5)}", "", f"{g['floor']:.2f}x", "", "",
+        f"**{g['onceflow']:.2f}x** {ok(g['onceflow'] <= 1.5)}", None, f"{g['floor']:.2f}x",
+        None, None,
     ])  # fmt: skip
     header = [
         "Requests in flight", "`claim_next` + `finish` median", "p99", "floor median", "p99",

@@ -681,7 +681,7 @@ def render(res: dict[str, Any]) -> str:
             f"{side['enqueue_per_s']:,.0f}/s", f"{task:.2f} ms" if task is not None else "n/a",
         ])  # fmt: skip
     if "procrastinate" not in s:
-        rows.append(["Procrastinate", "skipped: no virtualenv (see the docstring)", *[""] * 5])
+        rows.append(["Procrastinate", "skipped: no virtualenv (see the docstring)", *[None] * 5])
     header = [
         "Side", "drained/s, first -> last finish", "onceflow / side (target ≥ 0.5 vs Celery)",
         "per-round ratios", "drained/s, from worker launch",
@@ -712,7 +712,7 @@ def render(res: dict[str, Any]) -> str:
                 [
                     "**onceflow / bare Celery**",
                     *(f"{once_p[k] / p['bare'][k]:.2f}x" for k in ("p50_ms", "p99_ms", "mean_ms")),
-                    "",
+                    None,
                 ],
             ],
         ),

@@ -63,8 +63,8 @@ def ok(met: bool) -> str:
 
 
 def row(cells: Iterable[Any]) -> str:
-    """One Markdown table row (an empty cell as ``| |``)."""
-    return "|" + "".join(f" {c} |" if str(c) else " |" for c in cells)
+    """One Markdown table row; a ``None`` cell is written ``| |``."""
+    return "|" + "".join(" |" if c is None else f" {c} |" for c in cells)
 
 
 def table(header: Sequence[str], rows: Iterable[Sequence[Any]], align: str = "") -> list[str]:
