@@ -279,6 +279,32 @@ class StageContext(WorkContext):
         """True once a heartbeat learned that cancel was requested."""
         return self._cancel.is_set()
 
+    # What the runner that holds the claim tells the body, and reads back after it.
+
+    @property
+    def handoffs(self) -> list[NewRequest]:
+        """The hand-offs (:meth:`then`) made so far, enqueued with the completion."""
+        return list(self._then)
+
+    @property
+    def confirmed_at(self) -> float:
+        """When the database last confirmed the lease (this process's monotonic clock):
+        it only bounds how long an outcome's write keeps retrying."""
+        return self._confirmed_at
+
+    def lease_confirmed(self, at: float | None = None) -> None:
+        """A heartbeat confirmed the lease (``at``: its monotonic time; now by default)."""
+        self._confirmed_at = time.monotonic() if at is None else at
+
+    def mark_lease_lost(self) -> None:
+        """The lease is gone (a heartbeat was rejected, or a newer claim took over):
+        :meth:`check` raises :class:`LeaseLost` from now on."""
+        self._lost.set()
+
+    def mark_cancel_requested(self) -> None:
+        """Cancel was requested: :meth:`check` raises :class:`Cancelled` from now on."""
+        self._cancel.set()
+
     def heartbeat(self) -> None:
         """Extend the lease now; raises :class:`LeaseLost` or :class:`Cancelled`."""
         try:

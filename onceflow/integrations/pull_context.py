@@ -95,6 +95,19 @@ class PullContext:
         """True once a heartbeat learned that cancel was requested."""
         return self._cancel.is_set()
 
+    @property
+    def handoffs(self) -> list[dict[str, Any]]:
+        """The hand-offs (:meth:`then`) made so far, sent with the completion."""
+        return list(self._then)
+
+    def mark_lease_lost(self) -> None:
+        """The lease is gone: :meth:`check` raises :class:`LeaseLost` from now on."""
+        self._lost.set()
+
+    def mark_cancel_requested(self) -> None:
+        """Cancel was requested: :meth:`check` raises :class:`Cancelled` from now on."""
+        self._cancel.set()
+
     def check(self) -> None:
         """Raise :class:`LeaseLost` or :class:`Cancelled` if the work should stop now."""
         if self._lost.is_set():

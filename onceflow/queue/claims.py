@@ -44,7 +44,7 @@ from onceflow.connector import (
     run,
 )
 from onceflow.db import is_disconnect
-from onceflow.errors import DatabaseUnavailable, InvalidRequest, LeaseLost
+from onceflow.errors import DatabaseUnavailable, InvalidRequest, LeaseLost, StoreError
 from onceflow.ids import (
     RequestId,
     check_id,
@@ -601,7 +601,9 @@ class ClaimOps:
                 if found is not None:
                     return found
                 raise
-            except DatabaseUnavailable as exc:
+            except (DatabaseUnavailable, StoreError) as exc:
+                # A lost connection, and what is not an answer either: a failover's
+                # read-only error, a lock or pool timeout. The one retry loop of the write.
                 if time.monotonic() + delay > deadline:
                     raise
                 log.warning(
@@ -632,6 +634,11 @@ class ClaimOps:
         :func:`fence_steps`.
         """
         run(on_connection(raw), fence_steps(claim, now))
+
+    def lease_for(self, lease_seconds: float | None) -> float:
+        """The lease a claim asking for ``lease_seconds`` gets (None: the settings' default);
+        :class:`InvalidRequest` for a value that is not a positive number of seconds."""
+        return self._lease(lease_seconds)
 
     def _lease(self, lease_seconds: float | None) -> float:
         if lease_seconds is None:

@@ -30,16 +30,21 @@ from onceflow.errors import (
     RetryLater,
 )
 from onceflow.keys import counters_key
+from onceflow.lifecycle.outcome import Outcome, decide, succeeded
+from onceflow.lifecycle.record import record
 from onceflow.metrics import record as metrics
 from onceflow.models.requests import Claim, Dispatch
 from onceflow.models.status import Status
-from onceflow.payloads import MESSAGE_CHARS, Unreadable, error_payload, storable_text
+from onceflow.payloads import Unreadable
 from onceflow.queue import Queue
 
 if TYPE_CHECKING:
     from onceflow.tasks.spec import StageSpec
 
 log = logging.getLogger("onceflow.runtime")
+
+#: What a body raises on purpose: not logged with a traceback.
+_EXPECTED = (LeaseLost, Cancelled, RetryLater, PermanentError, InvalidRequest)
 
 
 class _Heartbeats:
@@ -172,16 +177,16 @@ class _Heartbeats:
                 "request %s: lease lost; the stage stops at its next fenced step",
                 ctx.request.request_id,
             )
-            ctx._lost.set()
+            ctx.mark_lease_lost()
             return
         except OnceflowError as exc:
             # The database may be back before the lease runs out: keep trying.
             log.warning("request %s: heartbeat failed: %s", ctx.request.request_id, exc)
             return
-        ctx._confirmed_at = time.monotonic()
-        if beat.cancel_requested and not ctx._cancel.is_set():
+        ctx.lease_confirmed()
+        if beat.cancel_requested and not ctx.cancel_requested:
             log.info("request %s: cancel requested", ctx.request.request_id)
-            ctx._cancel.set()
+            ctx.mark_cancel_requested()
 
 
 _heartbeats = _Heartbeats()
@@ -211,38 +216,63 @@ def run_request(
     )  # fmt: skip
     _heartbeats.add(queue, ctx, interval=claim.lease_seconds / 3)
     outcome: dict[str, Any] = {"request_id": request_id, "attempt": claim.attempt}
+    interrupted: BaseException | None = None
     try:
         try:
-            if isinstance(claim.request.input, Unreadable):  # stored before the depth limit
-                raise PermanentError(f"input cannot be read: {claim.request.input['reason']}")
-            try:
-                data = spec.input_model.model_validate(claim.request.input)
-            except ValidationError as exc:
-                msg = f"input does not fit {spec.input_model.__name__}: {exc}"
-                raise PermanentError(msg) from exc
-            with metrics.in_progress(claim.request.worker_class):
-                result = to_json_result(spec.func(ctx, data))
-            ctx.check()
-        except LeaseLost:
+            ran = succeeded(_run_body(spec, ctx, claim))
+        except BaseException as exc:  # also SystemExit, KeyboardInterrupt: recorded, re-raised
+            ran = decide(exc, retry_on=is_retryable, max_delay=_max_delay(queue))
+            if isinstance(exc, Exception) and not isinstance(exc, _EXPECTED):
+                log.exception("request %s: stage %s raised", request_id, spec.name)
+            if ran.interrupted:
+                log.exception("request %s: stage %s was interrupted", request_id, spec.name)
+                interrupted = exc
+        # A body that succeeded: from here on nothing may turn that into a failure or a
+        # re-run except a lost lease (someone else owns the request now) or a result the
+        # store refuses.
+        if ran.kind == "lease_lost":
             return {**outcome, **_lease_lost(queue, claim)}
-        except Cancelled:
-            return {**outcome, **_fail(queue, ctx, {"type": "Cancelled"}, retryable=False)}
-        except RetryLater as exc:
-            reason = storable_text(str(exc.reason), MESSAGE_CHARS)
-            error = {"type": "RetryLater", "message": reason, "delay": exc.delay}
-            return {**outcome, **_fail(queue, ctx, error, retryable=True, retry_in=exc.delay)}
-        except (PermanentError, InvalidRequest) as exc:
-            return {**outcome, **_fail(queue, ctx, error_payload(exc), retryable=False)}
-        except Exception as exc:
-            log.exception("request %s: stage %s raised", request_id, spec.name)
-            retryable = is_retryable(exc)
-            return {**outcome, **_fail(queue, ctx, error_payload(exc), retryable=retryable)}
-        # The body succeeded: from here on nothing may turn that into a failure or a re-run
-        # except a lost lease (someone else owns the request now).
-        return {**outcome, **_complete(queue, ctx, result, dispatch)}
+        recorded, followed = record(queue, ctx, ran, lambda: _heartbeats.recording(ctx))
+        if recorded["outcome"] == "lease_lost":
+            _count_lost(queue, claim, ran)
+        if dispatch is not None:
+            for made in followed:
+                if made.created:
+                    dispatch(
+                        Dispatch(made.request_id, made.stage, made.worker_class, made.workspace_id)
+                    )
+        if interrupted is not None:
+            raise interrupted
+        return {**outcome, **recorded}
     finally:
         # Always, also on BaseException (worker shutdown): no heartbeat outlives its stage.
         _heartbeats.remove(ctx)
+
+
+def _run_body(spec: StageSpec, ctx: StageContext, claim: Claim) -> Any:
+    """The body's result (as the store takes it), or what it raised."""
+    if isinstance(claim.request.input, Unreadable):  # stored before the depth limit
+        raise PermanentError(f"input cannot be read: {claim.request.input['reason']}")
+    try:
+        data = spec.input_model.model_validate(claim.request.input)
+    except ValidationError as exc:
+        msg = f"input does not fit {spec.input_model.__name__}: {exc}"
+        raise PermanentError(msg) from exc
+    with metrics.in_progress(claim.request.worker_class):
+        result = to_json_result(spec.func(ctx, data))
+    ctx.check()
+    return result
+
+
+def _max_delay(queue: Queue) -> float:
+    """The longest retry delay: the backoff's cap, a RetryLater's clamp."""
+    return float(queue.settings.backoff_max_seconds)
+
+
+def _count_lost(queue: Queue, claim: Claim, ran: Outcome) -> None:
+    """A completion fenced off is a zombie write (counted); a failure report is not."""
+    if ran.kind == "succeeded":
+        _lease_lost(queue, claim)
 
 
 CLAIM_RETRY_SECONDS = 10.0
@@ -284,87 +314,12 @@ def _claim(
             delay = min(1.0, delay * 2)
 
 
-def _complete(
-    queue: Queue,
-    ctx: StageContext,
-    result: Any,
-    dispatch: Callable[[Dispatch], object] | None,
-) -> dict[str, Any]:
-    """Record a successful body's result: a database blip is retried, never a failure.
-
-    Retried for as long as the database keeps confirming the lease (the heartbeat
-    thread goes on beating meanwhile): only ``LeaseLost`` — someone else owns the
-    request now — or a database silent for a whole lease ends the attempt.
-    """
-    claim = ctx.claim
-    delay = 0.1
-    while True:
-        try:
-            with _heartbeats.recording(ctx):
-                followed = queue.finish(claim, result, then=ctx._then)
-            break
-        except LeaseLost:
-            return _lease_lost(queue, claim)
-        except InvalidRequest as exc:  # the result itself is refused (too large, not JSON)
-            return _fail(queue, ctx, error_payload(exc), retryable=False)
-        except OnceflowError as exc:  # unavailable, lost connection, pool timeout, failover
-            silent = time.monotonic() - ctx._confirmed_at
-            if ctx.lease_lost or silent > claim.lease_seconds:
-                # Whether the lease still holds is for the database to say: the row is left
-                # as it is, and if the lease lapsed the sweeper rescues it.
-                log.error("request %s: completion not recorded: %s", claim.request_id, exc)
-                return {"outcome": "completion_unknown", "error": str(exc)}
-            log.warning("request %s: completion retried after: %s", claim.request_id, exc)
-            time.sleep(delay)
-            delay = min(1.0, delay * 2)
-    if dispatch is not None:
-        for made in followed:
-            if made.created:
-                dispatch(
-                    Dispatch(made.request_id, made.stage, made.worker_class, made.workspace_id)
-                )
-    return {"outcome": "succeeded"}
-
-
 def _lease_lost(queue: Queue, claim: Claim) -> dict[str, Any]:
     log.warning(
         "request %s: lease lost; result discarded (another worker owns it)", claim.request_id
     )
     _count_zombie(queue, claim)
     return {"outcome": "lease_lost"}
-
-
-def _fail(
-    queue: Queue,
-    ctx: StageContext,
-    error: dict[str, Any],
-    *,
-    retryable: bool,
-    retry_in: float | None = None,
-    minimal: bool = False,
-) -> dict[str, Any]:
-    claim = ctx.claim
-    try:
-        with _heartbeats.recording(ctx):
-            row = queue.fail(claim, error, retryable=retryable, retry_in=retry_in)
-    except LeaseLost:
-        return {"outcome": "lease_lost"}
-    except InvalidRequest as exc:
-        if minimal:
-            raise
-        # The error itself cannot be stored (over a payload limit set low): the failure is
-        # recorded all the same, with what can be — never left for the lease to lapse, which
-        # would run the body again.
-        log.error("request %s: the stage's error cannot be stored (%s)", claim.request_id, exc)
-        kind = storable_text(str(error.get("type", "Error")), 200)
-        brief = {"type": kind, "message": storable_text(f"not storable: {exc}", 200)}
-        return _fail(queue, ctx, brief, retryable=retryable, retry_in=retry_in, minimal=True)
-    except DatabaseUnavailable as exc:
-        # Retried for as long as the lease could hold; the sweeper rescues the row.
-        log.error("request %s: failure not recorded: %s", claim.request_id, exc)
-        return {"outcome": "failure_unknown", "error": str(exc)}
-    outcome = {Status.QUEUED: "retry", Status.DEAD: "dead", Status.CANCELLED: "cancelled"}
-    return {"outcome": outcome.get(row.status, row.status.value), "status": row.status.value}
 
 
 ZOMBIE_COUNTER = "zombie_writes_rejected"
