@@ -87,15 +87,19 @@ from onceflow.errors import (
     RetryLater,
 )
 from onceflow.ids import check_id, check_worker_class
+from onceflow.lifecycle.outcome import decide
 from onceflow.metrics import record as metrics
 from onceflow.models.requests import Claim
-from onceflow.payloads import Unreadable, encode_json, error_payload
+from onceflow.payloads import Unreadable, encode_json
 from onceflow.queue import Failure, Queue
 from onceflow.queue.batch import BATCH_MAX
 from onceflow.queue.notify import WAIT_MAX_SECONDS
 from onceflow.settings import get_settings
 
 log = logging.getLogger("onceflow.worker")
+
+#: What a body raises on purpose: not logged with a traceback.
+_EXPECTED = (LeaseLost, Cancelled, RetryLater, PermanentError, InvalidRequest)
 
 #: A stage body: gets the context, returns the result (JSON-able or a pydantic model).
 Handler = Callable[[StageContext], Any]
@@ -216,9 +220,10 @@ class Worker:
         self.worker_id = check_id(
             "worker_id", worker_id or f"{socket.gethostname()[:60]}:{os.getpid()}:worker"
         )
-        self.lease_seconds = self.queue._lease(lease_seconds)
+        self.lease_seconds = self.queue.lease_for(lease_seconds)
         self.max_runtime = max_runtime
         self.retry_on = retry_on or (lambda exc: True)
+        self._max_delay = float(self.queue.settings.backoff_max_seconds)
         self.sweep = sweep
         self.max_wait = float(max_wait)
         self.stats = WorkerStats()
@@ -432,7 +437,7 @@ class Worker:
             return
         log.warning("request %s: taken over by a new claim; the earlier one is gone",
                     old.claim.request_id)  # fmt: skip
-        old._lost.set()
+        old.mark_lease_lost()
         if old in self._ready:
             self._ready.remove(old)
             self.stats.lease_lost += 1
@@ -485,34 +490,25 @@ class Worker:
                 max_depth=settings.max_payload_depth,
             )
             return _Done(ctx, result=result)
-        except LeaseLost:
+        except BaseException as exc:  # the outcome table decides, SystemExit included
+            return self._outcome(ctx, exc)
+
+    def _outcome(self, ctx: StageContext, exc: BaseException) -> _Done | None:
+        """What to record for a body that raised ``exc`` (:func:`onceflow.lifecycle.decide`)."""
+        claim = ctx.claim
+        ran = decide(exc, retry_on=self.retry_on, max_delay=self._max_delay)
+        if ran.kind == "lease_lost":
             log.warning("request %s: lease lost; the result is discarded", claim.request_id)
             with self._cond:
                 self.stats.lease_lost += 1
             return None
-        except Cancelled:
-            return self._failure(ctx, {"type": "Cancelled"}, retryable=False)
-        except RetryLater as exc:
-            delay = exc.delay if _seconds_within(exc.delay, MAX_RETRY_DELAY) else None
-            error = {**error_payload(exc), "type": "RetryLater", "delay": delay}
-            return self._failure(ctx, error, retryable=True, retry_in=delay)
-        except (PermanentError, InvalidRequest) as exc:
-            return self._failure(ctx, error_payload(exc), retryable=False)
-        except Exception as exc:
-            log.exception("request %s: the body raised", claim.request_id)
-            return self._failure(ctx, error_payload(exc), retryable=self._retryable(exc))
-        except BaseException as exc:  # SystemExit, KeyboardInterrupt, CancelledError…
+        if ran.interrupted:
             # Interrupted, not wrong: recorded as a retryable failure, and this thread
             # lives on to run the next body (re-raising would only end the thread).
             log.exception("request %s: the body was interrupted", claim.request_id)
-            return self._failure(ctx, error_payload(exc), retryable=True)
-
-    def _retryable(self, exc: Exception) -> bool:
-        try:
-            return bool(self.retry_on(exc))
-        except Exception:
-            log.exception("worker: retry_on raised; treating the error as retryable")
-            return True
+        elif not isinstance(exc, _EXPECTED):
+            log.exception("request %s: the body raised", claim.request_id)
+        return _Done(ctx, failure=Failure(claim, ran.error, ran.retryable, ran.retry_in))
 
     @staticmethod
     def _failure(
@@ -556,8 +552,8 @@ class Worker:
                 self.stats.lease_lost += 1
                 self._finished -= 1
         batch = current
-        plain = [d for d in batch if d.failure is None and not d.ctx._then]
-        handing_off = [d for d in batch if d.failure is None and d.ctx._then]
+        plain = [d for d in batch if d.failure is None and not d.ctx.handoffs]
+        handing_off = [d for d in batch if d.failure is None and d.ctx.handoffs]
         failed = [d for d in batch if d.failure is not None]
         retry: list[_Done] = []
         if plain:
@@ -585,7 +581,7 @@ class Worker:
         return lambda: self.queue.fail_many([d.failure for d in group if d.failure])
 
     def _hand_off_call(self, d: _Done) -> Callable[[], Sequence[Any]]:
-        return lambda: [self.queue.finish(d.ctx.claim, d.result, then=d.ctx._then)]
+        return lambda: [self.queue.finish(d.ctx.claim, d.result, then=d.ctx.handoffs)]
 
     def _apply(
         self, items: list[_Done], call: Callable[[], Sequence[Any]], shard: int
@@ -643,7 +639,7 @@ class Worker:
 
     def _may_retry(self, d: _Done) -> bool:
         """Keep trying while the database may still confirm the lease (it alone decides)."""
-        silent = time.monotonic() - d.ctx._confirmed_at
+        silent = time.monotonic() - d.ctx.confirmed_at
         return (
             not d.ctx.lease_lost
             and silent <= d.ctx.claim.lease_seconds
@@ -699,17 +695,17 @@ class Worker:
             with self._cond:
                 for ctx, beat in zip(held, beats, strict=True):
                     if isinstance(beat, LeaseLost):
-                        if not ctx._lost.is_set():
+                        if not ctx.lease_lost:
                             log.warning("request %s: lease lost", ctx.claim.request_id)
-                        ctx._lost.set()
+                        ctx.mark_lease_lost()
                         if ctx in self._ready:  # not started: nothing to run or record
                             self._ready.remove(ctx)
                             self._drop(ctx)
                             self.stats.lease_lost += 1
                         continue
-                    ctx._confirmed_at = now
+                    ctx.lease_confirmed(now)
                     if beat.cancel_requested:
-                        ctx._cancel.set()
+                        ctx.mark_cancel_requested()
                 self._cond.notify_all()
 
     def _beat(self, held: list[StageContext]) -> list[Any]:
