@@ -27,6 +27,7 @@ Celery stage's :class:`~onceflow.context.StageContext`, so one body runs under e
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import secrets
@@ -34,16 +35,17 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import datetime
 from types import TracebackType
 from typing import Any
 
 import httpx
 
-from onceflow.errors import Cancelled, InvalidRequest, LeaseLost, OnceflowError, PermanentError
-from onceflow.integrations import pull_locks
+from onceflow.errors import InvalidRequest, LeaseLost, OnceflowError
+from onceflow.integrations.pull_claim import PullClaim, Release
 from onceflow.integrations.pull_context import PullContext
+from onceflow.integrations.pull_events import ClaimEvents
+from onceflow.lifecycle.outcome import Outcome, RetryOn, brief_error, decide
 from onceflow.oplog import ApplyResult, SubDoc, TransportError
 from onceflow.oplog.http import (
     RETRYABLE_STATUSES,
@@ -51,7 +53,7 @@ from onceflow.oplog.http import (
     raise_for_api_error,
     retry_after_seconds,
 )
-from onceflow.payloads import error_payload, is_unreadable
+from onceflow.payloads import is_unreadable
 
 log = logging.getLogger("onceflow.pull")
 
@@ -61,25 +63,6 @@ __all__ = ["PullClaim", "PullContext", "PullWorker"]
 
 #: The longest a retried call waits on a server's ``Retry-After`` (seconds) before trying.
 RETRY_AFTER_CAP = 30.0
-
-
-@dataclass(frozen=True, slots=True)
-class PullClaim:
-    """A claim held over HTTP. The token is a secret: never log it (``repr`` hides it)."""
-
-    request_id: str
-    token: str = field(repr=False)
-    lease_seconds: float
-    lease_expires_at: datetime
-    attempt: int
-    request: dict[str, Any]
-
-    @property
-    def workspace_id(self) -> str | None:
-        """The claimed request's workspace (from the claim's answer), sent on every later
-        call of the claim: the server finds the request by its key, not by its id alone."""
-        ws = self.request.get("workspace_id")
-        return ws if isinstance(ws, str) and ws else None
 
 
 class PullWorker:
@@ -96,8 +79,12 @@ class PullWorker:
         timeout: float = 10.0,
         retries: int = 5,
         client: httpx.Client | None = None,
+        retry_on: RetryOn = None,
     ) -> None:
         self.worker_class = worker_class
+        #: Which exceptions of a body are worth a retry (as a stage's ``retry_on``: a tuple
+        #: of exception types, or a callable; None: every one but the permanent errors).
+        self.retry_on = retry_on
         self.worker_id = worker_id or (
             f"pull:{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         )
@@ -207,17 +194,15 @@ class PullWorker:
             body["ttl_seconds"] = ttl_seconds
         return bool(self._claim_call(claim, "locks/extend", body)["held"])
 
-    def release_lock(
-        self, claim: PullClaim, task: str, lock_token: str, outcome: pull_locks.Release
-    ) -> bool:
+    def release_lock(self, claim: PullClaim, task: str, lock_token: str, outcome: Release) -> bool:
         """Compare and delete a held lock, announcing ``lock_released`` to its waiters."""
         body = {"task": task, "lock_token": lock_token, "outcome": outcome}
         return bool(self._claim_call(claim, "locks/release", body)["released"])
 
-    def claim_events(self, claim: PullClaim) -> pull_locks.ClaimEvents:
+    def claim_events(self, claim: PullClaim) -> ClaimEvents:
         """The claimed request's workspace events, once live (see :class:`ClaimEvents`)."""
         url = f"/v1/claims/{path_segment('request_id', claim.request_id)}/events"
-        events = pull_locks.ClaimEvents(
+        events = ClaimEvents(
             self._client, url, self._headers, claim.request_id, claim.token,
             workspace_id=claim.workspace_id,
         )  # fmt: skip
@@ -246,20 +231,27 @@ class PullWorker:
         beat = _Heartbeat(self, ctx)
         beat.start()
         try:
-            result = func(ctx)
-            ctx.check()
-            self.complete(claim, result, then=ctx._then)
+            try:
+                result = func(ctx)
+                ctx.check()
+            except BaseException as exc:  # the outcome table decides, SystemExit included
+                ran = decide(exc, retry_on=self.retry_on, max_delay=math.inf)
+                if ran.kind == "lease_lost":
+                    log.warning("request %s: lease lost; nothing more is written", claim.request_id)
+                    return "lease_lost"
+                log.warning("request %s: the work raised %s", claim.request_id, type(exc).__name__)
+                outcome = self._report(claim, ran)
+                if ran.interrupted:
+                    raise
+                return outcome
+            try:
+                self.complete(claim, result, then=ctx.handoffs)
+            except LeaseLost:
+                log.warning("request %s: lease lost; nothing more is written", claim.request_id)
+                return "lease_lost"
+            except InvalidRequest as exc:  # the result itself is refused (too large, not JSON)
+                return self._report(claim, decide(exc, max_delay=math.inf))
             return "succeeded"
-        except LeaseLost:
-            log.warning("request %s: lease lost; nothing more is written", claim.request_id)
-            return "lease_lost"
-        except Cancelled:
-            return self._fail(claim, {"type": "Cancelled"}, retryable=False)
-        except Exception as exc:
-            log.warning("request %s: the work raised %s", claim.request_id, type(exc).__name__)
-            error = error_payload(exc)  # storable: NUL and surrogates escaped, lines capped
-            permanent = isinstance(exc, PermanentError | InvalidRequest)
-            return self._fail(claim, error, retryable=not permanent)
         finally:
             beat.stop()
 
@@ -316,9 +308,28 @@ class PullWorker:
 
     # ----------------------------------------------------------------- helpers
 
-    def _fail(self, claim: PullClaim, error: dict[str, Any], *, retryable: bool) -> str:
+    def _report(self, claim: PullClaim, ran: Outcome) -> str:
+        """Send a failed run's outcome (:func:`onceflow.lifecycle.decide`). A RetryLater's
+        delay travels in its error: the server clamps it to its own longest retry delay."""
+        retry_in = None if (ran.error or {}).get("type") == "RetryLater" else ran.retry_in
+        return self._fail(claim, ran.error or {}, retryable=ran.retryable, retry_in=retry_in)
+
+    def _fail(
+        self,
+        claim: PullClaim,
+        error: dict[str, Any],
+        *,
+        retryable: bool,
+        retry_in: float | None = None,
+    ) -> str:
         try:
-            row = self.fail(claim, error, retryable=retryable)
+            try:
+                row = self.fail(claim, error, retryable=retryable, retry_in=retry_in)
+            except InvalidRequest as exc:
+                # The error itself is refused (over the server's payload limits): the failure
+                # is recorded all the same, briefly — never left for the lease to lapse.
+                brief = brief_error(error, exc)
+                row = self.fail(claim, brief, retryable=retryable, retry_in=retry_in)
         except LeaseLost:
             return "lease_lost"
         status = str(row.get("status"))
@@ -405,13 +416,13 @@ class _Heartbeat(threading.Thread):
             try:
                 cancel = self._worker.heartbeat(ctx.claim)
             except LeaseLost:
-                ctx._lost.set()
+                ctx.mark_lease_lost()
                 return
             except OnceflowError as exc:  # transport trouble: the lease may still hold
                 log.warning("request %s: heartbeat failed: %s", ctx.claim.request_id, exc)
                 continue
             if cancel:
-                ctx._cancel.set()
+                ctx.mark_cancel_requested()
 
     def stop(self) -> None:
         self._stop_event.set()

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from onceflow.errors import Cancelled, LeaseLost
 from onceflow.integrations import pull_locks
+from onceflow.integrations.pull_claim import ClaimClient, PullClaim
 from onceflow.locks import Locked, Outcome
 from onceflow.models.ops import OpModel
 from onceflow.oplog import ApplyResult, SubDoc, new_op_id
 
 if TYPE_CHECKING:
     from onceflow.context import WorkContext
-    from onceflow.integrations.pull import PullClaim, PullWorker
 
 T = TypeVar("T")
 
@@ -30,10 +30,10 @@ class PullContext:
     """What the work function gets: a :class:`~onceflow.context.WorkContext` over HTTP.
 
     Beyond the interface: ``request`` (the row as the API returned it, a dict) and
-    ``worker`` (the :class:`PullWorker`).
+    ``worker`` (the :class:`~onceflow.integrations.pull.PullWorker`).
     """
 
-    def __init__(self, worker: PullWorker, claim: PullClaim) -> None:
+    def __init__(self, worker: ClaimClient, claim: PullClaim) -> None:
         self.worker = worker
         self.claim = claim
         self._lost = threading.Event()

@@ -157,6 +157,7 @@ def reported(error: Any, *, retryable: bool, retry_in: float | None, max_delay: 
         return Outcome("failed", error=error, retryable=False, retry_in=None)
     if kind == "RetryLater" and retry_in is None and isinstance(error, dict):
         retry_in = clamp_delay(error.get("delay"), max_delay)
+        error = {**error, "delay": retry_in}
         return Outcome("failed", error=error, retryable=True, retry_in=retry_in)
     return Outcome("failed", error=error, retryable=retryable, retry_in=retry_in)
 

@@ -21,6 +21,7 @@ from onceflow.integrations.fastapi.responses import _responses
 from onceflow.integrations.fastapi.routes_ops import _apply_out
 from onceflow.integrations.fastapi.routes_requests import _follow_up, _request_out
 from onceflow.integrations.fastapi.services import OnceflowServices
+from onceflow.lifecycle.outcome import reported
 from onceflow.models import Claim, ClaimRef, NewRequest, WorkspaceScope
 from onceflow.oplog import stage_op_id
 from onceflow.queue import AsyncQueue
@@ -150,12 +151,25 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
     async def fail(
         request_id: s.RequestIdPath, body: s.FailIn, principal: PrincipalDep
     ) -> s.RequestOut:
-        """Report a failed run: queued again after a backoff, or dead past its attempts."""
+        """Report a failed run: queued again after a backoff, or dead past its attempts.
+
+        The outcome table every runner shares (``onceflow.lifecycle``), read from the
+        report: an ``error`` whose ``type`` is ``PermanentError``, ``InvalidRequest``,
+        ``OutOfScope`` or ``Cancelled`` is never retried; a ``RetryLater`` error without
+        ``retry_in`` is retried after its ``delay``, at most
+        ``ONCEFLOW_BACKOFF_MAX_SECONDS``.
+        """
         ref = claim_ref(request_id, body.claim_token, principal, body.workspace_id)
         if body.retry_in is not None:
             terms.check_retry_in(body.retry_in)
+        ran = reported(
+            body.error,
+            retryable=body.retryable,
+            retry_in=body.retry_in,
+            max_delay=float(svc.settings.backoff_max_seconds),
+        )
         failed = await svc.async_queue.fail(
-            ref, body.error, retryable=body.retryable, retry_in=body.retry_in
+            ref, ran.error, retryable=ran.retryable, retry_in=ran.retry_in
         )
         return _request_out(failed)
 
