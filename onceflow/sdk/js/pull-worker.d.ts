@@ -11,8 +11,21 @@ export const OUTCOMES: readonly Outcome[];
 export function heartbeatIntervalMs(leaseSeconds: number): number;
 /** "retry" for a request queued again, else its status ("dead", "cancelled"). */
 export function failOutcome(row: { status?: string } | null | undefined): string;
-/** How a handler's error is reported: retryable unless it says otherwise. */
-export function failureOf(error: unknown): { error: { type: string; message: string; traceback?: string[] }; retryable: boolean };
+/** Throw from a handler to run the request again after `delay` seconds (at most the server's longest retry delay). */
+export class RetryLater extends Error {
+  constructor(delay?: number, reason?: string);
+  readonly delay: number;
+  readonly reason: string;
+}
+/** Throw from a handler to fail the request at once, without retries. */
+export class PermanentError extends Error {
+  constructor(message?: string);
+}
+/** How a handler's error is reported (the outcome table every runner shares). */
+export function failureOf(
+  error: unknown,
+  retryOn?: (error: unknown) => boolean,
+): { error: { type: string; message: string; traceback?: string[]; delay?: number | null }; retryable: boolean };
 export function newWorkerId(): string;
 
 /** The request as the API returns it (ids, stage, input, attempts, …). */
@@ -113,6 +126,9 @@ export interface PullWorkerOptions {
   timeoutMs?: number;
   onLeader?: (leading: boolean) => void;
   onOutcome?: (outcome: Outcome) => void;
+  /** Whether a handler's error is worth a retry (a Python stage's `retry_on`); default: every
+   * error but PermanentError / InvalidRequest. */
+  retryOn?: (error: unknown) => boolean;
 }
 
 export class PullWorker {

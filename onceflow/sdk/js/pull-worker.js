@@ -38,14 +38,51 @@ export function failOutcome(row) {
 }
 
 /**
- * How a handler's error is reported: `{error, retryable}`. Retryable unless the error says
- * otherwise (`error.retryable === false`, `error.permanent === true`, or a name of
- * PermanentError / InvalidRequest, as the Python client's permanent errors).
+ * Throw from a handler to run the request again after `delay` seconds (not counted as a
+ * crash), as a Python stage raises `RetryLater(delay)`. The server keeps the delay within
+ * its longest retry delay (ONCEFLOW_BACKOFF_MAX_SECONDS); a delay that is not a finite
+ * number of seconds, or is negative, retries after the backoff.
  */
-export function failureOf(error) {
+export class RetryLater extends Error {
+  constructor(delay = 0, reason = "") {
+    super(reason || `retry in ${delay}s`);
+    this.name = "RetryLater";
+    this.delay = delay;
+    this.reason = reason;
+  }
+}
+
+/** Throw from a handler to fail the request at once, without retries (e.g. bad data). */
+export class PermanentError extends Error {
+  constructor(message = "") {
+    super(message);
+    this.name = "PermanentError";
+  }
+}
+
+/**
+ * How a handler's error is reported: `{error, retryable}` — the outcome table of every
+ * onceflow runner. A RetryLater is reported with its `delay` (the server turns it into the
+ * retry's due time); a PermanentError, an InvalidRequest, an error with
+ * `retryable === false` or `permanent === true` is never retried; any other error is
+ * retried after the backoff, unless `retryOn(error)` (the worker's option, as a Python
+ * stage's `retry_on`) says no.
+ */
+export function failureOf(error, retryOn) {
   const name = error?.name || error?.constructor?.name || typeof error;
-  const permanent = error?.retryable === false || error?.permanent === true || name === "PermanentError" || name === "InvalidRequest";
   const message = String(error?.message ?? error).slice(0, 2000);
+  if (error instanceof RetryLater || (name === "RetryLater" && error?.delay !== undefined)) {
+    const delay = Number.isFinite(error.delay) && error.delay >= 0 ? error.delay : null;
+    return { error: { type: "RetryLater", message: String(error.reason || message).slice(0, 2000), delay }, retryable: true };
+  }
+  let permanent = error?.retryable === false || error?.permanent === true || name === "PermanentError" || name === "InvalidRequest";
+  if (!permanent && error?.retryable !== true && typeof retryOn === "function") {
+    try {
+      permanent = !retryOn(error);
+    } catch {
+      permanent = false; // a retry is the safe side
+    }
+  }
   const report = { type: name, message };
   if (typeof error?.stack === "string") report.traceback = error.stack.split("\n").slice(0, 30);
   return { error: report, retryable: !permanent };
@@ -178,7 +215,7 @@ export class PullContext {
 
 /** Claims and runs requests of one worker class over onceflow's HTTP API. */
 export class PullWorker {
-  constructor({ baseUrl = "", apiKey, workerClass, workerId, leaseSeconds, waitSeconds = 20, leader = true, leaderName: name, fetch, timeoutMs = 30_000, onLeader, onOutcome } = {}) {
+  constructor({ baseUrl = "", apiKey, workerClass, workerId, leaseSeconds, waitSeconds = 20, leader = true, leaderName: name, fetch, timeoutMs = 30_000, onLeader, onOutcome, retryOn } = {}) {
     if (typeof workerClass !== "string" || !workerClass) throw new TypeError("workerClass is required");
     if (!(Number.isFinite(waitSeconds) && waitSeconds >= 0 && waitSeconds <= 60)) throw new RangeError("waitSeconds must be 0..60");
     if (leaseSeconds !== undefined && !(Number.isFinite(leaseSeconds) && leaseSeconds > 0)) throw new RangeError("leaseSeconds must be a positive number");
@@ -194,6 +231,8 @@ export class PullWorker {
     this.isLeader = false;
     this._onLeader = onLeader;
     this._onOutcome = onOutcome;
+    if (retryOn !== undefined && typeof retryOn !== "function") throw new TypeError("retryOn must be a function");
+    this._retryOn = retryOn;
     this._stopper = new AbortController();
   }
 
@@ -298,7 +337,7 @@ export class PullWorker {
         // Stopped by its page: hand the request back now rather than after the lease.
         return this._fail(ctx, { type: "Aborted", message: "the worker was stopped" }, true, 0);
       }
-      const { error: report, retryable } = failureOf(error);
+      const { error: report, retryable } = failureOf(error, this._retryOn);
       return this._fail(ctx, report, retryable);
     } finally {
       signal?.removeEventListener("abort", onStop);

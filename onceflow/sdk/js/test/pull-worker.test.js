@@ -13,7 +13,9 @@ import {
   ClaimLocks,
   LEADER_PREFIX,
   LeaseLost,
+  PermanentError,
   PullWorker,
+  RetryLater,
   computeOnce,
   extendIntervalMs,
   failOutcome,
@@ -130,6 +132,20 @@ test("outcomes: queued again is retry; a handler's error is retryable unless it 
   assert.ok(isReleaseOf({ kind: "lock_released", job_id: "j", task: "t", ok: true }, "j", "t"));
   assert.ok(!isReleaseOf({ kind: "lock_released", job_id: "j", task: "u" }, "j", "t"));
   assert.ok(!isReleaseOf({ kind: "commit", job_id: "j", task: "t" }, "j", "t"));
+});
+
+test("outcomes: RetryLater carries its delay; retryOn decides the other errors", () => {
+  const later = failureOf(new RetryLater(120, "rate limited"));
+  assert.deepEqual(later, { error: { type: "RetryLater", message: "rate limited", delay: 120 }, retryable: true });
+  assert.equal(failureOf(new RetryLater(-1)).error.delay, null); // the backoff
+  assert.equal(failureOf(new RetryLater(NaN)).error.delay, null);
+  assert.equal(failureOf(new PermanentError("bad")).retryable, false);
+  const onlyTypeErrors = (e) => e instanceof TypeError;
+  assert.equal(failureOf(new TypeError("t"), onlyTypeErrors).retryable, true);
+  assert.equal(failureOf(new RangeError("r"), onlyTypeErrors).retryable, false);
+  assert.equal(failureOf(new RetryLater(5), onlyTypeErrors).retryable, true); // not for retryOn
+  assert.equal(failureOf(new Error("e"), () => { throw new Error("x"); }).retryable, true);
+  assert.throws(() => new PullWorker({ apiKey: KEY, workerClass: "c", retryOn: 3 }), TypeError);
 });
 
 // ----------------------------------------------------------------- runOnce
