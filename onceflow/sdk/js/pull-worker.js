@@ -14,7 +14,7 @@
 // wait for it to close. A tab that closes mid-stage stops heartbeating: its lease lapses
 // (the database's clock) and another worker claims the request again.
 
-import { Aborted, Api, Cancelled, LeaseLost, backoffDelay, errorFor, isRetryable, seg, sleep } from "./transport.js";
+import { Aborted, Api, Cancelled, HttpError, LeaseLost, backoffDelay, errorFor, isRetryable, seg, sleep } from "./transport.js";
 import { ClaimEvents, ClaimLocks, computeOnce } from "./compute.js";
 import { leaderName, webLocks, whileLeader } from "./leader.js";
 
@@ -36,6 +36,9 @@ export function failOutcome(row) {
   const status = String(row?.status ?? "");
   return status === "queued" ? "retry" : status;
 }
+
+/** Statuses of a request the server refused as sent (400, 413, 422): never worth a retry. */
+const REFUSED = new Set([400, 413, 422]);
 
 /**
  * Throw from a handler to run the request again after `delay` seconds (not counted as a
@@ -64,7 +67,8 @@ export class PermanentError extends Error {
  * How a handler's error is reported: `{error, retryable}` — the outcome table of every
  * onceflow runner. A RetryLater is reported with its `delay` (the server turns it into the
  * retry's due time); a PermanentError, an InvalidRequest, an error with
- * `retryable === false` or `permanent === true` is never retried; any other error is
+ * `retryable === false` or `permanent === true`, or a request the server refused as sent
+ * (400, 413, 422: a result over its payload limit) is never retried; any other error is
  * retried after the backoff, unless `retryOn(error)` (the worker's option, as a Python
  * stage's `retry_on`) says no.
  */
@@ -74,6 +78,11 @@ export function failureOf(error, retryOn) {
   if (error instanceof RetryLater || (name === "RetryLater" && error?.delay !== undefined)) {
     const delay = Number.isFinite(error.delay) && error.delay >= 0 ? error.delay : null;
     return { error: { type: "RetryLater", message: String(error.reason || message).slice(0, 2000), delay }, retryable: true };
+  }
+  if (error instanceof HttpError && REFUSED.has(error.status)) {
+    // The server refused what was sent (a result over its payload limit…): sending it again
+    // cannot help — the Python client's InvalidRequest.
+    return { error: { type: "InvalidRequest", message }, retryable: false };
   }
   let permanent = error?.retryable === false || error?.permanent === true || name === "PermanentError" || name === "InvalidRequest";
   if (!permanent && error?.retryable !== true && typeof retryOn === "function") {

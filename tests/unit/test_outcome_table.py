@@ -1,0 +1,98 @@
+"""The outcome table every runner shares (``onceflow.lifecycle.outcome``): pure, no I/O."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from onceflow.errors import (
+    Cancelled,
+    InvalidRequest,
+    LeaseLost,
+    LockUnavailable,
+    OutOfScope,
+    PayloadTooLarge,
+    PermanentError,
+    RetryLater,
+)
+from onceflow.lifecycle import brief_error, clamp_delay, decide, reported, succeeded
+
+CAP = 600.0
+
+
+def test_success_carries_its_result() -> None:
+    out = succeeded({"ok": True})
+    assert (out.kind, out.result, out.failed) == ("succeeded", {"ok": True}, False)
+
+
+@pytest.mark.parametrize(
+    ("delay", "retry_in"),
+    [(120, 120.0), (0, 0.0), (100_000, CAP), (-1, None), (math.nan, None), ("5", None),
+     (True, None), (math.inf, CAP)],
+)  # fmt: skip
+def test_retry_later_is_retried_after_its_delay_clamped_to_the_backoff_cap(
+    delay: object, retry_in: float | None
+) -> None:
+    out = decide(RetryLater(delay, "rate limited"), max_delay=CAP)  # type: ignore[arg-type]
+    assert (out.kind, out.retryable, out.retry_in) == ("failed", True, retry_in)
+    assert out.error == {"type": "RetryLater", "message": "rate limited", "delay": retry_in}
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [PermanentError("bad"), InvalidRequest("no"), OutOfScope("past sub_docs"),
+     PayloadTooLarge("result", 10, 5)],
+)  # fmt: skip
+def test_permanent_errors_are_dead_at_once_whatever_retry_on_says(exc: Exception) -> None:
+    out = decide(exc, retry_on=(Exception,), max_delay=CAP)
+    assert (out.kind, out.retryable, out.retry_in) == ("failed", False, None)
+    assert out.error is not None and out.error["type"] == type(exc).__name__
+
+
+def test_retry_on_decides_the_other_exceptions() -> None:
+    assert decide(ValueError("v"), retry_on=(ValueError,), max_delay=CAP).retryable
+    assert not decide(ValueError("v"), retry_on=(KeyError,), max_delay=CAP).retryable
+    assert decide(ValueError("v"), retry_on=None, max_delay=CAP).retryable
+    assert not decide(ValueError("v"), retry_on=lambda e: False, max_delay=CAP).retryable
+
+    def broken(exc: BaseException) -> bool:
+        raise RuntimeError("retry_on itself failed")
+
+    assert decide(ValueError("v"), retry_on=broken, max_delay=CAP).retryable  # the safe side
+    # An error marked retryable always is (a lock that cannot be had now).
+    assert decide(LockUnavailable("redis down"), retry_on=(KeyError,), max_delay=CAP).retryable
+
+
+def test_lease_lost_records_nothing_and_cancel_is_not_retried() -> None:
+    assert decide(LeaseLost("r1"), max_delay=CAP).kind == "lease_lost"
+    out = decide(Cancelled("r1"), max_delay=CAP)
+    assert (out.kind, out.retryable, out.error) == ("failed", False, {"type": "Cancelled"})
+
+
+@pytest.mark.parametrize("exc", [SystemExit(3), KeyboardInterrupt()])
+def test_an_interruption_is_a_retryable_failure_the_runner_may_re_raise(
+    exc: BaseException,
+) -> None:
+    out = decide(exc, retry_on=(KeyError,), max_delay=CAP)
+    assert (out.kind, out.retryable, out.retry_in, out.interrupted) == (
+        "failed", True, None, True,
+    )  # fmt: skip
+
+
+def test_a_report_over_http_reads_through_the_same_table() -> None:
+    later = reported({"type": "RetryLater", "delay": 10**6}, retryable=True, retry_in=None,
+                     max_delay=CAP)  # fmt: skip
+    assert (later.retryable, later.retry_in) == (True, CAP)
+    assert later.error == {"type": "RetryLater", "delay": CAP}
+    dead = reported({"type": "PermanentError"}, retryable=True, retry_in=None, max_delay=CAP)
+    assert not dead.retryable
+    plain = reported({"e": 1}, retryable=False, retry_in=3.0, max_delay=CAP)
+    assert (plain.retryable, plain.retry_in) == (False, 3.0)
+    assert reported("x", retryable=True, retry_in=None, max_delay=CAP).retryable
+
+
+def test_a_refused_error_is_recorded_briefly() -> None:
+    brief = brief_error({"type": "PermanentError", "message": "y" * 5000}, InvalidRequest("big"))
+    assert brief == {"type": "PermanentError", "message": "not storable: big"}
+    assert clamp_delay(5, 1.0) == 1.0
