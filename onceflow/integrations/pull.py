@@ -66,7 +66,15 @@ RETRY_AFTER_CAP = 30.0
 
 
 class PullWorker:
-    """Claims and runs requests of one worker class over onceflow's HTTP API."""
+    """Claims and runs requests of one worker class over onceflow's HTTP API.
+
+    A run's outcome is decided as under a Celery stage (:func:`onceflow.lifecycle.decide`):
+    ``RetryLater(delay)`` runs the request again after ``delay`` (at most the server's
+    ``ONCEFLOW_BACKOFF_MAX_SECONDS``), :class:`PermanentError` / :class:`InvalidRequest`
+    fail it at once, ``retry_on`` (a tuple of exception types or a callable, as a stage's)
+    decides the other exceptions, and a ``SystemExit`` / ``KeyboardInterrupt`` is reported
+    as a retryable failure before it propagates.
+    """
 
     def __init__(
         self,
@@ -249,8 +257,9 @@ class PullWorker:
             except LeaseLost:
                 log.warning("request %s: lease lost; nothing more is written", claim.request_id)
                 return "lease_lost"
-            except InvalidRequest as exc:  # the result itself is refused (too large, not JSON)
-                return self._report(claim, decide(exc, max_delay=math.inf))
+            except Exception as exc:  # e.g. the result refused (too large): the same table
+                log.warning("request %s: completion refused: %s", claim.request_id, exc)
+                return self._report(claim, decide(exc, retry_on=self.retry_on, max_delay=math.inf))
             return "succeeded"
         finally:
             beat.stop()
