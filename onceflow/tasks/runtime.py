@@ -227,9 +227,9 @@ def run_request(
             if ran.interrupted:
                 log.exception("request %s: stage %s was interrupted", request_id, spec.name)
                 interrupted = exc
-        # A body that succeeded: from here on nothing may turn that into a failure or a
-        # re-run except a lost lease (someone else owns the request now) or a result the
-        # store refuses.
+        # Recorded once (lifecycle.record): a body that succeeded is never turned into a
+        # failure or a re-run except by a lost lease (someone else owns the request now) or
+        # a result the store refuses.
         if ran.kind == "lease_lost":
             return {**outcome, **_lease_lost(queue, claim)}
         recorded, followed = record(queue, ctx, ran, lambda: _heartbeats.recording(ctx))
