@@ -210,6 +210,21 @@ def run_request(
     claim = _claim(queue, spec, request_id, worker_id, workspace_id)
     if claim is None:
         return _not_claimed(queue, request_id, workspace_id)
+    return run_claimed(queue, spec, claim, worker_id, is_retryable, dispatch)
+
+
+def run_claimed(
+    queue: Queue,
+    spec: StageSpec,
+    claim: Claim,
+    worker_id: str,
+    is_retryable: Callable[[BaseException], bool],
+    dispatch: Callable[[Dispatch], object] | None = None,
+) -> dict[str, Any]:
+    """Run ``spec``'s body on ``claim`` (already taken) under heartbeats and record its
+    outcome: the part of :func:`run_request` after the claim, for a runner that claims by
+    other means (:mod:`onceflow.testing` claims in the workers' order)."""
+    request_id = claim.request_id
     ctx = StageContext(
         queue, claim, worker_id, hands_off_to=spec.hands_off_to,
         sub_docs=spec.sub_docs if spec.sub_docs_declared else None,
