@@ -41,6 +41,7 @@ MODULE_PAGES = {
     "oplog": "onceflow.oplog",
     "models": "onceflow.models",
     "integrations": "onceflow.integrations.fastapi",
+    "testing": "onceflow.testing",
 }
 
 
