@@ -22,13 +22,14 @@ Rules:
 
 * A request retried with a delay (:class:`~onceflow.errors.RetryLater`, the backoff) is
   not due yet: it is not waited for. It is listed in :attr:`RunReport.delayed` (its row,
-  ``run_after`` included). ``include_delayed=True`` runs it anyway: the claims are made
-  with the queue's clock moved forward past the longest retry delay
-  (``ONCEFLOW_BACKOFF_MAX_SECONDS``) — each claim statement's ``:now``, which every queue
-  statement takes; no row is rewritten to make it due. A run taken that way still counts
-  as an attempt, so a body that keeps asking for a retry ends ``dead`` at its
-  ``max_attempts``. With the clock moved, a request *running* elsewhere whose lease would
-  have lapsed by then is taken over too: keep a test's database to the test.
+  ``run_after`` included). ``include_delayed=True`` runs it anyway: once nothing is due,
+  the next claim is made with the queue's clock moved to the latest ``run_after`` of the
+  rows still queued (database time) — the claim statement's ``:now``, which every queue
+  statement takes; no row is rewritten to make it due, and the claim order is the
+  workers'. A run taken that way still counts as an attempt, so a body that keeps asking
+  for a retry ends ``dead`` at its ``max_attempts``. With the clock moved, a request
+  *running* elsewhere whose lease would have lapsed by then is taken over too (and the
+  claim's lease runs from that time): keep a test's database to the test.
 * ``max_runs`` bounds the runs of one call: past it, with requests still due (an endless
   hand-off chain), :class:`TooManyRuns` is raised, carrying the report so far.
 * ``workspace_id`` limits the claims to one workspace (the filter is the claim's own);
@@ -49,7 +50,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from onceflow.errors import OnceflowError
@@ -60,10 +61,6 @@ from onceflow.tasks.identity import worker_id
 from onceflow.tasks.routing import TASK_PREFIX
 from onceflow.tasks.runtime import run_claimed
 from onceflow.tasks.stage_task import StageTask
-
-#: How far past the longest retry delay the clock moves for ``include_delayed``: room for
-#: a test machine's clock to differ from the database's a little.
-CLOCK_MARGIN = timedelta(seconds=60)
 
 #: The most delayed rows listed per stage.
 DELAYED_LISTED = 1000
@@ -151,17 +148,23 @@ def run_until_idle(
     me = worker_id()
     runs: list[Run] = []
 
-    def next_claim() -> Claim | None:
-        if not classes:
-            return None
-        now = clock(queue) if include_delayed else None
-        claims = queue.claim_next(
+    def claim_at(now: datetime | None) -> list[Claim]:
+        return queue.claim_next(
             classes,
             me,
             workspaces=None if workspace_id is None else [workspace_id],
             stage_terms=terms,
             now=now,
         )
+
+    def next_claim() -> Claim | None:
+        if not classes:
+            return None
+        claims = claim_at(None)
+        if not claims and include_delayed:
+            waiting = delayed(queue, tasks, workspace_id)
+            if waiting:
+                claims = claim_at(max(r.run_after for r in waiting))
         if not claims:
             return None
         claim = claims[0]
@@ -209,12 +212,6 @@ def stage_task(flow: Flow, stage: str) -> StageTask:
     if not isinstance(task, StageTask):  # pragma: no cover - a Flow registers only these
         raise TypeError(f"task {TASK_PREFIX + stage} is not a stage task")
     return task
-
-
-def clock(queue: Queue) -> datetime:
-    """The claims' clock for ``include_delayed``: now, past the longest retry delay."""
-    ahead = timedelta(seconds=queue.settings.backoff_max_seconds) + CLOCK_MARGIN
-    return datetime.now(UTC) + ahead
 
 
 def delayed(queue: Queue, stages: Iterable[str], workspace_id: str | None) -> list[Request]:

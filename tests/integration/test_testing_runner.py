@@ -46,6 +46,10 @@ def make_flow(calls: list[str]) -> Flow:
             raise RetryLater(300, "provider busy")
         return {"attempt": ctx.attempt}
 
+    @flow.stage("never", input=Score, worker_class="t-a", max_attempts=3)
+    def never(ctx: StageContext, data: Score) -> None:
+        raise RetryLater(300, "never ready")
+
     @flow.stage("broken", input=Score, worker_class="t-a")
     def broken(ctx: StageContext, data: Score) -> None:
         raise PermanentError("bad input for good")
@@ -141,6 +145,20 @@ def test_a_retry_later_is_reported_delayed_then_run_with_include_delayed(
     ]
     done = row(flow, made.request_id)
     assert (done.status, done.attempts, done.result) == (Status.SUCCEEDED, 2, {"attempt": 2})
+    assert report.delayed == []
+
+
+def test_include_delayed_counts_attempts_to_max_attempts(flow: Flow, ws: str) -> None:
+    made = flow.enqueue("never", ws, "j8", "main", {})
+    report = run_until_idle(flow, workspace_id=ws, include_delayed=True)
+    assert [(r.attempt, r.outcome) for r in report.runs] == [
+        (1, "retry"),
+        (2, "retry"),
+        (3, "dead"),
+    ]
+    dead = row(flow, made.request_id)
+    assert (dead.status, dead.attempts) == (Status.DEAD, 3)
+    assert dead.error["type"] == "RetryLater"
     assert report.delayed == []
 
 
