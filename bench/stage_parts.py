@@ -40,7 +40,7 @@ PARTS = (
     ("stage", "the stage task's body (onceflow: `run_stage`; floor: its function)"),
     ("run_request", "`run_request` (claim, body, completion)"),
     ("claim", "the claim (`_claim`: `Queue.claim` and its retries)"),
-    ("complete", "the completion (`_complete`: `Queue.finish`; before it, `hand_off`)"),
+    ("complete", "the completion (`lifecycle.record`: `Queue.finish` or `hand_off`)"),
     ("statements", "psycopg: `Cursor.execute` + `fetchone` (both statements)"),
     ("request", "building the request (`Request.from_row`, `after_run`)"),
     ("metrics", "metrics (`claimed`, `finished`/`run_ended`, `enqueued`, `in_progress`)"),
@@ -152,7 +152,7 @@ if OUT:  # in the bench's workers only (the bench itself imports the stages once
     _wrap(flow_module, "run_request", "run_request")
     _wrap(flow_module, "worker_id", "worker_id")
     _wrap(runtime, "_claim", "claim")
-    _wrap(runtime, "_complete", "complete")
+    _wrap(runtime, "record", "complete")  # the outcome's write (lifecycle.record)
     _wrap(runtime, "StageContext", "context")
     _wrap(runtime._heartbeats, "add", "heartbeats")
     _wrap(runtime._heartbeats, "remove", "heartbeats")
