@@ -240,18 +240,21 @@ def test_revoke_terminate_kills_a_run_and_the_sweeper_runs_it_again(
         [active] = app.control.inspect(destination=[node], timeout=10).active()[node]
         assert active["args"] == [request_id, "w-guest"]  # the key: id and workspace
         app.control.revoke(active["id"], terminate=True, destination=[node], reply=True)
-        # The body is gone, but the row is still running: nothing told the database.
         log = tmp_path / "guest-term.log"
         wait_for(lambda: "Terminating" in log.read_text(), timeout=30, what="the terminate")
-        assert _status(flow, request_id) is Status.RUNNING
+        # The terminate reaches the body as SystemExit: under the one outcome table it is
+        # recorded as an interrupted, retryable failure before the child exits. Had the
+        # child died before that write, its lease would lapse and the sweep would rescue it
+        # as a crash. Either way the request runs again, once.
 
         def swept_and_done() -> bool:
-            flow.sweep_once(redispatch_after=0)  # rescues the lapsed lease, re-sends
+            flow.sweep_once(redispatch_after=0)  # rescues a lapsed lease, re-sends
             return _status(flow, request_id) is Status.SUCCEEDED
 
         wait_for(swept_and_done, timeout=30, interval=0.3, what="the request to run again")
         row = flow.queue.get(request_id)
-        assert (row.attempts, row.crash_attempts, row.result) == (2, 1, {"attempt": 2})
+        assert (row.attempts, row.result) == (2, {"attempt": 2})
+        assert row.crash_attempts in (0, 1)
 
 
 def test_which_routes_decide_the_queue() -> None:
