@@ -26,10 +26,11 @@ from tests.conftest import ROOT, project_copy
 pytestmark = pytest.mark.slow
 
 #: Modules that need an extra (fastapi, django, mcp, flower, matplotlib, the embedded wheels),
-#: and the migrations, which Alembic runs.
+#: the migrations, which Alembic runs, and the pytest plugin, which only pytest loads.
 NEEDS_AN_EXTRA = (
     "onceflow.integrations.", "onceflow.embedded", "onceflow.demo", "onceflow.flower_conf",
     "onceflow.migrations",  # Alembic runs them (env.py is a script of its own)
+    "onceflow.testing.pytest_plugin",  # loaded by pytest (its pytest11 entry point) only
 )  # fmt: skip
 
 SCRIPT = r"""
