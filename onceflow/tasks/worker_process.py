@@ -59,10 +59,10 @@ def _freeze_for_fork(sender: Any = None, **_: Any) -> None:
     objects (it manages its collector: the unfreeze would undo what it froze).
 
     Not collected first: Python's documentation advises against a collection before a fork
-    (the memory it frees is reused by the child, in pages it then copies), and
-    ``bench/stage_parts.py`` shows it: with ``gc.collect()`` before the freeze each child
-    kept more private memory and paid its full collections again. Celery's
-    own collection right after this signal (its issue 2927) then finds nothing to scan; a
+    (the memory it frees is reused by the child, in pages it then copies); with
+    ``gc.collect()`` before the freeze each child keeps more private memory and pays its full
+    collections again (``bench/stage_parts.py`` measures it). The collection Celery's pool
+    makes right after this signal then finds nothing to scan; a
     cycle of garbage alive at the fork stays in the child, frozen: a bounded amount, once per
     child. If the pool fails between this signal and the fork (no file descriptor left for
     its pipes), the parent stays frozen until it forks its next child.
