@@ -157,9 +157,24 @@ class WorkContext(Protocol):
         else holds the lock; ``kw``: ``ttl``, ``on_wait``, ``watchdog``, ``backend``….
 
         The lease is checked before ``compute()`` and before ``store()``, so a stage that
-        lost its claim stops there. This body is a :class:`StageContext`'s, which subclasses
-        the interface: :func:`onceflow.locks.compute_once` in-process (layer 2). ``PullContext``
-        runs the same lock over the claim's lock routes.
+        lost its claim stops there. Both contexts subclass the interface and keep this body;
+        they differ only in :meth:`_compute_lock`, the way to the lock.
+        """
+        return self._compute_lock(task, check, compute, store, wait=wait, **kw)
+
+    def _compute_lock(
+        self,
+        task: str,
+        check: Callable[[], T | None],
+        compute: Callable[[], T],
+        store: Callable[[T], object],
+        *,
+        wait: bool,
+        **kw: Any,
+    ) -> Outcome[T] | Locked:
+        """How this context reaches the compute lock, checking the lease before ``compute()``
+        and before ``store()``. A :class:`StageContext`'s: :func:`onceflow.locks.compute_once`
+        in-process (layer 2); ``PullContext`` runs the same lock over the claim's lock routes.
         """
 
         def fenced_compute() -> T:
@@ -192,7 +207,65 @@ class Flag:
         return self._set
 
 
-class StageContext(WorkContext):
+class HeldContext(WorkContext):
+    """A :class:`WorkContext` whose lease state heartbeats learn: the part both contexts
+    share. A subclass says how to send one heartbeat (:meth:`_beat`) and, when it is not
+    in-process, how to reach the compute lock (:meth:`_compute_lock`); the flags,
+    :meth:`check` and :meth:`heartbeat` are here.
+    """
+
+    def __init__(self) -> None:
+        self._lost = Flag()
+        self._cancel = Flag()
+
+    @property
+    def lease_lost(self) -> bool:
+        """True once a heartbeat learned that the lease is gone."""
+        return self._lost.is_set()
+
+    @property
+    def cancel_requested(self) -> bool:
+        """True once a heartbeat learned that cancel was requested."""
+        return self._cancel.is_set()
+
+    def mark_lease_lost(self) -> None:
+        """The lease is gone (a heartbeat was rejected, or a newer claim took over):
+        :meth:`check` raises :class:`LeaseLost` from now on."""
+        self._lost.set()
+
+    def mark_cancel_requested(self) -> None:
+        """Cancel was requested: :meth:`check` raises :class:`Cancelled` from now on."""
+        self._cancel.set()
+
+    def _beat(self) -> bool:
+        """Send one heartbeat: whether cancel was requested; :class:`LeaseLost` if refused."""
+        raise NotImplementedError
+
+    def heartbeat(self) -> None:
+        """Extend the lease now; raises :class:`LeaseLost` or :class:`Cancelled`."""
+        try:
+            cancel = self._beat()
+        except LeaseLost:
+            self._lost.set()
+            raise
+        if cancel:
+            self._cancel.set()
+        self.check()
+
+    def _check_lease(self) -> None:
+        """Raise :class:`LeaseLost` once a heartbeat learned that the lease is gone."""
+        if self._lost.is_set():
+            raise LeaseLost(self.claim.request_id, "a heartbeat was rejected")
+
+    def check(self) -> None:
+        """Raise unless this worker still holds a live lease and cancel was not requested."""
+        if self._lost.is_set():
+            raise LeaseLost(self.claim.request_id, "a heartbeat was rejected")
+        if self._cancel.is_set():
+            raise Cancelled(self.claim.request_id)
+
+
+class StageContext(HeldContext):
     """What a stage body gets besides its input: its request, its lease, its fenced steps.
 
     Implements :class:`WorkContext` in-process (the queue and the op log directly); its
@@ -216,8 +289,7 @@ class StageContext(WorkContext):
         self._claim = claim
         self._sub_docs = sub_docs
         self._hands_off_to = hands_off_to
-        self._lost = Flag()
-        self._cancel = Flag()
+        super().__init__()
         self._then: list[NewRequest] = []
         self._worker_id = worker_id
         # When the database last confirmed the lease (claim or heartbeat), on this process's
@@ -269,16 +341,6 @@ class StageContext(WorkContext):
         """Which run this is (1 for the first)."""
         return self._claim.attempt
 
-    @property
-    def lease_lost(self) -> bool:
-        """True once a heartbeat learned that the lease is gone."""
-        return self._lost.is_set()
-
-    @property
-    def cancel_requested(self) -> bool:
-        """True once a heartbeat learned that cancel was requested."""
-        return self._cancel.is_set()
-
     # What the runner that holds the claim tells the body, and reads back after it.
 
     @property
@@ -296,32 +358,8 @@ class StageContext(WorkContext):
         """A heartbeat confirmed the lease (``at``: its monotonic time; now by default)."""
         self._confirmed_at = time.monotonic() if at is None else at
 
-    def mark_lease_lost(self) -> None:
-        """The lease is gone (a heartbeat was rejected, or a newer claim took over):
-        :meth:`check` raises :class:`LeaseLost` from now on."""
-        self._lost.set()
-
-    def mark_cancel_requested(self) -> None:
-        """Cancel was requested: :meth:`check` raises :class:`Cancelled` from now on."""
-        self._cancel.set()
-
-    def heartbeat(self) -> None:
-        """Extend the lease now; raises :class:`LeaseLost` or :class:`Cancelled`."""
-        try:
-            beat = self._queue.heartbeat(self._claim)
-        except LeaseLost:
-            self._lost.set()
-            raise
-        if beat.cancel_requested:
-            self._cancel.set()
-        self.check()
-
-    def check(self) -> None:
-        """Raise unless this worker still holds a live lease and cancel was not requested."""
-        if self._lost.is_set():
-            raise LeaseLost(self._claim.request_id, "a heartbeat was rejected")
-        if self._cancel.is_set():
-            raise Cancelled(self._claim.request_id)
+    def _beat(self) -> bool:
+        return self._queue.heartbeat(self._claim).cancel_requested
 
     def then(
         self, stage: str, input: Any = None, *, branch_path: str | None = None, **options: Any
@@ -364,8 +402,7 @@ class StageContext(WorkContext):
 
         Raises :class:`LeaseLost` once a heartbeat learned that the lease is gone.
         """
-        if self._lost.is_set():
-            raise LeaseLost(self._claim.request_id, "a heartbeat was rejected")
+        self._check_lease()
         self._in_scope(sub_doc)
         return oplog_for(self._queue).get_sub_doc(self.request.workspace_id, sub_doc)
 

@@ -9,36 +9,37 @@ fenced ``apply_op`` and ``read_sub_doc``, ``then`` and ``compute_once``
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
+from typing import Any, TypeVar
 
-from onceflow.errors import Cancelled, LeaseLost
+from onceflow.context import HeldContext
 from onceflow.integrations import pull_locks
 from onceflow.integrations.pull_claim import ClaimClient, PullClaim
 from onceflow.locks import Locked, Outcome
 from onceflow.models.ops import OpModel
 from onceflow.oplog import ApplyResult, SubDoc, new_op_id
 
-if TYPE_CHECKING:
-    from onceflow.context import WorkContext
-
 T = TypeVar("T")
 
 
-class PullContext:
+class PullContext(HeldContext):
     """What the work function gets: a :class:`~onceflow.context.WorkContext` over HTTP.
 
     Beyond the interface: ``request`` (the row as the API returned it, a dict) and
-    ``worker`` (the :class:`~onceflow.integrations.pull.PullWorker`).
+    ``worker`` (the :class:`~onceflow.integrations.pull.PullWorker`). ``compute_once`` is
+    the interface's own body, on the claim's lock routes.
     """
 
     def __init__(self, worker: ClaimClient, claim: PullClaim) -> None:
         self.worker = worker
-        self.claim = claim
-        self._lost = threading.Event()
-        self._cancel = threading.Event()
+        self._claim = claim
+        super().__init__()
         self._then: list[dict[str, Any]] = []
+
+    @property
+    def claim(self) -> PullClaim:
+        """The claim held over HTTP (its token is a secret: never log it)."""
+        return self._claim
 
     @property
     def request(self) -> dict[str, Any]:
@@ -86,45 +87,12 @@ class PullContext:
         return self.claim.request.get("input")
 
     @property
-    def lease_lost(self) -> bool:
-        """True once a heartbeat learned that the lease is gone."""
-        return self._lost.is_set()
-
-    @property
-    def cancel_requested(self) -> bool:
-        """True once a heartbeat learned that cancel was requested."""
-        return self._cancel.is_set()
-
-    @property
     def handoffs(self) -> list[dict[str, Any]]:
         """The hand-offs (:meth:`then`) made so far, sent with the completion."""
         return list(self._then)
 
-    def mark_lease_lost(self) -> None:
-        """The lease is gone: :meth:`check` raises :class:`LeaseLost` from now on."""
-        self._lost.set()
-
-    def mark_cancel_requested(self) -> None:
-        """Cancel was requested: :meth:`check` raises :class:`Cancelled` from now on."""
-        self._cancel.set()
-
-    def check(self) -> None:
-        """Raise :class:`LeaseLost` or :class:`Cancelled` if the work should stop now."""
-        if self._lost.is_set():
-            raise LeaseLost(self.claim.request_id, "a heartbeat was rejected")
-        if self._cancel.is_set():
-            raise Cancelled(self.claim.request_id)
-
-    def heartbeat(self) -> None:
-        """Extend the lease now; raises :class:`LeaseLost` or :class:`Cancelled`."""
-        try:
-            cancel = self.worker.heartbeat(self.claim)
-        except LeaseLost:
-            self._lost.set()
-            raise
-        if cancel:
-            self._cancel.set()
-        self.check()
+    def _beat(self) -> bool:
+        return self.worker.heartbeat(self.claim)
 
     def apply_op(
         self,
@@ -150,23 +118,10 @@ class PullContext:
     def read_sub_doc(self, sub_doc: str) -> SubDoc:
         """A sub-doc of the request's workspace as committed now, read under the claim
         (``POST /v1/claims/{id}/sub-docs``: :class:`LeaseLost` once the claim is not live)."""
-        if self._lost.is_set():
-            raise LeaseLost(self.claim.request_id, "a heartbeat was rejected")
+        self._check_lease()
         return self.worker.read_sub_doc(self.claim, sub_doc)
 
-    @overload
-    def compute_once(
-        self,
-        task: str,
-        check: Callable[[], T | None],
-        compute: Callable[[], T],
-        store: Callable[[T], object],
-        *,
-        wait: Literal[True] = True,
-        **kw: Any,
-    ) -> Outcome[T]: ...
-    @overload
-    def compute_once(
+    def _compute_lock(
         self,
         task: str,
         check: Callable[[], T | None],
@@ -175,20 +130,11 @@ class PullContext:
         *,
         wait: bool,
         **kw: Any,
-    ) -> Outcome[T] | Locked: ...
-    def compute_once(
-        self,
-        task: str,
-        check: Callable[[], T | None],
-        compute: Callable[[], T],
-        store: Callable[[T], object],
-        *,
-        wait: bool = True,
-        **kw: Any,
     ) -> Outcome[T] | Locked:
-        """The compute-lock protocol on the cell (workspace, job, ``task``) over the claim's
-        lock routes: the same lock as a Celery stage's. ``kw``: ``wait``, ``ttl``,
-        ``watchdog``, ``on_wait`` (see :func:`onceflow.integrations.pull_locks.compute_once`).
+        """The compute lock over the claim's lock routes: the same lock as a Celery stage's.
+        ``kw``: ``ttl``, ``watchdog``, ``on_wait`` (see
+        :func:`onceflow.integrations.pull_locks.compute_once`, which checks the lease before
+        each acquire, ``compute()`` and ``store()``).
         """
         return pull_locks.compute_once(self, task, check, compute, store, wait=wait, **kw)
 
@@ -198,9 +144,3 @@ class PullContext:
         if branch_path is not None:
             item["branch_path"] = branch_path
         self._then.append(item)
-
-
-if TYPE_CHECKING:
-
-    def _implements_the_interface(ctx: PullContext) -> WorkContext:
-        return ctx  # mypy checks that every member of WorkContext is here, with its type
