@@ -209,7 +209,8 @@ class Flag:
 
 class HeldContext(WorkContext):
     """A :class:`WorkContext` whose lease state heartbeats learn: the part both contexts
-    share. A subclass says how to send one heartbeat (:meth:`_beat`) and, when it is not
+    share. A subclass says how to read a field of its request (:meth:`_request_field`), how
+    to send one heartbeat (:meth:`_beat`) and, when it is not
     in-process, how to reach the compute lock (:meth:`_compute_lock`); the flags,
     :meth:`check` and :meth:`heartbeat` are here.
     """
@@ -217,6 +218,36 @@ class HeldContext(WorkContext):
     def __init__(self) -> None:
         self._lost = Flag()
         self._cancel = Flag()
+
+    def _request_field(self, name: str) -> str:
+        """One of the claimed request's ids, as the subclass holds the request."""
+        raise NotImplementedError
+
+    # One read-only property per field (alike by shape): what the interface declares.
+    @property
+    def request_id(self) -> str:
+        """The claimed request's id."""
+        return self.claim.request_id
+
+    @property
+    def workspace_id(self) -> str:
+        """The request's workspace."""
+        return self._request_field("workspace_id")
+
+    @property
+    def job_id(self) -> str:
+        """The request's job."""
+        return self._request_field("job_id")
+
+    @property
+    def stage(self) -> str:
+        """The stage being run."""
+        return self._request_field("stage")
+
+    @property
+    def branch_path(self) -> str:
+        """The request's branch path."""
+        return self._request_field("branch_path")
 
     @property
     def lease_lost(self) -> bool:
@@ -302,44 +333,19 @@ class StageContext(HeldContext):
         return self._claim.request
 
     @property
-    def request_id(self) -> str:
-        """The claimed request's id."""
-        return self._claim.request.request_id
-
-    @property
     def worker_id(self) -> str:
         """The worker running it (the row's ``claimed_by``)."""
         return self._worker_id
 
     @property
-    def workspace_id(self) -> str:
-        """The request's workspace."""
-        return self._claim.request.workspace_id
-
-    @property
-    def job_id(self) -> str:
-        """The request's job."""
-        return self._claim.request.job_id
-
-    @property
-    def stage(self) -> str:
-        """The stage being run."""
-        return self._claim.request.stage
-
-    @property
-    def branch_path(self) -> str:
-        """The request's branch path."""
-        return self._claim.request.branch_path
+    def attempt(self) -> int:
+        """Which run this is (1 for the first)."""
+        return self._claim.attempt
 
     @property
     def input(self) -> Any:
         """The request's input as stored (JSON; the body's second argument is it validated)."""
         return self._claim.request.input
-
-    @property
-    def attempt(self) -> int:
-        """Which run this is (1 for the first)."""
-        return self._claim.attempt
 
     # What the runner that holds the claim tells the body, and reads back after it.
 
@@ -360,6 +366,9 @@ class StageContext(HeldContext):
 
     def _beat(self) -> bool:
         return self._queue.heartbeat(self._claim).cancel_requested
+
+    def _request_field(self, name: str) -> str:
+        return str(getattr(self._claim.request, name))
 
     def then(
         self, stage: str, input: Any = None, *, branch_path: str | None = None, **options: Any

@@ -113,6 +113,7 @@ CLAIM_LIMIT = 1000
 MAX_RETRY_DELAY = 366 * 86_400
 
 
+# Counters as dataclass fields (alike by shape with other option records): data, not logic.
 @dataclass
 class WorkerStats:
     """What this worker did since it started (counts, this process only)."""
@@ -285,6 +286,7 @@ class Worker:
     def __enter__(self) -> Worker:
         return self.start()
 
+    # The context-manager protocol (alike by shape everywhere): Python fixes its signature.
     def __exit__(
         self,
         exc_type: type[BaseException] | None,

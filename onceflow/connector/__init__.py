@@ -27,6 +27,8 @@ for a server that cannot be reached.
 
 from onceflow.connector.aio import AsyncPsycopgConnector, conninfo
 from onceflow.connector.run import AsyncSide, SyncSide, arun, operation, run
+
+# The step types again (alike by shape with other imports of them): re-exported here.
 from onceflow.connector.steps import (
     AfterCommit,
     AsyncConnector,

@@ -83,6 +83,7 @@ async def _ado(c: AsyncConnector, step: Step) -> Any:
     if isinstance(step, Transaction):
         async with c.transaction() as tx:
             return await arun(tx, step.body)
+    # do_step's twin, awaited (alike by shape): the same steps answered on an AsyncConnector.
     if isinstance(step, Pooled):
         return c.pooled
     if isinstance(step, AfterCommit):

@@ -234,6 +234,7 @@ class _CheckedShard(PsycopgConnector):
     a database reached through a map that names it otherwise is refused
     (:class:`~onceflow.errors.ShardMismatch`), never written to."""
 
+    # A constructor keeping its arguments (alike by shape with others): nothing to share.
     def __init__(self, engine: Engine, index: int, shard_map: ShardMap) -> None:
         super().__init__(engine)
         self.index = index
@@ -449,6 +450,7 @@ class AsyncShardedConnector(_AsyncStatements, _Routing[AsyncPsycopgConnector]):
                 raise outcome
 
 
+# _Pinned's twin for asyncio (alike by shape): the same fields, on async connectors.
 class _AsyncPinned(_AsyncStatements, _Pin):
     """A transaction of an :class:`AsyncShardedConnector` (see :class:`_Pin`)."""
 

@@ -68,6 +68,7 @@ class FetchAll:
     params: Mapping[str, Any]
 
 
+# One frozen dataclass per step (alike by shape): each is its own step type, data only.
 @dataclass(frozen=True, slots=True)
 class Execute:
     """Run ``query``; answers the number of rows it touched."""

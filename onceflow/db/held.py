@@ -49,6 +49,7 @@ class _Held:
     def __init__(
         self, engine: Engine, fairy: PoolProxiedConnection, raw: psycopg.Connection[Any]
     ) -> None:
+        # A constructor keeping its arguments (alike by shape with others): nothing to share.
         self.fairy = fairy
         self.raw = raw
         self.busy = False

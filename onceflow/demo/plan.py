@@ -20,6 +20,7 @@ COLUMNS = ["fit", "pay", "remote", "growth", "stack", "team", "mission", "locati
 SECTIONS = ["opening", "experience", "motivation", "closing"]
 
 
+# Knobs as dataclass fields (alike by shape with other records): data, not logic.
 @dataclass
 class Options:
     """The demo's knobs (the CLI flags)."""

@@ -63,6 +63,7 @@ class _Child:
         stop_signal: signal.Signals,
         run_as: tuple[int, int] | None = None,
     ) -> None:
+        # A constructor keeping its arguments (alike by shape with others): nothing to share.
         self.name = name
         self.argv_for_port = argv_for_port
         self.log_path = log_path

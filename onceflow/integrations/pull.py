@@ -49,6 +49,7 @@ from onceflow.lifecycle.outcome import Outcome, RetryOn, brief_error, decide
 from onceflow.oplog import ApplyResult, SubDoc, TransportError
 from onceflow.oplog.http import (
     RETRYABLE_STATUSES,
+    apply_result,
     path_segment,
     raise_for_api_error,
     retry_after_seconds,
@@ -143,6 +144,7 @@ class PullWorker:
         """Finish the request with ``result`` (fenced); returns the request as stored."""
         return self._claim_call(claim, "complete", {"result": result, "then": then or []})
 
+    # Queue.fail's arguments (alike by shape): the same call, sent over HTTP.
     def fail(
         self,
         claim: PullClaim,
@@ -167,16 +169,7 @@ class PullWorker:
         """A write fenced by ``claim``; ``key`` derives the op id, so a retried run joins it."""
         body = {"sub_doc": sub_doc, "op": op, "key": key, "op_id": op_id}
         data = self._claim_call(claim, "ops", body)
-        return ApplyResult(
-            workspace_id=data["workspace_id"],
-            sub_doc=data["sub_doc"],
-            op_id=data["op_id"],
-            clock=data["clock"],
-            duplicate=bool(data["duplicate"]),
-            result=data["result"],
-            error=data["error"],
-            committed_at=datetime.fromisoformat(data["committed_at"]),
-        )
+        return apply_result(data)
 
     def read_sub_doc(self, claim: PullClaim, sub_doc: str) -> SubDoc:
         """A sub-doc of the claimed request's workspace, read under the live claim."""
@@ -304,6 +297,7 @@ class PullWorker:
         if self._owns_client:
             self._client.close()
 
+    # The context-manager protocol (alike by shape everywhere): Python fixes its signature.
     def __enter__(self) -> PullWorker:
         return self
 

@@ -48,6 +48,7 @@ class ClaimClient(Protocol):
 
     def heartbeat(self, claim: PullClaim) -> bool: ...
 
+    # PullWorker's signatures (alike by shape): the protocol the context calls, spelled out.
     def apply_op(
         self,
         claim: PullClaim,

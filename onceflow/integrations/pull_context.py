@@ -46,31 +46,7 @@ class PullContext(HeldContext):
         """The claimed request as the API returned it (ids, stage, input, attempt…)."""
         return self.claim.request
 
-    @property
-    def request_id(self) -> str:
-        """The claimed request's id."""
-        return self.claim.request_id
-
-    @property
-    def workspace_id(self) -> str:
-        """The request's workspace."""
-        return str(self.claim.request["workspace_id"])
-
-    @property
-    def job_id(self) -> str:
-        """The request's job."""
-        return str(self.claim.request["job_id"])
-
-    @property
-    def stage(self) -> str:
-        """The stage being run."""
-        return str(self.claim.request["stage"])
-
-    @property
-    def branch_path(self) -> str:
-        """The request's branch path."""
-        return str(self.claim.request["branch_path"])
-
+    # One read-only property per field (alike by shape): what the interface declares.
     @property
     def worker_id(self) -> str:
         """This worker's id (the row's ``claimed_by``)."""
@@ -93,6 +69,9 @@ class PullContext(HeldContext):
 
     def _beat(self) -> bool:
         return self.worker.heartbeat(self.claim)
+
+    def _request_field(self, name: str) -> str:
+        return str(self.claim.request[name])
 
     def apply_op(
         self,
@@ -121,6 +100,7 @@ class PullContext(HeldContext):
         self._check_lease()
         return self.worker.read_sub_doc(self.claim, sub_doc)
 
+    # The hook's signature (alike by shape with WorkContext's): an override spells it out.
     def _compute_lock(
         self,
         task: str,

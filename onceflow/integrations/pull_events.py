@@ -62,6 +62,7 @@ class ClaimEvents:
         *,
         workspace_id: str | None = None,
     ) -> None:
+        # A constructor keeping its arguments (alike by shape with others): nothing to share.
         self._client = client
         self._request_id = request_id
         self._url = url

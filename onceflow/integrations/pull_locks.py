@@ -92,6 +92,7 @@ class _Extender(threading.Thread):
             self.join(timeout=30)
 
 
+# onceflow.locks.compute_once's arguments (alike by shape): the same protocol, over HTTP.
 def compute_once(
     ctx: LockHolder,
     task: str,

@@ -38,6 +38,7 @@ T = TypeVar("T")
 MaybeAwaitable: TypeAlias = T | Awaitable[T]
 
 
+# acompute_once's overloads (alike by shape with compute_once's): one per ``wait`` literal.
 @overload
 async def acompute_once(
     workspace_id: str,

@@ -120,6 +120,7 @@ class AsyncSubscription(Protocol):
         """Unsubscribe and free the connection."""
 
 
+# LockBackend's twin for asyncio (alike by shape): the same calls, each declared async.
 class AsyncLockBackend(Protocol):
     """:class:`LockBackend` for asyncio (one per event loop): the same calls, awaited."""
 
@@ -212,6 +213,7 @@ class HeldLock(Generic[B]):
         token: str,
         ttl_ms: int,
     ) -> None:
+        # A constructor keeping its arguments (alike by shape with others): nothing to share.
         self.backend = backend
         self.workspace_id = workspace_id
         self.job_id = job_id
@@ -312,6 +314,7 @@ class LockHandle(HeldLock[LockBackend]):
         if self._watchdog is not None:
             self._watchdog.stop()
 
+    # The context-manager protocol (alike by shape everywhere): Python fixes its signature.
     def __enter__(self) -> LockHandle:
         return self
 
@@ -403,6 +406,7 @@ class AsyncLockHandle(HeldLock[AsyncLockBackend]):
                 self._mark_lost("watchdog extend refused: the lock expired or was taken")
                 return
 
+    # The async context-manager protocol (alike by shape everywhere): Python fixes its signature.
     async def __aenter__(self) -> AsyncLockHandle:
         return self
 

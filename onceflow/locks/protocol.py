@@ -136,6 +136,7 @@ class Locked:
     locked: Literal[True] = True
 
 
+# compute_once's overloads (alike by shape): one signature per ``wait`` literal, as typing needs.
 @overload
 def compute_once(
     workspace_id: str,

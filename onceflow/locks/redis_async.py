@@ -120,6 +120,7 @@ class AsyncRedisLockBackend:
     async def __aenter__(self) -> AsyncRedisLockBackend:
         return self
 
+    # The async context-manager protocol (alike by shape everywhere): Python fixes its signature.
     async def __aexit__(
         self,
         exc_type: type[BaseException] | None,
@@ -128,6 +129,7 @@ class AsyncRedisLockBackend:
     ) -> None:
         await self.aclose()
 
+    # AsyncLockBackend.acquire's signature (alike by shape in every backend): the protocol's.
     async def acquire(
         self,
         workspace_id: str,

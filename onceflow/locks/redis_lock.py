@@ -196,6 +196,7 @@ class RedisLockBackend:
                     self._use(client)
         return client
 
+    # LockBackend.acquire's signature (alike by shape in every backend): the protocol's.
     def acquire(
         self,
         workspace_id: str,

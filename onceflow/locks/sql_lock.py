@@ -102,6 +102,7 @@ class SqlLockBackend:
         except DatabaseUnavailable as exc:
             raise LockUnavailable(f"Postgres unavailable ({what}): {exc}") from exc
 
+    # LockBackend.acquire's signature (alike by shape in every backend): the protocol's.
     def acquire(
         self,
         workspace_id: str,

@@ -30,7 +30,7 @@ import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from onceflow.connector import Sleep
 from onceflow.connector.trampoline import ado_step, adrive, do_step, drive
@@ -41,6 +41,7 @@ from onceflow.oplog.records import ApplyResult
 from onceflow.oplog.store import AsyncOpLog, OpLog
 
 R = TypeVar("R")
+TransportT = TypeVar("TransportT")
 
 
 class Transport(Protocol):
@@ -83,6 +84,7 @@ class InProcessTransport:
             return self.oplog.apply_op(workspace_id, sub_doc, op, op_id, base_clock=base_clock)
 
 
+# Transport's twin for asyncio (alike by shape): a protocol's async methods are declared, not made.
 class AsyncTransport(Protocol):
     """How ops reach the server from an event loop (:class:`AsyncWorkspaceClient`)."""
 
@@ -128,16 +130,13 @@ def _unknown_outcome() -> Iterator[None]:
         raise TransportError(f"database unavailable: {exc}") from exc
 
 
-class WorkspaceClient:
-    """A client of one workspace's sub-docs with a durable outbox of pending ops.
-
-    Thread-safe: threads sharing one client send one at a time. The rules are
-    :class:`Outbox`'s, shared with :class:`AsyncWorkspaceClient`.
-    """
+# Same shape as Outbox.__init__ on purpose: the client passes the outbox's options on.
+class OutboxClient(Generic[TransportT]):
+    """What both clients hold: a transport, one workspace, the durable outbox of its ops."""
 
     def __init__(
         self,
-        transport: Transport,
+        transport: TransportT,
         workspace_id: str,
         *,
         outbox: str | Path = ":memory:",
@@ -159,6 +158,18 @@ class WorkspaceClient:
     def retries(self) -> int:
         """Transport errors retried, over this client's life."""
         return self.outbox.retries
+
+    def close(self) -> None:
+        """Close the outbox file (pending and parked ops stay in it)."""
+        self.outbox.close()
+
+
+class WorkspaceClient(OutboxClient[Transport]):
+    """A client of one workspace's sub-docs with a durable outbox of pending ops.
+
+    Thread-safe: threads sharing one client send one at a time. The rules are
+    :class:`Outbox`'s, shared with :class:`AsyncWorkspaceClient`.
+    """
 
     def _run(self, steps: ClientSteps[R]) -> R:
         """Drive the rules' steps: the transport sends, ``time.sleep`` waits."""
@@ -251,12 +262,8 @@ class WorkspaceClient:
         """
         return self._run(self.outbox.resubmit(op_id, send=send))
 
-    def close(self) -> None:
-        """Close the outbox file (pending and parked ops stay in it)."""
-        self.outbox.close()
 
-
-class AsyncWorkspaceClient:
+class AsyncWorkspaceClient(OutboxClient[AsyncTransport]):
     """:class:`WorkspaceClient` for asyncio: the same rules (:class:`Outbox`), awaited.
 
     Ops go through an :class:`AsyncTransport` (:class:`AsyncInProcessTransport`,
@@ -266,31 +273,7 @@ class AsyncWorkspaceClient:
     at a time; use a client from one event loop.
     """
 
-    def __init__(
-        self,
-        transport: AsyncTransport,
-        workspace_id: str,
-        *,
-        outbox: str | Path = ":memory:",
-        max_attempts: int = 8,
-        backoff_base: float = 0.05,
-        backoff_max: float = 5.0,
-    ) -> None:
-        self.transport = transport
-        self.workspace_id = workspace_id
-        self.outbox = Outbox(
-            workspace_id,
-            outbox,
-            max_attempts=max_attempts,
-            backoff_base=backoff_base,
-            backoff_max=backoff_max,
-        )
-        self._turn: asyncio.Lock | None = None
-
-    @property
-    def retries(self) -> int:
-        """Transport errors retried, over this client's life."""
-        return self.outbox.retries
+    _turn: asyncio.Lock | None = None  # made on first use, inside the event loop
 
     async def _run(self, steps: ClientSteps[R]) -> R:
         """Drive the rules' steps: advanced in a worker thread (the outbox file), the
@@ -344,12 +327,8 @@ class AsyncWorkspaceClient:
         """:meth:`WorkspaceClient.resubmit`."""
         return await self._run(self.outbox.resubmit(op_id, send=send))
 
-    def close(self) -> None:
-        """Close the outbox file (pending and parked ops stay in it)."""
-        self.outbox.close()
-
     async def aclose(self) -> None:
-        """:meth:`close`, off the event loop."""
+        """:meth:`~OutboxClient.close`, off the event loop."""
         await asyncio.to_thread(self.outbox.close)
 
 

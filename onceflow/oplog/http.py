@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from urllib.parse import quote
 
 from onceflow.errors import (
@@ -44,6 +45,8 @@ from onceflow.oplog.store import ApplyResult, OpRecord, SubDoc
 
 if TYPE_CHECKING:
     import httpx
+
+ClientT = TypeVar("ClientT", "httpx.Client", "httpx.AsyncClient")
 
 #: Statuses that say "try again": the request may not have been processed.
 RETRYABLE_STATUSES = frozenset({408, 425, 429})
@@ -128,23 +131,27 @@ def apply_request(
     return ApiRequest("POST", _sub_doc_url(workspace_id, sub_doc) + "/ops", json=body)
 
 
+def apply_result(data: dict[str, Any]) -> ApplyResult:
+    """An op's result as the API writes it (JSON) — ``KeyError`` and friends when malformed."""
+    return ApplyResult(
+        workspace_id=data["workspace_id"],
+        sub_doc=data["sub_doc"],
+        op_id=data["op_id"],
+        clock=data["clock"],
+        duplicate=bool(data["duplicate"]),
+        result=data["result"],
+        error=data["error"],
+        committed_at=datetime.fromisoformat(data["committed_at"]),
+    )
+
+
 def apply_answer(
     response: httpx.Response, sub_doc: str, op_id: str, base_clock: int | None
 ) -> ApplyResult:
     """The op's result; a replay answers with the original clock (``duplicate=True``)."""
     raise_for_api_error(response, op_id=op_id, sub_doc=sub_doc, base_clock=base_clock)
     try:
-        data = response.json()
-        return ApplyResult(
-            workspace_id=data["workspace_id"],
-            sub_doc=data["sub_doc"],
-            op_id=data["op_id"],
-            clock=data["clock"],
-            duplicate=bool(data["duplicate"]),
-            result=data["result"],
-            error=data["error"],
-            committed_at=datetime.fromisoformat(data["committed_at"]),
-        )
+        return apply_result(response.json())
     except (ValueError, KeyError, TypeError) as exc:
         raise TransportError(f"malformed answer ({type(exc).__name__})") from exc
 
@@ -173,8 +180,10 @@ def ops_since_answer(response: httpx.Response, sub_doc: str) -> list[OpRecord]:
     ]
 
 
-class HttpTransport:
-    """Sends ops to ``POST /v1/workspaces/{ws}/sub-docs/{sub_doc}/ops`` with an API key."""
+class _ApiClient(Generic[ClientT]):
+    """What both transports hold: an ``httpx`` client (theirs, or one made here) and the key."""
+
+    _client_class: str  # the httpx class made when no client is given
 
     def __init__(
         self,
@@ -182,23 +191,44 @@ class HttpTransport:
         key: str,
         *,
         timeout: float = 10.0,
-        client: httpx.Client | None = None,
+        client: ClientT | None = None,
     ) -> None:
         import httpx
 
         self._httpx = httpx
-        self._client = client or httpx.Client(base_url=base_url, timeout=timeout)
+        made = getattr(httpx, self._client_class)
+        self._client: ClientT = client or made(base_url=base_url, timeout=timeout)
         self._owns_client = client is None
         self._headers = {"Authorization": f"Bearer {key}"}
 
-    def _send(self, req: ApiRequest) -> httpx.Response:
+    def _arguments(self, req: ApiRequest) -> dict[str, Any]:
+        return {
+            "method": req.method,
+            "url": req.url,
+            "headers": self._headers,
+            "json": req.json,
+            "params": req.params,
+        }
+
+    @contextlib.contextmanager
+    def _unknown_outcome(self) -> Iterator[None]:
+        # No answer (connection error, timeout): the op may or may not have been applied.
         try:
-            return self._client.request(
-                req.method, req.url, headers=self._headers, json=req.json, params=req.params
-            )
+            yield
         except self._httpx.TransportError as exc:
             raise TransportError(f"{type(exc).__name__}: the outcome is unknown") from exc
 
+
+class HttpTransport(_ApiClient["httpx.Client"]):
+    """Sends ops to ``POST /v1/workspaces/{ws}/sub-docs/{sub_doc}/ops`` with an API key."""
+
+    _client_class = "Client"
+
+    def _send(self, req: ApiRequest) -> httpx.Response:
+        with self._unknown_outcome():
+            return self._client.request(**self._arguments(req))
+
+    # Transport.apply's signature (alike by shape): the protocol's method, spelled out.
     def apply(
         self,
         workspace_id: str,
@@ -228,32 +258,16 @@ class HttpTransport:
             self._client.close()
 
 
-class AsyncHttpTransport:
+class AsyncHttpTransport(_ApiClient["httpx.AsyncClient"]):
     """:class:`HttpTransport` on ``httpx.AsyncClient``: the same requests and answers, awaited."""
 
-    def __init__(
-        self,
-        base_url: str,
-        key: str,
-        *,
-        timeout: float = 10.0,
-        client: httpx.AsyncClient | None = None,
-    ) -> None:
-        import httpx
-
-        self._httpx = httpx
-        self._client = client or httpx.AsyncClient(base_url=base_url, timeout=timeout)
-        self._owns_client = client is None
-        self._headers = {"Authorization": f"Bearer {key}"}
+    _client_class = "AsyncClient"
 
     async def _send(self, req: ApiRequest) -> httpx.Response:
-        try:
-            return await self._client.request(
-                req.method, req.url, headers=self._headers, json=req.json, params=req.params
-            )
-        except self._httpx.TransportError as exc:
-            raise TransportError(f"{type(exc).__name__}: the outcome is unknown") from exc
+        with self._unknown_outcome():
+            return await self._client.request(**self._arguments(req))
 
+    # HttpTransport's methods awaited (alike by shape): one send of the shared request each.
     async def apply(
         self,
         workspace_id: str,

@@ -353,6 +353,7 @@ class Outbox:
 
     # -------------------------------------------------------------- parked ops
 
+    # Same shape as pending() on purpose: another table, another column list.
     def parked(self) -> list[dict[str, Any]]:
         """See :meth:`~onceflow.oplog.WorkspaceClient.parked`."""
         with self.lock:

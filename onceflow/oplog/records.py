@@ -53,6 +53,7 @@ class ApplyResult:
         return out
 
 
+# Records as frozen dataclasses (alike by shape): each names its own fields.
 @dataclass(frozen=True, slots=True)
 class SubDoc:
     """A sub-doc's state at a commit clock."""

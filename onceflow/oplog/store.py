@@ -121,6 +121,7 @@ class AsyncOpLog(AsyncSide, OpLogOps):
     (:class:`~onceflow.connector.sharded.AsyncShardedConnector`).
     """
 
+    # The store's constructor arguments (alike by shape with the queue's): each store's own.
     def __init__(
         self,
         url: str | None = None,

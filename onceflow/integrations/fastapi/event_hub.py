@@ -155,6 +155,7 @@ class EventHub:
         ping_seconds: float = 15.0,
         subscribe_timeout: float = SUBSCRIBE_TIMEOUT,
     ) -> None:
+        # A constructor keeping its arguments (alike by shape with others): nothing to share.
         self.redis_url = redis_url
         self.max_streams = max_streams
         self.max_per_key = max_per_key

@@ -138,6 +138,7 @@ class EventStreamResponse(StreamingResponse):
         still_valid: Callable[[], Awaitable[bool]] | None = None,
         check_seconds: float = 5.0,
     ) -> None:
+        # A constructor keeping its arguments (alike by shape with others): nothing to share.
         self.hub = hub
         self.listener = listener
         self.still_valid = still_valid

@@ -58,6 +58,7 @@ class RateLimited(Exception):
 
     def __init__(self, detail: str, item: RateLimitItem, retry_after: int) -> None:
         super().__init__(detail)
+        # A constructor keeping its arguments (alike by shape with others): nothing to share.
         self.detail = detail
         self.item = item
         self.retry_after = retry_after
