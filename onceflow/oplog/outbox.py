@@ -120,6 +120,13 @@ ClientStep: TypeAlias = Send | Sleep
 ClientSteps: TypeAlias = Generator[ClientStep, Any, R]
 
 
+#: The pending ops, and the parked ones (with the refusal), of one workspace, oldest first.
+_PENDING = "SELECT op_id, sub_doc, op, base_clock FROM outbox WHERE workspace_id = ? ORDER BY seq"
+_PARKED = (
+    "SELECT op_id, sub_doc, op, base_clock, error FROM parked WHERE workspace_id = ? ORDER BY seq"
+)
+
+
 class Outbox:
     """The client's durable outbox and its rules, without I/O to the server (sans-I/O).
 
@@ -246,16 +253,7 @@ class Outbox:
 
     def pending(self) -> list[dict[str, Any]]:
         """The ops not yet acknowledged, in the order they were made."""
-        with self.lock:
-            rows = self._db.execute(
-                "SELECT op_id, sub_doc, op, base_clock FROM outbox WHERE workspace_id = ?"
-                " ORDER BY seq",
-                (self.workspace_id,),
-            ).fetchall()
-        return [
-            {"op_id": r[0], "sub_doc": r[1], "op": json.loads(r[2]), "base_clock": r[3]}
-            for r in rows
-        ]
+        return self._listed(_PENDING)
 
     def replay(self) -> ClientSteps[list[ApplyResult]]:
         """The steps of :meth:`~onceflow.oplog.WorkspaceClient.replay`."""
@@ -353,25 +351,21 @@ class Outbox:
 
     # -------------------------------------------------------------- parked ops
 
-    # Same shape as pending() on purpose: another table, another column list.
     def parked(self) -> list[dict[str, Any]]:
         """See :meth:`~onceflow.oplog.WorkspaceClient.parked`."""
+        return self._listed(_PARKED)
+
+    def _listed(self, query: str) -> list[dict[str, Any]]:
+        """This workspace's ops of one table (pending or parked) as dicts, oldest first."""
         with self.lock:
-            rows = self._db.execute(
-                "SELECT op_id, sub_doc, op, base_clock, error FROM parked"
-                " WHERE workspace_id = ? ORDER BY seq",
-                (self.workspace_id,),
-            ).fetchall()
-        return [
-            {
-                "op_id": r[0],
-                "sub_doc": r[1],
-                "op": json.loads(r[2]),
-                "base_clock": r[3],
-                "error": json.loads(r[4]),
-            }
-            for r in rows
-        ]
+            rows = self._db.execute(query, (self.workspace_id,)).fetchall()
+        listed = []
+        for r in rows:
+            op = {"op_id": r[0], "sub_doc": r[1], "op": json.loads(r[2]), "base_clock": r[3]}
+            if len(r) > 4:  # a parked op: why the server refused it
+                op["error"] = json.loads(r[4])
+            listed.append(op)
+        return listed
 
     def discard(self, op_id: str) -> None:
         """Forget a parked op (the application decided it is not wanted)."""
