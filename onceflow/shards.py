@@ -43,14 +43,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from onceflow.db import check_database_url, redact_url
-from onceflow.errors import InvalidDatabaseUrl, InvalidRequest, InvalidShardMap
+from onceflow.errors import InvalidDatabaseUrl, InvalidRequest, InvalidShardMap, OnceflowError
 from onceflow.ids import check_id
 from onceflow.settings import Settings, get_settings
 
@@ -58,6 +58,9 @@ from onceflow.settings import Settings, get_settings
 BUCKETS = 1024
 _DIGEST_TAG = "onceflow.shardmap.v1"
 _FILE_KEYS = frozenset({"shards", "ranges", "overrides"})
+
+_S = TypeVar("_S")
+_R = TypeVar("_R")
 
 
 def bucket_of(workspace_id: str) -> int:
@@ -451,3 +454,29 @@ def identity_problem(row: Mapping[str, Any] | None, index: int, shard_map: Shard
             f"{shard_map.digest[:12]}): run `onceflow migrate` with the map every process uses"
         )
     return None
+
+
+def each_shard(
+    shards: Sequence[_S],
+    run: Callable[[_S], _R],
+    skipped: Callable[[int, OnceflowError], object],
+) -> tuple[list[_R], list[int]]:
+    """``run(shard)`` on each shard in turn: the answers of the shards that answered, and
+    the indexes of those that did not. Of several shards, one that fails (an onceflow error)
+    is reported to ``skipped`` and passed over while another answers; its error is raised
+    when none did, and at once when there is one shard."""
+    answers: list[_R] = []
+    down: list[int] = []
+    failed: OnceflowError | None = None
+    for index, shard in enumerate(shards):
+        try:
+            answers.append(run(shard))
+        except OnceflowError as exc:
+            if len(shards) == 1:
+                raise
+            failed = exc
+            down.append(index)
+            skipped(index, exc)
+    if not answers and failed is not None:
+        raise failed
+    return answers, down

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any, NoReturn
 
 import click
 
@@ -392,14 +393,10 @@ def api(
 
         from onceflow.integrations.fastapi import create_app
     except ImportError as exc:
-        click.echo(f"onceflow: pip install 'onceflow[fastapi]' first ({exc})", err=True)
-        sys.exit(EXIT_ERROR)
+        _missing_extra("fastapi", exc)
     from onceflow.settings import get_settings
 
-    _check_database_url()
-    _, flow = _load(app_spec)
-    if flow is None:
-        raise click.UsageError("api needs an onceflow Flow, not a bare Celery app")
+    flow = _served_flow("api", app_spec)
     settings = get_settings()
     if not settings.api_keys and not settings.worker_keys:
         click.echo(
@@ -440,10 +437,20 @@ def mcp_(name: str, app_spec: str | None) -> None:
     try:
         from onceflow.integrations.mcp import serve
     except ImportError as exc:
-        click.echo(f"onceflow: pip install 'onceflow[mcp]' first ({exc})", err=True)
-        sys.exit(EXIT_ERROR)
+        _missing_extra("mcp", exc)
+    serve(_served_flow("mcp", app_spec), name=name)
+
+
+def _missing_extra(extra: str, exc: ImportError) -> NoReturn:
+    """Exit with the install command of the extra a serving command needs."""
+    click.echo(f"onceflow: pip install 'onceflow[{extra}]' first ({exc})", err=True)
+    sys.exit(EXIT_ERROR)
+
+
+def _served_flow(command: str, app_spec: str | None) -> Any:
+    """The Flow ``command`` serves (``api``, ``mcp``): a bare Celery app is a usage error."""
     _check_database_url()
     _, flow = _load(app_spec)
     if flow is None:
-        raise click.UsageError("mcp needs an onceflow Flow, not a bare Celery app")
-    serve(flow, name=name)
+        raise click.UsageError(f"{command} needs an onceflow Flow, not a bare Celery app")
+    return flow

@@ -44,20 +44,18 @@ class ProgressBar:
 
     def clear(self) -> None:
         """Erase the bar's line (before another message is printed)."""
-        if not self.enabled:
-            return
-        with self._lock:
-            if self._drawn:
-                self.stream.write("\r\x1b[K")
-                self.stream.flush()
-                self._drawn = False
+        self._leave_line("\r\x1b[K")
 
     def close(self) -> None:
         """End the bar's line, leaving its last state visible."""
+        self._leave_line("\n")
+
+    def _leave_line(self, ending: str) -> None:
+        """Write ``ending`` if the bar is drawn (erasing or ending its line); then it is not."""
         if not self.enabled:
             return
         with self._lock:
             if self._drawn:
-                self.stream.write("\n")
+                self.stream.write(ending)
                 self.stream.flush()
                 self._drawn = False

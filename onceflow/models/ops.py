@@ -211,41 +211,44 @@ def _cell_clear(state: State, op: CellClear) -> tuple[State, Any]:
     return state, {"existed": existed}
 
 
-def _position_after(order: list[str], after: str | None, op_type: str) -> int:
+def _put_after(order: list[str], node: str, after: str | None, op_type: str) -> dict[str, int]:
+    """Insert ``node`` right after ``after`` (first when None); the answer names its index."""
     if after is None:
-        return 0
-    try:
-        return order.index(after) + 1
-    except ValueError:
-        raise OpRejected(op_type, f"anchor node {after!r} is not in the order") from None
+        index = 0
+    else:
+        try:
+            index = order.index(after) + 1
+        except ValueError:
+            raise OpRejected(op_type, f"anchor node {after!r} is not in the order") from None
+    order.insert(index, node)
+    return {"index": index}
+
+
+def _order_holding(state: State, op: NodeMove | NodeDelete) -> list[str]:
+    """The order ``op`` moves or deletes its node in; rejected when the node is not in it."""
+    order = _order(state, op.type)
+    if op.node not in order:
+        raise OpRejected(op.type, f"node {op.node!r} is not in the order")
+    return order
 
 
 def _node_insert(state: State, op: NodeInsert) -> tuple[State, Any]:
     order = _order(state, op.type)
     if op.node in order:
         raise OpRejected(op.type, f"node {op.node!r} is already in the order")
-    index = _position_after(order, op.after, op.type)
-    order.insert(index, op.node)
-    return state, {"index": index}
+    return state, _put_after(order, op.node, op.after, op.type)
 
 
 def _node_move(state: State, op: NodeMove) -> tuple[State, Any]:
-    order = _order(state, op.type)
-    if op.node not in order:
-        raise OpRejected(op.type, f"node {op.node!r} is not in the order")
+    order = _order_holding(state, op)
     if op.after == op.node:
         raise OpRejected(op.type, "a node cannot be moved after itself")
     order.remove(op.node)
-    index = _position_after(order, op.after, op.type)
-    order.insert(index, op.node)
-    return state, {"index": index}
+    return state, _put_after(order, op.node, op.after, op.type)
 
 
 def _node_delete(state: State, op: NodeDelete) -> tuple[State, Any]:
-    order = _order(state, op.type)
-    if op.node not in order:
-        raise OpRejected(op.type, f"node {op.node!r} is not in the order")
-    order.remove(op.node)
+    _order_holding(state, op).remove(op.node)
     return state, None
 
 

@@ -31,9 +31,9 @@ from typing import Any, Final, TypeVar
 from sqlalchemy import Engine
 
 from onceflow.db import fetch_all, fetch_one, raw_connection, retry_disconnect
-from onceflow.errors import OnceflowError
 from onceflow.metrics.sql import COUNT_CAP_DEFAULT, capped_statuses, live_counts
 from onceflow.queue.sql import RUN_ID
+from onceflow.shards import each_shard
 
 RUNNING_LIMIT: Final = 100
 DEAD_LIMIT: Final = 50
@@ -107,21 +107,11 @@ def per_shard(
     shards that answered, and the indexes of those that did not (an error is logged and
     skipped while another shard answers; raised when none did)."""
     shards = [engines] if isinstance(engines, Engine) else list(engines)
-    answers: list[_R] = []
-    down: list[int] = []
-    failed: OnceflowError | None = None
-    for index, engine in enumerate(shards):
-        try:
-            answers.append(read(engine))
-        except OnceflowError as exc:
-            if len(shards) == 1:
-                raise
-            failed = exc
-            down.append(index)
-            log.warning("shard %d not read: %s: %s", index, type(exc).__name__, exc)
-    if not answers and failed is not None:
-        raise failed
-    return answers, down
+    return each_shard(
+        shards,
+        read,
+        lambda index, exc: log.warning("shard %d not read: %s: %s", index, type(exc).__name__, exc),
+    )
 
 
 def read_tables(

@@ -57,6 +57,7 @@ from onceflow.models.sub_doc_scope import SubDocScope
 from onceflow.payloads import check_json
 from onceflow.queue import Queue
 from onceflow.settings import Settings, get_settings
+from onceflow.shards import each_shard
 from onceflow.tasks import metrics_hooks as _metrics_hooks  # noqa: F401 - connects signals
 from onceflow.tasks import worker_process as _worker_process  # noqa: F401 - connects signals
 from onceflow.tasks.broker import harden
@@ -590,18 +591,13 @@ class Flow:
         shards = self.queue.shards()
         if len(shards) == 1:
             return sweep(shards[0])
-        done: list[SweepResult] = []
-        failed: OnceflowError | None = None
-        for index, shard in enumerate(shards):
-            try:
-                done.append(sweep(shard))
-            except OnceflowError as exc:
-                failed = exc
-                log.warning(
-                    "sweep: shard %d skipped this time: %s: %s", index, type(exc).__name__, exc
-                )
-        if not done and failed is not None:
-            raise failed
+        done, _ = each_shard(
+            shards,
+            sweep,
+            lambda index, exc: log.warning(
+                "sweep: shard %d skipped this time: %s: %s", index, type(exc).__name__, exc
+            ),
+        )
         return SweepResult(
             rescued=[r for d in done for r in d.rescued],
             quarantined=[r for d in done for r in d.quarantined],

@@ -49,6 +49,25 @@ def validation_response(exc: RequestValidationError) -> JSONResponse:
     return AsciiJSONResponse(jsonable_encoder(validation_body(exc.errors())), 422)
 
 
+#: The answer to each onceflow error, first match wins (a subclass before its base):
+#: (error types, HTTP status, code). AccessDenied is answered apart (its status is its own).
+_ANSWERS: tuple[tuple[type[Exception] | tuple[type[Exception], ...], int, str], ...] = (
+    (NotFound, 404, "not_found"),
+    (LeaseLost, 409, "lease_lost"),
+    (OpIdConflict, 409, "op_id_conflict"),
+    (ReplayTooOld, 409, "replay_too_old"),
+    (InputMismatch, 409, "input_mismatch"),
+    (InvalidTransition, 409, "invalid_transition"),
+    (PayloadTooLarge, 413, "payload_too_large"),
+    # A read over every workspace not yet taught about shards: say so, never one shard's.
+    (UnroutedStatement, 501, "not_implemented"),
+    (InvalidRequest, 422, "invalid_request"),
+    # JSON may carry a lone surrogate (\ud800) that no UTF-8 store can hold.
+    (UnicodeError, 422, "invalid_request"),
+    ((DatabaseUnavailable, LockUnavailable), 503, "unavailable"),
+)
+
+
 def error_response(exc: Exception) -> JSONResponse:
     """The HTTP answer to an onceflow error (the body is :class:`~.schemas.ErrorOut`)."""
     status, code, headers = 500, "internal", {}
@@ -60,37 +79,24 @@ def error_response(exc: Exception) -> JSONResponse:
         detail = exc.detail
         if status == 401:
             headers["WWW-Authenticate"] = "Bearer"
-    elif isinstance(exc, NotFound):
-        status, code = 404, "not_found"
-    elif isinstance(exc, LeaseLost):
-        status, code = 409, "lease_lost"
-        detail = f"no live claim on request {exc.request_id} for this token"
-    elif isinstance(exc, OpIdConflict):
-        status, code = 409, "op_id_conflict"
-    elif isinstance(exc, ReplayTooOld):
-        status, code = 409, "replay_too_old"
-        extra["horizon"] = exc.horizon
-    elif isinstance(exc, InputMismatch):
-        status, code = 409, "input_mismatch"
-    elif isinstance(exc, InvalidTransition):
-        status, code = 409, "invalid_transition"
-    elif isinstance(exc, PayloadTooLarge):
-        status, code = 413, "payload_too_large"
-    elif isinstance(exc, UnroutedStatement):
-        # A read over every workspace not yet taught about shards: say so, never one shard's.
-        status, code = 501, "not_implemented"
-        detail = f"not available on a database split by workspace yet: {exc}"
-    elif isinstance(exc, InvalidRequest):
-        status, code = 422, "invalid_request"
-    elif isinstance(exc, UnicodeError):
-        # JSON may carry a lone surrogate (\ud800) that no UTF-8 store can hold.
-        status, code, detail = 422, "invalid_request", "a string holds a lone surrogate"
-    elif isinstance(exc, DatabaseUnavailable | LockUnavailable):
-        status, code = 503, "unavailable"
-        headers["Retry-After"] = "1"
     else:
-        log.error("internal error: %s", type(exc).__name__, exc_info=exc)
-        detail = "internal error"
+        answer = next((row[1:] for row in _ANSWERS if isinstance(exc, row[0])), None)
+        if answer is None:
+            log.error("internal error: %s", type(exc).__name__, exc_info=exc)
+            detail = "internal error"
+        else:
+            status, code = answer
+    # What some answers say beyond their code (each type matched its own row above).
+    if isinstance(exc, LeaseLost):
+        detail = f"no live claim on request {exc.request_id} for this token"
+    elif isinstance(exc, ReplayTooOld):
+        extra["horizon"] = exc.horizon
+    elif isinstance(exc, UnroutedStatement):
+        detail = f"not available on a database split by workspace yet: {exc}"
+    elif isinstance(exc, UnicodeError):
+        detail = "a string holds a lone surrogate"
+    elif status == 503:
+        headers["Retry-After"] = "1"
     body = {"detail": one_line(detail), "code": code, **extra}
     return AsciiJSONResponse(body, status, headers=headers)
 
