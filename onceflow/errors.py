@@ -52,6 +52,7 @@ class InvalidRequest(OnceflowError, ValueError):
     """The caller's input was rejected; nothing was written."""
 
 
+# Alike by shape to every error with fields on purpose: own __init__, and __reduce__ for Celery.
 class PayloadTooLarge(InvalidRequest):
     """A JSON payload is larger than the configured limit."""
 

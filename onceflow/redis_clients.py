@@ -184,6 +184,7 @@ def _options(
     return options
 
 
+# Same signature as async_client on purpose: redis-py has a class per kind; options are shared.
 def sync_client(
     url: str,
     *,

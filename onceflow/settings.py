@@ -30,6 +30,7 @@ class WorkerKeyScopes(BaseModel):
     workspaces: list[str]
 
 
+# Fields alike by shape on purpose: each setting's own default, bounds and documented text.
 class Settings(BaseSettings):
     """onceflow's configuration; every field can be set as ``ONCEFLOW_<NAME>``."""
 

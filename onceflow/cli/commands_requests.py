@@ -244,6 +244,7 @@ def list_(
         _echo_json(request.as_json())
 
 
+# Same shape as requeue on purpose: click commands, each its own help and Queue method.
 @main.command()
 @click.argument("request_id")
 @_WORKSPACE_OF_ID

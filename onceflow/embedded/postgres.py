@@ -65,6 +65,7 @@ def _initdb(
     with log_path.open("ab") as log:
         offset = log_path.stat().st_size
         try:
+            # Keyword arguments alike only by shape to the queue's SQL column lists.
             subprocess.run(
                 argv,
                 stdin=subprocess.DEVNULL,

@@ -14,6 +14,7 @@ from sqlalchemy import Column, DateTime, Table, Text, text
 
 from onceflow.models.tables import metadata
 
+# Alike by shape to the other tables on purpose: each table's own columns, workspace first.
 compute_locks = Table(
     "compute_locks",
     metadata,

@@ -54,6 +54,7 @@ class EnqueueResult:
     workspace_id: str = ""
 
 
+# The API's RequestOut repeats these fields on purpose: the HTTP contract is spelled out apart.
 @dataclass(frozen=True, slots=True)
 class Request:
     """A row of ``workspace_process_requests`` (the claim token is never part of it)."""

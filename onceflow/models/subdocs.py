@@ -21,6 +21,7 @@ workspace_sub_docs = Table(
     CheckConstraint("clock >= 0 AND pruned_clock >= 0 AND pruned_clock <= clock", name="clocks"),
 )
 
+# Alike by shape to the other tables on purpose: each table's own columns, workspace first.
 workspace_sub_doc_ops = Table(
     "workspace_sub_doc_ops",
     metadata,

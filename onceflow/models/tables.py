@@ -36,6 +36,7 @@ metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
 _STATUSES = ", ".join(f"'{s.value}'" for s in Status)
 
+# Alike by shape to the other tables on purpose: each table's own columns, workspace first.
 workspace_process_requests = Table(
     "workspace_process_requests",
     metadata,

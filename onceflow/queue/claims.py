@@ -106,6 +106,7 @@ class ClaimOps:
         pooled: bool = yield Pooled()
         return pooled
 
+    # Keyword options alike only by shape to other public signatures.
     @operation
     def claim(
         self,
@@ -163,6 +164,7 @@ class ClaimOps:
         metrics.claimed([claim], [bool(row.get("took_over"))])
         return claim
 
+    # Same shape as _fail_once on purpose: each is the seam where a test loses one attempt.
     def _claim_once(self, params: dict[str, Any]) -> Steps[Any]:
         """One attempt at a claim by id: the claimed row, None if it is not claimable."""
         row = yield FetchOne(sql.CLAIM, params)
@@ -269,6 +271,7 @@ class ClaimOps:
             log.exception("claim_next: %d claim(s) not handed back; their leases lapse",
                           len(claims))  # fmt: skip
 
+    # Keyword options alike only by shape to other public signatures.
     @operation
     def heartbeat(
         self,
@@ -544,6 +547,7 @@ class ClaimOps:
         metrics.finished(row)
         return row
 
+    # Same shape as _claim_once on purpose: each is the seam where a test loses one attempt.
     def _fail_once(self, params: dict[str, Any]) -> Steps[Any]:
         """One attempt at a failure report: the updated row, None if fenced off."""
         row = yield FetchOne(sql.FAIL, params)

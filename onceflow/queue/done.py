@@ -137,6 +137,7 @@ class DoneWaiter:
             return None
         return conn
 
+    # Twin of the asyncio wait below on purpose: each step is I/O (a connection here, a hub there).
     def wait(self, request_id: str, *, timeout: float, workspace_id: str | None = None) -> Request:
         """The request once it has ended — succeeded, dead or cancelled — read after the
         commit that ended it; :class:`NotFound` if there is no such request;
@@ -304,6 +305,7 @@ class AsyncDoneWaiter:
         for hub in (hubs or {}).values():
             await hub.close()
 
+    # Twin of the sync wait above on purpose: each step is I/O, awaited here.
     async def wait(
         self, request_id: str, *, timeout: float, workspace_id: str | None = None
     ) -> Request:

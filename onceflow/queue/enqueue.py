@@ -59,6 +59,7 @@ class EnqueueOps:
     settings: Settings
     resolver: Resolver | None
 
+    # The enqueue signature repeats in each public entry point on purpose (Flow, services, Django).
     @operation
     def enqueue(
         self,

@@ -564,6 +564,7 @@ class Waiter(_Listening):
                 if group.moved(marks):
                     return True
 
+    # Same signature as AsyncWaiter.wait_for_work on purpose: this queue's asyncio form of it.
     async def wait_for_work_async(
         self,
         worker_classes: str | Sequence[str],
@@ -609,6 +610,7 @@ class AsyncWaiter(_Listening):
         url = getattr(self.aconnector, "url", None)
         return [str(url) if url is not None else self.settings.database_url]
 
+    # Same signature as wait_for_work_async on purpose: the async queue's public method.
     async def wait_for_work(
         self,
         worker_classes: str | Sequence[str],

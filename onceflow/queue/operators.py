@@ -23,6 +23,7 @@ class OperatorOps:
 
     settings: Settings
 
+    # Same shape as requeue on purpose: two operator actions, each its own fenced statement.
     @operation
     def cancel(
         self,

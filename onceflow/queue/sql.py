@@ -551,6 +551,7 @@ RETURNING {RETURNING}
 """
 
 
+# The SET list is alike only by shape to keyword calls elsewhere (StageSpec, NewRequest).
 @_by_key("queue.requeue")
 def REQUEUE(ws: str) -> str:
     return f"""

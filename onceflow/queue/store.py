@@ -58,6 +58,7 @@ class Queue(
     written. Without one, unset fields mean worker class ``"default"``, dedupe, priority 0.
     """
 
+    # Same arguments as AsyncQueue's on purpose: public constructors; placing is one function each.
     def __init__(
         self,
         engine: Engine | str | None = None,
@@ -141,6 +142,7 @@ class AsyncQueue(
     (:class:`~onceflow.connector.sharded.AsyncShardedConnector`; ``shard_map`` is then set).
     """
 
+    # Same arguments as Queue's on purpose: public constructors; placing is one function each.
     def __init__(
         self,
         url: str | None = None,

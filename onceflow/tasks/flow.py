@@ -260,6 +260,7 @@ class Flow:
                 "the broker would redeliver the wake-up of a run still in progress"
             )
 
+        # StageSpec by keyword on purpose (alike by shape to SQL column lists): each option by name.
         def register(func: F) -> F:
             spec = StageSpec(
                 name=name,
@@ -295,6 +296,7 @@ class Flow:
 
         return register
 
+    # The enqueue signature repeats in each public entry point on purpose; all build via resolve.
     def enqueue(
         self,
         stage: str,
@@ -343,6 +345,7 @@ class Flow:
         """
         return self.queue.wait(request_id, timeout=timeout, workspace_id=workspace_id)
 
+    # Same signature as enqueue and _unresolved on purpose: each is typed for its callers.
     def new_request(
         self,
         stage: str,
@@ -361,6 +364,7 @@ class Flow:
             self._unresolved(stage, workspace_id, job_id, branch_path, input, **options)
         )
 
+    # Same signature as new_request on purpose: the one place the caller's request is built.
     @staticmethod
     def _unresolved(
         stage: str,

@@ -192,6 +192,7 @@ class _Heartbeats:
 _heartbeats = _Heartbeats()
 
 
+# Same leading parameters as run_claimed on purpose: it claims, then runs via run_claimed.
 def run_request(
     queue: Queue,
     spec: StageSpec,

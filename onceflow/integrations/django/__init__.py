@@ -49,6 +49,7 @@ _DJANGO_ONLY_OPTIONS = frozenset({"isolation_level", "server_side_binding", "poo
 Executor = Callable[[str, dict[str, Any]], Sequence[Mapping[str, Any]]]
 
 
+# Flow.enqueue's signature on purpose (plus `using`): delegates to Flow.new_request.
 def enqueue(
     flow: Flow,
     stage: str,

@@ -48,6 +48,7 @@ from onceflow.integrations.fastapi.http_errors import add_error_handlers
 from onceflow.integrations.fastapi.limits import BodyLimitMiddleware
 from onceflow.worker_tokens import mint_worker_token
 
+# Spelled out on purpose: the package's public names (app.py keeps its own for older imports).
 __all__ = [
     "REPLAY_HEADER",
     "AsyncQueueDep",

@@ -60,6 +60,7 @@ from onceflow.settings import Settings, get_settings
 from onceflow.tasks import Flow
 
 # Moved out of this module (services.py, responses.py, guard.py, routes_*.py); importable here.
+# Spelled out on purpose: the names older imports find here (the package re-exports them too).
 __all__ = [
     "REPLAY_HEADER",
     "AsciiJSONResponse",

@@ -246,6 +246,7 @@ async def _events(hub: SnapshotHub, stream: _Stream) -> AsyncIterator[str]:
         hub.close(stream)
 
 
+# Fields alike by shape to the settings' on purpose: each its own bounds and documented text.
 class ActionIn(BaseModel):
     """An operator's action on one request."""
 

@@ -94,6 +94,7 @@ def too_many_streams(exc: StreamLimit) -> JSONResponse:
     )
 
 
+# Parameters alike by shape to EventStreamResponse's on purpose: checked here, handed on.
 async def event_stream(
     hub: EventHub,
     workspace_id: str,

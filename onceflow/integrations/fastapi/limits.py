@@ -46,6 +46,7 @@ _NUMBER = re.compile(rb"-?[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 class BodyLimitMiddleware:
     """ASGI middleware: 413 for bodies over ``max_body_bytes`` (declared or streamed)."""
 
+    # Parameters alike only by shape to other constructors' signatures.
     def __init__(
         self,
         app: ASGIApp,

@@ -223,6 +223,7 @@ def _lock_backend(settings: Settings) -> Any:
     return _InThreads(get_backend(settings))
 
 
+# Route decorators alike by shape on purpose: FastAPI builds the OpenAPI contract from each one.
 def add_pull_routes(
     router: APIRouter, svc: OnceflowServices, responses: dict[int | str, dict[str, Any]]
 ) -> None:

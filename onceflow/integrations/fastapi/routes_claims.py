@@ -27,6 +27,7 @@ from onceflow.oplog import stage_op_id
 from onceflow.queue import AsyncQueue
 
 
+# Route decorators alike by shape on purpose: FastAPI builds the OpenAPI contract from each one.
 def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
     terms = ClaimTerms(svc.flow, svc.settings)  # what a claim may ask for: claim_terms.py
 

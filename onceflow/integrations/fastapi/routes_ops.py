@@ -14,6 +14,7 @@ from onceflow.oplog import ApplyResult
 REPLAY_HEADER = "Idempotent-Replayed"
 
 
+# Route decorators alike by shape on purpose: FastAPI builds the OpenAPI contract from each one.
 def _op_routes(router: APIRouter, svc: OnceflowServices) -> None:
     @router.post(
         "/workspaces/{ws}/sub-docs/{sub_doc}/ops",

@@ -25,6 +25,7 @@ from onceflow.models import Request as StageRequest
 from onceflow.tasks import Flow
 
 
+# Route decorators alike by shape on purpose: FastAPI builds the OpenAPI contract from each one.
 def _request_routes(router: APIRouter, svc: OnceflowServices) -> None:
     @router.post(
         "/workspaces/{ws}/requests",

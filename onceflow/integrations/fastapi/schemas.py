@@ -67,6 +67,7 @@ class EnqueueOut(BaseModel):
     input_mismatch: bool
 
 
+# Same fields as models.Request on purpose: the HTTP contract is spelled out apart from the row.
 class RequestOut(BaseModel):
     """A request row (never its claim token)."""
 

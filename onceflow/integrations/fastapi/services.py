@@ -89,6 +89,7 @@ class OnceflowServices:
         (one per event loop, per shard) and one ``redis.asyncio`` client per event loop."""
         return self._async_oplog.get()
 
+    # Flow.enqueue's signature on purpose: the asyncio entry point, delegating to AsyncQueue.
     async def enqueue(
         self,
         stage: str,

@@ -1,3 +1,4 @@
+# Frozen history: the Alembic revision header and table boilerplate repeat by design.
 """workspace_process_requests: the durable stage queue.
 
 With ``ONCEFLOW_PARTITIONS=N`` on a new database the table is created ``PARTITION BY HASH

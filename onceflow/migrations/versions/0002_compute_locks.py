@@ -1,3 +1,4 @@
+# Frozen history: the Alembic revision header and table boilerplate repeat by design.
 """compute_locks: layer 2's SQL backend (one row per held compute lock).
 
 Revision ID: 0002

@@ -1,3 +1,4 @@
+# Frozen history: Alembic's revision header repeats in every migration by design.
 """Layer 3: workspace_sub_docs and the op log workspace_sub_doc_ops.
 
 Revision ID: 0003

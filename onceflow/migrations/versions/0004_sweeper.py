@@ -1,3 +1,4 @@
+# Frozen history: Alembic's revision header repeats in every migration by design.
 """The sweeper: onceflow_sweeps (when each Flow last swept, by the database clock) and
 workspace_process_requests.redispatch_count (the backoff of wake-up re-sends).
 

@@ -1,3 +1,4 @@
+# Frozen history: Alembic's revision header repeats in every migration by design.
 """Observability: live and dead requests countable by worker class and stage from indexes alone.
 
 The partial indexes of queued (ix_wpr_claim) and running (ix_wpr_lease) rows gain

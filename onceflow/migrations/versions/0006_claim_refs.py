@@ -1,3 +1,4 @@
+# Frozen history: Alembic's revision header repeats in every migration by design.
 """Claim refs: a fenced write by ``(request_id, claim_token)`` alone, with nothing read first.
 
 Three nullable columns, no defaults (catalog-only changes: no table rewrite, existing rows

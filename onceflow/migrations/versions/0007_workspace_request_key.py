@@ -1,3 +1,4 @@
+# Frozen history: Alembic's revision header repeats in every migration by design.
 """Requests keyed workspace-first, step 1 of 2: a unique index on ``(workspace_id, request_id)``.
 
 Built ``CONCURRENTLY`` (inserts, claims and completions go on while it builds; its

@@ -1,3 +1,4 @@
+# Frozen history: Alembic's revision header repeats in every migration by design.
 """Requests keyed workspace-first, step 2 of 2: the primary key becomes ``(workspace_id,
 request_id)``, taken over from 0007's unique index.
 

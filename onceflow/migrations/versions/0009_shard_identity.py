@@ -1,3 +1,4 @@
+# Frozen history: Alembic's revision header repeats in every migration by design.
 """Each database of a sharded deployment knows which shard it is: ``onceflow_shard``.
 
 One row at most: the shard's index in the shard map, the map's shard count and its digest

@@ -1,3 +1,4 @@
+# Frozen history: Alembic's revision header repeats in every migration by design.
 """A request someone waits for sends ``NOTIFY onceflow_done, '<request id>'`` when it ends.
 
 ``Queue.wait`` / ``AsyncQueue.wait`` (and what is built on them: ``Flow.wait``, ``onceflow

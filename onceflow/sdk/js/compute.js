@@ -30,6 +30,7 @@ export function isReleaseOf(message, jobId, task) {
   return !!message && message.kind === "lock_released" && message.job_id === jobId && message.task === task;
 }
 
+// Constructor alike by shape to ClaimLocks' on purpose: each takes the claim's parts, no more.
 /**
  * The claimed request's workspace events (POST /v1/claims/{id}/events), one stream shared by
  * every waiter of the claim: opened by the first subscriber, closed when the last one leaves

@@ -36,6 +36,7 @@ export class MemoryOutbox implements Outbox {
   delete(ns: string, seq: number, opId?: string): Promise<boolean>;
   close(): void;
 }
+// Same members as MemoryOutbox on purpose: a declared class lists what it implements.
 /**
  * IndexedDB database `onceflow-outbox`, store `ops` keyed by `[ns, seq]` (the record at
  * `[ns, "next"]` keeps the namespace's next seq). A connection that failed to open or that

@@ -35,6 +35,16 @@ function cell(row, text, cls, key) {
   return td;
 }
 
+/** A request's first cells, alike in the running and dead tables: its id (the row's key
+ * for its action button), workspace, worker class and stage. */
+function requestCells(tr, r) {
+  tr.dataset.requestId = r.request_id;
+  cell(tr, r.request_id, "id").title = r.request_id;
+  cell(tr, r.workspace_id);
+  cell(tr, r.worker_class);
+  cell(tr, r.stage);
+}
+
 function fill(tbody, items, build) {
   const rows = items.map((item) => {
     const tr = document.createElement("tr");
@@ -96,11 +106,7 @@ function render(s) {
 
   $("#running-note").textContent = `${s.running.length} shown (newest ${s.running_limit} at most)`;
   fill($("#running tbody"), s.running, (tr, r) => {
-    tr.dataset.requestId = r.request_id;
-    cell(tr, r.request_id, "id").title = r.request_id;
-    cell(tr, r.workspace_id);
-    cell(tr, r.worker_class);
-    cell(tr, r.stage);
+    requestCells(tr, r);
     cell(tr, r.holder);
     cell(tr, r.attempt, "num");
     cell(tr, r.lease_expires_at);
@@ -113,11 +119,7 @@ function render(s) {
 
   $("#dead-note").textContent = `${s.dead.length} shown (newest ${s.dead_limit} at most)`;
   fill($("#dead tbody"), s.dead, (tr, r) => {
-    tr.dataset.requestId = r.request_id;
-    cell(tr, r.request_id, "id").title = r.request_id;
-    cell(tr, r.workspace_id);
-    cell(tr, r.worker_class);
-    cell(tr, r.stage);
+    requestCells(tr, r);
     cell(tr, r.attempts, "num");
     cell(tr, r.finished_at);
     cell(tr, r.error, "error");
