@@ -244,20 +244,20 @@ def list_(
         _echo_json(request.as_json())
 
 
-# Same shape as requeue on purpose: click commands, each its own help and Queue method.
-@main.command()
-@click.argument("request_id")
-@_WORKSPACE_OF_ID
-@_errors_to_exit
-def cancel(request_id: str, workspace_id: str | None) -> None:
-    """Cancel a queued request, or ask a running one to stop."""
-    _echo_json(_queue().cancel(request_id, workspace_id=workspace_id).as_json())
+def _row_action(name: str, doc: str) -> click.Command:
+    """The command ``name``: :class:`~onceflow.Queue`'s method of that name on one request,
+    then the row it left, as JSON."""
+
+    @main.command(name=name, help=doc)
+    @click.argument("request_id")
+    @_WORKSPACE_OF_ID
+    @_errors_to_exit
+    def command(request_id: str, workspace_id: str | None) -> None:
+        act = getattr(_queue(), name)
+        _echo_json(act(request_id, workspace_id=workspace_id).as_json())
+
+    return command
 
 
-@main.command()
-@click.argument("request_id")
-@_WORKSPACE_OF_ID
-@_errors_to_exit
-def requeue(request_id: str, workspace_id: str | None) -> None:
-    """Run a finished or dead request again (refused while it runs)."""
-    _echo_json(_queue().requeue(request_id, workspace_id=workspace_id).as_json())
+cancel = _row_action("cancel", "Cancel a queued request, or ask a running one to stop.")
+requeue = _row_action("requeue", "Run a finished or dead request again (refused while it runs).")
