@@ -131,6 +131,7 @@ class WorkerStats:
     lease_lost: int = 0
     unrecorded: int = 0
     rescued: int = 0
+    overran: int = 0  # runs past max_runtime this worker's sweeps failed
 
 
 @dataclass
@@ -156,11 +157,12 @@ class Worker:
     database holds results back instead of piling up claims. ``max_runtime`` bounds a run
     as on Celery — heartbeats stop extending the lease past claim time + ``max_runtime``
     (time a prefetched claim waits counts too) — but a thread cannot be interrupted: a
-    body still running then loses its lease, its later writes are fenced off, and the
-    request runs again elsewhere. Default: no bound (a hung body holds its lease until
-    the process stops). ``max_wait`` bounds one sleep in :meth:`Queue.wait_for_work` — a
-    safety net only, since the wait already ends at the first notification, due time or
-    lease expiry.
+    body still running then loses its lease (``ctx.check()`` raises) and its later writes
+    are fenced off; the sweeper records the run as failed, ``MaxRuntimeExceeded``, retried
+    after the backoff (dead at ``max_attempts``), as on Celery. Default: no bound (a hung
+    body holds its lease until the process stops). ``max_wait`` bounds one sleep in
+    :meth:`Queue.wait_for_work` — a safety net only, since the wait already ends at the
+    first notification, due time or lease expiry.
     """
 
     def __init__(
@@ -435,7 +437,8 @@ class Worker:
 
     def _supersede(self, old: StageContext | None) -> None:
         """This worker took over a request whose earlier claim it still holds (its lease
-        lapsed: a database away past the lease, a hung body past ``max_runtime``). The
+        lapsed: a database away past the lease; a run past ``max_runtime`` is taken again
+        only once the sweeper failed it and its backoff passed). The
         earlier claim is gone: its body is told (``ctx.check()`` raises — no heartbeat
         reaches it any more), an unstarted one is dropped, and an outcome it still
         produces is discarded (``_record``). Caller holds the lock."""
@@ -697,15 +700,18 @@ class Worker:
         except Exception:
             log.exception("worker: sweep raised%s; carrying on", where)
             return
-        if rescued.rescued or rescued.quarantined:
+        if rescued.rescued or rescued.quarantined or rescued.overran:
             log.info(
-                "worker: sweep requeued %d and quarantined %d lapsed request(s)%s",
+                "worker: sweep requeued %d and quarantined %d lapsed request(s), and failed "
+                "%d run(s) past max_runtime%s",
                 len(rescued.rescued),
                 len(rescued.quarantined),
+                len(rescued.overran),
                 where,
             )
             with self._cond:
                 self.stats.rescued += len(rescued.rescued) + len(rescued.quarantined)
+                self.stats.overran += len(rescued.overran)
 
     # ---------------------------------------------------------------- shutdown
 
