@@ -569,6 +569,9 @@ class Worker:
             if rec["outcome"] in _UNKNOWN:
                 (retry if self._may_retry(d) else given_up).append(d)
                 continue
+            if rec["outcome"] == "not_recorded":  # refused even in brief: the lease lapses
+                given_up.append(d)
+                continue
             ended.append(d)
             with self._cond:
                 if rec["outcome"] == "lease_lost":

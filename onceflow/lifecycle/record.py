@@ -107,7 +107,8 @@ def record_many(
 
     Returns, in input order, what :func:`record` returns first: ``{"outcome": …}``, with
     ``completion_unknown`` / ``failure_unknown`` for rows the database did not confirm
-    (the caller may try them again while their leases may hold).
+    (the caller may try them again while their leases may hold), and ``not_recorded`` for
+    a run whose outcome the store refuses even in brief (its lease is left to lapse).
     """
     out: list[dict[str, Any] | None] = [None] * len(runs)
     plain: list[int] = []
@@ -118,7 +119,7 @@ def record_many(
         elif outcome.kind == "failed":
             failing.append(i)
         elif ctx.handoffs:  # follow-ups are enqueued in the completion's transaction
-            out[i] = record(queue, ctx, outcome, turn)[0]
+            out[i] = _record_one(queue, ctx, outcome, turn)
         else:
             plain.append(i)
     if plain:
@@ -128,6 +129,16 @@ def record_many(
         failures = [_failure(*runs[i]) for i in failing]
         _batch(queue, runs, failing, out, turn, lambda: queue.fail_many(failures), "failure")
     return [o if o is not None else {"outcome": "lease_lost"} for o in out]
+
+
+def _record_one(queue: Queue, ctx: StageContext, outcome: Outcome, turn: Turn) -> dict[str, Any]:
+    """:func:`record` of one run of a batch: never raises for that run alone (a brief
+    error refused too, under a payload limit set absurdly low, is ``not_recorded``)."""
+    try:
+        return record(queue, ctx, outcome, turn)[0]
+    except InvalidRequest as exc:
+        log.error("request %s: the outcome cannot be stored: %s", ctx.claim.request_id, exc)
+        return {"outcome": "not_recorded", "error": str(exc)}
 
 
 def _failure(ctx: StageContext, outcome: Outcome) -> Failure:
@@ -151,7 +162,7 @@ def _batch(
         log.warning("a batch of %d %s(s) was refused (%s); writing them one by one",
                     len(picked), what, exc)  # fmt: skip
         for i in picked:
-            out[i] = record(queue, *runs[i], turn)[0]
+            out[i] = _record_one(queue, *runs[i], turn)
         return
     except OnceflowError as exc:  # the database stayed away past the fenced write's window
         log.error("%d %s(s) not recorded: %s", len(picked), what, exc)
