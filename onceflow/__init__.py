@@ -35,6 +35,7 @@ from onceflow.models import Claim, ClaimRef, EnqueueResult, Heartbeat, NewReques
 from onceflow.oplog import AsyncOpLog, AsyncWorkspaceClient, OpLog, WorkspaceClient
 from onceflow.queue import AsyncQueue, Queue
 from onceflow.settings import Settings, get_settings
+from onceflow.spend import Cascade, Price, Provider, Usage
 from onceflow.worker_tokens import mint_worker_token
 
 __version__ = "0.1.0"
@@ -43,6 +44,7 @@ __all__ = [
     "AsyncOpLog",
     "AsyncQueue",
     "AsyncWorkspaceClient",
+    "Cascade",
     "Claim",
     "ClaimRef",
     "ConnectionLost",
@@ -66,12 +68,15 @@ __all__ = [
     "PartitionLayoutMismatch",
     "PayloadTooDeep",
     "PayloadTooLarge",
+    "Price",
+    "Provider",
     "Queue",
     "Request",
     "RetryLater",
     "Settings",
     "Status",
     "StoreError",
+    "Usage",
     "WaitTimeout",
     "WorkspaceClient",
     "acompute_once",
