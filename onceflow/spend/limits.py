@@ -165,7 +165,13 @@ def translated(what: str) -> Iterator[None]:
         raise LimitsUnavailable(f"Redis unavailable ({what}): {exc}") from exc
 
 
+#: The most limit calls one process has in flight at once: redis-py's pool refuses a
+#: command beyond its 100 connections ("Too many connections"), and a process may have
+#: hundreds of threads waiting for permits; past this bound they queue in the process.
+IN_FLIGHT: Final = 64
+
 _sync: dict[tuple[str, int], SyncRedis] = {}
+_gates: dict[int, threading.BoundedSemaphore] = {}
 _async: dict[tuple[str, int, int], AsyncRedis] = {}
 _made = threading.Lock()
 
@@ -203,6 +209,16 @@ def async_redis(url: str | None) -> AsyncRedis:
     return client
 
 
+def _gate() -> threading.BoundedSemaphore:
+    """This process's bound of limit calls in flight (:data:`IN_FLIGHT`)."""
+    pid = os.getpid()
+    gate = _gates.get(pid)
+    if gate is None:
+        with _made:
+            gate = _gates.setdefault(pid, threading.BoundedSemaphore(IN_FLIGHT))
+    return gate
+
+
 class SyncLimits:
     """The limit scripts on a sync client."""
 
@@ -214,11 +230,12 @@ class SyncLimits:
         return sync_redis(self.url)
 
     def run(self, script: Script, keys: list[str], args: list[Any]) -> Any:
-        with translated("provider limits"):
+        client = self.client
+        with _gate(), translated("provider limits"):
             try:
-                return self.client.evalsha(script.sha, len(keys), *keys, *args)
+                return client.evalsha(script.sha, len(keys), *keys, *args)
             except redis.exceptions.NoScriptError:
-                return self.client.eval(script.text, len(keys), *keys, *args)
+                return client.eval(script.text, len(keys), *keys, *args)
 
     def acquire(
         self, keys: ProviderKeys, spec: LimitSpec, permit_id: str, workspace_id: str, tokens: int

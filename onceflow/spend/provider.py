@@ -340,6 +340,11 @@ class Permit:
         return self.grant.permit_id
 
     @property
+    def settled_at_ms(self) -> int | None:
+        """When its slot was given back, on the Redis clock (None before)."""
+        return None if self._released is None else self._released.at_ms
+
+    @property
     def settled(self) -> bool:
         """Whether the permit was settled (with usage, a 429, or on leaving its block)."""
         return self.outcome is not None
