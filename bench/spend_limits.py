@@ -88,8 +88,8 @@ class Algorithm:
 
     def acquire(self) -> tuple[bool, int]:
         if self.name == "sliding log":
-            args = [uuid.uuid4().hex, "ws", 1, self.limit, -1, -1, self.window_ms, 600_000, 0,
-                    STALE_MS, 250]  # fmt: skip
+            args = [uuid.uuid4().hex, "ws", 1, self.limit, -1, -1, self.window_ms, 600_000,
+                    "empty", STALE_MS, 250, ""]  # fmt: skip
         else:
             args = [self.limit, self.window_ms]
         reply: Any = self.client.evalsha(self.sha, len(self.keys), *self.keys, *args)

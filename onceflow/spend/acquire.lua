@@ -8,15 +8,16 @@
 --       10 waiters (zset permit -> last attempt ms), 11 waiter_ws (hash permit -> workspace),
 --       12 ws_waiting (hash workspace -> waiters), 13 stats (hash)
 -- ARGV: 1 permit id, 2 workspace, 3 tokens, 4 rpm (-1: none), 5 tpm (-1: none),
---       6 concurrency (-1: none), 7 window ms, 8 permit ttl ms, 9 cold start full (1/0),
---       10 waiter stale ms, 11 poll ms (the wait hint when only a release can free room)
--- Reply: {1, grant ms} or {0, wait ms, reason}
+--       6 concurrency (-1: none), 7 window ms, 8 permit ttl ms, 9 cold start (full, known,
+--       empty), 10 waiter stale ms, 11 poll ms (the wait hint when only a release can free
+--       room), 12 the epoch this client saw ('' if none)
+-- Reply: {1, grant ms, epoch} or {0, wait ms, reason, epoch}
 
 local id, ws = ARGV[1], ARGV[2]
 local tokens = tonumber(ARGV[3])
 local rpm, tpm, conc = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local window, ttl = tonumber(ARGV[7]), tonumber(ARGV[8])
-local cold_full, stale, poll = ARGV[9] == '1', tonumber(ARGV[10]), tonumber(ARGV[11])
+local mode, stale, poll, seen = ARGV[9], tonumber(ARGV[10]), tonumber(ARGV[11]), ARGV[12]
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -25,16 +26,26 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local held = redis.call('ZSCORE', KEYS[6], id)
 local granted = redis.call('ZSCORE', KEYS[1], id)
 if held and granted then
-    return {1, tonumber(granted)}
+    return {1, tonumber(granted), redis.call('GET', KEYS[8]) or ''}
 end
 
--- The epoch marks that this server holds the provider's state. Its absence is a new
--- provider or a server that lost its state (a restart without persistence): in the second
--- case the calls of the last window are unknown, so the window counts as full.
-if redis.call('EXISTS', KEYS[8]) == 0 then
-    redis.call('SET', KEYS[8], now)
-    if cold_full and (rpm >= 0 or tpm >= 0 or conc >= 0) then
+-- The epoch (the Redis time the provider's state began, in µs) marks that this server holds it.
+-- Its absence is a new provider or a server that lost its state (a restart without
+-- persistence); an epoch other than the one the client saw is a state begun again after a
+-- loss. The calls of the window before are then unknown, so it counts as full: with mode
+-- 'full' always, with 'known' when the client had seen the state before, never with 'empty'.
+local epoch = redis.call('GET', KEYS[8])
+if not epoch then
+    epoch = t[1] .. string.format('%06d', tonumber(t[2]))  -- microseconds, as digits
+    redis.call('SET', KEYS[8], epoch)
+    if mode == 'full' or (mode == 'known' and seen ~= '') then
         redis.call('SET', KEYS[9], now, 'PX', window)
+        redis.call('HINCRBY', KEYS[13], 'state_lost', 1)
+    end
+elseif mode ~= 'empty' and seen ~= '' and seen ~= epoch then
+    local left = tonumber(string.sub(epoch, 1, -4)) + window - now
+    if left > 0 and redis.call('EXISTS', KEYS[9]) == 0 then
+        redis.call('SET', KEYS[9], now, 'PX', left)
         redis.call('HINCRBY', KEYS[13], 'state_lost', 1)
     end
 end
@@ -67,7 +78,7 @@ end
 
 local function deny(wait, reason)
     redis.call('HINCRBY', KEYS[13], 'denied_' .. reason, 1)
-    return {0, math.max(wait, 1), reason}
+    return {0, math.max(wait, 1), reason, epoch}
 end
 
 local pttl = redis.call('PTTL', KEYS[7])
@@ -155,4 +166,4 @@ if redis.call('ZREM', KEYS[10], id) == 1 then
     redis.call('HDEL', KEYS[11], id)
 end
 redis.call('HINCRBY', KEYS[13], 'granted', 1)
-return {1, now}
+return {1, now, epoch}

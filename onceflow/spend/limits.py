@@ -82,7 +82,7 @@ class LimitSpec:
     concurrency: int
     window_ms: int
     ttl_ms: int
-    cold_full: bool
+    cold_start: str
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,8 @@ class Decision:
     at_ms: int = 0
     wait_ms: int = 0
     reason: str = ""
+    #: The provider state's epoch on the server (when it began, Redis ms, as text).
+    epoch: str = ""
 
 
 @dataclass(frozen=True)
@@ -130,18 +132,19 @@ class ProviderKeys:
         return [*self.acquire()]
 
 
-def acquire_args(spec: LimitSpec, permit_id: str, workspace_id: str, tokens: int) -> list[Any]:
+def acquire_args(
+    spec: LimitSpec, permit_id: str, workspace_id: str, tokens: int, seen: str
+) -> list[Any]:
     return [
         permit_id, workspace_id, tokens, spec.rpm, spec.tpm, spec.concurrency, spec.window_ms,
-        spec.ttl_ms, 1 if spec.cold_full else 0, STALE_MS, POLL_MS,
+        spec.ttl_ms, spec.cold_start, STALE_MS, POLL_MS, seen,
     ]  # fmt: skip
 
 
 def decision(reply: Sequence[Any]) -> Decision:
     if int(reply[0]) == 1:
-        return Decision(True, at_ms=int(reply[1]))
-    reason = reply[2].decode() if isinstance(reply[2], bytes) else str(reply[2])
-    return Decision(False, wait_ms=int(reply[1]), reason=reason)
+        return Decision(True, at_ms=int(reply[1]), epoch=_text(reply[2]))
+    return Decision(False, wait_ms=int(reply[1]), reason=_text(reply[2]), epoch=_text(reply[3]))
 
 
 def _text(value: Any) -> str:
@@ -246,9 +249,15 @@ class SyncLimits:
                 return client.eval(script.text, len(keys), *keys, *args)
 
     def acquire(
-        self, keys: ProviderKeys, spec: LimitSpec, permit_id: str, workspace_id: str, tokens: int
+        self,
+        keys: ProviderKeys,
+        spec: LimitSpec,
+        permit_id: str,
+        workspace_id: str,
+        tokens: int,
+        seen: str = "",
     ) -> Decision:
-        args = acquire_args(spec, permit_id, workspace_id, tokens)
+        args = acquire_args(spec, permit_id, workspace_id, tokens, seen)
         return decision(self.run(ACQUIRE, keys.acquire(), args))
 
     def settle(
@@ -308,9 +317,15 @@ class AsyncLimits:
                 return await client.eval(script.text, len(keys), *keys, *args)
 
     async def acquire(
-        self, keys: ProviderKeys, spec: LimitSpec, permit_id: str, workspace_id: str, tokens: int
+        self,
+        keys: ProviderKeys,
+        spec: LimitSpec,
+        permit_id: str,
+        workspace_id: str,
+        tokens: int,
+        seen: str = "",
     ) -> Decision:
-        args = acquire_args(spec, permit_id, workspace_id, tokens)
+        args = acquire_args(spec, permit_id, workspace_id, tokens, seen)
         return decision(await self.run(ACQUIRE, keys.acquire(), args))
 
     async def settle(

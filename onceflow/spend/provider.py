@@ -66,7 +66,7 @@ DEFAULT_PERMIT_TTL: Final = 600.0
 #: The default bound of a permit's wait.
 DEFAULT_TIMEOUT: Final = 60.0
 
-ColdStart = Literal["full", "empty"]
+ColdStart = Literal["known", "full", "empty"]
 Steps = Generator[Any, Any, Any]
 
 
@@ -81,9 +81,14 @@ class Provider:
     of ``window_seconds`` (60: per minute; a provider that publishes per-second limits is
     declared with ``window_seconds=1``); ``concurrency`` bounds the calls in flight. Any
     may be None: no limit. ``price`` turns usage into money for the spend hooks.
-    ``cold_start="full"`` (the default) treats a Redis that lost the provider's state (a
-    restart without persistence, or the provider's first use) as a full window; ``"empty"``
-    trusts it at once (a Redis with persistence, or tests).
+
+    ``cold_start`` says what a Redis that lost the provider's state (a restart without
+    persistence) means: the calls of the window before the loss are unknown. ``"known"``
+    (the default) counts that window as full once a process that had seen the state finds
+    it gone or begun again, so a running deployment never goes over, while a new provider
+    (no process has seen it) starts at once. ``"full"`` counts it as full on every new
+    state, the provider's first use included; ``"empty"`` never does (a Redis with
+    persistence, where a lost state is not expected).
     """
 
     def __init__(
@@ -98,7 +103,7 @@ class Provider:
         window_seconds: float = 60.0,
         permit_ttl: float = DEFAULT_PERMIT_TTL,
         cooldown: float = DEFAULT_COOLDOWN,
-        cold_start: ColdStart = "full",
+        cold_start: ColdStart = "known",
         hooks: SpendHooks = NO_HOOKS,
         redis_url: str | None = None,
     ) -> None:
@@ -115,8 +120,10 @@ class Provider:
         )
         self.permit_ttl = checks.seconds("permit_ttl", permit_ttl, low=0.001, zero=False)
         self.cooldown = checks.seconds("cooldown", cooldown)
-        if cold_start not in ("full", "empty"):
-            raise InvalidRequest(f'cold_start must be "full" or "empty", got {cold_start!r}')
+        if cold_start not in ("known", "full", "empty"):
+            raise InvalidRequest(
+                f'cold_start must be "known", "full" or "empty", got {cold_start!r}'
+            )
         self.cold_start: ColdStart = cold_start
         if not all(callable(getattr(hooks, m, None)) for m in ("admit", "settle", "release")):
             raise InvalidRequest(f"hooks must have admit, settle and release, got {hooks!r}")
@@ -129,8 +136,10 @@ class Provider:
             concurrency=-1 if self.concurrency is None else self.concurrency,
             window_ms=max(1, round(self.window_seconds * 1000)),
             ttl_ms=max(1, round(self.permit_ttl * 1000)),
-            cold_full=cold_start == "full",
+            cold_start=cold_start,
         )
+        #: The epoch of the provider's state in Redis as this process last saw it.
+        self.epoch_seen = ""
         self.limits = SyncLimits(redis_url)
         self.alimits = AsyncLimits(redis_url)
 
@@ -251,8 +260,9 @@ class Provider:
         """One attempt, no wait: the :class:`Decision` (the cascade's probe)."""
         decided: Decision = yield Call(
             limits.acquire, self.keys, self.spec, grant.permit_id, grant.workspace_id,
-            grant.estimate_tokens,
+            grant.estimate_tokens, self.epoch_seen,
         )  # fmt: skip
+        self.epoch_seen = decided.epoch
         if not decided.granted:
             yield Call(limits.abandon, self.keys, grant.permit_id)
         return decided
@@ -276,8 +286,9 @@ class Provider:
                     raise PermitCancelled(self.name)
                 decided: Decision = yield Call(
                     limits.acquire, self.keys, self.spec, grant.permit_id, grant.workspace_id,
-                    grant.estimate_tokens,
+                    grant.estimate_tokens, self.epoch_seen,
                 )  # fmt: skip
+                self.epoch_seen = decided.epoch
                 if decided.granted:
                     return decided
                 reason = decided.reason

@@ -232,3 +232,20 @@ def test_a_new_provider_starts_with_a_full_window(redis_url: str) -> None:
     with provider.permit("ws", timeout=5) as permit:
         assert permit.granted_at_ms - start >= 450
     assert provider.stats()["state_lost"] == 1
+
+
+def test_a_state_begun_again_by_a_newcomer_counts_as_full(redis_url: str) -> None:
+    """The state is lost (here: deleted), a process that never saw it starts it again and is
+    served at once; a process that had seen the old state then waits out the new state's
+    first window, and so does everyone."""
+    seen = fresh(redis_url, rpm=100, window_seconds=1.0, cold_start="known")
+    with seen.permit("ws"):
+        pass
+    seen.reset()  # the server's state is gone
+    newcomer = Provider(seen.name, rpm=100, window_seconds=1.0, redis_url=redis_url)
+    with newcomer.permit("ws", timeout=0) as first:
+        pass
+    with seen.permit("ws", timeout=5) as later:
+        assert later.granted_at_ms >= first.granted_at_ms + 1000 - 5
+    stats = seen.stats()
+    assert stats["state_lost"] == 1 and stats["denied_state_lost"] >= 1

@@ -86,8 +86,9 @@ def _grants_around_a_restart(server: OwnRedis, cold_start: str) -> tuple[list[in
 
 
 @pytest.mark.slow
-def test_after_a_restart_the_window_counts_as_full(own_redis: OwnRedis) -> None:
-    grants, restarted_at, provider = _grants_around_a_restart(own_redis, "full")
+@pytest.mark.parametrize("cold_start", ["known", "full"])
+def test_after_a_restart_the_window_counts_as_full(own_redis: OwnRedis, cold_start: str) -> None:
+    grants, restarted_at, provider = _grants_around_a_restart(own_redis, cold_start)
     assert most_in_any_window(grants, 2000) <= 10
     after = [g for g in grants if g > restarted_at]
     assert after, "the limits never came back after the restart"
