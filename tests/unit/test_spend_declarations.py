@@ -10,7 +10,14 @@ from typing import Any
 import pytest
 from redis.crc import key_slot
 
-from onceflow.errors import InvalidRequest
+from onceflow.errors import (
+    CascadeExhausted,
+    InvalidRequest,
+    LimitsUnavailable,
+    PermitCancelled,
+    PermitTimeout,
+    ProviderError,
+)
 from onceflow.settings import Settings
 from onceflow.spend import Cascade, Grant, Price, Provider, UnknownProvider, Usage, registry
 from onceflow.spend.limits import ProviderKeys
@@ -160,3 +167,28 @@ def test_a_name_is_declared_one_way(clean_registry: None) -> None:
     with pytest.raises(InvalidRequest, match="already declared"):
         registry.register(Provider("p", rpm=6))
     assert registry.get_provider("p", settings=Settings()).rpm == 5
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        PermitTimeout("openai", 30.0, "rpm"),
+        PermitCancelled("openai"),
+        ProviderError("openai", 429, "slow down", retry_after=2.5),
+        ProviderError("openai", None),
+        CascadeExhausted(["a", "b"], ["a: answered 503", "b: timed out"]),
+        UnknownProvider("x", ["a"]),
+    ],
+)
+def test_spend_errors_rebuild_from_their_reduce(error: Exception) -> None:
+    """Celery carries exceptions between processes by their ``__reduce__``."""
+    cls, args = error.__reduce__()[:2]
+    again = cls(*args)
+    assert type(again) is type(error) and str(again) == str(error)
+    assert again.__dict__ == error.__dict__
+
+
+def test_retryable_spend_errors() -> None:
+    assert PermitTimeout("p", 1.0).retryable and ProviderError("p", 503).retryable
+    assert LimitsUnavailable("down").retryable
+    assert isinstance(CascadeExhausted(["a"], []), ProviderError)
