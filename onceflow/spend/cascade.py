@@ -21,10 +21,10 @@ allow it, and it is not cooling after a 429). When the function raises
 for its ``retry_after``), a 5xx, a timeout (``status=None``) — or a builtin ``TimeoutError``,
 the cascade moves on to the next provider and does not come back to the failed one within
 this call. Any other exception is the caller's and leaves at once. When no provider has
-room, the cascade waits (bounded by ``timeout``, with ``heartbeat`` called and ``cancel``
-seen between attempts) for the first one that has. Each permit is settled on its own
-provider, so the spend ledger records which provider served (and which failed);
-:class:`~onceflow.errors.CascadeExhausted` when none served.
+room, the cascade waits for the first one that has: at most ``timeout`` seconds, calling
+``heartbeat`` every ``heartbeat_every`` seconds, ending once ``cancel`` is set. Each permit
+is settled on its own provider, so the spend ledger records which provider served (and
+which failed); :class:`~onceflow.errors.CascadeExhausted` when none served.
 """
 
 from __future__ import annotations
@@ -81,19 +81,21 @@ class Cascade:
         claim_token: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         heartbeat: Callable[[], Any] | None = None,
+        heartbeat_every: float = checks.DEFAULT_HEARTBEAT_EVERY,
         cancel: threading.Event | None = None,
     ) -> T:
         """``fn(permit)`` on the first provider with room; its answer (see the module)."""
         if not callable(fn):
             raise InvalidRequest(f"call takes a function of the permit, got {fn!r}")
         check_id("workspace_id", workspace_id)
-        wait = checks.seconds("timeout", timeout)
+        wait = checks.Wait.checked(timeout, heartbeat, heartbeat_every, cancel)
         context = {"stage": stage, "request_id": request_id, "cell_key": cell_key,
                    "claim_token": claim_token}  # fmt: skip
         # Every estimate is checked against every provider before anything is asked.
         for p in self.providers:
             p.grant_for(workspace_id, tokens, **context)
-        deadline = time.monotonic() + wait
+        deadline = time.monotonic() + wait.timeout
+        beat_due = wait.beats(time.monotonic)
         failed: dict[str, str] = {}
         refused: dict[str, str] = {}
         while True:
@@ -120,7 +122,7 @@ class Cascade:
                 reasons = [failed.get(p.name) or f"{p.name}: no room ({refused.get(p.name, '?')})"
                            for p in self.providers]  # fmt: skip
                 raise CascadeExhausted([p.name for p in self.providers], reasons)
-            if heartbeat is not None:
+            if heartbeat is not None and beat_due():
                 heartbeat()
             pause = min(hint_ms / 1000 * random.uniform(0.5, 1.0), left)
             if cancel is not None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import random
 import threading
+import time
 from collections.abc import Callable, Generator
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -216,21 +217,23 @@ class Provider:
         claim_token: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         heartbeat: Callable[[], Any] | None = None,
+        heartbeat_every: float = checks.DEFAULT_HEARTBEAT_EVERY,
         cancel: threading.Event | None = None,
     ) -> PermitContext:
         """A context manager that waits for a permit and gives a :class:`Permit`.
 
         :class:`~onceflow.errors.PermitTimeout` (retryable) when none is granted within
         ``timeout`` seconds, :class:`~onceflow.errors.PermitCancelled` once ``cancel`` is
-        set; whatever ``heartbeat`` raises (a lost lease) stops the wait too. The spend
-        hooks may refuse first (``BudgetExceeded``).
+        set. ``heartbeat`` is called every ``heartbeat_every`` seconds while the permit
+        waits (a stage's ``ctx.heartbeat`` keeps its lease); whatever it raises (a lost
+        lease) stops the wait too. The spend hooks may refuse first (``BudgetExceeded``).
         """
         grant = self.grant_for(
             workspace_id, tokens, stage=stage, request_id=request_id, cell_key=cell_key,
             claim_token=claim_token,
         )  # fmt: skip
-        wait = checks.seconds("timeout", timeout)
-        return PermitContext(self, grant, wait, heartbeat, cancel)
+        wait = checks.Wait.checked(timeout, heartbeat, heartbeat_every, cancel)
+        return PermitContext(self, grant, wait)
 
     def apermit(
         self,
@@ -243,6 +246,7 @@ class Provider:
         claim_token: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         heartbeat: Callable[[], Any] | None = None,
+        heartbeat_every: float = checks.DEFAULT_HEARTBEAT_EVERY,
         cancel: threading.Event | None = None,
     ) -> AsyncPermitContext:
         """:meth:`permit` for asyncio: ``async with provider.apermit(…) as permit``.
@@ -253,8 +257,8 @@ class Provider:
             workspace_id, tokens, stage=stage, request_id=request_id, cell_key=cell_key,
             claim_token=claim_token,
         )  # fmt: skip
-        wait = checks.seconds("timeout", timeout)
-        return AsyncPermitContext(self, grant, wait, heartbeat, cancel)
+        wait = checks.Wait.checked(timeout, heartbeat, heartbeat_every, cancel)
+        return AsyncPermitContext(self, grant, wait)
 
     def try_acquire_steps(self, grant: Grant, limits: SyncLimits | AsyncLimits) -> Steps:
         """One attempt, no wait: the :class:`Decision` (the cascade's probe)."""
@@ -271,18 +275,17 @@ class Provider:
         self,
         grant: Grant,
         limits: SyncLimits | AsyncLimits,
-        timeout: float,
-        heartbeat: Callable[[], Any] | None,
-        cancel: threading.Event | None,
+        wait: checks.Wait,
         clock: Callable[[], float],
     ) -> Steps:
         """Admit, then wait for the limits: the granting :class:`Decision`."""
         yield Call.in_thread(self.hooks.admit, grant)
-        deadline = clock() + timeout
+        deadline = clock() + wait.timeout
+        beat_due = wait.beats(clock)
         reason = ""
         try:
             while True:
-                if cancel is not None and cancel.is_set():
+                if wait.cancel is not None and wait.cancel.is_set():
                     raise PermitCancelled(self.name)
                 decided: Decision = yield Call(
                     limits.acquire, self.keys, self.spec, grant.permit_id, grant.workspace_id,
@@ -294,9 +297,9 @@ class Provider:
                 reason = decided.reason
                 left = deadline - clock()
                 if left <= 0:
-                    raise PermitTimeout(self.name, timeout, reason)
-                if heartbeat is not None:
-                    yield Call(heartbeat)
+                    raise PermitTimeout(self.name, wait.timeout, reason)
+                if wait.heartbeat is not None and beat_due():
+                    yield Call(wait.heartbeat)
                 # Jittered, so waiters woken by one freed slot do not all ask at once.
                 pause = min(decided.wait_ms, POLL_MS) / 1000 * random.uniform(0.5, 1.0)
                 yield Sleep(min(pause, left))
@@ -458,28 +461,16 @@ class AsyncPermit(Permit):
 class PermitContext:
     """``with provider.permit(…) as permit``: waits on enter, settles what is left on exit."""
 
-    def __init__(
-        self,
-        provider: Provider,
-        grant: Grant,
-        timeout: float,
-        heartbeat: Callable[[], Any] | None,
-        cancel: threading.Event | None,
-    ) -> None:
+    def __init__(self, provider: Provider, grant: Grant, wait: checks.Wait) -> None:
         self.provider = provider
         self.grant = grant
-        self.timeout = timeout
-        self.heartbeat = heartbeat
-        self.cancel = cancel
+        self.wait = wait
         self.permit: Permit | None = None
 
     def __enter__(self) -> Permit:
-        import time
-
         steps = self.provider.acquire_steps(
-            self.grant, self.provider.limits, self.timeout, self.heartbeat, self.cancel,
-            time.monotonic,
-        )  # fmt: skip
+            self.grant, self.provider.limits, self.wait, time.monotonic
+        )
         decided: Decision = drive(steps, do_step)
         self.permit = Permit(self.provider, self.grant, decided.at_ms)
         return self.permit
@@ -505,29 +496,17 @@ class PermitContext:
 class AsyncPermitContext:
     """``async with provider.apermit(…) as permit``."""
 
-    def __init__(
-        self,
-        provider: Provider,
-        grant: Grant,
-        timeout: float,
-        heartbeat: Callable[[], Any] | None,
-        cancel: threading.Event | None,
-    ) -> None:
+    def __init__(self, provider: Provider, grant: Grant, wait: checks.Wait) -> None:
         self.provider = provider
         self.grant = grant
-        self.timeout = timeout
-        self.heartbeat = heartbeat
-        self.cancel = cancel
+        self.wait = wait
         self.permit: AsyncPermit | None = None
 
     async def __aenter__(self) -> AsyncPermit:
         import asyncio
 
         loop = asyncio.get_running_loop()
-        steps = self.provider.acquire_steps(
-            self.grant, self.provider.alimits, self.timeout, self.heartbeat, self.cancel,
-            loop.time,
-        )  # fmt: skip
+        steps = self.provider.acquire_steps(self.grant, self.provider.alimits, self.wait, loop.time)
         decided: Decision = await adrive(steps, ado_step)
         self.permit = AsyncPermit(self.provider, self.grant, decided.at_ms)
         return self.permit

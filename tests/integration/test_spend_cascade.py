@@ -119,7 +119,8 @@ def test_when_none_has_room_in_time(redis_url: str) -> None:
         fallback.permit("b"),
         pytest.raises(CascadeExhausted, match="no room"),
     ):
-        cascade.call("ws", called.append, timeout=0.6, heartbeat=lambda: beats.append(1))
+        cascade.call("ws", called.append, timeout=0.6, heartbeat=lambda: beats.append(1),
+                     heartbeat_every=0.1)  # fmt: skip
     assert called == [] and len(beats) >= 2
     assert primary.stats()["denied_concurrency"] >= 2
 

@@ -99,6 +99,18 @@ def test_permit_arguments_are_checked_before_any_wait() -> None:
         provider.cooling_ms(-1)
 
 
+def test_how_a_permit_waits_is_checked() -> None:
+    provider = Provider("p")
+    with pytest.raises(InvalidRequest, match="heartbeat must be a function"):
+        provider.permit("w", heartbeat="beat")  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="heartbeat_every"):
+        provider.permit("w", heartbeat_every=0)
+    with pytest.raises(InvalidRequest, match=r"cancel must be a threading\.Event"):
+        provider.permit("w", cancel=True)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="heartbeat_every"):
+        Cascade([provider]).call("w", lambda permit: None, heartbeat_every=math.inf)
+
+
 def test_estimate_cost_is_an_upper_bound() -> None:
     provider = Provider("p", price=Price("1", "4"))
     assert provider.estimate_cost(1_000_000) == Decimal(4)
