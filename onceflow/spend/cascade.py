@@ -15,6 +15,9 @@
 
     text = cascade.call(workspace_id, ask, tokens=1_500)
 
+(``await cascade.acall(workspace_id, ask, …)`` for asyncio: ``ask`` is then a coroutine
+function of an :class:`~onceflow.spend.provider.AsyncPermit`.)
+
 A call goes to the first provider that has room now (its requests, tokens and concurrency
 allow it, and it is not cooling after a 429). When the function raises
 :class:`~onceflow.errors.ProviderError` — a 429 (the provider then cools for every client,
@@ -29,24 +32,24 @@ which failed); :class:`~onceflow.errors.CascadeExhausted` when none served.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import Any, TypeVar
 
-from onceflow.connector.trampoline import do_step, drive
+from onceflow.connector.trampoline import Call, Sleep, ado_step, adrive, do_step, drive
 from onceflow.errors import (
     CascadeExhausted,
     InvalidRequest,
     PermitCancelled,
     ProviderError,
 )
-from onceflow.ids import check_id
 from onceflow.spend import checks
 from onceflow.spend.hooks import Grant
 from onceflow.spend.limits import POLL_MS, Decision
-from onceflow.spend.provider import DEFAULT_TIMEOUT, Permit, Provider
+from onceflow.spend.provider import DEFAULT_TIMEOUT, AsyncPermit, Permit, Provider
 
 T = TypeVar("T")
 
@@ -85,17 +88,74 @@ class Cascade:
         cancel: threading.Event | None = None,
     ) -> T:
         """``fn(permit)`` on the first provider with room; its answer (see the module)."""
+        grants = self._grants(workspace_id, fn, tokens, stage, request_id, cell_key, claim_token)
+        wait = checks.Wait.checked(timeout, heartbeat, heartbeat_every, cancel)
+        steps = self._steps(grants, fn, wait, time.monotonic, Permit, asynchronous=False)
+        result: T = drive(steps, do_step)
+        return result
+
+    async def acall(
+        self,
+        workspace_id: str,
+        fn: Callable[[AsyncPermit], Awaitable[T]],
+        *,
+        tokens: int = 0,
+        stage: str | None = None,
+        request_id: str | None = None,
+        cell_key: str | None = None,
+        claim_token: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        heartbeat: Callable[[], Any] | None = None,
+        heartbeat_every: float = checks.DEFAULT_HEARTBEAT_EVERY,
+        cancel: threading.Event | None = None,
+    ) -> T:
+        """:meth:`call` for asyncio: ``await fn(permit)`` with an
+        :class:`~onceflow.spend.provider.AsyncPermit` (``await permit.settle(usage)``)."""
+        grants = self._grants(workspace_id, fn, tokens, stage, request_id, cell_key, claim_token)
+        wait = checks.Wait.checked(timeout, heartbeat, heartbeat_every, cancel)
+        clock = asyncio.get_running_loop().time
+        steps = self._steps(grants, fn, wait, clock, AsyncPermit, asynchronous=True)
+        result: T = await adrive(steps, ado_step)
+        return result
+
+    def _grants(
+        self,
+        workspace_id: str,
+        fn: object,
+        tokens: int,
+        stage: str | None,
+        request_id: str | None,
+        cell_key: str | None,
+        claim_token: str | None,
+    ) -> Callable[[Provider], Grant]:
+        """Every argument checked, against every provider, before anything is asked: a
+        function that makes a provider's next grant."""
         if not callable(fn):
             raise InvalidRequest(f"call takes a function of the permit, got {fn!r}")
-        check_id("workspace_id", workspace_id)
-        wait = checks.Wait.checked(timeout, heartbeat, heartbeat_every, cancel)
-        context = {"stage": stage, "request_id": request_id, "cell_key": cell_key,
-                   "claim_token": claim_token}  # fmt: skip
-        # Every estimate is checked against every provider before anything is asked.
+
+        def grant(p: Provider) -> Grant:
+            return p.grant_for(
+                workspace_id, tokens, stage=stage, request_id=request_id, cell_key=cell_key,
+                claim_token=claim_token,
+            )  # fmt: skip
+
         for p in self.providers:
-            p.grant_for(workspace_id, tokens, **context)
-        deadline = time.monotonic() + wait.timeout
-        beat_due = wait.beats(time.monotonic)
+            grant(p)
+        return grant
+
+    def _steps(
+        self,
+        grant_for: Callable[[Provider], Grant],
+        fn: Callable[[Any], Any],
+        wait: checks.Wait,
+        clock: Callable[[], float],
+        permit_class: type[Permit],
+        *,
+        asynchronous: bool,
+    ) -> Generator[Any, Any, Any]:
+        """The cascade, written once: rounds over the providers until one serves."""
+        deadline = clock() + wait.timeout
+        beat_due = wait.beats(clock)
         failed: dict[str, str] = {}
         refused: dict[str, str] = {}
         while True:
@@ -103,64 +163,42 @@ class Cascade:
             for p in self.providers:
                 if p.name in failed:
                     continue
-                if cancel is not None and cancel.is_set():
+                if wait.cancel is not None and wait.cancel.is_set():
                     raise PermitCancelled(p.name)
-                grant = p.grant_for(workspace_id, tokens, **context)
-                decided = self._try(p, grant)
+                limits = p.alimits if asynchronous else p.limits
+                grant = grant_for(p)
+                yield Call.in_thread(p.hooks.admit, grant)  # a budget may refuse: it leaves
+                decided: Decision = yield from p.try_acquire_steps(grant, limits)
                 if not decided.granted:
+                    yield Call.in_thread(p.hooks.release, grant)
                     refused[p.name] = decided.reason
                     hint_ms = min(hint_ms, decided.wait_ms)
                     continue
-                served, value, error = self._run(p, grant, decided, fn)
-                if served:
-                    return value  # type: ignore[return-value]
-                failed[p.name] = error
+                permit = permit_class(p, grant, decided.at_ms)
+                try:
+                    value = yield Call(fn, permit)
+                except ProviderError as exc:
+                    if exc.status == 429 and not permit.settled:
+                        yield from permit.rate_limited_steps(exc.retry_after, limits)
+                    yield from permit.leave_steps(True, limits)
+                    failed[p.name] = f"{p.name}: {exc}"
+                    continue
+                except TimeoutError as exc:
+                    yield from permit.leave_steps(True, limits)
+                    failed[p.name] = f"{p.name}: timed out ({exc})"
+                    continue
+                except BaseException:
+                    yield from permit.leave_steps(True, limits)
+                    raise
+                yield from permit.leave_steps(False, limits)
+                return value
+            names = [p.name for p in self.providers]
             if len(failed) == len(self.providers):
-                raise CascadeExhausted([p.name for p in self.providers], list(failed.values()))
-            left = deadline - time.monotonic()
+                raise CascadeExhausted(names, list(failed.values()))
+            left = deadline - clock()
             if left <= 0:
-                reasons = [failed.get(p.name) or f"{p.name}: no room ({refused.get(p.name, '?')})"
-                           for p in self.providers]  # fmt: skip
-                raise CascadeExhausted([p.name for p in self.providers], reasons)
-            if heartbeat is not None and beat_due():
-                heartbeat()
-            pause = min(hint_ms / 1000 * random.uniform(0.5, 1.0), left)
-            if cancel is not None:
-                cancel.wait(pause)
-            else:
-                time.sleep(pause)
-
-    @staticmethod
-    def _try(provider: Provider, grant: Grant) -> Decision:
-        """Admit (the hooks may refuse: that leaves), then one attempt at the limits."""
-        provider.hooks.admit(grant)
-        decided: Decision = drive(provider.try_acquire_steps(grant, provider.limits), do_step)
-        if not decided.granted:
-            provider.hooks.release(grant)
-        return decided
-
-    @staticmethod
-    def _run(
-        provider: Provider, grant: Grant, decided: Decision, fn: Callable[[Permit], T]
-    ) -> tuple[bool, T | None, str]:
-        """``fn`` under the permit: (served, its answer, the error that moves the cascade on)."""
-        permit = Permit(provider, grant, decided.at_ms)
-        try:
-            value = fn(permit)
-        except ProviderError as exc:
-            if exc.status == 429 and not permit.settled:
-                permit.rate_limited(exc.retry_after)
-            _leave(permit, failed=True)
-            return False, None, f"{provider.name}: {exc}"
-        except TimeoutError as exc:
-            _leave(permit, failed=True)
-            return False, None, f"{provider.name}: timed out ({exc})"
-        except BaseException:
-            _leave(permit, failed=True)
-            raise
-        _leave(permit, failed=False)
-        return True, value, ""
-
-
-def _leave(permit: Permit, *, failed: bool) -> None:
-    drive(permit.leave_steps(failed, permit.provider.limits), do_step)
+                reasons = [failed.get(n) or f"{n}: no room ({refused.get(n, '?')})" for n in names]
+                raise CascadeExhausted(names, reasons)
+            if wait.heartbeat is not None and beat_due():
+                yield Call(wait.heartbeat)
+            yield Sleep(min(hint_ms / 1000 * random.uniform(0.5, 1.0), left))

@@ -261,7 +261,8 @@ class Provider:
         return AsyncPermitContext(self, grant, wait)
 
     def try_acquire_steps(self, grant: Grant, limits: SyncLimits | AsyncLimits) -> Steps:
-        """One attempt, no wait: the :class:`Decision` (the cascade's probe)."""
+        """One attempt, no wait: the :class:`Decision` (the cascade's probe; it admits and
+        releases with the hooks itself)."""
         decided: Decision = yield Call(
             limits.acquire, self.keys, self.spec, grant.permit_id, grant.workspace_id,
             grant.estimate_tokens, self.epoch_seen,

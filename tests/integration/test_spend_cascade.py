@@ -4,13 +4,14 @@ timeout moves on too; each permit is settled on the provider that took it."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import Iterator
 
 import pytest
 
-from onceflow.errors import CascadeExhausted, InvalidRequest
-from onceflow.spend import Cascade, Permit, Price
+from onceflow.errors import CascadeExhausted, InvalidRequest, ProviderError
+from onceflow.spend import AsyncPermit, Cascade, Permit, Price, Usage
 from tests.integration.spend_parts import RecordingHooks, fresh
 from tests.integration.spend_standin import LimitedProvider, complete
 
@@ -137,3 +138,24 @@ def test_other_errors_are_the_callers(redis_url: str) -> None:
     assert [(s[3], s[2]) for s in hooks.settles()] == [(cascade.providers[0].name, "error")]
     with pytest.raises(InvalidRequest, match="workspace_id"):
         cascade.call("", broken)
+
+
+def test_acall_moves_on_and_settles_on_the_provider_that_served(redis_url: str) -> None:
+    hooks = RecordingHooks()
+    cascade = _cascade(redis_url, hooks)
+    primary, fallback = cascade.providers
+
+    async def ask(permit: AsyncPermit) -> str:
+        await asyncio.sleep(0)
+        if permit.provider is primary:
+            raise ProviderError(primary.name, 429, retry_after=0.5)
+        await permit.settle(Usage(30, 20))
+        return permit.provider.name
+
+    assert asyncio.run(cascade.acall("ws", ask, tokens=100)) == fallback.name
+    assert [(s[3], s[2]) for s in hooks.settles()] == [
+        (primary.name, "rate_limited"),
+        (fallback.name, "ok"),
+    ]
+    assert 0 < primary.stats()["cooling_ms"] <= 500
+    assert fallback.stats()["window_tokens"] == 50
