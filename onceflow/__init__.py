@@ -3,7 +3,8 @@
 Layer 1: :class:`Queue`, the durable stage queue on Postgres (stages on Celery in
 :mod:`onceflow.tasks`). Layer 2: :func:`compute_once`, the compute lock. Layer 3:
 :class:`OpLog` and the retry-safe :class:`WorkspaceClient` (asyncio: :class:`AsyncQueue`,
-:func:`acompute_once`, :class:`AsyncOpLog`, :class:`AsyncWorkspaceClient`).
+:func:`acompute_once`, :class:`AsyncOpLog`, :class:`AsyncWorkspaceClient`). Spend control:
+:class:`Provider` (limits shared by every process) and :class:`Cascade` (:mod:`onceflow.spend`).
 Nothing here connects at import time.
 """
 

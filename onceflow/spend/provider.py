@@ -382,12 +382,14 @@ class Permit:
                 f"permit {self.permit_id} on provider {self.provider.name} is already "
                 f"settled ({self.outcome})"
             )
-        if self._released is None:
+        released = self._released
+        if released is None:
             actual = None if usage is None else usage.total_tokens
-            self._released = yield Call(
+            released = yield Call(
                 limits.settle, self.provider.keys, self.permit_id, self.grant.workspace_id,
                 self.grant.estimate_tokens, actual, outcome,
             )  # fmt: skip
+            self._released = released
             self._pending = (usage, outcome, model)
         elif self._pending is not None and self._pending != (usage, outcome, model):
             # The limits were settled, the hooks failed: only the same settle may finish it.
@@ -398,9 +400,6 @@ class Permit:
             )
         price = self.provider.price
         cost = price.cost(usage) if price is not None and usage is not None else None
-        released = self._released
-        if released is None:  # the limits' settle above sets it
-            raise RuntimeError("unreachable")
         yield Call.in_thread(
             self.provider.hooks.settle, self.grant, usage, outcome, self.provider.name,
             model or self.provider.model, cost, _ms(self.granted_at_ms), _ms(released.at_ms),
