@@ -15,7 +15,13 @@ from onceflow.errors import (
 from onceflow.spend.cascade import Cascade
 from onceflow.spend.hooks import NO_HOOKS, Grant, SpendHooks
 from onceflow.spend.provider import AsyncPermit, Permit, Provider
-from onceflow.spend.registry import UnknownProvider, get_provider, providers, register
+from onceflow.spend.registry import (
+    UnknownProvider,
+    get_provider,
+    providers,
+    register,
+    use_hooks,
+)
 from onceflow.spend.usage import Price, Usage
 
 __all__ = [
@@ -37,4 +43,5 @@ __all__ = [
     "get_provider",
     "providers",
     "register",
+    "use_hooks",
 ]

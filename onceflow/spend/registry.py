@@ -25,6 +25,7 @@ from onceflow.spend.usage import Price
 _providers: dict[str, Provider] = {}
 _lock = threading.Lock()
 _loaded: set[int] = set()
+_default_hooks: list[SpendHooks] = [NO_HOOKS]
 
 #: The keys of one declaration in ``ONCEFLOW_PROVIDERS``.
 DECLARATION_KEYS = frozenset({
@@ -57,6 +58,8 @@ def register(provider: Provider) -> Provider:
     with _lock:
         known = _providers.get(provider.name)
         if known is None:
+            if provider.hooks is NO_HOOKS:
+                provider.hooks = _default_hooks[0]
             _providers[provider.name] = provider
             return provider
     if known.declaration() != provider.declaration():
@@ -83,10 +86,25 @@ def providers(*, settings: Settings | None = None) -> list[Provider]:
     return [_providers[name] for name in sorted(_providers)]
 
 
-def load_settings(settings: Settings, *, hooks: SpendHooks = NO_HOOKS) -> list[Provider]:
-    """Declare the providers of ``settings.providers`` (once per settings object)."""
+def use_hooks(hooks: SpendHooks) -> None:
+    """Give ``hooks`` (a spend ledger) to every declared provider that has none of its own
+    (the :data:`~onceflow.spend.hooks.NO_HOOKS` default), and to those ``ONCEFLOW_PROVIDERS``
+    declares later."""
+    if not all(callable(getattr(hooks, m, None)) for m in ("admit", "settle", "release")):
+        raise InvalidRequest(f"hooks must have admit, settle and release, got {hooks!r}")
+    with _lock:
+        _default_hooks[0] = hooks
+        for provider in _providers.values():
+            if provider.hooks is NO_HOOKS:
+                provider.hooks = hooks
+
+
+def load_settings(settings: Settings, *, hooks: SpendHooks | None = None) -> list[Provider]:
+    """Declare the providers of ``settings.providers`` (once per settings object), with
+    ``hooks`` (default: those of :func:`use_hooks`)."""
     if id(settings) in _loaded:
         return []
+    hooks = _default_hooks[0] if hooks is None else hooks
     made = [from_declaration(name, spec, hooks=hooks) for name, spec in settings.providers.items()]
     declared = [register(p) for p in made]
     _loaded.add(id(settings))
@@ -119,3 +137,4 @@ def forget() -> None:
     with _lock:
         _providers.clear()
         _loaded.clear()
+        _default_hooks[0] = NO_HOOKS

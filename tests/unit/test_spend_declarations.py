@@ -204,3 +204,23 @@ def test_retryable_spend_errors() -> None:
     assert PermitTimeout("p", 1.0).retryable and ProviderError("p", 503).retryable
     assert LimitsUnavailable("down").retryable
     assert isinstance(CascadeExhausted(["a"], []), ProviderError)
+
+
+def test_use_hooks_reaches_providers_without_their_own(clean_registry: None) -> None:
+    from onceflow.spend import NO_HOOKS
+
+    class Ledger:
+        def admit(self, grant: Grant) -> None: ...
+        def settle(self, *args: Any) -> None: ...
+        def release(self, grant: Grant) -> None: ...
+
+    ledger, own = Ledger(), Ledger()
+    before = registry.register(Provider("before"))
+    mine = registry.register(Provider("mine", hooks=own))  # type: ignore[arg-type]
+    registry.use_hooks(ledger)  # type: ignore[arg-type]
+    later = registry.get_provider("later", settings=Settings(providers={"later": {"rpm": 1}}))
+    assert before.hooks is ledger and later.hooks is ledger and mine.hooks is own
+    with pytest.raises(InvalidRequest, match="admit, settle and release"):
+        registry.use_hooks(object())  # type: ignore[arg-type]
+    registry.forget()
+    assert registry.register(Provider("after")).hooks is NO_HOOKS
