@@ -31,6 +31,11 @@ stage code. Control-flow signals (retry later) are kept apart from errors.
     ├── StoreError                any other database failure, translated
     ├── LockLost                  a compute lock expired or was taken while held
     ├── LockUnavailable           the compute lock's backend did not answer (retryable)
+    ├── PermitTimeout             a provider permit was not granted within its timeout (retryable)
+    ├── PermitCancelled           the wait for a provider permit was cancelled
+    ├── LimitsUnavailable         the provider limits' Redis did not answer (retryable)
+    ├── ProviderError             a provider call failed: 429, 5xx, a timeout (the cascade moves on)
+    │   └── CascadeExhausted      every provider of a cascade failed or had no room in time
     └── AccessDenied              the HTTP API refused the key (401) or its scope (403)
 
     RetryLater (not an error)     a stage asks to run again after a delay
@@ -382,6 +387,84 @@ class LockUnavailable(OnceflowError):
 
     #: A stage that raises this should be retried, not failed for good.
     retryable = True
+
+
+class PermitTimeout(OnceflowError, TimeoutError):
+    """A provider permit was not granted within the wait's timeout: the provider's requests,
+    tokens or concurrency stayed taken, or it was cooling after a 429. Retryable."""
+
+    #: A stage that raises this should be retried, not failed for good.
+    retryable = True
+
+    def __init__(self, provider: str, timeout: float, reason: str = "") -> None:
+        self.provider = provider
+        self.timeout = timeout
+        self.reason = reason
+        why = f" (last refused by: {reason})" if reason else ""
+        super().__init__(f"no permit from provider {provider} within {timeout:g} s{why}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.provider, self.timeout, self.reason))
+
+
+class PermitCancelled(OnceflowError):
+    """The wait for a provider permit was cancelled (its cancel event was set)."""
+
+    def __init__(self, provider: str) -> None:
+        self.provider = provider
+        super().__init__(f"the wait for a permit from provider {provider} was cancelled")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.provider,))
+
+
+class LimitsUnavailable(OnceflowError):
+    """The Redis that holds the provider limits did not answer. Retryable."""
+
+    #: A stage that raises this should be retried, not failed for good.
+    retryable = True
+
+
+class ProviderError(OnceflowError):
+    """A provider call failed in a way another provider may not: a 429 (``status=429``,
+    with the provider's ``Retry-After`` in seconds when it sent one), a 5xx, or a timeout
+    (``status=None``). Raised by the caller's function in a cascade, which moves on."""
+
+    #: A stage that raises this should be retried, not failed for good.
+    retryable = True
+
+    def __init__(
+        self, provider: str, status: int | None, detail: str = "", retry_after: float | None = None
+    ) -> None:
+        self.provider = provider
+        self.status = status
+        self.detail = detail
+        self.retry_after = retry_after
+        what = f"answered {status}" if status is not None else "timed out"
+        message = f"provider {provider} {what}"
+        super().__init__(f"{message}: {detail}" if detail else message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.provider, self.status, self.detail, self.retry_after))
+
+
+class CascadeExhausted(ProviderError):
+    """No provider of a cascade served the call: each failed, or none had room in time.
+    ``errors`` holds each provider's error, in the cascade's order."""
+
+    def __init__(self, providers: list[str], errors: list[str]) -> None:
+        self.providers = list(providers)
+        self.errors = list(errors)
+        self.provider = ", ".join(providers)
+        self.status = None
+        self.detail = "; ".join(errors) if errors else "none had room in time"
+        self.retry_after = None
+        OnceflowError.__init__(
+            self, f"no provider of the cascade [{self.provider}] served the call: {self.detail}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.providers, self.errors))
 
 
 class RetryLater(Exception):

@@ -60,3 +60,12 @@ def counters_workspaces_key() -> str:
     Not tagged by a workspace: one key for the whole deployment (its own Redis Cluster slot).
     """
     return f"{PREFIX}:counters:workspaces"
+
+
+def provider_key(provider: str, part: str) -> str:
+    """A key of a provider's shared limits: ``{onceflow:prov:<provider>}:<part>``.
+
+    Every key of a provider, the per-workspace counts of its fairness included (hash fields,
+    not keys), carries the provider as its hash tag: the limit scripts touch one slot.
+    """
+    return f"{{{PREFIX}:prov:{escape(check_id('provider', provider))}}}:{part}"

@@ -200,6 +200,12 @@ class Settings(BaseSettings):
     lock_timeout_seconds: float = Field(
         default=5.0, gt=0, le=300, description="Socket timeout of the lock's Redis client."
     )
+    providers: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description='Providers with shared limits as JSON {"<name>": {"rpm": 500, "tpm": '
+        '200000, "concurrency": 20, "input_per_million": "2.50", "output_per_million": '
+        '"10.00"}, …} (onceflow.spend; docs/spend.md).',
+    )
     # The HTTP API (onceflow.integrations.fastapi). Keys are stored hashed: sha256 hex.
     api_keys: dict[str, list[str]] = Field(
         default_factory=dict,

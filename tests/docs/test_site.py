@@ -38,6 +38,7 @@ MODULE_PAGES = {
     "tasks": "onceflow.tasks",
     "worker": "onceflow.worker",
     "locks": "onceflow.locks",
+    "spend": "onceflow.spend",
     "oplog": "onceflow.oplog",
     "models": "onceflow.models",
     "integrations": "onceflow.integrations.fastapi",

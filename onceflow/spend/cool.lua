@@ -1,0 +1,11 @@
+-- The provider answered 429: every client waits `ms` (Redis clock) before its next call.
+-- A longer cooling already set is kept.
+-- KEYS: 1 cool, 2 stats. ARGV: 1 ms. Reply: the cooling left, in ms.
+local ms = tonumber(ARGV[1])
+local left = redis.call('PTTL', KEYS[1])
+if left < ms then
+    redis.call('SET', KEYS[1], '1', 'PX', ms)
+    left = ms
+end
+redis.call('HINCRBY', KEYS[2], 'cooled', 1)
+return left
