@@ -21,6 +21,7 @@ stage code. Control-flow signals (retry later) are kept apart from errors.
     ├── LeaseLost                 the claim token no longer holds a live lease
     ├── Cancelled                 cancel was requested for the running request
     ├── PermanentError            raised by a stage: fail now, no retry
+    ├── BudgetExceeded            a workspace's spend budget refuses a provider call
     ├── OpRejected                an op cannot apply to the current state (recorded)
     ├── DatabaseUnavailable       Postgres did not answer (retryable)
     │   ├── ConnectionLost        an established connection died (restart, killed backend)
@@ -164,6 +165,55 @@ class Cancelled(OnceflowError):
 
 class PermanentError(OnceflowError):
     """Raise from a stage to fail the request at once, without retries (e.g. bad data)."""
+
+
+class BudgetExceeded(OnceflowError):
+    """A workspace's budget for the period has no room for a provider call's estimate.
+
+    Raised when a permit is asked for (before any rate limit is taken): nothing was called
+    or reserved. ``on_exceeded`` is the budget's: ``fail`` — the stage fails at once, without
+    retries; ``wait`` — the stage is retried when the next period starts, ``retry_at`` (UTC,
+    database clock, ISO 8601), ``retry_in`` seconds after the refusal (capped by the backoff maximum:
+    a longer wait checks the budget again and is refused again until the period turns).
+    """
+
+    def __init__(
+        self,
+        workspace_id: str,
+        period: str,
+        detail: str,
+        on_exceeded: str = "fail",
+        retry_at: str | None = None,
+        retry_in: float | None = None,
+    ) -> None:
+        self.workspace_id = workspace_id
+        self.period = period
+        self.detail = detail
+        self.on_exceeded = on_exceeded
+        self.retry_at = retry_at
+        self.retry_in = retry_in
+        message = f"workspace {workspace_id}'s {period} budget is exceeded: {detail}"
+        if on_exceeded == "wait" and retry_at is not None:
+            message += f"; retried when the next period starts ({retry_at})"
+        super().__init__(message)
+
+    @property
+    def waits(self) -> bool:
+        """Whether the stage waits for the next period (else it fails at once)."""
+        return self.on_exceeded == "wait" and self.retry_in is not None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            type(self),
+            (
+                self.workspace_id,
+                self.period,
+                self.detail,
+                self.on_exceeded,
+                self.retry_at,
+                self.retry_in,
+            ),
+        )
 
 
 class UnknownStage(InvalidRequest):
