@@ -12,6 +12,7 @@ stage code. Control-flow signals (retry later) are kept apart from errors.
     │   ├── PayloadTooDeep        a payload nested deeper than the payload depth limit
     │   ├── InputMismatch         same request_id, different input (strict mode)
     │   ├── UnknownStage          no stage of that name is registered
+    │   ├── UnknownWorkspace      a budget for a workspace the database has no trace of
     │   ├── OpIdConflict          same op id, different payload
     │   ├── ReplayTooOld          a replay older than the op log's retention
     │   └── PartitionLayoutMismatch  migrate asked for a partitioning the tables do not have
@@ -173,8 +174,8 @@ class BudgetExceeded(OnceflowError):
     Raised when a permit is asked for (before any rate limit is taken): nothing was called
     or reserved. ``on_exceeded`` is the budget's: ``fail`` — the stage fails at once, without
     retries; ``wait`` — the stage is retried when the next period starts, ``retry_at`` (UTC,
-    database clock, ISO 8601), ``retry_in`` seconds after the refusal (capped by the backoff maximum:
-    a longer wait checks the budget again and is refused again until the period turns).
+    database clock, ISO 8601), ``retry_in`` seconds after the refusal (capped by the backoff
+    maximum: a longer wait checks the budget again, refused again until the period turns).
     """
 
     def __init__(
@@ -225,6 +226,23 @@ class UnknownStage(InvalidRequest):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.stage,))
+
+
+class UnknownWorkspace(InvalidRequest):
+    """onceflow keeps no list of workspaces: a workspace exists in a database once it has a
+    request, a sub-doc, a ledger row or a budget there. A budget for any other is refused
+    (a typo would otherwise set a limit nobody is held to); nothing was written."""
+
+    def __init__(self, workspace_id: str) -> None:
+        self.workspace_id = workspace_id
+        super().__init__(
+            f"no workspace {workspace_id!r}: it has no request, sub-doc, spend or budget yet "
+            "(pass allow_new=True, or --new on the command line, to set a budget before "
+            "its first request)"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.workspace_id,))
 
 
 class OpRejected(OnceflowError):
