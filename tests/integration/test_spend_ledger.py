@@ -4,6 +4,7 @@ the claim's fence, spend reads, and bad input refused with nothing written."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -178,7 +179,7 @@ def test_bad_grants_and_settles_are_refused_and_write_nothing(
     with pytest.raises(InvalidRequest, match="cost"):
         hooks.settle(ok, Usage(1, 1), "ok", "openai", None, Decimal("-1"))
     with pytest.raises(InvalidRequest, match="time zone"):
-        hooks.settle(ok, Usage(1, 1), "ok", "openai", None, None, datetime(2026, 1, 1))  # noqa: DTZ001
+        hooks.settle(ok, Usage(1, 1), "ok", "openai", None, None, datetime(2026, 1, 1))
     for args in ((-1, 0), (1, True), (1.5, 2)):
         with pytest.raises(InvalidRequest):
             Usage(*args)  # type: ignore[arg-type]
@@ -282,3 +283,41 @@ def test_spend_is_read_by_workspace_stage_and_provider(clean_db: Engine, known: 
     assert spend(clean_db, since=future)["rows"] == []
     with pytest.raises(InvalidRequest, match="group"):
         spend(clean_db, by=["colour"])
+
+
+# ---------------------------------------------------------------------------- the CLI
+
+
+def test_the_cli_sets_shows_and_clears_budgets_and_reads_spend(
+    clean_db: Engine, known: Queue
+) -> None:
+    from tests.integration.test_cli import onceflow
+
+    made = onceflow(
+        "budget", "set", WS, "--period", "day", "--cost", "2.5", "--on-exceeded", "wait"
+    )
+    assert made.returncode == 0, made.stderr
+    assert json.loads(made.stdout)["limit_cost"] == "2.5"
+    before = table_snapshot(clean_db)
+    for bad in (["--cost", "NaN"], ["--cost", "-1"], ["--tokens", "-3"], []):
+        refused = onceflow("budget", "set", WS, "--period", "day", *bad)
+        assert refused.returncode == 1 and "InvalidRequest" in refused.stderr, refused.stderr
+    unknown = onceflow("budget", "set", "ws-nobody", "--period", "day", "--tokens", "5")
+    assert unknown.returncode == 1 and "UnknownWorkspace" in unknown.stderr
+    assert table_snapshot(clean_db) == before
+    hooks = LedgerHooks(clean_db)
+    g = grant(10, stage="summarize")
+    hooks.admit(g)
+    settle(hooks, g, Usage(40, 2), cost="0.5")
+    shown = json.loads(onceflow("budget", "show", WS, "--json").stdout)["budgets"]
+    assert [(b["period"], b["spent_cost"], b["spent_tokens"]) for b in shown] == [
+        ("day", "0.5", 42)
+    ]
+    report = json.loads(onceflow("spend", "--by", "provider", "--json").stdout)
+    assert report["rows"][0]["provider"] == "openai" and report["total"]["cost"] == "0.5"
+    table = onceflow("spend", "--workspace", WS)
+    assert "summarize" in table.stdout and "total: 1 calls" in table.stdout
+    bad_time = onceflow("spend", "--since", "yesterday")
+    assert bad_time.returncode == 1 and "ISO 8601" in bad_time.stderr
+    cleared = json.loads(onceflow("budget", "clear", WS).stdout)
+    assert cleared["cleared"] == ["day"]
