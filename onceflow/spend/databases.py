@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from sqlalchemy import Engine
 
 from onceflow.db import get_engine
-from onceflow.errors import OnceflowError
+from onceflow.errors import InvalidRequest, OnceflowError
 from onceflow.shards import ShardMap, configured_map
 
 T = TypeVar("T")
@@ -27,10 +27,22 @@ class Databases:
     transaction) as the fence of the claim it was paid under.
     """
 
-    def __init__(self, database: Database = None) -> None:
+    def __init__(
+        self, database: Database = None, *, engines: Sequence[Engine] | None = None
+    ) -> None:
         self._map: ShardMap | None = None
-        if isinstance(database, Engine):
-            self._engines: tuple[Engine, ...] = (database,)
+        if engines is not None:
+            # A queue's own engines, one per shard of ``database`` (its map) or one alone.
+            if isinstance(database, ShardMap) and len(engines) != len(database):
+                raise InvalidRequest(
+                    f"{len(engines)} engines for a shard map of {len(database)} shards"
+                )
+            if not engines or (len(engines) > 1 and not isinstance(database, ShardMap)):
+                raise InvalidRequest("engines need a shard map naming one shard per engine")
+            self._map = database if isinstance(database, ShardMap) else None
+            self._engines: tuple[Engine, ...] = tuple(engines)
+        elif isinstance(database, Engine):
+            self._engines = (database,)
         elif isinstance(database, str):
             self._engines = (get_engine(database),)
         else:
