@@ -1,27 +1,57 @@
-"""The seam between a provider's limits and what is recorded about its calls.
+"""The seam between the provider limits (Redis) and what records and budgets spend.
 
-A provider's permit calls :meth:`SpendHooks.admit` before it takes any rate limit (a budget
-may refuse the call there), then exactly one of :meth:`SpendHooks.settle` (the call was made,
-failed, or was abandoned) or :meth:`SpendHooks.release` (the permit was given back without a
-call). :data:`NO_HOOKS` records nothing; :class:`onceflow.spend.ledger.LedgerHooks` keeps a
-ledger in Postgres and enforces budgets.
+A :class:`~onceflow.spend.provider.Provider` calls its :class:`SpendHooks` at three points
+of a permit's life:
+
+- :meth:`SpendHooks.admit` before any rate limit is taken: a budget check, which may raise
+  ``BudgetExceeded``; nothing has been reserved yet, so a refusal costs nothing.
+- :meth:`SpendHooks.settle` once per permit that was granted and may have been used: at
+  ``permit.settle(usage)`` (``outcome="ok"``), or when the block is left without a settle
+  (an error, a 429: ``usage=None``). It must be idempotent on ``grant.permit_id``: a retried
+  settle records one row.
+- :meth:`SpendHooks.release` for a permit given back before any call was made (the
+  rate limits refused it in time, the wait was cancelled or timed out).
+
+:data:`NO_HOOKS` does nothing: the limits work alone.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
-from typing import Protocol, runtime_checkable
+from typing import Final, Protocol, runtime_checkable
 
+from onceflow.errors import InvalidRequest
 from onceflow.spend.usage import Usage
 
+#: ``outcome`` of a settle: the call was made and its usage reported.
+OUTCOME_OK: Final = "ok"
+#: The provider answered 429 (rate limited); usage unknown.
+OUTCOME_RATE_LIMITED: Final = "rate_limited"
+#: The call failed (an exception left the permit's block, a 5xx, a timeout); usage unknown.
+OUTCOME_ERROR: Final = "error"
+#: The block was left normally without a settle; usage unknown, the estimate is counted.
+OUTCOME_UNSETTLED: Final = "unsettled"
 
-@dataclass(frozen=True, slots=True)
+OUTCOMES: Final = frozenset({OUTCOME_OK, OUTCOME_RATE_LIMITED, OUTCOME_ERROR, OUTCOME_UNSETTLED})
+
+
+def new_permit_id() -> str:
+    """A fresh permit id (uuid4, 32 hex digits)."""
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True, kw_only=True)
 class Grant:
-    """One permit as the hooks see it; ``permit_id`` (uuid4 hex) is its idempotency key."""
+    """One permit asked for: who, on which provider, how much, and for which stage run.
 
-    permit_id: str
+    ``permit_id`` (uuid4 hex, fresh by default) names the permit everywhere: its Redis
+    holder entry, and the ledger's row (settle is idempotent on it).
+    """
+
+    permit_id: str = field(default_factory=new_permit_id)
     workspace_id: str
     provider: str
     estimate_tokens: int
@@ -31,13 +61,23 @@ class Grant:
     cell_key: str | None = None
     claim_token: str | None = None
 
+    def __post_init__(self) -> None:
+        if isinstance(self.estimate_tokens, bool) or not isinstance(self.estimate_tokens, int):
+            raise InvalidRequest(
+                f"estimate_tokens must be a whole number, got {self.estimate_tokens!r}"
+            )
+        if self.estimate_tokens < 0:
+            raise InvalidRequest(
+                f"estimate_tokens must not be negative, got {self.estimate_tokens}"
+            )
+
 
 @runtime_checkable
 class SpendHooks(Protocol):
-    """What a provider's permits report; every method is idempotent on ``grant.permit_id``."""
+    """What a provider tells the spend ledger (see the module docstring)."""
 
     def admit(self, grant: Grant) -> None:
-        """Before the rate limits: may raise :class:`~onceflow.errors.BudgetExceeded`."""
+        """Before the rate limits: raise (``BudgetExceeded``) to refuse the permit."""
 
     def settle(
         self,
@@ -47,17 +87,17 @@ class SpendHooks(Protocol):
         provider: str,
         model: str | None,
         cost: Decimal | None,
-        started_at: datetime | None,
-        ended_at: datetime | None,
+        started_at: datetime,
+        ended_at: datetime,
     ) -> None:
-        """Once per permit that made (or tried) a call; ``usage`` None: failed or abandoned."""
+        """Once per used permit; idempotent on ``grant.permit_id``."""
 
     def release(self, grant: Grant) -> None:
-        """A permit given back without a call."""
+        """A granted or admitted permit given back without a call."""
 
 
-class _NoHooks:
-    """Records nothing and refuses nothing."""
+class NoHooks:
+    """Spend hooks that do nothing: the provider limits alone."""
 
     def admit(self, grant: Grant) -> None:
         return None
@@ -70,8 +110,8 @@ class _NoHooks:
         provider: str,
         model: str | None,
         cost: Decimal | None,
-        started_at: datetime | None,
-        ended_at: datetime | None,
+        started_at: datetime,
+        ended_at: datetime,
     ) -> None:
         return None
 
@@ -79,6 +119,5 @@ class _NoHooks:
         return None
 
 
-NO_HOOKS: SpendHooks = _NoHooks()
-
-__all__ = ["NO_HOOKS", "Grant", "SpendHooks"]
+#: The default: nothing recorded, nothing budgeted.
+NO_HOOKS: Final[SpendHooks] = NoHooks()

@@ -17,8 +17,11 @@ records every settled call in Postgres and holds workspaces to their budgets.
   for — it is kept with ``fenced`` false.
 - ``release``: the reservation is removed; no ledger row (no call was made).
 
-A settle without usage (``failed``, ``rate_limited``) records no tokens and the cost given
-(None: unknown); an ``abandoned`` one without usage is charged the permit's estimate.
+Outcomes: the hooks' ``ok``, ``rate_limited``, ``error`` and ``unsettled`` are recorded as
+``ok``, ``rate_limited``, ``failed`` and ``abandoned`` (the ledger's names, and
+``cache_hit``, are taken as they are). A settle without usage (``failed``, ``rate_limited``)
+records no tokens and the cost given (None: unknown); an ``abandoned`` one without usage is
+charged the permit's estimate: the call may have been made and paid for.
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ from onceflow.db import execute, fetch_all, fetch_one, raw_connection, retry_dis
 from onceflow.errors import DatabaseUnavailable, InvalidRequest
 from onceflow.ids import check_id
 from onceflow.metrics import record as metrics
-from onceflow.models.spend import LEDGER_OUTCOMES
 from onceflow.spend import sql
 from onceflow.spend.budgets import BUDGETS_LIMIT, budget_of_row, check_amount, check_tokens, refusal
 from onceflow.spend.databases import Database, Databases, as_databases
@@ -47,6 +49,19 @@ log = logging.getLogger("onceflow.spend")
 RESERVATION_TTL = 600.0
 #: How long a settle keeps trying while Postgres does not answer (seconds).
 SETTLE_RETRY_SECONDS = 30.0
+
+
+#: A settle's outcome (:mod:`onceflow.spend.hooks`) as the ledger records it; the ledger's
+#: own names are taken as they are.
+LEDGER_OUTCOME_OF = {
+    "ok": "ok",
+    "rate_limited": "rate_limited",
+    "error": "failed",
+    "failed": "failed",
+    "unsettled": "abandoned",
+    "abandoned": "abandoned",
+    "cache_hit": "cache_hit",
+}
 
 
 def _optional_id(name: str, value: object) -> str | None:
@@ -144,10 +159,12 @@ class LedgerHooks:
     ) -> None:
         """Write the call's ledger row and clear its reservation (idempotent by permit)."""
         params = check_grant(grant)
-        if outcome not in LEDGER_OUTCOMES:
+        recorded = LEDGER_OUTCOME_OF.get(outcome) if isinstance(outcome, str) else None
+        if recorded is None:
             raise InvalidRequest(
-                f"outcome must be one of {', '.join(LEDGER_OUTCOMES)}, got {outcome!r}"
+                f"outcome must be one of {', '.join(LEDGER_OUTCOME_OF)}, got {outcome!r}"
             )
+        outcome = recorded
         if usage is not None and not isinstance(usage, Usage):
             raise InvalidRequest(f"usage must be a Usage or None, got {type(usage).__name__}")
         for name, when in (("started_at", started_at), ("ended_at", ended_at)):
@@ -210,4 +227,10 @@ class LedgerHooks:
         retry_disconnect(once)
 
 
-__all__ = ["RESERVATION_TTL", "SETTLE_RETRY_SECONDS", "LedgerHooks", "check_grant"]
+__all__ = [
+    "LEDGER_OUTCOME_OF",
+    "RESERVATION_TTL",
+    "SETTLE_RETRY_SECONDS",
+    "LedgerHooks",
+    "check_grant",
+]

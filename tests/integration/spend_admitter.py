@@ -4,7 +4,6 @@ budget test starts several): each waits at the barrier, then asks for ``n`` perm
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 from onceflow.errors import BudgetExceeded
@@ -13,12 +12,14 @@ from onceflow.spend import Grant, LedgerHooks
 
 def admit_many(url: str, workspace_id: str, n: int, tokens: int, barrier: Any, out: Any) -> None:
     hooks = LedgerHooks(url)
-    hooks.release(Grant(uuid.uuid4().hex, workspace_id, "warm", 0))  # connect before the start
+    hooks.release(
+        Grant(workspace_id=workspace_id, provider="warm", estimate_tokens=0)
+    )  # connect before the start
     barrier.wait(timeout=60)
     admitted = refused = 0
     for _ in range(n):
         try:
-            hooks.admit(Grant(uuid.uuid4().hex, workspace_id, "llm", tokens))
+            hooks.admit(Grant(workspace_id=workspace_id, provider="llm", estimate_tokens=tokens))
             admitted += 1
         except BudgetExceeded:
             refused += 1

@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -301,8 +300,9 @@ def test_rows_land_in_their_workspaces_partition_the_same_in_every_table(
         # spend: a budget, a call in flight (a reservation), a settled call (a ledger row)
         set_budget(ws, "day", limit_tokens=1000, database=partitioned)
         hooks = LedgerHooks(partitioned)
-        hooks.admit(Grant(uuid.uuid4().hex, ws, "llm", 10))
-        hooks.settle(Grant(uuid.uuid4().hex, ws, "llm", 10), Usage(1, 1), "ok", "llm", None, None)
+        hooks.admit(Grant(workspace_id=ws, provider="llm", estimate_tokens=10))
+        settled = Grant(workspace_id=ws, provider="llm", estimate_tokens=10)
+        hooks.settle(settled, Usage(1, 1), "ok", "llm", None, None, None, None)
     with partitioned.begin() as conn:
         conn.execute(
             text(

@@ -12,7 +12,6 @@ import shutil
 import tempfile
 import threading
 import time
-import uuid
 from decimal import Decimal
 from pathlib import Path as FsPath
 from typing import Any
@@ -49,7 +48,12 @@ def test_a_settle_across_a_postgres_restart_is_written_once(
         engine = make_engine(url, pool_size=2)
         hooks = LedgerHooks(engine, settle_retry_seconds=90)
         set_budget("ws-blip", "day", limit_tokens=10_000, allow_new=True, database=engine)
-        grant = Grant(uuid.uuid4().hex, "ws-blip", "openai", 500, Decimal("0.05"))
+        grant = Grant(
+            workspace_id="ws-blip",
+            provider="openai",
+            estimate_tokens=500,
+            estimate_cost=Decimal("0.05"),
+        )
         hooks.admit(grant)
 
         assert child.process is not None

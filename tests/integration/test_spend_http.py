@@ -3,7 +3,6 @@ the test database and Redis; bad input is 422 with nothing written."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from decimal import Decimal
 from typing import Any
@@ -69,7 +68,13 @@ def test_operators_set_read_and_clear_budgets_and_read_spend(
     assert made.json()["limit_cost"] == "1.5" and made.json()["on_exceeded"] == "wait"
 
     hooks = LedgerHooks(clean_db)
-    g = Grant(uuid.uuid4().hex, WS, "openai", 100, Decimal("0.2"), stage="summarize")
+    g = Grant(
+        workspace_id=WS,
+        provider="openai",
+        estimate_tokens=100,
+        estimate_cost=Decimal("0.2"),
+        stage="summarize",
+    )
     hooks.admit(g)
     hooks.settle(g, Usage(80, 20), "ok", "openai", "gpt-x", Decimal("0.25"))
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import uuid
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
@@ -35,11 +34,10 @@ WS = "ws-spend"
 
 def grant(tokens: int = 100, cost: str | None = "0.01", ws: str = WS, **kw: Any) -> Grant:
     return Grant(
-        uuid.uuid4().hex,
-        ws,
-        kw.pop("provider", "openai"),
-        tokens,
-        None if cost is None else Decimal(cost),
+        workspace_id=ws,
+        provider=kw.pop("provider", "openai"),
+        estimate_tokens=tokens,
+        estimate_cost=None if cost is None else Decimal(cost),
         **kw,
     )
 
@@ -170,7 +168,9 @@ def test_bad_grants_and_settles_are_refused_and_write_nothing(
 ) -> None:
     hooks = LedgerHooks(clean_db)
     before = table_snapshot(clean_db)
-    for g in (grant(-1), grant(10, "-0.5"), grant(10, "NaN"), grant(10, ws="")):
+    with pytest.raises(InvalidRequest):
+        grant(-1)
+    for g in (grant(10, "-0.5"), grant(10, "NaN"), grant(10, ws=""), grant(10, stage="\x00")):
         with pytest.raises(InvalidRequest):
             hooks.admit(g)
     ok = grant(10)
@@ -321,3 +321,25 @@ def test_the_cli_sets_shows_and_clears_budgets_and_reads_spend(
     assert bad_time.returncode == 1 and "ISO 8601" in bad_time.stderr
     cleared = json.loads(onceflow("budget", "clear", WS).stdout)
     assert cleared["cleared"] == ["day"]
+
+
+def test_the_providers_outcomes_are_recorded_in_the_ledgers_names(
+    clean_db: Engine, known: Queue
+) -> None:
+    hooks = LedgerHooks(clean_db)
+    failed, unsettled, limited = grant(30, "0.3"), grant(40, "0.4"), grant(50, "0.5")
+    for g in (failed, unsettled, limited):
+        hooks.admit(g)
+    hooks.settle(failed, None, "error", "openai", None, None)
+    hooks.settle(unsettled, None, "unsettled", "openai", None, None)  # charged its estimate
+    hooks.settle(limited, None, "rate_limited", "openai", None, None)
+    got = {
+        r["permit_id"]: (r["outcome"], r["input_tokens"], r["cost"])
+        for r in rows(clean_db, "spend_ledger")
+    }
+    assert got == {
+        failed.permit_id: ("failed", 0, None),
+        unsettled.permit_id: ("abandoned", 40, Decimal("0.4")),
+        limited.permit_id: ("rate_limited", 0, None),
+    }
+    assert rows(clean_db, "spend_reservations") == []

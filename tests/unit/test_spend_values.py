@@ -94,7 +94,7 @@ def test_budget_exceeded_survives_a_round_trip_through_its_reduce() -> None:
 
 
 def test_the_hooks_share_one_protocol() -> None:
-    g = Grant("p" * 32, "w", "openai", 10)
+    g = Grant(permit_id="p" * 32, workspace_id="w", provider="openai", estimate_tokens=10)
     NO_HOOKS.admit(g)
     NO_HOOKS.release(g)
     NO_HOOKS.settle(g, Usage(1, 1), "ok", "openai", None, None, None, None)
