@@ -8,6 +8,7 @@ Nothing here connects at import time.
 """
 
 from onceflow.errors import (
+    BudgetExceeded,
     ConnectionLost,
     DatabaseUnavailable,
     InputMismatch,
@@ -43,6 +44,7 @@ __all__ = [
     "AsyncOpLog",
     "AsyncQueue",
     "AsyncWorkspaceClient",
+    "BudgetExceeded",
     "Claim",
     "ClaimRef",
     "ConnectionLost",

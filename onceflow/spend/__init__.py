@@ -5,14 +5,14 @@
   :class:`Grant`, :data:`NO_HOOKS`.
 - :mod:`~onceflow.spend.ledger`: :class:`LedgerHooks`, the cost ledger and budget checks in
   Postgres.
-- :mod:`~onceflow.spend.budgets`: :func:`set_budget`, :func:`budgets`, :func:`clear_budget`.
+- :mod:`~onceflow.spend.budget`: :func:`set_budget`, :func:`budgets`, :func:`clear_budget`.
 - :mod:`~onceflow.spend.reads`: :func:`spend` (the ledger summed by workspace, stage,
   provider…), :func:`priced_savings` (the compute lock's savings in money).
 """
 
 from __future__ import annotations
 
-from onceflow.spend.budgets import Budget, budgets, clear_budget, set_budget
+from onceflow.spend.budget import Budget, budgets, clear_budget, set_budget
 from onceflow.spend.databases import Database, Databases
 from onceflow.spend.hooks import NO_HOOKS, Grant, SpendHooks
 from onceflow.spend.ledger import LedgerHooks

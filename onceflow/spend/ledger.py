@@ -38,7 +38,7 @@ from onceflow.errors import DatabaseUnavailable, InvalidRequest
 from onceflow.ids import check_id
 from onceflow.metrics import record as metrics
 from onceflow.spend import sql
-from onceflow.spend.budgets import BUDGETS_LIMIT, budget_of_row, check_amount, check_tokens, refusal
+from onceflow.spend.budget import BUDGETS_LIMIT, budget_of_row, check_amount, check_tokens, refusal
 from onceflow.spend.databases import Database, Databases, as_databases
 from onceflow.spend.hooks import Grant
 from onceflow.spend.usage import Usage

@@ -39,6 +39,7 @@ MODULE_PAGES = {
     "worker": "onceflow.worker",
     "locks": "onceflow.locks",
     "oplog": "onceflow.oplog",
+    "spend": "onceflow.spend",
     "models": "onceflow.models",
     "integrations": "onceflow.integrations.fastapi",
     "testing": "onceflow.testing",

@@ -12,7 +12,7 @@ import pytest
 from onceflow.errors import BudgetExceeded, InvalidRequest
 from onceflow.lifecycle import decide
 from onceflow.spend import NO_HOOKS, Budget, Grant, LedgerHooks, Price, SpendHooks, Usage
-from onceflow.spend.budgets import check_amount, refusal
+from onceflow.spend.budget import check_amount, refusal
 
 CAP = 600.0
 
