@@ -9,6 +9,7 @@ Nothing here connects at import time.
 """
 
 from onceflow.errors import (
+    BudgetExceeded,
     ConnectionLost,
     DatabaseUnavailable,
     InputMismatch,
@@ -45,6 +46,7 @@ __all__ = [
     "AsyncOpLog",
     "AsyncQueue",
     "AsyncWorkspaceClient",
+    "BudgetExceeded",
     "Cascade",
     "Claim",
     "ClaimRef",

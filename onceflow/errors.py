@@ -12,6 +12,7 @@ stage code. Control-flow signals (retry later) are kept apart from errors.
     │   ├── PayloadTooDeep        a payload nested deeper than the payload depth limit
     │   ├── InputMismatch         same request_id, different input (strict mode)
     │   ├── UnknownStage          no stage of that name is registered
+    │   ├── UnknownWorkspace      a budget for a workspace the database has no trace of
     │   ├── OpIdConflict          same op id, different payload
     │   ├── ReplayTooOld          a replay older than the op log's retention
     │   └── PartitionLayoutMismatch  migrate asked for a partitioning the tables do not have
@@ -21,6 +22,7 @@ stage code. Control-flow signals (retry later) are kept apart from errors.
     ├── LeaseLost                 the claim token no longer holds a live lease
     ├── Cancelled                 cancel was requested for the running request
     ├── PermanentError            raised by a stage: fail now, no retry
+    ├── BudgetExceeded            a workspace's spend budget refuses a provider call
     ├── OpRejected                an op cannot apply to the current state (recorded)
     ├── DatabaseUnavailable       Postgres did not answer (retryable)
     │   ├── ConnectionLost        an established connection died (restart, killed backend)
@@ -172,6 +174,55 @@ class PermanentError(OnceflowError):
     """Raise from a stage to fail the request at once, without retries (e.g. bad data)."""
 
 
+class BudgetExceeded(OnceflowError):
+    """A workspace's budget for the period has no room for a provider call's estimate.
+
+    Raised when a permit is asked for (before any rate limit is taken): nothing was called
+    or reserved. ``on_exceeded`` is the budget's: ``fail`` — the stage fails at once, without
+    retries; ``wait`` — the stage is retried when the next period starts, ``retry_at`` (UTC,
+    database clock, ISO 8601), ``retry_in`` seconds after the refusal (capped by the backoff
+    maximum: a longer wait checks the budget again, refused again until the period turns).
+    """
+
+    def __init__(
+        self,
+        workspace_id: str,
+        period: str,
+        detail: str,
+        on_exceeded: str = "fail",
+        retry_at: str | None = None,
+        retry_in: float | None = None,
+    ) -> None:
+        self.workspace_id = workspace_id
+        self.period = period
+        self.detail = detail
+        self.on_exceeded = on_exceeded
+        self.retry_at = retry_at
+        self.retry_in = retry_in
+        message = f"workspace {workspace_id}'s {period} budget is exceeded: {detail}"
+        if on_exceeded == "wait" and retry_at is not None:
+            message += f"; retried when the next period starts ({retry_at})"
+        super().__init__(message)
+
+    @property
+    def waits(self) -> bool:
+        """Whether the stage waits for the next period (else it fails at once)."""
+        return self.on_exceeded == "wait" and self.retry_in is not None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            type(self),
+            (
+                self.workspace_id,
+                self.period,
+                self.detail,
+                self.on_exceeded,
+                self.retry_at,
+                self.retry_in,
+            ),
+        )
+
+
 class UnknownStage(InvalidRequest):
     """No stage of this name is registered with the flow."""
 
@@ -181,6 +232,23 @@ class UnknownStage(InvalidRequest):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.stage,))
+
+
+class UnknownWorkspace(InvalidRequest):
+    """onceflow keeps no list of workspaces: a workspace exists in a database once it has a
+    request, a sub-doc, a ledger row or a budget there. A budget for any other is refused
+    (a typo would otherwise set a limit nobody is held to); nothing was written."""
+
+    def __init__(self, workspace_id: str) -> None:
+        self.workspace_id = workspace_id
+        super().__init__(
+            f"no workspace {workspace_id!r}: it has no request, sub-doc, spend or budget yet "
+            "(pass allow_new=True, or --new on the command line, to set a budget before "
+            "its first request)"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.workspace_id,))
 
 
 class OpRejected(OnceflowError):

@@ -15,6 +15,9 @@ raised :class:`RetryLater` (delay)     failed, retried after ``delay`` seconds, 
 raised :class:`PermanentError`,        failed, dead at once (no retry)
 :class:`InvalidRequest`,
 :class:`OutOfScope`
+raised :class:`BudgetExceeded`         ``fail`` budget: dead at once; ``wait`` budget:
+                                       failed, retried at the next period's start (its
+                                       ``retry_in``, clamped as a RetryLater delay)
 raised :class:`Cancelled`              failed, not retried (the row ends ``cancelled``)
 raised :class:`LeaseLost`              nothing recorded: another worker owns the request
 raised an error marked ``retryable``   failed, retried after the backoff (e.g.
@@ -40,6 +43,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from onceflow.errors import (
+    BudgetExceeded,
     Cancelled,
     InvalidRequest,
     LeaseLost,
@@ -110,6 +114,9 @@ def decide(exc: BaseException, *, retry_on: RetryOn = None, max_delay: float) ->
         reason = storable_text(str(exc.reason), MESSAGE_CHARS)
         error = {"type": "RetryLater", "message": reason, "delay": delay}
         return failed(error, retryable=True, retry_in=delay)
+    if isinstance(exc, BudgetExceeded):  # a `wait` budget: at the next period; `fail`: dead
+        retry_in = clamp_delay(exc.retry_in, max_delay) if exc.waits else None
+        return failed(error_payload(exc), retryable=exc.waits, retry_in=retry_in)
     if isinstance(exc, PermanentError | InvalidRequest):  # OutOfScope is a PermanentError
         return failed(error_payload(exc), retryable=False)
     if not isinstance(exc, Exception):  # SystemExit, KeyboardInterrupt, CancelledError…

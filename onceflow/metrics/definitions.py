@@ -166,6 +166,20 @@ STAGES_IN_PROGRESS = Gauge(
     ["worker_class"],
     multiprocess_mode="livesum",
 )
+#: Token directions of onceflow_provider_tokens_total.
+TOKEN_DIRECTIONS: Final = ("input", "output")
+# Spend per provider, recorded at each settled call; no workspace label (one series per
+# workspace would be unbounded): spend by workspace is read from the ledger.
+PROVIDER_TOKENS = Counter(
+    "onceflow_provider_tokens",
+    "Tokens used by settled provider calls, by provider and direction (input, output).",
+    ["provider", "direction"],
+)
+PROVIDER_COST = Counter(
+    "onceflow_provider_cost",
+    "Cost of settled provider calls (in the providers' price currency), by provider.",
+    ["provider"],
+)
 HTTP_REQUESTS = Counter(
     "onceflow_http_requests",
     "HTTP API requests by route template, method and status.",
@@ -208,6 +222,8 @@ METRIC_NAMES: frozenset[str] = frozenset(
         "onceflow_provider_calls_saved_total",
         "onceflow_compute_lock_wait_seconds",
         "onceflow_ops_total",
+        "onceflow_provider_tokens_total",
+        "onceflow_provider_cost_total",
         "onceflow_stages_in_progress",
         "onceflow_http_requests_total",
         "onceflow_http_request_duration_seconds",

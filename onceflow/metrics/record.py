@@ -205,6 +205,15 @@ def op(outcome: str) -> None:
 
 
 @_safe
+def provider_spend(provider: str, input_tokens: int, output_tokens: int, cost: Any) -> None:
+    """A settled provider call: its tokens by direction, and its cost when known."""
+    _child(d.PROVIDER_TOKENS, provider, "input").inc(input_tokens)
+    _child(d.PROVIDER_TOKENS, provider, "output").inc(output_tokens)
+    if cost is not None:
+        _child(d.PROVIDER_COST, provider).inc(float(cost))
+
+
+@_safe
 def http(route: str, method: str, status: int, seconds: float) -> None:
     _child(d.HTTP_REQUESTS, route, method, str(status)).inc()
     _child(d.HTTP_DURATION, route, method).observe(seconds)

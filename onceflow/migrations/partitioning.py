@@ -36,6 +36,9 @@ WORKSPACE_TABLES = (
     "compute_locks",
     "workspace_sub_docs",
     "workspace_sub_doc_ops",
+    "spend_ledger",
+    "spend_budgets",
+    "spend_reservations",
 )
 #: The config attribute :func:`onceflow.migrate.migrate` passes the resolved layout in.
 ATTRIBUTE = "onceflow_partitions"

@@ -13,6 +13,7 @@ from onceflow.models.requests import (
     SweepResult,
 )
 from onceflow.models.scopes import WorkspaceScope
+from onceflow.models.spend import spend_budgets, spend_ledger, spend_reservations
 from onceflow.models.status import Status, parse_status
 from onceflow.models.subdocs import workspace_sub_doc_ops, workspace_sub_docs
 from onceflow.models.tables import metadata, workspace_process_requests
@@ -31,6 +32,9 @@ __all__ = [
     "WorkspaceScope",
     "metadata",
     "parse_status",
+    "spend_budgets",
+    "spend_ledger",
+    "spend_reservations",
     "workspace_process_requests",
     "workspace_sub_doc_ops",
     "workspace_sub_docs",

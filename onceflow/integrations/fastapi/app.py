@@ -164,8 +164,10 @@ def create_app(
     app.include_router(probes_router(services))  # /healthz, /readyz: no key, no rate limit
     install_metrics(app, services)
     from onceflow.integrations.fastapi.dashboard import create_dashboard_router
+    from onceflow.integrations.fastapi.spend_routes import create_spend_router
 
     app.include_router(create_dashboard_router(services))  # /dashboard: docs/dashboard.md
+    app.include_router(create_spend_router(services))  # /dashboard/api/spend: operator keys
     app.include_router(create_sdk_router())  # /sdk/index.js: the browser SDK (docs/browser.md)
     add_error_handlers(app)
     name_choices(app, flow)  # the stages and op types as enums in /openapi.json

@@ -181,7 +181,9 @@ function handleEvent(block) {
     $("#refusal").hidden = true;
     $("#panels").hidden = false;
     setState("live", "live");
+    const first = snapshots === 0;
     render(JSON.parse(data.join("\n")));
+    if (first) loadSpend();
   } else if (event === "problem") {
     setState("retrying", JSON.parse(data.join("\n")).detail);
   }
@@ -266,6 +268,48 @@ async function act(action, item, button) {
   out.dataset.outcome = ok ? "ok" : "refused";
   out.hidden = false;
   button.disabled = false;
+}
+
+// Spend from the ledger (not in the snapshot: a month's sums are read every 30 s, not every
+// second) and the compute lock's saved calls priced at each workspace's average call cost.
+const SPEND_EVERY_MS = 30000;
+let spendTimer = null;
+
+async function loadSpend() {
+  clearTimeout(spendTimer);
+  spendTimer = setTimeout(loadSpend, SPEND_EVERY_MS);
+  if (!sessionStorage.getItem(KEY) || $("#panels").hidden) return;
+  const now = new Date();
+  const since = new Date(Date.UTC(now.getUTCFullYear(), now.getUTCMonth(), 1)).toISOString();
+  const query = new URLSearchParams([["since", since], ["by", "workspace"], ["by", "provider"]]);
+  try {
+    const [spend, saved] = await Promise.all([
+      fetch("/dashboard/api/spend?" + query, { headers: authHeaders(), cache: "no-store" }),
+      fetch("/dashboard/api/spend/savings", { headers: authHeaders(), cache: "no-store" }),
+    ]);
+    if (!spend.ok) {
+      $("#spend-note").textContent = "unavailable: " + (await errorText(spend));
+      return;
+    }
+    const report = await spend.json();
+    const total = report.total;
+    let note = `total ${total.cost} over ${total.calls} call(s)`;
+    if (saved.ok) {
+      const sv = await saved.json();
+      if (!sv.error) note += `; saved by the compute lock ≈ ${sv.saved_cost_total}`;
+    }
+    $("#spend-note").textContent = note;
+    fill($("#spend tbody"), report.rows, (tr, r) => {
+      cell(tr, r.workspace);
+      cell(tr, r.provider);
+      cell(tr, r.calls, "num");
+      cell(tr, r.input_tokens, "num");
+      cell(tr, r.output_tokens, "num");
+      cell(tr, r.cost, "num");
+    });
+  } catch (err) {
+    $("#spend-note").textContent = "unavailable: " + err.message;
+  }
 }
 
 document.addEventListener("DOMContentLoaded", () => {

@@ -1,0 +1,258 @@
+"""Budgets per workspace and period: set, read, cleared, and checked when a call is admitted.
+
+A budget limits what a workspace spends in a UTC calendar ``day`` or ``month``, in money
+(``limit_cost``, in the providers' price currency), in tokens (``limit_tokens``, input plus
+output), or both. A call is admitted only if what the period has spent, plus the estimates
+of the workspace's calls in flight, plus its own estimate, stays within every limit: so a
+budget is never overrun by more than what the calls in flight use beyond their estimates.
+``on_exceeded`` says what a refused call does: ``fail`` (the stage fails at once) or
+``wait`` (the stage is retried when the next period starts).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+from onceflow.db import fetch_all, fetch_one, raw_connection, retry_disconnect
+from onceflow.errors import BudgetExceeded, InvalidRequest, UnknownWorkspace
+from onceflow.ids import check_id
+from onceflow.models.spend import ON_EXCEEDED, PERIODS
+from onceflow.spend import sql
+from onceflow.spend.databases import Database, Databases, as_databases
+
+#: The most budgets one read returns.
+BUDGETS_LIMIT = 1000
+
+
+def check_amount(name: str, value: object) -> Decimal:
+    """``value`` as a finite, non-negative :class:`~decimal.Decimal`, else InvalidRequest."""
+    if isinstance(value, bool) or not isinstance(value, int | float | Decimal | str):
+        raise InvalidRequest(f"{name} must be a number, got {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidRequest(f"{name} must be a finite number, got {value!r}")
+    try:
+        amount = value if isinstance(value, Decimal) else Decimal(str(value).strip())
+    except ArithmeticError:
+        raise InvalidRequest(f"{name} must be a number, got {value!r}") from None
+    if not amount.is_finite():
+        raise InvalidRequest(f"{name} must be a finite number, got {value!r}")
+    if amount < 0:
+        raise InvalidRequest(f"{name} must not be negative, got {value!r}")
+    return amount
+
+
+def check_tokens(name: str, value: object) -> int:
+    """``value`` as a non-negative int (a bool refused), else InvalidRequest."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequest(f"{name} must be an integer, got {type(value).__name__}")
+    if value < 0:
+        raise InvalidRequest(f"{name} must not be negative, got {value}")
+    if value >= 2**63:
+        raise InvalidRequest(f"{name} is too large: {value}")
+    return value
+
+
+def check_period(value: object) -> str:
+    if value not in PERIODS:
+        raise InvalidRequest(f"period must be one of {', '.join(PERIODS)}, got {value!r}")
+    return str(value)
+
+
+def check_on_exceeded(value: object) -> str:
+    if value not in ON_EXCEEDED:
+        raise InvalidRequest(f"on_exceeded must be one of {', '.join(ON_EXCEEDED)}, got {value!r}")
+    return str(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """A workspace's budget for one period, with its current period's standing.
+
+    ``spent_*``: settled in the current period; ``reserved_*``: held by ``in_flight`` calls
+    admitted and not settled. ``period_ends`` is the next period's start (UTC),
+    ``period_ends_in`` seconds after the read (database clock).
+    """
+
+    workspace_id: str
+    period: str
+    limit_cost: Decimal | None
+    limit_tokens: int | None
+    on_exceeded: str
+    updated_at: datetime | None = None
+    period_starts: datetime | None = None
+    period_ends: datetime | None = None
+    period_ends_in: float | None = None
+    spent_cost: Decimal = Decimal(0)
+    spent_tokens: int = 0
+    reserved_cost: Decimal = Decimal(0)
+    reserved_tokens: int = 0
+    in_flight: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: money as decimal strings, times in ISO 8601."""
+        out: dict[str, Any] = {}
+        for name in self.__slots__:
+            value = getattr(self, name)
+            if isinstance(value, Decimal):
+                value = str(value)
+            elif isinstance(value, datetime):
+                value = value.isoformat()
+            out[name] = value
+        return out
+
+
+def budget_of_row(row: dict[str, Any]) -> Budget:
+    """A :class:`Budget` from a row of the budgets read."""
+
+    def tokens(value: Any) -> int | None:
+        return None if value is None else int(value)
+
+    return Budget(
+        workspace_id=row["workspace_id"],
+        period=row["period"],
+        limit_cost=row["limit_cost"],
+        limit_tokens=tokens(row["limit_tokens"]),
+        on_exceeded=row["on_exceeded"],
+        updated_at=row.get("updated_at"),
+        period_starts=row.get("starts"),
+        period_ends=row.get("ends"),
+        period_ends_in=row.get("ends_in"),
+        spent_cost=row.get("spent_cost") or Decimal(0),
+        spent_tokens=int(row.get("spent_tokens") or 0),
+        reserved_cost=row.get("reserved_cost") or Decimal(0),
+        reserved_tokens=int(row.get("reserved_tokens") or 0),
+        in_flight=int(row.get("in_flight") or 0),
+    )
+
+
+def set_budget(
+    workspace_id: str,
+    period: str,
+    *,
+    limit_cost: object = None,
+    limit_tokens: object = None,
+    on_exceeded: str = "fail",
+    allow_new: bool = False,
+    database: Database | Databases = None,
+) -> Budget:
+    """Set (or replace) ``workspace_id``'s budget for ``period`` (``day`` or ``month``).
+
+    At least one of ``limit_cost`` (money, finite, >= 0) and ``limit_tokens`` (int, >= 0).
+    A workspace the database has no trace of (no request, sub-doc, spend or budget) raises
+    :class:`~onceflow.errors.UnknownWorkspace` unless ``allow_new``. Bad input raises
+    :class:`~onceflow.errors.InvalidRequest`; nothing is written.
+    """
+    ws = check_id("workspace_id", workspace_id)
+    params = {
+        "ws": ws,
+        "period": check_period(period),
+        "limit_cost": None if limit_cost is None else check_amount("limit_cost", limit_cost),
+        "limit_tokens": (
+            None if limit_tokens is None else check_tokens("limit_tokens", limit_tokens)
+        ),
+        "on_exceeded": check_on_exceeded(on_exceeded),
+        "allow_new": bool(allow_new),
+    }
+    if params["limit_cost"] is None and params["limit_tokens"] is None:
+        raise InvalidRequest("a budget needs limit_cost, limit_tokens, or both")
+    engine = as_databases(database).of(ws)
+
+    def write() -> Any:
+        with raw_connection(engine) as conn:
+            return fetch_one(conn, sql.SET_BUDGET, params)
+
+    row = retry_disconnect(write)
+    if row is None:
+        raise UnknownWorkspace(ws)
+    return budget_of_row(row)
+
+
+def clear_budget(
+    workspace_id: str, period: str | None = None, *, database: Database | Databases = None
+) -> list[str]:
+    """Remove ``workspace_id``'s budget for ``period`` (None: every period); the periods
+    removed (none: there was no such budget)."""
+    ws = check_id("workspace_id", workspace_id)
+    params = {"ws": ws, "period": None if period is None else check_period(period)}
+    engine = as_databases(database).of(ws)
+
+    def write() -> list[Any]:
+        with raw_connection(engine) as conn:
+            return fetch_all(conn, sql.CLEAR_BUDGET, params)
+
+    return sorted(r["period"] for r in retry_disconnect(write))
+
+
+def budgets(
+    workspace_id: str | None = None, *, database: Database | Databases = None
+) -> list[Budget]:
+    """Budgets (of one workspace, or all, up to :data:`BUDGETS_LIMIT`) with their current
+    period's spend and reservations."""
+    ws = None if workspace_id is None else check_id("workspace_id", workspace_id)
+    dbs = as_databases(database)
+    params = {"ws": ws, "limit": BUDGETS_LIMIT, "permit_id": None}
+
+    def read(engine: Any) -> list[Any]:
+        def once() -> list[Any]:
+            with raw_connection(engine) as conn:
+                return fetch_all(conn, sql.BUDGETS, params)
+
+        return retry_disconnect(once)
+
+    if ws is not None:
+        rows = read(dbs.of(ws))
+    else:
+        answers, _ = dbs.each(read)
+        rows = [r for rows in answers for r in rows]
+    return [budget_of_row(r) for r in rows][:BUDGETS_LIMIT]
+
+
+def refusal(budget: Budget, tokens: int, cost: Decimal | None) -> BudgetExceeded | None:
+    """The error refusing a call of ``tokens`` / ``cost`` estimated under ``budget``, or
+    None when it fits. With no estimate of cost, a money budget still refuses once the
+    period's spend and reservations have reached its limit."""
+    problems = []
+    if budget.limit_tokens is not None:
+        held = budget.spent_tokens + budget.reserved_tokens
+        if held + tokens > budget.limit_tokens or (tokens == 0 and held >= budget.limit_tokens):
+            problems.append(
+                f"{held} tokens spent or in flight + {tokens} estimated > "
+                f"limit {budget.limit_tokens}"
+            )
+    if budget.limit_cost is not None:
+        held_cost = budget.spent_cost + budget.reserved_cost
+        need = cost or Decimal(0)
+        if held_cost + need > budget.limit_cost or (not need and held_cost >= budget.limit_cost):
+            problems.append(
+                f"{held_cost} spent or in flight + {need} estimated > limit {budget.limit_cost}"
+            )
+    if not problems:
+        return None
+    waits = budget.on_exceeded == "wait" and budget.period_ends is not None
+    return BudgetExceeded(
+        budget.workspace_id,
+        budget.period,
+        "; ".join(problems),
+        on_exceeded=budget.on_exceeded,
+        retry_at=budget.period_ends.isoformat() if waits and budget.period_ends else None,
+        retry_in=budget.period_ends_in if waits else None,
+    )
+
+
+__all__ = [
+    "BUDGETS_LIMIT",
+    "Budget",
+    "budget_of_row",
+    "budgets",
+    "check_amount",
+    "check_on_exceeded",
+    "check_period",
+    "check_tokens",
+    "clear_budget",
+    "refusal",
+    "set_budget",
+]

@@ -1,0 +1,102 @@
+"""Spend's values without a database: Usage and Price checked, a budget's refusal, and
+BudgetExceeded in the outcome table (fail: dead; wait: retried at the next period)."""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime
+from decimal import Decimal
+
+import pytest
+
+from onceflow.errors import BudgetExceeded, InvalidRequest
+from onceflow.lifecycle import decide
+from onceflow.spend import NO_HOOKS, Budget, Grant, LedgerHooks, Price, SpendHooks, Usage
+from onceflow.spend.budget import check_amount, refusal
+
+CAP = 600.0
+
+
+def test_usage_and_price_refuse_nonsense() -> None:
+    assert Usage(3, 4).total_tokens == 7
+    for bad in ((-1, 0), (0, -1), (True, 0), (1.0, 0), ("1", 0)):
+        with pytest.raises(InvalidRequest):
+            Usage(*bad)  # type: ignore[arg-type]
+    price = Price(Decimal("2.5"), Decimal(10))
+    assert price.cost(Usage(1_000_000, 500_000)) == Decimal("7.5")
+    for value in (-1, math.nan, "NaN", "inf", True, None):
+        with pytest.raises(InvalidRequest):
+            Price(value, Decimal(1))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [-0.01, math.nan, math.inf, "nan", "-inf", "x", True, None, []])
+def test_amounts_are_finite_and_not_negative(value: object) -> None:
+    with pytest.raises(InvalidRequest):
+        check_amount("limit_cost", value)
+
+
+def test_amounts_keep_their_decimal_value() -> None:
+    assert check_amount("c", "0.10") == Decimal("0.10")
+    assert check_amount("c", 0.1) == Decimal("0.1")  # as written, not the binary float
+
+
+def budget(**kw: object) -> Budget:
+    base: dict[str, object] = {
+        "workspace_id": "w",
+        "period": "day",
+        "limit_cost": None,
+        "limit_tokens": None,
+        "on_exceeded": "fail",
+        "period_starts": datetime(2026, 12, 7, tzinfo=UTC),
+        "period_ends": datetime(2026, 12, 8, tzinfo=UTC),
+        "period_ends_in": 3600.0,
+    }
+    return Budget(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_a_call_fits_while_spent_plus_in_flight_plus_its_estimate_stay_within_the_limit() -> None:
+    b = budget(limit_tokens=100, spent_tokens=60, reserved_tokens=30)
+    assert refusal(b, 10, None) is None  # exactly the limit
+    refused = refusal(b, 11, None)
+    assert refused is not None and "90 tokens spent or in flight + 11" in str(refused)
+    money = budget(limit_cost=Decimal(1), spent_cost=Decimal("0.6"), reserved_cost=Decimal("0.4"))
+    assert refusal(money, 0, Decimal(0)) is not None  # reached: even an unpriced call waits
+    assert refusal(money, 0, None) is not None
+    assert refusal(budget(limit_cost=Decimal(1)), 0, Decimal("0.99")) is None
+
+
+def test_budget_exceeded_in_the_outcome_table() -> None:
+    waits = refusal(budget(limit_tokens=1, on_exceeded="wait", period_ends_in=7200.0), 5, None)
+    assert isinstance(waits, BudgetExceeded) and waits.waits
+    assert waits.retry_at == "2026-12-08T00:00:00+00:00"
+    out = decide(waits, max_delay=CAP)
+    assert (out.kind, out.retryable, out.retry_in) == ("failed", True, CAP)
+    assert out.error is not None and out.error["type"] == "BudgetExceeded"
+    soon = refusal(budget(limit_tokens=1, on_exceeded="wait", period_ends_in=30.0), 5, None)
+    assert soon is not None and decide(soon, max_delay=CAP).retry_in == 30.0
+    fails = refusal(budget(limit_tokens=1), 5, None)
+    assert fails is not None and not fails.waits and fails.retry_at is None
+    out = decide(fails, retry_on=(BudgetExceeded,), max_delay=CAP)
+    assert (out.kind, out.retryable) == ("failed", False)
+
+
+def test_budget_exceeded_survives_a_round_trip_through_its_reduce() -> None:
+    exc = BudgetExceeded("w", "month", "over", "wait", "2027-01-01T00:00:00+00:00", 12.5)
+    make, args = exc.__reduce__()
+    again = make(*args)
+    assert (again.workspace_id, again.period, again.retry_at, again.retry_in) == (
+        "w",
+        "month",
+        "2027-01-01T00:00:00+00:00",
+        12.5,
+    )
+    assert str(again) == str(exc)
+
+
+def test_the_hooks_share_one_protocol() -> None:
+    g = Grant(permit_id="p" * 32, workspace_id="w", provider="openai", estimate_tokens=10)
+    NO_HOOKS.admit(g)
+    NO_HOOKS.release(g)
+    NO_HOOKS.settle(g, Usage(1, 1), "ok", "openai", None, None, None, None)
+    assert isinstance(NO_HOOKS, SpendHooks)
+    assert issubclass(LedgerHooks, SpendHooks)
