@@ -21,6 +21,7 @@ stage code. Control-flow signals (retry later) are kept apart from errors.
     ├── InvalidTransition         e.g. requeue of a running request
     ├── LeaseLost                 the claim token no longer holds a live lease
     ├── Cancelled                 cancel was requested for the running request
+    ├── MaxRuntimeExceeded        a run went past its stage's max_runtime (retryable)
     ├── PermanentError            raised by a stage: fail now, no retry
     ├── BudgetExceeded            a workspace's spend budget refuses a provider call
     ├── OpRejected                an op cannot apply to the current state (recorded)
@@ -168,6 +169,27 @@ class Cancelled(OnceflowError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.request_id,))
+
+
+class MaxRuntimeExceeded(OnceflowError):
+    """A run went past its stage's ``max_runtime`` (claim time + ``max_runtime``, database
+    clock) without an outcome.
+
+    Recorded as a failed attempt, retried after the backoff whatever the stage's
+    ``retry_on`` says, dead at ``max_attempts`` (:func:`onceflow.lifecycle.decide`). The
+    Celery stage task raises it in place of Celery's ``SoftTimeLimitExceeded``; for every
+    runner, a run whose lease ended at its run deadline is recorded so by the sweeper.
+    """
+
+    #: An overrun is retried, never failed for good on its own.
+    retryable = True
+
+    def __init__(self, detail: str = "ran past the stage's max_runtime") -> None:
+        self.detail = detail
+        super().__init__(detail)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.detail,))
 
 
 class PermanentError(OnceflowError):

@@ -20,9 +20,10 @@ One process, ``concurrency`` threads running bodies, and four threads around the
   (:meth:`Queue.claim_next`) and, when nothing is claimable, sleeps in
   :meth:`Queue.wait_for_work` (LISTEN/NOTIFY, and the next due time or lease expiry the
   database knows of) — no polling loop, no latency-or-load trade-off;
-* the **completer** records finished bodies in batches (:meth:`Queue.complete_many`,
-  :meth:`Queue.fail_many`: one round trip for everything that finished meanwhile —
-  group commit), each row fenced by its own claim token;
+* the **completer** records finished bodies in batches
+  (:func:`onceflow.lifecycle.record.record_many`, the one write path of every runner's
+  outcomes: one round trip for the successes and one for the failures that finished
+  meanwhile — group commit), each row fenced by its own claim token;
 * the **heartbeater** extends every held lease in one round trip every lease/3
   (:meth:`Queue.heartbeat_many`) and tells bodies whose lease was lost or whose request
   was cancelled (``ctx.check()`` raises);
@@ -87,11 +88,12 @@ from onceflow.errors import (
     RetryLater,
 )
 from onceflow.ids import check_id, check_worker_class
-from onceflow.lifecycle.outcome import decide
+from onceflow.lifecycle.outcome import Outcome, decide, failed, succeeded
+from onceflow.lifecycle.record import record_many
 from onceflow.metrics import record as metrics
 from onceflow.models.requests import Claim
 from onceflow.payloads import Unreadable, encode_json
-from onceflow.queue import Failure, Queue
+from onceflow.queue import Queue
 from onceflow.queue.batch import BATCH_MAX
 from onceflow.queue.notify import WAIT_MAX_SECONDS
 from onceflow.settings import get_settings
@@ -100,6 +102,10 @@ log = logging.getLogger("onceflow.worker")
 
 #: What a body raises on purpose: not logged with a traceback.
 _EXPECTED = (LeaseLost, Cancelled, RetryLater, PermanentError, InvalidRequest)
+
+#: What record_many reports for rows the database did not confirm (tried again while the
+#: lease may hold).
+_UNKNOWN = frozenset({"completion_unknown", "failure_unknown"})
 
 #: A stage body: gets the context, returns the result (JSON-able or a pydantic model).
 Handler = Callable[[StageContext], Any]
@@ -125,16 +131,15 @@ class WorkerStats:
     lease_lost: int = 0
     unrecorded: int = 0
     rescued: int = 0
+    overran: int = 0  # runs past max_runtime this worker's sweeps failed
 
 
 @dataclass
 class _Done:
-    """A finished body waiting to be recorded."""
+    """A finished body waiting to be recorded: its claim and what the run came to."""
 
     ctx: StageContext
-    result: Any = None
-    failure: Failure | None = None
-    fallback: bool = False  # a minimal failure recorded after its batch was refused
+    outcome: Outcome
 
 
 class Worker:
@@ -152,11 +157,12 @@ class Worker:
     database holds results back instead of piling up claims. ``max_runtime`` bounds a run
     as on Celery — heartbeats stop extending the lease past claim time + ``max_runtime``
     (time a prefetched claim waits counts too) — but a thread cannot be interrupted: a
-    body still running then loses its lease, its later writes are fenced off, and the
-    request runs again elsewhere. Default: no bound (a hung body holds its lease until
-    the process stops). ``max_wait`` bounds one sleep in :meth:`Queue.wait_for_work` — a
-    safety net only, since the wait already ends at the first notification, due time or
-    lease expiry.
+    body still running then loses its lease (``ctx.check()`` raises) and its later writes
+    are fenced off; the sweeper records the run as failed, ``MaxRuntimeExceeded``, retried
+    after the backoff (dead at ``max_attempts``), as on Celery. Default: no bound (a hung
+    body holds its lease until the process stops). ``max_wait`` bounds one sleep in
+    :meth:`Queue.wait_for_work` — a safety net only, since the wait already ends at the
+    first notification, due time or lease expiry.
     """
 
     def __init__(
@@ -431,7 +437,8 @@ class Worker:
 
     def _supersede(self, old: StageContext | None) -> None:
         """This worker took over a request whose earlier claim it still holds (its lease
-        lapsed: a database away past the lease, a hung body past ``max_runtime``). The
+        lapsed: a database away past the lease; a run past ``max_runtime`` is taken again
+        only once the sweeper failed it and its backoff passed). The
         earlier claim is gone: its body is told (``ctx.check()`` raises — no heartbeat
         reaches it any more), an unstarted one is dropped, and an outcome it still
         produces is discarded (``_record``). Caller holds the lock."""
@@ -461,7 +468,7 @@ class Worker:
             except BaseException:  # even recording the error failed: never lose the thread
                 rid = ctx.claim.request_id
                 log.exception("request %s: the body's outcome could not be built", rid)
-                done = self._failure(ctx, {"type": "WorkerError"}, retryable=True)
+                done = _Done(ctx, failed({"type": "WorkerError"}, retryable=True))
             finally:
                 with self._cond:
                     self._running -= 1
@@ -491,7 +498,7 @@ class Worker:
                 what="result",
                 max_depth=settings.max_payload_depth,
             )
-            return _Done(ctx, result=result)
+            return _Done(ctx, succeeded(result))
         except BaseException as exc:  # the outcome table decides, SystemExit included
             return self._outcome(ctx, exc)
 
@@ -510,13 +517,7 @@ class Worker:
             log.exception("request %s: the body was interrupted", claim.request_id)
         elif not isinstance(exc, _EXPECTED):
             log.exception("request %s: the body raised", claim.request_id)
-        return _Done(ctx, failure=Failure(claim, ran.error, ran.retryable, ran.retry_in))
-
-    @staticmethod
-    def _failure(
-        ctx: StageContext, error: Any, *, retryable: bool, retry_in: float | None = None
-    ) -> _Done:
-        return _Done(ctx, failure=Failure(ctx.claim, error, retryable, retry_in))
+        return _Done(ctx, ran)
 
     # ---------------------------------------------------------------- completer
 
@@ -545,51 +546,47 @@ class Worker:
         return self._stopping.is_set() and (self._abandon.is_set() or self._running == 0)
 
     def _record(self, batch: list[_Done], shard: int) -> list[_Done]:
-        """Record a batch of one shard; returns the items to try again (the database did
-        not answer)."""
+        """Record a batch of one shard (:func:`onceflow.lifecycle.record.record_many`);
+        returns the items to try again (the database did not confirm them)."""
         with self._cond:  # outcomes of claims taken over since (_supersede): never written
             current = [d for d in batch if self._held.get(d.ctx.claim.request_id, d.ctx) is d.ctx]
             for _ in range(len(batch) - len(current)):
                 log.warning("worker: a run's claim was taken over; its outcome is discarded")
                 self.stats.lease_lost += 1
                 self._finished -= 1
-        batch = current
-        plain = [d for d in batch if d.failure is None and not d.ctx.handoffs]
-        handing_off = [d for d in batch if d.failure is None and d.ctx.handoffs]
-        failed = [d for d in batch if d.failure is not None]
+        if not current:
+            return []
+        ctxs = [d.ctx for d in current]
+        recorded = record_many(
+            self.queue,
+            [(d.ctx, d.outcome) for d in current],
+            functools.partial(self._writing, shard, ctxs),
+        )
         retry: list[_Done] = []
-        if plain:
-            retry += self._apply(
-                plain,
-                lambda: self.queue.complete_many([(d.ctx.claim, d.result) for d in plain]),
-                shard,
-            )
-        for d in handing_off:  # a hand-off enqueues in the completion's transaction: one by one
-            retry += self._apply([d], self._hand_off_call(d), shard)
-        # Minimal failures (after a refused batch) go alone: a refusal of others' cannot
-        # take them down with it.
-        for group in ([d for d in failed if not d.fallback], [d for d in failed if d.fallback]):
-            if group:
-                retry += self._apply(group, self._fail_call(group), shard)
+        given_up: list[_Done] = []
+        ended: list[_Done] = []
+        for d, rec in zip(current, recorded, strict=True):
+            if rec["outcome"] in _UNKNOWN:
+                (retry if self._may_retry(d) else given_up).append(d)
+                continue
+            if rec["outcome"] == "not_recorded":  # refused even in brief: the lease lapses
+                given_up.append(d)
+                continue
+            ended.append(d)
+            with self._cond:
+                if rec["outcome"] == "lease_lost":
+                    log.warning("request %s: lease lost; outcome discarded", d.ctx.claim.request_id)
+                    self.stats.lease_lost += 1
+                elif rec["outcome"] == "succeeded":
+                    self.stats.succeeded += 1
+                else:
+                    self.stats.failed += 1
+            _log_outcome(d, rec)
+        if retry:
+            log.warning("worker: %d outcome(s) not recorded yet; retrying", len(retry))
+        self._forget(ended)
+        self._forget(given_up, unrecorded=True)
         return retry
-
-    @staticmethod
-    def _refused(d: _Done, exc: InvalidRequest) -> _Done:
-        error = {"type": "InvalidRequest", "message": str(exc)[:500]}
-        retryable = d.failure.retryable if d.failure is not None else False
-        return _Done(d.ctx, failure=Failure(d.ctx.claim, error, retryable), fallback=True)
-
-    def _fail_call(self, group: list[_Done]) -> Callable[[], Sequence[Any]]:
-        return lambda: self.queue.fail_many([d.failure for d in group if d.failure])
-
-    def _hand_off_call(self, d: _Done) -> Callable[[], Sequence[Any]]:
-        return lambda: [self.queue.finish(d.ctx.claim, d.result, then=d.ctx.handoffs)]
-
-    def _apply(
-        self, items: list[_Done], call: Callable[[], Sequence[Any]], shard: int
-    ) -> list[_Done]:
-        with self._writing(shard, [d.ctx for d in items]):
-            return self._apply_in_turn(items, call, shard)
 
     @contextlib.contextmanager
     def _writing(self, shard: int, ctxs: list[StageContext]) -> Iterator[None]:
@@ -604,40 +601,6 @@ class Worker:
         finally:
             with self._cond:
                 self._in_write.difference_update(ctxs)
-
-    def _apply_in_turn(
-        self, items: list[_Done], call: Callable[[], Sequence[Any]], shard: int
-    ) -> list[_Done]:
-        try:
-            outcomes: Sequence[Any] = call()
-        except LeaseLost as exc:  # finish raises it for its one row
-            outcomes = [exc]
-        except InvalidRequest as exc:
-            # Refused as a whole (results and delays are checked in the body, so this is
-            # unexpected): each request is failed again with a minimal error, once.
-            log.error("worker: a batch was refused (%s); recording minimal failures", exc)
-            self._forget([d for d in items if d.fallback], unrecorded=True)
-            with self._cond:
-                self._done[shard] += [self._refused(d, exc) for d in items if not d.fallback]
-                self._cond.notify_all()
-            return []
-        except OnceflowError as exc:
-            keep = [d for d in items if self._may_retry(d)]
-            log.warning("worker: %d outcome(s) not recorded yet (%s); retrying", len(keep), exc)
-            self._forget([d for d in items if d not in keep], unrecorded=True)
-            return keep
-        for d, outcome in zip(items, outcomes, strict=True):
-            with self._cond:
-                if isinstance(outcome, LeaseLost):
-                    log.warning("request %s: lease lost; outcome discarded", d.ctx.claim.request_id)
-                    self.stats.lease_lost += 1
-                elif d.failure is None:
-                    self.stats.succeeded += 1
-                else:
-                    self.stats.failed += 1
-            _log_outcome(d, outcome)
-        self._forget(items)
-        return []
 
     def _may_retry(self, d: _Done) -> bool:
         """Keep trying while the database may still confirm the lease (it alone decides)."""
@@ -740,15 +703,18 @@ class Worker:
         except Exception:
             log.exception("worker: sweep raised%s; carrying on", where)
             return
-        if rescued.rescued or rescued.quarantined:
+        if rescued.rescued or rescued.quarantined or rescued.overran:
             log.info(
-                "worker: sweep requeued %d and quarantined %d lapsed request(s)%s",
+                "worker: sweep requeued %d and quarantined %d lapsed request(s), and failed "
+                "%d run(s) past max_runtime%s",
                 len(rescued.rescued),
                 len(rescued.quarantined),
+                len(rescued.overran),
                 where,
             )
             with self._cond:
                 self.stats.rescued += len(rescued.rescued) + len(rescued.quarantined)
+                self.stats.overran += len(rescued.overran)
 
     # ---------------------------------------------------------------- shutdown
 
@@ -799,15 +765,15 @@ class Worker:
         return released
 
 
-def _log_outcome(d: _Done, outcome: object) -> None:
+def _log_outcome(d: _Done, recorded: dict[str, Any]) -> None:
     """One INFO line per recorded request, as Celery's worker logs each task."""
     request = d.ctx.claim.request
-    if isinstance(outcome, LeaseLost):
+    if recorded["outcome"] == "lease_lost":
         return
-    if d.failure is None:
+    if recorded["outcome"] == "succeeded":
         ended = "succeeded"
     else:
-        status = getattr(getattr(outcome, "status", None), "value", "failed")
+        status = recorded.get("status", "failed")
         ended = {"queued": "failed, retried later"}.get(status, status)
     log.info("request %s (stage %s, class %s): %s",
              request.request_id, request.stage, request.worker_class, ended)  # fmt: skip

@@ -298,6 +298,7 @@ def sweep(redispatch_after: float | None, app_spec: str | None) -> None:
         {
             "rescued": result.rescued,
             "quarantined": result.quarantined,
+            "overran": result.overran,
             "dispatched": [d.request_id for d in result.to_dispatch],
             "pruned": result.pruned,
         }

@@ -35,12 +35,12 @@ class _Handler(BaseHTTPRequestHandler):
         # connection: HTTP/1.0 (the default protocol_version), no keep-alive.
         with contextlib.suppress(OSError):
             self.request.recv(1, socket.MSG_PEEK)
-        self.server._reading(self.request)
+        self.server.reading(self.request)
         super().handle()
 
     def _count(self, key: str) -> None:
         self.server.count(key)
-        self.server._settled(self.request)
+        self.server.settled(self.request)
 
     def _cors(self) -> None:
         # A browser tab may call the stand-in directly (the SDK tests' tabs do); a real
@@ -167,18 +167,20 @@ class StandIn(ThreadingHTTPServer):
             self._unsettled[request] = False
         super().process_request(request, client_address)
 
-    def _reading(self, conn: socket.socket) -> None:
+    def reading(self, conn: socket.socket) -> None:
+        """``conn`` carries a request (its first byte is in): counted once it settles."""
         with self._lock:
             if conn in self._unsettled:
                 self._unsettled[conn] = True
 
-    def _settled(self, conn: socket.socket) -> None:
+    def settled(self, conn: socket.socket) -> None:
+        """``conn``'s request is counted (or the connection closed): no longer waited for."""
         with self._lock:
             self._unsettled.pop(conn, None)
 
     def shutdown_request(self, request: Any) -> None:
         """Closed (on every path: answered, refused, failed, or its thread never started)."""
-        self._settled(request)
+        self.settled(request)
         super().shutdown_request(request)
 
     def quiesce(self, timeout: float = 10.0) -> bool:

@@ -362,7 +362,10 @@ async def run_stdio(server: Any, *, max_line_bytes: int = MAX_LINE_BYTES) -> Non
     """Serve ``server`` (an ``MCPServer``/``FastMCP``) over stdio behind :class:`GuardedStdin`."""
     from mcp.server.stdio import stdio_server
 
-    lowlevel = getattr(server, "_lowlevel_server", None) or server._mcp_server
+    # The SDK's servers keep their low-level Server private (``_lowlevel_server`` on
+    # MCPServer, ``_mcp_server`` on FastMCP) and their public run_stdio_async reads the
+    # process's stdin unguarded: the only way to put GuardedStdin in front is this one.
+    lowlevel = getattr(server, "_lowlevel_server", None) or server._mcp_server  # noqa: SLF001
     guard = GuardedStdin(max_line_bytes=max_line_bytes)
     async with stdio_server(stdin=guard) as (read_stream, write_stream):  # type: ignore[arg-type]
         guard.attach(write_stream)

@@ -20,6 +20,11 @@ raised :class:`BudgetExceeded`         ``fail`` budget: dead at once; ``wait`` b
                                        ``retry_in``, clamped as a RetryLater delay)
 raised :class:`Cancelled`              failed, not retried (the row ends ``cancelled``)
 raised :class:`LeaseLost`              nothing recorded: another worker owns the request
+ran past ``max_runtime``               failed, retried after the backoff whatever
+(:class:`MaxRuntimeExceeded`; Celery's ``retry_on`` says (dead at ``max_attempts``),
+``SoftTimeLimitExceeded``; or no       error type ``MaxRuntimeExceeded``; not a crash
+outcome when the lease ended at the    (``crash_attempts`` unchanged)
+run deadline)
 raised an error marked ``retryable``   failed, retried after the backoff (e.g.
                                        :class:`LockUnavailable`)
 raised an exception of ``retry_on``    failed, retried after the backoff
@@ -31,8 +36,19 @@ KeyboardInterrupt)                     wrong; ``interrupted`` tells the runner t
 =====================================  ====================================================
 
 A failed run is dead once its attempts reach the stage's ``max_attempts``: the store
-decides that, on the row, in the failure's own statement. An error or result the store
-refuses is recorded as a brief error (:func:`brief_error`), the retry decision kept.
+decides that, on the row, in the failure's own statement.
+
+A run past ``max_runtime`` gets the same row under every runner. The Celery stage task
+records it itself (Celery's soft time limit raises in the body at ``max_runtime``). A
+body no one can interrupt (a standalone worker's thread, a pull worker's) keeps running,
+but heartbeats stop extending its lease at the run deadline (claim time +
+``max_runtime``, database clock); the sweeper then records the failure as this table
+says (:data:`~onceflow.queue.sweep.OVERRAN_ERROR`) instead of rescuing a crash, and the
+body's late writes are fenced off. The request runs again only after the backoff, under
+a new claim: never two runs at once under live claims.
+
+An error or result the store refuses is recorded as a brief error (:func:`brief_error`),
+the retry decision kept.
 """
 
 from __future__ import annotations
@@ -47,6 +63,7 @@ from onceflow.errors import (
     Cancelled,
     InvalidRequest,
     LeaseLost,
+    MaxRuntimeExceeded,
     PermanentError,
     RetryLater,
 )
@@ -117,6 +134,8 @@ def decide(exc: BaseException, *, retry_on: RetryOn = None, max_delay: float) ->
     if isinstance(exc, BudgetExceeded):  # a `wait` budget: at the next period; `fail`: dead
         retry_in = clamp_delay(exc.retry_in, max_delay) if exc.waits else None
         return failed(error_payload(exc), retryable=exc.waits, retry_in=retry_in)
+    if isinstance(exc, MaxRuntimeExceeded):  # retry_on has no say: an overrun is retried
+        return failed(error_payload(exc), retryable=True)
     if isinstance(exc, PermanentError | InvalidRequest):  # OutOfScope is a PermanentError
         return failed(error_payload(exc), retryable=False)
     if not isinstance(exc, Exception):  # SystemExit, KeyboardInterrupt, CancelledError…

@@ -1,9 +1,13 @@
-"""Writing one run's :class:`~onceflow.lifecycle.outcome.Outcome` to the queue.
+"""Writing runs' :class:`~onceflow.lifecycle.outcome.Outcome` to the queue.
 
-One write per outcome, retried at one level only: the queue's fenced write rides out a
-database blip for as long as the claim's lease may hold (:meth:`Queue.fail`,
-:meth:`Queue.finish`); a run whose write still fails is left as it is — the database
-alone decides whether the lease holds, and the sweeper rescues a lapsed one.
+:func:`record` writes one run's outcome (the Celery stage task, the HTTP routes);
+:func:`record_many` writes many in a few round trips (the standalone worker's completer:
+one statement for the successes, one for the failures — group commit). Both end the same
+way for the same outcome. Each write is retried at one level only: the queue's fenced
+write rides out a database blip for as long as the claim's lease may hold
+(:meth:`Queue.fail`, :meth:`Queue.finish` and their batch forms); a run whose write
+still fails is reported as not recorded (``*_unknown``) — the database alone decides
+whether the lease holds, and the sweeper rescues a lapsed one.
 
 A result the store refuses (too large, too deep, not JSON) fails the run permanently
 with the refusal as its error; an error the store refuses is recorded as a brief one
@@ -13,7 +17,7 @@ with the refusal as its error; an error the store refuses is recorded as a brief
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -23,7 +27,7 @@ from onceflow.lifecycle.outcome import Outcome, brief_error, failed
 from onceflow.models.requests import Request
 from onceflow.models.status import Status
 from onceflow.payloads import error_payload
-from onceflow.queue import Queue
+from onceflow.queue import Failure, Queue
 
 log = logging.getLogger("onceflow.lifecycle")
 
@@ -89,4 +93,90 @@ def _fail(
     return {"outcome": FAILED_AS.get(row.status, row.status.value), "status": row.status.value}
 
 
-__all__ = ["FAILED_AS", "record"]
+def record_many(
+    queue: Queue, runs: Sequence[tuple[StageContext, Outcome]], turn: Turn = nullcontext
+) -> list[dict[str, Any]]:
+    """Write the outcomes of many claims (of one database): each as :func:`record` would.
+
+    Successes without hand-offs go in one statement (:meth:`Queue.complete_many`),
+    failures in another (:meth:`Queue.fail_many`), each row fenced by its own claim; a
+    success that hands off is written alone (its follow-ups in the completion's
+    transaction). A batch the store refuses as a whole (a result or error over a payload
+    limit) is written again row by row, where :func:`record` fails a refused result
+    permanently and shortens a refused error. ``turn`` is held around each write.
+
+    Returns, in input order, what :func:`record` returns first: ``{"outcome": …}``, with
+    ``completion_unknown`` / ``failure_unknown`` for rows the database did not confirm
+    (the caller may try them again while their leases may hold), and ``not_recorded`` for
+    a run whose outcome the store refuses even in brief (its lease is left to lapse).
+    """
+    out: list[dict[str, Any] | None] = [None] * len(runs)
+    plain: list[int] = []
+    failing: list[int] = []
+    for i, (ctx, outcome) in enumerate(runs):
+        if outcome.kind == "lease_lost":
+            out[i] = {"outcome": "lease_lost"}
+        elif outcome.kind == "failed":
+            failing.append(i)
+        elif ctx.handoffs:  # follow-ups are enqueued in the completion's transaction
+            out[i] = _record_one(queue, ctx, outcome, turn)
+        else:
+            plain.append(i)
+    if plain:
+        items = [(runs[i][0].claim, runs[i][1].result) for i in plain]
+        _batch(queue, runs, plain, out, turn, lambda: queue.complete_many(items), "completion")
+    if failing:
+        failures = [_failure(*runs[i]) for i in failing]
+        _batch(queue, runs, failing, out, turn, lambda: queue.fail_many(failures), "failure")
+    return [o if o is not None else {"outcome": "lease_lost"} for o in out]
+
+
+def _record_one(queue: Queue, ctx: StageContext, outcome: Outcome, turn: Turn) -> dict[str, Any]:
+    """:func:`record` of one run of a batch: never raises for that run alone (a brief
+    error refused too, under a payload limit set absurdly low, is ``not_recorded``)."""
+    try:
+        return record(queue, ctx, outcome, turn)[0]
+    except InvalidRequest as exc:
+        log.error("request %s: the outcome cannot be stored: %s", ctx.claim.request_id, exc)
+        return {"outcome": "not_recorded", "error": str(exc)}
+
+
+def _failure(ctx: StageContext, outcome: Outcome) -> Failure:
+    return Failure(ctx.claim, outcome.error, outcome.retryable, outcome.retry_in)
+
+
+def _batch(
+    queue: Queue,
+    runs: Sequence[tuple[StageContext, Outcome]],
+    picked: list[int],
+    out: list[dict[str, Any] | None],
+    turn: Turn,
+    write: Callable[[], Sequence[Request | LeaseLost]],
+    what: str,
+) -> None:
+    """One batch statement for the runs ``picked``; its answers go to ``out``."""
+    try:
+        with turn():
+            rows = write()
+    except InvalidRequest as exc:  # refused as a whole: each row on its own, as record does
+        log.warning("a batch of %d %s(s) was refused (%s); writing them one by one",
+                    len(picked), what, exc)  # fmt: skip
+        for i in picked:
+            out[i] = _record_one(queue, *runs[i], turn)
+        return
+    except OnceflowError as exc:  # the database stayed away past the fenced write's window
+        log.error("%d %s(s) not recorded: %s", len(picked), what, exc)
+        for i in picked:
+            out[i] = {"outcome": f"{what}_unknown", "error": str(exc)}
+        return
+    for i, row in zip(picked, rows, strict=True):
+        if isinstance(row, LeaseLost):
+            out[i] = {"outcome": "lease_lost"}
+        elif runs[i][1].kind == "succeeded":
+            out[i] = {"outcome": "succeeded"}
+        else:
+            out[i] = {"outcome": FAILED_AS.get(row.status, row.status.value),
+                      "status": row.status.value}  # fmt: skip
+
+
+__all__ = ["FAILED_AS", "record", "record_many"]

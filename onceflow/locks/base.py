@@ -244,7 +244,12 @@ class HeldLock(Generic[B]):
         if self._lost:
             raise LockLost(self.key, self._lost_detail)
 
-    def _mark_lost(self, detail: str) -> None:
+    def mark_lost(self, detail: str) -> None:
+        """Record the lock as lost (``detail``: why), counted once as ``locks_lost``.
+
+        Called by the handle itself and by its watchdog (another thread) when the server
+        refuses an extend or the release.
+        """
         with self._state:
             if self._lost:
                 return
@@ -283,7 +288,7 @@ class LockHandle(HeldLock[LockBackend]):
         ttl_ms = self.ttl_ms if ttl is None else ttl_to_ms(ttl)
         if self.backend.cad_extend(self, ttl_ms):
             return True
-        self._mark_lost("extend refused: the lock expired or was taken")
+        self.mark_lost("extend refused: the lock expired or was taken")
         return False
 
     def release(self) -> bool:
@@ -300,7 +305,7 @@ class LockHandle(HeldLock[LockBackend]):
         with self._state:
             self._released = True
         if not held:
-            self._mark_lost("released after it expired or was taken")
+            self.mark_lost("released after it expired or was taken")
         return held
 
     def start_watchdog(self) -> None:
@@ -355,7 +360,7 @@ class AsyncLockHandle(HeldLock[AsyncLockBackend]):
         ttl_ms = self.ttl_ms if ttl is None else ttl_to_ms(ttl)
         if await self.backend.cad_extend(self, ttl_ms):
             return True
-        self._mark_lost("extend refused: the lock expired or was taken")
+        self.mark_lost("extend refused: the lock expired or was taken")
         return False
 
     async def release(self) -> bool:
@@ -370,7 +375,7 @@ class AsyncLockHandle(HeldLock[AsyncLockBackend]):
         held = bool(await self.backend.cad_release(self))  # 2: an earlier send released it
         self._released = True
         if not held:
-            self._mark_lost("released after it expired or was taken")
+            self.mark_lost("released after it expired or was taken")
         return held
 
     async def start_watchdog(self) -> None:
@@ -403,7 +408,7 @@ class AsyncLockHandle(HeldLock[AsyncLockBackend]):
                 log.warning("compute lock %s: extend failed: %s", self.key, exc)
                 continue
             if not held:
-                self._mark_lost("watchdog extend refused: the lock expired or was taken")
+                self.mark_lost("watchdog extend refused: the lock expired or was taken")
                 return
 
     # The async context-manager protocol (alike by shape everywhere): Python fixes its signature.
@@ -441,7 +446,7 @@ class _Watchdog(threading.Thread):
                 log.warning("compute lock %s: extend failed: %s", handle.key, exc)
                 continue
             if not held:
-                handle._mark_lost("watchdog extend refused: the lock expired or was taken")
+                handle.mark_lost("watchdog extend refused: the lock expired or was taken")
                 return
 
     def stop(self) -> None:

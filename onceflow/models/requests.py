@@ -235,9 +235,16 @@ class Dispatch:
 
 @dataclass(frozen=True, slots=True)
 class SweepResult:
-    """What one sweep did; the Celery runtime sends ``to_dispatch``."""
+    """What one sweep did; the Celery runtime sends ``to_dispatch``.
+
+    ``rescued``: lapsed leases queued again now (a crash); ``quarantined``: lapsed leases
+    ended dead or cancelled; ``overran``: runs whose lease ended at their run deadline
+    (``max_runtime``), failed as ``MaxRuntimeExceeded`` — queued again after the backoff,
+    or dead at ``max_attempts``.
+    """
 
     rescued: list[RequestId]
     quarantined: list[RequestId]
     to_dispatch: list[Dispatch]
     pruned: int = 0
+    overran: list[RequestId] = field(default_factory=list)

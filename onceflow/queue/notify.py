@@ -225,6 +225,10 @@ class _Listener:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def stop(self) -> None:
+        """Tell the thread to end (it does at its next tick); :meth:`close` waits for it."""
+        self._stop.set()
+
     def close(self) -> None:
         self._stop.set()
         if self._thread is not threading.current_thread():
@@ -281,8 +285,8 @@ class _Listeners:
         return _moved(self.listeners, marks)
 
     def close(self) -> None:
-        for listener in self.listeners:
-            listener._stop.set()
+        for listener in self.listeners:  # all told first: their threads end side by side
+            listener.stop()
         for listener in self.listeners:
             listener.close()
 

@@ -235,6 +235,13 @@ _CLAIM_SETS = f"""lease_seconds = {_LEASE},
     ended_run = NULL"""
 
 
+# A running row whose lease ended at (or past) its run deadline: the run went past its
+# max_runtime, not a crash. Never taken over by a claim (nor waited for as claimable): the
+# sweeper records it as a failed attempt retried after the backoff (RESCUE_EXPIRED; the
+# outcome table's rule, onceflow.lifecycle.outcome).
+_OVERRAN = "(w.run_deadline IS NOT NULL AND w.lease_expires_at >= w.run_deadline)"
+
+
 # Claim one request by id: queued and due, or running under a lease that lapsed (a crash,
 # counted in crash_attempts) while attempts and the crash budget remain. One statement:
 # a concurrent claimer blocks on the row lock, re-checks the WHERE and gets nothing.
@@ -260,7 +267,8 @@ WHERE {_by_id(ws)}
      OR (w.status = 'running' AND w.lease_expires_at <= n.now
          AND NOT w.cancel_requested
          AND w.attempts < w.max_attempts
-         AND w.crash_attempts + 1 < w.max_crash_attempts)
+         AND w.crash_attempts + 1 < w.max_crash_attempts
+         AND NOT {_OVERRAN})
   )
 -- The row as this statement's snapshot saw it (a statement never sees its own changes):
 -- running means this claim took over a lapsed lease (metrics only).
@@ -305,7 +313,8 @@ lapsed AS (
       AND w.lease_expires_at <= {_NOW_EXPR}
       AND NOT w.cancel_requested
       AND w.attempts < w.max_attempts
-      AND w.crash_attempts + 1 < w.max_crash_attempts{scope}
+      AND w.crash_attempts + 1 < w.max_crash_attempts
+      AND NOT {_OVERRAN}{scope}
     ORDER BY w.lease_expires_at
     LIMIT {limit}
     FOR UPDATE OF w SKIP LOCKED
@@ -487,6 +496,14 @@ _FINISH_RETURNING = "w.workspace_id, w.worker_class, w.stage, w.claimed_at, w.up
 FINISH = _by_key("queue.finish")(lambda ws: _complete(ws, _FINISH_RETURNING))
 
 
+def _backoff(attempts: str) -> str:
+    """The backoff of a failed run's retry before its jitter, an SQL expression: exponential
+    in the attempt number ``attempts`` from :backoff_base, capped at :backoff_max (as
+    Queue.backoff)."""
+    return f"""least(CAST(:backoff_max AS float8),
+          CAST(:backoff_base AS float8) * power(2, least(greatest({attempts} - 1, 0), 60)))"""
+
+
 # The next status of a failed run: cancelled if cancel was requested, queued again if
 # retryable with attempts left, else dead. The error is always kept. Queued again after
 # :delay seconds, or (NULL) after the backoff of the row's attempt number: exponential from
@@ -501,8 +518,7 @@ nxt AS (
         WHEN :retryable AND w.attempts < w.max_attempts THEN 'queued'
         ELSE 'dead'
     END AS status,
-    least(CAST(:backoff_max AS float8),
-          CAST(:backoff_base AS float8) * power(2, least(greatest(w.attempts - 1, 0), 60)))
+    {_backoff("w.attempts")}
         AS backoff
     FROM {TABLE} w WHERE {_by_id(ws)}
     FOR UPDATE OF w
@@ -619,7 +635,8 @@ SELECT CAST(EXTRACT(EPOCH FROM least(
         WHERE w.status = 'running' AND w.worker_class = c.wc
           AND NOT w.cancel_requested
           AND w.attempts < w.max_attempts
-          AND w.crash_attempts + 1 < w.max_crash_attempts{scope}
+          AND w.crash_attempts + 1 < w.max_crash_attempts
+          AND NOT {_OVERRAN}{scope}
         ORDER BY w.lease_expires_at LIMIT 1) l)
 ) - n.now) AS float8) AS next_in
 FROM n
@@ -719,23 +736,28 @@ _STALE = f"""w.dispatched_at <= n.now - make_interval(secs => CAST(:redispatch_a
 
 # Lapsed leases, in one compare-and-set statement (never read-then-update): each row is
 # requeued, or quarantined as dead past its attempts or crash budget, or cancelled if that
-# was requested. Only rows whose *current* lease lapsed are touched. A requeued row gets a
-# fresh wake-up from the sweeper (its re-send count starts again).
+# was requested. Only rows whose *current* lease lapsed are touched. The next status is read
+# from the row as locked (FOR UPDATE re-reads a row changed since the statement's snapshot),
+# never from another scan of the table: a cancel committed after the statement began,
+# before this row was locked, is seen. A requeued row gets a
+# fresh wake-up from the sweeper (its re-send count starts again). A run whose lease ended
+# at its run deadline (_OVERRAN) is no crash: it is failed as the outcome table fails a run
+# past max_runtime — :overran_error kept, queued again after the backoff of its attempt
+# (as FAIL's) or dead at max_attempts, crash_attempts unchanged; its retry's wake-up is
+# sent once due.
 RESCUE_EXPIRED = Statement.write(
     "queue.rescue_expired",
     f"""
 WITH n AS ({_NOW}),
 nxt AS (
-    -- The next status is read from the row as locked (FOR UPDATE re-reads a row changed
-    -- since the statement's snapshot), never from another scan of the table: a cancel
-    -- committed after the statement began, before this row was locked, is seen.
-    SELECT w.workspace_id, w.request_id, CASE
+    SELECT w.workspace_id, w.request_id, w.attempts, o.overran, CASE
         WHEN w.cancel_requested THEN 'cancelled'
+        WHEN o.overran THEN CASE WHEN w.attempts < w.max_attempts THEN 'queued' ELSE 'dead' END
         WHEN w.crash_attempts + 1 >= w.max_crash_attempts OR w.attempts >= w.max_attempts
             THEN 'dead'
         ELSE 'queued'
     END AS status
-    FROM {TABLE} w, n
+    FROM {TABLE} w, n, LATERAL (SELECT {_OVERRAN} AS overran) o
     WHERE w.status = 'running' AND w.lease_expires_at <= n.now
       AND {_STAGES}
       AND (CAST(:worker_classes AS text[]) IS NULL
@@ -747,25 +769,32 @@ nxt AS (
 upd AS (
 UPDATE {TABLE} AS w SET
     status = nxt.status,
-    crash_attempts = w.crash_attempts + 1,
+    crash_attempts = w.crash_attempts + CASE WHEN nxt.overran THEN 0 ELSE 1 END,
     claim_token = NULL,
     lease_expires_at = NULL,
-    run_after = CASE WHEN nxt.status = 'queued' THEN n.now ELSE w.run_after END,
-    dispatched_at = CASE WHEN nxt.status = 'queued' THEN n.now ELSE w.dispatched_at END,
+    run_after = CASE WHEN nxt.status <> 'queued' THEN w.run_after
+                     WHEN nxt.overran THEN n.now + make_interval(secs => b.backoff / 2
+                                                                 + random() * b.backoff / 2)
+                     ELSE n.now END,
+    -- An overrun's retry is sent once due, as a failure's (dispatched_at NULL).
+    dispatched_at = CASE WHEN nxt.status <> 'queued' THEN w.dispatched_at
+                         WHEN nxt.overran THEN NULL ELSE n.now END,
     redispatch_count = CASE WHEN nxt.status = 'queued' THEN 0 ELSE w.redispatch_count END,
     finished_at = CASE WHEN nxt.status = 'queued' THEN NULL ELSE n.now END,
-    error = CASE WHEN nxt.status = 'dead' THEN jsonb_build_object(
+    error = CASE WHEN nxt.overran THEN CAST(:overran_error AS jsonb)
+                 WHEN nxt.status = 'dead' THEN jsonb_build_object(
         'type', 'LeaseLapsed',
         'message', 'lease lapsed without completion ' || (w.crash_attempts + 1)
                    || ' time(s); attempts ' || w.attempts || '/' || w.max_attempts
                    || ', crash budget ' || w.max_crash_attempts,
         'previous', w.error) ELSE w.error END,
     updated_at = n.now
-FROM nxt, n
+FROM nxt, n, LATERAL (SELECT {_backoff("nxt.attempts")} AS backoff) b
 WHERE w.workspace_id = nxt.workspace_id AND w.request_id = nxt.request_id
-RETURNING w.request_id, w.workspace_id, w.status, w.stage, w.worker_class
+RETURNING w.request_id, w.workspace_id, w.status, w.stage, w.worker_class, nxt.overran,
+    w.run_after
 ),
-sig AS ({_notify("upd", "r.status = 'queued'")})
+sig AS ({_notify("upd", "r.status = 'queued' AND r.run_after <= n.now")})
 SELECT * FROM upd WHERE {_SENT}
 """,
 )

@@ -25,6 +25,7 @@ on only once the callback has returned, so the order above holds on both.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections import Counter
@@ -34,7 +35,7 @@ from datetime import datetime
 from typing import Any
 
 from onceflow.connector import Call, Execute, FetchAll, FetchOne, Query, Steps, operation
-from onceflow.errors import InvalidRequest
+from onceflow.errors import InvalidRequest, MaxRuntimeExceeded
 from onceflow.ids import RequestId, check_id, check_worker_class
 from onceflow.metrics import record as metrics
 from onceflow.models.requests import Dispatch, SweepResult
@@ -43,6 +44,14 @@ from onceflow.queue import sql
 from onceflow.settings import Settings
 
 log = logging.getLogger("onceflow.sweep")
+
+#: The error a run past its ``max_runtime`` is failed with when the sweeper finds its lease
+#: ended at the run deadline: what :func:`onceflow.lifecycle.decide` records for
+#: :class:`MaxRuntimeExceeded` (its type and message).
+OVERRAN_ERROR: dict[str, str] = {
+    "type": MaxRuntimeExceeded.__name__,
+    "message": str(MaxRuntimeExceeded()),
+}
 
 #: ``send(batch)``: publish the wake-ups of rows a sweep statement has just marked dispatched
 #: (on AsyncQueue it may also be a coroutine function; a plain one runs in a worker thread).
@@ -96,19 +105,30 @@ class Sweeper:
     ) -> Steps[SweepResult]:
         """Requeue (or quarantine) requests whose lease lapsed, in one compare-and-set.
 
+        A run whose lease ended at its run deadline (claim time + ``max_runtime``) went
+        past its ``max_runtime``: it is failed with :data:`OVERRAN_ERROR`, queued again
+        after the backoff (or dead at ``max_attempts``) and not counted as a crash — the
+        outcome table's rule (:func:`onceflow.lifecycle.decide` of
+        :class:`~onceflow.errors.MaxRuntimeExceeded`), listed in ``overran``.
+
         ``stages``: only requests of these stages; ``worker_classes``: only requests of
         these classes (the standalone worker's rescue-only sweep). None: every one.
         """
         params = {
             "limit": _limit(limit), "stages": _stages(stages), "now": now,
             "worker_classes": _classes(worker_classes), "notify": self.settings.notify,
+            "overran_error": json.dumps(OVERRAN_ERROR),
+            "backoff_base": float(self.settings.backoff_base_seconds),
+            "backoff_max": float(self.settings.backoff_max_seconds),
         }  # fmt: skip
         rows = yield FetchAll(sql.RESCUE_EXPIRED, params)
         metrics.reclaimed(rows)
-        rescued = [RequestId(r["request_id"]) for r in rows if r["status"] == Status.QUEUED]
-        dead = [RequestId(r["request_id"]) for r in rows if r["status"] != Status.QUEUED]
-        dispatch = [_dispatch(r) for r in rows if r["status"] == Status.QUEUED]
-        return SweepResult(rescued=rescued, quarantined=dead, to_dispatch=dispatch)
+        crashed = [r for r in rows if not r["overran"]]
+        rescued = [RequestId(r["request_id"]) for r in crashed if r["status"] == Status.QUEUED]
+        dead = [RequestId(r["request_id"]) for r in crashed if r["status"] != Status.QUEUED]
+        dispatch = [_dispatch(r) for r in crashed if r["status"] == Status.QUEUED]
+        overran = [RequestId(r["request_id"]) for r in rows if r["overran"]]
+        return SweepResult(rescued=rescued, quarantined=dead, to_dispatch=dispatch, overran=overran)
 
     @operation
     def due_for_dispatch(
@@ -297,6 +317,7 @@ class Sweeper:
             quarantined=rescued.quarantined,
             to_dispatch=rescued.to_dispatch + due,
             pruned=pruned,
+            overran=rescued.overran,
         )
 
 
@@ -358,7 +379,7 @@ def _age(name: str, value: float | None) -> float | None:
     return None if value is None else _seconds(name, value, positive=True, most=_AGE_MAX)
 
 
-__all__ = ["Backlog", "Send", "SweepTurn", "Sweeper"]
+__all__ = ["OVERRAN_ERROR", "Backlog", "Send", "SweepTurn", "Sweeper"]
 
 
 def _dispatch(row: Any) -> Dispatch:

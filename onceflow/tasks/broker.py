@@ -35,6 +35,7 @@ import functools
 import importlib
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from queue import Empty  # what kombu's channels raise when nothing was read
 from typing import Any
@@ -48,6 +49,9 @@ kombu_redis: Any = importlib.import_module("kombu.transport.redis")
 KombuConnection: Any = importlib.import_module("kombu.connection").Connection
 
 log = logging.getLogger("onceflow.broker")
+
+#: The apps :func:`harden` was applied to (their workers guard ``_process_task``).
+_hardened: weakref.WeakSet[Celery] = weakref.WeakSet()
 
 #: The keys an envelope must have for kombu to make a message of it.
 _ENVELOPE_PROPERTIES = ("delivery_tag", "delivery_info")
@@ -108,7 +112,9 @@ class Channel(kombu_redis.Channel):
     def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
         """Register the consumer, then guard the delivery of each of its messages."""
         ret = super().basic_consume(queue, *args, **kwargs)
-        callbacks = self.connection._callbacks
+        # kombu's virtual transport keeps each queue's delivery callback in the connection's
+        # private map and offers no hook around a delivery: the guard wraps the entry.
+        callbacks = self.connection._callbacks  # noqa: SLF001
         inner = callbacks.get(queue)
         if inner is not None and not isinstance(inner, functools.partial):
             callbacks[queue] = functools.partial(self._deliver_guarded, queue, inner)
@@ -142,7 +148,9 @@ class Channel(kombu_redis.Channel):
 
     def _reject_quietly(self, delivery_tag: str) -> None:
         try:
-            if delivery_tag in self.qos._delivered:
+            # kombu's QoS has no public "is this tag still unacknowledged"; reject() of a tag
+            # already gone raises, so its private map of delivered tags is asked first.
+            if delivery_tag in self.qos._delivered:  # noqa: SLF001
                 self.qos.reject(delivery_tag, requeue=False)
         except Exception as exc:  # the message may be gone already: nothing more to do
             log.warning("could not reject a malformed message: %s", type(exc).__name__)
@@ -328,9 +336,14 @@ def harden(app: Celery) -> None:
     amqp = app.amqp
     if amqp.Connection is KombuConnection:
         amqp.Connection = Connection
-    if not getattr(app, "_onceflow_hardened", False):
+    if app not in _hardened:
         app.steps["consumer"].add(TaskMessageGuard)
-    app._onceflow_hardened = True
+    _hardened.add(app)
+
+
+def hardened(app: object) -> bool:
+    """Whether :func:`harden` was applied to ``app`` (a Flow's app; None: no)."""
+    return app in _hardened  # (a WeakSet answers False for what it cannot hold)
 
 
 @worker_init.connect
@@ -342,9 +355,11 @@ def _guard_process_task(sender: Any = None, **_: Any) -> None:
     slot forever — with one slot, the worker never ran another task. Runs in
     ``worker_init``, before the worker's Pool step binds ``process_task``.
     """
-    if sender is None or not getattr(getattr(sender, "app", None), "_onceflow_hardened", False):
+    if sender is None or not hardened(getattr(sender, "app", None)):
         return
-    original = sender._process_task
+    # Celery's WorkController binds its pool's entry point as the private _process_task and
+    # offers no hook around it (task_prerun runs in the pool, after the slot is taken).
+    original = sender._process_task  # noqa: SLF001
 
     def process_task(req: Any) -> None:
         try:
@@ -361,10 +376,12 @@ def _guard_process_task(sender: Any = None, **_: Any) -> None:
                 req.reject(requeue=False)
             except Exception as reject_exc:  # the message may be gone: nothing to do
                 log.warning("could not reject it: %s", type(reject_exc).__name__)
-            if sender.process_task == sender._process_task_sem:
-                sender._quick_release()  # the slot _process_task_sem took for it
+            # Celery's semaphore variant (_process_task_sem) took a pool slot; only its
+            # private _quick_release gives that slot back outside the pool's callbacks.
+            if sender.process_task == sender._process_task_sem:  # noqa: SLF001
+                sender._quick_release()  # noqa: SLF001
 
-    sender._process_task = process_task
+    sender._process_task = process_task  # noqa: SLF001 (the wrapped entry point, as above)
 
 
 __all__ = [
@@ -375,4 +392,5 @@ __all__ = [
     "Transport",
     "envelope_problem",
     "harden",
+    "hardened",
 ]

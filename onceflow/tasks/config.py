@@ -201,8 +201,9 @@ def celery_config(
 def user_sets(conf: Any, key: str) -> bool:
     """Whether ``key`` is set on ``conf`` (a Celery app's configuration) by anyone but
     Celery's own defaults: ``conf.update``, ``config_from_object``, ``Celery(broker=…)``."""
-    keys = conf._to_keys(key)  # the new and old spellings (task_serializer, CELERY_…)
-    return any(k in layer for layer in conf.maps[:-1] for k in keys)
+    # Celery's own check: every layer but its defaults, under the new and old spellings
+    # of the key (task_serializer, CELERY_TASK_SERIALIZER) and the app's namespace.
+    return bool(conf.value_set_for(key))
 
 
 def guest_config(

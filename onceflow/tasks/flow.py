@@ -150,6 +150,7 @@ class Flow:
             return {
                 "rescued": len(result.rescued),
                 "quarantined": len(result.quarantined),
+                "overran": len(result.overran),
                 "dispatched": len(result.to_dispatch),
                 "pruned": result.pruned,
             }
@@ -607,6 +608,7 @@ class Flow:
             quarantined=[r for d in done for r in d.quarantined],
             to_dispatch=[r for d in done for r in d.to_dispatch],
             pruned=sum(d.pruned for d in done),
+            overran=[r for d in done for r in d.overran],
         )
 
     def _sweep_shard(

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
+from celery.exceptions import SoftTimeLimitExceeded
 from pydantic import ValidationError
 
 from onceflow.context import StageContext, oplog_for, to_json_result
@@ -24,6 +25,7 @@ from onceflow.errors import (
     DatabaseUnavailable,
     InvalidRequest,
     LeaseLost,
+    MaxRuntimeExceeded,
     NotFound,
     OnceflowError,
     PermanentError,
@@ -237,7 +239,7 @@ def run_claimed(
         try:
             ran = succeeded(_run_body(spec, ctx, claim))
         except BaseException as exc:  # also SystemExit, KeyboardInterrupt: recorded, re-raised
-            ran = decide(exc, retry_on=is_retryable, max_delay=_max_delay(queue))
+            ran = decide(_as_overrun(exc), retry_on=is_retryable, max_delay=_max_delay(queue))
             if isinstance(exc, Exception) and not isinstance(exc, _EXPECTED):
                 log.exception("request %s: stage %s raised", request_id, spec.name)
             if ran.interrupted:
@@ -278,6 +280,14 @@ def _run_body(spec: StageSpec, ctx: StageContext, claim: Claim) -> Any:
         result = to_json_result(spec.func(ctx, data))
     ctx.check()
     return result
+
+
+def _as_overrun(exc: BaseException) -> BaseException:
+    """Celery's soft time limit (= the stage's ``max_runtime``) as the outcome table names a
+    run past it: :class:`MaxRuntimeExceeded`, with the body's traceback (where it was)."""
+    if isinstance(exc, SoftTimeLimitExceeded):
+        return MaxRuntimeExceeded().with_traceback(exc.__traceback__)
+    return exc
 
 
 def _max_delay(queue: Queue) -> float:

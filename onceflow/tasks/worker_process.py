@@ -22,6 +22,7 @@ from celery.signals import (
 )
 
 from onceflow.db import dispose_engines, hold_connections, release_connections, size_pools_for
+from onceflow.tasks.broker import hardened
 
 
 @worker_init.connect
@@ -48,7 +49,7 @@ _frozen_for_fork = False
 def _freeze_before_forks(sender: Any = None, **_: Any) -> None:
     """Only for the workers of a Flow's app (a Flow hardens its app)."""
     global _freeze_forks
-    _freeze_forks = bool(getattr(getattr(sender, "app", None), "_onceflow_hardened", False))
+    _freeze_forks = hardened(getattr(sender, "app", None))
 
 
 @worker_before_create_process.connect

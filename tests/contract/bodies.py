@@ -8,6 +8,7 @@ The same Python functions run under a real Celery worker, the standalone
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from pydantic import BaseModel
@@ -26,6 +27,9 @@ JS = "k-js"
 CLASSES = (WORKER, PULL, JS)
 #: A result over the payload limit the contract's processes run with.
 PAYLOAD_LIMIT = 100_000
+#: The overrunning case's run bound and lease (seconds): heartbeats every 0.2 s.
+OVERRUN_RUNTIME = 1.5
+OVERRUN_LEASE = 0.6
 
 
 class Empty(BaseModel):
@@ -66,6 +70,16 @@ def refused_result(ctx: WorkContext) -> Any:
     return {"blob": "x" * (2 * PAYLOAD_LIMIT)}
 
 
+def overruns(ctx: WorkContext) -> Any:
+    # Works until told to stop, checking in: under Celery its soft time limit raises in
+    # here at max_runtime; under the other runners ctx.check() raises once the lease ended
+    # at the run deadline (claim time + max_runtime, database clock). Never returns.
+    idle = threading.Event()  # never set: a pause between check-ins, not a condition
+    while True:
+        ctx.check()
+        idle.wait(0.05)
+
+
 #: case -> (body, stage options)
 CASES: dict[str, tuple[Any, dict[str, Any]]] = {
     "succeed": (succeed, {}),
@@ -76,13 +90,17 @@ CASES: dict[str, tuple[Any, dict[str, Any]]] = {
     "retry_on_miss": (retry_on_miss, {"max_attempts": 2, "retry_on": (KeyError,)}),
     "exhausted": (exhausted, {"max_attempts": 3}),
     "refused_result": (refused_result, {"max_attempts": 2}),
+    "overruns": (
+        overruns,
+        {"max_attempts": 2, "max_runtime": OVERRUN_RUNTIME, "lease_seconds": OVERRUN_LEASE},
+    ),
 }
 
 
 def _declare(case: str, body: Any, options: dict[str, Any]) -> None:
     @flow.stage(
         f"k_{case}", input=Empty, worker_class=CELERY, alternate_worker_classes=CLASSES,
-        lease_seconds=10, **options,
+        **{"lease_seconds": 10, **options},
     )  # fmt: skip
     def stage(ctx: Any, data: Empty) -> Any:
         return body(ctx)

@@ -32,6 +32,10 @@ const bodies = {
   retry_on_miss: () => { throw new ValueError("not in retry_on"); },
   exhausted: (ctx) => { throw new RuntimeError(`boom on attempt ${ctx.attempt}`); },
   refused_result: () => ({ blob: "x".repeat(2 * PAYLOAD_LIMIT) }),
+  // Works until told to stop: ctx.signal aborts once the lease ended at the run deadline.
+  overruns: (ctx) => new Promise((_, reject) => {
+    ctx.signal.addEventListener("abort", () => reject(ctx.signal.reason), { once: true });
+  }),
 };
 const retryOn = {
   retry_on_hit: (e) => e instanceof ValueError,

@@ -73,6 +73,10 @@ EXPECTED = {
     "retry_on_miss": Row("dead", 1, error="ValueError"),
     "exhausted": Row("dead", 3, error="RuntimeError"),
     "refused_result": Row("dead", 1, error="refused"),
+    # Past max_runtime: a failed attempt (not a crash), retried after the backoff, dead at
+    # max_attempts — whether the runner recorded it (Celery's soft time limit) or the
+    # sweeper did once the lease ended at the run deadline (the others).
+    "overruns": Row("dead", 2, error="MaxRuntimeExceeded"),
 }
 assert set(EXPECTED) == set(CASES)
 
@@ -149,7 +153,8 @@ def run_celery(case: str, api: str) -> Request:
 
 def run_worker(case: str, api: str) -> Request:
     rid = _enqueue(case, "worker", WORKER)
-    retry_on = flow.spec(f"k_{case}").retry_on
+    spec = flow.spec(f"k_{case}")
+    retry_on = spec.retry_on
 
     def handler(ctx: Any) -> Any:
         return body_of(ctx.stage)(ctx)
@@ -157,8 +162,10 @@ def run_worker(case: str, api: str) -> Request:
     def decides(exc: BaseException) -> bool:
         return retry_on is None or isinstance(exc, retry_on)
 
+    # The stage's terms, as a Celery worker takes them from its declaration. Beat sweeps.
     with Worker(None, WORKER, handler, concurrency=1, sweep=False, max_wait=0.5,
-                retry_on=decides):  # fmt: skip
+                retry_on=decides, lease_seconds=spec.lease_seconds,
+                max_runtime=spec.max_runtime):  # fmt: skip
         return settle(rid, case, "Worker")
 
 

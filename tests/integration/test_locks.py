@@ -358,8 +358,8 @@ def test_a_lost_lock_is_counted_before_anyone_sees_it_lost(backend: LockBackend,
             super().incr(workspace_id, name, n)
 
     backend.counters = Watching()
-    handle._mark_lost("taken in a test")
-    handle._mark_lost("taken again")  # counted once
+    handle.mark_lost("taken in a test")
+    handle.mark_lost("taken again")  # counted once
     assert seen == [False]
     assert handle.lost and backend.counters.snapshot(ws)["locks_lost"] == 1
 

@@ -18,6 +18,7 @@ from sqlalchemy import Engine, text
 from onceflow import Status
 from onceflow.context import StageContext as Ctx
 from onceflow.errors import InvalidRequest
+from onceflow.models.requests import SweepResult
 from onceflow.queue import Queue
 from onceflow.tasks import Flow, StageContext
 from onceflow.tasks.runtime import _heartbeats, run_request
@@ -28,7 +29,7 @@ class Empty(BaseModel):
     pass
 
 
-def test_a_hung_body_loses_its_lease_at_max_runtime_and_is_rescued(
+def test_a_hung_body_loses_its_lease_at_max_runtime_and_is_failed_as_overrun(
     clean_db: Engine, redis_url: str
 ) -> None:
     flow = Flow(name="runtime-test")
@@ -49,13 +50,20 @@ def test_a_hung_body_loses_its_lease_at_max_runtime_and_is_rescued(
     runner.start()
     try:
         wait_for(lambda: flow.queue.get(rid).status is Status.RUNNING, what="claimed")
-        # Heartbeats run every 0.2 s; the sweeper rescues only once the lease lapsed,
-        # which (database clock) is at claim time + max_runtime at the latest.
-        rescued = wait_for(lambda: flow.queue.rescue_expired().rescued, timeout=30,
-                           what="rescue of the hung run")  # fmt: skip
-        assert rescued == [rid]
+
+        # Heartbeats run every 0.2 s; the sweeper acts only once the lease lapsed, which
+        # (database clock) is at claim time + max_runtime: no crash, a failed attempt
+        # (MaxRuntimeExceeded) retried after the backoff.
+        def sweep() -> SweepResult | None:
+            result = flow.queue.rescue_expired()
+            return result if result.overran or result.rescued else None
+
+        swept = wait_for(sweep, timeout=30, what="the sweep of the hung run")
+        assert (swept.overran, swept.rescued, swept.to_dispatch) == ([rid], [], [])
         row = flow.queue.get(rid)
-        assert (row.status, row.crash_attempts) == (Status.QUEUED, 1)
+        assert (row.status, row.attempts, row.crash_attempts) == (Status.QUEUED, 1, 0)
+        assert row.error["type"] == "MaxRuntimeExceeded"
+        assert row.run_after > row.updated_at  # after the backoff, not at once
         with clean_db.connect() as conn:
             span = conn.execute(
                 text("SELECT extract(epoch FROM updated_at - created_at) FROM"

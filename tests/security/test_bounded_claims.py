@@ -6,7 +6,8 @@ heartbeat), an HTTP claim had no run deadline (heartbeats extended it, and the c
 with it, without end), ``fail`` postponed a retry by up to a year, and ``locks/extend`` with
 ``ttl_seconds=1e-9`` answered ``held: true`` while leaving the lock 1 ms to live, so the next
 acquire got it (a second paid call). Now each is refused with 422 ``invalid_request`` and
-changes nothing, and every HTTP claim ends at its stage's ``max_runtime`` (database clock).
+changes nothing, and every HTTP claim ends at its stage's ``max_runtime`` (database clock),
+where the sweeper fails the run as past its ``max_runtime`` (retried after the backoff).
 """
 
 from __future__ import annotations
@@ -26,10 +27,17 @@ from sqlalchemy import Engine, text
 from onceflow.integrations.fastapi import hash_key
 from onceflow.keys import lock_key
 from tests.acceptance.conftest import TEST_ENV, runtime  # noqa: F401 - the fixture
-from tests.acceptance.procs import api_server
+from tests.acceptance.procs import api_server, wait_for
 from tests.acceptance.test_http_api import auth
 from tests.conftest import table_snapshot
-from tests.security.bounded_stages import LEASE, LEASED, SHORT, SHORT_LEASE, SHORT_RUNTIME
+from tests.security.bounded_stages import (
+    LEASE,
+    LEASED,
+    SHORT,
+    SHORT_LEASE,
+    SHORT_RUNTIME,
+    flow,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("runtime")]
 
@@ -159,11 +167,20 @@ def test_a_claim_that_heartbeats_forever_loses_its_lease_at_max_runtime(
     assert beat.json()["code"] == "lease_lost"
     ended = row(clean_db, rid)
     assert ended["lease_expires_at"] <= ended["run_deadline"]  # never extended past it
-    # The request is rescued as any lapsed claim is: the next claim takes it over (run 2).
-    rescued = claim(http, SHORT, worker_id="rescuer")
-    assert rescued.status_code == 201, rescued.text
-    assert rescued.json()["request_id"] == rid and rescued.json()["attempt"] == 2
-    assert row(clean_db, rid)["crash_attempts"] == 1
+    # A run past max_runtime is no crash: no claim takes it over at once; the sweeper fails
+    # it (MaxRuntimeExceeded), to run again after the backoff.
+    nothing = claim(http, SHORT, worker_id="rescuer")
+    assert nothing.status_code == 204, nothing.text
+
+    def swept() -> bool:
+        flow.queue.rescue_expired(stages=["short_run"])
+        return bool(row(clean_db, rid)["status"] != "running")
+
+    wait_for(swept, what="the sweep of the run past max_runtime")
+    failed = row(clean_db, rid)
+    assert (failed["status"], failed["attempts"], failed["crash_attempts"]) == ("queued", 1, 0)
+    assert failed["error"]["type"] == "MaxRuntimeExceeded"
+    assert failed["run_after"] > failed["updated_at"]  # after the backoff
 
 
 def test_a_failure_cannot_postpone_its_retry_past_the_backoff_cap(

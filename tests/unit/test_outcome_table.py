@@ -11,12 +11,14 @@ from onceflow.errors import (
     InvalidRequest,
     LeaseLost,
     LockUnavailable,
+    MaxRuntimeExceeded,
     OutOfScope,
     PayloadTooLarge,
     PermanentError,
     RetryLater,
 )
 from onceflow.lifecycle import brief_error, clamp_delay, decide, reported, succeeded
+from onceflow.queue.sweep import OVERRAN_ERROR
 
 CAP = 600.0
 
@@ -68,6 +70,17 @@ def test_lease_lost_records_nothing_and_cancel_is_not_retried() -> None:
     assert decide(LeaseLost("r1"), max_delay=CAP).kind == "lease_lost"
     out = decide(Cancelled("r1"), max_delay=CAP)
     assert (out.kind, out.retryable, out.error) == ("failed", False, {"type": "Cancelled"})
+
+
+def test_a_run_past_max_runtime_is_retried_after_the_backoff_whatever_retry_on_says() -> None:
+    # retry_on names neither: an overrun is still retried (dead only at max_attempts).
+    out = decide(MaxRuntimeExceeded(), retry_on=(KeyError,), max_delay=CAP)
+    assert (out.kind, out.retryable, out.retry_in, out.interrupted) == (
+        "failed", True, None, False,
+    )  # fmt: skip
+    # What the sweeper records for a run whose lease ended at its run deadline is the same.
+    assert out.error is not None
+    assert {k: out.error[k] for k in ("type", "message")} == OVERRAN_ERROR
 
 
 @pytest.mark.parametrize("exc", [SystemExit(3), KeyboardInterrupt()])
