@@ -40,7 +40,6 @@ MODULE_PAGES = {
     "locks": "onceflow.locks",
     "spend": "onceflow.spend",
     "oplog": "onceflow.oplog",
-    "spend": "onceflow.spend",
     "models": "onceflow.models",
     "integrations": "onceflow.integrations.fastapi",
     "testing": "onceflow.testing",
