@@ -62,7 +62,10 @@ LOCK_OUTCOMES: Final = (
     "preflight_hits", "double_check_hits", "waits_served_by_broadcast",
     "waits_served_by_recheck", "wait_timeouts", "computes", "computes_without_lock",
     "compute_errors", "locks_lost", "duplicate_computes_detected", "store_retries",
+    "cache_hits",
 )  # fmt: skip
+#: What the result cache did with an entry (onceflow.cache.store).
+RESULT_CACHE_OUTCOMES: Final = ("hit", "miss", "stored", "invalidated")
 #: Live statuses counted from the partial indexes at scrape time.
 LIVE_STATUSES: Final = ("queued", "scheduled", "running", "dead")
 
@@ -132,7 +135,8 @@ def provider_calls_saved() -> Counter:
         "provider_calls_saved",
         lambda: Counter(
             "onceflow_provider_calls_saved",
-            "Third-party calls not made: pre-flight and double-check hits, and served waits.",
+            "Third-party calls not made: pre-flight and double-check hits, served waits, "
+            "and result-cache hits.",
         ),
     )
 
@@ -175,6 +179,26 @@ PROVIDER_TOKENS = Counter(
     "Tokens used by settled provider calls, by provider and direction (input, output).",
     ["provider", "direction"],
 )
+RESULT_CACHE = Counter(
+    "onceflow_result_cache",
+    "Result-cache lookups and writes, by outcome: hit (served from an entry, no call), miss "
+    "(no live entry), stored (an entry written), invalidated (an entry deleted).",
+    ["outcome"],
+)
+
+
+def result_cache_saved_cost() -> Counter:
+    """``onceflow_result_cache_saved_cost_total`` (unlabelled: created on first use)."""
+    return _once(
+        "result_cache_saved_cost",
+        lambda: Counter(
+            "onceflow_result_cache_saved_cost",
+            "What the calls that result-cache hits spared cost when they were made (hits "
+            "of entries whose cost is known).",
+        ),
+    )
+
+
 PROVIDER_COST = Counter(
     "onceflow_provider_cost",
     "Cost of settled provider calls (in the providers' price currency), by provider.",
@@ -224,6 +248,8 @@ METRIC_NAMES: frozenset[str] = frozenset(
         "onceflow_ops_total",
         "onceflow_provider_tokens_total",
         "onceflow_provider_cost_total",
+        "onceflow_result_cache_total",
+        "onceflow_result_cache_saved_cost_total",
         "onceflow_stages_in_progress",
         "onceflow_http_requests_total",
         "onceflow_http_request_duration_seconds",

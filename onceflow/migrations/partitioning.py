@@ -39,6 +39,7 @@ WORKSPACE_TABLES = (
     "spend_ledger",
     "spend_budgets",
     "spend_reservations",
+    "result_cache",
 )
 #: The config attribute :func:`onceflow.migrate.migrate` passes the resolved layout in.
 ATTRIBUTE = "onceflow_partitions"

@@ -48,6 +48,9 @@ spend_ledger = Table(
     Column("input_tokens", BigInteger, nullable=False, server_default=text("0")),
     Column("output_tokens", BigInteger, nullable=False, server_default=text("0")),
     Column("cost", Numeric),
+    # A cache hit's row: what the call it spared cost when it was made (``cost`` is NULL,
+    # nothing was paid).
+    Column("saved_cost", Numeric),
     Column("outcome", Text, nullable=False),
     # Written under a claim: true when its lease was live at the write, false when it was
     # lost (the row is kept: the call was paid for), NULL without a claim.

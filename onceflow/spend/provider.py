@@ -36,6 +36,7 @@ from decimal import Decimal
 from types import TracebackType
 from typing import Any, Final, Literal
 
+from onceflow.cache import capture
 from onceflow.connector.trampoline import Call, Sleep, ado_step, adrive, do_step, drive
 from onceflow.errors import InvalidRequest, PermitCancelled, PermitTimeout
 from onceflow.ids import check_id
@@ -406,6 +407,11 @@ class Permit:
         )  # fmt: skip
         self.outcome = outcome
         self.usage = usage
+        if usage is not None:  # what a cached computation paid (onceflow.cache.capture)
+            capture.settled(
+                self.provider.name, model or self.provider.model, usage.input_tokens,
+                usage.output_tokens, cost,
+            )  # fmt: skip
 
     def settle(self, usage: Usage, *, model: str | None = None) -> None:
         """The call's usage: the reserved estimate is corrected to it (usage above the
