@@ -46,6 +46,7 @@ from onceflow.cli.base import (
 from onceflow.cli.base import (
     _queue as _queue,
 )
+from onceflow.cli.commands_cache import cache
 from onceflow.cli.commands_dev import (
     demo,
     dev_services,
@@ -79,6 +80,7 @@ __all__ = [
     "api",
     "beat",
     "budget",
+    "cache",
     "cancel",
     "demo",
     "dev_services",

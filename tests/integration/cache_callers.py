@@ -68,10 +68,9 @@ def provider(redis_url: str, name: str = "cache-llm") -> Provider:
 def ask(url: str, llm: Provider, workspace_id: str, prompt: str) -> str:
     """One provider call under a permit, settled with its usage."""
     with llm.permit(workspace_id, tokens=1500, timeout=30) as permit:
-        request = urllib.request.Request(
-            url, data=json.dumps({"prompt": prompt}).encode(), method="POST"
-        )
-        with urllib.request.urlopen(request, timeout=30) as reply:  # noqa: S310 - local
+        data = json.dumps({"prompt": prompt}).encode()
+        request = urllib.request.Request(url, data=data, method="POST")  # noqa: S310 (local http)
+        with urllib.request.urlopen(request, timeout=30) as reply:  # noqa: S310
             answer = json.loads(reply.read())
         permit.settle(Usage(answer["input_tokens"], answer["output_tokens"]))
     return str(answer["text"])
