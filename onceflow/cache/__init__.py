@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from onceflow.cache import capture
-from onceflow.cache.key import CacheKey, Scope
+from onceflow.cache.key import CacheKey
 from onceflow.cache.store import Entry, ResultCache, default_cache
 
 
@@ -39,8 +38,6 @@ __all__ = [
     "CacheKey",
     "Entry",
     "ResultCache",
-    "Scope",
-    "capture",
     "default_cache",
     "invalidate",
     "purge",

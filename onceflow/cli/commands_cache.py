@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TextIO
+
 import click
 
 from onceflow.cli.base import _echo_json, _errors_to_exit, main
@@ -34,7 +36,7 @@ def cache_invalidate(
     scope: str,
     workspace_id: str | None,
     key: str | None,
-    key_file: click.utils.LazyFile | None,
+    key_file: TextIO | None,
     digest: str | None,
 ) -> None:
     """Delete one entry, so the next identical call pays again; print whether it existed."""
