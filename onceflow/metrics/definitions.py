@@ -153,10 +153,23 @@ def compute_lock_wait() -> Histogram:
     )
 
 
+def result_cache_saved_cost() -> Counter:
+    """``onceflow_result_cache_saved_cost_total`` (unlabelled: created on first use)."""
+    return _once(
+        "result_cache_saved_cost",
+        lambda: Counter(
+            "onceflow_result_cache_saved_cost",
+            "What the calls that result-cache hits spared cost when they were made (hits "
+            "of entries whose cost is known).",
+        ),
+    )
+
+
 if not getattr(values.ValueClass, "_multiprocess", False):
     # Single-process mode touches no file: create them now, so they are exposed at 0.
     provider_calls_saved()
     compute_lock_wait()
+    result_cache_saved_cost()
 
 OPS = Counter(
     "onceflow_ops",
@@ -185,18 +198,6 @@ RESULT_CACHE = Counter(
     "(no live entry), stored (an entry written), invalidated (an entry deleted).",
     ["outcome"],
 )
-
-
-def result_cache_saved_cost() -> Counter:
-    """``onceflow_result_cache_saved_cost_total`` (unlabelled: created on first use)."""
-    return _once(
-        "result_cache_saved_cost",
-        lambda: Counter(
-            "onceflow_result_cache_saved_cost",
-            "What the calls that result-cache hits spared cost when they were made (hits "
-            "of entries whose cost is known).",
-        ),
-    )
 
 
 PROVIDER_COST = Counter(
