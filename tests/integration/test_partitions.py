@@ -19,6 +19,7 @@ from alembic import command
 from sqlalchemy import Connection, Engine, text
 
 from onceflow import InvalidRequest, PartitionLayoutMismatch, Queue
+from onceflow.cache import CacheKey, ResultCache
 from onceflow.db import make_engine
 from onceflow.metrics import sql as metrics_sql
 from onceflow.migrate import alembic_config, check, migrate
@@ -303,6 +304,8 @@ def test_rows_land_in_their_workspaces_partition_the_same_in_every_table(
         hooks.admit(Grant(workspace_id=ws, provider="llm", estimate_tokens=10))
         settled = Grant(workspace_id=ws, provider="llm", estimate_tokens=10)
         hooks.settle(settled, Usage(1, 1), "ok", "llm", None, None, None, None)
+        # the result cache: a workspace-scope entry
+        ResultCache(partitioned).put(ws, CacheKey("workspace", "prompt", 60), '"answer"')
     with partitioned.begin() as conn:
         conn.execute(
             text(
