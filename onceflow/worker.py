@@ -213,6 +213,7 @@ class Worker:
             )
         if max_runtime is not None and not _positive_seconds(max_runtime):
             raise InvalidRequest("max_runtime must be a positive number of seconds")
+        budget_choice = check_on_budget(on_budget)
         self._owns_queue = not isinstance(queue, Queue)
         if isinstance(queue, Queue):
             self.queue = queue
@@ -235,7 +236,7 @@ class Worker:
         self.lease_seconds = self.queue.lease_for(lease_seconds)
         self.max_runtime = max_runtime
         self.retry_on = retry_on or (lambda exc: True)
-        self.on_budget = check_on_budget(on_budget)
+        self.on_budget = budget_choice
         self._max_delay = float(self.queue.settings.backoff_max_seconds)
         self.sweep = sweep
         self.max_wait = float(max_wait)
