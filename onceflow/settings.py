@@ -208,11 +208,11 @@ class Settings(BaseSettings):
     )
     spend_ledger: bool = Field(
         default=True,
-        description="Processes that run stages (Celery workers of a Flow, the standalone "
-        "worker, onceflow.testing, the API) give every declared provider without hooks of "
-        "its own the spend ledger on the database: budgets checked at each permit, each "
-        "settled call a ledger row (docs/spend-budgets.md). False: providers record nothing "
-        "unless given hooks in code.",
+        description="A process that uses a Flow (its Celery workers, onceflow.testing, the "
+        "API, an app that enqueues) or runs the standalone worker gives every declared "
+        "provider without hooks of its own the spend ledger on its database: budgets checked "
+        "at each permit, each settled call a ledger row (docs/spend-budgets.md). False: "
+        "providers record nothing unless given hooks in code.",
     )
     # The HTTP API (onceflow.integrations.fastapi). Keys are stored hashed: sha256 hex.
     api_keys: dict[str, list[str]] = Field(

@@ -97,6 +97,7 @@ from onceflow.queue import Queue
 from onceflow.queue.batch import BATCH_MAX
 from onceflow.queue.notify import WAIT_MAX_SECONDS
 from onceflow.settings import get_settings
+from onceflow.spend.databases import Databases
 from onceflow.spend.defaults import install_ledger
 
 log = logging.getLogger("onceflow.worker")
@@ -222,7 +223,8 @@ class Worker:
             # a pool of this size (a thread uses one shard at a time).
             pool = concurrency + SERVICE_CONNECTIONS
             self.queue = Queue(queue, get_settings(), pool_size=pool)
-        install_ledger(self.queue.settings)  # its providers record to the spend ledger
+        # Its providers record to the spend ledger, in the databases it claims from.
+        install_ledger(self.queue.settings, databases=self._ledger_databases)
         #: The databases claims come from (1, or the shards of a split database).
         self.shard_count = len(self.queue.shards())
         self.worker_classes = classes
@@ -259,6 +261,11 @@ class Worker:
         self._stopped = threading.Event()
         self._threads: list[threading.Thread] = []
         self._background: threading.Thread | None = None
+
+    def _ledger_databases(self) -> Databases:
+        """The spend ledger's databases: this worker's own engines, one per shard."""
+        engines = [shard.engine for shard in self.queue.shards()]
+        return Databases(self.queue.shard_map, engines=engines)
 
     # ------------------------------------------------------------------ control
 

@@ -401,5 +401,14 @@ def test_a_worker_process_records_to_the_ledger_unless_told_not_to(
         assert not install_ledger(Settings(spend_ledger=False))
         assert default_hooks() is NO_HOOKS
         assert install_ledger(Settings())
+        use_hooks(NO_HOOKS)
+        # A standalone worker's ledger writes over the worker's own engines.
+        worker = Worker(None, "sp-nothing", lambda ctx: None, concurrency=1, sweep=False)
+        try:
+            hooks = default_hooks()
+            assert isinstance(hooks, ProcessLedger) and hooks.databases is not None
+            assert hooks.databases().engines == (worker.queue.engine,)
+        finally:
+            worker.queue.engine.dispose()
     finally:
         use_hooks(installed)
