@@ -15,9 +15,11 @@ raised :class:`RetryLater` (delay)     failed, retried after ``delay`` seconds, 
 raised :class:`PermanentError`,        failed, dead at once (no retry)
 :class:`InvalidRequest`,
 :class:`OutOfScope`
-raised :class:`BudgetExceeded`         ``fail`` budget: dead at once; ``wait`` budget:
+raised :class:`BudgetExceeded`         the stage's ``on_budget``, else the budget's
+                                       ``on_exceeded``: ``fail``: dead at once; ``wait``:
                                        failed, retried at the next period's start (its
-                                       ``retry_in``, clamped as a RetryLater delay)
+                                       ``retry_in``, clamped as a RetryLater delay), the
+                                       attempt not counted (``counts_attempt`` False)
 raised :class:`Cancelled`              failed, not retried (the row ends ``cancelled``)
 raised :class:`LeaseLost`              nothing recorded: another worker owns the request
 ran past ``max_runtime``               failed, retried after the backoff whatever
@@ -36,7 +38,11 @@ KeyboardInterrupt)                     wrong; ``interrupted`` tells the runner t
 =====================================  ====================================================
 
 A failed run is dead once its attempts reach the stage's ``max_attempts``: the store
-decides that, on the row, in the failure's own statement.
+decides that, on the row, in the failure's own statement. A budget wait is not a try of
+the body's work: its attempt is given back in that statement (as a claim handed back
+unstarted is), so a stage with few ``max_attempts`` waits for the period to turn instead
+of going dead. A call that could not fit a budget even in an empty period carries no
+``retry_in`` and is dead at once, whatever the stage declares.
 
 A run past ``max_runtime`` gets the same row under every runner. The Celery stage task
 records it itself (Celery's soft time limit raises in the body at ``max_runtime``). A
@@ -56,7 +62,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from onceflow.errors import (
     BudgetExceeded,
@@ -78,6 +84,18 @@ PERMANENT_TYPES = frozenset({"PermanentError", "InvalidRequest", "OutOfScope", "
 
 Kind = Literal["succeeded", "failed", "lease_lost"]
 
+#: What a stage declares a budget refusal does (``Flow.stage(on_budget=…)``); None: what
+#: the budget itself says (its ``on_exceeded``).
+OnBudget = Literal["fail", "wait"] | None
+ON_BUDGET: Final = ("fail", "wait")
+
+
+def check_on_budget(value: object) -> OnBudget:
+    """A stage's ``on_budget``: ``"fail"``, ``"wait"`` or None; else InvalidRequest."""
+    if value is None or value in ON_BUDGET:
+        return value
+    raise InvalidRequest(f'on_budget must be "fail", "wait" or None, got {value!r}')
+
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
@@ -86,7 +104,8 @@ class Outcome:
     ``kind``: ``succeeded`` (``result``), ``failed`` (``error``, ``retryable``,
     ``retry_in`` — None: the store's backoff), or ``lease_lost`` (record nothing).
     ``interrupted``: the body was stopped by a BaseException, which the runner may re-raise
-    once the failure is recorded.
+    once the failure is recorded. ``counts_attempt`` False: a retry that gives the run's
+    attempt back (a budget wait).
     """
 
     kind: Kind
@@ -95,6 +114,7 @@ class Outcome:
     retryable: bool = False
     retry_in: float | None = None
     interrupted: bool = False
+    counts_attempt: bool = True
 
     @property
     def failed(self) -> bool:
@@ -116,10 +136,12 @@ def failed(error: dict[str, Any], *, retryable: bool, retry_in: float | None = N
     return Outcome("failed", error=error, retryable=retryable, retry_in=retry_in)
 
 
-def decide(exc: BaseException, *, retry_on: RetryOn = None, max_delay: float) -> Outcome:
+def decide(
+    exc: BaseException, *, retry_on: RetryOn = None, max_delay: float, on_budget: OnBudget = None
+) -> Outcome:
     """The outcome of a body that raised ``exc`` (the table above).
 
-    ``retry_on``: the stage's. ``max_delay``: the longest retry delay
+    ``retry_on`` and ``on_budget``: the stage's. ``max_delay``: the longest retry delay
     (``ONCEFLOW_BACKOFF_MAX_SECONDS``), the clamp of a :class:`RetryLater` delay.
     """
     if isinstance(exc, LeaseLost):
@@ -131,9 +153,8 @@ def decide(exc: BaseException, *, retry_on: RetryOn = None, max_delay: float) ->
         reason = storable_text(str(exc.reason), MESSAGE_CHARS)
         error = {"type": "RetryLater", "message": reason, "delay": delay}
         return failed(error, retryable=True, retry_in=delay)
-    if isinstance(exc, BudgetExceeded):  # a `wait` budget: at the next period; `fail`: dead
-        retry_in = clamp_delay(exc.retry_in, max_delay) if exc.waits else None
-        return failed(error_payload(exc), retryable=exc.waits, retry_in=retry_in)
+    if isinstance(exc, BudgetExceeded):
+        return budget_refused(exc, on_budget, max_delay)
     if isinstance(exc, MaxRuntimeExceeded):  # retry_on has no say: an overrun is retried
         return failed(error_payload(exc), retryable=True)
     if isinstance(exc, PermanentError | InvalidRequest):  # OutOfScope is a PermanentError
@@ -141,6 +162,18 @@ def decide(exc: BaseException, *, retry_on: RetryOn = None, max_delay: float) ->
     if not isinstance(exc, Exception):  # SystemExit, KeyboardInterrupt, CancelledError…
         return replace(failed(error_payload(exc), retryable=True), interrupted=True)
     return failed(error_payload(exc), retryable=is_retryable(exc, retry_on))
+
+
+def budget_refused(exc: BudgetExceeded, on_budget: OnBudget, max_delay: float) -> Outcome:
+    """A budget refused the stage's call: ``wait`` (the stage's choice, else the budget's):
+    retried at the next period's start, the attempt given back; ``fail``: dead at once."""
+    choice = exc.on_exceeded if on_budget is None else on_budget
+    if choice == "wait" and exc.retry_in is not None:
+        retry_in = clamp_delay(exc.retry_in, max_delay)
+        return replace(
+            failed(error_payload(exc), retryable=True, retry_in=retry_in), counts_attempt=False
+        )
+    return failed(error_payload(exc), retryable=False)
 
 
 def is_retryable(exc: BaseException, retry_on: RetryOn) -> bool:
@@ -199,10 +232,14 @@ def brief_error(error: Any, refusal: BaseException) -> dict[str, Any]:
 
 
 __all__ = [
+    "ON_BUDGET",
     "PERMANENT_TYPES",
+    "OnBudget",
     "Outcome",
     "RetryOn",
     "brief_error",
+    "budget_refused",
+    "check_on_budget",
     "clamp_delay",
     "decide",
     "failed",

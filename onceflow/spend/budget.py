@@ -232,14 +232,19 @@ def refusal(budget: Budget, tokens: int, cost: Decimal | None) -> BudgetExceeded
             )
     if not problems:
         return None
-    waits = budget.on_exceeded == "wait" and budget.period_ends is not None
+    # When the next period starts: the stage may wait for it (its own on_budget, or the
+    # budget's). None when the call could not fit even an empty period: no wait helps.
+    fits_a_period = (budget.limit_tokens is None or tokens <= budget.limit_tokens) and (
+        budget.limit_cost is None or (cost or Decimal(0)) <= budget.limit_cost
+    )
+    turns = budget.period_ends if fits_a_period else None
     return BudgetExceeded(
         budget.workspace_id,
         budget.period,
         "; ".join(problems),
         on_exceeded=budget.on_exceeded,
-        retry_at=budget.period_ends.isoformat() if waits and budget.period_ends else None,
-        retry_in=budget.period_ends_in if waits else None,
+        retry_at=None if turns is None else turns.isoformat(),
+        retry_in=None if turns is None else budget.period_ends_in,
     )
 
 

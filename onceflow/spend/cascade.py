@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import threading
 import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import Any, TypeVar
@@ -85,7 +84,7 @@ class Cascade:
         timeout: float = DEFAULT_TIMEOUT,
         heartbeat: Callable[[], Any] | None = None,
         heartbeat_every: float = checks.DEFAULT_HEARTBEAT_EVERY,
-        cancel: threading.Event | None = None,
+        cancel: checks.CancelFlag | None = None,
     ) -> T:
         """``fn(permit)`` on the first provider with room; its answer (see the module)."""
         grants = self._grants(workspace_id, fn, tokens, stage, request_id, cell_key, claim_token)
@@ -107,7 +106,7 @@ class Cascade:
         timeout: float = DEFAULT_TIMEOUT,
         heartbeat: Callable[[], Any] | None = None,
         heartbeat_every: float = checks.DEFAULT_HEARTBEAT_EVERY,
-        cancel: threading.Event | None = None,
+        cancel: checks.CancelFlag | None = None,
     ) -> T:
         """:meth:`call` for asyncio: ``await fn(permit)`` with an
         :class:`~onceflow.spend.provider.AsyncPermit` (``await permit.settle(usage)``)."""

@@ -8,10 +8,9 @@ parameter and the value; nothing is written before every check has passed.
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from onceflow.errors import InvalidRequest
 
@@ -57,6 +56,12 @@ def tokens(name: str, value: object) -> int:
 DEFAULT_HEARTBEAT_EVERY: Final = 10.0
 
 
+class CancelFlag(Protocol):
+    """What ends a permit's wait once set: a ``threading.Event``, or any flag with ``is_set``."""
+
+    def is_set(self) -> bool: ...
+
+
 @dataclass(frozen=True)
 class Wait:
     """How a permit waits: at most ``timeout`` seconds, calling ``heartbeat`` every
@@ -65,7 +70,7 @@ class Wait:
     timeout: float
     heartbeat: Callable[[], Any] | None = None
     heartbeat_every: float = DEFAULT_HEARTBEAT_EVERY
-    cancel: threading.Event | None = None
+    cancel: CancelFlag | None = None
 
     @classmethod
     def checked(
@@ -83,7 +88,7 @@ class Wait:
             seconds("timeout", timeout),
             heartbeat,
             seconds("heartbeat_every", heartbeat_every, low=0.0, zero=False),
-            cancel,  # type: ignore[arg-type]
+            cancel,  # type: ignore[arg-type]  # checked above: it has is_set
         )
 
     def beats(self, clock: Callable[[], float]) -> Callable[[], bool]:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 import random
-import threading
 import time
 from collections.abc import Callable, Generator
 from datetime import UTC, datetime
@@ -219,7 +218,7 @@ class Provider:
         timeout: float = DEFAULT_TIMEOUT,
         heartbeat: Callable[[], Any] | None = None,
         heartbeat_every: float = checks.DEFAULT_HEARTBEAT_EVERY,
-        cancel: threading.Event | None = None,
+        cancel: checks.CancelFlag | None = None,
     ) -> PermitContext:
         """A context manager that waits for a permit and gives a :class:`Permit`.
 
@@ -248,7 +247,7 @@ class Provider:
         timeout: float = DEFAULT_TIMEOUT,
         heartbeat: Callable[[], Any] | None = None,
         heartbeat_every: float = checks.DEFAULT_HEARTBEAT_EVERY,
-        cancel: threading.Event | None = None,
+        cancel: checks.CancelFlag | None = None,
     ) -> AsyncPermitContext:
         """:meth:`permit` for asyncio: ``async with provider.apermit(…) as permit``.
 

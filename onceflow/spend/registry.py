@@ -99,6 +99,11 @@ def use_hooks(hooks: SpendHooks) -> None:
                 provider.hooks = hooks
 
 
+def default_hooks() -> SpendHooks:
+    """The hooks a provider declared without its own gets (:func:`use_hooks`)."""
+    return _default_hooks[0]
+
+
 def load_settings(settings: Settings, *, hooks: SpendHooks | None = None) -> list[Provider]:
     """Declare the providers of ``settings.providers`` (once per settings object), with
     ``hooks`` (default: those of :func:`use_hooks`)."""

@@ -66,18 +66,42 @@ def test_a_call_fits_while_spent_plus_in_flight_plus_its_estimate_stay_within_th
 
 
 def test_budget_exceeded_in_the_outcome_table() -> None:
-    waits = refusal(budget(limit_tokens=1, on_exceeded="wait", period_ends_in=7200.0), 5, None)
+    full = {"limit_tokens": 10, "spent_tokens": 8}
+    waits = refusal(budget(**full, on_exceeded="wait", period_ends_in=7200.0), 5, None)
     assert isinstance(waits, BudgetExceeded) and waits.waits
     assert waits.retry_at == "2026-12-08T00:00:00+00:00"
     out = decide(waits, max_delay=CAP)
     assert (out.kind, out.retryable, out.retry_in) == ("failed", True, CAP)
+    assert not out.counts_attempt  # a wait gives its attempt back
     assert out.error is not None and out.error["type"] == "BudgetExceeded"
-    soon = refusal(budget(limit_tokens=1, on_exceeded="wait", period_ends_in=30.0), 5, None)
+    soon = refusal(budget(**full, on_exceeded="wait", period_ends_in=30.0), 5, None)
     assert soon is not None and decide(soon, max_delay=CAP).retry_in == 30.0
-    fails = refusal(budget(limit_tokens=1), 5, None)
-    assert fails is not None and not fails.waits and fails.retry_at is None
+    fails = refusal(budget(**full), 5, None)
+    assert fails is not None and not fails.waits and fails.retry_in == 3600.0
     out = decide(fails, retry_on=(BudgetExceeded,), max_delay=CAP)
-    assert (out.kind, out.retryable) == ("failed", False)
+    assert (out.kind, out.retryable, out.counts_attempt) == ("failed", False, True)
+
+
+def test_the_stage_declares_what_a_refusal_does_over_the_budget() -> None:
+    full = {"limit_tokens": 10, "spent_tokens": 8}
+    fail_budget = refusal(budget(**full), 5, None)
+    wait_budget = refusal(budget(**full, on_exceeded="wait", period_ends_in=30.0), 5, None)
+    assert fail_budget is not None and wait_budget is not None
+    waited = decide(fail_budget, max_delay=CAP, on_budget="wait")
+    assert (waited.retryable, waited.retry_in, waited.counts_attempt) == (True, CAP, False)
+    failed = decide(wait_budget, max_delay=CAP, on_budget="fail")
+    assert (failed.retryable, failed.retry_in, failed.counts_attempt) == (False, None, True)
+    assert decide(wait_budget, max_delay=CAP, on_budget=None).retryable  # the budget's own
+
+
+def test_a_call_no_period_could_hold_never_waits() -> None:
+    # An estimate above the limit itself: no period turning makes room, so no wait.
+    never = refusal(budget(limit_tokens=4, on_exceeded="wait"), 5, None)
+    assert never is not None and never.retry_in is None and not never.waits
+    out = decide(never, max_delay=CAP, on_budget="wait")
+    assert (out.retryable, out.counts_attempt) == (False, True)
+    dear = refusal(budget(limit_cost=Decimal("0.01")), 5, Decimal("0.02"))
+    assert dear is not None and dear.retry_in is None
 
 
 def test_budget_exceeded_survives_a_round_trip_through_its_reduce() -> None:
