@@ -172,5 +172,5 @@ def create_app(
     app.include_router(create_spend_router(services))  # /dashboard/api/spend: operator keys
     app.include_router(create_sdk_router())  # /sdk/index.js: the browser SDK (docs/browser.md)
     add_error_handlers(app)
-    name_choices(app, flow)  # the stages and op types as enums in /openapi.json
+    name_choices(app, flow, services.settings)  # stages, op types, providers: enums
     return app

@@ -37,6 +37,7 @@ own is held to the workspace budgets and recorded in the cost ledger of the app'
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import math
@@ -307,7 +308,7 @@ def add_permit_routes(
             ws, body.tokens, stage=request.stage, request_id=request.request_id,
             cell_key=body.cell_key, claim_token=body.claim_token,
         )  # fmt: skip
-        grant = Grant(**{**asked.__dict__, "permit_id": body.permit_id})
+        grant = dataclasses.replace(asked, permit_id=body.permit_id)
         key = permit_key(ws, body.permit_id)
         record = await record_of(ws, body.permit_id)
         if record:
