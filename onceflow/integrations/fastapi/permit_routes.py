@@ -44,7 +44,7 @@ import math
 import random
 from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Path
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse
@@ -71,7 +71,18 @@ DEFAULT_WAIT_SECONDS: Final = 20.0
 MAX_TOKENS: Final = 100_000_000
 
 ProviderName = Annotated[str, StringConstraints(min_length=1, max_length=200)]
-PermitId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{16,64}$")]
+#: A permit id, minted by the client (a uuid4 in hex is 32 of these characters).
+PERMIT_ID_PATTERN: Final = r"^[A-Za-z0-9_-]{16,64}$"
+PermitId = Annotated[str, StringConstraints(pattern=PERMIT_ID_PATTERN)]
+PermitIdPath = Annotated[
+    str,
+    Path(
+        min_length=16,
+        max_length=64,
+        pattern=PERMIT_ID_PATTERN,
+        description="The permit id the client minted: 16 to 64 of A-Z a-z 0-9 _ -.",
+    ),
+]
 CellKey = Annotated[str, StringConstraints(min_length=1, max_length=1000)]
 Model = Annotated[str, StringConstraints(min_length=1, max_length=200)]
 Tokens = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
@@ -397,7 +408,10 @@ def add_permit_routes(
                                      "(never granted, or expired)"}},
     )  # fmt: skip
     async def settle(
-        request_id: s.RequestIdPath, permit_id: PermitId, body: SettleIn, principal: PrincipalDep
+        request_id: s.RequestIdPath,
+        permit_id: PermitIdPath,
+        body: SettleIn,
+        principal: PrincipalDep,
     ) -> SettledOut:
         """The call's usage: the estimate corrected, the slot freed, the ledger row written."""
         permit = await held_permit(request_id, permit_id, body, principal)
@@ -416,7 +430,7 @@ def add_permit_routes(
     )
     async def rate_limited(
         request_id: s.RequestIdPath,
-        permit_id: PermitId,
+        permit_id: PermitIdPath,
         body: RateLimitedIn,
         principal: PrincipalDep,
     ) -> SettledOut:
@@ -435,7 +449,10 @@ def add_permit_routes(
         responses={**responses, 404: {"model": s.ErrorOut, "description": "No such permit"}},
     )
     async def release(
-        request_id: s.RequestIdPath, permit_id: PermitId, body: ReleaseIn, principal: PrincipalDep
+        request_id: s.RequestIdPath,
+        permit_id: PermitIdPath,
+        body: ReleaseIn,
+        principal: PrincipalDep,
     ) -> SettledOut:
         """Give the permit back without a settle (see ``outcome``)."""
         permit = await held_permit(request_id, permit_id, body, principal)
