@@ -232,8 +232,9 @@ class PullWorker:
             body["cell_key"] = cell_key
         url = f"/v1/claims/{path_segment('request_id', claim.request_id)}/permits"
         response = self._send(
-            "POST", url, {**_claim_body(claim), **body}, retry=False, extra_timeout=wait
-        )
+            "POST", url, {**_claim_body(claim), **body}, retry=False, extra_timeout=wait,
+            keep=frozenset({429}),
+        )  # fmt: skip
         status = response.status_code
         if status == 429:  # the provider is busy (or the key's request rate is spent)
             data = _json_or_none(response) or {}
@@ -407,6 +408,7 @@ class PullWorker:
         *,
         retry: bool,
         extra_timeout: float = 0.0,
+        keep: frozenset[int] = frozenset(),
     ) -> httpx.Response:
         """One call; with ``retry``, transport errors, 5xx and 408/425/429 are retried with
         backoff, the server's ``Retry-After`` as a floor (at most :data:`RETRY_AFTER_CAP`).
@@ -415,7 +417,8 @@ class PullWorker:
         lease, and a completion that landed makes its repeat a 409 (lease lost),
         never a second write. A 429 (the key's request rate spent) was not processed:
         a completion refused so is sent again once the server says, instead of being
-        given up while its claim still holds (the browser SDK does the same).
+        given up while its claim still holds (the browser SDK does the same). A status in
+        ``keep`` is answered as it is (a permit's 429: the caller asks again itself).
         """
         attempts = self.retries if retry else 1
         for attempt in range(1, attempts + 1):
@@ -438,7 +441,7 @@ class PullWorker:
                 error.__cause__ = exc
             else:
                 status = response.status_code
-                if status < 500 and status not in RETRYABLE_STATUSES:
+                if status in keep or (status < 500 and status not in RETRYABLE_STATUSES):
                     return response
                 error = TransportError(f"the server answered {status} on {url}")
                 floor = retry_after_seconds(response, RETRY_AFTER_CAP)

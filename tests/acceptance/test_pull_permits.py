@@ -209,6 +209,21 @@ def test_a_killed_tab_frees_its_permit_at_the_ttl(api: str) -> None:
     try:
         with pytest.raises(PermitTimeout), held.permit("pp-direct", timeout=0.5):
             pass  # the tab's permit holds the one slot
+        # A Python pull worker asking meanwhile is told "not yet" (429) and why.
+        enqueue("pp_py", "pp-hold", PY)
+        refused: list[PermitTimeout] = []
+
+        def body(ctx: PullContext) -> Any:
+            try:
+                with ctx.permit(HOLD, tokens=1, timeout=1):
+                    raise AssertionError("the slot is the tab's")
+            except PermitTimeout as exc:
+                refused.append(exc)
+                raise
+
+        with PullWorker(api, KEY, PY, lease_seconds=30) as worker:
+            assert worker.run_once(body, wait=5) == "dead"  # retryable, but one attempt
+        assert refused[0].reason == "concurrency"
     finally:
         js.send_signal(signal.SIGKILL)  # the tab is closed: no settle, no release
         js.communicate(timeout=30)

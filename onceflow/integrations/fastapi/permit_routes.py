@@ -50,7 +50,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse
 
 from onceflow.connector.trampoline import ado_step, adrive
-from onceflow.errors import InvalidRequest, LeaseLost, NotFound
+from onceflow.errors import InvalidRequest, LeaseLost, NotFound, OnceflowError
 from onceflow.integrations.fastapi import schemas as s
 from onceflow.integrations.fastapi.auth import PrincipalDep
 from onceflow.integrations.fastapi.pull_routes import ClaimBodyIn, claim_holder
@@ -186,6 +186,28 @@ class SettledOut(BaseModel):
     permit_id: str
     provider: str
     outcome: Literal["ok", "rate_limited", "unused", "failed", "unsettled"]
+
+
+#: Mark a permit's record settled, if it is still there: 1 marked now, 0 marked before,
+#: -1 no record (expired): a settle never leaves a record without its TTL.
+MARK_SETTLED: Final = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+return redis.call('HSETNX', KEYS[1], 'settled', ARGV[1])
+"""
+
+
+class UnknownPermit(NotFound):
+    """No permit of this id under the claim: never granted, or its record expired."""
+
+    def __init__(self, permit_id: str) -> None:
+        self.request_id = permit_id
+        self.permit_id = permit_id
+        OnceflowError.__init__(
+            self, f"no permit {permit_id} under this claim (never granted, or expired)"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.permit_id,))
 
 
 def _token_hash(token: str) -> str:
@@ -364,7 +386,7 @@ def add_permit_routes(
         request = await claim_holder(svc, request_id, body, principal, live=False)
         record = await record_of(request.workspace_id, permit_id)
         if not record or "granted_at_ms" not in record:
-            raise NotFound(f"permit {permit_id} (never granted, or expired)")
+            raise UnknownPermit(permit_id)
         check_holder(record, request_id, body.claim_token)
         provider = served.get(record["provider"])
         tokens = int(record["tokens"])
@@ -382,8 +404,11 @@ def add_permit_routes(
         key = permit_key(permit.grant.workspace_id, permit.permit_id)
         mark = json.dumps(how, sort_keys=True)
         with translated("permit record"):
-            if await redis().hsetnx(key, "settled", mark):
+            marked = int(await redis().eval(MARK_SETTLED, 1, key, mark))
+            if marked == 1:
                 return
+            if marked == -1:
+                raise UnknownPermit(permit.permit_id)
             before = await redis().hget(key, "settled")
         before = before.decode() if isinstance(before, bytes) else before
         if before != mark:
