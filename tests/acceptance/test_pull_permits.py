@@ -199,6 +199,33 @@ def test_a_budget_refusal_reaches_the_js_and_python_bodies(api: str, engine: Eng
     assert held == 0
 
 
+def test_a_waiting_budget_retries_the_stage_when_the_period_turns(api: str) -> None:
+    """Under either pull worker: queued again, due at the next UTC day (at most the
+    server's longest retry delay, 600 s by default), the error BudgetExceeded."""
+    set_budget("pp-patient", "day", limit_tokens=10, on_exceeded="wait", allow_new=True)
+    js_rid = enqueue("pp_js_wait", "pp-patient", JS)
+    js = node(api, KEY, JS, "budget", BUDGETED)
+    out, err = js.communicate(timeout=90)
+    assert js.returncode == 0, err
+    assert lines(out)[0]["onExceeded"] == "wait"
+    assert lines(out)[-1] == {"outcome": "retry"}
+
+    py_rid = enqueue("pp_py_wait", "pp-patient", PY)
+
+    def body(ctx: PullContext) -> Any:
+        with ctx.permit(BUDGETED, tokens=100):
+            raise AssertionError("a refused permit runs no body")
+
+    with PullWorker(api, KEY, PY, lease_seconds=30) as worker:
+        assert worker.run_once(body, wait=5) == "retry"
+    for rid in (js_rid, py_rid):
+        row = ended(rid, "queued")
+        assert row.error["type"] == "BudgetExceeded"
+        assert row.error["on_exceeded"] == "wait"
+        retry_in = (row.run_after - row.updated_at).total_seconds()
+        assert 0 < retry_in <= 600
+
+
 def test_a_killed_tab_frees_its_permit_at_the_ttl(api: str) -> None:
     held = provider(HOLD)
     enqueue("pp_js", "pp-hold", JS)
