@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any, Literal, Protocol, TypeVar, overload, runtime_checkable
 
@@ -26,6 +27,7 @@ from onceflow.queue import Queue
 from onceflow.spend.checks import DEFAULT_HEARTBEAT_EVERY
 from onceflow.spend.provider import DEFAULT_TIMEOUT, Permit, PermitContext, Provider
 from onceflow.spend.registry import get_provider, register
+from onceflow.spend.usage import Usage
 
 _oplogs: dict[int, tuple[Queue, OpLog]] = {}
 
@@ -174,7 +176,7 @@ class WorkContext(Protocol):
         *,
         cell_key: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
-    ) -> StagePermit:
+    ) -> AbstractContextManager[CallPermit]:
         """A permit for one call to ``provider`` (a :class:`~onceflow.spend.Provider`, or
         the name of a declared one), made for this run: ``with ctx.permit("openai",
         tokens=1_500) as permit: …; permit.settle(usage)``.
@@ -248,6 +250,16 @@ class _StopFlag:
 
     def is_set(self) -> bool:
         return self._ctx.lease_lost or self._ctx.cancel_requested
+
+
+class CallPermit(Protocol):
+    """What ``with ctx.permit(…) as permit`` gives under every runner: a permit held in this
+    process (:class:`~onceflow.spend.Permit`) or one the server holds for a pull worker's
+    claim."""
+
+    def settle(self, usage: Usage, *, model: str | None = None) -> None: ...
+
+    def rate_limited(self, retry_after: float | None = None) -> None: ...
 
 
 class StagePermit:

@@ -54,6 +54,13 @@ def counters_key(workspace_id: str) -> str:
     return f"{_ws(workspace_id)}:lock-stats"
 
 
+def permit_key(workspace_id: str, permit_id: str, part: str = "") -> str:
+    """A provider permit taken over HTTP under a claim: ``onceflow:{ws}:permit:<id>``
+    (``part``: a key beside it, e.g. ``wait``)."""
+    key = f"{_ws(workspace_id)}:permit:{escape(check_id('permit_id', permit_id))}"
+    return f"{key}:{part}" if part else key
+
+
 def counters_workspaces_key() -> str:
     """A set of the workspaces that have a counters hash (the dashboard lists them).
 

@@ -209,11 +209,20 @@ def reported(error: Any, *, retryable: bool, retry_in: float | None, max_delay: 
 
     The same table, read from the report: an error whose ``type`` is a permanent one is
     never retried; a ``RetryLater`` error without ``retry_in`` is retried after its
-    ``delay`` (clamped). A client that sent no ``type`` keeps its own ``retryable``.
+    ``delay`` (clamped); a ``BudgetExceeded`` error is retried after its ``retry_in``
+    (clamped) when its ``on_exceeded`` is ``wait``, never otherwise. A client that sent
+    no ``type`` keeps its own ``retryable``.
     """
     kind = error.get("type") if isinstance(error, dict) else None
     if kind in PERMANENT_TYPES:
         return Outcome("failed", error=error, retryable=False, retry_in=None)
+    if kind == "BudgetExceeded" and isinstance(error, dict):
+        # A `wait` budget: retried when the period turns (its `retry_in`, clamped as a
+        # RetryLater delay); a `fail` one (or none said): dead at once.
+        if error.get("on_exceeded") != "wait":
+            return Outcome("failed", error=error, retryable=False, retry_in=None)
+        retry_in = clamp_delay(error.get("retry_in") if retry_in is None else retry_in, max_delay)
+        return Outcome("failed", error=error, retryable=retry_in is not None, retry_in=retry_in)
     if kind == "RetryLater" and retry_in is None and isinstance(error, dict):
         retry_in = clamp_delay(error.get("delay"), max_delay)
         error = {**error, "delay": retry_in}

@@ -105,6 +105,21 @@ def test_a_report_over_http_reads_through_the_same_table() -> None:
     assert reported("x", retryable=True, retry_in=None, max_delay=CAP).retryable
 
 
+def test_a_reported_budget_refusal_waits_for_its_period_only_when_its_budget_waits() -> None:
+    wait = {"type": "BudgetExceeded", "on_exceeded": "wait", "retry_in": 10**6}
+    waits = reported(wait, retryable=True, retry_in=None, max_delay=CAP)
+    assert (waits.retryable, waits.retry_in) == (True, CAP)  # clamped as a RetryLater delay
+    soon = reported({**wait, "retry_in": 30}, retryable=True, retry_in=None, max_delay=CAP)
+    assert (soon.retryable, soon.retry_in) == (True, 30.0)
+    # A `fail` budget (or none said) is dead, whatever the client thought.
+    for error in ({"type": "BudgetExceeded", "on_exceeded": "fail"}, {"type": "BudgetExceeded"}):
+        dead = reported(error, retryable=True, retry_in=5.0, max_delay=CAP)
+        assert (dead.retryable, dead.retry_in) == (False, None)
+    # A `wait` without a usable period start has nothing to wait for: dead too.
+    lost = reported({**wait, "retry_in": "soon"}, retryable=True, retry_in=None, max_delay=CAP)
+    assert not lost.retryable
+
+
 def test_a_refused_error_is_recorded_briefly() -> None:
     brief = brief_error({"type": "PermanentError", "message": "y" * 5000}, InvalidRequest("big"))
     assert brief == {"type": "PermanentError", "message": "not storable: big"}

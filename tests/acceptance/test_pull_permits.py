@@ -1,0 +1,320 @@
+"""Pull workers share a provider's limits and the workspace budgets with everyone else.
+
+A real ``onceflow api`` holds the permits for the claims of a Python ``PullWorker`` (this
+process) and of the JS ``PullWorker`` (Node, ``js_permits.mjs``), while threads of this
+process take permits of the same provider directly (``provider.permit``): one set of
+limits in Redis, one Redis clock. Checked here:
+
+- never more than ``rpm`` grants within any window, across the three kinds of client;
+- a budget's refusal reaches the JS body as ``BudgetExceeded`` (and the Python body), and
+  the stage is dead with that error;
+- a tab killed holding a permit frees its concurrency slot at the permit's TTL (counted as
+  ``expired``);
+- a foreign claim token, or another tenant's key with the right token, is refused
+  (409 lease_lost) and changes nothing: no grant, no reservation, the permit still held.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import Engine, text
+
+from onceflow.errors import BudgetExceeded, PermitTimeout
+from onceflow.integrations.fastapi import hash_key
+from onceflow.integrations.pull import PullContext, PullWorker
+from onceflow.models import Request
+from onceflow.spend import Provider, Usage, set_budget
+from tests.acceptance.permit_stages import JS, PY, flow
+from tests.acceptance.procs import ROOT, api_server, wait_for
+
+pytestmark = pytest.mark.slow
+
+APP = "tests.acceptance.permit_stages:flow"
+KEY = "of_test_worker_key_permits_0123456789"
+OTHER_KEY = "of_test_worker_key_permits_elsewhere_01"
+SDK = ROOT / "onceflow" / "sdk" / "js" / "index.js"
+SCRIPT = Path(__file__).with_name("js_permits.mjs")
+NODE = shutil.which("node")
+
+RUN = uuid.uuid4().hex[:8]  # provider state is shared Redis state: one name per run
+RPM = f"pp-rpm-{RUN}"
+HOLD = f"pp-hold-{RUN}"
+BUDGETED = f"pp-budget-{RUN}"
+DECLARED: dict[str, dict[str, Any]] = {
+    RPM: {"rpm": 4, "window_seconds": 1},
+    HOLD: {"concurrency": 1, "permit_ttl": 2},
+    BUDGETED: {"rpm": 1000, "input_per_million": "1", "output_per_million": "2"},
+}
+ENV = {
+    "ONCEFLOW_PROVIDERS": json.dumps(DECLARED),
+    "ONCEFLOW_WORKER_KEYS": json.dumps({
+        hash_key(KEY): {"worker_classes": [PY, JS], "workspaces": ["pp-*"]},
+        hash_key(OTHER_KEY): {"worker_classes": [PY, JS], "workspaces": ["elsewhere-*"]},
+    }),
+}  # fmt: skip
+
+
+def provider(name: str) -> Provider:
+    """The provider as the API declares it: the same limits, the same Redis state."""
+    spec = dict(DECLARED[name])
+    spec.pop("input_per_million", None)
+    spec.pop("output_per_million", None)
+    return Provider(name, **spec)
+
+
+@pytest.fixture(scope="module")
+def api(
+    tmp_path_factory: pytest.TempPathFactory, database_url: str, redis_url: str
+) -> Iterator[str]:
+    with api_server(tmp_path_factory.mktemp("permits"), ENV, app=APP) as (url, _):
+        yield url
+
+
+def enqueue(stage: str, ws: str, wc: str) -> str:
+    made = flow.enqueue(stage, ws, f"j-{uuid.uuid4().hex[:8]}", "main", {}, worker_class=wc)
+    return str(made.request_id)
+
+
+def ended(rid: str, status: str) -> Request:
+    def check() -> Request | None:
+        row = flow.queue.get(rid)
+        return row if row.status.value == status and row.lease_expires_at is None else None
+
+    row = wait_for(check, timeout=60, what=f"request {rid} {status}")
+    assert row is not None
+    return row
+
+
+def node(*args: str) -> subprocess.Popen[str]:
+    if NODE is None:
+        pytest.skip("node is not installed")
+    return subprocess.Popen(
+        [NODE, str(SCRIPT), SDK.as_uri(), *args], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def lines(out: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def most_in_any_window(grants: list[int], window_ms: int) -> int:
+    grants = sorted(grants)
+    return max(
+        sum(1 for t in grants[i:] if t < start + window_ms) for i, start in enumerate(grants)
+    )
+
+
+def test_python_js_and_direct_clients_never_exceed_rpm_together(api: str) -> None:
+    per_client = 8
+    shared = provider(RPM)
+    direct: list[int] = []
+    done = threading.Barrier(3)
+
+    def take_directly() -> None:
+        done.wait()
+        for _ in range(per_client):
+            with shared.permit("pp-direct", tokens=1, timeout=60) as permit:
+                permit.settle(Usage(1, 0))
+                direct.append(permit.granted_at_ms)
+
+    def pull_body(ctx: PullContext) -> Any:
+        granted = []
+        for i in range(per_client):
+            with ctx.permit(RPM, tokens=1, cell_key=f"py:{i}") as permit:
+                permit.settle(Usage(1, 0), model="py-model")
+                granted.append(permit.granted_at_ms)
+        return {"granted": granted}
+
+    py_rid = enqueue("pp_py", "pp-rpm-py", PY)
+    js_rid = enqueue("pp_js", "pp-rpm-js", JS)
+    threads = [threading.Thread(target=take_directly) for _ in range(2)]
+    for t in threads:
+        t.start()
+    js = node(api, KEY, JS, "rpm", RPM, str(per_client))
+    done.wait()
+    with PullWorker(api, KEY, PY, lease_seconds=30) as worker:
+        assert worker.run_once(pull_body, wait=5) == "succeeded"
+    out, err = js.communicate(timeout=90)
+    for t in threads:
+        t.join(timeout=60)
+    assert js.returncode == 0, err
+    assert lines(out)[-1] == {"outcome": "succeeded"}
+
+    py_granted = ended(py_rid, "succeeded").result["granted"]
+    js_granted = ended(js_rid, "succeeded").result["granted"]
+    grants = direct + py_granted + js_granted
+    assert len(grants) == 4 * per_client  # every client was served
+    # Never over the limit within any window of the Redis clock, whoever asked.
+    assert most_in_any_window(grants, 1000) <= 4
+    assert shared.stats()["granted"] == 4 * per_client
+
+
+def test_a_budget_refusal_reaches_the_js_and_python_bodies(api: str, engine: Engine) -> None:
+    set_budget("pp-poor", "day", limit_tokens=10, allow_new=True)
+    js_rid = enqueue("pp_js", "pp-poor", JS)
+    js = node(api, KEY, JS, "budget", BUDGETED)
+    out, err = js.communicate(timeout=90)
+    assert js.returncode == 0, err
+    seen = lines(out)
+    assert seen[0] == {"caught": "BudgetExceeded", "budget": True, "onExceeded": "fail",
+                       "period": "day"}  # fmt: skip
+    assert seen[-1] == {"outcome": "dead"}
+    row = ended(js_rid, "dead")
+    assert row.error["type"] == "BudgetExceeded"
+    assert row.attempts == 1
+
+    py_rid = enqueue("pp_py", "pp-poor", PY)
+    caught: list[BaseException] = []
+
+    def body(ctx: PullContext) -> Any:
+        try:
+            with ctx.permit(BUDGETED, tokens=100):
+                raise AssertionError("a refused permit runs no body")
+        except BudgetExceeded as exc:
+            caught.append(exc)
+            raise
+
+    with PullWorker(api, KEY, PY, lease_seconds=30) as worker:
+        assert worker.run_once(body, wait=5) == "dead"
+    assert caught and caught[0].on_exceeded == "fail" and caught[0].period == "day"
+    assert ended(py_rid, "dead").error["type"] == "BudgetExceeded"
+    # Refused before anything was reserved or granted.
+    assert provider(BUDGETED).stats().get("granted", 0) == 0
+    with engine.connect() as conn:
+        held = conn.execute(
+            text("SELECT count(*) FROM spend_reservations WHERE workspace_id = 'pp-poor'")
+        ).scalar_one()
+    assert held == 0
+
+
+def test_a_waiting_budget_retries_the_stage_when_the_period_turns(api: str) -> None:
+    """Under either pull worker: queued again, due at the next UTC day (at most the
+    server's longest retry delay, 600 s by default), the error BudgetExceeded."""
+    set_budget("pp-patient", "day", limit_tokens=10, on_exceeded="wait", allow_new=True)
+    js_rid = enqueue("pp_js_wait", "pp-patient", JS)
+    js = node(api, KEY, JS, "budget", BUDGETED)
+    out, err = js.communicate(timeout=90)
+    assert js.returncode == 0, err
+    assert lines(out)[0]["onExceeded"] == "wait"
+    assert lines(out)[-1] == {"outcome": "retry"}
+
+    py_rid = enqueue("pp_py_wait", "pp-patient", PY)
+
+    def body(ctx: PullContext) -> Any:
+        with ctx.permit(BUDGETED, tokens=100):
+            raise AssertionError("a refused permit runs no body")
+
+    with PullWorker(api, KEY, PY, lease_seconds=30) as worker:
+        assert worker.run_once(body, wait=5) == "retry"
+    for rid in (js_rid, py_rid):
+        row = ended(rid, "queued")
+        assert row.error["type"] == "BudgetExceeded"
+        assert row.error["on_exceeded"] == "wait"
+        retry_in = (row.run_after - row.updated_at).total_seconds()
+        assert 0 < retry_in <= 600
+
+
+def test_a_killed_tab_frees_its_permit_at_the_ttl(api: str) -> None:
+    held = provider(HOLD)
+    enqueue("pp_js", "pp-hold", JS)
+    js = node(api, KEY, JS, "hold", HOLD)
+    assert js.stdout is not None
+    first = json.loads(js.stdout.readline())
+    assert first["expiresInMs"] == 2000
+    try:
+        with pytest.raises(PermitTimeout), held.permit("pp-direct", timeout=0.5):
+            pass  # the tab's permit holds the one slot
+        # A Python pull worker asking meanwhile is told "not yet" (429) and why.
+        enqueue("pp_py", "pp-hold", PY)
+        refused: list[PermitTimeout] = []
+
+        def body(ctx: PullContext) -> Any:
+            try:
+                with ctx.permit(HOLD, tokens=1, timeout=1):
+                    raise AssertionError("the slot is the tab's")
+            except PermitTimeout as exc:
+                refused.append(exc)
+                raise
+
+        with PullWorker(api, KEY, PY, lease_seconds=30) as worker:
+            assert worker.run_once(body, wait=5) == "dead"  # retryable, but one attempt
+        assert refused[0].reason == "concurrency"
+    finally:
+        js.send_signal(signal.SIGKILL)  # the tab is closed: no settle, no release
+        js.communicate(timeout=30)
+    with held.permit("pp-direct", timeout=10) as permit:
+        permit.settle(Usage(1, 0))
+    # Freed by its TTL on the Redis clock, not before.
+    assert permit.granted_at_ms >= first["granted"] + 2000
+    assert held.stats()["expired"] == 1
+
+
+def test_a_foreign_claim_token_is_refused_and_changes_nothing(api: str, engine: Engine) -> None:
+    foreign = provider(BUDGETED)
+    enqueue("pp_py", "pp-tenant", PY)
+    with (
+        PullWorker(api, KEY, PY, lease_seconds=30) as worker,
+        httpx.Client(base_url=api, timeout=10) as client,
+    ):
+        claim = worker.claim(wait=5)
+        assert claim is not None
+        permit_id = uuid.uuid4().hex
+        url = f"/v1/claims/{claim.request_id}/permits"
+        ask = {"provider": BUDGETED, "tokens": 5, "permit_id": permit_id, "wait_seconds": 0}
+
+        def post(path: str, key: str, token: str, body: dict[str, Any]) -> httpx.Response:
+            body = {"claim_token": token, "workspace_id": "pp-tenant", **body}
+            return client.post(path, json=body, headers={"Authorization": f"Bearer {key}"})
+
+        before = foreign.stats()
+        wrong = post(url, KEY, "not-the-token", ask)
+        other_tenant = post(url, OTHER_KEY, claim.token, ask)
+        for refused in (wrong, other_tenant):
+            assert refused.status_code == 409, refused.text
+            assert refused.json()["code"] == "lease_lost"
+        assert foreign.stats() == before  # no grant, no wait, no denial counted
+        with engine.connect() as conn:
+            reserved = conn.execute(
+                text("SELECT count(*) FROM spend_reservations WHERE workspace_id = 'pp-tenant'")
+            ).scalar_one()
+        assert reserved == 0
+
+        granted = post(url, KEY, claim.token, ask)
+        assert granted.status_code == 200, granted.text
+        again = post(url, KEY, claim.token, ask)  # a repeated POST: the same permit
+        assert again.json() == granted.json()
+        assert foreign.stats()["in_flight"] == 1
+
+        settle = f"{url}/{permit_id}/settle"
+        usage = {"usage": {"input_tokens": 3, "output_tokens": 1}}
+        for key, token in ((KEY, "not-the-token"), (OTHER_KEY, claim.token)):
+            refused = post(settle, key, token, usage)
+            assert refused.status_code == 409, refused.text
+        assert foreign.stats()["in_flight"] == 1  # still held: nothing settled
+        assert post(settle, KEY, claim.token, usage).status_code == 200
+        assert post(settle, KEY, claim.token, usage).status_code == 200  # a repeat
+        other_usage = {"usage": {"input_tokens": 9, "output_tokens": 9}}
+        assert post(settle, KEY, claim.token, other_usage).status_code == 422
+        stats = foreign.stats()
+        assert stats["in_flight"] == 0 and stats["settled_ok"] == 1
+        with engine.connect() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT input_tokens, output_tokens, outcome, fenced FROM spend_ledger "
+                    "WHERE workspace_id = 'pp-tenant'"
+                )
+            ).all()
+        assert [tuple(r) for r in rows] == [(3, 1, "ok", True)]
+        worker.complete(claim, {"ok": True})
