@@ -55,7 +55,6 @@ dropped). Redis: a private server of the run's own (``bench.harness.private_redi
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -101,7 +100,8 @@ from bench.harness.provider import (
 SIDES = ["naive", "rate_limit", "onceflow", "onceflow-spend", "onceflow-cache"]
 SPEND_SIDES = ("onceflow-spend", "onceflow-cache")
 STAGE_SIDE = {"onceflow": "plain", "onceflow-spend": "spend", "onceflow-cache": "cache"}
-WORDS = "the job asks for a senior engineer who builds reliable data pipelines".split()
+WORDS = ["the", "job", "asks", "for", "a", "senior", "engineer", "who", "builds",
+         "reliable", "data", "pipelines"]  # fmt: skip
 
 
 @dataclass
@@ -202,7 +202,9 @@ class Bench:
             "SPEND_TPM": str(cfg.tpm),
             "SPEND_RATE_LIMIT": f"{per_worker:g}/m",
             "SPEND_BACKOFF_MAX": str(cfg.window),
-            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p
+            ),
         }
         os.environ.update(self.env)
         from onceflow.settings import get_settings
@@ -236,8 +238,8 @@ class Bench:
 
         wait_for(ready, 90, f"{side}'s workers ready")
         if side in STAGE_SIDE:
-            beat = [sys.executable, "-m", "onceflow.cli", "beat", "--app", "bench.spend_stages:flow",
-                    "-l", "INFO"]  # fmt: skip
+            beat = [sys.executable, "-m", "onceflow.cli", "beat", "-l", "INFO",
+                    "--app", "bench.spend_stages:flow"]  # fmt: skip
             proc = Proc(f"{run}-beat", beat, self.log_dir, dict(os.environ))
             self.procs.append(proc)
             proc.wait_log("beat: Starting", timeout=60)
@@ -263,7 +265,9 @@ class Bench:
                 set_budget(ws, "day", limit_tokens=tokens, on_exceeded="fail", allow_new=True)
         provider_reset(self.provider_url)
         self.start(side, run)
-        expected = cfg.workspaces * cfg.jobs * (1 if side in STAGE_SIDE else cfg.clients * cfg.cells)
+        expected = (
+            cfg.workspaces * cfg.jobs * (1 if side in STAGE_SIDE else cfg.clients * cfg.cells)
+        )
         barrier = threading.Barrier(cfg.workspaces * cfg.clients + 1)
         errors: list[str] = []
 
@@ -353,9 +357,8 @@ class Bench:
                 done[ws] = done.get(ws, 0) + int(success)
             return sum(min(n // self.cfg.clients, self.cfg.jobs * self.cfg.cells)
                        for n in done.values())  # fmt: skip
-        from onceflow.context import oplog_for
-
         from bench.spend_stages import flow, job_doc
+        from onceflow.context import oplog_for
 
         oplog = oplog_for(flow.queue)
         return sum(
@@ -372,9 +375,11 @@ class Bench:
         times = sorted(finished.get(ws, started + wall) - started for ws in budgets)
         median = statistics.median(times) if times else 0.0
         per_ws = stats["per_workspace"]
-        overruns = {ws: max(0, per_ws.get(ws, {}).get("tokens", 0) - b) for ws, b in budgets.items()}
+        overruns = {
+            ws: max(0, per_ws.get(ws, {}).get("tokens", 0) - b) for ws, b in budgets.items()
+        }
         worst = max(overruns, key=lambda ws: overruns[ws]) if overruns else None
-        calls = stats["accepted"]
+        calls, distinct = stats["accepted"], stats["distinct_prompts"]
         mean_call = stats["tokens"] / calls if calls else 0.0
         in_flight = cfg.workers * cfg.concurrency
         bound = in_flight * (max(count_tokens(prompt_text("x", p)) for p in range(cfg.prompts))
@@ -393,11 +398,11 @@ class Bench:
             "budget_tokens": budgets[worst] if worst else None,
             "budget_enforced": side in SPEND_SIDES and cfg.budget_fraction > 0,
             "overrun_tokens": overruns[worst] if worst else 0,
-            "overrun_fraction": (overruns[worst] / budgets[worst]) if worst and budgets[worst] else 0.0,
+            "overrun_fraction": overruns[worst] / budgets[worst] if worst and budgets[worst] else 0,
             "overrun_calls": (overruns[worst] / mean_call) if worst and mean_call else 0.0,
             "overrun_bound_tokens": bound,
             "distinct_prompts": stats["distinct_prompts"],
-            "calls_per_distinct_prompt": calls / stats["distinct_prompts"] if stats["distinct_prompts"] else None,
+            "calls_per_distinct_prompt": calls / distinct if distinct else None,
             "max_calls_per_prompt": stats["max_calls_per_prompt"],
             "cells": cfg.workspaces * cfg.jobs * cfg.cells,
             "cells_done": cells_done,
@@ -476,7 +481,9 @@ def render(res: dict[str, Any]) -> str:
             rows.append([r["side"], "not run: " + r["skipped"], *[""] * 7])
             continue
         v = verdicts(r)
-        overrun = f"{r['overrun_tokens']} ({r['overrun_fraction']:.0%}, {r['overrun_calls']:.1f} calls)"
+        overrun = (
+            f"{r['overrun_tokens']} ({r['overrun_fraction']:.0%}, {r['overrun_calls']:.1f} calls)"
+        )
         if not r["budget_enforced"]:
             overrun += " (no budget)"
         rows.append([
@@ -557,12 +564,20 @@ def main() -> int:
     parser.add_argument("--budget-fraction", type=float, default=0.8)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--window-margin", type=float, default=0.1,
-                        help="seconds the Provider's window is declared beyond the stand-in's")  # fmt: skip
+    parser.add_argument(
+        "--window-margin",
+        type=float,
+        default=0.1,
+        help="seconds the Provider's window is declared beyond the stand-in's",
+    )
     parser.add_argument("--plot", type=Path, default=None, help="write the SVG chart here")
     parser.add_argument("--log-dir", type=Path, default=None, help="keep the processes' logs")
-    parser.add_argument("--from-json", type=Path, default=None,
-                        help="no run: the report (and --plot) of a run's --json output")  # fmt: skip
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        help="no run: the report (and --plot) of a run's --json output",
+    )
     args = parser.parse_args()
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
@@ -600,8 +615,11 @@ def main() -> int:
             private_redis()
         )
         db_url = stack.enter_context(bench_database(admin_url(), prefix="onceflow_spend"))
-        provider_url = stack.enter_context(standin_provider(
-            rpm=cfg.rpm, tpm=cfg.tpm, window=cfg.window, latency=cfg.latency, logdir=log_dir))  # fmt: skip
+        provider_url = stack.enter_context(
+            standin_provider(
+                rpm=cfg.rpm, tpm=cfg.tpm, window=cfg.window, latency=cfg.latency, logdir=log_dir
+            )
+        )
         bench = Bench(cfg, stack, log_dir)
         bench.setup(redis_url, db_url, provider_url)
         stack.callback(bench.stop)

@@ -167,7 +167,9 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         """Quiet: the counts are the log."""
 
-    def _send(self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+    def _send(
+        self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> None:
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -204,7 +206,10 @@ class _Handler(BaseHTTPRequestHandler):
         n_in, n_out = count_tokens(prompt), output_tokens(prompt, max_tokens)
         wait = self.server.account.call(workspace, prompt, n_in + n_out)
         if wait:
-            headers = {"Retry-After": str(math.ceil(wait)), "Retry-After-Ms": str(math.ceil(wait * 1000))}
+            headers = {
+                "Retry-After": str(math.ceil(wait)),
+                "Retry-After-Ms": str(math.ceil(wait * 1000)),
+            }
             self._send(429, {"error": "rate limit exceeded"}, headers)
             return
         time.sleep(self.server.latency)
@@ -246,7 +251,7 @@ class Reply:
 def complete(url: str, workspace: str, prompt: str, max_tokens: int, timeout: float = 30) -> Reply:
     """One call; :class:`RateLimited` on a 429 (with ``Retry-After-Ms``, else ``Retry-After``)."""
     data = json.dumps({"workspace": workspace, "prompt": prompt, "max_tokens": max_tokens})
-    req = urllib.request.Request(
+    req = urllib.request.Request(  # noqa: S310 - the stand-in's own http URL
         url + "/v1/complete", data=data.encode(), headers={"Content-Type": "application/json"}
     )
     try:
@@ -256,12 +261,13 @@ def complete(url: str, workspace: str, prompt: str, max_tokens: int, timeout: fl
         if err.code != 429:
             raise
         ms = err.headers.get("Retry-After-Ms")
-        raise RateLimited(int(ms) / 1000 if ms else float(err.headers.get("Retry-After", 1))) from None
+        seconds = int(ms) / 1000 if ms else float(err.headers.get("Retry-After", 1))
+        raise RateLimited(seconds) from None
     return Reply(body["text"], int(body["input_tokens"]), int(body["output_tokens"]))
 
 
 def _json(url: str, method: str = "GET") -> Any:
-    req = urllib.request.Request(url, data=b"" if method == "POST" else None, method=method)
+    req = urllib.request.Request(url, data=b"" if method == "POST" else None, method=method)  # noqa: S310
     with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - our own URL
         return json.loads(resp.read())
 
