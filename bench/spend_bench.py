@@ -378,6 +378,8 @@ class Bench:
         overruns = {
             ws: max(0, per_ws.get(ws, {}).get("tokens", 0) - b) for ws, b in budgets.items()
         }
+        if cfg.budget_fraction <= 0:  # no budget: nothing to overrun
+            overruns = dict.fromkeys(budgets, 0)
         worst = max(overruns, key=lambda ws: overruns[ws]) if overruns else None
         calls, distinct = stats["accepted"], stats["distinct_prompts"]
         mean_call = stats["tokens"] / calls if calls else 0.0
