@@ -33,8 +33,7 @@ together). The sides, each on the same worker processes (``--workers`` processes
   ``LedgerHooks``: the estimate is the prompt's tokens plus ``max_tokens``, settled with the
   stand-in's usage; a 429 is reported back (``permit.rate_limited``);
 * ``onceflow-cache``: ``onceflow-spend`` with the result cache across jobs
-  (``compute_once(..., cache=CacheKey(scope="workspace", key=prompt, ttl=…))``), run only
-  when the installed onceflow has ``CacheKey``; otherwise its row says so.
+  (``compute_once(..., cache=CacheKey(scope="workspace", key=prompt, ttl=…))``).
 
 Each workspace has a budget of ``--budget-fraction`` of its demand's tokens (a day budget
 in tokens, ``on_exceeded="fail"``): enforced on the ``onceflow-spend`` and cache sides,
@@ -163,14 +162,6 @@ def demand_tokens(cfg: Config, jobs: dict[str, list[str]]) -> int:
 
 
 # ------------------------------------------------------------------------------ one side
-
-
-def cache_available() -> bool:
-    try:
-        from onceflow import CacheKey  # type: ignore[attr-defined]  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 class Bench:
@@ -631,11 +622,6 @@ def main() -> int:
             db_url, redis=redis_version(redis_url), celery=celery.__version__
         )
         for side in sides:
-            if side == "onceflow-cache" and not cache_available():
-                reason = "compute_once has no cache= (CacheKey) in this onceflow"
-                log(f"{side}: skipped: {reason}")
-                results["sides"].append({"side": side, "skipped": reason})
-                continue
             results["sides"].append(bench.run(side))
         if bench.r is not None and os.environ.get("ONCEFLOW_BENCH_REDIS_URL"):
             keys = list(bench.r.scan_iter(match=f"*{bench.tag}*", count=1000))

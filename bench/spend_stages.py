@@ -33,6 +33,7 @@ from pydantic import BaseModel, Field
 
 from bench.harness import process_redis as r
 from bench.harness.provider import RateLimited, complete, count_tokens
+from onceflow.cache import CacheKey
 from onceflow.errors import RetryLater
 from onceflow.settings import get_settings
 from onceflow.spend import LedgerHooks, Provider, Usage
@@ -61,10 +62,6 @@ PROVIDER = Provider(
     hooks=LedgerHooks(),
 )
 
-try:  # the result cache across jobs, once compute_once has it
-    from onceflow import CacheKey as CACHE_KEY  # type: ignore[attr-defined]
-except ImportError:
-    CACHE_KEY = None
 
 _QUIET = {"worker_send_task_events": False, "task_send_sent_event": False}
 #: kombu's Redis transport: a dead worker's unacked messages come back within 5 s.
@@ -182,8 +179,8 @@ def spend_cells(ctx: StageContext, data: CellsInput) -> dict[str, int]:
 
     for i, prompt in enumerate(data.prompts):
         extra: dict[str, Any] = {}
-        if data.side == "cache" and CACHE_KEY is not None:
-            extra["cache"] = CACHE_KEY(scope="workspace", key=prompt, ttl=3600)
+        if data.side == "cache":
+            extra["cache"] = CacheKey(scope="workspace", key=prompt, ttl=3600)
         ctx.compute_once(
             f"cell:{i}",
             check=lambda i=i: cell(i),  # type: ignore[misc]

@@ -8,6 +8,7 @@ Layer 1: :class:`Queue`, the durable stage queue on Postgres (stages on Celery i
 Nothing here connects at import time.
 """
 
+from onceflow.cache import CacheKey
 from onceflow.errors import (
     BudgetExceeded,
     ConnectionLost,
@@ -47,6 +48,7 @@ __all__ = [
     "AsyncQueue",
     "AsyncWorkspaceClient",
     "BudgetExceeded",
+    "CacheKey",
     "Cascade",
     "Claim",
     "ClaimRef",
