@@ -24,6 +24,7 @@ stage code. Control-flow signals (retry later) are kept apart from errors.
     ├── MaxRuntimeExceeded        a run went past its stage's max_runtime (retryable)
     ├── PermanentError            raised by a stage: fail now, no retry
     ├── BudgetExceeded            a workspace's spend budget refuses a provider call
+    ├── BudgetBusy                a budget's room is held by calls in flight: ask again (retryable)
     ├── OpRejected                an op cannot apply to the current state (recorded)
     ├── DatabaseUnavailable       Postgres did not answer (retryable)
     │   ├── ConnectionLost        an established connection died (restart, killed backend)
@@ -243,6 +244,31 @@ class BudgetExceeded(OnceflowError):
                 self.retry_in,
             ),
         )
+
+
+class BudgetBusy(OnceflowError):
+    """A workspace's budget has room for a call's estimate once the calls in flight settle,
+    not now: the period's spend plus the estimate fits, the reservations of the calls in
+    flight make it not fit. Temporary (those calls usually settle below their estimates, or
+    their reservations expire): a permit that meets it waits and asks again, so it is seen
+    only by code that calls the spend hooks' ``admit`` itself. ``retry_in``: seconds worth
+    waiting before asking again. Retryable.
+    """
+
+    #: A stage that raises this should be retried, not failed for good.
+    retryable = True
+
+    def __init__(self, workspace_id: str, period: str, detail: str, retry_in: float) -> None:
+        self.workspace_id = workspace_id
+        self.period = period
+        self.detail = detail
+        self.retry_in = retry_in
+        super().__init__(
+            f"workspace {workspace_id}'s {period} budget is held by calls in flight: {detail}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.workspace_id, self.period, self.detail, self.retry_in))
 
 
 class UnknownStage(InvalidRequest):

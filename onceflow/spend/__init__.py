@@ -20,6 +20,7 @@ import time.
 from __future__ import annotations
 
 from onceflow.errors import (
+    BudgetBusy,
     CascadeExhausted,
     LimitsUnavailable,
     PermitCancelled,
@@ -46,6 +47,7 @@ __all__ = [
     "NO_HOOKS",
     "AsyncPermit",
     "Budget",
+    "BudgetBusy",
     "Cascade",
     "CascadeExhausted",
     "Database",

@@ -18,7 +18,7 @@ from decimal import Decimal
 from typing import Any
 
 from onceflow.db import fetch_all, fetch_one, raw_connection, retry_disconnect
-from onceflow.errors import BudgetExceeded, InvalidRequest, UnknownWorkspace
+from onceflow.errors import BudgetBusy, BudgetExceeded, InvalidRequest, UnknownWorkspace
 from onceflow.ids import check_id
 from onceflow.models.spend import ON_EXCEEDED, PERIODS
 from onceflow.spend import sql
@@ -91,11 +91,15 @@ class Budget:
     reserved_cost: Decimal = Decimal(0)
     reserved_tokens: int = 0
     in_flight: int = 0
+    #: Seconds until the first reservation of a call in flight expires (None: none held).
+    next_expiry_in: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready: money as decimal strings, times in ISO 8601."""
         out: dict[str, Any] = {}
         for name in self.__slots__:
+            if name == "next_expiry_in":  # a hint for admit, not the budget's standing
+                continue
             value = getattr(self, name)
             if isinstance(value, Decimal):
                 value = str(value)
@@ -126,6 +130,7 @@ def budget_of_row(row: dict[str, Any]) -> Budget:
         reserved_cost=row.get("reserved_cost") or Decimal(0),
         reserved_tokens=int(row.get("reserved_tokens") or 0),
         in_flight=int(row.get("in_flight") or 0),
+        next_expiry_in=row.get("next_expiry_in"),
     )
 
 
@@ -211,37 +216,84 @@ def budgets(
     return [budget_of_row(r) for r in rows][:BUDGETS_LIMIT]
 
 
-def refusal(budget: Budget, tokens: int, cost: Decimal | None) -> BudgetExceeded | None:
-    """The error refusing a call of ``tokens`` / ``cost`` estimated under ``budget``, or
-    None when it fits. With no estimate of cost, a money budget still refuses once the
-    period's spend and reservations have reached its limit."""
-    problems = []
+#: How long a permit refused only by the reservations of calls in flight waits before it
+#: asks its budget again (ms), unless a reservation expires sooner.
+BUSY_POLL_MS = 200
+#: The shortest such wait (ms): an expiry a few ms away is not asked about in a busy loop.
+BUSY_MIN_MS = 10
+
+
+def over(held: int | Decimal, need: int | Decimal, limit: int | Decimal) -> bool:
+    """Whether ``need`` does not fit under ``limit`` beside ``held``. A call with no
+    estimate (0) does not fit once ``held`` has reached the limit: its usage is unknown."""
+    return held + need > limit or (not need and held >= limit)
+
+
+def refusal(
+    budget: Budget, tokens: int, cost: Decimal | None
+) -> BudgetExceeded | BudgetBusy | None:
+    """Why ``budget`` refuses a call of ``tokens`` / ``cost`` estimated, or None when it fits.
+
+    :class:`~onceflow.errors.BudgetExceeded` when the period's spend plus the estimate is
+    over a limit: no call in flight settling can make room. :class:`~onceflow.errors.BudgetBusy`
+    when the spend plus the estimate fits and only the reservations of the calls in flight
+    make it not fit: room comes back as they settle (below their estimates) or their
+    reservations expire. With no estimate of cost, a money budget refuses once the spend
+    (or the spend and reservations: busy) has reached its limit.
+    """
+    need = cost or Decimal(0)
+    spent: list[str] = []
+    held: list[str] = []
     if budget.limit_tokens is not None:
-        held = budget.spent_tokens + budget.reserved_tokens
-        if held + tokens > budget.limit_tokens or (tokens == 0 and held >= budget.limit_tokens):
-            problems.append(
-                f"{held} tokens spent or in flight + {tokens} estimated > "
-                f"limit {budget.limit_tokens}"
+        limit = budget.limit_tokens
+        in_flight = budget.spent_tokens + budget.reserved_tokens
+        if over(budget.spent_tokens, tokens, limit):
+            spent.append(f"{budget.spent_tokens} tokens spent + {tokens} estimated > limit {limit}")
+        elif over(in_flight, tokens, limit):
+            held.append(
+                f"{budget.spent_tokens} tokens spent + {budget.reserved_tokens} in flight + "
+                f"{tokens} estimated > limit {limit}"
             )
     if budget.limit_cost is not None:
-        held_cost = budget.spent_cost + budget.reserved_cost
-        need = cost or Decimal(0)
-        if held_cost + need > budget.limit_cost or (not need and held_cost >= budget.limit_cost):
-            problems.append(
-                f"{held_cost} spent or in flight + {need} estimated > limit {budget.limit_cost}"
+        limit_cost = budget.limit_cost
+        in_flight_cost = budget.spent_cost + budget.reserved_cost
+        if over(budget.spent_cost, need, limit_cost):
+            spent.append(f"{budget.spent_cost} spent + {need} estimated > limit {limit_cost}")
+        elif over(in_flight_cost, need, limit_cost):
+            held.append(
+                f"{budget.spent_cost} spent + {budget.reserved_cost} in flight + {need} "
+                f"estimated > limit {limit_cost}"
             )
-    if not problems:
-        return None
+    if spent:
+        return exceeded(budget, tokens, need, "; ".join(spent))
+    if held:
+        return BudgetBusy(budget.workspace_id, budget.period, "; ".join(held), busy_wait(budget))
+    return None
+
+
+def busy_wait(budget: Budget) -> float:
+    """Seconds worth waiting before a busy budget is asked again: :data:`BUSY_POLL_MS`, or
+    less when a reservation expires sooner (its call is then charged its estimate)."""
+    wait_ms = float(BUSY_POLL_MS)
+    expiry = budget.next_expiry_in
+    if expiry is not None and math.isfinite(expiry):
+        wait_ms = min(wait_ms, max(float(BUSY_MIN_MS), expiry * 1000))
+    return wait_ms / 1000
+
+
+def exceeded(budget: Budget, tokens: int, need: Decimal, detail: str) -> BudgetExceeded:
+    """The :class:`~onceflow.errors.BudgetExceeded` of ``budget`` for a call of ``tokens``
+    / ``need`` that its period's spend leaves no room for."""
     # When the next period starts: the stage may wait for it (its own on_budget, or the
     # budget's). None when the call could not fit even an empty period: no wait helps.
     fits_a_period = (budget.limit_tokens is None or tokens <= budget.limit_tokens) and (
-        budget.limit_cost is None or (cost or Decimal(0)) <= budget.limit_cost
+        budget.limit_cost is None or need <= budget.limit_cost
     )
     turns = budget.period_ends if fits_a_period else None
     return BudgetExceeded(
         budget.workspace_id,
         budget.period,
-        "; ".join(problems),
+        detail,
         on_exceeded=budget.on_exceeded,
         retry_at=None if turns is None else turns.isoformat(),
         retry_in=None if turns is None else budget.period_ends_in,
@@ -250,14 +302,19 @@ def refusal(budget: Budget, tokens: int, cost: Decimal | None) -> BudgetExceeded
 
 __all__ = [
     "BUDGETS_LIMIT",
+    "BUSY_MIN_MS",
+    "BUSY_POLL_MS",
     "Budget",
     "budget_of_row",
     "budgets",
+    "busy_wait",
     "check_amount",
     "check_on_exceeded",
     "check_period",
     "check_tokens",
     "clear_budget",
+    "exceeded",
+    "over",
     "refusal",
     "set_budget",
 ]

@@ -25,7 +25,10 @@ for its ``retry_after``), a 5xx, a timeout (``status=None``) — or a builtin ``
 the cascade moves on to the next provider and does not come back to the failed one within
 this call. Any other exception is the caller's and leaves at once. When no provider has
 room, the cascade waits for the first one that has: at most ``timeout`` seconds, calling
-``heartbeat`` every ``heartbeat_every`` seconds, ending once ``cancel`` is set. Each permit
+``heartbeat`` every ``heartbeat_every`` seconds, ending once ``cancel`` is set. A budget
+whose room is held only by the workspace's calls in flight counts as no room yet (reason
+``budget_in_flight``); a budget whose period's spend leaves no room (``BudgetExceeded``)
+ends the call at once. Each permit
 is settled on its own provider, so the spend ledger records which provider served (and
 which failed); :class:`~onceflow.errors.CascadeExhausted` when none served.
 """
@@ -40,6 +43,7 @@ from typing import Any, TypeVar
 
 from onceflow.connector.trampoline import Call, Sleep, ado_step, adrive, do_step, drive
 from onceflow.errors import (
+    BudgetBusy,
     CascadeExhausted,
     InvalidRequest,
     PermitCancelled,
@@ -48,7 +52,14 @@ from onceflow.errors import (
 from onceflow.spend import checks
 from onceflow.spend.hooks import Grant
 from onceflow.spend.limits import POLL_MS, Decision
-from onceflow.spend.provider import DEFAULT_TIMEOUT, AsyncPermit, Permit, Provider
+from onceflow.spend.provider import (
+    BUDGET_IN_FLIGHT,
+    DEFAULT_TIMEOUT,
+    AsyncPermit,
+    Permit,
+    Provider,
+    busy_wait_ms,
+)
 
 T = TypeVar("T")
 
@@ -166,7 +177,12 @@ class Cascade:
                     raise PermitCancelled(p.name)
                 limits = p.alimits if asynchronous else p.limits
                 grant = grant_for(p)
-                yield Call.in_thread(p.hooks.admit, grant)  # a budget may refuse: it leaves
+                try:
+                    yield Call.in_thread(p.hooks.admit, grant)  # a budget may refuse: it leaves
+                except BudgetBusy as busy:  # its room is held by calls in flight: not yet
+                    refused[p.name] = BUDGET_IN_FLIGHT
+                    hint_ms = min(hint_ms, busy_wait_ms(busy))
+                    continue
                 decided: Decision = yield from p.try_acquire_steps(grant, limits)
                 if not decided.granted:
                     yield Call.in_thread(p.hooks.release, grant)

@@ -4,7 +4,9 @@ A :class:`~onceflow.spend.provider.Provider` calls its :class:`SpendHooks` at th
 of a permit's life:
 
 - :meth:`SpendHooks.admit` before any rate limit is taken: a budget check, which may raise
-  ``BudgetExceeded``; nothing has been reserved yet, so a refusal costs nothing.
+  ``BudgetExceeded`` (no room: the permit is refused) or ``BudgetBusy`` (room held by calls
+  in flight: the permit waits, within its timeout, and asks again); nothing has been
+  reserved yet, so a refusal costs nothing.
 - :meth:`SpendHooks.settle` once per permit that was granted and may have been used: at
   ``permit.settle(usage)`` (``outcome="ok"``), or when the block is left without a settle
   (an error, a 429: ``usage=None``). It must be idempotent on ``grant.permit_id``: a retried
@@ -77,7 +79,8 @@ class SpendHooks(Protocol):
     """What a provider tells the spend ledger (see the module docstring)."""
 
     def admit(self, grant: Grant) -> None:
-        """Before the rate limits: raise (``BudgetExceeded``) to refuse the permit."""
+        """Before the rate limits: raise ``BudgetExceeded`` to refuse the permit,
+        ``BudgetBusy`` to have it wait and ask again."""
 
     def settle(
         self,

@@ -6,8 +6,11 @@ records every settled call in Postgres and holds workspaces to their budgets.
   both pass the last unit of a budget), expired reservations become ``abandoned`` ledger
   rows charged their estimate, every budget is checked against the period's spend plus
   the reservations of calls in flight plus this call's estimate, and the estimate is
-  reserved until ``reservation_ttl`` seconds from now (database clock). Refused:
-  :class:`~onceflow.errors.BudgetExceeded`, nothing reserved.
+  reserved until ``reservation_ttl`` seconds from now (database clock). Refused, nothing
+  reserved: :class:`~onceflow.errors.BudgetExceeded` when the period's spend plus the
+  estimate is over a limit; :class:`~onceflow.errors.BudgetBusy` when only the reservations
+  of calls in flight make it so (a permit then waits and asks again: those calls usually
+  settle below their estimates, or their reservations expire).
 - ``settle``: one statement clears the reservation and writes the ledger row, keyed by the
   permit: a settle repeated after a lost reply (a Postgres blip) writes nothing twice.
   Postgres unavailable: retried for up to ``settle_retry_seconds``, so a restart does not
@@ -34,7 +37,7 @@ from decimal import Decimal
 from typing import Any
 
 from onceflow.db import execute, fetch_all, fetch_one, raw_connection, retry_disconnect
-from onceflow.errors import DatabaseUnavailable, InvalidRequest
+from onceflow.errors import BudgetBusy, DatabaseUnavailable, InvalidRequest
 from onceflow.ids import check_id
 from onceflow.metrics import record as metrics
 from onceflow.spend import sql
@@ -124,8 +127,10 @@ class LedgerHooks:
     # ------------------------------------------------------------------ admit
 
     def admit(self, grant: Grant) -> None:
-        """Check the workspace's budgets and reserve the estimate; BudgetExceeded if any
-        budget has no room (nothing reserved)."""
+        """Check the workspace's budgets and reserve the estimate. Nothing is reserved when
+        a budget refuses: BudgetExceeded when the period's spend leaves no room for the
+        estimate, else BudgetBusy when only the reservations of calls in flight do (the
+        permit waits and asks again)."""
         params = check_grant(grant)
         params["ttl"] = self.reservation_ttl
         engine = self._databases.of(params["ws"])
@@ -136,10 +141,13 @@ class LedgerHooks:
                 execute(conn, sql.REAP, params)
                 if locked:
                     rows = fetch_all(conn, sql.BUDGETS, {**params, "limit": BUDGETS_LIMIT})
-                    for row in rows:
-                        refused = refusal(budget_of_row(row), params["tokens"], params["cost"])
-                        if refused is not None:
-                            raise refused
+                    refused = [
+                        r
+                        for row in rows
+                        if (r := refusal(budget_of_row(row), params["tokens"], params["cost"]))
+                    ]
+                    if refused:  # no room for good decides over room held in flight
+                        raise min(refused, key=lambda r: isinstance(r, BudgetBusy))
                 execute(conn, sql.RESERVE, params)
 
         retry_disconnect(once)

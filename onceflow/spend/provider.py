@@ -15,8 +15,10 @@
 Entering the block asks the spend hooks first (a budget, which may refuse), then waits —
 bounded by ``timeout``, cancellable by ``cancel``, calling ``heartbeat`` between attempts
 so a stage's lease is extended — until the provider's requests, tokens and concurrency
-allow the call (:mod:`onceflow.spend.limits`). The estimate is reserved in the
-tokens-per-window count and corrected by :meth:`Permit.settle`. A block left without a
+allow the call (:mod:`onceflow.spend.limits`). A budget whose room is held only by the
+workspace's calls in flight (their reserved estimates) makes the permit wait the same way,
+asking again as those calls settle. The estimate is reserved in the tokens-per-window
+count and corrected by :meth:`Permit.settle`. A block left without a
 settle frees the concurrency slot and keeps the estimate counted (the call may have been
 made); a permit whose process died frees its slot after ``permit_ttl``, counted as expired.
 
@@ -37,7 +39,7 @@ from typing import Any, Final, Literal
 
 from onceflow.cache import capture
 from onceflow.connector.trampoline import Call, Sleep, ado_step, adrive, do_step, drive
-from onceflow.errors import InvalidRequest, PermitCancelled, PermitTimeout
+from onceflow.errors import BudgetBusy, InvalidRequest, PermitCancelled, PermitTimeout
 from onceflow.ids import check_id
 from onceflow.spend import checks
 from onceflow.spend.hooks import (
@@ -66,9 +68,22 @@ DEFAULT_COOLDOWN: Final = 5.0
 DEFAULT_PERMIT_TTL: Final = 600.0
 #: The default bound of a permit's wait.
 DEFAULT_TIMEOUT: Final = 60.0
+#: A permit's wait that ends while its budget's room is held by calls in flight: the reason
+#: its :class:`~onceflow.errors.PermitTimeout` gives.
+BUDGET_IN_FLIGHT: Final = "budget_in_flight"
 
 ColdStart = Literal["known", "full", "empty"]
 Steps = Generator[Any, Any, Any]
+
+
+def busy_wait_ms(busy: BudgetBusy) -> int:
+    """How long a permit whose budget is busy waits before asking again (ms): the budget's
+    hint, at most :data:`~onceflow.spend.limits.POLL_MS` (so heartbeats and cancels are
+    seen)."""
+    hint = busy.retry_in
+    if isinstance(hint, bool) or not isinstance(hint, int | float) or not math.isfinite(hint):
+        return POLL_MS
+    return max(1, min(math.ceil(hint * 1000), POLL_MS))
 
 
 def _ms(at_ms: int) -> datetime:
@@ -226,7 +241,10 @@ class Provider:
         ``timeout`` seconds, :class:`~onceflow.errors.PermitCancelled` once ``cancel`` is
         set. ``heartbeat`` is called every ``heartbeat_every`` seconds while the permit
         waits (a stage's ``ctx.heartbeat`` keeps its lease); whatever it raises (a lost
-        lease) stops the wait too. The spend hooks may refuse first (``BudgetExceeded``).
+        lease) stops the wait too. The spend hooks may refuse first (``BudgetExceeded``:
+        the period's spend leaves no room for the estimate); a budget whose room is held
+        only by the workspace's calls in flight makes the permit wait within the same
+        bound (its ``PermitTimeout`` then gives the reason ``budget_in_flight``).
         """
         grant = self.grant_for(
             workspace_id, tokens, stage=stage, request_id=request_id, cell_key=cell_key,
@@ -272,6 +290,35 @@ class Provider:
             yield Call(limits.abandon, self.keys, grant.permit_id)
         return decided
 
+    def admit_steps(
+        self,
+        grant: Grant,
+        wait: checks.Wait,
+        clock: Callable[[], float],
+        deadline: float,
+        beat_due: Callable[[], bool],
+    ) -> Steps:
+        """Ask the spend hooks to admit ``grant``. While they answer
+        :class:`~onceflow.errors.BudgetBusy` (the budget's room is held by calls in flight,
+        which usually settle below their estimates), wait and ask again: until ``deadline``
+        (:class:`~onceflow.errors.PermitTimeout`, reason :data:`BUDGET_IN_FLIGHT`), or the
+        cancel event, calling the heartbeat when due. ``BudgetExceeded`` leaves at once."""
+        while True:
+            if wait.cancel is not None and wait.cancel.is_set():
+                raise PermitCancelled(self.name)
+            try:
+                yield Call.in_thread(self.hooks.admit, grant)
+                return
+            except BudgetBusy as busy:
+                held = busy
+            left = deadline - clock()
+            if left <= 0:
+                raise PermitTimeout(self.name, wait.timeout, BUDGET_IN_FLIGHT) from held
+            if wait.heartbeat is not None and beat_due():
+                yield Call(wait.heartbeat)
+            # Jittered, so the waiters of one workspace do not all ask at once.
+            yield Sleep(min(busy_wait_ms(held) / 1000 * random.uniform(0.5, 1.0), left))
+
     def acquire_steps(
         self,
         grant: Grant,
@@ -279,10 +326,11 @@ class Provider:
         wait: checks.Wait,
         clock: Callable[[], float],
     ) -> Steps:
-        """Admit, then wait for the limits: the granting :class:`Decision`."""
-        yield Call.in_thread(self.hooks.admit, grant)
+        """Admit (waiting while the budget's room is held by calls in flight), then wait
+        for the limits: the granting :class:`Decision`."""
         deadline = clock() + wait.timeout
         beat_due = wait.beats(clock)
+        yield from self.admit_steps(grant, wait, clock, deadline, beat_due)
         reason = ""
         try:
             while True:

@@ -49,7 +49,8 @@ RETURNING period
 """
 
 # Budgets with what their current period has spent and what calls in flight hold (but the
-# permit being admitted: an admit repeated after a lost reply does not count itself).
+# permit being admitted: an admit repeated after a lost reply does not count itself), and
+# when the first of those reservations expires.
 BUDGETS: Final = f"""
 WITH n AS (SELECT now() AS now),
 b AS (
@@ -61,7 +62,8 @@ b AS (
 SELECT b.workspace_id, b.period, b.limit_cost, b.limit_tokens, b.on_exceeded, b.updated_at,
        b.starts, b.ends, EXTRACT(EPOCH FROM b.ends - n.now)::float8 AS ends_in,
        s.cost AS spent_cost, s.tokens AS spent_tokens,
-       r.cost AS reserved_cost, r.tokens AS reserved_tokens, r.calls AS in_flight
+       r.cost AS reserved_cost, r.tokens AS reserved_tokens, r.calls AS in_flight,
+       EXTRACT(EPOCH FROM r.first_expiry - n.now)::float8 AS next_expiry_in
 FROM b, n,
 LATERAL (
     SELECT coalesce(sum(l.cost), 0) AS cost,
@@ -71,7 +73,7 @@ LATERAL (
 ) s,
 LATERAL (
     SELECT coalesce(sum(x.cost), 0) AS cost, coalesce(sum(x.tokens), 0)::bigint AS tokens,
-           count(*) AS calls
+           count(*) AS calls, min(x.expires_at) AS first_expiry
     FROM spend_reservations x
     WHERE x.workspace_id = b.workspace_id AND x.expires_at > n.now
       AND x.permit_id IS DISTINCT FROM CAST(%(permit_id)s AS text)

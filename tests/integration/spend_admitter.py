@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from onceflow.errors import BudgetExceeded
+from onceflow.errors import BudgetBusy, BudgetExceeded
 from onceflow.spend import Grant, LedgerHooks
 
 
@@ -21,6 +21,6 @@ def admit_many(url: str, workspace_id: str, n: int, tokens: int, barrier: Any, o
         try:
             hooks.admit(Grant(workspace_id=workspace_id, provider="llm", estimate_tokens=tokens))
             admitted += 1
-        except BudgetExceeded:
+        except (BudgetExceeded, BudgetBusy):  # every reservation is held: busy
             refused += 1
     out.put((admitted, refused))

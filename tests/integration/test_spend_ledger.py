@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, text
 
-from onceflow.errors import BudgetExceeded, InvalidRequest, UnknownWorkspace
+from onceflow.errors import BudgetBusy, BudgetExceeded, InvalidRequest, UnknownWorkspace
 from onceflow.lifecycle.outcome import decide
 from onceflow.queue import Queue
 from onceflow.settings import get_settings
@@ -73,11 +73,13 @@ def test_a_token_budget_admits_until_spent_plus_in_flight_reach_it(
     first, second = grant(400), grant(400)
     hooks.admit(first)
     hooks.admit(second)  # 800 reserved
+    with pytest.raises(BudgetBusy) as busy:
+        hooks.admit(grant(300))  # 800 in flight + 300 > 1000: held, not spent
+    assert busy.value.period == "day" and 0 < busy.value.retry_in <= 0.25
     with pytest.raises(BudgetExceeded) as refused:
-        hooks.admit(grant(300))  # 800 + 300 > 1000
-    assert refused.value.period == "day"
+        hooks.admit(grant(1001))  # more than the limit itself
     assert not refused.value.waits
-    assert len(rows(clean_db, "spend_reservations")) == 2  # the refused call reserved nothing
+    assert len(rows(clean_db, "spend_reservations")) == 2  # the refused calls reserved nothing
     settle(hooks, first, Usage(50, 50))  # actual 100: 400 reserved → 100 spent
     hooks.admit(grant(300))  # 100 spent + 400 in flight + 300 = 800
     (b,) = budgets(WS, database=clean_db)

@@ -9,10 +9,10 @@ from decimal import Decimal
 
 import pytest
 
-from onceflow.errors import BudgetExceeded, InvalidRequest
+from onceflow.errors import BudgetBusy, BudgetExceeded, InvalidRequest
 from onceflow.lifecycle import decide
 from onceflow.spend import NO_HOOKS, Budget, Grant, LedgerHooks, Price, SpendHooks, Usage
-from onceflow.spend.budget import check_amount, refusal
+from onceflow.spend.budget import BUSY_MIN_MS, BUSY_POLL_MS, check_amount, refusal
 
 CAP = 600.0
 
@@ -57,12 +57,41 @@ def budget(**kw: object) -> Budget:
 def test_a_call_fits_while_spent_plus_in_flight_plus_its_estimate_stay_within_the_limit() -> None:
     b = budget(limit_tokens=100, spent_tokens=60, reserved_tokens=30)
     assert refusal(b, 10, None) is None  # exactly the limit
-    refused = refusal(b, 11, None)
-    assert refused is not None and "90 tokens spent or in flight + 11" in str(refused)
+    busy = refusal(b, 11, None)  # 60 spent + 11 fits: only the 30 in flight are in the way
+    assert isinstance(busy, BudgetBusy)
+    assert "60 tokens spent + 30 in flight + 11 estimated > limit 100" in str(busy)
+    over = refusal(b, 41, None)  # 60 spent + 41: no call in flight settling makes room
+    assert isinstance(over, BudgetExceeded) and "60 tokens spent + 41 estimated" in str(over)
     money = budget(limit_cost=Decimal(1), spent_cost=Decimal("0.6"), reserved_cost=Decimal("0.4"))
-    assert refusal(money, 0, Decimal(0)) is not None  # reached: even an unpriced call waits
-    assert refusal(money, 0, None) is not None
+    assert isinstance(refusal(money, 0, Decimal(0)), BudgetBusy)  # reached by calls in flight
+    assert isinstance(refusal(money, 0, None), BudgetBusy)
+    spent = budget(limit_cost=Decimal(1), spent_cost=Decimal(1))
+    assert isinstance(refusal(spent, 0, None), BudgetExceeded)  # reached: even an unpriced call
     assert refusal(budget(limit_cost=Decimal(1)), 0, Decimal("0.99")) is None
+
+
+def test_no_room_for_good_decides_over_room_held_in_flight() -> None:
+    # Tokens held by calls in flight, money spent: the money budget refuses for good.
+    both = budget(
+        limit_tokens=100, reserved_tokens=95, limit_cost=Decimal(1), spent_cost=Decimal("0.9")
+    )
+    assert isinstance(refusal(both, 10, Decimal("0.2")), BudgetExceeded)
+    assert isinstance(refusal(both, 10, Decimal("0.1")), BudgetBusy)
+
+
+def test_a_busy_budget_is_asked_again_soon_or_when_a_reservation_expires() -> None:
+    held = {"limit_tokens": 10, "reserved_tokens": 6}
+    poll = refusal(budget(**held), 6, None)
+    assert isinstance(poll, BudgetBusy) and poll.retry_in == BUSY_POLL_MS / 1000
+    expiring = refusal(budget(**held, next_expiry_in=0.05), 6, None)
+    assert isinstance(expiring, BudgetBusy) and expiring.retry_in == 0.05
+    now = refusal(budget(**held, next_expiry_in=-1.0), 6, None)
+    assert isinstance(now, BudgetBusy) and now.retry_in == BUSY_MIN_MS / 1000
+    assert "next_expiry_in" not in budget(**held, next_expiry_in=1.0).as_dict()
+    # Retryable if it ever reaches the outcome table (a caller of admit that does not wait).
+    assert decide(poll, max_delay=CAP).retryable
+    make, args = poll.__reduce__()
+    assert str(make(*args)) == str(poll)
 
 
 def test_budget_exceeded_in_the_outcome_table() -> None:
@@ -77,7 +106,7 @@ def test_budget_exceeded_in_the_outcome_table() -> None:
     soon = refusal(budget(**full, on_exceeded="wait", period_ends_in=30.0), 5, None)
     assert soon is not None and decide(soon, max_delay=CAP).retry_in == 30.0
     fails = refusal(budget(**full), 5, None)
-    assert fails is not None and not fails.waits and fails.retry_in == 3600.0
+    assert isinstance(fails, BudgetExceeded) and not fails.waits and fails.retry_in == 3600.0
     out = decide(fails, retry_on=(BudgetExceeded,), max_delay=CAP)
     assert (out.kind, out.retryable, out.counts_attempt) == ("failed", False, True)
 
@@ -97,11 +126,11 @@ def test_the_stage_declares_what_a_refusal_does_over_the_budget() -> None:
 def test_a_call_no_period_could_hold_never_waits() -> None:
     # An estimate above the limit itself: no period turning makes room, so no wait.
     never = refusal(budget(limit_tokens=4, on_exceeded="wait"), 5, None)
-    assert never is not None and never.retry_in is None and not never.waits
+    assert isinstance(never, BudgetExceeded) and never.retry_in is None and not never.waits
     out = decide(never, max_delay=CAP, on_budget="wait")
     assert (out.retryable, out.counts_attempt) == (False, True)
     dear = refusal(budget(limit_cost=Decimal("0.01")), 5, Decimal("0.02"))
-    assert dear is not None and dear.retry_in is None
+    assert isinstance(dear, BudgetExceeded) and dear.retry_in is None
 
 
 def test_budget_exceeded_survives_a_round_trip_through_its_reduce() -> None:
