@@ -135,7 +135,7 @@ class LedgerHooks:
         params["ttl"] = self.reservation_ttl
         engine = self._databases.of(params["ws"])
 
-        def once() -> None:
+        def once() -> BudgetExceeded | BudgetBusy | None:
             with raw_connection(engine) as conn, conn.transaction():
                 locked = fetch_all(conn, sql.LOCK_BUDGETS, params)
                 execute(conn, sql.REAP, params)
@@ -146,11 +146,16 @@ class LedgerHooks:
                         for row in rows
                         if (r := refusal(budget_of_row(row), params["tokens"], params["cost"]))
                     ]
+                    # Nothing reserved; the expired reservations charged above stay charged
+                    # (committed), so the spend read sees what the refusal counted.
                     if refused:  # no room for good decides over room held in flight
-                        raise min(refused, key=lambda r: isinstance(r, BudgetBusy))
+                        return min(refused, key=lambda r: isinstance(r, BudgetBusy))
                 execute(conn, sql.RESERVE, params)
+            return None
 
-        retry_disconnect(once)
+        refused = retry_disconnect(once)
+        if refused is not None:
+            raise refused
 
     # ------------------------------------------------------------------ settle
 
