@@ -37,7 +37,7 @@ from decimal import Decimal
 from typing import Any
 
 from onceflow.db import execute, fetch_all, fetch_one, raw_connection, retry_disconnect
-from onceflow.errors import BudgetBusy, DatabaseUnavailable, InvalidRequest
+from onceflow.errors import BudgetBusy, BudgetExceeded, DatabaseUnavailable, InvalidRequest
 from onceflow.ids import check_id
 from onceflow.metrics import record as metrics
 from onceflow.spend import sql

@@ -85,7 +85,7 @@ def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
     def run() -> None:
         try:
             out["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
+        except BaseException as exc:  # handed to the test
             out["error"] = exc
 
     thread = threading.Thread(target=run, daemon=True)
