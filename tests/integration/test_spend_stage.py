@@ -204,7 +204,7 @@ def test_a_result_cache_hit_in_a_stage_is_a_ledger_row_of_its_run(
     assert sorted(row["outcome"] for row in ledger) == ["cache_hit", "ok"]
     (hit,) = [row for row in ledger if row["outcome"] == "cache_hit"]
     assert (hit["stage"], hit["request_id"]) == ("ask_cached", served[0].request_id)
-    assert hit["cell_key"] == "job-{}/answer".format(rows.index(served[0]))
+    assert hit["cell_key"] == f"job-{rows.index(served[0])}/answer"
 
 
 @pytest.mark.slow
