@@ -12,7 +12,7 @@ from onceflow.models.requests import (
     Request,
     SweepResult,
 )
-from onceflow.models.result_cache import result_cache, result_cache_global
+from onceflow.models.cache import result_cache, result_cache_global
 from onceflow.models.scopes import WorkspaceScope
 from onceflow.models.spend import spend_budgets, spend_ledger, spend_reservations
 from onceflow.models.status import Status, parse_status
