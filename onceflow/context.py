@@ -233,6 +233,8 @@ class WorkContext(Protocol):
             self.check()
             return store(value)
 
+        if kw.get("cache") is not None:  # a hit's ledger row names this run
+            kw = {"stage": self.stage, "request_id": self.request_id, **kw}
         return compute_once(
             self.workspace_id, self.job_id, task,
             check=check, compute=fenced_compute, store=fenced_store, wait=wait, **kw,

@@ -362,13 +362,11 @@ class PullWorker:
 
     def _report(self, claim: PullClaim, ran: Outcome) -> str:
         """Send a failed run's outcome (:func:`onceflow.lifecycle.decide`). A RetryLater's
-        delay and a BudgetExceeded's wait travel in the error: the server clamps them to its
-        own longest retry delay."""
+        delay and a BudgetExceeded's budget (its ``on_exceeded``, when its period turns)
+        travel in the error: the server decides them by the stage's declaration
+        (``on_budget``) and clamps the wait to its own longest retry delay."""
         error = ran.error or {}
         kind = error.get("type")
-        if kind == "BudgetExceeded":  # the period's start travels in the error: clamped there
-            error = {**error, "on_exceeded": "wait" if ran.retryable else "fail",
-                     "retry_in": ran.retry_in}  # fmt: skip
         retry_in = None if kind in ("RetryLater", "BudgetExceeded") else ran.retry_in
         return self._fail(claim, error, retryable=ran.retryable, retry_in=retry_in)
 

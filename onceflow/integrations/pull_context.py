@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from onceflow.context import HeldContext
+from onceflow.errors import InvalidRequest
 from onceflow.integrations import pull_locks, pull_permits
 from onceflow.integrations.pull_claim import ClaimClient, PullClaim
 from onceflow.locks import Locked, Outcome
@@ -117,7 +118,18 @@ class PullContext(HeldContext):
         ``kw``: ``ttl``, ``watchdog``, ``on_wait`` (see
         :func:`onceflow.integrations.pull_locks.compute_once`, which checks the lease before
         each acquire, ``compute()`` and ``store()``).
+
+        The result cache across jobs (``cache=``) is not offered to pull workers yet: its
+        entries live in the server's database, and no route serves or writes them under a
+        claim. ``cache=`` (or ``result_cache=``) is refused with :class:`InvalidRequest`
+        before anything is asked.
         """
+        offered = [name for name in ("cache", "result_cache") if name in kw]
+        if offered:
+            raise InvalidRequest(
+                f"{offered[0]}=: the result cache is not offered to pull workers yet; "
+                "compute_once here is the claim's compute lock on its own cell"
+            )
         return pull_locks.compute_once(self, task, check, compute, store, wait=wait, **kw)
 
     def permit(

@@ -166,14 +166,29 @@ def decide(
 
 def budget_refused(exc: BudgetExceeded, on_budget: OnBudget, max_delay: float) -> Outcome:
     """A budget refused the stage's call: ``wait`` (the stage's choice, else the budget's):
-    retried at the next period's start, the attempt given back; ``fail``: dead at once."""
+    retried at the next period's start, the attempt given back; ``fail``: dead at once.
+    The error names the budget's own choice and when its period turns, as a pull worker
+    reports it (:func:`reported`)."""
+    error = {
+        **error_payload(exc),
+        "on_exceeded": exc.on_exceeded,
+        "retry_at": exc.retry_at,
+        "retry_in": exc.retry_in,
+    }
     choice = exc.on_exceeded if on_budget is None else on_budget
-    if choice == "wait" and exc.retry_in is not None:
-        retry_in = clamp_delay(exc.retry_in, max_delay)
-        return replace(
-            failed(error_payload(exc), retryable=True, retry_in=retry_in), counts_attempt=False
-        )
-    return failed(error_payload(exc), retryable=False)
+    return budget_outcome(error, choice, exc.retry_in, max_delay)
+
+
+def budget_outcome(
+    error: dict[str, Any], choice: object, retry_in: object, max_delay: float
+) -> Outcome:
+    """A budget's refusal, ``choice`` made (the stage's ``on_budget``, else the budget's
+    ``on_exceeded``): a ``wait`` with a period to wait for (``retry_in``) is retried then,
+    clamped as a RetryLater delay, its attempt given back; anything else is dead at once."""
+    due = clamp_delay(retry_in, max_delay) if choice == "wait" else None
+    if due is None:
+        return failed(error, retryable=False)
+    return replace(failed(error, retryable=True, retry_in=due), counts_attempt=False)
 
 
 def is_retryable(exc: BaseException, retry_on: RetryOn) -> bool:
@@ -204,25 +219,31 @@ def clamp_delay(delay: object, most: float) -> float | None:
     return float(min(delay, most))
 
 
-def reported(error: Any, *, retryable: bool, retry_in: float | None, max_delay: float) -> Outcome:
+def reported(
+    error: Any,
+    *,
+    retryable: bool,
+    retry_in: float | None,
+    max_delay: float,
+    on_budget: OnBudget = None,
+) -> Outcome:
     """The outcome of a failure a pull worker reports over HTTP (the ``fail`` route).
 
     The same table, read from the report: an error whose ``type`` is a permanent one is
     never retried; a ``RetryLater`` error without ``retry_in`` is retried after its
-    ``delay`` (clamped); a ``BudgetExceeded`` error is retried after its ``retry_in``
-    (clamped) when its ``on_exceeded`` is ``wait``, never otherwise. A client that sent
-    no ``type`` keeps its own ``retryable``.
+    ``delay`` (clamped); a ``BudgetExceeded`` error does what the stage's ``on_budget``
+    says, else what the budget's ``on_exceeded`` in the error says, as :func:`decide`
+    does: a wait is retried after the error's ``retry_in`` (clamped), its attempt given
+    back; a fail (or no choice said) is dead at once. A client that sent no ``type`` keeps
+    its own ``retryable``.
     """
     kind = error.get("type") if isinstance(error, dict) else None
     if kind in PERMANENT_TYPES:
         return Outcome("failed", error=error, retryable=False, retry_in=None)
     if kind == "BudgetExceeded" and isinstance(error, dict):
-        # A `wait` budget: retried when the period turns (its `retry_in`, clamped as a
-        # RetryLater delay); a `fail` one (or none said): dead at once.
-        if error.get("on_exceeded") != "wait":
-            return Outcome("failed", error=error, retryable=False, retry_in=None)
-        retry_in = clamp_delay(error.get("retry_in") if retry_in is None else retry_in, max_delay)
-        return Outcome("failed", error=error, retryable=retry_in is not None, retry_in=retry_in)
+        choice = error.get("on_exceeded") if on_budget is None else on_budget
+        wait = error.get("retry_in") if retry_in is None else retry_in
+        return budget_outcome(error, choice, wait, max_delay)
     if kind == "RetryLater" and retry_in is None and isinstance(error, dict):
         retry_in = clamp_delay(error.get("delay"), max_delay)
         error = {**error, "delay": retry_in}
@@ -247,6 +268,7 @@ __all__ = [
     "Outcome",
     "RetryOn",
     "brief_error",
+    "budget_outcome",
     "budget_refused",
     "check_on_budget",
     "clamp_delay",

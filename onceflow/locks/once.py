@@ -66,6 +66,8 @@ def compute_once(
     on_wait: Callable[[], object] | None = None,
     cache: CacheKey | None = None,
     result_cache: ResultCache | None = None,
+    stage: str | None = None,
+    request_id: str | None = None,
 ) -> Outcome[T]: ...
 @overload
 def compute_once(
@@ -83,6 +85,8 @@ def compute_once(
     on_wait: Callable[[], object] | None = None,
     cache: CacheKey | None = None,
     result_cache: ResultCache | None = None,
+    stage: str | None = None,
+    request_id: str | None = None,
 ) -> Outcome[T] | Locked: ...
 def compute_once(
     workspace_id: str,
@@ -99,6 +103,8 @@ def compute_once(
     on_wait: Callable[[], object] | None = None,
     cache: CacheKey | None = None,
     result_cache: ResultCache | None = None,
+    stage: str | None = None,
+    request_id: str | None = None,
 ) -> Outcome[T] | Locked:
     """Get the cell's value, paying for ``compute()`` at most once across every caller.
 
@@ -111,11 +117,15 @@ def compute_once(
 
     ``cache``: a :class:`~onceflow.cache.CacheKey` — an identical call anywhere in the
     key's scope within its TTL is paid once (see the module); ``result_cache``: where the
-    entries live (:func:`~onceflow.cache.default_cache`, the settings' database, if None).
+    entries live (:func:`~onceflow.cache.default_cache`, the settings' database, if None);
+    ``stage`` and ``request_id``: the run the call is made for, named on the ``cache_hit``
+    ledger rows (``ctx.compute_once`` gives its own).
     """
     if cache is None:
         if result_cache is not None:
             raise InvalidRequest("result_cache is where cache= entries live: give a cache key")
+        if stage is not None or request_id is not None:
+            raise InvalidRequest("stage and request_id name a cache hit's row: give a cache key")
         steps = protocol_steps(
             workspace_id, job_id, task, check, compute, store, wait, ttl, watchdog,
             backend, get_backend, on_wait,
@@ -123,7 +133,7 @@ def compute_once(
     else:
         steps = cached_steps(
             workspace_id, job_id, task, check, compute, store, cache, result_cache, wait,
-            ttl, watchdog, backend, get_backend, on_wait,
+            ttl, watchdog, backend, get_backend, on_wait, stage=stage, request_id=request_id,
         )  # fmt: skip
     return run_sync(steps)
 
@@ -143,8 +153,12 @@ def cached_steps(
     backend: AnyBackend | None,
     default_backend: Callable[[], AnyBackend],
     on_wait: Callable[[], object] | None,
+    *,
+    stage: str | None = None,
+    request_id: str | None = None,
 ) -> Steps[Outcome[Any] | Locked]:
-    """The cache path as steps (see the module), for :func:`~onceflow.locks.steps.run_sync`."""
+    """The cache path as steps (see the module), for :func:`~onceflow.locks.steps.run_sync`;
+    ``stage`` and ``request_id`` name the run on the hits' ledger rows."""
     lock_key(workspace_id, job_id, task)  # bad ids, a bad key and a bad ttl fail first
     if not isinstance(cache, CacheKey):
         raise InvalidRequest(f"cache must be a CacheKey, got {type(cache).__name__}")
@@ -157,10 +171,18 @@ def cached_steps(
         return Outcome(value, Path.PREFLIGHT)
     rc = results if results is not None else default_cache()
     cell_key = f"{job_id}/{task}"
+
+    def hit(entry: Entry) -> Steps[None]:
+        metrics.result_cache("hit", entry.cost)
+        yield Call(
+            rc.record_hit, workspace_id, entry, cell_key=cell_key, stage=stage,
+            request_id=request_id,
+        )  # fmt: skip
+
     entry = yield Call(rc.get, workspace_id, cache)
     if entry is not None:
         be.counters.incr(workspace_id, CACHE_HITS)  # sent later, as a pre-flight hit
-        yield from _hit(rc, workspace_id, entry, cell_key)
+        yield from hit(entry)
         return (yield from _fill(be, workspace_id, check, store, entry.value, Path.CACHE_HIT))
     metrics.result_cache("miss")
 
@@ -194,18 +216,13 @@ def cached_steps(
         return Locked(workspace_id, job_id, task)
     if outcome.path in (Path.PREFLIGHT, Path.DOUBLE_CHECK, Path.WAITED) and served:
         # Served by another caller's entry (written just now, or merged in flight).
-        yield from _hit(rc, workspace_id, served[-1], cell_key)
+        yield from hit(served[-1])
     path = Path.CACHE_HIT if outcome.path is Path.PREFLIGHT else outcome.path
     filled = yield from _fill(be, workspace_id, check, store, outcome.value, path)
     return Outcome(
         filled.value, filled.path, outcome.served_by, outcome.waited_seconds, outcome.rounds,
         outcome.with_lock, outcome.duplicate or filled.duplicate,
     )  # fmt: skip
-
-
-def _hit(rc: ResultCache, workspace_id: str, entry: Entry, cell_key: str) -> Steps[None]:
-    metrics.result_cache("hit", entry.cost)
-    yield Call(rc.record_hit, workspace_id, entry, cell_key=cell_key)
 
 
 def _fill(

@@ -1,6 +1,6 @@
 """Tables and the typed values of onceflow (imports none of the other sub-packages)."""
 
-from onceflow.models.cache_tables import result_cache, result_cache_global
+from onceflow.models.cache import result_cache, result_cache_global
 from onceflow.models.locks import compute_locks as compute_locks
 from onceflow.models.requests import (
     Claim,

@@ -3,7 +3,8 @@
 // Claims one request and runs the case's body on it; prints one JSON line per event.
 //   rpm:    takes n permits one after another, settling each; the result lists their grant
 //           times (Redis clock)
-//   budget: asks for a permit a budget refuses; prints what the body caught, then rethrows
+//   budget: asks for a permit of n tokens (100 by default) a budget refuses; prints what the
+//           body caught, then rethrows
 //   hold:   takes a permit, prints its grant time, and never settles (the test kills it)
 
 const [sdkPath, baseUrl, apiKey, workerClass, kase, provider, n] = process.argv.slice(2);
@@ -25,7 +26,7 @@ const bodies = {
   },
   budget: async (ctx) => {
     try {
-      await ctx.permit(provider, { tokens: 100 }, async () => "never called");
+      await ctx.permit(provider, { tokens: Number(n ?? 100) }, async () => "never called");
     } catch (error) {
       say({ caught: error?.name, budget: error instanceof BudgetExceeded, onExceeded: error?.onExceeded, period: error?.period });
       throw error;

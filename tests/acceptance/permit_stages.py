@@ -33,12 +33,13 @@ def pp_js(ctx: Any, data: Empty) -> Any:
     raise AssertionError("run by the JS pull worker")
 
 
-# A `wait` budget's refusal is a failed attempt retried when the period turns: two attempts.
-@flow.stage("pp_py_wait", input=Empty, worker_class=PY, lease_seconds=30, max_attempts=2)
+# A `wait` budget's refusal is retried when the period turns, its attempt given back: it
+# waits even with one attempt.
+@flow.stage("pp_py_wait", input=Empty, worker_class=PY, lease_seconds=30, max_attempts=1)
 def pp_py_wait(ctx: Any, data: Empty) -> Any:
     raise AssertionError("run by a Python pull worker")
 
 
-@flow.stage("pp_js_wait", input=Empty, worker_class=JS, lease_seconds=30, max_attempts=2)
+@flow.stage("pp_js_wait", input=Empty, worker_class=JS, lease_seconds=30, max_attempts=1)
 def pp_js_wait(ctx: Any, data: Empty) -> Any:
     raise AssertionError("run by the JS pull worker")

@@ -201,10 +201,12 @@ def test_a_budget_refusal_reaches_the_js_and_python_bodies(api: str, engine: Eng
 
 def test_a_waiting_budget_retries_the_stage_when_the_period_turns(api: str) -> None:
     """Under either pull worker: queued again, due at the next UTC day (at most the
-    server's longest retry delay, 600 s by default), the error BudgetExceeded."""
-    set_budget("pp-patient", "day", limit_tokens=10, on_exceeded="wait", allow_new=True)
+    server's longest retry delay, 600 s by default), the error BudgetExceeded. A budget of
+    0 tokens refuses even a call estimated at 0, and a next period can take that call (a
+    call larger than the whole budget could never wait for room: it is dead at once)."""
+    set_budget("pp-patient", "day", limit_tokens=0, on_exceeded="wait", allow_new=True)
     js_rid = enqueue("pp_js_wait", "pp-patient", JS)
-    js = node(api, KEY, JS, "budget", BUDGETED)
+    js = node(api, KEY, JS, "budget", BUDGETED, "0")
     out, err = js.communicate(timeout=90)
     assert js.returncode == 0, err
     assert lines(out)[0]["onExceeded"] == "wait"
@@ -213,7 +215,7 @@ def test_a_waiting_budget_retries_the_stage_when_the_period_turns(api: str) -> N
     py_rid = enqueue("pp_py_wait", "pp-patient", PY)
 
     def body(ctx: PullContext) -> Any:
-        with ctx.permit(BUDGETED, tokens=100):
+        with ctx.permit(BUDGETED, tokens=0):
             raise AssertionError("a refused permit runs no body")
 
     with PullWorker(api, KEY, PY, lease_seconds=30) as worker:
@@ -222,6 +224,7 @@ def test_a_waiting_budget_retries_the_stage_when_the_period_turns(api: str) -> N
         row = ended(rid, "queued")
         assert row.error["type"] == "BudgetExceeded"
         assert row.error["on_exceeded"] == "wait"
+        assert row.attempts == 0  # the wait gave its attempt back
         retry_in = (row.run_after - row.updated_at).total_seconds()
         assert 0 < retry_in <= 600
 

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel
 
+from onceflow.cache import CacheKey
 from onceflow.context import WorkContext
 from onceflow.spend import Price, Provider, Usage
 from onceflow.tasks import Flow
@@ -51,4 +52,18 @@ flow.stage("ask_fail", input=Ask, on_budget="fail", max_attempts=1,
            worker_class=CELERY, alternate_worker_classes=ALTERNATES)(ask)  # fmt: skip
 flow.stage("ask_wait", input=Ask, on_budget="wait", max_attempts=1,
            worker_class=CELERY, alternate_worker_classes=ALTERNATES)(ask)  # fmt: skip
+
+
+def ask_cached(ctx: WorkContext, data: Ask) -> dict[str, Any]:
+    """``ask`` through the result cache: an identical call of the workspace is paid once."""
+    out = ctx.compute_once(
+        "answer", check=lambda: None, compute=lambda: ask(ctx, data), store=lambda v: None,
+        cache=CacheKey("workspace", data.url, ttl=600),
+    )  # fmt: skip
+    return {**out.value, "path": out.path.value}
+
+
+flow.stage("ask_cached", input=Ask, worker_class=CELERY, alternate_worker_classes=ALTERNATES)(
+    ask_cached
+)
 app = flow.app

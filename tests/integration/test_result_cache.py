@@ -160,6 +160,16 @@ def test_bad_input_is_refused_and_changes_nothing(
         lambda: invalidate("global", key=key, workspace_id="ws"),
         lambda: invalidate("workspace", key=key, digest="ab", workspace_id="ws"),
         lambda: invalidate("workspace", digest="not-hex", workspace_id="ws"),
+        lambda: compute_once(  # a hit's run named without a cache
+            "ws",
+            "job-bad",
+            "t",
+            check=lambda: None,
+            compute=lambda: calls.append(1) or 1,
+            store=lambda v: cells.update(t=v),
+            stage="s",
+            request_id="r",
+        ),
     ):
         with pytest.raises((InvalidRequest, PayloadTooLarge)):
             bad()

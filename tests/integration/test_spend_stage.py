@@ -188,6 +188,27 @@ def test_a_stages_call_is_a_ledger_row_of_its_run(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("runner", RUNNERS, indirect=True)
+def test_a_result_cache_hit_in_a_stage_is_a_ledger_row_of_its_run(
+    runner: Callable[[str, str, str, int], list[Request]],
+    llm: LimitedProvider,
+    clean_db: Engine,
+) -> None:
+    """``ctx.compute_once(…, cache=…)``: one run pays, the other is served from the entry;
+    the ``cache_hit`` row names the stage and the request it was served to."""
+    ws = _ws()
+    rows = runner("ask_cached", ws, llm.url, 2)
+    assert [r.status.value for r in rows] == ["succeeded", "succeeded"]
+    served = [r for r in rows if r.result["path"] != "computed"]
+    assert len(served) == 1
+    ledger = _ledger(clean_db, ws)
+    assert sorted(row["outcome"] for row in ledger) == ["cache_hit", "ok"]
+    (hit,) = [row for row in ledger if row["outcome"] == "cache_hit"]
+    assert (hit["stage"], hit["request_id"]) == ("ask_cached", served[0].request_id)
+    assert hit["cell_key"] == f"job-{rows.index(served[0])}/answer"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runner", RUNNERS, indirect=True)
 def test_the_call_past_a_budget_fails_the_stage_that_says_fail(
     runner: Callable[[str, str, str, int], list[Request]],
     llm: LimitedProvider,

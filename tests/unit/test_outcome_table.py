@@ -7,6 +7,7 @@ import math
 import pytest
 
 from onceflow.errors import (
+    BudgetExceeded,
     Cancelled,
     InvalidRequest,
     LeaseLost,
@@ -118,6 +119,33 @@ def test_a_reported_budget_refusal_waits_for_its_period_only_when_its_budget_wai
     # A `wait` without a usable period start has nothing to wait for: dead too.
     lost = reported({**wait, "retry_in": "soon"}, retryable=True, retry_in=None, max_delay=CAP)
     assert not lost.retryable
+
+
+def test_a_reported_budget_refusal_does_what_the_stage_declares_as_decide_does() -> None:
+    """The server reads the claimed stage's on_budget: the same outcome as decide() gives
+    a runner in this process, a wait's attempt given back."""
+    fails = BudgetExceeded("w", "day", "full", on_exceeded="fail", retry_at="t", retry_in=60.0)
+    waits = BudgetExceeded("w", "day", "full", on_exceeded="wait", retry_at="t", retry_in=60.0)
+    never = BudgetExceeded("w", "day", "too big", on_exceeded="wait")  # fits no period
+    for exc in (fails, waits, never):
+        for on_budget in (None, "fail", "wait"):
+            here = decide(exc, max_delay=CAP, on_budget=on_budget)
+            assert here.error is not None
+            assert here.error["on_exceeded"] == exc.on_exceeded  # the budget's, in the error
+            there = reported(here.error, retryable=True, retry_in=None, max_delay=CAP,
+                             on_budget=on_budget)  # fmt: skip
+            assert (there.retryable, there.retry_in, there.counts_attempt) == (
+                here.retryable,
+                here.retry_in,
+                here.counts_attempt,
+            ), (exc.on_exceeded, on_budget)
+    waited = reported({"type": "BudgetExceeded", "on_exceeded": "fail", "retry_in": 60},
+                      retryable=False, retry_in=None, max_delay=CAP, on_budget="wait")  # fmt: skip
+    assert (waited.retryable, waited.retry_in, waited.counts_attempt) == (True, 60.0, False)
+    # Any other failure counts its attempt, whatever the stage says of budgets.
+    other = reported({"type": "RetryLater", "delay": 5}, retryable=True, retry_in=None,
+                     max_delay=CAP, on_budget="wait")  # fmt: skip
+    assert other.counts_attempt
 
 
 def test_a_refused_error_is_recorded_briefly() -> None:

@@ -21,7 +21,7 @@ from onceflow.integrations.fastapi.responses import _responses
 from onceflow.integrations.fastapi.routes_ops import _apply_out
 from onceflow.integrations.fastapi.routes_requests import _follow_up, _request_out
 from onceflow.integrations.fastapi.services import OnceflowServices
-from onceflow.lifecycle.outcome import reported
+from onceflow.lifecycle.outcome import OnBudget, reported
 from onceflow.models import Claim, ClaimRef, NewRequest, WorkspaceScope
 from onceflow.oplog import stage_op_id
 from onceflow.queue import AsyncQueue
@@ -158,21 +158,40 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         report: an ``error`` whose ``type`` is ``PermanentError``, ``InvalidRequest``,
         ``OutOfScope`` or ``Cancelled`` is never retried; a ``RetryLater`` error without
         ``retry_in`` is retried after its ``delay``, at most
-        ``ONCEFLOW_BACKOFF_MAX_SECONDS``.
+        ``ONCEFLOW_BACKOFF_MAX_SECONDS``; a ``BudgetExceeded`` error does what the claimed
+        stage declares (``on_budget``), else what the budget's ``on_exceeded`` says: a wait
+        is retried when the period turns (its ``retry_in``, at most that longest delay)
+        with its attempt given back, a fail is dead at once.
         """
         ref = claim_ref(request_id, body.claim_token, principal, body.workspace_id)
         if body.retry_in is not None:
             terms.check_retry_in(body.retry_in)
+        on_budget = None
+        if isinstance(body.error, dict) and body.error.get("type") == "BudgetExceeded":
+            on_budget = await claimed_on_budget(ref)
         ran = reported(
             body.error,
             retryable=body.retryable,
             retry_in=body.retry_in,
             max_delay=float(svc.settings.backoff_max_seconds),
+            on_budget=on_budget,
         )
         failed = await svc.async_queue.fail(
-            ref, ran.error, retryable=ran.retryable, retry_in=ran.retry_in
-        )
+            ref, ran.error, retryable=ran.retryable, retry_in=ran.retry_in,
+            count_attempt=ran.counts_attempt,
+        )  # fmt: skip
         return _request_out(failed)
+
+    async def claimed_on_budget(ref: ClaimRef) -> OnBudget:
+        """The claimed stage's ``on_budget``, read under the claim. None when the claim is
+        not live (the failure's own fenced statement then refuses it, or recognises its
+        landed write) or the Flow does not declare the stage."""
+        held = await svc.async_queue.live_claim(
+            ref.request_id, ref.token, worker_classes=ref.worker_classes,
+            workspace_id=ref.workspace_id, workspaces=ref.workspaces,
+        )  # fmt: skip
+        spec = None if held is None else svc.flow.stages.get(held.stage)
+        return None if spec is None else spec.on_budget
 
     @router.post(
         "/claims/{request_id}/ops",
