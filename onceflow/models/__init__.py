@@ -1,5 +1,6 @@
 """Tables and the typed values of onceflow (imports none of the other sub-packages)."""
 
+from onceflow.models.cache_tables import result_cache, result_cache_global
 from onceflow.models.locks import compute_locks as compute_locks
 from onceflow.models.requests import (
     Claim,
@@ -12,7 +13,6 @@ from onceflow.models.requests import (
     Request,
     SweepResult,
 )
-from onceflow.models.result_cache import result_cache, result_cache_global
 from onceflow.models.scopes import WorkspaceScope
 from onceflow.models.spend import spend_budgets, spend_ledger, spend_reservations
 from onceflow.models.status import Status, parse_status

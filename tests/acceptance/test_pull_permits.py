@@ -318,3 +318,48 @@ def test_a_foreign_claim_token_is_refused_and_changes_nothing(api: str, engine: 
             ).all()
         assert [tuple(r) for r in rows] == [(3, 1, "ok", True)]
         worker.complete(claim, {"ok": True})
+
+
+def test_a_budget_held_by_calls_in_flight_is_not_yet_over_http(
+    api: str, engine: Engine, database_url: str
+) -> None:
+    """A budget that only the reservations of calls in flight fill answers 429
+    ``budget_in_flight`` (ask again; nothing reserved), and grants once they settle lower."""
+    from onceflow.spend import LedgerHooks
+
+    set_budget("pp-busy", "day", limit_tokens=10, allow_new=True)
+    direct = Provider(BUDGETED, rpm=1000, hooks=LedgerHooks(database_url))
+    enqueue("pp_py", "pp-busy", PY)
+
+    def reserved() -> int:
+        with engine.connect() as conn:
+            return int(
+                conn.execute(
+                    text("SELECT count(*) FROM spend_reservations WHERE workspace_id = 'pp-busy'")
+                ).scalar_one()
+            )
+
+    with (
+        PullWorker(api, KEY, PY, lease_seconds=30) as worker,
+        httpx.Client(base_url=api, timeout=10) as client,
+    ):
+        claim = worker.claim(wait=5)
+        assert claim is not None
+        url = f"/v1/claims/{claim.request_id}/permits"
+        ask = {
+            "provider": BUDGETED, "tokens": 6, "permit_id": uuid.uuid4().hex,
+            "wait_seconds": 0.3, "claim_token": claim.token, "workspace_id": "pp-busy",
+        }  # fmt: skip
+        headers = {"Authorization": f"Bearer {KEY}"}
+        with direct.permit("pp-busy", 6) as held:
+            assert reserved() == 1
+            busy = client.post(url, json=ask, headers=headers)
+            assert busy.status_code == 429, busy.text
+            assert busy.json()["reason"] == "budget_in_flight"
+            assert "Retry-After" in busy.headers
+            assert reserved() == 1  # the refused ask reserved nothing
+            held.settle(Usage(2, 1))  # 3 spent: 3 + 6 fits the 10
+        granted = client.post(url, json=ask, headers=headers)
+        assert granted.status_code == 200, granted.text
+        assert reserved() == 1
+        worker.complete(claim, {"ok": True})

@@ -50,7 +50,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse
 
 from onceflow.connector.trampoline import ado_step, adrive
-from onceflow.errors import InvalidRequest, LeaseLost, NotFound, OnceflowError
+from onceflow.errors import BudgetBusy, InvalidRequest, LeaseLost, NotFound, OnceflowError
 from onceflow.integrations.fastapi import schemas as s
 from onceflow.integrations.fastapi.auth import PrincipalDep
 from onceflow.integrations.fastapi.pull_routes import ClaimBodyIn, claim_holder
@@ -58,6 +58,7 @@ from onceflow.integrations.fastapi.responses import AsciiJSONResponse
 from onceflow.keys import permit_key
 from onceflow.spend import NO_HOOKS, AsyncPermit, Databases, Grant, LedgerHooks, Provider, Usage
 from onceflow.spend.limits import POLL_MS, Decision, async_redis, translated
+from onceflow.spend.provider import BUDGET_IN_FLIGHT, busy_wait_ms
 from onceflow.spend.registry import get_provider
 
 if TYPE_CHECKING:
@@ -128,7 +129,8 @@ class PermitBusyOut(BaseModel):
     code: Literal["provider_busy"] = "provider_busy"
     provider: str
     reason: str = Field(
-        description="Why: cooling, state_lost, concurrency, rpm, tpm, share, or pending (a "
+        description="Why: cooling, state_lost, concurrency, rpm, tpm, share, budget_in_flight (the "
+        "budget is held by calls in flight until they settle), or pending (a "
         "POST of the same permit is waiting already)."
     )
     retry_after_ms: int = Field(description="When to ask again (also `Retry-After`, seconds).")
@@ -258,11 +260,24 @@ def _busy(provider: str, reason: str, wait_ms: int) -> JSONResponse:
 
 async def _acquire(provider: Provider, grant: Grant, wait_seconds: float) -> Decision:
     """Admit (budgets), then wait up to ``wait_seconds`` for the limits. Not granted: the
-    admit is given back (nothing held) and the last refusal is answered."""
-    await run_in_threadpool(provider.hooks.admit, grant)
+    admit is given back (nothing held) and the last refusal is answered.
+
+    A budget held only by calls in flight (:class:`BudgetBusy`) is asked again until they
+    settle or ``wait_seconds`` ends; then the answer is "not yet" (``budget_in_flight``),
+    nothing reserved — the client asks again, as for the rate limits."""
     limits, keys = provider.alimits, provider.keys
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_seconds
+    while True:
+        try:
+            await run_in_threadpool(provider.hooks.admit, grant)
+            break
+        except BudgetBusy as busy:
+            wait_ms = busy_wait_ms(busy)
+            left = deadline - loop.time()
+            if left <= 0:
+                return Decision(False, wait_ms=wait_ms, reason=BUDGET_IN_FLIGHT)
+            await asyncio.sleep(min(wait_ms / 1000 * random.uniform(0.5, 1.0), left))
     try:
         while True:
             decided = await limits.acquire(
