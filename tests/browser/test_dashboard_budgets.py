@@ -49,7 +49,7 @@ def test_budgets_panel_in_chromium(
     flying = Grant(workspace_id="dash-b1", provider="openai", estimate_tokens=100,
                    estimate_cost=Decimal("0.1"))  # fmt: skip
     hooks.admit(flying)  # in flight: holds 100 tokens and 0.1
-    spend(hooks, "dash-b1", (400, 200), "1.7")  # 85 % of the month's money, 120 % of the day's tokens
+    spend(hooks, "dash-b1", (400, 200), "1.7")  # 85 % of 2 (month), 120 % of 500 tokens (day)
     spend(hooks, "dash-b2", (200, 100), "0.3")  # 30 % of the tokens, 3 % of the money
 
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
