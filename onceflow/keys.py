@@ -61,6 +61,14 @@ def permit_key(workspace_id: str, permit_id: str, part: str = "") -> str:
     return f"{key}:{part}" if part else key
 
 
+def budget_refusal_key(workspace_id: str, request_id: str, token_hash: str) -> str:
+    """A budget refusal the permit route answered a claim with (``token_hash``: the claim
+    token's SHA-256): ``onceflow:{ws}:budget-refused:<request>:<token hash>``."""
+    request = escape(check_id("request_id", request_id))
+    token = escape(check_id("token_hash", token_hash))
+    return f"{_ws(workspace_id)}:budget-refused:{request}:{token}"
+
+
 def counters_workspaces_key() -> str:
     """A set of the workspaces that have a counters hash (the dashboard lists them).
 

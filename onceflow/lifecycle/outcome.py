@@ -43,6 +43,8 @@ the body's work: its attempt is given back in that statement (as a claim handed 
 unstarted is), so a stage with few ``max_attempts`` waits for the period to turn instead
 of going dead. A call that could not fit a budget even in an empty period carries no
 ``retry_in`` and is dead at once, whatever the stage declares.
+A pull worker's report of a ``BudgetExceeded`` counts as one only when the server refused
+a permit of that claim itself (see :func:`reported`); else it is an ordinary failure.
 
 A run past ``max_runtime`` gets the same row under every runner. The Celery stage task
 records it itself (Celery's soft time limit raises in the body at ``max_runtime``). A
@@ -60,7 +62,7 @@ the retry decision kept.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Final, Literal
 
@@ -226,24 +228,28 @@ def reported(
     retry_in: float | None,
     max_delay: float,
     on_budget: OnBudget = None,
+    refusal: Mapping[str, Any] | None = None,
 ) -> Outcome:
     """The outcome of a failure a pull worker reports over HTTP (the ``fail`` route).
 
     The same table, read from the report: an error whose ``type`` is a permanent one is
     never retried; a ``RetryLater`` error without ``retry_in`` is retried after its
-    ``delay`` (clamped); a ``BudgetExceeded`` error does what the stage's ``on_budget``
-    says, else what the budget's ``on_exceeded`` in the error says, as :func:`decide`
-    does: a wait is retried after the error's ``retry_in`` (clamped), its attempt given
-    back; a fail (or no choice said) is dead at once. A client that sent no ``type`` keeps
-    its own ``retryable``.
+    ``delay`` (clamped); a ``BudgetExceeded`` error is a budget's refusal only when the
+    server answered the claim's permit with one (``refusal``: its ``on_exceeded``,
+    ``retry_at`` and ``retry_in``, written over the report's): it then does what the
+    stage's ``on_budget`` says, else what the budget's ``on_exceeded`` says, as
+    :func:`decide` does — a wait is retried after the refusal's ``retry_in`` (clamped),
+    its attempt given back; a fail (or no choice said) is dead at once. Without a
+    ``refusal`` it is an ordinary failure, its attempt counted: a worker's word alone
+    gives no attempt back. A client that sent no ``type`` keeps its own ``retryable``.
     """
     kind = error.get("type") if isinstance(error, dict) else None
     if kind in PERMANENT_TYPES:
         return Outcome("failed", error=error, retryable=False, retry_in=None)
-    if kind == "BudgetExceeded" and isinstance(error, dict):
-        choice = error.get("on_exceeded") if on_budget is None else on_budget
-        wait = error.get("retry_in") if retry_in is None else retry_in
-        return budget_outcome(error, choice, wait, max_delay)
+    if kind == "BudgetExceeded" and isinstance(error, dict) and refusal is not None:
+        error = {**error, **{k: refusal.get(k) for k in ("on_exceeded", "retry_at", "retry_in")}}
+        choice = error["on_exceeded"] if on_budget is None else on_budget
+        return budget_outcome(error, choice, error["retry_in"], max_delay)
     if kind == "RetryLater" and retry_in is None and isinstance(error, dict):
         retry_in = clamp_delay(error.get("delay"), max_delay)
         error = {**error, "delay": retry_in}

@@ -53,6 +53,7 @@ from onceflow.connector.trampoline import ado_step, adrive
 from onceflow.errors import BudgetBusy, InvalidRequest, LeaseLost, NotFound, OnceflowError
 from onceflow.integrations.fastapi import schemas as s
 from onceflow.integrations.fastapi.auth import PrincipalDep
+from onceflow.integrations.fastapi.budget_refusals import remembered
 from onceflow.integrations.fastapi.pull_routes import ClaimBodyIn, claim_holder
 from onceflow.integrations.fastapi.responses import AsciiJSONResponse
 from onceflow.keys import permit_key
@@ -377,7 +378,7 @@ def add_permit_routes(
             if not await redis().set(waiting, "1", nx=True, px=hold_ms):
                 return _busy(provider.name, "pending", 1000)
         try:
-            decided = await _acquire(provider, grant, body.wait_seconds)
+            decided = await remembered(_acquire(provider, grant, body.wait_seconds), redis(), grant)
             if not decided.granted:
                 return _busy(provider.name, decided.reason, decided.wait_ms)
             fields = {
