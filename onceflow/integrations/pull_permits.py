@@ -13,13 +13,16 @@ other client shares::
         permit.settle(Usage(reply.input_tokens, reply.output_tokens))
 
 Entering the block asks the server for a permit — a long poll of at most 20 s, asked again
-(with the same permit id, so a lost answer is never a second permit) until ``timeout``
+(with the same permit id, so a lost answer is never a second permit) at most a second after
+each refusal (so the workspace keeps counting as waiting for its fair share) until ``timeout``
 (:class:`~onceflow.errors.PermitTimeout`, retryable); the claim's ``check()`` runs between
 asks (a lost lease or a cancel stops the wait). A budget's refusal is raised as
 :class:`~onceflow.errors.BudgetExceeded` (the outcome table then fails the stage, or retries
 it when the next period starts). Leaving the block without a settle gives the permit back:
 ``failed`` after an exception, ``unsettled`` otherwise (its estimate stays counted: the call
-may have been made); :meth:`RemotePermit.release` gives back one that was not used.
+may have been made); :meth:`RemotePermit.release` gives back one that was not used. A
+settle that got no answer (the server failing past the worker's retries) is sent again as
+it was on leaving the block, so the call's usage is recorded rather than given back.
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ ASK_SECONDS: Final = 20.0
 DEFAULT_TIMEOUT: Final = 60.0
 #: How long to pause after an ask that got no answer (the server or network failing).
 TRANSPORT_PAUSE: Final = 0.5
+#: The longest pause between two asks, whatever the server's hint (which for a request or
+#: token limit can be most of a window): a workspace counts as waiting for its fair share
+#: only while its callers keep asking, and the server's long poll does the waiting.
+ASK_PAUSE: Final = 1.0
 
 
 class PermitHolder(Protocol):
@@ -69,6 +76,9 @@ class RemotePermit:
         self.expires_in_ms = int(answer["expires_in_ms"])
         self.outcome: str | None = None
         self.usage: Usage | None = None
+        #: A settle, report or release sent without an answer: the server may have applied
+        #: it, so only the same one may finish the permit (sent again on leaving).
+        self._pending: tuple[str, dict[str, Any], str, Usage | None] | None = None
 
     def __repr__(self) -> str:
         return f"RemotePermit({self.provider!r}, {self.permit_id!r}, outcome={self.outcome!r})"
@@ -77,11 +87,25 @@ class RemotePermit:
     def settled(self) -> bool:
         return self.outcome is not None
 
-    def _send(self, action: str, body: dict[str, Any], outcome: str) -> None:
+    def _send(
+        self, action: str, body: dict[str, Any], outcome: str, usage: Usage | None = None
+    ) -> None:
         if self.outcome is not None:
             raise InvalidRequest(f"permit {self.permit_id} is already settled ({self.outcome})")
-        self.ctx.worker.permit_call(self.ctx.claim, self.permit_id, action, body)
+        sent = (action, body, outcome, usage)
+        if self._pending is not None and self._pending != sent:
+            raise InvalidRequest(
+                f"permit {self.permit_id} was sent {self._pending[0]} {self._pending[1]} "
+                "without an answer; only the same may be sent again"
+            )
+        try:
+            self.ctx.worker.permit_call(self.ctx.claim, self.permit_id, action, body)
+        except TransportError:  # it may have landed: the same is sent again on leaving
+            self._pending = sent
+            raise
+        self._pending = None
         self.outcome = outcome
+        self.usage = usage
 
     def settle(self, usage: Usage, *, model: str | None = None) -> None:
         """The call's usage: the server corrects the estimate, frees the slot, records it."""
@@ -94,8 +118,7 @@ class RemotePermit:
         }
         if model is not None:
             body["model"] = model
-        self._send("settle", body, "ok")
-        self.usage = usage
+        self._send("settle", body, "ok", usage)
 
     def rate_limited(self, retry_after: float | None = None) -> None:
         """The provider answered 429: it cools for every client ``retry_after`` seconds (else
@@ -108,7 +131,12 @@ class RemotePermit:
 
     def leave(self, failed: bool) -> None:
         """The block was left without a settle: ``failed`` (an exception; no usage known) or
-        ``unsettled`` (its estimate stays counted: the call may have been made)."""
+        ``unsettled`` (its estimate stays counted: the call may have been made). A settle
+        (or report, or release) that got no answer is sent again as it was instead: the
+        call's usage is recorded, not lost to a release."""
+        if self._pending is not None:
+            self._send(*self._pending)
+            return
         outcome = "failed" if failed else "unsettled"
         self._send("release", {"outcome": outcome}, outcome)
 
@@ -152,7 +180,7 @@ class RemotePermitContext:
                     self.permit = RemotePermit(ctx, self.provider, self.permit_id, answer)
                     return self.permit
                 reason = str(answer.get("reason", ""))
-                pause = int(answer.get("retry_after_ms") or 0) / 1000
+                pause = min(int(answer.get("retry_after_ms") or 0) / 1000, ASK_PAUSE)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise PermitTimeout(self.provider, self.timeout, reason)

@@ -16,11 +16,13 @@ limits in Redis, one Redis clock. Checked here:
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import signal
 import subprocess
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,10 +52,12 @@ NODE = shutil.which("node")
 RUN = uuid.uuid4().hex[:8]  # provider state is shared Redis state: one name per run
 RPM = f"pp-rpm-{RUN}"
 HOLD = f"pp-hold-{RUN}"
+SLOW = f"pp-slow-{RUN}"
 BUDGETED = f"pp-budget-{RUN}"
 DECLARED: dict[str, dict[str, Any]] = {
     RPM: {"rpm": 4, "window_seconds": 1},
     HOLD: {"concurrency": 1, "permit_ttl": 2},
+    SLOW: {"rpm": 1, "window_seconds": 4},
     BUDGETED: {"rpm": 1000, "input_per_million": "1", "output_per_million": "2"},
 }
 ENV = {
@@ -366,3 +370,99 @@ def test_a_budget_held_by_calls_in_flight_is_not_yet_over_http(
         assert granted.status_code == 200, granted.text
         assert reserved() == 1
         worker.complete(claim, {"ok": True})
+
+
+def test_a_budget_refusal_the_server_did_not_answer_counts_its_attempt(api: str) -> None:
+    """A worker that reports a budget wait the server never refused gets an ordinary
+    failure: counted, dead at max_attempts (one here), not queued again for ever."""
+    rid = enqueue("pp_py_wait", "pp-forger", PY)
+
+    def body(ctx: PullContext) -> Any:
+        raise BudgetExceeded("pp-forger", "day", "said by the worker", "wait", None, 1.0)
+
+    with PullWorker(api, KEY, PY, lease_seconds=30) as worker:
+        assert worker.run_once(body, wait=5) == "dead"
+    row = ended(rid, "dead")
+    assert row.error["type"] == "BudgetExceeded"
+    assert row.attempts == 1
+
+
+class FirstSettleUnanswered(httpx.HTTPTransport):
+    """The network between the worker and the API: the first settle is answered 503 (a
+    proxy's blip) without reaching the API; every request passes on otherwise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.settles: list[dict[str, Any]] = []
+        self.paths: list[str] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.paths.append(request.url.path)
+        if request.url.path.endswith("/settle"):
+            self.settles.append(json.loads(request.content)["usage"])
+            if len(self.settles) == 1:
+                return httpx.Response(503, json={"detail": "blip", "code": "unavailable"})
+        return super().handle_request(request)
+
+
+def test_a_settle_without_an_answer_is_sent_again_on_leaving(api: str, engine: Engine) -> None:
+    """A settle that got a 503 past the worker's retries is sent again, the same usage,
+    when the block is left: the ledger has the call's real usage, not a release."""
+    rid = enqueue("pp_py", "pp-blip", PY)
+    network = FirstSettleUnanswered()
+
+    def body(ctx: PullContext) -> Any:
+        with ctx.permit(BUDGETED, tokens=5) as permit:
+            permit.settle(Usage(3, 1), model="m-blip")
+
+    client = httpx.Client(base_url=api, timeout=10, transport=network)
+    with PullWorker(api, KEY, PY, lease_seconds=30, retries=1, client=client) as worker:
+        assert worker.run_once(body, wait=5) == "dead"  # the body saw the 503; one attempt
+    client.close()
+    assert ended(rid, "dead").error["type"] == "TransportError"
+    assert network.settles == [{"input_tokens": 3, "output_tokens": 1}] * 2
+    assert not [p for p in network.paths if p.endswith("/release")]
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT input_tokens, output_tokens, outcome, model FROM spend_ledger "
+                "WHERE workspace_id = 'pp-blip'"
+            )
+        ).all()
+    assert [tuple(r) for r in rows] == [(3, 1, "ok", "m-blip")]
+
+
+def test_a_python_pull_worker_asks_again_within_a_second_of_a_long_hint(
+    api: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refused by a request limit whose window frees in seconds, the worker asks again at
+    most a second after each answer (so its workspace keeps counting as waiting for its
+    fair share) instead of sleeping out the hint. Its server-side long poll is made short
+    here, so that the pauses between asks show."""
+    from onceflow.integrations import pull_permits
+
+    monkeypatch.setattr(pull_permits, "ASK_SECONDS", 0.2)
+    slow = provider(SLOW)
+    with slow.permit("pp-direct") as taken:  # the window's one request
+        taken.settle(Usage(1, 0))
+    enqueue("pp_py", "pp-slow", PY)
+    asked: list[float] = []
+
+    class Counting(httpx.HTTPTransport):
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            if request.url.path.endswith("/permits"):
+                asked.append(time.monotonic())
+            return super().handle_request(request)
+
+    def body(ctx: PullContext) -> Any:
+        with ctx.permit(SLOW, tokens=1, timeout=10) as permit:
+            permit.settle(Usage(1, 0))
+        return {"ok": True}
+
+    client = httpx.Client(base_url=api, timeout=10, transport=Counting())
+    with PullWorker(api, KEY, PY, lease_seconds=30, client=client) as worker:
+        assert worker.run_once(body, wait=5) == "succeeded"
+    client.close()
+    gaps = [b - a for a, b in itertools.pairwise(asked)]
+    assert len(asked) >= 3, asked
+    assert max(gaps) < 0.2 + 1.0 + 0.5, gaps

@@ -5,6 +5,8 @@ import { OnceflowError } from "./transport.js";
 export const ASK_SECONDS: number;
 /** The default bound of a permit's wait (ms). */
 export const PERMIT_TIMEOUT_MS: number;
+/** The longest pause between two asks (ms), whatever the server's hint. */
+export const ASK_PAUSE_MS: number;
 
 /** No permit was granted within `timeoutMs`: the provider stayed busy. Retryable. */
 export class PermitTimeout extends OnceflowError {

@@ -14,18 +14,26 @@
 //   });
 //
 // Asking long-polls the server (at most 20 s an ask) and asks again, with the same permit id
-// (a lost answer is never a second permit), until `timeoutMs`: PermitTimeout (retryable). A
+// (a lost answer is never a second permit), at most a second after each refusal (so the
+// workspace keeps counting as waiting for its fair share), until `timeoutMs`: PermitTimeout
+// (retryable). A
 // budget's refusal throws BudgetExceeded (the stage then fails, or waits for the next
 // period). A body that returns or throws without a settle gives the permit back: "unsettled"
 // (its estimate stays counted: the call may have been made) or "failed". A closed tab's
 // permit frees its slot at the provider's permit TTL.
 
-import { Aborted, NetworkError, OnceflowError, errorFor, retryAfterMs, seg, sleep } from "./transport.js";
+import { Aborted, NetworkError, OnceflowError, errorFor, isRetryable, retryAfterMs, seg, sleep } from "./transport.js";
 
 /** The longest one ask waits on the server (its long poll, seconds). */
 export const ASK_SECONDS = 20;
 /** The default bound of a permit's wait, as Python's `provider.permit` (ms). */
 export const PERMIT_TIMEOUT_MS = 60_000;
+/**
+ * The longest pause between two asks (ms), whatever the server's hint (which for a request
+ * or token limit can be most of a window): the workspace counts as waiting for its fair
+ * share only while it keeps asking, and the server's long poll does the waiting.
+ */
+export const ASK_PAUSE_MS = 1_000;
 
 /** No permit was granted within `timeoutMs`: the provider stayed busy. Retryable. */
 export class PermitTimeout extends OnceflowError {
@@ -108,6 +116,9 @@ export class Permit {
     this.expiresInMs = Number(answer.expires_in_ms);
     /** null until settled: "ok", "rate_limited", "unused", "failed" or "unsettled". */
     this.outcome = null;
+    // A settle, report or release sent without an answer: the server may have applied it,
+    // so only the same one may finish the permit (sent again on leaving).
+    this._pending = null;
   }
 
   get settled() {
@@ -116,7 +127,17 @@ export class Permit {
 
   async _send(action, body, outcome) {
     if (this.outcome !== null) throw new OnceflowError(`permit ${this.permitId} is already settled (${this.outcome})`);
-    await this._permits.send(this.permitId, action, body);
+    const sent = { action, body, outcome };
+    if (this._pending !== null && JSON.stringify(this._pending) !== JSON.stringify(sent)) {
+      throw new OnceflowError(`permit ${this.permitId} was sent ${this._pending.action} ${JSON.stringify(this._pending.body)} without an answer; only the same may be sent again`);
+    }
+    try {
+      await this._permits.send(this.permitId, action, body);
+    } catch (error) {
+      if (isRetryable(error)) this._pending = sent; // it may have landed: sent again on leaving
+      throw error;
+    }
+    this._pending = null;
     this.outcome = outcome;
   }
 
@@ -141,8 +162,16 @@ export class Permit {
     return this._send("release", { outcome: "unused" }, "unused");
   }
 
-  /** Left without a settle: "failed" (the body threw) or "unsettled" (estimate counted). */
+  /**
+   * Left without a settle: "failed" (the body threw) or "unsettled" (estimate counted). A
+   * settle (or report, or release) that got no answer is sent again as it was instead: the
+   * call's usage is recorded, not lost to a release.
+   */
   leave(failed) {
+    if (this._pending !== null) {
+      const { action, body, outcome } = this._pending;
+      return this._send(action, body, outcome);
+    }
     const outcome = failed ? "failed" : "unsettled";
     return this._send("release", { outcome }, outcome);
   }
@@ -168,7 +197,7 @@ export async function takePermit(permits, provider, { tokens = 0, cellKey, timeo
       const got = await permits.ask(provider, { tokens, permitId, cellKey, waitSeconds });
       if (got.granted) return new Permit(permits, provider, permitId, got);
       reason = got.reason;
-      pauseMs = Number(got.retry_after_ms) || 0;
+      pauseMs = Math.min(Number(got.retry_after_ms) || 0, ASK_PAUSE_MS);
     } catch (error) {
       if (!(error instanceof NetworkError)) throw error;
       reason = "no answer"; // ask again: the same permit id is the same permit

@@ -21,7 +21,7 @@ import { leaderName, webLocks, whileLeader } from "./leader.js";
 
 export { ClaimEvents, ClaimLocks, Subscription, WAIT_MARGIN_MS, computeOnce, extendIntervalMs, isReleaseOf } from "./compute.js";
 export { LEADER_PREFIX, leaderName, webLocks, whileLeader } from "./leader.js";
-export { ASK_SECONDS, ClaimPermits, PERMIT_TIMEOUT_MS, Permit, PermitTimeout, newPermitId, takePermit, withPermit } from "./permit.js";
+export { ASK_PAUSE_MS, ASK_SECONDS, ClaimPermits, PERMIT_TIMEOUT_MS, Permit, PermitTimeout, newPermitId, takePermit, withPermit } from "./permit.js";
 
 /** What runOnce() returns for each way a claimed request can end. */
 export const OUTCOMES = Object.freeze(["succeeded", "retry", "dead", "cancelled", "lease_lost"]);

@@ -90,3 +90,50 @@ test("a settled permit is not given back, and cannot be settled twice", async ()
   const after = calls.slice(1).map((c) => [c.name, c.body]);
   assert.deepEqual(after, [["POST /v1/claims/r1/permits/ID/settle", { claim_token: "tok-secret", workspace_id: "w1", usage: { input_tokens: 3, output_tokens: 1 }, model: "m" }]]);
 });
+
+test("a refusal whose hint is most of a window is asked again within a second (the workspace keeps waiting)", async () => {
+  const asked = [];
+  const { permits: p } = permits({
+    [PERMITS]: () => (asked.push(Date.now()), asked.length < 3 ? { status: 429, body: { code: "provider_busy", reason: "rpm", retry_after_ms: 55_000 } } : GRANTED),
+  });
+  const permit = await takePermit(p, "llm", { timeoutMs: 10_000 });
+  assert.equal(permit.grantedAtMs, 1000);
+  assert.equal(asked.length, 3);
+  for (let i = 1; i < asked.length; i++) assert.ok(asked[i] - asked[i - 1] < 1_500, `asked again after ${asked[i] - asked[i - 1]} ms`);
+});
+
+test("a settle without an answer (503s past the retries) is sent again as it was on leaving, not released", async () => {
+  let settles = 0;
+  const sent = [];
+  const { permits: p } = permits({
+    [PERMITS]: () => GRANTED,
+    "POST /v1/claims/r1/permits/ID/settle": (b) => (sent.push(["settle", b.usage]), ++settles <= 5 ? { status: 503, body: { detail: "ledger down", code: "unavailable" } } : { status: 200, body: {} }),
+    "POST /v1/claims/r1/permits/ID/release": (b) => (sent.push(["release", b.outcome]), { status: 200, body: {} }),
+  });
+  p.api.callRetrying = ((retrying) => (method, path, body, options = {}) => retrying.call(p.api, method, path, body, { ...options, backoff: { baseMs: 1, capMs: 2 } }))(p.api.callRetrying);
+  let held;
+  await assert.rejects(
+    withPermit(p, "llm", {}, async (permit) => {
+      held = permit;
+      await permit.settle({ inputTokens: 3, outputTokens: 1 });
+    }),
+    (error) => error.status === 503,
+  );
+  assert.equal(held.outcome, "ok");
+  assert.deepEqual(sent.at(-1), ["settle", { input_tokens: 3, output_tokens: 1 }]);
+  assert.ok(!sent.some(([action]) => action === "release"));
+  await assert.rejects(held.settle({ inputTokens: 3, outputTokens: 1 }), /already settled/);
+});
+
+test("a settle without an answer may only be sent again as it was", async () => {
+  const { permits: p } = permits({
+    [PERMITS]: () => GRANTED,
+    "POST /v1/claims/r1/permits/ID/settle": () => ({ status: 503, body: { detail: "down", code: "unavailable" } }),
+  });
+  p.api.callRetrying = ((retrying) => (method, path, body, options = {}) => retrying.call(p.api, method, path, body, { ...options, attempts: 1 }))(p.api.callRetrying);
+  const permit = await takePermit(p, "llm", {});
+  await assert.rejects(permit.settle({ inputTokens: 3, outputTokens: 1 }), (error) => error.status === 503);
+  await assert.rejects(permit.settle({ inputTokens: 9, outputTokens: 9 }), /without an answer/);
+  await assert.rejects(permit.release(), /without an answer/);
+  assert.equal(permit.outcome, null);
+});
