@@ -25,7 +25,11 @@ for its ``retry_after``), a 5xx, a timeout (``status=None``) — or a builtin ``
 the cascade moves on to the next provider and does not come back to the failed one within
 this call. Any other exception is the caller's and leaves at once. When no provider has
 room, the cascade waits for the first one that has: at most ``timeout`` seconds, calling
-``heartbeat`` every ``heartbeat_every`` seconds, ending once ``cancel`` is set. A budget
+``heartbeat`` every ``heartbeat_every`` seconds, ending once ``cancel`` is set. While it
+waits, each provider is admitted by the budgets once and asked again under the same permit
+id, so the workspace counts as waiting for every provider's fair share, as a caller of
+``provider.permit`` does; what still waits when one provider grants, or when the call ends,
+is given back. A budget
 whose room is held only by the workspace's calls in flight counts as no room yet (reason
 ``budget_in_flight``); a budget whose period's spend leaves no room (``BudgetExceeded``)
 ends the call at once. Each permit
@@ -163,7 +167,48 @@ class Cascade:
         *,
         asynchronous: bool,
     ) -> Generator[Any, Any, Any]:
-        """The cascade, written once: rounds over the providers until one serves."""
+        """The cascade, written once: rounds over the providers until one serves. Whatever
+        is still waiting when it ends is given back."""
+        waiting: dict[str, Grant] = {}
+        try:
+            value = yield from self._rounds(
+                grant_for, fn, wait, clock, permit_class, waiting, asynchronous=asynchronous
+            )
+        except BaseException:
+            yield from self._give_back(waiting, asynchronous=asynchronous)
+            raise
+        yield from self._give_back(waiting, asynchronous=asynchronous)
+        return value
+
+    def _give_back(
+        self, waiting: dict[str, Grant], *, asynchronous: bool
+    ) -> Generator[Any, Any, None]:
+        """The waiters of this call stop waiting; their admits are released."""
+        for p in self.providers:
+            grant = waiting.get(p.name)
+            if grant is None:
+                continue
+            del waiting[p.name]
+            limits = p.alimits if asynchronous else p.limits
+            yield Call(limits.abandon, p.keys, grant.permit_id)
+            yield Call.in_thread(p.hooks.release, grant)
+
+    def _rounds(
+        self,
+        grant_for: Callable[[Provider], Grant],
+        fn: Callable[[Any], Any],
+        wait: checks.Wait,
+        clock: Callable[[], float],
+        permit_class: type[Permit],
+        waiting: dict[str, Grant],
+        *,
+        asynchronous: bool,
+    ) -> Generator[Any, Any, Any]:
+        """Each provider is admitted once and then waits under one permit id across the
+        rounds (``waiting``): its workspace counts as waiting for the provider's fair share,
+        and no round opens an admit of its own. A provider that grants has the others given
+        back before the call; one whose admit finds the budget's room held (by this call's
+        other admits among them) has those given back and is asked once more."""
         deadline = clock() + wait.timeout
         beat_due = wait.beats(clock)
         failed: dict[str, str] = {}
@@ -176,19 +221,26 @@ class Cascade:
                 if wait.cancel is not None and wait.cancel.is_set():
                     raise PermitCancelled(p.name)
                 limits = p.alimits if asynchronous else p.limits
-                grant = grant_for(p)
-                try:
-                    yield Call.in_thread(p.hooks.admit, grant)  # a budget may refuse: it leaves
-                except BudgetBusy as busy:  # its room is held by calls in flight: not yet
-                    refused[p.name] = BUDGET_IN_FLIGHT
-                    hint_ms = min(hint_ms, busy_wait_ms(busy))
-                    continue
-                decided: Decision = yield from p.try_acquire_steps(grant, limits)
+                grant = waiting.get(p.name)
+                if grant is None:
+                    grant = grant_for(p)
+                    busy = yield from self._admit(p, grant, waiting, asynchronous=asynchronous)
+                    if busy is not None:  # its room is held by calls in flight: not yet
+                        refused[p.name] = BUDGET_IN_FLIGHT
+                        hint_ms = min(hint_ms, busy_wait_ms(busy))
+                        continue
+                    waiting[p.name] = grant
+                decided: Decision = yield Call(
+                    limits.acquire, p.keys, p.spec, grant.permit_id, grant.workspace_id,
+                    grant.estimate_tokens, p.epoch_seen,
+                )  # fmt: skip
+                p.epoch_seen = decided.epoch
                 if not decided.granted:
-                    yield Call.in_thread(p.hooks.release, grant)
                     refused[p.name] = decided.reason
                     hint_ms = min(hint_ms, decided.wait_ms)
                     continue
+                del waiting[p.name]
+                yield from self._give_back(waiting, asynchronous=asynchronous)
                 permit = permit_class(p, grant, decided.at_ms)
                 try:
                     value = yield Call(fn, permit)
@@ -217,3 +269,23 @@ class Cascade:
             if wait.heartbeat is not None and beat_due():
                 yield Call(wait.heartbeat)
             yield Sleep(min(hint_ms / 1000 * random.uniform(0.5, 1.0), left))
+
+    def _admit(
+        self, p: Provider, grant: Grant, waiting: dict[str, Grant], *, asynchronous: bool
+    ) -> Generator[Any, Any, BudgetBusy | None]:
+        """Admit ``grant`` (a budget may refuse: :class:`BudgetExceeded` leaves); None when
+        admitted, the :class:`BudgetBusy` when the budget's room is held by calls in flight.
+        Held while this call's other providers wait, those are given back and it is asked
+        once more: their admits must not keep the cascade from its fallbacks."""
+        try:
+            yield Call.in_thread(p.hooks.admit, grant)
+            return None
+        except BudgetBusy as busy:
+            if not waiting:
+                return busy
+        yield from self._give_back(waiting, asynchronous=asynchronous)
+        try:
+            yield Call.in_thread(p.hooks.admit, grant)
+        except BudgetBusy as busy:
+            return busy
+        return None

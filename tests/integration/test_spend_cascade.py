@@ -5,13 +5,22 @@ timeout moves on too; each permit is settled on the provider that took it."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from onceflow.errors import CascadeExhausted, InvalidRequest, ProviderError
-from onceflow.spend import AsyncPermit, Cascade, Permit, Price, Usage
+from onceflow.errors import (
+    BudgetBusy,
+    CascadeExhausted,
+    InvalidRequest,
+    PermitTimeout,
+    ProviderError,
+)
+from onceflow.spend import AsyncPermit, Cascade, Grant, Permit, Price, Provider, Usage
 from tests.integration.spend_parts import RecordingHooks, fresh
 from tests.integration.spend_standin import LimitedProvider, complete
 
@@ -159,3 +168,115 @@ def test_acall_moves_on_and_settles_on_the_provider_that_served(redis_url: str) 
     ]
     assert 0 < primary.stats()["cooling_ms"] <= 500
     assert fallback.stats()["window_tokens"] == 50
+
+
+def test_a_waiting_cascade_admits_each_provider_once_and_gives_back_the_rest(
+    redis_url: str,
+) -> None:
+    """Both providers full for several rounds: each is admitted once for the whole call
+    (not once a round); when the primary grants, the fallback's admit is given back."""
+    hooks = RecordingHooks()
+    primary = fresh(redis_url, concurrency=1, hooks=hooks)
+    fallback = fresh(redis_url, concurrency=1, hooks=hooks)
+    cascade = Cascade([primary, fallback])
+    held = primary.permit("other").__enter__()
+    with fallback.permit("other"):
+
+        def free_after_rounds() -> None:
+            deadline = time.monotonic() + 10
+            while primary.stats().get("denied_concurrency", 0) < 4:
+                assert time.monotonic() < deadline, "the cascade never asked"
+                time.sleep(0.02)
+            held.settle(Usage(1, 0))
+
+        freer = threading.Thread(target=free_after_rounds)
+        freer.start()
+        served = cascade.call("ws", lambda p: p.provider.name, timeout=10)
+        freer.join()
+    assert served == primary.name
+    assert fallback.stats()["denied_concurrency"] >= 4  # it was asked every round
+    admitted = [
+        (kind, g.provider)
+        for kind, g in hooks.calls
+        if kind in ("admit", "release") and g.workspace_id == "ws"
+    ]
+    assert admitted == [
+        ("admit", primary.name),
+        ("admit", fallback.name),
+        ("release", fallback.name),
+    ]
+    settled = [(s[3], s[2]) for s in hooks.settles() if s[0].workspace_id == "ws"]
+    assert settled == [(primary.name, "unsettled")]
+
+
+def test_a_cascade_caller_counts_as_waiting_for_its_fair_share(redis_url: str) -> None:
+    """As ``provider.permit`` callers do (test_spend_limits): a workspace whose callers
+    wait through a cascade gets its share of the next window against a workspace that
+    took the last one."""
+    provider = fresh(redis_url, rpm=4, window_seconds=2)
+    cascade = Cascade([provider])
+    for _ in range(4):
+        with provider.permit("big"):
+            pass
+    order: list[str] = []
+
+    def take(ws: str, through_cascade: bool) -> None:
+        try:
+            if through_cascade:
+                cascade.call(ws, lambda p: order.append(ws), timeout=3)
+            else:
+                with provider.permit(ws, timeout=3):
+                    order.append(ws)
+        except (PermitTimeout, CascadeExhausted):
+            pass  # the big workspace's later calls: not granted within the test's time
+
+    callers = [("big", False)] * 20 + [("small", True)] * 2
+    threads = [threading.Thread(target=take, args=caller) for caller in callers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert order[:4].count("small") == 2, order
+
+
+class OneReservation(RecordingHooks):
+    """A budget with room for one call's estimate: a second admit while one is held is
+    BudgetBusy (its room held by a call in flight) until that one is settled or released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: set[str] = set()
+
+    def admit(self, grant: Grant) -> None:
+        with self.lock:
+            if self.held:
+                raise BudgetBusy(grant.workspace_id, "day", "one call at a time", retry_in=0.05)
+            self.held.add(grant.permit_id)
+        super().admit(grant)
+
+    def settle(self, grant: Grant, *args: Any) -> None:
+        super().settle(grant, *args)
+        with self.lock:
+            self.held.discard(grant.permit_id)
+
+    def release(self, grant: Grant) -> None:
+        super().release(grant)
+        with self.lock:
+            self.held.discard(grant.permit_id)
+
+
+def test_a_waiting_admit_does_not_keep_the_cascade_from_its_fallback(redis_url: str) -> None:
+    """The primary full, its admit holding the budget's only room: the fallback's admit
+    finds that room held by this very call, so the primary's is given back and the
+    fallback, which has room, serves."""
+    hooks = OneReservation()
+    primary = fresh(redis_url, concurrency=1, hooks=hooks)
+    fallback = fresh(redis_url, rpm=100, hooks=hooks)
+    cascade = Cascade([primary, fallback])
+    with Provider(primary.name, concurrency=1, redis_url=redis_url, cold_start="empty").permit(
+        "other"
+    ):
+        served = cascade.call("ws", lambda p: p.provider.name, timeout=5)
+    assert served == fallback.name
+    assert hooks.held == set()
+    assert [kind for kind, _ in hooks.calls] == ["admit", "release", "admit", "settle"]
