@@ -61,7 +61,8 @@ class Grant:
     stage: str | None = None
     request_id: str | None = None
     cell_key: str | None = None
-    claim_token: str | None = None
+    #: The claim's token (a secret): kept out of the repr, so logs and tracebacks never show it.
+    claim_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.estimate_tokens, bool) or not isinstance(self.estimate_tokens, int):

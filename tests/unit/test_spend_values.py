@@ -146,6 +146,12 @@ def test_budget_exceeded_survives_a_round_trip_through_its_reduce() -> None:
     assert str(again) == str(exc)
 
 
+def test_a_grant_never_shows_its_claim_token() -> None:
+    g = Grant(workspace_id="w", provider="openai", estimate_tokens=1, claim_token="tok-secret")
+    assert "tok-secret" not in repr(g) and "tok-secret" not in str(g)
+    assert g.claim_token == "tok-secret"
+
+
 def test_the_hooks_share_one_protocol() -> None:
     g = Grant(permit_id="p" * 32, workspace_id="w", provider="openai", estimate_tokens=10)
     NO_HOOKS.admit(g)
