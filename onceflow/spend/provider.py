@@ -102,7 +102,7 @@ class Provider:
     may be None: no limit. ``price`` turns usage into money for the spend hooks.
 
     A 429 cools the provider for every client for its ``Retry-After``, else ``cooldown``
-    seconds, and never longer than ``max_cooldown`` (300 by default): a caller that reports
+    seconds, and never longer than ``max_cooldown`` (300 by default; ``cooldown`` too): a caller that reports
     a day's Retry-After, by mistake or on purpose, stops the others for minutes at most.
 
     ``cold_start`` says what a Redis that lost the provider's state (a restart without
@@ -145,10 +145,6 @@ class Provider:
         self.permit_ttl = checks.seconds("permit_ttl", permit_ttl, low=0.001, zero=False)
         self.cooldown = checks.seconds("cooldown", cooldown)
         self.max_cooldown = checks.seconds("max_cooldown", max_cooldown)
-        if self.cooldown > self.max_cooldown:
-            raise InvalidRequest(
-                f"cooldown ({self.cooldown} s) is above max_cooldown ({self.max_cooldown} s)"
-            )
         if cold_start not in ("known", "full", "empty"):
             raise InvalidRequest(
                 f'cold_start must be "known", "full" or "empty", got {cold_start!r}'
