@@ -102,8 +102,9 @@ class Provider:
     may be None: no limit. ``price`` turns usage into money for the spend hooks.
 
     A 429 cools the provider for every client for its ``Retry-After``, else ``cooldown``
-    seconds, and never longer than ``max_cooldown`` (300 by default; ``cooldown`` too): a caller that reports
-    a day's Retry-After, by mistake or on purpose, stops the others for minutes at most.
+    seconds, and never longer than ``max_cooldown`` (300 by default; it bounds ``cooldown``
+    too): a caller that reports a day's Retry-After, by mistake or on purpose, stops the
+    others for minutes at most.
 
     ``cold_start`` says what a Redis that lost the provider's state (a restart without
     persistence) means: the calls of the window before the loss are unknown. ``"known"``
