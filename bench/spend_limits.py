@@ -36,7 +36,7 @@ if __package__ in (None, ""):  # run as a script: make `bench.*` importable
 import redis
 
 from bench.harness.redis_server import private_redis
-from onceflow.spend.limits import ACQUIRE, STALE_MS, ProviderKeys
+from onceflow.spend.limits import ACQUIRE, KEEP_MARGIN_MS, STALE_MS, ProviderKeys
 
 GCRA = """
 local t = redis.call('TIME')
@@ -88,8 +88,9 @@ class Algorithm:
 
     def acquire(self) -> tuple[bool, int]:
         if self.name == "sliding log":
+            keep = self.window_ms + 600_000 + KEEP_MARGIN_MS
             args = [uuid.uuid4().hex, "ws", 1, self.limit, -1, -1, self.window_ms, 600_000,
-                    "empty", STALE_MS, 250, ""]  # fmt: skip
+                    "empty", STALE_MS, 250, "", keep]  # fmt: skip
         else:
             args = [self.limit, self.window_ms]
         reply: Any = self.client.evalsha(self.sha, len(self.keys), *self.keys, *args)

@@ -10,7 +10,8 @@
 -- ARGV: 1 permit id, 2 workspace, 3 tokens, 4 rpm (-1: none), 5 tpm (-1: none),
 --       6 concurrency (-1: none), 7 window ms, 8 permit ttl ms, 9 cold start (full, known,
 --       empty), 10 waiter stale ms, 11 poll ms (the wait hint when only a release can free
---       room), 12 the epoch this client saw ('' if none)
+--       room), 12 the epoch this client saw ('' if none), 13 keep ms (every key but the
+--       epoch expires this long after the provider's last acquire or settle)
 -- Reply: {1, grant ms, epoch} or {0, wait ms, reason, epoch}
 
 local id, ws = ARGV[1], ARGV[2]
@@ -18,6 +19,7 @@ local tokens = tonumber(ARGV[3])
 local rpm, tpm, conc = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local window, ttl = tonumber(ARGV[7]), tonumber(ARGV[8])
 local mode, stale, poll, seen = ARGV[9], tonumber(ARGV[10]), tonumber(ARGV[11]), ARGV[12]
+local keep = tonumber(ARGV[13])
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -76,8 +78,19 @@ if redis.call('ZADD', KEYS[10], now, id) == 1 then
     redis.call('HINCRBY', KEYS[12], ws, 1)
 end
 
+-- Every key but the epoch lives `keep` (a window and a permit's TTL, and a margin) past the
+-- last call that wrote it: by then each entry it held has left its window or expired, so an
+-- idle provider loses nothing, and a retired one leaves only its epoch. The epoch stays: its
+-- absence means a lost state, and an idle provider has lost none.
+local function kept()
+    for _, i in ipairs({1, 2, 3, 4, 5, 6, 10, 11, 12, 13}) do
+        redis.call('PEXPIRE', KEYS[i], keep)
+    end
+end
+
 local function deny(wait, reason)
     redis.call('HINCRBY', KEYS[13], 'denied_' .. reason, 1)
+    kept()
     return {0, math.max(wait, 1), reason, epoch}
 end
 
@@ -106,6 +119,8 @@ for _, p in ipairs(old) do
     end
 end
 if #old > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window) end
+-- An empty window holds nothing: its sums start again from zero, whatever they had drifted to.
+if redis.call('ZCARD', KEYS[1]) == 0 then redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5]) end
 
 if conc >= 0 and redis.call('ZCARD', KEYS[6]) >= conc then
     local first = redis.call('ZRANGE', KEYS[6], 0, 0, 'WITHSCORES')
@@ -117,10 +132,12 @@ local sums = redis.call('HMGET', KEYS[3], 'req', 'tok')
 local req, tok = tonumber(sums[1] or '0'), tonumber(sums[2] or '0')
 
 -- When the oldest entries slide out; the wait until `need` of `what` (1: requests,
--- 2: tokens) has left the window.
+-- 2: tokens) has left the window. Only the oldest `scan` entries are looked at (one HGET
+-- each): a wait that needs more answers the whole window (the waiter asks again sooner).
+local scan = 200
 local function wait_for(need, what)
     local freed, start = 0, 0
-    while start < 10000 do
+    while start < scan do
         local batch = redis.call('ZRANGE', KEYS[1], start, start + 99, 'WITHSCORES')
         if #batch == 0 then break end
         for i = 1, #batch, 2 do
@@ -166,4 +183,5 @@ if redis.call('ZREM', KEYS[10], id) == 1 then
     redis.call('HDEL', KEYS[11], id)
 end
 redis.call('HINCRBY', KEYS[13], 'granted', 1)
+kept()
 return {1, now, epoch}

@@ -52,6 +52,9 @@ from onceflow.settings import get_settings
 POLL_MS: Final = 250
 #: A workspace counts as waiting while one of its callers asked within this long.
 STALE_MS: Final = 2000
+#: How much longer than a window and a permit's TTL a provider's keys outlive its last
+#: acquire or settle (:attr:`LimitSpec.keep_ms`).
+KEEP_MARGIN_MS: Final = 1000
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,12 @@ class LimitSpec:
     ttl_ms: int
     cold_start: str
 
+    @property
+    def keep_ms(self) -> int:
+        """How long the provider's keys (all but its epoch) outlive its last acquire or
+        settle: past a window and a permit's TTL, every entry they held is gone."""
+        return self.window_ms + self.ttl_ms + KEEP_MARGIN_MS
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -94,7 +103,8 @@ class Decision:
     at_ms: int = 0
     wait_ms: int = 0
     reason: str = ""
-    #: The provider state's epoch on the server (when it began, Redis ms, as text).
+    #: The provider state's epoch on the server (when it began: Redis µs since the Unix
+    #: epoch, as text).
     epoch: str = ""
 
 
@@ -128,17 +138,26 @@ class ProviderKeys:
     def settle(self) -> list[str]:
         return [self.log, self.meta, self.sums, self.ws_req, self.ws_tok, self.holders, self.stats]
 
-    def all(self) -> list[str]:
-        return [*self.acquire()]
-
 
 def acquire_args(
     spec: LimitSpec, permit_id: str, workspace_id: str, tokens: int, seen: str
 ) -> list[Any]:
     return [
         permit_id, workspace_id, tokens, spec.rpm, spec.tpm, spec.concurrency, spec.window_ms,
-        spec.ttl_ms, spec.cold_start, STALE_MS, POLL_MS, seen,
+        spec.ttl_ms, spec.cold_start, STALE_MS, POLL_MS, seen, spec.keep_ms,
     ]  # fmt: skip
+
+
+def settle_args(
+    spec: LimitSpec,
+    permit_id: str,
+    workspace_id: str,
+    estimate: int,
+    actual: int | None,
+    outcome: str,
+) -> list[Any]:
+    actual_arg = -1 if actual is None else actual
+    return [permit_id, workspace_id, estimate, actual_arg, outcome, spec.keep_ms]
 
 
 def decision(reply: Sequence[Any]) -> Decision:
@@ -210,7 +229,9 @@ def async_redis(url: str | None) -> tuple[AsyncRedis, asyncio.Semaphore]:
     """This event loop's asyncio client for the limits, and the loop's bound of calls in
     flight (:data:`IN_FLIGHT`)."""
     made = _async.setdefault(asyncio.get_running_loop(), {})
-    gate = made.setdefault("", asyncio.Semaphore(IN_FLIGHT))
+    gate = made.get("")
+    if gate is None:
+        gate = made[""] = asyncio.Semaphore(IN_FLIGHT)
     key = _url(url)
     client = made.get(key)
     if client is None:
@@ -263,19 +284,19 @@ class SyncLimits:
     def settle(
         self,
         keys: ProviderKeys,
+        spec: LimitSpec,
         permit_id: str,
         workspace_id: str,
         estimate: int,
         actual: int | None,
         outcome: str,
     ) -> Settled:
-        actual_arg = -1 if actual is None else actual
-        args = [permit_id, workspace_id, estimate, actual_arg, outcome]
+        args = settle_args(spec, permit_id, workspace_id, estimate, actual, outcome)
         reply = self.run(SETTLE, keys.settle(), args)
         return Settled(bool(int(reply[0])), int(reply[1]))
 
-    def cool(self, keys: ProviderKeys, ms: int) -> int:
-        return int(self.run(COOL, [keys.cool, keys.stats], [ms]))
+    def cool(self, keys: ProviderKeys, spec: LimitSpec, ms: int) -> int:
+        return int(self.run(COOL, [keys.cool, keys.stats], [ms, spec.keep_ms]))
 
     def abandon(self, keys: ProviderKeys, permit_id: str) -> None:
         """A waiter gives up; a Redis error here is left unsaid (its entry goes stale)."""
@@ -293,7 +314,7 @@ class SyncLimits:
 
     def reset(self, keys: ProviderKeys) -> None:
         with translated("provider reset"):
-            self.client.delete(*keys.all())
+            self.client.delete(*keys.acquire())
 
 
 class AsyncLimits:
@@ -331,19 +352,19 @@ class AsyncLimits:
     async def settle(
         self,
         keys: ProviderKeys,
+        spec: LimitSpec,
         permit_id: str,
         workspace_id: str,
         estimate: int,
         actual: int | None,
         outcome: str,
     ) -> Settled:
-        actual_arg = -1 if actual is None else actual
-        args = [permit_id, workspace_id, estimate, actual_arg, outcome]
+        args = settle_args(spec, permit_id, workspace_id, estimate, actual, outcome)
         reply = await self.run(SETTLE, keys.settle(), args)
         return Settled(bool(int(reply[0])), int(reply[1]))
 
-    async def cool(self, keys: ProviderKeys, ms: int) -> int:
-        return int(await self.run(COOL, [keys.cool, keys.stats], [ms]))
+    async def cool(self, keys: ProviderKeys, spec: LimitSpec, ms: int) -> int:
+        return int(await self.run(COOL, [keys.cool, keys.stats], [ms, spec.keep_ms]))
 
     async def abandon(self, keys: ProviderKeys, permit_id: str) -> None:
         with suppress(LimitsUnavailable):

@@ -28,6 +28,7 @@ both run one generator of steps on the trampoline (:mod:`onceflow.connector.tram
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 import time
@@ -64,6 +65,8 @@ from onceflow.spend.usage import Price, Usage
 
 #: How long every client waits after a 429 that carried no Retry-After.
 DEFAULT_COOLDOWN: Final = 5.0
+#: The longest a 429 cools a provider by default, whatever Retry-After it reports.
+DEFAULT_MAX_COOLDOWN: Final = 300.0
 #: A permit's default lifetime: past it, a holder that never settled frees its slot.
 DEFAULT_PERMIT_TTL: Final = 600.0
 #: The default bound of a permit's wait.
@@ -98,6 +101,11 @@ class Provider:
     declared with ``window_seconds=1``); ``concurrency`` bounds the calls in flight. Any
     may be None: no limit. ``price`` turns usage into money for the spend hooks.
 
+    A 429 cools the provider for every client for its ``Retry-After``, else ``cooldown``
+    seconds, and never longer than ``max_cooldown`` (300 by default; it bounds ``cooldown``
+    too): a caller that reports a day's Retry-After, by mistake or on purpose, stops the
+    others for minutes at most.
+
     ``cold_start`` says what a Redis that lost the provider's state (a restart without
     persistence) means: the calls of the window before the loss are unknown. ``"known"``
     (the default) counts that window as full once a process that had seen the state finds
@@ -119,6 +127,7 @@ class Provider:
         window_seconds: float = 60.0,
         permit_ttl: float = DEFAULT_PERMIT_TTL,
         cooldown: float = DEFAULT_COOLDOWN,
+        max_cooldown: float = DEFAULT_MAX_COOLDOWN,
         cold_start: ColdStart = "known",
         hooks: SpendHooks = NO_HOOKS,
         redis_url: str | None = None,
@@ -136,6 +145,7 @@ class Provider:
         )
         self.permit_ttl = checks.seconds("permit_ttl", permit_ttl, low=0.001, zero=False)
         self.cooldown = checks.seconds("cooldown", cooldown)
+        self.max_cooldown = checks.seconds("max_cooldown", max_cooldown)
         if cold_start not in ("known", "full", "empty"):
             raise InvalidRequest(
                 f'cold_start must be "known", "full" or "empty", got {cold_start!r}'
@@ -176,6 +186,7 @@ class Provider:
             "window_seconds": self.window_seconds,
             "permit_ttl": self.permit_ttl,
             "cooldown": self.cooldown,
+            "max_cooldown": self.max_cooldown,
             "cold_start": self.cold_start,
         }
 
@@ -361,14 +372,15 @@ class Provider:
 
     def rate_limited(self, retry_after: float | None = None) -> int:
         """Cool the provider for every client (a 429 seen outside a permit): the ms left."""
-        return self.limits.cool(self.keys, self.cooling_ms(retry_after))
+        return self.limits.cool(self.keys, self.spec, self.cooling_ms(retry_after))
 
     def cooling_ms(self, retry_after: float | None) -> int:
-        """How long a 429 cools the provider: ``retry_after``, else :attr:`cooldown`."""
+        """How long a 429 cools the provider: ``retry_after``, else :attr:`cooldown`; at
+        most :attr:`max_cooldown` (one caller's report cannot stop every client for long)."""
         seconds = (
             self.cooldown if retry_after is None else checks.seconds("retry_after", retry_after)
         )
-        return max(1, math.ceil(seconds * 1000))
+        return max(1, math.ceil(min(seconds, self.max_cooldown) * 1000))
 
     def stats(self) -> dict[str, int]:
         """The provider's counters in Redis: ``granted``, ``denied_<reason>``, ``expired``
@@ -388,9 +400,15 @@ class Provider:
 class Permit:
     """One granted call on a provider: settle it with the call's usage, or report a 429."""
 
-    def __init__(self, provider: Provider, grant: Grant, granted_at_ms: int) -> None:
+    def __init__(
+        self, provider: Provider, grant: Grant, granted_at_ms: int, slot_id: str | None = None
+    ) -> None:
         self.provider = provider
         self.grant = grant
+        #: Its entry in the provider's shared limits: the permit id, unless whoever took the
+        #: permit named it otherwise (a permit taken over HTTP: an id the server derives, so
+        #: a client's own id never meets another workspace's or claim's).
+        self.slot_id = grant.permit_id if slot_id is None else slot_id
         #: When it was granted, on the Redis clock (ms since the epoch).
         self.granted_at_ms = granted_at_ms
         self.outcome: str | None = None
@@ -434,8 +452,8 @@ class Permit:
         if released is None:
             actual = None if usage is None else usage.total_tokens
             released = yield Call(
-                limits.settle, self.provider.keys, self.permit_id, self.grant.workspace_id,
-                self.grant.estimate_tokens, actual, outcome,
+                limits.settle, self.provider.keys, self.provider.spec, self.slot_id,
+                self.grant.workspace_id, self.grant.estimate_tokens, actual, outcome,
             )  # fmt: skip
             self._released = released
             self._pending = (usage, outcome, model)
@@ -482,7 +500,7 @@ class Permit:
         ms = self.provider.cooling_ms(retry_after)
         if self.outcome is not None:
             raise InvalidRequest(f"permit {self.permit_id} is already settled ({self.outcome})")
-        yield Call(limits.cool, self.provider.keys, ms)
+        yield Call(limits.cool, self.provider.keys, self.provider.spec, ms)
         yield from self.settle_steps(None, OUTCOME_RATE_LIMITED, None, limits)
 
     def leave_steps(self, failed: bool, limits: SyncLimits | AsyncLimits) -> Steps:
@@ -556,8 +574,6 @@ class AsyncPermitContext:
         self.permit: AsyncPermit | None = None
 
     async def __aenter__(self) -> AsyncPermit:
-        import asyncio
-
         loop = asyncio.get_running_loop()
         steps = self.provider.acquire_steps(self.grant, self.provider.alimits, self.wait, loop.time)
         decided: Decision = await adrive(steps, ado_step)

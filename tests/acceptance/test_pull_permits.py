@@ -52,13 +52,17 @@ NODE = shutil.which("node")
 RUN = uuid.uuid4().hex[:8]  # provider state is shared Redis state: one name per run
 RPM = f"pp-rpm-{RUN}"
 HOLD = f"pp-hold-{RUN}"
-SLOW = f"pp-slow-{RUN}"
+PAUSE = f"pp-pause-{RUN}"
 BUDGETED = f"pp-budget-{RUN}"
+SHARED_ID = f"pp-shared-id-{RUN}"
+SLOW = f"pp-slow-{RUN}"
 DECLARED: dict[str, dict[str, Any]] = {
     RPM: {"rpm": 4, "window_seconds": 1},
     HOLD: {"concurrency": 1, "permit_ttl": 2},
-    SLOW: {"rpm": 1, "window_seconds": 4},
+    PAUSE: {"rpm": 1, "window_seconds": 4},
     BUDGETED: {"rpm": 1000, "input_per_million": "1", "output_per_million": "2"},
+    SHARED_ID: {"tpm": 1000},
+    SLOW: {"rpm": 1, "window_seconds": 60},
 }
 ENV = {
     "ONCEFLOW_PROVIDERS": json.dumps(DECLARED),
@@ -442,10 +446,10 @@ def test_a_python_pull_worker_asks_again_within_a_second_of_a_long_hint(
     from onceflow.integrations import pull_permits
 
     monkeypatch.setattr(pull_permits, "ASK_SECONDS", 0.2)
-    slow = provider(SLOW)
-    with slow.permit("pp-direct") as taken:  # the window's one request
+    paced = provider(PAUSE)
+    with paced.permit("pp-direct") as taken:  # the window's one request
         taken.settle(Usage(1, 0))
-    enqueue("pp_py", "pp-slow", PY)
+    enqueue("pp_py", "pp-pause", PY)
     asked: list[float] = []
 
     class Counting(httpx.HTTPTransport):
@@ -455,7 +459,7 @@ def test_a_python_pull_worker_asks_again_within_a_second_of_a_long_hint(
             return super().handle_request(request)
 
     def body(ctx: PullContext) -> Any:
-        with ctx.permit(SLOW, tokens=1, timeout=10) as permit:
+        with ctx.permit(PAUSE, tokens=1, timeout=10) as permit:
             permit.settle(Usage(1, 0))
         return {"ok": True}
 
@@ -466,3 +470,84 @@ def test_a_python_pull_worker_asks_again_within_a_second_of_a_long_hint(
     gaps = [b - a for a, b in itertools.pairwise(asked)]
     assert len(asked) >= 3, asked
     assert max(gaps) < 0.2 + 1.0 + 0.5, gaps
+
+
+def test_one_permit_id_under_two_claims_is_two_permits(api: str) -> None:
+    """A key that holds claims in two workspaces sends the same permit id under each: two
+    grants, each counted and each holding its slot; settling one frees only its own slot and
+    corrects only its own workspace's tokens."""
+    shared = provider(SHARED_ID)
+    for ws in ("pp-same-a", "pp-same-b"):
+        enqueue("pp_py", ws, PY)
+    with (
+        PullWorker(api, KEY, PY, lease_seconds=30) as worker,
+        httpx.Client(base_url=api, timeout=10) as client,
+    ):
+        claims = [worker.claim(wait=5) for _ in range(2)]
+        assert all(c is not None for c in claims)
+        by_ws = {c.workspace_id: c for c in claims if c is not None}
+        assert set(by_ws) == {"pp-same-a", "pp-same-b"}
+        permit_id = uuid.uuid4().hex
+        headers = {"Authorization": f"Bearer {KEY}"}
+
+        def post(ws: str, path: str, body: dict[str, Any]) -> httpx.Response:
+            claim = by_ws[ws]
+            body = {"claim_token": claim.token, "workspace_id": ws, **body}
+            url = f"/v1/claims/{claim.request_id}/permits{path}"
+            return client.post(url, json=body, headers=headers)
+
+        ask = {"provider": SHARED_ID, "tokens": 100, "permit_id": permit_id, "wait_seconds": 0}
+        for ws in by_ws:
+            granted = post(ws, "", ask)
+            assert granted.status_code == 200, granted.text
+        stats = shared.stats()
+        assert (stats["granted"], stats["in_flight"], stats["window_tokens"]) == (2, 2, 200)
+
+        usage = {"usage": {"input_tokens": 5, "output_tokens": 5}}
+        assert post("pp-same-a", f"/{permit_id}/settle", usage).status_code == 200
+        stats = shared.stats()
+        assert (stats["in_flight"], stats["window_tokens"]) == (1, 110)
+        assert post("pp-same-b", f"/{permit_id}/release", {"outcome": "unused"}).status_code == 200
+        stats = shared.stats()
+        assert (stats["in_flight"], stats["window_tokens"]) == (0, 10)
+        for claim in by_ws.values():
+            worker.complete(claim, {"ok": True})
+
+
+def test_the_busy_hint_and_a_reported_cooling_are_capped(api: str) -> None:
+    """A refusal for the rest of a minute answers "ask again within a second" (the next long
+    poll does the waiting); a reported Retry-After of a day cools the provider for its
+    max_cooldown at most."""
+    slow = provider(SLOW)
+    enqueue("pp_py", "pp-slow", PY)
+    with (
+        PullWorker(api, KEY, PY, lease_seconds=30) as worker,
+        httpx.Client(base_url=api, timeout=10) as client,
+    ):
+        claim = worker.claim(wait=5)
+        assert claim is not None
+        url = f"/v1/claims/{claim.request_id}/permits"
+        headers = {"Authorization": f"Bearer {KEY}"}
+
+        def ask(permit_id: str) -> httpx.Response:
+            body = {
+                "provider": SLOW, "permit_id": permit_id, "wait_seconds": 0,
+                "claim_token": claim.token, "workspace_id": "pp-slow",
+            }  # fmt: skip
+            return client.post(url, json=body, headers=headers)
+
+        first = uuid.uuid4().hex
+        assert ask(first).status_code == 200
+        busy = ask(uuid.uuid4().hex)  # rpm 1: the next permit is a minute away
+        assert busy.status_code == 429, busy.text
+        assert busy.json()["reason"] == "rpm"
+        assert 0 < busy.json()["retry_after_ms"] <= 1000
+        assert busy.headers["Retry-After"] == "1"
+
+        cooled = client.post(
+            f"{url}/{first}/rate-limited", headers=headers,
+            json={"claim_token": claim.token, "workspace_id": "pp-slow", "retry_after": 86_400},
+        )  # fmt: skip
+        assert cooled.status_code == 200, cooled.text
+        assert 0 < slow.stats()["cooling_ms"] <= 300_000
+        worker.complete(claim, {"ok": True})

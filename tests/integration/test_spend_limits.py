@@ -10,6 +10,7 @@ import time
 from decimal import Decimal
 
 import pytest
+import redis
 
 from onceflow.errors import InvalidRequest, PermitCancelled, PermitTimeout
 from onceflow.spend import Price, Provider, Usage
@@ -252,3 +253,91 @@ def test_a_state_begun_again_by_a_newcomer_counts_as_full(redis_url: str) -> Non
         assert later.granted_at_ms >= first.granted_at_ms + 1000 - 5
     stats = seen.stats()
     assert stats["state_lost"] == 1 and stats["denied_state_lost"] >= 1
+
+
+def test_a_retry_after_above_the_cap_cools_only_up_to_it(redis_url: str) -> None:
+    provider = fresh(redis_url, rpm=1000, max_cooldown=2)
+    with provider.permit("ws") as permit:
+        permit.rate_limited(retry_after=86_400)  # a day, reported by one caller
+    assert 0 < provider.stats()["cooling_ms"] <= 2000
+    assert provider.rate_limited(3600) <= 2000  # outside a permit too
+    assert fresh(redis_url).max_cooldown == 300  # a few minutes unless declared
+    assert fresh(redis_url, cooldown=10, max_cooldown=5).cooling_ms(None) == 5000
+    with pytest.raises(InvalidRequest, match="max_cooldown"):
+        fresh(redis_url, max_cooldown=-1)
+
+
+def _provider_keys(redis_url: str, provider: Provider) -> dict[str, int]:
+    """Every key of the provider in Redis, and its PTTL (-1: none)."""
+    client = redis.Redis.from_url(redis_url)
+    tag = provider.keys.epoch.rsplit(":", 1)[0]
+    return {
+        k.decode(): int(client.pttl(k))
+        for k in client.scan_iter(match=tag.replace("{", "[{]").replace("}", "[}]") + ":*")
+    }
+
+
+def test_every_key_but_the_epoch_expires_and_idleness_is_no_lost_state(redis_url: str) -> None:
+    """After grants, a refusal, settles and a 429, every key of the provider but its epoch
+    has a TTL; once they have all expired (an idle provider), its next permit is granted at
+    once: the epoch is still there, so nothing reads as a state lost."""
+    provider = fresh(
+        redis_url, rpm=100, tpm=1000, concurrency=1, window_seconds=0.2, permit_ttl=0.3,
+        cold_start="known", cooldown=0.05,
+    )  # fmt: skip
+    with provider.permit("ws-a", tokens=20) as permit:
+        with pytest.raises(PermitTimeout), provider.permit("ws-b", timeout=0):
+            pass
+        permit.settle(Usage(5, 5))
+    with provider.permit("ws-b", tokens=20) as permit:
+        permit.rate_limited()
+    keys = _provider_keys(redis_url, provider)
+    for name in ("log", "meta", "sums", "ws-req", "ws-tok", "stats", "epoch"):
+        assert provider.keys.__dict__[name.replace("-", "_")] in keys, name
+    untimed = [k for k, ttl in keys.items() if ttl < 0]
+    assert untimed == [provider.keys.epoch]
+    assert max(keys.values()) <= provider.spec.keep_ms
+
+    deadline = time.monotonic() + provider.spec.keep_ms / 1000 + 5
+    while set(_provider_keys(redis_url, provider)) != {provider.keys.epoch}:
+        assert time.monotonic() < deadline, _provider_keys(redis_url, provider)
+        time.sleep(0.05)
+    start = redis_ms(redis_url)
+    with provider.permit("ws-a", tokens=20, timeout=0) as permit:  # not a lost state: at once
+        assert permit.granted_at_ms - start < 150
+        permit.settle(Usage(1, 1))
+    stats = provider.stats()
+    assert stats.get("state_lost", 0) == 0 and stats["window_tokens"] == 2
+
+
+def test_an_empty_window_starts_its_sums_again(redis_url: str) -> None:
+    """Sums that drifted from the log (here: written by hand) are counted again from zero
+    once the window holds nothing: a drift cannot throttle for good."""
+    provider = fresh(redis_url, tpm=100, window_seconds=0.2)
+    client = redis.Redis.from_url(redis_url)
+    client.hset(provider.keys.sums, mapping={"req": 7, "tok": 95})
+    with provider.permit("ws", tokens=50, timeout=0) as permit:
+        permit.settle(Usage(25, 25))
+    assert provider.stats()["window_tokens"] == 50
+
+
+def test_a_settle_corrects_the_workspace_the_permit_was_granted_to(redis_url: str) -> None:
+    provider = fresh(redis_url, tpm=1000)
+    limits, keys, spec = provider.limits, provider.keys, provider.spec
+    assert limits.acquire(keys, spec, "permit-one", "ws-a", 50).granted
+    limits.settle(keys, spec, "permit-one", "ws-b", 50, 10, "ok")  # another workspace named
+    counted = redis.Redis.from_url(redis_url).hgetall(keys.ws_tok)
+    assert counted == {b"ws-a": b"10"}
+
+
+def test_a_tpm_wait_looks_at_the_oldest_entries_only(redis_url: str) -> None:
+    """A refusal whose room needs more than the oldest 200 entries of the window answers the
+    whole window (an upper bound of the wait) without reading the rest of the log."""
+    provider = fresh(redis_url, tpm=1000, window_seconds=30)
+    limits, keys, spec = provider.limits, provider.keys, provider.spec
+    for i in range(300):
+        assert limits.acquire(keys, spec, f"small-{i}", "ws", 1).granted
+    near = limits.acquire(keys, spec, "fits-150", "ws", 850)  # 150 entries free the room
+    assert not near.granted and near.reason == "tpm" and near.wait_ms < 30_000
+    far = limits.acquire(keys, spec, "needs-250", "ws", 950)  # 250 entries: past the scan
+    assert not far.granted and far.reason == "tpm" and far.wait_ms == 30_000

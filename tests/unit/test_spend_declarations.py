@@ -119,9 +119,9 @@ def test_estimate_cost_is_an_upper_bound() -> None:
 
 def test_every_key_of_a_provider_is_in_one_slot() -> None:
     keys = ProviderKeys("open{ai}:x")
-    slots = {key_slot(k.encode()) for k in keys.all()}
+    slots = {key_slot(k.encode()) for k in keys.acquire()}
     assert len(slots) == 1
-    assert all(k.startswith("{onceflow:prov:open%7Bai%7D%3Ax}:") for k in keys.all())
+    assert all(k.startswith("{onceflow:prov:open%7Bai%7D%3Ax}:") for k in keys.acquire())
 
 
 def test_cascade_refuses_an_empty_or_repeated_chain() -> None:

@@ -9,14 +9,19 @@ the holder of a claim (the same key scope and the same 409 lease_lost as the loc
   (402 ``budget_exceeded``: nothing reserved), then the provider's shared limits are
   waited for, at most ``wait_seconds`` (a long poll, at most :data:`MAX_WAIT_SECONDS`):
   200 ``{granted: true, granted_at_ms, expires_in_ms}``, or 429 ``provider_busy`` with
-  ``Retry-After`` and ``retry_after_ms`` — nothing held; ask again with the same
-  ``permit_id``. The client mints ``permit_id``: a POST repeated after a lost answer finds
-  the permit granted and answers it again, without a second admit or a second slot.
+  ``Retry-After`` and ``retry_after_ms`` (at most :data:`MAX_RETRY_HINT_MS`: the long poll
+  does the waiting, and a client that asks again soon keeps its workspace counted as
+  waiting for its fair share) — nothing held; ask again with the same ``permit_id``. The
+  client mints ``permit_id``: a POST repeated after a lost answer finds the permit granted
+  and answers it again, without a second admit or a second slot. The id is the client's
+  within its workspace and claim only: the provider's shared limits know the permit by an
+  id the server derives from the workspace, the claim's request and the client's id.
 * ``POST …/permits/{permit_id}/settle`` ``{usage: {input_tokens, output_tokens}, model?}``
   — the call's usage: the reserved estimate is corrected, the slot freed, the ledger row
   written (fenced by the claim's token).
 * ``POST …/permits/{permit_id}/rate-limited`` ``{retry_after?}`` — the provider answered
-  429: it cools for every client (browser tabs, Celery stages, scripts) that long.
+  429: it cools for every client (browser tabs, Celery stages, scripts) that long, at most
+  the provider's ``max_cooldown``.
 * ``POST …/permits/{permit_id}/release`` ``{outcome}`` — given back without a settle:
   ``unused`` (no call was made: the estimate comes back, no ledger row), ``failed`` (the
   call failed) or ``unsettled`` (its usage is unknown: the estimate stays counted).
@@ -71,6 +76,8 @@ MAX_WAIT_SECONDS: Final = 30.0
 DEFAULT_WAIT_SECONDS: Final = 20.0
 #: The largest token count a permit may ask for, or a settle report, per direction.
 MAX_TOKENS: Final = 100_000_000
+#: The longest "ask again in" a 429 ``provider_busy`` answers: the long poll waits already.
+MAX_RETRY_HINT_MS: Final = 1000
 
 ProviderName = Annotated[str, StringConstraints(min_length=1, max_length=200)]
 #: A permit id, minted by the client (a uuid4 in hex is 32 of these characters).
@@ -134,7 +141,10 @@ class PermitBusyOut(BaseModel):
         "budget is held by calls in flight until they settle), or pending (a "
         "POST of the same permit is waiting already)."
     )
-    retry_after_ms: int = Field(description="When to ask again (also `Retry-After`, seconds).")
+    retry_after_ms: int = Field(
+        description="When to ask again (also `Retry-After`, seconds); at most 1000: the next "
+        "POST's long poll waits for the rest."
+    )
 
 
 class BudgetExceededOut(BaseModel):
@@ -172,7 +182,8 @@ class RateLimitedIn(ClaimBodyIn):
         default=None,
         ge=0,
         le=86_400,
-        description="The provider's Retry-After in seconds; none: the provider's cooldown.",
+        description="The provider's Retry-After in seconds; none: the provider's cooldown. "
+        "It cools the provider at most for the provider's max_cooldown.",
     )
 
 
@@ -190,6 +201,14 @@ class SettledOut(BaseModel):
     provider: str
     outcome: Literal["ok", "rate_limited", "unused", "failed", "unsettled"]
 
+
+#: Write a granted permit's record and its TTL at once (a record never lives without one).
+#: KEYS: 1 the record. ARGV: 1 TTL ms, then field, value, field, value, …
+WRITE_RECORD: Final = """
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
 
 #: Mark a permit's record settled, if it is still there: 1 marked now, 0 marked before,
 #: -1 no record (expired): a settle never leaves a record without its TTL.
@@ -215,6 +234,14 @@ class UnknownPermit(NotFound):
 
 def _token_hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def slot_id(workspace_id: str, request_id: str, permit_id: str) -> str:
+    """The id a client's permit has in the provider's shared limits: derived from its
+    workspace, its claim's request and the client's id, so one client id sent under two
+    claims (or workspaces) is two permits there, each counted."""
+    named = "\x00".join((workspace_id, request_id, permit_id)).encode()
+    return "h" + hashlib.sha256(named).hexdigest()[:32]
 
 
 class ServedProviders:
@@ -248,7 +275,7 @@ class ServedProviders:
 
 
 def _busy(provider: str, reason: str, wait_ms: int) -> JSONResponse:
-    wait_ms = max(1, int(wait_ms))
+    wait_ms = max(1, min(int(wait_ms), MAX_RETRY_HINT_MS))
     body = PermitBusyOut(
         detail=f"no permit from provider {provider} yet ({reason}); ask again in {wait_ms} ms",
         provider=provider,
@@ -259,14 +286,14 @@ def _busy(provider: str, reason: str, wait_ms: int) -> JSONResponse:
     return AsciiJSONResponse(body.model_dump(), 429, headers=headers)
 
 
-async def _acquire(provider: Provider, grant: Grant, wait_seconds: float) -> Decision:
+async def _acquire(provider: Provider, grant: Grant, slot: str, wait_seconds: float) -> Decision:
     """Admit (budgets), then wait up to ``wait_seconds`` for the limits. Not granted: the
     admit is given back (nothing held) and the last refusal is answered.
 
     A budget held only by calls in flight (:class:`BudgetBusy`) is asked again until they
     settle or ``wait_seconds`` ends; then the answer is "not yet" (``budget_in_flight``),
     nothing reserved — the client asks again, as for the rate limits."""
-    limits, keys = provider.alimits, provider.keys
+    limits, keys = provider.alimits, provider.keys  # the limits know the permit as `slot`
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_seconds
     while True:
@@ -282,7 +309,7 @@ async def _acquire(provider: Provider, grant: Grant, wait_seconds: float) -> Dec
     try:
         while True:
             decided = await limits.acquire(
-                keys, provider.spec, grant.permit_id, grant.workspace_id, grant.estimate_tokens,
+                keys, provider.spec, slot, grant.workspace_id, grant.estimate_tokens,
                 provider.epoch_seen,
             )  # fmt: skip
             provider.epoch_seen = decided.epoch
@@ -293,11 +320,11 @@ async def _acquire(provider: Provider, grant: Grant, wait_seconds: float) -> Dec
             pause = min(decided.wait_ms, POLL_MS) / 1000 * random.uniform(0.5, 1.0)
             await asyncio.sleep(min(pause, left))
     except BaseException:
-        await limits.abandon(keys, grant.permit_id)
+        await limits.abandon(keys, slot)
         await run_in_threadpool(provider.hooks.release, grant)
         raise
     if not decided.granted:
-        await limits.abandon(keys, grant.permit_id)
+        await limits.abandon(keys, slot)
         await run_in_threadpool(provider.hooks.release, grant)
     return decided
 
@@ -378,7 +405,10 @@ def add_permit_routes(
             if not await redis().set(waiting, "1", nx=True, px=hold_ms):
                 return _busy(provider.name, "pending", 1000)
         try:
-            decided = await remembered(_acquire(provider, grant, body.wait_seconds), redis(), grant)
+            slot = slot_id(ws, request_id, body.permit_id)
+            decided = await remembered(
+                _acquire(provider, grant, slot, body.wait_seconds), redis(), grant
+            )
             if not decided.granted:
                 return _busy(provider.name, decided.reason, decided.wait_ms)
             fields = {
@@ -387,9 +417,9 @@ def add_permit_routes(
                 "stage": request.stage, "cell_key": body.cell_key or "",
                 "granted_at_ms": str(decided.at_ms),
             }  # fmt: skip
+            pairs = [part for item in fields.items() for part in item]
             with translated("permit record"):
-                await redis().hset(key, mapping=fields)
-                await redis().pexpire(key, 2 * provider.spec.ttl_ms)
+                await redis().eval(WRITE_RECORD, 1, key, 2 * provider.spec.ttl_ms, *pairs)
             return granted(fields, body.permit_id, provider)
         finally:
             with translated("permit record"):
@@ -412,7 +442,8 @@ def add_permit_routes(
             stage=record.get("stage") or None, request_id=request_id,
             cell_key=record.get("cell_key") or None, claim_token=body.claim_token,
         )  # fmt: skip
-        return AsyncPermit(provider, grant, int(record["granted_at_ms"]))
+        slot = slot_id(request.workspace_id, request_id, permit_id)
+        return AsyncPermit(provider, grant, int(record["granted_at_ms"]), slot)
 
     async def first_settle(permit: AsyncPermit, how: dict[str, Any]) -> None:
         """Mark the permit settled ``how``; a repeat of the same settle may go on (each step
@@ -501,8 +532,8 @@ def add_permit_routes(
         provider, grant = permit.provider, permit.grant
         if body.outcome == "unused":  # no call: the slot and the estimate's tokens come back
             await provider.alimits.settle(
-                provider.keys, grant.permit_id, grant.workspace_id, grant.estimate_tokens, 0,
-                "released",
+                provider.keys, provider.spec, permit.slot_id, grant.workspace_id,
+                grant.estimate_tokens, 0, "released",
             )  # fmt: skip
             await run_in_threadpool(provider.hooks.release, grant)
         else:
