@@ -135,9 +135,16 @@ def test_cascade_refuses_an_empty_or_repeated_chain() -> None:
 
 @pytest.fixture()
 def clean_registry() -> Any:
+    """An empty registry for the test; what other modules of the session declared (the
+    contract suite's providers, declared at import) is put back afterwards."""
+    saved = (dict(registry._providers), set(registry._loaded), list(registry._default_hooks))
     registry.forget()
     yield
     registry.forget()
+    with registry._lock:
+        registry._providers.update(saved[0])
+        registry._loaded.update(saved[1])
+        registry._default_hooks[:] = saved[2]
 
 
 def test_providers_from_settings(clean_registry: None) -> None:
