@@ -3,11 +3,14 @@
 Layer 1: :class:`Queue`, the durable stage queue on Postgres (stages on Celery in
 :mod:`onceflow.tasks`). Layer 2: :func:`compute_once`, the compute lock. Layer 3:
 :class:`OpLog` and the retry-safe :class:`WorkspaceClient` (asyncio: :class:`AsyncQueue`,
-:func:`acompute_once`, :class:`AsyncOpLog`, :class:`AsyncWorkspaceClient`).
+:func:`acompute_once`, :class:`AsyncOpLog`, :class:`AsyncWorkspaceClient`). Spend control:
+:class:`Provider` (limits shared by every process) and :class:`Cascade` (:mod:`onceflow.spend`).
 Nothing here connects at import time.
 """
 
+from onceflow.cache import CacheKey
 from onceflow.errors import (
+    BudgetExceeded,
     ConnectionLost,
     DatabaseUnavailable,
     InputMismatch,
@@ -35,6 +38,7 @@ from onceflow.models import Claim, ClaimRef, EnqueueResult, Heartbeat, NewReques
 from onceflow.oplog import AsyncOpLog, AsyncWorkspaceClient, OpLog, WorkspaceClient
 from onceflow.queue import AsyncQueue, Queue
 from onceflow.settings import Settings, get_settings
+from onceflow.spend import Cascade, Price, Provider, Usage
 from onceflow.worker_tokens import mint_worker_token
 
 __version__ = "0.1.0"
@@ -43,6 +47,9 @@ __all__ = [
     "AsyncOpLog",
     "AsyncQueue",
     "AsyncWorkspaceClient",
+    "BudgetExceeded",
+    "CacheKey",
+    "Cascade",
     "Claim",
     "ClaimRef",
     "ConnectionLost",
@@ -66,12 +73,15 @@ __all__ = [
     "PartitionLayoutMismatch",
     "PayloadTooDeep",
     "PayloadTooLarge",
+    "Price",
+    "Provider",
     "Queue",
     "Request",
     "RetryLater",
     "Settings",
     "Status",
     "StoreError",
+    "Usage",
     "WaitTimeout",
     "WorkspaceClient",
     "acompute_once",

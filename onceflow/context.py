@@ -11,17 +11,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+from types import TracebackType
 from typing import Any, Literal, Protocol, TypeVar, overload, runtime_checkable
 
 from pydantic import BaseModel
 
-from onceflow.errors import Cancelled, InvalidRequest, LeaseLost, OutOfScope
+from onceflow.errors import Cancelled, InvalidRequest, LeaseLost, OutOfScope, PermitCancelled
 from onceflow.locks import Locked, Outcome, compute_once
 from onceflow.models.ops import OpModel
 from onceflow.models.requests import Claim, Fence, NewRequest, Request
 from onceflow.models.sub_doc_scope import SubDocScope, request_fields
 from onceflow.oplog import ApplyResult, OpLog, SubDoc, new_op_id, stage_op_id
 from onceflow.queue import Queue
+from onceflow.spend.checks import DEFAULT_HEARTBEAT_EVERY
+from onceflow.spend.provider import DEFAULT_TIMEOUT, Permit, PermitContext, Provider
+from onceflow.spend.registry import get_provider, register
+from onceflow.spend.usage import Usage
 
 _oplogs: dict[int, tuple[Queue, OpLog]] = {}
 
@@ -49,7 +55,8 @@ class WorkContext(Protocol):
     Beyond these members, :class:`StageContext` has ``request`` (the
     :class:`~onceflow.models.Request`) and ``then(..., **options)``; ``PullContext`` has
     ``request`` (the row as the API returned it, a dict) and ``worker``. See
-    ``docs/integration-fastapi.md`` for the table.
+    ``docs/integration-fastapi.md`` for the table. ``permit`` takes a provider permit for
+    the run (docs/spend.md, "In a stage").
     """
 
     # One read-only property per field (alike by shape): what every implementation exposes.
@@ -162,6 +169,47 @@ class WorkContext(Protocol):
         """
         return self._compute_lock(task, check, compute, store, wait=wait, **kw)
 
+    def permit(
+        self,
+        provider: Provider | str,
+        tokens: int = 0,
+        *,
+        cell_key: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> AbstractContextManager[CallPermit]:
+        """A permit for one call to ``provider`` (a :class:`~onceflow.spend.Provider`, or
+        the name of a declared one), made for this run: ``with ctx.permit("openai",
+        tokens=1_500) as permit: …; permit.settle(usage)``.
+
+        The grant carries the request's workspace, the stage, the request and the claim's
+        token, so the ledger row is written in the claim's fence; ``cell_key`` names the
+        compute-lock cell the call is made for. While it waits (at most ``timeout``
+        seconds: :class:`~onceflow.errors.PermitTimeout`, retryable) the lease is
+        extended, and the wait ends at once when the lease is known to be lost
+        (:class:`LeaseLost`) or cancel was requested (:class:`Cancelled`). A budget's
+        refusal raises :class:`~onceflow.errors.BudgetExceeded`: the stage's
+        ``on_budget`` says what the run does. A :class:`Provider` object not declared
+        yet is declared here (:func:`~onceflow.spend.register`).
+        """
+        declared = register(provider) if isinstance(provider, Provider) else None
+        if declared is None:
+            if not isinstance(provider, str):
+                raise InvalidRequest(
+                    f"provider must be a Provider or a declared provider's name, got {provider!r}"
+                )
+            declared = get_provider(provider)
+        held = declared.permit(
+            self.workspace_id, tokens, stage=self.stage, request_id=self.request_id,
+            cell_key=cell_key, claim_token=self.claim.token, timeout=timeout,
+            heartbeat=self.heartbeat, heartbeat_every=self._heartbeat_every(),
+            cancel=_StopFlag(self),
+        )  # fmt: skip
+        return StagePermit(self, held)
+
+    def _heartbeat_every(self) -> float:
+        """How often a waiting permit extends the lease (seconds)."""
+        return DEFAULT_HEARTBEAT_EVERY
+
     def _compute_lock(
         self,
         task: str,
@@ -185,10 +233,59 @@ class WorkContext(Protocol):
             self.check()
             return store(value)
 
+        if kw.get("cache") is not None:  # a hit's ledger row names this run
+            kw = {"stage": self.stage, "request_id": self.request_id, **kw}
         return compute_once(
             self.workspace_id, self.job_id, task,
             check=check, compute=fenced_compute, store=fenced_store, wait=wait, **kw,
         )  # fmt: skip
+
+
+class _StopFlag:
+    """Set once the context's lease is known lost or cancel was requested: ends a permit's
+    wait (the context then says which, :meth:`WorkContext.check`)."""
+
+    __slots__ = ("_ctx",)
+
+    def __init__(self, ctx: WorkContext) -> None:
+        self._ctx = ctx
+
+    def is_set(self) -> bool:
+        return self._ctx.lease_lost or self._ctx.cancel_requested
+
+
+class CallPermit(Protocol):
+    """What ``with ctx.permit(…) as permit`` gives under every runner: a permit held in this
+    process (:class:`~onceflow.spend.Permit`) or one the server holds for a pull worker's
+    claim."""
+
+    def settle(self, usage: Usage, *, model: str | None = None) -> None: ...
+
+    def rate_limited(self, retry_after: float | None = None) -> None: ...
+
+
+class StagePermit:
+    """``with ctx.permit(…) as permit``: the provider's permit, a stopped wait raised as
+    the context's :class:`LeaseLost` or :class:`Cancelled` (what the outcome table knows)."""
+
+    def __init__(self, ctx: WorkContext, held: PermitContext) -> None:
+        self._ctx = ctx
+        self._held = held
+
+    def __enter__(self) -> Permit:
+        try:
+            return self._held.__enter__()
+        except PermitCancelled:
+            self._ctx.check()  # the lease is lost or cancel was requested: say which
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._held.__exit__(exc_type, exc, tb)
 
 
 class Flag:
@@ -366,6 +463,10 @@ class StageContext(HeldContext):
 
     def _beat(self) -> bool:
         return self._queue.heartbeat(self._claim).cancel_requested
+
+    def _heartbeat_every(self) -> float:
+        # Within a third of the lease, as the runners' own heartbeats.
+        return min(DEFAULT_HEARTBEAT_EVERY, self._claim.lease_seconds / 3)
 
     def _request_field(self, name: str) -> str:
         return str(getattr(self._claim.request, name))

@@ -12,6 +12,7 @@ stage code. Control-flow signals (retry later) are kept apart from errors.
     │   ├── PayloadTooDeep        a payload nested deeper than the payload depth limit
     │   ├── InputMismatch         same request_id, different input (strict mode)
     │   ├── UnknownStage          no stage of that name is registered
+    │   ├── UnknownWorkspace      a budget for a workspace the database has no trace of
     │   ├── OpIdConflict          same op id, different payload
     │   ├── ReplayTooOld          a replay older than the op log's retention
     │   └── PartitionLayoutMismatch  migrate asked for a partitioning the tables do not have
@@ -22,6 +23,8 @@ stage code. Control-flow signals (retry later) are kept apart from errors.
     ├── Cancelled                 cancel was requested for the running request
     ├── MaxRuntimeExceeded        a run went past its stage's max_runtime (retryable)
     ├── PermanentError            raised by a stage: fail now, no retry
+    ├── BudgetExceeded            a workspace's spend budget refuses a provider call
+    ├── BudgetBusy                a budget's room is held by calls in flight: ask again (retryable)
     ├── OpRejected                an op cannot apply to the current state (recorded)
     ├── DatabaseUnavailable       Postgres did not answer (retryable)
     │   ├── ConnectionLost        an established connection died (restart, killed backend)
@@ -32,6 +35,11 @@ stage code. Control-flow signals (retry later) are kept apart from errors.
     ├── StoreError                any other database failure, translated
     ├── LockLost                  a compute lock expired or was taken while held
     ├── LockUnavailable           the compute lock's backend did not answer (retryable)
+    ├── PermitTimeout             a provider permit was not granted within its timeout (retryable)
+    ├── PermitCancelled           the wait for a provider permit was cancelled
+    ├── LimitsUnavailable         the provider limits' Redis did not answer (retryable)
+    ├── ProviderError             a provider call failed: 429, 5xx, a timeout (the cascade moves on)
+    │   └── CascadeExhausted      every provider of a cascade failed or had no room in time
     └── AccessDenied              the HTTP API refused the key (401) or its scope (403)
 
     RetryLater (not an error)     a stage asks to run again after a delay
@@ -189,6 +197,80 @@ class PermanentError(OnceflowError):
     """Raise from a stage to fail the request at once, without retries (e.g. bad data)."""
 
 
+class BudgetExceeded(OnceflowError):
+    """A workspace's budget for the period has no room for a provider call's estimate.
+
+    Raised when a permit is asked for (before any rate limit is taken): nothing was called
+    or reserved. ``on_exceeded`` is the budget's: ``fail`` — the stage fails at once, without
+    retries; ``wait`` — the stage is retried when the next period starts, ``retry_at`` (UTC,
+    database clock, ISO 8601), ``retry_in`` seconds after the refusal (capped by the backoff
+    maximum: a longer wait checks the budget again, refused again until the period turns).
+    """
+
+    def __init__(
+        self,
+        workspace_id: str,
+        period: str,
+        detail: str,
+        on_exceeded: str = "fail",
+        retry_at: str | None = None,
+        retry_in: float | None = None,
+    ) -> None:
+        self.workspace_id = workspace_id
+        self.period = period
+        self.detail = detail
+        self.on_exceeded = on_exceeded
+        self.retry_at = retry_at
+        self.retry_in = retry_in
+        message = f"workspace {workspace_id}'s {period} budget is exceeded: {detail}"
+        if on_exceeded == "wait" and retry_at is not None:
+            message += f"; retried when the next period starts ({retry_at})"
+        super().__init__(message)
+
+    @property
+    def waits(self) -> bool:
+        """Whether the stage waits for the next period (else it fails at once)."""
+        return self.on_exceeded == "wait" and self.retry_in is not None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            type(self),
+            (
+                self.workspace_id,
+                self.period,
+                self.detail,
+                self.on_exceeded,
+                self.retry_at,
+                self.retry_in,
+            ),
+        )
+
+
+class BudgetBusy(OnceflowError):
+    """A workspace's budget has room for a call's estimate once the calls in flight settle,
+    not now: the period's spend plus the estimate fits, the reservations of the calls in
+    flight make it not fit. Temporary (those calls usually settle below their estimates, or
+    their reservations expire): a permit that meets it waits and asks again, so it is seen
+    only by code that calls the spend hooks' ``admit`` itself. ``retry_in``: seconds worth
+    waiting before asking again. Retryable.
+    """
+
+    #: A stage that raises this should be retried, not failed for good.
+    retryable = True
+
+    def __init__(self, workspace_id: str, period: str, detail: str, retry_in: float) -> None:
+        self.workspace_id = workspace_id
+        self.period = period
+        self.detail = detail
+        self.retry_in = retry_in
+        super().__init__(
+            f"workspace {workspace_id}'s {period} budget is held by calls in flight: {detail}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.workspace_id, self.period, self.detail, self.retry_in))
+
+
 class UnknownStage(InvalidRequest):
     """No stage of this name is registered with the flow."""
 
@@ -198,6 +280,23 @@ class UnknownStage(InvalidRequest):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.stage,))
+
+
+class UnknownWorkspace(InvalidRequest):
+    """onceflow keeps no list of workspaces: a workspace exists in a database once it has a
+    request, a sub-doc, a ledger row or a budget there. A budget for any other is refused
+    (a typo would otherwise set a limit nobody is held to); nothing was written."""
+
+    def __init__(self, workspace_id: str) -> None:
+        self.workspace_id = workspace_id
+        super().__init__(
+            f"no workspace {workspace_id!r}: it has no request, sub-doc, spend or budget yet "
+            "(pass allow_new=True, or --new on the command line, to set a budget before "
+            "its first request)"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.workspace_id,))
 
 
 class OpRejected(OnceflowError):
@@ -404,6 +503,84 @@ class LockUnavailable(OnceflowError):
 
     #: A stage that raises this should be retried, not failed for good.
     retryable = True
+
+
+class PermitTimeout(OnceflowError, TimeoutError):
+    """A provider permit was not granted within the wait's timeout: the provider's requests,
+    tokens or concurrency stayed taken, or it was cooling after a 429. Retryable."""
+
+    #: A stage that raises this should be retried, not failed for good.
+    retryable = True
+
+    def __init__(self, provider: str, timeout: float, reason: str = "") -> None:
+        self.provider = provider
+        self.timeout = timeout
+        self.reason = reason
+        why = f" (last refused by: {reason})" if reason else ""
+        super().__init__(f"no permit from provider {provider} within {timeout:g} s{why}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.provider, self.timeout, self.reason))
+
+
+class PermitCancelled(OnceflowError):
+    """The wait for a provider permit was cancelled (its cancel event was set)."""
+
+    def __init__(self, provider: str) -> None:
+        self.provider = provider
+        super().__init__(f"the wait for a permit from provider {provider} was cancelled")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.provider,))
+
+
+class LimitsUnavailable(OnceflowError):
+    """The Redis that holds the provider limits did not answer. Retryable."""
+
+    #: A stage that raises this should be retried, not failed for good.
+    retryable = True
+
+
+class ProviderError(OnceflowError):
+    """A provider call failed in a way another provider may not: a 429 (``status=429``,
+    with the provider's ``Retry-After`` in seconds when it sent one), a 5xx, or a timeout
+    (``status=None``). Raised by the caller's function in a cascade, which moves on."""
+
+    #: A stage that raises this should be retried, not failed for good.
+    retryable = True
+
+    def __init__(
+        self, provider: str, status: int | None, detail: str = "", retry_after: float | None = None
+    ) -> None:
+        self.provider = provider
+        self.status = status
+        self.detail = detail
+        self.retry_after = retry_after
+        what = f"answered {status}" if status is not None else "timed out"
+        message = f"provider {provider} {what}"
+        super().__init__(f"{message}: {detail}" if detail else message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.provider, self.status, self.detail, self.retry_after))
+
+
+class CascadeExhausted(ProviderError):
+    """No provider of a cascade served the call: each failed, or none had room in time.
+    ``errors`` holds each provider's error, in the cascade's order."""
+
+    def __init__(self, providers: list[str], errors: list[str]) -> None:
+        self.providers = list(providers)
+        self.errors = list(errors)
+        self.provider = ", ".join(providers)
+        self.status = None
+        self.detail = "; ".join(errors) if errors else "none had room in time"
+        self.retry_after = None
+        OnceflowError.__init__(
+            self, f"no provider of the cascade [{self.provider}] served the call: {self.detail}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.providers, self.errors))
 
 
 class RetryLater(Exception):

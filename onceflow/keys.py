@@ -54,9 +54,33 @@ def counters_key(workspace_id: str) -> str:
     return f"{_ws(workspace_id)}:lock-stats"
 
 
+def permit_key(workspace_id: str, permit_id: str, part: str = "") -> str:
+    """A provider permit taken over HTTP under a claim: ``onceflow:{ws}:permit:<id>``
+    (``part``: a key beside it, e.g. ``wait``)."""
+    key = f"{_ws(workspace_id)}:permit:{escape(check_id('permit_id', permit_id))}"
+    return f"{key}:{part}" if part else key
+
+
+def budget_refusal_key(workspace_id: str, request_id: str, token_hash: str) -> str:
+    """A budget refusal the permit route answered a claim with (``token_hash``: the claim
+    token's SHA-256): ``onceflow:{ws}:budget-refused:<request>:<token hash>``."""
+    request = escape(check_id("request_id", request_id))
+    token = escape(check_id("token_hash", token_hash))
+    return f"{_ws(workspace_id)}:budget-refused:{request}:{token}"
+
+
 def counters_workspaces_key() -> str:
     """A set of the workspaces that have a counters hash (the dashboard lists them).
 
     Not tagged by a workspace: one key for the whole deployment (its own Redis Cluster slot).
     """
     return f"{PREFIX}:counters:workspaces"
+
+
+def provider_key(provider: str, part: str) -> str:
+    """A key of a provider's shared limits: ``{onceflow:prov:<provider>}:<part>``.
+
+    Every key of a provider, the per-workspace counts of its fairness included (hash fields,
+    not keys), carries the provider as its hash tag: the limit scripts touch one slot.
+    """
+    return f"{{{PREFIX}:prov:{escape(check_id('provider', provider))}}}:{part}"

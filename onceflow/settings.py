@@ -200,6 +200,20 @@ class Settings(BaseSettings):
     lock_timeout_seconds: float = Field(
         default=5.0, gt=0, le=300, description="Socket timeout of the lock's Redis client."
     )
+    providers: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description='Providers with shared limits as JSON {"<name>": {"rpm": 500, "tpm": '
+        '200000, "concurrency": 20, "input_per_million": "2.50", "output_per_million": '
+        '"10.00"}, …} (onceflow.spend; docs/spend.md).',
+    )
+    spend_ledger: bool = Field(
+        default=True,
+        description="A process that uses a Flow (its Celery workers, onceflow.testing, the "
+        "API, an app that enqueues) or runs the standalone worker gives every declared "
+        "provider without hooks of its own the spend ledger on its database: budgets checked "
+        "at each permit, each settled call a ledger row (docs/spend-budgets.md). False: "
+        "providers record nothing unless given hooks in code.",
+    )
     # The HTTP API (onceflow.integrations.fastapi). Keys are stored hashed: sha256 hex.
     api_keys: dict[str, list[str]] = Field(
         default_factory=dict,

@@ -88,7 +88,7 @@ from onceflow.errors import (
     RetryLater,
 )
 from onceflow.ids import check_id, check_worker_class
-from onceflow.lifecycle.outcome import Outcome, decide, failed, succeeded
+from onceflow.lifecycle.outcome import OnBudget, Outcome, check_on_budget, decide, failed, succeeded
 from onceflow.lifecycle.record import record_many
 from onceflow.metrics import record as metrics
 from onceflow.models.requests import Claim
@@ -97,6 +97,8 @@ from onceflow.queue import Queue
 from onceflow.queue.batch import BATCH_MAX
 from onceflow.queue.notify import WAIT_MAX_SECONDS
 from onceflow.settings import get_settings
+from onceflow.spend.databases import Databases
+from onceflow.spend.defaults import install_ledger
 
 log = logging.getLogger("onceflow.worker")
 
@@ -151,7 +153,9 @@ class Worker:
     threads (heartbeated meanwhile; handed back at shutdown), to hide the claim round
     trip at saturation. ``retry_on(exc)`` decides whether an exception is worth a retry
     (default: every exception except :class:`PermanentError` and
-    :class:`InvalidRequest`). ``max_held``: the most claims held at once — waiting,
+    :class:`InvalidRequest`). ``on_budget`` (``"fail"``, ``"wait"`` or None) is what a
+    body's ``BudgetExceeded`` does, as a Flow stage's ``on_budget`` (None: the budget's
+    own ``on_exceeded``). ``max_held``: the most claims held at once — waiting,
     running, or finished and not yet recorded (default twice ``concurrency + prefetch``,
     at most :data:`~onceflow.queue.batch.BATCH_MAX`); claiming pauses at it, so a slow
     database holds results back instead of piling up claims. ``max_runtime`` bounds a run
@@ -177,6 +181,7 @@ class Worker:
         lease_seconds: float | None = None,
         max_runtime: float | None = None,
         retry_on: Callable[[BaseException], bool] | None = None,
+        on_budget: OnBudget = None,
         sweep: bool = True,
         max_wait: float = 30.0,
         max_held: int | None = None,
@@ -209,6 +214,7 @@ class Worker:
             )
         if max_runtime is not None and not _positive_seconds(max_runtime):
             raise InvalidRequest("max_runtime must be a positive number of seconds")
+        budget_choice = check_on_budget(on_budget)
         self._owns_queue = not isinstance(queue, Queue)
         if isinstance(queue, Queue):
             self.queue = queue
@@ -217,6 +223,8 @@ class Worker:
             # a pool of this size (a thread uses one shard at a time).
             pool = concurrency + SERVICE_CONNECTIONS
             self.queue = Queue(queue, get_settings(), pool_size=pool)
+        # Its providers record to the spend ledger, in the databases it claims from.
+        install_ledger(self.queue.settings, databases=self._ledger_databases)
         #: The databases claims come from (1, or the shards of a split database).
         self.shard_count = len(self.queue.shards())
         self.worker_classes = classes
@@ -230,6 +238,7 @@ class Worker:
         self.lease_seconds = self.queue.lease_for(lease_seconds)
         self.max_runtime = max_runtime
         self.retry_on = retry_on or (lambda exc: True)
+        self.on_budget = budget_choice
         self._max_delay = float(self.queue.settings.backoff_max_seconds)
         self.sweep = sweep
         self.max_wait = float(max_wait)
@@ -252,6 +261,11 @@ class Worker:
         self._stopped = threading.Event()
         self._threads: list[threading.Thread] = []
         self._background: threading.Thread | None = None
+
+    def _ledger_databases(self) -> Databases:
+        """The spend ledger's databases: this worker's own engines, one per shard."""
+        engines = [shard.engine for shard in self.queue.shards()]
+        return Databases(self.queue.shard_map, engines=engines)
 
     # ------------------------------------------------------------------ control
 
@@ -505,7 +519,9 @@ class Worker:
     def _outcome(self, ctx: StageContext, exc: BaseException) -> _Done | None:
         """What to record for a body that raised ``exc`` (:func:`onceflow.lifecycle.decide`)."""
         claim = ctx.claim
-        ran = decide(exc, retry_on=self.retry_on, max_delay=self._max_delay)
+        ran = decide(
+            exc, retry_on=self.retry_on, max_delay=self._max_delay, on_budget=self.on_budget
+        )
         if ran.kind == "lease_lost":
             log.warning("request %s: lease lost; the result is discarded", claim.request_id)
             with self._cond:

@@ -4,8 +4,8 @@ Every command reads the database from ``ONCEFLOW_DATABASE_URL``; results go to
 stdout (one JSON object with ``--json`` or where scripts parse it), errors to
 stderr with a non-zero exit status.
 
-The commands live in ``commands_requests``, ``commands_processes``, ``commands_keys`` and
-``commands_dev``; ``base`` holds the ``main`` group they register on.
+The commands live in ``commands_requests``, ``commands_processes``, ``commands_keys``,
+``commands_spend`` and ``commands_dev``; ``base`` holds the ``main`` group they register on.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from onceflow.cli.base import (
 from onceflow.cli.base import (
     _queue as _queue,
 )
+from onceflow.cli.commands_cache import cache
 from onceflow.cli.commands_dev import (
     demo,
     dev_services,
@@ -70,6 +71,7 @@ from onceflow.cli.commands_requests import (
     show,
     status,
 )
+from onceflow.cli.commands_spend import budget, spend_
 
 __all__ = [
     "EXIT_ERROR",
@@ -77,6 +79,8 @@ __all__ = [
     "EXIT_USAGE",
     "api",
     "beat",
+    "budget",
+    "cache",
     "cancel",
     "demo",
     "dev_services",
@@ -90,6 +94,7 @@ __all__ = [
     "mint_worker_token",
     "requeue",
     "show",
+    "spend_",
     "status",
     "sweep",
     "work",

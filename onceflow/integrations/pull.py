@@ -41,7 +41,7 @@ from typing import Any
 
 import httpx
 
-from onceflow.errors import InvalidRequest, LeaseLost, OnceflowError
+from onceflow.errors import BudgetExceeded, InvalidRequest, LeaseLost, OnceflowError
 from onceflow.integrations.pull_claim import PullClaim, Release
 from onceflow.integrations.pull_context import PullContext
 from onceflow.integrations.pull_events import ClaimEvents
@@ -210,6 +210,55 @@ class PullWorker:
         timeout = self._client.timeout
         return events.open((timeout.connect or 10.0) + (timeout.read or 10.0))
 
+    def take_permit(
+        self,
+        claim: PullClaim,
+        provider: str,
+        tokens: int,
+        permit_id: str,
+        *,
+        cell_key: str | None = None,
+        wait: float = 0.0,
+    ) -> dict[str, Any]:
+        """Ask for a permit of ``provider`` under ``claim`` (a long poll of ``wait`` s):
+        ``{granted: true, granted_at_ms, expires_in_ms}``, or ``{granted: false, reason,
+        retry_after_ms}`` — ask again then, with the same ``permit_id`` (a POST repeated
+        after a lost answer is the same permit). :class:`BudgetExceeded` when a budget
+        refuses; a call without an answer raises :class:`TransportError` (not retried here:
+        the caller asks again with the same id)."""
+        body: dict[str, Any] = {"provider": provider, "tokens": tokens, "permit_id": permit_id,
+                                "wait_seconds": wait}  # fmt: skip
+        if cell_key is not None:
+            body["cell_key"] = cell_key
+        url = f"/v1/claims/{path_segment('request_id', claim.request_id)}/permits"
+        response = self._send(
+            "POST", url, {**_claim_body(claim), **body}, retry=False, extra_timeout=wait,
+            keep=frozenset({429}),
+        )  # fmt: skip
+        status = response.status_code
+        if status == 429:  # the provider is busy (or the key's request rate is spent)
+            data = _json_or_none(response) or {}
+            retry_ms = data.get("retry_after_ms")
+            if not isinstance(retry_ms, int):
+                retry_ms = round(retry_after_seconds(response, RETRY_AFTER_CAP) * 1000)
+            return {"granted": False, "reason": str(data.get("reason") or data.get("code")),
+                    "retry_after_ms": retry_ms}  # fmt: skip
+        if status == 402:
+            raise budget_exceeded(_json_or_none(response) or {})
+        raise_for_api_error(response, request_id=claim.request_id)
+        data = response.json()
+        return {**data, "granted": True}
+
+    def permit_call(
+        self, claim: PullClaim, permit_id: str, action: str, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        """``settle``, ``rate-limited`` or ``release`` a permit held under ``claim``: safe
+        to repeat (the server answers a repeat as the first), so retried on no answer."""
+        if action not in ("settle", "rate-limited", "release"):
+            raise InvalidRequest(f"no permit action {action!r}")
+        return self._claim_call(claim, f"permits/{path_segment('permit_id', permit_id)}/{action}",
+                                body)  # fmt: skip
+
     # ---------------------------------------------------------------- the loop
 
     def run_once(self, func: Callable[[PullContext], JSON], *, wait: float = 0.0) -> str | None:
@@ -313,9 +362,13 @@ class PullWorker:
 
     def _report(self, claim: PullClaim, ran: Outcome) -> str:
         """Send a failed run's outcome (:func:`onceflow.lifecycle.decide`). A RetryLater's
-        delay travels in its error: the server clamps it to its own longest retry delay."""
-        retry_in = None if (ran.error or {}).get("type") == "RetryLater" else ran.retry_in
-        return self._fail(claim, ran.error or {}, retryable=ran.retryable, retry_in=retry_in)
+        delay and a BudgetExceeded's budget (its ``on_exceeded``, when its period turns)
+        travel in the error: the server decides them by the stage's declaration
+        (``on_budget``) and clamps the wait to its own longest retry delay."""
+        error = ran.error or {}
+        kind = error.get("type")
+        retry_in = None if kind in ("RetryLater", "BudgetExceeded") else ran.retry_in
+        return self._fail(claim, error, retryable=ran.retryable, retry_in=retry_in)
 
     def _fail(
         self,
@@ -353,6 +406,7 @@ class PullWorker:
         *,
         retry: bool,
         extra_timeout: float = 0.0,
+        keep: frozenset[int] = frozenset(),
     ) -> httpx.Response:
         """One call; with ``retry``, transport errors, 5xx and 408/425/429 are retried with
         backoff, the server's ``Retry-After`` as a floor (at most :data:`RETRY_AFTER_CAP`).
@@ -361,7 +415,8 @@ class PullWorker:
         lease, and a completion that landed makes its repeat a 409 (lease lost),
         never a second write. A 429 (the key's request rate spent) was not processed:
         a completion refused so is sent again once the server says, instead of being
-        given up while its claim still holds (the browser SDK does the same).
+        given up while its claim still holds (the browser SDK does the same). A status in
+        ``keep`` is answered as it is (a permit's 429: the caller asks again itself).
         """
         attempts = self.retries if retry else 1
         for attempt in range(1, attempts + 1):
@@ -384,7 +439,7 @@ class PullWorker:
                 error.__cause__ = exc
             else:
                 status = response.status_code
-                if status < 500 and status not in RETRYABLE_STATUSES:
+                if status in keep or (status < 500 and status not in RETRYABLE_STATUSES):
                     return response
                 error = TransportError(f"the server answered {status} on {url}")
                 floor = retry_after_seconds(response, RETRY_AFTER_CAP)
@@ -393,6 +448,27 @@ class PullWorker:
             delay = min(2.0, 0.05 * 2 ** (attempt - 1))
             time.sleep(max(floor, delay / 2 + random.uniform(0, delay / 2)))
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _json_or_none(response: httpx.Response) -> dict[str, Any] | None:
+    try:
+        data = response.json()
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def budget_exceeded(body: dict[str, Any]) -> BudgetExceeded:
+    """The :class:`BudgetExceeded` a 402 ``budget_exceeded`` answer stands for."""
+    retry_in = body.get("retry_in")
+    return BudgetExceeded(
+        str(body.get("workspace_id", "")),
+        str(body.get("period", "")),
+        str(body.get("reason") or body.get("detail", "")),
+        on_exceeded="wait" if body.get("on_exceeded") == "wait" else "fail",
+        retry_at=body.get("retry_at") if isinstance(body.get("retry_at"), str) else None,
+        retry_in=float(retry_in) if isinstance(retry_in, int | float) else None,
+    )
 
 
 def _claim_body(claim: PullClaim) -> dict[str, Any]:

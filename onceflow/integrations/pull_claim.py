@@ -75,5 +75,20 @@ class ClaimClient(Protocol):
 
     def claim_events(self, claim: PullClaim) -> ClaimEvents: ...
 
+    def take_permit(
+        self,
+        claim: PullClaim,
+        provider: str,
+        tokens: int,
+        permit_id: str,
+        *,
+        cell_key: str | None = None,
+        wait: float = 0.0,
+    ) -> dict[str, Any]: ...
+
+    def permit_call(
+        self, claim: PullClaim, permit_id: str, action: str, body: dict[str, Any]
+    ) -> dict[str, Any]: ...
+
 
 __all__ = ["ClaimClient", "PullClaim", "Release"]

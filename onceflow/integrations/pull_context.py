@@ -4,7 +4,8 @@
 Every member of the interface a Celery stage's :class:`~onceflow.context.StageContext` has,
 so one body runs under either: ids, input, attempt, the lease's state, ``heartbeat``,
 fenced ``apply_op`` and ``read_sub_doc``, ``then`` and ``compute_once``
-(:mod:`onceflow.integrations.pull_locks`).
+(:mod:`onceflow.integrations.pull_locks`); and ``permit``, a provider permit the server
+holds for the claim (:mod:`onceflow.integrations.pull_permits`).
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from onceflow.context import HeldContext
-from onceflow.integrations import pull_locks
+from onceflow.errors import InvalidRequest
+from onceflow.integrations import pull_locks, pull_permits
 from onceflow.integrations.pull_claim import ClaimClient, PullClaim
 from onceflow.locks import Locked, Outcome
 from onceflow.models.ops import OpModel
 from onceflow.oplog import ApplyResult, SubDoc, new_op_id
+from onceflow.spend import Provider
 
 T = TypeVar("T")
 
@@ -115,8 +118,34 @@ class PullContext(HeldContext):
         ``kw``: ``ttl``, ``watchdog``, ``on_wait`` (see
         :func:`onceflow.integrations.pull_locks.compute_once`, which checks the lease before
         each acquire, ``compute()`` and ``store()``).
+
+        The result cache across jobs (``cache=``) is not offered to pull workers yet: its
+        entries live in the server's database, and no route serves or writes them under a
+        claim. ``cache=`` (or ``result_cache=``) is refused with :class:`InvalidRequest`
+        before anything is asked.
         """
+        offered = [name for name in ("cache", "result_cache") if name in kw]
+        if offered:
+            raise InvalidRequest(
+                f"{offered[0]}=: the result cache is not offered to pull workers yet; "
+                "compute_once here is the claim's compute lock on its own cell"
+            )
         return pull_locks.compute_once(self, task, check, compute, store, wait=wait, **kw)
+
+    def permit(
+        self,
+        provider: str | Provider,
+        tokens: int = 0,
+        *,
+        cell_key: str | None = None,
+        timeout: float = pull_permits.DEFAULT_TIMEOUT,
+    ) -> pull_permits.RemotePermitContext:
+        """A permit of ``provider`` (a declared provider's name) for one call, under the
+        server's shared limits and the workspace's budgets: ``with ctx.permit("openai",
+        tokens=1_500) as permit: …; permit.settle(Usage(…))``. The server holds it for this
+        claim (see :mod:`onceflow.integrations.pull_permits`): ``BudgetExceeded`` when a
+        budget refuses, ``PermitTimeout`` (retryable) when none is granted in ``timeout``."""
+        return pull_permits.permit(self, provider, tokens, cell_key=cell_key, timeout=timeout)
 
     def then(self, stage: str, input: Any = None, *, branch_path: str | None = None) -> None:
         """Hand off to a next stage, enqueued in the same transaction as the completion."""

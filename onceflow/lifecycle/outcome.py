@@ -15,6 +15,11 @@ raised :class:`RetryLater` (delay)     failed, retried after ``delay`` seconds, 
 raised :class:`PermanentError`,        failed, dead at once (no retry)
 :class:`InvalidRequest`,
 :class:`OutOfScope`
+raised :class:`BudgetExceeded`         the stage's ``on_budget``, else the budget's
+                                       ``on_exceeded``: ``fail``: dead at once; ``wait``:
+                                       failed, retried at the next period's start (its
+                                       ``retry_in``, clamped as a RetryLater delay), the
+                                       attempt not counted (``counts_attempt`` False)
 raised :class:`Cancelled`              failed, not retried (the row ends ``cancelled``)
 raised :class:`LeaseLost`              nothing recorded: another worker owns the request
 ran past ``max_runtime``               failed, retried after the backoff whatever
@@ -33,7 +38,13 @@ KeyboardInterrupt)                     wrong; ``interrupted`` tells the runner t
 =====================================  ====================================================
 
 A failed run is dead once its attempts reach the stage's ``max_attempts``: the store
-decides that, on the row, in the failure's own statement.
+decides that, on the row, in the failure's own statement. A budget wait is not a try of
+the body's work: its attempt is given back in that statement (as a claim handed back
+unstarted is), so a stage with few ``max_attempts`` waits for the period to turn instead
+of going dead. A call that could not fit a budget even in an empty period carries no
+``retry_in`` and is dead at once, whatever the stage declares.
+A pull worker's report of a ``BudgetExceeded`` counts as one only when the server refused
+a permit of that claim itself (see :func:`reported`); else it is an ordinary failure.
 
 A run past ``max_runtime`` gets the same row under every runner. The Celery stage task
 records it itself (Celery's soft time limit raises in the body at ``max_runtime``). A
@@ -51,11 +62,12 @@ the retry decision kept.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from onceflow.errors import (
+    BudgetExceeded,
     Cancelled,
     InvalidRequest,
     LeaseLost,
@@ -74,6 +86,18 @@ PERMANENT_TYPES = frozenset({"PermanentError", "InvalidRequest", "OutOfScope", "
 
 Kind = Literal["succeeded", "failed", "lease_lost"]
 
+#: What a stage declares a budget refusal does (``Flow.stage(on_budget=…)``); None: what
+#: the budget itself says (its ``on_exceeded``).
+OnBudget = Literal["fail", "wait"] | None
+ON_BUDGET: Final = ("fail", "wait")
+
+
+def check_on_budget(value: object) -> OnBudget:
+    """A stage's ``on_budget``: ``"fail"``, ``"wait"`` or None; else InvalidRequest."""
+    if value is None or value in ON_BUDGET:
+        return value
+    raise InvalidRequest(f'on_budget must be "fail", "wait" or None, got {value!r}')
+
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
@@ -82,7 +106,8 @@ class Outcome:
     ``kind``: ``succeeded`` (``result``), ``failed`` (``error``, ``retryable``,
     ``retry_in`` — None: the store's backoff), or ``lease_lost`` (record nothing).
     ``interrupted``: the body was stopped by a BaseException, which the runner may re-raise
-    once the failure is recorded.
+    once the failure is recorded. ``counts_attempt`` False: a retry that gives the run's
+    attempt back (a budget wait).
     """
 
     kind: Kind
@@ -91,6 +116,7 @@ class Outcome:
     retryable: bool = False
     retry_in: float | None = None
     interrupted: bool = False
+    counts_attempt: bool = True
 
     @property
     def failed(self) -> bool:
@@ -112,10 +138,12 @@ def failed(error: dict[str, Any], *, retryable: bool, retry_in: float | None = N
     return Outcome("failed", error=error, retryable=retryable, retry_in=retry_in)
 
 
-def decide(exc: BaseException, *, retry_on: RetryOn = None, max_delay: float) -> Outcome:
+def decide(
+    exc: BaseException, *, retry_on: RetryOn = None, max_delay: float, on_budget: OnBudget = None
+) -> Outcome:
     """The outcome of a body that raised ``exc`` (the table above).
 
-    ``retry_on``: the stage's. ``max_delay``: the longest retry delay
+    ``retry_on`` and ``on_budget``: the stage's. ``max_delay``: the longest retry delay
     (``ONCEFLOW_BACKOFF_MAX_SECONDS``), the clamp of a :class:`RetryLater` delay.
     """
     if isinstance(exc, LeaseLost):
@@ -127,6 +155,8 @@ def decide(exc: BaseException, *, retry_on: RetryOn = None, max_delay: float) ->
         reason = storable_text(str(exc.reason), MESSAGE_CHARS)
         error = {"type": "RetryLater", "message": reason, "delay": delay}
         return failed(error, retryable=True, retry_in=delay)
+    if isinstance(exc, BudgetExceeded):
+        return budget_refused(exc, on_budget, max_delay)
     if isinstance(exc, MaxRuntimeExceeded):  # retry_on has no say: an overrun is retried
         return failed(error_payload(exc), retryable=True)
     if isinstance(exc, PermanentError | InvalidRequest):  # OutOfScope is a PermanentError
@@ -134,6 +164,33 @@ def decide(exc: BaseException, *, retry_on: RetryOn = None, max_delay: float) ->
     if not isinstance(exc, Exception):  # SystemExit, KeyboardInterrupt, CancelledError…
         return replace(failed(error_payload(exc), retryable=True), interrupted=True)
     return failed(error_payload(exc), retryable=is_retryable(exc, retry_on))
+
+
+def budget_refused(exc: BudgetExceeded, on_budget: OnBudget, max_delay: float) -> Outcome:
+    """A budget refused the stage's call: ``wait`` (the stage's choice, else the budget's):
+    retried at the next period's start, the attempt given back; ``fail``: dead at once.
+    The error names the budget's own choice and when its period turns, as a pull worker
+    reports it (:func:`reported`)."""
+    error = {
+        **error_payload(exc),
+        "on_exceeded": exc.on_exceeded,
+        "retry_at": exc.retry_at,
+        "retry_in": exc.retry_in,
+    }
+    choice = exc.on_exceeded if on_budget is None else on_budget
+    return budget_outcome(error, choice, exc.retry_in, max_delay)
+
+
+def budget_outcome(
+    error: dict[str, Any], choice: object, retry_in: object, max_delay: float
+) -> Outcome:
+    """A budget's refusal, ``choice`` made (the stage's ``on_budget``, else the budget's
+    ``on_exceeded``): a ``wait`` with a period to wait for (``retry_in``) is retried then,
+    clamped as a RetryLater delay, its attempt given back; anything else is dead at once."""
+    due = clamp_delay(retry_in, max_delay) if choice == "wait" else None
+    if due is None:
+        return failed(error, retryable=False)
+    return replace(failed(error, retryable=True, retry_in=due), counts_attempt=False)
 
 
 def is_retryable(exc: BaseException, retry_on: RetryOn) -> bool:
@@ -164,16 +221,35 @@ def clamp_delay(delay: object, most: float) -> float | None:
     return float(min(delay, most))
 
 
-def reported(error: Any, *, retryable: bool, retry_in: float | None, max_delay: float) -> Outcome:
+def reported(
+    error: Any,
+    *,
+    retryable: bool,
+    retry_in: float | None,
+    max_delay: float,
+    on_budget: OnBudget = None,
+    refusal: Mapping[str, Any] | None = None,
+) -> Outcome:
     """The outcome of a failure a pull worker reports over HTTP (the ``fail`` route).
 
     The same table, read from the report: an error whose ``type`` is a permanent one is
     never retried; a ``RetryLater`` error without ``retry_in`` is retried after its
-    ``delay`` (clamped). A client that sent no ``type`` keeps its own ``retryable``.
+    ``delay`` (clamped); a ``BudgetExceeded`` error is a budget's refusal only when the
+    server answered the claim's permit with one (``refusal``: its ``on_exceeded``,
+    ``retry_at`` and ``retry_in``, written over the report's): it then does what the
+    stage's ``on_budget`` says, else what the budget's ``on_exceeded`` says, as
+    :func:`decide` does — a wait is retried after the refusal's ``retry_in`` (clamped),
+    its attempt given back; a fail (or no choice said) is dead at once. Without a
+    ``refusal`` it is an ordinary failure, its attempt counted: a worker's word alone
+    gives no attempt back. A client that sent no ``type`` keeps its own ``retryable``.
     """
     kind = error.get("type") if isinstance(error, dict) else None
     if kind in PERMANENT_TYPES:
         return Outcome("failed", error=error, retryable=False, retry_in=None)
+    if kind == "BudgetExceeded" and isinstance(error, dict) and refusal is not None:
+        error = {**error, **{k: refusal.get(k) for k in ("on_exceeded", "retry_at", "retry_in")}}
+        choice = error["on_exceeded"] if on_budget is None else on_budget
+        return budget_outcome(error, choice, error["retry_in"], max_delay)
     if kind == "RetryLater" and retry_in is None and isinstance(error, dict):
         retry_in = clamp_delay(error.get("delay"), max_delay)
         error = {**error, "delay": retry_in}
@@ -192,10 +268,15 @@ def brief_error(error: Any, refusal: BaseException) -> dict[str, Any]:
 
 
 __all__ = [
+    "ON_BUDGET",
     "PERMANENT_TYPES",
+    "OnBudget",
     "Outcome",
     "RetryOn",
     "brief_error",
+    "budget_outcome",
+    "budget_refused",
+    "check_on_budget",
     "clamp_delay",
     "decide",
     "failed",

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from typing import Any
 
 from onceflow.context import StageContext
@@ -71,8 +72,9 @@ def _fail(
     try:
         with turn():
             row: Request = queue.fail(
-                claim, outcome.error, retryable=outcome.retryable, retry_in=outcome.retry_in
-            )
+                claim, outcome.error, retryable=outcome.retryable, retry_in=outcome.retry_in,
+                count_attempt=outcome.counts_attempt,
+            )  # fmt: skip
     except LeaseLost:
         return {"outcome": "lease_lost"}
     except InvalidRequest as exc:
@@ -82,9 +84,7 @@ def _fail(
         # recorded all the same, with what can be — never left for the lease to lapse, which
         # would run the body again.
         log.error("request %s: the stage's error cannot be stored (%s)", claim.request_id, exc)
-        short = failed(
-            brief_error(outcome.error, exc), retryable=outcome.retryable, retry_in=outcome.retry_in
-        )
+        short = replace(outcome, error=brief_error(outcome.error, exc))
         return _fail(queue, ctx, short, turn, brief=True)
     except OnceflowError as exc:
         # Retried for as long as the lease could hold; the sweeper rescues the row.
@@ -142,7 +142,9 @@ def _record_one(queue: Queue, ctx: StageContext, outcome: Outcome, turn: Turn) -
 
 
 def _failure(ctx: StageContext, outcome: Outcome) -> Failure:
-    return Failure(ctx.claim, outcome.error, outcome.retryable, outcome.retry_in)
+    return Failure(
+        ctx.claim, outcome.error, outcome.retryable, outcome.retry_in, outcome.counts_attempt
+    )
 
 
 def _batch(

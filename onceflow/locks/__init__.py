@@ -22,7 +22,8 @@ from onceflow.locks.base import (
     Subscription,
 )
 from onceflow.locks.counters import COUNTER_NAMES, Counters, calls_saved
-from onceflow.locks.protocol import Locked, Outcome, Path, compute_once, get_backend
+from onceflow.locks.once import compute_once
+from onceflow.locks.protocol import Locked, Outcome, Path, get_backend
 from onceflow.locks.redis_async import AsyncRedisLockBackend
 from onceflow.locks.redis_lock import RedisLockBackend, redis_client
 from onceflow.locks.sql_lock import SqlLockBackend

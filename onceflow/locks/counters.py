@@ -9,8 +9,8 @@ hit costs zero Redis round trips; :meth:`LockBackend.flush_counters` sends them
 explicitly. The SQL backend keeps the process-local totals only.
 
 "Calls saved" (:func:`calls_saved`) is the headline figure: pre-flight hits,
-double-check hits, and waits served by a broadcast or by the re-check after
-subscribing — each one a third-party call that was not made.
+double-check hits, waits served by a broadcast or by the re-check after
+subscribing, and result-cache hits — each one a third-party call that was not made.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ LOCKS_LOST: Final = "locks_lost"
 DUPLICATE_COMPUTES_DETECTED: Final = "duplicate_computes_detected"
 #: ``store()`` attempts repeated after a retryable error (e.g. a lost database connection).
 STORE_RETRIES: Final = "store_retries"
+#: Calls served from the result cache (``compute_once(..., cache=...)``): no lock, no call.
+CACHE_HITS: Final = "cache_hits"
 
 #: Every counter, in the order snapshots list them.
 COUNTER_NAMES: Final[tuple[str, ...]] = (
@@ -53,6 +55,7 @@ COUNTER_NAMES: Final[tuple[str, ...]] = (
     LOCKS_LOST,
     DUPLICATE_COMPUTES_DETECTED,
     STORE_RETRIES,
+    CACHE_HITS,
 )
 
 _SAVED: Final = (
@@ -60,6 +63,7 @@ _SAVED: Final = (
     DOUBLE_CHECK_HITS,
     WAITS_SERVED_BY_BROADCAST,
     WAITS_SERVED_BY_RECHECK,
+    CACHE_HITS,
 )
 
 Pending = dict[str, dict[str, int]]
@@ -71,7 +75,7 @@ def empty() -> dict[str, int]:
 
 
 def calls_saved(snapshot: Mapping[str, int]) -> int:
-    """Third-party calls not made: pre-flight and double-check hits, and served waits."""
+    """Third-party calls not made: pre-flight and double-check hits, served waits, cache hits."""
     return sum(snapshot.get(name, 0) for name in _SAVED)
 
 

@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Generic, Literal, TypeAlias, TypeVar, overload
+from typing import Any, Generic, Literal, TypeAlias, TypeVar
 
 from onceflow.errors import InvalidRequest, LockUnavailable
 from onceflow.keys import lock_key
@@ -77,7 +77,7 @@ from onceflow.locks.counters import (
     WAITS_SERVED_BY_BROADCAST,
     WAITS_SERVED_BY_RECHECK,
 )
-from onceflow.locks.steps import Call, Sleep, Steps, run_sync
+from onceflow.locks.steps import Call, Sleep, Steps
 from onceflow.metrics import record as metrics
 from onceflow.settings import Settings, get_settings
 
@@ -105,6 +105,8 @@ class Path(StrEnum):
     COMPUTED = "computed"
     WAITED = "waited"
     LOCK_LOST = "lock_lost"
+    #: Served from the result cache (``cache=``): no lock, no call.
+    CACHE_HIT = "cache_hit"
 
 
 @dataclass(frozen=True)
@@ -136,68 +138,6 @@ class Locked:
     locked: Literal[True] = True
 
 
-# compute_once's overloads (alike by shape): one signature per ``wait`` literal, as typing needs.
-@overload
-def compute_once(
-    workspace_id: str,
-    job_id: str,
-    task: str,
-    *,
-    check: Callable[[], T | None],
-    compute: Callable[[], T],
-    store: Callable[[T], object],
-    wait: Literal[True] = True,
-    ttl: float | None = None,
-    watchdog: bool | None = None,
-    backend: LockBackend | None = None,
-    on_wait: Callable[[], object] | None = None,
-) -> Outcome[T]: ...
-@overload
-def compute_once(
-    workspace_id: str,
-    job_id: str,
-    task: str,
-    *,
-    check: Callable[[], T | None],
-    compute: Callable[[], T],
-    store: Callable[[T], object],
-    wait: bool,
-    ttl: float | None = None,
-    watchdog: bool | None = None,
-    backend: LockBackend | None = None,
-    on_wait: Callable[[], object] | None = None,
-) -> Outcome[T] | Locked: ...
-def compute_once(
-    workspace_id: str,
-    job_id: str,
-    task: str,
-    *,
-    check: Callable[[], T | None],
-    compute: Callable[[], T],
-    store: Callable[[T], object],
-    wait: bool = True,
-    ttl: float | None = None,
-    watchdog: bool | None = None,
-    backend: LockBackend | None = None,
-    on_wait: Callable[[], object] | None = None,
-) -> Outcome[T] | Locked:
-    """Get the cell's value, paying for ``compute()`` at most once across every caller.
-
-    ``ttl`` (seconds) and ``watchdog`` (extend every ttl/3 while computing)
-    default to the settings; ``backend`` to :func:`get_backend`. ``on_wait`` is
-    called each time this caller starts waiting for the holder (e.g. to show
-    "someone else is on it"). Raises :class:`LockUnavailable` when the backend
-    is down, unless ``lock_unavailable="compute"``. The asyncio twin is
-    :func:`onceflow.locks.acompute_once`; both run :func:`protocol_steps`.
-    """
-    return run_sync(
-        protocol_steps(
-            workspace_id, job_id, task, check, compute, store, wait, ttl, watchdog,
-            backend, get_backend, on_wait,
-        )
-    )  # fmt: skip
-
-
 def protocol_steps(
     workspace_id: str,
     job_id: str,
@@ -211,46 +151,51 @@ def protocol_steps(
     backend: AnyBackend | None,
     default_backend: Callable[[], AnyBackend],
     on_wait: Callable[[], object] | None,
+    counted_in: str | None = None,
 ) -> Steps[Outcome[Any] | Locked]:
     """The protocol as steps, for either driver (:mod:`onceflow.locks.steps`).
 
     ``backend`` is a :class:`LockBackend` for :func:`~onceflow.locks.steps.run_sync`
     or an :class:`~onceflow.locks.base.AsyncLockBackend` for
     :func:`~onceflow.locks.steps.run_async`; the protocol only reads its
-    ``counters`` and ``settings`` itself and yields every other call.
+    ``counters`` and ``settings`` itself and yields every other call. ``counted_in``:
+    the workspace whose counters the outcomes go to (the cell's by default; a global
+    result-cache key's cell belongs to no workspace, its callers' do).
     """
     lock_key(workspace_id, job_id, task)  # bad ids (and a bad ttl) fail before any call
     if ttl is not None:
         ttl_to_ms(ttl)
     value = yield Call(check)
     be = backend if backend is not None else default_backend()
+    cw = workspace_id if counted_in is None else counted_in
     if value is not None:
-        be.counters.incr(workspace_id, PREFLIGHT_HITS)  # sent later: zero round trips now
+        be.counters.incr(cw, PREFLIGHT_HITS)  # sent later: zero round trips now
         return Outcome(value, Path.PREFLIGHT)
     settings = be.settings
     use_watchdog = settings.lock_watchdog if watchdog is None else watchdog
+    cell = (workspace_id, job_id, task)
     try:
-        got = yield from _acquire_or_wait(be, workspace_id, job_id, task, check, wait, ttl, on_wait)
+        got = yield from _acquire_or_wait(be, cell, cw, check, wait, ttl, on_wait)
     except LockUnavailable:
         if settings.lock_unavailable != "compute":
             raise
-        return (yield from _compute_unlocked(be, workspace_id, check, compute, store))
+        return (yield from _compute_unlocked(be, cw, check, compute, store))
     if isinstance(got, tuple):
         handle, rounds = got
-        return (yield from _lead(be, handle, check, compute, store, use_watchdog, rounds))
+        return (yield from _lead(be, handle, cw, check, compute, store, use_watchdog, rounds))
     return got
 
 
 def _acquire_or_wait(
     be: AnyBackend,
-    workspace_id: str,
-    job_id: str,
-    task: str,
+    cell: tuple[str, str, str],
+    cw: str,
     check: Callable[[], Any],
     wait: bool,
     ttl: float | None,
     on_wait: Callable[[], object] | None,
 ) -> Steps[tuple[AnyHandle, int] | Outcome[Any] | Locked]:
+    workspace_id, job_id, task = cell
     sub: Any = None
     waiting_since = 0.0
     rounds = 0
@@ -267,7 +212,7 @@ def _acquire_or_wait(
                 sub = yield Call(be.subscribe, workspace_id)  # subscribe first, then re-check
                 value = yield Call(check)
                 if value is not None:
-                    served = _served(be, workspace_id, value, "recheck", waiting_since, rounds)
+                    served = _served(be, cw, value, "recheck", waiting_since, rounds)
                     return (yield from served)
             remaining = yield Call(be.remaining_ms, workspace_id, job_id, task)
             if not remaining:
@@ -278,14 +223,14 @@ def _acquire_or_wait(
                 sub, remaining / 1000 + WAIT_MARGIN_SECONDS, check, job_id, task
             )
             if value is not None:
-                served = _served(be, workspace_id, value, "broadcast", waiting_since, rounds)
+                served = _served(be, cw, value, "broadcast", waiting_since, rounds)
                 return (yield from served)
             if verdict == "ended":  # the server ended the subscription: a new one, re-checked
                 yield Call(sub.close)
                 sub = None
                 continue
             if verdict == "timeout":
-                be.counters.incr(workspace_id, WAIT_TIMEOUTS)
+                be.counters.incr(cw, WAIT_TIMEOUTS)
             # Timed out (the holder may have died) or released without a value: run again.
     finally:
         if sub is not None:
@@ -329,13 +274,13 @@ def _served(
 def _lead(
     be: AnyBackend,
     handle: AnyHandle,
+    ws: str,
     check: Callable[[], Any],
     compute: Callable[[], Any],
     store: Callable[[Any], Any],
     watchdog: bool,
     rounds: int,
 ) -> Steps[Outcome[Any]]:
-    ws = handle.workspace_id
     ok = False
     try:
         if watchdog:
@@ -346,7 +291,7 @@ def _lead(
             outcome = Outcome(value, Path.DOUBLE_CHECK, rounds=rounds)
         else:
             value = yield from _counted_compute(be, ws, compute)
-            outcome = yield from _store(be, handle, check, store, value)
+            outcome = yield from _store(be, handle, ws, check, store, value)
             outcome = dataclasses.replace(outcome, rounds=rounds)
         ok = True
     finally:
@@ -372,11 +317,11 @@ def _counted_compute(be: AnyBackend, workspace_id: str, compute: Callable[[], An
 def _store(
     be: AnyBackend,
     handle: AnyHandle,
+    ws: str,
     check: Callable[[], Any],
     store: Callable[[Any], Any],
     value: Any,
 ) -> Steps[Outcome[Any]]:
-    ws = handle.workspace_id
     # The lock is ours for one TTL from here even without a watchdog: the store's retry window.
     deadline = time.monotonic() + handle.ttl_ms / 1000
     try:
@@ -390,7 +335,7 @@ def _store(
             be.counters.incr(ws, DUPLICATE_COMPUTES_DETECTED)
             return Outcome(existing, Path.LOCK_LOST, duplicate=True)
     path = Path.COMPUTED if held else Path.LOCK_LOST
-    if (yield from _store_retrying(be, ws, store, value, deadline)) is False:
+    if (yield from store_retrying(be, ws, store, value, deadline)) is False:
         # the store kept an earlier value (first writer wins)
         be.counters.incr(ws, DUPLICATE_COMPUTES_DETECTED)
         existing = yield Call(check)
@@ -398,7 +343,7 @@ def _store(
     return Outcome(value, path)
 
 
-def _store_retrying(
+def store_retrying(
     be: AnyBackend,
     workspace_id: str,
     store: Callable[[Any], Any],
@@ -464,7 +409,7 @@ def _compute_unlocked(
     be.counters.incr(workspace_id, COMPUTES_WITHOUT_LOCK)
     value = yield from _counted_compute(be, workspace_id, compute)
     deadline = time.monotonic() + be.settings.lock_ttl_seconds  # no lock: the default TTL
-    duplicate = (yield from _store_retrying(be, workspace_id, store, value, deadline)) is False
+    duplicate = (yield from store_retrying(be, workspace_id, store, value, deadline)) is False
     if duplicate:
         be.counters.incr(workspace_id, DUPLICATE_COMPUTES_DETECTED)
         existing = yield Call(check)

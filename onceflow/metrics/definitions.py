@@ -62,7 +62,10 @@ LOCK_OUTCOMES: Final = (
     "preflight_hits", "double_check_hits", "waits_served_by_broadcast",
     "waits_served_by_recheck", "wait_timeouts", "computes", "computes_without_lock",
     "compute_errors", "locks_lost", "duplicate_computes_detected", "store_retries",
+    "cache_hits",
 )  # fmt: skip
+#: What the result cache did with an entry (onceflow.cache.store).
+RESULT_CACHE_OUTCOMES: Final = ("hit", "miss", "stored", "invalidated")
 #: Live statuses counted from the partial indexes at scrape time.
 LIVE_STATUSES: Final = ("queued", "scheduled", "running", "dead")
 
@@ -132,7 +135,8 @@ def provider_calls_saved() -> Counter:
         "provider_calls_saved",
         lambda: Counter(
             "onceflow_provider_calls_saved",
-            "Third-party calls not made: pre-flight and double-check hits, and served waits.",
+            "Third-party calls not made: pre-flight and double-check hits, served waits, "
+            "and result-cache hits.",
         ),
     )
 
@@ -149,10 +153,23 @@ def compute_lock_wait() -> Histogram:
     )
 
 
+def result_cache_saved_cost() -> Counter:
+    """``onceflow_result_cache_saved_cost_total`` (unlabelled: created on first use)."""
+    return _once(
+        "result_cache_saved_cost",
+        lambda: Counter(
+            "onceflow_result_cache_saved_cost",
+            "What the calls that result-cache hits spared cost when they were made (hits "
+            "of entries whose cost is known).",
+        ),
+    )
+
+
 if not getattr(values.ValueClass, "_multiprocess", False):
     # Single-process mode touches no file: create them now, so they are exposed at 0.
     provider_calls_saved()
     compute_lock_wait()
+    result_cache_saved_cost()
 
 OPS = Counter(
     "onceflow_ops",
@@ -165,6 +182,28 @@ STAGES_IN_PROGRESS = Gauge(
     "Stage bodies running now (summed over live processes).",
     ["worker_class"],
     multiprocess_mode="livesum",
+)
+#: Token directions of onceflow_provider_tokens_total.
+TOKEN_DIRECTIONS: Final = ("input", "output")
+# Spend per provider, recorded at each settled call; no workspace label (one series per
+# workspace would be unbounded): spend by workspace is read from the ledger.
+PROVIDER_TOKENS = Counter(
+    "onceflow_provider_tokens",
+    "Tokens used by settled provider calls, by provider and direction (input, output).",
+    ["provider", "direction"],
+)
+RESULT_CACHE = Counter(
+    "onceflow_result_cache",
+    "Result-cache lookups and writes, by outcome: hit (served from an entry, no call), miss "
+    "(no live entry), stored (an entry written), invalidated (an entry deleted).",
+    ["outcome"],
+)
+
+
+PROVIDER_COST = Counter(
+    "onceflow_provider_cost",
+    "Cost of settled provider calls (in the providers' price currency), by provider.",
+    ["provider"],
 )
 HTTP_REQUESTS = Counter(
     "onceflow_http_requests",
@@ -208,6 +247,10 @@ METRIC_NAMES: frozenset[str] = frozenset(
         "onceflow_provider_calls_saved_total",
         "onceflow_compute_lock_wait_seconds",
         "onceflow_ops_total",
+        "onceflow_provider_tokens_total",
+        "onceflow_provider_cost_total",
+        "onceflow_result_cache_total",
+        "onceflow_result_cache_saved_cost_total",
         "onceflow_stages_in_progress",
         "onceflow_http_requests_total",
         "onceflow_http_request_duration_seconds",

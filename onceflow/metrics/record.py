@@ -182,7 +182,13 @@ def wakeup(worker_class: str, kind: str) -> None:
 
 
 _SAVED = frozenset(
-    ("preflight_hits", "double_check_hits", "waits_served_by_broadcast", "waits_served_by_recheck")
+    (
+        "preflight_hits",
+        "double_check_hits",
+        "waits_served_by_broadcast",
+        "waits_served_by_recheck",
+        "cache_hits",
+    )
 )
 
 
@@ -202,6 +208,23 @@ def lock_wait(seconds: float) -> None:
 @_safe
 def op(outcome: str) -> None:
     _child(d.OPS, outcome).inc()
+
+
+@_safe
+def provider_spend(provider: str, input_tokens: int, output_tokens: int, cost: Any) -> None:
+    """A settled provider call: its tokens by direction, and its cost when known."""
+    _child(d.PROVIDER_TOKENS, provider, "input").inc(input_tokens)
+    _child(d.PROVIDER_TOKENS, provider, "output").inc(output_tokens)
+    if cost is not None:
+        _child(d.PROVIDER_COST, provider).inc(float(cost))
+
+
+@_safe
+def result_cache(outcome: str, saved_cost: Any = None) -> None:
+    """A result-cache outcome; a hit of an entry whose cost is known adds it to the saved cost."""
+    _child(d.RESULT_CACHE, outcome).inc()
+    if saved_cost is not None:
+        d.result_cache_saved_cost().inc(float(saved_cost))
 
 
 @_safe

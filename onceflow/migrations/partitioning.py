@@ -36,6 +36,10 @@ WORKSPACE_TABLES = (
     "compute_locks",
     "workspace_sub_docs",
     "workspace_sub_doc_ops",
+    "spend_ledger",
+    "spend_budgets",
+    "spend_reservations",
+    "result_cache",
 )
 #: The config attribute :func:`onceflow.migrate.migrate` passes the resolved layout in.
 ATTRIBUTE = "onceflow_partitions"

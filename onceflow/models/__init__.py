@@ -1,5 +1,6 @@
 """Tables and the typed values of onceflow (imports none of the other sub-packages)."""
 
+from onceflow.models.cache import result_cache, result_cache_global
 from onceflow.models.locks import compute_locks as compute_locks
 from onceflow.models.requests import (
     Claim,
@@ -13,6 +14,7 @@ from onceflow.models.requests import (
     SweepResult,
 )
 from onceflow.models.scopes import WorkspaceScope
+from onceflow.models.spend import spend_budgets, spend_ledger, spend_reservations
 from onceflow.models.status import Status, parse_status
 from onceflow.models.subdocs import workspace_sub_doc_ops, workspace_sub_docs
 from onceflow.models.tables import metadata, workspace_process_requests
@@ -31,6 +33,11 @@ __all__ = [
     "WorkspaceScope",
     "metadata",
     "parse_status",
+    "result_cache",
+    "result_cache_global",
+    "spend_budgets",
+    "spend_ledger",
+    "spend_reservations",
     "workspace_process_requests",
     "workspace_sub_doc_ops",
     "workspace_sub_docs",

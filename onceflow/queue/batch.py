@@ -61,6 +61,7 @@ class Failure(NamedTuple):
     error: JSON | BaseException
     retryable: bool = True
     retry_in: float | None = None
+    count_attempt: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +163,8 @@ class BatchOps:
 
         Per row: cancelled if cancel was requested, else queued again after
         ``retry_in`` (default: ``backoff(attempt)``) if ``retryable`` with attempts
-        left, else dead; the error is kept. Rows requeued already due send a NOTIFY
+        left (or its attempt not counted: ``count_attempt`` False), else dead; the error
+        is kept. Rows requeued already due send a NOTIFY
         (``settings.notify``). Bad input raises :class:`InvalidRequest`, nothing written.
         """
         failures = _as_list(items, "fail_many")
@@ -170,13 +172,14 @@ class BatchOps:
         errors: list[str] = []
         retryables: list[bool] = []
         delays: list[float] = []
+        uncounted: list[bool] = []
         for item in failures:
             if not isinstance(item, Failure):
                 raise InvalidRequest(f"fail_many takes Failure items, got {type(item).__name__}")
             claim = _check_claim(item.claim)
             text = self._error_text(item.error)
-            if not isinstance(item.retryable, bool):
-                raise InvalidRequest("retryable must be a bool")
+            if not isinstance(item.retryable, bool) or not isinstance(item.count_attempt, bool):
+                raise InvalidRequest("retryable and count_attempt must be bools")
             if item.retry_in is None:
                 delay = self.backoff(claim.attempt)
             else:
@@ -185,6 +188,7 @@ class BatchOps:
             errors.append(text)
             retryables.append(item.retryable)
             delays.append(delay)
+            uncounted.append(not item.count_attempt)
         keys = yield from _prologue(
             failures, claims, lambda part: BatchOps.fail_many.steps(self, part, now=now)
         )
@@ -192,6 +196,7 @@ class BatchOps:
             return keys
         params = {
             **keys, "errors": errors, "retryables": retryables, "delays": delays,
+            "uncounted": uncounted,
             "notify": self._notify(), "now": now,
         }  # fmt: skip
         targets = (Status.QUEUED, Status.DEAD, Status.CANCELLED)

@@ -508,23 +508,27 @@ class ClaimOps:
         *,
         retryable: bool = True,
         retry_in: float | None = None,
+        count_attempt: bool = True,
         now: datetime | None = None,
     ) -> Steps[Request]:
         """Record a failed run (fenced): queued again after a backoff, or dead; error kept.
 
         The backoff (unless ``retry_in`` is given) is :meth:`backoff` of the row's attempt
-        number, computed in the fenced statement. Retried on a fresh connection through a
-        database blip, like :meth:`hand_off`.
+        number, computed in the fenced statement. ``count_attempt=False`` (a budget wait:
+        the body's work was not tried) gives the run's attempt back when the row is queued
+        again, so it is queued again even at ``max_attempts``. Retried on a fresh
+        connection through a database blip, like :meth:`hand_off`.
         """
         _check_ref(claim)
-        if not isinstance(retryable, bool):  # as fail_many: "no" is not a False
-            raise InvalidRequest("retryable must be a bool")
+        for name, flag in (("retryable", retryable), ("count_attempt", count_attempt)):
+            if not isinstance(flag, bool):  # as fail_many: "no" is not a False
+                raise InvalidRequest(f"{name} must be a bool")
         text = _error_text(self.settings, error)
         delay = None if retry_in is None else _seconds("retry_in", retry_in)
         params = {
             **fence_key(claim), "token": claim.token, "error": text,
             **fence_scopes(claim),
-            "retryable": retryable, "delay": delay, "now": now,
+            "retryable": retryable, "uncounted": not count_attempt, "delay": delay, "now": now,
             "backoff_base": float(self.settings.backoff_base_seconds),
             "backoff_max": float(self.settings.backoff_max_seconds),
             "notify": self.settings.notify,

@@ -505,9 +505,10 @@ def _backoff(attempts: str) -> str:
 
 
 # The next status of a failed run: cancelled if cancel was requested, queued again if
-# retryable with attempts left, else dead. The error is always kept. Queued again after
-# :delay seconds, or (NULL) after the backoff of the row's attempt number: exponential from
-# :backoff_base, capped at :backoff_max, with equal jitter (as Queue.backoff).
+# retryable with attempts left (or its attempt given back: :uncounted), else dead. The
+# error is always kept. Queued again after :delay seconds, or (NULL) after the backoff of
+# the row's attempt number: exponential from :backoff_base, capped at :backoff_max, with
+# equal jitter (as Queue.backoff).
 @_by_key("queue.fail")
 def FAIL(ws: str) -> str:
     return f"""
@@ -515,7 +516,8 @@ WITH n AS ({_NOW}),
 nxt AS (
     SELECT CASE
         WHEN w.cancel_requested THEN 'cancelled'
-        WHEN :retryable AND w.attempts < w.max_attempts THEN 'queued'
+        WHEN :retryable AND (w.attempts < w.max_attempts OR CAST(:uncounted AS boolean))
+            THEN 'queued'
         ELSE 'dead'
     END AS status,
     {_backoff("w.attempts")}
@@ -526,6 +528,9 @@ nxt AS (
 upd AS (
 UPDATE {TABLE} AS w SET
     status = nxt.status,
+    -- A retry that gives its attempt back (a budget wait), as RELEASE does.
+    attempts = w.attempts - CASE WHEN CAST(:uncounted AS boolean) AND nxt.status = 'queued'
+                                 THEN 1 ELSE 0 END,
     run_after = CASE WHEN nxt.status = 'queued'
                      THEN n.now + make_interval(secs => coalesce(CAST(:delay AS float8),
                                                 nxt.backoff / 2 + random() * nxt.backoff / 2))
@@ -1021,17 +1026,18 @@ RETURNING w.workspace_id, w.request_id, {_RUN_RETURNING}
 # complete_many takes Claims only, which hold the claimed rows: like COMPLETE_CHANGED, it
 # reads back the key and what a run changes (RUN_COLUMNS), not the input again.
 
-# FAIL's next-status rule, per row (:retryables[i], :delays[i]).
+# FAIL's next-status rule, per row (:retryables[i], :delays[i], :uncounted[i]).
 _FAIL_NEXT = """CASE
         WHEN w.cancel_requested THEN 'cancelled'
-        WHEN i.retryable AND w.attempts < w.max_attempts THEN 'queued'
+        WHEN i.retryable AND (w.attempts < w.max_attempts OR i.uncounted) THEN 'queued'
         ELSE 'dead'
     END"""
 
 _FAIL_ROWS = _batch_rows(
     " CAST(:errors AS jsonb[]),"
-    "\n        CAST(:retryables AS boolean[]), CAST(:delays AS float8[]),",
-    "error, retryable, delay, ",
+    "\n        CAST(:retryables AS boolean[]), CAST(:delays AS float8[]),"
+    " CAST(:uncounted AS boolean[]),",
+    "error, retryable, delay, uncounted, ",
 )
 FAIL_MANY = Statement.write(
     "queue.fail_many",
@@ -1041,6 +1047,8 @@ WITH n AS ({_NOW}),
 upd AS (
     UPDATE {TABLE} AS w SET
         status = {_FAIL_NEXT},
+        attempts = w.attempts - CASE WHEN i.uncounted AND {_FAIL_NEXT} = 'queued'
+                                     THEN 1 ELSE 0 END,
         run_after = CASE WHEN {_FAIL_NEXT} = 'queued'
                          THEN n.now + make_interval(secs => i.delay) ELSE w.run_after END,
         error = i.error,

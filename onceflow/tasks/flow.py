@@ -51,6 +51,7 @@ from onceflow.errors import (
 )
 from onceflow.ids import check_id, check_worker_class, random_request_id
 from onceflow.keys import queue_name
+from onceflow.lifecycle.outcome import OnBudget, check_on_budget
 from onceflow.metrics import record as metrics
 from onceflow.models.requests import Dispatch, EnqueueResult, NewRequest, Request, SweepResult
 from onceflow.models.sub_doc_scope import SubDocScope
@@ -58,6 +59,7 @@ from onceflow.payloads import check_json
 from onceflow.queue import Queue
 from onceflow.settings import Settings, get_settings
 from onceflow.shards import each_shard
+from onceflow.spend.defaults import install_ledger
 from onceflow.tasks import metrics_hooks as _metrics_hooks  # noqa: F401 - connects signals
 from onceflow.tasks import worker_process as _worker_process  # noqa: F401 - connects signals
 from onceflow.tasks.broker import harden
@@ -165,7 +167,8 @@ class Flow:
 
     @property
     def queue(self) -> Queue:
-        """This process's :class:`Queue` (rebuilt after a fork)."""
+        """This process's :class:`Queue` (rebuilt after a fork). Building it installs the
+        spend ledger's default hooks (:func:`onceflow.spend.defaults.install_ledger`)."""
         pid = os.getpid()
         current = self._queue
         if current is None or current[0] != pid:
@@ -174,6 +177,9 @@ class Flow:
                 if current is None or current[0] != pid:
                     current = (pid, Queue(settings=self.settings, resolver=self.resolve))
                     self._queue = current
+                    # This process runs stages or serves their API: its providers record
+                    # to the spend ledger (ONCEFLOW_SPEND_LEDGER).
+                    install_ledger(self.settings)
         return current[1]
 
     def _queue_lock(self) -> threading.Lock:
@@ -214,6 +220,7 @@ class Flow:
         alternate_worker_classes: tuple[str, ...] = (),
         sub_docs: tuple[str, ...] | None = None,
         hands_off_to: tuple[str, ...] | None = None,
+        on_budget: OnBudget = None,
     ) -> Callable[[F], F]:
         """Declare a stage; the decorated function is its body: ``body(ctx, input) -> JSON``.
 
@@ -235,9 +242,16 @@ class Flow:
         completion of this stage may hand off to; undeclared, a pull worker's completion
         (HTTP) may hand off to none. The HTTP claim routes hold every pull worker to both;
         a stage body run here (``ctx``) is held to what is declared.
+
+        ``on_budget`` says what a run does when a workspace's budget refuses one of its
+        provider calls (``BudgetExceeded``, from ``ctx.permit`` or any permit it takes):
+        ``"fail"`` — dead at once; ``"wait"`` — retried when the budget's period turns,
+        the attempt not counted; None (the default) — what the budget's ``on_exceeded``
+        says.
         """
         check_id("stage", name)
         check_worker_class(worker_class)
+        budget_choice = check_on_budget(on_budget)
         if isinstance(alternate_worker_classes, str):
             raise InvalidRequest("alternate_worker_classes must be a tuple of worker classes")
         alternates = tuple(
@@ -279,6 +293,7 @@ class Flow:
                 sub_docs=scope,
                 sub_docs_declared=sub_docs is not None,
                 hands_off_to=targets,
+                on_budget=budget_choice,
             )
             self.stages[name] = spec
             self.app.task(

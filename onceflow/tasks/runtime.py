@@ -239,7 +239,10 @@ def run_claimed(
         try:
             ran = succeeded(_run_body(spec, ctx, claim))
         except BaseException as exc:  # also SystemExit, KeyboardInterrupt: recorded, re-raised
-            ran = decide(_as_overrun(exc), retry_on=is_retryable, max_delay=_max_delay(queue))
+            ran = decide(
+                _as_overrun(exc), retry_on=is_retryable, max_delay=_max_delay(queue),
+                on_budget=spec.on_budget,
+            )  # fmt: skip
             if isinstance(exc, Exception) and not isinstance(exc, _EXPECTED):
                 log.exception("request %s: stage %s raised", request_id, spec.name)
             if ran.interrupted:

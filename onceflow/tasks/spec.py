@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from onceflow.context import StageContext
+from onceflow.lifecycle.outcome import OnBudget
 from onceflow.models.sub_doc_scope import SubDocScope
 from onceflow.tasks.routing import TASK_PREFIX
 
@@ -44,6 +45,9 @@ class StageSpec:
     #: The stages it may hand off to; None: not declared (a pull worker may hand off to
     #: none, a stage body in this process to any).
     hands_off_to: tuple[str, ...] | None = None
+    #: What a budget refusal (``BudgetExceeded``) does: ``"fail"``, ``"wait"``, or None
+    #: (the budget's own ``on_exceeded``).
+    on_budget: OnBudget = None
 
     @property
     def worker_classes(self) -> tuple[str, ...]:

@@ -462,6 +462,13 @@ CASES: list[Case] = [
     ("forged token: op", lambda c, ids: c.post(f"/v1/claims/{ids['claimed']}/ops",
         json={"claim_token": "f" * 32, "sub_doc": "d", "op": OP, "key": "k"},
         headers=auth(WORKER_KEY)), 409, "lease_lost"),
+    ("forged token: permit", lambda c, ids: c.post(f"/v1/claims/{ids['claimed']}/permits",
+        json={"claim_token": "f" * 32, "provider": "any", "tokens": 1, "permit_id": "p" * 32},
+        headers=auth(WORKER_KEY)), 409, "lease_lost"),
+    ("forged token: permit settle", lambda c, ids: c.post(
+        f"/v1/claims/{ids['claimed']}/permits/{'p' * 32}/settle",
+        json={"claim_token": "f" * 32, "usage": {"input_tokens": 1, "output_tokens": 1}},
+        headers=auth(WORKER_KEY)), 404, "not_found"),
     ("token of another class's request", lambda c, ids: c.post(
         f"/v1/claims/{ids['w2']}/complete", json={"claim_token": "f" * 32},
         headers=auth(WORKER_KEY)), 409, "lease_lost"),
@@ -573,6 +580,9 @@ def test_openapi_documents_every_route_with_its_errors(openapi_doc: dict[str, An
         "/v1/workspaces/{ws}/sub-docs/{sub_doc}/ops", "/v1/claims/{request_id}/locks",
         "/v1/claims/{request_id}/locks/extend", "/v1/claims/{request_id}/locks/release",
         "/v1/claims/{request_id}/events", "/v1/claims/{request_id}/sub-docs",
+        "/v1/claims/{request_id}/permits", "/v1/claims/{request_id}/permits/{permit_id}/settle",
+        "/v1/claims/{request_id}/permits/{permit_id}/rate-limited",
+        "/v1/claims/{request_id}/permits/{permit_id}/release",
         "/healthz", "/readyz",
     }  # fmt: skip
     for path in ("/healthz", "/readyz"):  # the probes: no key (a Kubernetes probe has none)

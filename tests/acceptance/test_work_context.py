@@ -18,8 +18,9 @@ import httpx
 import pytest
 
 from onceflow import LeaseLost
+from onceflow.cache import CacheKey
 from onceflow.context import WorkContext
-from onceflow.errors import PermanentError
+from onceflow.errors import InvalidRequest, PermanentError
 from onceflow.integrations.fastapi import hash_key
 from onceflow.integrations.pull import PullContext, PullWorker
 from onceflow.locks import Locked
@@ -218,6 +219,31 @@ def test_a_pull_context_whose_lease_lapsed_reads_and_locks_nothing(
             ctx.heartbeat()
         assert ctx.lease_lost
         successor.complete(new, {"by": "successor"})
+
+
+def test_a_pull_context_refuses_the_result_cache_before_asking_anything(
+    client: httpx.Client, api: str
+) -> None:
+    """The result cache is not offered to pull workers: ``cache=`` is InvalidRequest, no
+    check, no lock, no compute; the claim's compute lock works as without it."""
+    rid = enqueue(client, stage="ctx_body", job_id="jcache", worker_class=PULL,
+                  input={"value": 1, "provider": "http://unused"})  # fmt: skip
+    with PullWorker(api, WORKER_KEY, PULL, lease_seconds=30) as worker:
+        claim = worker.claim()
+        assert claim is not None and claim.request_id == rid
+        _TOKENS_SEEN.append(claim.token)
+        ctx = PullContext(worker, claim)
+        calls: list[str] = []
+        for extra in ({"cache": CacheKey("workspace", "prompt", ttl=60)}, {"result_cache": None}):
+            with pytest.raises(InvalidRequest, match="not offered to pull workers"):
+                ctx.compute_once("eval:c", check=lambda: calls.append("check"),
+                                 compute=lambda: calls.append("compute") or 1,
+                                 store=lambda v: calls.append("store"), **extra)  # fmt: skip
+        assert calls == []
+        out = ctx.compute_once("eval:c", check=lambda: None, compute=lambda: 7,
+                               store=lambda v: calls.append("store"))  # fmt: skip
+        assert (out.value, out.path.value, calls) == (7, "computed", ["store"])
+        worker.complete(claim, {"ok": True})
 
 
 def test_a_waiter_woken_by_a_failed_release_leads_and_its_stream_is_closed(

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from onceflow.context import WorkContext
 from onceflow.errors import PermanentError, RetryLater
+from onceflow.spend import Provider, register
 from onceflow.tasks import Flow
 
 flow = Flow(pull_worker_classes=("k-worker", "k-pull", "k-js"))  # no Celery wake-ups for them
@@ -30,6 +31,10 @@ PAYLOAD_LIMIT = 100_000
 #: The overrunning case's run bound and lease (seconds): heartbeats every 0.2 s.
 OVERRUN_RUNTIME = 1.5
 OVERRUN_LEASE = 0.6
+#: The provider the budget cases call: declared in every process that imports this module
+#: (the API's, the Celery worker's, the test's). The contract's workspace has a budget of
+#: 0 tokens a day: every call is refused, before any rate limit is taken.
+BUDGETED = register(Provider("k-budgeted", rpm=1000))
 
 
 class Empty(BaseModel):
@@ -70,6 +75,11 @@ def refused_result(ctx: WorkContext) -> Any:
     return {"blob": "x" * (2 * PAYLOAD_LIMIT)}
 
 
+def over_budget(ctx: WorkContext) -> Any:
+    with ctx.permit(BUDGETED.name):
+        raise AssertionError("a refused permit runs no body")
+
+
 def overruns(ctx: WorkContext) -> Any:
     # Works until told to stop, checking in: under Celery its soft time limit raises in
     # here at max_runtime; under the other runners ctx.check() raises once the lease ended
@@ -90,6 +100,10 @@ CASES: dict[str, tuple[Any, dict[str, Any]]] = {
     "retry_on_miss": (retry_on_miss, {"max_attempts": 2, "retry_on": (KeyError,)}),
     "exhausted": (exhausted, {"max_attempts": 3}),
     "refused_result": (refused_result, {"max_attempts": 2}),
+    # The budget says "fail": the stage's on_budget overrides it, or leaves it so. One
+    # max_attempts: a wait that counted its attempt would be dead.
+    "budget_wait": (over_budget, {"max_attempts": 1, "on_budget": "wait"}),
+    "budget_fail": (over_budget, {"max_attempts": 3}),
     "overruns": (
         overruns,
         {"max_attempts": 2, "max_runtime": OVERRUN_RUNTIME, "lease_seconds": OVERRUN_LEASE},

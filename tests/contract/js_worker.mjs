@@ -32,6 +32,8 @@ const bodies = {
   retry_on_miss: () => { throw new ValueError("not in retry_on"); },
   exhausted: (ctx) => { throw new RuntimeError(`boom on attempt ${ctx.attempt}`); },
   refused_result: () => ({ blob: "x".repeat(2 * PAYLOAD_LIMIT) }),
+  budget_wait: (ctx) => ctx.permit("k-budgeted", {}, async () => { throw new Error("a refused permit runs no body"); }),
+  budget_fail: (ctx) => ctx.permit("k-budgeted", {}, async () => { throw new Error("a refused permit runs no body"); }),
   // Works until told to stop: ctx.signal aborts once the lease ended at the run deadline.
   overruns: (ctx) => new Promise((_, reject) => {
     ctx.signal.addEventListener("abort", () => reject(ctx.signal.reason), { once: true });

@@ -7,6 +7,10 @@ against a real ``onceflow api``, and the JS ``PullWorker`` in Node against the s
 row each leaves — status, attempts, crash_attempts, the retry's due time relative to the
 failure (``run_after - updated_at``, both set by the database's clock in the failure's
 statement) and the error's kind — is asserted to be the same.
+
+The budget cases call a provider through ``ctx.permit`` in a workspace whose daily budget
+is 0 tokens (``on_exceeded="fail"``): the stage's ``on_budget`` decides, in this process
+and on the API server alike (the ``fail`` route reads the claimed stage's declaration).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +33,7 @@ from onceflow.integrations.fastapi import hash_key
 from onceflow.integrations.pull import PullWorker
 from onceflow.keys import queue_name
 from onceflow.models import Request
+from onceflow.spend import set_budget
 from onceflow.worker import Worker
 from tests.acceptance.procs import ROOT, free_port, started_together, wait_for, worker_args
 from tests.contract import bodies
@@ -77,6 +83,10 @@ EXPECTED = {
     # max_attempts — whether the runner recorded it (Celery's soft time limit) or the
     # sweeper did once the lease ended at the run deadline (the others).
     "overruns": Row("dead", 2, error="MaxRuntimeExceeded"),
+    # A budget wait is retried when the period turns (at most the longest retry delay),
+    # its attempt given back: queued with no attempt counted, even at max_attempts=1.
+    "budget_wait": Row("queued", 0, error="BudgetExceeded", retry_in=BACKOFF_MAX),
+    "budget_fail": Row("dead", 1, error="BudgetExceeded"),
 }
 assert set(EXPECTED) == set(CASES)
 
@@ -88,9 +98,28 @@ def observed(row: Request) -> Row:
     retry_in = None
     if row.status.value == "queued":
         retry_in = round((row.run_after - row.updated_at).total_seconds())
+        if kind == "BudgetExceeded" and at_the_period_start(row):
+            retry_in = round(BACKOFF_MAX)  # the period turns within the longest delay
     if row.status.value == "succeeded":
         kind = None  # what an earlier attempt left is not part of a success's row
     return Row(row.status.value, row.attempts, row.crash_attempts, kind, retry_in)
+
+
+def at_the_period_start(row: Request) -> bool:
+    """Whether a budget wait is due when its period turns (``retry_at`` in the error),
+    less than the longest retry delay after the failure (a run in the day's last minutes)."""
+    turns = row.error.get("retry_at") if isinstance(row.error, dict) else None
+    if not isinstance(turns, str) or row.run_after is None:
+        return False
+    due = datetime.fromisoformat(turns)
+    return due < row.updated_at + timedelta(seconds=BACKOFF_MAX) and (
+        abs((row.run_after - due).total_seconds()) < 2
+    )
+
+
+def runs_of(case: str) -> int:
+    """How many runs a case takes (a budget wait's one run leaves no attempt counted)."""
+    return max(EXPECTED[case].attempts, 1)
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +162,7 @@ def settle(rid: str, case: str, runner: str, timeout: float = 60) -> Request:
     def check() -> Request | None:
         row = flow.queue.get(rid)
         done = row.status.value == want.status and row.attempts >= want.attempts
+        done = done and (want.error is None or row.error is not None)  # it ran
         return row if done and row.lease_expires_at is None else None
 
     row = wait_for(check, timeout=timeout, what=f"{case} under {runner}")
@@ -165,7 +195,7 @@ def run_worker(case: str, api: str) -> Request:
     # The stage's terms, as a Celery worker takes them from its declaration. Beat sweeps.
     with Worker(None, WORKER, handler, concurrency=1, sweep=False, max_wait=0.5,
                 retry_on=decides, lease_seconds=spec.lease_seconds,
-                max_runtime=spec.max_runtime):  # fmt: skip
+                max_runtime=spec.max_runtime, on_budget=spec.on_budget):  # fmt: skip
         return settle(rid, case, "Worker")
 
 
@@ -174,7 +204,7 @@ def run_pull(case: str, api: str) -> Request:
     retry_on = flow.spec(f"k_{case}").retry_on
     with PullWorker(api, KEY, PULL, lease_seconds=10, retry_on=retry_on) as worker:
         runs = 0
-        while runs < EXPECTED[case].attempts:
+        while runs < runs_of(case):
             if worker.run_once(body_of(f"k_{case}"), wait=5) is not None:
                 runs += 1
     return settle(rid, case, "PullWorker", timeout=30)
@@ -184,7 +214,7 @@ def run_js(case: str, api: str) -> Request:
     if NODE is None:
         pytest.skip("node is not installed")
     rid = _enqueue(case, "js", JS)
-    runs = str(EXPECTED[case].attempts)
+    runs = str(runs_of(case))
     done = subprocess.run(
         [NODE, str(Path(__file__).with_name("js_worker.mjs")), SDK.as_uri(), api, KEY, JS,
          case, runs],
@@ -203,5 +233,6 @@ def test_every_runner_leaves_the_same_row(
     case: str, runner: str, api: str, clean_db: Engine
 ) -> None:
     # An empty table each time: a row an earlier case left due is never claimed by this one.
+    set_budget(WS, "day", limit_tokens=0, on_exceeded="fail", allow_new=True)
     row = RUNNERS[runner](case, api)
     assert observed(row) == EXPECTED[case], (row.error, row.run_after, row.updated_at)

@@ -38,6 +38,8 @@ MODULE_PAGES = {
     "tasks": "onceflow.tasks",
     "worker": "onceflow.worker",
     "locks": "onceflow.locks",
+    "cache": "onceflow.cache",
+    "spend": "onceflow.spend",
     "oplog": "onceflow.oplog",
     "models": "onceflow.models",
     "integrations": "onceflow.integrations.fastapi",

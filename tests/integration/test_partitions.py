@@ -19,12 +19,14 @@ from alembic import command
 from sqlalchemy import Connection, Engine, text
 
 from onceflow import InvalidRequest, PartitionLayoutMismatch, Queue
+from onceflow.cache import CacheKey, ResultCache
 from onceflow.db import make_engine
 from onceflow.metrics import sql as metrics_sql
 from onceflow.migrate import alembic_config, check, migrate
 from onceflow.migrations.partitioning import WORKSPACE_TABLES
 from onceflow.oplog import OpLog
 from onceflow.settings import get_settings
+from onceflow.spend import Grant, LedgerHooks, Usage, set_budget
 from tests.integration.big_table import claim_plan, fill
 
 N = 8
@@ -155,7 +157,7 @@ def test_a_new_database_migrated_with_8_partitions(empty_database: str) -> None:
             ).scalar_one()
             assert "autovacuum_vacuum_scale_factor=0.01" in options
             version = conn.execute(text("SELECT version_num FROM onceflow_alembic_version"))
-            assert version.scalar_one() == "0010"
+            assert version.scalar_one() == "0012"
     finally:
         engine.dispose()
     # Every downgrade works on the partitioned layout too, and the way up again.
@@ -296,6 +298,14 @@ def test_rows_land_in_their_workspaces_partition_the_same_in_every_table(
     for ws in workspaces:
         queue.enqueue("evaluate", ws, "job-1", input={"ws": ws})
         oplog.apply_op(ws, "cells", {"type": "cell.set", "column": "a", "value": 1})
+        # spend: a budget, a call in flight (a reservation), a settled call (a ledger row)
+        set_budget(ws, "day", limit_tokens=1000, database=partitioned)
+        hooks = LedgerHooks(partitioned)
+        hooks.admit(Grant(workspace_id=ws, provider="llm", estimate_tokens=10))
+        settled = Grant(workspace_id=ws, provider="llm", estimate_tokens=10)
+        hooks.settle(settled, Usage(1, 1), "ok", "llm", None, None, None, None)
+        # the result cache: a workspace-scope entry
+        ResultCache(partitioned).put(ws, CacheKey("workspace", "prompt", 60), '"answer"')
     with partitioned.begin() as conn:
         conn.execute(
             text(
@@ -316,7 +326,7 @@ def test_rows_land_in_their_workspaces_partition_the_same_in_every_table(
                 assert part.startswith(f"{table}_p"), part
                 where.setdefault(ws, {}).setdefault(table, set()).add(int(part.rsplit("p", 1)[1]))
         for ws, tables in where.items():
-            # One partition per workspace, the same remainder in all four tables (co-located),
+            # One partition per workspace, the same remainder in every table (co-located),
             # and the one Postgres's own hash assigns.
             assert len({frozenset(parts) for parts in tables.values()}) == 1, (ws, tables)
             (remainder,) = tables["workspace_process_requests"]

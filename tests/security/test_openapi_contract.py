@@ -102,8 +102,8 @@ def test_every_operation_answers_as_its_schema_says(
 ) -> None:
     operations = [result.ok() for result in schema.get_all_operations()]
     operations = [op for op in operations if op.definition.raw["operationId"] != STREAMING]
-    # 12 + the pull routes: locks (3), claim events, sub-doc read; + the probes (2)
-    assert len(operations) == 19
+    # 12 + the pull routes: locks (3), claim events, sub-doc read, permits (4); + the probes (2)
+    assert len(operations) == 23
     # A request that exists, so that reading one answers 200 (and its body is checked) too.
     made = client.post("/v1/workspaces/w1/requests", json=NOOP, headers=auth(API_KEY))
     assert made.status_code == 201, made.text
@@ -253,6 +253,10 @@ def test_path_ids_are_checked_as_the_schema_says(client: httpx.Client) -> None: 
                 if param["in"] != "path":
                     continue
                 rules = param["schema"]
+                if param["name"] == "permit_id":  # minted by the client: a narrower rule
+                    assert (rules["minLength"], rules["maxLength"]) == (16, 64), (path, param)
+                    assert rules["pattern"] == "^[A-Za-z0-9_-]{16,64}$", (path, param)
+                    continue
                 if param["name"] == "wc":  # a worker class names a queue: a narrower rule
                     assert (rules["minLength"], rules["maxLength"]) == (1, 100), (path, param)
                     assert rules["pattern"] == "^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$", (path, param)

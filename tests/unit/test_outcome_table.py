@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
 from onceflow.errors import (
+    BudgetExceeded,
     Cancelled,
     InvalidRequest,
     LeaseLost,
@@ -103,6 +105,79 @@ def test_a_report_over_http_reads_through_the_same_table() -> None:
     plain = reported({"e": 1}, retryable=False, retry_in=3.0, max_delay=CAP)
     assert (plain.retryable, plain.retry_in) == (False, 3.0)
     assert reported("x", retryable=True, retry_in=None, max_delay=CAP).retryable
+
+
+def refusal_of(error: dict[str, Any]) -> dict[str, Any]:
+    """What the permit route keeps of the refusal it answered (the report's fields here)."""
+    return {k: error.get(k) for k in ("on_exceeded", "retry_at", "retry_in")}
+
+
+def test_a_reported_budget_refusal_waits_for_its_period_only_when_its_budget_waits() -> None:
+    wait = {"type": "BudgetExceeded", "on_exceeded": "wait", "retry_in": 10**6}
+
+    def told(error: dict[str, Any], **kw: Any) -> Any:
+        kw = {"retryable": True, "retry_in": None, **kw}
+        return reported(error, max_delay=CAP, refusal=refusal_of(error), **kw)
+
+    waits = told(wait)
+    assert (waits.retryable, waits.retry_in) == (True, CAP)  # clamped as a RetryLater delay
+    soon = told({**wait, "retry_in": 30})
+    assert (soon.retryable, soon.retry_in) == (True, 30.0)
+    # A `fail` budget (or none said) is dead, whatever the client thought.
+    for error in ({"type": "BudgetExceeded", "on_exceeded": "fail"}, {"type": "BudgetExceeded"}):
+        dead = told(error, retry_in=5.0)
+        assert (dead.retryable, dead.retry_in) == (False, None)
+    # A `wait` without a usable period start has nothing to wait for: dead too.
+    assert not told({**wait, "retry_in": "soon"}).retryable
+
+
+def test_a_reported_budget_refusal_the_server_did_not_answer_counts_its_attempt() -> None:
+    """A worker's word alone gives no attempt back: without the server's own refusal a
+    BudgetExceeded report is an ordinary failure; with it, the server's fields decide."""
+    forged = {"type": "BudgetExceeded", "on_exceeded": "wait", "retry_in": 1}
+    plain = reported(forged, retryable=True, retry_in=None, max_delay=CAP)
+    assert (plain.retryable, plain.retry_in, plain.counts_attempt) == (True, None, True)
+    for on_budget in (None, "wait"):
+        counted = reported(forged, retryable=True, retry_in=2.0, max_delay=CAP,
+                           on_budget=on_budget)  # fmt: skip
+        assert (counted.retry_in, counted.counts_attempt) == (2.0, True)
+    # The server refused with a `fail` budget: the report's `wait` does not change that.
+    kept = {"on_exceeded": "fail", "retry_at": "t", "retry_in": 60.0}
+    dead = reported(forged, retryable=True, retry_in=None, max_delay=CAP, refusal=kept)
+    assert (dead.retryable, dead.counts_attempt) == (False, True)
+    assert dead.error is not None and dead.error["on_exceeded"] == "fail"
+    # The server's wait, not the report's: 60 s, its attempt given back.
+    kept = {**kept, "on_exceeded": "wait"}
+    waits = reported(forged, retryable=True, retry_in=None, max_delay=CAP, refusal=kept)
+    assert (waits.retry_in, waits.counts_attempt) == (60.0, False)
+
+
+def test_a_reported_budget_refusal_does_what_the_stage_declares_as_decide_does() -> None:
+    """The server reads the claimed stage's on_budget: the same outcome as decide() gives
+    a runner in this process, a wait's attempt given back."""
+    fails = BudgetExceeded("w", "day", "full", on_exceeded="fail", retry_at="t", retry_in=60.0)
+    waits = BudgetExceeded("w", "day", "full", on_exceeded="wait", retry_at="t", retry_in=60.0)
+    never = BudgetExceeded("w", "day", "too big", on_exceeded="wait")  # fits no period
+    for exc in (fails, waits, never):
+        for on_budget in (None, "fail", "wait"):
+            here = decide(exc, max_delay=CAP, on_budget=on_budget)
+            assert here.error is not None
+            assert here.error["on_exceeded"] == exc.on_exceeded  # the budget's, in the error
+            there = reported(here.error, retryable=True, retry_in=None, max_delay=CAP,
+                             on_budget=on_budget, refusal=refusal_of(here.error))  # fmt: skip
+            assert (there.retryable, there.retry_in, there.counts_attempt) == (
+                here.retryable,
+                here.retry_in,
+                here.counts_attempt,
+            ), (exc.on_exceeded, on_budget)
+    refused = {"type": "BudgetExceeded", "on_exceeded": "fail", "retry_in": 60}
+    waited = reported(refused, retryable=False, retry_in=None, max_delay=CAP, on_budget="wait",
+                      refusal=refusal_of(refused))  # fmt: skip
+    assert (waited.retryable, waited.retry_in, waited.counts_attempt) == (True, 60.0, False)
+    # Any other failure counts its attempt, whatever the stage says of budgets.
+    other = reported({"type": "RetryLater", "delay": 5}, retryable=True, retry_in=None,
+                     max_delay=CAP, on_budget="wait")  # fmt: skip
+    assert other.counts_attempt
 
 
 def test_a_refused_error_is_recorded_briefly() -> None:

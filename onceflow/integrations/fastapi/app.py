@@ -32,6 +32,7 @@ from onceflow.integrations.fastapi.http_errors import add_error_handlers
 from onceflow.integrations.fastapi.limits import BODY_ENVELOPE_DEPTH, BodyLimitMiddleware
 from onceflow.integrations.fastapi.metrics_routes import install_metrics
 from onceflow.integrations.fastapi.openapi_choices import name_choices
+from onceflow.integrations.fastapi.permit_routes import add_permit_routes
 from onceflow.integrations.fastapi.probes import probes_router
 from onceflow.integrations.fastapi.pull_routes import add_pull_routes
 from onceflow.integrations.fastapi.responses import (
@@ -120,6 +121,7 @@ def create_router(
     _claim_routes(router, svc)
     _op_routes(router, svc)
     add_pull_routes(router, svc, _responses(409, 413, 503))
+    add_permit_routes(router, svc, _responses(409, 413, 503))
     return router
 
 
@@ -164,9 +166,11 @@ def create_app(
     app.include_router(probes_router(services))  # /healthz, /readyz: no key, no rate limit
     install_metrics(app, services)
     from onceflow.integrations.fastapi.dashboard import create_dashboard_router
+    from onceflow.integrations.fastapi.spend_routes import create_spend_router
 
     app.include_router(create_dashboard_router(services))  # /dashboard: docs/dashboard.md
+    app.include_router(create_spend_router(services))  # /dashboard/api/spend: operator keys
     app.include_router(create_sdk_router())  # /sdk/index.js: the browser SDK (docs/browser.md)
     add_error_handlers(app)
-    name_choices(app, flow)  # the stages and op types as enums in /openapi.json
+    name_choices(app, flow, services.settings)  # stages, op types, providers: enums
     return app

@@ -85,7 +85,7 @@ TTL_MIN_SECONDS = 1.0
 TtlSeconds = Annotated[float, Field(ge=TTL_MIN_SECONDS, le=3600)]
 
 
-class _ClaimIn(BaseModel):
+class ClaimBodyIn(BaseModel):
     # Strict like every /v1 body (schemas._In): "5" is not a TTL, nor is true.
     model_config = ConfigDict(extra="forbid", strict=True)
     claim_token: s.ClaimTokenStr
@@ -94,7 +94,7 @@ class _ClaimIn(BaseModel):
     )
 
 
-class _In(_ClaimIn):
+class _In(ClaimBodyIn):
     task: Task = Field(description="The expensive call, e.g. `eval:<column>`.")
 
 
@@ -108,11 +108,11 @@ class LockIn(_In):
     )
 
 
-class EventsIn(_ClaimIn):
+class EventsIn(ClaimBodyIn):
     """Follow the claimed request's workspace events while the claim is live."""
 
 
-class SubDocIn(_ClaimIn):
+class SubDocIn(ClaimBodyIn):
     """Read a sub-doc of the claimed request's workspace (one its stage declares)."""
 
     sub_doc: s.Id
@@ -223,39 +223,44 @@ def _lock_backend(settings: Settings) -> Any:
     return _InThreads(get_backend(settings))
 
 
+async def claim_holder(
+    svc: OnceflowServices, request_id: str, body: ClaimBodyIn, principal: Principal, *, live: bool
+) -> StageRequest:
+    """The claimed request of ``body``'s claim, for its holder.
+
+    One answer (409 lease_lost) for "no such request", "not in that workspace", "not your
+    worker class", "not running" and "wrong token", as on the other claim routes: nothing
+    leaks about ids. The row is found by its key when the body names the workspace, by its
+    id alone when not. ``live=False`` (a release) needs the request, not a live claim: the
+    caller then proves its hold otherwise (a lock token, a permit's claim).
+    """
+    check_id("request_id", request_id)
+    ref = claim_ref(request_id, body.claim_token, principal, body.workspace_id)
+    found: StageRequest | None
+    if live:  # one read: the token, the live lease and the key's classes in its WHERE
+        found = await svc.async_queue.live_claim(
+            request_id, ref.token, worker_classes=ref.worker_classes,
+            workspace_id=ref.workspace_id, workspaces=ref.workspaces,
+        )  # fmt: skip
+    else:
+        try:
+            found = await svc.async_queue.get(request_id, workspace_id=ref.workspace_id)
+        except NotFound:
+            found = None
+    if (
+        found is None
+        or not principal.may_work(found.worker_class)
+        or not principal.may_claim_in(found.workspace_id)
+    ):
+        raise LeaseLost(request_id)
+    return found
+
+
 # Route decorators alike by shape on purpose: FastAPI builds the OpenAPI contract from each one.
 def add_pull_routes(
     router: APIRouter, svc: OnceflowServices, responses: dict[int | str, dict[str, Any]]
 ) -> None:
     """Add the lock, events and sub-doc read routes for claim holders to the ``/v1`` router."""
-
-    async def claim_holder(
-        request_id: str, body: _ClaimIn, principal: Principal, *, live: bool
-    ) -> StageRequest:
-        # One answer (409 lease_lost) for "no such request", "not in that workspace", "not
-        # your worker class", "not running" and "wrong token", as on the other claim routes:
-        # nothing leaks about ids. The row is found by its key when the body names the
-        # workspace, by its id alone when not.
-        check_id("request_id", request_id)
-        ref = claim_ref(request_id, body.claim_token, principal, body.workspace_id)
-        found: StageRequest | None
-        if live:  # one read: the token, the live lease and the key's classes in its WHERE
-            found = await svc.async_queue.live_claim(
-                request_id, ref.token, worker_classes=ref.worker_classes,
-                workspace_id=ref.workspace_id, workspaces=ref.workspaces,
-            )  # fmt: skip
-        else:  # a release needs the cell, not a live claim: the lock token is the proof
-            try:
-                found = await svc.async_queue.get(request_id, workspace_id=ref.workspace_id)
-            except NotFound:
-                found = None
-        if (
-            found is None
-            or not principal.may_work(found.worker_class)
-            or not principal.may_claim_in(found.workspace_id)
-        ):
-            raise LeaseLost(request_id)
-        return found
 
     def handle(be: Any, request: StageRequest, body: _In, token: str, ttl_ms: int) -> Any:
         key = lock_key(request.workspace_id, request.job_id, body.task)
@@ -276,7 +281,7 @@ def add_pull_routes(
         request_id: s.RequestIdPath, body: LockIn, response: Response, principal: PrincipalDep
     ) -> LockOut:
         """Take the compute lock of ``task`` on the claimed request's job (a live claim only)."""
-        request = await claim_holder(request_id, body, principal, live=True)
+        request = await claim_holder(svc, request_id, body, principal, live=True)
         lock_key(request.workspace_id, request.job_id, body.task)  # a bad task: 400 first
         be = _lock_backend(svc.settings)
         ttl = _ttl(svc.settings, body.ttl_seconds)
@@ -300,7 +305,7 @@ def add_pull_routes(
         request_id: s.RequestIdPath, body: ExtendIn, principal: PrincipalDep
     ) -> ExtendOut:
         """Compare and extend: ``held: false`` once the lock expired or was taken."""
-        request = await claim_holder(request_id, body, principal, live=True)
+        request = await claim_holder(svc, request_id, body, principal, live=True)
         be = _lock_backend(svc.settings)
         ttl_ms = ttl_to_ms(_ttl(svc.settings, body.ttl_seconds))
         lock = handle(be, request, body, body.lock_token, ttl_ms)
@@ -317,7 +322,7 @@ def add_pull_routes(
         request_id: s.RequestIdPath, body: ReleaseIn, principal: PrincipalDep
     ) -> ReleaseOut:
         """Compare and delete, then announce ``lock_released`` on the workspace channel."""
-        request = await claim_holder(request_id, body, principal, live=False)
+        request = await claim_holder(svc, request_id, body, principal, live=False)
         be = _lock_backend(svc.settings)
         lock = handle(be, request, body, body.lock_token, 0)
         # Only 1 released now: a wrong token, an expired lock or a repeat (0, or 2 when the
@@ -349,7 +354,7 @@ def add_pull_routes(
     ) -> Response:
         """Server-sent events about the claimed request, for the claim's holder: commits of
         the sub-docs its stage may read, lock news of its job's cells."""
-        request = await claim_holder(request_id, body, principal, live=True)
+        request = await claim_holder(svc, request_id, body, principal, live=True)
         keepalive = svc.settings.api_sse_keepalive_seconds
         ref = claim_ref(request_id, body.claim_token, principal, body.workspace_id)
 
@@ -382,7 +387,7 @@ def add_pull_routes(
         Only a sub-doc the claimed stage declares (``sub_docs``; its job's, ``job:{job_id}``
         and ``job:{job_id}:*``, by default): another is 403.
         """
-        request = await claim_holder(request_id, body, principal, live=True)
+        request = await claim_holder(svc, request_id, body, principal, live=True)
         svc.flow.sub_doc_scope(request.stage).check(body.sub_doc, request_fields(request))
         doc = await svc.async_oplog.get_sub_doc(request.workspace_id, body.sub_doc)
         return s.SubDocOut(

@@ -15,11 +15,13 @@ from starlette.responses import JSONResponse
 from onceflow.connector.sharded import UnroutedStatement
 from onceflow.errors import (
     AccessDenied,
+    BudgetExceeded,
     DatabaseUnavailable,
     InputMismatch,
     InvalidRequest,
     InvalidTransition,
     LeaseLost,
+    LimitsUnavailable,
     LockUnavailable,
     NotFound,
     OpIdConflict,
@@ -59,12 +61,14 @@ _ANSWERS: tuple[tuple[type[Exception] | tuple[type[Exception], ...], int, str], 
     (InputMismatch, 409, "input_mismatch"),
     (InvalidTransition, 409, "invalid_transition"),
     (PayloadTooLarge, 413, "payload_too_large"),
+    # A workspace's spend budget has no room for a provider permit (nothing was reserved).
+    (BudgetExceeded, 402, "budget_exceeded"),
     # A read over every workspace not yet taught about shards: say so, never one shard's.
     (UnroutedStatement, 501, "not_implemented"),
     (InvalidRequest, 422, "invalid_request"),
     # JSON may carry a lone surrogate (\ud800) that no UTF-8 store can hold.
     (UnicodeError, 422, "invalid_request"),
-    ((DatabaseUnavailable, LockUnavailable), 503, "unavailable"),
+    ((DatabaseUnavailable, LockUnavailable, LimitsUnavailable), 503, "unavailable"),
 )
 
 
@@ -93,6 +97,8 @@ def error_response(exc: Exception) -> JSONResponse:
         extra["horizon"] = exc.horizon
     elif isinstance(exc, UnroutedStatement):
         detail = f"not available on a database split by workspace yet: {exc}"
+    elif isinstance(exc, BudgetExceeded):
+        extra.update(budget_fields(exc))
     elif isinstance(exc, UnicodeError):
         detail = "a string holds a lone surrogate"
     elif status == 503:
@@ -101,10 +107,25 @@ def error_response(exc: Exception) -> JSONResponse:
     return AsciiJSONResponse(body, status, headers=headers)
 
 
+def budget_fields(exc: BudgetExceeded) -> dict[str, Any]:
+    """What a 402 budget_exceeded says beyond its detail: which budget refused, and when a
+    ``wait`` budget lets the stage run again (``retry_at``, ``retry_in`` seconds)."""
+    return {
+        "workspace_id": exc.workspace_id,
+        "period": exc.period,
+        "on_exceeded": exc.on_exceeded,
+        "retry_at": exc.retry_at,
+        "retry_in": exc.retry_in,
+        "reason": exc.detail,
+    }
+
+
 def _responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     text = {
         400: "The body is not parseable or not UTF-8, or Content-Length is malformed",
         401: "No key, or an unknown key",
+        402: "A spend budget of the workspace has no room for the call (code budget_exceeded; "
+        "`on_exceeded`, `retry_at`, `retry_in` say when it may run again)",
         403: "The key is not scoped to this workspace or worker class",
         404: "No such request in this workspace",
         409: "Conflict (lease lost, op id reused, input mismatch)",

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request, Response
 
 from onceflow.errors import InvalidRequest, LeaseLost
 from onceflow.ids import check_id
+from onceflow.integrations.fastapi import budget_refusals
 from onceflow.integrations.fastapi import schemas as s
 from onceflow.integrations.fastapi.auth import WILDCARD, Principal, PrincipalDep, get_principal
 from onceflow.integrations.fastapi.claim_terms import ClaimTerms
@@ -21,10 +22,11 @@ from onceflow.integrations.fastapi.responses import _responses
 from onceflow.integrations.fastapi.routes_ops import _apply_out
 from onceflow.integrations.fastapi.routes_requests import _follow_up, _request_out
 from onceflow.integrations.fastapi.services import OnceflowServices
-from onceflow.lifecycle.outcome import reported
+from onceflow.lifecycle.outcome import OnBudget, reported
 from onceflow.models import Claim, ClaimRef, NewRequest, WorkspaceScope
 from onceflow.oplog import stage_op_id
 from onceflow.queue import AsyncQueue
+from onceflow.spend.limits import async_redis
 
 
 # Route decorators alike by shape on purpose: FastAPI builds the OpenAPI contract from each one.
@@ -158,21 +160,51 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
         report: an ``error`` whose ``type`` is ``PermanentError``, ``InvalidRequest``,
         ``OutOfScope`` or ``Cancelled`` is never retried; a ``RetryLater`` error without
         ``retry_in`` is retried after its ``delay``, at most
-        ``ONCEFLOW_BACKOFF_MAX_SECONDS``.
+        ``ONCEFLOW_BACKOFF_MAX_SECONDS``; a ``BudgetExceeded`` error, when this server
+        refused a permit of this claim with a 402, does what the claimed stage declares
+        (``on_budget``), else what the refusing budget's ``on_exceeded`` says: a wait is
+        retried when the period turns (its ``retry_in``, at most that longest delay) with
+        its attempt given back, a fail is dead at once. A ``BudgetExceeded`` the server did
+        not answer the claim with is an ordinary failure, its attempt counted.
         """
         ref = claim_ref(request_id, body.claim_token, principal, body.workspace_id)
         if body.retry_in is not None:
             terms.check_retry_in(body.retry_in)
+        on_budget, refusal = None, None
+        if isinstance(body.error, dict) and body.error.get("type") == "BudgetExceeded":
+            on_budget, refusal = await budget_refusal(ref)
         ran = reported(
             body.error,
             retryable=body.retryable,
             retry_in=body.retry_in,
             max_delay=float(svc.settings.backoff_max_seconds),
+            on_budget=on_budget,
+            refusal=refusal,
         )
         failed = await svc.async_queue.fail(
-            ref, ran.error, retryable=ran.retryable, retry_in=ran.retry_in
-        )
+            ref, ran.error, retryable=ran.retryable, retry_in=ran.retry_in,
+            count_attempt=ran.counts_attempt,
+        )  # fmt: skip
         return _request_out(failed)
+
+    async def budget_refusal(ref: ClaimRef) -> tuple[OnBudget, dict[str, Any] | None]:
+        """The claimed stage's ``on_budget`` and the budget refusal the permit route
+        answered this claim with (None: it answered none), read under the claim. Both None
+        when the claim is not live (the failure's own fenced statement then refuses it, or
+        recognises its landed write); no ``on_budget`` when the Flow does not declare the
+        stage."""
+        held = await svc.async_queue.live_claim(
+            ref.request_id, ref.token, worker_classes=ref.worker_classes,
+            workspace_id=ref.workspace_id, workspaces=ref.workspaces,
+        )  # fmt: skip
+        if held is None:
+            return None, None
+        spec = svc.flow.stages.get(held.stage)
+        client, _ = async_redis(svc.settings.redis_url)
+        refusal = await budget_refusals.refused(
+            client, held.workspace_id, ref.request_id, ref.token
+        )
+        return (None if spec is None else spec.on_budget), refusal
 
     @router.post(
         "/claims/{request_id}/ops",

@@ -300,7 +300,8 @@ class ErrorOut(BaseModel):
     code: str = Field(
         description="bad_request, unauthorized, forbidden, not_found, method_not_allowed, "
         "lease_lost, op_id_conflict, replay_too_old, input_mismatch, invalid_transition, "
-        "request_timeout, payload_too_large, invalid_request, rate_limited, unavailable, "
+        "request_timeout, payload_too_large, invalid_request, rate_limited, budget_exceeded, "
+        "provider_busy, unavailable, "
         "not_implemented, internal"
     )
     horizon: int | None = Field(

@@ -1,7 +1,9 @@
 import type { Api, ApiKey } from "./transport.js";
 import type { ClaimEvents, ClaimLocks } from "./compute.js";
+import type { ClaimPermits, Permit, PermitOptions } from "./permit.js";
 
 export * from "./compute.js";
+export * from "./permit.js";
 export * from "./leader.js";
 
 export type Outcome = "succeeded" | "retry" | "dead" | "cancelled" | "lease_lost";
@@ -98,6 +100,8 @@ export class PullContext {
   readonly events: ClaimEvents;
   /** The claim's compute-lock calls. */
   readonly locks: ClaimLocks;
+  /** The claim's provider-permit calls. */
+  readonly permits: ClaimPermits;
   /** Throws LeaseLost or Cancelled if the stage must stop now. */
   check(): void;
   /** A sub-doc of the request's workspace, read under this claim (409 lease_lost once it is gone). */
@@ -105,6 +109,13 @@ export class PullContext {
   applyOp(subDoc: string, op: Record<string, unknown>, options: { key?: string; opId?: string }): Promise<ApplyAnswer>;
   then(stage: string, input?: Record<string, unknown>, options?: { branchPath?: string }): void;
   computeOnce<T>(task: string, options: ComputeOnceOptions<T>): Promise<ComputeOutcome<T>>;
+  /**
+   * A permit of `provider` for one call, under the limits every client shares and the
+   * workspace's budgets: with `body`, what it returns (a permit left unsettled is given
+   * back); without, the Permit. Throws BudgetExceeded, PermitTimeout.
+   */
+  permit<T>(provider: string, options: PermitOptions | undefined, body: (permit: Permit) => T | Promise<T>): Promise<T>;
+  permit(provider: string, options?: PermitOptions): Promise<Permit>;
 }
 
 export type Handler = (ctx: PullContext) => unknown | Promise<unknown>;

@@ -14,12 +14,14 @@
 // wait for it to close. A tab that closes mid-stage stops heartbeating: its lease lapses
 // (the database's clock) and another worker claims the request again.
 
-import { Aborted, Api, Cancelled, HttpError, LeaseLost, backoffDelay, errorFor, isRetryable, seg, sleep } from "./transport.js";
+import { Aborted, Api, BudgetExceeded, Cancelled, HttpError, LeaseLost, backoffDelay, errorFor, isRetryable, seg, sleep } from "./transport.js";
 import { ClaimEvents, ClaimLocks, computeOnce } from "./compute.js";
+import { ClaimPermits, takePermit, withPermit } from "./permit.js";
 import { leaderName, webLocks, whileLeader } from "./leader.js";
 
 export { ClaimEvents, ClaimLocks, Subscription, WAIT_MARGIN_MS, computeOnce, extendIntervalMs, isReleaseOf } from "./compute.js";
 export { LEADER_PREFIX, leaderName, webLocks, whileLeader } from "./leader.js";
+export { ASK_PAUSE_MS, ASK_SECONDS, ClaimPermits, PERMIT_TIMEOUT_MS, Permit, PermitTimeout, newPermitId, takePermit, withPermit } from "./permit.js";
 
 /** What runOnce() returns for each way a claimed request can end. */
 export const OUTCOMES = Object.freeze(["succeeded", "retry", "dead", "cancelled", "lease_lost"]);
@@ -66,7 +68,8 @@ export class PermanentError extends Error {
 /**
  * How a handler's error is reported: `{error, retryable}` — the outcome table of every
  * onceflow runner. A RetryLater is reported with its `delay` (the server turns it into the
- * retry's due time); a PermanentError, an InvalidRequest, an error with
+ * retry's due time); a BudgetExceeded with its budget's `on_exceeded` and `retry_in` (a
+ * "wait" budget's stage runs again when the period turns, a "fail" one's never); a PermanentError, an InvalidRequest, an error with
  * `retryable === false` or `permanent === true`, or a request the server refused as sent
  * (400, 413, 422: a result over its payload limit) is never retried; any other error is
  * retried after the backoff, unless `retryOn(error)` (the worker's option, as a Python
@@ -78,6 +81,10 @@ export function failureOf(error, retryOn) {
   if (error instanceof RetryLater || (name === "RetryLater" && error?.delay !== undefined)) {
     const delay = Number.isFinite(error.delay) && error.delay >= 0 ? error.delay : null;
     return { error: { type: "RetryLater", message: String(error.reason || message).slice(0, 2000), delay }, retryable: true };
+  }
+  if (error instanceof BudgetExceeded) {
+    const report = { type: "BudgetExceeded", message, on_exceeded: error.waits ? "wait" : "fail", retry_in: error.retryIn, retry_at: error.retryAt };
+    return { error: report, retryable: error.waits };
   }
   if (error instanceof HttpError && REFUSED.has(error.status)) {
     // The server refused what was sent (a result over its payload limit…): sending it again
@@ -137,6 +144,7 @@ export class PullContext {
     const named = { signal: this.signal, workspaceId: claim.workspaceId };
     this.events = new ClaimEvents(worker.api, claim.requestId, claim.token, named);
     this.locks = new ClaimLocks(worker.api, claim.requestId, claim.token, named);
+    this.permits = new ClaimPermits(worker.api, claim.requestId, claim.token, named);
   }
 
   get request() {
@@ -200,6 +208,21 @@ export class PullContext {
     const item = { stage, input: input ?? {} };
     if (branchPath !== undefined && branchPath !== null) item.branch_path = branchPath;
     this._then.push(item);
+  }
+
+  /**
+   * A permit of `provider` (a name the server declares) for one call, under the provider's
+   * limits shared with every client and the workspace's budgets (see permit.js). With
+   * `body`, `await ctx.permit(provider, {tokens, cellKey, timeoutMs}, async (permit) => …)`
+   * is what the body returns (a permit left without a settle is given back); without, a
+   * Promise of the Permit (settle, rateLimited or release it). Throws BudgetExceeded when a
+   * budget refuses, PermitTimeout (retryable) when none is granted in `timeoutMs`.
+   */
+  permit(provider, { tokens = 0, cellKey, timeoutMs } = {}, body) {
+    const options = { tokens, cellKey, timeoutMs, guard: () => this.check(), signal: this.signal };
+    if (timeoutMs === undefined) delete options.timeoutMs;
+    if (body === undefined) return takePermit(this.permits, provider, options);
+    return withPermit(this.permits, provider, options, body);
   }
 
   /**

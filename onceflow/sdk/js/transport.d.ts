@@ -19,6 +19,20 @@ export class HttpError extends OnceflowError {
 }
 /** 409 lease_lost: the claim is gone; write nothing more for it. */
 export class LeaseLost extends HttpError {}
+/**
+ * 402 budget_exceeded: a spend budget of the workspace has no room for a provider call
+ * (nothing reserved). "fail": the stage fails without retries; "wait": it is retried when
+ * the next period starts.
+ */
+export class BudgetExceeded extends HttpError {
+  readonly workspaceId: string;
+  readonly period: string;
+  readonly onExceeded: "fail" | "wait";
+  readonly retryAt: string | null;
+  readonly retryIn: number | null;
+  /** Whether the stage waits for the next period (else it fails at once). */
+  readonly waits: boolean;
+}
 /** Cancel was requested for the running stage. */
 export class Cancelled extends OnceflowError {}
 /** Stopped by an AbortSignal. */

@@ -22,6 +22,28 @@ export class HttpError extends OnceflowError {}
 /** 409 lease_lost: the claim is gone — stop, and write nothing more for it. */
 export class LeaseLost extends HttpError {}
 
+/**
+ * 402 budget_exceeded: a spend budget of the workspace has no room for a provider call
+ * (nothing was reserved). `onExceeded` "fail": the stage fails without retries; "wait": it
+ * is retried when the next period starts (`retryAt`, `retryIn` seconds).
+ */
+export class BudgetExceeded extends HttpError {
+  constructor(message, options = {}) {
+    super(message, options);
+    const body = options.body && typeof options.body === "object" ? options.body : {};
+    this.workspaceId = typeof body.workspace_id === "string" ? body.workspace_id : "";
+    this.period = typeof body.period === "string" ? body.period : "";
+    this.onExceeded = body.on_exceeded === "wait" ? "wait" : "fail";
+    this.retryAt = typeof body.retry_at === "string" ? body.retry_at : null;
+    this.retryIn = Number.isFinite(body.retry_in) ? body.retry_in : null;
+  }
+
+  /** Whether the stage waits for the next period (else it fails at once). */
+  get waits() {
+    return this.onExceeded === "wait" && this.retryIn !== null;
+  }
+}
+
 /** A heartbeat said cancel was requested: stop the stage. */
 export class Cancelled extends OnceflowError {}
 
@@ -97,11 +119,16 @@ export function sleep(ms, signal) {
   });
 }
 
-/** The error for a non-2xx answer: LeaseLost for 409 lease_lost, else HttpError. */
+/**
+ * The error for a non-2xx answer: LeaseLost for 409 lease_lost, BudgetExceeded for 402
+ * budget_exceeded, else HttpError.
+ */
 export function errorFor(status, body, what = "request") {
   const code = body && typeof body.code === "string" ? body.code : "";
   const detail = body && typeof body.detail === "string" ? body.detail : `HTTP ${status}`;
-  const Kind = status === 409 && code === "lease_lost" ? LeaseLost : HttpError;
+  let Kind = HttpError;
+  if (status === 409 && code === "lease_lost") Kind = LeaseLost;
+  else if (status === 402 && code === "budget_exceeded") Kind = BudgetExceeded;
   return new Kind(`${what}: ${status} ${code || ""} ${detail}`.replace(/\s+/g, " ").trim(), { status, code, body });
 }
 

@@ -181,7 +181,9 @@ function handleEvent(block) {
     $("#refusal").hidden = true;
     $("#panels").hidden = false;
     setState("live", "live");
+    const first = snapshots === 0;
     render(JSON.parse(data.join("\n")));
+    if (first) loadSpend();
   } else if (event === "problem") {
     setState("retrying", JSON.parse(data.join("\n")).detail);
   }
@@ -266,6 +268,159 @@ async function act(action, item, button) {
   out.dataset.outcome = ok ? "ok" : "refused";
   out.hidden = false;
   button.disabled = false;
+}
+
+// Spend from the ledger (not in the snapshot: a month's sums are read every 30 s, not every
+// second) and the compute lock's saved calls priced at each workspace's average call cost.
+const SPEND_EVERY_MS = 30000;
+let spendTimer = null;
+
+async function loadSpend() {
+  clearTimeout(spendTimer);
+  spendTimer = setTimeout(loadSpend, SPEND_EVERY_MS);
+  if (!sessionStorage.getItem(KEY) || $("#panels").hidden) return;
+  const now = new Date();
+  const since = new Date(Date.UTC(now.getUTCFullYear(), now.getUTCMonth(), 1)).toISOString();
+  const query = new URLSearchParams([["since", since], ["by", "workspace"], ["by", "provider"]]);
+  loadBudgets();
+  try {
+    const [spend, saved] = await Promise.all([
+      fetch("/dashboard/api/spend?" + query, { headers: authHeaders(), cache: "no-store" }),
+      fetch("/dashboard/api/spend/savings", { headers: authHeaders(), cache: "no-store" }),
+    ]);
+    if (!spend.ok) {
+      $("#spend-note").textContent = "unavailable: " + (await errorText(spend));
+      return;
+    }
+    const report = await spend.json();
+    const total = report.total;
+    let note = `total ${total.cost} over ${total.calls} call(s)`;
+    if (saved.ok) {
+      const sv = await saved.json();
+      if (!sv.error) note += `; saved by the compute lock ≈ ${sv.saved_cost_total}`;
+    }
+    $("#spend-note").textContent = note;
+    fill($("#spend tbody"), report.rows, (tr, r) => {
+      cell(tr, r.workspace);
+      cell(tr, r.provider);
+      cell(tr, r.calls, "num");
+      cell(tr, r.input_tokens, "num");
+      cell(tr, r.output_tokens, "num");
+      cell(tr, r.cost, "num");
+    });
+  } catch (err) {
+    $("#spend-note").textContent = "unavailable: " + err.message;
+  }
+}
+
+// Budgets with their current period's standing, read with the spend. "Used" is the period's
+// settled spend over the limit; a budget with both limits shows the larger share (the limit
+// it reaches first). Calls in flight hold their estimates until they settle: shown beside
+// it, and as the bar's lighter part. At or past 100 % the budget admits no more calls.
+const NEAR_PERCENT = 80;
+
+/** `part` as a percentage of `limit` (decimal strings or numbers); null without that limit. */
+function share(part, limit) {
+  if (limit === null || limit === undefined) return null;
+  const p = Number(part);
+  const l = Number(limit);
+  if (l > 0) return (p / l) * 100;
+  return p > 0 ? Infinity : 100;  // a zero limit admits nothing: it is used up
+}
+
+/** A percentage as shown: rounded down to 0.1 (80 % is not shown before it is reached). */
+function percentText(value) {
+  if (!Number.isFinite(value)) return "∞ %";
+  return (Math.floor(value * 10 + 1e-6) / 10).toFixed(1) + " %";
+}
+
+function untilText(seconds) {
+  return seconds >= 86400 ? (seconds / 86400).toFixed(1) + " d" : ageText(Math.max(seconds, 0));
+}
+
+/** What a budget's row shows: the limits it has (money, tokens), its share used, and the
+ * share its calls in flight hold, on the same limit. */
+function standing(b) {
+  const parts = [];
+  if (b.limit_cost !== null) {
+    parts.push({
+      basis: "cost", limit: b.limit_cost, spent: b.spent_cost, reserved: b.reserved_cost,
+      used: share(b.spent_cost, b.limit_cost), held: share(b.reserved_cost, b.limit_cost),
+    });
+  }
+  if (b.limit_tokens !== null) {
+    parts.push({
+      basis: "tokens", limit: `${b.limit_tokens} tokens`, spent: `${b.spent_tokens} tokens`,
+      reserved: `${b.reserved_tokens} tokens`,
+      used: share(b.spent_tokens, b.limit_tokens), held: share(b.reserved_tokens, b.limit_tokens),
+    });
+  }
+  const top = parts.reduce((a, p) => (a === null || p.used > a.used ? p : a), null);
+  const mark = top.used >= 100 ? "exceeded" : top.used >= NEAR_PERCENT ? "near" : "";
+  return { parts, top, mark, both: parts.length > 1 };
+}
+
+function bar(used, held) {
+  const outer = document.createElement("span");
+  outer.className = "bar";
+  outer.setAttribute("aria-hidden", "true");  // the number is in the cell's text
+  const spent = document.createElement("span");
+  spent.className = "spent";
+  const width = Number.isFinite(used) ? Math.min(Math.max(used, 0), 100) : 100;
+  spent.style.width = width + "%";
+  const inFlight = document.createElement("span");
+  inFlight.className = "held";
+  const heldWidth = Number.isFinite(held) ? Math.min(Math.max(held, 0), 100 - width) : 0;
+  inFlight.style.width = heldWidth + "%";
+  outer.append(spent, inFlight);
+  return outer;
+}
+
+async function loadBudgets() {
+  const note = $("#budgets-note");
+  const tbody = $("#budgets tbody");
+  try {
+    const response = await fetch("/dashboard/api/spend/budgets", {
+      headers: authHeaders(), cache: "no-store",
+    });
+    if (!response.ok) {
+      note.textContent = "unavailable: " + (await errorText(response));
+      fill(tbody, [], () => {});
+      return;
+    }
+    const rows = (await response.json()).budgets.map((b) => ({ b, s: standing(b) }));
+    rows.sort((x, y) => y.s.top.used - x.s.top.used
+      || x.b.workspace_id.localeCompare(y.b.workspace_id) || x.b.period.localeCompare(y.b.period));
+    const count = (mark) => rows.filter((r) => r.s.mark === mark).length;
+    note.textContent = rows.length
+      ? `${rows.length} budget(s); ${count("exceeded")} exceeded, ${count("near")} over ${NEAR_PERCENT} %`
+      : "none set";
+    fill(tbody, rows, (tr, { b, s }) => {
+      const k = `budget/${b.workspace_id}/${b.period}`;
+      tr.dataset.budget = `${b.workspace_id}/${b.period}`;
+      tr.dataset.mark = s.mark;
+      if (s.mark) tr.className = s.mark;
+      const joined = (field) => s.parts.map((p) => p[field]).join(" · ");
+      cell(tr, b.workspace_id);
+      cell(tr, b.period);
+      cell(tr, joined("limit"), "num", `${k}/limit`);
+      cell(tr, joined("spent"), "num", `${k}/spent`);
+      const calls = b.in_flight === 1 ? "1 call" : `${b.in_flight} calls`;
+      cell(tr, b.in_flight ? `${joined("reserved")} (${calls})` : "none", "num", `${k}/reserved`);
+      let used = percentText(s.top.used) + (s.both ? ` of ${s.top.basis}` : "");
+      if (b.in_flight && s.top.held > 0) used += ` + ${percentText(s.top.held)} in flight`;
+      const td = cell(tr, used, "used", `${k}/used`);
+      td.title = s.parts.map((p) => `${p.basis}: ${percentText(p.used)} spent, `
+        + `${percentText(p.held)} in flight`).join("; ");
+      td.appendChild(bar(s.top.used, s.top.held));
+      cell(tr, { exceeded: "exceeded", near: `over ${NEAR_PERCENT} %` }[s.mark] || "ok", "mark");
+      cell(tr, b.on_exceeded);
+      cell(tr, `${b.period_ends} (in ${untilText(b.period_ends_in)})`);
+    });
+  } catch (err) {
+    note.textContent = "unavailable: " + err.message;
+    fill(tbody, [], () => {});
+  }
 }
 
 document.addEventListener("DOMContentLoaded", () => {
