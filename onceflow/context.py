@@ -279,6 +279,7 @@ class StagePermit:
             self._ctx.check()  # the lease is lost or cancel was requested: say which
             raise
 
+    # The context-manager protocol (alike by shape everywhere): Python fixes its signature.
     def __exit__(
         self,
         exc_type: type[BaseException] | None,

@@ -207,6 +207,7 @@ class BudgetExceeded(OnceflowError):
     maximum: a longer wait checks the budget again, refused again until the period turns).
     """
 
+    # A constructor keeping its arguments (alike by shape with others): fields for __reduce__.
     def __init__(
         self,
         workspace_id: str,
@@ -523,6 +524,7 @@ class PermitTimeout(OnceflowError, TimeoutError):
         return (type(self), (self.provider, self.timeout, self.reason))
 
 
+# Alike by shape to Cancelled on purpose: its own error and field, and __reduce__ for Celery.
 class PermitCancelled(OnceflowError):
     """The wait for a provider permit was cancelled (its cancel event was set)."""
 

@@ -131,6 +131,7 @@ class ResultCache:
         retry_disconnect(once)
         metrics.result_cache("stored")
 
+    # Keyword options alike by shape to grant_for's on purpose: the run a hit's ledger row names.
     def record_hit(
         self,
         workspace_id: str,
@@ -164,6 +165,7 @@ class ResultCache:
         except Exception as exc:  # the value is served all the same
             log.warning("result cache: the hit's ledger row was not written: %s", exc)
 
+    # Keyword options alike only by shape to other public signatures: a key or a digest, by name.
     def invalidate(
         self,
         scope: object,

@@ -210,6 +210,7 @@ class PullWorker:
         timeout = self._client.timeout
         return events.open((timeout.connect or 10.0) + (timeout.read or 10.0))
 
+    # ClaimClient.take_permit's signature (alike by shape): the protocol method, spelled out.
     def take_permit(
         self,
         claim: PullClaim,

@@ -75,6 +75,7 @@ class ClaimClient(Protocol):
 
     def claim_events(self, claim: PullClaim) -> ClaimEvents: ...
 
+    # PullWorker.take_permit's signature (alike by shape): the protocol the context calls.
     def take_permit(
         self,
         claim: PullClaim,

@@ -144,6 +144,7 @@ class RemotePermit:
 class RemotePermitContext:
     """``with ctx.permit(…) as permit``: asks on enter, gives back what is left on exit."""
 
+    # A constructor keeping its arguments (alike by shape with others): nothing to share.
     def __init__(
         self,
         ctx: PermitHolder,
@@ -186,6 +187,7 @@ class RemotePermitContext:
                 raise PermitTimeout(self.provider, self.timeout, reason)
             time.sleep(min(pause, left))
 
+    # The context-manager protocol (alike by shape everywhere): Python fixes its signature.
     def __exit__(
         self,
         exc_type: type[BaseException] | None,

@@ -69,6 +69,7 @@ def compute_once(
     stage: str | None = None,
     request_id: str | None = None,
 ) -> Outcome[T]: ...
+# The second overload (alike by shape on purpose): ``wait: bool`` may give Locked, as typing needs.
 @overload
 def compute_once(
     workspace_id: str,
@@ -88,6 +89,7 @@ def compute_once(
     stage: str | None = None,
     request_id: str | None = None,
 ) -> Outcome[T] | Locked: ...
+# The overloads' parameters again on purpose: the implementation's signature, as typing needs.
 def compute_once(
     workspace_id: str,
     job_id: str,
@@ -138,6 +140,7 @@ def compute_once(
     return run_sync(steps)
 
 
+# protocol_steps' parameters and the cache's (alike by shape on purpose): it wraps protocol_steps.
 def cached_steps(
     workspace_id: str,
     job_id: str,

@@ -9,6 +9,7 @@ lives until ``expires_at`` (database clock) and keeps what computing it cost, wh
 
 from __future__ import annotations
 
+# The column types each table module imports (alike by shape): imports, not logic.
 from sqlalchemy import (
     BigInteger,
     CheckConstraint,

@@ -134,6 +134,7 @@ def budget_of_row(row: dict[str, Any]) -> Budget:
     )
 
 
+# Keyword options alike only by shape to Provider's: the public signature, spelled out.
 def set_budget(
     workspace_id: str,
     period: str,

@@ -86,6 +86,7 @@ class Cascade:
     def __repr__(self) -> str:
         return f"Cascade([{', '.join(p.name for p in self.providers)}])"
 
+    # Same parameters as Provider.permit on purpose: the public signature, for the docs and typing.
     def call(
         self,
         workspace_id: str,
@@ -108,6 +109,7 @@ class Cascade:
         result: T = drive(steps, do_step)
         return result
 
+    # Same parameters as call on purpose: its asyncio twin, a public signature spelled out.
     async def acall(
         self,
         workspace_id: str,

@@ -70,6 +70,7 @@ class ProcessLedger:
     def admit(self, grant: Grant) -> None:
         self.hooks().admit(grant)
 
+    # SpendHooks.settle's signature (alike by shape): the protocol method, spelled out.
     def settle(
         self,
         grant: Grant,

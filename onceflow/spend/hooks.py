@@ -53,6 +53,7 @@ class Grant:
     holder entry, and the ledger's row (settle is idempotent on it).
     """
 
+    # Fields as dataclass fields (alike by shape with other records): data, not logic.
     permit_id: str = field(default_factory=new_permit_id)
     workspace_id: str
     provider: str
@@ -83,6 +84,7 @@ class SpendHooks(Protocol):
         """Before the rate limits: raise ``BudgetExceeded`` to refuse the permit,
         ``BudgetBusy`` to have it wait and ask again."""
 
+    # The Protocol method every hooks class spells out again (alike by shape): declared, not shared.
     def settle(
         self,
         grant: Grant,
@@ -106,6 +108,7 @@ class NoHooks:
     def admit(self, grant: Grant) -> None:
         return None
 
+    # SpendHooks.settle's signature (alike by shape): the protocol method, spelled out.
     def settle(
         self,
         grant: Grant,

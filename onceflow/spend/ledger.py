@@ -159,6 +159,7 @@ class LedgerHooks:
 
     # ------------------------------------------------------------------ settle
 
+    # SpendHooks.settle's signature (alike by shape): the protocol method, spelled out.
     def settle(
         self,
         grant: Grant,

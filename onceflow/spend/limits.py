@@ -281,6 +281,7 @@ class SyncLimits:
         args = acquire_args(spec, permit_id, workspace_id, tokens, seen)
         return decision(self.run(ACQUIRE, keys.acquire(), args))
 
+    # Alike by shape on purpose: the sync twin of AsyncLimits.settle; every step is I/O.
     def settle(
         self,
         keys: ProviderKeys,
@@ -349,6 +350,7 @@ class AsyncLimits:
         args = acquire_args(spec, permit_id, workspace_id, tokens, seen)
         return decision(await self.run(ACQUIRE, keys.acquire(), args))
 
+    # Alike by shape on purpose: the async twin of SyncLimits.settle; every step is I/O.
     async def settle(
         self,
         keys: ProviderKeys,

@@ -115,6 +115,7 @@ class Provider:
     persistence, where a lost state is not expected).
     """
 
+    # Provider's keywords spelled out on purpose: the public constructor, for the docs and typing.
     def __init__(
         self,
         name: str,
@@ -192,6 +193,7 @@ class Provider:
 
     # ------------------------------------------------------------------ permits
 
+    # Keyword options alike by shape to record_hit's on purpose: the stage run a permit serves.
     def grant_for(
         self,
         workspace_id: str,
@@ -232,6 +234,7 @@ class Provider:
         dearer = max(self.price.input_per_million, self.price.output_per_million)
         return tokens * dearer / Decimal(1_000_000)
 
+    # Same parameters as Cascade.call on purpose: the public signature, for the docs and typing.
     def permit(
         self,
         workspace_id: str,
@@ -264,6 +267,7 @@ class Provider:
         wait = checks.Wait.checked(timeout, heartbeat, heartbeat_every, cancel)
         return PermitContext(self, grant, wait)
 
+    # Same parameters as permit on purpose: its asyncio twin, a public signature spelled out.
     def apermit(
         self,
         workspace_id: str,
@@ -546,6 +550,7 @@ class PermitContext:
         self.permit = Permit(self.provider, self.grant, decided.at_ms)
         return self.permit
 
+    # The context-manager protocol (alike by shape everywhere): Python fixes its signature.
     def __exit__(
         self,
         exc_type: type[BaseException] | None,
@@ -580,6 +585,7 @@ class AsyncPermitContext:
         self.permit = AsyncPermit(self.provider, self.grant, decided.at_ms)
         return self.permit
 
+    # The async context-manager protocol (alike by shape everywhere): Python fixes its signature.
     async def __aexit__(
         self,
         exc_type: type[BaseException] | None,

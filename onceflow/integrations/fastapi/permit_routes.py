@@ -178,6 +178,7 @@ class SettleIn(ClaimBodyIn):
 class RateLimitedIn(ClaimBodyIn):
     """The provider answered 429: cool it for every client."""
 
+    # A Field alike by shape to other bodies' on purpose: its own bounds and documented text.
     retry_after: float | None = Field(
         default=None,
         ge=0,
@@ -360,6 +361,7 @@ def add_permit_routes(
             expires_in_ms=provider.spec.ttl_ms,
         )  # fmt: skip
 
+    # Route decorator alike by shape on purpose: FastAPI builds the OpenAPI contract from it.
     @router.post(
         "/claims/{request_id}/permits",
         operation_id="take_permit",
@@ -493,6 +495,7 @@ def add_permit_routes(
         await permit.settle(usage, model=body.model)
         return settled_out(permit, "ok")
 
+    # Route decorator alike by shape on purpose: FastAPI builds the OpenAPI contract from it.
     @router.post(
         "/claims/{request_id}/permits/{permit_id}/rate-limited",
         operation_id="permit_rate_limited",
@@ -513,6 +516,7 @@ def add_permit_routes(
         await permit.rate_limited(body.retry_after)
         return settled_out(permit, "rate_limited")
 
+    # Route decorator alike by shape on purpose: FastAPI builds the OpenAPI contract from it.
     @router.post(
         "/claims/{request_id}/permits/{permit_id}/release",
         operation_id="release_permit",

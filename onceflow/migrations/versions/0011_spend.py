@@ -1,3 +1,4 @@
+# Frozen history: Alembic's revision header repeats in every migration by design.
 """Spend control: the cost ledger, budgets per workspace and period, and reservations.
 
 ``spend_ledger``: one row per settled provider call (workspace, stage, request, cell,

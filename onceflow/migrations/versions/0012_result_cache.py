@@ -1,3 +1,4 @@
+# Frozen history: Alembic's revision header repeats in every migration by design.
 """The result cache across jobs, and what its hits saved in the spend ledger.
 
 ``result_cache``: the entries of workspace-scope keys, keyed ``(workspace_id, digest)``

@@ -60,6 +60,7 @@ export function newPermitId() {
  * BudgetExceeded.
  */
 export class ClaimPermits {
+  // A constructor keeping its arguments (alike by shape with ClaimEvents'): nothing to share.
   constructor(api, requestId, token, { signal, workspaceId } = {}) {
     this.api = api;
     this.requestId = requestId;
