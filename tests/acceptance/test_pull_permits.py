@@ -89,6 +89,22 @@ def api(
         yield url
 
 
+@pytest.fixture(autouse=True)
+def no_request_left(engine: Engine) -> None:
+    """Each test's pull workers claim whatever of their class is due: a request an earlier
+    test left queued or running (a killed tab's, a refused one's retry) is ended first, so
+    a test claims only what it enqueued."""
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE workspace_process_requests SET status = 'cancelled', "
+                "lease_expires_at = NULL, claim_token = NULL "
+                "WHERE worker_class IN (:py, :js) AND status IN ('queued', 'running')"
+            ),
+            {"py": PY, "js": JS},
+        )
+
+
 def enqueue(stage: str, ws: str, wc: str) -> str:
     made = flow.enqueue(stage, ws, f"j-{uuid.uuid4().hex[:8]}", "main", {}, worker_class=wc)
     return str(made.request_id)
