@@ -2,8 +2,8 @@
 records every settled call in Postgres and holds workspaces to their budgets.
 
 - ``admit``: in one transaction on the workspace's database, the workspace's budget rows
-  are locked (``FOR UPDATE``: two processes admitting at once take turns, so they cannot
-  both pass the last unit of a budget), expired reservations become ``abandoned`` ledger
+  are locked (``FOR UPDATE``: two processes admitting at once take turns, so only one of
+  them can take the last unit of a budget), expired reservations become ``abandoned`` ledger
   rows charged their estimate, every budget is checked against the period's spend plus
   the reservations of calls in flight plus this call's estimate, and the estimate is
   reserved until ``reservation_ttl`` seconds from now (database clock). Refused, nothing

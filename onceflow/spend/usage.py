@@ -11,16 +11,9 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
 from onceflow.errors import InvalidRequest
+from onceflow.spend.checks import tokens
 
 _MILLION = Decimal(1_000_000)
-
-
-def _check_tokens(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequest(f"{name} must be a whole number of tokens, got {value!r}")
-    if value < 0:
-        raise InvalidRequest(f"{name} must not be negative, got {value}")
-    return value
 
 
 def _check_price(name: str, value: object) -> Decimal:
@@ -45,8 +38,8 @@ class Usage:
     output_tokens: int
 
     def __post_init__(self) -> None:
-        _check_tokens("input_tokens", self.input_tokens)
-        _check_tokens("output_tokens", self.output_tokens)
+        tokens("input_tokens", self.input_tokens)
+        tokens("output_tokens", self.output_tokens)
 
     @property
     def total_tokens(self) -> int:
