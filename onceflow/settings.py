@@ -247,6 +247,18 @@ class Settings(BaseSettings):
         description='Operator keys as JSON {"<sha256 hex of the key>": ["viewer"] or ["admin"]}: '
         "the dashboard and /metrics (viewer), and requeue/cancel from the dashboard (admin).",
     )
+    trace_workspace_ids: bool = Field(
+        default=False,
+        description="Put the workspace id on onceflow's spans (onceflow.workspace_id). Off by "
+        "default: a workspace id may name a customer, and a trace backend is often read by more "
+        "people than the database. Request ids, stages and worker classes are always set.",
+    )
+    log_format: Literal["text", "json"] = Field(
+        default="text",
+        description="Log lines of `onceflow worker`, `work`, `api` and `beat`: text, or one JSON "
+        "object per line with the request id, workspace, stage, attempt and the current trace "
+        "and span ids.",
+    )
     metrics_port: int | None = Field(
         default=None,
         ge=1,

@@ -52,6 +52,9 @@ class EnqueueResult:
     worker_class: str = ""
     #: The request's workspace (with ``request_id``, the row's key).
     workspace_id: str = ""
+    #: The trace context the row was enqueued under, read back when this enqueue joined an
+    #: existing row (``created=False``): the enqueue's span links to it. None otherwise.
+    trace_context: str | None = field(default=None, compare=False, repr=False)
 
 
 # The API's RequestOut repeats these fields on purpose: the HTTP contract is spelled out apart.

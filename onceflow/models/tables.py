@@ -79,6 +79,9 @@ workspace_process_requests = Table(
     Column("redispatch_count", Integer, nullable=False, server_default=text("0")),
     # Someone waits for the row's end (Queue.wait): its end sends NOTIFY onceflow_done (0010).
     Column("waited", Boolean, nullable=False, server_default=text("false")),
+    # The W3C trace context the row was enqueued under (traceparent, then tracestate after a
+    # newline), NULL without tracing: the run that serves it continues that trace (0013).
+    Column("trace_context", Text),
     Column("result", JSONB),
     Column("error", JSONB),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),

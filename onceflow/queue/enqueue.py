@@ -13,6 +13,9 @@ from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
+from opentelemetry.trace import Span, SpanKind
+
+from onceflow import tracing
 from onceflow.connector import (
     AfterCommit,
     Execute,
@@ -190,8 +193,24 @@ class EnqueueOps:
         """Insert the rows of ``params``; on a pooled connection, once more after a lost one.
 
         Idempotent (ON CONFLICT DO NOTHING, same ids): if the lost attempt committed, the
-        retry collapses onto its rows.
+        retry collapses onto its rows. Traced as one ``onceflow.enqueue`` span when tracing
+        is on: the rows it creates keep its context, so their runs continue its trace.
         """
+        span = _enqueue_span(params) if tracing.active() else None
+        if span is not None:
+            params["trace_context"] = tracing.carrier_of(span)
+        try:
+            results = yield from self._traced_enqueue(params, strict)
+        except BaseException as exc:
+            if span is not None:
+                tracing.ended_with(span, exc)
+                span.end()
+            raise
+        if span is not None:
+            _end_enqueue_span(span, results)
+        return results
+
+    def _traced_enqueue(self, params: dict[str, Any], strict: bool) -> Steps[list[EnqueueResult]]:
         try:
             results = yield from self._insert(params, strict)
         except DatabaseUnavailable as exc:
@@ -290,6 +309,8 @@ class EnqueueOps:
             "request_ids": ids, "workspace_ids": spaces, "input_hashes": hashes,
             "stages": stages, "worker_classes": classes,
             "now": now, "notify": self.settings.notify, **single,
+            # The current span's (a hand-off's: the stage's); an enqueue puts its own span's.
+            "trace_context": tracing.current_carrier() if tracing.active() else None,
         }  # fmt: skip
         if rows:
             params["rows"] = "[" + ",".join(rows) + "]"
@@ -336,6 +357,7 @@ class EnqueueOps:
                     stage,
                     wc,
                     ws,
+                    None if created else row.get("trace_context"),
                 )
             )
         return results
@@ -353,8 +375,46 @@ class EnqueueOps:
             raise InputMismatch(rid, stored, digest)
         status = status_of(row["status"])
         ws, stage, wc = params["workspace_id"], params["stage"], params["worker_class"]
-        return [EnqueueResult(RequestId(rid), bool(row["created"]), status, stored != digest,
-                              stage, wc, ws)]  # fmt: skip
+        created = bool(row["created"])
+        joined = None if created else row.get("trace_context")
+        return [EnqueueResult(RequestId(rid), created, status, stored != digest,
+                              stage, wc, ws, joined)]  # fmt: skip
+
+
+#: Links an enqueue's span makes at most to the rows its duplicates joined.
+_MAX_JOIN_LINKS = 32
+
+
+def _enqueue_span(params: dict[str, Any]) -> Span:
+    """The (not current) span of one enqueue statement, under the caller's current span."""
+    ids: list[str] = params["request_ids"]
+    if len(ids) == 1:
+        attributes = tracing.attributes(
+            request_id=ids[0], stage=params["stages"][0],
+            worker_class=params["worker_classes"][0], workspace_id=params["workspace_ids"][0],
+            operation="create",
+        )  # fmt: skip
+    else:
+        attributes = tracing.attributes(operation="create")
+        attributes["messaging.batch.message_count"] = len(ids)
+    return tracing.TRACER.start_span("onceflow.enqueue", kind=SpanKind.PRODUCER,
+                                     attributes=attributes)  # fmt: skip
+
+
+def _end_enqueue_span(span: Span, results: list[EnqueueResult]) -> None:
+    """Count what the enqueue created and joined, link to the traces of the rows it joined."""
+    created = sum(1 for r in results if r.created)
+    span.set_attribute("onceflow.created", created)
+    span.set_attribute("onceflow.joined", len(results) - created)
+    linked = 0
+    for result in results:
+        if result.created or linked >= _MAX_JOIN_LINKS:
+            continue
+        joined = {"onceflow.request_id": result.request_id}
+        for link in tracing.link_to(result.trace_context, joined):
+            span.add_link(link.context, link.attributes)
+            linked += 1
+    span.end()
 
 
 def _row_json(values: tuple[Any, ...], text: str) -> str:

@@ -135,10 +135,11 @@ ins AS (
     INSERT INTO {TABLE} AS w (
         request_id, workspace_id, job_id, branch_path, stage, dedupe, input, input_hash,
         worker_class, priority, max_attempts, max_crash_attempts,
-        run_after, dispatched_at, created_at, updated_at)
+        run_after, dispatched_at, created_at, updated_at, trace_context)
     SELECT i.request_id, i.workspace_id, i.job_id, i.branch_path, i.stage, i.dedupe, i.input,
            i.input_hash, i.worker_class, i.priority, i.max_attempts, i.max_crash_attempts,
-           n.now + make_interval(secs => i.delay), n.now, n.now, n.now
+           n.now + make_interval(secs => i.delay), n.now, n.now, n.now,
+           CAST(:trace_context AS text)
     FROM items i, n
     ON CONFLICT (workspace_id, request_id) DO NOTHING
     RETURNING w.request_id, w.workspace_id, w.status, w.input_hash, w.worker_class, w.run_after
@@ -153,12 +154,14 @@ sig AS ({_notify("ins", "r.run_after <= n.now")})
 -- join, the generic plan psycopg's prepared statement keeps from a small table hashed the
 -- whole table on every enqueue, new rows too, until an ANALYZE re-planned it, so an
 -- enqueue grew slower with the table.
-SELECT request_id, workspace_id, true AS created, status, input_hash FROM ins WHERE {_SENT}
+SELECT request_id, workspace_id, true AS created, status, input_hash,
+       CAST(NULL AS text) AS trace_context
+FROM ins WHERE {_SENT}
 UNION ALL
-SELECT w.request_id, r.workspace_id, false AS created, w.status, w.input_hash
+SELECT w.request_id, r.workspace_id, false AS created, w.status, w.input_hash, w.trace_context
 FROM items r
 CROSS JOIN LATERAL (
-    SELECT o.request_id, o.status, o.input_hash FROM {TABLE} o
+    SELECT o.request_id, o.status, o.input_hash, o.trace_context FROM {TABLE} o
     WHERE o.workspace_id = r.workspace_id AND o.request_id = r.request_id LIMIT 1
 ) w
 -- The pair as one text (ids hold no control character): a NOT IN over one column is hashed.
@@ -184,21 +187,23 @@ WITH ins AS (
     INSERT INTO {TABLE} AS w (
         request_id, workspace_id, job_id, branch_path, stage, dedupe, input, input_hash,
         worker_class, priority, max_attempts, max_crash_attempts,
-        run_after, dispatched_at, created_at, updated_at)
+        run_after, dispatched_at, created_at, updated_at, trace_context)
     VALUES (CAST(:request_id AS text), CAST(:workspace_id AS text), CAST(:job_id AS text),
             CAST(:branch_path AS text), CAST(:stage AS text), CAST(:dedupe AS boolean),
             CAST(:input AS jsonb), CAST(:input_hash AS text), CAST(:worker_class AS text),
             CAST(:priority AS integer), CAST(:max_attempts AS integer),
             CAST(:max_crash_attempts AS integer),
             {_NOW_EXPR} + make_interval(secs => CAST(:delay AS float8)),
-            {_NOW_EXPR}, {_NOW_EXPR}, {_NOW_EXPR})
+            {_NOW_EXPR}, {_NOW_EXPR}, {_NOW_EXPR}, CAST(:trace_context AS text))
     ON CONFLICT (workspace_id, request_id) DO NOTHING
     RETURNING w.status, w.worker_class, w.run_after
 )
-SELECT true AS created, ins.status, CAST(:input_hash AS text) AS input_hash FROM ins
+SELECT true AS created, ins.status, CAST(:input_hash AS text) AS input_hash,
+       CAST(NULL AS text) AS trace_context
+FROM ins
 WHERE {_notify_one("ins", f"ins.run_after <= {_NOW_EXPR}")}
 UNION ALL
-SELECT false AS created, o.status, o.input_hash
+SELECT false AS created, o.status, o.input_hash, o.trace_context
 FROM {TABLE} o
 WHERE o.workspace_id = CAST(:workspace_id AS text) AND o.request_id = CAST(:request_id AS text)
   AND NOT EXISTS (SELECT FROM ins)
@@ -208,7 +213,8 @@ WHERE o.workspace_id = CAST(:workspace_id AS text) AND o.request_id = CAST(:requ
 ENQUEUE_LOOKUP = Statement.write(
     "queue.enqueue_lookup",
     f"""
-SELECT w.request_id, w.workspace_id, false AS created, w.status, w.input_hash, w.created_at
+SELECT w.request_id, w.workspace_id, false AS created, w.status, w.input_hash, w.created_at,
+       w.trace_context
 FROM {TABLE} w
 JOIN unnest(CAST(:workspace_ids AS text[]), CAST(:request_ids AS text[])) AS k(workspace_id,
                                                                           request_id)

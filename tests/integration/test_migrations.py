@@ -28,7 +28,7 @@ def test_upgrade_head_on_empty_database_then_no_drift(empty_database: str) -> No
             ).scalar_one()
             assert "autovacuum_vacuum_scale_factor=0.01" in options
             version = conn.execute(text("SELECT version_num FROM onceflow_alembic_version"))
-            assert version.scalar_one() == "0012"
+            assert version.scalar_one() == "0013"
     finally:
         engine.dispose()
 
@@ -47,9 +47,10 @@ VALUES
      NULL, 'old-worker', NULL, now(), now(), 1, 5, 3, '{"ok": true}', now())
 """
 
-# Every row as JSON, without the columns 0006 adds.
+# Every row as JSON, without the columns 0006 and later revisions add.
 ROWS_AS_0005 = """
-SELECT to_jsonb(w) - 'lease_seconds' - 'run_deadline' - 'ended_run' - 'waited' AS row
+SELECT to_jsonb(w) - 'lease_seconds' - 'run_deadline' - 'ended_run' - 'waited' - 'trace_context'
+       AS row
 FROM workspace_process_requests w ORDER BY request_id
 """
 
@@ -132,6 +133,11 @@ def test_0007_0008_key_requests_by_workspace_keeping_rows_ids_and_old_wake_ups(
             assert conn.execute(text(PK_COLUMNS)).scalar_one() == ["request_id"]
             assert conn.execute(text(OLD_ENQUEUE), {"rid": "old-1"}).rowcount == 1
             assert conn.execute(text(OLD_ENQUEUE), {"rid": "old-1"}).rowcount == 0  # collapsed
+            # This release's enqueue also writes the trace context (0013, a nullable column
+            # that code of 0007 ignores): added ahead, as 0013 does (IF NOT EXISTS).
+            conn.execute(
+                text("ALTER TABLE workspace_process_requests ADD COLUMN trace_context text")
+            )
         queue = Queue(engine)
         made = queue.enqueue("s", "w", "j1")  # this release's ON CONFLICT (workspace, id)
         assert (made.created, made.request_id) == (True, queue.enqueue("s", "w", "j1").request_id)

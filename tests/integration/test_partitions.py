@@ -157,7 +157,7 @@ def test_a_new_database_migrated_with_8_partitions(empty_database: str) -> None:
             ).scalar_one()
             assert "autovacuum_vacuum_scale_factor=0.01" in options
             version = conn.execute(text("SELECT version_num FROM onceflow_alembic_version"))
-            assert version.scalar_one() == "0012"
+            assert version.scalar_one() == "0013"
     finally:
         engine.dispose()
     # Every downgrade works on the partitioned layout too, and the way up again.

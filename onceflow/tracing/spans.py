@@ -1,0 +1,74 @@
+"""onceflow's tracer and the attributes every runner puts on its spans.
+
+Span names and attributes are listed in docs/tracing.md. What goes on a span is ids, names,
+counts and outcomes — never an input, a result, an error's message, a key or a secret; the
+workspace id only with ``ONCEFLOW_TRACE_WORKSPACE_IDS``. Messaging attributes follow
+OpenTelemetry's messaging conventions (``messaging.system`` is ``onceflow``, the destination
+a worker class, the message id a request id), so a trace backend groups them as a queue's.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from opentelemetry import trace
+from opentelemetry.trace import NoOpTracerProvider, ProxyTracerProvider, Span, StatusCode
+from opentelemetry.util.types import AttributeValue
+
+from onceflow.settings import get_settings
+
+
+def _version() -> str:
+    try:
+        return version("onceflow")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "0"
+
+
+#: onceflow's tracer. Without an SDK (or before one is set) it hands out no-op spans.
+TRACER = trace.get_tracer("onceflow", _version())
+
+
+def active() -> bool:
+    """True when a tracer provider of an SDK is installed: spans may record. Callers skip
+    building attributes and links when it is False (the no-op path costs a call)."""
+    provider = trace.get_tracer_provider()
+    return not isinstance(provider, ProxyTracerProvider | NoOpTracerProvider)
+
+
+def attributes(
+    *,
+    request_id: str | None = None,
+    stage: str | None = None,
+    worker_class: str | None = None,
+    attempt: int | None = None,
+    workspace_id: str | None = None,
+    operation: str | None = None,
+) -> dict[str, AttributeValue]:
+    """A request's span attributes (``None`` values left out): onceflow's own and the
+    messaging conventions' (``operation``: ``create``, ``receive``, ``process``, ``settle``).
+    The workspace id only when ``ONCEFLOW_TRACE_WORKSPACE_IDS`` is set."""
+    out: dict[str, AttributeValue] = {"messaging.system": "onceflow"}
+    if operation is not None:
+        out["messaging.operation.type"] = operation
+    if request_id is not None:
+        out["onceflow.request_id"] = request_id
+        out["messaging.message.id"] = request_id
+    if stage is not None:
+        out["onceflow.stage"] = stage
+    if worker_class is not None:
+        out["onceflow.worker_class"] = worker_class
+        out["messaging.destination.name"] = worker_class
+    if attempt is not None:
+        out["onceflow.attempt"] = attempt
+    if workspace_id is not None and get_settings().trace_workspace_ids:
+        out["onceflow.workspace_id"] = workspace_id
+    return out
+
+
+def ended_with(span: Span, error: BaseException) -> None:
+    """Mark ``span`` as failed by ``error``: its type only (``error.type``), never its message,
+    which may quote an input."""
+    name = type(error).__qualname__
+    span.set_attribute("error.type", name)
+    span.set_status(StatusCode.ERROR, name)
