@@ -24,7 +24,7 @@ from onceflow.tracing.logs import (
     log_fields,
 )
 from onceflow.tracing.setup import configure, flush
-from onceflow.tracing.spans import TRACER, active, attributes, ended_with
+from onceflow.tracing.spans import TRACER, active, attributes, ended_with, run_parent
 
 __all__ = [
     "LOG_FIELDS",
@@ -43,5 +43,6 @@ __all__ = [
     "flush",
     "link_to",
     "log_fields",
+    "run_parent",
     "span_context_from",
 ]

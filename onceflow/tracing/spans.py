@@ -12,10 +12,12 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from opentelemetry import trace
-from opentelemetry.trace import NoOpTracerProvider, ProxyTracerProvider, Span, StatusCode
+from opentelemetry.context import Context
+from opentelemetry.trace import Link, NoOpTracerProvider, ProxyTracerProvider, Span, StatusCode
 from opentelemetry.util.types import AttributeValue
 
 from onceflow.settings import get_settings
+from onceflow.tracing.carrier import span_context_from
 
 
 def _version() -> str:
@@ -72,3 +74,25 @@ def ended_with(span: Span, error: BaseException) -> None:
     name = type(error).__qualname__
     span.set_attribute("error.type", name)
     span.set_status(StatusCode.ERROR, name)
+
+
+def run_parent(stored: str | None) -> tuple[Context | None, list[Link]]:
+    """Where a stage run's span goes: its parent context and its links.
+
+    The run continues the trace its row was enqueued under (``stored``), however late and
+    wherever it runs, and links to that enqueue. When a span is already current in the same
+    trace (Celery's own instrumentation, whose task span the wake-up's headers placed under
+    the enqueue), the run nests inside it. A current span of another trace (a wake-up sent
+    without the row's context) is linked instead, and the run goes under the enqueue.
+    A row without a stored context runs under whatever is current (a new trace if nothing).
+    """
+    enqueue = span_context_from(stored)
+    current = trace.get_current_span().get_span_context()
+    if enqueue is None:
+        return None, []
+    links = [Link(enqueue, {"onceflow.link": "enqueue"})]
+    if current.is_valid and current.trace_id == enqueue.trace_id:
+        return None, links  # nest inside the current span
+    if current.is_valid:
+        links.append(Link(current, {"onceflow.link": "delivery"}))
+    return trace.set_span_in_context(trace.NonRecordingSpan(enqueue)), links
