@@ -9,7 +9,9 @@ a worker class, the message id a request id), so a trace backend groups them as 
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -27,8 +29,35 @@ def _version() -> str:
         return "0"
 
 
+class _Tracer:
+    """onceflow's tracer, taken from whichever tracer provider is global when a span starts
+    (kept per provider): a provider installed after import is used at once."""
+
+    def __init__(self, version: str) -> None:
+        self._version = version
+        self._provider: object = None
+        self._tracer: trace.Tracer = trace.NoOpTracer()
+
+    def _current(self) -> trace.Tracer:
+        provider = trace.get_tracer_provider()
+        if provider is not self._provider:
+            self._tracer = provider.get_tracer("onceflow", self._version)
+            self._provider = provider
+        return self._tracer
+
+    def start_span(self, name: str, *args: Any, **kwargs: Any) -> Span:
+        """As :meth:`opentelemetry.trace.Tracer.start_span`."""
+        return self._current().start_span(name, *args, **kwargs)
+
+    def start_as_current_span(
+        self, name: str, *args: Any, **kwargs: Any
+    ) -> AbstractContextManager[Span]:
+        """As :meth:`opentelemetry.trace.Tracer.start_as_current_span`."""
+        return self._current().start_as_current_span(name, *args, **kwargs)
+
+
 #: onceflow's tracer. Without an SDK (or before one is set) it hands out no-op spans.
-TRACER = trace.get_tracer("onceflow", _version())
+TRACER = _Tracer(_version())
 
 
 def active() -> bool:
