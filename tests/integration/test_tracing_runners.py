@@ -531,3 +531,24 @@ def test_the_standalone_worker_keeps_retries_and_hand_offs_in_the_trace(
     [follow_run] = runs_of(spans, follow.request_id)
     assert follow_run.context.trace_id == hand_client.context.trace_id
     assert follow_run.parent is not None and follow_run.parent.span_id == hand_off.context.span_id
+
+
+def test_a_prefork_child_exports_its_buffered_spans_as_it_exits(
+    exporter: InMemorySpanExporter,
+) -> None:
+    """A child ends without ``atexit``: the shutdown hook exports what its batch holds."""
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from onceflow.tasks import worker_process
+
+    batched = InMemorySpanExporter()
+    provider = trace.get_tracer_provider()
+    assert isinstance(provider, TracerProvider)
+    # A batch that would wait an hour before exporting on its own.
+    provider.add_span_processor(BatchSpanProcessor(batched, schedule_delay_millis=3_600_000))
+    with tracing.TRACER.start_as_current_span("in the child"):
+        pass
+    assert not batched.get_finished_spans()
+    worker_process._child_exits()  # the worker_process_shutdown hook
+    assert [s.name for s in batched.get_finished_spans()] == ["in the child"]
+    batched.shutdown()  # exports nothing more (this module's provider lives on)
