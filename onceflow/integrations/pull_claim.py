@@ -31,6 +31,9 @@ class PullClaim:
     lease_expires_at: datetime
     attempt: int
     request: dict[str, Any]
+    #: The trace context the request was enqueued under, when the claim's answer carries
+    #: it: the run continues that trace. None: the run starts under the current span.
+    trace_context: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def workspace_id(self) -> str | None:
