@@ -19,10 +19,8 @@ import pytest
 from celery.contrib.testing.worker import start_worker
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
-from opentelemetry.util._once import Once
 from pydantic import BaseModel
 from sqlalchemy import Engine, text
 
@@ -100,32 +98,11 @@ def make_flow(settings: Settings | None = None) -> Flow:
 # ------------------------------------------------------------------------------ fixtures
 
 
-@pytest.fixture(scope="module")
-def exporter() -> Iterator[InMemorySpanExporter]:
-    """An SDK tracer provider exporting to memory; the globals reset afterwards when this
-    module installed it (the rest of the suite runs without an SDK)."""
-    memory = InMemorySpanExporter()
-    current = trace.get_tracer_provider()
-    installed = not isinstance(current, TracerProvider)
-    provider = TracerProvider() if installed else current
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    if installed:
-        trace.set_tracer_provider(provider)
-    assert tracing.active()
-    yield memory
-    if installed:
-        provider.shutdown()
-        trace._TRACER_PROVIDER_SET_ONCE = Once()
-        trace._TRACER_PROVIDER = None
-        tracing.TRACER._real_tracer = None
-
-
 @pytest.fixture()
-def spans(exporter: InMemorySpanExporter, clean_db: Engine) -> Iterator[InMemorySpanExporter]:
-    exporter.clear()
+def spans(trace_spans: InMemorySpanExporter, clean_db: Engine) -> InMemorySpanExporter:
+    """The in-memory SDK of ``trace_spans`` (tests/conftest.py), on the test's database."""
     ENGINE[:] = [clean_db]
-    yield exporter
-    exporter.clear()
+    return trace_spans
 
 
 @pytest.fixture()
@@ -351,7 +328,7 @@ def test_a_heartbeat_that_finds_the_lease_gone_is_noted_on_the_run(
 
 
 @pytest.fixture()
-def instrumented(exporter: InMemorySpanExporter) -> Iterator[None]:
+def instrumented(spans: InMemorySpanExporter) -> Iterator[None]:
     """Celery's own OpenTelemetry instrumentation, on this process's provider."""
     from opentelemetry.instrumentation.celery import CeleryInstrumentor
 
@@ -534,7 +511,7 @@ def test_the_standalone_worker_keeps_retries_and_hand_offs_in_the_trace(
 
 
 def test_a_prefork_child_exports_its_buffered_spans_as_it_exits(
-    exporter: InMemorySpanExporter,
+    trace_spans: InMemorySpanExporter,
 ) -> None:
     """A child ends without ``atexit``: the shutdown hook exports what its batch holds."""
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -551,4 +528,4 @@ def test_a_prefork_child_exports_its_buffered_spans_as_it_exits(
     assert not batched.get_finished_spans()
     worker_process._child_exits()  # the worker_process_shutdown hook
     assert [s.name for s in batched.get_finished_spans()] == ["in the child"]
-    batched.shutdown()  # exports nothing more (this module's provider lives on)
+    batched.shutdown()  # exports nothing more
