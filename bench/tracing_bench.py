@@ -313,8 +313,20 @@ def main(argv: list[str] | None = None) -> int:
         "--configs", default=None, help="drain configurations, processes x concurrency"
     )
     args = parser.parse_args(argv)
-    quick = {"requests": 300, "rounds": 2, "calls": 500, "lock_rounds": 3, "configs": "1x2"}
-    full = {"requests": 2_000, "rounds": 6, "calls": 2_000, "lock_rounds": 10, "configs": "1x2,1x4"}
+    quick: dict[str, Any] = {
+        "requests": 300,
+        "rounds": 2,
+        "calls": 500,
+        "lock_rounds": 3,
+        "configs": "1x2",
+    }
+    full: dict[str, Any] = {
+        "requests": 2_000,
+        "rounds": 6,
+        "calls": 2_000,
+        "lock_rounds": 10,
+        "configs": "1x2,1x4",
+    }
     cfg = quick if args.quick else full
     cfg = {
         **cfg,

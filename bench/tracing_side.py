@@ -30,6 +30,10 @@ import onceflow
 from onceflow.locks import RedisLockBackend, compute_once
 
 
+def _value() -> str:
+    return "v"
+
+
 def main() -> int:
     url, service = sys.argv[1], sys.argv[2]
     try:
@@ -41,7 +45,7 @@ def main() -> int:
     backend = RedisLockBackend(client)
     ws = f"bench-{service}"
     print(json.dumps({"onceflow": onceflow.__file__, "traced": traced}), flush=True)
-    stored: dict[str, str] = {}
+    stored: dict[str, None] = {}  # store(value): the values computed, as keys
     job = 0
     for line in sys.stdin:
         path, count = line.split()
@@ -54,12 +58,15 @@ def main() -> int:
                 assert handle is not None and handle.release()
         elif path in ("computed", "preflight"):
             found = "stored" if path == "preflight" else None
+
+            def check(found: str | None = found) -> str | None:
+                return found
+
             for _ in range(n):
                 job += 1
                 compute_once(
-                    ws, f"job-{job}", "t", check=lambda found=found: found, compute=lambda: "v",
-                    store=lambda v, job=job: stored.__setitem__(str(job), v), backend=backend,
-                    watchdog=False,
+                    ws, f"job-{job}", "t", check=check, compute=_value, store=stored.setdefault,
+                    backend=backend, watchdog=False,
                 )  # fmt: skip
         else:
             raise SystemExit(f"unknown path {path!r}")

@@ -9,9 +9,11 @@ Without ``OTEL_*`` (or with an onceflow from before tracing, which has no
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 from bench.bench_stages import app, bare, flow
 
+_tracing: Any
 try:
     _tracing = importlib.import_module("onceflow.tracing")
 except ImportError:  # an onceflow from before tracing (the baseline side)

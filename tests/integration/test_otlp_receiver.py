@@ -38,10 +38,10 @@ def tracer_for(
     return provider.get_tracer("test"), provider
 
 
-def named(*names: str) -> Callable[[list[Span]], dict[str, Span] | None]:
-    def seen(spans: list[Span]) -> dict[str, Span] | None:
+def named(*names: str) -> Callable[[list[Span]], dict[str, Span]]:
+    def seen(spans: list[Span]) -> dict[str, Span]:
         found = {s.name: s for s in spans if s.name in names}
-        return found if len(found) == len(names) else None
+        return found if len(found) == len(names) else {}
 
     return seen
 
