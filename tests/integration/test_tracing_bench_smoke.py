@@ -40,6 +40,8 @@ def test_the_tracing_bench_measures_each_side_and_the_sdk_side_exports_spans(
     assert set(res["lock"]) == {"pair", "computed", "preflight"}
     assert all(set(p["ratios"]) == {"sdk"} for p in res["lock"].values())
     # The sdk side's workers and lock process exported what they traced: the stage runs, the
-    # computed cells. The receiver decoded every body it was sent.
+    # computed cells. A drain of 20 ends well within the batch processor's 5 s schedule, so
+    # the workers' spans arrive only if their pool children flush as they shut down. The
+    # receiver decoded every body it was sent.
     assert drain["spans_per_request"][0] > 0, drain
     assert res["spans_received"] > 0 and res["bad_bodies"] == 0
