@@ -10,11 +10,13 @@ link of any span carries a key, an id of the cell, an input or a value.
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing as mp
 import secrets
 import threading
 from collections.abc import Iterator, Sequence
 from decimal import Decimal
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from multiprocessing.synchronize import Event
 from typing import Any
 
@@ -27,6 +29,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 from sqlalchemy import Engine
 
+from onceflow import tracing
 from onceflow.errors import BudgetExceeded, ProviderError
 from onceflow.keys import lock_key
 from onceflow.locks import RedisLockBackend, compute_once
@@ -337,6 +340,31 @@ def test_a_permits_call_is_a_genai_client_span_with_its_tokens_and_cost(
     assert_says_none_of(everything_said(calls), ws)
 
 
+def test_an_async_permits_span_is_current_in_its_block(
+    spans: InMemorySpanExporter, redis_url: str
+) -> None:
+    openai = _provider(redis_url)
+    ws = f"ws-{secrets.token_hex(4)}"
+    inside: list[int] = []
+
+    async def main() -> None:
+        async with openai.apermit(ws, tokens=10) as permit:
+            inside.append(trace.get_current_span().get_span_context().span_id)
+            await permit.settle(Usage(3, 4), model="gpt-4o-mini")
+
+    try:
+        asyncio.run(main())
+    finally:
+        openai.reset()
+    (span,) = [s for s in spans.get_finished_spans() if s.name == "chat gpt-4o"]
+    assert inside == [span.context.span_id]  # the user's call nests in the permit's span
+    attrs = dict(span.attributes or {})
+    assert attrs["onceflow.permit.outcome"] == "granted"
+    assert (attrs["gen_ai.usage.input_tokens"], attrs["gen_ai.usage.output_tokens"]) == (3, 4)
+    assert attrs["gen_ai.response.model"] == "gpt-4o-mini"
+    assert trace.get_current_span().get_span_context().is_valid is False  # detached after
+
+
 def test_a_budget_refusal_is_a_failed_call_span(
     spans: InMemorySpanExporter, redis_url: str, clean_db: Engine
 ) -> None:
@@ -428,3 +456,44 @@ def test_a_duplicate_op_apply_returns_the_original_clock_and_its_span_says_dupli
     assert sent.parent is not None and sent.parent.span_id == applies[0].context.span_id
     assert dict(sent.attributes or {})["onceflow.channel.kind"] == "workspace"
     assert_says_none_of(everything_said(finished), ws, secret, op_id)
+
+
+def test_the_http_op_log_client_sends_the_current_trace_with_each_op(
+    spans: InMemorySpanExporter,
+) -> None:
+    from onceflow.oplog.http import HttpTransport
+
+    seen: list[str | None] = []
+
+    class Api(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            seen.append(self.headers.get("traceparent"))
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps({
+                "workspace_id": "w1", "sub_doc": "cells", "op_id": "op-1", "clock": 3,
+                "duplicate": False, "result": None, "error": None,
+                "committed_at": "2026-01-01T00:00:00+00:00",
+            }).encode()  # fmt: skip
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Api)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    transport = HttpTransport(f"http://127.0.0.1:{server.server_address[1]}", "key")
+    try:
+        with trace.get_tracer("tests").start_as_current_span("caller") as caller:
+            done = transport.apply("w1", "cells", {"type": "cell.set"}, "op-1", None)
+    finally:
+        transport.close()
+        server.shutdown()
+        server.server_close()
+    assert done.clock == 3
+    (parent,) = seen
+    assert parent == tracing.carrier_of(caller)
