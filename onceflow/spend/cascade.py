@@ -212,10 +212,12 @@ class Cascade:
         and no round opens an admit of its own. A provider that grants has the others given
         back before the call; one whose admit finds the budget's room held (by this call's
         other admits among them) has those given back and is asked once more."""
+        first_ask = time.monotonic()
         deadline = clock() + wait.timeout
         beat_due = wait.beats(clock)
         failed: dict[str, str] = {}
         refused: dict[str, str] = {}
+        slept = False  # the cascade waited for room (the call's span says so, and why)
         while True:
             hint_ms = POLL_MS
             for p in self.providers:
@@ -250,6 +252,8 @@ class Cascade:
                 span = spans.start(p)
                 if span is not None:
                     span.attach()
+                    if slept:  # this provider's last refusal is why it waited
+                        span.waiting(refused.get(p.name, "?"), since=first_ask)
                     span.granted()
                 try:
                     value = yield Call(fn, permit)
@@ -287,6 +291,7 @@ class Cascade:
                 raise CascadeExhausted(names, reasons)
             if wait.heartbeat is not None and beat_due():
                 yield Call(wait.heartbeat)
+            slept = True
             yield Sleep(min(hint_ms / 1000 * random.uniform(0.5, 1.0), left))
 
     @staticmethod

@@ -87,9 +87,12 @@ class CallSpan:
         """Make the span current (until :meth:`end`): the block's calls nest inside it."""
         self._attached = context.attach(trace.set_span_in_context(self.span))
 
-    def waiting(self, reason: str) -> None:
-        """The permit waits (the limits refused for ``reason``, or the budget is busy)."""
+    def waiting(self, reason: str, *, since: float | None = None) -> None:
+        """The permit waits (the limits refused for ``reason``, or the budget is busy);
+        ``since``: when the wait began (``time.monotonic``), if before the span did."""
         self._reasons.append(reason)
+        if since is not None:
+            self._started = min(self._started, since)
 
     def granted(self) -> None:
         """The permit was granted: ``granted``, or ``waited`` with how long and why."""

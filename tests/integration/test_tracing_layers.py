@@ -423,6 +423,35 @@ def test_a_cascades_fallback_is_a_sibling_span_with_its_reason(
     assert_says_none_of(everything_said(calls), ws, "prompt")
 
 
+def test_a_cascade_that_waited_for_room_says_so_on_the_call_that_served(
+    spans: InMemorySpanExporter, redis_url: str
+) -> None:
+    only = _provider(redis_url, concurrency=1)
+    ws = f"ws-{secrets.token_hex(4)}"
+    answers: list[str] = []
+
+    def ask(permit: Any) -> str:
+        permit.settle(Usage(1, 1))
+        return "answer"
+
+    try:
+        held = only.permit(ws, tokens=10)
+        held.__enter__()
+        thread = threading.Thread(target=lambda: answers.append(Cascade([only]).call(ws, ask)))
+        thread.start()
+        wait_for(lambda: only.stats().get("denied_concurrency", 0) > 0)
+        held.__exit__(None, None, None)
+        thread.join(30)
+    finally:
+        only.reset()
+    assert answers == ["answer"]
+    calls = [s for s in spans.get_finished_spans() if s.name == "chat gpt-4o"]
+    (served,) = [s for s in calls if (s.attributes or {})["onceflow.permit.outcome"] == "waited"]
+    attrs = dict(served.attributes or {})
+    assert attrs["onceflow.permit.wait_reason"] == "concurrency"
+    assert attrs["onceflow.permit.wait_ms"] > 0
+
+
 # ------------------------------------------------------------------ the op log
 
 
