@@ -1,5 +1,6 @@
 """Spans of the compute lock, provider calls through permits, and op applies, on real Redis,
-Postgres and processes, recorded by the OpenTelemetry SDK's in-memory exporter.
+Postgres and processes, recorded by the OpenTelemetry SDK's in-memory exporter (the
+``trace_spans`` fixture).
 
 The race of one cell runs in two spawned processes (one on ``compute_once``, one on
 ``acompute_once``), each with its own SDK: the holder reports its compute span's id, and
@@ -14,7 +15,7 @@ import json
 import multiprocessing as mp
 import secrets
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from decimal import Decimal
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from multiprocessing.synchronize import Event
@@ -39,29 +40,6 @@ from onceflow.queue import Queue
 from onceflow.settings import get_settings
 from onceflow.spend import Cascade, LedgerHooks, Price, Provider, Usage, set_budget
 from tests.acceptance.procs import wait_for
-
-
-@pytest.fixture(scope="module")
-def exporter() -> Iterator[InMemorySpanExporter]:
-    """An in-memory exporter on this process's SDK tracer provider (set here if none is)."""
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
-    if trace.get_tracer_provider() is not provider:
-        pytest.skip("another tracer provider is installed in this process")
-    out = InMemorySpanExporter()
-    processor = SimpleSpanProcessor(out)
-    provider.add_span_processor(processor)
-    yield out
-    processor.shutdown()
-
-
-@pytest.fixture()
-def spans(exporter: InMemorySpanExporter) -> Iterator[InMemorySpanExporter]:
-    exporter.clear()
-    yield exporter
-    exporter.clear()
 
 
 def everything_said(spans: Sequence[ReadableSpan]) -> list[str]:
@@ -167,7 +145,7 @@ def _racer(
 
 
 def test_two_processes_race_one_cell_the_waiter_links_to_the_holders_compute_span(
-    spans: InMemorySpanExporter, redis_url: str
+    trace_spans: InMemorySpanExporter, redis_url: str
 ) -> None:
     ctx = mp.get_context("spawn")
     secret = secrets.token_hex(6)
@@ -220,15 +198,15 @@ def test_two_processes_race_one_cell_the_waiter_links_to_the_holders_compute_spa
         backend=RedisLockBackend(redis_url),
     )  # fmt: skip
     assert str(again.path) == "preflight"
-    (span,) = [s for s in spans.get_finished_spans() if s.name == "onceflow.compute"]
+    (span,) = [s for s in trace_spans.get_finished_spans() if s.name == "onceflow.compute"]
     assert span.attributes is not None
     assert span.attributes["onceflow.lock.result"] == "preflight_hit"
-    said = [*holder["said"], *waiter["said"], *everything_said(spans.get_finished_spans())]
+    said = [*holder["said"], *waiter["said"], *everything_said(trace_spans.get_finished_spans())]
     assert_says_none_of(said, secret, value, lock_key(*cell), store_key)
 
 
 def test_a_failing_compute_ends_its_span_with_the_error_type_and_frees_the_holder_key(
-    spans: InMemorySpanExporter, redis_url: str
+    trace_spans: InMemorySpanExporter, redis_url: str
 ) -> None:
     secret = secrets.token_hex(6)
     cell = (f"ws-{secret}", f"job-{secret}", "task")
@@ -243,18 +221,18 @@ def test_a_failing_compute_ends_its_span_with_the_error_type_and_frees_the_holde
             *cell, check=lambda: None, compute=compute, store=lambda v: None,
             backend=RedisLockBackend(redis_url),
         )  # fmt: skip
-    (span,) = [s for s in spans.get_finished_spans() if s.name == "onceflow.compute"]
+    (span,) = [s for s in trace_spans.get_finished_spans() if s.name == "onceflow.compute"]
     assert span.attributes is not None
     assert span.attributes["onceflow.lock.result"] == "error"
     assert span.attributes["error.type"] == "ValueError"
     assert span.status.status_code is StatusCode.ERROR
     assert span.status.description == "ValueError"  # the type, never the message
     assert r.exists(holder_key(lock_key(*cell))) == 0
-    assert_says_none_of(everything_said(spans.get_finished_spans()), secret)
+    assert_says_none_of(everything_said(trace_spans.get_finished_spans()), secret)
 
 
 def test_a_provider_call_nests_in_its_compute_span_and_a_cache_hit_says_what_it_saved(
-    spans: InMemorySpanExporter, redis_url: str, clean_db: Engine
+    trace_spans: InMemorySpanExporter, redis_url: str, clean_db: Engine
 ) -> None:
     from tests.integration.cache_callers import CountingProvider, summarise
 
@@ -267,7 +245,7 @@ def test_a_provider_call_nests_in_its_compute_span_and_a_cache_hit_says_what_it_
     finally:
         server.stop()
     assert (first[0], hit[0], server.calls) == ("computed", "cache_hit", 1)
-    finished = spans.get_finished_spans()
+    finished = trace_spans.get_finished_spans()
     computed, served = [s for s in finished if s.name == "onceflow.compute"]
     assert (computed.attributes or {})["onceflow.lock.result"] == "computed"
     # The provider's call is a child of the compute span that paid for it.
@@ -289,7 +267,7 @@ def _provider(redis_url: str, **kw: Any) -> Provider:
 
 
 def test_a_permits_call_is_a_genai_client_span_with_its_tokens_and_cost(
-    spans: InMemorySpanExporter, redis_url: str
+    trace_spans: InMemorySpanExporter, redis_url: str
 ) -> None:
     openai = _provider(redis_url, concurrency=1)
     ws = f"ws-{secrets.token_hex(4)}"
@@ -317,7 +295,7 @@ def test_a_permits_call_is_a_genai_client_span_with_its_tokens_and_cost(
         assert not waited
     finally:
         openai.reset()
-    calls = [s for s in spans.get_finished_spans() if s.name == "chat gpt-4o"]
+    calls = [s for s in trace_spans.get_finished_spans() if s.name == "chat gpt-4o"]
     assert len(calls) == 2
     by_outcome = {(s.attributes or {})["onceflow.permit.outcome"]: s for s in calls}
     granted, queued = by_outcome["granted"], by_outcome["waited"]
@@ -341,7 +319,7 @@ def test_a_permits_call_is_a_genai_client_span_with_its_tokens_and_cost(
 
 
 def test_an_async_permits_span_is_current_in_its_block(
-    spans: InMemorySpanExporter, redis_url: str
+    trace_spans: InMemorySpanExporter, redis_url: str
 ) -> None:
     openai = _provider(redis_url)
     ws = f"ws-{secrets.token_hex(4)}"
@@ -356,7 +334,7 @@ def test_an_async_permits_span_is_current_in_its_block(
         asyncio.run(main())
     finally:
         openai.reset()
-    (span,) = [s for s in spans.get_finished_spans() if s.name == "chat gpt-4o"]
+    (span,) = [s for s in trace_spans.get_finished_spans() if s.name == "chat gpt-4o"]
     assert inside == [span.context.span_id]  # the user's call nests in the permit's span
     attrs = dict(span.attributes or {})
     assert attrs["onceflow.permit.outcome"] == "granted"
@@ -366,7 +344,7 @@ def test_an_async_permits_span_is_current_in_its_block(
 
 
 def test_a_budget_refusal_is_a_failed_call_span(
-    spans: InMemorySpanExporter, redis_url: str, clean_db: Engine
+    trace_spans: InMemorySpanExporter, redis_url: str, clean_db: Engine
 ) -> None:
     ws = f"ws-{secrets.token_hex(4)}"
     Queue(clean_db, settings=get_settings()).enqueue("summarize", ws, "job-1")
@@ -377,7 +355,7 @@ def test_a_budget_refusal_is_a_failed_call_span(
             pytest.fail("a refused permit runs no block")
     finally:
         openai.reset()
-    (span,) = [s for s in spans.get_finished_spans() if s.name == "chat gpt-4o"]
+    (span,) = [s for s in trace_spans.get_finished_spans() if s.name == "chat gpt-4o"]
     attrs = dict(span.attributes or {})
     assert attrs["error.type"] == "BudgetExceeded"
     assert attrs["onceflow.permit.outcome"] == "budget_refused"
@@ -387,7 +365,7 @@ def test_a_budget_refusal_is_a_failed_call_span(
 
 
 def test_a_cascades_fallback_is_a_sibling_span_with_its_reason(
-    spans: InMemorySpanExporter, redis_url: str
+    trace_spans: InMemorySpanExporter, redis_url: str
 ) -> None:
     down, up = _provider(redis_url), _provider(redis_url)
     ws = f"ws-{secrets.token_hex(4)}"
@@ -405,7 +383,7 @@ def test_a_cascades_fallback_is_a_sibling_span_with_its_reason(
     finally:
         down.reset()
         up.reset()
-    calls = [s for s in spans.get_finished_spans() if s.name == "chat gpt-4o"]
+    calls = [s for s in trace_spans.get_finished_spans() if s.name == "chat gpt-4o"]
     by_provider = {(s.attributes or {})["gen_ai.provider.name"]: s for s in calls}
     failed, served = by_provider[down.name], by_provider[up.name]
     caller_id = caller.get_span_context().span_id
@@ -424,7 +402,7 @@ def test_a_cascades_fallback_is_a_sibling_span_with_its_reason(
 
 
 def test_a_cascade_that_waited_for_room_says_so_on_the_call_that_served(
-    spans: InMemorySpanExporter, redis_url: str
+    trace_spans: InMemorySpanExporter, redis_url: str
 ) -> None:
     only = _provider(redis_url, concurrency=1)
     ws = f"ws-{secrets.token_hex(4)}"
@@ -445,7 +423,7 @@ def test_a_cascade_that_waited_for_room_says_so_on_the_call_that_served(
     finally:
         only.reset()
     assert answers == ["answer"]
-    calls = [s for s in spans.get_finished_spans() if s.name == "chat gpt-4o"]
+    calls = [s for s in trace_spans.get_finished_spans() if s.name == "chat gpt-4o"]
     (served,) = [s for s in calls if (s.attributes or {})["onceflow.permit.outcome"] == "waited"]
     attrs = dict(served.attributes or {})
     assert attrs["onceflow.permit.wait_reason"] == "concurrency"
@@ -456,7 +434,7 @@ def test_a_cascade_that_waited_for_room_says_so_on_the_call_that_served(
 
 
 def test_a_duplicate_op_apply_returns_the_original_clock_and_its_span_says_duplicate(
-    spans: InMemorySpanExporter, redis_url: str, clean_db: Engine
+    trace_spans: InMemorySpanExporter, redis_url: str, clean_db: Engine
 ) -> None:
     oplog = OpLog(clean_db, get_settings())
     ws, secret = f"ws-{secrets.token_hex(4)}", secrets.token_hex(6)
@@ -465,7 +443,7 @@ def test_a_duplicate_op_apply_returns_the_original_clock_and_its_span_says_dupli
     first = oplog.apply_op(ws, sub_doc, op, op_id)
     again = oplog.apply_op(ws, sub_doc, op, op_id)
     assert again.duplicate and again.clock == first.clock
-    finished = spans.get_finished_spans()
+    finished = trace_spans.get_finished_spans()
     applies = [s for s in finished if s.name == "onceflow.op.apply"]
     assert len(applies) == 2
     new, dup = (dict(s.attributes or {}) for s in applies)
@@ -488,7 +466,7 @@ def test_a_duplicate_op_apply_returns_the_original_clock_and_its_span_says_dupli
 
 
 def test_the_http_op_log_client_sends_the_current_trace_with_each_op(
-    spans: InMemorySpanExporter,
+    trace_spans: InMemorySpanExporter,
 ) -> None:
     from onceflow.oplog.http import HttpTransport
 
