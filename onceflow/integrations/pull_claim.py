@@ -31,6 +31,10 @@ class PullClaim:
     lease_expires_at: datetime
     attempt: int
     request: dict[str, Any]
+    #: The W3C trace context the request was enqueued under (the claim answer's
+    #: ``trace_context``; None when none was stored): the claim's calls carry it as their
+    #: ``traceparent`` when no span of this process is current.
+    trace_context: str | None = field(default=None, repr=False)
 
     @property
     def workspace_id(self) -> str | None:
