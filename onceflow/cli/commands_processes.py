@@ -426,40 +426,39 @@ def api(
         from onceflow.integrations.fastapi import create_app
     except ImportError as exc:
         _missing_extra("fastapi", exc)
+    import logging
+
+    from onceflow import tracing
     from onceflow.settings import get_settings
 
+    # onceflow's own lines (these warnings, the dashboard's audit lines) in the format asked
+    # for; uvicorn's are configured by uvicorn from log_config, and keep to its loggers.
+    tracing.configure_logging(log_level, chosen_format(log_format))
+    log = logging.getLogger("onceflow.api")
     flow = _served_flow("api", app_spec)
     settings = get_settings()
     if not settings.api_keys and not settings.worker_keys:
-        click.echo(
-            "onceflow: no API or worker keys configured (ONCEFLOW_API_KEYS / "
-            "ONCEFLOW_WORKER_KEYS): every /v1 request will get 401",
-            err=True,
+        log.warning(
+            "no API or worker keys configured (ONCEFLOW_API_KEYS / ONCEFLOW_WORKER_KEYS): "
+            "every /v1 request will get 401"
         )
     if not settings.operator_keys:
-        click.echo(
-            "onceflow: no operator keys configured (ONCEFLOW_OPERATOR_KEYS): the dashboard's "
-            "data and /metrics will get 401",
-            err=True,
+        log.warning(
+            "no operator keys configured (ONCEFLOW_OPERATOR_KEYS): the dashboard's data and "
+            "/metrics will get 401"
         )
     from onceflow.metrics import multiproc_dir_problem
 
     problem = multiproc_dir_problem()
     if problem is not None:
-        click.echo(f"onceflow: {problem}: no metrics recorded by this process", err=True)
-    fmt = chosen_format(log_format)
-    from onceflow import tracing
-
-    # onceflow's own lines (the dashboard's audit lines among them); uvicorn's, configured
-    # by uvicorn from log_config, keep to its loggers.
-    tracing.configure_logging(log_level, fmt)
+        log.warning("%s: no metrics recorded by this process", problem)
     start("onceflow-api")
     uvicorn.run(
         create_app(flow=flow),
         host=host,
         port=port,
         log_level=log_level,
-        log_config=uvicorn_log_config(fmt),
+        log_config=uvicorn_log_config(chosen_format(log_format)),
         # Forwarded headers only from the proxies the operator named: uvicorn's own default
         # trusts them from 127.0.0.1, where any local client could name any address.
         proxy_headers=bool(forwarded_allow_ips),

@@ -395,3 +395,111 @@ def test_a_failed_tool_call_records_the_errors_type_only(trace_spans: Any) -> No
     assert tool.attributes["error.type"] == "ValueError"
     assert "s3cr3t" not in str(tool.status.description)
     assert not tool.events  # no exception event (its message may quote the input)
+
+
+# ------------------------------------------------------------------------- CLI
+
+
+def test_onceflow_work_logs_json_lines_that_join_the_trace(
+    clean_db: Engine, database_url: str
+) -> None:
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from onceflow import NewRequest, Queue
+    from tests.acceptance.procs import ROOT, wait_for
+
+    queue = Queue(clean_db)
+    (made,) = queue.enqueue_many([NewRequest("ws-log", "j", "s", worker_class="w-log")])
+    environ = {**os.environ, "ONCEFLOW_DATABASE_URL": database_url,
+               "OTEL_TRACES_EXPORTER": "console"}  # fmt: skip
+    environ.pop("OTEL_SERVICE_NAME", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "onceflow.cli", "work", "tests.integration.tracing_handlers:logged",
+         "-w", "w-log", "--log-format", "json"],
+        cwd=ROOT, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_for(
+            lambda: queue.get(made.request_id).status == "succeeded", what="the run", timeout=60
+        )
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        queue.close()
+    assert proc.returncode == 0, err
+    lines = [json.loads(line) for line in err.splitlines() if line.strip()]  # all JSON
+    assert lines and all({"time", "level", "logger", "message"} <= set(line) for line in lines)
+    (ran,) = [line for line in lines if line["message"] == "handler ran"]
+    assert len(ran["trace_id"]) == 32 and len(ran["span_id"]) == 16
+    # The runner's fields, where it sets them, name the request.
+    assert ran.get("request_id", made.request_id) == made.request_id
+    # The console exporter's spans, flushed at shutdown, name the service and the trace.
+    assert '"service.name": "onceflow-work"' in out
+    assert ran["trace_id"] in out
+
+
+def test_onceflow_api_logs_json_lines_and_its_access_log_joins_the_request(
+    clean_db: Engine, database_url: str, tmp_path: Any
+) -> None:
+    import json
+
+    import httpx
+
+    from tests.acceptance.procs import api_server, wait_for
+
+    environ = {
+        "ONCEFLOW_DATABASE_URL": database_url,
+        "ONCEFLOW_LOG_FORMAT": "json",
+        "ONCEFLOW_WORKER_KEYS": json.dumps({hash_key(WORKER_KEY): [PULL]}),  # warned: unscoped
+        # Traced, exporting to a port where nothing listens (the exporter's complaints are
+        # log lines too).
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{free_port()}",
+    }
+    with api_server(tmp_path, environ) as (url, proc):
+        answer = httpx.get(f"{url}/healthz?probe=1", headers={"traceparent": TRACEPARENT})
+        assert answer.status_code == 200
+
+        def access_line() -> dict[str, Any] | None:
+            for line in proc.log().splitlines():
+                if '"uvicorn.access"' in line and "/healthz" in line:
+                    parsed: dict[str, Any] = json.loads(line)
+                    return parsed
+            return None
+
+        access = wait_for(access_line, what="the access log line")
+        text_lines = [line for line in proc.log().splitlines() if line.strip()]
+    assert access["trace_id"] == CALLER_TRACE  # the request's server span was current
+    lines = [json.loads(line) for line in text_lines]  # every line is one JSON object
+    loggers = {line["logger"] for line in lines}
+    assert {"uvicorn.error", "uvicorn.access", "onceflow.api"} <= loggers
+    assert any("Application startup complete" in line["message"] for line in lines)
+
+
+def test_onceflow_worker_logs_json_lines(
+    clean_db: Engine, database_url: str, redis_url: str, tmp_path: Any
+) -> None:
+    import json
+    import re
+
+    from onceflow.demo.procs import start_worker
+    from tests.acceptance.procs import APP, ROOT
+
+    environ = {"ONCEFLOW_DATABASE_URL": database_url, "ONCEFLOW_REDIS_URL": redis_url,
+               "ONCEFLOW_LOG_FORMAT": "json", "PYTHONPATH": str(ROOT)}  # fmt: skip
+    proc = start_worker(tmp_path, APP, "t-default", env=environ, cwd=ROOT)
+    try:
+        log_text = proc.log()
+    finally:
+        proc.stop()
+    lines = [json.loads(line) for line in log_text.splitlines() if line.strip().startswith("{")]
+    ready = [line for line in lines if line["message"].endswith(" ready.")]
+    assert ready and ready[0]["logger"].startswith("celery")
+    assert any(line["message"].startswith("Connected to") for line in lines)
+    # Celery's start-up banner is printed, not logged; no line is in Celery's text format.
+    celery_text = re.compile(r"^\[\d{4}-\d{2}-\d{2} [^\]]*: (DEBUG|INFO|WARNING|ERROR)/")
+    assert not [line for line in log_text.splitlines() if celery_text.match(line)], log_text
