@@ -77,6 +77,8 @@ from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any
 
+from opentelemetry.trace import Span
+
 from onceflow.context import StageContext, to_json_result
 from onceflow.db import redact_url
 from onceflow.errors import (
@@ -88,6 +90,7 @@ from onceflow.errors import (
     RetryLater,
 )
 from onceflow.ids import check_id, check_worker_class
+from onceflow.lifecycle import spans
 from onceflow.lifecycle.outcome import OnBudget, Outcome, check_on_budget, decide, failed, succeeded
 from onceflow.lifecycle.record import record_many
 from onceflow.metrics import record as metrics
@@ -96,6 +99,7 @@ from onceflow.payloads import Unreadable, encode_json
 from onceflow.queue import Queue
 from onceflow.queue.batch import BATCH_MAX
 from onceflow.queue.notify import WAIT_MAX_SECONDS
+from onceflow.queue.sweep import traced_sweep
 from onceflow.settings import get_settings
 from onceflow.spend.databases import Databases
 from onceflow.spend.defaults import install_ledger
@@ -138,10 +142,13 @@ class WorkerStats:
 
 @dataclass
 class _Done:
-    """A finished body waiting to be recorded: its claim and what the run came to."""
+    """A finished body waiting to be recorded: its claim and what the run came to (with
+    its run span, ended once the outcome is recorded, and what the body raised)."""
 
     ctx: StageContext
     outcome: Outcome
+    span: Span | None = None
+    error: BaseException | None = None
 
 
 class Worker:
@@ -252,6 +259,9 @@ class Worker:
         # waits while its shard's heartbeat round is in flight (_beating); a round never
         # waits for a write.
         self._in_write: set[StageContext] = set()
+        # The run span of each body running or waiting to be recorded (tracing on): a failed
+        # heartbeat is noted on it.
+        self._run_spans: dict[StageContext, Span] = {}
         self._beating = [False] * self.shard_count
         self._running = 0
         self._finished = 0  # bodies finished whose outcome is not recorded yet
@@ -438,6 +448,8 @@ class Worker:
         """
         if self._held.get(ctx.claim.request_id) is ctx:
             del self._held[ctx.claim.request_id]
+        if self._run_spans:
+            self._run_spans.pop(ctx, None)
 
     def _hold(self, claims: list[Claim]) -> None:
         with self._cond:
@@ -494,29 +506,48 @@ class Worker:
                     self._cond.notify_all()
 
     def _run_body(self, ctx: StageContext) -> _Done | None:
-        """Run one body; what to record (None: nothing — the lease is gone)."""
+        """Run one body; what to record (None: nothing — the lease is gone).
+
+        Traced as ``onceflow.run {stage}`` (:mod:`onceflow.lifecycle.spans`): current while
+        the body runs, ended by the completer once the outcome is recorded. Every log line
+        of the body carries the run's request, workspace, stage and attempt.
+        """
+        claim = ctx.claim
+        request = claim.request
+        span = spans.start_claimed(claim)
+        if span is not None:
+            with self._cond:
+                self._run_spans[ctx] = span
+        with spans.running(
+            span, request_id=request.request_id, workspace_id=request.workspace_id,
+            stage=request.stage, attempt=claim.attempt,
+        ):  # fmt: skip
+            try:
+                return _Done(ctx, succeeded(self._body(ctx)), span)
+            except BaseException as exc:  # the outcome table decides, SystemExit included
+                return self._outcome(ctx, exc, span)
+
+    def _body(self, ctx: StageContext) -> Any:
+        """The body's result, checked as the store takes it; or what it raised."""
         claim = ctx.claim
         settings = self.queue.settings
-        try:
-            if isinstance(claim.request.input, Unreadable):  # stored before the depth limit
-                raise PermanentError(f"input cannot be read: {claim.request.input['reason']}")
-            ctx.check()  # a prefetched claim may have lost its lease while it waited
-            with metrics.in_progress(claim.request.worker_class):
-                result = to_json_result(self.handler(ctx))
-            ctx.check()
-            # Refused results (too large, too deep, not JSON) fail the request here, per row,
-            # rather than failing a whole batch of completions later.
-            encode_json(
-                result,
-                settings.payload_limit_bytes,
-                what="result",
-                max_depth=settings.max_payload_depth,
-            )
-            return _Done(ctx, succeeded(result))
-        except BaseException as exc:  # the outcome table decides, SystemExit included
-            return self._outcome(ctx, exc)
+        if isinstance(claim.request.input, Unreadable):  # stored before the depth limit
+            raise PermanentError(f"input cannot be read: {claim.request.input['reason']}")
+        ctx.check()  # a prefetched claim may have lost its lease while it waited
+        with metrics.in_progress(claim.request.worker_class):
+            result = to_json_result(self.handler(ctx))
+        ctx.check()
+        # Refused results (too large, too deep, not JSON) fail the request here, per row,
+        # rather than failing a whole batch of completions later.
+        encode_json(
+            result,
+            settings.payload_limit_bytes,
+            what="result",
+            max_depth=settings.max_payload_depth,
+        )
+        return result
 
-    def _outcome(self, ctx: StageContext, exc: BaseException) -> _Done | None:
+    def _outcome(self, ctx: StageContext, exc: BaseException, span: Span | None) -> _Done | None:
         """What to record for a body that raised ``exc`` (:func:`onceflow.lifecycle.decide`)."""
         claim = ctx.claim
         ran = decide(
@@ -524,6 +555,7 @@ class Worker:
         )
         if ran.kind == "lease_lost":
             log.warning("request %s: lease lost; the result is discarded", claim.request_id)
+            spans.end_run(span, "lease_lost", exc)
             with self._cond:
                 self.stats.lease_lost += 1
             return None
@@ -533,7 +565,7 @@ class Worker:
             log.exception("request %s: the body was interrupted", claim.request_id)
         elif not isinstance(exc, _EXPECTED):
             log.exception("request %s: the body raised", claim.request_id)
-        return _Done(ctx, ran)
+        return _Done(ctx, ran, span, exc)
 
     # ---------------------------------------------------------------- completer
 
@@ -566,29 +598,41 @@ class Worker:
         returns the items to try again (the database did not confirm them)."""
         with self._cond:  # outcomes of claims taken over since (_supersede): never written
             current = [d for d in batch if self._held.get(d.ctx.claim.request_id, d.ctx) is d.ctx]
-            for _ in range(len(batch) - len(current)):
+            kept = {id(d) for d in current}
+            for d in batch:
+                if id(d) in kept:
+                    continue
                 log.warning("worker: a run's claim was taken over; its outcome is discarded")
+                spans.end_run(d.span, "lease_lost", d.error)
                 self.stats.lease_lost += 1
                 self._finished -= 1
         if not current:
             return []
         ctxs = [d.ctx for d in current]
+        run_spans = [d.span for d in current] if any(d.span for d in current) else None
         recorded = record_many(
             self.queue,
             [(d.ctx, d.outcome) for d in current],
             functools.partial(self._writing, shard, ctxs),
+            run_spans,
         )
         retry: list[_Done] = []
         given_up: list[_Done] = []
         ended: list[_Done] = []
         for d, rec in zip(current, recorded, strict=True):
             if rec["outcome"] in _UNKNOWN:
-                (retry if self._may_retry(d) else given_up).append(d)
+                if self._may_retry(d):
+                    retry.append(d)
+                else:
+                    given_up.append(d)
+                    spans.end_run(d.span, rec["outcome"], d.error)
                 continue
             if rec["outcome"] == "not_recorded":  # refused even in brief: the lease lapses
                 given_up.append(d)
+                spans.end_run(d.span, "not_recorded", d.error)
                 continue
             ended.append(d)
+            spans.end_run(d.span, rec["outcome"], d.error)
             with self._cond:
                 if rec["outcome"] == "lease_lost":
                     log.warning("request %s: lease lost; outcome discarded", d.ctx.claim.request_id)
@@ -664,6 +708,7 @@ class Worker:
                 beats = self._beat(held)
             except OnceflowError as exc:  # the database may be back before the leases lapse
                 log.warning("worker: heartbeat failed: %s", exc)
+                self._note_failed_beats(held, exc)
                 continue
             except Exception:  # the one thread of every lease must never die
                 log.exception("worker: heartbeat raised; carrying on")
@@ -678,6 +723,7 @@ class Worker:
                     if isinstance(beat, LeaseLost):
                         if not ctx.lease_lost:
                             log.warning("request %s: lease lost", ctx.claim.request_id)
+                            spans.heartbeat_failed(self._run_spans.get(ctx), beat)
                         ctx.mark_lease_lost()
                         if ctx in self._ready:  # not started: nothing to run or record
                             self._ready.remove(ctx)
@@ -688,6 +734,15 @@ class Worker:
                     if beat.cancel_requested:
                         ctx.mark_cancel_requested()
                 self._cond.notify_all()
+
+    def _note_failed_beats(self, held: list[StageContext], error: BaseException) -> None:
+        """A failed heartbeat round, noted on the run span of each body it was for."""
+        if not self._run_spans:
+            return
+        with self._cond:
+            traced = [self._run_spans.get(ctx) for ctx in held]
+        for span in traced:
+            spans.heartbeat_failed(span, error)
 
     def _beat(self, held: list[StageContext]) -> list[Any]:
         """One heartbeat round, in batches the queue takes (``max_held`` keeps it to one)."""
@@ -712,7 +767,7 @@ class Worker:
             turn = queue.begin_sweep(SWEEP_NAME, self.worker_id, min_gap=interval / 2)
             if not turn.won:
                 return
-            rescued = queue.rescue_expired(worker_classes=self.worker_classes)
+            rescued = traced_sweep(lambda: queue.rescue_expired(worker_classes=self.worker_classes))
         except OnceflowError as exc:
             log.warning("worker: sweep failed%s: %s", where, exc)
             return

@@ -39,10 +39,17 @@ from onceflow.cli.base import (
     help="Also run a real headless browser tab (Debian's Chromium via Playwright; "
     "$ONCEFLOW_CHROMIUM) with the JavaScript SDK, against a real `onceflow api`.",
 )
+@click.option(
+    "--trace",
+    is_flag=True,
+    help="Every process exports its OpenTelemetry spans to a local OTLP receiver; the report "
+    "ends with the slowest request's trace as a tree. Needs onceflow[otel].",
+)
 @_errors_to_exit
 def demo(
     jobs: int, columns: int, clients: int, workers: int, no_faults: bool, flower: bool,
     keep_open: bool, plot: str | None, timeout: float | None, as_json: bool, browser: bool,
+    trace: bool,
 ) -> None:  # fmt: skip
     """Run the demo application end to end and check its invariants (exit 1 if broken).
 
@@ -52,7 +59,8 @@ def demo(
     ask for overlapping work at once through real Celery workers, against local stand-in
     LLM and Maps servers that count every call; with faults on, a worker is killed mid-stage
     and some write responses are dropped. The report gives the calls per cell, the requests
-    collapsed and the ops applied, and checks that each layer held.
+    collapsed and the ops applied, and checks that each layer held. With --trace it ends
+    with one request's trace, from the enqueue to the last op, across every process.
     """
     from onceflow.demo.plan import Options
     from onceflow.demo.report import plot as draw
@@ -62,7 +70,13 @@ def demo(
     def announce(message: str) -> None:
         click.echo(f"onceflow demo: {message}", err=True)
 
-    if browser:  # before anything starts
+    if trace:  # before anything starts
+        from onceflow.demo.trace_view import missing_sdk
+
+        problem = missing_sdk()
+        if problem is not None:
+            raise click.UsageError(problem)
+    if browser:
         from onceflow.demo.browser import browser_problem
 
         problem = browser_problem()
@@ -79,13 +93,18 @@ def demo(
             _echo_json(report)
         else:
             print_report(report)
+            if "trace" in report:
+                from onceflow.demo.trace_view import describe
+
+                click.echo("\n" + describe(report["trace"]))
         sys.stdout.flush()
 
     if timeout is None:
         timeout = 120.0 + jobs  # a long run (--jobs 500) drains for minutes
     opts = Options(jobs=jobs, columns=columns, clients=clients, workers=workers,
                    faults=not no_faults, flower=flower, timeout=timeout, keep_open=keep_open,
-                   progress=sys.stderr.isatty() and not as_json, browser=browser)  # fmt: skip
+                   progress=sys.stderr.isatty() and not as_json, browser=browser,
+                   trace=trace)  # fmt: skip
     report, _ = run_scenario(opts, announce, present)
     sys.exit(0 if report["invariants_ok"] else EXIT_ERROR)
 

@@ -39,6 +39,9 @@ class Options:
     progress: bool = False
     #: A real headless browser tab among the clients (``onceflow api`` + Chromium).
     browser: bool = False
+    #: Every process exports its spans to a local receiver; the report ends with one
+    #: request's trace as a tree (``--trace``).
+    trace: bool = False
 
     def expected_requests(self) -> int:
         """Distinct requests the clients create: 4 stages per job, plus the agent's branch,

@@ -38,9 +38,11 @@ from onceflow.demo.plan import COLUMNS, SECTIONS, Options, Run
 from onceflow.demo.procs import Proc, start_worker, wait_for
 from onceflow.demo.progress import ProgressBar
 from onceflow.demo.standins import StandIn
+from onceflow.demo.trace_view import enqueue_span, named
 
 if TYPE_CHECKING:
     from onceflow.demo.browser import BrowserTab
+    from onceflow.demo.traces import TraceReceiver
 
 log = logging.getLogger(__name__)
 APP = "onceflow.demo.stages:flow"
@@ -149,7 +151,8 @@ def client(n: int, opts: Options, run: Run, env: dict[str, str]) -> None:
             if kind == "cli" and stage == "radar" and j == jobs[0]:  # a script, once
                 created = _cli_enqueue(stage, run.workspace, job, branch, data, env)
             else:
-                created = flow.enqueue(stage, run.workspace, job, branch, data).created
+                with enqueue_span(kind, stage):  # the request's root span (--trace)
+                    created = flow.enqueue(stage, run.workspace, job, branch, data).created
             with run.lock:
                 run.enqueued += 1
                 run.created += int(created)
@@ -172,8 +175,8 @@ def _cli_enqueue(
     args = ["enqueue", "--stage", stage, "--workspace", workspace, "--job", job,
             "--branch-path", branch, "--input", json.dumps(data)]  # fmt: skip
     out = subprocess.run(
-        [sys.executable, "-m", "onceflow.cli", *args],
-        capture_output=True, text=True, timeout=60, env={**os.environ, **env}, check=True,
+        [sys.executable, "-m", "onceflow.cli", *args], capture_output=True, text=True,
+        timeout=60, env={**os.environ, **named(env, "onceflow-cli")}, check=True,
     )  # fmt: skip
     return bool(json.loads(out.stdout)["created"])
 
@@ -209,7 +212,8 @@ def inject_kill(opts: Options, run: Run, llm: StandIn, worker: Proc, log_dir: Pa
     answered = {k for k in after if "/eval:" in k and k not in in_flight and k in before}
     run.eval_inflight_at_kill = len(in_flight) + late + _unstored(run.workspace, answered)
     run.killed_worker = True
-    return start_worker(log_dir, APP, "llm", concurrency=2, name="llm-replacement", env=env)
+    return start_worker(log_dir, APP, "llm", concurrency=2, name="llm-replacement",
+                        env=named(env, "onceflow-worker-llm"))  # fmt: skip
 
 
 def _unstored(workspace: str, keys: set[str]) -> int:
@@ -285,8 +289,14 @@ def _run(opts: Options, announce: Any, present: Any) -> tuple[dict[str, Any], Ru
             "ONCEFLOW_LOCK_TTL_SECONDS": "5",
             "ONCEFLOW_BACKOFF_BASE_SECONDS": "0.2",
         }
+        receiver = _start_receiver(opts, env, stack, announce)
         os.environ.update(env)
         get_settings.cache_clear()
+        if receiver is not None:
+            from onceflow.demo.trace_view import configure_demo, shutdown_demo
+
+            configure_demo()
+            stack.callback(shutdown_demo)  # before the receiver stops
 
         @stack.callback  # runs after every process below has stopped
         def _clean_redis() -> None:
@@ -304,8 +314,10 @@ def _run(opts: Options, announce: Any, present: Any) -> tuple[dict[str, Any], Ru
             wc = classes[i % 2]
             args = ["worker", "--app", APP, "--worker-class", wc, "--concurrency", "2",
                     "-n", f"{wc}-{i}-{os.getpid()}@%h"]  # fmt: skip
-            procs.append(Proc(args, log_dir / f"worker-{wc}-{i}.log", env=env))
-        procs.append(Proc(["beat", "--app", APP], log_dir / "beat.log", env=env))
+            procs.append(Proc(args, log_dir / f"worker-{wc}-{i}.log",
+                              env=named(env, f"onceflow-worker-{wc}")))  # fmt: skip
+        procs.append(Proc(["beat", "--app", APP], log_dir / "beat.log",
+                          env=named(env, "onceflow-beat")))  # fmt: skip
         starting = list(procs)
         # With --browser, the api and Chromium start while the workers do.
         tab = _start_tab(opts, run, env, llm, api_key, log_dir, procs, stack)
@@ -346,12 +358,33 @@ def _run(opts: Options, announce: Any, present: Any) -> tuple[dict[str, Any], Ru
         bar.close()
         announce("every request finished; checking the invariants")
         report = build_report(opts, run, llm, maps, embedded=embedded)
+        if receiver is not None:  # while the workers run: their last spans still arrive
+            from onceflow.demo.trace_view import slowest_trace
+
+            announce("waiting for the workers' spans")
+            report["trace"] = slowest_trace(receiver)
         if present is not None:
             present(report)
         if opts.keep_open:
             _hold_open(announce, flower_url)
         return report, run
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _start_receiver(
+    opts: Options, env: dict[str, str], stack: contextlib.ExitStack, announce: Any
+) -> TraceReceiver | None:
+    """With ``--trace``: a local OTLP receiver, and its ``OTEL_*`` variables in ``env`` (for
+    this process and every process the run starts)."""
+    if not opts.trace:
+        return None
+    from onceflow.demo.trace_view import otel_env
+    from onceflow.demo.traces import TraceReceiver
+
+    receiver = stack.enter_context(TraceReceiver())
+    env.update(otel_env(receiver))
+    announce(f"tracing: every process exports its spans to {receiver.endpoint}")
+    return receiver
 
 
 def _start_tab(
@@ -366,7 +399,8 @@ def _start_tab(
     from onceflow.demo.stages import TAB_CLASS
 
     keys = TabKeys()
-    api, api_url = start_api(APP, log_dir, {**env, **keys.env(run.workspace, TAB_CLASS)})
+    api_env = named({**env, **keys.env(run.workspace, TAB_CLASS)}, "onceflow-api")
+    api, api_url = start_api(APP, log_dir, api_env)
     procs.append(api)
     config = tab_config(
         api_url=api_url, keys=keys, workspace=run.workspace, worker_class=TAB_CLASS,

@@ -40,12 +40,14 @@ from types import TracebackType
 from typing import Any
 
 import httpx
+from opentelemetry.trace import Span
 
 from onceflow import tracing
 from onceflow.errors import BudgetExceeded, InvalidRequest, LeaseLost, OnceflowError
 from onceflow.integrations.pull_claim import PullClaim, Release
 from onceflow.integrations.pull_context import PullContext
 from onceflow.integrations.pull_events import ClaimEvents
+from onceflow.lifecycle import spans
 from onceflow.lifecycle.outcome import Outcome, RetryOn, brief_error, decide
 from onceflow.oplog import ApplyResult, SubDoc, TransportError
 from onceflow.oplog.http import (
@@ -132,7 +134,7 @@ class PullWorker:
             lease_expires_at=datetime.fromisoformat(data["lease_expires_at"]),
             attempt=int(data["attempt"]),
             request=data["request"],
-            trace_context=stored if isinstance(stored := data.get("trace_context"), str) else None,
+            trace_context=_text_or_none(data.get("trace_context")),
         )
 
     def heartbeat(self, claim: PullClaim) -> bool:
@@ -277,10 +279,42 @@ class PullWorker:
 
         Outcomes: ``succeeded``, ``retry``, ``dead``, ``cancelled``, ``lease_lost``.
         ``wait``: long-poll the claim (see :meth:`claim`).
+
+        Traced as a Celery stage's run is (:mod:`onceflow.lifecycle.spans`): the run span,
+        in the trace the claim's answer names, current while ``func`` runs; every log line
+        meanwhile carries the request, workspace, stage and attempt.
         """
         claim = self.claim(wait)
         if claim is None:
             return None
+        request = claim.request
+        stage = str(request.get("stage") or "")
+        span = spans.start_run(
+            claim.trace_context, request_id=claim.request_id, stage=stage,
+            worker_class=str(request.get("worker_class") or self.worker_class),
+            attempt=claim.attempt, workspace_id=claim.workspace_id,
+            lease_seconds=claim.lease_seconds,
+        )  # fmt: skip
+        trail: dict[str, Any] = {"outcome": "not_recorded", "error": None}
+        try:
+            with spans.running(
+                span, request_id=claim.request_id, workspace_id=claim.workspace_id,
+                stage=stage, attempt=claim.attempt,
+            ):  # fmt: skip
+                trail["outcome"] = self._run_claimed(claim, func, span, trail)
+                return trail["outcome"]  # type: ignore[no-any-return]
+        finally:
+            spans.end_run(span, trail["outcome"], trail["error"])
+
+    def _run_claimed(
+        self,
+        claim: PullClaim,
+        func: Callable[[PullContext], JSON],
+        span: Span | None,
+        trail: dict[str, Any],
+    ) -> str:
+        """:meth:`run_once` of a claim taken, inside its span: the outcome (``trail``
+        gets what ``func`` raised)."""
         stored: Any = claim.request.get("input")
         if is_unreadable(stored):  # a value stored before the depth limit: it never will run
             error: dict[str, Any] = {
@@ -289,30 +323,43 @@ class PullWorker:
             }
             return self._fail(claim, error, retryable=False)
         ctx = PullContext(self, claim)
-        beat = _Heartbeat(self, ctx)
+        beat = _Heartbeat(self, ctx, span)
         beat.start()
         try:
             try:
                 result = func(ctx)
                 ctx.check()
             except BaseException as exc:  # the outcome table decides, SystemExit included
+                trail["error"] = exc
                 ran = decide(exc, retry_on=self.retry_on, max_delay=math.inf)
                 if ran.kind == "lease_lost":
                     log.warning("request %s: lease lost; nothing more is written", claim.request_id)
                     return "lease_lost"
                 log.warning("request %s: the work raised %s", claim.request_id, type(exc).__name__)
-                outcome = self._report(claim, ran)
+                outcome = self._report(claim, ran, span)
                 if ran.interrupted:
+                    trail["outcome"] = outcome
                     raise
                 return outcome
+            handoffs = ctx.handoffs
+            write = spans.write_span(
+                spans.COMPLETE, span, {"onceflow.request_id": claim.request_id}
+            )
+            if write is not None and handoffs:
+                write.set_attribute("onceflow.hand_offs", len(handoffs))
             try:
-                self.complete(claim, result, then=ctx.handoffs)
+                with spans.current(write):
+                    self.complete(claim, result, then=handoffs)
             except LeaseLost:
+                spans.end_write(write, fenced=False)
                 log.warning("request %s: lease lost; nothing more is written", claim.request_id)
                 return "lease_lost"
             except Exception as exc:  # e.g. the result refused (too large): the same table
+                spans.end_write(write, fenced=None, error=exc)
                 log.warning("request %s: completion refused: %s", claim.request_id, exc)
-                return self._report(claim, decide(exc, retry_on=self.retry_on, max_delay=math.inf))
+                ran = decide(exc, retry_on=self.retry_on, max_delay=math.inf)
+                return self._report(claim, ran, span)
+            spans.end_write(write, fenced=True)
             return "succeeded"
         finally:
             beat.stop()
@@ -371,7 +418,7 @@ class PullWorker:
 
     # ----------------------------------------------------------------- helpers
 
-    def _report(self, claim: PullClaim, ran: Outcome) -> str:
+    def _report(self, claim: PullClaim, ran: Outcome, span: Span | None = None) -> str:
         """Send a failed run's outcome (:func:`onceflow.lifecycle.decide`). A RetryLater's
         delay and a BudgetExceeded's budget (its ``on_exceeded``, when its period turns)
         travel in the error: the server decides them by the stage's declaration
@@ -379,7 +426,20 @@ class PullWorker:
         error = ran.error or {}
         kind = error.get("type")
         retry_in = None if kind in ("RetryLater", "BudgetExceeded") else ran.retry_in
-        return self._fail(claim, error, retryable=ran.retryable, retry_in=retry_in)
+        write = spans.write_span(spans.FAIL, span, {
+            "onceflow.request_id": claim.request_id, "onceflow.retryable": ran.retryable,
+        })  # fmt: skip
+        try:
+            with spans.current(write):
+                outcome = self._fail(claim, error, retryable=ran.retryable, retry_in=retry_in)
+        except BaseException as exc:
+            spans.end_write(write, fenced=None, error=exc)
+            raise
+        if outcome == "lease_lost":
+            spans.end_write(write, fenced=False)
+        else:
+            spans.end_write(write, fenced=True, outcome=outcome)
+        return outcome
 
     def _fail(
         self,
@@ -504,13 +564,18 @@ def _claim_body(claim: PullClaim) -> dict[str, Any]:
     return body
 
 
+def _text_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
 class _Heartbeat(threading.Thread):
     """Extends the claim's lease every lease/3 until stopped; flags the context when it cannot."""
 
-    def __init__(self, worker: PullWorker, ctx: PullContext) -> None:
+    def __init__(self, worker: PullWorker, ctx: PullContext, span: Span | None = None) -> None:
         super().__init__(name=f"onceflow-pull-heartbeat-{ctx.claim.request_id[:12]}", daemon=True)
         self._worker = worker
         self._ctx = ctx
+        self._span = span  # the run's: a failed heartbeat is noted on it
         self._interval = ctx.claim.lease_seconds / 3
         self._stop_event = threading.Event()
 
@@ -518,11 +583,14 @@ class _Heartbeat(threading.Thread):
         ctx = self._ctx
         while not self._stop_event.wait(self._interval):
             try:
-                cancel = self._worker.heartbeat(ctx.claim)
-            except LeaseLost:
+                with spans.current(self._span):  # its server span joins the run's
+                    cancel = self._worker.heartbeat(ctx.claim)
+            except LeaseLost as exc:
+                spans.heartbeat_failed(self._span, exc)
                 ctx.mark_lease_lost()
                 return
             except OnceflowError as exc:  # transport trouble: the lease may still hold
+                spans.heartbeat_failed(self._span, exc)
                 log.warning("request %s: heartbeat failed: %s", ctx.claim.request_id, exc)
                 continue
             if cancel:

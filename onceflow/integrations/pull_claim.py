@@ -31,10 +31,11 @@ class PullClaim:
     lease_expires_at: datetime
     attempt: int
     request: dict[str, Any]
-    #: The W3C trace context the request was enqueued under (the claim answer's
-    #: ``trace_context``; None when none was stored): the claim's calls carry it as their
-    #: ``traceparent`` when no span of this process is current.
-    trace_context: str | None = field(default=None, repr=False)
+    #: The trace context the request was enqueued under, when the claim's answer carries
+    #: it: the run continues that trace (None: the run starts under the current span), and
+    #: the claim's calls made with no span current (its heartbeats) carry it as their
+    #: ``traceparent``.
+    trace_context: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def workspace_id(self) -> str | None:

@@ -23,7 +23,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Literal, TypeAlias, TypeVar, overload
 
+from onceflow import tracing
 from onceflow.errors import InvalidRequest
+from onceflow.locks import spans
 from onceflow.locks.base import AsyncLockBackend, AsyncLockHandle, BackendOptions, backend_options
 from onceflow.locks.protocol import Locked, Outcome, protocol_steps
 from onceflow.locks.steps import run_async
@@ -90,12 +92,13 @@ async def acompute_once(
     :func:`get_async_backend` (this loop's). Cancelling the caller releases the
     lock and announces ``ok: false`` before the cancellation propagates.
     """
-    return await run_async(
-        protocol_steps(
-            workspace_id, job_id, task, check, compute, store, wait, ttl, watchdog,
-            backend, get_async_backend, on_wait,
-        )
+    steps = protocol_steps(
+        workspace_id, job_id, task, check, compute, store, wait, ttl, watchdog,
+        backend, get_async_backend, on_wait,
     )  # fmt: skip
+    if tracing.active():
+        steps = spans.traced(steps)
+    return await run_async(steps)
 
 
 _ByUrl: TypeAlias = dict[tuple[str, BackendOptions], AsyncLockBackend]

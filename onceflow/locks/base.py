@@ -81,8 +81,10 @@ class LockBackend(Protocol):
         ttl: float | None = None,
         *,
         watchdog: bool = False,
+        holder: str | None = None,
     ) -> LockHandle | None:
-        """Take the lock (one atomic step), or None if someone else holds it."""
+        """Take the lock (one atomic step), or None if someone else holds it. ``holder``:
+        the caller's trace context, kept beside the lock where the backend can (Redis)."""
 
     def cad_release(self, handle: LockHandle) -> int:
         """Compare-and-delete: 1 if the lock still held the handle's token and is gone now,
@@ -93,6 +95,9 @@ class LockBackend(Protocol):
 
     def remaining_ms(self, workspace_id: str, job_id: str, task: str) -> int | None:
         """Milliseconds until the current holder's lock expires, or None if it is free."""
+
+    def holder_of(self, workspace_id: str, job_id: str, task: str) -> str | None:
+        """The trace context the cell's holder kept beside its lock, or None."""
 
     def owner_token(self, workspace_id: str, job_id: str, task: str) -> str | None:
         """The token of the live lock on the cell, or None if it is free."""
@@ -136,8 +141,10 @@ class AsyncLockBackend(Protocol):
         ttl: float | None = None,
         *,
         watchdog: bool = False,
+        holder: str | None = None,
     ) -> AsyncLockHandle | None:
-        """Take the lock (one atomic step), or None if someone else holds it."""
+        """Take the lock (one atomic step), or None if someone else holds it (``holder``:
+        as :meth:`LockBackend.acquire`)."""
 
     async def cad_release(self, handle: HeldLock[Any]) -> int:
         """As :meth:`LockBackend.cad_release`."""
@@ -147,6 +154,9 @@ class AsyncLockBackend(Protocol):
 
     async def remaining_ms(self, workspace_id: str, job_id: str, task: str) -> int | None:
         """Milliseconds until the current holder's lock expires, or None if it is free."""
+
+    async def holder_of(self, workspace_id: str, job_id: str, task: str) -> str | None:
+        """The trace context the cell's holder kept beside its lock, or None."""
 
     async def owner_token(self, workspace_id: str, job_id: str, task: str) -> str | None:
         """The token of the live lock on the cell, or None if it is free."""

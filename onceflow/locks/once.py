@@ -29,9 +29,11 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar, overload
 
+from onceflow import tracing
 from onceflow.cache import CacheKey, Entry, ResultCache, capture, default_cache
 from onceflow.errors import InvalidRequest
 from onceflow.keys import lock_key
+from onceflow.locks import spans
 from onceflow.locks.base import LockBackend, ttl_to_ms
 from onceflow.locks.counters import CACHE_HITS, PREFLIGHT_HITS
 from onceflow.locks.protocol import (
@@ -137,6 +139,8 @@ def compute_once(
             workspace_id, job_id, task, check, compute, store, cache, result_cache, wait,
             ttl, watchdog, backend, get_backend, on_wait, stage=stage, request_id=request_id,
         )  # fmt: skip
+    if tracing.active():
+        steps = spans.traced(steps)
     return run_sync(steps)
 
 
@@ -169,6 +173,7 @@ def cached_steps(
         ttl_to_ms(ttl)
     value = yield Call(check)
     be = backend if backend is not None else default_backend()
+    spans.backend(be.name)
     if value is not None:
         be.counters.incr(workspace_id, PREFLIGHT_HITS)
         return Outcome(value, Path.PREFLIGHT)
@@ -177,6 +182,8 @@ def cached_steps(
 
     def hit(entry: Entry) -> Steps[None]:
         metrics.result_cache("hit", entry.cost)
+        saved = {} if entry.cost is None else {"onceflow.spend.saved_cost": float(entry.cost)}
+        spans.event("onceflow.cache.hit", saved)
         yield Call(
             rc.record_hit, workspace_id, entry, cell_key=cell_key, stage=stage,
             request_id=request_id,
@@ -188,6 +195,7 @@ def cached_steps(
         yield from hit(entry)
         return (yield from _fill(be, workspace_id, check, store, entry.value, Path.CACHE_HIT))
     metrics.result_cache("miss")
+    spans.event("onceflow.cache.miss")
 
     served: list[Entry] = []
     computed: list[tuple[str, capture.Paid]] = []

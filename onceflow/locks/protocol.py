@@ -54,6 +54,7 @@ from typing import Any, Generic, Literal, TypeAlias, TypeVar
 
 from onceflow.errors import InvalidRequest, LockUnavailable
 from onceflow.keys import lock_key
+from onceflow.locks import spans
 from onceflow.locks.base import (
     SUBSCRIPTION_ENDED,
     AsyncLockBackend,
@@ -168,6 +169,7 @@ def protocol_steps(
     value = yield Call(check)
     be = backend if backend is not None else default_backend()
     cw = workspace_id if counted_in is None else counted_in
+    spans.backend(be.name)
     if value is not None:
         be.counters.incr(cw, PREFLIGHT_HITS)  # sent later: zero round trips now
         return Outcome(value, Path.PREFLIGHT)
@@ -199,11 +201,19 @@ def _acquire_or_wait(
     sub: Any = None
     waiting_since = 0.0
     rounds = 0
+    # Tracing on: the holder's span context goes beside the lock (same round trip), and a
+    # waiter links to its holder's. A backend that keeps none (SQL) is asked for none.
+    holder = spans.holder() if getattr(be, "holder_of", None) is not None else None
+    linked: set[str] = set()
     try:
         while True:
             rounds += 1
-            handle = yield Call(be.acquire, workspace_id, job_id, task, ttl)
+            if holder is None:
+                handle = yield Call(be.acquire, workspace_id, job_id, task, ttl)
+            else:
+                handle = yield Call(be.acquire, workspace_id, job_id, task, ttl, holder=holder)
             if handle is not None:
+                spans.event("onceflow.lock.acquired", {"onceflow.lock.round": rounds})
                 return handle, rounds
             if not wait:
                 return Locked(workspace_id, job_id, task)
@@ -217,6 +227,10 @@ def _acquire_or_wait(
             remaining = yield Call(be.remaining_ms, workspace_id, job_id, task)
             if not remaining:
                 continue  # released or expired since the acquire: try again now
+            if holder is not None:  # one GET per wait, only while tracing
+                stored = yield Call(be.holder_of, workspace_id, job_id, task)
+                spans.link_holder(stored, linked)
+            spans.event("onceflow.lock.waiting", {"onceflow.lock.round": rounds})
             if on_wait is not None:
                 yield Call(on_wait)
             verdict, value = yield from _await(
@@ -264,6 +278,7 @@ def _served(
     rounds: int,
 ) -> Steps[Outcome[T]]:
     name = WAITS_SERVED_BY_BROADCAST if served_by == "broadcast" else WAITS_SERVED_BY_RECHECK
+    spans.event("onceflow.lock.served", {"onceflow.lock.served_by": served_by})
     be.counters.incr(workspace_id, name)
     yield Call(be.flush_counters)
     waited = time.monotonic() - waiting_since
@@ -287,6 +302,7 @@ def _lead(
             yield Call(handle.start_watchdog)
         value = yield Call(check)  # the double-check: stored between our pre-flight and acquire?
         if value is not None:
+            spans.event("onceflow.lock.double_check_hit")
             be.counters.incr(ws, DOUBLE_CHECK_HITS)
             outcome = Outcome(value, Path.DOUBLE_CHECK, rounds=rounds)
         else:
@@ -302,6 +318,7 @@ def _lead(
 
 
 def _counted_compute(be: AnyBackend, workspace_id: str, compute: Callable[[], Any]) -> Steps[Any]:
+    spans.event("onceflow.lock.compute")
     be.counters.incr(workspace_id, COMPUTES)
     try:
         value = yield Call(compute)
@@ -335,6 +352,7 @@ def _store(
             be.counters.incr(ws, DUPLICATE_COMPUTES_DETECTED)
             return Outcome(existing, Path.LOCK_LOST, duplicate=True)
     path = Path.COMPUTED if held else Path.LOCK_LOST
+    spans.event("onceflow.lock.store")
     if (yield from store_retrying(be, ws, store, value, deadline)) is False:
         # the store kept an earlier value (first writer wins)
         be.counters.incr(ws, DUPLICATE_COMPUTES_DETECTED)

@@ -47,14 +47,17 @@ from onceflow.locks.counters import (
     send_groups,
 )
 from onceflow.locks.redis_lock import (
+    ACQUIRE_TRACED,
     EXTEND,
     REAP_UNTIMED,
     RELEASE,
     Lua,
+    holder_key,
     holds_token,
     mark_ms,
     note_config_refused,
     release_mark,
+    script_keys,
     warn_on_eviction_policy,
 )
 from onceflow.locks.steps import run_async
@@ -138,17 +141,25 @@ class AsyncRedisLockBackend:
         ttl: float | None = None,
         *,
         watchdog: bool = False,
+        holder: str | None = None,
     ) -> AsyncLockHandle | None:
         """``SET key token NX PX ttl`` (then, if refused, ``GET``: a resend of this call's own
-        SET finds its token): a handle if taken now, None if someone else holds it."""
+        SET finds its token): a handle if taken now, None if someone else holds it.
+        ``holder``: as :meth:`RedisLockBackend.acquire`."""
         key = lock_key(workspace_id, job_id, task)
         ttl_ms = ttl_to_ms(self.settings.lock_ttl_seconds if ttl is None else ttl)
         token = secrets.token_hex(16)
         if not self._policy_checked:
             await self._check_eviction_policy()
         try:
-            taken = await self.client.set(key, token, nx=True, px=ttl_ms)
-            taken = taken or await self._resent(key, token)
+            if holder is not None:
+                also = holder_key(key)
+                taken: Any = bool(
+                    await self._run(ACQUIRE_TRACED, key, token, ttl_ms, holder, also=also)
+                )
+            else:
+                taken = await self.client.set(key, token, nx=True, px=ttl_ms)
+                taken = taken or await self._resent(key, token)
         except REDIS_ERRORS as exc:
             raise _unavailable("acquire", exc) from exc
         if not taken:
@@ -169,22 +180,25 @@ class AsyncRedisLockBackend:
         """``release.lua``: delete the key only if it still holds the handle's token."""
         try:
             lifetime = mark_ms(self.settings.lock_timeout_seconds)
-            mark = release_mark(handle.key)
-            return int(await self._run(RELEASE, handle.key, handle.token, lifetime, also=mark))
+            also = (release_mark(handle.key), holder_key(handle.key))
+            return int(await self._run(RELEASE, handle.key, handle.token, lifetime, also=also))
         except REDIS_ERRORS as exc:
             raise _unavailable("release", exc) from exc
 
     async def cad_extend(self, handle: HeldLock[Any], ttl_ms: int) -> bool:
         """``extend.lua``: reset the TTL only if the key still holds the handle's token."""
         try:
-            return bool(await self._run(EXTEND, handle.key, handle.token, ttl_ms))
+            also = holder_key(handle.key)
+            return bool(await self._run(EXTEND, handle.key, handle.token, ttl_ms, also=also))
         except REDIS_ERRORS as exc:
             raise _unavailable("extend", exc) from exc
 
-    async def _run(self, script: Lua, key: str, *args: str | int, also: str | None = None) -> Any:
+    async def _run(
+        self, script: Lua, key: str, *args: str | int, also: str | tuple[str, ...] = ()
+    ) -> Any:
         # As RedisLockBackend._run: EVALSHA, and EVAL on the key's node on NOSCRIPT.
         text, sha = script
-        keys = (key,) if also is None else (key, also)
+        keys = script_keys(key, also)
         try:
             return await self.client.evalsha(sha, len(keys), *keys, *args)
         except redis.exceptions.NoScriptError:
@@ -202,6 +216,14 @@ class AsyncRedisLockBackend:
         except REDIS_ERRORS as exc:
             raise _unavailable("pttl", exc) from exc
         return None if pttl == -2 else pttl
+
+    async def holder_of(self, workspace_id: str, job_id: str, task: str) -> str | None:
+        """As :meth:`RedisLockBackend.holder_of`."""
+        try:
+            value = await self.client.get(holder_key(lock_key(workspace_id, job_id, task)))
+        except REDIS_ERRORS as exc:
+            raise _unavailable("get", exc) from exc
+        return value.decode() if isinstance(value, bytes) else value
 
     async def owner_token(self, workspace_id: str, job_id: str, task: str) -> str | None:
         """The token in the cell's lock key, or None."""

@@ -10,6 +10,10 @@ by their SHA1 (``EVALSHA``; on ``NOSCRIPT``, a restarted or new node, ``EVAL`` o
 text: one round trip to the key's node, which caches it). Not ``SCRIPT LOAD``: on a
 cluster that goes to every primary, and one node down would fail every release.
 
+While tracing is on, an acquire also keeps the holder's trace context beside the lock
+(``acquire_traced.lua``, the same round trip; :func:`holder_key`, with the lock's TTL,
+extended and deleted with it), for a waiter's span to link to the holder's.
+
 ``redis_url`` may name a Redis Cluster (``redis+cluster://…``, see
 :mod:`onceflow.redis_clients`): every command of a lock names one key, so it goes to the
 node of the workspace's slot; the ``lock_released`` broadcast is a sharded ``SPUBLISH``
@@ -76,6 +80,7 @@ log = logging.getLogger("onceflow.locks")
 
 RELEASE_LUA = files("onceflow.locks").joinpath("release.lua").read_text()
 EXTEND_LUA = files("onceflow.locks").joinpath("extend.lua").read_text()
+ACQUIRE_TRACED_LUA = files("onceflow.locks").joinpath("acquire_traced.lua").read_text()
 
 _clients: dict[tuple[str, float, int], SyncRedis] = {}
 _clients_lock = threading.Lock()
@@ -101,6 +106,7 @@ def lua(text: str) -> Lua:
 
 RELEASE = lua(RELEASE_LUA)
 EXTEND = lua(EXTEND_LUA)
+ACQUIRE_TRACED = lua(ACQUIRE_TRACED_LUA)
 REAP_UNTIMED = lua(REAP_UNTIMED_LUA)
 
 
@@ -113,6 +119,18 @@ def release_mark(key: str) -> str:
     """The key ``release.lua`` marks a release with (the lock key's hash slot; no lock key
     can end so: a key part's colons are escaped)."""
     return f"{key}:released"
+
+
+def holder_key(key: str) -> str:
+    """The key beside a lock that keeps its holder's trace context (``acquire_traced.lua``
+    writes it, ``extend.lua`` extends it, ``release.lua`` deletes it): the lock key's hash
+    slot, and no lock key can end so (a key part's colons are escaped)."""
+    return f"{key}:holder"
+
+
+def script_keys(key: str, also: str | tuple[str, ...]) -> tuple[str, ...]:
+    """A script's keys: ``key``, then ``also`` (one key or several)."""
+    return (key, also) if isinstance(also, str) else (key, *also)
 
 
 def mark_ms(timeout: float) -> int:
@@ -205,19 +223,29 @@ class RedisLockBackend:
         ttl: float | None = None,
         *,
         watchdog: bool = False,
+        holder: str | None = None,
     ) -> LockHandle | None:
         """``SET key token NX PX ttl`` (then, if refused, ``GET``: a resend of this call's own
-        SET finds its token): a handle if taken now, None if someone else holds it."""
+        SET finds its token): a handle if taken now, None if someone else holds it.
+
+        ``holder``: the caller's trace context (:func:`onceflow.tracing.carrier_of`), kept
+        beside the lock for as long as it is held (:func:`holder_key`) so that waiters can
+        link to the holder's span; taken and written in one round trip
+        (``acquire_traced.lua``)."""
         key = lock_key(workspace_id, job_id, task)
         ttl_ms = ttl_to_ms(self.settings.lock_ttl_seconds if ttl is None else ttl)
         token = secrets.token_hex(16)
         if not self._policy_checked:
             self._check_eviction_policy()
         try:  # inline rather than a context manager: this is the hot path
-            taken = self.client.set(key, token, nx=True, px=ttl_ms)
-            # Refused: taken by someone else — or by this very call, when the client resent
-            # a SET whose reply was lost (redis-py resends once). Our own token: ours.
-            taken = taken or self._resent(key, token)
+            if holder is not None:
+                also = holder_key(key)
+                taken: Any = bool(self._run(ACQUIRE_TRACED, key, token, ttl_ms, holder, also=also))
+            else:
+                taken = self.client.set(key, token, nx=True, px=ttl_ms)
+                # Refused: taken by someone else — or by this very call, when the client
+                # resent a SET whose reply was lost (redis-py resends once). Our own token: ours.
+                taken = taken or self._resent(key, token)
         except REDIS_ERRORS as exc:
             raise _unavailable("acquire", exc) from exc
         if not taken:
@@ -239,25 +267,28 @@ class RedisLockBackend:
         """``release.lua``: delete the key only if it still holds the handle's token."""
         try:
             lifetime = mark_ms(self.settings.lock_timeout_seconds)
-            mark = release_mark(handle.key)
-            return int(self._run(RELEASE, handle.key, handle.token, lifetime, also=mark))
+            also = (release_mark(handle.key), holder_key(handle.key))
+            return int(self._run(RELEASE, handle.key, handle.token, lifetime, also=also))
         except REDIS_ERRORS as exc:
             raise _unavailable("release", exc) from exc
 
     def cad_extend(self, handle: LockHandle, ttl_ms: int) -> bool:
         """``extend.lua``: reset the TTL only if the key still holds the handle's token."""
         try:
-            return bool(self._run(EXTEND, handle.key, handle.token, ttl_ms))
+            also = holder_key(handle.key)
+            return bool(self._run(EXTEND, handle.key, handle.token, ttl_ms, also=also))
         except REDIS_ERRORS as exc:
             raise _unavailable("extend", exc) from exc
 
-    def _run(self, script: Lua, key: str, *args: str | int, also: str | None = None) -> Any:
+    def _run(
+        self, script: Lua, key: str, *args: str | int, also: str | tuple[str, ...] = ()
+    ) -> Any:
         # EVALSHA straight away (one round trip, no per-call bookkeeping); on NOSCRIPT (a
         # restarted, failed-over or new node) EVAL of the text, on the key's node alone.
-        # ``also``: a second key in the same hash slot (release.lua's mark).
+        # ``also``: more keys in the same hash slot (release.lua's mark, the holder key).
         client = self.client
         text, sha = script
-        keys = (key,) if also is None else (key, also)
+        keys = script_keys(key, also)
         try:
             return client.evalsha(sha, len(keys), *keys, *args)
         except redis.exceptions.NoScriptError:
@@ -281,6 +312,13 @@ class RedisLockBackend:
                 log.error("compute lock %r held a value with no TTL (not a lock): deleted", key)
             return None
         return pttl
+
+    def holder_of(self, workspace_id: str, job_id: str, task: str) -> str | None:
+        """The trace context the cell's holder kept beside its lock (see :meth:`acquire`),
+        or None: one ``GET``, asked only while tracing is on."""
+        with translate_redis_errors("get"):
+            value = self.client.get(holder_key(lock_key(workspace_id, job_id, task)))
+        return value.decode() if isinstance(value, bytes) else value
 
     def owner_token(self, workspace_id: str, job_id: str, task: str) -> str | None:
         """The token in the cell's lock key, or None."""

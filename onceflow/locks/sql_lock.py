@@ -111,8 +111,12 @@ class SqlLockBackend:
         ttl: float | None = None,
         *,
         watchdog: bool = False,
+        holder: str | None = None,
     ) -> LockHandle | None:
-        """Insert the cell's row, or replace an expired one; None if a live row exists."""
+        """Insert the cell's row, or replace an expired one; None if a live row exists.
+
+        ``holder`` (the caller's trace context) is not kept: this backend stores no trace
+        context, so its waiters' spans carry no link to the holder's."""
         key = lock_key(workspace_id, job_id, task)  # validates the ids
         ttl_ms = ttl_to_ms(self.settings.lock_ttl_seconds if ttl is None else ttl)
         token = secrets.token_hex(16)
@@ -142,6 +146,10 @@ class SqlLockBackend:
         """Milliseconds until the row expires by the database clock; None if no row."""
         row = self._one("remaining", REMAINING, _ids(workspace_id, job_id, task))
         return None if row is None else int(row["ms"])
+
+    def holder_of(self, workspace_id: str, job_id: str, task: str) -> str | None:
+        """Always None: the holder's trace context is not kept (see :meth:`acquire`)."""
+        return None
 
     def owner_token(self, workspace_id: str, job_id: str, task: str) -> str | None:
         """The token of the cell's live row, or None."""

@@ -189,6 +189,10 @@ class Claim:
     lease_expires_at: datetime
     lease_seconds: float
     max_runtime: float | None = None
+    #: The trace context the row was enqueued under (W3C ``traceparent``, then
+    #: ``tracestate``; None without tracing): the run continues that trace
+    #: (:func:`onceflow.tracing.run_parent`).
+    trace_context: str | None = field(default=None, compare=False, repr=False)
 
     @property
     def run_deadline(self) -> datetime | None:
@@ -234,6 +238,9 @@ class Dispatch:
     #: The request's workspace: the wake-up carries it, so a worker finds the row by its
     #: key (and, sharded, on its shard). None: a wake-up by id alone.
     workspace_id: str | None = None
+    #: The trace context the row was enqueued under, on a sweeper's re-send: the wake-up
+    #: is sent in that trace. None: sent in the current one.
+    trace_context: str | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,8 @@ malformed 2xx body — it raises :class:`~onceflow.oplog.client.TransportError`,
 so the client retries under the *same* op id and the server applies the op
 once. A final answer from the server becomes the matching onceflow error (409
 op_id_conflict → :class:`OpIdConflict`, …). ``httpx`` (the ``fastapi`` extra) is
-imported only when a transport is made.
+imported only when a transport is made. While tracing, each request carries the current
+trace (``traceparent``), so the server's ``onceflow.op.apply`` span joins the caller's trace.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from urllib.parse import quote
 
+from opentelemetry import propagate
+
+from onceflow import tracing
 from onceflow.errors import (
     AccessDenied,
     InvalidRequest,
@@ -202,10 +206,16 @@ class _ApiClient(Generic[ClientT]):
         self._headers = {"Authorization": f"Bearer {key}"}
 
     def _arguments(self, req: ApiRequest) -> dict[str, Any]:
+        headers = self._headers
+        if tracing.active():
+            # The current trace goes with the request (W3C ``traceparent``, or whatever
+            # propagator the application set): the server's apply joins the caller's trace.
+            headers = dict(headers)
+            propagate.inject(headers)
         return {
             "method": req.method,
             "url": req.url,
-            "headers": self._headers,
+            "headers": headers,
             "json": req.json,
             "params": req.params,
         }

@@ -41,7 +41,7 @@ from onceflow.metrics import record as metrics
 from onceflow.models.ops import OpModel, apply, parse_op
 from onceflow.models.requests import Fence, workspace_of
 from onceflow.models.sub_doc_scope import SubDocScope
-from onceflow.oplog import sql
+from onceflow.oplog import spans, sql
 from onceflow.oplog.records import ApplyResult, OpRecord, SubDoc, check_op_id, new_op_id
 from onceflow.payloads import Unreadable, canonical_json, encode_payload
 from onceflow.queue.claims import fence_scopes, fenced_row_steps
@@ -96,7 +96,8 @@ class OpLogOps:
 
     if TYPE_CHECKING:  # provided by OpLog (sync Redis) and AsyncOpLog (redis.asyncio)
 
-        def _publish(self, applied: ApplyResult, message: str) -> object: ...
+        def _publish(self, applied: ApplyResult, message: str) -> object:
+            """Publish ``message``; the error a failed publish met (logged), else None."""
 
     # ------------------------------------------------------------------- writes
 
@@ -129,16 +130,33 @@ class OpLogOps:
         must allow ``sub_doc``, checked on the fenced row in the same transaction
         (:class:`~onceflow.errors.OutOfScope`, nothing written). Each outcome is
         counted in ``onceflow_ops_total``. A new commit is broadcast on the
-        workspace's Redis channel after it commits, never before.
+        workspace's Redis channel after it commits, never before. While tracing, the apply
+        and its broadcast are spans (:mod:`onceflow.oplog.spans`).
         """
-        done = yield from OpLogOps.apply_quietly.steps(
-            self, workspace_id, sub_doc, op, op_id, fence=fence, base_clock=base_clock,
-            sub_docs=sub_docs,
-        )  # fmt: skip
-        if done.broadcast is not None:
-            # After the commit, never before (O4): the sync client on OpLog, redis.asyncio
-            # awaited on AsyncOpLog (a Call of a coroutine function is awaited).
-            yield Call(self._publish, done.result, done.broadcast)
+        span = spans.start(fenced=fence is not None)
+        try:
+            done = yield from OpLogOps.apply_quietly.steps(
+                self, workspace_id, sub_doc, op, op_id, fence=fence, base_clock=base_clock,
+                sub_docs=sub_docs,
+            )  # fmt: skip
+        except BaseException as exc:
+            if span is not None:
+                spans.failed(span, exc)
+            raise
+        if span is None:
+            if done.broadcast is not None:
+                # After the commit, never before (O4): the sync client on OpLog, redis.asyncio
+                # awaited on AsyncOpLog (a Call of a coroutine function is awaited).
+                yield Call(self._publish, done.result, done.broadcast)
+            return done.result
+        spans.applied(span, done.result, done.op_type)
+        try:
+            if done.broadcast is not None:
+                sending = spans.broadcast(span)
+                error = yield Call(self._publish, done.result, done.broadcast)
+                spans.sent(sending, error if isinstance(error, BaseException) else None)
+        finally:
+            span.end()
         return done.result
 
     # apply_op's arguments again (a twin by shape): the same apply, the broadcast left out.

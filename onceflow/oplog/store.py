@@ -99,12 +99,14 @@ class OpLog(SyncSide, OpLogOps):
         """
         return self._redis.get()
 
-    def _publish(self, applied: ApplyResult, message: str) -> None:
+    def _publish(self, applied: ApplyResult, message: str) -> BaseException | None:
         try:
             client = self.redis()
             publish(client, is_cluster(client), workspace_channel(applied.workspace_id), message)
         except REDIS_ERRORS as exc:
             _broadcast_failed(applied.workspace_id, applied.sub_doc, exc)
+            return exc
+        return None
 
 
 class AsyncOpLog(AsyncSide, OpLogOps):
@@ -154,13 +156,15 @@ class AsyncOpLog(AsyncSide, OpLogOps):
             )
         return client
 
-    async def _publish(self, applied: ApplyResult, message: str) -> None:
+    async def _publish(self, applied: ApplyResult, message: str) -> BaseException | None:
         try:
             client = self.redis()
             channel = workspace_channel(applied.workspace_id)
             await publish(client, is_cluster(client), channel, message)
         except REDIS_OR_OS_ERRORS as exc:
             _broadcast_failed(applied.workspace_id, applied.sub_doc, exc)
+            return exc
+        return None
 
     async def aclose(self) -> None:
         """Close this event loop's connection pools (one per shard) and Redis client."""

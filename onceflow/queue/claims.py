@@ -160,7 +160,9 @@ class ClaimOps:
             return None
         request = Request.from_row(row)
         assert request.lease_expires_at is not None  # noqa: S101 - set by the claim itself
-        claim = Claim(request, token, request.lease_expires_at, lease, runtime)
+        claim = Claim(
+            request, token, request.lease_expires_at, lease, runtime, row.get("trace_context")
+        )
         metrics.claimed([claim], [bool(row.get("took_over"))])
         return claim
 
@@ -257,7 +259,9 @@ class ClaimOps:
                 token = tokens[row["rn"] - 1]
                 own = terms.get(request.stage)
                 took = (lease, runtime) if own is None else (own.lease_seconds, own.max_runtime)
-                claims.append(Claim(request, token, request.lease_expires_at, *took))
+                claims.append(
+                    Claim(request, token, request.lease_expires_at, *took, row["trace_context"])
+                )
                 took_over.append(bool(row["took_over"]))
         metrics.claimed(claims, took_over)
         return claims

@@ -277,8 +277,9 @@ WHERE {_by_id(ws)}
          AND NOT {_OVERRAN})
   )
 -- The row as this statement's snapshot saw it (a statement never sees its own changes):
--- running means this claim took over a lapsed lease (metrics only).
-RETURNING {RETURNING},
+-- running means this claim took over a lapsed lease (metrics only). The trace context the
+-- row was enqueued under: the run continues that trace.
+RETURNING {RETURNING}, w.trace_context,
     (SELECT o.status = 'running' FROM {TABLE} o
      WHERE o.workspace_id = w.workspace_id AND o.request_id = w.request_id) AS took_over
 """
@@ -353,7 +354,7 @@ UPDATE {TABLE} AS w SET
     updated_at = n.now
 FROM picked, n
 WHERE w.workspace_id = picked.workspace_id AND w.request_id = picked.request_id
-RETURNING {RETURNING}, picked.rn, picked.took_over
+RETURNING {RETURNING}, w.trace_context, picked.rn, picked.took_over
 """
 
 
@@ -689,7 +690,7 @@ WHERE {_fence(ws)}
 @_by_key("queue.own_claim")
 def OWN_CLAIM(ws: str) -> str:
     return f"""
-SELECT {RETURNING} FROM {TABLE} w
+SELECT {RETURNING}, w.trace_context FROM {TABLE} w
 WHERE {_by_id(ws)} AND w.claim_token = :token AND w.status = 'running'
 """
 
@@ -803,7 +804,7 @@ UPDATE {TABLE} AS w SET
 FROM nxt, n, LATERAL (SELECT {_backoff("nxt.attempts")} AS backoff) b
 WHERE w.workspace_id = nxt.workspace_id AND w.request_id = nxt.request_id
 RETURNING w.request_id, w.workspace_id, w.status, w.stage, w.worker_class, nxt.overran,
-    w.run_after
+    w.run_after, w.attempts, w.crash_attempts, w.trace_context
 ),
 sig AS ({_notify("upd", "r.status = 'queued' AND r.run_after <= n.now")})
 SELECT * FROM upd WHERE {_SENT}
@@ -834,7 +835,7 @@ upd AS (
 UPDATE {TABLE} AS w SET dispatched_at = n.now, redispatch_count = {count}
 FROM due, n
 WHERE w.workspace_id = due.workspace_id AND w.request_id = due.request_id
-RETURNING w.request_id, w.workspace_id, w.stage, w.worker_class
+RETURNING w.request_id, w.workspace_id, w.stage, w.worker_class, w.trace_context
 ),
 sig AS ({_notify("upd", "true")})
 SELECT * FROM upd WHERE {_SENT}

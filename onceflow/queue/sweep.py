@@ -34,6 +34,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from opentelemetry import trace
+from opentelemetry.trace import Link
+
+from onceflow import tracing
 from onceflow.connector import Call, Execute, FetchAll, FetchOne, Query, Steps, operation
 from onceflow.errors import InvalidRequest, MaxRuntimeExceeded
 from onceflow.ids import RequestId, check_id, check_worker_class
@@ -123,6 +127,8 @@ class Sweeper:
         }  # fmt: skip
         rows = yield FetchAll(sql.RESCUE_EXPIRED, params)
         metrics.reclaimed(rows)
+        if rows and tracing.active():
+            _rescue_spans(rows)
         crashed = [r for r in rows if not r["overran"]]
         rescued = [RequestId(r["request_id"]) for r in crashed if r["status"] == Status.QUEUED]
         dead = [RequestId(r["request_id"]) for r in crashed if r["status"] != Status.QUEUED]
@@ -321,6 +327,57 @@ class Sweeper:
         )
 
 
+#: What a rescue did to a row, by its status after it (a crash; an overrun is ``overran``).
+_RESCUED_AS = {Status.QUEUED: "requeued", Status.DEAD: "quarantined", Status.CANCELLED: "cancelled"}
+
+
+def _rescue_spans(rows: Sequence[Any]) -> None:
+    """One short ``onceflow.rescue`` span per row a rescue changed, in that row's trace (the
+    trace it was enqueued under: its runs' trace), linked to the current span (the sweep);
+    under the current span for a row enqueued without a trace."""
+    sweep = trace.get_current_span().get_span_context()
+    links = [Link(sweep, {"onceflow.link": "sweep"})] if sweep.is_valid else []
+    for row in rows:
+        parent = tracing.context_from(row["trace_context"])
+        attributes = tracing.attributes(
+            request_id=row["request_id"], stage=row["stage"], worker_class=row["worker_class"],
+            attempt=row["attempts"], workspace_id=row["workspace_id"],
+        )  # fmt: skip
+        status = row["status"]
+        attributes["onceflow.crash_attempts"] = row["crash_attempts"]
+        attributes["onceflow.status"] = str(status)
+        attributes["onceflow.rescue.outcome"] = (
+            "overran" if row["overran"] else _RESCUED_AS.get(status, str(status))
+        )
+        span = tracing.TRACER.start_span(
+            "onceflow.rescue", context=parent, attributes=attributes,
+            links=links if parent is not None else None,
+        )  # fmt: skip
+        span.end()
+
+
+def traced_sweep(sweep: Callable[[], SweepResult]) -> SweepResult:
+    """Run ``sweep`` (one sweep of one database) under an ``onceflow.sweep`` span with its
+    counts (``onceflow.rescued``, ``quarantined``, ``overran``, ``dispatched``, ``pruned``),
+    current meanwhile: the rescues link to it. Just ``sweep()`` when tracing is off."""
+    if not tracing.active():
+        return sweep()
+    with tracing.TRACER.start_as_current_span(
+        "onceflow.sweep", record_exception=False, set_status_on_exception=False
+    ) as span:
+        try:
+            result = sweep()
+        except BaseException as exc:
+            tracing.ended_with(span, exc)
+            raise
+        span.set_attribute("onceflow.rescued", len(result.rescued))
+        span.set_attribute("onceflow.quarantined", len(result.quarantined))
+        span.set_attribute("onceflow.overran", len(result.overran))
+        span.set_attribute("onceflow.dispatched", len(result.to_dispatch))
+        span.set_attribute("onceflow.pruned", result.pruned)
+        return result
+
+
 def _logged_prune(what: str, prune: Steps[int]) -> Steps[int]:
     """Run one retention step; an error is logged (the wake-ups are out already), not raised."""
     try:
@@ -379,11 +436,15 @@ def _age(name: str, value: float | None) -> float | None:
     return None if value is None else _seconds(name, value, positive=True, most=_AGE_MAX)
 
 
-__all__ = ["OVERRAN_ERROR", "Backlog", "Send", "SweepTurn", "Sweeper"]
+__all__ = ["OVERRAN_ERROR", "Backlog", "Send", "SweepTurn", "Sweeper", "traced_sweep"]
 
 
 def _dispatch(row: Any) -> Dispatch:
     """The wake-up of a row a sweep statement returned (it carries the row's key)."""
     return Dispatch(
-        RequestId(row["request_id"]), row["stage"], row["worker_class"], row["workspace_id"]
+        RequestId(row["request_id"]),
+        row["stage"],
+        row["worker_class"],
+        row["workspace_id"],
+        row.get("trace_context"),
     )

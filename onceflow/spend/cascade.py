@@ -48,12 +48,13 @@ from typing import Any, TypeVar
 from onceflow.connector.trampoline import Call, Sleep, ado_step, adrive, do_step, drive
 from onceflow.errors import (
     BudgetBusy,
+    BudgetExceeded,
     CascadeExhausted,
     InvalidRequest,
     PermitCancelled,
     ProviderError,
 )
-from onceflow.spend import checks
+from onceflow.spend import checks, spans
 from onceflow.spend.hooks import Grant
 from onceflow.spend.limits import POLL_MS, Decision
 from onceflow.spend.provider import (
@@ -211,10 +212,12 @@ class Cascade:
         and no round opens an admit of its own. A provider that grants has the others given
         back before the call; one whose admit finds the budget's room held (by this call's
         other admits among them) has those given back and is asked once more."""
+        first_ask = time.monotonic()
         deadline = clock() + wait.timeout
         beat_due = wait.beats(clock)
         failed: dict[str, str] = {}
         refused: dict[str, str] = {}
+        slept = False  # the cascade waited for room (the call's span says so, and why)
         while True:
             hint_ms = POLL_MS
             for p in self.providers:
@@ -226,7 +229,9 @@ class Cascade:
                 grant = waiting.get(p.name)
                 if grant is None:
                     grant = grant_for(p)
-                    busy = yield from self._admit(p, grant, waiting, asynchronous=asynchronous)
+                    busy = yield from self._refused_traced(
+                        p, self._admit(p, grant, waiting, asynchronous=asynchronous)
+                    )
                     if busy is not None:  # its room is held by calls in flight: not yet
                         refused[p.name] = BUDGET_IN_FLIGHT
                         hint_ms = min(hint_ms, busy_wait_ms(busy))
@@ -244,6 +249,12 @@ class Cascade:
                 del waiting[p.name]
                 yield from self._give_back(waiting, asynchronous=asynchronous)
                 permit = permit_class(p, grant, decided.at_ms)
+                span = spans.start(p)
+                if span is not None:
+                    span.attach()
+                    if slept:  # this provider's last refusal is why it waited
+                        span.waiting(refused.get(p.name, "?"), since=first_ask)
+                    span.granted()
                 try:
                     value = yield Call(fn, permit)
                 except ProviderError as exc:
@@ -251,15 +262,25 @@ class Cascade:
                         yield from permit.rate_limited_steps(exc.retry_after, limits)
                     yield from permit.leave_steps(True, limits)
                     failed[p.name] = f"{p.name}: {exc}"
+                    self._fell_back(span, exc, permit)
                     continue
                 except TimeoutError as exc:
                     yield from permit.leave_steps(True, limits)
                     failed[p.name] = f"{p.name}: timed out ({exc})"
+                    self._fell_back(span, exc, permit)
                     continue
-                except BaseException:
-                    yield from permit.leave_steps(True, limits)
+                except BaseException as exc:
+                    try:
+                        yield from permit.leave_steps(True, limits)
+                    finally:
+                        if span is not None:
+                            span.end(exc, permit)
                     raise
-                yield from permit.leave_steps(False, limits)
+                try:
+                    yield from permit.leave_steps(False, limits)
+                finally:
+                    if span is not None:
+                        span.end(None, permit)
                 return value
             names = [p.name for p in self.providers]
             if len(failed) == len(self.providers):
@@ -270,7 +291,29 @@ class Cascade:
                 raise CascadeExhausted(names, reasons)
             if wait.heartbeat is not None and beat_due():
                 yield Call(wait.heartbeat)
+            slept = True
             yield Sleep(min(hint_ms / 1000 * random.uniform(0.5, 1.0), left))
+
+    @staticmethod
+    def _fell_back(span: spans.CallSpan | None, error: BaseException, permit: Permit) -> None:
+        """The call span of a provider the cascade moves on from: the reason, then its end."""
+        if span is not None:
+            span.fell_back(spans.fallback_reason(error))
+            span.end(error, permit)
+
+    @staticmethod
+    def _refused_traced(
+        p: Provider, admit: Generator[Any, Any, BudgetBusy | None]
+    ) -> Generator[Any, Any, BudgetBusy | None]:
+        """``admit``; a budget's refusal of ``p`` (``BudgetExceeded``, ending the cascade)
+        is a call span of its own while tracing, as a permit's refusal is."""
+        try:
+            return (yield from admit)
+        except BudgetExceeded as exc:
+            span = spans.start(p)
+            if span is not None:
+                span.refused(exc)
+            raise
 
     def _admit(
         self, p: Provider, grant: Grant, waiting: dict[str, Grant], *, asynchronous: bool

@@ -42,7 +42,7 @@ from onceflow.cache import capture
 from onceflow.connector.trampoline import Call, Sleep, ado_step, adrive, do_step, drive
 from onceflow.errors import BudgetBusy, InvalidRequest, PermitCancelled, PermitTimeout
 from onceflow.ids import check_id
-from onceflow.spend import checks
+from onceflow.spend import checks, spans
 from onceflow.spend.hooks import (
     NO_HOOKS,
     OUTCOME_ERROR,
@@ -99,7 +99,9 @@ class Provider:
     ``rpm`` and ``tpm`` count requests and tokens (input and output) over a sliding window
     of ``window_seconds`` (60: per minute; a provider that publishes per-second limits is
     declared with ``window_seconds=1``); ``concurrency`` bounds the calls in flight. Any
-    may be None: no limit. ``price`` turns usage into money for the spend hooks.
+    may be None: no limit. ``price`` turns usage into money for the spend hooks. ``model``
+    and ``operation`` (``chat`` by default) name a call's trace span
+    (:mod:`onceflow.spend.spans`).
 
     A 429 cools the provider for every client for its ``Retry-After``, else ``cooldown``
     seconds, and never longer than ``max_cooldown`` (300 by default; it bounds ``cooldown``
@@ -125,6 +127,7 @@ class Provider:
         concurrency: int | None = None,
         price: Price | None = None,
         model: str | None = None,
+        operation: str = "chat",
         window_seconds: float = 60.0,
         permit_ttl: float = DEFAULT_PERMIT_TTL,
         cooldown: float = DEFAULT_COOLDOWN,
@@ -141,6 +144,9 @@ class Provider:
             raise InvalidRequest(f"price must be a Price, got {price!r}")
         self.price = price
         self.model = None if model is None else check_id("model", model, max_len=200)
+        #: What a call does, for its trace span (``gen_ai.operation.name``: ``chat``,
+        #: ``embeddings``, ``text_completion``, …).
+        self.operation = check_id("operation", operation, max_len=100)
         self.window_seconds = checks.seconds(
             "window_seconds", window_seconds, low=0.001, zero=False
         )
@@ -184,6 +190,7 @@ class Provider:
             "concurrency": self.concurrency,
             "price": self.price,
             "model": self.model,
+            "operation": self.operation,
             "window_seconds": self.window_seconds,
             "permit_ttl": self.permit_ttl,
             "cooldown": self.cooldown,
@@ -312,6 +319,7 @@ class Provider:
         clock: Callable[[], float],
         deadline: float,
         beat_due: Callable[[], bool],
+        span: spans.CallSpan | None = None,
     ) -> Steps:
         """Ask the spend hooks to admit ``grant``. While they answer
         :class:`~onceflow.errors.BudgetBusy` (the budget's room is held by calls in flight,
@@ -326,6 +334,8 @@ class Provider:
                 return
             except BudgetBusy as busy:
                 held = busy
+            if span is not None:
+                span.waiting(BUDGET_IN_FLIGHT)
             left = deadline - clock()
             if left <= 0:
                 raise PermitTimeout(self.name, wait.timeout, BUDGET_IN_FLIGHT) from held
@@ -340,12 +350,14 @@ class Provider:
         limits: SyncLimits | AsyncLimits,
         wait: checks.Wait,
         clock: Callable[[], float],
+        span: spans.CallSpan | None = None,
     ) -> Steps:
         """Admit (waiting while the budget's room is held by calls in flight), then wait
-        for the limits: the granting :class:`Decision`."""
+        for the limits: the granting :class:`Decision`. ``span``: the call's trace span,
+        told of each wait."""
         deadline = clock() + wait.timeout
         beat_due = wait.beats(clock)
-        yield from self.admit_steps(grant, wait, clock, deadline, beat_due)
+        yield from self.admit_steps(grant, wait, clock, deadline, beat_due, span)
         reason = ""
         try:
             while True:
@@ -359,6 +371,8 @@ class Provider:
                 if decided.granted:
                     return decided
                 reason = decided.reason
+                if span is not None:
+                    span.waiting(reason)
                 left = deadline - clock()
                 if left <= 0:
                     raise PermitTimeout(self.name, wait.timeout, reason)
@@ -417,6 +431,10 @@ class Permit:
         self.granted_at_ms = granted_at_ms
         self.outcome: str | None = None
         self.usage: Usage | None = None
+        #: What the settled usage cost at the provider's price (None when either is unknown).
+        self.cost: Decimal | None = None
+        #: The model named at settle, else the provider's.
+        self.model: str | None = None
         self._released: Settled | None = None
         self._pending: tuple[Usage | None, str, str | None] | None = None
 
@@ -476,6 +494,8 @@ class Permit:
         )  # fmt: skip
         self.outcome = outcome
         self.usage = usage
+        self.cost = cost
+        self.model = model or self.provider.model
         if usage is not None:  # what a cached computation paid (onceflow.cache.capture)
             capture.settled(
                 self.provider.name, model or self.provider.model, usage.input_tokens,
@@ -541,12 +561,23 @@ class PermitContext:
         self.grant = grant
         self.wait = wait
         self.permit: Permit | None = None
+        self.span: spans.CallSpan | None = None
 
     def __enter__(self) -> Permit:
+        span = self.span = spans.start(self.provider)
+        if span is not None:
+            span.attach()
         steps = self.provider.acquire_steps(
-            self.grant, self.provider.limits, self.wait, time.monotonic
+            self.grant, self.provider.limits, self.wait, time.monotonic, span
         )
-        decided: Decision = drive(steps, do_step)
+        try:
+            decided: Decision = drive(steps, do_step)
+        except BaseException as exc:
+            if span is not None:
+                span.refused(exc)
+            raise
+        if span is not None:
+            span.granted()
         self.permit = Permit(self.provider, self.grant, decided.at_ms)
         return self.permit
 
@@ -560,13 +591,17 @@ class PermitContext:
         if self.permit is None:  # the wait failed: nothing was granted
             return
         leave = self.permit.leave_steps(exc is not None, self.provider.limits)
-        if exc is None:
-            drive(leave, do_step)
-            return
         try:
-            drive(leave, do_step)
-        except Exception as error:  # the block's own exception is the one to see
-            exc.add_note(f"and settling permit {self.grant.permit_id} failed: {error!r}")
+            if exc is None:
+                drive(leave, do_step)
+                return
+            try:
+                drive(leave, do_step)
+            except Exception as error:  # the block's own exception is the one to see
+                exc.add_note(f"and settling permit {self.grant.permit_id} failed: {error!r}")
+        finally:
+            if self.span is not None:
+                self.span.end(exc, self.permit)
 
 
 class AsyncPermitContext:
@@ -577,11 +612,23 @@ class AsyncPermitContext:
         self.grant = grant
         self.wait = wait
         self.permit: AsyncPermit | None = None
+        self.span: spans.CallSpan | None = None
 
     async def __aenter__(self) -> AsyncPermit:
         loop = asyncio.get_running_loop()
-        steps = self.provider.acquire_steps(self.grant, self.provider.alimits, self.wait, loop.time)
-        decided: Decision = await adrive(steps, ado_step)
+        span = self.span = spans.start(self.provider)
+        if span is not None:
+            span.attach()
+        limits = self.provider.alimits
+        steps = self.provider.acquire_steps(self.grant, limits, self.wait, loop.time, span)
+        try:
+            decided: Decision = await adrive(steps, ado_step)
+        except BaseException as exc:
+            if span is not None:
+                span.refused(exc)
+            raise
+        if span is not None:
+            span.granted()
         self.permit = AsyncPermit(self.provider, self.grant, decided.at_ms)
         return self.permit
 
@@ -595,10 +642,14 @@ class AsyncPermitContext:
         if self.permit is None:
             return
         leave = self.permit.leave_steps(exc is not None, self.provider.alimits)
-        if exc is None:
-            await adrive(leave, ado_step)
-            return
         try:
-            await adrive(leave, ado_step)
-        except Exception as error:
-            exc.add_note(f"and settling permit {self.grant.permit_id} failed: {error!r}")
+            if exc is None:
+                await adrive(leave, ado_step)
+                return
+            try:
+                await adrive(leave, ado_step)
+            except Exception as error:
+                exc.add_note(f"and settling permit {self.grant.permit_id} failed: {error!r}")
+        finally:
+            if self.span is not None:
+                self.span.end(exc, self.permit)

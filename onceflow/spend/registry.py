@@ -30,7 +30,7 @@ _default_hooks: list[SpendHooks] = [NO_HOOKS]
 #: The keys of one declaration in ``ONCEFLOW_PROVIDERS``.
 DECLARATION_KEYS = frozenset({
     "rpm", "tpm", "concurrency", "input_per_million", "output_per_million", "model",
-    "window_seconds", "permit_ttl", "cooldown", "max_cooldown", "cold_start",
+    "operation", "window_seconds", "permit_ttl", "cooldown", "max_cooldown", "cold_start",
 })  # fmt: skip
 
 

@@ -32,14 +32,16 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from datetime import datetime
 from typing import Any, TypeVar
 
 from celery import Celery
+from opentelemetry import context as otel_context
 from pydantic import BaseModel, ValidationError
 
+from onceflow import tracing
 from onceflow.context import oplog_for
 from onceflow.errors import (
     InvalidRedisUrl,
@@ -57,6 +59,7 @@ from onceflow.models.requests import Dispatch, EnqueueResult, NewRequest, Reques
 from onceflow.models.sub_doc_scope import SubDocScope
 from onceflow.payloads import check_json
 from onceflow.queue import Queue
+from onceflow.queue.sweep import traced_sweep
 from onceflow.settings import Settings, get_settings
 from onceflow.shards import each_shard
 from onceflow.spend.defaults import install_ledger
@@ -528,14 +531,15 @@ class Flow:
                 if item.workspace_id is None
                 else [item.request_id, item.workspace_id]
             )
-            self.app.send_task(
-                TASK_PREFIX + item.stage,
-                args=args,
-                retry=True,
-                retry_policy=PUBLISH_RETRY,
-                serializer="json",  # whatever the app's task_serializer
-                **send_options(self.app, item.stage, item.worker_class, args),
-            )
+            with _in_trace(item.trace_context):
+                self.app.send_task(
+                    TASK_PREFIX + item.stage,
+                    args=args,
+                    retry=True,
+                    retry_policy=PUBLISH_RETRY,
+                    serializer="json",  # whatever the app's task_serializer
+                    **send_options(self.app, item.stage, item.worker_class, args),
+                )
         except InvalidRedisUrl:  # a configuration error (a Redis Cluster as the broker)
             with contextlib.suppress(OnceflowError):
                 self.queue.mark_undispatched(item.request_id, workspace_id=item.workspace_id)
@@ -629,13 +633,16 @@ class Flow:
     def _sweep_shard(
         self, queue: Queue, *, redispatch_after: float | None = None, now: datetime | None = None
     ) -> SweepResult:
-        """One sweep of one database."""
-        result = queue.sweep_once(
-            redispatch_after=redispatch_after,
-            stages=sorted(self.stages),
-            backlog=self.broker_backlog,
-            send=self._send_wakeups,
-            now=now,
+        """One sweep of one database (traced as ``onceflow.sweep``, its rescues each in
+        its row's trace: :func:`~onceflow.queue.sweep.traced_sweep`)."""
+        result = traced_sweep(
+            lambda: queue.sweep_once(
+                redispatch_after=redispatch_after,
+                stages=sorted(self.stages),
+                backlog=self.broker_backlog,
+                send=self._send_wakeups,
+                now=now,
+            )
         )
         if self.settings.op_retention_seconds is not None:
             try:
@@ -707,6 +714,22 @@ class Flow:
 
 
 __all__ = ["MAINTENANCE_QUEUE", "Flow", "StageSpec", "StageTask", "worker_id"]
+
+
+@contextlib.contextmanager
+def _in_trace(stored: str | None) -> Iterator[None]:
+    """The trace context ``stored`` with a row current in the block (a sweeper's re-send):
+    Celery's own instrumentation, where installed, sends the wake-up in the row's trace,
+    so the task that runs it is there too. Nothing when tracing is off or none is stored."""
+    parent = tracing.context_from(stored) if stored is not None and tracing.active() else None
+    if parent is None:
+        yield
+        return
+    token = otel_context.attach(parent)
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
 
 
 def _hand_off_targets(stage: str, targets: Sequence[str] | None) -> tuple[str, ...] | None:

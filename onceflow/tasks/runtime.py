@@ -17,8 +17,10 @@ from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import SoftTimeLimitExceeded
+from opentelemetry.trace import Span
 from pydantic import ValidationError
 
+from onceflow import tracing
 from onceflow.context import StageContext, oplog_for, to_json_result
 from onceflow.errors import (
     Cancelled,
@@ -32,6 +34,7 @@ from onceflow.errors import (
     RetryLater,
 )
 from onceflow.keys import counters_key
+from onceflow.lifecycle import spans
 from onceflow.lifecycle.outcome import Outcome, decide, succeeded
 from onceflow.lifecycle.record import record
 from onceflow.metrics import record as metrics
@@ -79,11 +82,16 @@ class _Heartbeats:
         self._idle = self.IDLE_SECONDS
         self._due: dict[int, tuple[float, StageContext, Queue, float]] = {}
         self._turns: dict[int, threading.Lock] = {}
+        # The run span of each stage traced (a failed heartbeat is noted on it).
+        self._spans: dict[int, Span] = {}
         self._thread: threading.Thread | None = None
         self._pid = 0
 
-    def add(self, queue: Queue, ctx: StageContext, interval: float) -> None:
-        """Heartbeat ``ctx``'s claim every ``interval`` seconds until :meth:`remove`."""
+    def add(
+        self, queue: Queue, ctx: StageContext, interval: float, span: Span | None = None
+    ) -> None:
+        """Heartbeat ``ctx``'s claim every ``interval`` seconds until :meth:`remove`
+        (``span``: the run's, where a failed heartbeat is noted)."""
         with self._cond:
             if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
                 # First use in this process (or after a fork): threads do not survive a fork.
@@ -95,6 +103,8 @@ class _Heartbeats:
             due = time.monotonic() + interval
             self._due[id(ctx)] = (due, ctx, queue, interval)
             self._turns[id(ctx)] = threading.Lock()
+            if span is not None:
+                self._spans[id(ctx)] = span
             self._idle = min(self._idle, interval)
             if due < self._wake_at:
                 self._cond.notify()
@@ -104,6 +114,7 @@ class _Heartbeats:
         with self._cond:
             self._due.pop(id(ctx), None)
             self._turns.pop(id(ctx), None)
+            self._spans.pop(id(ctx), None)
 
     @contextmanager
     def recording(self, ctx: StageContext, *, ends: bool = True) -> Iterator[None]:
@@ -171,10 +182,12 @@ class _Heartbeats:
                 return  # its outcome was recorded while this round gathered
         try:
             beat = queue.heartbeat(ctx.claim)
-        except LeaseLost:
+        except LeaseLost as exc:
             with self._cond:
                 if self._due.pop(key, None) is None:
                     return  # the stage ended meanwhile: its completion already decided
+                span = self._spans.get(key)
+            spans.heartbeat_failed(span, exc)
             log.warning(
                 "request %s: lease lost; the stage stops at its next fenced step",
                 ctx.request.request_id,
@@ -183,6 +196,9 @@ class _Heartbeats:
             return
         except OnceflowError as exc:
             # The database may be back before the lease runs out: keep trying.
+            with self._cond:
+                span = self._spans.get(key)
+            spans.heartbeat_failed(span, exc)
             log.warning("request %s: heartbeat failed: %s", ctx.request.request_id, exc)
             return
         ctx.lease_confirmed()
@@ -210,10 +226,18 @@ def run_request(
     ``dispatch`` sends the wake-ups of the hand-offs (``ctx.then``) the completion created.
     ``workspace_id``: the request's, as its wake-up names it (None: found by id alone).
     """
-    claim = _claim(queue, spec, request_id, worker_id, workspace_id)
-    if claim is None:
-        return _not_claimed(queue, request_id, workspace_id)
-    return run_claimed(queue, spec, claim, worker_id, is_retryable, dispatch)
+    with tracing.log_fields(request_id=request_id, workspace_id=workspace_id, stage=spec.name):
+        started = spans.now_ns()
+        claim = _claim(queue, spec, request_id, worker_id, workspace_id)
+        if started:
+            spans.claim_span(
+                claim, started, request_id=request_id, stage=spec.name,
+                worker_class=None if claim is None else claim.request.worker_class,
+                workspace_id=workspace_id, lease_seconds=spec.lease_seconds,
+            )  # fmt: skip
+        if claim is None:
+            return _not_claimed(queue, request_id, workspace_id)
+        return run_claimed(queue, spec, claim, worker_id, is_retryable, dispatch)
 
 
 def run_claimed(
@@ -226,19 +250,50 @@ def run_claimed(
 ) -> dict[str, Any]:
     """Run ``spec``'s body on ``claim`` (already taken) under heartbeats and record its
     outcome: the part of :func:`run_request` after the claim, for a runner that claims by
-    other means (:mod:`onceflow.testing` claims in the workers' order)."""
+    other means (:mod:`onceflow.testing` claims in the workers' order).
+
+    Traced as ``onceflow.run {stage}`` (:mod:`onceflow.lifecycle.spans`), current while
+    the body runs and its outcome is written; every log line meanwhile carries the run's
+    request, workspace, stage and attempt.
+    """
+    request = claim.request
+    span = spans.start_claimed(claim)
+    trail: dict[str, Any] = {"outcome": "not_recorded", "error": None}
+    try:
+        with spans.running(
+            span, request_id=request.request_id, workspace_id=request.workspace_id,
+            stage=request.stage, attempt=claim.attempt,
+        ):  # fmt: skip
+            return _run_claimed(queue, spec, claim, worker_id, is_retryable, dispatch, span, trail)
+    finally:
+        spans.end_run(span, trail["outcome"], trail["error"])
+
+
+def _run_claimed(
+    queue: Queue,
+    spec: StageSpec,
+    claim: Claim,
+    worker_id: str,
+    is_retryable: Callable[[BaseException], bool],
+    dispatch: Callable[[Dispatch], object] | None,
+    span: Span | None,
+    trail: dict[str, Any],
+) -> dict[str, Any]:
+    """:func:`run_claimed` inside its span; ``trail`` gets what the run came to
+    (``outcome``) and what the body raised (``error``), for the span."""
     request_id = claim.request_id
     ctx = StageContext(
         queue, claim, worker_id, hands_off_to=spec.hands_off_to,
         sub_docs=spec.sub_docs if spec.sub_docs_declared else None,
     )  # fmt: skip
-    _heartbeats.add(queue, ctx, interval=claim.lease_seconds / 3)
+    _heartbeats.add(queue, ctx, interval=claim.lease_seconds / 3, span=span)
     outcome: dict[str, Any] = {"request_id": request_id, "attempt": claim.attempt}
     interrupted: BaseException | None = None
     try:
         try:
             ran = succeeded(_run_body(spec, ctx, claim))
         except BaseException as exc:  # also SystemExit, KeyboardInterrupt: recorded, re-raised
+            trail["error"] = exc
             ran = decide(
                 _as_overrun(exc), retry_on=is_retryable, max_delay=_max_delay(queue),
                 on_budget=spec.on_budget,
@@ -252,8 +307,10 @@ def run_claimed(
         # failure or a re-run except by a lost lease (someone else owns the request now) or
         # a result the store refuses.
         if ran.kind == "lease_lost":
+            trail["outcome"] = "lease_lost"
             return {**outcome, **_lease_lost(queue, claim)}
-        recorded, followed = record(queue, ctx, ran, lambda: _heartbeats.recording(ctx))
+        recorded, followed = record(queue, ctx, ran, lambda: _heartbeats.recording(ctx), span)
+        trail["outcome"] = recorded["outcome"]
         if recorded["outcome"] == "lease_lost":
             _count_lost(queue, claim, ran)
         if dispatch is not None:

@@ -4,6 +4,9 @@
 - Copy-on-write friendly pool children: the collector's view frozen for each fork only.
 - A prefork child's database: the parent's engines forgotten, its own connection held
   for its life, given back as it exits.
+- Tracing: the SDK set up from ``OTEL_*`` as the worker starts (before the pool forks:
+  the SDK starts its export thread again in each child), and each child's buffered spans
+  exported before it exits (a prefork child ends without ``atexit``).
 
 Connected when :mod:`onceflow.tasks.flow` is imported (a Flow's module imports this one).
 """
@@ -21,6 +24,7 @@ from celery.signals import (
     worker_process_shutdown,
 )
 
+from onceflow import tracing
 from onceflow.db import dispose_engines, hold_connections, release_connections, size_pools_for
 from onceflow.tasks.broker import hardened
 
@@ -43,6 +47,13 @@ def _size_pools(sender: Any = None, **_: Any) -> None:
 # unfreezes it right after (the parent collects as before).
 _freeze_forks = False
 _frozen_for_fork = False
+
+
+@worker_init.connect
+def _configure_tracing(**_: Any) -> None:
+    """Export spans when ``OTEL_*`` asks for it (:func:`onceflow.tracing.configure`; a
+    tracer provider the application installed first is kept)."""
+    tracing.configure("onceflow-worker")
 
 
 @worker_init.connect
@@ -104,5 +115,7 @@ def _after_fork(**_: Any) -> None:
 
 @worker_process_shutdown.connect
 def _child_exits(**_: Any) -> None:
-    """The child's held connections back to its pool (closed with it as it exits)."""
+    """The child's held connections back to its pool (closed with it as it exits), and its
+    buffered spans exported: the child ends without running ``atexit``."""
     release_connections()
+    tracing.flush()
