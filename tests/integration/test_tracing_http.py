@@ -25,7 +25,6 @@ from sqlalchemy import Engine, text
 from onceflow import tracing
 from onceflow.integrations.fastapi import KeyAuth, create_app, hash_key
 from onceflow.integrations.pull import PullWorker
-from onceflow.models.requests import Claim
 from onceflow.settings import get_settings
 from onceflow.tasks import Flow, StageContext
 from tests.acceptance.procs import free_port
@@ -245,10 +244,6 @@ def test_the_claim_answer_documents_its_trace_context(http: TestClient) -> None:
     assert "trace_context" not in schema.get("required", [])
 
 
-CLAIM_KEEPS_TRACE = "trace_context" in {f.name for f in dataclasses.fields(Claim)}
-
-
-@pytest.mark.skipif(not CLAIM_KEEPS_TRACE, reason="the queue's claim does not read it yet")
 def test_the_claim_route_hands_the_rows_trace_context_to_the_pull_worker(
     http: TestClient, clean_db: Engine, trace_spans: Any
 ) -> None:
@@ -280,20 +275,28 @@ def test_a_claim_of_a_row_without_a_trace_context_answers_null(
 def test_the_python_pull_workers_calls_join_the_current_span(
     http: TestClient, served: str, clean_db: Engine, trace_spans: Any
 ) -> None:
-    _enqueue(http, "j9")
+    request_id = _enqueue(http, "j9", traceparent=TRACEPARENT)
     with (
         PullWorker(served, WORKER_KEY, PULL) as worker,
-        tracing.TRACER.start_as_current_span("the worker's run") as run,
+        tracing.TRACER.start_as_current_span("the worker's loop") as loop,
     ):
         outcome = worker.run_once(lambda ctx: {"ok": True})
     assert outcome == "succeeded"
-    claim = _served_spans(trace_spans, "POST /v1/worker-classes/{wc}/claims")
-    complete = _served_spans(trace_spans, "POST /v1/claims/{request_id}/complete")
-    assert len(claim) == 1 and len(complete) == 1, [s.name for s in _servers(trace_spans)]
-    for server in (claim[0], complete[0]):
-        assert server.parent is not None and server.parent.is_remote
-        assert server.parent.span_id == run.get_span_context().span_id
-        assert server.context.trace_id == run.get_span_context().trace_id
+    (claim,) = _served_spans(trace_spans, "POST /v1/worker-classes/{wc}/claims")
+    (complete,) = _served_spans(trace_spans, "POST /v1/claims/{request_id}/complete")
+    # The claim is sent under the span current then (the worker's own loop).
+    assert claim.parent is not None and claim.parent.is_remote
+    assert claim.parent.span_id == loop.get_span_context().span_id
+    # The completion is sent under the run's span, in the trace the request was enqueued
+    # under: the API's span of it joins that trace, under the worker's completion span.
+    (run,) = [s for s in trace_spans.get_finished_spans() if s.name == f"onceflow.run {STAGE}"]
+    (written,) = [s for s in trace_spans.get_finished_spans() if s.name == "onceflow.complete"
+                  and s.attributes.get("onceflow.request_id") == request_id]  # fmt: skip
+    assert format(run.context.trace_id, "032x") == CALLER_TRACE
+    assert written.parent is not None and written.parent.span_id == run.context.span_id
+    assert complete.parent is not None and complete.parent.is_remote
+    assert complete.parent.span_id == written.context.span_id
+    assert format(complete.context.trace_id, "032x") == CALLER_TRACE
 
 
 def test_with_no_span_current_a_claims_calls_carry_its_stored_trace(
