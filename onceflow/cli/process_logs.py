@@ -57,13 +57,12 @@ def start(service_name: str) -> bool:
 
 def celery_logs(fmt: str) -> None:
     """Make the handlers Celery sets up (worker, beat, and each pool process) write ``fmt``
-    lines that carry the request's fields and the trace ids; spans still buffered in a pool
-    process are exported before it exits."""
+    lines that carry the request's fields and the trace ids. (A pool process exports the
+    spans it still holds as it exits: :mod:`onceflow.tasks.worker_process`.)"""
     from celery import signals
 
     signals.after_setup_logger.connect(_root_logger_set_up(fmt), weak=False)
     signals.after_setup_task_logger.connect(_task_logger_set_up(fmt), weak=False)
-    signals.worker_process_shutdown.connect(_flush_spans, weak=False)
 
 
 def _root_logger_set_up(fmt: str) -> Callable[..., None]:
@@ -89,10 +88,6 @@ def _reformat(logger: logging.Logger, formatter: logging.Formatter | None) -> No
             handler.addFilter(tracing.LogContextFilter())
         if formatter is not None:
             handler.setFormatter(formatter)
-
-
-def _flush_spans(**_: Any) -> None:
-    tracing.flush()
 
 
 def uvicorn_log_config(fmt: str) -> dict[str, Any]:

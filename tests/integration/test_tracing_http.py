@@ -438,8 +438,10 @@ def test_onceflow_work_logs_json_lines_that_join_the_trace(
     assert lines and all({"time", "level", "logger", "message"} <= set(line) for line in lines)
     (ran,) = [line for line in lines if line["message"] == "handler ran"]
     assert len(ran["trace_id"]) == 32 and len(ran["span_id"]) == 16
-    # The runner's fields, where it sets them, name the request.
-    assert ran.get("request_id", made.request_id) == made.request_id
+    # The runner's fields name the run.
+    assert (ran["request_id"], ran["workspace_id"], ran["stage"], ran["attempt"]) == (
+        made.request_id, "ws-log", "s", 1,
+    )  # fmt: skip
     # The console exporter's spans, flushed at shutdown, name the service and the trace.
     assert '"service.name": "onceflow-work"' in out
     assert ran["trace_id"] in out
