@@ -38,9 +38,6 @@ from onceflow.cli.base import (
     _load as _load,
 )
 from onceflow.cli.base import (
-    _log_onceflow as _log_onceflow,
-)
-from onceflow.cli.base import (
     _one_line as _one_line,
 )
 from onceflow.cli.base import (

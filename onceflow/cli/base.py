@@ -148,16 +148,3 @@ def _load(app_spec: str | None, *, broker: bool = True) -> tuple[Any, Any]:
     if broker:
         check_broker(app)
     return app, flow
-
-
-def _log_onceflow(level: str) -> None:
-    """Send onceflow's own log records to stderr at ``level`` (uvicorn configures only its own)."""
-    import logging
-
-    logger = logging.getLogger("onceflow")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
-        logger.addHandler(handler)
-        logger.propagate = False
-    logger.setLevel(level.upper() if level.upper() in logging.getLevelNamesMapping() else "INFO")

@@ -17,9 +17,15 @@ from onceflow.cli.base import (
     _echo_json,
     _errors_to_exit,
     _load,
-    _log_onceflow,
     _require_migrated,
     main,
+)
+from onceflow.cli.process_logs import (
+    celery_logs,
+    chosen_format,
+    log_format_option,
+    start,
+    uvicorn_log_config,
 )
 from onceflow.errors import InvalidRequest
 
@@ -45,6 +51,7 @@ from onceflow.errors import InvalidRequest
 @click.option("--without-gossip", is_flag=True, help="Celery's: no gossip with other workers.")
 @click.option("--without-mingle", is_flag=True, help="Celery's: no synchronisation at start.")
 @click.option("--without-heartbeat", is_flag=True, help="Celery's: no worker heartbeat events.")
+@log_format_option
 @_APP_OPTION
 @_errors_to_exit
 def worker(
@@ -57,9 +64,13 @@ def worker(
     without_gossip: bool,
     without_mingle: bool,
     without_heartbeat: bool,
+    log_format: str | None,
     app_spec: str | None,
 ) -> None:
-    """Run a Celery worker for some worker classes (a thin wrapper over `celery worker`)."""
+    """Run a Celery worker for some worker classes (a thin wrapper over `celery worker`).
+
+    Traced when the OTEL_* variables ask for it (service onceflow-worker unless
+    OTEL_SERVICE_NAME names one)."""
     import os
 
     from onceflow.ids import check_worker_class
@@ -109,6 +120,9 @@ def worker(
         # One wake-up reserved per process (a stage may run for long), as a Flow's own app
         # is configured: a worker-level option here, your app's setting if it has one.
         argv += ["--prefetch-multiplier", "1"]
+    # Before the pool forks: each pool process inherits the SDK and the log handlers.
+    start("onceflow-worker")
+    celery_logs(chosen_format(log_format))
     app.worker_main(argv=argv)
 
 
@@ -150,6 +164,7 @@ def worker(
 )
 @click.option("--metrics-bind", default="127.0.0.1", show_default=True)
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
+@log_format_option
 @_errors_to_exit
 def work(
     handler_spec: str,
@@ -163,23 +178,24 @@ def work(
     metrics_port: int | None,
     metrics_bind: str,
     loglevel: str,
+    log_format: str | None,
 ) -> None:
     """Run a standalone worker (no Celery): MODULE:FUNCTION(ctx) for each claimed request.
 
     The function gets a StageContext, as a Celery stage body does. SIGTERM or SIGINT
     stops it gracefully (claims not started are handed back, running bodies finish); a
-    second signal abandons running bodies (their leases lapse).
+    second signal abandons running bodies (their leases lapse). Traced when the OTEL_*
+    variables ask for it (service onceflow-work unless OTEL_SERVICE_NAME names one).
     """
     import importlib
-    import logging
     import os
 
+    from onceflow import tracing
     from onceflow.worker import Worker
 
     _check_database_url()
-    logging.basicConfig(
-        level=loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    tracing.configure_logging(loglevel, chosen_format(log_format))
+    start("onceflow-work")
     module_name, _, attr = handler_spec.partition(":")
     if not module_name or not attr:
         raise click.UsageError(f"expected MODULE:FUNCTION, got {handler_spec!r}")
@@ -203,7 +219,10 @@ def work(
             serve(metrics_port, metrics_bind)
         else:  # a metrics setting must not stop the worker
             click.echo(f"onceflow: not serving metrics on port {metrics_port}: {problem}", err=True)
-    worker.run()
+    try:
+        worker.run()
+    finally:
+        tracing.flush()
 
 
 @main.command()
@@ -252,14 +271,20 @@ def metrics(port: int, bind: str, keep_dead_pids: bool, no_database: bool) -> No
 
 @main.command()
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
+@log_format_option
 @_APP_OPTION
 @_errors_to_exit
-def beat(loglevel: str, app_spec: str | None) -> None:
-    """Run Celery beat, which sends the sweeper task every ONCEFLOW_SWEEP_INTERVAL_SECONDS."""
+def beat(loglevel: str, log_format: str | None, app_spec: str | None) -> None:
+    """Run Celery beat, which sends the sweeper task every ONCEFLOW_SWEEP_INTERVAL_SECONDS.
+
+    Traced when the OTEL_* variables ask for it (service onceflow-beat unless
+    OTEL_SERVICE_NAME names one)."""
     app, flow = _load(app_spec)
     if flow is not None and not flow.stages:
         raise click.UsageError("the Flow declares no stages: beat would have nothing to sweep")
     _require_migrated()
+    start("onceflow-beat")
+    celery_logs(chosen_format(log_format))
     # The in-memory scheduler: an interval schedule needs no state file (and shelve is pickle).
     app.start(argv=["beat", "--loglevel", loglevel, "--scheduler", "celery.beat:Scheduler"])
 
@@ -379,6 +404,7 @@ def flower(
     "proxy, name it: the per-address limit on failed authentication otherwise counts every "
     "client as the proxy.",
 )
+@log_format_option
 @_APP_OPTION
 @_errors_to_exit
 def api(
@@ -386,42 +412,53 @@ def api(
     port: int,
     log_level: str,
     forwarded_allow_ips: str | None,
+    log_format: str | None,
     app_spec: str | None,
 ) -> None:
-    """Serve the HTTP API (FastAPI on uvicorn): enqueue, pull-worker claims, ops, events."""
+    """Serve the HTTP API (FastAPI on uvicorn): enqueue, pull-worker claims, ops, events.
+
+    Traced when the OTEL_* variables ask for it (service onceflow-api unless
+    OTEL_SERVICE_NAME names one): each request's span continues the caller's W3C
+    ``traceparent``."""
     try:
         import uvicorn
 
         from onceflow.integrations.fastapi import create_app
     except ImportError as exc:
         _missing_extra("fastapi", exc)
+    import logging
+
+    from onceflow import tracing
     from onceflow.settings import get_settings
 
+    # onceflow's own lines (these warnings, the dashboard's audit lines) in the format asked
+    # for; uvicorn's are configured by uvicorn from log_config, and keep to its loggers.
+    tracing.configure_logging(log_level, chosen_format(log_format))
+    log = logging.getLogger("onceflow.api")
     flow = _served_flow("api", app_spec)
     settings = get_settings()
     if not settings.api_keys and not settings.worker_keys:
-        click.echo(
-            "onceflow: no API or worker keys configured (ONCEFLOW_API_KEYS / "
-            "ONCEFLOW_WORKER_KEYS): every /v1 request will get 401",
-            err=True,
+        log.warning(
+            "no API or worker keys configured (ONCEFLOW_API_KEYS / ONCEFLOW_WORKER_KEYS): "
+            "every /v1 request will get 401"
         )
     if not settings.operator_keys:
-        click.echo(
-            "onceflow: no operator keys configured (ONCEFLOW_OPERATOR_KEYS): the dashboard's "
-            "data and /metrics will get 401",
-            err=True,
+        log.warning(
+            "no operator keys configured (ONCEFLOW_OPERATOR_KEYS): the dashboard's data and "
+            "/metrics will get 401"
         )
     from onceflow.metrics import multiproc_dir_problem
 
     problem = multiproc_dir_problem()
     if problem is not None:
-        click.echo(f"onceflow: {problem}: no metrics recorded by this process", err=True)
-    _log_onceflow(log_level)  # the dashboard's audit lines (onceflow.dashboard) among them
+        log.warning("%s: no metrics recorded by this process", problem)
+    start("onceflow-api")
     uvicorn.run(
         create_app(flow=flow),
         host=host,
         port=port,
         log_level=log_level,
+        log_config=uvicorn_log_config(chosen_format(log_format)),
         # Forwarded headers only from the proxies the operator named: uvicorn's own default
         # trusts them from 127.0.0.1, where any local client could name any address.
         proxy_headers=bool(forwarded_allow_ips),

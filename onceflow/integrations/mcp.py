@@ -22,23 +22,33 @@ arguments; stdout carries only the protocol.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from onceflow import tracing
 from onceflow.errors import OnceflowError
 from onceflow.tasks import Flow
 
 _Server: Any
+Context: Any
 ToolError: type[Exception]
 try:
+    from mcp.server.mcpserver import Context
     from mcp.server.mcpserver import MCPServer as _Server
     from mcp.server.mcpserver.exceptions import ToolError
 except ImportError:  # mcp 1.x: the same decorator API under its first name
     _Server = importlib.import_module("mcp.server.fastmcp").FastMCP
+    Context = importlib.import_module("mcp.server.fastmcp").Context
     ToolError = importlib.import_module("mcp.server.fastmcp.exceptions").ToolError
+
+_W3C = TraceContextTextMapPropagator()
 
 T = TypeVar("T")
 
@@ -59,6 +69,51 @@ async def _run(call: Callable[[], T]) -> T:
         raise ToolError(f"{type(exc).__name__}: {exc}") from None
 
 
+def _trace_meta(ctx: Any) -> dict[str, str]:
+    """The W3C ``traceparent`` / ``tracestate`` of the call's ``params._meta`` (MCP's trace
+    context keys), as strings; empty when it has none. ``_meta`` is a mapping in mcp 2.x and
+    a model keeping unknown keys as extras in 1.x."""
+    try:
+        meta = ctx.request_context.meta
+    except (AttributeError, ValueError, LookupError):  # no request: called outside one
+        return {}
+    if meta is None:
+        return {}
+    fields = meta if isinstance(meta, Mapping) else (getattr(meta, "model_extra", None) or {})
+    return {
+        key: value
+        for key in ("traceparent", "tracestate")
+        if isinstance(value := fields.get(key), str)
+    }
+
+
+@contextmanager
+def _tool_span(ctx: Any, tool: str) -> Iterator[None]:
+    """A tool call under a ``tools/call {tool}`` server span, a child of the caller's span
+    that the call's ``_meta`` names (a new trace when it names none), so the requests it
+    enqueues keep the caller's trace. Nothing when tracing is off, or when a span is already
+    current (mcp 2.x makes that same span itself from ``_meta``)."""
+    current = trace.get_current_span().get_span_context()
+    if not tracing.active() or (current.is_valid and not current.is_remote):
+        yield
+        return
+    span = tracing.TRACER.start_span(
+        f"tools/call {tool}",
+        context=_W3C.extract(_trace_meta(ctx)),
+        kind=SpanKind.SERVER,
+        attributes={"mcp.method.name": "tools/call", "gen_ai.operation.name": "execute_tool",
+                    "gen_ai.tool.name": tool},
+    )  # fmt: skip
+    try:
+        with trace.use_span(span, record_exception=False, set_status_on_exception=False):
+            yield
+    except BaseException as exc:  # its type only: a tool error's message quotes the input
+        tracing.ended_with(span, exc)
+        raise
+    finally:
+        span.end()
+
+
 def build_server(flow: Flow, *, name: str = "onceflow") -> Any:
     """The MCP server for ``flow`` (not started): call ``.run("stdio")`` or use :func:`serve`."""
 
@@ -66,18 +121,24 @@ def build_server(flow: Flow, *, name: str = "onceflow") -> Any:
         workspace_id: str,
         job_id: str,
         stage: str,
+        ctx: Any,
         branch_path: str = "",
         input: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        result = await _run(
-            lambda: flow.enqueue(stage, workspace_id, job_id, branch_path, input or {})
-        )
+        with _tool_span(ctx, "enqueue_stage"):
+            result = await _run(
+                lambda: flow.enqueue(stage, workspace_id, job_id, branch_path, input or {})
+            )
         return {
             "request_id": result.request_id,
             "created": result.created,
             "status": result.status.value,
             "input_mismatch": result.input_mismatch,
         }
+
+    # The SDK hands a tool its request's context through the parameter typed Context (left
+    # out of the tool's input schema); the class itself, not its name, for every SDK version.
+    enqueue_stage.__annotations__["ctx"] = Context
 
     async def get_request(request_id: str, workspace_id: str | None = None) -> dict[str, Any]:
         return await _run(lambda: flow.queue.get(request_id, workspace_id=workspace_id).as_json())

@@ -42,6 +42,7 @@ from typing import Any
 import httpx
 from opentelemetry.trace import Span
 
+from onceflow import tracing
 from onceflow.errors import BudgetExceeded, InvalidRequest, LeaseLost, OnceflowError
 from onceflow.integrations.pull_claim import PullClaim, Release
 from onceflow.integrations.pull_context import PullContext
@@ -207,7 +208,8 @@ class PullWorker:
         """The claimed request's workspace events, once live (see :class:`ClaimEvents`)."""
         url = f"/v1/claims/{path_segment('request_id', claim.request_id)}/events"
         events = ClaimEvents(
-            self._client, url, self._headers, claim.request_id, claim.token,
+            self._client, url, self._call_headers(claim.trace_context), claim.request_id,
+            claim.token,
             workspace_id=claim.workspace_id,
         )  # fmt: skip
         timeout = self._client.timeout
@@ -237,7 +239,7 @@ class PullWorker:
         url = f"/v1/claims/{path_segment('request_id', claim.request_id)}/permits"
         response = self._send(
             "POST", url, {**_claim_body(claim), **body}, retry=False, extra_timeout=wait,
-            keep=frozenset({429}),
+            keep=frozenset({429}), trace_context=claim.trace_context,
         )  # fmt: skip
         status = response.status_code
         if status == 429:  # the provider is busy (or the key's request rate is spent)
@@ -262,6 +264,13 @@ class PullWorker:
             raise InvalidRequest(f"no permit action {action!r}")
         return self._claim_call(claim, f"permits/{path_segment('permit_id', permit_id)}/{action}",
                                 body)  # fmt: skip
+
+    def _call_headers(self, trace_context: str | None = None) -> dict[str, str]:
+        """The key, and the trace the call belongs to: the current span's when one is
+        current (the run's), else ``trace_context`` (the claimed request's), else none."""
+        current = tracing.current_carrier() if tracing.active() else None
+        trace = _trace_headers(current or trace_context)
+        return {**self._headers, **trace} if trace else self._headers
 
     # ---------------------------------------------------------------- the loop
 
@@ -455,7 +464,10 @@ class PullWorker:
 
     def _claim_call(self, claim: PullClaim, action: str, body: dict[str, Any]) -> dict[str, Any]:
         url = f"/v1/claims/{path_segment('request_id', claim.request_id)}/{action}"
-        response = self._send("POST", url, {**_claim_body(claim), **body}, retry=True)
+        response = self._send(
+            "POST", url, {**_claim_body(claim), **body}, retry=True,
+            trace_context=claim.trace_context,
+        )  # fmt: skip
         raise_for_api_error(response, request_id=claim.request_id)
         data: dict[str, Any] = response.json()
         return data
@@ -469,6 +481,7 @@ class PullWorker:
         retry: bool,
         extra_timeout: float = 0.0,
         keep: frozenset[int] = frozenset(),
+        trace_context: str | None = None,
     ) -> httpx.Response:
         """One call; with ``retry``, transport errors, 5xx and 408/425/429 are retried with
         backoff, the server's ``Retry-After`` as a floor (at most :data:`RETRY_AFTER_CAP`).
@@ -479,7 +492,11 @@ class PullWorker:
         a completion refused so is sent again once the server says, instead of being
         given up while its claim still holds (the browser SDK does the same). A status in
         ``keep`` is answered as it is (a permit's 429: the caller asks again itself).
+
+        Each call carries a W3C ``traceparent``: the current span's, else ``trace_context``
+        (the claimed request's), so the server's span of the call joins the run's trace.
         """
+        headers = self._call_headers(trace_context)
         attempts = self.retries if retry else 1
         for attempt in range(1, attempts + 1):
             floor = 0.0
@@ -493,9 +510,7 @@ class PullWorker:
                         write=base.write,
                         pool=base.pool,
                     )
-                response = self._client.request(
-                    method, url, json=body, headers=self._headers, **kwargs
-                )
+                response = self._client.request(method, url, json=body, headers=headers, **kwargs)
             except httpx.TransportError as exc:
                 error: TransportError = TransportError(f"{type(exc).__name__} on {url}")
                 error.__cause__ = exc
@@ -510,6 +525,14 @@ class PullWorker:
             delay = min(2.0, 0.05 * 2 ** (attempt - 1))
             time.sleep(max(floor, delay / 2 + random.uniform(0, delay / 2)))
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _trace_headers(stored: str | None) -> dict[str, str]:
+    """The ``traceparent`` (and ``tracestate``) headers of a stored trace context."""
+    if not stored:
+        return {}
+    parent, _, state = stored.partition("\n")
+    return {"traceparent": parent, "tracestate": state} if state else {"traceparent": parent}
 
 
 def _json_or_none(response: httpx.Response) -> dict[str, Any] | None:
@@ -560,7 +583,8 @@ class _Heartbeat(threading.Thread):
         ctx = self._ctx
         while not self._stop_event.wait(self._interval):
             try:
-                cancel = self._worker.heartbeat(ctx.claim)
+                with spans.current(self._span):  # its server span joins the run's
+                    cancel = self._worker.heartbeat(ctx.claim)
             except LeaseLost as exc:
                 spans.heartbeat_failed(self._span, exc)
                 ctx.mark_lease_lost()

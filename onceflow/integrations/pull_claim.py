@@ -32,7 +32,9 @@ class PullClaim:
     attempt: int
     request: dict[str, Any]
     #: The trace context the request was enqueued under, when the claim's answer carries
-    #: it: the run continues that trace. None: the run starts under the current span.
+    #: it: the run continues that trace (None: the run starts under the current span), and
+    #: the claim's calls made with no span current (its heartbeats) carry it as their
+    #: ``traceparent``.
     trace_context: str | None = field(default=None, repr=False, compare=False)
 
     @property

@@ -242,3 +242,38 @@ def test_strict_mismatch_discards_only_its_own_write_inside_atomic(
     assert shop.Order.objects.get(pk=order.pk).status == "kept"
     assert [r.job_id for r in shop.flow.queue.list(workspace_id="w-dj")] == ["order-s"]
     assert shop.flow.queue.get(first.request_id).input == {"order_id": 1}
+
+
+def test_an_enqueue_in_a_view_keeps_the_trace_of_the_applications_span(
+    shop: Any, redis_url: str, clean_db: Any, trace_spans: Any
+) -> None:
+    """The application's own instrumentation (OpenTelemetry's Django instrumentation makes a
+    server span current around the view) is all it takes: the enqueue in the view's
+    transaction goes under that span, and the row keeps its trace for the stage's run."""
+    from django.test import Client
+    from opentelemetry import trace
+    from opentelemetry.trace import SpanKind
+    from sqlalchemy import text
+
+    from onceflow import tracing
+
+    tracer = trace.get_tracer("the-application")
+    with tracer.start_as_current_span("POST /orders/", kind=SpanKind.SERVER) as server:
+        response = Client().post(
+            "/orders/", {"workspace_id": "w-dj", "sku": "A-9"}, content_type="application/json"
+        )
+    assert response.status_code == 201, response.content
+    request_id = response.json()["request_id"]
+    (enqueue,) = [s for s in trace_spans.get_finished_spans() if s.name == "onceflow.enqueue"]
+    assert enqueue.parent is not None
+    assert enqueue.parent.span_id == server.get_span_context().span_id
+    with clean_db.connect() as conn:  # committed with the order: another connection sees it
+        stored = conn.execute(
+            text("SELECT trace_context FROM workspace_process_requests WHERE request_id = :r"),
+            {"r": request_id},
+        ).scalar_one()
+    kept = tracing.span_context_from(stored)
+    assert kept is not None
+    assert (kept.trace_id, kept.span_id) == (enqueue.context.trace_id, enqueue.context.span_id)
+    assert kept.trace_id == server.get_span_context().trace_id
+    assert wake_ups(redis_url) == 1  # sent on commit, as without tracing

@@ -12,6 +12,7 @@ or, inside your own app::
     services = OnceflowServices(flow)
     app = FastAPI(lifespan=services.lifespan)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=1 << 20)
+    app.add_middleware(ServerSpanMiddleware)  # a span per request, in the caller's trace
     app.include_router(create_router(services=services))
     add_error_handlers(app)         # 400/404/405/422 in onceflow's error shape
 
@@ -46,6 +47,7 @@ from onceflow.integrations.fastapi.auth import (
 )
 from onceflow.integrations.fastapi.http_errors import add_error_handlers
 from onceflow.integrations.fastapi.limits import BodyLimitMiddleware
+from onceflow.integrations.fastapi.server_spans import ServerSpanMiddleware
 from onceflow.worker_tokens import mint_worker_token
 
 # Spelled out on purpose: the package's public names (app.py keeps its own for older imports).
@@ -61,6 +63,7 @@ __all__ = [
     "Principal",
     "PrincipalDep",
     "QueueDep",
+    "ServerSpanMiddleware",
     "add_error_handlers",
     "create_app",
     "create_router",

@@ -45,6 +45,7 @@ from onceflow.integrations.fastapi.routes_claims import _claim_routes
 from onceflow.integrations.fastapi.routes_ops import REPLAY_HEADER, _op_routes
 from onceflow.integrations.fastapi.routes_requests import _request_routes
 from onceflow.integrations.fastapi.sdk_routes import create_sdk_router
+from onceflow.integrations.fastapi.server_spans import ServerSpanMiddleware, native_telemetry_off
 from onceflow.integrations.fastapi.services import (
     AsyncQueueDep,
     FlowDep,
@@ -155,6 +156,7 @@ def create_app(
         description="Enqueue stages, claim them from pull workers, write ops once, follow "
         "commits. Every route but the probes (`/healthz`, `/readyz`) takes "
         "`Authorization: Bearer <key>`.",
+        **native_telemetry_off(),  # onceflow's own server span instead (server_spans.py)
     )
     app.add_middleware(
         BodyLimitMiddleware,
@@ -162,6 +164,8 @@ def create_app(
         body_timeout=services.settings.api_body_timeout_seconds,
         max_json_depth=services.settings.max_payload_depth + BODY_ENVELOPE_DEPTH,
     )
+    # Outermost (added last): a request refused by the body limit has its span too.
+    app.add_middleware(ServerSpanMiddleware, record_path=services.settings.trace_workspace_ids)
     app.include_router(create_router(services=services))
     app.include_router(probes_router(services))  # /healthz, /readyz: no key, no rate limit
     install_metrics(app, services)

@@ -27,6 +27,7 @@ from onceflow.models import Claim, ClaimRef, NewRequest, WorkspaceScope
 from onceflow.oplog import stage_op_id
 from onceflow.queue import AsyncQueue
 from onceflow.spend.limits import async_redis
+from onceflow.tracing.carrier import MAX_STORED
 
 
 # Route decorators alike by shape on purpose: FastAPI builds the OpenAPI contract from each one.
@@ -75,6 +76,7 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
             lease_seconds=claim.lease_seconds,
             attempt=claim.attempt,
             request=_request_out(claim.request),
+            trace_context=_stored_trace(claim),
         )
 
     @router.post(
@@ -237,6 +239,13 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
             None, body.sub_doc, body.op, op_id, fence=ref, sub_docs=svc.flow.sub_doc_scope
         )
         return _apply_out(result, response)
+
+
+def _stored_trace(claim: Claim) -> str | None:
+    """The claimed row's stored trace context (None when none was stored, or one too long
+    to pass on)."""
+    stored = getattr(claim, "trace_context", None)
+    return stored if isinstance(stored, str) and 0 < len(stored) <= MAX_STORED else None
 
 
 def out_of_scope(what: str) -> dict[int | str, dict[str, Any]]:

@@ -145,6 +145,15 @@ class ClaimOut(BaseModel):
     lease_seconds: float
     attempt: int
     request: RequestOut
+    trace_context: str | None = Field(
+        default=None,
+        description="The W3C trace context the request was enqueued under: its `traceparent`, "
+        "then a newline and its `tracestate` when it has one; null when none was stored "
+        "(tracing off where it was enqueued). Send the `traceparent` (the first line) as a "
+        "header on this claim's calls, and start the run's span under it, so the run "
+        "continues the enqueue's trace.",
+        max_length=1024,
+    )
 
 
 CLAIM_WORKSPACE_DESCRIPTION = (

@@ -40,8 +40,9 @@ export interface AcquireAnswer {
 
 /** The lock calls of one claim (POST /v1/claims/{id}/locks, /extend, /release). */
 export class ClaimLocks {
-  /** `workspaceId`: the claimed request's workspace, sent with the token (the row's key). */
-  constructor(api: Api, requestId: string, token: string, options?: { signal?: AbortSignal; workspaceId?: string });
+  /** `workspaceId`: the claimed request's workspace, sent with the token (the row's key);
+   * `headers`: sent with every lock call (the claim's `traceparent`). */
+  constructor(api: Api, requestId: string, token: string, options?: { signal?: AbortSignal; workspaceId?: string; headers?: Record<string, string> });
   readonly workspaceId: string | undefined;
   acquire(task: string, ttlSeconds?: number): Promise<AcquireAnswer>;
   extend(task: string, lockToken: string, ttlSeconds?: number): Promise<boolean>;

@@ -213,13 +213,15 @@ export class Subscription {
  * thrown as LeaseLost (the claim is gone: the cell's lock is not ours to take).
  */
 export class ClaimLocks {
-  constructor(api, requestId, token, { signal, workspaceId } = {}) {
+  constructor(api, requestId, token, { signal, workspaceId, headers = {} } = {}) {
     this.api = api;
     this.requestId = requestId;
     /** The claimed request's workspace, sent with the token (the row's key), if known. */
     this.workspaceId = workspaceId;
     Object.defineProperty(this, "_token", { value: token, enumerable: false });
     this.signal = signal;
+    /** Sent with every lock call: the claim's trace (`traceparent`), when it has one. */
+    this.headers = headers;
   }
 
   _path(suffix) {
@@ -230,21 +232,21 @@ export class ClaimLocks {
     const body = { ...claimBody(this._token, this.workspaceId), task };
     if (ttlSeconds !== undefined && ttlSeconds !== null) body.ttl_seconds = ttlSeconds;
     // Safe to repeat: a lost answer's lock is ours but unknown, and expires by its TTL.
-    const answer = await this.api.callRetrying("POST", this._path(""), body, { signal: this.signal, what: "acquire lock" });
+    const answer = await this.api.callRetrying("POST", this._path(""), body, { signal: this.signal, what: "acquire lock", headers: this.headers });
     return answer.body;
   }
 
   async extend(task, lockToken, ttlSeconds) {
     const body = { ...claimBody(this._token, this.workspaceId), task, lock_token: lockToken };
     if (ttlSeconds !== undefined && ttlSeconds !== null) body.ttl_seconds = ttlSeconds;
-    const answer = await this.api.callRetrying("POST", this._path("/extend"), body, { signal: this.signal, attempts: 2, what: "extend lock" });
+    const answer = await this.api.callRetrying("POST", this._path("/extend"), body, { signal: this.signal, attempts: 2, what: "extend lock", headers: this.headers });
     return !!answer.body?.held;
   }
 
   async release(task, lockToken, outcome) {
     // Not tied to the stage's signal: a stage stopped by a lost lease still frees the cell.
     const body = { ...claimBody(this._token, this.workspaceId), task, lock_token: lockToken, outcome };
-    const answer = await this.api.callRetrying("POST", this._path("/release"), body, { what: "release lock" });
+    const answer = await this.api.callRetrying("POST", this._path("/release"), body, { what: "release lock", headers: this.headers });
     return !!answer.body?.released;
   }
 }

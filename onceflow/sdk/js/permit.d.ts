@@ -36,8 +36,9 @@ export interface PermitBusy {
 
 /** The permit calls of one claim (POST /v1/claims/{id}/permits, …/{permitId}/settle, /rate-limited, /release). */
 export class ClaimPermits {
-  /** `workspaceId`: the claimed request's workspace, sent with the token (the row's key). */
-  constructor(api: Api, requestId: string, token: string, options?: { signal?: AbortSignal; workspaceId?: string });
+  /** `workspaceId`: the claimed request's workspace, sent with the token (the row's key);
+   * `headers`: sent with every permit call (the claim's `traceparent`). */
+  constructor(api: Api, requestId: string, token: string, options?: { signal?: AbortSignal; workspaceId?: string; headers?: Record<string, string> });
   readonly workspaceId: string | undefined;
   /** One ask, a long poll of `waitSeconds`; throws BudgetExceeded (402), LeaseLost (409). */
   ask(provider: string, options: { tokens?: number; permitId: string; cellKey?: string; waitSeconds?: number }): Promise<PermitGranted | PermitBusy>;

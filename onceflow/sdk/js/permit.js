@@ -61,13 +61,15 @@ export function newPermitId() {
  */
 export class ClaimPermits {
   // A constructor keeping its arguments (alike by shape with ClaimEvents'): nothing to share.
-  constructor(api, requestId, token, { signal, workspaceId } = {}) {
+  constructor(api, requestId, token, { signal, workspaceId, headers = {} } = {}) {
     this.api = api;
     this.requestId = requestId;
     /** The claimed request's workspace, sent with the token (the row's key), if known. */
     this.workspaceId = workspaceId;
     Object.defineProperty(this, "_token", { value: token, enumerable: false });
     this.signal = signal;
+    /** Sent with every permit call: the claim's trace (`traceparent`), when it has one. */
+    this.headers = headers;
   }
 
   _body() {
@@ -81,7 +83,7 @@ export class ClaimPermits {
     const body = { ...this._body(), provider, tokens, permit_id: permitId, wait_seconds: waitSeconds };
     if (cellKey !== undefined && cellKey !== null) body.cell_key = cellKey;
     const path = `/v1/claims/${seg(this.requestId)}/permits`;
-    const answer = await this.api.call("POST", path, body, { signal: this.signal, timeoutMs: this.api.timeoutMs + waitSeconds * 1000 });
+    const answer = await this.api.call("POST", path, body, { signal: this.signal, timeoutMs: this.api.timeoutMs + waitSeconds * 1000, headers: this.headers });
     if (answer.status === 200) return { ...answer.body, granted: true };
     if (answer.status === 429) {
       // The provider is busy (provider_busy), or the key's request rate is spent.
@@ -95,7 +97,7 @@ export class ClaimPermits {
   async send(permitId, action, body) {
     // Not tied to the stage's signal: a stage stopped by a lost lease still gives it back.
     const path = `/v1/claims/${seg(this.requestId)}/permits/${seg(permitId)}/${action}`;
-    const answer = await this.api.callRetrying("POST", path, { ...this._body(), ...body }, { what: `permit ${action}` });
+    const answer = await this.api.callRetrying("POST", path, { ...this._body(), ...body }, { what: `permit ${action}`, headers: this.headers });
     return answer.body;
   }
 }

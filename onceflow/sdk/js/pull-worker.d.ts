@@ -51,6 +51,9 @@ export class PullClaim {
   readonly request: ClaimedRequest;
   /** The request's workspace, sent with every later call of the claim (the row's key). */
   readonly workspaceId: string | undefined;
+  /** The W3C trace context the request was enqueued under (null when none was stored); its
+   * `traceparent` goes with the claim's calls. */
+  readonly traceContext: string | null;
 }
 
 export interface ApplyAnswer {

@@ -14,7 +14,7 @@
 // wait for it to close. A tab that closes mid-stage stops heartbeating: its lease lapses
 // (the database's clock) and another worker claims the request again.
 
-import { Aborted, Api, BudgetExceeded, Cancelled, HttpError, LeaseLost, backoffDelay, errorFor, isRetryable, seg, sleep } from "./transport.js";
+import { Aborted, Api, BudgetExceeded, Cancelled, HttpError, LeaseLost, backoffDelay, errorFor, isRetryable, seg, sleep, traceHeaders } from "./transport.js";
 import { ClaimEvents, ClaimLocks, computeOnce } from "./compute.js";
 import { ClaimPermits, takePermit, withPermit } from "./permit.js";
 import { leaderName, webLocks, whileLeader } from "./leader.js";
@@ -120,6 +120,9 @@ export class PullClaim {
     this.request = data.request;
     /** The request's workspace: sent with every later call of the claim (the row's key). */
     this.workspaceId = typeof data.request?.workspace_id === "string" && data.request.workspace_id ? data.request.workspace_id : undefined;
+    /** The W3C trace context the request was enqueued under (null when none was stored):
+     * its `traceparent` goes with the claim's calls, so they join the request's trace. */
+    this.traceContext = typeof data.trace_context === "string" && data.trace_context ? data.trace_context : null;
     Object.defineProperty(this, "token", { value: data.claim_token, enumerable: false });
   }
 }
@@ -141,7 +144,7 @@ export class PullContext {
     this.signal = this._controller.signal;
     this._then = [];
     this._stop = null; // the reason the stage must stop, once known
-    const named = { signal: this.signal, workspaceId: claim.workspaceId };
+    const named = { signal: this.signal, workspaceId: claim.workspaceId, headers: traceHeaders(claim.traceContext) };
     this.events = new ClaimEvents(worker.api, claim.requestId, claim.token, named);
     this.locks = new ClaimLocks(worker.api, claim.requestId, claim.token, named);
     this.permits = new ClaimPermits(worker.api, claim.requestId, claim.token, named);
@@ -404,6 +407,7 @@ export class PullWorker {
       const answer = await this.api.callRetrying("POST", path, { ...claimBody(ctx.claim), ...body }, {
         signal: stageCall ? ctx.signal : undefined,
         what: action,
+        headers: traceHeaders(ctx.claim.traceContext),
       });
       return answer.body;
     } catch (error) {
@@ -434,6 +438,7 @@ export class PullWorker {
     const stopper = new AbortController();
     const interval = heartbeatIntervalMs(ctx.claim.leaseSeconds);
     const path = `/v1/claims/${seg(ctx.claim.requestId)}/heartbeat`;
+    const headers = traceHeaders(ctx.claim.traceContext);
     const start = Date.now();
     (async () => {
       let slot = 0;
@@ -448,7 +453,7 @@ export class PullWorker {
         }
         const timeoutMs = Math.max(1, start + (slot + 1) * interval - Date.now());
         try {
-          const answer = await this.api.call("POST", path, claimBody(ctx.claim), { signal: stopper.signal, timeoutMs });
+          const answer = await this.api.call("POST", path, claimBody(ctx.claim), { signal: stopper.signal, timeoutMs, headers });
           if (answer.status === 200) {
             if (answer.body?.cancel_requested) ctx._halt(new Cancelled(`request ${ctx.claim.requestId}: cancel requested`));
             continue;

@@ -86,7 +86,10 @@ export interface ApiOptions {
 export interface CallOptions {
   signal?: AbortSignal;
   timeoutMs?: number;
+  headers?: Record<string, string>;
 }
+/** The `traceparent` (and `tracestate`) headers of a claim's stored trace context; `{}` for none. */
+export function traceHeaders(traceContext: string | null | undefined): Record<string, string>;
 export interface RetryOptions extends CallOptions {
   attempts?: number;
   backoff?: BackoffOptions;

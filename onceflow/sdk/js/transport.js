@@ -78,6 +78,18 @@ export function backoffDelay(attempt, { baseMs = 200, capMs = 10_000, random = M
 }
 
 /** Retry-After (seconds, or an HTTP date) in ms; 0 when absent or unreadable. */
+/**
+ * The W3C trace headers of a claim's stored trace context (`traceparent`, then a newline and
+ * `tracestate` when there is one): sent on the claim's calls, so the server's spans of them
+ * join the trace the request was enqueued under. `{}` when there is none.
+ */
+export function traceHeaders(traceContext) {
+  if (typeof traceContext !== "string" || !traceContext) return {};
+  const [parent, state] = traceContext.split("\n", 2);
+  if (!/^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$/.test(parent)) return {};
+  return state ? { traceparent: parent, tracestate: state } : { traceparent: parent };
+}
+
 export function retryAfterMs(headers, now = Date.now()) {
   const value = headers && typeof headers.get === "function" ? headers.get("retry-after") : null;
   if (!value) return 0;
@@ -241,11 +253,11 @@ export class Api {
    * backoff and jitter, up to `attempts` tries (Infinity: until `signal` aborts). Returns
    * the first other answer; throws errorFor() for a non-2xx one.
    */
-  async callRetrying(method, path, body, { signal, attempts = 5, backoff = {}, what, onRetry, timeoutMs } = {}) {
+  async callRetrying(method, path, body, { signal, attempts = 5, backoff = {}, what, onRetry, timeoutMs, headers } = {}) {
     for (let attempt = 0; ; attempt++) {
       let error;
       try {
-        const answer = await this.call(method, path, body, { signal, timeoutMs });
+        const answer = await this.call(method, path, body, { signal, timeoutMs, headers });
         if (answer.status < 300) return answer;
         error = errorFor(answer.status, answer.body, what || `${method} ${path}`);
         error.retryAfterMs = retryAfterMs(answer.headers);

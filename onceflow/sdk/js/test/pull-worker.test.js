@@ -35,7 +35,7 @@ function scripted(routes) {
     const path = new URL(url, "http://x").pathname;
     const name = `${init.method} ${path}`;
     const body = init.body ? JSON.parse(init.body) : undefined;
-    calls.push({ name, body, auth: init.headers?.Authorization });
+    calls.push({ name, body, auth: init.headers?.Authorization, traceparent: init.headers?.traceparent });
     const route = routes[name];
     if (!route) return new Response(JSON.stringify({ detail: `no route ${name}`, code: "not_found" }), { status: 404 });
     const answer = await route(body, init);
@@ -236,6 +236,42 @@ test("every later call of a claim names its request's workspace (the claim answe
   });
   assert.equal(await older.w.runOnce(async () => 1), "succeeded");
   assert.deepEqual(older.script.calls.at(-1).body, { claim_token: "secret-claim-token", result: 1, then: [] });
+});
+
+test("a claim's calls carry its stored trace context as traceparent (none without one)", async () => {
+  const parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+  let beaten;
+  const beat = new Promise((resolve) => (beaten = resolve));
+  const { w, script } = worker({
+    "POST /v1/worker-classes/t-wc/claims": () => claimAnswer({ lease_seconds: 0.06, trace_context: `${parent}\nvendor=abc` }),
+    [`POST ${CLAIMS}/heartbeat`]: () => (beaten(), { body: { cancel_requested: false } }),
+    [`POST ${CLAIMS}/ops`]: () => ({ status: 201, body: { op_id: "x", clock: 1 } }),
+    [`POST ${CLAIMS}/locks`]: () => ({ status: 201, body: { acquired: true, locked: false, lock_token: "lt", ttl_ms: 60_000 } }),
+    [`POST ${CLAIMS}/locks/extend`]: () => ({ body: { held: true } }),
+    [`POST ${CLAIMS}/locks/release`]: () => ({ body: { released: true } }),
+    [`POST ${CLAIMS}/fail`]: () => ({ body: { status: "queued" } }),
+  });
+  const outcome = await w.runOnce(async (ctx) => {
+    assert.equal(ctx.claim.traceContext, `${parent}\nvendor=abc`);
+    await beat;
+    await ctx.applyOp("d", { type: "cell.set", column: "c", value: 1 }, { key: "k" });
+    await ctx.locks.acquire("eval:fit");
+    await ctx.locks.extend("eval:fit", "lt");
+    await ctx.locks.release("eval:fit", "lt", "computed");
+    throw new Error("fail too");
+  });
+  assert.equal(outcome, "retry");
+  const onClaim = script.calls.filter((c) => c.name.startsWith(`POST ${CLAIMS}/`));
+  const actions = new Set(onClaim.map((c) => c.name.slice(`POST ${CLAIMS}/`.length)));
+  assert.deepEqual([...actions].sort(), ["fail", "heartbeat", "locks", "locks/extend", "locks/release", "ops"]);
+  for (const call of onClaim) assert.equal(call.traceparent, parent, call.name);
+  assert.equal(script.calls[0].traceparent, undefined); // the claim itself: no trace yet
+  const untraced = worker({
+    "POST /v1/worker-classes/t-wc/claims": () => claimAnswer({ lease_seconds: 30, trace_context: null }),
+    [`POST ${CLAIMS}/complete`]: () => ({ body: { status: "succeeded" } }),
+  });
+  assert.equal(await untraced.w.runOnce(async () => 1), "succeeded");
+  assert.equal(untraced.script.calls.at(-1).traceparent, undefined);
 });
 
 test("runOnce: an error fails retryable (retry) or permanent (dead)", async () => {
