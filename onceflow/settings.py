@@ -253,6 +253,13 @@ class Settings(BaseSettings):
         "default: a workspace id may name a customer, and a trace backend is often read by more "
         "people than the database. Request ids, stages and worker classes are always set.",
     )
+    otel_setup: bool = Field(
+        default=True,
+        description="Let `onceflow worker`, `work`, `api` and `beat` install OpenTelemetry's "
+        "SDK when the OTEL_* variables ask for an exporter. Set false when the application "
+        "installs its own tracer provider after start-up (e.g. in Celery's "
+        "worker_process_init): one installed before is kept either way.",
+    )
     log_format: Literal["text", "json"] = Field(
         default="text",
         description="Log lines of `onceflow worker`, `work`, `api` and `beat`: text, or one JSON "

@@ -269,7 +269,7 @@ class PullWorker:
         """The key, and the trace the call belongs to: the current span's when one is
         current (the run's), else ``trace_context`` (the claimed request's), else none."""
         current = tracing.current_carrier() if tracing.active() else None
-        trace = _trace_headers(current or trace_context)
+        trace = tracing.headers_of(current or trace_context)
         return {**self._headers, **trace} if trace else self._headers
 
     # ---------------------------------------------------------------- the loop
@@ -525,14 +525,6 @@ class PullWorker:
             delay = min(2.0, 0.05 * 2 ** (attempt - 1))
             time.sleep(max(floor, delay / 2 + random.uniform(0, delay / 2)))
         raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _trace_headers(stored: str | None) -> dict[str, str]:
-    """The ``traceparent`` (and ``tracestate``) headers of a stored trace context."""
-    if not stored:
-        return {}
-    parent, _, state = stored.partition("\n")
-    return {"traceparent": parent, "tracestate": state} if state else {"traceparent": parent}
 
 
 def _json_or_none(response: httpx.Response) -> dict[str, Any] | None:

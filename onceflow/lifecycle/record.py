@@ -90,6 +90,10 @@ def record(
         spans.end_write(write, fenced=None, error=exc)
         log.error("request %s: completion not recorded: %s", rid, exc)
         return {"outcome": "completion_unknown", "error": str(exc)}, []
+    except BaseException as exc:  # interrupted (a soft time limit, an exit): spans end too
+        spans.end_write(handing, fenced=None, error=exc)
+        spans.end_write(write, fenced=None, error=exc)
+        raise
     if handing is not None:
         spans.end_write(handing, fenced=True, created=sum(1 for f in followed if f.created))
     spans.end_write(write, fenced=True)
@@ -133,6 +137,9 @@ def _fail(
         # Retried for as long as the lease could hold; the sweeper rescues the row.
         log.error("request %s: failure not recorded: %s", claim.request_id, exc)
         return {"outcome": "failure_unknown", "error": str(exc)}
+    except BaseException as exc:
+        spans.end_write(write, fenced=None, error=exc)
+        raise
     ended = FAILED_AS.get(row.status, row.status.value)
     spans.end_write(write, fenced=True, outcome=ended)
     return {"outcome": ended, "status": row.status.value}

@@ -80,6 +80,7 @@ def start_claimed(claim: Claim) -> Span | None:
     )  # fmt: skip
 
 
+@tracing.guarded
 def end_run(span: Span | None, outcome: str, error: BaseException | None = None) -> None:
     """End a run span with what the run came to (``onceflow.outcome``: ``succeeded``,
     ``retry``, ``dead``, ``cancelled``, ``lease_lost``, …) and, when the body raised,
@@ -136,6 +137,7 @@ def write_span(
     )  # fmt: skip
 
 
+@tracing.guarded
 def end_write(
     span: Span | None,
     *,
@@ -157,6 +159,7 @@ def end_write(
     span.end()
 
 
+@tracing.guarded
 def claim_span(
     claim: Claim | None,
     started_ns: int,
@@ -193,6 +196,7 @@ def claim_span(
     span.end()
 
 
+@tracing.guarded
 def heartbeat_failed(span: Span | None, error: BaseException) -> None:
     """Note a failed heartbeat on the run span (``error.type`` only)."""
     if span is not None and span.is_recording():

@@ -32,8 +32,6 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from urllib.parse import quote
 
-from opentelemetry import propagate
-
 from onceflow import tracing
 from onceflow.errors import (
     AccessDenied,
@@ -208,10 +206,9 @@ class _ApiClient(Generic[ClientT]):
     def _arguments(self, req: ApiRequest) -> dict[str, Any]:
         headers = self._headers
         if tracing.active():
-            # The current trace goes with the request (W3C ``traceparent``, or whatever
-            # propagator the application set): the server's apply joins the caller's trace.
-            headers = dict(headers)
-            propagate.inject(headers)
+            # The current trace goes with the request in W3C headers, what the API reads
+            # (never the application's baggage): the server's apply joins the caller's trace.
+            headers = {**headers, **tracing.current_headers()}
         return {
             "method": req.method,
             "url": req.url,

@@ -150,13 +150,16 @@ class OpLogOps:
                 yield Call(self._publish, done.result, done.broadcast)
             return done.result
         spans.applied(span, done.result, done.op_type)
+        sending = None
         try:
             if done.broadcast is not None:
                 sending = spans.broadcast(span)
                 error = yield Call(self._publish, done.result, done.broadcast)
                 spans.sent(sending, error if isinstance(error, BaseException) else None)
+                sending = None
         finally:
-            span.end()
+            spans.sent(sending, None)  # a publish interrupted (cancelled): still ended
+            spans.ended(span)
         return done.result
 
     # apply_op's arguments again (a twin by shape): the same apply, the broadcast left out.

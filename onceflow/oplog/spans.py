@@ -44,6 +44,7 @@ def start(*, fenced: bool) -> Span | None:
     )
 
 
+@tracing.guarded
 def applied(span: Span, result: ApplyResult, op_type: str) -> None:
     """What the apply answered: its outcome, clock and kind."""
     if result.duplicate:
@@ -75,8 +76,16 @@ def failed(span: Span, error: BaseException) -> None:
     span.end()
 
 
-def broadcast(parent: Span) -> Span:
-    """The span of a commit's broadcast, under its apply's span."""
+def broadcast(parent: Span) -> Span | None:
+    """The span of a commit's broadcast, under its apply's span (None if it could not be
+    started: the publish goes ahead untraced)."""
+    try:
+        return _broadcast(parent)
+    except Exception:
+        return None
+
+
+def _broadcast(parent: Span) -> Span:
     return tracing.TRACER.start_span(
         BROADCAST_SPAN,
         context=trace.set_span_in_context(parent),
@@ -90,8 +99,17 @@ def broadcast(parent: Span) -> Span:
     )
 
 
-def sent(span: Span, error: BaseException | None) -> None:
+@tracing.guarded
+def sent(span: Span | None, error: BaseException | None) -> None:
     """The broadcast is over (``error``: why the publish failed); ends its span."""
+    if span is None:
+        return
     if error is not None:
         tracing.ended_with(span, error)
+    span.end()
+
+
+@tracing.guarded
+def ended(span: Span) -> None:
+    """End an apply's span (after its commit: an error here never reaches the caller)."""
     span.end()

@@ -401,6 +401,7 @@ def _enqueue_span(params: dict[str, Any]) -> Span:
                                      attributes=attributes)  # fmt: skip
 
 
+@tracing.guarded
 def _end_enqueue_span(span: Span, results: list[EnqueueResult]) -> None:
     """Count what the enqueue created and joined, link to the traces of the rows it joined."""
     created = sum(1 for r in results if r.created)

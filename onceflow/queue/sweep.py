@@ -331,6 +331,7 @@ class Sweeper:
 _RESCUED_AS = {Status.QUEUED: "requeued", Status.DEAD: "quarantined", Status.CANCELLED: "cancelled"}
 
 
+@tracing.guarded
 def _rescue_spans(rows: Sequence[Any]) -> None:
     """One short ``onceflow.rescue`` span per row a rescue changed, in that row's trace (the
     trace it was enqueued under: its runs' trace), linked to the current span (the sweep);

@@ -258,16 +258,20 @@ class Cascade:
                 try:
                     value = yield Call(fn, permit)
                 except ProviderError as exc:
-                    if exc.status == 429 and not permit.settled:
-                        yield from permit.rate_limited_steps(exc.retry_after, limits)
-                    yield from permit.leave_steps(True, limits)
                     failed[p.name] = f"{p.name}: {exc}"
-                    self._fell_back(span, exc, permit)
+                    try:
+                        if exc.status == 429 and not permit.settled:
+                            yield from permit.rate_limited_steps(exc.retry_after, limits)
+                        yield from permit.leave_steps(True, limits)
+                    finally:  # the span ends (and leaves the context) even if Redis fails
+                        self._fell_back(span, exc, permit)
                     continue
                 except TimeoutError as exc:
-                    yield from permit.leave_steps(True, limits)
                     failed[p.name] = f"{p.name}: timed out ({exc})"
-                    self._fell_back(span, exc, permit)
+                    try:
+                        yield from permit.leave_steps(True, limits)
+                    finally:
+                        self._fell_back(span, exc, permit)
                     continue
                 except BaseException as exc:
                     try:

@@ -50,13 +50,6 @@ _frozen_for_fork = False
 
 
 @worker_init.connect
-def _configure_tracing(**_: Any) -> None:
-    """Export spans when ``OTEL_*`` asks for it (:func:`onceflow.tracing.configure`; a
-    tracer provider the application installed first is kept)."""
-    tracing.configure("onceflow-worker")
-
-
-@worker_init.connect
 def _freeze_before_forks(sender: Any = None, **_: Any) -> None:
     """Only for the workers of a Flow's app (a Flow hardens its app)."""
     global _freeze_forks

@@ -12,6 +12,8 @@ from onceflow.tracing.carrier import (
     carrier_of,
     context_from,
     current_carrier,
+    current_headers,
+    headers_of,
     link_to,
     span_context_from,
 )
@@ -24,7 +26,7 @@ from onceflow.tracing.logs import (
     log_fields,
 )
 from onceflow.tracing.setup import configure, flush
-from onceflow.tracing.spans import TRACER, active, attributes, ended_with, run_parent
+from onceflow.tracing.spans import TRACER, active, attributes, ended_with, guarded, run_parent
 
 __all__ = [
     "LOG_FIELDS",
@@ -39,8 +41,11 @@ __all__ = [
     "configure_logging",
     "context_from",
     "current_carrier",
+    "current_headers",
     "ended_with",
     "flush",
+    "guarded",
+    "headers_of",
     "link_to",
     "log_fields",
     "run_parent",

@@ -3,8 +3,9 @@ span that enqueued it, as one short text, and back.
 
 Always W3C Trace Context, whatever propagator the application configured for its own HTTP
 calls: the row is read by other processes, maybe other languages (the JavaScript SDK), and
-one format keeps them all able to continue the trace. Nothing is stored when no span is
-recording (no SDK, or a sampled-out trace is still stored: its flags say so).
+one format keeps them all able to continue the trace. Nothing is stored without a valid span
+context (no SDK); a sampled-out trace's context is stored too, its flags saying so, so the
+run keeps the caller's sampling decision.
 """
 
 from __future__ import annotations
@@ -67,3 +68,20 @@ def link_to(stored: str | None, attributes: Attributes = None) -> list[Link]:
     """A link to the span of ``stored`` text, as a list for ``links=`` (empty when none)."""
     span_context = span_context_from(stored)
     return [] if span_context is None else [Link(span_context, attributes)]
+
+
+def headers_of(stored: str | None) -> dict[str, str]:
+    """The W3C headers (``traceparent``, and ``tracestate`` when there is one) that carry
+    ``stored`` text on an HTTP call; empty when there is none or it does not parse (a bad
+    value is never sent)."""
+    span_context = span_context_from(stored)
+    if span_context is None:
+        return {}
+    headers: dict[str, str] = {}
+    _W3C.inject(headers, trace.set_span_in_context(trace.NonRecordingSpan(span_context)))
+    return headers
+
+
+def current_headers() -> dict[str, str]:
+    """:func:`headers_of` the current span (empty when none is current)."""
+    return headers_of(current_carrier())

@@ -5,7 +5,8 @@ nothing unless ``onceflow[otel]`` (the SDK and the OTLP exporter) is installed a
 asked for: ``OTEL_TRACES_EXPORTER`` (``otlp`` or ``console``; ``none`` turns it off), or an
 ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``. ``OTEL_SDK_DISABLED``
 wins over both. A tracer provider that the application installed first is kept: onceflow's
-spans go to it.
+spans go to it. An application that installs its own later (in Celery's
+``worker_process_init``, say) sets ``ONCEFLOW_OTEL_SETUP=false``: onceflow then sets nothing up.
 
 The SDK reads the rest itself: ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES`` (the
 resource), ``OTEL_TRACES_SAMPLER`` (the sampler), ``OTEL_EXPORTER_OTLP_*`` (where and how to
@@ -21,6 +22,7 @@ from typing import Any
 
 from opentelemetry import trace
 
+from onceflow.settings import get_settings
 from onceflow.tracing.spans import active
 
 log = logging.getLogger("onceflow.tracing")
@@ -50,7 +52,7 @@ def configure(service_name: str) -> bool:
     if active():
         return True
     kind = wanted()
-    if kind is None:
+    if kind is None or not get_settings().otel_setup:
         return False
     try:
         from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -66,9 +68,9 @@ def configure(service_name: str) -> bool:
     exporter = _exporter(kind)
     if exporter is None:
         return False
-    resource = Resource.create({SERVICE_NAME: service_name})
-    if os.environ.get("OTEL_SERVICE_NAME"):
-        resource = Resource.create()  # the variable names it (Resource.create reads it)
+    resource = Resource.create()  # OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES
+    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        resource = Resource.create({SERVICE_NAME: service_name})  # neither names one
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)

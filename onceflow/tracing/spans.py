@@ -9,9 +9,13 @@ a worker class, the message id a request id), so a trace backend groups them as 
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Any, ParamSpec
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -20,6 +24,9 @@ from opentelemetry.util.types import AttributeValue
 
 from onceflow.settings import get_settings
 from onceflow.tracing.carrier import span_context_from
+
+log = logging.getLogger("onceflow.tracing")
+P = ParamSpec("P")
 
 
 def _version() -> str:
@@ -46,8 +53,14 @@ class _Tracer:
         return self._tracer
 
     def start_span(self, name: str, *args: Any, **kwargs: Any) -> Span:
-        """As :meth:`opentelemetry.trace.Tracer.start_span`."""
-        return self._current().start_span(name, *args, **kwargs)
+        """As :meth:`opentelemetry.trace.Tracer.start_span`; a span that cannot be started
+        (a span processor raised) is a non-recording one, never an error in the caller."""
+        try:
+            return self._current().start_span(name, *args, **kwargs)
+        except Exception as exc:
+            log.warning("tracing: starting %s failed (%s); not traced", name,
+                        type(exc).__qualname__)  # fmt: skip
+            return trace.INVALID_SPAN
 
     def start_as_current_span(
         self, name: str, *args: Any, **kwargs: Any
@@ -60,11 +73,43 @@ class _Tracer:
 TRACER = _Tracer(_version())
 
 
+_NO_SDK = (ProxyTracerProvider, NoOpTracerProvider)
+_UNKNOWN = object()
+#: The environment names a provider for the API to load on first use.
+_PROVIDER_FROM_ENV = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ
+
+
 def active() -> bool:
     """True when a tracer provider of an SDK is installed: spans may record. Callers skip
-    building attributes and links when it is False (the no-op path costs a call)."""
-    provider = trace.get_tracer_provider()
-    return not isinstance(provider, ProxyTracerProvider | NoOpTracerProvider)
+    building attributes and links when it is False (the no-op path costs a call).
+
+    Reads the API's global provider where the API keeps it: while none is set,
+    ``trace.get_tracer_provider()`` looks the environment up on every call (about a
+    microsecond, as much as a compute lock's whole pre-flight hit). The public call is the
+    fallback: when an API release keeps it elsewhere, or the environment names a provider.
+    """
+    provider = getattr(trace, "_TRACER_PROVIDER", _UNKNOWN)
+    if provider is None and not _PROVIDER_FROM_ENV:
+        return False
+    if provider is None or provider is _UNKNOWN:
+        provider = trace.get_tracer_provider()
+    return not isinstance(provider, _NO_SDK)
+
+
+def guarded(fn: Callable[P, None]) -> Callable[P, None]:
+    """``fn`` (span code that runs after a durable effect: a commit, a publish) made unable
+    to fail its caller: an error in it — a span processor's, or onceflow's — is logged and
+    dropped, and the write it records stands."""
+
+    @functools.wraps(fn)
+    def safe(*args: P.args, **kwargs: P.kwargs) -> None:
+        try:
+            fn(*args, **kwargs)
+        except Exception as exc:
+            log.warning("tracing: %s failed (%s); what it records is unaffected",
+                        fn.__qualname__, type(exc).__qualname__)  # fmt: skip
+
+    return safe
 
 
 def attributes(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+from opentelemetry.sdk.trace import SpanProcessor
 from sqlalchemy import Engine, text
 
 from onceflow import NewRequest, Queue, tracing
@@ -75,3 +77,38 @@ def test_a_batch_is_one_span_and_each_row_keeps_its_context(
 def test_without_an_sdk_rows_keep_no_context(queue: Queue, clean_db: Engine) -> None:
     made = queue.enqueue("evaluate", "w1", "j1")
     assert _stored(clean_db)[made.request_id] is None
+
+
+class _Broken(SpanProcessor):
+    """A span processor that fails at each span's start, or at its end."""
+
+    def __init__(self, at: str) -> None:
+        self.at = at
+
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        if self.at == "start":
+            raise RuntimeError("processor failed at start")
+
+    def on_end(self, span: Any) -> None:
+        if self.at == "end":
+            raise RuntimeError("processor failed at end")
+
+
+@pytest.mark.parametrize("at", ["start", "end"])
+def test_a_failing_span_processor_never_fails_an_enqueue_or_an_op(
+    at: str, queue: Queue, clean_db: Engine, trace_spans: Any
+) -> None:
+    from opentelemetry import trace
+
+    from onceflow import OpLog
+    from onceflow.settings import get_settings
+
+    trace.get_tracer_provider().add_span_processor(_Broken(at))  # type: ignore[attr-defined]
+    made = queue.enqueue("evaluate", "w1", "j1")
+    assert made.created
+    assert made.request_id in _stored(clean_db)
+    oplog = OpLog(clean_db, get_settings())
+    op = {"type": "cell.set", "column": "a", "value": 1}
+    applied = oplog.apply_op("w1", "doc", op, op_id="op-failing-processor")
+    again = oplog.apply_op("w1", "doc", op, op_id="op-failing-processor")
+    assert again.duplicate and again.clock == applied.clock

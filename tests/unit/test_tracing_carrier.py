@@ -107,3 +107,14 @@ def test_workspace_ids_only_when_asked(monkeypatch: Any) -> None:
     finally:
         monkeypatch.delenv("ONCEFLOW_TRACE_WORKSPACE_IDS", raising=False)
         get_settings.cache_clear()
+
+
+def test_headers_of_a_stored_context_are_w3c_and_a_bad_one_sends_none() -> None:
+    stored = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\nvendor=abc"
+    assert tracing.headers_of(stored) == {
+        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        "tracestate": "vendor=abc",
+    }
+    assert tracing.headers_of("00-bad\r\nInjected: header") == {}
+    assert tracing.headers_of(None) == {}
+    assert tracing.current_headers() == {}  # no span current

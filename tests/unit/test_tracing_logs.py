@@ -171,19 +171,40 @@ def test_without_otel_variables_configure_installs_nothing(monkeypatch: pytest.M
     assert not tracing.active()
 
 
+def test_onceflow_otel_setup_false_leaves_the_set_up_to_the_application(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from onceflow.settings import get_settings
+
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
+    monkeypatch.setenv("ONCEFLOW_OTEL_SETUP", "false")
+    get_settings.cache_clear()
+    try:
+        assert tracing.configure("onceflow-test") is False
+        assert not tracing.active()
+    finally:
+        monkeypatch.delenv("ONCEFLOW_OTEL_SETUP")
+        get_settings.cache_clear()
+
+
 @pytest.mark.parametrize(
-    ("service_variable", "expected"), [(None, "onceflow-test"), ("my-api", "my-api")]
+    ("variables", "expected"),
+    [
+        ({}, "onceflow-test"),
+        ({"OTEL_SERVICE_NAME": "my-api"}, "my-api"),
+        ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=from-attributes,team=x"}, "from-attributes"),
+    ],
 )
-def test_configure_names_the_service_unless_otel_service_name_does(
-    service_variable: str | None, expected: str, monkeypatch: pytest.MonkeyPatch
+def test_configure_names_the_service_unless_the_environment_does(
+    variables: dict[str, str], expected: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from opentelemetry.util._once import Once
 
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
-    if service_variable is None:
-        monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
-    else:
-        monkeypatch.setenv("OTEL_SERVICE_NAME", service_variable)
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES", raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
     saved = (trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE)
     trace._TRACER_PROVIDER_SET_ONCE = Once()
     try:

@@ -77,7 +77,6 @@ export function backoffDelay(attempt, { baseMs = 200, capMs = 10_000, random = M
   return Math.max(retryAfterMs, Math.floor(random() * ceiling));
 }
 
-/** Retry-After (seconds, or an HTTP date) in ms; 0 when absent or unreadable. */
 /**
  * The W3C trace headers of a claim's stored trace context (`traceparent`, then a newline and
  * `tracestate` when there is one): sent on the claim's calls, so the server's spans of them
@@ -90,6 +89,7 @@ export function traceHeaders(traceContext) {
   return state ? { traceparent: parent, tracestate: state } : { traceparent: parent };
 }
 
+/** Retry-After (seconds, or an HTTP date) in ms; 0 when absent or unreadable. */
 export function retryAfterMs(headers, now = Date.now()) {
   const value = headers && typeof headers.get === "function" ? headers.get("retry-after") : null;
   if (!value) return 0;
