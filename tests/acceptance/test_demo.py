@@ -59,12 +59,14 @@ def redis_left_as_found(redis_url: str, ignore: tuple[bytes, ...] = ()) -> Itera
 
     def snapshot() -> dict[bytes, Any]:
         keys = [k for k in client.scan_iter(count=1000) if not any(f in k for f in ignore)]
-        return {k: _content(client, k) for k in keys}
+        contents = {k: _content(client, k) for k in keys}
+        # A key that expired between the scan and its read is not there.
+        return {k: v for k, v in contents.items() if v[0] != b"none"}
 
     before = snapshot()
     # Keys with a TTL that were there before (another test's lock or release mark) may
-    # expire meanwhile: Redis removed them, not the demo.
-    volatile = {k for k in before if client.pttl(k) > 0}
+    # expire meanwhile: Redis removed them, not the demo. (-2: expired since the snapshot.)
+    volatile = {k for k in before if client.pttl(k) != -1}
     yield
     after = snapshot()
     assert sorted(set(after) - set(before)) == []  # nothing new left behind
