@@ -5,6 +5,8 @@ import type { ClaimPermits, Permit, PermitOptions } from "./permit.js";
 export * from "./compute.js";
 export * from "./permit.js";
 export * from "./leader.js";
+export * from "./tabs.js";
+import type { TabLink } from "./tabs.js";
 
 export type Outcome = "succeeded" | "retry" | "dead" | "cancelled" | "lease_lost";
 export const OUTCOMES: readonly Outcome[];
@@ -143,6 +145,24 @@ export interface PullWorkerOptions {
   /** Whether a handler's error is worth a retry (a Python stage's `retry_on`); default: every
    * error but PermanentError / InvalidRequest. */
   retryOn?: (error: unknown) => boolean;
+  /**
+   * Share the browser's connections with its other tabs (default true; nothing is shared
+   * without Web Locks and BroadcastChannel): calls one at a time on one wire, heartbeats
+   * first, claims short (no long poll) — or a given TabLink.
+   */
+  shareTabs?: boolean | TabLink;
+  /** With a shared wire, the wait between claims that found nothing (default 1000 ms). */
+  claimPollMs?: number;
+}
+export interface HeartbeatCounts {
+  /** Heartbeat calls made. */
+  sent: number;
+  /** Answered 200. */
+  answered: number;
+  /** No answer in time, or a status other than 409: sent again, the lease not taken as lost. */
+  retried: number;
+  /** Answered 409 lease_lost: the only answer that ends a lease. */
+  lost: number;
 }
 
 export class PullWorker {
@@ -155,6 +175,10 @@ export class PullWorker {
   /** The Web Lock name, or null with `leader: false`. */
   readonly leaderName: string | null;
   readonly isLeader: boolean;
+  /** The tabs' shared link, or null (each call on its own connection, claims long polls). */
+  readonly link: TabLink | null;
+  readonly claimPollMs: number;
+  readonly heartbeats: HeartbeatCounts;
   /**
    * Claim and run until stop() or `signal`; resolves with how many requests ran. Stopping
    * aborts a running stage's ctx.signal and hands its request back (fail, retryable, retry_in 0).

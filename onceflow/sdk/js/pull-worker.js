@@ -21,7 +21,7 @@ import { ClaimPermits, takePermit, withPermit } from "./permit.js";
 import { leaderName, webLocks, whileLeader } from "./leader.js";
 import { tabLink } from "./tabs.js";
 
-export { ClaimEvents, ClaimLocks, Subscription, WAIT_MARGIN_MS, computeOnce, extendIntervalMs, isReleaseOf } from "./compute.js";
+export { ClaimEvents, ClaimLocks, RESYNC, Subscription, WAIT_MARGIN_MS, computeOnce, extendIntervalMs, isReleaseOf } from "./compute.js";
 export { LEADER_PREFIX, leaderName, webLocks, whileLeader } from "./leader.js";
 export { TabLink, linkNames, serverOf, tabLink } from "./tabs.js";
 export { ASK_PAUSE_MS, ASK_SECONDS, ClaimPermits, PERMIT_TIMEOUT_MS, Permit, PermitTimeout, newPermitId, takePermit, withPermit } from "./permit.js";
@@ -487,8 +487,11 @@ export class PullWorker {
           let answer = null;
           try {
             counts.sent += 1;
+            // On the shared wire it waits for the call in flight at most while the lease leaves
+            // time to spare; then it is sent beside it (a call that hangs must not cost the lease).
+            const laneWaitMs = Math.max(interval, leaseUntil - sentAt - interval / 2);
             answer = await this.api.call("POST", path, claimBody(ctx.claim), {
-              signal: stopper.signal, timeoutMs: interval, headers, priority: "high", laneWaitMs: interval / 2,
+              signal: stopper.signal, timeoutMs: interval, headers, priority: "high", laneWaitMs,
             });
           } catch (error) {
             if (error instanceof Aborted || stopper.signal.aborted) return;
