@@ -133,7 +133,7 @@ export interface PullWorkerOptions {
   workerClass: string;
   workerId?: string;
   leaseSeconds?: number;
-  /** Claim long poll, 0..60 s (default 20). */
+  /** Claim long poll, 0..60 s (default 20); with a shared wire claims are short (every `claimPollMs`). */
   waitSeconds?: number;
   /** Be the one leader per browser for this worker class (Web Locks; default true). */
   leader?: boolean;
@@ -151,6 +151,12 @@ export interface PullWorkerOptions {
    * first, claims short (no long poll) — or a given TabLink.
    */
   shareTabs?: boolean | TabLink;
+  /**
+   * With shareTabs: calls one at a time on the browser's one wire, claims short (default
+   * true). false for an API served over HTTP/2 (one connection carries every call): only the
+   * event streams are shared, and claims long-poll `waitSeconds`.
+   */
+  shareWire?: boolean;
   /** With a shared wire, the wait between claims that found nothing (default 1000 ms). */
   claimPollMs?: number;
 }

@@ -256,19 +256,22 @@ export class PullContext {
 
 /** Claims and runs requests of one worker class over onceflow's HTTP API. */
 export class PullWorker {
-  constructor({ baseUrl = "", apiKey, workerClass, workerId, leaseSeconds, waitSeconds = 20, leader = true, leaderName: name, fetch, timeoutMs = 30_000, onLeader, onOutcome, retryOn, shareTabs = true, claimPollMs = 1_000 } = {}) {
+  constructor({ baseUrl = "", apiKey, workerClass, workerId, leaseSeconds, waitSeconds = 20, leader = true, leaderName: name, fetch, timeoutMs = 30_000, onLeader, onOutcome, retryOn, shareTabs = true, shareWire = true, claimPollMs = 1_000 } = {}) {
     if (typeof workerClass !== "string" || !workerClass) throw new TypeError("workerClass is required");
     if (!(Number.isFinite(waitSeconds) && waitSeconds >= 0 && waitSeconds <= 60)) throw new RangeError("waitSeconds must be 0..60");
     if (leaseSeconds !== undefined && !(Number.isFinite(leaseSeconds) && leaseSeconds > 0)) throw new RangeError("leaseSeconds must be a positive number");
     if (!(Number.isFinite(claimPollMs) && claimPollMs >= 0)) throw new RangeError("claimPollMs must be a number of ms >= 0");
     /**
      * The tabs' shared link to the server (tabs.js), or null (`shareTabs: false`, or no Web
-     * Locks / BroadcastChannel): with it, calls go one at a time on the browser's one wire,
-     * and claims are short (no long poll holding a connection): tried every `claimPollMs`.
+     * Locks / BroadcastChannel): with it, a waiting computeOnce listens to the browser's one
+     * stream of its workspace, and — unless `shareWire: false` (an API served over HTTP/2,
+     * where calls share one connection anyway) — calls go one at a time on the browser's
+     * one wire, and claims are short (no long poll holding a connection): tried every
+     * `claimPollMs`.
      */
     this.link = shareTabs ? (shareTabs === true ? tabLink(baseUrl) : shareTabs) : null;
     this.claimPollMs = claimPollMs;
-    const options = { apiKey, timeoutMs, lane: this.link };
+    const options = { apiKey, timeoutMs, lane: shareWire ? this.link : null };
     if (fetch) options.fetch = fetch;
     this.api = new Api(baseUrl, options);
     /**
@@ -331,7 +334,7 @@ export class PullWorker {
       let outcome;
       try {
         // On a shared wire a claim is a short call: a long poll would hold the one connection.
-        outcome = await this.runOnce(handler, { wait: this.link ? 0 : this.waitSeconds, signal: stop });
+        outcome = await this.runOnce(handler, { wait: this.api.lane ? 0 : this.waitSeconds, signal: stop });
         failures = 0;
       } catch (error) {
         if (stop.aborted || error instanceof Aborted) break;
@@ -346,7 +349,7 @@ export class PullWorker {
       if (outcome !== null) {
         this._runs += 1;
         this._onOutcome?.(outcome);
-      } else if (this.link) {
+      } else if (this.api.lane) {
         try {
           await sleep(this.claimPollMs, stop);
         } catch {

@@ -86,6 +86,8 @@ export interface WorkspaceClientOptions {
    * stream per workspace for the browser, held by one tab — or a given TabLink.
    */
   shareTabs?: boolean | TabLink;
+  /** With shareTabs: calls one at a time on the browser's one wire (default true; false over HTTP/2). */
+  shareWire?: boolean;
 }
 export class WorkspaceClient extends EventTarget {
   constructor(options: WorkspaceClientOptions);

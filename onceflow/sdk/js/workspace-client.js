@@ -57,8 +57,10 @@ export class WorkspaceClient extends EventTarget {
    * @param {import("./transport.js").BackoffOptions} [options.backoff]
    * @param {boolean} [options.shareTabs] share the browser's connections with its other tabs
    *   (default true; nothing is shared without Web Locks and BroadcastChannel)
+   * @param {boolean} [options.shareWire] with shareTabs, send calls one at a time on the
+   *   browser's one wire (default true; false for an API served over HTTP/2)
    */
-  constructor({ baseUrl = "", apiKey, workspaceId, outbox, clientName = "default", fetch, backoff = {}, shareTabs = true } = {}) {
+  constructor({ baseUrl = "", apiKey, workspaceId, outbox, clientName = "default", fetch, backoff = {}, shareTabs = true, shareWire = true } = {}) {
     super();
     checkId("workspaceId", workspaceId);
     checkId("clientName", clientName);
@@ -70,7 +72,8 @@ export class WorkspaceClient extends EventTarget {
     this._fetch = fetch;
     /** The tabs' shared link (tabs.js), or null: each call and stream of its own. */
     this.link = shareTabs ? (shareTabs === true ? tabLink(baseUrl) : shareTabs) : null;
-    this._api = new Api(baseUrl, { apiKey, fetch, lane: this.link });
+    this._lane = shareWire ? this.link : null; // HTTP/2: `shareWire: false`, calls need no turn
+    this._api = new Api(baseUrl, { apiKey, fetch, lane: this._lane });
     this._feed = null; // this client's following of the shared feed
     this._backoff = backoff;
     this._clocks = new Map(); // sub-doc -> the highest clock seen
@@ -252,7 +255,7 @@ export class WorkspaceClient extends EventTarget {
 
   /** Use another key from now on (after a 401: the ops waiting are retried with it). */
   setApiKey(apiKey) {
-    this._api = new Api(this._baseUrl, { apiKey, fetch: this._fetch, lane: this.link });
+    this._api = new Api(this._baseUrl, { apiKey, fetch: this._fetch, lane: this._lane });
     this.retryNow();
   }
 
