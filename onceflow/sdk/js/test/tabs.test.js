@@ -430,3 +430,25 @@ test("WorkspaceClient: the tabs of a browser following a workspace hold one even
     b.close();
   }
 });
+
+test("PullWorker on a shared wire: claims are short calls (no long poll), tried every claimPollMs", async () => {
+  const b = browser(1);
+  const claims = [];
+  let worker;
+  const fetch = async (url, init) => {
+    claims.push(JSON.parse(init.body));
+    if (claims.length === 3) worker.stop();
+    return new Response(null, { status: 204 });
+  };
+  try {
+    worker = new PullWorker({ baseUrl: b.server, apiKey: KEY, workerClass: "t-wc", leader: false, waitSeconds: 20, claimPollMs: 5, fetch, shareTabs: b.tabs[0] });
+    assert.equal(await worker.run(async () => assert.fail("nothing is due")), 0);
+    assert.equal(claims.length, 3);
+    assert.ok(claims.every((body) => !("wait" in body)), JSON.stringify(claims));
+    assert.equal(b.tabs[0].stats.sent, 3); // each on the wire
+    const alone = new PullWorker({ baseUrl: b.server, apiKey: KEY, workerClass: "t-wc", fetch, shareTabs: b.tabs[0], shareWire: false });
+    assert.equal(alone.api.lane, null); // over HTTP/2: the streams are shared, the calls are not
+  } finally {
+    b.close();
+  }
+});
