@@ -312,12 +312,16 @@ def test_tabs_of_a_browser_share_one_connection(
             assert wait_for(leaders, timeout=20, what="a leader per profile") == [1] * profiles
 
             started = time.monotonic()
-            for _ in range(profiles):  # one 20 s stage per profile's leader
-                tabs_flow.flow.enqueue("tabs_hold", WS, job, "main", {"value": 1})
+            for p in range(profiles):  # one 20 s stage per profile's leader (one per branch)
+                tabs_flow.flow.enqueue("tabs_hold", WS, job, f"hold-{p}", {"value": p})
             for n in range(profiles * tabs):  # one evaluation per tab, all of the same cells
                 tabs_flow.flow.enqueue(f"tabs_eval_{n + 1}", WS, job, "main", {"columns": COLUMNS})
             total = profiles + profiles * tabs
-            done = wait_for(lambda: all_ended(engine, WS, total), timeout=60, what="every stage")
+            try:
+                done = wait_for(lambda: all_ended(engine, WS, total), timeout=60, what="stages")
+            except AssertionError as exc:  # say which stages, and what the tabs saw
+                seen = [page.evaluate("window.report()") for tabs_of in pages for page in tabs_of]
+                raise AssertionError(f"{exc}: {rows(engine, WS)}; tabs: {seen}") from None
             elapsed = time.monotonic() - started
             reports = [page.evaluate("window.report()") for tabs_of in pages for page in tabs_of]
         finally:
