@@ -1,7 +1,8 @@
 """The stages of the SDK tests (``ONCEFLOW_APP=tests.browser.sdk_stages:flow``).
 
 ``t-tab*`` classes are pull classes: browser tabs claim them over HTTP with the SDK's
-``PullWorker``; ``t-tab-celery`` runs in a real Celery worker. The body of a pull-class
+``PullWorker`` (``t-tabs-*``: the tests of many tabs sharing one connection per browser);
+``t-tab-celery`` runs in a real Celery worker. The body of a pull-class
 stage lives in the tab (JavaScript): the function here only declares the stage (its
 input model, worker class and lease) and is never called.
 """
@@ -97,3 +98,18 @@ def celery_eval(ctx: StageContext, data: EvalInput) -> dict[str, Any]:
         scores[column] = outcome.value
         paths[column] = str(outcome.path)
     return {"scores": scores, "paths": paths}
+
+
+# ------------------------------------------------ many tabs sharing one connection per browser
+
+#: Pull classes of tests/browser/test_sdk_tabs.py: one class whose stage holds its claim for
+#: a while (one leader per browser runs it), and one evaluation class per tab (every tab
+#: claims one request, and they all race the same cells).
+TABS_HOLD = "t-tabs-hold"
+TABS_EVAL = tuple(f"t-tabs-eval-{n}" for n in range(1, 25))
+TABS_CLASSES = (TABS_HOLD, *TABS_EVAL)
+
+# A short lease: heartbeats every half second, through everything else the tabs send.
+_declared("tabs_hold", TABS_HOLD, 1.5, TabInput)
+for _n, _wc in enumerate(TABS_EVAL, start=1):
+    _declared(f"tabs_eval_{_n}", _wc, 5.0, EvalInput)

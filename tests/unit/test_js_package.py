@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 SDK = Path(__file__).resolve().parents[2] / "onceflow" / "sdk" / "js"
-MODULES = ["index", "transport", "workspace-client", "pull-worker", "permit"]
+MODULES = ["index", "transport", "workspace-client", "pull-worker", "permit", "tabs"]
 REQUIRED = {f"{m}.js" for m in MODULES} | {f"{m}.d.ts" for m in MODULES} | {"README.md"}
 # import/export … from "…", import("…"), and bare side-effect imports: import "…"
 IMPORT = re.compile(

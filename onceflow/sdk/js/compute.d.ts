@@ -1,8 +1,11 @@
+import type { TabLink } from "./tabs.js";
 import type { Api } from "./transport.js";
 
 export const WAIT_MARGIN_MS: number;
 export function extendIntervalMs(ttlMs: number): number;
 export function isReleaseOf(message: unknown, jobId: string, task: string): boolean;
+/** What a waiter gets when the shared feed it listens to connected again: try the lock at once. */
+export const RESYNC: Readonly<{ kind: "resync" }>;
 
 export class Subscription {
   /**
@@ -21,9 +24,16 @@ export class Subscription {
  */
 export class ClaimEvents {
   /** `workspaceId`: the claimed request's workspace, sent with the token (the row's key). */
-  constructor(api: Api, requestId: string, token: string, options?: { signal?: AbortSignal; workspaceId?: string });
+  /**
+   * With `link` (the tabs' TabLink) and a tab of the browser following the claim's workspace,
+   * the waiters hear that tab's feed (news of `jobId` only) and no stream is opened.
+   */
+  constructor(api: Api, requestId: string, token: string, options?: { signal?: AbortSignal; workspaceId?: string; link?: TabLink | null; jobId?: string });
   readonly workspaceId: string | undefined;
+  /** Claim streams opened so far. */
   readonly opened: number;
+  /** Times the waiters listened to a tab's shared feed instead of a stream of their own. */
+  readonly shared: number;
   subscribe(): Promise<Subscription>;
   close(): void;
 }

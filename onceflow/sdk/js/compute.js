@@ -25,6 +25,13 @@ export function extendIntervalMs(ttlMs) {
   return Math.max(10, Math.floor(ttlMs / 3));
 }
 
+/**
+ * The message a waiter gets when the tabs' shared feed it listens to connected again (a new
+ * holder tab, a reconnect): a release may have been missed meanwhile, so it tries the lock
+ * again at once (the answer's `remaining_ms` is the fresh wait).
+ */
+export const RESYNC = Object.freeze({ kind: "resync" });
+
 /** True if `message` (a broadcast's JSON) says the lock of (jobId, task) was released. */
 export function isReleaseOf(message, jobId, task) {
   return !!message && message.kind === "lock_released" && message.job_id === jobId && message.task === task;
@@ -34,16 +41,20 @@ export function isReleaseOf(message, jobId, task) {
 /**
  * The claimed request's workspace events (POST /v1/claims/{id}/events), one stream shared by
  * every waiter of the claim: opened by the first subscriber, closed when the last one leaves
- * or the claim ends. A subscription sees every message from its `ready` on, so nothing
+ * or the claim ends. With the tabs' link (tabs.js) and a tab of the browser following the
+ * claim's workspace, no stream is opened: the waiters listen to that tab's feed (its commits
+ * of the job's sub-docs and lock news of the job), and get RESYNC when it connects again. A subscription sees every message from its `ready` on, so nothing
  * committed after it subscribed can be missed. The server ends the stream with `event: end`
  * once the claim is over: then the stream is not opened again (subscriptions are dead,
  * `ended` "claim_ended", and waiters wait out their TTL or meet the claim's LeaseLost). A
  * stream that ends otherwise (a server restart) is opened again by the next subscribe().
  */
 export class ClaimEvents {
-  constructor(api, requestId, token, { signal, workspaceId } = {}) {
+  constructor(api, requestId, token, { signal, workspaceId, link = null, jobId } = {}) {
     this.api = api;
     this.requestId = requestId;
+    this.link = link;
+    this.jobId = jobId;
     /** The claimed request's workspace, sent with the token (the row's key), if known. */
     this.workspaceId = workspaceId;
     Object.defineProperty(this, "_token", { value: token, enumerable: false });
@@ -53,6 +64,8 @@ export class ClaimEvents {
     this._claimEnded = false; // the server said `event: end`: never open the stream again
     /** Streams opened so far (for tests and diagnostics). */
     this.opened = 0;
+    /** Times the waiters listened to a tab's shared feed instead (for tests and diagnostics). */
+    this.shared = 0;
   }
 
   /** A new subscription, once the stream is live (`ready`); a dead one if it cannot open. */
@@ -63,7 +76,7 @@ export class ClaimEvents {
       return sub;
     }
     this._subs.add(sub);
-    if (!this._stream) this._stream = this._open();
+    if (!this._stream) this._stream = this.link && this.workspaceId ? this._openShared() : this._open();
     const ok = await this._stream.ready;
     if (!ok) sub._end(this._claimEnded ? "claim_ended" : "unavailable");
     return sub;
@@ -85,6 +98,74 @@ export class ClaimEvents {
     }
   }
 
+  /** Whether a message of the workspace's feed is news of this claim's job. */
+  _isNews(message) {
+    if (!message || typeof message !== "object") return false;
+    const job = this.jobId;
+    if (message.kind === "lock_released") return job === undefined || message.job_id === job;
+    if (message.kind !== "commit") return false;
+    const doc = message.sub_doc;
+    return job === undefined || (typeof doc === "string" && (doc === `job:${job}` || doc.startsWith(`job:${job}:`)));
+  }
+
+  /** Listen to a tab's feed of the claim's workspace; without one, the claim's own stream. */
+  _openShared() {
+    const controller = new AbortController();
+    let resolveReady;
+    const ready = new Promise((resolve) => (resolveReady = resolve));
+    const stream = { controller, ready };
+    const parent = this._parent;
+    if (parent) {
+      if (parent.aborted) controller.abort();
+      else parent.addEventListener("abort", () => controller.abort(), { once: true });
+    }
+    let watch = null;
+    const push = (message) => {
+      if (this._stream !== stream) return;
+      for (const sub of this._subs) sub._push(message);
+    };
+    (async () => {
+      watch = await this.link.watch(this.workspaceId, {
+        signal: controller.signal,
+        onEvent: (_name, data) => {
+          let message;
+          try {
+            message = JSON.parse(data);
+          } catch {
+            return;
+          }
+          if (this._isNews(message)) push(message);
+        },
+        onReady: () => push(RESYNC),
+        onDown: () => {
+          // the holder tab lost its stream or closed: the waiters subscribe again
+          if (this._stream !== stream) return;
+          this._stream = null;
+          watch?.close();
+          for (const sub of this._subs) sub._end("ended");
+        },
+      });
+      if (watch === null) {
+        if (this._stream === stream && !controller.signal.aborted) {
+          this._stream = this._open(); // no tab follows the workspace: the claim's own stream
+          resolveReady(await this._stream.ready);
+        } else {
+          resolveReady(false);
+        }
+        return;
+      }
+      if (controller.signal.aborted || this._stream !== stream) {
+        watch.close();
+        resolveReady(false);
+        return;
+      }
+      this.shared += 1;
+      controller.signal.addEventListener("abort", () => watch.close(), { once: true });
+      resolveReady(true);
+    })();
+    return stream;
+  }
+
   _open() {
     const controller = new AbortController();
     const parent = this._parent;
@@ -104,6 +185,7 @@ export class ClaimEvents {
           body: claimBody(this._token, this.workspaceId),
           signal: controller.signal,
           timeoutMs: 0, // a stream: the keep-alives say it lives; the claim's end closes it
+          stream: true, // closed (the connection let go) when the last waiter leaves
         });
         if (response.status !== 200 || !response.body) {
           let body = null;
@@ -314,6 +396,7 @@ export async function computeOnce(task, { locks, events, jobId, check, compute, 
         const value = await check(); // any message may be the store's commit
         if (isStored(value)) return { value, path: "waited", servedBy: "broadcast", rounds };
         if (isReleaseOf(message, jobId, task)) break; // released without a value: try again
+        if (message.kind === RESYNC.kind) break; // the feed connected again: a release may be missed
       }
     }
   } finally {

@@ -83,7 +83,9 @@ export class ClaimPermits {
     const body = { ...this._body(), provider, tokens, permit_id: permitId, wait_seconds: waitSeconds };
     if (cellKey !== undefined && cellKey !== null) body.cell_key = cellKey;
     const path = `/v1/claims/${seg(this.requestId)}/permits`;
-    const answer = await this.api.call("POST", path, body, { signal: this.signal, timeoutMs: this.api.timeoutMs + waitSeconds * 1000, headers: this.headers });
+    // A long poll is not sent on the tabs' shared wire (it would hold it): a connection of its own.
+    const lane = !(waitSeconds > 0);
+    const answer = await this.api.call("POST", path, body, { signal: this.signal, timeoutMs: this.api.timeoutMs + waitSeconds * 1000, headers: this.headers, lane });
     if (answer.status === 200) return { ...answer.body, granted: true };
     if (answer.status === 429) {
       // The provider is busy (provider_busy), or the key's request rate is spent.

@@ -5,6 +5,8 @@ import type { ClaimPermits, Permit, PermitOptions } from "./permit.js";
 export * from "./compute.js";
 export * from "./permit.js";
 export * from "./leader.js";
+export * from "./tabs.js";
+import type { TabLink } from "./tabs.js";
 
 export type Outcome = "succeeded" | "retry" | "dead" | "cancelled" | "lease_lost";
 export const OUTCOMES: readonly Outcome[];
@@ -131,7 +133,7 @@ export interface PullWorkerOptions {
   workerClass: string;
   workerId?: string;
   leaseSeconds?: number;
-  /** Claim long poll, 0..60 s (default 20). */
+  /** Claim long poll, 0..60 s (default 20); with a shared wire claims are short (every `claimPollMs`). */
   waitSeconds?: number;
   /** Be the one leader per browser for this worker class (Web Locks; default true). */
   leader?: boolean;
@@ -143,6 +145,30 @@ export interface PullWorkerOptions {
   /** Whether a handler's error is worth a retry (a Python stage's `retry_on`); default: every
    * error but PermanentError / InvalidRequest. */
   retryOn?: (error: unknown) => boolean;
+  /**
+   * Share the browser's connections with its other tabs (default true; nothing is shared
+   * without Web Locks and BroadcastChannel): calls one at a time on one wire, heartbeats
+   * first, claims short (no long poll) — or a given TabLink.
+   */
+  shareTabs?: boolean | TabLink;
+  /**
+   * With shareTabs: calls one at a time on the browser's one wire, claims short (default
+   * true). false for an API served over HTTP/2 (one connection carries every call): only the
+   * event streams are shared, and claims long-poll `waitSeconds`.
+   */
+  shareWire?: boolean;
+  /** With a shared wire, the wait between claims that found nothing (default 1000 ms). */
+  claimPollMs?: number;
+}
+export interface HeartbeatCounts {
+  /** Heartbeat calls made. */
+  sent: number;
+  /** Answered 200. */
+  answered: number;
+  /** No answer in time, or a status other than 409: sent again, the lease not taken as lost. */
+  retried: number;
+  /** Answered 409 lease_lost: the only answer that ends a lease. */
+  lost: number;
 }
 
 export class PullWorker {
@@ -155,6 +181,10 @@ export class PullWorker {
   /** The Web Lock name, or null with `leader: false`. */
   readonly leaderName: string | null;
   readonly isLeader: boolean;
+  /** The tabs' shared link, or null (each call on its own connection, claims long polls). */
+  readonly link: TabLink | null;
+  readonly claimPollMs: number;
+  readonly heartbeats: HeartbeatCounts;
   /**
    * Claim and run until stop() or `signal`; resolves with how many requests ran. Stopping
    * aborts a running stage's ctx.signal and hands its request back (fail, retryable, retry_in 0).

@@ -12,15 +12,18 @@
 //
 // Only one tab per browser works a worker class (the Web Locks API elects it); the others
 // wait for it to close. A tab that closes mid-stage stops heartbeating: its lease lapses
-// (the database's clock) and another worker claims the request again.
+// (the database's clock) and another worker claims the request again. The tabs of a browser
+// share its connections to the API (tabs.js): short calls one at a time, heartbeats first.
 
 import { Aborted, Api, BudgetExceeded, Cancelled, HttpError, LeaseLost, backoffDelay, errorFor, isRetryable, seg, sleep, traceHeaders } from "./transport.js";
 import { ClaimEvents, ClaimLocks, computeOnce } from "./compute.js";
 import { ClaimPermits, takePermit, withPermit } from "./permit.js";
 import { leaderName, webLocks, whileLeader } from "./leader.js";
+import { tabLink } from "./tabs.js";
 
-export { ClaimEvents, ClaimLocks, Subscription, WAIT_MARGIN_MS, computeOnce, extendIntervalMs, isReleaseOf } from "./compute.js";
+export { ClaimEvents, ClaimLocks, RESYNC, Subscription, WAIT_MARGIN_MS, computeOnce, extendIntervalMs, isReleaseOf } from "./compute.js";
 export { LEADER_PREFIX, leaderName, webLocks, whileLeader } from "./leader.js";
+export { TabLink, linkNames, serverOf, tabLink } from "./tabs.js";
 export { ASK_PAUSE_MS, ASK_SECONDS, ClaimPermits, PERMIT_TIMEOUT_MS, Permit, PermitTimeout, newPermitId, takePermit, withPermit } from "./permit.js";
 
 /** What runOnce() returns for each way a claimed request can end. */
@@ -115,6 +118,8 @@ export class PullClaim {
   constructor(data) {
     this.requestId = data.request_id;
     this.leaseSeconds = Number(data.lease_seconds);
+    /** When the claim was sent (this clock, ms): its lease runs at least until then + lease. */
+    this.sentAt = Number.isFinite(data.sentAt) ? data.sentAt : Date.now();
     this.leaseExpiresAt = data.lease_expires_at;
     this.attempt = Number(data.attempt);
     this.request = data.request;
@@ -145,7 +150,8 @@ export class PullContext {
     this._then = [];
     this._stop = null; // the reason the stage must stop, once known
     const named = { signal: this.signal, workspaceId: claim.workspaceId, headers: traceHeaders(claim.traceContext) };
-    this.events = new ClaimEvents(worker.api, claim.requestId, claim.token, named);
+    const jobId = claim.request?.job_id;
+    this.events = new ClaimEvents(worker.api, claim.requestId, claim.token, { ...named, link: worker.link, jobId });
     this.locks = new ClaimLocks(worker.api, claim.requestId, claim.token, named);
     this.permits = new ClaimPermits(worker.api, claim.requestId, claim.token, named);
   }
@@ -250,13 +256,30 @@ export class PullContext {
 
 /** Claims and runs requests of one worker class over onceflow's HTTP API. */
 export class PullWorker {
-  constructor({ baseUrl = "", apiKey, workerClass, workerId, leaseSeconds, waitSeconds = 20, leader = true, leaderName: name, fetch, timeoutMs = 30_000, onLeader, onOutcome, retryOn } = {}) {
+  constructor({ baseUrl = "", apiKey, workerClass, workerId, leaseSeconds, waitSeconds = 20, leader = true, leaderName: name, fetch, timeoutMs = 30_000, onLeader, onOutcome, retryOn, shareTabs = true, shareWire = true, claimPollMs = 1_000 } = {}) {
     if (typeof workerClass !== "string" || !workerClass) throw new TypeError("workerClass is required");
     if (!(Number.isFinite(waitSeconds) && waitSeconds >= 0 && waitSeconds <= 60)) throw new RangeError("waitSeconds must be 0..60");
     if (leaseSeconds !== undefined && !(Number.isFinite(leaseSeconds) && leaseSeconds > 0)) throw new RangeError("leaseSeconds must be a positive number");
-    const options = { apiKey, timeoutMs };
+    if (!(Number.isFinite(claimPollMs) && claimPollMs >= 0)) throw new RangeError("claimPollMs must be a number of ms >= 0");
+    /**
+     * The tabs' shared link to the server (tabs.js), or null (`shareTabs: false`, or no Web
+     * Locks / BroadcastChannel): with it, a waiting computeOnce listens to the browser's one
+     * stream of its workspace, and — unless `shareWire: false` (an API served over HTTP/2,
+     * where calls share one connection anyway) — calls go one at a time on the browser's
+     * one wire, and claims are short (no long poll holding a connection): tried every
+     * `claimPollMs`.
+     */
+    this.link = shareTabs ? (shareTabs === true ? tabLink(baseUrl) : shareTabs) : null;
+    this.claimPollMs = claimPollMs;
+    const options = { apiKey, timeoutMs, lane: shareWire ? this.link : null };
     if (fetch) options.fetch = fetch;
     this.api = new Api(baseUrl, options);
+    /**
+     * Heartbeats of this worker: `sent` (calls made), `answered` (200), `retried` (no answer
+     * in time, or a status that is not lease_lost: sent again at once), `lost` (409
+     * lease_lost: the only answer that ends a lease).
+     */
+    this.heartbeats = { sent: 0, answered: 0, retried: 0, lost: 0 };
     this.workerClass = workerClass;
     this.workerId = workerId || newWorkerId();
     this.leaseSeconds = leaseSeconds;
@@ -310,7 +333,8 @@ export class PullWorker {
     while (!stop.aborted) {
       let outcome;
       try {
-        outcome = await this.runOnce(handler, { wait: this.waitSeconds, signal: stop });
+        // On a shared wire a claim is a short call: a long poll would hold the one connection.
+        outcome = await this.runOnce(handler, { wait: this.api.lane ? 0 : this.waitSeconds, signal: stop });
         failures = 0;
       } catch (error) {
         if (stop.aborted || error instanceof Aborted) break;
@@ -325,6 +349,12 @@ export class PullWorker {
       if (outcome !== null) {
         this._runs += 1;
         this._onOutcome?.(outcome);
+      } else if (this.api.lane) {
+        try {
+          await sleep(this.claimPollMs, stop);
+        } catch {
+          break;
+        }
       }
     }
     return this._runs;
@@ -337,10 +367,12 @@ export class PullWorker {
     if (wait) body.wait = wait;
     const path = `/v1/worker-classes/${seg(this.workerClass)}/claims`;
     // A claim whose answer was lost is left to lapse: its lease runs out, someone claims it.
-    const answer = await this.api.call("POST", path, body, { signal, timeoutMs: this.api.timeoutMs + wait * 1000 });
+    const sentAt = Date.now();
+    const lane = !(wait > 0); // a long poll is not sent on the tabs' shared wire
+    const answer = await this.api.call("POST", path, body, { signal, timeoutMs: this.api.timeoutMs + wait * 1000, lane });
     if (answer.status === 204) return null;
     if (answer.status !== 201) throw errorFor(answer.status, answer.body, "claim");
-    return new PullClaim(answer.body);
+    return new PullClaim({ ...answer.body, sentAt });
   }
 
   /**
@@ -430,40 +462,66 @@ export class PullWorker {
 
   /**
    * Extends the lease every lease/3 until stopped; halts the stage at lease-lost or cancel.
-   * Beats keep to fixed slots (start + k·interval) and each call is given at most one
-   * interval: a beat that hangs is dropped at the next slot, so one stalled request cannot
-   * hold back the beats after it until the lease lapses.
+   * Each beat is given one interval to be answered; a beat without an answer (a timeout — it
+   * may have waited for a socket the whole time —, a network error) or with a status other
+   * than 200 and 409 is not a lost lease: it is sent again at once (short backoff), on the
+   * tabs' wire before every other call (`priority: "high"`), while the lease holds as this
+   * client knows it (a beat sent at t and answered 200 holds it until t + lease at least),
+   * and after that at most one interval apart. Only a 409 lease_lost answer ends the lease.
    */
   _heartbeat(ctx) {
     const stopper = new AbortController();
     const interval = heartbeatIntervalMs(ctx.claim.leaseSeconds);
+    const leaseMs = ctx.claim.leaseSeconds * 1000;
     const path = `/v1/claims/${seg(ctx.claim.requestId)}/heartbeat`;
     const headers = traceHeaders(ctx.claim.traceContext);
-    const start = Date.now();
+    const counts = this.heartbeats;
+    let leaseUntil = ctx.claim.sentAt + leaseMs;
     (async () => {
-      let slot = 0;
+      let next = ctx.claim.sentAt + interval;
       while (!stopper.signal.aborted && !ctx._stop) {
-        // the next slot; if the loop fell behind (a throttled timer), the latest slot begun,
-        // not a backlog of missed ones
-        slot = Math.max(slot + 1, Math.floor((Date.now() - start) / interval));
         try {
-          await sleep(start + slot * interval - Date.now(), stopper.signal);
+          await sleep(next - Date.now(), stopper.signal);
         } catch {
           return;
         }
-        const timeoutMs = Math.max(1, start + (slot + 1) * interval - Date.now());
-        try {
-          const answer = await this.api.call("POST", path, claimBody(ctx.claim), { signal: stopper.signal, timeoutMs, headers });
-          if (answer.status === 200) {
-            if (answer.body?.cancel_requested) ctx._halt(new Cancelled(`request ${ctx.claim.requestId}: cancel requested`));
-            continue;
+        for (let attempt = 0; !ctx._stop; attempt++) {
+          const sentAt = Date.now();
+          let answer = null;
+          try {
+            counts.sent += 1;
+            // On the shared wire it waits for the call in flight at most while the lease leaves
+            // time to spare; then it is sent beside it (a call that hangs must not cost the lease).
+            const laneWaitMs = Math.max(interval, leaseUntil - sentAt - interval / 2);
+            answer = await this.api.call("POST", path, claimBody(ctx.claim), {
+              signal: stopper.signal, timeoutMs: interval, headers, priority: "high", laneWaitMs,
+            });
+          } catch (error) {
+            if (error instanceof Aborted || stopper.signal.aborted) return;
+            // no answer in time: the lease may still hold, send it again
           }
-          const error = errorFor(answer.status, answer.body, "heartbeat");
-          if (error instanceof LeaseLost) ctx._halt(error);
-          // other statuses: the lease may still hold; the next beat tries again
-        } catch (error) {
-          if (error instanceof Aborted) return;
-          // no answer (or none within the slot): the lease may still hold; the next beat tries again
+          if (answer?.status === 200) {
+            counts.answered += 1;
+            leaseUntil = Math.max(leaseUntil, sentAt + leaseMs);
+            if (answer.body?.cancel_requested) ctx._halt(new Cancelled(`request ${ctx.claim.requestId}: cancel requested`));
+            next = sentAt + interval;
+            break;
+          }
+          if (answer !== null) {
+            const error = errorFor(answer.status, answer.body, "heartbeat");
+            if (error instanceof LeaseLost) {
+              counts.lost += 1;
+              ctx._halt(error);
+              return;
+            }
+          }
+          counts.retried += 1;
+          const cap = Date.now() < leaseUntil ? Math.max(20, interval / 4) : interval;
+          try {
+            await sleep(backoffDelay(attempt, { baseMs: 20, capMs: cap }), stopper.signal);
+          } catch {
+            return;
+          }
         }
       }
     })();

@@ -82,11 +82,21 @@ export interface ApiOptions {
   apiKey: ApiKey;
   fetch?: typeof fetch;
   timeoutMs?: number;
+  /** The tabs' shared wire (a TabLink): each `call` is then the browser profile's one call in flight. */
+  lane?: { send<T>(task: () => Promise<T>, options?: { priority?: "high" | "normal"; signal?: AbortSignal; waitMs?: number }): Promise<T> } | null;
 }
 export interface CallOptions {
   signal?: AbortSignal;
   timeoutMs?: number;
   headers?: Record<string, string>;
+  /** false: not on the shared wire (a long poll); default true when the Api has a lane. */
+  lane?: boolean;
+  /** "high" (heartbeats): before every other call waiting for the wire, and fetch's priority. */
+  priority?: "high" | "low" | "auto";
+  /** The longest wait for the wire; then the call is sent beside it. */
+  laneWaitMs?: number;
+  /** A stream: aborting `signal` after the headers closes its body (the connection) too. */
+  stream?: boolean;
 }
 /** The `traceparent` (and `tracestate`) headers of a claim's stored trace context; `{}` for none. */
 export function traceHeaders(traceContext: string | null | undefined): Record<string, string>;
@@ -99,6 +109,7 @@ export interface RetryOptions extends CallOptions {
 export class Api {
   constructor(baseUrl: string, options: ApiOptions);
   readonly baseUrl: string;
+  readonly lane: ApiOptions["lane"];
   raw(method: string, path: string, options?: CallOptions & { body?: unknown; headers?: Record<string, string> }): Promise<Response>;
   call<T = any>(method: string, path: string, body?: unknown, options?: CallOptions): Promise<Answer<T>>;
   callRetrying<T = any>(method: string, path: string, body?: unknown, options?: RetryOptions): Promise<Answer<T>>;

@@ -158,13 +158,19 @@ export function errorFor(status, body, what = "request") {
  * one refresh.
  */
 export class Api {
-  constructor(baseUrl, { apiKey, fetch: fetchImpl = globalThis.fetch, timeoutMs = 30_000 } = {}) {
+  constructor(baseUrl, { apiKey, fetch: fetchImpl = globalThis.fetch, timeoutMs = 30_000, lane = null } = {}) {
     const refreshes = typeof apiKey === "function";
     if (!refreshes && (!apiKey || typeof apiKey !== "string")) {
       throw new TypeError("apiKey is required: a key, or a function returning a token");
     }
     this.baseUrl = String(baseUrl || "").replace(/\/+$/, "");
     this.timeoutMs = timeoutMs;
+    /**
+     * The tabs' shared wire (a TabLink, see tabs.js), or null: with one, each `call` is sent
+     * as the one call of the browser profile in flight (streams and long polls, sent with
+     * `lane: false`, are not).
+     */
+    this.lane = lane;
     this._fetch = fetchImpl.bind(globalThis);
     // The key lives in this object only: never in a URL, never logged, never stored.
     const key = { fetchToken: refreshes ? apiKey : null, auth: refreshes ? null : `Bearer ${apiKey}`, pending: null };
@@ -212,30 +218,56 @@ export class Api {
     return this._send(method, path, fresh, options);
   }
 
-  async _send(method, path, auth, { body, signal, timeoutMs = this.timeoutMs, headers = {} } = {}) {
+  async _send(method, path, auth, { body, signal, timeoutMs = this.timeoutMs, headers = {}, priority, stream = false } = {}) {
     const controller = new AbortController();
     const onAbort = () => controller.abort(signal.reason);
     if (signal?.aborted) throw new Aborted("aborted");
     signal?.addEventListener("abort", onAbort, { once: true });
     const timer = timeoutMs > 0 ? setTimeout(() => controller.abort(new Error("timeout")), timeoutMs) : null;
+    let answered = false;
     try {
       const init = { method, headers: { Authorization: auth, ...headers }, signal: controller.signal, cache: "no-store" };
+      // "high" (heartbeats): the browser gives the next free socket to it before the others.
+      if (priority) init.priority = priority;
       if (body !== undefined) {
         init.body = JSON.stringify(body);
         init.headers["Content-Type"] = "application/json";
       }
-      return await this._fetch(this.baseUrl + path, init);
+      const response = await this._fetch(this.baseUrl + path, init);
+      answered = true;
+      return response;
     } catch (error) {
       if (signal?.aborted) throw new Aborted("aborted", { cause: error });
       throw new NetworkError(`${method} ${path}: no answer (${error?.message || error})`, { cause: error });
     } finally {
       if (timer !== null) clearTimeout(timer);
-      signal?.removeEventListener("abort", onAbort);
+      // A stream (`stream: true`, its own signal) stays tied to `signal` while its body is
+      // read: aborting it then closes the connection, not only the wait for the headers.
+      if (!(stream && answered)) signal?.removeEventListener("abort", onAbort);
     }
   }
 
-  /** One JSON call: `{status, body, headers}`; the body is null when empty or not JSON. */
+  /**
+   * One JSON call: `{status, body, headers}`; the body is null when empty or not JSON. With a
+   * lane, sent (and read) on the tabs' shared wire unless `lane: false` (a long poll);
+   * `priority: "high"` goes before the other calls waiting, and `laneWaitMs` bounds the wait
+   * for the wire (then the call is sent beside it).
+   */
   async call(method, path, body, options = {}) {
+    const { lane = true, laneWaitMs, ...rest } = options;
+    if (!this.lane || lane === false) return this._call(method, path, body, rest);
+    try {
+      return await this.lane.send(() => this._call(method, path, body, rest), {
+        priority: rest.priority, signal: rest.signal, waitMs: laneWaitMs,
+      });
+    } catch (error) {
+      // stopped while waiting for the wire (the lock's request rejects with the signal's reason)
+      if (rest.signal?.aborted && !(error instanceof Aborted)) throw new Aborted("aborted", { cause: error });
+      throw error;
+    }
+  }
+
+  async _call(method, path, body, options) {
     const response = await this.raw(method, path, { ...options, body });
     let parsed = null;
     try {
@@ -253,11 +285,11 @@ export class Api {
    * backoff and jitter, up to `attempts` tries (Infinity: until `signal` aborts). Returns
    * the first other answer; throws errorFor() for a non-2xx one.
    */
-  async callRetrying(method, path, body, { signal, attempts = 5, backoff = {}, what, onRetry, timeoutMs, headers } = {}) {
+  async callRetrying(method, path, body, { signal, attempts = 5, backoff = {}, what, onRetry, timeoutMs, headers, lane } = {}) {
     for (let attempt = 0; ; attempt++) {
       let error;
       try {
-        const answer = await this.call(method, path, body, { signal, timeoutMs, headers });
+        const answer = await this.call(method, path, body, { signal, timeoutMs, headers, lane });
         if (answer.status < 300) return answer;
         error = errorFor(answer.status, answer.body, what || `${method} ${path}`);
         error.retryAfterMs = retryAfterMs(answer.headers);

@@ -1,3 +1,4 @@
+import type { TabLink } from "./tabs.js";
 import type { ApiKey, BackoffOptions, HttpError, StageRequest } from "./transport.js";
 import type { Outbox, OutboxEntry } from "./outbox.js";
 export { IndexedDbOutbox, MemoryOutbox, OutboxError } from "./outbox.js";
@@ -79,10 +80,20 @@ export interface WorkspaceClientOptions {
   clientName?: string;
   fetch?: typeof fetch;
   backoff?: BackoffOptions;
+  /**
+   * Share the browser's connections with its other tabs (default true; nothing is shared
+   * without Web Locks and BroadcastChannel): calls one at a time on one wire, and one event
+   * stream per workspace for the browser, held by one tab — or a given TabLink.
+   */
+  shareTabs?: boolean | TabLink;
+  /** With shareTabs: calls one at a time on the browser's one wire (default true; false over HTTP/2). */
+  shareWire?: boolean;
 }
 export class WorkspaceClient extends EventTarget {
   constructor(options: WorkspaceClientOptions);
   readonly workspaceId: string;
+  /** The tabs' shared link, or null. */
+  readonly link: TabLink | null;
   /** `<clientName>@<workspaceId>`; also the Web Lock / BroadcastChannel name after `onceflow-outbox:`. */
   readonly namespace: string;
   /** Replaced by a MemoryOutbox when the default IndexedDB outbox cannot be opened. */

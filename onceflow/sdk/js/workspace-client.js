@@ -8,6 +8,7 @@ import {
   newOpId, retryAfterMs, seg, sleep, sseEvents,
 } from "./transport.js";
 import { IndexedDbOutbox, MemoryOutbox, OutboxError } from "./outbox.js";
+import { tabLink } from "./tabs.js";
 
 export { IndexedDbOutbox, MemoryOutbox, OutboxError };
 
@@ -38,6 +39,11 @@ const ENDED = new Set(["succeeded", "dead", "cancelled"]);
  * `onceflow-outbox:<ns>` when `navigator.locks` exists, so one tab sends and no op is sent
  * twice at once; the others add to the outbox, and their promises settle through a
  * BroadcastChannel of the same name. A reloaded tab gets the same namespace and replays it.
+ *
+ * The tabs of one browser share its connections to the API (tabs.js; `shareTabs: false` opts
+ * out): calls go one at a time on one wire, and a workspace's event stream is held by one tab
+ * (the others hear its events over a BroadcastChannel, and catch up from the op log by clock
+ * whenever the holder connects again or another tab takes over).
  */
 export class WorkspaceClient extends EventTarget {
   /**
@@ -49,8 +55,12 @@ export class WorkspaceClient extends EventTarget {
    * @param {string} [options.clientName] names the outbox namespace with the workspace
    * @param {typeof fetch} [options.fetch]
    * @param {import("./transport.js").BackoffOptions} [options.backoff]
+   * @param {boolean} [options.shareTabs] share the browser's connections with its other tabs
+   *   (default true; nothing is shared without Web Locks and BroadcastChannel)
+   * @param {boolean} [options.shareWire] with shareTabs, send calls one at a time on the
+   *   browser's one wire (default true; false for an API served over HTTP/2)
    */
-  constructor({ baseUrl = "", apiKey, workspaceId, outbox, clientName = "default", fetch, backoff = {} } = {}) {
+  constructor({ baseUrl = "", apiKey, workspaceId, outbox, clientName = "default", fetch, backoff = {}, shareTabs = true, shareWire = true } = {}) {
     super();
     checkId("workspaceId", workspaceId);
     checkId("clientName", clientName);
@@ -60,7 +70,11 @@ export class WorkspaceClient extends EventTarget {
     this._outboxGiven = !!outbox;
     this._baseUrl = baseUrl;
     this._fetch = fetch;
-    this._api = new Api(baseUrl, { apiKey, fetch });
+    /** The tabs' shared link (tabs.js), or null: each call and stream of its own. */
+    this.link = shareTabs ? (shareTabs === true ? tabLink(baseUrl) : shareTabs) : null;
+    this._lane = shareWire ? this.link : null; // HTTP/2: `shareWire: false`, calls need no turn
+    this._api = new Api(baseUrl, { apiKey, fetch, lane: this._lane });
+    this._feed = null; // this client's following of the shared feed
     this._backoff = backoff;
     this._clocks = new Map(); // sub-doc -> the highest clock seen
     this._waiting = new Map(); // op id -> {resolve, reject}
@@ -225,6 +239,7 @@ export class WorkspaceClient extends EventTarget {
         backoff: this._backoff,
         what: `wait for request ${requestId}`,
         timeoutMs: wait * 1000 + this._api.timeoutMs, // the server holds the read up to `wait`
+        lane: false, // a long poll: not on the tabs' shared wire (it would hold it)
       });
       if (ENDED.has(body?.status)) return body;
       if (Date.now() >= deadline) {
@@ -240,7 +255,7 @@ export class WorkspaceClient extends EventTarget {
 
   /** Use another key from now on (after a 401: the ops waiting are retried with it). */
   setApiKey(apiKey) {
-    this._api = new Api(this._baseUrl, { apiKey, fetch: this._fetch });
+    this._api = new Api(this._baseUrl, { apiKey, fetch: this._fetch, lane: this._lane });
     this.retryNow();
   }
 
@@ -265,11 +280,23 @@ export class WorkspaceClient extends EventTarget {
     const sub = { subDoc, onCommit, last: since ?? null, busy: null, again: false, active: true };
     this._subs.add(sub);
     this._catchUp(sub);
-    this._stream ??= this._follow();
+    if (this.link) {
+      this._feed ??= this.link.follow(this.workspaceId, {
+        open: (stop, emit) => this._hold(stop, emit),
+        onReady: () => this._onFeed("ready"),
+        onEvent: (name, data) => this._onFeed("event", name, data),
+        onDown: () => this._onFeed("down"),
+      });
+    } else {
+      this._stream ??= this._follow();
+    }
     return () => {
       sub.active = false;
       this._subs.delete(sub);
-      if (!this._subs.size) this._streamStop?.abort();
+      if (this._subs.size) return;
+      this._streamStop?.abort();
+      this._feed?.close();
+      this._feed = null;
     };
   }
 
@@ -277,6 +304,8 @@ export class WorkspaceClient extends EventTarget {
   close() {
     this._stop.abort();
     this._streamStop?.abort();
+    this._feed?.close();
+    this._feed = null;
     this._wake?.();
     globalThis.removeEventListener?.("online", this._onOnline);
     this._channel?.close();
@@ -429,14 +458,29 @@ export class WorkspaceClient extends EventTarget {
 
   // ---------------------------------------------------------------------------- following
 
+  /** Follow the workspace alone: this client's own stream (no link shared with other tabs). */
   async _follow() {
+    await this._hold(null, (what, name, data) => this._onFeed(what, name, data));
+    this._stream = null;
+    if (this._subs.size && !this._stop.signal.aborted) this._stream = this._follow();
+  }
+
+  /**
+   * Hold the workspace's event stream while something is subscribed, until `stop` aborts or
+   * the client closes: `emit("ready")` at each connection's `ready`, `emit("event", name,
+   * data)` per event, `emit("down")` when a connection is lost; it reconnects with backoff.
+   * Alone, `emit` is this client's own `_onFeed`; with the tabs' link, the link's fan-out.
+   */
+  async _hold(stop, emit) {
     const path = `/v1/workspaces/${seg(this.workspaceId)}/events`;
     let connected = false;
-    for (let attempt = 0; this._subs.size && !this._stop.signal.aborted; attempt++) {
-      this._streamStop = new AbortController();
-      const signal = this._streamStop.signal;
+    for (let attempt = 0; this._subs.size && !this._stop.signal.aborted && !stop?.aborted; attempt++) {
+      const streamStop = (this._streamStop = new AbortController());
+      const onStop = () => streamStop.abort();
+      stop?.addEventListener("abort", onStop, { once: true });
+      const signal = streamStop.signal;
       try {
-        const response = await this._api.raw("GET", path, { signal, timeoutMs: 0, headers: { Accept: "text/event-stream" } });
+        const response = await this._api.raw("GET", path, { signal, timeoutMs: 0, stream: true, headers: { Accept: "text/event-stream" } });
         if (!response.ok) {
           const error = errorFor(response.status, await response.json().catch(() => null), "event stream");
           if (!isRetryable(error) && response.status !== 401) {
@@ -448,28 +492,49 @@ export class WorkspaceClient extends EventTarget {
             if (event.event === "ready") {
               attempt = -1; // connected: the next reconnect starts from a short wait
               connected = true;
-              this._emit("stream", { connected });
-              for (const sub of this._subs) this._catchUp(sub);
-            } else if (event.event === "commit") {
-              this._onCommit(JSON.parse(event.data));
+              emit("ready");
+            } else {
+              emit("event", event.event, event.data);
             }
           }
         }
       } catch {
         if (signal.aborted || this._stop.signal.aborted) break; // else the stream broke: reconnect
       } finally {
-        if (connected) this._emit("stream", { connected: (connected = false) });
+        stop?.removeEventListener("abort", onStop);
+        if (connected) {
+          connected = false;
+          emit("down");
+        }
       }
       const wait = new AbortController(); // cut short by retryNow() (the browser's `online`)
-      const onStop = () => wait.abort();
-      this._stop.signal.addEventListener("abort", onStop, { once: true });
+      const onEnd = () => wait.abort();
+      this._stop.signal.addEventListener("abort", onEnd, { once: true });
+      stop?.addEventListener("abort", onEnd, { once: true });
       this._streamRetry = wait;
       await sleep(backoffDelay(Math.max(0, attempt), this._backoff), wait.signal).catch(() => {});
-      this._stop.signal.removeEventListener("abort", onStop);
-      if (this._stop.signal.aborted) break;
+      this._stop.signal.removeEventListener("abort", onEnd);
+      stop?.removeEventListener("abort", onEnd);
+      if (this._stop.signal.aborted || stop?.aborted) break;
     }
-    this._stream = null;
-    if (this._subs.size && !this._stop.signal.aborted) this._stream = this._follow();
+  }
+
+  /** The stream's news (this client's own, or the tabs' shared feed's). */
+  _onFeed(what, name, data) {
+    if (what === "ready") {
+      this._emit("stream", { connected: true });
+      for (const sub of this._subs) this._catchUp(sub);
+    } else if (what === "down") {
+      this._emit("stream", { connected: false });
+    } else if (what === "event" && name === "commit") {
+      let commit;
+      try {
+        commit = JSON.parse(data);
+      } catch {
+        return;
+      }
+      this._onCommit(commit);
+    }
   }
 
   _onCommit(data) {

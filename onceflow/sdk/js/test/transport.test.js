@@ -141,3 +141,20 @@ test("Api: a plain key is never refreshed; a bad apiKey is refused at once", asy
   const broken = new Api("http://x", { fetch: fetchImpl, apiKey: () => "" });
   await assert.rejects(broken.call("GET", "/a"), TypeError);
 });
+
+test("a stream (stream: true) stays tied to the caller's signal after its headers: aborting it closes the body", async () => {
+  const seen = [];
+  const fetch = async (_url, init) => {
+    seen.push(init.signal);
+    return new Response(new ReadableStream({ start() {} }), { status: 200 });
+  };
+  const api = new Api("http://api.test", { apiKey: "k", fetch });
+  const streamStop = new AbortController();
+  await api.raw("GET", "/v1/workspaces/w/events", { signal: streamStop.signal, timeoutMs: 0, stream: true });
+  const callStop = new AbortController();
+  await api.raw("GET", "/v1/x", { signal: callStop.signal });
+  streamStop.abort();
+  callStop.abort();
+  assert.equal(seen[0].aborted, true); // the stream's connection is let go
+  assert.equal(seen[1].aborted, false); // a plain call is answered: nothing left to cut
+});
