@@ -20,7 +20,7 @@ from sqlalchemy import Engine, text
 
 from onceflow.integrations.fastapi import KeyAuth, create_app, hash_key
 from onceflow.integrations.fastapi.services import OnceflowServices
-from onceflow.models import Claim
+from onceflow.models import Claim, WorkspaceScope
 from onceflow.queue import AsyncQueue
 from onceflow.queue.claim_line import ClaimLines
 from onceflow.settings import Settings, get_settings
@@ -201,6 +201,50 @@ def test_a_woken_waiter_that_leaves_hands_the_row_to_the_next(flow: Flow, clean_
             assert claims[0].request.claimed_by == "second"
             assert first.cancelled()
             never.cancel()
+        finally:
+            await lines.aclose()
+            await queue.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_row_wakes_only_a_waiter_that_may_claim_it(flow: Flow, clean_db: Engine) -> None:
+    """Waiters scoped to other workspaces stay asleep; the first one that may claim the
+    row's workspace is woken and claims it, wherever it stands in the line."""
+
+    async def scenario() -> None:
+        queue = AsyncQueue.from_queue(flow.queue)
+        lines = ClaimLines(queue)
+        try:
+            line = await lines.line(PULL)
+            never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            sent: list[str] = []
+
+            def claimer(name: str, scope: WorkspaceScope) -> ClaimNow:
+                async def claim_now() -> list[Claim]:
+                    sent.append(name)
+                    return await queue.claim_next(PULL, name, 1, workspaces=scope)
+
+                return claim_now
+
+            tasks = []
+            for n, ws in enumerate(["w2", "w3", "w1", "w1"]):
+                scope = WorkspaceScope(exact=frozenset({ws}))
+                tasks.append(
+                    asyncio.create_task(line.claim(claimer(f"{ws}-{n}", scope), 60, scope, never))
+                )
+                await until(lambda n=n: len(line.sleeping) == n + 1, f"waiter {n} to sleep")
+            sent.clear()
+            await asyncio.to_thread(enqueue, flow, ["scoped"])
+            claims = await asyncio.wait_for(tasks[2], DEADLINE)
+            assert [c.request.claimed_by for c in claims] == ["w1-2"]
+            await until(lambda: not line.flying and not line.busy, "the line to settle")
+            assert sent == ["w1-2"]  # the w2 and w3 waiters ahead of it were not woken
+            assert len(line.sleeping) == 3
+            never.cancel()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         finally:
             await lines.aclose()
             await queue.aclose()
