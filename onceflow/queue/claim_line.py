@@ -17,6 +17,12 @@ one FIFO line (:class:`ClaimLine`), and one task per line looks at the database 
 4. a woken waiter sends the claim (the SQL claim decides, as ever); one that finds nothing
    goes back to the head of the line.
 
+A new waiter first claims by itself, unless the line knows nothing is claimable (its last
+round found nothing due now, no notify came since that round began, and the next due time
+has not passed) or a round is under way or asked for: then it goes straight to sleep, and
+its sleep asks for a round, which wakes it if a row is there. A storm of (re)connecting
+clients thus costs the database a few rounds, not a claim each.
+
 No lost wake-up: a waiter is in flight from before its first claim (after the listener
 LISTENs) until it sleeps or leaves. A flight that ends while the line saw a notify or ran a
 round since it began kicks the line again (a row it was counted against may still be
@@ -86,6 +92,9 @@ class ClaimLine:
         # next, or what is left).
         self._follow_up = False
         self._looking = False
+        # The notify count at the start of the last round that found nothing claimable
+        # (None: it found some, or failed): see known_empty.
+        self._empty: int | None = None
         # The flights that claimed while a count was under way (None: no count under way).
         self._landed: list[_Place] | None = None
         self._task = asyncio.get_running_loop().create_task(
@@ -112,7 +121,11 @@ class ClaimLine:
         try:
             while True:
                 attempted = False
-                claims = await claim_now()
+                # A new waiter need not claim when the line knows nothing is claimable, or
+                # is about to look: it sleeps, and the look wakes it if a row is there.
+                fresh = place.woken is None
+                skip = fresh and self._watch.listening and (self.known_empty() or self.busy)
+                claims = [] if skip else await claim_now()
                 attempted = True
                 left = deadline - loop.time()
                 if claims or left <= 0 or gone.done():
@@ -169,6 +182,15 @@ class ClaimLine:
             self.events += 1
             self._kicked.set()
 
+    def known_empty(self) -> bool:
+        """Nothing of the class is claimable now, as far as the line knows: its last round
+        found nothing due, no notify or reconnection came since that round began, the
+        next known due time has not passed, and the listener is LISTENing."""
+        if self._empty is None or self._empty != self.events or not self._watch.listening:
+            return False
+        due = self._due_at
+        return due is None or asyncio.get_running_loop().time() < due
+
     @property
     def busy(self) -> bool:
         """Kicked, or looking at the database now."""
@@ -194,23 +216,29 @@ class ClaimLine:
             self.rounds += 1
             self._looking = True
             try:
-                await self._round(loop)
+                await self._round(loop, self.events)
             except Exception as exc:  # the database: sleepers stay; look again shortly
                 log.warning("claim line %s: could not look for work: %s", self.worker_class, exc)
+                self._empty = None
                 self._due_at = loop.time() + LOOK_AGAIN_SECONDS
             finally:
                 self._looking = False
 
-    async def _round(self, loop: asyncio.AbstractEventLoop) -> None:
+    async def _round(self, loop: asyncio.AbstractEventLoop, events: int) -> None:
+        """``events``: the line's count of notifies when the round began."""
         answers = await arun(self.queue.aconnector, next_work_by_shard([self.worker_class]))
         known = [a for a in answers if isinstance(a, float)]
         next_in = min(known) if known else None
         self._due_at = None
-        if next_in is None:
+        if next_in is None or next_in > 0:
+            if next_in is not None:
+                self._due_at = loop.time() + next_in
+            if not any(isinstance(a, Exception) for a in answers):
+                self._empty = events  # nothing claimable until a notify or the due time
+            else:
+                self._empty = None
             return
-        if next_in > 0:
-            self._due_at = loop.time() + next_in
-            return
+        self._empty = None
         self._landed = []
         try:
             counts = await self._claimable()
