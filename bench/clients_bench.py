@@ -72,6 +72,7 @@ from onceflow.tasks import Flow, StageContext
 
 HERE = Path(__file__).resolve().parent
 WS = "ws-clients"
+WARM = "ws-warm"  # the untimed first op's workspace: no stream follows it
 WC = "bench-tabs"
 API_KEY = "of_bench_clients_api_0123456789abcdef01"
 WORKER_KEY = "of_bench_clients_worker_0123456789abcd"
@@ -114,7 +115,7 @@ def api_server(url: str, redis_url: str, code: str | None) -> Iterator[tuple[str
         **os.environ,
         "ONCEFLOW_DATABASE_URL": url,
         "ONCEFLOW_REDIS_URL": redis_url,
-        "ONCEFLOW_API_KEYS": json.dumps({hash_key(API_KEY): [WS]}),
+        "ONCEFLOW_API_KEYS": json.dumps({hash_key(API_KEY): [WS, WARM]}),
         "ONCEFLOW_WORKER_KEYS": json.dumps({hash_key(WORKER_KEY): [WC]}),
         # One key for every client here (a deployment has one per tab or user): no per-key
         # request or stream limit, and the process's stream bound out of reach.
@@ -388,7 +389,7 @@ def measure(
             # log and async queue (connections, prepared statements) is not a wake-up.
             warm = {"op_id": secrets.token_hex(8), "op": {"type": "cell.set", "column": "c",
                     "value": 0}}  # fmt: skip
-            http.post(f"/v1/workspaces/{WS}/sub-docs/warm/ops", json=warm,
+            http.post(f"/v1/workspaces/{WARM}/sub-docs/warm/ops", json=warm,
                       headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
             sent: list[float] = []
             for i in range(commits):
