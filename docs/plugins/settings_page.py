@@ -40,6 +40,8 @@ OTHER_VARIABLES = {
     "only; never logged, never in a task argument).",
     "ONCEFLOW_DEMO_MAPS_URL": "`onceflow demo`: the base URL of a real maps provider.",
     "ONCEFLOW_DEMO_RUN": "Set by `onceflow demo` for the processes it starts.",
+    "ONCEFLOW_API_LOG_LEVEL": "Set by `onceflow api --workers N` for the processes it "
+    "starts (their log level).",
 }
 
 

@@ -404,6 +404,15 @@ def flower(
     "proxy, name it: the per-address limit on failed authentication otherwise counts every "
     "client as the proxy.",
 )
+@click.option(
+    "--workers",
+    type=click.IntRange(1, 64),
+    default=1,
+    show_default=True,
+    help="API processes on the one port (uvicorn's workers). Each holds its own pools, "
+    "work listener, event hub and in-memory rate limits (share them with "
+    "ONCEFLOW_API_RATE_LIMIT_STORAGE=redis://…); Postgres and Redis are shared.",
+)
 @log_format_option
 @_APP_OPTION
 @_errors_to_exit
@@ -412,6 +421,7 @@ def api(
     port: int,
     log_level: str,
     forwarded_allow_ips: str | None,
+    workers: int,
     log_format: str | None,
     app_spec: str | None,
 ) -> None:
@@ -419,7 +429,7 @@ def api(
 
     Traced when the OTEL_* variables ask for it (service onceflow-api unless
     OTEL_SERVICE_NAME names one): each request's span continues the caller's W3C
-    ``traceparent``."""
+    ``traceparent``. With ``--workers N``, N processes (see docs/integration-fastapi.md)."""
     try:
         import uvicorn
 
@@ -452,9 +462,25 @@ def api(
     problem = multiproc_dir_problem()
     if problem is not None:
         log.warning("%s: no metrics recorded by this process", problem)
-    start("onceflow-api")
+    served: Any
+    if workers > 1:
+        import os
+
+        from onceflow.cli import api_workers
+
+        # Each spawned process loads the Flow itself (api_workers.app): checked above.
+        if app_spec is not None:
+            os.environ["ONCEFLOW_APP"] = app_spec
+        os.environ[api_workers.LOG_FORMAT_ENV] = chosen_format(log_format)
+        os.environ[api_workers.LOG_LEVEL_ENV] = log_level
+        served = "onceflow.cli.api_workers:app"
+    else:
+        start("onceflow-api")
+        served = create_app(flow=flow)
     uvicorn.run(
-        create_app(flow=flow),
+        served,
+        factory=workers > 1,
+        workers=workers if workers > 1 else None,
         host=host,
         port=port,
         log_level=log_level,

@@ -291,12 +291,30 @@ class _Listeners:
             listener.close()
 
 
+#: Told of each notify (its worker class) and of each (re)connection (None): look again.
+WorkWatcher = Callable[[str | None], None]
+
+
+def _tell(watchers: set[WorkWatcher], payload: str | None) -> None:
+    for watcher in list(watchers):
+        try:
+            watcher(payload)
+        except Exception:  # a watcher's bug must not stop the listener
+            log.exception("a work watcher failed")
+
+
 class _AsyncListener:
     """The asyncio twin of :class:`_Listener`: a task on one event loop."""
 
-    def __init__(self, conninfo: str, cond: asyncio.Condition | None = None) -> None:
+    def __init__(
+        self,
+        conninfo: str,
+        cond: asyncio.Condition | None = None,
+        watchers: set[WorkWatcher] | None = None,
+    ) -> None:
         self._conninfo = conninfo
         self.cond = cond or asyncio.Condition()
+        self.watchers: set[WorkWatcher] = watchers if watchers is not None else set()
         self.counts: Counter[str] = Counter()
         self.epoch = 0
         self.ready = False
@@ -318,11 +336,13 @@ class _AsyncListener:
                         self.ready, self.failing = True, False
                         self.epoch += 1
                         self.cond.notify_all()
+                    _tell(self.watchers, None)
                     backoff = _BACKOFF_MIN
                     async for note in conn.notifies():
                         async with self.cond:
                             self.counts[note.payload] += 1
                             self.cond.notify_all()
+                        _tell(self.watchers, note.payload)
             except (psycopg.Error, OSError) as exc:
                 if connected or not self.failing:
                     log.warning("async work listener lost its connection (%s); reconnecting", exc)
@@ -333,6 +353,7 @@ class _AsyncListener:
                     self.ready = False
                     self.failing = self.failing or not connected
                     self.cond.notify_all()
+                _tell(self.watchers, None)
             await asyncio.sleep(backoff)
             backoff = min(_BACKOFF_MAX, backoff * 2)
 
@@ -351,7 +372,13 @@ class _AsyncListeners:
 
     def __init__(self, conninfos: Sequence[str]) -> None:
         self.cond = asyncio.Condition()
-        self.listeners = [_AsyncListener(info, self.cond) for info in conninfos]
+        self.watchers: set[WorkWatcher] = set()
+        self.listeners = [_AsyncListener(info, self.cond, self.watchers) for info in conninfos]
+
+    @property
+    def listening(self) -> bool:
+        """Every listener LISTENing now (else a notify may go unheard)."""
+        return all(lis.ready for lis in self.listeners)
 
     async def note(self, classes: list[str], ready_by: float) -> list[_Mark]:
         async with self.cond:
@@ -369,6 +396,22 @@ class _AsyncListeners:
     async def close(self) -> None:
         for listener in self.listeners:
             await listener.close()
+
+
+class WorkWatch:
+    """A watcher of this event loop's work listeners (:meth:`_Listening.watch_work`)."""
+
+    def __init__(self, group: _AsyncListeners, watcher: WorkWatcher) -> None:
+        self._group = group
+        self._watcher = watcher
+
+    @property
+    def listening(self) -> bool:
+        """Every listener LISTENing now: without, the watcher must look again by itself."""
+        return self._group.listening
+
+    def close(self) -> None:
+        self._group.watchers.discard(self._watcher)
 
 
 def _wake_at(
@@ -431,6 +474,16 @@ class _Listening:
             infos = [_conninfo(source) for source in self._listen_sources()]
             group = table.setdefault(lambda: _AsyncListeners(infos))
         return group
+
+    async def watch_work(self, watcher: WorkWatcher) -> WorkWatch:
+        """Tell ``watcher`` of each work notify on this event loop (the notified worker
+        class) and of each connection lost or made by its listeners (None: a notify may
+        have been missed, look again). Starts the loop's listeners; waits for them up to
+        ``_READY_WAIT``. Stop with :meth:`WorkWatch.close`."""
+        group = self._async_listeners()
+        group.watchers.add(watcher)
+        await group.note([], time.monotonic() + _READY_WAIT)
+        return WorkWatch(group, watcher)
 
     async def _close_async_listener(self) -> None:
         """Stop the running event loop's work listeners, if they were started."""

@@ -660,6 +660,33 @@ NEXT_WORK_SCOPED = Statement.write(
     "queue.next_work_scoped", _next_work(f"\n          AND {IN_WORKSPACES}")
 )
 
+# For the API's line of long-poll claimers (onceflow.queue.claim_line): how many requests of
+# one worker class are claimable now, per workspace — what CLAIM_NEXT would take (queued and
+# due, or running under a lapsed lease within its budgets), at most :limit of each kind.
+# Rows a concurrent claim holds locked are counted (a woken waiter may then find nothing).
+CLAIMABLE = Statement.write(
+    "queue.claimable",
+    f"""
+WITH q AS (
+    SELECT w.workspace_id FROM {TABLE} w
+    WHERE w.status = 'queued' AND w.worker_class = :worker_class AND w.run_after <= now()
+    LIMIT :limit
+),
+l AS (
+    SELECT w.workspace_id FROM {TABLE} w
+    WHERE w.status = 'running' AND w.worker_class = :worker_class
+      AND w.lease_expires_at <= now()
+      AND NOT w.cancel_requested
+      AND w.attempts < w.max_attempts
+      AND w.crash_attempts + 1 < w.max_crash_attempts
+      AND NOT {_OVERRAN}
+    LIMIT :limit
+)
+SELECT u.workspace_id, count(*) AS n FROM (SELECT * FROM q UNION ALL SELECT * FROM l) AS u
+GROUP BY u.workspace_id
+""",
+)
+
 GET = _by_key("queue.get")(lambda ws: f"SELECT {RETURNING} FROM {TABLE} w WHERE {_by_id(ws)}")
 
 

@@ -237,7 +237,13 @@ def get_principal(request: Request) -> Principal:
     return principal
 
 
-PrincipalDep = Annotated[Principal, Depends(get_principal)]
+async def _principal(request: Request) -> Principal:
+    """:func:`get_principal` as a coroutine: FastAPI runs a plain function dependency in its
+    thread pool, and a heartbeat must never wait for a thread held by other work."""
+    return get_principal(request)
+
+
+PrincipalDep = Annotated[Principal, Depends(_principal)]
 
 
 def bearer_key(request: Request) -> str:

@@ -63,9 +63,12 @@ def _claim_routes(router: APIRouter, svc: OnceflowServices) -> None:
                 workspaces=scope,
             )  # fmt: skip
 
-        claims = await claim_now()
-        if not claims and body.wait > 0:
-            claims = await _long_poll(queue, wc, body.wait, request, claim_now, scope)
+        if body.wait > 0 and svc.settings.notify:
+            claims = await _in_line(svc, wc, body.wait, request, claim_now, scope)
+        else:
+            claims = await claim_now()
+            if not claims and body.wait > 0:
+                claims = await _long_poll(queue, wc, body.wait, request, claim_now, scope)
         if not claims:
             return Response(status_code=204)
         claim = claims[0]
@@ -276,6 +279,37 @@ def claim_ref(
             raise LeaseLost(request_id)  # the statement would refuse it too
     scope = None if WILDCARD in principal.worker_classes else tuple(principal.worker_classes)
     return ClaimRef(request_id, token, scope, workspace_id, principal.claim_workspaces)
+
+
+async def _in_line(
+    svc: OnceflowServices,
+    wc: str,
+    wait: float,
+    request: Request,
+    claim_now: Callable[[], Awaitable[list[Claim]]],
+    workspaces: WorkspaceScope | None,
+) -> list[Claim]:
+    """Claim now, else wait in ``wc``'s line of this process (one waiter woken per
+    claimable row) and claim when woken, for up to ``wait`` s; [] on timeout or disconnect."""
+    line = await svc.claim_lines().line(wc)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        claims = await line.claim(claim_now, wait, workspaces, watcher)
+        if claims and watcher.done():
+            # The client left while we claimed: hand the claim back (no attempt counted)
+            # instead of letting its lease lapse as a crash.
+            await svc.async_queue.release(claims)
+            return []
+        return claims
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await watcher
 
 
 async def _long_poll(

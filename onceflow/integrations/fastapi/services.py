@@ -20,6 +20,7 @@ from onceflow.models.requests import Dispatch, EnqueueResult
 from onceflow.oplog import AsyncOpLog, OpLog
 from onceflow.payloads import JSON
 from onceflow.queue import AsyncQueue, Queue
+from onceflow.queue.claim_line import ClaimLines
 from onceflow.settings import Settings
 from onceflow.tasks import Flow
 from onceflow.tasks.config import check_broker
@@ -58,6 +59,7 @@ class OnceflowServices:
         self.operator_auth = OperatorAuth.from_settings(self.settings)
         # Pruned of closed loops (their Redis sockets shut): a weak table kept every hub.
         self._hubs: PerLoop[EventHub] = PerLoop(EventHub.drop_sockets)
+        self._lines: PerLoop[ClaimLines] = PerLoop()
 
     @property
     def queue(self) -> Queue:
@@ -148,12 +150,23 @@ class OnceflowServices:
             )
         return hub
 
+    def claim_lines(self) -> ClaimLines:
+        """This event loop's lines of long-poll claimers, one per worker class: a claimable
+        row wakes one waiter (:mod:`onceflow.queue.claim_line`)."""
+        lines = self._lines.get()
+        if lines is None:
+            lines = self._lines.setdefault(lambda: ClaimLines(self.async_queue))
+        return lines
+
     async def aclose(self) -> None:
-        """Close this loop's event hub, work listener and async queue's connection pool
-        (the engine stays: shared per process)."""
+        """Close this loop's event hub, claim lines, work listener and async queue's
+        connection pool (the engine stays: shared per process)."""
         hub = self._hubs.pop()
         if hub is not None:
             await hub.aclose()
+        lines = self._lines.pop()
+        if lines is not None:
+            await lines.aclose()
         await self.queue.aclose()  # this loop's work listener (long-poll claims)
         queue = self._async_queue.made()
         if queue is not None:
