@@ -4,7 +4,8 @@ worker that exports its spans over OTLP to the test's receiver.
 ``traced_cell`` computes one cell once through the compute lock, calling the counting
 stand-in provider (``tests/integration/standin.py``) under a spend permit, and stores the
 answer as an op. With ``kill_first`` its first attempt kills its own process (kill -9): the
-sweeper rescues the row after its lease, and the second attempt serves it.
+sweeper rescues the row after its lease (or, when the kill comes after the lease ran out,
+the redelivered wake-up's claim takes the row over), and the second attempt serves it.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def _ask(ctx: StageContext, data: CellInput) -> str:
 
 
 @flow.stage(
-    "traced_cell", input=CellInput, worker_class=TRACED, lease_seconds=1.0,
+    "traced_cell", input=CellInput, worker_class=TRACED, lease_seconds=3.0,
     max_crash_attempts=3, sub_docs=("job:{job_id}",),
 )  # fmt: skip
 def traced_cell(ctx: StageContext, data: CellInput) -> dict[str, Any]:
