@@ -37,6 +37,7 @@ PINNED = {
     "queue.claim": "c159b4522914942f",
     "queue.claim#by_id": "886d44307de93a51",
     "queue.claim_next[10]": "6ef8b083495ed751",
+    "queue.claimable": "2c81f8c599d6ab66",
     "queue.claim_next[1]": "a9cccf688aeaeb72",
     "queue.claim_next_scoped[10]": "4ee0abdc7cc86a05",
     "queue.claim_next_scoped[1]": "09c7e736445e3493",
