@@ -22,6 +22,7 @@ import redis as redis_lib
 from sqlalchemy import Engine
 
 from onceflow.demo import procs
+from onceflow.demo.standins import StandIn
 from onceflow.integrations.fastapi import hash_key
 from onceflow.keys import counters_workspaces_key, queue_name
 from tests.acceptance.conftest import TEST_ENV
@@ -169,3 +170,15 @@ def open_tab(context: Any, base_url: str, body: str, name: str = "tab") -> Any:
     page = context.new_page()
     page.goto(url)
     return page
+
+
+#: The LLM stand-in's key (a test value, never a real one): the pages send it to the stand-in.
+LLM_KEY = "sk-test-standin-not-a-secret-0123456789"  # a stand-in's key, never a real one
+
+
+@pytest.fixture(scope="module")
+def llm() -> Iterator[StandIn]:
+    """The counting LLM stand-in (CORS-enabled: the tabs call it directly)."""
+    server = StandIn("llm", latency=0.3, api_key=LLM_KEY).start()
+    yield server
+    server.stop()

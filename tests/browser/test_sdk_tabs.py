@@ -48,13 +48,12 @@ from onceflow.integrations.fastapi import hash_key
 from onceflow.keys import queue_name
 from tests.acceptance.conftest import TEST_ENV
 from tests.acceptance.procs import ROOT, api_server, wait_for
-from tests.browser.conftest import SDK_APP
+from tests.browser.conftest import LLM_KEY, SDK_APP
 
 pytestmark = pytest.mark.slow
 
 API_KEY = "of_test_tabs_api_key_0123456789abcdef"  # workspace tabs-w1
 WORKER_KEY = "of_test_tabs_worker_key_0123456789ab"  # every worker class
-LLM_KEY = "sk-test-standin-not-a-secret-0123456789"  # a stand-in's key, never a real one
 WS = "tabs-w1"
 SDK_DIR = ROOT / "onceflow" / "sdk" / "js"
 COLUMNS = ["fit", "pay", "remote", "growth"]
@@ -166,14 +165,6 @@ def tabs_api(
     log_text = proc.log()
     for secret in (API_KEY, WORKER_KEY):
         assert secret not in log_text  # keys are never logged
-
-
-@pytest.fixture(scope="module")
-def llm() -> Iterator[StandIn]:
-    """The counting LLM stand-in (CORS-enabled: the tabs call it directly)."""
-    server = StandIn("llm", latency=0.3, api_key=LLM_KEY).start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture()

@@ -36,11 +36,10 @@ from onceflow.demo.standins import StandIn
 from onceflow.keys import queue_name
 from tests.acceptance.conftest import TEST_ENV
 from tests.acceptance.procs import ROOT, wait_for
-from tests.browser.conftest import SDK_API_KEY, SDK_APP, SDK_WORKER_KEY, open_tab
+from tests.browser.conftest import LLM_KEY, SDK_API_KEY, SDK_APP, SDK_WORKER_KEY, open_tab
 
 pytestmark = pytest.mark.slow
 
-LLM_KEY = "sk-test-standin-not-a-secret-0123456789"  # a stand-in's key, never a real one
 DEADLINE_MS = 15_000
 
 PAGE = """<!doctype html><meta charset="utf-8"><title>pull worker tab</title>
@@ -115,14 +114,6 @@ window.sdkReady = true;
 
 
 # ----------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def llm() -> Iterator[StandIn]:
-    """The counting LLM stand-in (CORS-enabled: the tabs call it directly)."""
-    server = StandIn("llm", latency=0.3, api_key=LLM_KEY).start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture()
