@@ -69,8 +69,12 @@ class Session:
         path = [p for p in os.environ["PATH"].split(os.pathsep) if p != ours]
         self.env = {
             name: value for name, value in os.environ.items()
-            if not name.startswith("ONCEFLOW_") and name not in ("VIRTUAL_ENV", "PYTHONPATH")
+            if not name.startswith("ONCEFLOW_")
+            and name not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONUNBUFFERED")
         }  # fmt: skip
+        # A reader's terminal line-buffers Python's output, so the two background
+        # ``ask.py`` runs of one block print whole lines; unbuffered, each ``print``
+        # argument is a write of its own and the two runs' lines can interleave mid-line.
         self.env.update(HOME=str(self.home), PATH=os.pathsep.join(path))
 
     def terminal(self, number: int) -> Terminal:
