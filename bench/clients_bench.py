@@ -39,12 +39,14 @@ import multiprocessing as mp
 import os
 import resource
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +86,47 @@ IDLE = 10.0  # the window of idle CPU
 flow = Flow(pull_worker_classes=(WC,))
 
 
+def _log_gc_pauses(path: str) -> None:
+    """In the server (``--stalls``): every collection of 5 ms or more, on the monotonic clock
+    the other processes of this machine share."""
+    import gc
+
+    out = open(path, "a", buffering=1)  # noqa: SIM115 - open for the process's life
+    began: list[float] = []
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            began[:] = [time.monotonic()]
+        elif began:
+            took = time.monotonic() - began[0]
+            if took >= 0.005:
+                out.write(f"{began[0]:.4f} {info['generation']} {took * 1000:.1f}\n")
+
+    gc.callbacks.append(on_gc)
+
+    def census(*_: object) -> None:
+        """On SIGUSR1: the objects the collector tracks, by generation and by type."""
+        objs = gc.get_objects()
+        kinds: dict[str, int] = {}
+        for o in objs:
+            name = type(o).__qualname__
+            kinds[name] = kinds.get(name, 0) + 1
+        top = sorted(kinds.items(), key=lambda kv: -kv[1])[:15]
+        gens = [len(gc.get_objects(g)) for g in range(3)]
+        with open(path + ".census", "w") as f:
+            json.dump({"tracked": len(objs), "generations": gens, "top": top}, f)
+
+    signal.signal(signal.SIGUSR1, census)
+
+
+if os.environ.get("CLIENTS_BENCH_GC_LOG"):
+    _log_gc_pauses(os.environ["CLIENTS_BENCH_GC_LOG"])
+if os.environ.get("CLIENTS_BENCH_GC_OFF"):  # the control run of ``--server-gc off``
+    import gc
+
+    gc.disable()
+
+
 class TabInput(BaseModel):
     n: int = 0
 
@@ -105,7 +148,9 @@ def raise_nofile() -> int:
 
 
 @contextmanager
-def api_server(url: str, redis_url: str, code: str | None) -> Iterator[tuple[str, int, int]]:
+def api_server(
+    url: str, redis_url: str, code: str | None, gc_log: str | None = None, gc_off: bool = False
+) -> Iterator[tuple[str, int, int]]:
     """A real `onceflow api` for this file's flow: base URL, pid, port."""
     from onceflow.integrations.fastapi import hash_key
 
@@ -124,6 +169,10 @@ def api_server(url: str, redis_url: str, code: str | None) -> Iterator[tuple[str
         "ONCEFLOW_API_SSE_MAX_PER_KEY": "100000",
         "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), where) if p),
     }
+    if gc_log:
+        env["CLIENTS_BENCH_GC_LOG"] = gc_log
+    if gc_off:
+        env["CLIENTS_BENCH_GC_OFF"] = "1"
     args = ["api", "--app", "clients_bench:flow", "--port", str(port), "--log-level", "warning"]
     # The server's log to a file (a pipe nobody reads would block the server once full).
     log_path = Path(tempfile.gettempdir()) / f"clients_bench_api_{port}.log"
@@ -242,6 +291,7 @@ class Client:
         self.ready = 0
         self.polled = 0
         self.errors: list[str] = []
+        self.polls: dict[int, int] = {}  # claim polls sent, per 100 ms of the monotonic clock
 
     async def stream(self, gate: asyncio.Semaphore) -> None:
         arrivals: list[float] = []
@@ -279,6 +329,8 @@ class Client:
             if first:
                 self.polled += 1
                 first = False
+            tick = int(time.monotonic() * 10)
+            self.polls[tick] = self.polls.get(tick, 0) + 1
             try:
                 status, data = await _request(reader, writer, head, body)
             except (ConnectionError, asyncio.IncompleteReadError, OSError) as exc:
@@ -305,6 +357,8 @@ class Client:
                 conn.send((self.ready, self.polled, self.errors[:5], len(self.errors)))
             elif command == "report":
                 conn.send((self.commits, self.claims))
+            elif command == "polls":
+                conn.send(self.polls)
             elif command == "stop":
                 for t in tasks:
                     t.cancel()
@@ -327,9 +381,71 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+class Prober:
+    """``GET /healthz`` every 50 ms on a connection of its own (``--stalls``): what any call
+    waits for the server's event loop, over the whole measurement."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.samples: list[tuple[float, float]] = []  # (sent, seconds to the answer)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.base, timeout=60) as http:
+            while not self._stop.is_set():
+                t0 = time.monotonic()
+                http.get("/healthz")
+                self.samples.append((t0, time.monotonic() - t0))
+                self._stop.wait(0.05)
+
+    def __enter__(self) -> Prober:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def stall_report(
+    samples: list[tuple[float, float]], gc_log: Path, polls: dict[int, int]
+) -> dict[str, Any]:
+    """The prober's slow answers, each beside the GC pauses inside it and the claim polls
+    the clients sent in the second before it."""
+    pauses = []
+    for line in gc_log.read_text().splitlines() if gc_log.exists() else []:
+        t, gen, ms = line.split()
+        pauses.append((float(t), int(gen), float(ms)))
+    lat = sorted(d for _, d in samples)
+    per_s: dict[int, int] = {}
+    for tick, n in polls.items():
+        per_s[tick // 10] = per_s.get(tick // 10, 0) + n
+    slow = []
+    for t0, d in samples:
+        if d < 0.2:
+            continue
+        inside = [(g, ms) for t, g, ms in pauses if t0 - 0.5 <= t <= t0 + d]
+        before = sum(n for tick, n in polls.items() if t0 - 1 <= tick / 10 <= t0)
+        slow.append({"ms": round(d * 1000), "gc": inside,
+                     "polls_1s_before": before})  # fmt: skip
+    return {
+        "probe_p50_ms": round(pct(lat, 0.5) * 1000, 1),
+        "probe_p99_ms": round(pct(lat, 0.99) * 1000, 1),
+        "probe_max_ms": round(lat[-1] * 1000, 1) if lat else None,
+        "gc_pauses": len(pauses),
+        "gc_total_ms": round(sum(ms for _, _, ms in pauses)),
+        "gc_max_ms": max((ms for _, _, ms in pauses), default=0),
+        "gc_gen2": [ms for _, g, ms in pauses if g == 2],
+        "polls_per_s_mean": round(sum(per_s.values()) / max(1, len(per_s))),
+        "polls_per_s_max": max(per_s.values(), default=0),
+        "slow": slow[:30],
+    }
+
+
 def measure(
     url: str, redis_url: str, total: int, agents_share: float, procs: int, commits: int,
-    enqueues: int, code: str | None,
+    enqueues: int, code: str | None, stalls: bool = False, gc_off: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     agents = round(total * agents_share)
     tabs = total - agents
@@ -339,7 +455,16 @@ def measure(
     if need + 200 > hard:
         out["not_reached"] = f"needs ~{need + 200} descriptors in the API process; limit {hard}"
         return out
-    with api_server(url, redis_url, code) as (base, pid, port):
+    gc_log = Path(tempfile.gettempdir()) / f"clients_bench_gc_{os.getpid()}_{total}.log"
+    gc_log.unlink(missing_ok=True)
+    with (
+        api_server(url, redis_url, code, str(gc_log) if stalls else None, gc_off) as (
+            base,
+            pid,
+            port,
+        ),
+        Prober(base) if stalls else nullcontext() as prober,
+    ):
         out["rss_start_mb"] = rss_mb(pid)
         ctx = mp.get_context("spawn")
         pipes, workers = [], []
@@ -376,6 +501,15 @@ def measure(
                 time.sleep(0.5)
             out["connect_s"] = round(time.monotonic() - started, 1)
             time.sleep(SETTLE)
+            if stalls:
+                os.kill(pid, signal.SIGUSR1)
+                census = Path(f"{gc_log}.census")
+                until = time.monotonic() + 60
+                while not census.exists() and time.monotonic() < until:
+                    time.sleep(0.2)
+                time.sleep(0.5)  # written whole
+                out["census"] = json.loads(census.read_text())
+                census.unlink()
             out["rss_mb"] = rss_mb(pid)
             out["fds"] = fds(pid)
             out["pg_conns"] = pg_connections(url)
@@ -462,10 +596,18 @@ def measure(
                 claim_p50_ms=round(pct(claim_lat, 0.5), 1),
                 claim_p99_ms=round(pct(claim_lat, 0.99), 1),
                 claim_max_ms=round(max(claim_lat), 1) if claim_lat else None,
+                claim_each_ms=[round(v) for v in claim_lat],
                 claims_seen=len(claim_lat),
                 enqueues=enqueues,
                 rss_end_mb=rss_mb(pid),
             )
+            if prober is not None:
+                polls: dict[int, int] = {}
+                for c in pipes:
+                    c.send("polls")
+                    for tick, n in c.recv().items():
+                        polls[tick] = polls.get(tick, 0) + n
+                out["stalls"] = stall_report(prober.samples, gc_log, polls)
             return out
         finally:
             for c in pipes:
@@ -527,6 +669,16 @@ def main() -> None:
     p.add_argument("--commits", type=int, default=5)
     p.add_argument("--enqueues", type=int, default=20)
     p.add_argument("--code", default=None, help="run the server on this checkout's onceflow")
+    p.add_argument(
+        "--stalls", action="store_true",
+        help="also probe /healthz every 50 ms and log the server's GC pauses: each slow "
+        "answer beside the pauses and claim polls around it",
+    )  # fmt: skip
+    p.add_argument(
+        "--server-gc", choices=("on", "off"), default="on",
+        help="off: the server runs with its cycle collector disabled (a control for --stalls; "
+        "memory then only grows, so keep such runs short)",
+    )  # fmt: skip
     a = p.parse_args()
     raise_nofile()
     redis_url = bench_redis_url("redis://127.0.0.1:6379/0")
@@ -534,13 +686,14 @@ def main() -> None:
         "machine": machine_info(),
         "load_start": loadavg(),
         "code": a.code or "this tree",
+        "server_gc": a.server_gc,
         "sizes": [],
     }
     with bench_database(admin_url()) as url:
         for size in [int(s) for s in a.sizes.split(",")]:
             log(f"{size} clients")
             r = measure(url, redis_url, size, a.agents_share, a.procs, a.commits, a.enqueues,
-                        a.code)  # fmt: skip
+                        a.code, a.stalls, a.server_gc == "off")  # fmt: skip
             log(json.dumps(r))
             res["sizes"].append(r)
             with psycopg.connect(libpq(url), autocommit=True) as conn:

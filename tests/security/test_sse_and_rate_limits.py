@@ -28,8 +28,8 @@ import pytest
 import redis as redis_lib
 from sqlalchemy import Engine, text
 
+from onceflow.integrations.fastapi import event_hub, hash_key
 from onceflow.integrations.fastapi import events as sse
-from onceflow.integrations.fastapi import hash_key
 from onceflow.keys import workspace_channel
 from onceflow.oplog import new_op_id
 from onceflow.settings import Settings
@@ -371,6 +371,43 @@ def test_hub_refcounts_subscriptions_and_drops_a_slow_consumer(redis_url: str) -
     wait_for(lambda: numsub(redis_url, ws) == 0, what="the subscription to go")
 
 
+def test_a_message_for_many_streams_leaves_the_loop_free_between_slices(redis_url: str) -> None:
+    """A commit followed by thousands of streams is handed out a slice per pass of the event
+    loop: a request arriving meanwhile is served between slices, not after the whole fan-out
+    — and every stream still gets every message, in order."""
+    ws = f"sec-fan-{RUN}"
+    channel = workspace_channel(ws)
+    publisher = redis_lib.Redis.from_url(redis_url)
+    streams = 3 * event_hub.FAN_OUT_SLICE + 1
+
+    async def scenario() -> None:
+        hub = sse.EventHub(redis_url, max_streams=streams, max_per_key=streams)
+        try:
+            listeners = [await hub.open(channel, "k1") for _ in range(streams)]
+            seen: list[int] = []  # per pass of the loop: the streams holding message 0
+
+            async def other_request() -> None:
+                while not seen or seen[-1] < streams:
+                    seen.append(sum(1 for s in listeners if s.queue.qsize()))
+                    await asyncio.sleep(0)
+
+            watcher = asyncio.create_task(other_request())
+            await asyncio.sleep(0)  # it runs before the message comes
+            for n in range(3):
+                publisher.publish(channel, json.dumps({"kind": "commit", "n": n}))
+            await asyncio.wait_for(watcher, 10)
+            between = [k for k in seen if 0 < k < streams]
+            assert between, f"the fan-out held the loop: {sorted(set(seen))}"
+            assert set(between) <= {event_hub.FAN_OUT_SLICE * i for i in range(1, 4)}
+            for listener in listeners:
+                got = [json.loads(await listener.next(5) or b"{}")["n"] for _ in range(3)]
+                assert got == [0, 1, 2]
+        finally:
+            await hub.aclose()
+
+    asyncio.run(scenario())
+
+
 def test_a_stream_joining_as_the_last_slow_one_is_dropped_still_gets_commits(
     redis_url: str,
 ) -> None:
@@ -388,7 +425,8 @@ def test_a_stream_joining_as_the_last_slow_one_is_dropped_still_gets_commits(
             # channel left, and its UNSUBSCRIBE spawned — not yet sent.
             for _ in range(2):
                 link = hub._links[""]  # one server: one link
-                hub._dispatch(link, {"type": "message", "channel": channel.encode(), "data": b"{}"})
+                message = {"type": "message", "channel": channel.encode(), "data": b"{}"}
+                await hub._dispatch(link, message)
             assert slow.ended == "slow"
             fresh = await hub.open(channel, "k2")  # subscribed, confirmed: `ready`
             await asyncio.gather(*list(hub._tasks))  # the spawned UNSUBSCRIBE has run
