@@ -1,8 +1,8 @@
 # About 400 lines: the dashboard's data routes and their snapshot producer, one router.
 """The dashboard: a static page on ``GET /dashboard`` and its operator-keyed data routes.
 
-The page (``dashboard_static/``: HTML, JS, CSS, no build) holds no data and needs no key: it
-asks the operator for one, keeps it in ``sessionStorage`` and sends it as
+The page (``dashboard_static/``: HTML, JavaScript modules, CSS, no build) holds no data and
+needs no key: it asks the operator for one, keeps it in ``sessionStorage`` and sends it as
 ``Authorization: Bearer`` (never in a URL). The data routes, guarded by
 :func:`~onceflow.integrations.fastapi.guard.operator_route_class` (GET: viewer, POST:
 admin; no login-less mode):
@@ -75,8 +75,22 @@ MAX_STREAMS: Final = 64
 MAX_STREAMS_PER_KEY: Final = 8  # a few tabs per operator, well below MAX_STREAMS
 KEEPALIVE_SECONDS: Final = 15.0
 SNAPSHOT_TIMEOUT_SECONDS: Final = 5.0
+# The page's files: JavaScript modules (no build step) and one stylesheet. A module is only
+# run when served as JavaScript, so each is listed with its media type.
 _ASSETS: Final = {
-    "dashboard.js": "text/javascript; charset=utf-8",
+    **{
+        f"{name}.js": "text/javascript; charset=utf-8"
+        for name in (
+            "dashboard",
+            "util",
+            "actions",
+            "overview",
+            "charts",
+            "series",
+            "search",
+            "request",
+        )
+    },
     "dashboard.css": "text/css; charset=utf-8",
 }
 _HEADERS: Final = {
