@@ -21,7 +21,8 @@ TEXT_BOXES = """sel => {
     const out = [];
     for (let a = el.parentElement; a; a = a.parentElement) {
       const cs = getComputedStyle(a);
-      if (cs.overflowX !== "visible" || cs.overflowY !== "visible") out.push(a.getBoundingClientRect());
+      const clipping = cs.overflowX !== "visible" || cs.overflowY !== "visible";
+      if (clipping) out.push(a.getBoundingClientRect());
     }
     return out;
   };
@@ -51,10 +52,12 @@ TEXT_BOXES = """sel => {
     let outside = false;
     if (panel) {
       const p = panel.getBoundingClientRect();
-      outside = box.l < p.left - 1 || box.r > p.right + 1 || box.t < p.top - 1 || box.b > p.bottom + 1;
+      outside = box.l < p.left - 1 || box.r > p.right + 1
+        || box.t < p.top - 1 || box.b > p.bottom + 1;
     }
-    const name = el.tagName.toLowerCase() + (el.id ? "#" + el.id : "")
-      + (el.className && typeof el.className === "string" ? "." + el.className.split(" ").join(".") : "");
+    const cls = typeof el.className === "string" && el.className
+      ? "." + el.className.split(" ").join(".") : "";
+    const name = el.tagName.toLowerCase() + (el.id ? "#" + el.id : "") + cls;
     boxes.push({i, name, outside, text: el.textContent.trim().slice(0, 40),
                 l: box.l + scrollX, t: box.t + scrollY, r: box.r + scrollX, b: box.b + scrollY});
   });

@@ -30,9 +30,11 @@ SIZES = {
 
 OLD_LAYOUT = """() => {
   const sheet = document.styleSheets[0];
-  sheet.insertRule(".grid { grid-template-columns: repeat(4, 12rem) !important; }", sheet.cssRules.length);
-  sheet.insertRule(".panel.wide { grid-column: auto !important; }", sheet.cssRules.length);
-  sheet.insertRule(".scroll { overflow: visible !important; }", sheet.cssRules.length);
+  for (const rule of [".grid { grid-template-columns: repeat(4, 12rem) !important; }",
+                      ".panel.wide { grid-column: auto !important; }",
+                      ".scroll { overflow: visible !important; }"]) {
+    sheet.insertRule(rule, sheet.cssRules.length);
+  }
 }"""
 
 
