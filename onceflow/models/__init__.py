@@ -1,5 +1,6 @@
 """Tables and the typed values of onceflow (imports none of the other sub-packages)."""
 
+from onceflow.models.attempts import workspace_request_attempts
 from onceflow.models.cache import result_cache, result_cache_global
 from onceflow.models.locks import compute_locks as compute_locks
 from onceflow.models.requests import (
@@ -39,6 +40,7 @@ __all__ = [
     "spend_ledger",
     "spend_reservations",
     "workspace_process_requests",
+    "workspace_request_attempts",
     "workspace_sub_doc_ops",
     "workspace_sub_docs",
 ]

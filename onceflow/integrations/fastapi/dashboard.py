@@ -21,6 +21,11 @@ admin; no login-less mode):
   :data:`MAX_STREAMS` streams per process and :data:`MAX_STREAMS_PER_KEY` per operator key
   (or ``ONCEFLOW_API_SSE_MAX_PER_KEY`` if lower; one key cannot take every stream of a
   process): past that, 429;
+* ``GET /dashboard/api/requests/{id}`` (optional ``?workspace_id=``) — one request, whole
+  (:func:`onceflow.queue.detail.read_request`): its row, history and attempts, hand-offs,
+  ops, compute-lock outcomes, spend and the actions the key may take; the input, result
+  and error only to a key that may read the workspace (else ``withheld``); 404 for an
+  unknown id;
 * ``POST /dashboard/api/requests/{id}/requeue`` — fenced: body ``{"version": <the row's
   updated_at as shown>}``; only that dead or cancelled row moves, anything else is 409
   ``changed`` and the row is left as it is; the wake-up is sent after;
@@ -44,9 +49,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Annotated, Any, Final
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import Engine
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -55,12 +60,13 @@ from onceflow.errors import InvalidRequest, InvalidTransition, OnceflowError
 from onceflow.ids import check_id
 from onceflow.integrations.fastapi.events import StreamLimit, too_many_streams
 from onceflow.integrations.fastapi.guard import operator_route_class
-from onceflow.integrations.fastapi.operators import Operator
+from onceflow.integrations.fastapi.operators import ADMIN, Operator
 from onceflow.integrations.fastapi.schemas import RequestIdPath, WorkspaceIdStr
 from onceflow.locks.savings import read_savings
 from onceflow.loops import PerLoop
 from onceflow.models import Dispatch, Status
 from onceflow.queue import Queue
+from onceflow.queue.detail import read_request
 from onceflow.queue.overview import read_tables, stop_already_requested
 from onceflow.redis_clients import REDIS_OR_OS_ERRORS
 
@@ -372,6 +378,24 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
             media_type="text/event-stream",
             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
         )
+
+    @api.get("/requests/{request_id}", operation_id="dashboard_request")
+    def request_detail(
+        request_id: RequestIdPath,
+        request: Request,
+        workspace_id: Annotated[WorkspaceIdStr | None, Query()] = None,
+    ) -> JSONResponse:
+        """One request, whole: row, history, attempts, hand-offs, ops, locks, spend, actions."""
+        operator = _operator(request)
+        check_id("request_id", request_id)
+        found = read_request(
+            _engines_of(svc.queue, workspace_id),
+            request_id,
+            workspace_id=workspace_id,
+            readable=operator.may_read,
+            may_act=operator.may(ADMIN),
+        )
+        return JSONResponse(found, headers={"Cache-Control": "no-store"})
 
     @api.post("/requests/{request_id}/requeue", operation_id="dashboard_requeue")
     def requeue(request_id: RequestIdPath, body: ActionIn, request: Request) -> Response:
