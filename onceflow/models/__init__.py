@@ -15,6 +15,11 @@ from onceflow.models.requests import (
     SweepResult,
 )
 from onceflow.models.scopes import WorkspaceScope
+from onceflow.models.series import (
+    onceflow_series,
+    onceflow_series_savings,
+    onceflow_series_spend,
+)
 from onceflow.models.spend import spend_budgets, spend_ledger, spend_reservations
 from onceflow.models.status import Status, parse_status
 from onceflow.models.subdocs import workspace_sub_doc_ops, workspace_sub_docs
@@ -33,6 +38,9 @@ __all__ = [
     "SweepResult",
     "WorkspaceScope",
     "metadata",
+    "onceflow_series",
+    "onceflow_series_savings",
+    "onceflow_series_spend",
     "parse_status",
     "result_cache",
     "result_cache_global",

@@ -26,6 +26,12 @@ admin; no login-less mode):
   ops, compute-lock outcomes, spend and the actions the key may take; the input, result
   and error only to a key that may read the workspace (else ``withheld``); 404 for an
   unknown id;
+* ``GET /dashboard/api/requests`` — search: filters (workspace, job, branch, stage,
+  worker_class, status, since/until on created_at), ``q`` (a pasted request id, its hex
+  prefix, or a job id), newest first, keyset pages (``limit`` at most 200, ``cursor`` the
+  previous page's ``next``); every shard asked and merged (:mod:`onceflow.queue.search`);
+* ``GET /dashboard/api/series`` — the time series of the sweeper's rollup over the last
+  hour, day or week, with the spend budgets (:mod:`onceflow.queue.series`);
 * ``POST /dashboard/api/requests/{id}/requeue`` — fenced: body ``{"version": <the row's
   updated_at as shown>}``; only that dead or cancelled row moves, anything else is 409
   ``changed`` and the row is left as it is; the wake-up is sent after;
@@ -66,6 +72,8 @@ from onceflow.locks.savings import read_savings
 from onceflow.loops import PerLoop
 from onceflow.models import Dispatch, Status
 from onceflow.queue import Queue
+from onceflow.queue import search as request_search
+from onceflow.queue import series as request_series
 from onceflow.queue.detail import read_request
 from onceflow.queue.overview import read_tables, stop_already_requested
 from onceflow.redis_clients import REDIS_OR_OS_ERRORS
@@ -395,6 +403,44 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
             readable=operator.may_read,
             may_act=operator.may(ADMIN),
         )
+        return JSONResponse(found, headers={"Cache-Control": "no-store"})
+
+    @api.get("/requests", operation_id="dashboard_requests")
+    def requests(  # one argument per documented filter
+        workspace: str | None = None,
+        job: str | None = None,
+        branch: str | None = None,
+        stage: str | None = None,
+        worker_class: str | None = None,
+        status: str | None = None,
+        since: str | None = None,
+        until: str | None = None,
+        q: str | None = None,
+        cursor: str | None = Query(default=None, max_length=1000),
+        limit: int = Query(default=request_search.LIMIT_DEFAULT, ge=1, le=request_search.LIMIT_MAX),
+    ) -> JSONResponse:
+        """Requests matching the filters, newest first, one page (``next``: the cursor)."""
+        filters = request_search.Filters(
+            workspace=workspace, job=job, branch=branch, stage=stage,
+            worker_class=worker_class, status=status,
+            since=request_search.parse_time("since", since),
+            until=request_search.parse_time("until", until),
+            q=q.strip() if q is not None else None,
+        )  # fmt: skip
+        found = request_search.search(
+            _engines_of(svc.queue, workspace), filters, limit=limit, cursor=cursor
+        )
+        return JSONResponse(found, headers={"Cache-Control": "no-store"})
+
+    @api.get("/series", operation_id="dashboard_series")
+    def series(
+        range: str = "hour",  # the documented parameter's name
+        worker_class: str | None = None,
+        stage: str | None = None,
+    ) -> JSONResponse:
+        """The rollup's buckets over the range, spend by provider and workspace, budgets."""
+        engines = [shard.engine for shard in svc.queue.shards()]
+        found = request_series.read_series(engines, range, worker_class=worker_class, stage=stage)
         return JSONResponse(found, headers={"Cache-Control": "no-store"})
 
     @api.post("/requests/{request_id}/requeue", operation_id="dashboard_requeue")
