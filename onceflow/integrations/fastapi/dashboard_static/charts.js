@@ -6,7 +6,7 @@
 // so a reader (or a test) gets the numbers without reading pixels. Colours come from
 // classes (.s0 … .s7 in dashboard.css): the page's CSP allows no inline style.
 
-import { el, timeText } from "./util.js";
+import { el } from "./util.js";
 
 const SVG = "http://www.w3.org/2000/svg";
 const W = 400;
@@ -95,9 +95,9 @@ export function drawChart(figure, spec) {
   }
 
   const axis = el("div", "axis-text");
-  axis.append(el("span", "from", n ? timeText(times[0]) : ""),
+  axis.append(el("span", "from", n ? shortTime(times[0]) : ""),
     el("span", "peak", `peak ${pointText(values.length ? Math.max(...values) : 0)}`),
-    el("span", "to", n ? timeText(times[n - 1]) : ""));
+    el("span", "to", n ? shortTime(times[n - 1]) + " UTC" : ""));
 
   const caption = el("figcaption", "", spec.title);
   if (spec.unit) caption.appendChild(el("small", "", " " + spec.unit));
@@ -105,6 +105,13 @@ export function drawChart(figure, spec) {
   const parts = [caption, svg, legend, axis];
   if (!values.length) parts.push(el("p", "empty", spec.empty || "nothing in this range yet"));
   figure.replaceChildren(...parts);
+}
+
+/** A bucket's time on the axis: month-day and hour:minute, UTC. */
+function shortTime(iso) {
+  const d = new Date(iso);
+  if (Number.isNaN(d.getTime())) return String(iso);
+  return d.toISOString().slice(5, 16).replace("T", " ");
 }
 
 function last(values) {

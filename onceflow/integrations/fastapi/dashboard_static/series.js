@@ -6,6 +6,8 @@ import { drawChart } from "./charts.js";
 import { $, $$, ApiError, getJson } from "./util.js";
 
 const REFRESH_MS = 5000;
+const MAX_CLASSES = 8;
+let knownClasses = [];
 let lastRead = 0;
 let inFlight = null;
 
@@ -16,6 +18,7 @@ function settings() {
 
 /** Offer the worker classes the snapshot knows in the class filter (keeping the choice). */
 export function offerClasses(classes) {
+  knownClasses = classes;
   const select = $("#series-class");
   const have = [...select.options].slice(1).map((o) => o.value);
   if (have.join("\n") === classes.join("\n")) return;
@@ -63,9 +66,15 @@ async function load() {
   if (worker_class) query.set("worker_class", worker_class);
   const note = $("#series-note");
   try {
-    const s = await getJson("/dashboard/api/series?" + query, mine.signal);
+    // Failures per worker class: one read per class (at most MAX_CLASSES) beside the total.
+    const classes = worker_class ? [] : knownClasses.slice(0, MAX_CLASSES);
+    const [s, ...perClass] = await Promise.all([
+      getJson("/dashboard/api/series?" + query, mine.signal),
+      ...classes.map((wc) => getJson("/dashboard/api/series?" + new URLSearchParams({ range, worker_class: wc }), mine.signal)),
+    ]);
     if (mine !== inFlight) return;
     draw(s);
+    drawFailuresByClass(s, worker_class ? [[worker_class, s]] : classes.map((wc, i) => [wc, perClass[i]]));
     const step = s.step_seconds >= 3600 ? s.step_seconds / 3600 + " h" : s.step_seconds >= 60 ? s.step_seconds / 60 + " min" : s.step_seconds + " s";
     const down = s.shards_unavailable || [];
     note.textContent = `per ${step}, ${s.buckets.length} buckets, database clock`
@@ -78,6 +87,18 @@ async function load() {
       ? "history is not available on this server"
       : "unavailable: " + err.message;
   }
+}
+
+/** Dead and rescued (a crashed run's lease) per bucket, one line per worker class. */
+function drawFailuresByClass(s, pairs) {
+  const times = s.buckets.map((x) => x.t);
+  drawChart(chart("failures-by-class"), {
+    title: "Failures and crashes per worker class", unit: "dead + rescued per bucket", times,
+    series: pairs.map(([wc, one]) => ({
+      key: wc, label: wc, values: one.buckets.map((x) => Number(x.dead || 0) + Number(x.rescued || 0)),
+    })),
+    empty: "no worker class known yet",
+  });
 }
 
 function chart(name) {
@@ -120,14 +141,16 @@ function draw(s) {
       { key: "cancelled", label: "cancelled", values: per(b, "cancelled") },
     ],
   });
+  // Cumulative from the range's start: the gap between asked and paid is what the lock saved.
   const sv = s.savings || [];
   const svTimes = sv.length ? sv.map((x) => x.t) : times;
+  const running = (f) => (sv.length ? cumulative(per(sv, f)) : []);
   drawChart(chart("savings"), {
-    title: "Compute-lock calls", unit: "per bucket, every workspace", times: svTimes,
+    title: "Compute-lock calls", unit: "cumulative over the range, every workspace", times: svTimes,
     series: [
-      { key: "asked", label: "asked", values: sv.length ? per(sv, "asked") : [] },
-      { key: "made", label: "paid", values: sv.length ? per(sv, "made") : [] },
-      { key: "saved", label: "saved", values: sv.length ? per(sv, "saved") : [] },
+      { key: "asked", label: "asked", values: running("asked") },
+      { key: "made", label: "paid", values: running("made") },
+      { key: "saved", label: "saved", values: running("saved") },
     ],
     empty: "nothing counted in this range",
   });
