@@ -26,7 +26,7 @@ from sqlalchemy import Engine, text
 from onceflow.demo.procs import wait_for
 from onceflow.keys import counters_key
 from onceflow.locks.counters import calls_saved, parse_hash
-from onceflow.spend import Grant, LedgerHooks, Usage
+from onceflow.spend import Grant, LedgerHooks, Usage, set_budget
 from tests.acceptance.procs import pool_children
 from tests.browser.conftest import ADMIN_KEY
 from tests.browser.stages import RELEASE
@@ -199,7 +199,9 @@ def test_request_pages_and_history_against_the_tables(
     # Redis until its socket closes, and would take the release with it.
     client.rpush(RELEASE + "jkill", 1)
     wait_for(lambda: status_of(engine, held) == "succeeded", timeout=30, what="the second run")
-    # A provider call charged to the held request (the ledger's own hooks).
+    # A provider call charged to the held request (the ledger's own hooks), under a budget.
+    set_budget("dash-ws1", "day", limit_cost="1", limit_tokens=1000, allow_new=True,
+               database=engine)  # fmt: skip
     hooks = LedgerHooks(engine)
     grant = Grant(workspace_id="dash-ws1", provider="openai", estimate_tokens=100,
                   estimate_cost=Decimal("0.1"), stage="hold", request_id=held,
@@ -245,6 +247,15 @@ def test_request_pages_and_history_against_the_tables(
     )
     label = page.get_attribute("[data-chart=savings] svg", "aria-label")
     assert f"asked {made + saved}, paid {made}, saved {saved}" in label
+    # Tokens and money per provider against the day budget: the ledger's line.
+    spent = {"tokens": {"openai": "50", "limit": "1000"}, "cost": {"openai": "0.02", "limit": "1"}}
+    page.wait_for_function(
+        "spent => Object.entries(spent).every(([chart, lines]) =>"
+        " Object.entries(lines).every(([k, v]) => document.querySelector("
+        " `[data-chart=${chart}] li[data-series=${k}]`)?.dataset.last === v))",
+        arg=spent,
+        timeout=DEADLINE_MS,
+    )
     # The rescued lease is in the failures chart.
     page.wait_for_function(
         "() => document.querySelector('[data-chart=failures] li[data-series=rescued]')"

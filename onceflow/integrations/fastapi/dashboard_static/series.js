@@ -154,25 +154,29 @@ function draw(s) {
     ],
     empty: "nothing counted in this range",
   });
+  // Tokens and money: cumulative over the range per provider, against the day budgets of
+  // the workspaces listed (their sum: a day budget limits a UTC calendar day's spend, so
+  // the line is drawn for the hour and day ranges only).
   const providers = (s.spend && s.spend.by_provider) || [];
+  const dayLimit = (field, unit) => {
+    const day = (s.budgets || []).filter((x) => x.period === "day" && x[field] !== null && x[field] !== undefined);
+    if (!day.length || s.range === "week") return null;
+    return { label: `day budgets${unit} (${day.length}, summed)`, value: day.reduce((a, x) => a + Number(x[field]), 0) };
+  };
   drawChart(chart("tokens"), {
-    title: "Tokens per provider", unit: "input + output, per bucket", times,
-    series: providers.map((p) => ({
-      key: p.provider, label: p.provider,
-      values: onto(times, p.points, "input_tokens").map((v, i) => v + onto(times, p.points, "output_tokens")[i]),
-    })),
+    title: "Tokens per provider", unit: "input + output, cumulative over the range", times,
+    series: providers.map((p) => {
+      const input = onto(times, p.points, "input_tokens");
+      const output = onto(times, p.points, "output_tokens");
+      return { key: p.provider, label: p.provider, values: cumulative(input.map((v, i) => v + output[i])) };
+    }),
+    limit: dayLimit("limit_tokens", " in tokens"),
     empty: "no provider calls in this range",
   });
-  // Money: cumulative over the range per provider, against the day budgets of the
-  // workspaces listed (their sum: a day budget limits a UTC calendar day's spend).
-  const dayBudgets = (s.budgets || []).filter((x) => x.period === "day" && x.limit_cost !== null);
-  const limit = dayBudgets.length && s.range !== "week"
-    ? { label: `day budgets (${dayBudgets.length}, summed)`, value: dayBudgets.reduce((a, x) => a + Number(x.limit_cost), 0) }
-    : null;
   drawChart(chart("cost"), {
     title: "Cost per provider", unit: "cumulative over the range", times,
     series: providers.map((p) => ({ key: p.provider, label: p.provider, values: cumulative(onto(times, p.points, "cost")) })),
-    limit,
+    limit: dayLimit("limit_cost", ""),
     empty: "no provider calls in this range",
   });
   for (const fig of $$("figure.chart")) fig.dataset.range = s.range;
