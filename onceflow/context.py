@@ -175,6 +175,7 @@ class WorkContext(Protocol):
 
     def _lock_outcome(self, task: str, found: Outcome[Any] | Locked) -> None:
         """A compute-lock outcome of this run, for its history (a context that keeps them)."""
+        return None
 
     def permit(
         self,

@@ -32,7 +32,7 @@ from typing import Any, Final
 
 from sqlalchemy import Engine
 
-from onceflow.db import fetch_all, fetch_one, raw_connection, retry_disconnect
+from onceflow.db import fetch_all, raw_connection, retry_disconnect
 from onceflow.errors import InvalidRequest, NotFound
 from onceflow.queue.sql import ATTEMPTS, RUN_ID, TABLE
 
@@ -319,9 +319,7 @@ def read_request(
     history = related["history"]
     withheld = not readable(row["workspace_id"])
     attempts = _attempts(row, history)
-    locks = [
-        {**lock, "attempt": a["attempt"]} for a in attempts for lock in a["locks"]
-    ]
+    locks = [{**lock, "attempt": a["attempt"]} for a in attempts for lock in a["locks"]]
     handed_to = [rid for h in history for rid in (h["handed_to"] or [])]
     ops, spend = related["ops"], related["spend"]
     return {
@@ -338,9 +336,7 @@ def read_request(
         "ops": [{k: _iso(v) for k, v in op.items()} for op in ops[:LIST_LIMIT]],
         "ops_truncated": len(ops) > LIST_LIMIT,
         "locks": locks,
-        "spend": [
-            {k: _number(_iso(v)) for k, v in line.items()} for line in spend[:LIST_LIMIT]
-        ],
+        "spend": [{k: _number(_iso(v)) for k, v in line.items()} for line in spend[:LIST_LIMIT]],
         "spend_truncated": len(spend) > LIST_LIMIT,
         "actions": _actions(row, may_act),
     }

@@ -128,8 +128,11 @@ def _history(rows: str, event: str, **values: str) -> str:
     ``error``: the error JSON, ``handed_to``, ``locks``); a claim's columns come from the
     row unless ``claimless`` is given."""
     claimless = "claimless" in values
-    claim = ("NULL, NULL, NULL, NULL" if claimless else
-             "r.h_claimed_by, r.h_claimed_at, r.h_lease_seconds, r.h_heartbeat_at")
+    claim = (
+        "NULL, NULL, NULL, NULL"
+        if claimless
+        else "r.h_claimed_by, r.h_claimed_at, r.h_lease_seconds, r.h_heartbeat_at"
+    )
     attempt = values.get("attempt", "NULL" if claimless else "r.h_attempts")
     error = values.get("error")
     errors = (
@@ -904,8 +907,13 @@ WHERE w.workspace_id = nxt.workspace_id AND w.request_id = nxt.request_id
 RETURNING w.request_id, w.workspace_id, w.status, w.stage, w.worker_class, nxt.overran,
     w.run_after, w.attempts, w.crash_attempts, w.trace_context, w.error, {_HISTORY_RETURNING}
 ),
-hist AS ({_history("upd", "CASE WHEN r.overran THEN 'overran' ELSE 'rescued' END",
-                   error="CASE WHEN r.overran OR r.status = 'dead' THEN r.error END")}),
+hist AS ({
+        _history(
+            "upd",
+            "CASE WHEN r.overran THEN 'overran' ELSE 'rescued' END",
+            error="CASE WHEN r.overran OR r.status = 'dead' THEN r.error END",
+        )
+    }),
 sig AS ({_notify("upd", "r.status = 'queued' AND r.run_after <= n.now")})
 SELECT upd.request_id, upd.workspace_id, upd.status, upd.stage, upd.worker_class, upd.overran,
     upd.run_after, upd.attempts, upd.crash_attempts, upd.trace_context

@@ -66,9 +66,7 @@ class Operator:
 class OperatorAuth:
     """The operator keys of one table of hashes; a malformed table is refused at start-up."""
 
-    def __init__(
-        self, keys: Mapping[str, Iterable[str] | Mapping[str, Any]] | None = None
-    ) -> None:
+    def __init__(self, keys: Mapping[str, Iterable[str] | Mapping[str, Any]] | None = None) -> None:
         self._entries: list[tuple[bytes, Operator]] = []
         for digest, entry in sorted((keys or {}).items()):
             if (
