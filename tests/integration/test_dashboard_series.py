@@ -212,14 +212,15 @@ def test_spend_by_minute_and_savings_deltas(filled: Engine) -> None:
 def test_rollup_rows_are_pruned_by_retention(filled: Engine) -> None:
     with filled.begin() as conn:
         for age in ("2 hours", "9 days"):
+            at = {"age": age}
             conn.execute(text(
-                "INSERT INTO onceflow_series (bucket, worker_class, stage, enqueued) "
-                f"VALUES (date_trunc('minute', now()) - interval '{age}', 'old', 's', 1)"
-            ))  # fmt: skip
+                "INSERT INTO onceflow_series (bucket, worker_class, stage, enqueued) VALUES "
+                "(date_trunc('minute', now()) - CAST(:age AS interval), 'old', 's', 1)"
+            ), at)  # fmt: skip
             conn.execute(text(
                 "INSERT INTO onceflow_series_spend (bucket, workspace_id, provider, calls) "
-                f"VALUES (date_trunc('minute', now()) - interval '{age}', 'w', 'p', 1)"
-            ))  # fmt: skip
+                "VALUES (date_trunc('minute', now()) - CAST(:age AS interval), 'w', 'p', 1)"
+            ), at)  # fmt: skip
     series.write_rollup(filled)  # requests kept for ever: the rollup keeps 8 days
     old = "SELECT count(*) FROM {} WHERE bucket < now() - interval '1 hour'"
     with filled.connect() as conn:
