@@ -185,8 +185,12 @@ INSERT INTO onceflow_series_spend
 SELECT date_trunc('minute', l.recorded_at), l.workspace_id, l.provider, count(*),
        sum(l.input_tokens), sum(l.output_tokens), sum(l.cost), sum(l.saved_cost)
 FROM p
-JOIN spend_ledger l ON l.provider = p.provider
-    AND l.recorded_at >= %(start)s AND l.recorded_at < %(stop)s
+CROSS JOIN LATERAL (
+    SELECT l.recorded_at, l.workspace_id, l.provider, l.input_tokens, l.output_tokens, l.cost,
+           l.saved_cost
+    FROM spend_ledger l
+    WHERE l.provider = p.provider AND l.recorded_at >= %(start)s AND l.recorded_at < %(stop)s
+    OFFSET 0) l  -- not flattened into a join: one index range per provider
 WHERE p.provider IS NOT NULL
 GROUP BY 1, 2, 3
 """

@@ -125,11 +125,15 @@ def test_filters_and_pages_equal_the_table(big: Engine) -> None:
         (Filters(workspace="w8", status="dead"), "workspace_id = 'w8' AND status = 'dead'", {}),
         (Filters(job="job-17", branch="b2"), "job_id = 'job-17' AND branch_path = 'b2'", {}),
         (
-            Filters(stage="stage1", worker_class="llm", since=BASE + timedelta(hours=1),
-                    until=BASE + timedelta(hours=2)),
+            Filters(
+                stage="stage1",
+                worker_class="llm",
+                since=BASE + timedelta(hours=1),
+                until=BASE + timedelta(hours=2),
+            ),
             "stage = 'stage1' AND worker_class = 'llm' AND created_at >= :a AND created_at < :b",
             {"a": BASE + timedelta(hours=1), "b": BASE + timedelta(hours=2)},
-        ),  # fmt: skip
+        ),
     ]
     for filters, where, params in cases:
         expected = _from_table(big, where, params)
@@ -152,11 +156,13 @@ def test_paging_holds_while_rows_are_added(big: Engine) -> None:
     expected = _from_table(big, "workspace_id = 'w3'", {})
     first = search.search(big, filters, limit=100)
     with big.begin() as conn:
-        conn.execute(text("""
+        conn.execute(
+            text("""
             INSERT INTO workspace_process_requests
                 (request_id, workspace_id, job_id, branch_path, stage, dedupe, input,
                  input_hash, worker_class, max_attempts, max_crash_attempts)
-            VALUES ('added-while-paging', 'w3', 'j', '', 's', true, '{}', 'h', 'cpu', 1, 1)"""))
+            VALUES ('added-while-paging', 'w3', 'j', '', 's', true, '{}', 'h', 'cpu', 1, 1)""")
+        )
     try:
         got = [r["request_id"] for r in first["items"]]
         cursor = first["next"]
@@ -195,7 +201,7 @@ def test_a_pasted_id_finds_its_request(big: Engine) -> None:
     [
         ({"filters": Filters(status="sleeping")}, "status must be one of"),
         ({"filters": Filters(workspace="")}, "workspace"),
-        ({"filters": Filters(since=datetime(2026, 1, 1))}, "with a zone"),  # noqa: DTZ001
+        ({"filters": Filters(since=datetime(2026, 1, 1))}, "with a zone"),
         ({"filters": Filters(since=BASE, until=BASE)}, "since must be before until"),
         ({"filters": Filters(), "cursor": "not-a-cursor"}, "cursor is not one"),
         ({"filters": Filters(), "limit": 201}, "limit must be"),

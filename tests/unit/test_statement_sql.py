@@ -10,11 +10,14 @@ here too, with the reason in its commit.
 from __future__ import annotations
 
 import hashlib
+from datetime import UTC, datetime
 
 from onceflow.connector.steps import Query
 from onceflow.metrics import sql as metrics_sql
 from onceflow.oplog import sql as oplog_sql
 from onceflow.queue import detail
+from onceflow.queue import search as queue_search
+from onceflow.queue import series as queue_series
 from onceflow.queue import sql as queue_sql
 
 #: sha256 (first 16 hex digits) of each statement's SQL; ``#by_id``: its form for a caller
@@ -98,6 +101,50 @@ PINNED = {
     "queue.rescue_expired": "8eaa4d8f66e5519d",
     "queue.wait_mark": "0022846c23865706",
     "queue.wait_mark#by_id": "143f41ff16a42db5",
+    "search[all,cursor]": "7bb1ad0968da744b",
+    "search[none]": "c578b291e58ac7ec",
+    "search[q_prefix]": "84726ed118ef483f",
+    "series.counts": "7552e897120330f9",
+    "series.depth_sample": "0e8443cc504bc5b8",
+    "series.lock": "cadc8283603acdc6",
+    "series.prune.onceflow_series": "e3d9bd77d19db9d4",
+    "series.prune.onceflow_series_savings": "9262c27dda5c52ff",
+    "series.prune.onceflow_series_spend": "c2af4dbed1b413ff",
+    "series.read_budgets": "404b9219b6850ddf",
+    "series.read_counts": "14fdd690a34f91a1",
+    "series.read_gauges": "f59dd1d6b63263b7",
+    "series.read_now": "409ebd09f6aff869",
+    "series.read_savings": "a309eb541904d15d",
+    "series.read_spend_providers": "d4f1604febfc59db",
+    "series.read_spend_workspaces": "2ffffb8f6b004443",
+    "series.rescued": "4f8497d04794d9f1",
+    "series.savings": "db6682e7ef9690ca",
+    "series.spend": "d7169f78316e08f7",
+    "series.spend_clear": "a2fe65e21cf4eab7",
+    "series.window": "fe1c19efa8cdf569",
+    "series.zero": "3f532933899fa04a",
+}
+
+
+#: The dashboard search's statement for a few filter combinations (it is built from one
+#: condition per filter given; these pin the conditions, the order and the cursor's).
+SEARCH_SHAPES = {
+    "none": (queue_search.Filters(), False),
+    "all,cursor": (
+        queue_search.Filters(
+            workspace="w",
+            job="j",
+            branch="b",
+            stage="s",
+            worker_class="c",
+            status="queued",
+            since=datetime(2026, 1, 1, tzinfo=UTC),
+            until=datetime(2026, 1, 2, tzinfo=UTC),
+            q="job-or-id",
+        ),
+        True,
+    ),
+    "q_prefix": (queue_search.Filters(q="abcdef12"), False),
 }
 
 
@@ -124,6 +171,10 @@ def _rendered() -> dict[str, str]:
     out["metrics.table_health"] = _digest(metrics_sql.TABLE_HEALTH.sql)
     for name, sql in detail.STATEMENTS.items():
         out[name] = _digest(sql)
+    for name, sql in queue_series.STATEMENTS.items():
+        out[name] = _digest(sql)
+    for name, (filters, cursor) in SEARCH_SHAPES.items():
+        out[f"search[{name}]"] = _digest(queue_search.search_sql(filters, cursor=cursor, limit=51))
     return out
 
 
