@@ -51,8 +51,9 @@ def test_no_text_overlaps_at_any_width(
     # nobody serves, finished cells, a dead request with a long error, one still running.
     idle_rows(engine, due=2, later=1)
     held = dash.flow.enqueue("hold", "dash-ws1", "jh", "", {}).request_id
+    cell_id = ""
     for branch in ("a", "b", "c"):
-        dash.flow.enqueue("cell", "dash-ws1", "j1", branch, {"value": 5})
+        cell_id = dash.flow.enqueue("cell", "dash-ws1", "j1", branch, {"value": 5}).request_id
     dead_id = dash.flow.enqueue("flaky", "dash-ws1", "a-rather-long-job-id-" + "x" * 40, "",
                                 {}).request_id  # fmt: skip
     wait_for(lambda: drained(engine) and status_of(engine, held) == "running", what="a drain")
@@ -100,6 +101,16 @@ def test_no_text_overlaps_at_any_width(
         )
         page.screenshot(path=str(tmp_path / f"request-{size}.png"), full_page=True)
         problems[f"request-{size}"] = check_layout(page, width)
+        # A cell's page: its op with its clock and its compute lock.
+        page.goto(f"{url}/dashboard#/requests/{cell_id}?ws=dash-ws1")
+        page.wait_for_function(
+            "id => document.body.dataset.request === 'shown'"
+            " && document.querySelector('#view-request').dataset.requestId === id",
+            arg=cell_id,
+            timeout=DEADLINE_MS,
+        )
+        assert page.eval_on_selector_all("#req-ops tbody tr", "t => t.length") == 1
+        problems[f"cell-{size}"] = check_layout(page, width)
         context.close()
     assert {k: v for k, v in problems.items() if v} == {}
     for shot in tmp_path.glob("*.png"):

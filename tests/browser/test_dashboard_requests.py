@@ -17,6 +17,7 @@ import os
 import signal
 from datetime import UTC, datetime
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,7 +29,7 @@ from onceflow.keys import counters_key
 from onceflow.locks.counters import calls_saved, parse_hash
 from onceflow.spend import Grant, LedgerHooks, Usage, set_budget
 from tests.acceptance.procs import pool_children
-from tests.browser.conftest import ADMIN_KEY
+from tests.browser.conftest import ADMIN_KEY, SCOPED_KEY
 from tests.browser.stages import RELEASE
 from tests.browser.test_dashboard_api import drained, status_of
 from tests.browser.test_dashboard_page import DEADLINE_MS, enter_key
@@ -165,6 +166,7 @@ def test_request_pages_and_history_against_the_tables(
     dash: Any,
     engine: Engine,
     redis_url: str,
+    tmp_path: Path,
 ) -> None:
     url, _ = dashboard_api
     client = redis_lib.Redis.from_url(redis_url)
@@ -322,4 +324,18 @@ def test_request_pages_and_history_against_the_tables(
     assert datetime.fromisoformat(sent.value.post_data_json["version"]) == version
     page.wait_for_selector("#action-result[data-outcome=ok]", timeout=DEADLINE_MS)
     wait_for(lambda: one_row(engine, dead_id)["updated_at"] > version, what="the requeue")
+    page.screenshot(path=str(tmp_path / "request-page.png"), full_page=True)
+    context.close()
+
+    # A key limited to other workspaces sees the request, not its input or error.
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.goto(url + "/dashboard")
+    enter_key(page, SCOPED_KEY)
+    page.wait_for_selector("body[data-state=live]", timeout=DEADLINE_MS)
+    page.goto(f"{url}/dashboard#/requests/{dead_id}?ws=dash-ws2")
+    shown = page_data(page, dead_id)
+    assert shown["input"] == shown["outcome"] == ""
+    assert page.inner_text("#req-input-note").startswith("withheld")
+    assert shown["facts"]["req/status"] == one_row(engine, dead_id)["status"]
     context.close()
