@@ -8,6 +8,7 @@ import { actionButton } from "./actions.js";
 import { $, ApiError, cell, el, fill, getJson, requestLink, timeText } from "./util.js";
 
 let shown = null;  // {id, ws} of the page shown
+let drawn = "";    // what was drawn (the answer without its clock): unchanged, not redrawn
 let inFlight = null;
 
 function facts(dl, pairs) {
@@ -44,18 +45,22 @@ function detailText(detail) {
 
 /** Show the page of request ``id`` (in workspace ``ws`` when known). */
 export async function showRequest(id, ws) {
+  const again = document.body.dataset.request === "shown" && shown !== null && shown.id === id;
   shown = { id, ws };
   $("#req-id").textContent = id;
   const note = $("#req-note");
   if (inFlight) inFlight.abort();
   const mine = (inFlight = new AbortController());
-  note.textContent = "loading";
-  document.body.dataset.request = "loading";
+  if (!again) note.textContent = "loading";
+  document.body.dataset.request = again ? "loading-again" : "loading";
   try {
     const query = ws ? "?workspace_id=" + encodeURIComponent(ws) : "";
     const data = await getJson(`/dashboard/api/requests/${encodeURIComponent(id)}${query}`, mine.signal);
     if (mine !== inFlight) return;
-    render(data);
+    // Drawn again only when something changed: a selection or a scrolled <pre> stays put.
+    const same = JSON.stringify({ ...data, db_now: null });
+    if (same !== drawn || document.body.dataset.request !== "loading-again") render(data);
+    drawn = same;
     note.textContent = "as of database time " + data.db_now;
     document.body.dataset.request = "shown";
   } catch (err) {
@@ -118,7 +123,7 @@ function render(d) {
   fill($("#req-history tbody"), d.history, (tr, h) => {
     tr.dataset.event = h.event;
     cell(tr, timeText(h.at));
-    cell(tr, h.event, "status");
+    cell(tr, h.event, "status " + h.event);
     cell(tr, h.attempt === null || h.attempt === undefined ? "" : h.attempt, "num");
     const td = cell(tr, "", "wrap");
     if (h.event === "handed_off" && h.detail && Array.isArray(h.detail.to)) {
@@ -140,7 +145,7 @@ function render(d) {
     cell(tr, a.lease_seconds === null || a.lease_seconds === undefined ? "" : a.lease_seconds + " s", "num");
     cell(tr, timeText(a.last_heartbeat_at));
     cell(tr, timeText(a.ended_at));
-    cell(tr, a.outcome, "status", `attempt/${a.attempt}/outcome`);
+    cell(tr, a.outcome, "status " + a.outcome, `attempt/${a.attempt}/outcome`);
     cell(tr, a.next_status || "");
     cell(tr, a.error_type ? `${a.error_type}: ${a.error_message || ""}` : "", "error");
     cell(tr, (a.locks || []).map((l) => `${l.cell} (${l.outcome})`).join(", "), "wrap");
