@@ -238,8 +238,15 @@ def test_request_pages_and_history_against_the_tables(
             arg=[name, str(value)],
             timeout=DEADLINE_MS,
         )
-    page.check("#series-form input[value=day]")  # read again now, not at the next refresh
-    page.check("#series-form input[value=hour]")
+    # Each range has its buckets: a week of 2 h, a day of 15 min, an hour of minutes.
+    for range_, points in (("week", 84), ("day", 96), ("hour", 60)):
+        page.check(f"#series-form input[value={range_}]")
+        page.wait_for_function(
+            "([r, n]) => [...document.querySelectorAll('figure.chart')].every(f =>"
+            " f.dataset.range === r && f.dataset.points === String(n))",
+            arg=[range_, points],
+            timeout=DEADLINE_MS,
+        )
     page.wait_for_function(
         "want => Object.entries(want).every(([k, v]) =>"
         " document.querySelector(`[data-chart=savings] li[data-series=${k}]`)"
@@ -325,6 +332,21 @@ def test_request_pages_and_history_against_the_tables(
     page.wait_for_selector("#action-result[data-outcome=ok]", timeout=DEADLINE_MS)
     wait_for(lambda: one_row(engine, dead_id)["updated_at"] > version, what="the requeue")
     page.screenshot(path=str(tmp_path / "request-page.png"), full_page=True)
+
+    # A running request's page asks it to stop, fenced on the run it showed.
+    running = flow.enqueue("hold", "dash-ws1", "jstop", "", {}).request_id
+    wait_for(lambda: status_of(engine, running) == "running", what="the request to run")
+    page.goto(f"{url}/dashboard#/requests/{running}?ws=dash-ws1")
+    shown = page_data(page, running)
+    assert shown["actions"] == ["Ask to stop"] and shown["facts"]["req/status"] == "running"
+    with page.expect_request("**/cancel") as sent:
+        page.click("#req-actions button[data-action=cancel]")
+    assert set(sent.value.post_data_json) == {"run", "workspace_id"}
+    wait_for(lambda: status_of(engine, running) == "cancelled", what="the run to stop")
+    page.wait_for_function(
+        "() => document.querySelector('[data-k=\"req/status\"]')?.textContent === 'cancelled'",
+        timeout=DEADLINE_MS,
+    )  # the page follows: read again with the snapshot that saw it end
     context.close()
 
     # A key limited to other workspaces sees the request, not its input or error.

@@ -96,7 +96,7 @@ function render(d) {
   page.dataset.workspaceId = r.workspace_id;
   page.dataset.status = r.status;
   facts($("#req-facts"), [
-    ["status", r.status + (r.cancel_requested ? " (stop requested)" : ""), "req/status"],
+    ["status", r.status + (r.cancel_requested && r.status === "running" ? " (stop requested)" : ""), "req/status"],
     ["workspace", r.workspace_id, "req/workspace_id"],
     ["job", searchLink({ job: r.job_id }, r.job_id), "req/job_id"],
     ["branch", r.branch_path || "(root)", "req/branch_path"],
