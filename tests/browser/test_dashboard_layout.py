@@ -47,6 +47,17 @@ def test_no_text_overlaps_at_any_width(
     tmp_path: Path,
 ) -> None:
     url, _ = dashboard_api
+    # Before anything is counted the headline says so, in words.
+    context = browser.new_context(**SIZES["1280"])
+    page = context.new_page()
+    page.goto(url + "/dashboard")
+    enter_key(page, VIEWER_KEY)
+    page.wait_for_selector("body[data-state=live]", timeout=DEADLINE_MS)
+    assert page.is_visible("#savings-empty")
+    assert page.inner_text("#savings-note") == "nothing counted yet"
+    assert page.is_hidden("#savings")  # no empty per-workspace table
+    context.close()
+
     # Enough of everything that every panel has rows: queued and scheduled rows of a class
     # nobody serves, finished cells, a dead request with a long error, one still running.
     idle_rows(engine, due=2, later=1)
