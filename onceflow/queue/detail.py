@@ -309,7 +309,8 @@ def read_request(
     ``engines``: the request's database, or every shard's when its workspace is not known.
     ``readable(workspace_id)``: whether the reader may see the request's input, result and
     error (else ``withheld`` is true and they are None). ``may_act``: whether the reader may
-    requeue or cancel (its role); ``actions`` adds what the row's status allows.
+    requeue or cancel (its role); ``actions`` adds what the row's status allows, and offers
+    nothing on a workspace the reader may not read.
     Raises :class:`NotFound` (no such request) or :class:`InvalidRequest` (an id of several
     workspaces' requests, without ``workspace_id``).
     """
@@ -338,7 +339,7 @@ def read_request(
         "locks": locks,
         "spend": [{k: _number(_iso(v)) for k, v in line.items()} for line in spend[:LIST_LIMIT]],
         "spend_truncated": len(spend) > LIST_LIMIT,
-        "actions": _actions(row, may_act),
+        "actions": _actions(row, may_act and not withheld),
     }
 
 

@@ -185,12 +185,25 @@ def test_payloads_are_withheld_from_a_key_of_other_workspaces(
     assert hidden["withheld"] is True
     assert hidden["input"] is None and hidden["result"] is None and hidden["error"] is None
     assert hidden["request"]["workspace_id"] == "dash-ws2"
+    assert hidden["actions"]["cancel"] is False  # an admin key, but not of this workspace
+    # Nor may it act there: without the workspace (422) or with another's (403); unchanged.
+    before = table_snapshot(engine)
+    seen = {"version": hidden["request"]["updated_at"]}
+    cancel = f"/dashboard/api/requests/{theirs}/cancel"
+    answer = http.post(cancel, headers=auth(SCOPED_KEY), json=seen)
+    assert answer.status_code == 422 and "workspace_id" in answer.json()["detail"], answer.text
+    answer = http.post(cancel, headers=auth(SCOPED_KEY), json={**seen, "workspace_id": "dash-ws2"})
+    assert answer.status_code == 403 and answer.json()["code"] == "forbidden", answer.text
+    assert table_snapshot(engine) == before
     # An unscoped key reads it, as text (the page renders it as text).
     assert detail(http, theirs, VIEWER_KEY)["input"]["text"] == '{\n  "secret": "<b>x</b>"\n}'
     shown = detail(http, ours, SCOPED_KEY)
     assert shown["withheld"] is False and shown["input"]["text"] == '{\n  "mine": 1\n}'
     assert shown["actions"]["cancel"] is True  # an admin key, and the row is queued
     assert shown["actions"]["cancel_version"] == shown["request"]["updated_at"]
+    mine = {"version": shown["actions"]["cancel_version"], "workspace_id": "dash-own-1"}
+    done = http.post(f"/dashboard/api/requests/{ours}/cancel", headers=auth(SCOPED_KEY), json=mine)
+    assert done.status_code == 200 and done.json()["status"] == "cancelled", done.text
 
 
 def test_roles_bad_and_unknown_ids(http: httpx.Client, dash: Any, engine: Engine) -> None:

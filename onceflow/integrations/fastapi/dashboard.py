@@ -32,6 +32,8 @@ admin; no login-less mode):
   previous page's ``next``); every shard asked and merged (:mod:`onceflow.queue.search`);
 * ``GET /dashboard/api/series`` — the time series of the sweeper's rollup over the last
   hour, day or week, with the spend budgets (:mod:`onceflow.queue.series`);
+* (a key limited to some workspaces acts only with the row's ``workspace_id``, one of its
+  own: else 422 / 403);
 * ``POST /dashboard/api/requests/{id}/requeue`` — fenced: body ``{"version": <the row's
   updated_at as shown>}``; only that dead or cancelled row moves, anything else is 409
   ``changed`` and the row is left as it is; the wake-up is sent after;
@@ -62,7 +64,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import Engine
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from onceflow.errors import InvalidRequest, InvalidTransition, OnceflowError
+from onceflow.errors import AccessDenied, InvalidRequest, InvalidTransition, OnceflowError
 from onceflow.ids import check_id
 from onceflow.integrations.fastapi.events import StreamLimit, too_many_streams
 from onceflow.integrations.fastapi.guard import operator_route_class
@@ -308,6 +310,20 @@ def _operator(request: Request) -> Operator:
     return found
 
 
+def _in_scope(operator: Operator, workspace_id: str | None) -> str:
+    """The operator's key id, if it may act on ``workspace_id``'s requests: a key limited to
+    some workspaces names the row's workspace (the statement then finds the row by its key,
+    in that workspace only) and it must be one of its own."""
+    if operator.workspaces is not None:
+        if workspace_id is None:
+            raise InvalidRequest(
+                "this operator key is limited to some workspaces: send the row's workspace_id"
+            )
+        if not operator.may_read(workspace_id):
+            raise AccessDenied(403, "this operator key is not scoped to that workspace")
+    return operator.key_id
+
+
 def _version(value: str | None) -> datetime:
     if value is None:
         raise InvalidRequest("version is required: the row's version as the dashboard showed it")
@@ -446,7 +462,7 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
     @api.post("/requests/{request_id}/requeue", operation_id="dashboard_requeue")
     def requeue(request_id: RequestIdPath, body: ActionIn, request: Request) -> Response:
         """Run a dead or cancelled request again, if it is still as the operator saw it."""
-        who = _operator(request).key_id
+        who = _in_scope(_operator(request), body.workspace_id)
         check_id("request_id", request_id)
         expect = _version(body.version)
         try:
@@ -469,7 +485,7 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
     @api.post("/requests/{request_id}/cancel", operation_id="dashboard_cancel")
     def cancel(request_id: RequestIdPath, body: ActionIn, request: Request) -> Response:
         """Cancel a queued request, or ask a running one to stop, if it is still as shown."""
-        who = _operator(request).key_id
+        who = _in_scope(_operator(request), body.workspace_id)
         check_id("request_id", request_id)
         if body.run is None and body.version is None:
             raise InvalidRequest("run (a running row's) or version (a queued row's) is required")
