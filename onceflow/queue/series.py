@@ -1,7 +1,8 @@
 """The dashboard's time series: a per-minute rollup each sweep writes, read per range.
 
-Written by :func:`write_rollup` (a Flow's sweep calls it on each database it swept), in one
-transaction under an advisory lock (two Flows sweeping one database take turns):
+Written by :func:`write_rollup` (a Flow's sweep calls it on each database it swept, at its
+first sweep of each minute), in one transaction under an advisory lock (two Flows sweeping
+one database take turns):
 
 * the request counters of the minutes from the last rollup's minute (at most
   :data:`LOOKBACK` back, at least :data:`RECOMPUTE` back) to now are RECOMPUTED from the
@@ -34,7 +35,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any, Final
@@ -51,7 +52,7 @@ from onceflow.queue.overview import per_shard
 log = logging.getLogger("onceflow.series")
 
 #: Minutes recomputed at every rollup, at least (a late write lands in its minute).
-RECOMPUTE: Final = timedelta(minutes=5)
+RECOMPUTE: Final = timedelta(minutes=3)
 #: How far back a rollup reaches for the minutes since the last one (sweeps stopped).
 LOOKBACK: Final = timedelta(hours=1)
 #: How long rollup rows are kept when requests are kept for ever (a week, and a day more).
@@ -73,7 +74,8 @@ SELECT n.cur,
        greatest(n.cur - interval '{int(LOOKBACK.total_seconds())} seconds',
                 least(n.cur - interval '{int(RECOMPUTE.total_seconds())} seconds',
                       (SELECT max(s.bucket) FROM onceflow_series s))) AS start,
-       n.cur + interval '1 minute' AS stop
+       n.cur + interval '1 minute' AS stop,
+       (SELECT max(s.bucket) FROM onceflow_series s) AS last
 FROM n
 """
 
@@ -331,15 +333,21 @@ def write_rollup(
     engine: Engine,
     *,
     result: SweepResult | None = None,
-    savings: Mapping[str, Any] | None = None,
+    savings: Mapping[str, Any] | Callable[[], Mapping[str, Any] | None] | None = None,
     retention_seconds: float | None = None,
+    once_a_minute: bool = False,
     now: datetime | None = None,
-) -> dict[str, Any]:
+) -> dict[str, Any] | None:
     """Write the rollup of ``engine``'s database (module docstring), one transaction.
 
     ``result``: the sweep's outcome (its requeued rescues are added); ``savings``: what
-    :func:`onceflow.locks.savings.read_savings` returned (on one database of a split one
-    only: Redis is shared), or None. Returns the window written: ``{"start", "stop"}``.
+    :func:`onceflow.locks.savings.read_savings` returned, or a function returning it (or
+    None: Redis could not be read), called only when the rollup is written (on one
+    database of a split one only: Redis is shared), or None. ``once_a_minute``: when this
+    minute has a rollup already, add the rescues only and return None — a sweep's way: the
+    rows are read once a minute however often it sweeps, and the minutes before are
+    recomputed at the next minute's first sweep. Returns the window written: ``{"start",
+    "stop"}``.
     """
     rescued = _rescued_counts(result)
     keep = float(retention_seconds) if retention_seconds is not None else DEFAULT_KEEP_SECONDS
@@ -347,17 +355,21 @@ def write_rollup(
         fetch_one(raw, LOCK, {})
         window = fetch_one(raw, WINDOW, {"now": now})
         params = {"cur": window["cur"], "start": window["start"], "stop": window["stop"]}
-        execute(raw, ZERO, params)
-        execute(raw, COUNTS, params)
-        execute(raw, DEPTH_SAMPLE, params)
-        if rescued:
+        if rescued:  # every sweep's: a rescue happens once, at the sweep that made it
             keys = sorted(rescued)
             execute(raw, RESCUED, {
                 "cur": window["cur"], "worker_classes": [k[0] for k in keys],
                 "stages": [k[1] for k in keys], "counts": [rescued[k] for k in keys],
             })  # fmt: skip
+        if once_a_minute and window["last"] is not None and window["last"] >= window["cur"]:
+            return None
+        execute(raw, ZERO, params)
+        execute(raw, COUNTS, params)
+        execute(raw, DEPTH_SAMPLE, params)
         execute(raw, SPEND_CLEAR, params)
         execute(raw, SPEND, params)
+        if callable(savings):
+            savings = savings()
         if savings is not None:
             totals = {
                 w["workspace_id"]: [int(w["made"]), int(w["saved"])]

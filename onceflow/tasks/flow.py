@@ -667,19 +667,24 @@ class Flow:
         return result
 
     def _write_rollup(self, queue: Queue, result: SweepResult, now: datetime | None) -> None:
-        """The dashboard's per-minute rollup of this database (:mod:`onceflow.queue.series`),
-        with the Redis savings counters on the first database only (Redis is shared). A
-        failure is logged: the rollup is recomputed at the next sweep, nothing else waits."""
-        savings: dict[str, Any] | None = None
-        if queue is self.queue.shards()[0]:
+        """The dashboard's per-minute rollup of this database (:mod:`onceflow.queue.series`) at
+        the first sweep of each minute, with the Redis savings counters on the first
+        database only (Redis is shared). A failure is logged: the rollup is written at the
+        next sweep, nothing else waits."""
+
+        def savings() -> dict[str, Any] | None:
             try:
-                savings = read_savings(oplog_for(queue).redis())
+                return read_savings(oplog_for(queue).redis())
             except REDIS_OR_OS_ERRORS as exc:
                 log.info("sweep: savings counters not read: %s: %s", type(exc).__name__, exc)
+                return None
+
         try:
             write_rollup(
-                queue.engine, result=result, savings=savings,
-                retention_seconds=self.settings.retention_seconds, now=now,
+                queue.engine, result=result,
+                savings=savings if queue is self.queue.shards()[0] else None,
+                retention_seconds=self.settings.retention_seconds, once_a_minute=True,
+                now=now,
             )  # fmt: skip
         except Exception as exc:  # any error: the next sweep recomputes the minutes
             log.warning(

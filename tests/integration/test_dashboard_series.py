@@ -20,7 +20,7 @@ from onceflow.queue import series
 
 pytestmark = pytest.mark.slow
 
-# Rows of the last four minutes: created 0.8 s apart; claimed half a second after creation
+# Rows of the last 150 s: created 0.5 s apart; claimed half a second after creation
 # (pickup 0.5 s) unless still queued; finished 0.2 s after the claim. `queued` rows with a
 # claim were claimed, failed and queued again (run_after moved past the claim).
 _RECENT = """
@@ -43,7 +43,7 @@ SELECT 'r' || i, 'w' || (i % 5), 'j' || i, '', 'stage' || (i % 2), true, '{}', '
 FROM generate_series(1, :n) AS i,
      LATERAL (SELECT (ARRAY['succeeded', 'succeeded', 'succeeded', 'queued', 'running',
                             'dead', 'cancelled', 'succeeded'])[i % 8 + 1] AS status) s,
-     LATERAL (SELECT now() - i * interval '0.8 seconds' AS at) t
+     LATERAL (SELECT now() - interval '1 second' - i * interval '0.5 seconds' AS at) t
 """
 # History: finished two days ago (outside every window; its rows must not be read).
 _OLD = """
@@ -62,7 +62,7 @@ INSERT INTO spend_ledger
      outcome, recorded_at)
 SELECT 'w' || (i % 3), 'p' || i, CASE WHEN i % 2 = 0 THEN 'openai' ELSE 'anthropic' END,
        10 * i, i, 0.001 * i, CASE WHEN i % 4 = 0 THEN 0.5 END,
-       CASE WHEN i % 4 = 0 THEN 'cache_hit' ELSE 'ok' END, now() - i * interval '5 seconds'
+       CASE WHEN i % 4 = 0 THEN 'cache_hit' ELSE 'ok' END, now() - i * interval '3 seconds'
 FROM generate_series(1, :n) AS i
 """
 
@@ -142,6 +142,31 @@ def test_bucket_counts_equal_the_rows_and_a_rerun_changes_nothing(filled: Engine
         ))  # fmt: skip
     series.write_rollup(filled)
     assert _rollup(filled) == _expected(filled)
+
+
+def test_a_sweeps_rollup_reads_the_rows_once_a_minute(filled: Engine) -> None:
+    first = series.write_rollup(filled, once_a_minute=True)
+    with filled.begin() as conn:  # a row enqueued after it: the minute is not read again
+        conn.execute(text(_RECENT.replace("'r' ||", "'later' ||")), {"n": 1})
+    reads: list[str] = []
+    rescue = SweepResult(
+        rescued=[RequestId("r1")],
+        quarantined=[],
+        to_dispatch=[Dispatch(RequestId("r1"), "stage1", "cpu", "w1")],
+    )
+    again = series.write_rollup(
+        filled, once_a_minute=True, result=rescue, savings=lambda: reads.append("redis")
+    )
+    with filled.connect() as conn:
+        enqueued, rescued = conn.execute(
+            text("SELECT sum(enqueued), sum(rescued) FROM onceflow_series")
+        ).one()
+    if first is not None and again is None:  # both in one minute (else: the next minute's)
+        assert (enqueued, rescued) == (300, 1)  # the rescue is kept, the rows not re-read
+        assert reads == []  # Redis is read only when the rollup is written
+    assert series.write_rollup(filled) is not None  # a rollup asked for directly: always
+    with filled.connect() as conn:
+        assert conn.execute(text("SELECT sum(enqueued) FROM onceflow_series")).scalar_one() == 301
 
 
 def test_the_depth_sample_and_rescues(filled: Engine) -> None:

@@ -121,7 +121,7 @@ PINNED = {
     "series.savings": "db6682e7ef9690ca",
     "series.spend": "d7169f78316e08f7",
     "series.spend_clear": "a2fe65e21cf4eab7",
-    "series.window": "fe1c19efa8cdf569",
+    "series.window": "c251d39076df49ab",
     "series.zero": "3f532933899fa04a",
 }
 
