@@ -162,7 +162,7 @@ function start() {
   setUpSeries();
   window.addEventListener("hashchange", route);
   setInterval(() => tick((performance.now() - received) / 1000), 1000);
-  setInterval(() => { if (document.body.dataset.view !== "request") refreshSeries(); }, 15000);
+  setInterval(() => { if (document.body.dataset.view !== "request") refreshSeries(); }, 30000);
   connect();
 }
 

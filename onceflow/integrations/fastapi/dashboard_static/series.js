@@ -5,7 +5,7 @@
 import { drawChart } from "./charts.js";
 import { $, $$, ApiError, getJson } from "./util.js";
 
-const REFRESH_MS = 5000;
+const REFRESH_MS = 10000;  // the rollup is written once a minute: no need for more
 const MAX_CLASSES = 8;
 let knownClasses = [];
 let lastRead = 0;
