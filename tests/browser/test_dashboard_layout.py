@@ -91,6 +91,13 @@ def look_at_every_width(
         width = options["viewport"]["width"]
         context = browser.new_context(**options)
         page = context.new_page()
+        # A script error or a refusal by the page's CSP (an inline style, a foreign source)
+        # is reported as a problem too.
+        page.on("pageerror", lambda exc, size=size: problems.setdefault(
+            f"errors-{size}", []).append(("script error", str(exc))))  # fmt: skip
+        page.on("console", lambda msg, size=size: problems.setdefault(
+            f"errors-{size}", []).append(("console", msg.text))
+            if msg.type == "error" else None)  # fmt: skip
         page.goto(url + "/dashboard")
         enter_key(page, VIEWER_KEY)
         page.wait_for_selector(f'#dead tr[data-request-id="{dead_id}"]', timeout=DEADLINE_MS)
