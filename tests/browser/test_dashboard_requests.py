@@ -296,6 +296,32 @@ def test_request_pages_and_history_against_the_tables(
     page.wait_for_function("() => document.body.dataset.view === 'requests'")
     page.wait_for_selector(f'#results tr[data-request-id="{held}"]', timeout=DEADLINE_MS)
 
+    # Pages, newest first: "Older" follows the server's cursor, "Newest" goes back.
+    jdup = all_rows(
+        engine,
+        "SELECT request_id FROM workspace_process_requests WHERE job_id = 'jdup'"
+        " ORDER BY created_at DESC, workspace_id, request_id DESC",
+    )
+    page.goto(f"{url}/dashboard#/requests?job=jdup&limit=5")
+    listed = []
+    for size in (5, 5, 3):
+        page.wait_for_function(
+            "([n, seen]) => { const ids = [...document.querySelectorAll('#results tbody tr')]"
+            ".map(tr => tr.dataset.requestId);"
+            " return ids.length === n && !ids.some(id => seen.includes(id)); }",
+            arg=[size, listed],
+            timeout=DEADLINE_MS,
+        )
+        listed += page.eval_on_selector_all(
+            "#results tbody tr", "rows => rows.map(tr => tr.dataset.requestId)"
+        )
+        if size == 5:
+            page.click("#next-page")
+    assert listed == [r["request_id"] for r in jdup]  # 13: the parent and its 12 cells
+    assert page.is_disabled("#next-page")
+    page.click("#first-page")
+    page.wait_for_selector(f'#results tr[data-request-id="{listed[0]}"]', timeout=DEADLINE_MS)
+
     # Two clicks from the landing page: "Requests", then a cell of the duplicate-heavy job.
     page.goto(url + "/dashboard")
     page.wait_for_selector("body[data-state=live]", timeout=DEADLINE_MS)

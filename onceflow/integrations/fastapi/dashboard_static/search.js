@@ -33,7 +33,7 @@ function apiQuery(filters, cursor) {
     if (k === "time") query.set("since", new Date(Date.now() - Number(v) * 1000).toISOString());
     else query.set(k, v);
   }
-  query.set("limit", "50");
+  if (!query.has("limit")) query.set("limit", "50");  // a link may ask for smaller pages
   if (cursor) query.set("cursor", cursor);
   return query;
 }
