@@ -8,7 +8,9 @@ const FIELDS = ["q", "workspace", "job", "branch", "stage", "worker_class", "sta
 let pages = [];        // the cursors of the pages shown so far ("" for the first)
 let current = null;    // the filters of the list shown
 let inFlight = null;   // aborts a search overtaken by another
-let openNext = false;  // the operator submitted the form: a single match opens its page
+let openNext = false;
+let lastLoad = 0;      // performance.now() of the last read
+const REFRESH_MS = 5000;  // the operator submitted the form: a single match opens its page
 
 /** The form's filters (only those set), as the hash route and the API take them. */
 function formFilters() {
@@ -48,14 +50,17 @@ export function showSearch(filters) {
   return load("", open);
 }
 
-/** Read the list again at the page shown (the overview keeps it live). */
+/** Read the list again at the page shown (the overview keeps it live), at most every
+ * REFRESH_MS: a busy queue changes every snapshot, the list need not follow each one. */
 export function refreshSearch() {
   if (current === null) return showSearch({});
   if (pages.length > 1) return null;  // an older page stays as the operator paged to it
+  if (performance.now() - lastLoad < REFRESH_MS) return null;
   return load("", false);
 }
 
 async function load(cursor, open) {
+  lastLoad = performance.now();
   if (inFlight) inFlight.abort();
   const mine = (inFlight = new AbortController());
   const note = $("#search-note");
