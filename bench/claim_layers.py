@@ -102,6 +102,7 @@ def run(url: str, n: int) -> dict[str, Any]:
             return {
                 "request_id": rid, "workspace_id": ws, "token": token, "result": "null",
                 "now": None, "worker_classes": None, "ws_exact": None, "ws_prefixes": None,
+                "handed_to": None, "locks": None,
             }  # fmt: skip
 
         def floor(ws: str, rid: str) -> None:

@@ -409,7 +409,15 @@ def _worker(url: str, batch: int, pipe: Pipe) -> None:
             return False
         key = {"workspace_id": rows[0]["workspace_id"], "request_id": rows[0]["request_id"]}
         unscoped = {"worker_classes": None, "ws_exact": None, "ws_prefixes": None}
-        done = {**key, "token": token, "result": RESULT_TEXT, "now": None, **unscoped}
+        done = {
+            **key,
+            "token": token,
+            "result": RESULT_TEXT,
+            "now": None,
+            **unscoped,
+            "handed_to": None,
+            "locks": None,
+        }
         if run_statement(queue.engine, queue_sql.FINISH.sql, done, one_as_dict) is None:
             raise RuntimeError(f"statements: {key} not completed")
         return True

@@ -14,6 +14,8 @@ the completion a Celery stage runs, keyed form) down to the drain benchmark's fl
 (``bench.bench_stages.FLOOR_CLAIM`` / ``FLOOR_COMPLETE``), each rung taking one more part
 of onceflow's statements away:
 
+0. ``-history``: the completion writes no history row (``workspace_request_attempts``,
+   the run's end as the request page shows it);
 1. ``-took_over``: the claim's subselect telling a takeover of a lapsed lease (metrics);
 2. ``-claim columns``: the claim returns 4 columns instead of the request's 27;
 3. ``-completion columns``: the completion returns 1 column instead of 5;
@@ -22,7 +24,7 @@ of onceflow's statements away:
 5. ``-completion fence``: the completion checks neither the lease nor the worker classes
    and records no ``ended_run`` (the token's sha256 a lost answer is recognised by).
 
-Rungs 1 to 5 drop guarantees; they exist only to show what each costs. The floor also writes
+Rungs 0 to 5 drop guarantees; they exist only to show what each costs. The floor also writes
 fewer columns (no ``claimed_at``, ``lease_seconds``, ``run_deadline``, ``crash_attempts``)
 and reads ``now()`` directly. Both sides commit the claim lazily (``synchronous_commit =
 off`` for that transaction) and the completion durably, as the drain does. A variant that
@@ -64,8 +66,11 @@ BLOCK = 100
 
 
 def _cut(sql: str, start: str, end: str, what: str) -> tuple[str, str]:
-    """``sql`` split around the part from ``start`` up to (not including) ``end``."""
+    """``sql`` split around the part from ``start`` up to (not including) ``end`` ("": to
+    the end of the statement, its last line break kept)."""
     i = sql.find(start)
+    if end == "" and i >= 0:
+        return sql[:i], "\n"
     j = sql.find(end, i + len(start)) if i >= 0 else -1
     if i < 0 or j < 0:
         raise ValueError(f"{what}: the statement no longer has {start!r} … {end!r}")
@@ -81,7 +86,9 @@ def variants() -> dict[str, tuple[str, str]]:
     """The ladder: name → (claim, completion) SQL for psycopg, onceflow's first, floor last."""
     from onceflow.queue import sql as queue_sql
 
-    claim, done = queue_sql.CLAIM.sql, queue_sql.FINISH.sql
+    claim, with_history = queue_sql.CLAIM.sql, queue_sql.FINISH.sql
+    done = _without(with_history, ",\nupd AS (\n", "UPDATE", "history", "\n")
+    done = _without(done, ", w.workspace_id AS h_workspace_id", "", "history")
     c1 = _without(claim, ",\n    (SELECT o.status = 'running'", "AS took_over", "took_over")
     c1 = c1.replace("AS took_over", "", 1)
     c2 = _returning(c1, "w.request_id, w.input, w.attempts, w.lease_expires_at")
@@ -93,7 +100,8 @@ def variants() -> dict[str, tuple[str, str]]:
     d5 = _without(d3, "    ended_run = ", "    claim_token = NULL", "ended_run")
     d5 = _without(d5, "  AND w.lease_expires_at > n.now", "RETURNING", "completion fence")
     return {
-        "onceflow": (claim, done),
+        "onceflow": (claim, with_history),
+        "-history": (claim, done),
         "-took_over": (c1, done),
         "-claim columns": (c2, done),
         "-completion columns": (c2, d3),
@@ -156,7 +164,8 @@ def run(url: str, n: int) -> dict[str, float]:
                     finished = conn.execute(done, {
                         "request_id": rid, "workspace_id": ws, "token": token,
                         "result": "null", "now": None, "worker_classes": None,
-                        "ws_exact": None, "ws_prefixes": None,
+                        "ws_exact": None, "ws_prefixes": None, "handed_to": None,
+                        "locks": None,
                     }).fetchone() is not None  # fmt: skip
                 if claimed is None or not finished:
                     raise RuntimeError(f"{name}: {rid} not claimed and completed")

@@ -19,11 +19,13 @@ from pydantic import BaseModel
 
 from onceflow.errors import Cancelled, InvalidRequest, LeaseLost, OutOfScope, PermitCancelled
 from onceflow.locks import Locked, Outcome, compute_once
+from onceflow.locks.protocol import Path
 from onceflow.models.ops import OpModel
 from onceflow.models.requests import Claim, Fence, NewRequest, Request
 from onceflow.models.sub_doc_scope import SubDocScope, request_fields
 from onceflow.oplog import ApplyResult, OpLog, SubDoc, new_op_id, stage_op_id
 from onceflow.queue import Queue
+from onceflow.queue.claims import LOCK_OUTCOMES_CAP
 from onceflow.spend.checks import DEFAULT_HEARTBEAT_EVERY
 from onceflow.spend.provider import DEFAULT_TIMEOUT, Permit, PermitContext, Provider
 from onceflow.spend.registry import get_provider, register
@@ -167,7 +169,13 @@ class WorkContext(Protocol):
         lost its claim stops there. Both contexts subclass the interface and keep this body;
         they differ only in :meth:`_compute_lock`, the way to the lock.
         """
-        return self._compute_lock(task, check, compute, store, wait=wait, **kw)
+        found = self._compute_lock(task, check, compute, store, wait=wait, **kw)
+        self._lock_outcome(task, found)
+        return found
+
+    def _lock_outcome(self, task: str, found: Outcome[Any] | Locked) -> None:
+        """A compute-lock outcome of this run, for its history (a context that keeps them)."""
+        return None
 
     def permit(
         self,
@@ -239,6 +247,25 @@ class WorkContext(Protocol):
             self.workspace_id, self.job_id, task,
             check=check, compute=fenced_compute, store=fenced_store, wait=wait, **kw,
         )  # fmt: skip
+
+
+#: How a compute_once call got its value, as the request's history names it.
+_LOCK_OUTCOMES = {
+    Path.COMPUTED: "paid",
+    Path.LOCK_LOST: "paid",  # computed, but the lock was lost before the store
+    Path.WAITED: "waited",
+    Path.PREFLIGHT: "stored",
+    Path.DOUBLE_CHECK: "stored",
+    Path.CACHE_HIT: "cached",
+}
+
+
+def lock_outcome_name(found: Outcome[Any] | Locked) -> str:
+    """``paid`` (this run computed), ``waited`` (another caller's result), ``stored`` (found
+    stored), ``cached`` (the result cache), ``locked`` (``wait=False`` found it taken)."""
+    if isinstance(found, Locked):
+        return "locked"
+    return _LOCK_OUTCOMES.get(found.path, str(found.path))
 
 
 class _StopFlag:
@@ -420,6 +447,7 @@ class StageContext(HeldContext):
         self._hands_off_to = hands_off_to
         super().__init__()
         self._then: list[NewRequest] = []
+        self._locks: list[dict[str, str]] = []
         self._worker_id = worker_id
         # When the database last confirmed the lease (claim or heartbeat), on this process's
         # monotonic clock: it only bounds how long a completion keeps retrying.
@@ -451,6 +479,16 @@ class StageContext(HeldContext):
     def handoffs(self) -> list[NewRequest]:
         """The hand-offs (:meth:`then`) made so far, enqueued with the completion."""
         return list(self._then)
+
+    @property
+    def lock_outcomes(self) -> list[dict[str, str]]:
+        """The run's compute-lock outcomes so far (``{"cell", "outcome"}``: paid, waited,
+        stored, cached, locked), kept in the request's history by the run's end."""
+        return list(self._locks)
+
+    def _lock_outcome(self, task: str, found: Outcome[Any] | Locked) -> None:
+        if len(self._locks) < LOCK_OUTCOMES_CAP:
+            self._locks.append({"cell": task, "outcome": lock_outcome_name(found)})
 
     @property
     def confirmed_at(self) -> float:

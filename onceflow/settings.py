@@ -242,10 +242,12 @@ class Settings(BaseSettings):
         description="Longest lifetime (exp - iat) of a worker token; a token minted for "
         "longer is refused (401) and onceflow.mint_worker_token refuses to mint it.",
     )
-    operator_keys: dict[str, list[str]] = Field(
+    operator_keys: dict[str, list[str] | dict[str, list[str]]] = Field(
         default_factory=dict,
         description='Operator keys as JSON {"<sha256 hex of the key>": ["viewer"] or ["admin"]}: '
-        "the dashboard and /metrics (viewer), and requeue/cancel from the dashboard (admin).",
+        "the dashboard and /metrics (viewer), and requeue/cancel from the dashboard (admin). "
+        'A key limited to some workspaces: {"roles": [...], "workspaces": ["acme-*"]}; the '
+        "dashboard withholds other workspaces' inputs, results and errors from it.",
     )
     trace_workspace_ids: bool = Field(
         default=False,

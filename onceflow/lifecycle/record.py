@@ -76,7 +76,9 @@ def record(
         handing = spans.write_span(spans.HAND_OFF, write, attributes, kind=SpanKind.PRODUCER)
     try:
         with turn(), spans.current(handing):
-            followed = queue.finish(ctx.claim, outcome.result, then=handoffs)
+            followed = queue.finish(
+                ctx.claim, outcome.result, then=handoffs, locks=ctx.lock_outcomes
+            )
     except LeaseLost:
         spans.end_write(handing, fenced=False)
         spans.end_write(write, fenced=False)
@@ -117,7 +119,7 @@ def _fail(
         with turn():
             row: Request = queue.fail(
                 claim, outcome.error, retryable=outcome.retryable, retry_in=outcome.retry_in,
-                count_attempt=outcome.counts_attempt,
+                count_attempt=outcome.counts_attempt, locks=ctx.lock_outcomes,
             )  # fmt: skip
     except LeaseLost:
         spans.end_write(write, fenced=False)
@@ -156,7 +158,8 @@ def record_many(
     Successes without hand-offs go in one statement (:meth:`Queue.complete_many`),
     failures in another (:meth:`Queue.fail_many`), each row fenced by its own claim; a
     success that hands off is written alone (its follow-ups in the completion's
-    transaction). A batch the store refuses as a whole (a result or error over a payload
+    transaction), and so is a run that took compute locks (their outcomes go to its
+    history row). A batch the store refuses as a whole (a result or error over a payload
     limit) is written again row by row, where :func:`record` fails a refused result
     permanently and shortens a refused error. ``turn`` is held around each write.
 
@@ -176,9 +179,13 @@ def record_many(
     for i, (ctx, outcome) in enumerate(runs):
         if outcome.kind == "lease_lost":
             out[i] = {"outcome": "lease_lost"}
+        elif outcome.kind == "failed" and ctx.lock_outcomes:
+            out[i] = _record_one(queue, ctx, outcome, turn, parents[i])
         elif outcome.kind == "failed":
             failing.append(i)
-        elif ctx.handoffs:  # follow-ups are enqueued in the completion's transaction
+        elif ctx.handoffs or ctx.lock_outcomes:
+            # Follow-ups are enqueued in the completion's transaction; a run's compute-lock
+            # outcomes go to its history row, which the batch statements do not take.
             out[i] = _record_one(queue, ctx, outcome, turn, parents[i])
         else:
             plain.append(i)

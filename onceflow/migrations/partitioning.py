@@ -40,6 +40,7 @@ WORKSPACE_TABLES = (
     "spend_budgets",
     "spend_reservations",
     "result_cache",
+    "workspace_request_attempts",
 )
 #: The config attribute :func:`onceflow.migrate.migrate` passes the resolved layout in.
 ATTRIBUTE = "onceflow_partitions"
@@ -147,8 +148,11 @@ def _attached(parent_index: str, child_index: str) -> bool:
     )
 
 
-def create_index_concurrently(name: str, table: str, columns: str, unique: bool = False) -> None:
-    """Build index ``name`` on ``table (columns)`` without blocking writes, on either layout.
+def create_index_concurrently(
+    name: str, table: str, columns: str, unique: bool = False, where: str = ""
+) -> None:
+    """Build index ``name`` on ``table (columns)`` without blocking writes, on either layout
+    (``where``: a partial index's condition, "" for none).
 
     Plain table: ``CREATE INDEX CONCURRENTLY``. Partitioned table: the index ``ON ONLY``
     the parent (catalog only, invalid until complete), then per partition a
@@ -157,6 +161,7 @@ def create_index_concurrently(name: str, table: str, columns: str, unique: bool 
     one is kept, so the call can simply be repeated. Run it inside ``autocommit_block()``.
     """
     kind = "UNIQUE INDEX" if unique else "INDEX"
+    cond = f" WHERE {where}" if where else ""
     parts = partitions_of(table) if is_partitioned(table) else []
     if not parts:
         state = _index_valid(name)
@@ -164,9 +169,9 @@ def create_index_concurrently(name: str, table: str, columns: str, unique: bool 
             return
         if state is False:
             op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {name}")
-        op.execute(f"CREATE {kind} CONCURRENTLY {name} ON {table} ({columns})")
+        op.execute(f"CREATE {kind} CONCURRENTLY {name} ON {table} ({columns}){cond}")
         return
-    op.execute(f"CREATE {kind} IF NOT EXISTS {name} ON ONLY {table} ({columns})")
+    op.execute(f"CREATE {kind} IF NOT EXISTS {name} ON ONLY {table} ({columns}){cond}")
     for part in parts:
         child = f"{part}_{name}"[:63]
         if _attached(name, child):
@@ -175,7 +180,7 @@ def create_index_concurrently(name: str, table: str, columns: str, unique: bool 
         if state is False:
             op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {child}")
         if not state:
-            op.execute(f"CREATE {kind} CONCURRENTLY {child} ON {part} ({columns})")
+            op.execute(f"CREATE {kind} CONCURRENTLY {child} ON {part} ({columns}){cond}")
         op.execute(f"ALTER INDEX {name} ATTACH PARTITION {child}")
 
 

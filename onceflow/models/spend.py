@@ -73,6 +73,13 @@ spend_ledger = Table(
     ),
     # Spend by provider over a period, across workspaces.
     Index("ix_spend_ledger_provider", "provider", "recorded_at"),
+    # A request's rows (the request page; 0014).
+    Index(
+        "ix_spend_ledger_request",
+        "workspace_id",
+        "request_id",
+        postgresql_where=text("request_id IS NOT NULL"),
+    ),
 )
 
 # Alike by shape to the other tables on purpose: each table's own columns, workspace first.

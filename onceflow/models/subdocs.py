@@ -49,4 +49,6 @@ workspace_sub_doc_ops = Table(
         postgresql_where=text("clock IS NOT NULL"),
     ),
     Index("ix_ops_committed", "committed_at"),
+    # The ops a request's claims wrote (the request page; 0014).
+    Index("ix_ops_fence", "workspace_id", "fence", postgresql_where=text("fence IS NOT NULL")),
 )

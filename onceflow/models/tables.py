@@ -125,6 +125,10 @@ workspace_process_requests = Table(
     Index("ix_wpr_request_id", "request_id"),
     # Listing a workspace's requests, newest first; workspace first, as every key of a workspace.
     Index("ix_wpr_workspace", "workspace_id", "created_at"),
+    # Every request newest first (the dashboard's search; the rollup's enqueues) (0015).
+    Index("ix_wpr_created", "created_at"),
+    # One job's requests newest first, and a pasted job id (the dashboard's search) (0015).
+    Index("ix_wpr_job", "job_id", "created_at"),
     # Retention: finished rows by age.
     Index(
         "ix_wpr_finished",

@@ -336,6 +336,7 @@ class ClaimOps:
         *,
         then: Iterable[NewRequest] = (),
         now: datetime | None = None,
+        locks: Sequence[Mapping[str, Any]] | None = None,
     ) -> Steps[tuple[Request, builtins.list[EnqueueResult]]]:
         """Mark the request succeeded with ``result`` (fenced by the token).
 
@@ -347,12 +348,13 @@ class ClaimOps:
         retry recognises its own completion by the token instead of reporting
         ``LeaseLost`` (its hand-offs are then left for the sweeper's next wake-up).
         Returns the completed request and the follow-ups' results; :meth:`finish` is
-        the same write for a caller that keeps nothing of the row.
+        the same write for a caller that keeps nothing of the row. ``locks``: the run's
+        compute-lock outcomes, kept in the request's history (:func:`lock_outcomes_text`).
         """
         # A Claim holds the claimed row: the completion reads back only what may differ.
         held = claim.request if isinstance(claim, Claim) else None
         statement = sql.COMPLETE if held is None else sql.COMPLETE_CHANGED
-        row, followed = yield from self._succeed(claim, result, then, now, statement)
+        row, followed = yield from self._succeed(claim, result, then, now, statement, locks)
         if isinstance(row, Request):  # found landed after a lost answer: read whole
             done = row
         else:
@@ -369,11 +371,12 @@ class ClaimOps:
         *,
         then: Iterable[NewRequest] = (),
         now: datetime | None = None,
+        locks: Sequence[Mapping[str, Any]] | None = None,
     ) -> Steps[builtins.list[EnqueueResult]]:
         """:meth:`hand_off`, returning only the follow-ups' results: the same fenced write,
         retries and recognition of a landed attempt, but the completed row is not read
         back (what a Celery stage and a worker loop keep of it is nothing)."""
-        row, followed = yield from self._succeed(claim, result, then, now, sql.FINISH)
+        row, followed = yield from self._succeed(claim, result, then, now, sql.FINISH, locks)
         if isinstance(row, Request):
             metrics.finished(row)
         else:
@@ -391,6 +394,7 @@ class ClaimOps:
         then: Iterable[NewRequest],
         now: datetime | None,
         statement: Query,
+        locks: Sequence[Mapping[str, Any]] | None = None,
     ) -> Steps[_Succeeded]:
         """The steps of :meth:`hand_off` and :meth:`finish`: ``statement``'s row (or, when
         an attempt whose answer was lost is found landed, the whole :class:`Request`) and
@@ -409,7 +413,9 @@ class ClaimOps:
             _same_workspace(workspace_of(claim), follow_params["workspace_ids"])
         params = {
             **fence_key(claim), "token": claim.token, "result": text, "now": now,
-            **fence_scopes(claim),
+            **fence_scopes(claim), "locks": lock_outcomes_text(locks),
+            # The follow-ups' ids, in the run's history (a hand-off).
+            "handed_to": None if follow_params is None else follow_params["request_ids"],
         }  # fmt: skip
 
         def attempt() -> Steps[_Succeeded]:
@@ -514,6 +520,7 @@ class ClaimOps:
         retry_in: float | None = None,
         count_attempt: bool = True,
         now: datetime | None = None,
+        locks: Sequence[Mapping[str, Any]] | None = None,
     ) -> Steps[Request]:
         """Record a failed run (fenced): queued again after a backoff, or dead; error kept.
 
@@ -535,7 +542,7 @@ class ClaimOps:
             "retryable": retryable, "uncounted": not count_attempt, "delay": delay, "now": now,
             "backoff_base": float(self.settings.backoff_base_seconds),
             "backoff_max": float(self.settings.backoff_max_seconds),
-            "notify": self.settings.notify,
+            "notify": self.settings.notify, "locks": lock_outcomes_text(locks),
         }  # fmt: skip
 
         def attempt() -> Steps[Request]:
@@ -761,6 +768,24 @@ def _as_steps(value: Any) -> Steps[Any]:
     if inspect.isgenerator(value):
         return (yield from value)
     return value
+
+
+#: At most this many compute-lock outcomes of one run are kept in its history (the first).
+LOCK_OUTCOMES_CAP = 50
+#: A cell's name in the history is cut to this many characters.
+LOCK_CELL_CAP = 200
+
+
+def lock_outcomes_text(locks: Sequence[Mapping[str, Any]] | None) -> str | None:
+    """A run's compute-lock outcomes as the JSON its history row keeps (None for none): the
+    first :data:`LOCK_OUTCOMES_CAP`, each ``{"cell", "outcome"}`` with the cell's name cut."""
+    if not locks:
+        return None
+    kept = [
+        {"cell": str(lock.get("cell", ""))[:LOCK_CELL_CAP], "outcome": str(lock.get("outcome"))}
+        for lock in list(locks)[:LOCK_OUTCOMES_CAP]
+    ]
+    return json.dumps(kept, separators=(",", ":"))
 
 
 def _error_text(settings: Settings, error: Any) -> str:

@@ -113,6 +113,58 @@ def _notify_one(row: str, where: str) -> str:
       ELSE true END"""
 
 
+#: The history table: one row per ended claim or operator move, written by the statement
+#: that ends or moves the row (migration 0014), so it never disagrees with the row.
+ATTEMPTS = "workspace_request_attempts"
+
+#: Longest error message copied to a history row (the row keeps its whole error).
+_MESSAGE_CAP = 500
+
+
+def _history(rows: str, event: str, **values: str) -> str:
+    """A CTE body: one history row (``ATTEMPTS``) per row of ``rows`` (a data-modifying CTE
+    returning the ``h_`` columns of ``_HISTORY_RETURNING``), its event ``event`` (an SQL
+    expression over ``r``, the row). ``values`` overrides a column's expression (``attempt``,
+    ``error``: the error JSON, ``handed_to``, ``locks``); a claim's columns come from the
+    row unless ``claimless`` is given."""
+    claimless = "claimless" in values
+    claim = (
+        "NULL, NULL, NULL, NULL"
+        if claimless
+        else "r.h_claimed_by, r.h_claimed_at, r.h_lease_seconds, r.h_heartbeat_at"
+    )
+    attempt = values.get("attempt", "NULL" if claimless else "r.h_attempts")
+    error = values.get("error")
+    errors = (
+        "NULL, NULL"
+        if error is None
+        else f"left({error} ->> 'type', 200), left({error} ->> 'message', {_MESSAGE_CAP})"
+    )
+    return f"""INSERT INTO {ATTEMPTS} (workspace_id, request_id, event, next_status, attempt,
+        claimed_by, claimed_at, lease_seconds, heartbeat_at, ended_at, error_type,
+        error_message, handed_to, locks)
+    SELECT r.h_workspace_id, r.h_request_id, {event}, r.h_status, {attempt}, {claim},
+           r.h_updated_at, {errors},
+           {values.get("handed_to", "NULL")}, {values.get("locks", "NULL")}
+    FROM {rows} r"""
+
+
+#: What a statement writing history returns of its row (after the write) for ``_history``.
+_HISTORY_RETURNING = """w.workspace_id AS h_workspace_id, w.request_id AS h_request_id,
+    w.status AS h_status, w.attempts AS h_attempts, w.claimed_by AS h_claimed_by,
+    w.claimed_at AS h_claimed_at, w.lease_seconds AS h_lease_seconds,
+    w.heartbeat_at AS h_heartbeat_at, w.updated_at AS h_updated_at"""
+
+
+def _outer(returning: str) -> str:
+    """``returning`` (columns of ``w``) as the same columns of the CTE ``upd``."""
+    return returning.replace("w.", "upd.")
+
+
+#: A run's compute-lock outcomes, as the run's end sends them (:locks: JSON text or NULL).
+_LOCKS = "CAST(:locks AS jsonb)"
+
+
 # The rows come as one JSON text (:rows, built by EnqueueOps._enqueue_params): an array of
 # [request_id, workspace_id, job_id, branch_path, stage, dedupe, input_hash, worker_class,
 #  priority, max_attempts, max_crash_attempts, delay, input], the input as its canonical JSON.
@@ -458,10 +510,17 @@ FOR SHARE OF w
 """
 
 
+# A completion records its run in the history (`_history`): a hand-off when :handed_to (the
+# follow-ups' ids, NULL for none) names any, with the run's lock outcomes (:locks).
+_COMPLETED = """CASE WHEN cardinality(CAST(:handed_to AS text[])) > 0 THEN 'handed_off'
+                ELSE 'succeeded' END"""
+
+
 def _complete(ws: str, returning: str) -> str:
     """COMPLETE of the row ``_by_id(ws)``, returning the columns ``returning``."""
     return f"""
-WITH n AS ({_NOW})
+WITH n AS ({_NOW}),
+upd AS (
 UPDATE {TABLE} AS w SET
     status = 'succeeded',
     result = CAST(:result AS jsonb),
@@ -472,7 +531,10 @@ UPDATE {TABLE} AS w SET
     updated_at = n.now
 FROM n
 WHERE {_fence(ws)}
-RETURNING {returning}
+RETURNING {returning}, {_HISTORY_RETURNING}
+),
+hist AS ({_history("upd", _COMPLETED, handed_to="CAST(:handed_to AS text[])", locks=_LOCKS)})
+SELECT {_outer(returning)} FROM upd
 """
 
 
@@ -528,7 +590,8 @@ nxt AS (
         ELSE 'dead'
     END AS status,
     {_backoff("w.attempts")}
-        AS backoff
+        AS backoff,
+    w.attempts
     FROM {TABLE} w WHERE {_by_id(ws)}
     FOR UPDATE OF w
 ),
@@ -551,17 +614,24 @@ UPDATE {TABLE} AS w SET
     updated_at = n.now
 FROM n, nxt
 WHERE {_fence(ws)}
-RETURNING {RETURNING}
-)
-SELECT upd.* FROM upd, n
+RETURNING {RETURNING}, {_HISTORY_RETURNING}, nxt.attempts AS h_attempt
+),
+hist AS ({_history("upd", "'failed'", attempt="r.h_attempt", error="r.error", locks=_LOCKS)})
+SELECT {_outer(RETURNING)} FROM upd, n
 WHERE {_notify_one("upd", "upd.status = 'queued' AND upd.run_after <= n.now")}
 """
+
+
+# A cancel is recorded in the history (no claim of it ends: a running run is asked to stop,
+# and its own end records it).
+_CANCELLED = "CASE WHEN r.h_status = 'cancelled' THEN 'cancelled' ELSE 'cancel_requested' END"
 
 
 @_by_key("queue.cancel")
 def CANCEL(ws: str) -> str:
     return f"""
-WITH n AS ({_NOW})
+WITH n AS ({_NOW}),
+upd AS (
 UPDATE {TABLE} AS w SET
     cancel_requested = true,
     status = CASE WHEN w.status = 'queued' THEN 'cancelled' ELSE w.status END,
@@ -575,7 +645,10 @@ WHERE {_by_id(ws)}
   AND (CAST(:expect AS timestamptz) IS NULL OR w.updated_at = CAST(:expect AS timestamptz))
   AND (CAST(:expect_run AS text) IS NULL
        OR (w.status = 'running' AND {RUN_ID} = CAST(:expect_run AS text)))
-RETURNING {RETURNING}
+RETURNING {RETURNING}, {_HISTORY_RETURNING}
+),
+hist AS ({_history("upd", _CANCELLED, claimless="")})
+SELECT {_outer(RETURNING)} FROM upd
 """
 
 
@@ -605,9 +678,10 @@ WHERE {_by_id(ws)} AND w.status IN ('succeeded', 'dead', 'cancelled')
   -- fenced (an operator's requeue): only the dead/cancelled row as the operator saw it
   AND (CAST(:expect AS timestamptz) IS NULL
        OR (w.status IN ('dead', 'cancelled') AND w.updated_at = CAST(:expect AS timestamptz)))
-RETURNING {RETURNING}
-)
-SELECT * FROM upd WHERE {_notify_one("upd", "true")}
+RETURNING {RETURNING}, {_HISTORY_RETURNING}
+),
+hist AS ({_history("upd", "'requeued'", claimless="")})
+SELECT {_outer(RETURNING)} FROM upd WHERE {_notify_one("upd", "true")}
 """
 
 
@@ -831,10 +905,19 @@ UPDATE {TABLE} AS w SET
 FROM nxt, n, LATERAL (SELECT {_backoff("nxt.attempts")} AS backoff) b
 WHERE w.workspace_id = nxt.workspace_id AND w.request_id = nxt.request_id
 RETURNING w.request_id, w.workspace_id, w.status, w.stage, w.worker_class, nxt.overran,
-    w.run_after, w.attempts, w.crash_attempts, w.trace_context
+    w.run_after, w.attempts, w.crash_attempts, w.trace_context, w.error, {_HISTORY_RETURNING}
 ),
+hist AS ({
+        _history(
+            "upd",
+            "CASE WHEN r.overran THEN 'overran' ELSE 'rescued' END",
+            error="CASE WHEN r.overran OR r.status = 'dead' THEN r.error END",
+        )
+    }),
 sig AS ({_notify("upd", "r.status = 'queued' AND r.run_after <= n.now")})
-SELECT * FROM upd WHERE {_SENT}
+SELECT upd.request_id, upd.workspace_id, upd.status, upd.stage, upd.worker_class, upd.overran,
+    upd.run_after, upd.attempts, upd.crash_attempts, upd.trace_context
+FROM upd WHERE {_SENT}
 """,
 )
 
@@ -959,6 +1042,11 @@ old AS (
       AND w.status IN ('succeeded', 'cancelled')
     LIMIT :limit
     FOR UPDATE OF w SKIP LOCKED
+),
+-- with its history: the requests' rows are locked (FOR UPDATE), no end can add to it now
+hist AS (
+    DELETE FROM {ATTEMPTS} AS a USING old
+    WHERE a.workspace_id = old.workspace_id AND a.request_id = old.request_id
 )
 DELETE FROM {TABLE} AS w USING old
 WHERE w.workspace_id = old.workspace_id AND w.request_id = old.request_id
@@ -1042,7 +1130,8 @@ COMPLETE_MANY = Statement.write(
     "queue.complete_many",
     f"""
 WITH n AS ({_NOW}),
-{_COMPLETE_ROWS}
+{_COMPLETE_ROWS},
+upd AS (
 UPDATE {TABLE} AS w SET
     status = 'succeeded',
     result = i.result,
@@ -1053,7 +1142,10 @@ UPDATE {TABLE} AS w SET
     updated_at = n.now
 FROM i JOIN locked USING (workspace_id, request_id), n
 WHERE {_BATCH_FENCE}
-RETURNING w.workspace_id, w.request_id, {_RUN_RETURNING}
+RETURNING w.workspace_id, w.request_id, {_RUN_RETURNING}, {_HISTORY_RETURNING}
+),
+hist AS ({_history("upd", "'succeeded'")})
+SELECT upd.workspace_id, upd.request_id, {_outer(_RUN_RETURNING)} FROM upd
 """,
     binary=("request_ids", "tokens", "results", "workspace_ids"),
 )
@@ -1094,10 +1186,13 @@ upd AS (
         updated_at = n.now
     FROM i JOIN locked USING (workspace_id, request_id), n
     WHERE {_BATCH_FENCE}
-    RETURNING {RETURNING}
+    RETURNING {RETURNING}, {_HISTORY_RETURNING},
+        w.attempts + CASE WHEN i.uncounted AND w.status = 'queued' THEN 1 ELSE 0 END
+            AS h_attempt
 ),
+hist AS ({_history("upd", "'failed'", attempt="r.h_attempt", error="r.error")}),
 {_notify_after("upd")}
-SELECT upd.* FROM upd, notified
+SELECT {_outer(RETURNING)} FROM upd, notified
 """,
 )
 

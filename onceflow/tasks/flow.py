@@ -54,12 +54,15 @@ from onceflow.errors import (
 from onceflow.ids import check_id, check_worker_class, random_request_id
 from onceflow.keys import queue_name
 from onceflow.lifecycle.outcome import OnBudget, check_on_budget
+from onceflow.locks.savings import read_savings
 from onceflow.metrics import record as metrics
 from onceflow.models.requests import Dispatch, EnqueueResult, NewRequest, Request, SweepResult
 from onceflow.models.sub_doc_scope import SubDocScope
 from onceflow.payloads import check_json
 from onceflow.queue import Queue
+from onceflow.queue.series import write_rollup
 from onceflow.queue.sweep import traced_sweep
+from onceflow.redis_clients import REDIS_OR_OS_ERRORS
 from onceflow.settings import Settings, get_settings
 from onceflow.shards import each_shard
 from onceflow.spend.defaults import install_ledger
@@ -644,6 +647,7 @@ class Flow:
                 now=now,
             )
         )
+        self._write_rollup(queue, result, now)
         if self.settings.op_retention_seconds is not None:
             try:
                 oplog_for(queue).prune(older_than_seconds=self.settings.op_retention_seconds)
@@ -661,6 +665,33 @@ class Flow:
                 len(result.to_dispatch),
             )
         return result
+
+    def _write_rollup(self, queue: Queue, result: SweepResult, now: datetime | None) -> None:
+        """The dashboard's per-minute rollup of this database (:mod:`onceflow.queue.series`) at
+        the first sweep of each minute, with the Redis savings counters on the first
+        database only (Redis is shared). A failure is logged: the rollup is written at the
+        next sweep, nothing else waits."""
+
+        def savings() -> dict[str, Any] | None:
+            try:
+                return read_savings(oplog_for(queue).redis())
+            except REDIS_OR_OS_ERRORS as exc:
+                log.info("sweep: savings counters not read: %s: %s", type(exc).__name__, exc)
+                return None
+
+        try:
+            write_rollup(
+                queue.engine, result=result,
+                savings=savings if queue is self.queue.shards()[0] else None,
+                retention_seconds=self.settings.retention_seconds, once_a_minute=True,
+                now=now,
+            )  # fmt: skip
+        except Exception as exc:  # any error: the next sweep recomputes the minutes
+            log.warning(
+                "sweep: dashboard rollup failed, written next sweep: %s: %s",
+                type(exc).__name__,
+                exc,
+            )
 
     def _send_wakeups(self, batch: Sequence[Dispatch]) -> None:
         """A sweep's sender: the rows are already marked dispatched (a failed send unmarks)."""

@@ -33,6 +33,10 @@ APP = "tests.browser.stages:flow"
 VIEWER_KEY = "of_test_dash_viewer_0123456789abcdef"
 ADMIN_KEY = "of_test_dash_admin_0123456789abcdefg"
 API_KEY = "of_test_dash_api_key_0123456789abcdef"  # an API key: not an operator key
+# An admin key limited to the workspaces "dash-ws1" and "dash-own-*": other workspaces'
+# payloads are withheld from it.
+SCOPED_KEY = "of_test_dash_scoped_0123456789abcdef"
+SCOPED_WORKSPACES = ["dash-ws1", "dash-own-*"]
 WC = "t-dash"
 HOLD_WC = "t-dash-hold"
 
@@ -49,7 +53,11 @@ def dashboard_api(
     env = {
         **TEST_ENV,
         "ONCEFLOW_OPERATOR_KEYS": json.dumps(
-            {hash_key(VIEWER_KEY): ["viewer"], hash_key(ADMIN_KEY): ["admin"]}
+            {
+                hash_key(VIEWER_KEY): ["viewer"],
+                hash_key(ADMIN_KEY): ["admin"],
+                hash_key(SCOPED_KEY): {"roles": ["admin"], "workspaces": SCOPED_WORKSPACES},
+            }
         ),
         "ONCEFLOW_API_KEYS": json.dumps({hash_key(API_KEY): ["*"]}),
         "ONCEFLOW_API_AUTH_FAILURE_LIMIT": "",
@@ -57,7 +65,7 @@ def dashboard_api(
     with api_server(tmp_path_factory.mktemp("dash-api"), env, app=APP) as (url, proc):
         yield url, proc
     log_text = proc.log()
-    for secret in (VIEWER_KEY, ADMIN_KEY, API_KEY):
+    for secret in (VIEWER_KEY, ADMIN_KEY, API_KEY, SCOPED_KEY):
         assert secret not in log_text  # keys are never logged
 
 

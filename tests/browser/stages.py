@@ -60,3 +60,11 @@ def hold(ctx: StageContext, data: CellInput) -> dict[str, Any]:
     while not ctx.cancel_requested and r().blpop([RELEASE + ctx.request.job_id], 0.2) is None:
         pass
     return {"stopped": ctx.cancel_requested}
+
+
+@flow.stage("split", input=CellInput, worker_class=WC)
+def split(ctx: StageContext, data: CellInput) -> dict[str, Any]:
+    """Hands off to ``value`` cells of its job (branches s0, s1, …): they share one call."""
+    for i in range(data.value):
+        ctx.then("cell", {"value": 7}, branch_path=f"s{i}")
+    return {"handed_off": data.value}

@@ -28,7 +28,7 @@ def test_upgrade_head_on_empty_database_then_no_drift(empty_database: str) -> No
             ).scalar_one()
             assert "autovacuum_vacuum_scale_factor=0.01" in options
             version = conn.execute(text("SELECT version_num FROM onceflow_alembic_version"))
-            assert version.scalar_one() == "0013"
+            assert version.scalar_one() == "0015"
     finally:
         engine.dispose()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import pytest
@@ -96,8 +97,22 @@ def test_no_operator_key_configured_means_no_access() -> None:
         {hash_key(VIEW_KEY): []},
         {hash_key(VIEW_KEY): ["root"]},
         {hash_key(VIEW_KEY): "viewer"},
+        {hash_key(VIEW_KEY): {"roles": ["viewer"], "workspaces": []}},
+        {hash_key(VIEW_KEY): {"roles": ["viewer"], "workspaces": ["a*b"]}},
+        {hash_key(VIEW_KEY): {"roles": ["viewer"], "workspace": ["a"]}},
+        {hash_key(VIEW_KEY): {"workspaces": ["a"]}},
     ],
-    ids=["clear", "upper", "no-roles", "unknown-role", "string-not-list"],
+    ids=[
+        "clear",
+        "upper",
+        "no-roles",
+        "unknown-role",
+        "string-not-list",
+        "no-workspaces",
+        "inner-star",
+        "unknown-field",
+        "scope-without-roles",
+    ],
 )
 def test_a_malformed_table_is_refused_at_start_up(table: dict[str, object]) -> None:
     with pytest.raises(InvalidRequest):
@@ -110,3 +125,23 @@ def test_settings_read_the_table_from_the_environment(monkeypatch: pytest.Monkey
     operator = auth.authenticate(ADMIN_KEY)
     assert operator is not None and operator.may(VIEWER) and operator.may(ADMIN)
     assert auth.authenticate(VIEW_KEY) is None
+
+
+def test_a_key_limited_to_some_workspaces_reads_only_their_payloads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    table = {
+        hash_key(VIEW_KEY): {"roles": ["viewer"], "workspaces": ["acme-*", "solo"]},
+        hash_key(ADMIN_KEY): ["admin"],
+    }
+    monkeypatch.setenv("ONCEFLOW_OPERATOR_KEYS", json.dumps(table))
+    auth = OperatorAuth.from_settings(Settings())
+    scoped, everything = auth.authenticate(VIEW_KEY), auth.authenticate(ADMIN_KEY)
+    assert scoped is not None and everything is not None
+    assert scoped.may(VIEWER) and not scoped.may(ADMIN)
+    assert scoped.may_read("acme-1") and scoped.may_read("solo")
+    assert not scoped.may_read("solo-2") and not scoped.may_read("other")
+    assert everything.may_read("other") and everything.workspaces is None
+    star = OperatorAuth({hash_key(VIEW_KEY): {"roles": ["viewer"], "workspaces": ["*"]}})
+    found = star.authenticate(VIEW_KEY)
+    assert found is not None and found.may_read("anything")

@@ -10,15 +10,24 @@ here too, with the reason in its commit.
 from __future__ import annotations
 
 import hashlib
+from datetime import UTC, datetime
 
 from onceflow.connector.steps import Query
 from onceflow.metrics import sql as metrics_sql
 from onceflow.oplog import sql as oplog_sql
+from onceflow.queue import detail
+from onceflow.queue import search as queue_search
+from onceflow.queue import series as queue_series
 from onceflow.queue import sql as queue_sql
 
 #: sha256 (first 16 hex digits) of each statement's SQL; ``#by_id``: its form for a caller
 #: that names the request by id alone; ``[n]``: CLAIM_NEXT with the literal limit n.
 PINNED = {
+    "detail.handed_from": "6e702332b4f1d21d",
+    "detail.history": "87fc34a006184d2f",
+    "detail.ops": "c94a51a627c7449f",
+    "detail.row": "3e884a64db252227",
+    "detail.spend": "8bbec39114b4e66d",
     "metrics.estimated_rows": "bee345ee8cab3c39",
     "metrics.live_counts": "ed1745a2bbb4ef54",
     "metrics.table_health": "c55a1c571b800836",
@@ -32,25 +41,25 @@ PINNED = {
     "oplog.record_applied": "25eccd5c129d1187",
     "oplog.record_rejected": "8f7c889044a08482",
     "queue.begin_sweep": "e7ac0cdf7819cd60",
-    "queue.cancel": "b2dfd6574c58f760",
-    "queue.cancel#by_id": "72c48e0787d0563e",
+    "queue.cancel": "406d888cf46e96c6",
+    "queue.cancel#by_id": "80165b6eb220b62d",
     "queue.claim": "c159b4522914942f",
     "queue.claim#by_id": "886d44307de93a51",
     "queue.claim_next[10]": "6ef8b083495ed751",
-    "queue.claimable": "2c81f8c599d6ab66",
     "queue.claim_next[1]": "a9cccf688aeaeb72",
     "queue.claim_next_scoped[10]": "4ee0abdc7cc86a05",
     "queue.claim_next_scoped[1]": "09c7e736445e3493",
     "queue.claim_parent": "88b4b8c184051c9d",
     "queue.claim_parent#by_id": "471a0af8677be73a",
-    "queue.complete": "a5c7801dd9404be4",
-    "queue.complete#by_id": "3a561df1b0effe14",
-    "queue.complete_changed": "d8ace815543b6ef1",
-    "queue.complete_changed#by_id": "e3005deec6aa72f1",
-    "queue.complete_many": "7926bf6a21a69607",
+    "queue.claimable": "2c81f8c599d6ab66",
+    "queue.complete": "84c7cfd8df87f507",
+    "queue.complete#by_id": "2502d9a8bb223f43",
+    "queue.complete_changed": "f586857a5f89230f",
+    "queue.complete_changed#by_id": "ef5ae2dc4be14571",
+    "queue.complete_many": "ddbd21d26659ff10",
     "queue.counts": "d6a7c4376ad6e65a",
     "queue.counts_for_workspace": "4271026006f7d9c5",
-    "queue.delete_finished": "bbe830c41af61f59",
+    "queue.delete_finished": "483aed4657b6635f",
     "queue.depth_all": "5c3d3046fdf30bfa",
     "queue.depth_for": "2336014be5f02f1b",
     "queue.due_counts": "36d0450deba30274",
@@ -59,13 +68,13 @@ PINNED = {
     "queue.enqueue": "e914735bf71c3c75",
     "queue.enqueue_lookup": "d8dab21da412b1f8",
     "queue.enqueue_one": "24491c136157eac5",
-    "queue.fail": "ae21ed91b8219792",
-    "queue.fail#by_id": "7a491278f5225629",
-    "queue.fail_many": "282f9cf8f94f6f06",
+    "queue.fail": "58ea0840f73c9af9",
+    "queue.fail#by_id": "c91a16593635f087",
+    "queue.fail_many": "d27eb7009ddfc791",
     "queue.fence_check": "4c21bf25fd0cfdcb",
     "queue.fence_check#by_id": "8de28bf5c9743696",
-    "queue.finish": "f26cb002e29ed488",
-    "queue.finish#by_id": "f84208d4d48d9565",
+    "queue.finish": "4902dc6cf6febc19",
+    "queue.finish#by_id": "337516a1b0e26db0",
     "queue.get": "4fe0bb18f79cba3a",
     "queue.get#by_id": "4924a147f9790a69",
     "queue.heartbeat": "cfbf80d743c69841",
@@ -87,11 +96,55 @@ PINNED = {
     "queue.prune_payloads": "aa3b57325df9481d",
     "queue.release": "5511a54ab47d2196",
     "queue.released_many": "6afe8f52a847b531",
-    "queue.requeue": "96f128de9ad3c996",
-    "queue.requeue#by_id": "534a2618cc02fbf4",
-    "queue.rescue_expired": "6fbbf7dde99ac0ae",
+    "queue.requeue": "8f5b59ed33d03bc4",
+    "queue.requeue#by_id": "5d0767f57022cc96",
+    "queue.rescue_expired": "8eaa4d8f66e5519d",
     "queue.wait_mark": "0022846c23865706",
     "queue.wait_mark#by_id": "143f41ff16a42db5",
+    "search[all,cursor]": "7bb1ad0968da744b",
+    "search[none]": "c578b291e58ac7ec",
+    "search[q_prefix]": "84726ed118ef483f",
+    "series.counts": "7552e897120330f9",
+    "series.depth_sample": "0e8443cc504bc5b8",
+    "series.lock": "cadc8283603acdc6",
+    "series.prune.onceflow_series": "e3d9bd77d19db9d4",
+    "series.prune.onceflow_series_savings": "9262c27dda5c52ff",
+    "series.prune.onceflow_series_spend": "c2af4dbed1b413ff",
+    "series.read_budgets": "404b9219b6850ddf",
+    "series.read_counts": "14fdd690a34f91a1",
+    "series.read_gauges": "f59dd1d6b63263b7",
+    "series.read_now": "409ebd09f6aff869",
+    "series.read_savings": "a309eb541904d15d",
+    "series.read_spend_providers": "d4f1604febfc59db",
+    "series.read_spend_workspaces": "2ffffb8f6b004443",
+    "series.rescued": "4f8497d04794d9f1",
+    "series.savings": "db6682e7ef9690ca",
+    "series.spend": "d7169f78316e08f7",
+    "series.spend_clear": "a2fe65e21cf4eab7",
+    "series.window": "c251d39076df49ab",
+    "series.zero": "3f532933899fa04a",
+}
+
+
+#: The dashboard search's statement for a few filter combinations (it is built from one
+#: condition per filter given; these pin the conditions, the order and the cursor's).
+SEARCH_SHAPES = {
+    "none": (queue_search.Filters(), False),
+    "all,cursor": (
+        queue_search.Filters(
+            workspace="w",
+            job="j",
+            branch="b",
+            stage="s",
+            worker_class="c",
+            status="queued",
+            since=datetime(2026, 1, 1, tzinfo=UTC),
+            until=datetime(2026, 1, 2, tzinfo=UTC),
+            q="job-or-id",
+        ),
+        True,
+    ),
+    "q_prefix": (queue_search.Filters(q="abcdef12"), False),
 }
 
 
@@ -116,6 +169,12 @@ def _rendered() -> dict[str, str]:
     out["metrics.live_counts"] = _digest(metrics_sql.Q_LIVE_COUNTS)
     out["metrics.estimated_rows"] = _digest(metrics_sql.ESTIMATED_ROWS.sql)
     out["metrics.table_health"] = _digest(metrics_sql.TABLE_HEALTH.sql)
+    for name, sql in detail.STATEMENTS.items():
+        out[name] = _digest(sql)
+    for name, sql in queue_series.STATEMENTS.items():
+        out[name] = _digest(sql)
+    for name, (filters, cursor) in SEARCH_SHAPES.items():
+        out[f"search[{name}]"] = _digest(queue_search.search_sql(filters, cursor=cursor, limit=51))
     return out
 
 

@@ -1,8 +1,8 @@
 # About 400 lines: the dashboard's data routes and their snapshot producer, one router.
 """The dashboard: a static page on ``GET /dashboard`` and its operator-keyed data routes.
 
-The page (``dashboard_static/``: HTML, JS, CSS, no build) holds no data and needs no key: it
-asks the operator for one, keeps it in ``sessionStorage`` and sends it as
+The page (``dashboard_static/``: HTML, JavaScript modules, CSS, no build) holds no data and
+needs no key: it asks the operator for one, keeps it in ``sessionStorage`` and sends it as
 ``Authorization: Bearer`` (never in a URL). The data routes, guarded by
 :func:`~onceflow.integrations.fastapi.guard.operator_route_class` (GET: viewer, POST:
 admin; no login-less mode):
@@ -21,6 +21,19 @@ admin; no login-less mode):
   :data:`MAX_STREAMS` streams per process and :data:`MAX_STREAMS_PER_KEY` per operator key
   (or ``ONCEFLOW_API_SSE_MAX_PER_KEY`` if lower; one key cannot take every stream of a
   process): past that, 429;
+* ``GET /dashboard/api/requests/{id}`` (optional ``?workspace_id=``) — one request, whole
+  (:func:`onceflow.queue.detail.read_request`): its row, history and attempts, hand-offs,
+  ops, compute-lock outcomes, spend and the actions the key may take; the input, result
+  and error only to a key that may read the workspace (else ``withheld``); 404 for an
+  unknown id;
+* ``GET /dashboard/api/requests`` — search: filters (workspace, job, branch, stage,
+  worker_class, status, since/until on created_at), ``q`` (a pasted request id, its hex
+  prefix, or a job id), newest first, keyset pages (``limit`` at most 200, ``cursor`` the
+  previous page's ``next``); every shard asked and merged (:mod:`onceflow.queue.search`);
+* ``GET /dashboard/api/series`` — the time series of the sweeper's rollup over the last
+  hour, day or week, with the spend budgets (:mod:`onceflow.queue.series`);
+* (a key limited to some workspaces acts only with the row's ``workspace_id``, one of its
+  own: else 422 / 403);
 * ``POST /dashboard/api/requests/{id}/requeue`` — fenced: body ``{"version": <the row's
   updated_at as shown>}``; only that dead or cancelled row moves, anything else is 409
   ``changed`` and the row is left as it is; the wake-up is sent after;
@@ -44,23 +57,26 @@ import time
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Annotated, Any, Final
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import Engine
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from onceflow.errors import InvalidRequest, InvalidTransition, OnceflowError
+from onceflow.errors import AccessDenied, InvalidRequest, InvalidTransition, OnceflowError
 from onceflow.ids import check_id
 from onceflow.integrations.fastapi.events import StreamLimit, too_many_streams
 from onceflow.integrations.fastapi.guard import operator_route_class
-from onceflow.integrations.fastapi.operators import Operator
+from onceflow.integrations.fastapi.operators import ADMIN, Operator
 from onceflow.integrations.fastapi.schemas import RequestIdPath, WorkspaceIdStr
 from onceflow.locks.savings import read_savings
 from onceflow.loops import PerLoop
 from onceflow.models import Dispatch, Status
 from onceflow.queue import Queue
+from onceflow.queue import search as request_search
+from onceflow.queue import series as request_series
+from onceflow.queue.detail import read_request
 from onceflow.queue.overview import read_tables, stop_already_requested
 from onceflow.redis_clients import REDIS_OR_OS_ERRORS
 
@@ -75,8 +91,22 @@ MAX_STREAMS: Final = 64
 MAX_STREAMS_PER_KEY: Final = 8  # a few tabs per operator, well below MAX_STREAMS
 KEEPALIVE_SECONDS: Final = 15.0
 SNAPSHOT_TIMEOUT_SECONDS: Final = 5.0
+# The page's files: JavaScript modules (no build step) and one stylesheet. A module is only
+# run when served as JavaScript, so each is listed with its media type.
 _ASSETS: Final = {
-    "dashboard.js": "text/javascript; charset=utf-8",
+    **{
+        f"{name}.js": "text/javascript; charset=utf-8"
+        for name in (
+            "dashboard",
+            "util",
+            "actions",
+            "overview",
+            "charts",
+            "series",
+            "search",
+            "request",
+        )
+    },
     "dashboard.css": "text/css; charset=utf-8",
 }
 _HEADERS: Final = {
@@ -280,6 +310,20 @@ def _operator(request: Request) -> Operator:
     return found
 
 
+def _in_scope(operator: Operator, workspace_id: str | None) -> str:
+    """The operator's key id, if it may act on ``workspace_id``'s requests: a key limited to
+    some workspaces names the row's workspace (the statement then finds the row by its key,
+    in that workspace only) and it must be one of its own."""
+    if operator.workspaces is not None:
+        if workspace_id is None:
+            raise InvalidRequest(
+                "this operator key is limited to some workspaces: send the row's workspace_id"
+            )
+        if not operator.may_read(workspace_id):
+            raise AccessDenied(403, "this operator key is not scoped to that workspace")
+    return operator.key_id
+
+
 def _version(value: str | None) -> datetime:
     if value is None:
         raise InvalidRequest("version is required: the row's version as the dashboard showed it")
@@ -359,10 +403,66 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
         )
 
+    @api.get("/requests/{request_id}", operation_id="dashboard_request")
+    def request_detail(
+        request_id: RequestIdPath,
+        request: Request,
+        workspace_id: Annotated[WorkspaceIdStr | None, Query()] = None,
+    ) -> JSONResponse:
+        """One request, whole: row, history, attempts, hand-offs, ops, locks, spend, actions."""
+        operator = _operator(request)
+        check_id("request_id", request_id)
+        found = read_request(
+            _engines_of(svc.queue, workspace_id),
+            request_id,
+            workspace_id=workspace_id,
+            readable=operator.may_read,
+            may_act=operator.may(ADMIN),
+        )
+        return JSONResponse(found, headers={"Cache-Control": "no-store"})
+
+    @api.get("/requests", operation_id="dashboard_requests")
+    def requests(  # one argument per documented filter
+        workspace: str | None = None,
+        job: str | None = None,
+        branch: str | None = None,
+        stage: str | None = None,
+        worker_class: str | None = None,
+        status: str | None = None,
+        since: str | None = None,
+        until: str | None = None,
+        q: str | None = None,
+        cursor: str | None = Query(default=None, max_length=1000),
+        limit: int = Query(default=request_search.LIMIT_DEFAULT, ge=1, le=request_search.LIMIT_MAX),
+    ) -> JSONResponse:
+        """Requests matching the filters, newest first, one page (``next``: the cursor)."""
+        filters = request_search.Filters(
+            workspace=workspace, job=job, branch=branch, stage=stage,
+            worker_class=worker_class, status=status,
+            since=request_search.parse_time("since", since),
+            until=request_search.parse_time("until", until),
+            q=q.strip() if q is not None else None,
+        )  # fmt: skip
+        found = request_search.search(
+            _engines_of(svc.queue, workspace), filters, limit=limit, cursor=cursor
+        )
+        return JSONResponse(found, headers={"Cache-Control": "no-store"})
+
+    @api.get("/series", operation_id="dashboard_series")
+    def series(
+        range: str = "hour",  # the documented parameter's name
+        worker_class: str | None = None,
+        stage: str | None = None,
+    ) -> JSONResponse:
+        """The rollup's buckets over the range, spend by provider and workspace, budgets."""
+        engines = [shard.engine for shard in svc.queue.shards()]
+        found = request_series.read_series(engines, range, worker_class=worker_class, stage=stage)
+        return JSONResponse(found, headers={"Cache-Control": "no-store"})
+
     @api.post("/requests/{request_id}/requeue", operation_id="dashboard_requeue")
     def requeue(request_id: RequestIdPath, body: ActionIn, request: Request) -> Response:
         """Run a dead or cancelled request again, if it is still as the operator saw it."""
-        who = _operator(request).key_id
+        who = _in_scope(_operator(request), body.workspace_id)
         check_id("request_id", request_id)
         expect = _version(body.version)
         try:
@@ -385,7 +485,7 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
     @api.post("/requests/{request_id}/cancel", operation_id="dashboard_cancel")
     def cancel(request_id: RequestIdPath, body: ActionIn, request: Request) -> Response:
         """Cancel a queued request, or ask a running one to stop, if it is still as shown."""
-        who = _operator(request).key_id
+        who = _in_scope(_operator(request), body.workspace_id)
         check_id("request_id", request_id)
         if body.run is None and body.version is None:
             raise InvalidRequest("run (a running row's) or version (a queued row's) is required")
