@@ -47,24 +47,29 @@ class ProcessLedger:
         # pid -> the lock that builds that process's hooks: a forked child never waits on
         # a lock some thread of its parent held at the fork.
         self._locks: dict[int, threading.Lock] = {}
-        self._built: tuple[int, LedgerHooks] | None = None
+        self._built: tuple[int, Settings | None, LedgerHooks] | None = None
 
     def hooks(self) -> LedgerHooks:
-        """This process's ledger hooks (built at the first call in each process)."""
+        """This process's ledger hooks, built at the first call in each process. Without
+        settings or databases of its own, they follow the environment's settings: built
+        again when those were read anew (another database or shard map)."""
         built = self._built
         pid = os.getpid()
-        if built is None or built[0] != pid:
+        settings = self.settings
+        if settings is None and self.databases is None:
+            settings = get_settings()
+        if built is None or built[0] != pid or built[1] is not settings:
             with self._locks.setdefault(pid, threading.Lock()):
                 built = self._built
-                if built is None or built[0] != pid:
-                    built = (pid, LedgerHooks(self._databases()))
+                if built is None or built[0] != pid or built[1] is not settings:
+                    built = (pid, settings, LedgerHooks(self._databases(settings)))
                     self._built = built
-        return built[1]
+        return built[2]
 
-    def _databases(self) -> Databases:
+    def _databases(self, settings: Settings | None) -> Databases:
         if self.databases is not None:
             return self.databases()
-        return Databases(configured_map(self.settings or get_settings()))
+        return Databases(configured_map(settings or get_settings()))
 
     # The SpendHooks methods, each handed to this process's LedgerHooks.
     def admit(self, grant: Grant) -> None:
@@ -96,8 +101,7 @@ def install_ledger(
     or other hooks were given already (:func:`~onceflow.spend.registry.use_hooks`, or an
     earlier install: the first one stays). Whether the default hooks record to a ledger
     now. Connects to nothing."""
-    settings = settings or get_settings()
-    if not settings.spend_ledger:
+    if not (settings or get_settings()).spend_ledger:
         return False
     if default_hooks() is NO_HOOKS:
         use_hooks(ProcessLedger(settings, databases=databases))

@@ -185,7 +185,7 @@ class Flow:
                     self._queue = current
                     # This process runs stages or serves their API: its providers record
                     # to the spend ledger (ONCEFLOW_SPEND_LEDGER).
-                    install_ledger(self.settings)
+                    install_ledger(self._settings)  # None: the environment's, as they change
         return current[1]
 
     def _queue_lock(self) -> threading.Lock:

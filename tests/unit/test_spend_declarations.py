@@ -231,3 +231,31 @@ def test_use_hooks_reaches_providers_without_their_own(clean_registry: None) -> 
         registry.use_hooks(object())  # type: ignore[arg-type]
     registry.forget()
     assert registry.register(Provider("after")).hooks is NO_HOOKS
+
+
+def test_the_default_ledger_follows_the_environments_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ledger installed without settings of its own (a Flow's, by default) writes where
+    the environment's settings point when it writes, not where they pointed at the first
+    Flow of the process: a process that reads its settings anew (another database or shard
+    map) records its spend there."""
+    from onceflow.settings import get_settings
+    from onceflow.spend.defaults import ProcessLedger
+
+    monkeypatch.setenv("ONCEFLOW_DATABASE_URL", "postgresql://first@127.0.0.1:1/a")
+    get_settings.cache_clear()
+    try:
+        ledger = ProcessLedger()
+        first = ledger.hooks()
+        assert ledger.hooks() is first  # built once while the settings stay
+        monkeypatch.setenv("ONCEFLOW_DATABASE_URL", "postgresql://second@127.0.0.1:1/b")
+        get_settings.cache_clear()
+        assert ledger.hooks() is not first
+        pinned = ProcessLedger(get_settings())
+        kept = pinned.hooks()
+        get_settings.cache_clear()
+        assert pinned.hooks() is kept  # settings given: its own, kept
+    finally:
+        monkeypatch.undo()
+        get_settings.cache_clear()
