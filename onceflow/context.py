@@ -25,7 +25,7 @@ from onceflow.models.requests import Claim, Fence, NewRequest, Request
 from onceflow.models.sub_doc_scope import SubDocScope, request_fields
 from onceflow.oplog import ApplyResult, OpLog, SubDoc, new_op_id, stage_op_id
 from onceflow.queue import Queue
-from onceflow.queue.claims import LOCK_OUTCOMES_CAP
+from onceflow.queue.lock_outcomes import LOCK_OUTCOMES_CAP
 from onceflow.spend.checks import DEFAULT_HEARTBEAT_EVERY
 from onceflow.spend.provider import DEFAULT_TIMEOUT, Permit, PermitContext, Provider
 from onceflow.spend.registry import get_provider, register

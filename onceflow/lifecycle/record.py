@@ -156,12 +156,12 @@ def record_many(
     """Write the outcomes of many claims (of one database): each as :func:`record` would.
 
     Successes without hand-offs go in one statement (:meth:`Queue.complete_many`),
-    failures in another (:meth:`Queue.fail_many`), each row fenced by its own claim; a
-    success that hands off is written alone (its follow-ups in the completion's
-    transaction), and so is a run that took compute locks (their outcomes go to its
-    history row). A batch the store refuses as a whole (a result or error over a payload
-    limit) is written again row by row, where :func:`record` fails a refused result
-    permanently and shortens a refused error. ``turn`` is held around each write.
+    failures in another (:meth:`Queue.fail_many`), each row fenced by its own claim and
+    with its compute-lock outcomes for its history row; a success that hands off is
+    written alone (its follow-ups in the completion's transaction). A batch the store
+    refuses as a whole (a result or error over a payload limit) is written again row by
+    row, where :func:`record` fails a refused result permanently and shortens a refused
+    error. ``turn`` is held around each write.
 
     Returns, in input order, what :func:`record` returns first: ``{"outcome": …}``, with
     ``completion_unknown`` / ``failure_unknown`` for rows the database did not confirm
@@ -179,18 +179,14 @@ def record_many(
     for i, (ctx, outcome) in enumerate(runs):
         if outcome.kind == "lease_lost":
             out[i] = {"outcome": "lease_lost"}
-        elif outcome.kind == "failed" and ctx.lock_outcomes:
-            out[i] = _record_one(queue, ctx, outcome, turn, parents[i])
         elif outcome.kind == "failed":
             failing.append(i)
-        elif ctx.handoffs or ctx.lock_outcomes:
-            # Follow-ups are enqueued in the completion's transaction; a run's compute-lock
-            # outcomes go to its history row, which the batch statements do not take.
+        elif ctx.handoffs:  # follow-ups are enqueued in the completion's transaction
             out[i] = _record_one(queue, ctx, outcome, turn, parents[i])
         else:
             plain.append(i)
     if plain:
-        items = [(runs[i][0].claim, runs[i][1].result) for i in plain]
+        items = [(runs[i][0].claim, runs[i][1].result, runs[i][0].lock_outcomes) for i in plain]
         complete = lambda: queue.complete_many(items)  # noqa: E731
         _batch(queue, runs, plain, out, turn, complete, "completion", parents)
     if failing:
@@ -214,8 +210,9 @@ def _record_one(
 
 def _failure(ctx: StageContext, outcome: Outcome) -> Failure:
     return Failure(
-        ctx.claim, outcome.error, outcome.retryable, outcome.retry_in, outcome.counts_attempt
-    )
+        ctx.claim, outcome.error, outcome.retryable, outcome.retry_in, outcome.counts_attempt,
+        ctx.lock_outcomes,
+    )  # fmt: skip
 
 
 def _batch(

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
@@ -43,6 +43,7 @@ from onceflow.models.requests import Claim, Heartbeat, Request
 from onceflow.models.status import Status
 from onceflow.payloads import JSON, encode_json
 from onceflow.queue import sql
+from onceflow.queue.lock_outcomes import lock_outcomes_text
 from onceflow.settings import Settings
 
 _I = TypeVar("_I")
@@ -62,6 +63,8 @@ class Failure(NamedTuple):
     retryable: bool = True
     retry_in: float | None = None
     count_attempt: bool = True
+    #: The run's compute-lock outcomes, for its history row (as ``Queue.fail``'s ``locks``).
+    locks: Sequence[Mapping[str, Any]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,13 +113,18 @@ class BatchOps:
 
     @operation
     def complete_many(
-        self, items: Sequence[tuple[Claim, JSON]], *, now: datetime | None = None
+        self,
+        items: Sequence[tuple[Claim, JSON] | tuple[Claim, JSON, Sequence[Mapping[str, Any]]]],
+        *,
+        now: datetime | None = None,
     ) -> Steps[list[Request | LeaseLost]]:
         """Mark many requests succeeded in one statement, each fenced by its own claim.
 
-        ``items``: ``(claim, result)`` pairs. Results are checked and encoded like
-        ``complete``'s (size and depth limits) before any SQL: a bad one raises
-        :class:`InvalidRequest` and nothing is written; so does the same request twice.
+        ``items``: ``(claim, result)`` pairs, or ``(claim, result, locks)`` with the run's
+        compute-lock outcomes for its history row (as ``Queue.complete``'s ``locks``).
+        Results are checked and encoded like ``complete``'s (size and depth limits) before
+        any SQL: a bad one raises :class:`InvalidRequest` and nothing is written; so does
+        the same request twice.
         Returns, in input order, the updated :class:`Request` or a ``LeaseLost``
         for a row whose lease was lost (that row is unchanged). No hand-offs here:
         use ``complete(then=…)`` for a stage that hands off.
@@ -124,10 +132,12 @@ class BatchOps:
         pairs = _as_list(items, "complete_many")
         claims: list[Claim] = []
         results: list[str] = []
+        locks: list[str | None] = []
         for item in pairs:
-            if not isinstance(item, tuple) or len(item) != 2:
-                raise InvalidRequest("complete_many takes (claim, result) pairs")
-            claim, result = item
+            if not isinstance(item, tuple) or len(item) not in (2, 3):
+                raise InvalidRequest("complete_many takes (claim, result[, locks]) tuples")
+            claim, result = item[0], item[1]
+            locks.append(lock_outcomes_text(item[2]) if len(item) == 3 else None)
             claims.append(_check_claim(claim))
             text = encode_json(
                 result,
@@ -141,7 +151,7 @@ class BatchOps:
         )
         if isinstance(keys, list):
             return keys
-        params = {**keys, "results": results, "now": now}
+        params = {**keys, "results": results, "locks": locks, "now": now}
         done = yield from self._fenced_batch(
             claims,
             sql.COMPLETE_MANY,
@@ -173,6 +183,7 @@ class BatchOps:
         retryables: list[bool] = []
         delays: list[float] = []
         uncounted: list[bool] = []
+        locks: list[str | None] = []
         for item in failures:
             if not isinstance(item, Failure):
                 raise InvalidRequest(f"fail_many takes Failure items, got {type(item).__name__}")
@@ -189,6 +200,7 @@ class BatchOps:
             retryables.append(item.retryable)
             delays.append(delay)
             uncounted.append(not item.count_attempt)
+            locks.append(lock_outcomes_text(item.locks))
         keys = yield from _prologue(
             failures, claims, lambda part: BatchOps.fail_many.steps(self, part, now=now)
         )
@@ -196,7 +208,7 @@ class BatchOps:
             return keys
         params = {
             **keys, "errors": errors, "retryables": retryables, "delays": delays,
-            "uncounted": uncounted,
+            "uncounted": uncounted, "locks": locks,
             "notify": self._notify(), "now": now,
         }  # fmt: skip
         targets = (Status.QUEUED, Status.DEAD, Status.CANCELLED)

@@ -67,6 +67,7 @@ from onceflow.models.status import Status
 from onceflow.payloads import JSON, encode_json
 from onceflow.queue import sql
 from onceflow.queue.batch import BatchOps, _seconds
+from onceflow.queue.lock_outcomes import lock_outcomes_text
 from onceflow.queue.reads import LIST_LIMIT_MAX
 from onceflow.settings import Settings
 
@@ -768,24 +769,6 @@ def _as_steps(value: Any) -> Steps[Any]:
     if inspect.isgenerator(value):
         return (yield from value)
     return value
-
-
-#: At most this many compute-lock outcomes of one run are kept in its history (the first).
-LOCK_OUTCOMES_CAP = 50
-#: A cell's name in the history is cut to this many characters.
-LOCK_CELL_CAP = 200
-
-
-def lock_outcomes_text(locks: Sequence[Mapping[str, Any]] | None) -> str | None:
-    """A run's compute-lock outcomes as the JSON its history row keeps (None for none): the
-    first :data:`LOCK_OUTCOMES_CAP`, each ``{"cell", "outcome"}`` with the cell's name cut."""
-    if not locks:
-        return None
-    kept = [
-        {"cell": str(lock.get("cell", ""))[:LOCK_CELL_CAP], "outcome": str(lock.get("outcome"))}
-        for lock in list(locks)[:LOCK_OUTCOMES_CAP]
-    ]
-    return json.dumps(kept, separators=(",", ":"))
 
 
 def _error_text(settings: Settings, error: Any) -> str:

@@ -1125,7 +1125,9 @@ def _notify_after(rows: str) -> str:
 )"""
 
 
-_COMPLETE_ROWS = _batch_rows(" CAST(:results AS jsonb[]),", "result, ")
+_COMPLETE_ROWS = _batch_rows(
+    " CAST(:results AS jsonb[]), CAST(:locks AS jsonb[]),", "result, locks, "
+)
 COMPLETE_MANY = Statement.write(
     "queue.complete_many",
     f"""
@@ -1142,9 +1144,10 @@ UPDATE {TABLE} AS w SET
     updated_at = n.now
 FROM i JOIN locked USING (workspace_id, request_id), n
 WHERE {_BATCH_FENCE}
-RETURNING w.workspace_id, w.request_id, {_RUN_RETURNING}, {_HISTORY_RETURNING}
+RETURNING w.workspace_id, w.request_id, {_RUN_RETURNING}, {_HISTORY_RETURNING},
+    i.locks AS h_locks
 ),
-hist AS ({_history("upd", "'succeeded'")})
+hist AS ({_history("upd", "'succeeded'", locks="r.h_locks")})
 SELECT upd.workspace_id, upd.request_id, {_outer(_RUN_RETURNING)} FROM upd
 """,
     binary=("request_ids", "tokens", "results", "workspace_ids"),
@@ -1162,8 +1165,8 @@ _FAIL_NEXT = """CASE
 _FAIL_ROWS = _batch_rows(
     " CAST(:errors AS jsonb[]),"
     "\n        CAST(:retryables AS boolean[]), CAST(:delays AS float8[]),"
-    " CAST(:uncounted AS boolean[]),",
-    "error, retryable, delay, uncounted, ",
+    " CAST(:uncounted AS boolean[]), CAST(:locks AS jsonb[]),",
+    "error, retryable, delay, uncounted, locks, ",
 )
 FAIL_MANY = Statement.write(
     "queue.fail_many",
@@ -1188,9 +1191,10 @@ upd AS (
     WHERE {_BATCH_FENCE}
     RETURNING {RETURNING}, {_HISTORY_RETURNING},
         w.attempts + CASE WHEN i.uncounted AND w.status = 'queued' THEN 1 ELSE 0 END
-            AS h_attempt
+            AS h_attempt,
+        i.locks AS h_locks
 ),
-hist AS ({_history("upd", "'failed'", attempt="r.h_attempt", error="r.error")}),
+hist AS ({_history("upd", "'failed'", attempt="r.h_attempt", error="r.error", locks="r.h_locks")}),
 {_notify_after("upd")}
 SELECT {_outer(RETURNING)} FROM upd, notified
 """,

@@ -148,6 +148,7 @@ def test_a_new_database_migrated_with_8_partitions(empty_database: str) -> None:
                 for name in (
                     "pk_workspace_process_requests", "ix_wpr_claim", "ix_wpr_lease",
                     "ix_wpr_dead", "ix_wpr_request_id", "ix_wpr_workspace", "ix_wpr_finished",
+                    "ix_wpr_created", "ix_wpr_job",
                 )
             }  # fmt: skip
             # The eager autovacuum settings sit on each partition (a parent takes none).
@@ -157,7 +158,7 @@ def test_a_new_database_migrated_with_8_partitions(empty_database: str) -> None:
             ).scalar_one()
             assert "autovacuum_vacuum_scale_factor=0.01" in options
             version = conn.execute(text("SELECT version_num FROM onceflow_alembic_version"))
-            assert version.scalar_one() == "0014"
+            assert version.scalar_one() == "0015"
     finally:
         engine.dispose()
     # Every downgrade works on the partitioned layout too, and the way up again.

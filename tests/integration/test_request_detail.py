@@ -13,6 +13,7 @@ from pydantic import BaseModel
 from sqlalchemy import Engine, text
 
 from onceflow import Queue, Status
+from onceflow.queue import Failure
 from onceflow.errors import InvalidRequest, NotFound
 from onceflow.queue.detail import TEXT_CAP_BYTES, as_text, read_request
 from onceflow.spend import Grant, LedgerHooks, Usage
@@ -251,3 +252,23 @@ def test_retention_deletes_a_requests_history_with_it(queue: Queue, clean_db: En
     assert queue.prune(retention_seconds=86400, payload_retention_seconds=None) == 1
     assert attempt_rows(clean_db, gone) == []
     assert [r["event"] for r in attempt_rows(clean_db, kept)] == ["succeeded"]
+
+
+def test_batched_ends_keep_each_runs_lock_outcomes(queue: Queue, clean_db: Engine) -> None:
+    """The worker's batch statements write each run's compute-lock outcomes to its history
+    row, as the single ones do: a run that used compute_once stays in the batch."""
+    paid = [{"cell": "score:fit", "outcome": "paid"}, {"cell": "score:pay", "outcome": "waited"}]
+    rids = [queue.enqueue("s", "ws-b", f"j{i}", input={"i": i}).request_id for i in range(4)]
+    claims = [queue.claim(r, "worker-b", lease_seconds=30) for r in rids]
+    assert all(claims)
+    c0, c1, c2, c3 = claims
+    assert c0 and c1 and c2 and c3
+    queue.complete_many([(c0, {"ok": 0}, paid), (c1, {"ok": 1})])
+    queue.fail_many([Failure(c2, {"type": "Boom", "message": "b"}, locks=paid[:1]),
+                     Failure(c3, {"type": "Boom", "message": "b"})])  # fmt: skip
+    locks = {r: [h["locks"] for h in attempt_rows(clean_db, r)] for r in rids}
+    assert locks == {rids[0]: [paid], rids[1]: [None], rids[2]: [paid[:1]], rids[3]: [None]}
+    page = read_request(clean_db, rids[0])
+    assert page["attempts"][0]["locks"] == paid
+    with pytest.raises(InvalidRequest):
+        queue.complete_many([(c0, {"ok": 0}, paid, "extra")])  # type: ignore[list-item]

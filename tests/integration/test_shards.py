@@ -317,7 +317,7 @@ def test_onceflow_migrate_migrates_every_shard(services: tuple[str, str]) -> Non
         for url in urls:
             with psycopg.connect(libpq(url)) as conn:
                 row = conn.execute("SELECT version_num FROM onceflow_alembic_version").fetchone()
-                assert row == ("0014",)
+                assert row == ("0015",)
                 # ... and registered each database as its shard of the map
                 who = conn.execute("SELECT shard_index, shard_count FROM onceflow_shard").fetchone()
                 assert who == (urls.index(url), 2)
