@@ -133,6 +133,29 @@ def compute_snapshot(services: OnceflowServices) -> dict[str, Any]:
     return snapshot
 
 
+def scoped_snapshot(snapshot: dict[str, Any], operator: Operator) -> dict[str, Any]:
+    """``snapshot`` as ``operator`` may see it: the snapshot is computed once for every key;
+    a key limited to some workspaces gets other workspaces' dead rows without their error
+    summary (None: the request's payload) and the savings of its own workspaces only."""
+    if operator.workspaces is None:
+        return snapshot
+    scoped = dict(snapshot)
+    if "dead" in snapshot:
+        scoped["dead"] = [
+            row if operator.may_read(row["workspace_id"]) else {**row, "error": None}
+            for row in snapshot["dead"]
+        ]
+    savings = snapshot.get("savings")
+    if isinstance(savings, dict) and "workspaces" in savings:
+        scoped["savings"] = {
+            **savings,
+            "workspaces": [
+                row for row in savings["workspaces"] if operator.may_read(row["workspace_id"])
+            ],
+        }
+    return scoped
+
+
 def _engines_of(queue: Queue, workspace_id: str | None) -> list[Engine]:
     """The engine of ``workspace_id``'s shard; every shard's when it is not known."""
     shards = queue.shards()
@@ -152,16 +175,29 @@ def _stable(snapshot: dict[str, Any]) -> str:
 
 
 class _Stream:
-    """One open stream: the latest snapshot not yet sent (older ones are replaced)."""
+    """One open stream: the latest event not yet sent (older ones are replaced). A snapshot
+    is kept as computed and rendered for the stream's key when it is sent."""
 
-    def __init__(self, key_id: str) -> None:
-        self.key_id = key_id
-        self.queue: asyncio.Queue[str] = asyncio.Queue(maxsize=1)
+    def __init__(self, operator: Operator) -> None:
+        self.operator = operator
+        self.key_id = operator.key_id
+        self.queue: asyncio.Queue[str | dict[str, Any]] = asyncio.Queue(maxsize=1)
 
-    def offer(self, text: str) -> None:
+    def offer(self, event: str | dict[str, Any]) -> None:
         with contextlib.suppress(asyncio.QueueEmpty):
             self.queue.get_nowait()  # a slow reader skips to the newest snapshot
-        self.queue.put_nowait(text)
+        self.queue.put_nowait(event)
+
+    async def next_event(self) -> str:
+        """The next event's text (waits for one)."""
+        return self.render(await self.queue.get())
+
+    def render(self, event: str | dict[str, Any]) -> str:
+        """An event's text: a snapshot as this stream's key may see it, a problem as is."""
+        if isinstance(event, str):
+            return event
+        shown = scoped_snapshot(event, self.operator)
+        return "event: snapshot\ndata: " + json.dumps(shown, default=str) + "\n\n"
 
 
 class SnapshotTimeout(Exception):
@@ -188,16 +224,18 @@ class SnapshotHub:
         self._max_per_key = max_per_key
         self._streams: set[_Stream] = set()
         self._task: asyncio.Task[None] | None = None
-        self._last: tuple[str, str] | None = None  # (stable form, event text)
+        # (stable form, event): a snapshot as computed (each stream renders it for its key)
+        # or a problem's text.
+        self._last: tuple[str, str | dict[str, Any]] | None = None
         self.computed = 0  # snapshots computed (how often the producer ran)
 
-    def open(self, key_id: str) -> _Stream:
+    def open(self, operator: Operator) -> _Stream:
         """Join; StreamLimit past the bounds. The latest snapshot (if any) is sent at once."""
         if len(self._streams) >= self._max_streams:
             raise StreamLimit("too many open dashboard streams in this process", self._max_streams)
-        if sum(s.key_id == key_id for s in self._streams) >= self._max_per_key:
+        if sum(s.key_id == operator.key_id for s in self._streams) >= self._max_per_key:
             raise StreamLimit("too many open dashboard streams for this key", self._max_per_key)
-        stream = _Stream(key_id)
+        stream = _Stream(operator)
         self._streams.add(stream)
         if self._last is not None:
             stream.offer(self._last[1])
@@ -243,22 +281,22 @@ class SnapshotHub:
                 snapshot, took = await self.fresh()
                 self.computed += 1
                 stable = _stable(snapshot)
-                text = "event: snapshot\ndata: " + json.dumps(snapshot, default=str) + "\n\n"
+                event: str | dict[str, Any] = snapshot
             except SnapshotTimeout as exc:  # a stalled database: say so, keep waiting for it
-                stable = text = "event: problem\ndata: " + json.dumps(
+                stable = event = "event: problem\ndata: " + json.dumps(
                     {"detail": f"snapshot timed out: {exc}"}
                 ) + "\n\n"  # fmt: skip
             except OnceflowError as exc:  # e.g. the database is down: say so, keep streaming
-                stable = text = "event: problem\ndata: " + json.dumps(
+                stable = event = "event: problem\ndata: " + json.dumps(
                     {"detail": f"snapshot failed: {type(exc).__name__}"}
                 ) + "\n\n"  # fmt: skip
             except Exception as exc:  # never kill the producer of every stream
                 log.error("dashboard snapshot failed: %s", type(exc).__name__, exc_info=exc)
-                stable = text = 'event: problem\ndata: {"detail": "snapshot failed"}\n\n'
+                stable = event = 'event: problem\ndata: {"detail": "snapshot failed"}\n\n'
             if self._last is None or self._last[0] != stable:
-                self._last = (stable, text)
+                self._last = (stable, event)
                 for stream in list(self._streams):
-                    stream.offer(text)
+                    stream.offer(event)
             # Never more often than the last compute took (a slow database is not piled on).
             await asyncio.sleep(max(self._interval, took))
         self._last = None  # nobody watched: the next stream waits for a fresh snapshot
@@ -269,7 +307,8 @@ async def _events(hub: SnapshotHub, stream: _Stream) -> AsyncIterator[str]:
         yield ": connected\n\n"
         while True:
             try:
-                yield await asyncio.wait_for(stream.queue.get(), KEEPALIVE_SECONDS)
+                # Rendered for this stream's key at send time (one shared compute).
+                yield await asyncio.wait_for(stream.next_event(), KEEPALIVE_SECONDS)
             except TimeoutError:
                 yield ": keep-alive\n\n"
     finally:
@@ -381,20 +420,22 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
     )
 
     @api.get("/snapshot", operation_id="dashboard_snapshot")
-    async def snapshot() -> JSONResponse:
+    async def snapshot(request: Request) -> JSONResponse:
         """Queue depth, oldest queued, running and dead requests, savings, op-log rate."""
+        operator = _operator(request)
         try:
             found, _took = await hub().fresh()
         except SnapshotTimeout as exc:
             return JSONResponse({"detail": str(exc)}, status_code=503)
-        return JSONResponse(found, headers={"Cache-Control": "no-store"})
+        shown = scoped_snapshot(found, operator)
+        return JSONResponse(shown, headers={"Cache-Control": "no-store"})
 
     @api.get("/stream", operation_id="dashboard_stream", response_class=Response)
     async def stream(request: Request) -> Response:
         """Server-Sent Events: ``event: snapshot`` (JSON) whenever the snapshot changes."""
         the_hub = hub()
         try:
-            opened = the_hub.open(_operator(request).key_id)
+            opened = the_hub.open(_operator(request))
         except StreamLimit as exc:
             return too_many_streams(exc)
         return StreamingResponse(
@@ -532,4 +573,10 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
     return router
 
 
-__all__ = ["SnapshotHub", "SnapshotTimeout", "compute_snapshot", "create_dashboard_router"]
+__all__ = [
+    "SnapshotHub",
+    "SnapshotTimeout",
+    "compute_snapshot",
+    "create_dashboard_router",
+    "scoped_snapshot",
+]
