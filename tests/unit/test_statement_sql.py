@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 
 from onceflow.connector.steps import Query
 from onceflow.metrics import sql as metrics_sql
+from onceflow.models.scopes import WorkspaceScope
 from onceflow.oplog import sql as oplog_sql
 from onceflow.queue import detail
 from onceflow.queue import search as queue_search
@@ -104,6 +105,7 @@ PINNED = {
     "search[all,cursor]": "7bb1ad0968da744b",
     "search[none]": "c578b291e58ac7ec",
     "search[q_prefix]": "84726ed118ef483f",
+    "search[scoped]": "205eefffcb6ba883",
     "series.counts": "7552e897120330f9",
     "series.depth_sample": "0e8443cc504bc5b8",
     "series.lock": "cadc8283603acdc6",
@@ -117,6 +119,7 @@ PINNED = {
     "series.read_savings": "a309eb541904d15d",
     "series.read_spend_providers": "d4f1604febfc59db",
     "series.read_spend_workspaces": "2ffffb8f6b004443",
+    "series.read_spend_workspaces_scoped": "67a3033f10b10dd4",
     "series.rescued": "4f8497d04794d9f1",
     "series.savings": "db6682e7ef9690ca",
     "series.spend": "d7169f78316e08f7",
@@ -145,6 +148,7 @@ SEARCH_SHAPES = {
         True,
     ),
     "q_prefix": (queue_search.Filters(q="abcdef12"), False),
+    "scoped": (queue_search.Filters(scope=WorkspaceScope.parse(["w", "acme-*"])), False),
 }
 
 

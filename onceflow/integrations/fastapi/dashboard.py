@@ -32,6 +32,10 @@ admin; no login-less mode):
   previous page's ``next``); every shard asked and merged (:mod:`onceflow.queue.search`);
 * ``GET /dashboard/api/series`` — the time series of the sweeper's rollup over the last
   hour, day or week, with the spend budgets (:mod:`onceflow.queue.series`);
+* a key limited to some workspaces sees the others' dead rows in the snapshot and stream
+  without their error summary, and no savings of theirs; search lists only its
+  workspaces' requests (a ``workspace`` filter outside them: 403); the series' spend by
+  workspace and budgets are of its workspaces only;
 * (a key limited to some workspaces acts only with the row's ``workspace_id``, one of its
   own: else 422 / 403);
 * ``POST /dashboard/api/requests/{id}/requeue`` — fenced: body ``{"version": <the row's
@@ -358,9 +362,15 @@ def _in_scope(operator: Operator, workspace_id: str | None) -> str:
             raise InvalidRequest(
                 "this operator key is limited to some workspaces: send the row's workspace_id"
             )
-        if not operator.may_read(workspace_id):
-            raise AccessDenied(403, "this operator key is not scoped to that workspace")
+        _readable(operator, workspace_id)
     return operator.key_id
+
+
+def _readable(operator: Operator, workspace_id: str) -> None:
+    """403 unless the operator's key may read ``workspace_id`` (a key limited to some
+    workspaces asked about another one)."""
+    if not operator.may_read(workspace_id):
+        raise AccessDenied(403, "this operator key is not scoped to that workspace")
 
 
 def _version(value: str | None) -> datetime:
@@ -464,6 +474,7 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
 
     @api.get("/requests", operation_id="dashboard_requests")
     def requests(  # one argument per documented filter
+        request: Request,
         workspace: str | None = None,
         job: str | None = None,
         branch: str | None = None,
@@ -477,12 +488,16 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
         limit: int = Query(default=request_search.LIMIT_DEFAULT, ge=1, le=request_search.LIMIT_MAX),
     ) -> JSONResponse:
         """Requests matching the filters, newest first, one page (``next``: the cursor)."""
+        operator = _operator(request)
+        if workspace is not None:
+            check_id("workspace", workspace)
+            _readable(operator, workspace)
         filters = request_search.Filters(
             workspace=workspace, job=job, branch=branch, stage=stage,
             worker_class=worker_class, status=status,
             since=request_search.parse_time("since", since),
             until=request_search.parse_time("until", until),
-            q=q.strip() if q is not None else None,
+            q=q.strip() if q is not None else None, scope=operator.workspaces,
         )  # fmt: skip
         found = request_search.search(
             _engines_of(svc.queue, workspace), filters, limit=limit, cursor=cursor
@@ -491,13 +506,18 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
 
     @api.get("/series", operation_id="dashboard_series")
     def series(
+        request: Request,
         range: str = "hour",  # the documented parameter's name
         worker_class: str | None = None,
         stage: str | None = None,
     ) -> JSONResponse:
-        """The rollup's buckets over the range, spend by provider and workspace, budgets."""
+        """The rollup's buckets over the range, spend by provider and workspace, budgets
+        (spend by workspace and budgets: of the workspaces the key may read)."""
         engines = [shard.engine for shard in svc.queue.shards()]
-        found = request_series.read_series(engines, range, worker_class=worker_class, stage=stage)
+        scope = _operator(request).workspaces
+        found = request_series.read_series(
+            engines, range, worker_class=worker_class, stage=stage, scope=scope
+        )
         return JSONResponse(found, headers={"Cache-Control": "no-store"})
 
     @api.post("/requests/{request_id}/requeue", operation_id="dashboard_requeue")
