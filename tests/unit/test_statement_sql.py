@@ -20,6 +20,7 @@ from onceflow.queue import detail
 from onceflow.queue import search as queue_search
 from onceflow.queue import series as queue_series
 from onceflow.queue import sql as queue_sql
+from onceflow.spend import sql as spend_sql
 
 #: sha256 (first 16 hex digits) of each statement's SQL; ``#by_id``: its form for a caller
 #: that names the request by id alone; ``[n]``: CLAIM_NEXT with the literal limit n.
@@ -125,6 +126,8 @@ PINNED = {
     "series.spend": "d7169f78316e08f7",
     "series.spend_clear": "a2fe65e21cf4eab7",
     "series.window": "c251d39076df49ab",
+    "spend.report[workspace,scoped]": "e87c5b34358e543d",
+    "spend.report[workspace]": "d94325b1bd75f94e",
     "series.zero": "3f532933899fa04a",
 }
 
@@ -177,6 +180,9 @@ def _rendered() -> dict[str, str]:
         out[name] = _digest(sql)
     for name, sql in queue_series.STATEMENTS.items():
         out[name] = _digest(sql)
+    for scoped in (False, True):  # the operators' spend report, grouped by workspace
+        report = spend_sql.report([spend_sql.GROUPS["workspace"]], scoped=scoped)
+        out[f"spend.report[workspace{',scoped' if scoped else ''}]"] = _digest(report)
     for name, (filters, cursor) in SEARCH_SHAPES.items():
         out[f"search[{name}]"] = _digest(queue_search.search_sql(filters, cursor=cursor, limit=51))
     return out

@@ -68,10 +68,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import Engine
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from onceflow.errors import AccessDenied, InvalidRequest, InvalidTransition, OnceflowError
+from onceflow.errors import InvalidRequest, InvalidTransition, OnceflowError
 from onceflow.ids import check_id
 from onceflow.integrations.fastapi.events import StreamLimit, too_many_streams
-from onceflow.integrations.fastapi.guard import operator_route_class
+from onceflow.integrations.fastapi.guard import operator_route_class, readable, request_operator
 from onceflow.integrations.fastapi.operators import ADMIN, Operator
 from onceflow.integrations.fastapi.schemas import RequestIdPath, WorkspaceIdStr
 from onceflow.locks.savings import read_savings
@@ -346,13 +346,6 @@ class ActionIn(BaseModel):
     )
 
 
-def _operator(request: Request) -> Operator:
-    found = getattr(request.state, "onceflow_operator", None)
-    if not isinstance(found, Operator):  # the route class always sets it
-        raise InvalidRequest("no operator key was checked for this route")
-    return found
-
-
 def _in_scope(operator: Operator, workspace_id: str | None) -> str:
     """The operator's key id, if it may act on ``workspace_id``'s requests: a key limited to
     some workspaces names the row's workspace (the statement then finds the row by its key,
@@ -362,15 +355,8 @@ def _in_scope(operator: Operator, workspace_id: str | None) -> str:
             raise InvalidRequest(
                 "this operator key is limited to some workspaces: send the row's workspace_id"
             )
-        _readable(operator, workspace_id)
+        readable(operator, workspace_id)
     return operator.key_id
-
-
-def _readable(operator: Operator, workspace_id: str) -> None:
-    """403 unless the operator's key may read ``workspace_id`` (a key limited to some
-    workspaces asked about another one)."""
-    if not operator.may_read(workspace_id):
-        raise AccessDenied(403, "this operator key is not scoped to that workspace")
 
 
 def _version(value: str | None) -> datetime:
@@ -432,7 +418,7 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
     @api.get("/snapshot", operation_id="dashboard_snapshot")
     async def snapshot(request: Request) -> JSONResponse:
         """Queue depth, oldest queued, running and dead requests, savings, op-log rate."""
-        operator = _operator(request)
+        operator = request_operator(request)
         try:
             found, _took = await hub().fresh()
         except SnapshotTimeout as exc:
@@ -445,7 +431,7 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
         """Server-Sent Events: ``event: snapshot`` (JSON) whenever the snapshot changes."""
         the_hub = hub()
         try:
-            opened = the_hub.open(_operator(request))
+            opened = the_hub.open(request_operator(request))
         except StreamLimit as exc:
             return too_many_streams(exc)
         return StreamingResponse(
@@ -461,7 +447,7 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
         workspace_id: Annotated[WorkspaceIdStr | None, Query()] = None,
     ) -> JSONResponse:
         """One request, whole: row, history, attempts, hand-offs, ops, locks, spend, actions."""
-        operator = _operator(request)
+        operator = request_operator(request)
         check_id("request_id", request_id)
         found = read_request(
             _engines_of(svc.queue, workspace_id),
@@ -488,10 +474,10 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
         limit: int = Query(default=request_search.LIMIT_DEFAULT, ge=1, le=request_search.LIMIT_MAX),
     ) -> JSONResponse:
         """Requests matching the filters, newest first, one page (``next``: the cursor)."""
-        operator = _operator(request)
+        operator = request_operator(request)
         if workspace is not None:
             check_id("workspace", workspace)
-            _readable(operator, workspace)
+            readable(operator, workspace)
         filters = request_search.Filters(
             workspace=workspace, job=job, branch=branch, stage=stage,
             worker_class=worker_class, status=status,
@@ -514,7 +500,7 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
         """The rollup's buckets over the range, spend by provider and workspace, budgets
         (spend by workspace and budgets: of the workspaces the key may read)."""
         engines = [shard.engine for shard in svc.queue.shards()]
-        scope = _operator(request).workspaces
+        scope = request_operator(request).workspaces
         found = request_series.read_series(
             engines, range, worker_class=worker_class, stage=stage, scope=scope
         )
@@ -523,7 +509,7 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
     @api.post("/requests/{request_id}/requeue", operation_id="dashboard_requeue")
     def requeue(request_id: RequestIdPath, body: ActionIn, request: Request) -> Response:
         """Run a dead or cancelled request again, if it is still as the operator saw it."""
-        who = _in_scope(_operator(request), body.workspace_id)
+        who = _in_scope(request_operator(request), body.workspace_id)
         check_id("request_id", request_id)
         expect = _version(body.version)
         try:
@@ -546,7 +532,7 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
     @api.post("/requests/{request_id}/cancel", operation_id="dashboard_cancel")
     def cancel(request_id: RequestIdPath, body: ActionIn, request: Request) -> Response:
         """Cancel a queued request, or ask a running one to stop, if it is still as shown."""
-        who = _in_scope(_operator(request), body.workspace_id)
+        who = _in_scope(request_operator(request), body.workspace_id)
         check_id("request_id", request_id)
         if body.run is None and body.version is None:
             raise InvalidRequest("run (a running row's) or version (a queued row's) is required")
