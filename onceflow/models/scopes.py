@@ -85,3 +85,14 @@ def scope_params(scope: WorkspaceScope | None) -> dict[str, list[str] | None]:
     if scope is None:
         return {"ws_exact": None, "ws_prefixes": None}
     return {"ws_exact": sorted(scope.exact), "ws_prefixes": list(scope.prefixes)}
+
+
+def like_patterns(scope: WorkspaceScope) -> list[str]:
+    """The scope as SQL ``LIKE`` patterns (escape character ``\\``, Postgres's default): an
+    exact id as itself, a prefix followed by ``%``. The ``%``, ``_`` and ``\\`` of an id are
+    escaped, so a pattern matches exactly the workspaces :meth:`WorkspaceScope.allows`."""
+
+    def literal(text: str) -> str:
+        return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+    return sorted(literal(ws) for ws in scope.exact) + [literal(p) + "%" for p in scope.prefixes]

@@ -19,6 +19,8 @@ request, as a JSON-able dict (the shape: docs/dashboard.md, "The request page"):
 Every statement reads by the request's key (or an index on it), never a table's history.
 The input, result and error are given as text (the stored JSON, indented, cut at
 :data:`TEXT_CAP_BYTES`) and only to a reader that may read the workspace (``readable``);
+to another reader each attempt's and each history event's error type and message are None
+too;
 times are the database's, as ISO 8601.
 """
 
@@ -182,10 +184,13 @@ def _related(engine: Engine, row: Mapping[str, Any]) -> dict[str, list[dict[str,
     return retry_disconnect(once)
 
 
-def _attempts(row: Mapping[str, Any], history: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def _attempts(
+    row: Mapping[str, Any], history: Sequence[Mapping[str, Any]], *, withheld: bool
+) -> list[dict[str, Any]]:
     """Each claim of the request: those that ended (history rows with an attempt), a claim
     whose lease lapsed and was taken over by the next claim directly (no statement of its
-    own ended it: known only as a missing attempt number), and the live one."""
+    own ended it: known only as a missing attempt number), and the live one. ``withheld``:
+    the error of each attempt is the request's payload too, so it is None."""
     out: list[dict[str, Any]] = []
     current: set[int] = set()  # attempt numbers that ended since the last requeue
     for h in history:
@@ -204,8 +209,8 @@ def _attempts(row: Mapping[str, Any], history: Sequence[Mapping[str, Any]]) -> l
                 "ended_at": _iso(h["ended_at"]),
                 "outcome": h["event"],
                 "next_status": h["next_status"],
-                "error_type": h["error_type"],
-                "error_message": h["error_message"],
+                "error_type": None if withheld else h["error_type"],
+                "error_message": None if withheld else h["error_message"],
                 "locks": list(h["locks"] or []),
             }
         )
@@ -240,9 +245,11 @@ def _taken_over(attempt: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _history(row: Mapping[str, Any], history: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def _history(
+    row: Mapping[str, Any], history: Sequence[Mapping[str, Any]], *, withheld: bool
+) -> list[dict[str, Any]]:
     """The request's events, oldest first: enqueued, each claim and its end, each operator
-    move, and the live claim."""
+    move, and the live claim. ``withheld``: an end's error type and message are None."""
     events: list[dict[str, Any]] = [
         {"at": _iso(row["created_at"]), "event": "enqueued", "attempt": None, "detail": {}}
     ]
@@ -257,7 +264,10 @@ def _history(row: Mapping[str, Any], history: Sequence[Mapping[str, Any]]) -> li
         if event in _ENDED_AS:
             detail: dict[str, Any] = {"next_status": h["next_status"]}
             if h["error_type"] is not None or h["error_message"] is not None:
-                detail.update(error_type=h["error_type"], error_message=h["error_message"])
+                detail.update(  # the error is the request's payload: None when withheld
+                    error_type=None if withheld else h["error_type"],
+                    error_message=None if withheld else h["error_message"],
+                )
             if event == "handed_off":
                 detail["to"] = list(h["handed_to"] or [])
             if event == "rescued":
@@ -319,7 +329,7 @@ def read_request(
     related = _related(engine, row)
     history = related["history"]
     withheld = not readable(row["workspace_id"])
-    attempts = _attempts(row, history)
+    attempts = _attempts(row, history, withheld=withheld)
     locks = [{**lock, "attempt": a["attempt"]} for a in attempts for lock in a["locks"]]
     handed_to = [rid for h in history for rid in (h["handed_to"] or [])]
     ops, spend = related["ops"], related["spend"]
@@ -330,7 +340,7 @@ def read_request(
         "input": None if withheld else as_text(row["input"]),
         "result": None if withheld else as_text(row["result"]),
         "error": None if withheld else as_text(row["error"]),
-        "history": _history(row, history),
+        "history": _history(row, history, withheld=withheld),
         "history_truncated": len(history) >= HISTORY_LIMIT,
         "attempts": attempts,
         "hand_offs": {"from": [r["request_id"] for r in related["from"]], "to": handed_to},

@@ -10,6 +10,10 @@ then sorts), never the table:
 * anything else (stage, worker class, status, a time range, nothing): ``ix_wpr_created
   (created_at)`` read newest first, the other filters checked on the rows it reaches.
 
+A reader limited to some workspaces (``Filters.scope``) lists only their requests: the
+scope is one more condition, checked on the rows the chosen index reaches; a workspace
+filter outside the scope is refused by the route before any statement runs.
+
 A page is ``created_at DESC, workspace_id DESC, request_id DESC`` (unique: the table's key
 breaks ties), cut at ``limit``; the next page starts after the last row's key (keyset: no
 row repeated or skipped while rows are added). A database split by workspace: each shard
@@ -32,6 +36,7 @@ from sqlalchemy import Engine
 from onceflow.db import fetch_all, raw_connection, retry_disconnect
 from onceflow.errors import InvalidRequest
 from onceflow.ids import check_id
+from onceflow.models.scopes import WorkspaceScope, like_patterns
 from onceflow.models.status import Status
 from onceflow.queue.overview import per_shard
 
@@ -63,13 +68,17 @@ _CONDITIONS: Final = {
     "q_prefix": "(w.job_id = %(q)s OR (w.request_id >= %(q)s AND w.request_id < %(q_end)s))",
     "q": "(w.request_id = %(q)s OR w.job_id = %(q)s)",
     "cursor": "(w.created_at, w.workspace_id, w.request_id) < (%(c_at)s, %(c_ws)s, %(c_id)s)",
+    # A reader limited to some workspaces: its exact ids and prefixes as escaped LIKE
+    # patterns (onceflow.models.scopes.like_patterns), checked on the rows the index reaches.
+    "scope": "w.workspace_id LIKE ANY(CAST(%(ws_like)s AS text[]))",
 }
 _ORDER: Final = "w.created_at DESC, w.workspace_id DESC, w.request_id DESC"
 
 
 @dataclass(frozen=True, slots=True)
 class Filters:
-    """What to find; None: any. ``q`` is a pasted request id (or its prefix) or job id."""
+    """What to find; None: any. ``q`` is a pasted request id (or its prefix) or job id.
+    ``scope``: the workspaces the reader may list (None: every workspace)."""
 
     workspace: str | None = None
     job: str | None = None
@@ -80,6 +89,7 @@ class Filters:
     since: datetime | None = None
     until: datetime | None = None
     q: str | None = None
+    scope: WorkspaceScope | None = None
 
 
 def checked(filters: Filters) -> Filters:
@@ -131,6 +141,8 @@ def search_sql(filters: Filters, *, cursor: bool, limit: int) -> str:
             parts.append(_CONDITIONS[name])
     if filters.q is not None:
         parts.append(_CONDITIONS["q_prefix" if _is_prefix(filters.q) else "q"])
+    if filters.scope is not None:
+        parts.append(_CONDITIONS["scope"])
     if cursor:
         parts.append(_CONDITIONS["cursor"])
     where = " AND ".join(parts) or "true"
@@ -158,6 +170,8 @@ def search_params(filters: Filters, after: tuple[datetime, str, str] | None) -> 
     }
     if filters.q is not None and _is_prefix(filters.q):
         params["q_end"] = filters.q + "g"
+    if filters.scope is not None:
+        params["ws_like"] = like_patterns(filters.scope)
     if after is not None:
         params["c_at"], params["c_ws"], params["c_id"] = after
     return params

@@ -47,6 +47,7 @@ from onceflow.errors import InvalidRequest
 from onceflow.ids import check_id, check_worker_class
 from onceflow.metrics.sql import live_counts
 from onceflow.models.requests import SweepResult
+from onceflow.models.scopes import WorkspaceScope, like_patterns
 from onceflow.queue.overview import per_shard
 
 log = logging.getLogger("onceflow.series")
@@ -275,11 +276,16 @@ WHERE s.bucket >= %(from)s AND s.bucket < %(to)s
 GROUP BY 1, 2
 """
 
-READ_SPEND_WORKSPACES: Final = f"""
+
+def _spend_workspaces(scoped: bool) -> str:
+    """The costliest workspaces' spend per bucket; ``scoped``: of the workspaces matching
+    the LIKE patterns ``ws_like`` only (a reader limited to some workspaces)."""
+    scope = "\n      AND s.workspace_id LIKE ANY(CAST(%(ws_like)s AS text[]))" if scoped else ""
+    return f"""
 WITH top AS (
     SELECT s.workspace_id, sum(s.cost) AS cost, sum(s.input_tokens + s.output_tokens) AS tokens
     FROM onceflow_series_spend s
-    WHERE s.bucket >= %(from)s AND s.bucket < %(to)s
+    WHERE s.bucket >= %(from)s AND s.bucket < %(to)s{scope}
     GROUP BY 1
     ORDER BY 2 DESC NULLS LAST, 3 DESC, 1
     LIMIT {SPEND_WORKSPACES}
@@ -291,6 +297,10 @@ JOIN top USING (workspace_id)
 WHERE s.bucket >= %(from)s AND s.bucket < %(to)s
 GROUP BY 1, 2, 3, 4
 """
+
+
+READ_SPEND_WORKSPACES: Final = _spend_workspaces(scoped=False)
+READ_SPEND_WORKSPACES_SCOPED: Final = _spend_workspaces(scoped=True)
 
 READ_BUDGETS: Final = """
 SELECT b.workspace_id, b.period, b.limit_cost, b.limit_tokens, b.on_exceeded
@@ -317,6 +327,7 @@ STATEMENTS: Final = {
     "series.read_savings": READ_SAVINGS,
     "series.read_spend_providers": READ_SPEND_PROVIDERS,
     "series.read_spend_workspaces": READ_SPEND_WORKSPACES,
+    "series.read_spend_workspaces_scoped": READ_SPEND_WORKSPACES_SCOPED,
     "series.read_budgets": READ_BUDGETS,
 }
 
@@ -412,8 +423,13 @@ def read_series(
     *,
     worker_class: str | None = None,
     stage: str | None = None,
+    scope: WorkspaceScope | None = None,
 ) -> dict[str, Any]:
-    """The series of ``range_name`` (hour, day, week) summed over ``engines``' databases."""
+    """The series of ``range_name`` (hour, day, week) summed over ``engines``' databases.
+
+    ``scope``: the workspaces the reader may read (None: every one); the spend by workspace
+    and the budgets are then of those workspaces only (the counts, gauges, savings and
+    spend by provider name no workspace and are the deployment's)."""
     step, count = _range(range_name)
     if worker_class is not None:
         check_worker_class(worker_class)
@@ -433,8 +449,12 @@ def read_series(
     epoch = int(db_now.timestamp()) // step * step
     first = datetime.fromtimestamp(epoch - (count - 1) * step, UTC)
     last = datetime.fromtimestamp(epoch + step, UTC)
-    params = {"from": first, "to": last, "step": step, "worker_class": worker_class,
-              "stage": stage}  # fmt: skip
+    params: dict[str, Any] = {"from": first, "to": last, "step": step,
+                              "worker_class": worker_class, "stage": stage}  # fmt: skip
+    spend_workspaces = READ_SPEND_WORKSPACES
+    if scope is not None:
+        params["ws_like"] = like_patterns(scope)
+        spend_workspaces = READ_SPEND_WORKSPACES_SCOPED
 
     def read(engine: Engine) -> dict[str, list[Any]]:
         def once() -> dict[str, list[Any]]:
@@ -444,7 +464,7 @@ def read_series(
                     "gauges": fetch_all(raw, READ_GAUGES, params),
                     "savings": fetch_all(raw, READ_SAVINGS, params),
                     "providers": fetch_all(raw, READ_SPEND_PROVIDERS, params),
-                    "workspaces": fetch_all(raw, READ_SPEND_WORKSPACES, params),
+                    "workspaces": fetch_all(raw, spend_workspaces, params),
                 }
 
         return retry_disconnect(once)

@@ -16,6 +16,7 @@ from typing import Any
 from onceflow.db import fetch_all, raw_connection, retry_disconnect
 from onceflow.errors import InvalidRequest
 from onceflow.ids import check_id
+from onceflow.models.scopes import WorkspaceScope, like_patterns
 from onceflow.spend import sql
 from onceflow.spend.databases import Database, Databases, as_databases
 
@@ -66,8 +67,10 @@ def spend(
     until: datetime | None = None,
     by: Sequence[str] = DEFAULT_BY,
     limit: int = REPORT_LIMIT,
+    scope: WorkspaceScope | None = None,
 ) -> dict[str, Any]:
-    """Settled spend from the ledger, summed by the groups ``by``.
+    """Settled spend from the ledger, summed by the groups ``by``; ``scope``: of those
+    workspaces only (None: every workspace).
 
     ``by``: any of ``workspace``, ``stage``, ``provider``, ``model``, ``outcome`` (none: one
     total). ``since`` (inclusive) and ``until`` (exclusive) bound the rows' recording time
@@ -87,8 +90,10 @@ def spend(
         "until": _check_time("until", until),
         "limit": limit + 1,
     }
+    if scope is not None:
+        params["ws_like"] = like_patterns(scope)
     columns = [sql.GROUPS[n] for n in names]
-    query = sql.report(columns)
+    query = sql.report(columns, scoped=scope is not None)
     dbs = as_databases(database)
 
     def read(engine: Any) -> list[Any]:

@@ -169,10 +169,12 @@ GROUPS: Final = {
 }
 
 
-def report(columns: list[str]) -> str:
-    """Spend summed by ``columns`` (names of :data:`GROUPS`' values only)."""
+def report(columns: list[str], *, scoped: bool = False) -> str:
+    """Spend summed by ``columns`` (names of :data:`GROUPS`' values only); ``scoped``: of the
+    workspaces matching the LIKE patterns ``ws_like`` only (a reader limited to some)."""
     select = "".join(f"{c}, " for c in columns)
     group = f"GROUP BY {', '.join(columns)}" if columns else ""
+    scope = "\n  AND workspace_id LIKE ANY(CAST(%(ws_like)s AS text[]))" if scoped else ""
     return f"""
 SELECT {select}count(*) AS calls,
        coalesce(sum(input_tokens), 0)::bigint AS input_tokens,
@@ -183,7 +185,7 @@ FROM spend_ledger
 WHERE (CAST(%(ws)s AS text) IS NULL OR workspace_id = %(ws)s)
   AND (CAST(%(provider)s AS text) IS NULL OR provider = %(provider)s)
   AND recorded_at >= coalesce(CAST(%(since)s AS timestamptz), '-infinity')
-  AND recorded_at < coalesce(CAST(%(until)s AS timestamptz), 'infinity')
+  AND recorded_at < coalesce(CAST(%(until)s AS timestamptz), 'infinity'){scope}
 {group}
 ORDER BY cost DESC, calls DESC
 LIMIT %(limit)s

@@ -3,6 +3,7 @@ and Celery worker. Roles, the snapshot against the table, fenced requeue, bad id
 
 from __future__ import annotations
 
+import json
 from contextlib import ExitStack
 from datetime import datetime, timedelta
 from typing import Any
@@ -17,7 +18,7 @@ from onceflow.keys import counters_key, queue_name
 from onceflow.locks.counters import calls_saved, parse_hash
 from onceflow.models import NewRequest
 from onceflow.queue import Queue
-from tests.browser.conftest import ADMIN_KEY, API_KEY, VIEWER_KEY, WC, auth
+from tests.browser.conftest import ADMIN_KEY, API_KEY, SCOPED_KEY, VIEWER_KEY, WC, auth
 from tests.conftest import table_snapshot
 
 pytestmark = pytest.mark.slow
@@ -339,3 +340,44 @@ def test_actions_find_the_row_by_the_workspace_shown(
     assert again.status_code == 200 and again.json()["already_requested"] is True, again.text
     refused = http.post(cancel, headers=auth(ADMIN_KEY), json={**run, **other})
     assert refused.status_code == 404, refused.text
+
+
+def test_a_limited_key_sees_no_error_text_of_other_workspaces_in_the_snapshot_or_stream(
+    http: httpx.Client, dash: Any, engine: Engine
+) -> None:
+    queue = Queue(engine)
+    dead: dict[str, str] = {}
+    for ws in ("dash-ws1", "dash-ws2"):  # the scoped key reads dash-ws1, not dash-ws2
+        rid = queue.enqueue("cell", ws, f"jdead-{ws}", worker_class=IDLE).request_id
+        claim = queue.claim(rid, "worker-x", lease_seconds=30)
+        assert claim is not None
+        queue.fail(claim, {"type": "SecretError", "message": f"token of {ws}"}, retryable=False)
+        dead[ws] = rid
+
+    def errors(snapshot: dict[str, Any]) -> dict[str, Any]:
+        return {r["workspace_id"]: r["error"] for r in snapshot["dead"] if r["request_id"] in
+                dead.values()}  # fmt: skip
+
+    every = http.get("/dashboard/api/snapshot", headers=auth(VIEWER_KEY)).json()
+    assert errors(every) == {
+        "dash-ws1": "SecretError: token of dash-ws1", "dash-ws2": "SecretError: token of dash-ws2",
+    }  # fmt: skip
+    limited = http.get("/dashboard/api/snapshot", headers=auth(SCOPED_KEY))
+    assert limited.status_code == 200, limited.text
+    assert errors(limited.json()) == {
+        "dash-ws1": "SecretError: token of dash-ws1",
+        "dash-ws2": None,
+    }
+    assert "token of dash-ws2" not in limited.text
+    assert "dash-ws2" not in {w["workspace_id"] for w in limited.json()["savings"]["workspaces"]}
+    # The stream renders the same shared snapshot for the key it is sent to.
+    with http.stream("GET", "/dashboard/api/stream", headers=auth(SCOPED_KEY)) as stream:
+        assert stream.status_code == 200
+        for line in stream.iter_lines():
+            assert "token of dash-ws2" not in line
+            if line.startswith("data: "):
+                shown = errors(json.loads(line[len("data: ") :]))
+                if len(shown) == 2:  # a snapshot taken after both rows died
+                    assert shown == {"dash-ws1": "SecretError: token of dash-ws1",
+                                     "dash-ws2": None}  # fmt: skip
+                    break

@@ -12,7 +12,7 @@ from sqlalchemy import Engine, text
 
 from onceflow.models import NewRequest
 from onceflow.queue import Queue
-from tests.browser.conftest import ADMIN_KEY, API_KEY, VIEWER_KEY, auth
+from tests.browser.conftest import ADMIN_KEY, API_KEY, SCOPED_KEY, VIEWER_KEY, auth
 
 pytestmark = pytest.mark.slow
 
@@ -118,3 +118,60 @@ def test_series_after_a_sweep(http: httpx.Client, dash: Any, engine: Engine) -> 
     assert refused.status_code == 422
     assert "range must be one of hour, day, week" in refused.json()["detail"]
     assert http.get("/dashboard/api/series", headers=auth(API_KEY)).status_code == 401
+
+
+def test_a_limited_key_lists_and_charts_only_its_workspaces(
+    http: httpx.Client, dash: Any, engine: Engine
+) -> None:
+    queue = Queue(engine)
+    items = [
+        NewRequest(ws, "job-scope", "cell", branch_path=str(i), worker_class=IDLE)
+        for i, ws in enumerate(["dash-ws1", "dash-own-1", "dash-own-2", "dash-ws2", "dash-ws10"])
+    ]
+    ids = {r.workspace_id: r.request_id for r in queue.enqueue_many(items)}
+    # The scoped key reads "dash-ws1" and "dash-own-*": the other two are not listed.
+    page = http.get("/dashboard/api/requests", headers=auth(SCOPED_KEY), params={"limit": 200})
+    assert page.status_code == 200, page.text
+    listed = {r["workspace_id"] for r in page.json()["items"]}
+    assert listed == {"dash-ws1", "dash-own-1", "dash-own-2"}
+    pasted = http.get("/dashboard/api/requests", headers=auth(SCOPED_KEY),
+                      params={"q": ids["dash-ws2"]}).json()  # fmt: skip
+    assert pasted["items"] == []  # a pasted id of another workspace is not found either
+    mine = http.get("/dashboard/api/requests", headers=auth(SCOPED_KEY),
+                    params={"workspace": "dash-own-2"}).json()  # fmt: skip
+    assert [r["request_id"] for r in mine["items"]] == [ids["dash-own-2"]]
+    refused = http.get("/dashboard/api/requests", headers=auth(SCOPED_KEY),
+                       params={"workspace": "dash-ws2"})  # fmt: skip
+    assert refused.status_code == 403 and refused.json()["code"] == "forbidden", refused.text
+    assert "not scoped to that workspace" in refused.json()["detail"]
+    every = http.get("/dashboard/api/requests", headers=auth(VIEWER_KEY), params={"limit": 200})
+    assert {r["workspace_id"] for r in every.json()["items"]} == set(ids)
+
+    # The series: spend by workspace and budgets of its workspaces only.
+    with engine.begin() as conn:
+        for ws in ("dash-ws1", "dash-ws2"):
+            conn.execute(
+                text(
+                    "INSERT INTO onceflow_series_spend (bucket, provider, workspace_id, calls, "
+                    "input_tokens, output_tokens, cost, saved_cost) "
+                    "VALUES (date_trunc('minute', now()), 'p', :ws, 1, 10, 10, 0.5, 0)"
+                ),
+                {"ws": ws},
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO spend_budgets (workspace_id, period, limit_cost, on_exceeded) "
+                    "VALUES (:ws, 'day', 10, 'fail')"
+                ),
+                {"ws": ws},
+            )
+    seen = http.get("/dashboard/api/series", headers=auth(VIEWER_KEY)).json()
+    assert {w["workspace_id"] for w in seen["spend"]["by_workspace"]} == {"dash-ws1", "dash-ws2"}
+    assert {b["workspace_id"] for b in seen["budgets"]} == {"dash-ws1", "dash-ws2"}
+    scoped = http.get("/dashboard/api/series", headers=auth(SCOPED_KEY))
+    assert scoped.status_code == 200, scoped.text
+    body = scoped.json()
+    assert [w["workspace_id"] for w in body["spend"]["by_workspace"]] == ["dash-ws1"]
+    assert [b["workspace_id"] for b in body["budgets"]] == ["dash-ws1"]
+    assert "dash-ws2" not in scoped.text
+    assert body["spend"]["by_provider"] == seen["spend"]["by_provider"]  # no workspace named

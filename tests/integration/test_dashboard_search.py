@@ -12,6 +12,7 @@ from sqlalchemy import Engine, text
 
 from onceflow.db import fetch_all, raw_connection
 from onceflow.errors import InvalidRequest
+from onceflow.models.scopes import WorkspaceScope
 from onceflow.queue import search
 from onceflow.queue.search import Filters
 
@@ -56,6 +57,9 @@ SHAPES: dict[str, Filters] = {
     "q=prefix": Filters(q="abcdef12"),
     "q=job": Filters(q="job-17"),
     "q+workspace": Filters(q="job-17", workspace="w17"),
+    "scoped": Filters(scope=WorkspaceScope.parse(["w7", "w1*"])),
+    "scoped+workspace": Filters(workspace="w7", scope=WorkspaceScope.parse(["w7", "w1*"])),
+    "scoped+status": Filters(status="dead", scope=WorkspaceScope.parse(["w3*"])),
 }
 
 
@@ -176,6 +180,24 @@ def test_paging_holds_while_rows_are_added(big: Engine) -> None:
             conn.execute(text(
                 "DELETE FROM workspace_process_requests WHERE request_id = 'added-while-paging'"
             ))  # fmt: skip
+
+
+def test_a_limited_reader_lists_only_its_workspaces(big: Engine) -> None:
+    def listed(scope: list[str], **filters: Any) -> list[str]:
+        found = _everything(big, Filters(scope=WorkspaceScope.parse(scope), **filters), limit=97)
+        return [r["request_id"] for r in found]
+
+    # Exact ids and prefixes: w7 and w1, w10 … w19; never w2 or w70-like neighbours.
+    expected = _from_table(big, "workspace_id = 'w7' OR workspace_id LIKE 'w1%'", {})
+    assert listed(["w7", "w1*"]) == expected and len(expected) == 12 * N // 50
+    assert listed(["w7"], status="dead") == _from_table(
+        big, "workspace_id = 'w7' AND status = 'dead'", {}
+    )
+    # A pattern's _ and % are the id's characters, not LIKE's wildcards.
+    assert listed(["w_*"]) == [] and listed(["w%"]) == [] and listed(["w_"]) == []
+    # A pasted id of another workspace is not found.
+    other = _from_table(big, "workspace_id = 'w2'", {})[0]
+    assert listed(["w7"], q=other) == []
 
 
 def test_a_pasted_id_finds_its_request(big: Engine) -> None:

@@ -16,6 +16,7 @@ from onceflow.db import fetch_all, raw_connection
 from onceflow.errors import InvalidRequest
 from onceflow.ids import RequestId
 from onceflow.models import Dispatch, SweepResult
+from onceflow.models.scopes import WorkspaceScope
 from onceflow.queue import series
 
 pytestmark = pytest.mark.slow
@@ -286,6 +287,22 @@ def test_read_series_buckets_equal_the_rollup(filled: Engine) -> None:
     assert [w["workspace_id"] for w in spend["by_workspace"]] == ["w1", "w0", "w2"]  # by cost
     assert out["budgets"] == [{"workspace_id": "w1", "period": "day", "limit_cost": "5",
                                "limit_tokens": None, "on_exceeded": "fail"}]  # fmt: skip
+    # A reader limited to some workspaces: their spend and budgets only; the rest is the same.
+    scoped = series.read_series(filled, "hour", scope=WorkspaceScope.parse(["w0", "w2*"]))
+    assert [w["workspace_id"] for w in scoped["spend"]["by_workspace"]] == ["w0", "w2"]
+    assert scoped["budgets"] == []  # w1's budget is not of its workspaces
+    assert (
+        scoped["buckets"] == out["buckets"]
+        and scoped["spend"]["by_provider"] == (spend["by_provider"])
+    )
+    only_w1 = series.read_series(filled, "hour", scope=WorkspaceScope.parse(["w1"]))
+    assert [b["workspace_id"] for b in only_w1["budgets"]] == ["w1"]
+    assert (
+        series.read_series(filled, "hour", scope=WorkspaceScope.parse(["w_*"]))["spend"][
+            "by_workspace"
+        ]
+        == []
+    )  # an id's _ is not a wildcard
     day = series.read_series(filled, "day")
     assert day["step_seconds"] == 900 and len(day["buckets"]) == 96
     assert sum(b["enqueued"] for b in day["buckets"]) == 300

@@ -13,8 +13,8 @@ from pydantic import BaseModel
 from sqlalchemy import Engine, text
 
 from onceflow import Queue, Status
-from onceflow.queue import Failure
 from onceflow.errors import InvalidRequest, NotFound
+from onceflow.queue import Failure
 from onceflow.queue.detail import TEXT_CAP_BYTES, as_text, read_request
 from onceflow.spend import Grant, LedgerHooks, Usage
 from onceflow.tasks import Flow, StageContext
@@ -221,6 +221,37 @@ def test_payloads_are_withheld_from_a_reader_of_other_workspaces_and_capped(
     assert shown["input"]["text"].startswith('{\n  "text": "éé')
     assert as_text("<b>x</b>") == {"text": '"<b>x</b>"', "truncated": False}  # text, as stored
     assert as_text(None) is None
+
+
+def test_a_failed_requests_error_text_is_withheld_in_its_attempts_and_history(
+    queue: Queue, clean_db: Engine
+) -> None:
+    rid = queue.enqueue("s", "ws-secret", "j").request_id
+    t0 = db_now(clean_db)
+    first = queue.claim(rid, "worker-1", lease_seconds=30, now=t0)
+    assert first is not None
+    queue.fail(first, {"type": "SecretError", "message": "token=hunter2"}, retry_in=0, now=t0)
+    second = queue.claim(rid, "worker-2", lease_seconds=30, now=t0 + timedelta(seconds=1))
+    assert second is not None
+    dead = queue.fail(second, {"type": "SecretError", "message": "token=hunter2"}, retryable=False)
+    assert dead.status is Status.DEAD
+
+    hidden = read_request(clean_db, rid, readable=lambda ws: ws != "ws-secret")
+    assert hidden["withheld"] is True and hidden["error"] is None
+    assert [(a["outcome"], a["error_type"], a["error_message"]) for a in hidden["attempts"]] == [
+        ("failed", None, None), ("failed", None, None),
+    ]  # fmt: skip
+    failed = [e for e in hidden["history"] if e["event"] == "failed"]
+    assert len(failed) == 2
+    assert all(e["detail"]["error_type"] is None for e in failed)
+    assert all(e["detail"]["error_message"] is None for e in failed)
+    assert "hunter2" not in json.dumps(hidden) and "SecretError" not in json.dumps(hidden)
+    # A reader of the workspace sees the same events with their errors.
+    shown = read_request(clean_db, rid)
+    assert [a["error_type"] for a in shown["attempts"]] == ["SecretError", "SecretError"]
+    assert [e["detail"]["error_message"] for e in shown["history"] if e["event"] == "failed"] == [
+        "token=hunter2", "token=hunter2",
+    ]  # fmt: skip
 
 
 def test_unknown_ids_another_workspace_and_ambiguous_ids(queue: Queue, clean_db: Engine) -> None:

@@ -11,6 +11,7 @@ from sqlalchemy import Engine
 
 from onceflow.db import get_engine
 from onceflow.integrations.fastapi.dashboard import SnapshotHub, SnapshotTimeout
+from onceflow.integrations.fastapi.operators import VIEWER, Operator
 from onceflow.queue.overview import read_tables
 from tests.metrics.stall_proxy import StallProxy
 
@@ -37,7 +38,7 @@ def test_the_stream_says_problem_on_a_stalled_database_and_recovers(
 
     async def scenario() -> list[str]:
         hub = SnapshotHub(compute, interval=0.05, timeout=0.5)
-        stream = hub.open("k")
+        stream = hub.open(Operator(key_id="k", roles=frozenset({VIEWER})))
         seen: list[str] = []
 
         async def next_event(kind: str) -> None:
@@ -45,7 +46,7 @@ def test_the_stream_says_problem_on_a_stalled_database_and_recovers(
             while True:
                 left = deadline - time.monotonic()
                 assert left > 0, f"no {kind} event before the deadline; saw {seen}"
-                text = await asyncio.wait_for(stream.queue.get(), left)
+                text = await asyncio.wait_for(stream.next_event(), left)
                 seen.append(text.split("\n", 1)[0])
                 if text.startswith(f"event: {kind}\n"):
                     return

@@ -14,11 +14,13 @@ from datetime import UTC, datetime
 
 from onceflow.connector.steps import Query
 from onceflow.metrics import sql as metrics_sql
+from onceflow.models.scopes import WorkspaceScope
 from onceflow.oplog import sql as oplog_sql
 from onceflow.queue import detail
 from onceflow.queue import search as queue_search
 from onceflow.queue import series as queue_series
 from onceflow.queue import sql as queue_sql
+from onceflow.spend import sql as spend_sql
 
 #: sha256 (first 16 hex digits) of each statement's SQL; ``#by_id``: its form for a caller
 #: that names the request by id alone; ``[n]``: CLAIM_NEXT with the literal limit n.
@@ -104,6 +106,7 @@ PINNED = {
     "search[all,cursor]": "7bb1ad0968da744b",
     "search[none]": "c578b291e58ac7ec",
     "search[q_prefix]": "84726ed118ef483f",
+    "search[scoped]": "205eefffcb6ba883",
     "series.counts": "7552e897120330f9",
     "series.depth_sample": "0e8443cc504bc5b8",
     "series.lock": "cadc8283603acdc6",
@@ -117,11 +120,14 @@ PINNED = {
     "series.read_savings": "a309eb541904d15d",
     "series.read_spend_providers": "d4f1604febfc59db",
     "series.read_spend_workspaces": "2ffffb8f6b004443",
+    "series.read_spend_workspaces_scoped": "67a3033f10b10dd4",
     "series.rescued": "4f8497d04794d9f1",
     "series.savings": "db6682e7ef9690ca",
     "series.spend": "d7169f78316e08f7",
     "series.spend_clear": "a2fe65e21cf4eab7",
     "series.window": "c251d39076df49ab",
+    "spend.report[workspace,scoped]": "e87c5b34358e543d",
+    "spend.report[workspace]": "d94325b1bd75f94e",
     "series.zero": "3f532933899fa04a",
 }
 
@@ -145,6 +151,7 @@ SEARCH_SHAPES = {
         True,
     ),
     "q_prefix": (queue_search.Filters(q="abcdef12"), False),
+    "scoped": (queue_search.Filters(scope=WorkspaceScope.parse(["w", "acme-*"])), False),
 }
 
 
@@ -173,6 +180,9 @@ def _rendered() -> dict[str, str]:
         out[name] = _digest(sql)
     for name, sql in queue_series.STATEMENTS.items():
         out[name] = _digest(sql)
+    for scoped in (False, True):  # the operators' spend report, grouped by workspace
+        report = spend_sql.report([spend_sql.GROUPS["workspace"]], scoped=scoped)
+        out[f"spend.report[workspace{',scoped' if scoped else ''}]"] = _digest(report)
     for name, (filters, cursor) in SEARCH_SHAPES.items():
         out[f"search[{name}]"] = _digest(queue_search.search_sql(filters, cursor=cursor, limit=51))
     return out

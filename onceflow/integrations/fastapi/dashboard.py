@@ -32,6 +32,10 @@ admin; no login-less mode):
   previous page's ``next``); every shard asked and merged (:mod:`onceflow.queue.search`);
 * ``GET /dashboard/api/series`` — the time series of the sweeper's rollup over the last
   hour, day or week, with the spend budgets (:mod:`onceflow.queue.series`);
+* a key limited to some workspaces sees the others' dead rows in the snapshot and stream
+  without their error summary, and no savings of theirs; search lists only its
+  workspaces' requests (a ``workspace`` filter outside them: 403); the series' spend by
+  workspace and budgets are of its workspaces only;
 * (a key limited to some workspaces acts only with the row's ``workspace_id``, one of its
   own: else 422 / 403);
 * ``POST /dashboard/api/requests/{id}/requeue`` — fenced: body ``{"version": <the row's
@@ -64,10 +68,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import Engine
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from onceflow.errors import AccessDenied, InvalidRequest, InvalidTransition, OnceflowError
+from onceflow.errors import InvalidRequest, InvalidTransition, OnceflowError
 from onceflow.ids import check_id
 from onceflow.integrations.fastapi.events import StreamLimit, too_many_streams
-from onceflow.integrations.fastapi.guard import operator_route_class
+from onceflow.integrations.fastapi.guard import operator_route_class, readable, request_operator
 from onceflow.integrations.fastapi.operators import ADMIN, Operator
 from onceflow.integrations.fastapi.schemas import RequestIdPath, WorkspaceIdStr
 from onceflow.locks.savings import read_savings
@@ -133,6 +137,29 @@ def compute_snapshot(services: OnceflowServices) -> dict[str, Any]:
     return snapshot
 
 
+def scoped_snapshot(snapshot: dict[str, Any], operator: Operator) -> dict[str, Any]:
+    """``snapshot`` as ``operator`` may see it: the snapshot is computed once for every key;
+    a key limited to some workspaces gets other workspaces' dead rows without their error
+    summary (None: the request's payload) and the savings of its own workspaces only."""
+    if operator.workspaces is None:
+        return snapshot
+    scoped = dict(snapshot)
+    if "dead" in snapshot:
+        scoped["dead"] = [
+            row if operator.may_read(row["workspace_id"]) else {**row, "error": None}
+            for row in snapshot["dead"]
+        ]
+    savings = snapshot.get("savings")
+    if isinstance(savings, dict) and "workspaces" in savings:
+        scoped["savings"] = {
+            **savings,
+            "workspaces": [
+                row for row in savings["workspaces"] if operator.may_read(row["workspace_id"])
+            ],
+        }
+    return scoped
+
+
 def _engines_of(queue: Queue, workspace_id: str | None) -> list[Engine]:
     """The engine of ``workspace_id``'s shard; every shard's when it is not known."""
     shards = queue.shards()
@@ -152,16 +179,29 @@ def _stable(snapshot: dict[str, Any]) -> str:
 
 
 class _Stream:
-    """One open stream: the latest snapshot not yet sent (older ones are replaced)."""
+    """One open stream: the latest event not yet sent (older ones are replaced). A snapshot
+    is kept as computed and rendered for the stream's key when it is sent."""
 
-    def __init__(self, key_id: str) -> None:
-        self.key_id = key_id
-        self.queue: asyncio.Queue[str] = asyncio.Queue(maxsize=1)
+    def __init__(self, operator: Operator) -> None:
+        self.operator = operator
+        self.key_id = operator.key_id
+        self.queue: asyncio.Queue[str | dict[str, Any]] = asyncio.Queue(maxsize=1)
 
-    def offer(self, text: str) -> None:
+    def offer(self, event: str | dict[str, Any]) -> None:
         with contextlib.suppress(asyncio.QueueEmpty):
             self.queue.get_nowait()  # a slow reader skips to the newest snapshot
-        self.queue.put_nowait(text)
+        self.queue.put_nowait(event)
+
+    async def next_event(self) -> str:
+        """The next event's text (waits for one)."""
+        return self.render(await self.queue.get())
+
+    def render(self, event: str | dict[str, Any]) -> str:
+        """An event's text: a snapshot as this stream's key may see it, a problem as is."""
+        if isinstance(event, str):
+            return event
+        shown = scoped_snapshot(event, self.operator)
+        return "event: snapshot\ndata: " + json.dumps(shown, default=str) + "\n\n"
 
 
 class SnapshotTimeout(Exception):
@@ -188,16 +228,18 @@ class SnapshotHub:
         self._max_per_key = max_per_key
         self._streams: set[_Stream] = set()
         self._task: asyncio.Task[None] | None = None
-        self._last: tuple[str, str] | None = None  # (stable form, event text)
+        # (stable form, event): a snapshot as computed (each stream renders it for its key)
+        # or a problem's text.
+        self._last: tuple[str, str | dict[str, Any]] | None = None
         self.computed = 0  # snapshots computed (how often the producer ran)
 
-    def open(self, key_id: str) -> _Stream:
+    def open(self, operator: Operator) -> _Stream:
         """Join; StreamLimit past the bounds. The latest snapshot (if any) is sent at once."""
         if len(self._streams) >= self._max_streams:
             raise StreamLimit("too many open dashboard streams in this process", self._max_streams)
-        if sum(s.key_id == key_id for s in self._streams) >= self._max_per_key:
+        if sum(s.key_id == operator.key_id for s in self._streams) >= self._max_per_key:
             raise StreamLimit("too many open dashboard streams for this key", self._max_per_key)
-        stream = _Stream(key_id)
+        stream = _Stream(operator)
         self._streams.add(stream)
         if self._last is not None:
             stream.offer(self._last[1])
@@ -243,22 +285,22 @@ class SnapshotHub:
                 snapshot, took = await self.fresh()
                 self.computed += 1
                 stable = _stable(snapshot)
-                text = "event: snapshot\ndata: " + json.dumps(snapshot, default=str) + "\n\n"
+                event: str | dict[str, Any] = snapshot
             except SnapshotTimeout as exc:  # a stalled database: say so, keep waiting for it
-                stable = text = "event: problem\ndata: " + json.dumps(
+                stable = event = "event: problem\ndata: " + json.dumps(
                     {"detail": f"snapshot timed out: {exc}"}
                 ) + "\n\n"  # fmt: skip
             except OnceflowError as exc:  # e.g. the database is down: say so, keep streaming
-                stable = text = "event: problem\ndata: " + json.dumps(
+                stable = event = "event: problem\ndata: " + json.dumps(
                     {"detail": f"snapshot failed: {type(exc).__name__}"}
                 ) + "\n\n"  # fmt: skip
             except Exception as exc:  # never kill the producer of every stream
                 log.error("dashboard snapshot failed: %s", type(exc).__name__, exc_info=exc)
-                stable = text = 'event: problem\ndata: {"detail": "snapshot failed"}\n\n'
+                stable = event = 'event: problem\ndata: {"detail": "snapshot failed"}\n\n'
             if self._last is None or self._last[0] != stable:
-                self._last = (stable, text)
+                self._last = (stable, event)
                 for stream in list(self._streams):
-                    stream.offer(text)
+                    stream.offer(event)
             # Never more often than the last compute took (a slow database is not piled on).
             await asyncio.sleep(max(self._interval, took))
         self._last = None  # nobody watched: the next stream waits for a fresh snapshot
@@ -269,7 +311,8 @@ async def _events(hub: SnapshotHub, stream: _Stream) -> AsyncIterator[str]:
         yield ": connected\n\n"
         while True:
             try:
-                yield await asyncio.wait_for(stream.queue.get(), KEEPALIVE_SECONDS)
+                # Rendered for this stream's key at send time (one shared compute).
+                yield await asyncio.wait_for(stream.next_event(), KEEPALIVE_SECONDS)
             except TimeoutError:
                 yield ": keep-alive\n\n"
     finally:
@@ -303,13 +346,6 @@ class ActionIn(BaseModel):
     )
 
 
-def _operator(request: Request) -> Operator:
-    found = getattr(request.state, "onceflow_operator", None)
-    if not isinstance(found, Operator):  # the route class always sets it
-        raise InvalidRequest("no operator key was checked for this route")
-    return found
-
-
 def _in_scope(operator: Operator, workspace_id: str | None) -> str:
     """The operator's key id, if it may act on ``workspace_id``'s requests: a key limited to
     some workspaces names the row's workspace (the statement then finds the row by its key,
@@ -319,8 +355,7 @@ def _in_scope(operator: Operator, workspace_id: str | None) -> str:
             raise InvalidRequest(
                 "this operator key is limited to some workspaces: send the row's workspace_id"
             )
-        if not operator.may_read(workspace_id):
-            raise AccessDenied(403, "this operator key is not scoped to that workspace")
+        readable(operator, workspace_id)
     return operator.key_id
 
 
@@ -381,20 +416,22 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
     )
 
     @api.get("/snapshot", operation_id="dashboard_snapshot")
-    async def snapshot() -> JSONResponse:
+    async def snapshot(request: Request) -> JSONResponse:
         """Queue depth, oldest queued, running and dead requests, savings, op-log rate."""
+        operator = request_operator(request)
         try:
             found, _took = await hub().fresh()
         except SnapshotTimeout as exc:
             return JSONResponse({"detail": str(exc)}, status_code=503)
-        return JSONResponse(found, headers={"Cache-Control": "no-store"})
+        shown = scoped_snapshot(found, operator)
+        return JSONResponse(shown, headers={"Cache-Control": "no-store"})
 
     @api.get("/stream", operation_id="dashboard_stream", response_class=Response)
     async def stream(request: Request) -> Response:
         """Server-Sent Events: ``event: snapshot`` (JSON) whenever the snapshot changes."""
         the_hub = hub()
         try:
-            opened = the_hub.open(_operator(request).key_id)
+            opened = the_hub.open(request_operator(request))
         except StreamLimit as exc:
             return too_many_streams(exc)
         return StreamingResponse(
@@ -410,7 +447,7 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
         workspace_id: Annotated[WorkspaceIdStr | None, Query()] = None,
     ) -> JSONResponse:
         """One request, whole: row, history, attempts, hand-offs, ops, locks, spend, actions."""
-        operator = _operator(request)
+        operator = request_operator(request)
         check_id("request_id", request_id)
         found = read_request(
             _engines_of(svc.queue, workspace_id),
@@ -423,6 +460,7 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
 
     @api.get("/requests", operation_id="dashboard_requests")
     def requests(  # one argument per documented filter
+        request: Request,
         workspace: str | None = None,
         job: str | None = None,
         branch: str | None = None,
@@ -436,12 +474,16 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
         limit: int = Query(default=request_search.LIMIT_DEFAULT, ge=1, le=request_search.LIMIT_MAX),
     ) -> JSONResponse:
         """Requests matching the filters, newest first, one page (``next``: the cursor)."""
+        operator = request_operator(request)
+        if workspace is not None:
+            check_id("workspace", workspace)
+            readable(operator, workspace)
         filters = request_search.Filters(
             workspace=workspace, job=job, branch=branch, stage=stage,
             worker_class=worker_class, status=status,
             since=request_search.parse_time("since", since),
             until=request_search.parse_time("until", until),
-            q=q.strip() if q is not None else None,
+            q=q.strip() if q is not None else None, scope=operator.workspaces,
         )  # fmt: skip
         found = request_search.search(
             _engines_of(svc.queue, workspace), filters, limit=limit, cursor=cursor
@@ -450,19 +492,24 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
 
     @api.get("/series", operation_id="dashboard_series")
     def series(
+        request: Request,
         range: str = "hour",  # the documented parameter's name
         worker_class: str | None = None,
         stage: str | None = None,
     ) -> JSONResponse:
-        """The rollup's buckets over the range, spend by provider and workspace, budgets."""
+        """The rollup's buckets over the range, spend by provider and workspace, budgets
+        (spend by workspace and budgets: of the workspaces the key may read)."""
         engines = [shard.engine for shard in svc.queue.shards()]
-        found = request_series.read_series(engines, range, worker_class=worker_class, stage=stage)
+        scope = request_operator(request).workspaces
+        found = request_series.read_series(
+            engines, range, worker_class=worker_class, stage=stage, scope=scope
+        )
         return JSONResponse(found, headers={"Cache-Control": "no-store"})
 
     @api.post("/requests/{request_id}/requeue", operation_id="dashboard_requeue")
     def requeue(request_id: RequestIdPath, body: ActionIn, request: Request) -> Response:
         """Run a dead or cancelled request again, if it is still as the operator saw it."""
-        who = _in_scope(_operator(request), body.workspace_id)
+        who = _in_scope(request_operator(request), body.workspace_id)
         check_id("request_id", request_id)
         expect = _version(body.version)
         try:
@@ -485,7 +532,7 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
     @api.post("/requests/{request_id}/cancel", operation_id="dashboard_cancel")
     def cancel(request_id: RequestIdPath, body: ActionIn, request: Request) -> Response:
         """Cancel a queued request, or ask a running one to stop, if it is still as shown."""
-        who = _in_scope(_operator(request), body.workspace_id)
+        who = _in_scope(request_operator(request), body.workspace_id)
         check_id("request_id", request_id)
         if body.run is None and body.version is None:
             raise InvalidRequest("run (a running row's) or version (a queued row's) is required")
@@ -532,4 +579,10 @@ def create_dashboard_router(services: OnceflowServices) -> APIRouter:
     return router
 
 
-__all__ = ["SnapshotHub", "SnapshotTimeout", "compute_snapshot", "create_dashboard_router"]
+__all__ = [
+    "SnapshotHub",
+    "SnapshotTimeout",
+    "compute_snapshot",
+    "create_dashboard_router",
+    "scoped_snapshot",
+]

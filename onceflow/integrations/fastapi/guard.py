@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from onceflow.errors import AccessDenied, OnceflowError
+from onceflow.errors import AccessDenied, InvalidRequest, OnceflowError
 from onceflow.integrations.fastapi.auth import Authenticator, Principal, bearer_key
 from onceflow.integrations.fastapi.http_errors import http_error_response
 from onceflow.integrations.fastapi.operators import Operator, role_for
@@ -110,6 +110,21 @@ async def authorize_operator(services: OnceflowServices, request: Request, role:
     await services.rate_limits.authorize(request, authenticate, permit)
     request.state.onceflow_operator = found[0]
     return found[0]
+
+
+def request_operator(request: Request) -> Operator:
+    """The operator :func:`operator_route_class` checked for ``request``."""
+    found = getattr(request.state, "onceflow_operator", None)
+    if not isinstance(found, Operator):  # the route class always sets it
+        raise InvalidRequest("no operator key was checked for this route")
+    return found
+
+
+def readable(operator: Operator, workspace_id: str) -> None:
+    """403 unless the operator's key may read ``workspace_id`` (a key limited to some
+    workspaces named another one); nothing is read or changed before this check."""
+    if not operator.may_read(workspace_id):
+        raise AccessDenied(403, "this operator key is not scoped to that workspace")
 
 
 def operator_route_class(services: OnceflowServices) -> type[APIRoute]:

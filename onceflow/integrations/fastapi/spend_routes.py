@@ -12,6 +12,10 @@ API's error shape); an unknown workspace is 422 too, and nothing is written.
 * ``DELETE /dashboard/api/spend/budgets/{ws}/{period}`` — remove it (admin);
 * ``GET /dashboard/api/spend/savings`` — the compute lock's saved calls, priced from the
   ledger (:func:`onceflow.spend.priced_savings`).
+
+An operator key limited to some workspaces reads and changes only theirs: the reports,
+budgets and savings list its workspaces alone, and a workspace outside them, named in a
+query or a path, is 403 with nothing read or changed.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse
 
-from onceflow.integrations.fastapi.guard import operator_route_class
+from onceflow.integrations.fastapi.guard import operator_route_class, readable, request_operator
 from onceflow.integrations.fastapi.schemas import WorkspaceIdStr
 from onceflow.locks.savings import read_savings
 from onceflow.redis_clients import REDIS_OR_OS_ERRORS
@@ -74,6 +78,7 @@ def create_spend_router(services: OnceflowServices) -> APIRouter:
 
     @api.get("", operation_id="spend_report")
     async def report(
+        request: Request,
         workspace_id: WorkspaceIdStr | None = None,
         provider: str | None = None,
         since: datetime | None = None,
@@ -81,6 +86,9 @@ def create_spend_router(services: OnceflowServices) -> APIRouter:
         by: list[str] = Query(default=["workspace", "stage", "provider"]),  # noqa: B008
     ) -> JSONResponse:
         """Settled spend summed by ``by`` (repeat it), the costliest groups first."""
+        operator = request_operator(request)
+        if workspace_id is not None:
+            readable(operator, workspace_id)
         found = await run_in_threadpool(
             lambda: spend(
                 _databases(svc),
@@ -89,21 +97,29 @@ def create_spend_router(services: OnceflowServices) -> APIRouter:
                 since=since,
                 until=until,
                 by=by,
+                scope=operator.workspaces,
             )
         )
         return JSONResponse(found, headers={"Cache-Control": "no-store"})
 
     @api.get("/budgets", operation_id="spend_budgets")
-    async def list_budgets(workspace_id: WorkspaceIdStr | None = None) -> JSONResponse:
-        """Budgets (one workspace's, or all) with their current period's spend."""
+    async def list_budgets(
+        request: Request, workspace_id: WorkspaceIdStr | None = None
+    ) -> JSONResponse:
+        """Budgets (one workspace's, or all the key may read) with their period's spend."""
+        operator = request_operator(request)
+        if workspace_id is not None:
+            readable(operator, workspace_id)
         found = await run_in_threadpool(lambda: budgets(workspace_id, database=_databases(svc)))
-        return JSONResponse({"budgets": [b.as_dict() for b in found]})
+        shown = [b.as_dict() for b in found if operator.may_read(b.workspace_id)]
+        return JSONResponse({"budgets": shown})
 
     @api.put("/budgets/{ws}/{period}", operation_id="spend_budget_set")
     async def put_budget(
         ws: WorkspaceIdStr, period: Period, body: BudgetIn, request: Request
     ) -> JSONResponse:
         """Set (or replace) a workspace's budget for a period."""
+        readable(request_operator(request), ws)
         made = await run_in_threadpool(
             lambda: set_budget(
                 ws,
@@ -121,6 +137,7 @@ def create_spend_router(services: OnceflowServices) -> APIRouter:
     @api.delete("/budgets/{ws}/{period}", operation_id="spend_budget_clear")
     async def delete_budget(ws: WorkspaceIdStr, period: Period, request: Request) -> JSONResponse:
         """Remove a workspace's budget for a period (``cleared`` is empty if there was none)."""
+        readable(request_operator(request), ws)
         cleared = await run_in_threadpool(
             lambda: clear_budget(ws, period, database=_databases(svc))
         )
@@ -128,15 +145,20 @@ def create_spend_router(services: OnceflowServices) -> APIRouter:
         return JSONResponse({"workspace_id": ws, "cleared": cleared})
 
     @api.get("/savings", operation_id="spend_savings")
-    async def savings() -> JSONResponse:
+    async def savings(request: Request) -> JSONResponse:
         """The compute lock's saved calls per workspace, priced at each workspace's average
-        settled cost of a call (an estimate; None where the ledger has no priced call)."""
+        settled cost of a call (an estimate; None where the ledger has no priced call); of
+        the workspaces the key may read."""
+        operator = request_operator(request)
 
         def read() -> dict[str, Any]:
             try:
                 counted = read_savings(svc.oplog.redis())
             except REDIS_OR_OS_ERRORS as exc:
                 return {"error": f"Redis: {type(exc).__name__}"}
+            if operator.workspaces is not None:
+                rows = [r for r in counted["workspaces"] if operator.may_read(r["workspace_id"])]
+                counted = {**counted, "workspaces": rows, "workspaces_total": len(rows)}
             return priced_savings(counted, _databases(svc))
 
         return JSONResponse(await run_in_threadpool(read))
