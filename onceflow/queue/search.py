@@ -11,9 +11,11 @@ then sorts), never the table:
   (created_at)`` read newest first, the other filters checked on the rows it reaches.
 
 A page is ``created_at DESC, workspace_id DESC, request_id DESC`` (unique: the table's key
-breaks ties), cut at ``limit``; the next page starts after the last row's key (keyset: no
-row repeated or skipped while rows are added). A database split by workspace: each shard
-is asked for a page, the pages merge in that order and are cut again (:func:`search`).
+breaks ties; the ids compared by code point, ``COLLATE "C"``, whatever the database's
+collation, as Python compares them when it merges shards' pages), cut at ``limit``; the
+next page starts after the last row's key (keyset: no row repeated or skipped while rows
+are added). A database split by workspace: each shard is asked for a page, the pages merge
+in that order and are cut again (:func:`search`).
 """
 
 from __future__ import annotations
@@ -62,9 +64,14 @@ _CONDITIONS: Final = {
     # that start with q (read as a range of ix_wpr_request_id).
     "q_prefix": "(w.job_id = %(q)s OR (w.request_id >= %(q)s AND w.request_id < %(q_end)s))",
     "q": "(w.request_id = %(q)s OR w.job_id = %(q)s)",
-    "cursor": "(w.created_at, w.workspace_id, w.request_id) < (%(c_at)s, %(c_ws)s, %(c_id)s)",
+    "cursor": (
+        '(w.created_at, w.workspace_id COLLATE "C", w.request_id COLLATE "C")'
+        " < (%(c_at)s, %(c_ws)s, %(c_id)s)"
+    ),
 }
-_ORDER: Final = "w.created_at DESC, w.workspace_id DESC, w.request_id DESC"
+# The ids compare by code point (COLLATE "C") whatever the database's collation: the same
+# order as the merge of the shards' pages in Python (search) and as the cursor's.
+_ORDER: Final = 'w.created_at DESC, w.workspace_id COLLATE "C" DESC, w.request_id COLLATE "C" DESC'
 
 
 @dataclass(frozen=True, slots=True)
