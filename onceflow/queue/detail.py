@@ -32,7 +32,7 @@ from typing import Any, Final
 
 from sqlalchemy import Engine
 
-from onceflow.db import fetch_all, raw_connection, retry_disconnect
+from onceflow.db import bounded_read, fetch_all, retry_disconnect
 from onceflow.errors import InvalidRequest, NotFound
 from onceflow.queue.sql import ATTEMPTS, RUN_ID, TABLE
 
@@ -148,7 +148,7 @@ def _find(
 
     def read(engine: Engine) -> list[dict[str, Any]]:
         def once() -> list[dict[str, Any]]:
-            with raw_connection(engine) as raw:
+            with bounded_read(engine) as raw:
                 return fetch_all(raw, ROW, params)
 
         return retry_disconnect(once)
@@ -171,7 +171,7 @@ def _related(engine: Engine, row: Mapping[str, Any]) -> dict[str, list[dict[str,
     key = {"workspace_id": row["workspace_id"], "request_id": row["request_id"]}
 
     def once() -> dict[str, list[dict[str, Any]]]:
-        with raw_connection(engine) as raw:
+        with bounded_read(engine) as raw:
             return {
                 "history": fetch_all(raw, HISTORY, key),
                 "from": fetch_all(raw, HANDED_FROM, {**key, "created_at": row["created_at"]}),

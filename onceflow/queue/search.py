@@ -31,7 +31,7 @@ from typing import Any, Final
 
 from sqlalchemy import Engine
 
-from onceflow.db import fetch_all, raw_connection, retry_disconnect
+from onceflow.db import bounded_read, fetch_all, retry_disconnect
 from onceflow.errors import InvalidRequest
 from onceflow.ids import check_id
 from onceflow.models.status import Status
@@ -212,7 +212,7 @@ def search(
 
     def read(engine: Engine) -> list[dict[str, Any]]:
         def once() -> list[dict[str, Any]]:
-            with raw_connection(engine) as raw:
+            with bounded_read(engine) as raw:
                 return fetch_all(raw, statement, params)
 
         return retry_disconnect(once)

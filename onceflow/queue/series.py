@@ -42,7 +42,14 @@ from typing import Any, Final
 
 from sqlalchemy import Engine
 
-from onceflow.db import execute, fetch_all, fetch_one, raw_connection, retry_disconnect
+from onceflow.db import (
+    bounded_read,
+    execute,
+    fetch_all,
+    fetch_one,
+    raw_connection,
+    retry_disconnect,
+)
 from onceflow.errors import InvalidRequest
 from onceflow.ids import check_id, check_worker_class
 from onceflow.metrics.sql import live_counts
@@ -423,7 +430,7 @@ def read_series(
 
     def read_now(engine: Engine) -> datetime:
         def once() -> datetime:
-            with raw_connection(engine) as raw:
+            with bounded_read(engine) as raw:
                 return fetch_one(raw, READ_NOW, {})["db_now"]  # type: ignore[no-any-return]
 
         return retry_disconnect(once)
@@ -438,7 +445,7 @@ def read_series(
 
     def read(engine: Engine) -> dict[str, list[Any]]:
         def once() -> dict[str, list[Any]]:
-            with raw_connection(engine) as raw:
+            with bounded_read(engine) as raw:
                 return {
                     "counts": fetch_all(raw, READ_COUNTS, params),
                     "gauges": fetch_all(raw, READ_GAUGES, params),
@@ -507,7 +514,7 @@ def read_series(
 
         def read_budgets(engine: Engine) -> list[Any]:
             def once() -> list[Any]:
-                with raw_connection(engine) as raw:
+                with bounded_read(engine) as raw:
                     return fetch_all(raw, READ_BUDGETS, {"workspaces": top})
 
             return retry_disconnect(once)

@@ -266,3 +266,31 @@ def test_pages_hold_on_a_database_whose_ids_sort_by_another_collation(
         assert got == sorted(ids, reverse=True)
     finally:
         engine.dispose()
+
+
+def test_a_search_stops_at_the_dashboard_query_timeout(
+    clean_db: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A search's statement runs under ONCEFLOW_DASHBOARD_QUERY_TIMEOUT_SECONDS: held up (here
+    by a lock on the table) it is stopped and says so, an HTTP 503, never a 500."""
+    from onceflow.errors import DatabaseUnavailable
+    from onceflow.integrations.fastapi.responses import error_response
+    from onceflow.settings import get_settings
+
+    monkeypatch.setenv("ONCEFLOW_DASHBOARD_QUERY_TIMEOUT_SECONDS", "0.3")
+    get_settings.cache_clear()
+    try:
+        with clean_db.connect() as holder:
+            holder.execute(text("LOCK TABLE workspace_process_requests IN ACCESS EXCLUSIVE MODE"))
+            with pytest.raises(DatabaseUnavailable, match=r"past its 0\.3 s limit") as caught:
+                search.search(clean_db, Filters(stage="s"))
+            holder.rollback()
+        assert error_response(caught.value).status_code == 503
+        # The setting holds for that transaction only: the connection is back unbounded.
+        with raw_connection(clean_db) as raw:
+            [row] = fetch_all(raw, "SHOW statement_timeout", {})
+        assert row["statement_timeout"] == "0"
+        assert search.search(clean_db, Filters(stage="s"))["items"] == []
+    finally:
+        monkeypatch.delenv("ONCEFLOW_DASHBOARD_QUERY_TIMEOUT_SECONDS")
+        get_settings.cache_clear()
