@@ -24,7 +24,7 @@ from onceflow.queue import sql as queue_sql
 #: that names the request by id alone; ``[n]``: CLAIM_NEXT with the literal limit n.
 PINNED = {
     "detail.handed_from": "6e702332b4f1d21d",
-    "detail.history": "87fc34a006184d2f",
+    "detail.history": "5dc5e11d53eb5adb",
     "detail.ops": "c94a51a627c7449f",
     "detail.row": "3e884a64db252227",
     "detail.spend": "8bbec39114b4e66d",
