@@ -94,7 +94,7 @@ PINNED = {
     "queue.own_claim": "42f23c7cab998cca",
     "queue.own_claim#by_id": "0647fc8052e16722",
     "queue.prune_payloads": "aa3b57325df9481d",
-    "queue.release": "5511a54ab47d2196",
+    "queue.release": "23140aaf5e2b6de5",
     "queue.released_many": "6afe8f52a847b531",
     "queue.requeue": "8f5b59ed33d03bc4",
     "queue.requeue#by_id": "5d0767f57022cc96",
