@@ -302,6 +302,14 @@ class Settings(BaseSettings):
         "sharing the directory) every worker looks dead. `onceflow metrics` prunes unless "
         "--keep-dead-pids.",
     )
+    dashboard_query_timeout_seconds: float = Field(
+        default=5.0,
+        gt=0,
+        le=600,
+        description="Longest a dashboard read's statement may run (search, series, request "
+        "page; SET LOCAL statement_timeout): past it the statement is stopped and the route "
+        "answers 503, so a broad search cannot walk a large table for ever.",
+    )
     probe_timeout_seconds: float = Field(
         default=2.0,
         gt=0,

@@ -26,7 +26,7 @@ connections), :mod:`~onceflow.db.translate` (driver errors into onceflow's) and
 from __future__ import annotations
 
 from onceflow.db import forks as forks  # registers the fork hooks, once per process
-from onceflow.db.checkout import raw_connection, run_statement
+from onceflow.db.checkout import bounded_read, raw_connection, run_statement
 from onceflow.db.disconnect import invalidate_pool, is_disconnect, retry_disconnect
 from onceflow.db.engines import dispose_engines, get_engine, make_engine, size_pools_for
 from onceflow.db.held import (
@@ -61,6 +61,7 @@ __all__ = [
     "NAMES_KEPT",
     "REUSED_CURSOR",
     "all_as_dicts",
+    "bounded_read",
     "check_database_url",
     "column_names",
     "dispose_engines",

@@ -13,6 +13,8 @@ from onceflow.db.disconnect import drop_dead_connection
 from onceflow.db.held import held_for, on_held, run_on_held
 from onceflow.db.statements import lend_cursor, run, take_cursor_back
 from onceflow.db.translate import translate_errors
+from onceflow.errors import DatabaseUnavailable
+from onceflow.settings import get_settings
 
 
 @contextmanager
@@ -53,6 +55,31 @@ def raw_connection(engine: Engine) -> Iterator[psycopg.Connection[Any]]:
                     raw.autocommit = False  # what SQLAlchemy's pool expects back
         finally:
             fairy.close()  # back to the pool (an invalidated one is discarded)
+
+
+@contextmanager
+def bounded_read(engine: Engine, seconds: float | None = None) -> Iterator[psycopg.Connection[Any]]:
+    """A connection as :func:`raw_connection`, in one transaction whose statements each stop
+    after ``seconds`` (``SET LOCAL statement_timeout``; the settings'
+    ``dashboard_query_timeout_seconds`` by default): a read a caller shapes (the dashboard's
+    search, series and request page) never runs on unbounded. A statement stopped by it
+    raises :class:`DatabaseUnavailable` saying so (an HTTP 503)."""
+    if seconds is None:
+        seconds = get_settings().dashboard_query_timeout_seconds
+    limit_ms = max(1, int(seconds * 1000))
+    with raw_connection(engine) as raw, raw.transaction():
+        raw.execute("SELECT set_config('statement_timeout', %s, true)", [f"{limit_ms}ms"])
+        try:
+            yield raw
+        except Exception as exc:
+            if isinstance(exc, psycopg.errors.QueryCanceled) or isinstance(
+                exc.__cause__, psycopg.errors.QueryCanceled
+            ):
+                raise DatabaseUnavailable(
+                    f"the query ran past its {seconds:g} s limit and was stopped: narrow it "
+                    "(a workspace, a job or a time range) or try again"
+                ) from exc
+            raise
 
 
 def run_statement(

@@ -34,14 +34,16 @@ from typing import Any, Final
 
 from sqlalchemy import Engine
 
-from onceflow.db import fetch_all, raw_connection, retry_disconnect
+from onceflow.db import bounded_read, fetch_all, retry_disconnect
 from onceflow.errors import InvalidRequest, NotFound
 from onceflow.queue.sql import ATTEMPTS, RUN_ID, TABLE
 
 #: The input, result and error are cut at this many bytes of UTF-8 text.
 TEXT_CAP_BYTES: Final = 64 * 1024
-#: At most this many ops, ledger rows and history rows are listed (the first, in order).
+#: At most this many ops and ledger rows are listed (the first, in order).
 LIST_LIMIT: Final = 500
+#: At most this many history rows are listed: the newest (the request's latest claims and
+#: its outcome), the older ones cut (``history_truncated``).
 HISTORY_LIMIT: Final = 1000
 
 # The request by its id; by its key when the workspace is given. Two rows at most: an id
@@ -64,8 +66,8 @@ SELECT a.seq, a.event, a.next_status, a.attempt, a.claimed_by, a.claimed_at, a.l
        a.heartbeat_at, a.ended_at, a.error_type, a.error_message, a.handed_to, a.locks
 FROM {ATTEMPTS} a
 WHERE a.workspace_id = %(workspace_id)s AND a.request_id = %(request_id)s
-ORDER BY a.seq
-LIMIT {HISTORY_LIMIT}
+ORDER BY a.seq DESC
+LIMIT {HISTORY_LIMIT + 1}
 """
 
 # The completion that created this request: a hand-off's end and its follow-ups' creation
@@ -150,7 +152,7 @@ def _find(
 
     def read(engine: Engine) -> list[dict[str, Any]]:
         def once() -> list[dict[str, Any]]:
-            with raw_connection(engine) as raw:
+            with bounded_read(engine) as raw:
                 return fetch_all(raw, ROW, params)
 
         return retry_disconnect(once)
@@ -173,7 +175,7 @@ def _related(engine: Engine, row: Mapping[str, Any]) -> dict[str, list[dict[str,
     key = {"workspace_id": row["workspace_id"], "request_id": row["request_id"]}
 
     def once() -> dict[str, list[dict[str, Any]]]:
-        with raw_connection(engine) as raw:
+        with bounded_read(engine) as raw:
             return {
                 "history": fetch_all(raw, HISTORY, key),
                 "from": fetch_all(raw, HANDED_FROM, {**key, "created_at": row["created_at"]}),
@@ -185,17 +187,25 @@ def _related(engine: Engine, row: Mapping[str, Any]) -> dict[str, list[dict[str,
 
 
 def _attempts(
-    row: Mapping[str, Any], history: Sequence[Mapping[str, Any]], *, withheld: bool
+    row: Mapping[str, Any],
+    history: Sequence[Mapping[str, Any]],
+    *,
+    withheld: bool,
+    cut: bool = False,
 ) -> list[dict[str, Any]]:
     """Each claim of the request: those that ended (history rows with an attempt), a claim
     whose lease lapsed and was taken over by the next claim directly (no statement of its
     own ended it: known only as a missing attempt number), and the live one. ``withheld``:
-    the error of each attempt is the request's payload too, so it is None."""
+    the error of each attempt is the request's payload too, so it is None. ``cut``: the
+    history's oldest rows were cut, so an attempt number below the first one kept since the
+    last requeue may only be missing from the cut, and is not shown as taken over."""
     out: list[dict[str, Any]] = []
     current: set[int] = set()  # attempt numbers that ended since the last requeue
+    whole = not cut  # whether `current` holds every claim since the last requeue
     for h in history:
         if h["event"] == "requeued":
             current = set()
+            whole = True
         if h["attempt"] is None:
             continue
         current.add(h["attempt"])
@@ -215,7 +225,8 @@ def _attempts(
             }
         )
     live = row["attempts"] if row["status"] == "running" else row["attempts"] + 1
-    for n in range(1, live):
+    first = 1 if whole else min(current, default=live)
+    for n in range(first, live):
         if n not in current:  # a lapsed lease taken over by the next claim
             out.append(_taken_over(n))
     if row["status"] == "running":
@@ -327,9 +338,11 @@ def read_request(
     shards = [engines] if isinstance(engines, Engine) else list(engines)
     engine, row = _find(shards, request_id, workspace_id)
     related = _related(engine, row)
-    history = related["history"]
+    newest = related["history"]  # newest first, one more than kept: was anything cut?
+    cut = len(newest) > HISTORY_LIMIT
+    history = newest[:HISTORY_LIMIT][::-1]
     withheld = not readable(row["workspace_id"])
-    attempts = _attempts(row, history, withheld=withheld)
+    attempts = _attempts(row, history, withheld=withheld, cut=cut)
     locks = [{**lock, "attempt": a["attempt"]} for a in attempts for lock in a["locks"]]
     handed_to = [rid for h in history for rid in (h["handed_to"] or [])]
     ops, spend = related["ops"], related["spend"]
@@ -341,7 +354,7 @@ def read_request(
         "result": None if withheld else as_text(row["result"]),
         "error": None if withheld else as_text(row["error"]),
         "history": _history(row, history, withheld=withheld),
-        "history_truncated": len(history) >= HISTORY_LIMIT,
+        "history_truncated": cut,
         "attempts": attempts,
         "hand_offs": {"from": [r["request_id"] for r in related["from"]], "to": handed_to},
         "ops": [{k: _iso(v) for k, v in op.items()} for op in ops[:LIST_LIMIT]],

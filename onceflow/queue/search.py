@@ -15,9 +15,11 @@ scope is one more condition, checked on the rows the chosen index reaches; a wor
 filter outside the scope is refused by the route before any statement runs.
 
 A page is ``created_at DESC, workspace_id DESC, request_id DESC`` (unique: the table's key
-breaks ties), cut at ``limit``; the next page starts after the last row's key (keyset: no
-row repeated or skipped while rows are added). A database split by workspace: each shard
-is asked for a page, the pages merge in that order and are cut again (:func:`search`).
+breaks ties; the ids compared by code point, ``COLLATE "C"``, whatever the database's
+collation, as Python compares them when it merges shards' pages), cut at ``limit``; the
+next page starts after the last row's key (keyset: no row repeated or skipped while rows
+are added). A database split by workspace: each shard is asked for a page, the pages merge
+in that order and are cut again (:func:`search`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any, Final
 
 from sqlalchemy import Engine
 
-from onceflow.db import fetch_all, raw_connection, retry_disconnect
+from onceflow.db import bounded_read, fetch_all, retry_disconnect
 from onceflow.errors import InvalidRequest
 from onceflow.ids import check_id
 from onceflow.models.scopes import WorkspaceScope, like_patterns
@@ -67,12 +69,17 @@ _CONDITIONS: Final = {
     # that start with q (read as a range of ix_wpr_request_id).
     "q_prefix": "(w.job_id = %(q)s OR (w.request_id >= %(q)s AND w.request_id < %(q_end)s))",
     "q": "(w.request_id = %(q)s OR w.job_id = %(q)s)",
-    "cursor": "(w.created_at, w.workspace_id, w.request_id) < (%(c_at)s, %(c_ws)s, %(c_id)s)",
+    "cursor": (
+        '(w.created_at, w.workspace_id COLLATE "C", w.request_id COLLATE "C")'
+        " < (%(c_at)s, %(c_ws)s, %(c_id)s)"
+    ),
     # A reader limited to some workspaces: its exact ids and prefixes as escaped LIKE
     # patterns (onceflow.models.scopes.like_patterns), checked on the rows the index reaches.
     "scope": "w.workspace_id LIKE ANY(CAST(%(ws_like)s AS text[]))",
 }
-_ORDER: Final = "w.created_at DESC, w.workspace_id DESC, w.request_id DESC"
+# The ids compare by code point (COLLATE "C") whatever the database's collation: the same
+# order as the merge of the shards' pages in Python (search) and as the cursor's.
+_ORDER: Final = 'w.created_at DESC, w.workspace_id COLLATE "C" DESC, w.request_id COLLATE "C" DESC'
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,7 +226,7 @@ def search(
 
     def read(engine: Engine) -> list[dict[str, Any]]:
         def once() -> list[dict[str, Any]]:
-            with raw_connection(engine) as raw:
+            with bounded_read(engine) as raw:
                 return fetch_all(raw, statement, params)
 
         return retry_disconnect(once)

@@ -1,8 +1,10 @@
 """The dashboard's time series: a per-minute rollup each sweep writes, read per range.
 
 Written by :func:`write_rollup` (a Flow's sweep calls it on each database it swept, at its
-first sweep of each minute), in one transaction under an advisory lock (two Flows sweeping
-one database take turns):
+first sweep of each minute), in one transaction under an advisory lock taken without waiting
+(a Flow that finds another one writing the rollup skips it: that one writes it), each
+statement bounded by :data:`STATEMENT_TIMEOUT` and :data:`LOCK_TIMEOUT` so a slow rollup
+never holds up the sweep that runs it:
 
 * the request counters of the minutes from the last rollup's minute (at most
   :data:`LOOKBACK` back, at least :data:`RECOMPUTE` back) to now are RECOMPUTED from the
@@ -16,15 +18,18 @@ one database take turns):
   run_after``, exact for the rows still on that claim (running or finished; a row queued
   again has a new ``run_after``, its claim is counted without latency);
 * the queue depth (due now) and running count per class and stage, sampled into the
-  current minute (the minute's latest sweep wins);
-* ``rescued``: the leases this sweep's rescue requeued, added (each lapse is rescued once);
+  current minute when the rollup is written (a sweep's: at the minute's first sweep);
+* ``rescued``: the leases this sweep's rescue requeued, added (each lapse is rescued once)
+  by every sweep that rescued, in a transaction of its own committed first (a rollup that
+  fails or is skipped loses no rescue);
 * spend: the spend ledger's rows of the window, by minute, workspace and provider,
   recomputed (the ledger is read by provider, ``ix_spend_ledger_provider``);
 * savings (when given the Redis counters' per-workspace totals): the change since the
   totals the last sweep stored, added to the current minute (a counter that went down —
   Redis flushed — counts 0; the first totals ever stored count nothing);
-* pruning: rollup rows older than the retention (``ONCEFLOW_RETENTION_SECONDS``, or
-  :data:`DEFAULT_KEEP_SECONDS` when requests are kept for ever).
+* pruning: rollup rows older than the retention (``ONCEFLOW_RETENTION_SECONDS``) or
+  :data:`DEFAULT_KEEP_SECONDS`, whichever is longer (a short request retention keeps the
+  week chart).
 
 Read by :func:`read_series`: buckets of 60 s (hour), 15 min (day) or 2 h (week), summed in
 SQL from the minutes (their primary key's range), every shard's answers added.
@@ -42,7 +47,14 @@ from typing import Any, Final
 
 from sqlalchemy import Engine
 
-from onceflow.db import execute, fetch_all, fetch_one, raw_connection, retry_disconnect
+from onceflow.db import (
+    bounded_read,
+    execute,
+    fetch_all,
+    fetch_one,
+    raw_connection,
+    retry_disconnect,
+)
 from onceflow.errors import InvalidRequest
 from onceflow.ids import check_id, check_worker_class
 from onceflow.metrics.sql import live_counts
@@ -56,8 +68,13 @@ log = logging.getLogger("onceflow.series")
 RECOMPUTE: Final = timedelta(minutes=3)
 #: How far back a rollup reaches for the minutes since the last one (sweeps stopped).
 LOOKBACK: Final = timedelta(hours=1)
-#: How long rollup rows are kept when requests are kept for ever (a week, and a day more).
+#: How long rollup rows are kept at least (a week, and a day more): longer when requests
+#: are kept longer.
 DEFAULT_KEEP_SECONDS: Final = 8 * 86_400
+#: Longest a rollup statement may run, and wait for a lock: the sweep that runs the rollup
+#: waits for nothing longer (a rollup stopped is written at the next sweep).
+STATEMENT_TIMEOUT: Final = timedelta(seconds=10)
+LOCK_TIMEOUT: Final = timedelta(seconds=2)
 #: The ranges: (step seconds, buckets).
 RANGES: Final = {"hour": (60, 60), "day": (900, 96), "week": (7200, 84)}
 #: The workspaces listed in the spend by workspace: the costliest of the range.
@@ -66,7 +83,7 @@ SPEND_WORKSPACES: Final = 10
 DEPTH_CAP: Final = 100_000
 
 _T = "workspace_process_requests"
-_SERIES_LOCK = 0x6F6E6365  # pg_advisory_xact_lock key of the rollup writer ("once")
+_SERIES_LOCK = 0x6F6E6365  # advisory lock key of the rollup writer ("once")
 
 # The window: [start, stop) by the database clock (or the injected `now`, for tests).
 WINDOW: Final = f"""
@@ -80,7 +97,13 @@ SELECT n.cur,
 FROM n
 """
 
-LOCK: Final = f"SELECT pg_advisory_xact_lock({_SERIES_LOCK})"
+LOCK: Final = f"SELECT pg_try_advisory_xact_lock({_SERIES_LOCK}) AS locked"
+
+# The rollup's transaction: each statement bounded (SET LOCAL: this transaction only).
+BOUND: Final = f"""
+SELECT set_config('statement_timeout', '{int(STATEMENT_TIMEOUT.total_seconds() * 1000)}ms', true),
+       set_config('lock_timeout', '{int(LOCK_TIMEOUT.total_seconds() * 1000)}ms', true)
+"""
 
 ZERO: Final = """
 UPDATE onceflow_series
@@ -313,6 +336,7 @@ ORDER BY b.workspace_id, b.period
 STATEMENTS: Final = {
     "series.window": WINDOW,
     "series.lock": LOCK,
+    "series.bound": BOUND,
     "series.zero": ZERO,
     "series.counts": COUNTS,
     "series.depth_sample": DEPTH_SAMPLE,
@@ -349,7 +373,8 @@ def write_rollup(
     once_a_minute: bool = False,
     now: datetime | None = None,
 ) -> dict[str, Any] | None:
-    """Write the rollup of ``engine``'s database (module docstring), one transaction.
+    """Write the rollup of ``engine``'s database (module docstring): the rescues in a
+    transaction of their own, then the rest in one.
 
     ``result``: the sweep's outcome (its requeued rescues are added); ``savings``: what
     :func:`onceflow.locks.savings.read_savings` returned, or a function returning it (or
@@ -358,20 +383,25 @@ def write_rollup(
     minute has a rollup already, add the rescues only and return None — a sweep's way: the
     rows are read once a minute however often it sweeps, and the minutes before are
     recomputed at the next minute's first sweep. Returns the window written: ``{"start",
-    "stop"}``.
+    "stop"}``, or None when another writer held the rollup's lock (it writes the rollup).
     """
     rescued = _rescued_counts(result)
-    keep = float(retention_seconds) if retention_seconds is not None else DEFAULT_KEEP_SECONDS
-    with raw_connection(engine) as raw, raw.transaction():
-        fetch_one(raw, LOCK, {})
-        window = fetch_one(raw, WINDOW, {"now": now})
-        params = {"cur": window["cur"], "start": window["start"], "stop": window["stop"]}
-        if rescued:  # every sweep's: a rescue happens once, at the sweep that made it
-            keys = sorted(rescued)
+    keep = max(float(retention_seconds or 0), DEFAULT_KEEP_SECONDS)
+    if rescued:  # every sweep's: a rescue happens once, at the sweep that made it
+        keys = sorted(rescued)
+        with raw_connection(engine) as raw, raw.transaction():
+            fetch_one(raw, BOUND, {})
+            window = fetch_one(raw, WINDOW, {"now": now})
             execute(raw, RESCUED, {
                 "cur": window["cur"], "worker_classes": [k[0] for k in keys],
                 "stages": [k[1] for k in keys], "counts": [rescued[k] for k in keys],
             })  # fmt: skip
+    with raw_connection(engine) as raw, raw.transaction():
+        fetch_one(raw, BOUND, {})
+        if not fetch_one(raw, LOCK, {})["locked"]:
+            return None
+        window = fetch_one(raw, WINDOW, {"now": now})
+        params = {"cur": window["cur"], "start": window["start"], "stop": window["stop"]}
         if once_a_minute and window["last"] is not None and window["last"] >= window["cur"]:
             return None
         execute(raw, ZERO, params)
@@ -439,7 +469,7 @@ def read_series(
 
     def read_now(engine: Engine) -> datetime:
         def once() -> datetime:
-            with raw_connection(engine) as raw:
+            with bounded_read(engine) as raw:
                 return fetch_one(raw, READ_NOW, {})["db_now"]  # type: ignore[no-any-return]
 
         return retry_disconnect(once)
@@ -458,7 +488,7 @@ def read_series(
 
     def read(engine: Engine) -> dict[str, list[Any]]:
         def once() -> dict[str, list[Any]]:
-            with raw_connection(engine) as raw:
+            with bounded_read(engine) as raw:
                 return {
                     "counts": fetch_all(raw, READ_COUNTS, params),
                     "gauges": fetch_all(raw, READ_GAUGES, params),
@@ -527,7 +557,7 @@ def read_series(
 
         def read_budgets(engine: Engine) -> list[Any]:
             def once() -> list[Any]:
-                with raw_connection(engine) as raw:
+                with bounded_read(engine) as raw:
                     return fetch_all(raw, READ_BUDGETS, {"workspaces": top})
 
             return retry_disconnect(once)

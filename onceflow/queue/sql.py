@@ -1225,8 +1225,9 @@ RETURNING w.request_id, w.workspace_id, w.lease_expires_at, w.cancel_requested
 # claimant, lease or heartbeat, and no wake-up recorded (dispatched_at NULL, re-send count 0:
 # a Celery deployment's sweeper sends a fresh one). crash_attempts is kept: a claim taken
 # from a lapsed lease counted the *previous* holder's crash, which did happen (see
-# BatchOps.release). Cancelled instead if cancel was requested. The release is recorded in
-# ended_run (_released_run_of its token): a retry whose answer was lost recognises it there.
+# BatchOps.release). Cancelled instead if cancel was requested: that move is recorded in the
+# history as a cancel is (no claim of it ended: the claim is undone). The release is recorded
+# in ended_run (_released_run_of its token): a retry whose answer was lost recognises it there.
 RELEASE = Statement.write(
     "queue.release",
     f"""
@@ -1249,10 +1250,12 @@ upd AS (
         updated_at = n.now
     FROM i JOIN locked USING (workspace_id, request_id), n
     WHERE {_BATCH_FENCE}
-    RETURNING {RETURNING}
+    RETURNING {RETURNING}, {_HISTORY_RETURNING}
 ),
+cancelled AS (SELECT * FROM upd WHERE upd.h_status = 'cancelled'),
+hist AS ({_history("cancelled", "'cancelled'", claimless="")}),
 {_notify_after("upd")}
-SELECT upd.* FROM upd, notified
+SELECT {_outer(RETURNING)} FROM upd, notified
 """,
 )
 

@@ -241,3 +241,78 @@ def test_parse_time_names_the_parameter() -> None:
     assert search.parse_time("since", "2026-12-01T00:00:00Z") == BASE
     with pytest.raises(InvalidRequest, match="until must be an ISO 8601"):
         search.parse_time("until", "yesterday")
+
+
+def test_pages_hold_on_a_database_whose_ids_sort_by_another_collation(
+    empty_database: str,
+) -> None:
+    """Ids of one instant page in code-point order whatever the columns' collation: an ICU
+    collation sorts 'a' before 'B' where Python (merging shards' pages) sorts 'B' first, so a
+    page ordered by the collation would be cut at a key the next page's cursor then skips."""
+    from onceflow.db import make_engine
+
+    collation = "en-US-x-icu"
+    engine = make_engine(empty_database, pool_size=1)
+    try:
+        with engine.begin() as conn:
+            if not conn.execute(
+                text("SELECT 1 FROM pg_collation WHERE collname = :c"), {"c": collation}
+            ).first():
+                pytest.skip(f"no {collation} collation in this Postgres")
+            conn.execute(
+                text(f"""
+                CREATE TABLE workspace_process_requests (
+                    request_id text COLLATE "{collation}", workspace_id text COLLATE "{collation}",
+                    job_id text, branch_path text, stage text, worker_class text, status text,
+                    attempts int, created_at timestamptz, updated_at timestamptz,
+                    finished_at timestamptz, PRIMARY KEY (workspace_id, request_id))""")
+            )
+            ids = [("a", "b"), ("a", "C"), ("B", "b"), ("B", "C"), ("c", "a")]
+            for ws, rid in ids:
+                conn.execute(
+                    text(
+                        "INSERT INTO workspace_process_requests VALUES (:rid, :ws, 'j', '', 's',"
+                        " 'cpu', 'queued', 0, :at, :at, NULL)"
+                    ),
+                    {"rid": rid, "ws": ws, "at": BASE},
+                )
+            # The two orders differ here, or the test proves nothing.
+            in_collation = conn.execute(text(
+                "SELECT workspace_id, request_id FROM workspace_process_requests "
+                "ORDER BY workspace_id DESC, request_id DESC"
+            )).all()  # fmt: skip
+            assert [tuple(r) for r in in_collation] != sorted(ids, reverse=True)
+        got = [(r["workspace_id"], r["request_id"]) for r in _everything(engine, Filters(), 1)]
+        assert got == sorted(ids, reverse=True)
+        got = [(r["workspace_id"], r["request_id"]) for r in _everything(engine, Filters(), 2)]
+        assert got == sorted(ids, reverse=True)
+    finally:
+        engine.dispose()
+
+
+def test_a_search_stops_at_the_dashboard_query_timeout(
+    clean_db: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A search's statement runs under ONCEFLOW_DASHBOARD_QUERY_TIMEOUT_SECONDS: held up (here
+    by a lock on the table) it is stopped and says so, an HTTP 503, never a 500."""
+    from onceflow.errors import DatabaseUnavailable
+    from onceflow.integrations.fastapi.responses import error_response
+    from onceflow.settings import get_settings
+
+    monkeypatch.setenv("ONCEFLOW_DASHBOARD_QUERY_TIMEOUT_SECONDS", "0.3")
+    get_settings.cache_clear()
+    try:
+        with clean_db.connect() as holder:
+            holder.execute(text("LOCK TABLE workspace_process_requests IN ACCESS EXCLUSIVE MODE"))
+            with pytest.raises(DatabaseUnavailable, match=r"past its 0\.3 s limit") as caught:
+                search.search(clean_db, Filters(stage="s"))
+            holder.rollback()
+        assert error_response(caught.value).status_code == 503
+        # The setting holds for that transaction only: the connection is back unbounded.
+        with raw_connection(clean_db) as raw:
+            [row] = fetch_all(raw, "SHOW statement_timeout", {})
+        assert row["statement_timeout"] == "0"
+        assert search.search(clean_db, Filters(stage="s"))["items"] == []
+    finally:
+        monkeypatch.delenv("ONCEFLOW_DASHBOARD_QUERY_TIMEOUT_SECONDS")
+        get_settings.cache_clear()

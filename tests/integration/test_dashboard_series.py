@@ -252,10 +252,22 @@ def test_rollup_rows_are_pruned_by_retention(filled: Engine) -> None:
     with filled.connect() as conn:
         assert conn.execute(text(old.format("onceflow_series"))).scalar_one() == 1
         assert conn.execute(text(old.format("onceflow_series_spend"))).scalar_one() == 1
+    # Requests kept an hour: the rollup still keeps 8 days (the week chart).
+    series.write_rollup(filled, retention_seconds=3600)
+    with filled.connect() as conn:
+        assert conn.execute(text(old.format("onceflow_series"))).scalar_one() == 1
+        assert conn.execute(text(old.format("onceflow_series_spend"))).scalar_one() == 1
+    with filled.begin() as conn:
+        conn.execute(text(
+            "UPDATE onceflow_series SET bucket = bucket - interval '10 days' "
+            "WHERE worker_class = 'old'"
+        ))  # fmt: skip
+    series.write_rollup(filled, retention_seconds=30 * 86_400)  # kept longer: kept
+    with filled.connect() as conn:
+        assert conn.execute(text(old.format("onceflow_series"))).scalar_one() == 1
     series.write_rollup(filled, retention_seconds=3600)
     with filled.connect() as conn:
         assert conn.execute(text(old.format("onceflow_series"))).scalar_one() == 0
-        assert conn.execute(text(old.format("onceflow_series_spend"))).scalar_one() == 0
 
 
 def test_read_series_buckets_equal_the_rollup(filled: Engine) -> None:
@@ -339,3 +351,53 @@ def test_the_rollup_reads_indexes_on_a_big_table(clean_db: Engine) -> None:
             plan = json.dumps(fetch_all(raw, "EXPLAIN (FORMAT JSON) " + getattr(series, name),
                                         reads))  # fmt: skip
             assert "Seq Scan" not in plan or "onceflow_series" in plan, (name, plan)
+
+
+def _rescue() -> SweepResult:
+    return SweepResult(
+        rescued=[RequestId("r1")],
+        quarantined=[],
+        to_dispatch=[Dispatch(RequestId("r1"), "stage1", "cpu", "w1")],
+    )
+
+
+def _rescued(engine: Engine) -> int:
+    with engine.connect() as conn:
+        found = conn.execute(text("SELECT sum(rescued) FROM onceflow_series")).scalar_one()
+    return int(found or 0)
+
+
+def test_a_rollup_that_fails_keeps_the_sweeps_rescues(filled: Engine) -> None:
+    def broken() -> dict[str, Any]:
+        raise RuntimeError("Redis read failed mid-rollup")
+
+    with pytest.raises(RuntimeError):
+        series.write_rollup(filled, result=_rescue(), savings=broken)
+    assert _rescued(filled) == 1  # committed before the recompute, which rolled back
+    with filled.connect() as conn:
+        assert conn.execute(text("SELECT sum(enqueued) FROM onceflow_series")).scalar_one() == 0
+
+
+def test_a_rollup_skips_while_another_writer_holds_its_lock(filled: Engine) -> None:
+    """A second writer (another Flow sweeping the database) neither waits nor writes; the
+    rescues it brings are added all the same."""
+    import threading
+
+    with filled.connect() as holder:
+        holder.execute(text("SELECT pg_advisory_lock(CAST(:k AS bigint))"), {"k": 0x6F6E6365})
+        try:
+            done: list[Any] = []
+            writer = threading.Thread(
+                target=lambda: done.append(series.write_rollup(filled, result=_rescue())),
+                daemon=True,
+            )
+            writer.start()
+            writer.join(timeout=30)
+            assert done == [None]  # returned (did not wait for the lock), wrote nothing
+        finally:
+            holder.execute(text("SELECT pg_advisory_unlock(CAST(:k AS bigint))"), {"k": 0x6F6E6365})
+            holder.commit()
+    assert _rescued(filled) == 1
+    with filled.connect() as conn:
+        assert conn.execute(text("SELECT sum(enqueued) FROM onceflow_series")).scalar_one() == 0
+    assert series.write_rollup(filled) is not None  # the lock free: written

@@ -245,6 +245,18 @@ def test_release_does_not_count_the_attempt_and_is_claimable_at_once(
     assert first.run_after <= db_now(clean_db)
     assert isinstance(second, Request) and second.status is Status.CANCELLED
     assert second.finished_at is not None
+    # The history: the release to cancelled is recorded as a cancel is (no claim ended, the
+    # claim undone); the release to queued leaves no trace.
+    with clean_db.connect() as conn:
+        history = conn.execute(text(
+            "SELECT request_id, event, next_status, attempt, claimed_by, ended_at "
+            "FROM workspace_request_attempts ORDER BY seq"
+        )).all()  # fmt: skip
+    assert [tuple(h[:5]) for h in history] == [
+        (claims[1].request_id, "cancel_requested", "running", None, None),
+        (claims[1].request_id, "cancelled", "cancelled", None, None),
+    ]
+    assert history[1].ended_at == second.finished_at
     again = queue.claim_next("default", "b", lease_seconds=10)
     assert [c.request_id for c in again] == [claims[0].request_id]
     assert again[0].attempt == 1  # the released claim's attempt was not counted

@@ -303,3 +303,42 @@ def test_batched_ends_keep_each_runs_lock_outcomes(queue: Queue, clean_db: Engin
     assert page["attempts"][0]["locks"] == paid
     with pytest.raises(InvalidRequest):
         queue.complete_many([(c0, {"ok": 0}, paid, "extra")])  # type: ignore[list-item]
+
+
+def test_a_long_history_keeps_its_newest_rows_and_invents_no_claims(
+    queue: Queue, clean_db: Engine
+) -> None:
+    """Past HISTORY_LIMIT rows the oldest are cut: the outcome is kept, and an attempt missing
+    only because it was cut is not shown as taken over."""
+    from onceflow.queue.detail import HISTORY_LIMIT
+
+    rid = queue.enqueue("s", "ws-a", "j-long").request_id
+    t0 = db_now(clean_db)
+    first = queue.claim(rid, "worker-1", lease_seconds=30, now=t0)
+    assert first is not None
+    queue.fail(first, {"type": "Boom", "message": "1"}, retry_in=0, now=t0)
+    with clean_db.begin() as conn:  # operator moves between the claims, many of them
+        conn.execute(
+            text(
+                "INSERT INTO workspace_request_attempts (workspace_id, request_id, event, "
+                "next_status, ended_at) SELECT 'ws-a', :r, 'cancel_requested', 'queued', "
+                "CAST(:t AS timestamptz) + i * interval '1 ms' FROM generate_series(1, :n) i"
+            ),
+            {"r": rid, "t": t0, "n": HISTORY_LIMIT},
+        )
+    t1 = t0 + timedelta(seconds=2)
+    second = queue.claim(rid, "worker-2", lease_seconds=30, now=t1)
+    assert second is not None
+    queue.fail(second, {"type": "Boom", "message": "2"}, retry_in=0, now=t1)
+    third = queue.claim(rid, "worker-3", lease_seconds=30, now=t1 + timedelta(seconds=1))
+    assert third is not None
+    queue.complete(third, {"ok": True}, now=t1 + timedelta(seconds=2))
+
+    page = read_request(clean_db, rid)
+    assert page["history_truncated"] is True
+    got = [(a["attempt"], a["claimed_by"], a["outcome"]) for a in page["attempts"]]
+    assert got == [(2, "worker-2", "failed"), (3, "worker-3", "succeeded")]
+    events = page["history"]
+    assert events[0]["event"] == "enqueued"
+    assert [e["event"] for e in events[-4:]] == ["claimed", "failed", "claimed", "succeeded"]
+    assert len([e for e in events if e["event"] == "cancel_requested"]) == HISTORY_LIMIT - 2

@@ -25,6 +25,7 @@ from onceflow.connector import FetchAll, FetchOne, Steps, Transaction, run
 from onceflow.connector.sharded import CrossShardTransaction, ShardedConnector, UnroutedStatement
 from onceflow.db import dispose_engines, fetch_all, fetch_one, get_engine, raw_connection
 from onceflow.errors import DatabaseUnavailable, InvalidRequest
+from onceflow.health import head_revisions
 from onceflow.migrate import migrate, register_shard
 from onceflow.oplog import OpLog, new_op_id
 from onceflow.queue import sql
@@ -317,7 +318,7 @@ def test_onceflow_migrate_migrates_every_shard(services: tuple[str, str]) -> Non
         for url in urls:
             with psycopg.connect(libpq(url)) as conn:
                 row = conn.execute("SELECT version_num FROM onceflow_alembic_version").fetchone()
-                assert row == ("0015",)
+                assert row is not None and frozenset(row) == head_revisions()
                 # ... and registered each database as its shard of the map
                 who = conn.execute("SELECT shard_index, shard_count FROM onceflow_shard").fetchone()
                 assert who == (urls.index(url), 2)
