@@ -293,8 +293,16 @@ def test_request_pages_and_history_against_the_tables(
 
     # The back button returns to the list (it does not reopen the request).
     page.go_back()
-    page.wait_for_function("() => document.body.dataset.view === 'requests'")
-    page.wait_for_selector(f'#results tr[data-request-id="{held}"]', timeout=DEADLINE_MS)
+    # The list for the pasted id itself (one row), not the list shown before the search.
+    page.wait_for_function(
+        "id => document.querySelector('#search-note').textContent === '1 shown'"
+        " && [...document.querySelectorAll('#results tbody tr')]"
+        ".map(tr => tr.dataset.requestId).join() === id",
+        arg=held,
+        timeout=DEADLINE_MS,
+    )
+    assert page.evaluate("() => document.body.dataset.view") == "requests"
+    assert page.url.endswith("#/requests?q=jkill")
 
     # Pages, newest first: "Older" follows the server's cursor, "Newest" goes back.
     jdup = all_rows(
@@ -372,12 +380,34 @@ def test_request_pages_and_history_against_the_tables(
     page.goto(f"{url}/dashboard#/requests/{running}?ws=dash-ws1")
     shown = page_data(page, running)
     assert shown["actions"] == ["Ask to stop"] and shown["facts"]["req/status"] == "running"
+    # A live re-read that fails keeps the page as drawn and says why; the next snapshot
+    # reads it again.
+    failed: list[str] = []
+
+    def fail_once(route: Any) -> None:
+        failed.append(route.request.url)
+        route.fulfill(status=503, json={"detail": "the database is away"})
+
+    page.route(f"**/dashboard/api/requests/{running}*", fail_once, times=1)
+    flow.enqueue("cell", "dash-ws2", "jblip", "", {"value": 7})  # a change: a snapshot
+    page.wait_for_function(
+        "() => document.querySelector('#req-note').textContent.includes('the database is away')"
+        " && document.body.dataset.request === 'shown'",
+        timeout=DEADLINE_MS,
+    )
+    assert len(failed) == 1
+    kept = page.evaluate(PAGE)  # nothing cleared
+    assert (kept["id"], kept["facts"]["req/status"], kept["actions"]) == (
+        running, "running", ["Ask to stop"]
+    )
+    assert kept["history"] == shown["history"] and kept["input"] == shown["input"]
     with page.expect_request("**/cancel") as sent:
         page.click("#req-actions button[data-action=cancel]")
     assert set(sent.value.post_data_json) == {"run", "workspace_id"}
     wait_for(lambda: status_of(engine, running) == "cancelled", what="the run to stop")
     page.wait_for_function(
-        "() => document.querySelector('[data-k=\"req/status\"]')?.textContent === 'cancelled'",
+        "() => document.querySelector('[data-k=\"req/status\"]')?.textContent === 'cancelled'"
+        " && document.querySelector('#req-note').textContent.startsWith('as of database time')",
         timeout=DEADLINE_MS,
     )  # the page follows: read again with the snapshot that saw it end
     context.close()
