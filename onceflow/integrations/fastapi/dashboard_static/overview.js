@@ -111,9 +111,12 @@ function renderSavings(sv) {
   } else {
     empty.hidden = true;
     const share = Math.round((totals.saved / totals.asked) * 1000) / 10;
-    const over = sv.truncated
-      ? `over the first ${counted} of ${sv.workspaces_total} workspaces`
-      : `over ${counted === 1 ? "1 workspace" : counted + " workspaces"}`;
+    // A key limited to some workspaces gets no total when not every workspace was read.
+    const over = !sv.truncated
+      ? `over ${counted === 1 ? "1 workspace" : counted + " workspaces"}`
+      : sv.workspaces_total === null || sv.workspaces_total === undefined
+        ? `over ${counted} of the first ${sv.limit} workspaces read`
+        : `over the first ${counted} of ${sv.workspaces_total} workspaces`;
     $("#savings-note").textContent = `${share} % of calls saved, ${over}, since the counters began`;
   }
   $("#savings").parentElement.hidden = counted === 0;
