@@ -159,9 +159,20 @@ def test_dashboard_in_chromium(
 
     # Requeue with a viewer key: refused, the row unchanged.
     before = row(engine, dead_id)  # (the held row heartbeats: compare this row only)
-    page.click(f'#dead tr[data-request-id="{dead_id}"] button[data-action=requeue]')
+    # Pressed, a snapshot arrives, released: the click still happens (the row is not
+    # rebuilt under the pointer).
+    page.hover(f'#dead tr[data-request-id="{dead_id}"] button[data-action=requeue]')
+    page.mouse.down()
+    seen = int(page.get_attribute("body", "data-snapshots") or 0)
+    dash.flow.enqueue("cell", "dash-ws2", "j3", "", {"value": 8})
+    page.wait_for_function(
+        "n => Number(document.body.dataset.snapshots) > n", arg=seen, timeout=DEADLINE_MS
+    )
+    page.mouse.up()
     page.wait_for_selector("#action-result[data-outcome=refused]", timeout=DEADLINE_MS)
-    assert "needs the admin role" in page.inner_text("#action-result")
+    assert page.inner_text("#action-result") == (  # the server's reason, as it gave it
+        "Refused (403): this operator key does not have the 'admin' role"
+    )
     assert row(engine, dead_id) == before
     shot = artifacts_dir() / "dashboard.png"
     page.screenshot(path=str(shot), full_page=True)

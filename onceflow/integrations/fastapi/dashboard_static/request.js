@@ -217,7 +217,12 @@ function render(d) {
   const actions = $("#req-actions");
   const a = d.actions || {};
   const buttons = [];
-  const after = (ok) => { if (ok) showRequest(r.request_id, r.workspace_id); };
+  // Read again after the action only if the operator is still on this request's page.
+  const after = (ok) => {
+    if (ok && document.body.dataset.view === "request" && shown && shown.id === r.request_id) {
+      showRequest(shown.id, shown.ws);
+    }
+  };
   if (a.requeue) {
     buttons.push(actionButton("Requeue", "requeue", {
       request_id: r.request_id, workspace_id: r.workspace_id, version: a.requeue_version,
