@@ -164,12 +164,12 @@ function start() {
     snapshots = 0;
     connect();
   });
+  // Forgetting the key starts the page afresh: nothing it showed stays in the document, and
+  // no timer or read of the old session keeps running.
   $("#forget").addEventListener("click", () => {
     sessionStorage.removeItem(KEY);
     if (controller) controller.abort();
-    $("#panels").hidden = true;
-    snapshots = 0;
-    setState("no-key", "enter an operator key");
+    location.reload();
   });
   setUpSearch();
   setUpSeries();

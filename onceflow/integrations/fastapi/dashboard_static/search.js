@@ -2,7 +2,7 @@
 // paged by the server's cursor ("Older"). A request id or job id pasted into the search box
 // is looked up: exactly one request found opens its page.
 
-import { $, ApiError, cell, fill, getJson, requestHref, requestLink, timeText } from "./util.js";
+import { $, ApiError, cell, fill, getJson, hasKey, requestHref, requestLink, timeText } from "./util.js";
 
 const FIELDS = ["q", "workspace", "job", "branch", "stage", "worker_class", "status", "time"];
 let pages = [];        // the cursors of the pages shown so far ("" for the first)
@@ -60,6 +60,7 @@ export function refreshSearch() {
 }
 
 async function load(cursor, open) {
+  if (!hasKey() || $("#panels").hidden) return;  // no key, or refused: nothing to read
   lastLoad = performance.now();
   if (inFlight) inFlight.abort();
   const mine = (inFlight = new AbortController());
