@@ -263,6 +263,14 @@ def test_request_pages_and_history_against_the_tables(
         arg=want,
         timeout=DEADLINE_MS,
     )
+    # Each line breaks where a bucket has no value: one stretch ("M") per run of values.
+    stretches = page.evaluate(
+        """() => [...document.querySelectorAll('figure.chart path.line')].map(p => [
+          (p.getAttribute('d').match(/M/g) || []).length,
+          p.dataset.values.split(',').filter((v, i, a) => v !== '' && (i === 0 || a[i - 1] === ''))
+            .length])"""
+    )
+    assert stretches and all(m == runs for m, runs in stretches), stretches
     label = page.get_attribute("[data-chart=savings] svg", "aria-label")
     assert f"asked {made + saved}, paid {made}, saved {saved}" in label
     # Tokens and money per provider against the day budget: the ledger's line.
@@ -314,7 +322,7 @@ def test_request_pages_and_history_against_the_tables(
     )
     page.goto(f"{url}/dashboard#/requests?job=jdup&limit=5")
     listed = []
-    for size in (5, 5, 3):
+    for number, size in enumerate((5, 5, 3), start=1):
         page.wait_for_function(
             "([n, seen]) => { const ids = [...document.querySelectorAll('#results tbody tr')]"
             ".map(tr => tr.dataset.requestId);"
@@ -325,8 +333,10 @@ def test_request_pages_and_history_against_the_tables(
         listed += page.eval_on_selector_all(
             "#results tbody tr", "rows => rows.map(tr => tr.dataset.requestId)"
         )
-        if size == 5:
-            page.click("#next-page")
+        if number > 1:
+            assert page.inner_text("#search-note").endswith(f"(page {number})")
+        if size == 5:  # a double click reads one page, and counts one
+            page.dblclick("#next-page")
     assert listed == [r["request_id"] for r in jdup]  # 13: the parent and its 12 cells
     assert page.is_disabled("#next-page")
     page.click("#first-page")

@@ -78,8 +78,8 @@ async function load(cursor, open) {
     const down = page.shards_unavailable || [];
     let text = `${page.items.length} shown` + (page.next ? ", more below" : "");
     if (pages.length > 1) text += ` (page ${pages.length})`;
-    if (down.length) text += `; shard(s) ${down.join(", ")} not answering`;
     if (!page.items.length) text = current.q ? `nothing found for ${current.q}` : "no requests match";
+    if (down.length) text += `; shard(s) ${down.join(", ")} not answering`;
     note.textContent = text;
     const next = $("#next-page");
     next.disabled = !page.next;
@@ -124,8 +124,12 @@ export function setUpSearch() {
     setTimeout(() => form.requestSubmit(), 0);  // after the fields are cleared
   });
   $("#next-page").addEventListener("click", () => {
-    const cursor = $("#next-page").dataset.cursor;
+    const next = $("#next-page");
+    const cursor = next.dataset.cursor;
     if (!cursor) return;
+    // One page per cursor: a second click before the page arrives does not skip one.
+    next.disabled = true;
+    next.dataset.cursor = "";
     pages.push(cursor);
     load(cursor, false);
   });
