@@ -104,9 +104,11 @@ def test_dashboard_in_chromium(
     keyless: list[str] = []  # a data route read with no key in the tab
     page.on(
         "request",
-        lambda r: keyless.append(r.url)
-        if r.headers.get("authorization") in ("Bearer null", "Bearer ")
-        else None,
+        lambda r: (
+            keyless.append(r.url)
+            if r.headers.get("authorization") in ("Bearer null", "Bearer ")
+            else None
+        ),
     )
     posted: list[tuple[str, Any]] = []  # the actions' bodies, as the page sent them
     page.on(

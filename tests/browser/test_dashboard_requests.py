@@ -410,7 +410,9 @@ def test_request_pages_and_history_against_the_tables(
     assert len(failed) == 1
     kept = page.evaluate(PAGE)  # nothing cleared
     assert (kept["id"], kept["facts"]["req/status"], kept["actions"]) == (
-        running, "running", ["Ask to stop"]
+        running,
+        "running",
+        ["Ask to stop"],
     )
     assert kept["history"] == shown["history"] and kept["input"] == shown["input"]
     with page.expect_request("**/cancel") as sent:
