@@ -85,6 +85,10 @@ def test_roles_no_key_and_other_keys_are_refused(http: httpx.Client, dash: Any) 
     assert page.status_code == 200 and "Operator key" in page.text
     assert "script-src 'self'" in page.headers["content-security-policy"]
     assert http.get("/dashboard/dashboard.js").status_code == 200
+    # No Swagger UI or ReDoc page (their scripts come from a CDN) on the dashboard's origin;
+    # the schema they would show stays.
+    assert http.get("/docs").status_code == http.get("/redoc").status_code == 404
+    assert "/v1/workspaces/{ws}/requests" in http.get("/openapi.json").json()["paths"]
     for method, path in [
         ("GET", "/dashboard/api/snapshot"),
         ("GET", "/dashboard/api/stream"),

@@ -122,7 +122,16 @@ def look_at_every_width(
             page.wait_for_selector("body[data-state=live]", timeout=DEADLINE_MS)
 
         page.goto(f"{url}/dashboard#/requests?status=dead")
-        page.wait_for_function("() => document.body.dataset.view === 'requests'")
+        # The dead-filtered list itself, not the list the overview showed before it.
+        page.wait_for_function(
+            "id => { const rows = [...document.querySelectorAll('#results tbody tr')];"
+            " return document.body.dataset.view === 'requests'"
+            " && rows.some(tr => tr.dataset.requestId === id)"
+            " && rows.every(tr => tr.querySelector('td.status')?.textContent === 'dead')"
+            " && /^\\d+ shown/.test(document.querySelector('#search-note').textContent); }",
+            arg=dead_id,
+            timeout=DEADLINE_MS,
+        )
         page.screenshot(path=str(tmp_path / f"requests-{size}.png"), full_page=True)
         problems[f"requests-{size}"] = check_layout(page, width)
 

@@ -101,6 +101,15 @@ def test_dashboard_in_chromium(
     page = context.new_page()
     sent: list[str] = []
     page.on("request", lambda r: sent.append(r.url))
+    keyless: list[str] = []  # a data route read with no key in the tab
+    page.on(
+        "request",
+        lambda r: (
+            keyless.append(r.url)
+            if r.headers.get("authorization") in ("Bearer null", "Bearer ")
+            else None
+        ),
+    )
     posted: list[tuple[str, Any]] = []  # the actions' bodies, as the page sent them
     page.on(
         "request",
@@ -159,17 +168,35 @@ def test_dashboard_in_chromium(
 
     # Requeue with a viewer key: refused, the row unchanged.
     before = row(engine, dead_id)  # (the held row heartbeats: compare this row only)
-    page.click(f'#dead tr[data-request-id="{dead_id}"] button[data-action=requeue]')
+    # Pressed, a snapshot arrives, released: the click still happens (the row is not
+    # rebuilt under the pointer).
+    page.hover(f'#dead tr[data-request-id="{dead_id}"] button[data-action=requeue]')
+    page.mouse.down()
+    seen = int(page.get_attribute("body", "data-snapshots") or 0)
+    dash.flow.enqueue("cell", "dash-ws2", "j3", "", {"value": 8})
+    page.wait_for_function(
+        "n => Number(document.body.dataset.snapshots) > n", arg=seen, timeout=DEADLINE_MS
+    )
+    page.mouse.up()
     page.wait_for_selector("#action-result[data-outcome=refused]", timeout=DEADLINE_MS)
-    assert "needs the admin role" in page.inner_text("#action-result")
+    assert page.inner_text("#action-result") == (  # the server's reason, as it gave it
+        "Refused (403): this operator key does not have the 'admin' role"
+    )
     assert row(engine, dead_id) == before
     shot = artifacts_dir() / "dashboard.png"
     page.screenshot(path=str(shot), full_page=True)
     data = shot.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
 
+    # "Forget key" starts the page afresh: nothing shown stays, nothing more is read.
+    with page.expect_navigation():
+        page.click("#forget")
+    page.wait_for_selector("body[data-state=no-key]", timeout=DEADLINE_MS)
+    assert page.evaluate("sessionStorage.getItem('onceflow.operatorKey')") is None
+    assert page.is_hidden("#panels") and page.eval_on_selector_all("td", "t => t.length") < 5
+    assert dead_id not in page.content()
+
     # With an admin key: queued again, then completed by the worker.
-    page.click("#forget")
     enter_key(page, ADMIN_KEY)
     page.wait_for_selector("body[data-state=live]", timeout=DEADLINE_MS)
     redis_lib.Redis.from_url(redis_url).set(FIXED + "jf", 1)
@@ -194,5 +221,6 @@ def test_dashboard_in_chromium(
     assert actions["requeue"]["workspace_id"] == actions["cancel"]["workspace_id"] == "dash-ws1"
     # The key never travelled in a URL; the requeue is audit-logged with the key id only.
     assert not [u for u in sent if any(k in u for k in (VIEWER_KEY, ADMIN_KEY, API_KEY))]
+    assert keyless == []
     wait_for(lambda: f"requeued request {dead_id}" in api_proc.log(), what="the audit line")
     assert f"operator {hash_key(ADMIN_KEY)[:12]} requeued request {dead_id}" in api_proc.log()

@@ -232,6 +232,8 @@ def test_request_pages_and_history_against_the_tables(
 
     context = browser.new_context(viewport={"width": 1440, "height": 1000})
     page = context.new_page()
+    script_errors: list[str] = []
+    page.on("pageerror", lambda exc: script_errors.append(str(exc)))
     page.goto(url + "/dashboard")
     enter_key(page, ADMIN_KEY)
     page.wait_for_selector("body[data-state=live]", timeout=DEADLINE_MS)
@@ -261,6 +263,14 @@ def test_request_pages_and_history_against_the_tables(
         arg=want,
         timeout=DEADLINE_MS,
     )
+    # Each line breaks where a bucket has no value: one stretch ("M") per run of values.
+    stretches = page.evaluate(
+        """() => [...document.querySelectorAll('figure.chart path.line')].map(p => [
+          (p.getAttribute('d').match(/M/g) || []).length,
+          p.dataset.values.split(',').filter((v, i, a) => v !== '' && (i === 0 || a[i - 1] === ''))
+            .length])"""
+    )
+    assert stretches and all(m == runs for m, runs in stretches), stretches
     label = page.get_attribute("[data-chart=savings] svg", "aria-label")
     assert f"asked {made + saved}, paid {made}, saved {saved}" in label
     # Tokens and money per provider against the day budget: the ledger's line.
@@ -293,8 +303,16 @@ def test_request_pages_and_history_against_the_tables(
 
     # The back button returns to the list (it does not reopen the request).
     page.go_back()
-    page.wait_for_function("() => document.body.dataset.view === 'requests'")
-    page.wait_for_selector(f'#results tr[data-request-id="{held}"]', timeout=DEADLINE_MS)
+    # The list for the pasted id itself (one row), not the list shown before the search.
+    page.wait_for_function(
+        "id => document.querySelector('#search-note').textContent === '1 shown'"
+        " && [...document.querySelectorAll('#results tbody tr')]"
+        ".map(tr => tr.dataset.requestId).join() === id",
+        arg=held,
+        timeout=DEADLINE_MS,
+    )
+    assert page.evaluate("() => document.body.dataset.view") == "requests"
+    assert page.url.endswith("#/requests?q=jkill")
 
     # Pages, newest first: "Older" follows the server's cursor, "Newest" goes back.
     jdup = all_rows(
@@ -304,7 +322,7 @@ def test_request_pages_and_history_against_the_tables(
     )
     page.goto(f"{url}/dashboard#/requests?job=jdup&limit=5")
     listed = []
-    for size in (5, 5, 3):
+    for number, size in enumerate((5, 5, 3), start=1):
         page.wait_for_function(
             "([n, seen]) => { const ids = [...document.querySelectorAll('#results tbody tr')]"
             ".map(tr => tr.dataset.requestId);"
@@ -315,8 +333,10 @@ def test_request_pages_and_history_against_the_tables(
         listed += page.eval_on_selector_all(
             "#results tbody tr", "rows => rows.map(tr => tr.dataset.requestId)"
         )
-        if size == 5:
-            page.click("#next-page")
+        if number > 1:
+            assert page.inner_text("#search-note").endswith(f"(page {number})")
+        if size == 5:  # a double click reads one page, and counts one
+            page.dblclick("#next-page")
     assert listed == [r["request_id"] for r in jdup]  # 13: the parent and its 12 cells
     assert page.is_disabled("#next-page")
     page.click("#first-page")
@@ -372,14 +392,42 @@ def test_request_pages_and_history_against_the_tables(
     page.goto(f"{url}/dashboard#/requests/{running}?ws=dash-ws1")
     shown = page_data(page, running)
     assert shown["actions"] == ["Ask to stop"] and shown["facts"]["req/status"] == "running"
+    # A live re-read that fails keeps the page as drawn and says why; the next snapshot
+    # reads it again.
+    failed: list[str] = []
+
+    def fail_once(route: Any) -> None:
+        failed.append(route.request.url)
+        route.fulfill(status=503, json={"detail": "the database is away"})
+
+    page.route(f"**/dashboard/api/requests/{running}*", fail_once, times=1)
+    flow.enqueue("cell", "dash-ws2", "jblip", "", {"value": 7})  # a change: a snapshot
+    page.wait_for_function(
+        "() => document.querySelector('#req-note').textContent.includes('the database is away')"
+        " && document.body.dataset.request === 'shown'",
+        timeout=DEADLINE_MS,
+    )
+    assert len(failed) == 1
+    kept = page.evaluate(PAGE)  # nothing cleared
+    assert (kept["id"], kept["facts"]["req/status"], kept["actions"]) == (
+        running,
+        "running",
+        ["Ask to stop"],
+    )
+    assert kept["history"] == shown["history"] and kept["input"] == shown["input"]
     with page.expect_request("**/cancel") as sent:
         page.click("#req-actions button[data-action=cancel]")
     assert set(sent.value.post_data_json) == {"run", "workspace_id"}
     wait_for(lambda: status_of(engine, running) == "cancelled", what="the run to stop")
     page.wait_for_function(
-        "() => document.querySelector('[data-k=\"req/status\"]')?.textContent === 'cancelled'",
+        "() => document.querySelector('[data-k=\"req/status\"]')?.textContent === 'cancelled'"
+        " && document.querySelector('#req-note').textContent.startsWith('as of database time')",
         timeout=DEADLINE_MS,
     )  # the page follows: read again with the snapshot that saw it end
+    # A link with a broken escape in its id leads to the landing page, not to an error.
+    page.evaluate("location.hash = '#/requests/%'")
+    page.wait_for_function("() => document.body.dataset.view === 'overview'", timeout=DEADLINE_MS)
+    assert page.is_hidden("#view-request") and script_errors == []
     context.close()
 
     # A key limited to other workspaces sees the request, not its input or error.

@@ -96,3 +96,16 @@ def test_each_stream_gets_the_one_snapshot_as_its_key_may_see_it() -> None:
     assert scoped_snapshot(snapshot, key("acme", ["acme-1"]))["dead"][1]["error"] is None
     assert snapshot["dead"][1]["error"] == "token=hunter2"
     assert scoped_snapshot(snapshot, key("all")) is snapshot
+
+
+def test_a_limited_key_gets_the_savings_totals_of_its_own_workspaces() -> None:
+    rows = [{"workspace_id": ws, "made": 1, "saved": 1, "asked": 2} for ws in ("a-1", "a-2", "b")]
+    every = {"workspaces": rows, "workspaces_total": 3, "truncated": False, "limit": 200}
+    limited = scoped_snapshot({"savings": every}, key("a", ["a-*"]))["savings"]
+    assert [w["workspace_id"] for w in limited["workspaces"]] == ["a-1", "a-2"]
+    assert (limited["workspaces_total"], limited["truncated"]) == (2, False)
+    # Not every workspace read: how many of the key's were left out is not known.
+    cut = {**every, "workspaces_total": 500, "truncated": True}
+    limited = scoped_snapshot({"savings": cut}, key("a", ["a-*"]))["savings"]
+    assert (limited["workspaces_total"], limited["truncated"]) == (None, True)
+    assert scoped_snapshot({"savings": cut}, key("all"))["savings"]["workspaces_total"] == 500

@@ -156,6 +156,11 @@ def create_app(
         description="Enqueue stages, claim them from pull workers, write ops once, follow "
         "commits. Every route but the probes (`/healthz`, `/readyz`) takes "
         "`Authorization: Bearer <key>`.",
+        # No /docs or /redoc: FastAPI's pages load Swagger UI and ReDoc from a CDN, and a
+        # script from another site on the dashboard's origin could read the operator key the
+        # page keeps in sessionStorage. The schema stays at /openapi.json for any viewer.
+        docs_url=None,
+        redoc_url=None,
         **native_telemetry_off(),  # onceflow's own server span instead (server_spans.py)
     )
     app.add_middleware(

@@ -151,11 +151,16 @@ def scoped_snapshot(snapshot: dict[str, Any], operator: Operator) -> dict[str, A
         ]
     savings = snapshot.get("savings")
     if isinstance(savings, dict) and "workspaces" in savings:
+        mine = [row for row in savings["workspaces"] if operator.may_read(row["workspace_id"])]
+        # The totals count the key's workspaces, not every workspace: when every workspace
+        # was read, its own are all here; when not, how many of its own were left out is
+        # not known (None), only that some may have been.
+        truncated = bool(savings.get("truncated"))
         scoped["savings"] = {
             **savings,
-            "workspaces": [
-                row for row in savings["workspaces"] if operator.may_read(row["workspace_id"])
-            ],
+            "workspaces": mine,
+            "workspaces_total": None if truncated else len(mine),
+            "truncated": truncated,
         }
     return scoped
 

@@ -34,8 +34,6 @@ export async function act(action, item, button, after) {
       const body = await response.json();
       ok = true;
       text = `${action} ${item.request_id}: done (now ${body.status}).`;
-    } else if (response.status === 403) {
-      text = `Refused (403): this operator key may not ${action}: it needs the admin role.`;
     } else {
       text = `Refused (${response.status}): ${await errorText(response)}`;
     }

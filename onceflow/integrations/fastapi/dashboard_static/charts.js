@@ -1,10 +1,11 @@
 // Line charts as inline SVG, drawn here (no library, nothing loaded from elsewhere).
 //
 // A chart is a <figure data-chart="name">: an <svg role="img"> whose <title> and aria-label
-// say each series' last point, one <polyline data-series data-values> per series, and an
-// HTML legend whose entries carry data-series, data-last (the last point) and data-total,
-// so a reader (or a test) gets the numbers without reading pixels. Colours come from
-// classes (.s0 … .s7 in dashboard.css): the page's CSP allows no inline style.
+// say each series' last point, one <path data-series data-values> per series (broken where
+// a bucket has no value), and an HTML legend whose entries carry data-series, data-last (the
+// last point) and data-total, so a reader (or a test) gets the numbers without reading
+// pixels. Colours come from classes (.s0 … .s7 in dashboard.css): the page's CSP allows no
+// inline style.
 
 import { el } from "./util.js";
 
@@ -58,12 +59,23 @@ export function drawChart(figure, spec) {
     svg.appendChild(line);
   }
   series.forEach((s, i) => {
+    // One path per series; a bucket with no value breaks the line (a new "M" after it)
+    // rather than joining its neighbours across the gap.
     const points = [];
+    const steps = [];
+    let gap = true;
     s.values.forEach((v, j) => {
-      if (v !== null && v !== undefined) points.push(`${x(j).toFixed(1)},${y(v).toFixed(1)}`);
+      if (v === null || v === undefined) {
+        gap = true;
+        return;
+      }
+      const point = `${x(j).toFixed(1)},${y(v).toFixed(1)}`;
+      points.push(point);
+      steps.push((gap ? "M" : "L") + point);
+      gap = false;
     });
-    const line = svgEl("polyline", {
-      points: points.join(" "), class: `line s${i % COLOURS}`, fill: "none",
+    const line = svgEl("path", {
+      d: steps.join(" "), class: `line s${i % COLOURS}`, fill: "none",
       "vector-effect": "non-scaling-stroke",
     });
     line.dataset.series = s.key;

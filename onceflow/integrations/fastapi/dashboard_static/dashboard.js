@@ -36,7 +36,12 @@ function parseHash() {
   const hash = location.hash.replace(/^#\/?/, "");
   const [path, search = ""] = hash.split("?");
   const params = new URLSearchParams(search);
-  const parts = path.split("/").filter(Boolean).map(decodeURIComponent);
+  let parts;
+  try {
+    parts = path.split("/").filter(Boolean).map(decodeURIComponent);
+  } catch (err) {
+    return { view: "overview" };  // not a valid escape (#/requests/%): the landing page
+  }
   if (parts[0] === "requests" && parts.length >= 2) {
     return { view: "request", id: parts.slice(1).join("/"), ws: params.get("ws") || "" };
   }
@@ -63,13 +68,14 @@ function route() {
 
 function onSnapshot(s) {
   received = performance.now();
-  backoff = 1000;
   $("#refusal").hidden = true;
   const first = snapshots === 0;
   $("#panels").hidden = false;
   setState("live", "live");
   renderSnapshot(s);
   offerClasses(workerClasses(s));
+  backoff = 1000;  // drawn: the stream works, a later loss starts its waits anew
+  delete document.body.dataset.drawError;
   document.body.dataset.snapshots = String(++snapshots);
   if (first) {
     loadSpend();
@@ -94,8 +100,15 @@ function handleEvent(block) {
     else if (line.startsWith("data:")) data.push(line.slice(5).replace(/^ /, ""));
   }
   if (!data.length) return;
-  if (event === "snapshot") onSnapshot(JSON.parse(data.join("\n")));
-  else if (event === "problem") setState("retrying", JSON.parse(data.join("\n")).detail);
+  try {
+    if (event === "snapshot") onSnapshot(JSON.parse(data.join("\n")));
+    else if (event === "problem") setState("retrying", JSON.parse(data.join("\n")).detail);
+  } catch (err) {
+    // An event that could not be read or drawn is not a lost stream: say so and keep
+    // reading (the next snapshot draws the page again), rather than reconnect.
+    document.body.dataset.drawError = err.message;
+    $("#conn-state").textContent = `could not show the last update: ${err.message}`;
+  }
 }
 
 async function connect() {
@@ -151,12 +164,12 @@ function start() {
     snapshots = 0;
     connect();
   });
+  // Forgetting the key starts the page afresh: nothing it showed stays in the document, and
+  // no timer or read of the old session keeps running.
   $("#forget").addEventListener("click", () => {
     sessionStorage.removeItem(KEY);
     if (controller) controller.abort();
-    $("#panels").hidden = true;
-    snapshots = 0;
-    setState("no-key", "enter an operator key");
+    location.reload();
   });
   setUpSearch();
   setUpSeries();

@@ -1,7 +1,9 @@
 // The overview's panels from one snapshot (the stream's) and from the spend routes.
 
 import { actionButton } from "./actions.js";
-import { $, ageText, authHeaders, cell, el, errorText, fill, hasKey, num, requestLink } from "./util.js";
+import {
+  $, ageText, authHeaders, cell, el, errorText, fill, fillKeyed, hasKey, num, requestLink,
+} from "./util.js";
 
 const STATUSES = ["queued", "scheduled", "running", "dead"];
 
@@ -14,6 +16,61 @@ function requestCells(tr, r) {
   cell(tr, r.workspace_id);
   cell(tr, r.worker_class);
   cell(tr, r.stage);
+}
+
+// The running and dead tables carry action buttons. A row that did not change is kept (not
+// rebuilt), and while a button is pressed neither table changes: a snapshot arriving between
+// the press and the release would otherwise replace the button and lose the click. The
+// tables catch up with the latest snapshot when the button is released.
+let latest = null;
+let pressed = false;
+
+function renderActionTables() {
+  const s = latest;
+  if (!s || pressed) return;
+  $("#running-note").textContent = `${s.running.length} shown (newest ${s.running_limit} at most)`;
+  // A run is the same row while it runs: its lease moves (heartbeats), its fence does not.
+  const runKey = (r) => JSON.stringify([r.workspace_id, r.request_id, r.run, r.attempt, r.holder,
+    r.cancel_requested]);
+  const lease = (tr, r) => {
+    tr.querySelector("td.expires").textContent = r.lease_expires_at;
+    const left = tr.querySelector("td.tick");
+    left.textContent = r.lease_seconds_left.toFixed(1) + " s";
+    left.dataset.base = r.lease_seconds_left;
+  };
+  fillKeyed($("#running tbody"), s.running, runKey, (tr, r) => {
+    requestCells(tr, r);
+    cell(tr, r.holder);
+    cell(tr, r.attempt, "num");
+    cell(tr, "", "expires");
+    cell(tr, "", "num tick").dataset.kind = "left";
+    lease(tr, r);
+    const td = cell(tr, r.cancel_requested ? "stop requested" : "");
+    if (!r.cancel_requested) td.appendChild(actionButton("Cancel", "cancel", r));
+  }, lease);
+
+  $("#dead-note").textContent = `${s.dead.length} shown (newest ${s.dead_limit} at most)`;
+  fillKeyed($("#dead tbody"), s.dead, (r) => JSON.stringify(r), (tr, r) => {
+    requestCells(tr, r);
+    cell(tr, r.attempts, "num");
+    cell(tr, r.finished_at);
+    cell(tr, r.error, "error");
+    cell(tr, "").appendChild(actionButton("Requeue", "requeue", r));
+  });
+}
+
+document.addEventListener("pointerdown", (event) => {
+  if (event.target.closest && event.target.closest("#running button, #dead button")) pressed = true;
+});
+for (const type of ["pointerup", "pointercancel"]) {
+  window.addEventListener(type, () => {
+    if (!pressed) return;
+    // After the click this release makes has run.
+    setTimeout(() => {
+      pressed = false;
+      renderActionTables();
+    }, 0);
+  });
 }
 
 /** The worker classes the snapshot knows (for the charts' class filter). */
@@ -59,27 +116,8 @@ export function renderSnapshot(s) {
   $('[data-k="ops/last_minute"]').textContent = s.ops.last_minute + (s.ops.capped ? "+" : "");
   $('[data-k="ops/per_second"]').textContent = s.ops.per_second.toFixed(2);
 
-  $("#running-note").textContent = `${s.running.length} shown (newest ${s.running_limit} at most)`;
-  fill($("#running tbody"), s.running, (tr, r) => {
-    requestCells(tr, r);
-    cell(tr, r.holder);
-    cell(tr, r.attempt, "num");
-    cell(tr, r.lease_expires_at);
-    const left = cell(tr, r.lease_seconds_left.toFixed(1) + " s", "num tick");
-    left.dataset.base = r.lease_seconds_left;
-    left.dataset.kind = "left";
-    const td = cell(tr, r.cancel_requested ? "stop requested" : "");
-    if (!r.cancel_requested) td.appendChild(actionButton("Cancel", "cancel", r));
-  });
-
-  $("#dead-note").textContent = `${s.dead.length} shown (newest ${s.dead_limit} at most)`;
-  fill($("#dead tbody"), s.dead, (tr, r) => {
-    requestCells(tr, r);
-    cell(tr, r.attempts, "num");
-    cell(tr, r.finished_at);
-    cell(tr, r.error, "error");
-    cell(tr, "").appendChild(actionButton("Requeue", "requeue", r));
-  });
+  latest = s;
+  renderActionTables();
 
   renderSavings(s.savings);
   $("#updated").textContent = "database time " + s.db_now;
@@ -111,9 +149,12 @@ function renderSavings(sv) {
   } else {
     empty.hidden = true;
     const share = Math.round((totals.saved / totals.asked) * 1000) / 10;
-    const over = sv.truncated
-      ? `over the first ${counted} of ${sv.workspaces_total} workspaces`
-      : `over ${counted === 1 ? "1 workspace" : counted + " workspaces"}`;
+    // A key limited to some workspaces gets no total when not every workspace was read.
+    const over = !sv.truncated
+      ? `over ${counted === 1 ? "1 workspace" : counted + " workspaces"}`
+      : sv.workspaces_total === null || sv.workspaces_total === undefined
+        ? `over ${counted} of the first ${sv.limit} workspaces read`
+        : `over the first ${counted} of ${sv.workspaces_total} workspaces`;
     $("#savings-note").textContent = `${share} % of calls saved, ${over}, since the counters began`;
   }
   $("#savings").parentElement.hidden = counted === 0;

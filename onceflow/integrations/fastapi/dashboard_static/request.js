@@ -64,11 +64,18 @@ export async function showRequest(id, ws) {
     note.textContent = "as of database time " + data.db_now;
     document.body.dataset.request = "shown";
   } catch (err) {
-    if (err.name === "AbortError") return;
-    note.textContent = err instanceof ApiError && err.status === 404
-      ? `not found: ${err.message}`
-      : `unavailable: ${err.message}`;
+    if (err.name === "AbortError" || mine !== inFlight) return;
+    const missing = err instanceof ApiError && err.status === 404;
+    if (again && !missing) {
+      // A live re-read failed: what is drawn stays, the note says why, and the next
+      // snapshot reads the page again.
+      note.textContent = `unavailable, showing the last read: ${err.message}`;
+      document.body.dataset.request = "shown";
+      return;
+    }
+    note.textContent = missing ? `not found: ${err.message}` : `unavailable: ${err.message}`;
     document.body.dataset.request = "failed";
+    drawn = "";
     clear();
   }
 }
@@ -210,7 +217,12 @@ function render(d) {
   const actions = $("#req-actions");
   const a = d.actions || {};
   const buttons = [];
-  const after = (ok) => { if (ok) showRequest(r.request_id, r.workspace_id); };
+  // Read again after the action only if the operator is still on this request's page.
+  const after = (ok) => {
+    if (ok && document.body.dataset.view === "request" && shown && shown.id === r.request_id) {
+      showRequest(shown.id, shown.ws);
+    }
+  };
   if (a.requeue) {
     buttons.push(actionButton("Requeue", "requeue", {
       request_id: r.request_id, workspace_id: r.workspace_id, version: a.requeue_version,

@@ -2,7 +2,7 @@
 // paged by the server's cursor ("Older"). A request id or job id pasted into the search box
 // is looked up: exactly one request found opens its page.
 
-import { $, ApiError, cell, fill, getJson, requestHref, requestLink, timeText } from "./util.js";
+import { $, ApiError, cell, fill, getJson, hasKey, requestHref, requestLink, timeText } from "./util.js";
 
 const FIELDS = ["q", "workspace", "job", "branch", "stage", "worker_class", "status", "time"];
 let pages = [];        // the cursors of the pages shown so far ("" for the first)
@@ -60,6 +60,7 @@ export function refreshSearch() {
 }
 
 async function load(cursor, open) {
+  if (!hasKey() || $("#panels").hidden) return;  // no key, or refused: nothing to read
   lastLoad = performance.now();
   if (inFlight) inFlight.abort();
   const mine = (inFlight = new AbortController());
@@ -77,8 +78,8 @@ async function load(cursor, open) {
     const down = page.shards_unavailable || [];
     let text = `${page.items.length} shown` + (page.next ? ", more below" : "");
     if (pages.length > 1) text += ` (page ${pages.length})`;
-    if (down.length) text += `; shard(s) ${down.join(", ")} not answering`;
     if (!page.items.length) text = current.q ? `nothing found for ${current.q}` : "no requests match";
+    if (down.length) text += `; shard(s) ${down.join(", ")} not answering`;
     note.textContent = text;
     const next = $("#next-page");
     next.disabled = !page.next;
@@ -123,8 +124,12 @@ export function setUpSearch() {
     setTimeout(() => form.requestSubmit(), 0);  // after the fields are cleared
   });
   $("#next-page").addEventListener("click", () => {
-    const cursor = $("#next-page").dataset.cursor;
+    const next = $("#next-page");
+    const cursor = next.dataset.cursor;
     if (!cursor) return;
+    // One page per cursor: a second click before the page arrives does not skip one.
+    next.disabled = true;
+    next.dataset.cursor = "";
     pages.push(cursor);
     load(cursor, false);
   });

@@ -3,7 +3,7 @@
 // REFRESH_MS). Every bucket of the range is listed by the server, oldest first.
 
 import { drawChart } from "./charts.js";
-import { $, $$, ApiError, getJson } from "./util.js";
+import { $, $$, ApiError, getJson, hasKey } from "./util.js";
 
 const REFRESH_MS = 10000;  // the rollup is written once a minute: no need for more
 const MAX_CLASSES = 8;
@@ -32,6 +32,7 @@ export function offerClasses(classes) {
 
 /** Read the series again if the last read is older than REFRESH_MS (or ``force``). */
 export function refreshSeries(force = false) {
+  if (!hasKey() || $("#panels").hidden) return;  // no key, or refused: nothing to read
   if (!force && performance.now() - lastRead < REFRESH_MS) return;
   lastRead = performance.now();
   load();

@@ -41,6 +41,31 @@ export function fill(tbody, items, build) {
   tbody.replaceChildren(...rows);
 }
 
+/** Like :func:`fill`, but a row whose ``keyOf(item)`` is already in ``tbody`` is kept (its
+ * buttons with it: a click under way is not lost) and only passed to ``update(tr, item)``;
+ * rows are moved only where the order changed. */
+export function fillKeyed(tbody, items, keyOf, build, update) {
+  const old = new Map([...tbody.children].map((tr) => [tr.dataset.rowKey, tr]));
+  const rows = items.map((item) => {
+    const key = keyOf(item);
+    let tr = old.get(key);
+    if (tr) {
+      old.delete(key);
+      if (update) update(tr, item);
+    } else {
+      tr = document.createElement("tr");
+      tr.dataset.rowKey = key;
+      build(tr, item);
+    }
+    return tr;
+  });
+  for (const tr of old.values()) tr.remove();
+  rows.forEach((tr, i) => {
+    const at = tbody.children[i] || null;
+    if (at !== tr) tbody.insertBefore(tr, at);
+  });
+}
+
 export function ageText(seconds) {
   if (seconds < 60) return seconds.toFixed(1) + " s";
   if (seconds < 3600) return (seconds / 60).toFixed(1) + " min";
