@@ -62,6 +62,7 @@ from bench.harness import (
     bench_database,
     bench_redis_url,
     command_line,
+    cpu_seconds,
     emit,
     free_port,
     libpq,
@@ -219,12 +220,6 @@ def rss_mb(pid: int) -> float:
 
 def fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        parts = f.read().rsplit(")", 1)[1].split()
-    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pg_connections(url: str) -> int:
@@ -514,9 +509,9 @@ def measure(
             out["fds"] = fds(pid)
             out["pg_conns"] = pg_connections(url)
             out["redis_conns"] = redis_connections(redis_url)
-            before = cpu_s(pid)
+            before = cpu_seconds([pid])
             time.sleep(IDLE)
-            out["idle_cpu_pct"] = round(100 * (cpu_s(pid) - before) / IDLE, 1)
+            out["idle_cpu_pct"] = round(100 * (cpu_seconds([pid]) - before) / IDLE, 1)
 
             http = httpx.Client(base_url=base, timeout=60)
             # One op and one enqueue first, not timed: the process's first use of its op
